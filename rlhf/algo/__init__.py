@@ -1,0 +1,58 @@
+"""RL math for RLHF as pure torch functions (this package imports torch only: no service, network or I/O code).
+
+Shapes: ``B`` rows (samples), ``L`` response tokens, ``V`` vocabulary. Per-token tensors are (B, L), right-padded.
+The conventions and numbers match Hugging Face TRL where the algorithms are the same (see tests/parity).
+"""
+
+from rlhf.algo.advantages import (
+    GROUP_ESTIMATORS,
+    discounted_returns,
+    gae,
+    group_advantages,
+    token_advantages_from_sequence,
+)
+from rlhf.algo.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLRewards,
+    kl_estimate,
+    kl_penalized_rewards,
+    make_kl_controller,
+)
+from rlhf.algo.logprobs import entropy_from_logits, logprobs_from_logits
+from rlhf.algo.losses import aggregate, dpo_loss, ppo_policy_loss, select_chosen_rejected, value_loss
+from rlhf.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlhf.algo.ppo import PPORollout, first_true_indices, ppo_rollout, rollout_metrics, sequence_lengths, truncate_at_stop
+
+__all__ = [
+    "GROUP_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLRewards",
+    "PPORollout",
+    "aggregate",
+    "discounted_returns",
+    "dpo_loss",
+    "entropy_from_logits",
+    "first_true_indices",
+    "gae",
+    "group_advantages",
+    "kl_estimate",
+    "kl_penalized_rewards",
+    "logprobs_from_logits",
+    "make_kl_controller",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "ppo_policy_loss",
+    "ppo_rollout",
+    "rollout_metrics",
+    "select_chosen_rejected",
+    "sequence_lengths",
+    "token_advantages_from_sequence",
+    "truncate_at_stop",
+    "value_loss",
+]

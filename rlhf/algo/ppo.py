@@ -1,0 +1,155 @@
+"""PPO rollout post-processing: from sampled responses and model outputs to rewards, advantages and returns.
+
+The conventions are TRL's PPO trainer (trl 1.10-1.12, ``trl.experimental.ppo``), which the parity tests check number
+for number: responses are truncated after the stop token, ``ell`` is the index of the last kept token, log-probs past
+``ell`` are ignored, values are kept one column further (``ell + 1``, where TRL places the score).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from rlhf.algo.advantages import gae
+from rlhf.algo.kl import kl_penalized_rewards
+from rlhf.algo.masked import masked_whiten
+
+
+def first_true_indices(flags: torch.Tensor) -> torch.Tensor:
+    """Index of the first True in each row of a (B, L) bool tensor; L when there is none. -> (B,) long."""
+    L = flags.shape[-1]
+    idx = torch.arange(L, device=flags.device).expand_as(flags)
+    return torch.where(flags.bool(), idx, torch.full_like(idx, L)).min(-1).values
+
+
+def truncate_at_stop(responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int) -> torch.Tensor:
+    """Replace every token after the first ``stop_token_id`` with ``pad_token_id`` (the stop token is kept)."""
+    if stop_token_id is None:
+        return responses
+    stop_at = first_true_indices(responses == stop_token_id)
+    idx = torch.arange(responses.shape[1], device=responses.device)
+    return responses.masked_fill(idx[None, :] > stop_at[:, None], pad_token_id)
+
+
+def sequence_lengths(responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """``ell``: index of the last non-pad token before the first pad, -1 for an empty row. (B, L) -> (B,)."""
+    return first_true_indices(responses == pad_token_id) - 1
+
+
+@dataclass
+class PPORollout:
+    """The per-token tensors one PPO update consumes. All (B, L) unless noted."""
+
+    responses: torch.Tensor          # truncated at the stop token, padded with pad_token_id
+    num_eos_tokens: torch.Tensor     # () EOS tokens in the raw (untruncated) responses, as TRL logs it
+    sequence_lengths: torch.Tensor   # (B,) ell
+    padding_mask: torch.Tensor       # t > ell: not a response token
+    padding_mask_p1: torch.Tensor    # t > ell + 1: outside the value/return span
+    logprobs: torch.Tensor           # old (rollout policy) log-probs, 0 on padding
+    ref_logprobs: torch.Tensor       # 0 on padding
+    values: torch.Tensor             # 0 past ell + 1
+    scores: torch.Tensor             # (B,) after the missing-EOS penalty
+    contains_eos: torch.Tensor       # (B,) bool
+    kl: torch.Tensor
+    non_score_reward: torch.Tensor
+    rewards: torch.Tensor            # KL penalty plus score (whitened if asked)
+    advantages: torch.Tensor         # whitened over the batch, 0 on padding
+    returns: torch.Tensor            # from the un-whitened advantages
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        return ~self.padding_mask
+
+    @property
+    def value_mask(self) -> torch.Tensor:
+        return ~self.padding_mask_p1
+
+
+def ppo_rollout(
+    responses: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    *,
+    pad_token_id: int,
+    eos_token_id: int,
+    stop_token_id: int | None = None,
+    kl_coef: float = 0.05,
+    kl_estimator: str = "k1",
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    missing_eos_penalty: float | None = None,
+    whiten_rewards: bool = False,
+    whiten_advantages: bool = True,
+    score_position: Literal["trl", "last_token"] = "trl",
+) -> PPORollout:
+    """Turn one rollout batch into rewards, advantages and returns.
+
+    responses: (B, L) raw sampled ids, right-padded with ``pad_token_id`` (never containing it as a real token);
+    logprobs / ref_logprobs: (B, L) log-probs of ``responses`` under the rollout and reference policies;
+    values: (B, L) critic values read at the position before each response token; scores: (B,) sequence scores of the
+    truncated responses. ``missing_eos_penalty`` checks for ``eos_token_id`` even when another stop id is used (TRL).
+    """
+    num_eos_tokens = (responses == eos_token_id).sum()
+    responses = truncate_at_stop(responses, stop_token_id, pad_token_id)
+    ell = sequence_lengths(responses, pad_token_id)
+    L = responses.shape[1]
+    idx = torch.arange(L, device=responses.device)[None, :]
+    padding_mask = idx > ell[:, None]
+    padding_mask_p1 = idx > (ell + 1)[:, None]
+    logprobs = logprobs.masked_fill(padding_mask, 0.0)
+    ref_logprobs = ref_logprobs.masked_fill(padding_mask, 0.0)
+    values = values.masked_fill(padding_mask_p1, 0.0)
+    contains_eos = (responses == eos_token_id).any(dim=1)
+    kr = kl_penalized_rewards(
+        scores,
+        logprobs,
+        ref_logprobs,
+        ell,
+        kl_coef,
+        kl_estimator=kl_estimator,
+        score_position=score_position,
+        contains_eos=contains_eos,
+        missing_eos_penalty=missing_eos_penalty,
+    )
+    rewards = kr.rewards
+    if whiten_rewards:
+        rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False).masked_fill(padding_mask_p1, 0.0)
+    advantages, returns = gae(rewards, values, gamma=gamma, lam=lam)
+    if whiten_advantages:
+        advantages = masked_whiten(advantages, ~padding_mask)
+    advantages = advantages.masked_fill(padding_mask, 0.0)
+    return PPORollout(
+        responses=responses,
+        num_eos_tokens=num_eos_tokens,
+        sequence_lengths=ell,
+        padding_mask=padding_mask,
+        padding_mask_p1=padding_mask_p1,
+        logprobs=logprobs,
+        ref_logprobs=ref_logprobs,
+        values=values,
+        scores=kr.scores,
+        contains_eos=contains_eos,
+        kl=kr.kl,
+        non_score_reward=kr.non_score_reward,
+        rewards=rewards,
+        advantages=advantages,
+        returns=returns,
+    )
+
+
+def rollout_metrics(rollout: PPORollout) -> dict[str, float]:
+    """The per-batch ``objective/*`` metrics, named and defined as TRL logs them (sums over tokens, means over rows)."""
+    mask = rollout.response_mask.float()
+    non_score = rollout.non_score_reward.sum(1).mean()
+    return {
+        "objective/kl": rollout.kl.sum(1).mean().item(),
+        "objective/entropy": (-rollout.logprobs * mask).sum(1).mean().item(),
+        "objective/non_score_reward": non_score.item(),
+        "objective/rlhf_reward": (non_score + rollout.scores.mean()).item(),
+        "objective/scores": rollout.scores.mean().item(),
+        "val/num_eos_tokens": float(rollout.num_eos_tokens.item()),
+    }

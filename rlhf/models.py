@@ -1,0 +1,84 @@
+"""Loading Hugging Face models and tokenizers, device and dtype choice, and the forward conventions the RL math uses.
+
+Forward convention (TRL's PPO ``forward``/``get_reward``): a token equal to ``pad_token_id`` is padding; it gets
+attention mask 0, position id 0 and input id 0; real tokens get positions 0..n-1 from their first real token, so
+left padding does not shift positions.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` picks cuda, then npu, then cpu. ``npu`` imports torch_npu (only then: it breaks CPU-only installs)."""
+    if device == "npu" or (device == "auto" and os.environ.get("RLHF_ENABLE_NPU") == "1"):
+        import torch_npu  # noqa: F401  (registers the npu device)
+
+        return torch.device("npu")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith(("cuda:", "npu:")):
+        raise ValueError(f"device must be auto, cpu, cuda or npu, got {device!r}")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}") from None
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token_id is None:
+        raise ValueError(f"tokenizer at {path} has no pad token; RL batching needs one distinct from EOS")
+    return tok
+
+
+def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32"):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype))
+    return model.to(resolve_device(device))
+
+
+def load_sequence_classifier(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32"):
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=resolve_dtype(dtype), num_labels=1)
+    return model.to(resolve_device(device))
+
+
+def _inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict[str, torch.Tensor]:
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def causal_lm_logits(model, query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Logits of a causal LM on (B, T) ids padded with ``pad_token_id`` -> (B, T, V)."""
+    return model(**_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False).logits
+
+
+def score_head_outputs(model, query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Per-position outputs of a one-label sequence-classification model's head (reward model or critic): (B, T).
+
+    Runs the backbone (``model.base_model_prefix``) and applies ``model.score`` to every position, so a value can be
+    read per token and a reward at any chosen token.
+    """
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(**_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False).last_hidden_state
+    return model.score(hidden).squeeze(-1)

@@ -1,0 +1,97 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorEntry(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "bucket")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    bucket: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., bucket: _Optional[int] = ...) -> None: ...
+
+class BucketEntry(_message.Message):
+    __slots__ = ("index", "nbytes", "sha256")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    nbytes: int
+    sha256: str
+    def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class WeightHeader(_message.Message):
+    __slots__ = ("version", "parent_version", "tensors", "buckets", "checksum", "format", "total_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    parent_version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
+    buckets: _containers.RepeatedCompositeFieldContainer[BucketEntry]
+    checksum: str
+    format: str
+    total_bytes: int
+    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketEntry, _Mapping]]] = ..., checksum: _Optional[str] = ..., format: _Optional[str] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("bucket", "offset", "data")
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    bucket: int
+    offset: int
+    data: bytes
+    def __init__(self, bucket: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WeightUpdate(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: WeightHeader
+    chunk: WeightChunk
+    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., chunk: _Optional[_Union[WeightChunk, _Mapping]] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("version", "swapped", "bytes_received", "checksum", "stage_seconds", "swap_seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    STAGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    swapped: bool
+    bytes_received: int
+    checksum: str
+    stage_seconds: float
+    swap_seconds: float
+    def __init__(self, version: _Optional[int] = ..., swapped: _Optional[bool] = ..., bytes_received: _Optional[int] = ..., checksum: _Optional[str] = ..., stage_seconds: _Optional[float] = ..., swap_seconds: _Optional[float] = ...) -> None: ...
+
+class GetWeightsVersionRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WeightsVersion(_message.Message):
+    __slots__ = ("version", "checksum", "loaded_at_unix_ms", "model")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    LOADED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    checksum: str
+    loaded_at_unix_ms: int
+    model: str
+    def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., loaded_at_unix_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
