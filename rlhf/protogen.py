@@ -7,6 +7,7 @@ repository root; the freshness test writes into a temporary directory and compar
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,8 +22,8 @@ def proto_files() -> list[Path]:
 
 def generate(out_dir: Path) -> list[Path]:
     """Compile every .proto into ``out_dir/rlhf/v1``; returns the generated files."""
-    from grpc_tools import protoc  # dev extra; only needed to regenerate
     import grpc_tools
+    from grpc_tools import protoc  # dev extra; only needed to regenerate
 
     include = Path(grpc_tools.__file__).parent / "_proto"  # well-known types
     (out_dir / "rlhf" / "v1").mkdir(parents=True, exist_ok=True)
@@ -36,8 +37,6 @@ def generate(out_dir: Path) -> list[Path]:
         *[str(p.relative_to(PROTO_ROOT)) for p in proto_files()],
     ]
     # protoc resolves relative proto paths against -I, so run it from the proto root.
-    import os
-
     cwd = os.getcwd()
     os.chdir(PROTO_ROOT)
     try:
@@ -46,7 +45,8 @@ def generate(out_dir: Path) -> list[Path]:
         os.chdir(cwd)
     if rc != 0:
         raise RuntimeError(f"protoc failed with exit code {rc}")
-    return sorted(p for p in (out_dir / "rlhf" / "v1").iterdir() if p.name.endswith((".py", ".pyi")) and "_pb2" in p.name)
+    generated = (out_dir / "rlhf" / "v1").iterdir()
+    return sorted(p for p in generated if p.name.endswith((".py", ".pyi")) and "_pb2" in p.name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,14 @@ from rlhf.algo.kl import (
 from rlhf.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from rlhf.algo.losses import aggregate, dpo_loss, ppo_policy_loss, select_chosen_rejected, value_loss
 from rlhf.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
-from rlhf.algo.ppo import PPORollout, first_true_indices, ppo_rollout, rollout_metrics, sequence_lengths, truncate_at_stop
+from rlhf.algo.ppo import (
+    PPORollout,
+    first_true_indices,
+    ppo_rollout,
+    rollout_metrics,
+    sequence_lengths,
+    truncate_at_stop,
+)
 
 __all__ = [
     "GROUP_ESTIMATORS",

@@ -93,9 +93,7 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float =
     return returns * mask
 
 
-def token_advantages_from_sequence(
-    advantages: torch.Tensor, mask: torch.Tensor, whiten: bool = False
-) -> torch.Tensor:
+def token_advantages_from_sequence(advantages: torch.Tensor, mask: torch.Tensor, whiten: bool = False) -> torch.Tensor:
     """Broadcast per-sequence advantages (B,) over the response tokens (B, L); optionally whiten over the batch."""
     mask = mask.to(torch.float32)
     token = advantages.float()[:, None] * mask

@@ -42,11 +42,11 @@ def kl_estimate(
 
 @dataclass
 class KLRewards:
-    rewards: torch.Tensor            # (B, L) -kl_coef * kl, plus the score at its position
-    kl: torch.Tensor                 # (B, L) per-token estimate, 0 past the response
-    non_score_reward: torch.Tensor   # (B, L) -kl_coef * kl
-    scores: torch.Tensor             # (B,) after the missing-EOS penalty
-    score_index: torch.Tensor        # (B,) column that received the score
+    rewards: torch.Tensor  # (B, L) -kl_coef * kl, plus the score at its position
+    kl: torch.Tensor  # (B, L) per-token estimate, 0 past the response
+    non_score_reward: torch.Tensor  # (B, L) -kl_coef * kl
+    scores: torch.Tensor  # (B,) after the missing-EOS penalty
+    score_index: torch.Tensor  # (B,) column that received the score
 
 
 def kl_penalized_rewards(

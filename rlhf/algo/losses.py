@@ -42,7 +42,8 @@ def ppo_policy_loss(
     """Clipped surrogate objective of PPO, as a loss to minimise.
 
     logprobs (with grad), old_logprobs, advantages, mask: (B, L).
-    ``ratio = exp(logprobs - old_logprobs)``; per token ``max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))``.
+    ``ratio = exp(logprobs - old_logprobs)``; per token
+    ``max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))``.
     dual_clip (c > 1, Ye et al. 2020): for A < 0 the loss is further capped at ``-c * A``.
     Truncated importance sampling: when the samples came from another engine or an older policy,
     ``behavior_logprobs`` are the sampling log-probs and each token's loss is weighted by

@@ -42,21 +42,21 @@ def sequence_lengths(responses: torch.Tensor, pad_token_id: int) -> torch.Tensor
 class PPORollout:
     """The per-token tensors one PPO update consumes. All (B, L) unless noted."""
 
-    responses: torch.Tensor          # truncated at the stop token, padded with pad_token_id
-    num_eos_tokens: torch.Tensor     # () EOS tokens in the raw (untruncated) responses, as TRL logs it
-    sequence_lengths: torch.Tensor   # (B,) ell
-    padding_mask: torch.Tensor       # t > ell: not a response token
-    padding_mask_p1: torch.Tensor    # t > ell + 1: outside the value/return span
-    logprobs: torch.Tensor           # old (rollout policy) log-probs, 0 on padding
-    ref_logprobs: torch.Tensor       # 0 on padding
-    values: torch.Tensor             # 0 past ell + 1
-    scores: torch.Tensor             # (B,) after the missing-EOS penalty
-    contains_eos: torch.Tensor       # (B,) bool
+    responses: torch.Tensor  # truncated at the stop token, padded with pad_token_id
+    num_eos_tokens: torch.Tensor  # () EOS tokens in the raw (untruncated) responses, as TRL logs it
+    sequence_lengths: torch.Tensor  # (B,) ell
+    padding_mask: torch.Tensor  # t > ell: not a response token
+    padding_mask_p1: torch.Tensor  # t > ell + 1: outside the value/return span
+    logprobs: torch.Tensor  # old (rollout policy) log-probs, 0 on padding
+    ref_logprobs: torch.Tensor  # 0 on padding
+    values: torch.Tensor  # 0 past ell + 1
+    scores: torch.Tensor  # (B,) after the missing-EOS penalty
+    contains_eos: torch.Tensor  # (B,) bool
     kl: torch.Tensor
     non_score_reward: torch.Tensor
-    rewards: torch.Tensor            # KL penalty plus score (whitened if asked)
-    advantages: torch.Tensor         # whitened over the batch, 0 on padding
-    returns: torch.Tensor            # from the un-whitened advantages
+    rewards: torch.Tensor  # KL penalty plus score (whitened if asked)
+    advantages: torch.Tensor  # whitened over the batch, 0 on padding
+    returns: torch.Tensor  # from the un-whitened advantages
 
     @property
     def response_mask(self) -> torch.Tensor:
