@@ -88,3 +88,24 @@ def score_head_outputs(model, query_responses: torch.Tensor, pad_token_id: int) 
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(**_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False).last_hidden_state
     return model.score(hidden).squeeze(-1)
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A model reference from the config -> a local directory.
+
+    ``tiny:policy`` / ``tiny:reward`` build (once) the models of ``rlhf.tiny`` under ``$RLHF_CACHE_DIR/tiny``
+    (default ``~/.cache/rlhf-pipeline``); anything else is a Hugging Face directory that must exist (no hub downloads).
+    """
+    if spec.startswith("tiny:"):
+        from rlhf.tiny import build_tiny
+
+        which = spec.split(":", 1)[1]
+        if which not in ("policy", "reward"):
+            raise ValueError(f"unknown tiny model {spec!r}: use tiny:policy or tiny:reward")
+        cache = Path(os.environ.get("RLHF_CACHE_DIR", Path.home() / ".cache" / "rlhf-pipeline"))
+        paths = build_tiny(cache / "tiny")
+        return paths.policy if which == "policy" else paths.reward
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {path} has no config.json (downloads are not done at run time)")
+    return path

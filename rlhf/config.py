@@ -1,0 +1,221 @@
+"""The experiment config: one YAML file per run, validated by pydantic.
+
+The sections and algorithm field names are those of MindSpeed-LLM's Ray PPO / online DPO configs (the seed documents):
+``training``, ``actor_rollout_ref.{actor_rollout, ref}``, ``critic``, ``reward``, ``algorithm``, ``resource_pool``,
+plus ``data`` and ``rollout`` for what this system adds. Every field has a default and a description; an unknown key is
+an error that names it (``ConfigError``), so a Megatron-only key copied from a MindSpeed config is reported, not ignored.
+Service settings (ports, addresses, tokens) do not live here: they come from ``RLHF_*`` environment variables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+STAGES = ("ray_ppo", "ray_online_dpo", "ray_grpo", "ray_rloo", "ray_reinforce_plus_plus")
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the offending key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _f(default: Any, description: str, **kw: Any) -> Any:
+    return Field(default, description=description, **kw)
+
+
+class TrainingConfig(Section):
+    stage: Literal[STAGES] = _f("ray_ppo", "training algorithm: ray_ppo, ray_online_dpo, ray_grpo, ray_rloo, ...")
+    global_batch_size: int = _f(8, "prompts per training step (rollout batch)", gt=0)
+    seq_length: int = _f(1024, "maximum prompt + response tokens", gt=1)
+    train_iters: int = _f(100, "training steps to run", gt=0)
+    tokenizer_name_or_path: str | None = _f(None, "tokenizer directory; default: the actor's")
+    seed: int = _f(1234, "random seed for data order, sampling and initialisation")
+    lr: float = _f(1e-6, "actor learning rate", gt=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.999, "AdamW beta2")
+    clip_grad: float = _f(1.0, "gradient-norm clip (<= 0 disables)")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule")
+    lr_warmup_fraction: float = _f(0.0, "fraction of train_iters spent warming up", ge=0, le=1)
+    bf16: bool = _f(False, "train in bfloat16 (fp32 master weights are not kept: use on GPU/NPU only)")
+    device: Literal["auto", "cpu", "cuda", "npu"] = _f("auto", "device for the trainer's models")
+    save_interval: int = _f(10, "checkpoint every N steps", gt=0)
+    save: str = _f("runs/checkpoints", "checkpoint directory")
+    load: str | None = _f(None, "checkpoint directory to resume from (default: the newest under save)")
+    max_staleness: int = _f(0, "policy versions a sample may lag (0 = synchronous on-policy)", ge=0)
+    weight_sync_interval: int = _f(1, "push weights to rollout every N updates", gt=0)
+    log_interval: int = _f(1, "print progress every N steps", gt=0)
+
+
+class ActorRolloutConfig(Section):
+    load: str = _f("tiny:policy", "actor/rollout model: a Hugging Face directory, or tiny:policy for rlhf.tiny")
+    save: str | None = _f(None, "where to write the trained actor (default: under training.save)")
+    do_sample: bool = _f(True, "sample (True) or decode greedily (False) during rollout")
+    temperature: float = _f(1.0, "sampling temperature; also divides logits for log-probs", gt=0)
+    top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
+    top_k: int = _f(-1, "top-k sampling (-1 disables)")
+    max_prompt_length: int = _f(512, "prompts longer than this are truncated from the left", gt=0)
+    max_new_tokens: int | None = _f(None, "response budget; default seq_length - max_prompt_length", gt=0)
+    num_samples_per_step: int = _f(1, "prompts per generation call", gt=0)
+    n_samples_per_prompt: int = _f(1, "samples per prompt (GRPO/RLOO group size; 2 for online DPO)", gt=0)
+    ppo_mini_batch_size: int = _f(1, "rows per actor optimizer step", gt=0)
+    micro_batch_size: int | None = _f(None, "rows per forward/backward (gradient accumulation); default the minibatch")
+    ppo_epochs: int = _f(1, "passes of the actor over each rollout batch", gt=0)
+    clip_ratio: float = _f(0.2, "PPO clip epsilon", ge=0, lt=1)
+    clip_ratio_high: float | None = _f(None, "upper clip epsilon (DAPO clip-higher); default clip_ratio")
+    dual_clip: float | None = _f(None, "dual-clip constant c > 1 for negative advantages")
+    tis_cap: float | None = _f(2.0, "truncated importance-sampling cap for stale/engine-mismatched samples (null = off)")
+    shuffle_minibatch: bool = _f(False, "shuffle rows between minibatches")
+    entropy_coeff: float = _f(0.0, "entropy bonus coefficient in the actor loss", ge=0)
+    engine: Literal["vllm", "hf"] = _f("vllm", "rollout engine")
+    stop: list[str] = _f([], "stop strings for generation")
+    apply_chat_template: bool = _f(True, "wrap prompts in the tokenizer's chat template when it has one")
+    lr: float | None = _f(None, "actor learning rate (overrides training.lr)")
+    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "rollout dtype")
+
+
+class RefConfig(Section):
+    load: str | None = _f(None, "reference model; default the actor's initial weights")
+    temperature: float | None = _f(None, "temperature for reference log-probs; default the rollout temperature")
+    micro_batch_size: int = _f(16, "sequences per reference forward", gt=0)
+
+
+class ActorRolloutRefConfig(Section):
+    actor_rollout: ActorRolloutConfig = _f(ActorRolloutConfig(), "actor and rollout")
+    ref: RefConfig = _f(RefConfig(), "reference policy")
+
+
+class CriticConfig(Section):
+    load: str | None = _f(None, "critic initialisation: a sequence-classification model (default the reward model)")
+    cliprange_value: float = _f(0.2, "value clip range (<= 0 disables)")
+    critic_mini_batch_size: int = _f(1, "rows per critic optimizer step", gt=0)
+    critic_update_epochs: int = _f(1, "passes of the critic over each rollout batch", gt=0)
+    lr: float | None = _f(None, "critic learning rate (default training.lr)")
+    vf_coef: float = _f(1.0, "value-loss weight when actor and critic share one optimizer step", gt=0)
+
+
+class ScorerConfig(Section):
+    type: Literal["model", "rule", "remote"] = _f("rule", "model: reward model; rule: a Python function; remote: HTTP")
+    name: str | None = _f(None, "rule name from the registry, or module:function for a user function")
+    load: str | None = _f(None, "reward model directory (type model), or tiny:reward")
+    url: str | None = _f(None, "remote scorer URL speaking OpenRLHF's /get_reward format (type remote)")
+    weight: float = _f(1.0, "weight of this scorer in the combined reward")
+    timeout_s: float = _f(30.0, "per-call timeout (remote)", gt=0)
+    retries: int = _f(2, "retries after a failed remote call", ge=0)
+    kwargs: dict[str, Any] = _f({}, "extra keyword arguments for a rule function")
+
+    @model_validator(mode="after")
+    def _check(self) -> ScorerConfig:
+        needed = {"model": "load", "rule": "name", "remote": "url"}[self.type]
+        if getattr(self, needed) is None:
+            raise ValueError(f"a scorer of type {self.type!r} needs '{needed}'")
+        return self
+
+
+class RewardConfig(Section):
+    scorers: list[ScorerConfig] = _f([ScorerConfig(type="model", load="tiny:reward")], "scorers, combined by weight")
+    micro_batch_size: int = _f(16, "sequences per reward-model forward", gt=0)
+    load: str | None = _f(None, "shorthand for one model scorer (MindSpeed's reward.load)")
+
+
+class KLCtrlConfig(Section):
+    type: Literal["fixed", "adaptive"] = _f("fixed", "KL coefficient controller")
+    kl_coef: float = _f(0.05, "KL penalty coefficient (initial value when adaptive)", ge=0)
+    target_kl: float | None = _f(None, "adaptive: target KL per sequence")
+    horizon: int = _f(10000, "adaptive: horizon in samples", gt=0)
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: Literal["gae", "grpo", "group_norm", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                           "dr_grpo"] = _f("gae", "advantage estimator")
+    gamma: float = _f(1.0, "discount factor", ge=0, le=1)
+    lam: float = _f(0.95, "GAE lambda", ge=0, le=1)
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = _f("kl", "per-token KL estimator")
+    kl_ctrl: KLCtrlConfig = _f(KLCtrlConfig(), "KL coefficient")
+    missing_eos_penalty: float = _f(0.0, "subtracted from the score of responses without EOS", ge=0)
+    whiten_rewards: bool = _f(False, "whiten per-token rewards over the batch before GAE")
+    whiten_advantages: bool = _f(True, "whiten advantages over the batch")
+    score_position: Literal["trl", "last_token"] = _f("trl", "where the score is added: TRL (first pad) or last token")
+    dpo_beta: float = _f(0.1, "online DPO beta", gt=0)
+    dpo_loss_type: Literal["sigmoid", "ipo"] = _f("sigmoid", "online DPO loss")
+
+
+class ResourcePoolConfig(Section):
+    actor_rollout: list[int] = _f([1], "devices per node for the actor/rollout")
+    ref: list[int] = _f([1], "devices per node for the reference")
+    critic: list[int] = _f([1], "devices per node for the critic")
+    reward: list[int] = _f([1], "devices per node for the reward model")
+
+
+class DataConfig(Section):
+    path: str = _f("builtin:arithmetic", "prompt data set: a .jsonl or .parquet file, or builtin:arithmetic")
+    map_keys: dict[str, str] = _f({"prompt": "prompt", "label": "label"}, "our key -> column in the file")
+    system: str | None = _f(None, "system message prepended when the chat template is applied")
+    shuffle: bool = _f(True, "shuffle the prompt order each epoch")
+    max_samples: int | None = _f(None, "use only the first N prompts", gt=0)
+
+
+class ExperimentConfig(Section):
+    run_id: str = _f("default", "names the Redis keys and the run directory", pattern=r"^[A-Za-z0-9_.-]+$")
+    defaults: list[Any] = _f([], "MindSpeed-LLM hydra defaults list; accepted and ignored")
+    training: TrainingConfig = _f(TrainingConfig(), "options common to all roles")
+    actor_rollout_ref: ActorRolloutRefConfig = _f(ActorRolloutRefConfig(), "actor, rollout and reference")
+    critic: CriticConfig = _f(CriticConfig(), "PPO critic")
+    reward: RewardConfig = _f(RewardConfig(), "reward scorers")
+    algorithm: AlgorithmConfig = _f(AlgorithmConfig(), "advantages, KL and losses")
+    resource_pool: ResourcePoolConfig = _f(ResourcePoolConfig(), "devices per role")
+    data: DataConfig = _f(DataConfig(), "prompt data set")
+
+    @property
+    def actor(self) -> ActorRolloutConfig:
+        return self.actor_rollout_ref.actor_rollout
+
+    @property
+    def max_new_tokens(self) -> int:
+        a = self.actor
+        return a.max_new_tokens or max(1, self.training.seq_length - a.max_prompt_length)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> ExperimentConfig:
+        if self.reward.load is not None:
+            self.reward.scorers = [ScorerConfig(type="model", load=self.reward.load)]
+        if self.training.stage == "ray_online_dpo" and self.actor.n_samples_per_prompt not in (1, 2):
+            raise ValueError("actor_rollout_ref.actor_rollout.n_samples_per_prompt must be 2 for ray_online_dpo")
+        return self
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid experiment config {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = "unknown key (not used by rlhf-pipeline)" if e["type"] == "extra_forbidden" else e["msg"]
+        lines.append(f"  {key}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict[str, Any] | None, source: str = "<dict>") -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(data or {})
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def load_config(path: str | Path) -> ExperimentConfig:
+    """Read and validate a YAML experiment config; raises ConfigError naming the bad key."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config {path} is not valid YAML: {err}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping at the top level")
+    return parse_config(data, str(path))
