@@ -2,15 +2,15 @@
 
 The sections and algorithm field names are those of MindSpeed-LLM's Ray PPO / online DPO configs (the seed documents):
 ``training``, ``actor_rollout_ref.{actor_rollout, ref}``, ``critic``, ``reward``, ``algorithm``, ``resource_pool``,
-plus ``data`` and ``rollout`` for what this system adds. Every field has a default and a description; an unknown key is
-an error that names it (``ConfigError``), so a Megatron-only key copied from a MindSpeed config is reported, not ignored.
+plus ``data`` for what this system adds. Every field has a default and a description; an unknown key is
+an error that names it (``ConfigError``): a Megatron-only key copied from a MindSpeed config is reported, not ignored.
 Service settings (ports, addresses, tokens) do not live here: they come from ``RLHF_*`` environment variables.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -71,7 +71,7 @@ class ActorRolloutConfig(Section):
     clip_ratio: float = _f(0.2, "PPO clip epsilon", ge=0, lt=1)
     clip_ratio_high: float | None = _f(None, "upper clip epsilon (DAPO clip-higher); default clip_ratio")
     dual_clip: float | None = _f(None, "dual-clip constant c > 1 for negative advantages")
-    tis_cap: float | None = _f(2.0, "truncated importance-sampling cap for stale/engine-mismatched samples (null = off)")
+    tis_cap: float | None = _f(2.0, "truncated importance-sampling cap for stale samples (null = off)")
     shuffle_minibatch: bool = _f(False, "shuffle rows between minibatches")
     entropy_coeff: float = _f(0.0, "entropy bonus coefficient in the actor loss", ge=0)
     engine: Literal["vllm", "hf"] = _f("vllm", "rollout engine")
