@@ -22,8 +22,10 @@ DTYPES = {
 }
 
 
-def resolve_device(device: str = "auto") -> torch.device:
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
     """``auto`` picks cuda, then npu, then cpu. ``npu`` imports torch_npu (only then: it breaks CPU-only installs)."""
+    if isinstance(device, torch.device):
+        return device
     if device == "npu" or (device == "auto" and os.environ.get("RLHF_ENABLE_NPU") == "1"):
         import torch_npu  # noqa: F401  (registers the npu device)
 

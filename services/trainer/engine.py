@@ -1,0 +1,424 @@
+"""The trainer's state and its update step: the actor, the critic (PPO), the optimizers and the KL controller.
+
+``TrainerEngine.step(experiences)`` turns experience records (from the Redis experience stream) into one policy
+update with the algorithm named by ``training.stage``:
+
+* ``ray_ppo``: GAE with a critic; the math of ``rlhf.algo.ppo_rollout`` (TRL's conventions), clipped policy and value
+  losses over minibatches and epochs, optional entropy bonus.
+* ``ray_grpo`` / ``ray_rloo`` / ``ray_reinforce_plus_plus``: critic-free, advantages from the ``n`` samples of each
+  prompt (one experience record holds one prompt's group).
+* ``ray_online_dpo``: two samples per prompt, chosen/rejected by score, sigmoid or IPO loss.
+
+Old log-probs are recomputed with the current actor (as MindSpeed-LLM does); the rollout engine's sampling log-probs
+are the behaviour policy, and with ``tis_cap`` set each token is weighted by the truncated importance ratio, which
+corrects samples made by an older policy version (asynchronous training) and engine mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rlhf import algo
+from rlhf.config import ExperimentConfig
+from rlhf.models import (
+    causal_lm_logits,
+    load_causal_lm,
+    load_sequence_classifier,
+    load_tokenizer,
+    resolve_device,
+    resolve_model_path,
+    score_head_outputs,
+)
+from rlhf.v1 import common_pb2, experience_pb2
+
+
+@dataclass
+class RolloutBatch:
+    """Experience records collated into padded tensors. B rows = samples; C prompt width; L response width."""
+
+    query_responses: torch.Tensor  # (B, C + L) left-padded prompt, right-padded response
+    responses: torch.Tensor  # (B, L)
+    sampling_logprobs: torch.Tensor  # (B, L) 0 on padding
+    ref_logprobs: torch.Tensor  # (B, L)
+    scores: torch.Tensor  # (B,)
+    group: torch.Tensor  # (B,) index of the experience record (prompt) of each row
+    policy_versions: torch.Tensor  # (B,)
+    has_sampling_logprobs: torch.Tensor  # (B,) bool: the engine reported sampling log-probs for this row
+    context_length: int
+
+
+class TrainerEngine:
+    def __init__(self, cfg: ExperimentConfig, device: str | None = None):
+        self.cfg = cfg
+        self.stage = cfg.training.stage
+        self.device = resolve_device(device or cfg.training.device)
+        torch.manual_seed(cfg.training.seed)
+        actor_path = resolve_model_path(cfg.actor.load)
+        self.tokenizer = load_tokenizer(cfg.training.tokenizer_name_or_path or actor_path)
+        self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        self.actor = load_causal_lm(actor_path, self.device, "bfloat16" if cfg.training.bf16 else "float32")
+        self.actor.train()
+        _disable_dropout(self.actor)
+        t = cfg.training
+        betas = (t.adam_beta1, t.adam_beta2)
+        self.actor_opt = torch.optim.AdamW(
+            self.actor.parameters(), lr=cfg.actor.lr or t.lr, betas=betas, weight_decay=t.weight_decay
+        )
+        self.critic = None
+        self.critic_opt = None
+        if self.stage == "ray_ppo":
+            critic_src = cfg.critic.load or _first_model_scorer(cfg) or "tiny:reward"
+            self.critic = load_sequence_classifier(resolve_model_path(critic_src), self.device)
+            self.critic.train()
+            _disable_dropout(self.critic)
+            self.critic_opt = torch.optim.AdamW(
+                self.critic.parameters(), lr=cfg.critic.lr or t.lr, betas=betas, weight_decay=t.weight_decay
+            )
+        k = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = algo.make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+        self.generator = torch.Generator().manual_seed(t.seed)
+        self.step_count = 0
+        self.policy_version = 0
+
+    # ------------------------------------------------------------------ collation
+    def collate(self, experiences: list[experience_pb2.Experience]) -> RolloutBatch:
+        """Rows for every sample whose score is OK; samples with a failed score are dropped (never scored 0)."""
+        rows = []
+        for g, exp in enumerate(experiences):
+            for s in exp.samples:
+                if s.score_status != common_pb2.ITEM_STATUS_OK or len(s.response_ids) == 0:
+                    continue
+                rows.append((g, list(exp.prompt_ids), s))
+        if not rows:
+            raise ValueError("no usable sample in this batch (all scores failed or responses empty)")
+        C = max(len(p) for _, p, _ in rows)
+        L = max(len(s.response_ids) for _, _, s in rows)
+        B = len(rows)
+        qr = torch.full((B, C + L), self.pad_id, dtype=torch.long)
+        samp = torch.zeros(B, L)
+        has_samp = torch.zeros(B, dtype=torch.bool)
+        ref = torch.zeros(B, L)
+        for i, (_, prompt, s) in enumerate(rows):
+            n = len(s.response_ids)
+            qr[i, C - len(prompt) : C] = torch.tensor(prompt)
+            qr[i, C : C + n] = torch.tensor(list(s.response_ids))
+            if len(s.sampling_logprobs) == n:
+                samp[i, :n] = torch.tensor(list(s.sampling_logprobs))
+                has_samp[i] = True
+            if len(s.ref_logprobs) != n:
+                raise ValueError(
+                    f"job {experiences[rows[i][0]].job_id}: ref_logprobs has {len(s.ref_logprobs)} "
+                    f"entries for {n} response tokens"
+                )
+            ref[i, :n] = torch.tensor(list(s.ref_logprobs))
+        return RolloutBatch(
+            query_responses=qr.to(self.device),
+            responses=qr[:, C:].to(self.device),
+            sampling_logprobs=samp.to(self.device),
+            ref_logprobs=ref.to(self.device),
+            scores=torch.tensor([s.score for _, _, s in rows], device=self.device),
+            group=torch.tensor([g for g, _, _ in rows], device=self.device),
+            policy_versions=torch.tensor([s.policy_version for _, _, s in rows]),
+            has_sampling_logprobs=has_samp.to(self.device),
+            context_length=C,
+        )
+
+    # ------------------------------------------------------------------ forward helpers
+    @property
+    def temperature(self) -> float:
+        return self.cfg.actor.temperature if self.cfg.actor.do_sample else 1.0
+
+    def _logits_and_logprobs(self, qr: torch.Tensor, responses: torch.Tensor, C: int):
+        logits = causal_lm_logits(self.actor, qr, self.pad_id)[:, C - 1 : -1]
+        return logits, algo.logprobs_from_logits(logits, responses, self.temperature)
+
+    def _values(self, qr: torch.Tensor, C: int) -> torch.Tensor:
+        return score_head_outputs(self.critic, qr, self.pad_id)[:, C - 1 : -1].float()
+
+    def _behavior(self, b: RolloutBatch, old_logprobs: torch.Tensor) -> torch.Tensor | None:
+        """Sampling log-probs for truncated importance sampling; rows without them count as on-policy."""
+        if not self.cfg.actor.tis_cap:
+            return None
+        return torch.where(b.has_sampling_logprobs[:, None], b.sampling_logprobs, old_logprobs)
+
+    def _minibatches(self, n: int, size: int, shuffle: bool):
+        order = torch.randperm(n, generator=self.generator) if shuffle else torch.arange(n)
+        for start in range(0, n, size):
+            yield order[start : start + size]
+
+    def _actor_step(self, loss: torch.Tensor) -> float:
+        self.actor_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = _clip(self.actor, self.cfg.training.clip_grad)
+        self.actor_opt.step()
+        return norm
+
+    # ------------------------------------------------------------------ the update
+    def step(self, experiences: list[experience_pb2.Experience]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batch = self.collate(experiences)
+        if self.stage == "ray_ppo":
+            metrics = self._ppo(batch)
+        elif self.stage == "ray_online_dpo":
+            metrics = self._online_dpo(batch)
+        else:
+            metrics = self._group(batch)
+        self.step_count += 1
+        self.policy_version += 1
+        staleness = (self.policy_version - 1 - batch.policy_versions).clamp(min=0).float()
+        metrics.update(
+            {
+                "step": float(self.step_count),
+                "policy_version": float(self.policy_version),
+                "samples": float(batch.responses.shape[0]),
+                "reward/mean": batch.scores.mean().item(),
+                "reward/std": batch.scores.std().item() if batch.scores.numel() > 1 else 0.0,
+                "response_length/mean": (batch.responses != self.pad_id).sum(1).float().mean().item(),
+                "staleness/mean": staleness.mean().item(),
+                "staleness/max": staleness.max().item(),
+                "kl_coef": self.kl_ctrl.value,
+                "time/step_s": time.perf_counter() - t0,
+            }
+        )
+        return metrics
+
+    def _ppo(self, b: RolloutBatch) -> dict[str, float]:
+        cfg, a, C = self.cfg, self.cfg.actor, b.context_length
+        with torch.no_grad():
+            _, old_logprobs = self._logits_and_logprobs(b.query_responses, b.responses, C)
+            values = self._values(b.query_responses, C)
+        r = algo.ppo_rollout(
+            b.responses,
+            old_logprobs,
+            b.ref_logprobs,
+            values,
+            b.scores,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+            stop_token_id=self.eos_id,
+            kl_coef=self.kl_ctrl.value,
+            kl_estimator=cfg.algorithm.kl_penalty,
+            gamma=cfg.algorithm.gamma,
+            lam=cfg.algorithm.lam,
+            missing_eos_penalty=cfg.algorithm.missing_eos_penalty or None,
+            whiten_rewards=cfg.algorithm.whiten_rewards,
+            whiten_advantages=cfg.algorithm.whiten_advantages,
+            score_position=cfg.algorithm.score_position,
+        )
+        metrics = algo.rollout_metrics(r)
+        B = b.responses.shape[0]
+        stats: dict[str, list[float]] = {}
+        behavior = self._behavior(b, r.logprobs)
+        for _ in range(a.ppo_epochs):
+            for mb in self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch):
+                logits, new_logprobs = self._logits_and_logprobs(b.query_responses[mb], r.responses[mb], C)
+                mask = r.response_mask[mb]
+                pg_loss, pg_stats = algo.ppo_policy_loss(
+                    new_logprobs,
+                    r.logprobs[mb],
+                    r.advantages[mb],
+                    mask,
+                    clip_ratio=a.clip_ratio,
+                    clip_ratio_high=a.clip_ratio_high,
+                    dual_clip=a.dual_clip,
+                    behavior_logprobs=None if behavior is None else behavior[mb],
+                    tis_cap=a.tis_cap,
+                )
+                entropy = algo.masked_mean(algo.entropy_from_logits(logits, self.temperature), mask)
+                loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
+                grad_norm = self._actor_step(loss)
+                _append(
+                    stats,
+                    {
+                        "loss/policy": pg_loss.item(),
+                        "policy/entropy": entropy.item(),
+                        "policy/grad_norm": grad_norm,
+                        **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
+                    },
+                )
+        c = cfg.critic
+        for _ in range(c.critic_update_epochs):
+            for mb in self._minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch):
+                vpred = self._values(b.query_responses[mb], C).masked_fill(r.padding_mask_p1[mb], 0.0)
+                vf_loss, vf_stats = algo.value_loss(
+                    vpred, r.values[mb], r.returns[mb], r.value_mask[mb], cliprange_value=c.cliprange_value
+                )
+                self.critic_opt.zero_grad(set_to_none=True)
+                (c.vf_coef * vf_loss).backward()
+                _clip(self.critic, self.cfg.training.clip_grad)
+                self.critic_opt.step()
+                _append(
+                    stats,
+                    {
+                        "loss/value": vf_loss.item(),
+                        "val/clipfrac": vf_stats["clipfrac"].item(),
+                        "val/vpred": vf_stats["vpred"].item(),
+                    },
+                )
+        mean_kl = algo.masked_mean(r.kl, r.response_mask, dim=1).mean().item()
+        self.kl_ctrl.update(mean_kl, B)
+        metrics.update({k: sum(v) / len(v) for k, v in stats.items()})
+        metrics["objective/advantages_mean"] = algo.masked_mean(r.advantages, r.response_mask).item()
+        return metrics
+
+    def _group(self, b: RolloutBatch) -> dict[str, float]:
+        """GRPO / RLOO / REINFORCE++: sequence-level baselines within each prompt's group, no critic."""
+        cfg, a, C = self.cfg, self.cfg.actor, b.context_length
+        estimator = cfg.algorithm.adv_estimator
+        if estimator == "gae":
+            estimator = {"ray_grpo": "grpo", "ray_rloo": "rloo", "ray_reinforce_plus_plus": "reinforce_plus_plus"}[
+                self.stage
+            ]
+        responses = algo.truncate_at_stop(b.responses, self.eos_id, self.pad_id)
+        ell = algo.sequence_lengths(responses, self.pad_id)
+        mask = torch.arange(responses.shape[1], device=responses.device)[None, :] <= ell[:, None]
+        contains_eos = (responses == self.eos_id).any(1)
+        scores = b.scores - cfg.algorithm.missing_eos_penalty * (~contains_eos).float()
+        seq_adv = _grouped(scores, b.group, estimator)
+        kl_in_reward = estimator in ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+        with torch.no_grad():
+            _, old_logprobs = self._logits_and_logprobs(b.query_responses, responses, C)
+        ref = b.ref_logprobs.masked_fill(~mask, 0.0)
+        if kl_in_reward:  # OpenRLHF: -beta * KL per token plus the baseline-adjusted score at the last token
+            kr = algo.kl_penalized_rewards(
+                seq_adv,
+                old_logprobs.masked_fill(~mask, 0.0),
+                ref,
+                ell,
+                self.kl_ctrl.value,
+                cfg.algorithm.kl_penalty,
+                score_position="last_token",
+            )
+            advantages = algo.discounted_returns(kr.rewards, mask, gamma=1.0)
+            if estimator != "rloo":
+                advantages = algo.masked_whiten(advantages, mask) * mask
+        else:
+            advantages = algo.token_advantages_from_sequence(seq_adv, mask)
+        B = responses.shape[0]
+        stats: dict[str, list[float]] = {}
+        behavior = self._behavior(b, old_logprobs)
+        aggregation = "seq_mean_token_sum_norm" if estimator == "dr_grpo" else "token_mean"
+        for _ in range(a.ppo_epochs):
+            for mb in self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch):
+                logits, new_logprobs = self._logits_and_logprobs(b.query_responses[mb], responses[mb], C)
+                pg_loss, pg_stats = algo.ppo_policy_loss(
+                    new_logprobs,
+                    old_logprobs[mb],
+                    advantages[mb],
+                    mask[mb],
+                    clip_ratio=a.clip_ratio,
+                    clip_ratio_high=a.clip_ratio_high,
+                    dual_clip=a.dual_clip,
+                    behavior_logprobs=None if behavior is None else behavior[mb],
+                    tis_cap=a.tis_cap,
+                    aggregation=aggregation,
+                )
+                loss = pg_loss
+                kl_loss = torch.zeros(())
+                if not kl_in_reward and self.kl_ctrl.value > 0:  # GRPO: k3 KL as a loss term
+                    kl_tok = algo.kl_estimate(new_logprobs, ref[mb], "k3")
+                    kl_loss = algo.masked_mean(kl_tok, mask[mb])
+                    loss = loss + self.kl_ctrl.value * kl_loss
+                entropy = algo.masked_mean(algo.entropy_from_logits(logits, self.temperature), mask[mb])
+                if a.entropy_coeff:
+                    loss = loss - a.entropy_coeff * entropy
+                grad_norm = self._actor_step(loss)
+                _append(
+                    stats,
+                    {
+                        "loss/policy": pg_loss.item(),
+                        "loss/kl": kl_loss.item(),
+                        "policy/entropy": entropy.item(),
+                        "policy/grad_norm": grad_norm,
+                        **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
+                    },
+                )
+        kl = algo.kl_estimate(old_logprobs, ref, cfg.algorithm.kl_penalty).masked_fill(~mask, 0.0)
+        metrics = {k: sum(v) / len(v) for k, v in stats.items()}
+        metrics["objective/kl"] = kl.sum(1).mean().item()
+        metrics["objective/scores"] = scores.mean().item()
+        return metrics
+
+    def _online_dpo(self, b: RolloutBatch) -> dict[str, float]:
+        """Pairs within each prompt's group: the first two OK samples; chosen has the higher score (ties: first)."""
+        cfg, C = self.cfg, b.context_length
+        firsts, seconds = [], []
+        for g in torch.unique(b.group).tolist():
+            rows = (b.group == g).nonzero().flatten().tolist()
+            if len(rows) >= 2:
+                firsts.append(rows[0])
+                seconds.append(rows[1])
+        if not firsts:
+            raise ValueError("online DPO needs two scored samples per prompt; none in this batch")
+        P = len(firsts)
+        idx = torch.tensor(firsts + seconds, device=b.responses.device)  # block layout [p0..pB-1, p0..pB-1]
+        responses = algo.truncate_at_stop(b.responses[idx], self.eos_id, self.pad_id)
+        mask = responses != self.pad_id
+        contains_eos = (responses == self.eos_id).any(1)
+        scores = b.scores[idx] - cfg.algorithm.missing_eos_penalty * (~contains_eos).float()
+        chosen, rejected = algo.select_chosen_rejected(scores, P)
+        ref_sums = (b.ref_logprobs[idx] * mask).sum(1)
+        _, logprobs = self._logits_and_logprobs(b.query_responses[idx], responses, C)
+        sums = (logprobs * mask).sum(1)
+        loss, stats = algo.dpo_loss(
+            sums[chosen],
+            sums[rejected],
+            ref_sums[chosen],
+            ref_sums[rejected],
+            beta=cfg.algorithm.dpo_beta,
+            loss_type=cfg.algorithm.dpo_loss_type,
+        )
+        grad_norm = self._actor_step(loss)
+        return {
+            "loss/dpo": loss.item(),
+            "policy/grad_norm": grad_norm,
+            "objective/scores_margin": (scores[chosen] - scores[rejected]).mean().item(),
+            "objective/kl": ((logprobs.detach() - b.ref_logprobs[idx]) * mask).sum(1).mean().item(),
+            **{k: v.item() for k, v in stats.items()},
+        }
+
+    # ------------------------------------------------------------------ weights
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The actor's weights in Hugging Face names, contiguous, on the CPU (what weight sync ships)."""
+        return {k: v.detach().to("cpu").contiguous() for k, v in self.actor.state_dict().items()}
+
+
+def _grouped(scores: torch.Tensor, group: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Apply a group estimator per prompt; groups may differ in size when some samples were dropped."""
+    out = torch.zeros_like(scores, dtype=torch.float32)
+    for g in torch.unique(group).tolist():
+        rows = (group == g).nonzero().flatten()
+        n = rows.numel()
+        if n == 1 and estimator in ("rloo", "grpo"):
+            out[rows] = 0.0  # a lone sample has no baseline to compare with
+            continue
+        out[rows] = algo.group_advantages(scores[rows], n, estimator)
+    return out
+
+
+def _first_model_scorer(cfg: ExperimentConfig) -> str | None:
+    return next((s.load for s in cfg.reward.scorers if s.type == "model"), None)
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+
+
+def _clip(model: torch.nn.Module, max_norm: float) -> float:
+    if max_norm and max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    value = float(norm)
+    return value if math.isfinite(value) else float("nan")
+
+
+def _append(acc: dict[str, list[float]], values: dict[str, float]) -> None:
+    for k, v in values.items():
+        acc.setdefault(k, []).append(float(v))
