@@ -1,0 +1,278 @@
+"""Domain errors of every service and the ONE table that maps them to gRPC status codes and HTTP statuses.
+
+Engines raise these (``raise InvalidArgument("items[2].response is empty: send at least one token", field=...)``);
+the gRPC layer turns them into ``context.abort(code, message)`` (:func:`abort_grpc` / :func:`grpc_errors`) and the
+HTTP layer into ``{"error": {"type", "message", "field", "code"}}`` with the matching status
+(:func:`install_http_errors`).
+A message names the field and says what to change. Anything that is not an ``RLHFError`` is an internal error: its
+details go to the log, not to the client.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fastapi import FastAPI
+
+    from rlhf.serving.metrics import ServiceMetrics
+
+log = logging.getLogger("rlhf.serving")
+
+
+class RLHFError(Exception):
+    """Base class: a message for the client and, when known, the request field at fault (``items[0].prompt``)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+    @property
+    def kind(self) -> str:
+        """snake_case name of the class: the ``type`` in HTTP error bodies and the ``kind`` label of error metrics."""
+        return re.sub(r"(?<!^)(?=[A-Z])", "_", type(self).__name__).lower()
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgument(RLHFError):
+    """The request is wrong (empty, too long, out-of-vocab ids, bad values)."""
+
+
+class RequestValidationFailed(InvalidArgument):
+    """An HTTP body that does not match the schema (pydantic): 422, as FastAPI users expect."""
+
+
+class ResourceExhausted(RLHFError):
+    """Too many requests / queue full (429)."""
+
+
+class PayloadTooLarge(ResourceExhausted):
+    """A message or body larger than the configured limit (413)."""
+
+
+class Unauthenticated(RLHFError):
+    """No token, or a token that does not match (401)."""
+
+
+class PermissionDenied(RLHFError):
+    """The call is not allowed on this server (for example: no RLHF_API_TOKEN configured, so admin calls are off)."""
+
+
+class NotReady(RLHFError):
+    """The service is starting (model loading) or shutting down: retry later (503 / UNAVAILABLE)."""
+
+
+class FailedPrecondition(RLHFError):
+    """The request conflicts with the server state (stale weights version, paused trainer): 409."""
+
+
+class NotFound(RLHFError):
+    """An unknown resource (scorer, checkpoint, version)."""
+
+
+class DeadlineExceeded(RLHFError):
+    """The work did not finish in time (504)."""
+
+
+class Internal(RLHFError):
+    """A bug or an unexpected failure inside the service (500)."""
+
+
+# The one table: domain error -> (gRPC status code, HTTP status). Looked up along the MRO, so a subclass
+# defined elsewhere inherits its parent's row.
+ERROR_TABLE: dict[type[RLHFError], tuple[grpc.StatusCode, int]] = {
+    RLHFError: (grpc.StatusCode.INTERNAL, 500),
+    InvalidArgument: (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    RequestValidationFailed: (grpc.StatusCode.INVALID_ARGUMENT, 422),
+    ResourceExhausted: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+    PayloadTooLarge: (grpc.StatusCode.RESOURCE_EXHAUSTED, 413),
+    Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, 401),
+    PermissionDenied: (grpc.StatusCode.PERMISSION_DENIED, 403),
+    NotReady: (grpc.StatusCode.UNAVAILABLE, 503),
+    FailedPrecondition: (grpc.StatusCode.FAILED_PRECONDITION, 409),
+    NotFound: (grpc.StatusCode.NOT_FOUND, 404),
+    DeadlineExceeded: (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+    Internal: (grpc.StatusCode.INTERNAL, 500),
+}
+
+
+def status_for(err: BaseException) -> tuple[grpc.StatusCode, int]:
+    """(gRPC code, HTTP status) of an exception; anything that is not an RLHFError is INTERNAL/500."""
+    for cls in type(err).__mro__:
+        if cls in ERROR_TABLE:
+            return ERROR_TABLE[cls]
+    return grpc.StatusCode.INTERNAL, 500
+
+
+def as_rlhf_error(err: BaseException) -> RLHFError:
+    """Wrap a foreign exception as Internal (logged with its traceback; the client sees a generic message)."""
+    if isinstance(err, RLHFError):
+        return err
+    log.exception("internal error", exc_info=err)
+    return Internal(f"internal error ({type(err).__name__}); see the service log")
+
+
+def error_body(err: RLHFError) -> dict[str, Any]:
+    """The OpenAI-like HTTP error body."""
+    _, http_status = status_for(err)
+    return {"error": {"type": err.kind, "message": err.message, "field": err.field, "code": http_status}}
+
+
+def grpc_details(err: RLHFError) -> str:
+    return f"{err.message} (field: {err.field})" if err.field and err.field not in err.message else err.message
+
+
+# ----------------------------------------------------------------------------------------------------------------- gRPC
+
+
+async def abort_grpc(context: grpc.aio.ServicerContext, err: BaseException) -> None:
+    """Abort a grpc.aio call with the code of ``err`` (never returns: ``context.abort`` raises)."""
+    rerr = as_rlhf_error(err)
+    code, _ = status_for(rerr)
+    if rerr.field:
+        context.set_trailing_metadata((("rlhf-error-field", rerr.field),))
+    await context.abort(code, grpc_details(rerr))
+
+
+def grpc_errors(metrics: ServiceMetrics | None = None, method: str | None = None) -> Callable:
+    """Decorator for async servicer methods: RLHFError -> abort with its code; other exceptions -> INTERNAL.
+
+    With ``metrics`` it also records the request count, latency and errors (protocol ``grpc``)::
+
+        class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
+            @grpc_errors(metrics, "Score")
+            async def Score(self, request, context): ...
+
+    Unary-unary and stream-unary methods are supported (the request may be an async iterator).
+    """
+
+    def deco(fn: Callable) -> Callable:
+        name = method or fn.__name__
+        if not inspect.iscoroutinefunction(fn):
+            raise TypeError(f"grpc_errors wraps async servicer methods; {fn.__qualname__} is not async")
+
+        @functools.wraps(fn)
+        async def wrapper(self, request, context):
+            t0 = time.perf_counter()
+            code = "OK"
+            try:
+                return await fn(self, request, context)
+            except RLHFError as err:
+                code = status_for(err)[0].name
+                if metrics is not None:
+                    metrics.count_error(err.kind)
+                await abort_grpc(context, err)
+            except Exception as err:  # noqa: BLE001 - everything else is internal
+                # context.abort raises an AbortError; let it through untouched.
+                if type(err).__name__ == "AbortError" or isinstance(err, grpc.aio.AbortError):
+                    code = "ABORTED_BY_HANDLER"
+                    raise
+                code = "INTERNAL"
+                if metrics is not None:
+                    metrics.count_error("internal")
+                await abort_grpc(context, err)
+            finally:
+                if metrics is not None:
+                    metrics.observe_request(name, "grpc", time.perf_counter() - t0, code)
+
+        return wrapper
+
+    return deco
+
+
+# ----------------------------------------------------------------------------------------------------------------- HTTP
+
+
+def _loc_to_field(loc: tuple | list) -> str:
+    """pydantic ``('body', 'items', 0, 'prompt')`` -> ``items[0].prompt``."""
+    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        else:
+            out += ("." if out else "") + str(p)
+    return out or "body"
+
+
+def validation_error_from_pydantic(errors: list[dict[str, Any]]) -> RequestValidationFailed:
+    """FastAPI/pydantic validation errors -> one RequestValidationFailed naming the first bad field."""
+    msgs = []
+    for e in errors[:5]:
+        field = _loc_to_field(e.get("loc", ()))
+        if e.get("type") == "extra_forbidden":
+            msgs.append(f"{field}: unknown field; remove it (see /openapi.json for the accepted fields)")
+        elif e.get("type") == "json_invalid":
+            msgs.append(f"{field}: the body is not valid JSON; send a JSON object")
+        else:
+            msgs.append(f"{field}: {e.get('msg', 'invalid value')}")
+    first = _loc_to_field(errors[0].get("loc", ())) if errors else "body"
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return RequestValidationFailed("; ".join(msgs) + more, field=first)
+
+
+def http_error_response(err: BaseException):
+    """A JSONResponse with the error body and status for ``err``."""
+    from fastapi.responses import JSONResponse
+
+    rerr = as_rlhf_error(err)
+    _, http_status = status_for(rerr)
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(rerr, Unauthenticated) else None
+    return JSONResponse(error_body(rerr), status_code=http_status, headers=headers)
+
+
+def install_http_errors(app: FastAPI, metrics: ServiceMetrics | None = None) -> None:
+    """Exception handlers: RLHFError -> its status; body validation -> 422; HTTPException -> same shape; else 500."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    def _count(err: RLHFError) -> None:
+        if metrics is not None:
+            metrics.count_error(err.kind)
+
+    async def on_rlhf(request, exc: RLHFError):
+        _count(exc)
+        return http_error_response(exc)
+
+    async def on_validation(request, exc: RequestValidationError):
+        err = validation_error_from_pydantic(list(exc.errors()))
+        _count(err)
+        return http_error_response(err)
+
+    async def on_http(request, exc: StarletteHTTPException):
+        by_status = {cls_status: cls for cls, (_, cls_status) in ERROR_TABLE.items() if cls is not RLHFError}
+        cls = by_status.get(exc.status_code)
+        if exc.status_code == 405:
+            err: RLHFError = InvalidArgument(f"method {request.method} is not allowed on {request.url.path}")
+            body = error_body(err)
+            body["error"]["code"] = 405
+            from fastapi.responses import JSONResponse
+
+            return JSONResponse(body, status_code=405)
+        if cls is None:
+            cls = InvalidArgument if exc.status_code < 500 else Internal
+        err = cls(str(exc.detail))
+        resp = http_error_response(err)
+        resp.status_code = exc.status_code
+        return resp
+
+    async def on_other(request, exc: Exception):
+        err = as_rlhf_error(exc)
+        _count(err)
+        return http_error_response(err)
+
+    app.add_exception_handler(RLHFError, on_rlhf)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_other)

@@ -1,0 +1,184 @@
+"""The FastAPI base every service's ``build_app`` starts from.
+
+``create_app(name, settings, metrics)`` returns a FastAPI app with:
+
+- ``GET /healthz`` (alive: 200), ``GET /readyz`` (200 when ready, else 503), ``GET /metrics`` (Prometheus text);
+- the error handlers of :mod:`rlhf.serving.errors` (``{"error": {"type", "message", "field", "code"}}``);
+- a body-size limit: a request whose ``Content-Length`` (or streamed body) exceeds ``settings.max_body_bytes`` gets
+  413 before the body is read;
+- request counting and latency per route (protocol ``http``).
+
+Readiness comes from ``app.state.readiness`` (a callable returning bool); :class:`ServiceRunner.set_http_app`
+points it at the runner.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Response
+from fastapi.responses import JSONResponse
+
+from rlhf.serving.errors import PayloadTooLarge, error_body, install_http_errors
+from rlhf.serving.metrics import ServiceMetrics
+from rlhf.serving.settings import ServiceSettings
+
+HEALTH_PATHS = ("/healthz", "/readyz", "/metrics")
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI middleware: 413 for bodies over ``max_bytes``, decided from Content-Length before reading.
+
+    Without a Content-Length (chunked), the body is buffered up to the limit and refused as soon as it passes it.
+    """
+
+    def __init__(self, app: Any, max_bytes: int, metrics: ServiceMetrics | None = None):
+        self.app = app
+        self.max_bytes = max_bytes
+        self.metrics = metrics
+
+    async def _refuse(self, send: Callable, declared: int | None) -> None:
+        size = f"{declared} bytes" if declared is not None else "more"
+        err = PayloadTooLarge(
+            f"request body is {size}, over the limit of {self.max_bytes} bytes; send smaller batches "
+            "(or raise RLHF_MAX_BODY_BYTES on the server)",
+            field="body",
+        )
+        if self.metrics is not None:
+            self.metrics.count_error(err.kind)
+        body = json.dumps(error_body(err)).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = None
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    declared = None
+                break
+        if declared is not None:
+            if declared > self.max_bytes:
+                await self._refuse(send, declared)
+                return
+            await self.app(scope, receive, send)
+            return
+        # No Content-Length: read (bounded), then replay.
+        chunks, total = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            data = msg.get("body", b"")
+            total += len(data)
+            if total > self.max_bytes:
+                await self._refuse(send, None)
+                return
+            chunks.append(data)
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay() -> dict:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+class MetricsMiddleware:
+    """Counts requests and latency per route template (unknown paths are one label: ``other``)."""
+
+    def __init__(self, app: Any, metrics: ServiceMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("path") in HEALTH_PATHS:
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_wrapper(msg: dict) -> None:
+            if msg["type"] == "http.response.start":
+                status["code"] = msg["status"]
+            await send(msg)
+
+        gauge = self.metrics.inflight.labels(self.metrics.name, "http")
+        gauge.inc()
+        t0 = time.perf_counter()
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            gauge.dec()
+            route = scope.get("route")
+            method = getattr(route, "path", None) or "other"
+            self.metrics.observe_request(method, "http", time.perf_counter() - t0, status["code"])
+
+
+async def _call_readiness(fn: Callable[[], Any] | None) -> bool:
+    if fn is None:
+        return True
+    r = fn()
+    if inspect.isawaitable(r):
+        r = await r
+    return bool(r)
+
+
+def create_app(
+    name: str,
+    settings: ServiceSettings,
+    metrics: ServiceMetrics | None = None,
+    *,
+    title: str | None = None,
+    description: str = "",
+    version: str = "1",
+    readiness: Callable[[], Any] | None = None,
+) -> FastAPI:
+    """A FastAPI app with health, readiness, metrics, error mapping and the body-size limit."""
+    metrics = metrics or ServiceMetrics(name)
+    app = FastAPI(title=title or f"rlhf {name}", description=description, version=version)
+    app.state.service_name = name
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.readiness = readiness
+    app.state.not_ready_reason = "starting"
+    install_http_errors(app, metrics)
+    # Starlette runs the last added middleware first: the body limit sees the request before anything else.
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, metrics=metrics)
+
+    @app.get("/healthz", tags=["health"], summary="liveness: 200 while the process runs")
+    async def healthz() -> dict[str, str]:
+        return {"status": "alive", "service": name}
+
+    @app.get("/readyz", tags=["health"], summary="readiness: 200 when ready to serve, else 503",
+             responses={503: {"description": "not ready (starting, loading, or shutting down)"}})  # fmt: skip
+    async def readyz():
+        if await _call_readiness(app.state.readiness):
+            return {"status": "ready", "service": name}
+        reason = getattr(app.state, "not_ready_reason", "") or "not ready"
+        return JSONResponse({"status": "not ready", "service": name, "reason": reason}, status_code=503)
+
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics (text format)",
+             response_class=Response)  # fmt: skip
+    async def prometheus_metrics() -> Response:
+        body, ctype = metrics.render()
+        return Response(content=body, media_type=ctype)
+
+    return app

@@ -1,0 +1,81 @@
+"""Prometheus metrics of one service, in its own CollectorRegistry (several services can live in one test process).
+
+Names (all labelled with ``service``):
+
+- ``rlhf_requests_total{method, protocol, code}`` and ``rlhf_request_seconds{method, protocol}`` (histogram)
+- ``rlhf_batch_size{method}`` (histogram of items per request)
+- ``rlhf_tokens_total{kind}`` (prompt / response / generated tokens processed)
+- ``rlhf_errors_total{kind}`` (domain error kinds: invalid_argument, payload_too_large, scorer_error, ...)
+- ``rlhf_ready`` (1 when the service reports ready)
+- ``rlhf_inflight_requests{protocol}``
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class ServiceMetrics:
+    """The metrics of one service. ``render()`` gives the Prometheus text exposition."""
+
+    def __init__(self, name: str, registry: CollectorRegistry | None = None):
+        self.name = name
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("rlhf_requests", "requests handled", ["service", "method", "protocol", "code"],
+                                registry=r)  # fmt: skip
+        self.latency = Histogram("rlhf_request_seconds", "request latency in seconds",
+                                 ["service", "method", "protocol"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.batch = Histogram("rlhf_batch_size", "items per request", ["service", "method"], buckets=BATCH_BUCKETS,
+                               registry=r)  # fmt: skip
+        self.tokens = Counter("rlhf_tokens", "tokens processed", ["service", "kind"], registry=r)
+        self.errors = Counter("rlhf_errors", "errors by kind", ["service", "kind"], registry=r)
+        self.ready = Gauge("rlhf_ready", "1 when the service is ready", ["service"], registry=r)
+        self.inflight = Gauge("rlhf_inflight_requests", "requests in progress", ["service", "protocol"], registry=r)
+        self.ready.labels(name).set(0)
+
+    def observe_request(self, method: str, protocol: str, seconds: float, code: str | int) -> None:
+        self.requests.labels(self.name, method, protocol, str(code)).inc()
+        self.latency.labels(self.name, method, protocol).observe(seconds)
+
+    def observe_batch(self, method: str, size: int) -> None:
+        self.batch.labels(self.name, method).observe(size)
+
+    def add_tokens(self, kind: str, n: int) -> None:
+        if n:
+            self.tokens.labels(self.name, kind).inc(n)
+
+    def count_error(self, kind: str, n: int = 1) -> None:
+        if n:
+            self.errors.labels(self.name, kind).inc(n)
+
+    def set_ready(self, ready: bool) -> None:
+        self.ready.labels(self.name).set(1 if ready else 0)
+
+    @contextlib.contextmanager
+    def track(self, method: str, protocol: str) -> Iterator[dict]:
+        """Time a block; set ``box["code"]`` inside to record the outcome (default ``OK``)."""
+        box: dict = {"code": "OK"}
+        g = self.inflight.labels(self.name, protocol)
+        g.inc()
+        t0 = time.perf_counter()
+        try:
+            yield box
+        except BaseException:
+            if box["code"] == "OK":
+                box["code"] = "ERROR"
+            raise
+        finally:
+            g.dec()
+            self.observe_request(method, protocol, time.perf_counter() - t0, box["code"])
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) of the Prometheus text format."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,139 @@
+"""Service settings from ``RLHF_*`` environment variables (CLI flags override them).
+
+The experiment config (``--config``) says *what* to run; these settings say *where and how* to serve it, so the same
+image runs under docker compose, Helm and ``rlhf up``. ``KNOWN_ENV_VARS`` lists every variable the project reads;
+the deployment tests check that the chart sets nothing else, and start-up warns about unknown ``RLHF_*`` names
+(a typo such as ``RLHF_GRPC_PROT`` would otherwise be silently ignored).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+log = logging.getLogger("rlhf.serving")
+
+ENV_PREFIX = "RLHF_"
+MiB = 1024 * 1024
+
+
+class ServiceSettings(BaseModel):
+    """Where and how one service process serves. Field ``x`` comes from ``RLHF_X``."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    host: str = Field("0.0.0.0", description="address both servers bind")
+    grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
+    http_port: int = Field(8000, ge=0, le=65535, description="HTTP (REST) port (0: any free port)")
+    api_token: str | None = Field(None, repr=False, description="bearer token for weight sync and admin calls")
+    config: str | None = Field(None, description="experiment config YAML (also --config)")
+    tls_cert: str | None = Field(None, description="PEM certificate: serve gRPC and HTTP over TLS (with tls_key)")
+    tls_key: str | None = Field(None, repr=False, description="PEM private key for tls_cert")
+    max_message_bytes: int = Field(64 * MiB, gt=0, description="largest gRPC message received (and sent)")
+    max_body_bytes: int = Field(8 * MiB, gt=0, description="largest HTTP request body; larger gets 413")
+    shutdown_grace_s: float = Field(10.0, ge=0, description="seconds in-flight requests get after SIGTERM")
+    log_level: str = Field("info", description="debug, info, warning, error")
+    device: str | None = Field(None, description="override the config's device: auto, cpu, cuda, npu")
+    redis_url: str | None = Field(None, repr=False, description="redis://[:password@]host:port/db")
+    run_id: str | None = Field(None, description="override the config's run_id (names the Redis keys)")
+    reward_addr: str | None = Field(None, description="host:port of the reward service's gRPC server")
+    reference_addr: str | None = Field(None, description="host:port of the reference service's gRPC server")
+    rollout_addrs: list[str] = Field([], description="host:port of each rollout replica's gRPC server (comma list)")
+    replica_id: str | None = Field(None, description="this replica's name (default: hostname-pid)")
+
+    @field_validator("rollout_addrs", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [a.strip() for a in v.split(",") if a.strip()]
+        return v
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        v = v.lower()
+        if v not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError("must be debug, info, warning, error or critical")
+        return v
+
+    @field_validator("tls_cert", "tls_key", "api_token", "config", "device", "redis_url", "run_id", "replica_id",
+                     "reward_addr", "reference_addr", mode="before")  # fmt: skip
+    @classmethod
+    def _empty_is_none(cls, v: Any) -> Any:
+        return None if v == "" else v
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert and self.tls_key)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ServiceSettings:
+        """Read ``RLHF_*`` from ``env`` (default ``os.environ``); ``overrides`` (CLI flags) win; ``None`` means unset.
+
+        Raises ``ValueError`` naming the variable when a value is invalid.
+        """
+        env = os.environ if env is None else env
+        data: dict[str, Any] = {}
+        for name in cls.model_fields:
+            key = ENV_PREFIX + name.upper()
+            if key in env:
+                data[name] = env[key]
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        try:
+            settings = cls.model_validate(data)
+        except ValidationError as err:
+            lines = []
+            for e in err.errors():
+                name = str(e["loc"][0]) if e["loc"] else "?"
+                src = "flag --" + name.replace("_", "-") if name in overrides else ENV_PREFIX + name.upper()
+                lines.append(f"{src}: {e['msg']}")
+            raise ValueError("invalid service settings: " + "; ".join(lines)) from None
+        if bool(settings.tls_cert) != bool(settings.tls_key):
+            raise ValueError("invalid service settings: set both RLHF_TLS_CERT and RLHF_TLS_KEY (or neither)")
+        return settings
+
+
+# Variables read by the library outside ServiceSettings (documented where they are used).
+LIBRARY_ENV_VARS = (
+    "RLHF_CACHE_DIR",  # rlhf.models: where tiny models are built
+    "RLHF_ENABLE_NPU",  # rlhf.models: device auto may pick npu
+)
+
+# Every RLHF_* variable the project reads. Deployment files must set nothing else.
+KNOWN_ENV_VARS: tuple[str, ...] = tuple(ENV_PREFIX + n.upper() for n in ServiceSettings.model_fields) + LIBRARY_ENV_VARS
+
+
+def register_env_var(name: str) -> None:
+    """Let another module of the library declare a variable it reads (so start-up does not warn about it)."""
+    global KNOWN_ENV_VARS
+    if not name.startswith(ENV_PREFIX):
+        raise ValueError(f"{name} must start with {ENV_PREFIX}")
+    if name not in KNOWN_ENV_VARS:
+        KNOWN_ENV_VARS = (*KNOWN_ENV_VARS, name)
+
+
+def unknown_env_vars(env: Mapping[str, str] | None = None) -> list[str]:
+    """``RLHF_*`` variables set in ``env`` that nothing reads (typos, stale deployment values)."""
+    env = os.environ if env is None else env
+    ignore = ("RLHF_TEST_", "RLHF_PARITY_")  # test-suite knobs
+    return sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in KNOWN_ENV_VARS and not k.startswith(ignore))
+
+
+def warn_unknown_env_vars(env: Mapping[str, str] | None = None) -> list[str]:
+    unknown = unknown_env_vars(env)
+    for k in unknown:
+        log.warning("unknown environment variable %s is ignored (known: %s)", k, ", ".join(KNOWN_ENV_VARS))
+    return unknown
+
+
+def configure_logging(level: str = "info") -> None:
+    """One-line log format for every service process."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    logging.getLogger().setLevel(getattr(logging, level.upper(), logging.INFO))
