@@ -1,0 +1,234 @@
+"""The ``rlhf`` command.
+
+Servers::
+
+    rlhf serve reward --config configs/demo.yaml --http-port 8001 --grpc-port 50052
+    rlhf serve reference|rollout|trainer --config FILE [--host H] [--grpc-port N] [--http-port N]
+
+Clients (call a running service over REST, print JSON)::
+
+    rlhf score --url http://127.0.0.1:8001 --prompt "what is 1 plus 2?" --response "3" --label 3
+    rlhf logprobs --url http://127.0.0.1:8002 --prompt-ids 5,6,7 --response-ids 8,9
+    rlhf generate --url http://127.0.0.1:8000 "what is 1 plus 2?" --max-tokens 8
+
+Only this module (and the launcher) knows every service: ``serve NAME`` imports ``services.NAME.main`` lazily and
+calls ``serve(config_path, settings)`` (a coroutine function, or a plain function that blocks until stopped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import inspect
+import json
+import logging
+import os
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+SERVICES = ("rollout", "reward", "reference", "trainer")
+
+log = logging.getLogger("rlhf.cli")
+
+
+# ------------------------------------------------------------ serve
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from rlhf.serving import ServiceSettings, configure_logging, warn_unknown_env_vars
+
+    try:
+        settings = ServiceSettings.from_env(
+            host=args.host,
+            grpc_port=args.grpc_port,
+            http_port=args.http_port,
+            config=args.config,
+            log_level=args.log_level,
+            device=args.device,
+        )
+    except ValueError as err:
+        print(f"rlhf serve: {err}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    warn_unknown_env_vars()
+    if not settings.config:
+        print("rlhf serve: give --config FILE (or set RLHF_CONFIG)", file=sys.stderr)
+        return 2
+    if not os.path.isfile(settings.config):
+        print(f"rlhf serve: config file {settings.config} does not exist", file=sys.stderr)
+        return 2
+    module_name = f"services.{args.service}.main"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and module_name.startswith(err.name):
+            print(f"rlhf serve: the {args.service} service is not available in this installation "
+                  f"({module_name} is missing)", file=sys.stderr)  # fmt: skip
+            return 2
+        raise
+    serve = getattr(module, "serve", None)
+    if serve is None:
+        print(f"rlhf serve: {module_name} has no serve(config_path, settings)", file=sys.stderr)
+        return 2
+    from rlhf.config import ConfigError
+
+    try:
+        result = serve(settings.config, settings)
+        if inspect.iscoroutine(result):
+            asyncio.run(result)
+    except ConfigError as err:
+        print(f"rlhf serve: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        if "cannot bind" in str(err):
+            print(f"rlhf serve: {err}", file=sys.stderr)
+            return 1
+        raise
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+# ------------------------------------------------------------ clients
+
+
+def _post(url: str, path: str, body: dict[str, Any], token: str | None, timeout: float) -> int:
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            out = json.loads(resp.read() or b"null")
+            code = 0
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        try:
+            out = json.loads(raw)
+        except ValueError:
+            out = {"error": {"type": "http_error", "message": raw.decode(errors="replace"), "code": err.code}}
+        code = 1
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+        reason = getattr(err, "reason", err)
+        print(f"cannot reach {url}: {reason}", file=sys.stderr)
+        return 1
+    print(json.dumps(out, indent=2))
+    return code
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", ",").split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _score(args: argparse.Namespace) -> int:
+    if len(args.prompt) != len(args.response):
+        print("rlhf score: give one --response per --prompt", file=sys.stderr)
+        return 2
+    if args.label and len(args.label) != len(args.prompt):
+        print("rlhf score: give one --label per --prompt (or none)", file=sys.stderr)
+        return 2
+    items = []
+    for i, (p, r) in enumerate(zip(args.prompt, args.response, strict=True)):
+        item: dict[str, Any] = {"prompt": p, "response": r}
+        if args.label:
+            item["label"] = args.label[i]
+        items.append(item)
+    return _post(args.url, "/v1/score", {"items": items}, args.token, args.timeout)
+
+
+def _logprobs(args: argparse.Namespace) -> int:
+    if len(args.prompt_ids) != len(args.response_ids):
+        print("rlhf logprobs: give one --response-ids per --prompt-ids", file=sys.stderr)
+        return 2
+    items = [{"prompt_ids": p, "response_ids": r} for p, r in zip(args.prompt_ids, args.response_ids, strict=True)]
+    body: dict[str, Any] = {"items": items}
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
+    return _post(args.url, "/v1/logprobs", body, args.token, args.timeout)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"prompt": args.prompt if len(args.prompt) > 1 else args.prompt[0],
+                            "max_tokens": args.max_tokens, "n": args.n, "return_token_ids": True}  # fmt: skip
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
+    if args.seed is not None:
+        body["seed"] = args.seed
+    if args.logprobs:
+        body["logprobs"] = 1
+    if args.model:
+        body["model"] = args.model
+    return _post(args.url, "/v1/completions", body, args.token, args.timeout)
+
+
+# ------------------------------------------------------------ parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rlhf",
+        description="RLHF as microservices: run a service, or call a running one over REST.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Service settings also come from RLHF_* environment variables (flags win); see README 'Services'.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    s = sub.add_parser("serve", help="run a service (gRPC + HTTP) until SIGTERM/SIGINT",
+                       description="Run one service: a gRPC server and an HTTP (REST) server in one process. "
+                                   "GET /healthz, /readyz, /metrics and /docs on the HTTP port.")  # fmt: skip
+    s.add_argument("service", choices=SERVICES, help="which service")
+    s.add_argument("--config", help="experiment config YAML (default $RLHF_CONFIG)")
+    s.add_argument("--host", help="bind address (default $RLHF_HOST or 0.0.0.0)")
+    s.add_argument("--grpc-port", type=int, help="gRPC port (default $RLHF_GRPC_PORT or 50051)")
+    s.add_argument("--http-port", type=int, help="HTTP port (default $RLHF_HTTP_PORT or 8000)")
+    s.add_argument("--device", help="override the config's device: auto, cpu, cuda, npu (default $RLHF_DEVICE)")
+    s.add_argument("--log-level", help="debug, info, warning, error (default $RLHF_LOG_LEVEL or info)")
+    s.set_defaults(func=_serve)
+
+    def client(name: str, help_: str, default_port: int) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, help=help_, description=help_ + "; prints the JSON answer (exit 1 on an error).")
+        c.add_argument("--url", default=f"http://127.0.0.1:{default_port}",
+                       help="service base URL (default %(default)s)")  # fmt: skip
+        c.add_argument("--token", default=os.environ.get("RLHF_API_TOKEN"),
+                       help="bearer token (default $RLHF_API_TOKEN)")  # fmt: skip
+        c.add_argument("--timeout", type=float, default=60.0, help="seconds (default %(default)s)")
+        return c
+
+    c = client("score", "score prompt/response pairs with a reward service (POST /v1/score)", 8001)
+    c.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    c.add_argument("--response", action="append", required=True, help="response text, one per --prompt")
+    c.add_argument("--label", action="append", help="reference answer, one per --prompt (rule scorers)")
+    c.set_defaults(func=_score)
+
+    c = client("logprobs", "per-token reference log-probs of responses (POST /v1/logprobs)", 8002)
+    c.add_argument("--prompt-ids", action="append", type=_ids, required=True, help="comma-separated token ids")
+    c.add_argument("--response-ids", action="append", type=_ids, required=True, help="comma-separated token ids")
+    c.add_argument("--temperature", type=float, help="default: the service's configured temperature")
+    c.set_defaults(func=_logprobs)
+
+    c = client("generate", "generate completions with a rollout service (POST /v1/completions)", 8000)
+    c.add_argument("prompt", nargs="+", help="prompt text(s)")
+    c.add_argument("--max-tokens", type=int, default=16, help="new tokens per sample (default %(default)s)")
+    c.add_argument("--n", type=int, default=1, help="samples per prompt (default %(default)s)")
+    c.add_argument("--temperature", type=float, help="sampling temperature (default the service's)")
+    c.add_argument("--seed", type=int, help="makes sampling reproducible")
+    c.add_argument("--logprobs", action="store_true", help="return per-token sampling log-probs")
+    c.add_argument("--model", help="model name (accepted for OpenAI compatibility)")
+    c.set_defaults(func=_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
