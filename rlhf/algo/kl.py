@@ -28,7 +28,9 @@ def kl_estimate(
         canonical = KL_ESTIMATORS[kind]
     except KeyError:
         raise ValueError(f"unknown KL estimator {kind!r}; expected one of {sorted(KL_ESTIMATORS)}") from None
-    log_ratio = logprobs.float() - ref_logprobs.float()
+    # At least float32 (bf16 log ratios are too coarse), but never downcast float64 inputs.
+    dtype = torch.promote_types(torch.promote_types(logprobs.dtype, ref_logprobs.dtype), torch.float32)
+    log_ratio = logprobs.to(dtype) - ref_logprobs.to(dtype)
     if canonical == "k1":
         kl = log_ratio
     elif canonical == "k2":

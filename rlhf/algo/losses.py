@@ -56,6 +56,8 @@ def ppo_policy_loss(
         raise ValueError(f"clip_ratio must be in [0, 1), got {clip_ratio}")
     eps_high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     mask = mask.bool()
+    # The gradient flows through ``logprobs`` only, even if a caller's old log-probs or advantages carry a graph.
+    old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
