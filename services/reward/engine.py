@@ -1,0 +1,429 @@
+"""The reward service's state: the scorers of ``reward.scorers``, combined by weight.
+
+- ``model``: a one-label sequence-classification reward model; the prompt and response go through the tokenizer's
+  chat template when it has one (user = prompt, assistant = response); the score is the head's output at the last
+  token. Batched by length in micro-batches of ``reward.micro_batch_size``.
+- ``rule``: a function from :mod:`services.reward.rules` (``math_answer``, ``exact_match``, ``regex``, ``length``,
+  ``format``) or a user ``module:function``.
+- ``remote``: HTTP POST in OpenRLHF's ``/get_reward`` format with a timeout and bounded retries.
+
+Every item gets a score or an error status: a scorer that fails for an item makes that item's status an error
+(``scorer_error``, ``timeout`` or ``invalid_input``), never a score of 0. A request that is malformed as a whole
+(no items, an empty prompt, a text over the limits, a sequence longer than the reward model's context) raises
+:class:`InvalidArgument` naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf.config import ExperimentConfig, ScorerConfig
+from rlhf.serving import InvalidArgument, NotReady, ServiceMetrics
+from services.reward import rules
+
+log = logging.getLogger("rlhf.reward")
+
+OK, INVALID_INPUT, SCORER_ERROR, TIMEOUT = "ok", "invalid_input", "scorer_error", "timeout"
+STATUSES = (OK, INVALID_INPUT, SCORER_ERROR, TIMEOUT)
+# When several scorers fail for one item, the item reports the most telling status.
+_SEVERITY = {OK: 0, TIMEOUT: 1, SCORER_ERROR: 2, INVALID_INPUT: 3}
+
+MAX_ITEMS = 4096
+MAX_TEXT_CHARS = 1_000_000
+MAX_IDS = 131_072
+
+
+@dataclass
+class Item:
+    prompt: str
+    response: str
+    label: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    finished: bool = True
+
+
+@dataclass
+class Failure:
+    status: str
+    message: str
+
+
+@dataclass
+class ScoreOutcome:
+    score: float | None
+    status: str = OK
+    error: str = ""
+    components: dict[str, float] = field(default_factory=dict)
+    failed_scorer: str = ""
+
+
+# ------------------------------------------------------------------------------------------------------------ scorers
+
+
+class Scorer:
+    type = "?"
+
+    def __init__(self, cfg: ScorerConfig, name: str):
+        self.cfg = cfg
+        self.name = name
+        self.weight = cfg.weight
+
+    def load(self) -> None:
+        """Blocking set-up (model loading); called once before serving."""
+
+    def validate(self, items: list[Item]) -> None:
+        """Raise InvalidArgument for a request this scorer can never score (before any work is done)."""
+
+    async def score(self, items: list[Item]) -> list[float | Failure]:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "type": self.type, "weight": self.weight}
+
+
+class RuleScorer(Scorer):
+    type = "rule"
+
+    def __init__(self, cfg: ScorerConfig, name: str, count_tokens=None):
+        super().__init__(cfg, name)
+        self.fn = rules.resolve_rule(cfg.name or "")
+        self.kwargs = dict(cfg.kwargs)
+        rules.check_kwargs(self.fn, self.kwargs, cfg.name or "")
+        self.wants_sample = rules.accepts_sample(self.fn)
+        self.count_tokens = count_tokens
+
+    def _one(self, it: Item) -> float | Failure:
+        kwargs = dict(self.kwargs)
+        if self.wants_sample:
+            kwargs["sample"] = rules.RuleSample(it.prompt, it.response, it.label, it.prompt_ids, it.response_ids,
+                                                it.finished, self.count_tokens)  # fmt: skip
+        try:
+            value = self.fn(it.prompt, it.response, it.label, **kwargs)
+        except rules.RuleInputError as err:
+            return Failure(INVALID_INPUT, f"scorer {self.name!r}: {err}")
+        except Exception as err:  # noqa: BLE001 - a user function may raise anything
+            return Failure(SCORER_ERROR, f"scorer {self.name!r} raised {type(err).__name__}: {err}")
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return Failure(SCORER_ERROR, f"scorer {self.name!r} returned {type(value).__name__}, not a number")
+        if not math.isfinite(value):
+            return Failure(SCORER_ERROR, f"scorer {self.name!r} returned {value}")
+        return value
+
+    async def score(self, items: list[Item]) -> list[float | Failure]:
+        if len(items) <= 64:
+            return [self._one(it) for it in items]
+        return await asyncio.to_thread(lambda: [self._one(it) for it in items])
+
+
+class ModelScorer(Scorer):
+    type = "model"
+
+    def __init__(self, cfg: ScorerConfig, name: str, device: str, micro_batch_size: int):
+        super().__init__(cfg, name)
+        self.device_name = device
+        self.micro_batch_size = micro_batch_size
+        self.model = None
+        self.tokenizer = None
+        self.max_len = 0
+        self._lock = threading.Lock()
+
+    def load(self) -> None:
+        from rlhf.models import load_sequence_classifier, load_tokenizer, resolve_model_path
+
+        path = resolve_model_path(self.cfg.load or "")
+        self.tokenizer = load_tokenizer(path)
+        self.model = load_sequence_classifier(path, device=self.device_name).eval()
+        self.max_len = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.vocab = int(self.model.config.vocab_size)
+        log.info("reward model %s loaded from %s on %s", self.name, path, self.model.device)
+
+    def _text(self, it: Item) -> str | None:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            msgs = [{"role": "user", "content": it.prompt}, {"role": "assistant", "content": it.response}]
+            return tok.apply_chat_template(msgs, tokenize=False)
+        return None
+
+    def encode(self, it: Item) -> list[int]:
+        tok = self.tokenizer
+        if not it.prompt and it.prompt_ids:  # token ids only: used as is (they must be the reward model's ids)
+            return list(it.prompt_ids) + list(it.response_ids)
+        text = self._text(it)
+        if text is not None:
+            return tok(text, add_special_tokens=False)["input_ids"]
+        return tok(it.prompt + it.response)["input_ids"]
+
+    def validate(self, items: list[Item]) -> None:
+        if self.tokenizer is None:
+            return
+        for i, it in enumerate(items):
+            ids = self.encode(it)
+            if not ids:
+                raise InvalidArgument(f"items[{i}] encodes to no tokens; send a non-empty prompt", f"items[{i}].prompt")
+            if len(ids) > self.max_len:
+                raise InvalidArgument(
+                    f"items[{i}]: prompt + response is {len(ids)} tokens for the reward model {self.name!r}, which "
+                    f"accepts at most {self.max_len}; shorten the response (or the prompt)",
+                    f"items[{i}].response",
+                )
+            bad = [t for t in ids if not 0 <= t < self.vocab]
+            if bad:
+                raise InvalidArgument(
+                    f"items[{i}].prompt_ids/response_ids contain {bad[0]}, outside the reward model's vocabulary "
+                    f"[0, {self.vocab}); send text instead, or ids of this tokenizer",
+                    f"items[{i}].prompt_ids",
+                )
+
+    def _forward(self, seqs: list[list[int]]) -> list[float]:
+        import torch
+
+        from rlhf.models import score_head_outputs
+
+        pad = self.tokenizer.pad_token_id
+        out = [0.0] * len(seqs)
+        order = sorted(range(len(seqs)), key=lambda k: len(seqs[k]))
+        dev = self.model.device
+        with self._lock, torch.inference_mode():
+            for s in range(0, len(order), self.micro_batch_size):
+                idx = order[s : s + self.micro_batch_size]
+                width = max(len(seqs[k]) for k in idx)
+                batch = torch.full((len(idx), width), pad, dtype=torch.long)
+                for r, k in enumerate(idx):
+                    batch[r, : len(seqs[k])] = torch.tensor(seqs[k], dtype=torch.long)
+                values = score_head_outputs(self.model, batch.to(dev), pad).float().cpu()
+                for r, k in enumerate(idx):
+                    out[k] = float(values[r, len(seqs[k]) - 1])
+        return out
+
+    async def score(self, items: list[Item]) -> list[float | Failure]:
+        if self.model is None:
+            raise NotReady(f"reward model {self.name!r} is still loading; retry shortly")
+        seqs = [self.encode(it) for it in items]
+        try:
+            values = await asyncio.to_thread(self._forward, seqs)
+        except Exception as err:  # noqa: BLE001 - a model failure is an error status for every item
+            log.exception("reward model %s failed", self.name)
+            return [Failure(SCORER_ERROR, f"scorer {self.name!r} failed: {type(err).__name__}: {err}")] * len(items)
+        return [v if math.isfinite(v) else Failure(SCORER_ERROR, f"scorer {self.name!r} produced {v}") for v in values]
+
+
+class RemoteScorer(Scorer):
+    """OpenRLHF's remote reward protocol: POST ``{"query", "prompts", "labels"}`` -> ``{"rewards": [...]}``."""
+
+    type = "remote"
+
+    def __init__(self, cfg: ScorerConfig, name: str):
+        super().__init__(cfg, name)
+        self.url = cfg.url or ""
+        self.timeout = cfg.timeout_s
+        self.retries = cfg.retries
+        self._client = None
+
+    def _http(self):
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout))
+        return self._client
+
+    async def _call(self, body: dict[str, Any]) -> list[Any]:
+        resp = await asyncio.wait_for(self._http().post(self.url, json=body), timeout=self.timeout)
+        if resp.status_code >= 400:
+            raise _HTTPStatus(resp.status_code, resp.text[:200])
+        data = resp.json()
+        rewards = data.get("rewards") if isinstance(data, dict) else data
+        if not isinstance(rewards, list):
+            raise ValueError("the answer has no 'rewards' list")
+        return rewards
+
+    async def score(self, items: list[Item]) -> list[float | Failure]:
+        import httpx
+
+        body = {
+            "query": [it.prompt + it.response for it in items],
+            "prompts": [it.prompt for it in items],
+            "labels": [it.label for it in items],
+        }
+        last: Failure | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                await asyncio.sleep(min(2.0, 0.1 * 2 ** (attempt - 1)))
+            try:
+                rewards = await self._call(body)
+            except (TimeoutError, httpx.TimeoutException):
+                last = Failure(TIMEOUT, f"scorer {self.name!r}: {self.url} did not answer within {self.timeout}s "
+                                        f"({attempt + 1} attempt(s))")  # fmt: skip
+                continue
+            except _HTTPStatus as err:
+                last = Failure(SCORER_ERROR, f"scorer {self.name!r}: {self.url} answered HTTP {err.status}: {err.text}")
+                if err.status < 500 and err.status != 429:
+                    break  # the request itself is wrong: retrying will not help
+                continue
+            except (httpx.HTTPError, OSError) as err:
+                last = Failure(SCORER_ERROR, f"scorer {self.name!r}: cannot reach {self.url}: {type(err).__name__}")
+                continue
+            except ValueError as err:
+                last = Failure(SCORER_ERROR, f"scorer {self.name!r}: bad answer from {self.url}: {err}")
+                continue
+            if len(rewards) != len(items):
+                last = Failure(SCORER_ERROR, f"scorer {self.name!r}: {self.url} returned {len(rewards)} rewards for "
+                                             f"{len(items)} items")  # fmt: skip
+                continue
+            out: list[float | Failure] = []
+            for r in rewards:
+                try:
+                    v = float(r)
+                except (TypeError, ValueError):
+                    out.append(Failure(SCORER_ERROR, f"scorer {self.name!r}: reward {r!r} is not a number"))
+                    continue
+                out.append(v if math.isfinite(v) else Failure(SCORER_ERROR, f"scorer {self.name!r}: reward {v}"))
+            return out
+        assert last is not None
+        return [last] * len(items)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+class _HTTPStatus(Exception):
+    def __init__(self, status: int, text: str):
+        super().__init__(f"HTTP {status}")
+        self.status, self.text = status, text
+
+
+# ------------------------------------------------------------------------------------------------------------ engine
+
+
+class RewardEngine:
+    """Scores batches of (prompt, response[, label]) with the configured scorers."""
+
+    def __init__(self, cfg: ExperimentConfig, device: str | None = None, metrics: ServiceMetrics | None = None,
+                 max_items: int = MAX_ITEMS, max_text_chars: int = MAX_TEXT_CHARS):  # fmt: skip
+        self.cfg = cfg
+        self.metrics = metrics
+        self.max_items = max_items
+        self.max_text_chars = max_text_chars
+        self.device = device or "auto"
+        self._policy_tokenizer = None
+        self._tok_lock = threading.Lock()
+        self.scorers: list[Scorer] = []
+        seen: dict[str, int] = {}
+        for i, sc in enumerate(cfg.reward.scorers):
+            base = {"rule": (sc.name or "rule").rsplit(":", 1)[-1], "model": "model", "remote": "remote"}[sc.type]
+            seen[base] = seen.get(base, 0) + 1
+            name = base if seen[base] == 1 else f"{base}#{seen[base]}"
+            try:
+                if sc.type == "rule":
+                    self.scorers.append(RuleScorer(sc, name, count_tokens=self.count_policy_tokens))
+                elif sc.type == "model":
+                    self.scorers.append(ModelScorer(sc, name, self.device, cfg.reward.micro_batch_size))
+                else:
+                    self.scorers.append(RemoteScorer(sc, name))
+            except ValueError as err:
+                from rlhf.config import ConfigError
+
+                raise ConfigError(f"reward.scorers[{i}]: {err}") from None
+        if not self.scorers:
+            from rlhf.config import ConfigError
+
+            raise ConfigError("reward.scorers is empty: configure at least one scorer")
+        self.ready = False
+
+    # -- life cycle
+
+    def load(self) -> None:
+        for s in self.scorers:
+            s.load()
+        self.ready = True
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.load)
+
+    async def close(self) -> None:
+        for s in self.scorers:
+            await s.close()
+
+    def count_policy_tokens(self, text: str) -> int:
+        """Tokens of ``text`` under the policy's tokenizer (what rollout response_ids count)."""
+        if self._policy_tokenizer is None:
+            with self._tok_lock:
+                if self._policy_tokenizer is None:
+                    from rlhf.models import load_tokenizer, resolve_model_path
+
+                    src = self.cfg.training.tokenizer_name_or_path or self.cfg.actor.load
+                    self._policy_tokenizer = load_tokenizer(resolve_model_path(src))
+        return len(self._policy_tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [s.describe() for s in self.scorers]
+
+    # -- scoring
+
+    def validate(self, items: list[Item]) -> None:
+        if not items:
+            raise InvalidArgument("items is empty: send at least one {prompt, response} item", "items")
+        if len(items) > self.max_items:
+            raise InvalidArgument(f"items has {len(items)} entries; send at most {self.max_items} per request",
+                                  "items")  # fmt: skip
+        for i, it in enumerate(items):
+            if not it.prompt and not it.prompt_ids:
+                raise InvalidArgument(f"items[{i}].prompt is empty: send the prompt text (or prompt_ids)",
+                                      f"items[{i}].prompt")  # fmt: skip
+            for fname in ("prompt", "response", "label"):
+                v = getattr(it, fname)
+                if v is not None and len(v) > self.max_text_chars:
+                    raise InvalidArgument(f"items[{i}].{fname} is {len(v)} characters; the limit is "
+                                          f"{self.max_text_chars}: shorten it", f"items[{i}].{fname}")  # fmt: skip
+            for fname in ("prompt_ids", "response_ids"):
+                ids = getattr(it, fname)
+                if len(ids) > MAX_IDS:
+                    raise InvalidArgument(f"items[{i}].{fname} has {len(ids)} ids; the limit is {MAX_IDS}",
+                                          f"items[{i}].{fname}")  # fmt: skip
+                neg = next((t for t in ids if t < 0), None)
+                if neg is not None:
+                    raise InvalidArgument(f"items[{i}].{fname} contains {neg}: token ids are >= 0",
+                                          f"items[{i}].{fname}")  # fmt: skip
+        for s in self.scorers:
+            s.validate(items)
+
+    async def score(self, items: list[Item]) -> list[ScoreOutcome]:
+        if not self.ready:
+            raise NotReady("the reward service is still loading its scorers; retry when /readyz answers 200")
+        self.validate(items)
+        per_scorer = await asyncio.gather(*(s.score(items) for s in self.scorers))
+        outcomes = []
+        for i in range(len(items)):
+            comps: dict[str, float] = {}
+            total = 0.0
+            worst: Failure | None = None
+            failed_by = ""
+            for s, results in zip(self.scorers, per_scorer, strict=True):
+                r = results[i]
+                if isinstance(r, Failure):
+                    if worst is None or _SEVERITY[r.status] > _SEVERITY[worst.status]:
+                        worst, failed_by = r, s.name
+                    continue
+                comps[s.name] = r
+                total += s.weight * r
+            if worst is not None:
+                outcomes.append(ScoreOutcome(None, worst.status, worst.message, comps, failed_by))
+            else:
+                outcomes.append(ScoreOutcome(total, OK, "", comps))
+        if self.metrics is not None:
+            for o in outcomes:
+                if o.status != OK:
+                    self.metrics.count_error(o.status)
+        return outcomes

@@ -1,0 +1,132 @@
+"""REST for the reward service: ``POST /v1/score`` (batch, per-item status) and OpenRLHF's ``POST /get_reward``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import FastAPI
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from rlhf.serving import DeadlineExceeded, Internal, InvalidArgument, ServiceMetrics, ServiceSettings, create_app
+from services.reward.engine import INVALID_INPUT, MAX_ITEMS, OK, STATUSES, TIMEOUT, Item, RewardEngine
+
+
+def _utf8(v: str) -> str:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid UTF-8 (it contains a lone surrogate)") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ScoreItemIn(_Model):
+    prompt: Text = Field(description="prompt text (may be empty only when prompt_ids are given)")
+    response: Text = Field(description="response text to score")
+    label: Text | None = Field(None, description="reference answer for rule scorers (math_answer, exact_match)")
+    prompt_ids: list[TokenId] = Field([], description="optional prompt token ids")
+    response_ids: list[TokenId] = Field([], description="optional response token ids (length rule counts them)")
+    finished: StrictBool = Field(True, description="the response ended with EOS or a stop string")
+
+
+class ScoreRequestIn(_Model):
+    items: list[ScoreItemIn] = Field(min_length=1, max_length=MAX_ITEMS, description="items to score")
+
+
+class ScoreResultOut(BaseModel):
+    score: float | None = Field(description="combined weighted score; null unless status is ok")
+    status: Literal[STATUSES] = Field(description="ok, invalid_input, scorer_error or timeout")
+    error: str | None = Field(None, description="what failed, when status is not ok")
+    components: dict[str, float] = Field(description="per-scorer scores before weighting (those that succeeded)")
+
+
+class ScorerInfo(BaseModel):
+    name: str
+    type: str
+    weight: float
+
+
+class ScoreResponseOut(BaseModel):
+    results: list[ScoreResultOut] = Field(description="one per item, in request order")
+    scorers: list[ScorerInfo]
+
+
+class GetRewardIn(_Model):
+    query: list[Text] = Field(min_length=1, max_length=MAX_ITEMS, description="prompt + response texts")
+    prompts: list[Text] | None = Field(None, description="the prompt of each query (a prefix of it); required")
+    labels: list[Text | None] | None = Field(None, description="reference answers, one per query")
+
+
+class GetRewardOut(BaseModel):
+    rewards: list[float]
+    scores: list[float]
+
+
+def _items_from_get_reward(body: GetRewardIn) -> list[Item]:
+    if body.prompts is None:
+        raise InvalidArgument("prompts is missing: send the prompt of each query (OpenRLHF sends it)", "prompts")
+    if len(body.prompts) != len(body.query):
+        raise InvalidArgument(f"prompts has {len(body.prompts)} entries for {len(body.query)} queries; send one each",
+                              "prompts")  # fmt: skip
+    if body.labels is not None and len(body.labels) != len(body.query):
+        raise InvalidArgument(f"labels has {len(body.labels)} entries for {len(body.query)} queries; send one each "
+                              "(or none)", "labels")  # fmt: skip
+    items = []
+    for i, (q, p) in enumerate(zip(body.query, body.prompts, strict=True)):
+        if not q.startswith(p):
+            raise InvalidArgument(f"query[{i}] does not start with prompts[{i}]: send query = prompt + response",
+                                  f"query[{i}]")  # fmt: skip
+        items.append(Item(prompt=p, response=q[len(p) :], label=body.labels[i] if body.labels else None))
+    return items
+
+
+def build_app(engine: RewardEngine, settings: ServiceSettings, metrics: ServiceMetrics) -> FastAPI:
+    app = create_app("reward", settings, metrics, title="rlhf reward service",
+                     description="Scores (prompt, response[, label]) with the configured scorers, combined by weight. "
+                                 "A failing scorer gives the item an error status, never a score of 0.")  # fmt: skip
+
+    @app.post("/v1/score", response_model=ScoreResponseOut, tags=["reward"],
+              summary="score a batch; every item gets a score or an error status")  # fmt: skip
+    async def score(body: ScoreRequestIn) -> ScoreResponseOut:
+        items = [Item(**it.model_dump()) for it in body.items]
+        metrics.observe_batch("/v1/score", len(items))
+        outcomes = await engine.score(items)
+        return ScoreResponseOut(
+            results=[
+                ScoreResultOut(score=o.score, status=o.status, error=o.error or None, components=o.components)
+                for o in outcomes
+            ],  # fmt: skip
+            scorers=[ScorerInfo(**d) for d in engine.describe()],
+        )
+
+    @app.post("/get_reward", response_model=GetRewardOut, tags=["reward"],
+              summary="OpenRLHF remote reward: {query, prompts, labels} -> {rewards}")  # fmt: skip
+    async def get_reward(body: GetRewardIn) -> GetRewardOut:
+        items = _items_from_get_reward(body)
+        metrics.observe_batch("/get_reward", len(items))
+        outcomes = await engine.score(items)
+        failed = [(i, o) for i, o in enumerate(outcomes) if o.status != OK]
+        if failed:
+            i, o = failed[0]
+            more = f" (and {len(failed) - 1} more failed items)" if len(failed) > 1 else ""
+            msg = f"query[{i}]: {o.error}{more}; no rewards returned rather than made-up ones"
+            if all(o.status == INVALID_INPUT for _, o in failed):
+                raise InvalidArgument(msg, f"query[{i}]")
+            if any(o.status == TIMEOUT for _, o in failed):
+                raise DeadlineExceeded(msg, f"query[{i}]")
+            raise Internal(msg, f"query[{i}]")
+        rewards = [float(o.score) for o in outcomes]
+        return GetRewardOut(rewards=rewards, scores=rewards)
+
+    @app.get("/v1/scorers", response_model=list[ScorerInfo], tags=["reward"], summary="the configured scorers")
+    async def scorers() -> list[ScorerInfo]:
+        return [ScorerInfo(**d) for d in engine.describe()]
+
+    return app

@@ -1,0 +1,22 @@
+"""``rlhf serve reward``: settings + config -> engine -> gRPC and HTTP servers."""
+
+from __future__ import annotations
+
+from rlhf.config import load_config
+from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings
+from rlhf.v1 import reward_pb2_grpc
+from services.reward.engine import RewardEngine
+from services.reward.grpc_servicer import SERVICE_NAME, RewardServicer
+from services.reward.http_app import build_app
+
+
+async def serve(config_path: str, settings: ServiceSettings) -> None:
+    cfg = load_config(config_path)
+    metrics = ServiceMetrics("reward")
+    engine = RewardEngine(cfg, device=settings.device, metrics=metrics)
+    runner = ServiceRunner("reward", settings, metrics)
+    runner.add_grpc(
+        reward_pb2_grpc.add_RewardServiceServicer_to_server, [SERVICE_NAME], RewardServicer(engine, metrics)
+    )
+    runner.set_http_app(build_app(engine, settings, metrics))
+    await runner.run(startup=engine.start, shutdown=engine.close)

@@ -1,0 +1,233 @@
+"""Rule (verifiable) reward functions, by name, plus user functions given as ``module:function``.
+
+A rule is ``fn(prompt: str, response: str, label: str | None, **kwargs) -> float``; the ``kwargs`` come from the
+scorer's ``kwargs`` in the config. A built-in rule may also take ``sample=`` (a :class:`RuleSample` with the token ids
+and a token counter). A rule that raises, returns a non-number or NaN gives the item an error status, never 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+RuleFn = Callable[..., float]
+
+
+class RuleInputError(ValueError):
+    """The item cannot be scored by this rule (a missing label): the item gets ITEM_STATUS_INVALID_INPUT."""
+
+
+@dataclass
+class RuleSample:
+    prompt: str
+    response: str
+    label: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    finished: bool = True
+    count_tokens: Callable[[str], int] | None = None
+
+    def response_tokens(self) -> int:
+        """Response length in tokens: the ids when given, else the policy tokenizer's count of the text."""
+        if self.response_ids:
+            return len(self.response_ids)
+        if self.count_tokens is None:
+            raise RuleInputError("no tokenizer to count response tokens: send response_ids or use unit: chars")
+        return self.count_tokens(self.response)
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
+
+
+def _boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (balanced braces)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    out = []
+    while i < len(text):
+        ch = text[i]
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return "".join(out).strip()
+        out.append(ch)
+        i += 1
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a response: the last ``\\boxed{}``, else the last number, else None."""
+    boxed = _boxed(text)
+    if boxed is not None:
+        return boxed
+    nums = _NUMBER.findall(text)
+    return nums[-1] if nums else None
+
+
+def _as_number(text: str | None) -> float | None:
+    """``"1,234"`` -> 1234.0; ``"3/4"`` and ``"\\frac{3}{4}"`` -> 0.75; anything else that is not one number -> None."""
+    if text is None:
+        return None
+    t = text.strip().replace(",", "").replace("$", "").rstrip(".").strip()
+    try:
+        return float(t)
+    except ValueError:
+        pass
+    m = re.fullmatch(r"\\d?frac\{(-?\d+(?:\.\d+)?)\}\{(-?\d+(?:\.\d+)?)\}", t) or re.fullmatch(
+        r"(-?\d+(?:\.\d+)?)\s*/\s*(-?\d+(?:\.\d+)?)", t
+    )
+    if m:
+        try:
+            return float(m.group(1)) / float(m.group(2))
+        except ZeroDivisionError:
+            return None
+    return None
+
+
+def _normalize(text: str) -> str:
+    return " ".join(text.strip().lower().split()).rstrip(".")
+
+
+def _need_label(label: str | None, rule: str) -> str:
+    if label is None or label == "":
+        raise RuleInputError(f"label is missing: rule {rule!r} needs the reference answer in the item's label")
+    return label
+
+
+def math_answer(prompt: str, response: str, label: str | None, *, tolerance: float = 1e-6) -> float:
+    """1.0 when the response's final answer (last ``\\boxed{}`` or last number) equals the label's, else 0.0."""
+    label = _need_label(label, "math_answer")
+    got = extract_answer(response)
+    if got is None:
+        return 0.0
+    want = extract_answer(label) or label
+    a, b = _as_number(got), _as_number(want)
+    if a is not None and b is not None:
+        return 1.0 if math.isclose(a, b, rel_tol=tolerance, abs_tol=tolerance) else 0.0
+    return 1.0 if _normalize(got) == _normalize(want) else 0.0
+
+
+def exact_match(prompt: str, response: str, label: str | None, *, extract: bool = True) -> float:
+    """1.0 when the response (its extracted final answer, with ``extract``) matches the label after normalisation."""
+    label = _need_label(label, "exact_match")
+    if _normalize(response) == _normalize(label):
+        return 1.0
+    if extract:
+        return math_answer(prompt, response, label)
+    return 0.0
+
+
+def regex(prompt: str, response: str, label: str | None, *, pattern: str | None = None, mode: str = "search",
+          flags: str = "") -> float:  # fmt: skip
+    """1.0 when ``pattern`` (or, without it, the label as a pattern) matches the response (``search``/``fullmatch``)."""
+    pat = pattern if pattern is not None else _need_label(label, "regex")
+    fl = 0
+    for ch in flags:
+        fl |= {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL}.get(ch, 0)
+    rx = re.compile(pat, fl)
+    if mode not in ("search", "fullmatch", "match"):
+        raise ValueError(f"regex mode must be search, match or fullmatch, got {mode!r}")
+    return 1.0 if getattr(rx, mode)(response) else 0.0
+
+
+def length(prompt: str, response: str, label: str | None, *, target: float, scale: float | None = None,
+           unit: str = "tokens", sample: RuleSample | None = None) -> float:  # fmt: skip
+    """Closeness of the response length to ``target``: ``1 / (1 + ((n - target) / scale)^2)`` in (0, 1].
+
+    Smooth and heavy-tailed (a response far from the target still sees a slope), 1.0 exactly at the target.
+    ``scale`` defaults to ``target / 2``; ``unit`` is tokens (the response ids, else the policy tokenizer), chars or
+    words.
+    """
+    if target <= 0:
+        raise ValueError("length: target must be > 0")
+    scale = float(scale) if scale else max(1.0, target / 2)
+    if unit == "tokens":
+        n = sample.response_tokens() if sample is not None else len(response.split())
+    elif unit == "chars":
+        n = len(response)
+    elif unit == "words":
+        n = len(response.split())
+    else:
+        raise ValueError(f"length: unit must be tokens, chars or words, got {unit!r}")
+    return 1.0 / (1.0 + ((n - target) / scale) ** 2)
+
+
+def format_check(prompt: str, response: str, label: str | None, *, kind: str = "boxed") -> float:
+    """1.0 when the response has the asked format: ``boxed`` (a ``\\boxed{}`` answer), ``number`` (ends with a
+    number), ``think`` (``<think>...</think>`` then an answer) or ``json`` (a JSON value), else 0.0."""
+    text = response.strip()
+    if kind == "boxed":
+        return 1.0 if _boxed(text) is not None else 0.0
+    if kind == "number":
+        return 1.0 if re.search(r"-?\d+(?:\.\d+)?\s*\.?$", text) else 0.0
+    if kind == "think":
+        return 1.0 if re.fullmatch(r"(?s)<think>.+?</think>\s*\S.*", text) else 0.0
+    if kind == "json":
+        try:
+            json.loads(text)
+            return 1.0
+        except ValueError:
+            return 0.0
+    raise ValueError(f"format: kind must be boxed, number, think or json, got {kind!r}")
+
+
+RULES: dict[str, RuleFn] = {
+    "math_answer": math_answer,
+    "exact_match": exact_match,
+    "regex": regex,
+    "length": length,
+    "format": format_check,
+}
+
+
+def resolve_rule(name: str) -> RuleFn:
+    """A registered rule name, or ``package.module:function`` (imported now, so a typo fails at start-up)."""
+    if name in RULES:
+        return RULES[name]
+    if ":" not in name:
+        raise ValueError(f"unknown rule {name!r}: use one of {sorted(RULES)} or module:function")
+    mod_name, _, fn_name = name.partition(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except ImportError as err:
+        raise ValueError(f"rule {name!r}: cannot import module {mod_name!r}: {err}") from None
+    fn = getattr(module, fn_name, None)
+    if fn is None or not callable(fn):
+        raise ValueError(f"rule {name!r}: module {mod_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def accepts_sample(fn: RuleFn) -> bool:
+    try:
+        return "sample" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def check_kwargs(fn: RuleFn, kwargs: dict, name: str) -> None:
+    """Fail at start-up when the config passes kwargs the rule does not take (or misses required ones)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    params = sig.parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    unknown = sorted(set(kwargs) - set(params) - {"sample"})
+    if unknown:
+        takes = sorted(set(params) - {"prompt", "response", "label", "sample"})
+        raise ValueError(f"rule {name!r} does not take kwargs {unknown}; it takes {takes}")
+    missing = [
+        p.name for p in params.values() if p.kind == p.KEYWORD_ONLY and p.default is p.empty and p.name not in kwargs
+    ]
+    if missing:
+        raise ValueError(f"rule {name!r} needs kwargs {missing} (reward.scorers[].kwargs)")
