@@ -145,17 +145,24 @@ async def abort_grpc(context: grpc.aio.ServicerContext, err: BaseException) -> N
     await context.abort(code, grpc_details(rerr))
 
 
-def grpc_errors(metrics: ServiceMetrics | None = None, method: str | None = None) -> Callable:
+def grpc_errors(metrics: ServiceMetrics | str | None = None, method: str | None = None) -> Callable:
     """Decorator for async servicer methods: RLHFError -> abort with its code; other exceptions -> INTERNAL.
 
-    With ``metrics`` it also records the request count, latency and errors (protocol ``grpc``)::
+    It also records the request count, latency and errors (protocol ``grpc``) in ``metrics``, or, when that is not
+    given, in the servicer's ``self.metrics`` attribute if it has one::
 
         class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
-            @grpc_errors(metrics, "Score")
+            def __init__(self, engine, metrics):
+                self.engine, self.metrics = engine, metrics
+
+            @grpc_errors("Score")          # or grpc_errors(metrics, "Score")
             async def Score(self, request, context): ...
 
     Unary-unary and stream-unary methods are supported (the request may be an async iterator).
     """
+    if isinstance(metrics, str):
+        metrics, method = None, metrics
+    fixed_metrics = metrics
 
     def deco(fn: Callable) -> Callable:
         name = method or fn.__name__
@@ -164,6 +171,7 @@ def grpc_errors(metrics: ServiceMetrics | None = None, method: str | None = None
 
         @functools.wraps(fn)
         async def wrapper(self, request, context):
+            metrics = fixed_metrics if fixed_metrics is not None else getattr(self, "metrics", None)
             t0 = time.perf_counter()
             code = "OK"
             try:
