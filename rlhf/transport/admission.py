@@ -1,0 +1,134 @@
+"""Admission control that bounds staleness, and the published policy version.
+
+AReaL's rule: the prompt jobs issued but not yet trained on stay within ``(max_staleness + 1) * batch_size``.
+``max_staleness = 0`` is synchronous (a batch is issued only when the previous one has been trained on);
+``max_staleness = 1`` lets rollout run one batch ahead of the trainer, and so on. ``batch_size`` counts prompt
+jobs (one experience record each), not samples.
+
+The counters live in Redis so a restarted trainer resumes them:
+
+- ``rlhf:{run}:issued``   +1 when a job_id is published for the first time (:meth:`PromptQueue.publish`, in the same
+  atomic script as the XADD, which also enforces the bound when given an ``Admission``);
+- ``rlhf:{run}:trained``  +n by :meth:`Admission.mark_trained` when the trainer has consumed n jobs (trained on them
+  or dropped them as stale). Store :attr:`AdmissionState.trained` in every checkpoint and call
+  :meth:`Admission.restore` with it after a restart: jobs trained after that checkpoint are redelivered and will be
+  counted again, so the counter must go back with the weights;
+- ``rlhf:{run}:released`` +1 per record dead-lettered from either stream (its job will never be trained).
+
+in flight = issued - trained - released; free = capacity - in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from rlhf.transport.keys import RunKeys
+
+# KEYS: version key. ARGV: version. Sets it only upward; returns the stored version.
+_SET_VERSION = """
+local cur = redis.call('GET', KEYS[1])
+local v = tonumber(ARGV[1])
+if cur and tonumber(cur) >= v then return tonumber(cur) end
+redis.call('SET', KEYS[1], ARGV[1])
+return v
+"""
+
+
+@dataclass(frozen=True)
+class AdmissionState:
+    issued: int
+    trained: int
+    released: int
+    capacity: int
+
+    @property
+    def in_flight(self) -> int:
+        return self.issued - self.trained - self.released
+
+    @property
+    def free(self) -> int:
+        return max(0, self.capacity - self.in_flight)
+
+
+class Admission:
+    """Staleness bound of a run. The trainer asks :meth:`free` (or passes this object to
+    :meth:`PromptQueue.publish`, which refuses atomically past the bound) and reports :meth:`mark_trained`."""
+
+    def __init__(self, redis: aioredis.Redis, run_id: str, max_staleness: int, batch_size: int):
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 (0 = synchronous), got {max_staleness}")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.redis = redis
+        self.keys = RunKeys(run_id)
+        self.max_staleness = max_staleness
+        self.batch_size = batch_size
+        self._set_version = redis.register_script(_SET_VERSION)
+
+    @property
+    def capacity(self) -> int:
+        """Jobs allowed in flight: ``(max_staleness + 1) * batch_size``."""
+        return (self.max_staleness + 1) * self.batch_size
+
+    async def state(self) -> AdmissionState:
+        k = self.keys
+        issued, trained, released = await self.redis.mget(k.issued, k.trained, k.released)
+        return AdmissionState(int(issued or 0), int(trained or 0), int(released or 0), self.capacity)
+
+    async def free(self) -> int:
+        """How many new jobs may be issued now."""
+        return (await self.state()).free
+
+    async def wait_free(self, min_free: int = 1, timeout_s: float | None = None, poll_s: float = 0.05) -> int:
+        """Wait until at least ``min_free`` (capped at the capacity) jobs may be issued; returns the free count.
+        Raises TimeoutError after ``timeout_s``."""
+        need = min(min_free, self.capacity)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            free = await self.free()
+            if free >= need:
+                return free
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"admission: only {free} of {need} slots free after {timeout_s} s")
+            await asyncio.sleep(poll_s)
+
+    async def mark_trained(self, n: int) -> int:
+        """The trainer consumed ``n`` more jobs (trained on them, or dropped them as stale). Returns the total.
+        Do not count records dropped as duplicates: their job was counted when it was trained."""
+        if n < 0:
+            raise ValueError("n must be >= 0")
+        return int(await self.redis.incrby(self.keys.trained, n))
+
+    async def restore(self, trained: int) -> None:
+        """After a trainer restart: set the trained counter to the value saved in the checkpoint it resumed from."""
+        if trained < 0:
+            raise ValueError("trained must be >= 0")
+        await self.redis.set(self.keys.trained, trained)
+
+    async def policy_version(self) -> int | None:
+        return await get_policy_version(self.redis, self.keys.run_id)
+
+    async def publish_policy_version(self, version: int) -> int:
+        return await publish_policy_version(self.redis, self.keys.run_id, version, script=self._set_version)
+
+
+async def get_policy_version(redis: aioredis.Redis, run_id: str) -> int | None:
+    """The newest policy version published for the run, or None before the first."""
+    v = await redis.get(RunKeys(run_id).policy_version)
+    return int(v) if v is not None else None
+
+
+async def publish_policy_version(redis: aioredis.Redis, run_id: str, version: int, *, script=None) -> int:
+    """Record ``version`` as the run's policy version. Versions never go backwards: publishing the current one
+    again is a no-op, a lower one raises ValueError (the stored one is kept)."""
+    if version < 0:
+        raise ValueError("version must be >= 0")
+    script = script or redis.register_script(_SET_VERSION)
+    stored = int(await script(keys=[RunKeys(run_id).policy_version], args=[version]))
+    if stored > version:
+        raise ValueError(f"policy version {version} is older than the published version {stored}")
+    return stored

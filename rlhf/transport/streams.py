@@ -1,0 +1,668 @@
+"""Durable queues between the trainer and the rollout replicas: Redis Streams with consumer groups.
+
+``rlhf:{run}:prompts``  PromptJob records, trainer -> rollout replicas (group ``rollout``)
+``rlhf:{run}:experience``  Experience records, rollout replicas -> trainer (group ``trainer``)
+``rlhf:{run}:dead``  dead letters: records that could not be used, with the reason
+
+Every entry has one field, ``pb``: the serialized protobuf message. Guarantees (each has a test in
+tests/integration/test_transport*.py or tests/reliability/):
+
+- **at least once**: a record leaves a group's pending list only when acknowledged. A consumer that restarts under
+  the same name gets its own pending records first (:meth:`read` drains id ``0`` before ``>``); records of a consumer
+  that died are taken over with :meth:`reclaim` (XAUTOCLAIM after an idle timeout) or, for the single trainer,
+  :meth:`recover`.
+- **idempotent publishing**: :meth:`PromptQueue.publish` writes a job_id once (a hash of issued ids, checked and
+  written in the same Lua script as the XADD); re-publishing after a trainer restart is a no-op.
+- **experience before ack**: :meth:`ExperienceQueue.publish_and_ack` acknowledges the prompt job and writes the
+  experience atomically (one Lua script: both or neither), and writes nothing when the job is no longer pending
+  (another replica finished it first), so a reclaimed job yields one experience record in the common case.
+  The trainer still drops duplicates by job id (:func:`drop_trained`): delivery is at least once.
+- **no data loss by trimming**: :meth:`trim` removes only entries that every group has delivered and acknowledged.
+- **malformed records never raise into a consumer**: they are moved to the dead-letter stream with the reason,
+  acknowledged on their stream and counted (:class:`QueueStats`), atomically (Lua).
+
+Use a client made by :func:`connect` (bytes responses, no socket timeout shorter than a blocking read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Container, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from rlhf.transport.codec import (
+    Experience,
+    MalformedRecord,
+    PromptJob,
+    decode_experience,
+    decode_prompt_job,
+    encode,
+    validate_experience,
+    validate_prompt_job,
+)
+from rlhf.transport.keys import PAYLOAD_FIELD, ROLLOUT_GROUP, TRAINER_GROUP, RunKeys
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlhf.transport.admission import Admission
+
+M = TypeVar("M", PromptJob, Experience)
+Record = tuple[str, M]  # (stream entry id, decoded message)
+
+
+def connect(url: str | None = None, **kwargs: Any) -> aioredis.Redis:
+    """An asyncio Redis client fit for the queues: bytes responses (payloads are protobuf), no read timeout (blocking
+    reads), TCP keepalive, periodic health checks. ``url`` defaults to ``$RLHF_REDIS_URL``, then the local server.
+    """
+    url = url or os.environ.get("RLHF_REDIS_URL") or "redis://127.0.0.1:6379/0"
+    if kwargs.get("decode_responses"):
+        raise ValueError("the transport needs decode_responses=False: stream payloads are binary protobuf")
+    opts: dict[str, Any] = {
+        "decode_responses": False,
+        "socket_timeout": None,
+        "socket_connect_timeout": 5.0,
+        "socket_keepalive": True,
+        "health_check_interval": 30,
+    }
+    opts.update(kwargs)
+    return aioredis.Redis.from_url(url, **opts)
+
+
+def _s(v: bytes | str | None) -> str | None:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _parse_id(entry_id: bytes | str) -> tuple[int, int]:
+    ms, _, seq = _s(entry_id).partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _entries(resp: Any) -> list[tuple[bytes, dict | None]]:
+    """XREADGROUP reply (RESP2 list or RESP3 dict) -> [(id, fields)] of the single stream read."""
+    if not resp:
+        return []
+    if isinstance(resp, dict):
+        (value,) = resp.values()
+        return list(value[0]) if value and isinstance(value[0], list) else list(value)
+    return list(resp[0][1])
+
+
+# Scripts. Each runs atomically and is written to the AOF as one unit (effects replication, MULTI/EXEC).
+
+# KEYS: jobs hash, prompts stream, issued, trained, released. ARGV: job_id, payload, capacity (-1 = unbounded).
+_PUBLISH_JOB = """
+local existing = redis.call('HGET', KEYS[1], ARGV[1])
+if existing then return {'duplicate', existing} end
+local cap = tonumber(ARGV[3])
+if cap >= 0 then
+  local inflight = tonumber(redis.call('GET', KEYS[3]) or '0') - tonumber(redis.call('GET', KEYS[4]) or '0')
+                   - tonumber(redis.call('GET', KEYS[5]) or '0')
+  if inflight >= cap then return {'full', tostring(inflight)} end
+end
+local id = redis.call('XADD', KEYS[2], '*', 'pb', ARGV[2])
+redis.call('HSET', KEYS[1], ARGV[1], id)
+redis.call('INCR', KEYS[3])
+return {'published', id}
+"""
+
+# KEYS: prompts stream, experience stream. ARGV: group, prompt entry id, payload.
+_PUBLISH_AND_ACK = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return false end
+return redis.call('XADD', KEYS[2], '*', 'pb', ARGV[3])
+"""
+
+# KEYS: source stream, dead stream, dead_count hash, released counter.
+# ARGV: group, entry id, reason, payload, consumer, unix ms, dead stream cap.
+_DEAD_LETTER = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'source', KEYS[1], 'id', ARGV[2], 'group', ARGV[1],
+           'reason', ARGV[3], 'consumer', ARGV[5], 'at_unix_ms', ARGV[6], 'payload', ARGV[4])
+redis.call('HINCRBY', KEYS[3], KEYS[1], 1)
+redis.call('INCR', KEYS[4])
+return 1
+"""
+
+# KEYS: stream. ARGV: group, consumer, min idle ms, start id, count. Claims without returning data (JUSTID).
+_CLAIM_IDS = """
+local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4], 'COUNT', ARGV[5], 'JUSTID')
+return {r[1], #r[2]}
+"""
+
+
+@dataclass
+class _ConsumerState:
+    draining: bool = True  # still returning this consumer's own pending entries (id cursor), before ">"
+    cursor: str = "0-0"
+    skip: set[str] = field(default_factory=set)  # ids already handed out by reclaim() while draining
+
+
+@dataclass
+class LocalCounters:
+    """What this queue object saw (per process); the Redis-wide numbers are in :class:`QueueStats`."""
+
+    delivered: int = 0
+    dead_lettered: int = 0
+    vanished: int = 0  # pending ids whose entry no longer exists (acked away)
+    reclaimed: int = 0
+
+
+class _StreamQueue(Generic[M]):
+    group: str
+    kind: str
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        run_id: str,
+        *,
+        max_deliveries: int | None = None,
+        dead_maxlen: int = 100_000,
+    ):
+        kwargs = getattr(getattr(redis, "connection_pool", None), "connection_kwargs", {})
+        if kwargs.get("decode_responses"):
+            raise ValueError("the Redis client must use decode_responses=False (payloads are binary); see connect()")
+        self.redis = redis
+        self.keys = RunKeys(run_id)
+        self.run_id = run_id
+        self.max_deliveries = max_deliveries
+        self.dead_maxlen = dead_maxlen
+        self.counters = LocalCounters()
+        self._groups_ready = False
+        self._consumers: dict[str, _ConsumerState] = {}
+        self._dead_script = redis.register_script(_DEAD_LETTER)
+        self._claim_ids_script = redis.register_script(_CLAIM_IDS)
+
+    # ------------------------------------------------------------------------------------------------- plumbing
+
+    @property
+    def stream(self) -> str:
+        raise NotImplementedError
+
+    def _decode(self, data: bytes | None) -> M:
+        raise NotImplementedError
+
+    async def ensure_groups(self) -> None:
+        """Create the stream and its consumer group at id 0 (so nothing published before is skipped). Idempotent."""
+        try:
+            await self.redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+        self._groups_ready = True
+
+    async def _ready(self) -> None:
+        if not self._groups_ready:
+            await self.ensure_groups()
+
+    async def _xreadgroup(self, consumer: str, start: str, count: int, block_ms: int | None) -> list:
+        await self._ready()
+        for attempt in range(2):
+            try:
+                resp = await self.redis.xreadgroup(
+                    self.group, consumer, {self.stream: start}, count=count, block=block_ms
+                )
+                return _entries(resp)
+            except ResponseError as err:  # the group vanished (a Redis without persistence restarted)
+                if "NOGROUP" not in str(err) or attempt:
+                    raise
+                await self.ensure_groups()
+        return []
+
+    async def _dead_letter(self, items: Sequence[tuple[str, bytes | None, str]], consumer: str) -> int:
+        """Move (entry id, payload, reason) to the dead-letter stream, ack them here, count them; atomic per record."""
+        if not items:
+            return 0
+        now = str(int(time.time() * 1000))
+        keys = [self.stream, self.keys.dead, self.keys.dead_count, self.keys.released]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for entry_id, payload, reason in items:
+                args = [self.group, entry_id, reason, payload or b"", consumer, now, self.dead_maxlen]
+                await self._dead_script(keys=keys, args=args, client=pipe)
+            moved = sum(int(x) for x in await pipe.execute())
+        self.counters.dead_lettered += moved
+        return moved
+
+    async def _decode_entries(
+        self, entries: Iterable[tuple[bytes, dict | None]], consumer: str, skip: Container[str] = ()
+    ) -> list[Record]:
+        out: list[Record] = []
+        dead: list[tuple[str, bytes | None, str]] = []
+        vanished: list[str] = []
+        for raw_id, fields in entries:
+            entry_id = _s(raw_id)
+            if entry_id in skip:
+                continue
+            if not fields:  # a pending id whose entry was deleted: nothing left to deliver
+                vanished.append(entry_id)
+                continue
+            payload = fields.get(PAYLOAD_FIELD)
+            if payload is None:
+                payload = fields.get(PAYLOAD_FIELD.decode())
+            try:
+                out.append((entry_id, self._decode(payload)))
+            except MalformedRecord as err:
+                dead.append((entry_id, payload, err.reason))
+        if vanished:
+            await self.redis.xack(self.stream, self.group, *vanished)
+            self.counters.vanished += len(vanished)
+        await self._dead_letter(dead, consumer)
+        self.counters.delivered += len(out)
+        return out
+
+    # ------------------------------------------------------------------------------------------------- consuming
+
+    async def read(self, consumer: str, count: int = 16, block_ms: int | None = 1000) -> list[Record]:
+        """Up to ``count`` records for ``consumer`` as (entry id, message), oldest first.
+
+        The first calls of a consumer name in this object return the entries already pending for that name (a
+        restarted consumer gets back what it had read but not acknowledged); then new entries (``>``), waiting up
+        to ``block_ms`` for one (``None``: do not wait; ``0``: wait forever, as in Redis). Malformed records are
+        dead-lettered and left out, so fewer than ``count`` (even none) may come back before the stream is empty.
+        """
+        if count <= 0:
+            raise ValueError("count must be positive")
+        st = self._consumers.setdefault(consumer, _ConsumerState())
+        while st.draining:
+            entries = await self._xreadgroup(consumer, st.cursor, count, None)
+            if not entries:
+                st.draining = False
+                st.skip.clear()
+                break
+            st.cursor = _s(entries[-1][0])
+            out = await self._decode_entries(entries, consumer, st.skip)
+            if out:
+                return out
+        entries = await self._xreadgroup(consumer, ">", count, block_ms)
+        return await self._decode_entries(entries, consumer)
+
+    async def ack(self, entry_ids: Iterable[str | bytes]) -> int:
+        """Acknowledge entries in this queue's group; returns how many were pending (re-acking is harmless)."""
+        ids = list(entry_ids)
+        n = 0
+        for i in range(0, len(ids), 1000):
+            n += await self.redis.xack(self.stream, self.group, *ids[i : i + 1000])
+        return n
+
+    async def reclaim(self, consumer: str, min_idle_ms: int, count: int = 16) -> list[Record]:
+        """Take over up to ``count`` entries pending longer than ``min_idle_ms`` in the group (a dead consumer's)
+        and return them (XAUTOCLAIM). With ``max_deliveries`` set, an entry delivered more often than that is
+        dead-lettered instead ("poison": it killed every consumer that took it).
+        """
+        await self._ready()
+        st = self._consumers.setdefault(consumer, _ConsumerState())
+        cursor: bytes | str = "0-0"
+        claimed: list[tuple[bytes, dict | None]] = []
+        while len(claimed) < count:
+            resp = await self.redis.xautoclaim(
+                self.stream, self.group, consumer, min_idle_ms, start_id=cursor, count=count - len(claimed)
+            )
+            cursor, entries = resp[0], resp[1]
+            claimed.extend(entries)
+            if _s(cursor) == "0-0":
+                break
+        if not claimed:
+            return []
+        self.counters.reclaimed += len(claimed)
+        if self.max_deliveries is not None:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for raw_id, _ in claimed:
+                    pipe.xpending_range(self.stream, self.group, raw_id, raw_id, 1, consumer)
+                infos = await pipe.execute()
+            poison, keep = [], []
+            for (raw_id, fields), info in zip(claimed, infos, strict=True):
+                times = info[0]["times_delivered"] if info else 0
+                if times > self.max_deliveries and fields:
+                    reason = f"delivered {times} times (max_deliveries={self.max_deliveries}); consumers kept dying"
+                    poison.append((_s(raw_id), fields.get(PAYLOAD_FIELD), reason))
+                else:
+                    keep.append((raw_id, fields))
+            await self._dead_letter(poison, consumer)
+            claimed = keep
+        out = await self._decode_entries(claimed, consumer)
+        if st.draining:
+            st.skip.update(e for e, _ in out)
+        return out
+
+    async def recover(self, consumer: str, min_idle_ms: int = 0) -> int:
+        """Give ``consumer`` every entry pending in the group (idle at least ``min_idle_ms``); the next
+        :meth:`read` calls return them first. For a group with one consumer, such as the trainer after a restart
+        under a new name. Returns how many entries it now holds that way.
+        """
+        await self._ready()
+        cursor: bytes | str = "0-0"
+        total = 0
+        while True:
+            cursor, n = await self._claim_ids_script(
+                keys=[self.stream], args=[self.group, consumer, min_idle_ms, cursor, 1000]
+            )
+            total += int(n)
+            if _s(cursor) == "0-0":
+                break
+        self._consumers[consumer] = _ConsumerState()
+        self.counters.reclaimed += total
+        return total
+
+    # ------------------------------------------------------------------------------------------------- depth, trim
+
+    async def length(self) -> int:
+        return await self.redis.xlen(self.stream)
+
+    async def pending(self) -> int:
+        """Entries delivered to some consumer of the group and not yet acknowledged."""
+        await self._ready()
+        return int((await self.redis.xpending(self.stream, self.group))["pending"])
+
+    async def backlog(self) -> int:
+        """Entries not yet delivered to the group."""
+        await self._ready()
+        return await _group_backlog(self.redis, self.stream, self.group)
+
+    async def trim(self) -> int:
+        """Delete the entries every group has delivered and acknowledged; returns how many were deleted.
+
+        The bound is the smallest of, over the stream's groups, the oldest pending id and the first id after the
+        group's last-delivered-id; ``XTRIM MINID`` (exact) keeps everything from it on. Safe against concurrent
+        consumers: a read moves last-delivered forward and creates pending entries only above it, a claim moves
+        pending entries between consumers, an ack removes them, so the bound never passes a live entry.
+        A stream without a group is not trimmed.
+        """
+        await self._ready()
+        return await trim_stream(self.redis, self.stream)
+
+
+async def _group_backlog(redis: aioredis.Redis, stream: str, group: str) -> int:
+    try:
+        groups = await redis.xinfo_groups(stream)
+    except ResponseError:  # no such key
+        return 0
+    for g in groups:
+        if _s(g["name"]) == group:
+            return await _lag(redis, stream, g)
+    return await redis.xlen(stream)
+
+
+async def _lag(redis: aioredis.Redis, stream: str, g: dict, limit: int = 100_000) -> int:
+    lag = g.get("lag")
+    if lag is not None:
+        return int(lag)
+    # Redis cannot tell (entries deleted in the middle): count what lies after last-delivered-id, up to ``limit``.
+    rows = await redis.xrange(stream, min=b"(" + (g["last-delivered-id"] or b"0-0"), max="+", count=limit)
+    return len(rows)
+
+
+async def trim_stream(redis: aioredis.Redis, stream: str) -> int:
+    """See :meth:`_StreamQueue.trim`."""
+    try:
+        groups = await redis.xinfo_groups(stream)
+    except ResponseError:
+        return 0
+    if not groups:
+        return 0
+    bound: tuple[int, int] | None = None
+    for g in groups:
+        ms, seq = _parse_id(g["last-delivered-id"] or b"0-0")
+        cand = (ms, seq + 1)
+        if int(g["pending"]) > 0:
+            summary = await redis.xpending(stream, g["name"])
+            if summary["min"] is not None:
+                cand = min(cand, _parse_id(summary["min"]))
+        bound = cand if bound is None else min(bound, cand)
+    assert bound is not None
+    return int(await redis.xtrim(stream, minid=f"{bound[0]}-{bound[1]}", approximate=False))
+
+
+# ----------------------------------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    job_id: str
+    status: Literal["published", "duplicate", "full"]
+    entry_id: str | None  # the job's entry in the prompts stream (the earlier one for a duplicate); None when full
+    in_flight: int | None = None  # when full: the jobs in flight that made it so
+
+    @property
+    def published(self) -> bool:
+        return self.status == "published"
+
+
+class PromptQueue(_StreamQueue[PromptJob]):
+    """``rlhf:{run}:prompts``: the trainer publishes prompt jobs, rollout replicas read them (group ``rollout``).
+
+    A replica acknowledges a job with :meth:`ExperienceQueue.publish_and_ack` (never before its experience is
+    written). Jobs of a replica that died stay pending; another replica takes them with :meth:`reclaim`.
+    ``max_deliveries`` (default 10) dead-letters a job that was handed out that many times without finishing.
+    """
+
+    group = ROLLOUT_GROUP
+    kind = "prompts"
+
+    def __init__(self, redis: aioredis.Redis, run_id: str, *, max_deliveries: int | None = 10, **kwargs: Any):
+        super().__init__(redis, run_id, max_deliveries=max_deliveries, **kwargs)
+        self._publish_script = redis.register_script(_PUBLISH_JOB)
+
+    @property
+    def stream(self) -> str:
+        return self.keys.prompts
+
+    def _decode(self, data: bytes | None) -> PromptJob:
+        return decode_prompt_job(data, self.run_id)
+
+    def _publish_call(self, job: PromptJob, admission: Admission | None, client: Any) -> Any:
+        try:
+            validate_prompt_job(job, self.run_id)
+        except MalformedRecord as err:
+            raise ValueError(f"refusing to publish: {err.reason}") from None
+        capacity = -1
+        if admission is not None:
+            if admission.keys != self.keys:
+                raise ValueError(f"admission is for run {admission.keys.run_id!r}, this queue for {self.run_id!r}")
+            capacity = admission.capacity
+        k = self.keys
+        return self._publish_script(
+            keys=[k.jobs, k.prompts, k.issued, k.trained, k.released],
+            args=[job.job_id, encode(job), capacity],
+            client=client,
+        )
+
+    @staticmethod
+    def _result(job: PromptJob, raw: Sequence) -> PublishResult:
+        status = _s(raw[0])
+        if status == "full":
+            return PublishResult(job.job_id, "full", None, int(raw[1]))
+        return PublishResult(job.job_id, status, _s(raw[1]))  # type: ignore[arg-type]
+
+    async def publish(self, job: PromptJob, admission: Admission | None = None) -> PublishResult:
+        """Publish ``job`` unless its job_id was issued before (then: status ``duplicate`` and the first entry id).
+
+        With ``admission``, the job is published only while the jobs in flight stay under its capacity (checked
+        in the same atomic script): otherwise status ``full`` and nothing is written. ``ValueError`` for a job
+        without job_id / prompt, or for another run.
+        """
+        await self._ready()
+        return self._result(job, await self._publish_call(job, admission, self.redis))
+
+    async def publish_many(self, jobs: Sequence[PromptJob], admission: Admission | None = None) -> list[PublishResult]:
+        """:meth:`publish` for many jobs in one round trip (each job atomic; in order, so once ``full`` is reached
+        the rest are ``full`` too unless one was a duplicate)."""
+        await self._ready()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job in jobs:
+                await self._publish_call(job, admission, pipe)
+            raws = await pipe.execute()
+        return [self._result(j, r) for j, r in zip(jobs, raws, strict=True)]
+
+    async def issued_entry(self, job_id: str) -> str | None:
+        """The prompts-stream entry id a job was published under, or None if it never was (or was forgotten)."""
+        return _s(await self.redis.hget(self.keys.jobs, job_id))
+
+    async def forget_jobs(self, job_ids: Iterable[str]) -> int:
+        """Drop job ids from the issued-ids hash (memory): only for jobs the trainer will never publish again,
+        e.g. trained and covered by a checkpoint. A forgotten job published again is a new job."""
+        ids = list(job_ids)
+        return int(await self.redis.hdel(self.keys.jobs, *ids)) if ids else 0
+
+
+# -------------------------------------------------------------------------------------------------- experience
+
+
+class ExperienceQueue(_StreamQueue[Experience]):
+    """``rlhf:{run}:experience``: rollout replicas publish, the trainer reads (group ``trainer``).
+
+    The trainer acknowledges records only after the step they fed is covered by a checkpoint (:meth:`ack` takes
+    the entry ids); after a restart :meth:`read` hands back its unacknowledged records first (same consumer name),
+    or :meth:`recover` moves them to a new name. Drop records of jobs already trained with :func:`drop_trained`.
+    """
+
+    group = TRAINER_GROUP
+    kind = "experience"
+
+    def __init__(self, redis: aioredis.Redis, run_id: str, **kwargs: Any):
+        super().__init__(redis, run_id, **kwargs)
+        self._publish_ack_script = redis.register_script(_PUBLISH_AND_ACK)
+
+    @property
+    def stream(self) -> str:
+        return self.keys.experience
+
+    def _decode(self, data: bytes | None) -> Experience:
+        return decode_experience(data, self.run_id)
+
+    def _payload(self, experience: Experience) -> bytes:
+        try:
+            validate_experience(experience, self.run_id)
+        except MalformedRecord as err:
+            raise ValueError(f"refusing to publish: {err.reason}") from None
+        return encode(experience)
+
+    async def publish(self, experience: Experience) -> str:
+        """Append an experience record; returns its entry id. Prefer :meth:`publish_and_ack` in a replica."""
+        await self._ready()
+        payload = self._payload(experience)
+        return _s(await self.redis.xadd(self.stream, {PAYLOAD_FIELD: payload}))
+
+    async def publish_and_ack(self, experience: Experience, prompt_entry_id: str | bytes) -> str | None:
+        """Acknowledge prompt job ``prompt_entry_id`` (group ``rollout``) and append ``experience``, atomically.
+
+        Returns the experience entry id, or None when the prompt job was no longer pending (another replica that
+        reclaimed it finished first, or it was dead-lettered): then nothing is written, which keeps duplicates
+        out of the experience stream.
+        """
+        await self._ready()
+        payload = self._payload(experience)
+        keys = [self.keys.prompts, self.keys.experience]
+        return _s(await self._publish_ack_script(keys=keys, args=[ROLLOUT_GROUP, prompt_entry_id, payload]))
+
+
+@dataclass
+class Deduped:
+    """Records split by :func:`drop_trained`; ack ``duplicate_ids`` together with the fresh ones."""
+
+    fresh: list[tuple[str, Experience]]
+    duplicate_ids: list[str]
+
+    @property
+    def duplicates(self) -> int:
+        return len(self.duplicate_ids)
+
+
+def drop_trained(records: Iterable[tuple[str, Experience]], trained_job_ids: Container[str]) -> Deduped:
+    """Consumer-side idempotence: leave out records whose job_id is in ``trained_job_ids`` (the trainer's
+    checkpointed set) or already came earlier in ``records``."""
+    fresh: list[tuple[str, Experience]] = []
+    dup: list[str] = []
+    seen: set[str] = set()
+    for entry_id, exp in records:
+        if exp.job_id in trained_job_ids or exp.job_id in seen:
+            dup.append(entry_id)
+        else:
+            seen.add(exp.job_id)
+            fresh.append((entry_id, exp))
+    return Deduped(fresh, dup)
+
+
+# -------------------------------------------------------------------------------------------------------- stats
+
+
+@dataclass
+class QueueStats:
+    """Queue depth of a run, for status endpoints and autoscaling (rollout scales on ``prompts_backlog``)."""
+
+    prompts_length: int = 0
+    prompts_pending: int = 0  # handed to a replica, not yet acknowledged
+    prompts_backlog: int = 0  # not yet handed to any replica
+    experience_length: int = 0
+    experience_pending: int = 0  # read by the trainer, not yet covered by a checkpoint
+    experience_backlog: int = 0  # not yet read by the trainer
+    dead_letters: int = 0  # dead-lettered, ever (the dead stream itself is capped)
+    dead_by_stream: dict[str, int] = field(default_factory=dict)
+    issued: int = 0
+    trained: int = 0
+    released: int = 0
+    policy_version: int | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return self.issued - self.trained - self.released
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["in_flight"] = self.in_flight
+        return d
+
+
+async def _group_depth(redis: aioredis.Redis, stream: str, group: str) -> tuple[int, int, int]:
+    """(length, pending, backlog) of one group on one stream; zeros when the stream does not exist."""
+    try:
+        groups = await redis.xinfo_groups(stream)
+    except ResponseError:
+        return 0, 0, 0
+    length = await redis.xlen(stream)
+    for g in groups:
+        if _s(g["name"]) == group:
+            return length, int(g["pending"]), await _lag(redis, stream, g)
+    return length, 0, length
+
+
+async def queue_stats(redis: aioredis.Redis, run_id: str) -> QueueStats:
+    k = RunKeys(run_id)
+    (pl, pp, pb), (el, ep, eb) = await asyncio.gather(
+        _group_depth(redis, k.prompts, ROLLOUT_GROUP), _group_depth(redis, k.experience, TRAINER_GROUP)
+    )
+    dead = {_s(s): int(n) for s, n in (await redis.hgetall(k.dead_count)).items()}
+    issued, trained, released, version = await redis.mget(k.issued, k.trained, k.released, k.policy_version)
+    return QueueStats(
+        prompts_length=pl,
+        prompts_pending=pp,
+        prompts_backlog=pb,
+        experience_length=el,
+        experience_pending=ep,
+        experience_backlog=eb,
+        dead_letters=sum(dead.values()),
+        dead_by_stream=dead,
+        issued=int(issued or 0),
+        trained=int(trained or 0),
+        released=int(released or 0),
+        policy_version=int(version) if version is not None else None,
+    )
+
+
+async def dead_letters(redis: aioredis.Redis, run_id: str, count: int = 100) -> list[dict[str, Any]]:
+    """The newest dead letters (newest first) as dicts: id, source, entry id, group, reason, consumer, payload."""
+    rows = await redis.xrevrange(RunKeys(run_id).dead, count=count)
+    out = []
+    for raw_id, fields in rows:
+        d = {_s(key): (v if key in (b"payload", "payload") else _s(v)) for key, v in fields.items()}
+        d["dead_id"] = _s(raw_id)
+        out.append(d)
+    return out
+
+
+async def delete_run(redis: aioredis.Redis, run_id: str) -> int:
+    """Delete every key of a run (streams, groups, counters, issued ids). For tests and starting a run over."""
+    return int(await redis.delete(*RunKeys(run_id).all()))

@@ -1,0 +1,634 @@
+"""Weight sync, trainer -> rollout replica: versioned, integrity-checked, all-or-nothing.
+
+Wire format (``RolloutService.UpdateWeights``, a client stream of ``WeightUpdate``; proto/rlhf/v1/weights.proto):
+
+1. one ``WeightHeader``: ``version`` (greater than the version the replica serves), ``parent_version`` (the version
+   the trainer started this update from; smaller than ``version``), the manifest (per tensor: name, safetensors
+   dtype, shape, bucket), the buckets (index 0..n-1, nbytes, sha256 hex), ``checksum`` = sha256 hex of the bucket
+   digests (hex, ASCII) concatenated in index order, ``total_bytes`` = sum of nbytes, ``format = "safetensors"``;
+2. then ``WeightChunk``s: bucket by bucket in index order, each bucket's bytes in order and without gaps
+   (``offset`` = bytes of that bucket sent before), every chunk non-empty. A bucket is the ``safetensors.torch.save``
+   of a group of whole tensors (at most ``bucket_bytes``, or one tensor alone when it is larger).
+
+Nothing is pickled and nothing is ``torch.load``-ed: the receiver parses buckets with ``safetensors.torch.load``.
+
+Sender: :func:`pack_weights` (serialise once) then :func:`push_weights` / :func:`push_weights_many` (stream the
+same packed bytes to every replica), or :func:`weight_updates` for the raw message generator.
+Receiver: :func:`receive_update` (or :class:`WeightReceiver`, which also serialises updates and keeps the served
+version) returns :class:`StagedWeights` only when every check passed, else raises one of the errors below; the
+caller keeps serving its old weights either way until it swaps the staged ones in.
+
+Errors and their gRPC codes (they subclass ``rlhf.serving.errors`` classes when available, so the serving layer's
+table maps them automatically; each also carries ``grpc_code``):
+
+=======================  ======================  ============================================================
+error                    gRPC code               when
+=======================  ======================  ============================================================
+StaleVersion             FAILED_PRECONDITION     version <= the served version (versions never go backwards)
+UpdateInProgress         FAILED_PRECONDITION     another update is being received by the same WeightReceiver
+CorruptUpdate            INVALID_ARGUMENT        bad header, out-of-order/overlapping chunk, size or sha256
+                                                 mismatch, bucket content that disagrees with the manifest
+IncompleteUpdate         INVALID_ARGUMENT        the stream ended before every bucket arrived (cut stream)
+IncompatibleUpdate       INVALID_ARGUMENT        the manifest does not fit the served model (``expected``)
+UpdateTooLarge           RESOURCE_EXHAUSTED      over ``max_total_bytes`` / ``max_bucket_bytes``
+=======================  ======================  ============================================================
+
+A client that cancels the call mid-stream cancels the handler (``asyncio.CancelledError``): nothing is staged.
+Authentication is the servicer's job (``rlhf.serving.require_grpc_token`` before calling the receiver): a wrong
+token is refused with UNAUTHENTICATED before any weight byte is read; the client surfaces it as
+``grpc.aio.AioRpcError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from rlhf.v1 import rollout_pb2_grpc, weights_pb2
+
+FORMAT = "safetensors"
+MiB = 1 << 20
+DEFAULT_CHUNK_BYTES = 2 * MiB  # a chunk message is this plus ~20 bytes: fits gRPC's default 4 MiB receive limit
+DEFAULT_BUCKET_BYTES = 128 * MiB
+
+# ------------------------------------------------------------------------------------------------------- errors
+
+try:  # the serving layer's error table maps these to gRPC/HTTP codes automatically
+    from rlhf.serving.errors import FailedPrecondition as _FailedPrecondition
+    from rlhf.serving.errors import InvalidArgument as _InvalidArgument
+    from rlhf.serving.errors import PayloadTooLarge as _PayloadTooLarge
+    from rlhf.serving.errors import RLHFError as _Base
+except ImportError:  # pragma: no cover - rlhf.serving absent
+
+    class _Base(Exception):  # type: ignore[no-redef]
+        def __init__(self, message: str, field: str | None = None):
+            super().__init__(message)
+            self.message = message
+            self.field = field
+
+    _FailedPrecondition = _InvalidArgument = _PayloadTooLarge = _Base  # type: ignore[misc]
+
+
+class WeightSyncError(_Base):
+    """Base of every weight-sync refusal; the replica keeps serving its current weights. Never raised itself."""
+
+    grpc_code = grpc.StatusCode.INTERNAL
+
+
+class StaleVersion(WeightSyncError, _FailedPrecondition):
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class UpdateInProgress(WeightSyncError, _FailedPrecondition):
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class CorruptUpdate(WeightSyncError, _InvalidArgument):
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class IncompleteUpdate(WeightSyncError, _InvalidArgument):
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class IncompatibleUpdate(WeightSyncError, _InvalidArgument):
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class UpdateTooLarge(WeightSyncError, _PayloadTooLarge):
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.complex64: "C64",
+}
+
+Manifest = dict[str, tuple[str, tuple[int, ...]]]  # name -> (safetensors dtype, shape)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} has no safetensors name known to rlhf.transport") from None
+
+
+def manifest_of(state_dict: Mapping[str, torch.Tensor]) -> Manifest:
+    """name -> (dtype, shape) of a state dict: what a replica passes as ``expected`` to refuse foreign updates."""
+    return {k: (dtype_name(v.dtype), tuple(v.shape)) for k, v in state_dict.items()}
+
+
+def manifest_checksum(bucket_digests: Sequence[str]) -> str:
+    """The header checksum: sha256 hex over the bucket sha256 hex digests (ASCII), concatenated in index order."""
+    return hashlib.sha256("".join(bucket_digests).encode("ascii")).hexdigest()
+
+
+def _safetensors_header(data: bytes | memoryview) -> dict[str, Any]:
+    """The JSON header of a serialized safetensors buffer (8-byte little-endian length, then JSON)."""
+    if len(data) < 8:
+        raise CorruptUpdate(f"bucket of {len(data)} bytes is too short to be safetensors")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise CorruptUpdate(f"safetensors header length {n} exceeds the bucket size {len(data)}")
+    try:
+        meta = json.loads(bytes(data[8 : 8 + n]))
+    except ValueError as err:
+        raise CorruptUpdate(f"safetensors header is not JSON: {err}") from None
+    if not isinstance(meta, dict):
+        raise CorruptUpdate("safetensors header is not a JSON object")
+    meta.pop("__metadata__", None)
+    return meta
+
+
+# ------------------------------------------------------------------------------------------------------ sending
+
+
+@dataclass
+class PackedWeights:
+    """A state dict serialised once: the header and the safetensors buckets, ready to stream to many replicas.
+
+    Holds one serialised copy of the weights (about the state dict's size) in host memory."""
+
+    header: weights_pb2.WeightHeader
+    buckets: list[bytes]
+
+    @property
+    def version(self) -> int:
+        return self.header.version
+
+    @property
+    def checksum(self) -> str:
+        return self.header.checksum
+
+    @property
+    def total_bytes(self) -> int:
+        return self.header.total_bytes
+
+    def updates(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[weights_pb2.WeightUpdate]:
+        """The ``UpdateWeights`` request stream: the header, then every bucket in chunks of ``chunk_bytes``."""
+        if chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be positive")
+        yield weights_pb2.WeightUpdate(header=self.header)
+        for index, data in enumerate(self.buckets):
+            view = memoryview(data)
+            for off in range(0, len(data), chunk_bytes):
+                chunk = weights_pb2.WeightChunk(bucket=index, offset=off, data=bytes(view[off : off + chunk_bytes]))
+                yield weights_pb2.WeightUpdate(chunk=chunk)
+
+
+def _plan_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    plan: list[list[str]] = []
+    size = 0
+    for name, t in state_dict.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
+        if t.layout != torch.strided:
+            raise ValueError(f"state_dict[{name!r}] is not a dense tensor ({t.layout}); call .to_dense() first")
+        n = t.numel() * t.element_size()
+        if plan and plan[-1] and size + n <= bucket_bytes:
+            plan[-1].append(name)
+            size += n
+        else:
+            plan.append([name])
+            size = n
+    return plan
+
+
+def _serialise_bucket(state_dict: Mapping[str, torch.Tensor], names: Sequence[str]) -> bytes:
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name in names:
+        t = state_dict[name].detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if t.numel():
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in storages:  # tied or sliced weights: safetensors refuses tensors sharing memory in one file
+                t = t.clone()
+                ptr = t.untyped_storage().data_ptr()
+            storages.add(ptr)
+        tensors[name] = t
+    return st_save(tensors)
+
+
+def pack_weights(
+    state_dict: Mapping[str, torch.Tensor],
+    version: int,
+    parent_version: int | None = None,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> PackedWeights:
+    """Serialise ``state_dict`` (any device; copied to host bucket by bucket) into safetensors buckets and the
+    header. ``parent_version`` defaults to ``version - 1``. Tensors sharing memory (tied weights) are each sent
+    in full. Do not modify the tensors while this runs (take it between optimizer steps)."""
+    if parent_version is None:
+        parent_version = version - 1
+    if parent_version >= version:
+        raise ValueError(f"parent_version ({parent_version}) must be smaller than version ({version})")
+    if bucket_bytes <= 0:
+        raise ValueError("bucket_bytes must be positive")
+    if not state_dict:
+        raise ValueError("state_dict is empty")
+    header = weights_pb2.WeightHeader(version=version, parent_version=parent_version, format=FORMAT)
+    buckets: list[bytes] = []
+    for index, names in enumerate(_plan_buckets(state_dict, bucket_bytes)):
+        data = _serialise_bucket(state_dict, names)
+        meta = _safetensors_header(data)
+        for name in names:
+            entry = meta[name]
+            header.tensors.add(name=name, dtype=entry["dtype"], shape=entry["shape"], bucket=index)
+        header.buckets.add(index=index, nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        buckets.append(data)
+    header.checksum = manifest_checksum([b.sha256 for b in header.buckets])
+    header.total_bytes = sum(len(b) for b in buckets)
+    return PackedWeights(header, buckets)
+
+
+def weight_updates(
+    state_dict: Mapping[str, torch.Tensor],
+    version: int,
+    parent_version: int | None = None,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Iterator[weights_pb2.WeightUpdate]:
+    """The ``WeightUpdate`` stream of a state dict (header, then chunks)."""
+    return pack_weights(state_dict, version, parent_version, bucket_bytes=bucket_bytes).updates(chunk_bytes)
+
+
+def _credentials(tls: bool | str | Path | bytes | grpc.ChannelCredentials) -> grpc.ChannelCredentials | None:
+    if tls is False or tls is None:
+        return None
+    if tls is True:
+        return grpc.ssl_channel_credentials()
+    if isinstance(tls, grpc.ChannelCredentials):
+        return tls
+    roots = tls if isinstance(tls, bytes) else Path(tls).read_bytes()
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
+async def push_weights(
+    target: str,
+    weights: Mapping[str, torch.Tensor] | PackedWeights,
+    version: int | None = None,
+    parent_version: int | None = None,
+    *,
+    token: str | None = None,
+    timeout: float | None = 600.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    tls: bool | str | Path | bytes | grpc.ChannelCredentials = False,
+    channel: grpc.aio.Channel | None = None,
+    options: Sequence[tuple[str, Any]] = (),
+) -> weights_pb2.UpdateWeightsResponse:
+    """Stream weights to one replica's ``RolloutService.UpdateWeights`` and return its response.
+
+    ``weights``: a state dict (then ``version`` is required; it is packed in a worker thread) or a
+    :class:`PackedWeights` (``version``/``parent_version`` must then be None or agree with it). ``token`` goes out
+    as ``authorization: Bearer <token>``. ``tls``: False (plaintext), True (system roots), a CA bundle path or
+    bytes, or ready ``grpc.ChannelCredentials``. ``channel``: reuse an open channel (``target``/``tls``/``options``
+    are then ignored). A refusal comes back as ``grpc.aio.AioRpcError`` (see the module docstring for the codes).
+    """
+    if isinstance(weights, PackedWeights):
+        if version is not None and version != weights.version:
+            raise ValueError(f"version {version} disagrees with the packed weights' version {weights.version}")
+        if parent_version is not None and parent_version != weights.header.parent_version:
+            raise ValueError("parent_version disagrees with the packed weights")
+        packed = weights
+    else:
+        if version is None:
+            raise ValueError("version is required when pushing a state dict")
+        packed = await asyncio.to_thread(pack_weights, weights, version, parent_version, bucket_bytes=bucket_bytes)
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    own = channel is None
+    if own:
+        opts = [("grpc.max_send_message_length", chunk_bytes + MiB), *options]
+        creds = _credentials(tls)
+        channel = (
+            grpc.aio.secure_channel(target, creds, options=opts)
+            if creds is not None
+            else grpc.aio.insecure_channel(target, options=opts)
+        )
+    try:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+        return await stub.UpdateWeights(packed.updates(chunk_bytes), timeout=timeout, metadata=metadata)
+    finally:
+        if own:
+            await channel.close()
+
+
+async def push_weights_many(
+    targets: Iterable[str],
+    packed: PackedWeights,
+    **kwargs: Any,
+) -> dict[str, weights_pb2.UpdateWeightsResponse | BaseException]:
+    """:func:`push_weights` of one packed update to several replicas concurrently; per target the response or
+    the exception (a failed replica does not stop the others)."""
+    targets = list(targets)
+    results = await asyncio.gather(*(push_weights(t, packed, **kwargs) for t in targets), return_exceptions=True)
+    return dict(zip(targets, results, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------- receiving
+
+
+@dataclass
+class StagedWeights:
+    """A verified update, not yet serving: swap ``tensors`` in, then :meth:`WeightReceiver.commit`."""
+
+    version: int
+    parent_version: int
+    checksum: str
+    tensors: dict[str, torch.Tensor]
+    nbytes: int  # serialized bytes received
+    seconds: float  # receiving and verifying
+    manifest: Manifest = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return self.nbytes
+
+
+def _check_header(
+    h: weights_pb2.WeightHeader,
+    current_version: int,
+    max_total_bytes: int | None,
+    max_bucket_bytes: int | None,
+    expected: Mapping[str, tuple[str, Sequence[int]]] | None,
+) -> list[Manifest]:
+    """Validate a header; returns per bucket the manifest of its tensors."""
+    if h.format != FORMAT:
+        raise CorruptUpdate(f"header.format is {h.format!r}; only {FORMAT!r} is supported")
+    if h.version <= current_version:
+        raise StaleVersion(
+            f"update version {h.version} is not newer than the served version {current_version}: "
+            "versions never go backwards; publish under a higher version",
+            field="header.version",
+        )
+    if h.parent_version >= h.version:
+        raise CorruptUpdate(f"header.parent_version {h.parent_version} must be smaller than version {h.version}")
+    if not h.buckets:
+        raise CorruptUpdate("header lists no buckets")
+    for i, b in enumerate(h.buckets):
+        if b.index != i:
+            raise CorruptUpdate(f"header.buckets[{i}].index is {b.index}: buckets must be listed in index order")
+        if b.nbytes < 8:
+            raise CorruptUpdate(f"header.buckets[{i}].nbytes is {b.nbytes}: too small for a safetensors buffer")
+        if len(b.sha256) != 64 or any(c not in "0123456789abcdef" for c in b.sha256):
+            raise CorruptUpdate(f"header.buckets[{i}].sha256 is not a lowercase sha256 hex digest")
+        if max_bucket_bytes is not None and b.nbytes > max_bucket_bytes:
+            raise UpdateTooLarge(f"bucket {i} has {b.nbytes} bytes; this replica accepts at most {max_bucket_bytes}")
+    total = sum(b.nbytes for b in h.buckets)
+    if h.total_bytes != total:
+        raise CorruptUpdate(f"header.total_bytes is {h.total_bytes} but the buckets add up to {total}")
+    if max_total_bytes is not None and total > max_total_bytes:
+        raise UpdateTooLarge(f"update has {total} bytes; this replica accepts at most {max_total_bytes}")
+    if h.checksum != manifest_checksum([b.sha256 for b in h.buckets]):
+        raise CorruptUpdate("header.checksum does not match the bucket digests")
+    per_bucket: list[Manifest] = [{} for _ in h.buckets]
+    for t in h.tensors:
+        if not t.name:
+            raise CorruptUpdate("header lists a tensor without a name")
+        if not 0 <= t.bucket < len(h.buckets):
+            raise CorruptUpdate(f"tensor {t.name!r} is in bucket {t.bucket}, but there are {len(h.buckets)} buckets")
+        if any(t.name in m for m in per_bucket):
+            raise CorruptUpdate(f"tensor {t.name!r} is listed twice")
+        if any(d < 0 for d in t.shape):
+            raise CorruptUpdate(f"tensor {t.name!r} has a negative dimension")
+        per_bucket[t.bucket][t.name] = (t.dtype, tuple(t.shape))
+    for i, m in enumerate(per_bucket):
+        if not m:
+            raise CorruptUpdate(f"bucket {i} holds no tensor")
+    if expected is not None:
+        got = {k: v for m in per_bucket for k, v in m.items()}
+        missing = sorted(set(expected) - set(got))
+        extra = sorted(set(got) - set(expected))
+        if missing or extra:
+            raise IncompatibleUpdate(
+                f"update does not fit the served model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unknown {extra[:5]}{'...' if len(extra) > 5 else ''}"
+            )
+        for name, (dt, shape) in got.items():
+            edt, eshape = expected[name]
+            if dt != edt or tuple(shape) != tuple(eshape):
+                raise IncompatibleUpdate(
+                    f"tensor {name!r} is {dt}{list(shape)} in the update but {edt}{list(eshape)} in the served model"
+                )
+    return per_bucket
+
+
+def _finish_bucket(index: int, parts: list[bytes], sha256: str, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Join a bucket's chunks, check its digest and content against the manifest, load its tensors (a thread)."""
+    data = b"".join(parts)
+    parts.clear()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise CorruptUpdate(f"bucket {index}: sha256 {digest} does not match the header's {sha256}")
+    meta = _safetensors_header(data)
+    for name, (dt, shape) in manifest.items():
+        entry = meta.get(name)
+        if entry is None:
+            raise CorruptUpdate(f"bucket {index} does not contain tensor {name!r} listed in the manifest")
+        if entry.get("dtype") != dt or tuple(entry.get("shape", ())) != shape:
+            raise CorruptUpdate(
+                f"tensor {name!r}: bucket {index} holds {entry.get('dtype')}{entry.get('shape')}, "
+                f"the manifest says {dt}{list(shape)}"
+            )
+    if len(meta) != len(manifest):
+        extra = sorted(set(meta) - set(manifest))
+        raise CorruptUpdate(f"bucket {index} holds tensors not in the manifest: {extra[:5]}")
+    try:
+        tensors = st_load(data)
+    except Exception as err:  # SafetensorError and friends: a buffer that passed the digest but does not parse
+        raise CorruptUpdate(f"bucket {index} is not a valid safetensors buffer: {err}") from None
+    del data
+    if set(tensors) != set(manifest):
+        raise CorruptUpdate(f"bucket {index}: safetensors gave tensors {sorted(tensors)[:5]}, not the manifest's")
+    for name, t in tensors.items():
+        if tuple(t.shape) != manifest[name][1]:
+            raise CorruptUpdate(f"tensor {name!r}: loaded shape {list(t.shape)} differs from the manifest")
+    return tensors
+
+
+async def _aiter(requests: AsyncIterable | Iterable):
+    if hasattr(requests, "__aiter__"):
+        async for m in requests:
+            yield m
+    else:
+        for m in requests:
+            yield m
+
+
+async def receive_update(
+    request_iterator: AsyncIterable[weights_pb2.WeightUpdate] | Iterable[weights_pb2.WeightUpdate],
+    current_version: int,
+    *,
+    max_total_bytes: int | None = None,
+    max_bucket_bytes: int | None = None,
+    expected: Mapping[str, tuple[str, Sequence[int]]] | None = None,
+) -> StagedWeights:
+    """Receive and verify one update stream (the servicer's ``request_iterator``) against the served
+    ``current_version``; return the staged tensors (host memory) or raise a :class:`WeightSyncError`.
+
+    Memory: the staged tensors plus about two buckets in transit (one being received while the previous one is
+    verified and parsed in a worker thread). Nothing is staged unless every bucket and the manifest check out.
+    ``expected`` (see :func:`manifest_of`): refuse updates whose names/dtypes/shapes differ from the served model.
+    """
+    t0 = time.perf_counter()
+    stream = _aiter(request_iterator)
+    try:
+        first = await anext(stream)
+    except StopAsyncIteration:
+        raise IncompleteUpdate("empty stream: send a WeightUpdate with the header first") from None
+    if first.WhichOneof("part") != "header":
+        raise CorruptUpdate("the first WeightUpdate must carry the header", field="header")
+    h = first.header
+    per_bucket = _check_header(h, current_version, max_total_bytes, max_bucket_bytes, expected)
+    nb = len(h.buckets)
+    staged: dict[str, torch.Tensor] = {}
+    pending: asyncio.Task | None = None  # the previous bucket being verified and loaded
+    index, filled, parts, received = 0, 0, [], 0
+
+    async def settle() -> None:
+        nonlocal pending
+        if pending is not None:
+            task, pending = pending, None
+            staged.update(await task)
+
+    try:
+        async for msg in stream:
+            if msg.WhichOneof("part") != "chunk":
+                raise CorruptUpdate("a second header in the stream; send one header, then chunks")
+            c = msg.chunk
+            if index >= nb:
+                raise CorruptUpdate(f"chunk for bucket {c.bucket} after the last bucket ({nb - 1}) was complete")
+            if c.bucket != index or c.offset != filled:
+                raise CorruptUpdate(
+                    f"chunk for bucket {c.bucket} at offset {c.offset}: expected bucket {index} at offset {filled} "
+                    "(buckets in index order, chunks contiguous)"
+                )
+            size = len(c.data)
+            bucket = h.buckets[index]
+            if size == 0:
+                raise CorruptUpdate(f"empty chunk in bucket {index} at offset {filled}")
+            if filled + size > bucket.nbytes:
+                raise CorruptUpdate(f"bucket {index} overruns its {bucket.nbytes} bytes (chunk at {filled}+{size})")
+            parts.append(c.data)
+            filled += size
+            received += size
+            if filled == bucket.nbytes:
+                await settle()  # at most one bucket in verification while the next one arrives
+                pending = asyncio.ensure_future(
+                    asyncio.to_thread(_finish_bucket, index, parts, bucket.sha256, per_bucket[index])
+                )
+                index, filled, parts = index + 1, 0, []
+        await settle()
+    finally:
+        if pending is not None:  # failed or cancelled: let the worker finish, drop its result
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+    if index < nb:
+        raise IncompleteUpdate(
+            f"stream ended after {received} of {h.total_bytes} bytes (bucket {index} of {nb} at byte {filled}): "
+            "the update was cut; nothing was staged"
+        )
+    manifest = {name: spec for m in per_bucket for name, spec in m.items()}
+    ordered = {t.name: staged[t.name] for t in h.tensors}
+    return StagedWeights(
+        version=h.version,
+        parent_version=h.parent_version,
+        checksum=h.checksum,
+        tensors=ordered,
+        nbytes=received,
+        seconds=time.perf_counter() - t0,
+        manifest=manifest,
+    )
+
+
+class WeightReceiver:
+    """A replica's side of weight sync: one update at a time, versions only forward.
+
+    ::
+
+        receiver = WeightReceiver(current_version=0, expected=manifest_of(model.state_dict()))
+
+        async def UpdateWeights(self, request_iterator, context):   # inside rlhf.serving.grpc_errors
+            require_grpc_token(context, settings)
+            staged = await receiver.receive(request_iterator)      # raises WeightSyncError: old weights keep serving
+            swap_seconds = await engine.swap(staged.tensors)       # between generation steps
+            receiver.commit(staged)
+            return UpdateWeightsResponse(version=staged.version, swapped=True, ...)
+    """
+
+    def __init__(
+        self,
+        current_version: int = 0,
+        *,
+        checksum: str = "",
+        max_total_bytes: int | None = None,
+        max_bucket_bytes: int | None = None,
+        expected: Mapping[str, tuple[str, Sequence[int]]] | None = None,
+    ):
+        self.current_version = current_version
+        self.checksum = checksum
+        self.max_total_bytes = max_total_bytes
+        self.max_bucket_bytes = max_bucket_bytes
+        self.expected = expected
+        self._busy = False
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    async def receive(self, request_iterator: AsyncIterable | Iterable) -> StagedWeights:
+        if self._busy:
+            raise UpdateInProgress("another weight update is being received; retry when it has finished")
+        self._busy = True
+        try:
+            return await receive_update(
+                request_iterator,
+                self.current_version,
+                max_total_bytes=self.max_total_bytes,
+                max_bucket_bytes=self.max_bucket_bytes,
+                expected=self.expected,
+            )
+        finally:
+            self._busy = False
+
+    def commit(self, staged: StagedWeights) -> None:
+        """Record that ``staged`` now serves (call after the swap). Refuses to go backwards."""
+        if staged.version <= self.current_version:
+            raise StaleVersion(f"cannot commit version {staged.version}: version {self.current_version} already serves")
+        self.current_version = staged.version
+        self.checksum = staged.checksum
