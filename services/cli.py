@@ -65,8 +65,11 @@ def _serve(args: argparse.Namespace) -> int:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name and module_name.startswith(err.name):
-            print(f"rlhf serve: the {args.service} service is not available in this installation "
-                  f"({module_name} is missing)", file=sys.stderr)  # fmt: skip
+            print(
+                f"rlhf serve: the {args.service} service is not available in this installation "
+                f"({module_name} is missing)",
+                file=sys.stderr,
+            )
             return 2
         raise
     serve = getattr(module, "serve", None)
@@ -154,8 +157,12 @@ def _logprobs(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    body: dict[str, Any] = {"prompt": args.prompt if len(args.prompt) > 1 else args.prompt[0],
-                            "max_tokens": args.max_tokens, "n": args.n, "return_token_ids": True}  # fmt: skip
+    body: dict[str, Any] = {
+        "prompt": args.prompt if len(args.prompt) > 1 else args.prompt[0],
+        "max_tokens": args.max_tokens,
+        "n": args.n,
+        "return_token_ids": True,
+    }
     if args.temperature is not None:
         body["temperature"] = args.temperature
     if args.seed is not None:
@@ -180,9 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    s = sub.add_parser("serve", help="run a service (gRPC + HTTP) until SIGTERM/SIGINT",
-                       description="Run one service: a gRPC server and an HTTP (REST) server in one process. "
-                                   "GET /healthz, /readyz, /metrics and /docs on the HTTP port.")  # fmt: skip
+    s = sub.add_parser(
+        "serve",
+        help="run a service (gRPC + HTTP) until SIGTERM/SIGINT",
+        description="Run one service: a gRPC server and an HTTP (REST) server in one process. "
+        "GET /healthz, /readyz, /metrics and /docs on the HTTP port.",
+    )
     s.add_argument("service", choices=SERVICES, help="which service")
     s.add_argument("--config", help="experiment config YAML (default $RLHF_CONFIG)")
     s.add_argument("--host", help="bind address (default $RLHF_HOST or 0.0.0.0)")
@@ -194,10 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     def client(name: str, help_: str, default_port: int) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help_, description=help_ + "; prints the JSON answer (exit 1 on an error).")
-        c.add_argument("--url", default=f"http://127.0.0.1:{default_port}",
-                       help="service base URL (default %(default)s)")  # fmt: skip
-        c.add_argument("--token", default=os.environ.get("RLHF_API_TOKEN"),
-                       help="bearer token (default $RLHF_API_TOKEN)")  # fmt: skip
+        c.add_argument(
+            "--url", default=f"http://127.0.0.1:{default_port}", help="service base URL (default %(default)s)"
+        )
+        c.add_argument(
+            "--token", default=os.environ.get("RLHF_API_TOKEN"), help="bearer token (default $RLHF_API_TOKEN)"
+        )
         c.add_argument("--timeout", type=float, default=60.0, help="seconds (default %(default)s)")
         return c
 

@@ -51,9 +51,17 @@ class BodyLimitMiddleware:
         if self.metrics is not None:
             self.metrics.count_error(err.kind)
         body = json.dumps(error_body(err)).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -167,16 +175,19 @@ def create_app(
     async def healthz() -> dict[str, str]:
         return {"status": "alive", "service": name}
 
-    @app.get("/readyz", tags=["health"], summary="readiness: 200 when ready to serve, else 503",
-             responses={503: {"description": "not ready (starting, loading, or shutting down)"}})  # fmt: skip
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        summary="readiness: 200 when ready to serve, else 503",
+        responses={503: {"description": "not ready (starting, loading, or shutting down)"}},
+    )
     async def readyz():
         if await _call_readiness(app.state.readiness):
             return {"status": "ready", "service": name}
         reason = getattr(app.state, "not_ready_reason", "") or "not ready"
         return JSONResponse({"status": "not ready", "service": name, "reason": reason}, status_code=503)
 
-    @app.get("/metrics", tags=["health"], summary="Prometheus metrics (text format)",
-             response_class=Response)  # fmt: skip
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics (text format)", response_class=Response)
     async def prometheus_metrics() -> Response:
         body, ctype = metrics.render()
         return Response(content=body, media_type=ctype)

@@ -29,12 +29,19 @@ class ServiceMetrics:
         self.name = name
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("rlhf_requests", "requests handled", ["service", "method", "protocol", "code"],
-                                registry=r)  # fmt: skip
-        self.latency = Histogram("rlhf_request_seconds", "request latency in seconds",
-                                 ["service", "method", "protocol"], buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.batch = Histogram("rlhf_batch_size", "items per request", ["service", "method"], buckets=BATCH_BUCKETS,
-                               registry=r)  # fmt: skip
+        self.requests = Counter(
+            "rlhf_requests", "requests handled", ["service", "method", "protocol", "code"], registry=r
+        )
+        self.latency = Histogram(
+            "rlhf_request_seconds",
+            "request latency in seconds",
+            ["service", "method", "protocol"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch = Histogram(
+            "rlhf_batch_size", "items per request", ["service", "method"], buckets=BATCH_BUCKETS, registry=r
+        )
         self.tokens = Counter("rlhf_tokens", "tokens processed", ["service", "kind"], registry=r)
         self.errors = Counter("rlhf_errors", "errors by kind", ["service", "kind"], registry=r)
         self.ready = Gauge("rlhf_ready", "1 when the service is ready", ["service"], registry=r)

@@ -270,8 +270,15 @@ class ServiceRunner:
         try:
             await self._start_grpc()
             http_task = await self._start_http()
-            log.info("%s: gRPC on %s:%s, HTTP on %s:%s%s", self.name, self.settings.host, self.grpc_port,
-                     self.settings.host, self.http_port, " (TLS)" if self.settings.tls else "")  # fmt: skip
+            log.info(
+                "%s: gRPC on %s:%s, HTTP on %s:%s%s",
+                self.name,
+                self.settings.host,
+                self.grpc_port,
+                self.settings.host,
+                self.http_port,
+                " (TLS)" if self.settings.tls else "",
+            )
             self.started.set()
             watcher = asyncio.create_task(self._watch_readiness())
             if startup is not None:
@@ -304,8 +311,12 @@ class ServiceRunner:
             if self.http_server is not None:
                 self.http_server.force_exit = True
             return
-        log.info("%s: %s received: stopping gracefully (grace %.1fs)", self.name, signal.Signals(sig).name,
-                 self.settings.shutdown_grace_s)  # fmt: skip
+        log.info(
+            "%s: %s received: stopping gracefully (grace %.1fs)",
+            self.name,
+            signal.Signals(sig).name,
+            self.settings.shutdown_grace_s,
+        )
         self.request_stop()
 
     async def _graceful_stop(self, http_task, startup_task, watcher, shutdown) -> None:

@@ -60,8 +60,19 @@ class ServiceSettings(BaseModel):
             raise ValueError("must be debug, info, warning, error or critical")
         return v
 
-    @field_validator("tls_cert", "tls_key", "api_token", "config", "device", "redis_url", "run_id", "replica_id",
-                     "reward_addr", "reference_addr", mode="before")  # fmt: skip
+    @field_validator(
+        "tls_cert",
+        "tls_key",
+        "api_token",
+        "config",
+        "device",
+        "redis_url",
+        "run_id",
+        "replica_id",
+        "reward_addr",
+        "reference_addr",
+        mode="before",
+    )
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
         return None if v == "" else v

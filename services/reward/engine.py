@@ -104,8 +104,9 @@ class RuleScorer(Scorer):
     def _one(self, it: Item) -> float | Failure:
         kwargs = dict(self.kwargs)
         if self.wants_sample:
-            kwargs["sample"] = rules.RuleSample(it.prompt, it.response, it.label, it.prompt_ids, it.response_ids,
-                                                it.finished, self.count_tokens)  # fmt: skip
+            kwargs["sample"] = rules.RuleSample(
+                it.prompt, it.response, it.label, it.prompt_ids, it.response_ids, it.finished, self.count_tokens
+            )
         try:
             value = self.fn(it.prompt, it.response, it.label, **kwargs)
         except rules.RuleInputError as err:
@@ -262,8 +263,11 @@ class RemoteScorer(Scorer):
             try:
                 rewards = await self._call(body)
             except (TimeoutError, httpx.TimeoutException):
-                last = Failure(TIMEOUT, f"scorer {self.name!r}: {self.url} did not answer within {self.timeout}s "
-                                        f"({attempt + 1} attempt(s))")  # fmt: skip
+                last = Failure(
+                    TIMEOUT,
+                    f"scorer {self.name!r}: {self.url} did not answer within {self.timeout}s "
+                    f"({attempt + 1} attempt(s))",
+                )
                 continue
             except _HTTPStatus as err:
                 last = Failure(SCORER_ERROR, f"scorer {self.name!r}: {self.url} answered HTTP {err.status}: {err.text}")
@@ -277,8 +281,10 @@ class RemoteScorer(Scorer):
                 last = Failure(SCORER_ERROR, f"scorer {self.name!r}: bad answer from {self.url}: {err}")
                 continue
             if len(rewards) != len(items):
-                last = Failure(SCORER_ERROR, f"scorer {self.name!r}: {self.url} returned {len(rewards)} rewards for "
-                                             f"{len(items)} items")  # fmt: skip
+                last = Failure(
+                    SCORER_ERROR,
+                    f"scorer {self.name!r}: {self.url} returned {len(rewards)} rewards for {len(items)} items",
+                )
                 continue
             out: list[float | Failure] = []
             for r in rewards:
@@ -310,8 +316,14 @@ class _HTTPStatus(Exception):
 class RewardEngine:
     """Scores batches of (prompt, response[, label]) with the configured scorers."""
 
-    def __init__(self, cfg: ExperimentConfig, device: str | None = None, metrics: ServiceMetrics | None = None,
-                 max_items: int = MAX_ITEMS, max_text_chars: int = MAX_TEXT_CHARS):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        device: str | None = None,
+        metrics: ServiceMetrics | None = None,
+        max_items: int = MAX_ITEMS,
+        max_text_chars: int = MAX_TEXT_CHARS,
+    ):
         self.cfg = cfg
         self.metrics = metrics
         self.max_items = max_items
@@ -376,26 +388,30 @@ class RewardEngine:
         if not items:
             raise InvalidArgument("items is empty: send at least one {prompt, response} item", "items")
         if len(items) > self.max_items:
-            raise InvalidArgument(f"items has {len(items)} entries; send at most {self.max_items} per request",
-                                  "items")  # fmt: skip
+            raise InvalidArgument(f"items has {len(items)} entries; send at most {self.max_items} per request", "items")
         for i, it in enumerate(items):
             if not it.prompt and not it.prompt_ids:
-                raise InvalidArgument(f"items[{i}].prompt is empty: send the prompt text (or prompt_ids)",
-                                      f"items[{i}].prompt")  # fmt: skip
+                raise InvalidArgument(
+                    f"items[{i}].prompt is empty: send the prompt text (or prompt_ids)", f"items[{i}].prompt"
+                )
             for fname in ("prompt", "response", "label"):
                 v = getattr(it, fname)
                 if v is not None and len(v) > self.max_text_chars:
-                    raise InvalidArgument(f"items[{i}].{fname} is {len(v)} characters; the limit is "
-                                          f"{self.max_text_chars}: shorten it", f"items[{i}].{fname}")  # fmt: skip
+                    raise InvalidArgument(
+                        f"items[{i}].{fname} is {len(v)} characters; the limit is {self.max_text_chars}: shorten it",
+                        f"items[{i}].{fname}",
+                    )
             for fname in ("prompt_ids", "response_ids"):
                 ids = getattr(it, fname)
                 if len(ids) > MAX_IDS:
-                    raise InvalidArgument(f"items[{i}].{fname} has {len(ids)} ids; the limit is {MAX_IDS}",
-                                          f"items[{i}].{fname}")  # fmt: skip
+                    raise InvalidArgument(
+                        f"items[{i}].{fname} has {len(ids)} ids; the limit is {MAX_IDS}", f"items[{i}].{fname}"
+                    )
                 neg = next((t for t in ids if t < 0), None)
                 if neg is not None:
-                    raise InvalidArgument(f"items[{i}].{fname} contains {neg}: token ids are >= 0",
-                                          f"items[{i}].{fname}")  # fmt: skip
+                    raise InvalidArgument(
+                        f"items[{i}].{fname} contains {neg}: token ids are >= 0", f"items[{i}].{fname}"
+                    )
         for s in self.scorers:
             s.validate(items)
 

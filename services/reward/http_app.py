@@ -73,27 +73,39 @@ def _items_from_get_reward(body: GetRewardIn) -> list[Item]:
     if body.prompts is None:
         raise InvalidArgument("prompts is missing: send the prompt of each query (OpenRLHF sends it)", "prompts")
     if len(body.prompts) != len(body.query):
-        raise InvalidArgument(f"prompts has {len(body.prompts)} entries for {len(body.query)} queries; send one each",
-                              "prompts")  # fmt: skip
+        raise InvalidArgument(
+            f"prompts has {len(body.prompts)} entries for {len(body.query)} queries; send one each", "prompts"
+        )
     if body.labels is not None and len(body.labels) != len(body.query):
-        raise InvalidArgument(f"labels has {len(body.labels)} entries for {len(body.query)} queries; send one each "
-                              "(or none)", "labels")  # fmt: skip
+        raise InvalidArgument(
+            f"labels has {len(body.labels)} entries for {len(body.query)} queries; send one each (or none)", "labels"
+        )
     items = []
     for i, (q, p) in enumerate(zip(body.query, body.prompts, strict=True)):
         if not q.startswith(p):
-            raise InvalidArgument(f"query[{i}] does not start with prompts[{i}]: send query = prompt + response",
-                                  f"query[{i}]")  # fmt: skip
+            raise InvalidArgument(
+                f"query[{i}] does not start with prompts[{i}]: send query = prompt + response", f"query[{i}]"
+            )
         items.append(Item(prompt=p, response=q[len(p) :], label=body.labels[i] if body.labels else None))
     return items
 
 
 def build_app(engine: RewardEngine, settings: ServiceSettings, metrics: ServiceMetrics) -> FastAPI:
-    app = create_app("reward", settings, metrics, title="rlhf reward service",
-                     description="Scores (prompt, response[, label]) with the configured scorers, combined by weight. "
-                                 "A failing scorer gives the item an error status, never a score of 0.")  # fmt: skip
+    app = create_app(
+        "reward",
+        settings,
+        metrics,
+        title="rlhf reward service",
+        description="Scores (prompt, response[, label]) with the configured scorers, combined by weight. "
+        "A failing scorer gives the item an error status, never a score of 0.",
+    )
 
-    @app.post("/v1/score", response_model=ScoreResponseOut, tags=["reward"],
-              summary="score a batch; every item gets a score or an error status")  # fmt: skip
+    @app.post(
+        "/v1/score",
+        response_model=ScoreResponseOut,
+        tags=["reward"],
+        summary="score a batch; every item gets a score or an error status",
+    )
     async def score(body: ScoreRequestIn) -> ScoreResponseOut:
         items = [Item(**it.model_dump()) for it in body.items]
         metrics.observe_batch("/v1/score", len(items))
@@ -102,12 +114,16 @@ def build_app(engine: RewardEngine, settings: ServiceSettings, metrics: ServiceM
             results=[
                 ScoreResultOut(score=o.score, status=o.status, error=o.error or None, components=o.components)
                 for o in outcomes
-            ],  # fmt: skip
+            ],
             scorers=[ScorerInfo(**d) for d in engine.describe()],
         )
 
-    @app.post("/get_reward", response_model=GetRewardOut, tags=["reward"],
-              summary="OpenRLHF remote reward: {query, prompts, labels} -> {rewards}")  # fmt: skip
+    @app.post(
+        "/get_reward",
+        response_model=GetRewardOut,
+        tags=["reward"],
+        summary="OpenRLHF remote reward: {query, prompts, labels} -> {rewards}",
+    )
     async def get_reward(body: GetRewardIn) -> GetRewardOut:
         items = _items_from_get_reward(body)
         metrics.observe_batch("/get_reward", len(items))

@@ -126,8 +126,9 @@ def exact_match(prompt: str, response: str, label: str | None, *, extract: bool 
     return 0.0
 
 
-def regex(prompt: str, response: str, label: str | None, *, pattern: str | None = None, mode: str = "search",
-          flags: str = "") -> float:  # fmt: skip
+def regex(
+    prompt: str, response: str, label: str | None, *, pattern: str | None = None, mode: str = "search", flags: str = ""
+) -> float:
     """1.0 when ``pattern`` (or, without it, the label as a pattern) matches the response (``search``/``fullmatch``)."""
     pat = pattern if pattern is not None else _need_label(label, "regex")
     fl = 0
@@ -139,8 +140,16 @@ def regex(prompt: str, response: str, label: str | None, *, pattern: str | None 
     return 1.0 if getattr(rx, mode)(response) else 0.0
 
 
-def length(prompt: str, response: str, label: str | None, *, target: float, scale: float | None = None,
-           unit: str = "tokens", sample: RuleSample | None = None) -> float:  # fmt: skip
+def length(
+    prompt: str,
+    response: str,
+    label: str | None,
+    *,
+    target: float,
+    scale: float | None = None,
+    unit: str = "tokens",
+    sample: RuleSample | None = None,
+) -> float:
     """Closeness of the response length to ``target``: ``1 / (1 + ((n - target) / scale)^2)`` in (0, 1].
 
     Smooth and heavy-tailed (a response far from the target still sees a slope), 1.0 exactly at the target.

@@ -1,0 +1,173 @@
+"""The reference service's state: the frozen reference policy and its per-token log-probs of given responses.
+
+``logprobs(items, temperature)`` returns, for each (prompt_ids, response_ids), ``log p_ref(response_t | prompt,
+response_<t)`` at the temperature: ``log_softmax(logits / T)`` gathered at the response tokens, with the forward
+convention of :mod:`rlhf.models` (the same one the trainer uses for the policy, so the KL terms compare like with
+like). Items are sorted by length and run in micro-batches of ``actor_rollout_ref.ref.micro_batch_size``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from dataclasses import dataclass
+
+from rlhf.config import ExperimentConfig
+from rlhf.serving import InvalidArgument, NotReady, ServiceMetrics
+
+log = logging.getLogger("rlhf.reference")
+
+MAX_ITEMS = 4096
+
+
+@dataclass
+class LogProbsItem:
+    prompt_ids: list[int]
+    response_ids: list[int]
+
+
+class ReferenceEngine:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        device: str | None = None,
+        metrics: ServiceMetrics | None = None,
+        max_items: int = MAX_ITEMS,
+    ):
+        self.cfg = cfg
+        ref = cfg.actor_rollout_ref.ref
+        self.model_spec = ref.load or cfg.actor.load
+        self.temperature = float(ref.temperature if ref.temperature is not None else cfg.actor.temperature)
+        self.micro_batch_size = ref.micro_batch_size
+        self.device = device or "auto"
+        self.metrics = metrics
+        self.max_items = max_items
+        self.model = None
+        self.pad_token_id = 0
+        self.vocab_size = 0
+        self.max_len = 0
+        self.ready = False
+        self._lock = threading.Lock()
+
+    # -- life cycle
+
+    def load(self) -> None:
+        from rlhf.models import load_causal_lm, load_tokenizer, resolve_model_path
+
+        path = resolve_model_path(self.model_spec)
+        tok = load_tokenizer(path)
+        model = load_causal_lm(path, device=self.device).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.pad_token_id = int(tok.pad_token_id)
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_len = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.model = model
+        self.ready = True
+        log.info(
+            "reference model loaded from %s on %s (temperature %g, vocab %d, context %d)",
+            path,
+            model.device,
+            self.temperature,
+            self.vocab_size,
+            self.max_len,
+        )
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.load)
+
+    async def close(self) -> None:
+        pass
+
+    def info(self) -> dict:
+        return {
+            "model": self.model_spec,
+            "temperature": self.temperature,
+            "vocab_size": self.vocab_size,
+            "max_length": self.max_len,
+            "micro_batch_size": self.micro_batch_size,
+        }
+
+    # -- validation
+
+    def validate(self, items: list[LogProbsItem], temperature: float | None) -> float:
+        if not items:
+            raise InvalidArgument("items is empty: send at least one {prompt_ids, response_ids} item", "items")
+        if len(items) > self.max_items:
+            raise InvalidArgument(f"items has {len(items)} entries; send at most {self.max_items} per request", "items")
+        if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
+            raise InvalidArgument(
+                f"temperature is {temperature}; send a value > 0 or leave it unset "
+                f"(the service default is {self.temperature})",
+                "temperature",
+            )
+        for i, it in enumerate(items):
+            if not it.prompt_ids:
+                raise InvalidArgument(
+                    f"items[{i}].prompt_ids is empty: send at least one prompt token (the first "
+                    "response token is predicted from the prompt)",
+                    f"items[{i}].prompt_ids",
+                )
+            if not it.response_ids:
+                raise InvalidArgument(
+                    f"items[{i}].response_ids is empty: send at least one response token", f"items[{i}].response_ids"
+                )
+            n = len(it.prompt_ids) + len(it.response_ids)
+            if n > self.max_len:
+                raise InvalidArgument(
+                    f"items[{i}]: prompt_ids + response_ids is {n} tokens; the reference model's "
+                    f"context is {self.max_len}: shorten the prompt or the response",
+                    f"items[{i}].response_ids",
+                )
+            for fname in ("prompt_ids", "response_ids"):
+                for j, t in enumerate(getattr(it, fname)):
+                    if not 0 <= t < self.vocab_size:
+                        raise InvalidArgument(
+                            f"items[{i}].{fname}[{j}] is {t}, outside the vocabulary [0, "
+                            f"{self.vocab_size}); send ids of the policy's tokenizer",
+                            f"items[{i}].{fname}[{j}]",
+                        )
+        return float(temperature) if temperature is not None else self.temperature
+
+    # -- compute
+
+    def _forward(self, items: list[LogProbsItem], temperature: float) -> list[list[float]]:
+        import torch
+
+        from rlhf.algo import logprobs_from_logits
+        from rlhf.models import causal_lm_logits
+
+        pad = self.pad_token_id
+        seqs = [list(it.prompt_ids) + list(it.response_ids) for it in items]
+        out: list[list[float]] = [[] for _ in items]
+        order = sorted(range(len(items)), key=lambda k: len(seqs[k]))
+        dev = self.model.device
+        with self._lock, torch.inference_mode():
+            for s in range(0, len(order), self.micro_batch_size):
+                idx = order[s : s + self.micro_batch_size]
+                width = max(len(seqs[k]) for k in idx)
+                batch = torch.full((len(idx), width), pad, dtype=torch.long)
+                for r, k in enumerate(idx):
+                    batch[r, : len(seqs[k])] = torch.tensor(seqs[k], dtype=torch.long)
+                batch = batch.to(dev)
+                logits = causal_lm_logits(self.model, batch, pad)
+                # position t predicts token t+1
+                lp = logprobs_from_logits(logits[:, :-1], batch[:, 1:], temperature).float().cpu()
+                for r, k in enumerate(idx):
+                    p, n = len(items[k].prompt_ids), len(items[k].response_ids)
+                    out[k] = lp[r, p - 1 : p - 1 + n].tolist()
+        return out
+
+    async def logprobs(
+        self, items: list[LogProbsItem], temperature: float | None = None
+    ) -> tuple[list[list[float]], float]:
+        if not self.ready:
+            raise NotReady("the reference model is still loading; retry when /readyz answers 200")
+        t = self.validate(items, temperature)
+        result = await asyncio.to_thread(self._forward, items, t)
+        if self.metrics is not None:
+            self.metrics.add_tokens("prompt", sum(len(it.prompt_ids) for it in items))
+            self.metrics.add_tokens("response", sum(len(it.response_ids) for it in items))
+        return result, t
