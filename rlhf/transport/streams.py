@@ -92,7 +92,9 @@ def _entries(resp: Any) -> list[tuple[bytes, dict | None]]:
     return list(resp[0][1])
 
 
-# Scripts. Each runs atomically and is written to the AOF as one unit (effects replication, MULTI/EXEC).
+# Scripts. Each runs atomically and is written to the AOF as one unit (effects replication, MULTI/EXEC). They are
+# not rolled back when a command fails half-way: each checks first, writes, and acknowledges last, so a failed
+# write leaves the source entry pending (delivered again), never lost.
 
 # KEYS: jobs hash, prompts stream, issued, trained, released. ARGV: job_id, payload, capacity (-1 = unbounded).
 _PUBLISH_JOB = """
@@ -112,18 +114,21 @@ return {'published', id}
 
 # KEYS: prompts stream, experience stream. ARGV: group, prompt entry id, payload.
 _PUBLISH_AND_ACK = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return false end
-return redis.call('XADD', KEYS[2], '*', 'pb', ARGV[3])
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then return false end
+local id = redis.call('XADD', KEYS[2], '*', 'pb', ARGV[3])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+return id
 """
 
 # KEYS: source stream, dead stream, dead_count hash, released counter.
 # ARGV: group, entry id, reason, payload, consumer, unix ms, dead stream cap.
 _DEAD_LETTER = """
-if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then return 0 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'source', KEYS[1], 'id', ARGV[2], 'group', ARGV[1],
            'reason', ARGV[3], 'consumer', ARGV[5], 'at_unix_ms', ARGV[6], 'payload', ARGV[4])
 redis.call('HINCRBY', KEYS[3], KEYS[1], 1)
 redis.call('INCR', KEYS[4])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
 
