@@ -1,0 +1,339 @@
+"""Weight sync: the packer, the receiver's checks, and a round trip over a real grpc.aio server on loopback.
+
+The test servicer does what the rollout service does: check the bearer token (constant time) before reading a
+byte, hand the stream to :class:`WeightReceiver`, swap, commit, and map a WeightSyncError to its gRPC code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+
+import grpc
+import pytest
+import torch
+
+from rlhf.transport.weightsync import (
+    CorruptUpdate,
+    IncompatibleUpdate,
+    IncompleteUpdate,
+    StaleVersion,
+    UpdateInProgress,
+    UpdateTooLarge,
+    WeightReceiver,
+    WeightSyncError,
+    manifest_checksum,
+    manifest_of,
+    pack_weights,
+    push_weights,
+    push_weights_many,
+    receive_update,
+    weight_updates,
+)
+from rlhf.v1 import rollout_pb2_grpc, weights_pb2
+
+TOKEN = "s3cret-token"
+
+
+def state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    embed = torch.randn(64, 32, generator=g)
+    qkv = torch.randn(96, 32, generator=g)
+    return {
+        "model.embed_tokens.weight": embed,
+        "model.layers.0.q_proj.weight": qkv[:32],  # views into one storage
+        "model.layers.0.k_proj.weight": qkv[32:64],
+        "model.layers.0.v_proj.weight": qkv[64:],
+        "model.layers.0.mlp.weight": torch.randn(128, 32, generator=g).to(torch.bfloat16),
+        "model.layers.0.norm.weight": torch.randn(32, generator=g).to(torch.float16),
+        "model.layers.0.transposed": torch.randn(16, 8, generator=g).t(),  # not contiguous
+        "model.big": torch.randn(300, 100, generator=g),  # larger than the small test buckets
+        "model.step": torch.tensor(7, dtype=torch.int64),  # scalar
+        "model.mask": torch.rand(10, generator=g) > 0.5,
+        "model.empty": torch.empty(0, 4),
+        "lm_head.weight": embed,  # tied to the embedding
+    }
+
+
+def assert_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(raw(got[k]), raw(v)), k  # bit-identical, NaN payloads and -0.0 included
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+class Servicer(rollout_pb2_grpc.RolloutServiceServicer):
+    def __init__(self, receiver: WeightReceiver):
+        self.receiver = receiver
+        self.weights: dict[str, torch.Tensor] = {}
+        self.reads = 0
+
+    async def UpdateWeights(self, request_iterator, context):
+        presented = dict(context.invocation_metadata()).get("authorization", "")
+        if not hmac.compare_digest(presented.encode(), f"Bearer {TOKEN}".encode()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid token")
+        self.reads += 1
+        try:
+            staged = await self.receiver.receive(request_iterator)
+        except WeightSyncError as err:
+            await context.abort(err.grpc_code, str(err))
+        self.weights = staged.tensors  # the swap
+        self.receiver.commit(staged)
+        return weights_pb2.UpdateWeightsResponse(
+            version=staged.version, swapped=True, bytes_received=staged.bytes, checksum=staged.checksum,
+            stage_seconds=staged.seconds,
+        )  # fmt: skip
+
+    async def GetWeightsVersion(self, request, context):
+        return weights_pb2.WeightsVersion(version=self.receiver.current_version, checksum=self.receiver.checksum)
+
+
+async def start_server(receiver: WeightReceiver) -> tuple[grpc.aio.Server, str, Servicer]:
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 8 << 20)])
+    servicer = Servicer(receiver)
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}", servicer
+
+
+def messages(sd=None, version=1, parent=0, chunk_bytes=4096, bucket_bytes=64 << 10) -> list:
+    return list(weight_updates(sd or state_dict(), version, parent, chunk_bytes=chunk_bytes, bucket_bytes=bucket_bytes))
+
+
+def receive(msgs, current=0, **kw):
+    return asyncio.run(receive_update(msgs, current, **kw))
+
+
+# ------------------------------------------------------------------------------------------- packer + receiver
+
+
+def test_pack_layout_and_checksum():
+    sd = state_dict()
+    packed = pack_weights(sd, 5, 4, bucket_bytes=64 << 10)
+    h = packed.header
+    assert (h.version, h.parent_version, h.format) == (5, 4, "safetensors")
+    assert [t.name for t in h.tensors] == list(sd)
+    assert len(h.buckets) == len(packed.buckets) >= 3
+    assert [b.index for b in h.buckets] == list(range(len(h.buckets)))
+    assert all(b.nbytes <= (64 << 10) + 4096 for b in h.buckets if sum(t.bucket == b.index for t in h.tensors) > 1)
+    assert h.total_bytes == sum(len(b) for b in packed.buckets)
+    assert h.checksum == manifest_checksum([b.sha256 for b in h.buckets])
+    spec = {t.name: (t.dtype, tuple(t.shape)) for t in h.tensors}
+    assert spec == manifest_of(sd)
+    assert spec["model.layers.0.mlp.weight"] == ("BF16", (128, 32)) and spec["model.step"] == ("I64", ())
+    # deterministic: same weights, same bytes
+    assert pack_weights(sd, 5, 4, bucket_bytes=64 << 10).checksum == packed.checksum
+    with pytest.raises(ValueError):
+        pack_weights(sd, 3, 3)
+
+
+def test_receive_round_trip_is_bit_identical():
+    sd = state_dict()
+    staged = receive(messages(sd), current=0, expected=manifest_of(sd))
+    assert (staged.version, staged.parent_version) == (1, 0)
+    assert staged.bytes == sum(len(m.chunk.data) for m in messages(sd)[1:])
+    assert_identical(staged.tensors, sd)
+    staged.tensors["model.big"].add_(1)  # staged tensors are ordinary writable tensors
+    assert staged.manifest == manifest_of(sd)
+
+
+def test_versions_never_go_backwards():
+    with pytest.raises(StaleVersion, match="not newer"):
+        receive(messages(version=3, parent=2), current=3)  # same version
+    with pytest.raises(StaleVersion):
+        receive(messages(version=2, parent=1), current=3)  # older
+
+
+def test_corrupt_chunk_is_refused():
+    msgs = messages()
+    bad = copy.deepcopy(msgs)
+    data = bytearray(bad[3].chunk.data)
+    data[100] ^= 0x01
+    bad[3].chunk.data = bytes(data)
+    with pytest.raises(CorruptUpdate, match="sha256"):
+        receive(bad)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda m: m.pop(0), CorruptUpdate, "first WeightUpdate must carry the header"),
+        (lambda m: m.insert(2, m[0]), CorruptUpdate, "second header"),
+        (lambda m: m.__setitem__(slice(2, 4), [m[3], m[2]]), CorruptUpdate, "expected bucket 0 at offset 4096"),
+        (lambda m: m.pop(2), CorruptUpdate, "expected bucket 0 at offset 4096"),
+        (lambda m: m.append(m[-1]), CorruptUpdate, "after the last bucket"),
+        (lambda m: m[1].chunk.__setattr__("data", m[1].chunk.data + b"x"), CorruptUpdate, "offset 4097"),
+        (lambda m: m[0].header.__setattr__("checksum", "0" * 64), CorruptUpdate, "checksum"),
+        (lambda m: m[0].header.__setattr__("total_bytes", 1), CorruptUpdate, "total_bytes"),
+        (lambda m: m[0].header.__setattr__("format", "pickle"), CorruptUpdate, "format"),
+        (lambda m: m[0].header.tensors[0].__setattr__("dtype", "F16"), CorruptUpdate, "the manifest says F16"),
+        (lambda m: m[0].header.tensors[1].shape.__setitem__(0, 31), CorruptUpdate, "the manifest says"),
+        (lambda m: m[0].header.tensors[0].__setattr__("bucket", 99), CorruptUpdate, "bucket 99"),
+        (lambda m: m[0].header.tensors.add(name="ghost", dtype="F32", bucket=0), CorruptUpdate, "ghost"),
+        (lambda m: m[0].header.__setattr__("parent_version", 1), CorruptUpdate, "parent_version"),
+        (lambda m: m.__delitem__(slice(1, None)), IncompleteUpdate, "stream ended after 0"),
+        (lambda m: m.__delitem__(slice(-3, None)), IncompleteUpdate, "was cut"),
+        (lambda m: m.clear(), IncompleteUpdate, "empty stream"),
+    ],
+)
+def test_malformed_streams_are_refused(mutate, error, match):
+    msgs = copy.deepcopy(messages())
+    mutate(msgs)
+    with pytest.raises(error, match=match):
+        receive(msgs)
+
+
+def test_size_limits_and_expected_manifest():
+    msgs = messages()
+    total = msgs[0].header.total_bytes
+    with pytest.raises(UpdateTooLarge):
+        receive(msgs, max_total_bytes=total - 1)
+    with pytest.raises(UpdateTooLarge):
+        receive(msgs, max_bucket_bytes=1000)
+    expected = manifest_of(state_dict())
+    expected["model.big"] = ("F32", (300, 101))
+    with pytest.raises(IncompatibleUpdate, match="model.big"):
+        receive(msgs, expected=expected)
+    del expected["model.big"]
+    with pytest.raises(IncompatibleUpdate, match="unknown"):
+        receive(msgs, expected=expected)
+
+
+def test_receiver_takes_one_update_at_a_time():
+    async def body():
+        receiver = WeightReceiver(0)
+        gate = asyncio.Event()
+
+        async def slow():
+            msgs = messages()
+            yield msgs[0]
+            await gate.wait()
+            for m in msgs[1:]:
+                yield m
+
+        first = asyncio.create_task(receiver.receive(slow()))
+        await asyncio.sleep(0.05)
+        with pytest.raises(UpdateInProgress):
+            await receiver.receive(messages(version=2, parent=1))
+        gate.set()
+        staged = await first
+        receiver.commit(staged)
+        assert receiver.current_version == 1 and not receiver.busy
+        with pytest.raises(StaleVersion):
+            receiver.commit(staged)
+
+    asyncio.run(body())
+
+
+def test_errors_map_to_grpc_codes_through_the_serving_table():
+    errors = pytest.importorskip("rlhf.serving.errors")
+    for cls, code in [
+        (StaleVersion, grpc.StatusCode.FAILED_PRECONDITION),
+        (UpdateInProgress, grpc.StatusCode.FAILED_PRECONDITION),
+        (CorruptUpdate, grpc.StatusCode.INVALID_ARGUMENT),
+        (IncompleteUpdate, grpc.StatusCode.INVALID_ARGUMENT),
+        (IncompatibleUpdate, grpc.StatusCode.INVALID_ARGUMENT),
+        (UpdateTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ]:
+        assert cls.grpc_code == code
+        assert errors.status_for(cls("x"))[0] == code, cls
+
+
+# ------------------------------------------------------------------------------------------------ over gRPC
+
+
+def test_push_over_grpc_round_trip_and_refusals():
+    async def body():
+        receiver = WeightReceiver(0, expected=manifest_of(state_dict()))
+        server, target, servicer = await start_server(receiver)
+        try:
+            sd1 = state_dict(1)
+            resp = await push_weights(target, sd1, 1, token=TOKEN, chunk_bytes=8192, bucket_bytes=64 << 10)
+            assert (resp.version, resp.swapped) == (1, True)
+            assert_identical(servicer.weights, sd1)
+            packed = pack_weights(state_dict(2), 2, 1, bucket_bytes=1 << 20)
+            assert resp.checksum != packed.checksum
+            resp = await push_weights(target, packed, token=TOKEN)
+            assert (resp.version, resp.bytes_received, resp.checksum) == (2, packed.total_bytes, packed.checksum)
+            assert_identical(servicer.weights, state_dict(2))
+
+            # old version: refused, version 2 keeps serving
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await push_weights(target, state_dict(3), 2, token=TOKEN)
+            assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "versions never go backwards" in exc.value.details()
+
+            # wrong or missing token: refused before a byte is read
+            reads = servicer.reads
+            for token in ("wrong", None):
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await push_weights(target, state_dict(3), 3, token=token)
+                assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert servicer.reads == reads
+
+            # corrupt chunk: refused, old weights keep serving
+            bad = list(pack_weights(state_dict(3), 3, 2).updates(4096))
+            bad[5].chunk.data = b"\x00" * len(bad[5].chunk.data)
+            async with grpc.aio.insecure_channel(target) as ch:
+                stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+                md = (("authorization", f"Bearer {TOKEN}"),)
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await stub.UpdateWeights(iter(bad), metadata=md)
+                assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sha256" in exc.value.details()
+
+                # cut stream (the client half-closes early): refused
+                good = list(pack_weights(state_dict(3), 3, 2).updates(4096))
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await stub.UpdateWeights(iter(good[: len(good) // 2]), metadata=md)
+                assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cut" in exc.value.details()
+
+                # cut stream (the client goes away mid-stream): nothing staged, the receiver is free again
+                async def then_hang():
+                    for m in good[: len(good) // 2]:
+                        yield m
+                    await asyncio.sleep(3600)
+
+                call = stub.UpdateWeights(then_hang(), metadata=md)
+                await asyncio.sleep(0.2)
+                assert receiver.busy
+                call.cancel()
+                for _ in range(100):
+                    if not receiver.busy:
+                        break
+                    await asyncio.sleep(0.02)
+                assert not receiver.busy
+                version = await stub.GetWeightsVersion(weights_pb2.GetWeightsVersionRequest())
+                assert version.version == 2 and version.checksum == packed.checksum
+            assert_identical(servicer.weights, state_dict(2))
+
+            # the same update, complete, goes through afterwards
+            resp = await push_weights(target, state_dict(3), 3, token=TOKEN)
+            assert resp.version == 3
+            assert_identical(servicer.weights, state_dict(3))
+        finally:
+            await server.stop(None)
+
+    asyncio.run(body())
+
+
+def test_push_to_many_replicas_reports_each():
+    async def body():
+        servers = [await start_server(WeightReceiver(v)) for v in (0, 0, 5)]
+        try:
+            packed = pack_weights(state_dict(), 4, 3)
+            results = await push_weights_many([t for _, t, _ in servers], packed, token=TOKEN)
+            r0, r1, r2 = (results[t] for _, t, _ in servers)
+            assert r0.version == r1.version == 4
+            assert isinstance(r2, grpc.aio.AioRpcError) and r2.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert_identical(servers[0][2].weights, state_dict())
+        finally:
+            for server, _, _ in servers:
+                await server.stop(None)
+
+    asyncio.run(body())
