@@ -101,7 +101,9 @@ def value_loss(
     mask = mask.bool()
     loss_unclipped = (values - returns).square()
     if cliprange_value is not None and cliprange_value > 0:
-        clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+        # clamp(V, V_old - eps, V_old + eps) as TRL: an unclipped V comes back bit-identical, so it never counts as
+        # clipped (V_old + (V - V_old) can be 1 ulp off V and tip ``loss_clipped > loss_unclipped`` on rounding).
+        clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
         loss_clipped = (clipped - returns).square()
         per_token = torch.max(loss_unclipped, loss_clipped)
         clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask).detach()
