@@ -44,6 +44,7 @@ class ServiceSettings(BaseModel):
     reference_addr: str | None = Field(None, description="host:port of the reference service's gRPC server")
     rollout_addrs: list[str] = Field([], description="host:port of each rollout replica's gRPC server (comma list)")
     replica_id: str | None = Field(None, description="this replica's name (default: hostname-pid)")
+    run_dir: str | None = Field(None, description="run folder for metrics.jsonl and checkpoints (rlhf up sets it)")
 
     @field_validator("rollout_addrs", mode="before")
     @classmethod
