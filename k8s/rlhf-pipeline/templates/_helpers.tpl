@@ -1,0 +1,522 @@
+{{/* ------------------------------------------------------------------ names and labels */}}
+
+{{- define "rlhf.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "rlhf.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "<fullname>-<component>"; call with (dict "root" $ "component" "rollout") */}}
+{{- define "rlhf.componentName" -}}
+{{- printf "%s-%s" (include "rlhf.fullname" .root | trunc 50 | trimSuffix "-") .component }}
+{{- end }}
+
+{{- define "rlhf.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* labels; call with (dict "root" $ "component" "rollout") */}}
+{{- define "rlhf.labels" -}}
+helm.sh/chart: {{ include "rlhf.chart" .root }}
+{{ include "rlhf.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: rlhf-pipeline
+{{- end }}
+
+{{- define "rlhf.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "rlhf.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "rlhf.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "rlhf.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* ------------------------------------------------------------------ experiment, run id, addresses */}}
+
+{{/* The experiment config as YAML text: experiment.configYaml (e.g. --set-file) wins over experiment.config. */}}
+{{- define "rlhf.experimentYaml" -}}
+{{- if .Values.experiment.configYaml }}
+{{- .Values.experiment.configYaml }}
+{{- else }}
+{{- toYaml .Values.experiment.config }}
+{{- end }}
+{{- end }}
+
+{{- define "rlhf.configMapName" -}}
+{{- default (printf "%s-experiment" (include "rlhf.fullname" .)) .Values.experiment.existingConfigMap }}
+{{- end }}
+
+{{/* experiment.runId, else the config's run_id, else "default" (the config's own default). */}}
+{{- define "rlhf.runId" -}}
+{{- if .Values.experiment.runId }}
+{{- .Values.experiment.runId }}
+{{- else if .Values.experiment.existingConfigMap }}
+{{- "default" }}
+{{- else }}
+{{- $cfg := include "rlhf.experimentYaml" . | fromYaml }}
+{{- default "default" (get $cfg "run_id") }}
+{{- end }}
+{{- end }}
+
+{{- define "rlhf.svcDomain" -}}
+{{- printf "%s.svc.%s" .Release.Namespace .Values.clusterDomain }}
+{{- end }}
+
+{{- define "rlhf.grpcAddr" -}}
+{{- printf "%s.%s:%v" (include "rlhf.componentName" (dict "root" .root "component" .component)) (include "rlhf.svcDomain" .root) .root.Values.ports.grpc }}
+{{- end }}
+
+{{/* Every rollout replica: the headless Service resolves to all ready pods (the trainer pushes weights to each). */}}
+{{- define "rlhf.rolloutAddrs" -}}
+{{- printf "%s-headless.%s:%v" (include "rlhf.componentName" (dict "root" . "component" "rollout")) (include "rlhf.svcDomain" .) .Values.ports.grpc }}
+{{- end }}
+
+{{/* ------------------------------------------------------------------ secrets */}}
+
+{{- define "rlhf.secretName" -}}
+{{- printf "%s-secrets" (include "rlhf.fullname" .) }}
+{{- end }}
+
+{{- define "rlhf.apiTokenSecret" -}}
+{{- default (include "rlhf.secretName" .) .Values.auth.existingSecret }}
+{{- end }}
+
+{{- define "rlhf.redisHost" -}}
+{{- printf "%s.%s" (include "rlhf.componentName" (dict "root" . "component" "redis")) (include "rlhf.svcDomain" .) }}
+{{- end }}
+
+{{- define "rlhf.redisPasswordSecret" -}}
+{{- default (include "rlhf.secretName" .) .Values.redis.auth.existingSecret }}
+{{- end }}
+
+{{- define "rlhf.redisUrlSecret" -}}
+{{- default (include "rlhf.secretName" .) .Values.redis.external.existingSecret }}
+{{- end }}
+
+{{/* A secret value kept across upgrades: the given one, else the one already in the cluster, else a new random one. */}}
+{{- define "rlhf.secretValue" -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace (include "rlhf.secretName" .root) }}
+{{- $old := "" }}
+{{- if $existing }}
+{{- $old = dig "data" .key "" $existing | b64dec }}
+{{- end }}
+{{- .value | default $old | default (randAlphaNum 32) }}
+{{- end }}
+
+{{/* ------------------------------------------------------------------ images and devices */}}
+
+{{/* accelerator.type -> the image flavour and RLHF_DEVICE */}}
+{{- define "rlhf.imageFlavour" -}}
+{{- get (dict "none" "cpu" "nvidia" "cuda" "ascend" "ascend") .accelerator.type }}
+{{- end }}
+
+{{- define "rlhf.device" -}}
+{{- get (dict "none" "cpu" "nvidia" "cuda" "ascend" "npu") .accelerator.type }}
+{{- end }}
+
+{{- define "rlhf.acceleratorResource" -}}
+{{- if .accelerator.resourceName }}
+{{- .accelerator.resourceName }}
+{{- else }}
+{{- get (dict "nvidia" "nvidia.com/gpu" "ascend" "huawei.com/Ascend910") .accelerator.type }}
+{{- end }}
+{{- end }}
+
+{{/* image reference; call with (dict "root" $ "values" .Values.rollout) */}}
+{{- define "rlhf.image" -}}
+{{- $img := .values.image }}
+{{- $registry := .root.Values.image.registry }}
+{{- $repo := ternary $img.repository (printf "%s/%s" $registry $img.repository) (empty $registry) }}
+{{- $tag := $img.tag | default .root.Values.image.tag | default (printf "%s-%s" .root.Chart.AppVersion (include "rlhf.imageFlavour" .values)) }}
+{{- if $img.digest }}
+{{- printf "%s@%s" $repo $img.digest }}
+{{- else }}
+{{- printf "%s:%s" $repo $tag }}
+{{- end }}
+{{- end }}
+
+{{/* resources with the accelerator added to requests and limits */}}
+{{- define "rlhf.resources" -}}
+{{- $res := deepCopy (default (dict) .resources) }}
+{{- if ne .accelerator.type "none" }}
+{{- $name := include "rlhf.acceleratorResource" . }}
+{{- $_ := set $res "requests" (merge (dict $name (toString .accelerator.count)) (default (dict) $res.requests)) }}
+{{- $_ := set $res "limits" (merge (dict $name (toString .accelerator.count)) (default (dict) $res.limits)) }}
+{{- end }}
+{{- toYaml $res }}
+{{- end }}
+
+{{/* ------------------------------------------------------------------ pod pieces shared by the four services */}}
+
+{{- define "rlhf.probe" -}}
+{{- $p := .probe }}
+httpGet:
+  path: {{ $p.path }}
+  port: http
+  scheme: {{ ternary "HTTPS" "HTTP" .root.Values.tls.enabled }}
+{{- with $p.initialDelaySeconds }}
+initialDelaySeconds: {{ . }}
+{{- end }}
+periodSeconds: {{ $p.periodSeconds }}
+timeoutSeconds: {{ $p.timeoutSeconds }}
+failureThreshold: {{ $p.failureThreshold }}
+{{- end }}
+
+{{- define "rlhf.probes" -}}
+{{- $root := .root }}
+{{- with .values.probes }}
+{{- if .startup.enabled }}
+startupProbe:
+  {{- include "rlhf.probe" (dict "root" $root "probe" .startup) | trim | nindent 2 }}
+{{- end }}
+{{- if .liveness.enabled }}
+livenessProbe:
+  {{- include "rlhf.probe" (dict "root" $root "probe" .liveness) | trim | nindent 2 }}
+{{- end }}
+{{- if .readiness.enabled }}
+readinessProbe:
+  {{- include "rlhf.probe" (dict "root" $root "probe" .readiness) | trim | nindent 2 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* RLHF_* environment of a service container; call with (dict "root" $ "component" "rollout" "values" .Values.rollout) */}}
+{{- define "rlhf.env" -}}
+{{- $root := .root }}
+{{- $v := $root.Values }}
+- name: RLHF_HOST
+  value: "0.0.0.0"
+- name: RLHF_GRPC_PORT
+  value: {{ $v.ports.grpc | quote }}
+- name: RLHF_HTTP_PORT
+  value: {{ $v.ports.http | quote }}
+- name: RLHF_CONFIG
+  value: /etc/rlhf/config.yaml
+- name: RLHF_RUN_ID
+  value: {{ include "rlhf.runId" $root | quote }}
+- name: RLHF_DEVICE
+  value: {{ include "rlhf.device" .values | quote }}
+- name: RLHF_LOG_LEVEL
+  value: {{ $v.settings.logLevel | quote }}
+- name: RLHF_MAX_MESSAGE_BYTES
+  value: {{ $v.settings.maxMessageBytes | int64 | quote }}
+- name: RLHF_MAX_BODY_BYTES
+  value: {{ $v.settings.maxBodyBytes | int64 | quote }}
+- name: RLHF_SHUTDOWN_GRACE_S
+  value: {{ $v.settings.shutdownGraceSeconds | quote }}
+- name: RLHF_CACHE_DIR
+  value: /var/cache/rlhf
+- name: HF_HUB_OFFLINE
+  value: {{ ternary "1" "0" $v.settings.hfHubOffline | quote }}
+- name: RLHF_REPLICA_ID
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: RLHF_API_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "rlhf.apiTokenSecret" $root }}
+      key: {{ $v.auth.existingSecretKey }}
+{{- if $v.tls.enabled }}
+- name: RLHF_TLS_CERT
+  value: /etc/rlhf-tls/tls.crt
+- name: RLHF_TLS_KEY
+  value: /etc/rlhf-tls/tls.key
+{{- end }}
+{{- if or (eq .component "rollout") (eq .component "trainer") }}
+{{- if $v.redis.enabled }}
+{{- if $v.redis.auth.enabled }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "rlhf.redisPasswordSecret" $root }}
+      key: {{ $v.redis.auth.existingSecretPasswordKey }}
+- name: RLHF_REDIS_URL
+  value: {{ printf "redis://:$(REDIS_PASSWORD)@%s:6379/0" (include "rlhf.redisHost" $root) | quote }}
+{{- else }}
+- name: RLHF_REDIS_URL
+  value: {{ printf "redis://%s:6379/0" (include "rlhf.redisHost" $root) | quote }}
+{{- end }}
+{{- else }}
+- name: RLHF_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "rlhf.redisUrlSecret" $root }}
+      key: {{ $v.redis.external.existingSecretUrlKey }}
+{{- end }}
+- name: RLHF_REWARD_ADDR
+  value: {{ include "rlhf.grpcAddr" (dict "root" $root "component" "reward") | quote }}
+- name: RLHF_REFERENCE_ADDR
+  value: {{ include "rlhf.grpcAddr" (dict "root" $root "component" "reference") | quote }}
+{{- end }}
+{{- if eq .component "trainer" }}
+- name: RLHF_ROLLOUT_ADDRS
+  value: {{ include "rlhf.rolloutAddrs" $root | quote }}
+{{- end }}
+{{- if and (eq .component "rollout") .values.engine }}
+- name: RLHF_ROLLOUT_ENGINE
+  value: {{ .values.engine | quote }}
+{{- end }}
+{{- with .values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* volumeMounts of a service container */}}
+{{- define "rlhf.volumeMounts" -}}
+{{- $v := .root.Values }}
+- name: experiment
+  mountPath: /etc/rlhf
+  readOnly: true
+- name: cache
+  mountPath: /var/cache/rlhf
+- name: tmp
+  mountPath: /tmp
+- name: shm
+  mountPath: /dev/shm
+{{- if $v.tls.enabled }}
+- name: tls
+  mountPath: /etc/rlhf-tls
+  readOnly: true
+{{- end }}
+{{- if and (eq .values.accelerator.type "ascend") $v.ascend.driverHostPaths.enabled }}
+{{- range $i, $path := $v.ascend.driverHostPaths.paths }}
+- name: ascend-driver-{{ $i }}
+  mountPath: {{ $path }}
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- with $v.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* volumes of a service pod */}}
+{{- define "rlhf.volumes" -}}
+{{- $v := .root.Values }}
+- name: experiment
+  configMap:
+    name: {{ include "rlhf.configMapName" .root }}
+    items:
+      - key: config.yaml
+        path: config.yaml
+- name: cache
+  emptyDir: {}
+- name: tmp
+  emptyDir: {}
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .values.shmSize }}
+{{- if $v.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ $v.tls.existingSecret }}
+{{- end }}
+{{- if and (eq .values.accelerator.type "ascend") $v.ascend.driverHostPaths.enabled }}
+{{- range $i, $path := $v.ascend.driverHostPaths.paths }}
+- name: ascend-driver-{{ $i }}
+  hostPath:
+    path: {{ $path }}
+{{- end }}
+{{- end }}
+{{- with $v.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* pod spec fields shared by every service pod (scheduling, security, pull secrets) */}}
+{{- define "rlhf.podCommon" -}}
+{{- $v := .root.Values }}
+serviceAccountName: {{ include "rlhf.serviceAccountName" .root }}
+automountServiceAccountToken: false
+enableServiceLinks: false
+{{- with $v.image.pullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $v.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+terminationGracePeriodSeconds: {{ .values.terminationGracePeriodSeconds }}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* annotations that roll the pods when the experiment config changes */}}
+{{- define "rlhf.podAnnotations" -}}
+{{- if not .root.Values.experiment.existingConfigMap }}
+checksum/experiment: {{ include "rlhf.experimentYaml" .root | sha256sum }}
+{{- end }}
+{{- with .values.podAnnotations }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* ------------------------------------------------------------------ the stateless services */}}
+
+{{/* Deployment + Service + headless Service of rollout, reward or reference; (dict "root" $ "component" NAME) */}}
+{{- define "rlhf.deployment" -}}
+{{- $root := .root }}
+{{- $component := .component }}
+{{- $values := index $root.Values $component }}
+{{- $ctx := dict "root" $root "component" $component "values" $values }}
+{{- $name := include "rlhf.componentName" $ctx }}
+{{- $keda := and (eq $component "rollout") $values.autoscaling.keda.enabled }}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ $name }}
+  labels:
+    {{- include "rlhf.labels" $ctx | trim | nindent 4 }}
+spec:
+  {{- if not $keda }}
+  replicas: {{ $values.replicas }}
+  {{- end }}
+  revisionHistoryLimit: 3
+  {{- with $values.strategy }}
+  strategy:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "rlhf.selectorLabels" $ctx | trim | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "rlhf.selectorLabels" $ctx | trim | nindent 8 }}
+        {{- with $values.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with include "rlhf.podAnnotations" $ctx | trim }}
+      annotations:
+        {{- . | nindent 8 }}
+      {{- end }}
+    spec:
+      {{- include "rlhf.podCommon" $ctx | trim | nindent 6 }}
+      containers:
+        - name: {{ $component }}
+          image: {{ include "rlhf.image" $ctx | quote }}
+          imagePullPolicy: {{ $values.image.pullPolicy | default $root.Values.image.pullPolicy }}
+          args:
+            - rlhf
+            - serve
+            - {{ $component }}
+            - --config
+            - /etc/rlhf/config.yaml
+            - --grpc-port
+            - {{ $root.Values.ports.grpc | quote }}
+            - --http-port
+            - {{ $root.Values.ports.http | quote }}
+          ports:
+            - name: grpc
+              containerPort: {{ $root.Values.ports.grpc }}
+              protocol: TCP
+            - name: http
+              containerPort: {{ $root.Values.ports.http }}
+              protocol: TCP
+          env:
+            {{- include "rlhf.env" $ctx | trim | nindent 12 }}
+          {{- include "rlhf.probes" $ctx | trim | nindent 10 }}
+          resources:
+            {{- include "rlhf.resources" $values | trim | nindent 12 }}
+          {{- with $root.Values.containerSecurityContext }}
+          securityContext:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          volumeMounts:
+            {{- include "rlhf.volumeMounts" $ctx | trim | nindent 12 }}
+      volumes:
+        {{- include "rlhf.volumes" $ctx | trim | nindent 8 }}
+{{- end }}
+
+{{/* ClusterIP Service (grpc + http) for a component; (dict "root" $ "component" NAME) */}}
+{{- define "rlhf.service" -}}
+{{- $root := .root }}
+{{- $values := index $root.Values .component }}
+{{- $ctx := dict "root" $root "component" .component "values" $values }}
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ include "rlhf.componentName" $ctx }}
+  labels:
+    {{- include "rlhf.labels" $ctx | trim | nindent 4 }}
+    rlhf-pipeline/metrics: "true"
+  {{- with $values.service.annotations }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  type: {{ $values.service.type }}
+  selector:
+    {{- include "rlhf.selectorLabels" $ctx | trim | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ $root.Values.ports.grpc }}
+      targetPort: grpc
+      protocol: TCP
+      appProtocol: grpc
+    - name: http
+      port: {{ $root.Values.ports.http }}
+      targetPort: http
+      protocol: TCP
+{{- end }}
+
+{{/* PodDisruptionBudget for a component; (dict "root" $ "component" NAME) */}}
+{{- define "rlhf.pdb" -}}
+{{- $root := .root }}
+{{- $values := index $root.Values .component }}
+{{- $ctx := dict "root" $root "component" .component "values" $values }}
+{{- if and $values.enabled $values.pdb.enabled }}
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "rlhf.componentName" $ctx }}
+  labels:
+    {{- include "rlhf.labels" $ctx | trim | nindent 4 }}
+spec:
+  {{- if hasKey $values.pdb "minAvailable" }}
+  minAvailable: {{ $values.pdb.minAvailable }}
+  {{- else }}
+  maxUnavailable: {{ $values.pdb.maxUnavailable }}
+  {{- end }}
+  selector:
+    matchLabels:
+      {{- include "rlhf.selectorLabels" $ctx | trim | nindent 6 }}
+{{- end }}
+{{- end }}
