@@ -66,9 +66,10 @@ def http_token_dependency(settings: ServiceSettings | str | None) -> Any:
     """A FastAPI dependency: ``@app.post("/admin", dependencies=[Depends(http_token_dependency(settings))])``."""
     from fastapi import Request
 
-    async def _check(request: Request) -> None:
+    async def _check(request) -> None:
         require_token(settings, parse_bearer(request.headers.get("authorization")))
 
+    _check.__annotations__ = {"request": Request, "return": None}  # real class: this module uses string annotations
     return _check
 
 

@@ -28,6 +28,8 @@ from rlhf.serving.metrics import ServiceMetrics
 from rlhf.serving.settings import ServiceSettings
 
 HEALTH_PATHS = ("/healthz", "/readyz", "/metrics")
+# A refused body up to this size is read and dropped so that the client sees the 413; a larger one is cut off.
+DRAIN_LIMIT = 256 * 1024 * 1024
 
 
 class BodyLimitMiddleware:
@@ -41,7 +43,11 @@ class BodyLimitMiddleware:
         self.max_bytes = max_bytes
         self.metrics = metrics
 
-    async def _refuse(self, send: Callable, declared: int | None) -> None:
+    async def _refuse(
+        self, receive: Callable, send: Callable, declared: int | None, seen: int = 0, more: bool = True
+    ) -> None:
+        """Answer 413. The app never sees the body; the rest of it is read and dropped first (up to
+        ``DRAIN_LIMIT``) so the client, still sending, gets the answer instead of a connection reset."""
         size = f"{declared} bytes" if declared is not None else "more"
         err = PayloadTooLarge(
             f"request body is {size}, over the limit of {self.max_bytes} bytes; send smaller batches "
@@ -50,18 +56,17 @@ class BodyLimitMiddleware:
         )
         if self.metrics is not None:
             self.metrics.count_error(err.kind)
+        if declared is None or declared <= DRAIN_LIMIT:
+            while more and seen <= DRAIN_LIMIT:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+                seen += len(msg.get("body", b""))
+                more = msg.get("more_body", False)
         body = json.dumps(error_body(err)).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]  # fmt: skip
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -78,7 +83,7 @@ class BodyLimitMiddleware:
                 break
         if declared is not None:
             if declared > self.max_bytes:
-                await self._refuse(send, declared)
+                await self._refuse(receive, send, declared)
                 return
             await self.app(scope, receive, send)
             return
@@ -91,7 +96,7 @@ class BodyLimitMiddleware:
             data = msg.get("body", b"")
             total += len(data)
             if total > self.max_bytes:
-                await self._refuse(send, None)
+                await self._refuse(receive, send, None, total, msg.get("more_body", False))
                 return
             chunks.append(data)
             if not msg.get("more_body", False):

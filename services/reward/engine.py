@@ -96,6 +96,7 @@ class RuleScorer(Scorer):
     def __init__(self, cfg: ScorerConfig, name: str, count_tokens=None):
         super().__init__(cfg, name)
         self.fn = rules.resolve_rule(cfg.name or "")
+        self.builtin = (cfg.name or "") in rules.RULES
         self.kwargs = dict(cfg.kwargs)
         rules.check_kwargs(self.fn, self.kwargs, cfg.name or "")
         self.wants_sample = rules.accepts_sample(self.fn)
@@ -122,8 +123,9 @@ class RuleScorer(Scorer):
         return value
 
     async def score(self, items: list[Item]) -> list[float | Failure]:
-        if len(items) <= 64:
+        if self.builtin and len(items) <= 64:  # microseconds: not worth a thread hop
             return [self._one(it) for it in items]
+        # user functions may block (I/O, sandboxes): keep them off the event loop
         return await asyncio.to_thread(lambda: [self._one(it) for it in items])
 
 
@@ -330,6 +332,7 @@ class RewardEngine:
         self.max_text_chars = max_text_chars
         self.device = device or "auto"
         self._policy_tokenizer = None
+        self._tokenizer_error = ""
         self._tok_lock = threading.Lock()
         self.scorers: list[Scorer] = []
         seen: dict[str, int] = {}
@@ -359,6 +362,11 @@ class RewardEngine:
     def load(self) -> None:
         for s in self.scorers:
             s.load()
+        if any(isinstance(s, RuleScorer) and s.wants_sample for s in self.scorers):
+            try:  # load the policy tokenizer now rather than inside the first request
+                self.count_policy_tokens("warm up")
+            except Exception as err:  # noqa: BLE001 - rules then need response_ids (or another unit)
+                log.warning("no policy tokenizer for token-counting rules (%s); send response_ids", err)
         self.ready = True
 
     async def start(self) -> None:
@@ -373,10 +381,18 @@ class RewardEngine:
         if self._policy_tokenizer is None:
             with self._tok_lock:
                 if self._policy_tokenizer is None:
+                    if self._tokenizer_error:
+                        raise rules.RuleInputError(self._tokenizer_error)
                     from rlhf.models import load_tokenizer, resolve_model_path
 
                     src = self.cfg.training.tokenizer_name_or_path or self.cfg.actor.load
-                    self._policy_tokenizer = load_tokenizer(resolve_model_path(src))
+                    try:
+                        self._policy_tokenizer = load_tokenizer(resolve_model_path(src))
+                    except Exception as err:  # noqa: BLE001 - remembered: not retried per request
+                        self._tokenizer_error = (
+                            f"cannot load the policy tokenizer {src!r} to count tokens ({err}); send response_ids"
+                        )
+                        raise rules.RuleInputError(self._tokenizer_error) from None
         return len(self._policy_tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def describe(self) -> list[dict[str, Any]]:
