@@ -1,0 +1,325 @@
+"""``rlhf serve trainer``: the training ring's driver.
+
+It publishes prompt jobs (bounded by admission: ``training.max_staleness``), consumes experience, runs one update per
+``global_batch_size`` experience records, pushes the new weights to every rollout replica (versioned), writes
+``metrics.jsonl`` and checkpoints, and acknowledges experience only once a checkpoint covers the step it fed: a
+trainer killed at any moment loses nothing, and after a restart it skips the job ids its checkpoint says were trained.
+It stops (exit 0) after ``training.train_iters`` steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from fastapi import Depends
+
+from rlhf.config import ExperimentConfig, load_config
+from rlhf.data import PromptCursor, encode_prompt, load_prompts
+from rlhf.serving import (
+    ServiceMetrics,
+    ServiceRunner,
+    ServiceSettings,
+    create_app,
+    grpc_errors,
+    http_token_dependency,
+    require_grpc_token,
+)
+from rlhf.transport import Admission, ExperienceQueue, PromptQueue, connect, drop_trained, queue_stats
+from rlhf.v1 import common_pb2, experience_pb2, trainer_pb2, trainer_pb2_grpc
+from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.engine import TrainerEngine
+
+log = logging.getLogger("rlhf.trainer")
+SERVICE_NAME = "rlhf.v1.TrainerService"
+CONSUMER = "trainer-0"
+
+
+class Trainer:
+    def __init__(self, cfg: ExperimentConfig, settings: ServiceSettings, runner: ServiceRunner):
+        self.cfg, self.settings, self.runner = cfg, settings, runner
+        self.run_id = settings.run_id or cfg.run_id
+        self.run_dir = Path(settings.run_dir or Path(cfg.training.save).parent)
+        self.ckpt_dir = self.run_dir / "checkpoints" if settings.run_dir else Path(cfg.training.save)
+        self.engine: TrainerEngine | None = None
+        self.paused = asyncio.Event()
+        self.last_metrics: dict[str, float] = {}
+        self.trained_job_ids: set[str] = set()
+        self.samples_trained = 0
+        self.unacked: list[str] = []
+        self.done = False
+
+    # ------------------------------------------------------------------ start-up
+    async def start(self) -> None:
+        self.engine = await asyncio.to_thread(TrainerEngine, self.cfg, self.settings.device)
+        self.redis = connect(self.settings.redis_url)
+        self.prompts = PromptQueue(self.redis, self.run_id)
+        self.experience = ExperienceQueue(self.redis, self.run_id)
+        self.admission = Admission(
+            self.redis, self.run_id, self.cfg.training.max_staleness, self.cfg.training.global_batch_size
+        )
+        a = self.cfg.actor
+        records = load_prompts(self.cfg.data)
+        self.cursor = PromptCursor(records, self.cfg.training.seed, self.cfg.data.shuffle)
+        self.prompt_ids = {}
+        tok = self.engine.tokenizer
+        for r in records:
+            self.prompt_ids[r.index] = encode_prompt(
+                tok, r.prompt, a.max_prompt_length, a.apply_chat_template, self.cfg.data.system
+            )
+        self.records = {r.index: r for r in records}
+        ckpt = self.cfg.training.load or latest_checkpoint(self.ckpt_dir)
+        if ckpt:
+            state = await asyncio.to_thread(load_checkpoint, ckpt, self.engine)
+            self.trained_job_ids = set(state.get("trained_job_ids", []))
+            self.samples_trained = state.get("samples_trained", 0)
+            self.cursor.epoch, self.cursor.offset = state["data"]["epoch"], state["data"]["offset"]
+            self.cursor._order = self.cursor._make_order()
+            await self.admission.restore(state["admission_trained"])
+            # Versions never go backwards: the restored weights are published under a new, higher version.
+            published = await self.admission.policy_version() or 0
+            self.engine.policy_version = max(self.engine.policy_version, published) + 1
+            await self._push_weights()
+            log.info(
+                "resumed from %s at step %d, publishing as version %d",
+                ckpt,
+                self.engine.step_count,
+                self.engine.policy_version,
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.tasks = [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._train_loop())]
+
+    async def stop(self) -> None:
+        for t in getattr(self, "tasks", []):
+            t.cancel()
+        if getattr(self, "redis", None) is not None:
+            await self.redis.aclose()
+
+    # ------------------------------------------------------------------ publishing prompt jobs
+    def _job(self) -> experience_pb2.PromptJob:
+        epoch, record = self.cursor.next()
+        a = self.cfg.actor
+        params = common_pb2.SamplingParams(
+            n=a.n_samples_per_prompt if self.cfg.training.stage != "ray_online_dpo" else 2,
+            temperature=a.temperature if a.do_sample else 0.0,
+            top_p=a.top_p,
+            top_k=a.top_k,
+            max_tokens=self.cfg.max_new_tokens,
+            stop=a.stop,
+        )
+        job = experience_pb2.PromptJob(
+            job_id=f"{self.run_id}-e{epoch}-i{record.index}",
+            run_id=self.run_id,
+            data_index=record.index,
+            epoch=epoch,
+            prompt_ids=self.prompt_ids[record.index],
+            prompt_text=record.prompt,
+            params=params,
+            issued_policy_version=self.engine.policy_version,
+            issued_at_unix_ms=int(time.time() * 1000),
+        )
+        if record.label is not None:
+            job.label = record.label
+        return job
+
+    async def _publish_loop(self) -> None:
+        backlog: list[experience_pb2.PromptJob] = []
+        while not self.done:
+            if self.paused.is_set():
+                await asyncio.sleep(0.1)
+                continue
+            free = await self.admission.wait_free(1)
+            while len(backlog) < free:
+                backlog.append(self._job())
+            results = await self.prompts.publish_many(backlog[:free], self.admission)
+            # "duplicate" is a job issued before a restart: it is in the streams already, so it is done here too.
+            backlog = [job for job, r in zip(backlog[:free], results, strict=True) if r.status == "full"] + backlog[
+                free:
+            ]
+            await asyncio.sleep(0.01)
+
+    # ------------------------------------------------------------------ training
+    async def _next_batch(self) -> list[tuple[str, experience_pb2.Experience]]:
+        size = self.cfg.training.global_batch_size
+        batch: list[tuple[str, experience_pb2.Experience]] = []
+        while len(batch) < size:
+            records = await self.experience.read(CONSUMER, count=size - len(batch), block_ms=500)
+            taken = self.trained_job_ids | {e.job_id for _, e in batch}
+            split = drop_trained(records, taken)
+            self.unacked.extend(split.duplicate_ids)
+            batch.extend(split.fresh)
+            while self.paused.is_set():
+                await asyncio.sleep(0.1)
+        return batch
+
+    async def _train_loop(self) -> None:
+        t = self.cfg.training
+        try:
+            while self.engine.step_count < t.train_iters:
+                t0 = time.perf_counter()
+                batch = await self._next_batch()
+                wait_s = time.perf_counter() - t0
+                metrics = await asyncio.to_thread(self.engine.step, [e for _, e in batch])
+                self.trained_job_ids.update(e.job_id for _, e in batch)
+                self.unacked.extend(entry for entry, _ in batch)
+                self.samples_trained += int(metrics["samples"])
+                if self.engine.step_count % t.weight_sync_interval == 0:
+                    await self._push_weights()
+                await self.admission.mark_trained(len(batch))  # frees admission only after the new weights are out
+                if self.engine.step_count % t.save_interval == 0 or self.engine.step_count >= t.train_iters:
+                    await self.checkpoint()
+                elapsed = time.perf_counter() - t0
+                stats = await queue_stats(self.redis, self.run_id)
+                metrics.update(
+                    {
+                        "time/wait_experience_s": wait_s,
+                        "time/iteration_s": elapsed,
+                        "samples_per_s": metrics["samples"] / elapsed,
+                        "queue/prompts_backlog": float(stats.prompts_backlog),
+                        "queue/experience_backlog": float(stats.experience_backlog),
+                    }
+                )
+                self.last_metrics = metrics
+                with open(self.run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+                if self.engine.step_count % t.log_interval == 0:
+                    log.info(
+                        "step %d reward %.4f kl %.4f samples/s %.1f",
+                        self.engine.step_count,
+                        metrics["reward/mean"],
+                        metrics.get("objective/kl", float("nan")),
+                        metrics["samples_per_s"],
+                    )
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("training failed")
+            os._exit(1)  # a broken trainer must not look healthy; experience stays unacked for the next start
+        self.done = True
+        log.info("training finished after %d steps", self.engine.step_count)
+        self.runner.request_stop()
+
+    async def _push_weights(self) -> None:
+        addrs = self.settings.rollout_addrs
+        if not addrs:
+            return
+        from rlhf.transport import pack_weights, push_weights_many
+
+        version = self.engine.policy_version
+        packed = await asyncio.to_thread(pack_weights, self.engine.policy_state_dict(), version, version - 1)
+        results = await push_weights_many(addrs, packed, token=self.settings.api_token, timeout=120.0)
+        for addr, res in results.items():
+            if isinstance(res, BaseException):
+                log.warning("weight sync to %s failed: %s", addr, res)
+        await self.admission.publish_policy_version(version)
+
+    async def checkpoint(self) -> Path:
+        """Save, then acknowledge the experience the saved steps consumed."""
+        state = await self.admission.state()
+        extra = {
+            "trained_job_ids": sorted(self.trained_job_ids),
+            "samples_trained": self.samples_trained,
+            "data": self.cursor.state(),
+            "admission_trained": state.trained,
+            "run_id": self.run_id,
+        }
+        path = await asyncio.to_thread(save_checkpoint, self.ckpt_dir, self.engine, extra)
+        if self.unacked:
+            await self.experience.ack(self.unacked)
+            self.unacked = []
+        return path
+
+    async def status(self) -> trainer_pb2.StatusResponse:
+        stats = await queue_stats(self.redis, self.run_id)
+        m = self.last_metrics
+        return trainer_pb2.StatusResponse(
+            run_id=self.run_id,
+            stage=self.cfg.training.stage,
+            step=self.engine.step_count if self.engine else 0,
+            policy_version=self.engine.policy_version if self.engine else 0,
+            paused=self.paused.is_set(),
+            queues=trainer_pb2.QueueDepths(
+                prompts_pending=stats.prompts_pending,
+                prompts_backlog=stats.prompts_backlog,
+                experience_backlog=stats.experience_backlog,
+                dead_letters=stats.dead_letters,
+            ),
+            mean_staleness=m.get("staleness/mean", 0.0),
+            max_staleness=self.cfg.training.max_staleness,
+            metrics={k: float(v) for k, v in m.items()},
+            samples_trained=self.samples_trained,
+        )
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    def __init__(self, trainer: Trainer, metrics: ServiceMetrics):
+        self.trainer, self.metrics = trainer, metrics
+
+    @grpc_errors("Status")
+    async def Status(self, request, context):
+        return await self.trainer.status()
+
+    @grpc_errors("Checkpoint")
+    async def Checkpoint(self, request, context):
+        require_grpc_token(context, self.trainer.settings)
+        path = await self.trainer.checkpoint()
+        e = self.trainer.engine
+        return trainer_pb2.CheckpointResponse(path=str(path), step=e.step_count, policy_version=e.policy_version)
+
+    @grpc_errors("Pause")
+    async def Pause(self, request, context):
+        require_grpc_token(context, self.trainer.settings)
+        self.trainer.paused.set()
+        return trainer_pb2.AdminResponse(paused=True)
+
+    @grpc_errors("Resume")
+    async def Resume(self, request, context):
+        require_grpc_token(context, self.trainer.settings)
+        self.trainer.paused.clear()
+        return trainer_pb2.AdminResponse(paused=False)
+
+
+def build_app(trainer: Trainer, settings: ServiceSettings, metrics: ServiceMetrics):
+    from google.protobuf.json_format import MessageToDict
+
+    app = create_app("trainer", settings, metrics, description="RLHF trainer: status and admin calls")
+    admin = [Depends(http_token_dependency(settings))]
+
+    @app.get("/v1/status", summary="step, policy version, queue depths, staleness and the last step's metrics")
+    async def status() -> dict:
+        return MessageToDict(await trainer.status(), preserving_proto_field_name=True)
+
+    @app.post("/v1/checkpoint", dependencies=admin, summary="write a checkpoint now (token required)")
+    async def checkpoint() -> dict:
+        path = await trainer.checkpoint()
+        return {"path": str(path), "step": trainer.engine.step_count}
+
+    @app.post("/v1/pause", dependencies=admin, summary="stop publishing and training (token required)")
+    async def pause() -> dict:
+        trainer.paused.set()
+        return {"paused": True}
+
+    @app.post("/v1/resume", dependencies=admin, summary="resume after /v1/pause (token required)")
+    async def resume() -> dict:
+        trainer.paused.clear()
+        return {"paused": False}
+
+    return app
+
+
+async def serve(config_path: str, settings: ServiceSettings) -> None:
+    cfg = load_config(config_path)
+    if not settings.redis_url:
+        raise SystemExit("rlhf serve trainer: set RLHF_REDIS_URL (the experience queue)")
+    metrics = ServiceMetrics("trainer")
+    runner = ServiceRunner("trainer", settings, metrics)
+    trainer = Trainer(cfg, settings, runner)
+    runner.add_grpc(
+        trainer_pb2_grpc.add_TrainerServiceServicer_to_server, [SERVICE_NAME], TrainerServicer(trainer, metrics)
+    )
+    runner.set_http_app(build_app(trainer, settings, metrics))
+    await runner.run(startup=trainer.start, shutdown=trainer.stop)

@@ -1,0 +1,157 @@
+"""The trainer service against a real redis-server, with the test acting as the rollout replicas.
+
+The test reads the prompt jobs the trainer publishes and answers each with an experience record (real tiny-model
+token ids, a rule-like score), exactly as a rollout replica does through rlhf.transport. It checks the trainer's
+durability contract: experience is acknowledged only once a checkpoint covers it, a trainer killed mid-run resumes
+from its last checkpoint, skips the job ids it had already trained, and publishes its weights under a new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import time
+
+import httpx
+
+from rlhf.transport import ExperienceQueue, PromptQueue, connect, queue_stats
+from rlhf.v1 import common_pb2, experience_pb2
+
+TOKEN = "test-token"
+
+
+def _config(tmp_path, train_iters: int, save_interval: int) -> dict:
+    return {
+        "run_id": "ring",
+        "training": {
+            "stage": "ray_grpo",
+            "global_batch_size": 4,
+            "train_iters": train_iters,
+            "lr": 1e-3,
+            "save_interval": save_interval,
+            "device": "cpu",
+            "max_staleness": 0,
+            "save": str(tmp_path / "unused"),
+        },
+        "actor_rollout_ref": {
+            "actor_rollout": {
+                "load": "tiny:policy",
+                "n_samples_per_prompt": 2,
+                "ppo_mini_batch_size": 8,
+                "max_new_tokens": 4,
+            }
+        },
+        "algorithm": {"adv_estimator": "grpo"},
+        "reward": {"scorers": [{"type": "rule", "name": "length"}]},
+    }
+
+
+async def _answer_jobs(redis_url: str, stop: asyncio.Event, answered: list[str], limit: int | None) -> None:
+    """Play the rollout replicas: each prompt job gets one experience record with n samples (up to ``limit``)."""
+    redis = connect(redis_url)
+    prompts, experience = PromptQueue(redis, "ring"), ExperienceQueue(redis, "ring")
+    rng = random.Random(0)
+    try:
+        while not stop.is_set():
+            if limit is not None and len(answered) >= limit:
+                await asyncio.sleep(0.05)
+                continue
+            count = 8 if limit is None else limit - len(answered)
+            for entry_id, job in await prompts.read("fake-replica", count=count, block_ms=100):
+                exp = experience_pb2.Experience(
+                    job_id=job.job_id,
+                    run_id="ring",
+                    data_index=job.data_index,
+                    epoch=job.epoch,
+                    prompt_ids=job.prompt_ids,
+                    replica_id="fake",
+                )
+                for _ in range(job.params.n):
+                    ids = [rng.randint(3, 500) for _ in range(rng.randint(1, job.params.max_tokens))]
+                    exp.samples.add(
+                        response_ids=ids,
+                        sampling_logprobs=[-6.0] * len(ids),
+                        ref_logprobs=[-6.2] * len(ids),
+                        score=len(ids) / 4.0,
+                        score_status=common_pb2.ITEM_STATUS_OK,
+                        policy_version=0,
+                    )
+                if await experience.publish_and_ack(exp, entry_id):
+                    answered.append(job.job_id)
+    finally:
+        await redis.aclose()
+
+
+def _run_with_replicas(redis_url: str, until, timeout: float = 120.0, limit: int | None = None) -> list[str]:
+    answered: list[str] = []
+
+    async def main():
+        stop = asyncio.Event()
+        task = asyncio.create_task(_answer_jobs(redis_url, stop, answered, limit))
+        deadline = time.monotonic() + timeout
+        while not until() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        stop.set()
+        await task
+
+    asyncio.run(main())
+    return answered
+
+
+def _metrics(run_dir) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_trainer_trains_checkpoints_and_acks(redis_server, start_service, tmp_path):
+    run_dir = tmp_path / "run"
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
+    trainer = start_service("trainer", _config(tmp_path, train_iters=3, save_interval=2), env=env)
+    status = httpx.get(trainer.http_url + "/v1/status").json()
+    assert status["stage"] == "ray_grpo" and status["run_id"] == "ring"
+    assert httpx.post(trainer.http_url + "/v1/checkpoint").status_code == 401  # admin call without the token
+
+    _run_with_replicas(redis_server.url, lambda: trainer.proc.poll() is not None)
+    assert trainer.wait(timeout=30) == 0, trainer.log_tail()
+    steps = _metrics(run_dir)
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all("reward/mean" in m and m["samples"] == 8 for m in steps)
+    state = json.loads((run_dir / "checkpoints" / "step_3" / "state.json").read_text())
+    assert len(state["trained_job_ids"]) == 12 and state["policy_version"] == 3
+    # Every experience record the steps consumed is acknowledged once the final checkpoint covers it.
+    stats = asyncio.run(_stats(redis_server.url))
+    assert stats.experience_pending == 0
+
+
+async def _stats(url):
+    redis = connect(url)
+    try:
+        return await queue_stats(redis, "ring")
+    finally:
+        await redis.aclose()
+
+
+def test_killed_trainer_resumes_and_trains_nothing_twice(redis_server, start_service, tmp_path):
+    run_dir = tmp_path / "run"
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
+    cfg = _config(tmp_path, train_iters=5, save_interval=2)
+    trainer = start_service("trainer", cfg, env=env)
+    # Answer exactly three batches of jobs, so the trainer stops after step 3 waiting for more.
+    _run_with_replicas(redis_server.url, lambda: len(_metrics(run_dir)) >= 3, limit=12)
+    trainer.signal(signal.SIGKILL)  # step 3 trained but not checkpointed: its experience is still unacked
+    trainer.wait(timeout=10)
+    assert len(_metrics(run_dir)) == 3
+
+    restarted = start_service("trainer", cfg, env=env)
+    assert "resumed from" in restarted.log_text()
+    _run_with_replicas(redis_server.url, lambda: restarted.proc.poll() is not None)
+    assert restarted.wait(timeout=30) == 0, restarted.log_tail()
+    steps = _metrics(run_dir)
+    # Steps 1-3 from the first life, then 3-5 again from the step-2 checkpoint: step 3 is redone, not lost.
+    assert [m["step"] for m in steps] == [1, 2, 3, 3, 4, 5]
+    state = json.loads((run_dir / "checkpoints" / "step_5" / "state.json").read_text())
+    assert len(state["trained_job_ids"]) == len(set(state["trained_job_ids"])) == 20
+    # The restored weights were published under a new version: 2 (checkpoint) -> 3, then steps 3-5 -> 6.
+    assert state["policy_version"] == 6
