@@ -13,7 +13,7 @@ PARITY_PKGS := trl==1.12.0 transformers==5.24.0 accelerate==1.15.0 datasets==5.2
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-unit test-parity lint proto clean help
+.PHONY: setup test test-unit test-parity lint proto clean help demo
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -48,6 +48,9 @@ test-parity: $(PARITY_VENV)/.stamp  ## only the TRL parity tests (seeds: RLHF_PA
 lint: $(VENV)/.stamp  ## ruff
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+demo: $(VENV)/.stamp  ## the tiny CPU PPO demo: `rlhf up --config configs/demo.yaml` (a few minutes; plots in runs/)
+	$(VENV)/bin/rlhf up --config configs/demo.yaml $(DEMO_ARGS)
 
 proto: $(VENV)/.stamp  ## regenerate rlhf/v1 from proto/rlhf/v1/*.proto
 	$(PY) -m rlhf.protogen

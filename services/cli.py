@@ -5,6 +5,11 @@ Servers::
     rlhf serve reward --config configs/demo.yaml --http-port 8001 --grpc-port 50052
     rlhf serve reference|rollout|trainer --config FILE [--host H] [--grpc-port N] [--http-port N]
 
+A whole run on one machine, and its plots::
+
+    rlhf up --config configs/demo.yaml [--run-dir DIR]
+    rlhf report RUN_DIR
+
 Clients (call a running service over REST, print JSON)::
 
     rlhf score --url http://127.0.0.1:8001 --prompt "what is 1 plus 2?" --response "3" --label 3
@@ -234,7 +239,41 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--logprobs", action="store_true", help="return per-token sampling log-probs")
     c.add_argument("--model", help="model name (accepted for OpenAI compatibility)")
     c.set_defaults(func=_generate)
+
+    u = sub.add_parser(
+        "up",
+        help="run a whole training run locally: redis-server, reward, reference, rollout and trainer processes",
+        description="Start a private redis-server (unless RLHF_REDIS_URL is set), the reward and reference services, "
+        "the rollout replica(s) and the trainer as local processes on free loopback ports; show one line per "
+        "training step; stop everything when training is done (or on Ctrl-C) and draw the plots. "
+        "Writes the run folder: metrics.jsonl, reward.png, kl.png, losses.png, checkpoints, logs/.",
+    )
+    u.set_defaults(func=_up)
+    from services import launcher
+
+    launcher.add_arguments(u)
+
+    r = sub.add_parser(
+        "report",
+        help="(re)draw a run's plots from its metrics.jsonl and print a summary",
+        description="Draw reward.png, kl.png and losses.png in RUN_DIR from RUN_DIR/metrics.jsonl; print the "
+        "first/last mean reward.",
+    )
+    r.add_argument("run_dir", help="the run folder (holds metrics.jsonl)")
+    r.set_defaults(func=_report)
     return p
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services import launcher
+
+    return launcher.main(args)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from services import report
+
+    return report.main(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,623 @@
+"""``rlhf up``: a whole training run on one machine, every service as a local process.
+
+::
+
+    rlhf up --config configs/demo.yaml [--run-dir DIR]
+
+1. a private ``redis-server`` (own free port, own directory ``<run_dir>/redis``, AOF on), unless ``RLHF_REDIS_URL``
+   names one;
+2. the reward and reference services (started together), then the rollout replica(s), then the trainer: each is
+   ``python -m services.cli serve NAME --config FILE --host 127.0.0.1 --grpc-port P --http-port Q`` on free loopback
+   ports, with the ``RLHF_*`` environment it needs, and is waited for (``GET /readyz``) before the next stage starts;
+3. one progress line per training step, read from ``<run_dir>/metrics.jsonl`` (written by the trainer);
+4. when the trainer exits 0 (``training.train_iters`` done), everything else is stopped, the plots are drawn
+   (``services.report``) and ``rlhf up`` exits 0. Ctrl-C / SIGTERM stops every process (SIGTERM in reverse start
+   order, then SIGKILL after a grace period; a second Ctrl-C kills at once). A service that dies early has the end
+   of its log printed and ``rlhf up`` exits 1.
+
+The run folder (default ``runs/<run_id>-<YYYYmmdd-HHMMSS>``) holds ``config.yaml`` (a copy), ``metrics.jsonl``,
+``reward.png``, ``kl.png``, ``losses.png``, the trainer's checkpoints (it is told the folder via ``RLHF_RUN_DIR``),
+``logs/<service>.log`` and ``redis/`` (the private Redis data).
+
+Every child runs in its own session (process group): the terminal's Ctrl-C reaches only the launcher, which stops
+the children in order, and stopping a child signals its whole group, so helper processes it spawned (vLLM workers)
+go too. On Linux each child also gets SIGTERM if the launcher itself dies (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+REPO = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "rlhf-pipeline"
+
+
+_BUILD_TINY = "import sys; from rlhf.tiny import build_tiny; build_tiny(sys.argv[1])"
+
+
+class LaunchError(RuntimeError):
+    """A process did not start, or died before its time; the message includes the end of its log."""
+
+
+class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an error
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# ------------------------------------------------------------ ports and environment
+
+
+def free_ports(n: int, host: str = HOST) -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` right now (all sockets held open until all are chosen)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class ServiceSpec:
+    """One service process to start."""
+
+    name: str  # log and display name: reward, reference, rollout-0, trainer
+    service: str  # argument of `rlhf serve`
+    grpc_port: int
+    http_port: int
+    env: dict[str, str] = field(default_factory=dict)  # RLHF_* variables for this process (over the common ones)
+
+    @property
+    def grpc_addr(self) -> str:
+        return f"{HOST}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
+
+    def argv(self, config: str | Path, python: str = sys.executable) -> list[str]:
+        return [python, "-m", "services.cli", "serve", self.service, "--config", str(config), "--host", HOST,
+                "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port)]  # fmt: skip
+
+
+def plan_services(
+    *,
+    redis_url: str,
+    run_id: str,
+    api_token: str,
+    run_dir: Path,
+    rollout_replicas: int = 1,
+    ports: Sequence[int] | None = None,
+) -> list[ServiceSpec]:
+    """The services of one run, in start order, with their ports and the ``RLHF_*`` variables each one needs."""
+    n = 3 + rollout_replicas
+    ports = list(ports) if ports is not None else free_ports(2 * n)
+    if len(ports) < 2 * n:
+        raise ValueError(f"need {2 * n} ports, got {len(ports)}")
+    it = iter(ports)
+    common = {"RLHF_REDIS_URL": redis_url, "RLHF_RUN_ID": run_id, "RLHF_API_TOKEN": api_token}
+    reward = ServiceSpec("reward", "reward", next(it), next(it), dict(common))
+    reference = ServiceSpec("reference", "reference", next(it), next(it), dict(common))
+    rollouts = [
+        ServiceSpec(
+            f"rollout-{i}" if rollout_replicas > 1 else "rollout",
+            "rollout",
+            next(it),
+            next(it),
+            {
+                **common,
+                "RLHF_REWARD_ADDR": reward.grpc_addr,
+                "RLHF_REFERENCE_ADDR": reference.grpc_addr,
+                "RLHF_REPLICA_ID": f"{run_id}-rollout-{i}",
+            },
+        )
+        for i in range(rollout_replicas)
+    ]
+    trainer = ServiceSpec(
+        "trainer",
+        "trainer",
+        next(it),
+        next(it),
+        {**common, "RLHF_ROLLOUT_ADDRS": ",".join(r.grpc_addr for r in rollouts), "RLHF_RUN_DIR": str(run_dir)},
+    )
+    return [reward, reference, *rollouts, trainer]
+
+
+def child_env(spec_env: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The full environment of a child: ``base`` (default ``os.environ``) + defaults + the service's variables."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("RLHF_CACHE_DIR", str(DEFAULT_CACHE_DIR))
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.update(spec_env)
+    return env
+
+
+def default_run_dir(run_id: str, root: str | Path = "runs", now: float | None = None) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return Path(root) / f"{run_id}-{stamp}"
+
+
+# ------------------------------------------------------------ child processes
+
+
+def _pdeathsig() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Child:
+    """A child process in its own process group, its output appended to ``log_path``."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: Mapping[str, str] | None = None, cwd=None):
+        self.name = name
+        self.argv = argv
+        self.log_path = Path(log_path)
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self.proc: subprocess.Popen | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> Child:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            cwd=self.cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
+        )
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the child's process group (the child and whatever it spawned)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    def close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def log_tail(self, lines: int = 40) -> str:
+        return log_tail(self.log_path, lines)
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def stop_children(
+    children: Iterable[Child],
+    grace_s: float = 20.0,
+    force: Callable[[], bool] = lambda: False,
+    say: Callable[[str], None] = lambda s: None,
+) -> None:
+    """Stop ``children`` one by one in the given order: SIGTERM to the group, wait up to ``grace_s`` (cut short when
+    ``force()`` turns true), then SIGKILL. Also kills what is left of each group after its leader exited."""
+    for child in children:
+        if child.proc is None:
+            continue
+        if child.running:
+            say(f"stopping {child.name} (pid {child.pid})")
+            child.signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while child.running and time.monotonic() < deadline and not force():
+                time.sleep(0.05)
+            if child.running:
+                say(f"{child.name} did not stop within {grace_s:.0f}s: killing it")
+        child.signal_group(signal.SIGKILL)  # the leader if still alive, and any stragglers of its group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.proc.wait(timeout=10)
+        child.close_log()
+
+
+# ------------------------------------------------------------ redis
+
+
+def _redis_ping(port: int, host: str = HOST) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisChild(Child):
+    """A private redis-server: own port, own directory, AOF on, bound to loopback."""
+
+    def __init__(self, directory: Path, log_path: Path, port: int | None = None, exe: str | None = None):
+        self.directory = Path(directory)
+        self.port = port or free_ports(1)[0]
+        exe = exe or shutil.which("redis-server")
+        if exe is None:
+            raise LaunchError(
+                "redis-server is not on PATH: install it (apt-get install redis-server) or set RLHF_REDIS_URL"
+            )
+        argv = [exe, "--port", str(self.port), "--bind", HOST, "--dir", str(self.directory),
+                "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
+                "--protected-mode", "yes"]  # fmt: skip
+        super().__init__("redis", argv, log_path)
+
+    @property
+    def url(self) -> str:
+        return f"redis://{HOST}:{self.port}/0"
+
+    def start(self) -> RedisChild:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        super().start()
+        return self
+
+    def wait_ready(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise LaunchError(f"redis-server exited with {self.poll()}:\n{self.log_tail()}")
+            if _redis_ping(self.port):
+                return
+            time.sleep(0.05)
+        raise LaunchError(f"redis-server did not answer on port {self.port} within {timeout:.0f}s:\n{self.log_tail()}")
+
+
+# ------------------------------------------------------------ readiness and progress
+
+
+def http_ready(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/readyz", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+        return False
+
+
+class MetricsTail:
+    """Reads the complete lines appended to a JSONL file since the last call."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.offset = 0
+        self._partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return []
+        self.offset += len(data)
+        data = self._partial + data
+        *lines, self._partial = data.split(b"\n")
+        out = []
+        for line in lines:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+        return out
+
+
+def _pick(rec: Mapping[str, Any], *names: str, contains: str | None = None) -> tuple[str, float] | None:
+    for n in names:
+        v = rec.get(n)
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            return n, float(v)
+    if contains:
+        for k, v in rec.items():
+            if contains in k.lower() and isinstance(v, int | float) and not isinstance(v, bool):
+                return k, float(v)
+    return None
+
+
+def format_progress(rec: Mapping[str, Any], total: int | None = None, elapsed: float | None = None) -> str:
+    """One progress line for a metrics record."""
+    step = rec.get("step", "?")
+    parts = [f"step {step}/{total}" if total else f"step {step}"]
+    fields = [
+        ("reward", _pick(rec, "reward/mean", "reward", "score/mean", contains="reward"), "{:+.4f}"),
+        ("kl", _pick(rec, "objective/kl", "kl/mean", "kl", contains="kl"), "{:.4f}"),
+        ("samples/s", _pick(rec, "samples_per_s", "throughput/samples_per_s", contains="samples_per_s"), "{:.1f}"),
+        ("staleness", _pick(rec, "staleness/mean", contains="staleness"), "{:.2f}"),
+    ]
+    for label, kv, fmt in fields:
+        if kv is not None:
+            parts.append(f"{label} {fmt.format(kv[1])}")
+    queues = [(k.split("/", 1)[1], v) for k, v in rec.items() if k.startswith("queue/") and isinstance(v, int | float)]
+    if queues:
+        parts.append("queue " + " ".join(f"{k}={v:g}" for k, v in queues))
+    if elapsed is not None:
+        parts.append(f"[{elapsed:.0f}s]")
+    return "  ".join(parts)
+
+
+# ------------------------------------------------------------ the run
+
+
+@dataclass
+class RunOptions:
+    config: Path
+    run_dir: Path | None = None
+    rollout_replicas: int = 1
+    ready_timeout: float = 600.0
+    stop_grace: float = 20.0
+    python: str = sys.executable
+    quiet: bool = False
+
+
+class Launcher:
+    def __init__(self, opts: RunOptions, out: IO[str] | None = None):
+        self.opts = opts
+        self.out = out or sys.stdout
+        self.children: list[Child] = []
+        self._force = False
+        self._stopping = False
+        self.run_dir: Path | None = None
+
+    def say(self, msg: str) -> None:
+        print(f"[rlhf up] {msg}", file=self.out, flush=True)
+
+    # signals ---------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        if self._stopping:
+            self._force = True  # second Ctrl-C: kill now
+            return
+        self._stopping = True
+        raise Interrupted(signum)
+
+    # start-up --------------------------------------------------------
+    def _start(self, spec: ServiceSpec, config: Path) -> Child:
+        assert self.run_dir is not None
+        child = Child(
+            spec.name,
+            spec.argv(config, self.opts.python),
+            self.run_dir / "logs" / f"{spec.name}.log",
+            env=child_env(spec.env),
+        )
+        child.start()
+        self.children.append(child)
+        self.say(f"started {spec.name} (pid {child.pid}, http {spec.http_url}, grpc {spec.grpc_addr})")
+        return child
+
+    def _wait_ready(self, group: list[tuple[ServiceSpec, Child]], may_finish: tuple[str, ...] = ()) -> None:
+        """Wait until every service of ``group`` answers /readyz 200 (a name in ``may_finish`` may exit 0 instead)."""
+        t0 = time.monotonic()
+        pending = list(group)
+        while pending:
+            self._check_alive(exclude=may_finish)
+            for spec, child in list(pending):
+                rc = child.poll()
+                if rc is not None:
+                    if rc == 0 and spec.name in may_finish:
+                        pending.remove((spec, child))
+                        continue
+                    raise LaunchError(f"{spec.name} exited with {rc} during start-up; end of {child.log_path}:\n"
+                                      f"{child.log_tail()}")  # fmt: skip
+                if http_ready(spec.http_url):
+                    self.say(f"{spec.name} ready ({time.monotonic() - t0:.1f}s)")
+                    pending.remove((spec, child))
+            if pending and time.monotonic() - t0 > self.opts.ready_timeout:
+                names = ", ".join(s.name for s, _ in pending)
+                tails = "\n".join(f"--- {c.log_path}\n{c.log_tail(20)}" for _, c in pending)
+                raise LaunchError(f"not ready after {self.opts.ready_timeout:.0f}s: {names}\n{tails}")
+            if pending:
+                time.sleep(0.2)
+
+    def _check_alive(self, exclude: tuple[str, ...] = ()) -> None:
+        for child in self.children:
+            if child.name in exclude:
+                continue
+            rc = child.poll()
+            if rc is not None:
+                raise LaunchError(f"{child.name} exited early with {rc}; end of {child.log_path}:\n{child.log_tail()}")
+
+    # main ------------------------------------------------------------
+    def run(self) -> int:
+        from rlhf.config import ConfigError, load_config
+
+        config_path = Path(self.opts.config).resolve()
+        try:
+            cfg = load_config(config_path)
+        except ConfigError as err:
+            print(f"rlhf up: {err}", file=sys.stderr)
+            return 2
+        run_id = os.environ.get("RLHF_RUN_ID") or cfg.run_id
+        self.run_dir = Path(self.opts.run_dir or default_run_dir(run_id)).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        shutil.copyfile(config_path, self.run_dir / "config.yaml")
+        total = cfg.training.train_iters
+
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        t_start = time.monotonic()
+        try:
+            self.say(f"run {run_id}: {self.run_dir}")
+            self._prepare_models(cfg)
+            redis_url = os.environ.get("RLHF_REDIS_URL")
+            if redis_url:
+                self.say("using Redis from RLHF_REDIS_URL")
+            else:
+                redis = RedisChild(self.run_dir / "redis", self.run_dir / "logs" / "redis.log")
+                redis.start()
+                self.children.append(redis)
+                redis.wait_ready()
+                redis_url = redis.url
+                self.say(f"redis-server ready on port {redis.port} (pid {redis.pid}, AOF in {redis.directory})")
+            token = os.environ.get("RLHF_API_TOKEN") or secrets.token_urlsafe(24)
+            specs = plan_services(redis_url=redis_url, run_id=run_id, api_token=token, run_dir=self.run_dir,
+                                  rollout_replicas=self.opts.rollout_replicas)  # fmt: skip
+            by_name = {s.name: s for s in specs}
+            stages = [
+                [by_name["reward"], by_name["reference"]],
+                [s for s in specs if s.service == "rollout"],
+                [by_name["trainer"]],
+            ]
+            for stage in stages:
+                started = [(spec, self._start(spec, config_path)) for spec in stage]
+                self._wait_ready(started, may_finish=("trainer",))
+            trainer = next(c for c in self.children if c.name == "trainer")
+            rc = self._follow(trainer, total, t_start)
+            if rc != 0:
+                raise LaunchError(f"trainer exited with {rc}; end of {trainer.log_path}:\n{trainer.log_tail()}")
+            self.say(f"training done in {time.monotonic() - t_start:.0f}s; stopping the services")
+            self._shutdown()
+            return self._finish()
+        except Interrupted as sig:
+            self.say(f"{sig}: stopping every process (Ctrl-C again to kill at once)")
+            self._shutdown()
+            return 128 + sig.signum
+        except LaunchError as err:
+            print(f"rlhf up: {err}", file=sys.stderr, flush=True)
+            self._shutdown()
+            return 1
+        finally:
+            self._shutdown()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _prepare_models(self, cfg) -> None:
+        """Build the tiny models once, before the services start (they would otherwise race to build them)."""
+        specs = [cfg.actor.load, cfg.actor_rollout_ref.ref.load, cfg.critic.load, cfg.reward.load]
+        specs += [s.load for s in cfg.reward.scorers]
+        if not any(isinstance(s, str) and s.startswith("tiny:") for s in specs):
+            return
+        assert self.run_dir is not None
+        env = child_env({})
+        target = Path(env["RLHF_CACHE_DIR"]) / "tiny"
+        child = Child("tiny", [self.opts.python, "-c", _BUILD_TINY, str(target)], self.run_dir / "logs" / "tiny.log",
+                      env=env)  # fmt: skip
+        child.start()
+        self.children.append(child)
+        try:
+            while child.running:
+                time.sleep(0.1)
+        finally:
+            self.children.remove(child)
+            child.close_log()
+        if child.poll() != 0:
+            raise LaunchError(f"building the tiny models failed ({child.poll()}):\n{child.log_tail()}")
+
+    def _follow(self, trainer: Child, total: int, t_start: float) -> int:
+        assert self.run_dir is not None
+        tail = MetricsTail(self.run_dir / "metrics.jsonl")
+        while True:
+            for rec in tail.read():
+                if not self.opts.quiet:
+                    print(format_progress(rec, total, time.monotonic() - t_start), file=self.out, flush=True)
+            rc = trainer.poll()
+            if rc is not None:
+                for rec in tail.read():
+                    if not self.opts.quiet:
+                        print(format_progress(rec, total, time.monotonic() - t_start), file=self.out, flush=True)
+                return rc
+            self._check_alive(exclude=("trainer",))
+            time.sleep(0.25)
+
+    def _shutdown(self) -> None:
+        self._stopping = True
+        live = [c for c in self.children if c.proc is not None]
+        if not live:
+            return
+        stop_children(reversed(live), self.opts.stop_grace, force=lambda: self._force, say=self.say)
+        self.children.clear()
+
+    def _finish(self) -> int:
+        assert self.run_dir is not None
+        from services import report
+
+        metrics = self.run_dir / "metrics.jsonl"
+        if not metrics.is_file():
+            print(f"rlhf up: the trainer finished but wrote no {metrics}", file=sys.stderr)
+            return 1
+        try:
+            paths = report.draw(self.run_dir)
+        except Exception as err:  # noqa: BLE001 - say what failed; the run itself is done
+            print(
+                f"rlhf up: drawing the plots failed: {err} (retry with `rlhf report {self.run_dir}`)", file=sys.stderr
+            )
+            return 1
+        print(report.summary(report.load_metrics(metrics)), file=self.out)
+        self.say("plots: " + ", ".join(str(p) for p in paths))
+        self.say(f"run folder: {self.run_dir}")
+        return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="experiment config YAML")
+    p.add_argument("--run-dir", help="run folder (default runs/<run_id>-<timestamp>)")
+    p.add_argument("--rollout-replicas", type=int, default=1, help="rollout processes (default %(default)s)")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds each stage may take to get ready")
+    p.add_argument("--stop-grace", type=float, default=20.0, help="seconds a service gets after SIGTERM")
+    p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.rollout_replicas < 1:
+        print("rlhf up: --rollout-replicas must be at least 1", file=sys.stderr)
+        return 2
+    if not Path(args.config).is_file():
+        print(f"rlhf up: config file {args.config} does not exist", file=sys.stderr)
+        return 2
+    opts = RunOptions(
+        config=Path(args.config),
+        run_dir=Path(args.run_dir) if args.run_dir else None,
+        rollout_replicas=args.rollout_replicas,
+        ready_timeout=args.ready_timeout,
+        stop_grace=args.stop_grace,
+        quiet=args.quiet,
+    )
+    return Launcher(opts).run()

@@ -1,0 +1,195 @@
+"""``rlhf report RUN_DIR``: plots and a short summary of a run from its ``metrics.jsonl``.
+
+``metrics.jsonl`` (written by the trainer) holds one JSON object per training step, e.g.
+``{"step": 3, "reward/mean": 0.41, "objective/kl": 0.002, "loss/policy": -0.01, "loss/value": 0.3, ...}``.
+:func:`draw` writes, next to it:
+
+- ``reward.png``: the mean reward per step (with a +-std band when ``reward/std`` is there; other ``reward*`` and
+  ``score*`` series as thin lines);
+- ``kl.png``: every series whose name contains ``kl`` (the KL estimate, the KL coefficient...);
+- ``losses.png``: every ``loss/*`` series.
+
+Matplotlib with the Agg backend (no display needed). A truncated last line (a run still being written, or killed) is
+skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+PLOTS = ("reward.png", "kl.png", "losses.png")
+
+
+def load_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file (lines that are not JSON objects are skipped)."""
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+    return out
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def numeric_keys(records: Iterable[Mapping[str, Any]]) -> list[str]:
+    keys: dict[str, None] = {}
+    for r in records:
+        for k, v in r.items():
+            if k != "step" and _num(v) is not None:
+                keys.setdefault(k, None)
+    return list(keys)
+
+
+def reward_key(records: Sequence[Mapping[str, Any]]) -> str | None:
+    """The series that is "the mean reward": reward/mean, else reward, else the first reward*mean, else any reward."""
+    keys = numeric_keys(records)
+    for k in ("reward/mean", "reward", "rewards/mean", "score/mean"):
+        if k in keys:
+            return k
+    for pred in (lambda k: "reward" in k and "mean" in k, lambda k: "reward" in k and "std" not in k):
+        for k in keys:
+            if pred(k.lower()):
+                return k
+    return None
+
+
+def series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for i, r in enumerate(records):
+        y = _num(r.get(key))
+        if y is None:
+            continue
+        x = _num(r.get("step"))
+        xs.append(x if x is not None else float(i))
+        ys.append(y)
+    return xs, ys
+
+
+def _figure(title: str, ylabel: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    return fig, ax
+
+
+def _save(fig, ax, path: Path, any_data: bool) -> Path:
+    import matplotlib.pyplot as plt
+
+    if any_data:
+        ax.legend(loc="best", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return path
+
+
+def draw(run_dir: str | Path, records: Sequence[Mapping[str, Any]] | None = None) -> list[Path]:
+    """Write reward.png, kl.png and losses.png into ``run_dir`` from its metrics.jsonl; returns their paths."""
+    run_dir = Path(run_dir)
+    if records is None:
+        records = load_metrics(run_dir / "metrics.jsonl")
+    keys = numeric_keys(records)
+    out = []
+
+    fig, ax = _figure("reward", "reward")
+    rk = reward_key(records)
+    drawn = False
+    if rk:
+        xs, ys = series(records, rk)
+        ax.plot(xs, ys, marker="o", markersize=3, label=rk, linewidth=2)
+        std_key = rk.rsplit("/", 1)[0] + "/std" if "/" in rk else None
+        if std_key in keys:
+            band = []
+            for i, r in enumerate(records):
+                y, sd = _num(r.get(rk)), _num(r.get(std_key))
+                if y is not None and sd is not None:
+                    x = _num(r.get("step"))
+                    band.append((x if x is not None else float(i), y, sd))
+            if band:
+                ax.fill_between([b[0] for b in band], [b[1] - b[2] for b in band], [b[1] + b[2] for b in band],
+                                alpha=0.2, label=f"± {std_key}")  # fmt: skip
+        drawn = bool(xs)
+    for k in keys:
+        kl = k.lower()
+        if k != rk and ("reward" in kl or kl.startswith("score")) and not kl.endswith("/std"):
+            xs, ys = series(records, k)
+            ax.plot(xs, ys, linewidth=1, alpha=0.7, label=k)
+            drawn = drawn or bool(xs)
+    out.append(_save(fig, ax, run_dir / "reward.png", drawn))
+
+    for name, title, pred in (
+        ("kl.png", "KL divergence to the reference", lambda k: "kl" in k.lower()),
+        ("losses.png", "losses", lambda k: k.lower().startswith("loss")),
+    ):
+        fig, ax = _figure(title, title.split()[0])
+        drawn = False
+        for k in keys:
+            if pred(k):
+                xs, ys = series(records, k)
+                ax.plot(xs, ys, marker="o", markersize=2, label=k)
+                drawn = drawn or bool(xs)
+        out.append(_save(fig, ax, run_dir / name, drawn))
+    return out
+
+
+def summary(records: Sequence[Mapping[str, Any]]) -> str:
+    """A few lines: steps, first/last mean reward (and the average over the first/last few steps), last KL."""
+    if not records:
+        return "no training steps recorded"
+    lines = [f"steps: {len(records)}"]
+    rk = reward_key(records)
+    if rk:
+        _, ys = series(records, rk)
+        if ys:
+            k = max(1, min(5, len(ys) // 4))
+            first, last = sum(ys[:k]) / k, sum(ys[-k:]) / k
+            lines.append(f"{rk}: first {ys[0]:+.4f}, last {ys[-1]:+.4f}")
+            lines.append(f"{rk} averaged over the first/last {k} step(s): {first:+.4f} -> {last:+.4f} "
+                         f"({last - first:+.4f})")  # fmt: skip
+    for key in ("objective/kl",) + tuple(k for k in numeric_keys(records) if "kl" in k.lower()):
+        _, ys = series(records, key)
+        if ys:
+            lines.append(f"{key}: last {ys[-1]:.4f}")
+            break
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        print(f"rlhf report: {metrics} does not exist", file=sys.stderr)
+        return 2
+    records = load_metrics(metrics)
+    paths = draw(run_dir, records)
+    print(summary(records))
+    print("plots: " + ", ".join(str(p) for p in paths))
+    return 0

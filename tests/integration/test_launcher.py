@@ -1,0 +1,370 @@
+"""`rlhf up` (services/launcher.py) and `rlhf report` (services/report.py).
+
+The pieces are tested on their own (ports, the environment of each service, the private redis-server, stopping a
+process tree, the progress line, the plots); one end-to-end test runs `rlhf up` on a tiny config as a subprocess. That
+one needs the trainer and rollout services: it is skipped while ``services.trainer.main`` or
+``services.rollout.main`` does not exist.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services import launcher, report
+from services.cli import main as cli_main
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not running
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    # members may be zombies waiting for their parent; count only live ones
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+# ------------------------------------------------------------ ports, plan, environment
+
+
+def test_free_ports_are_distinct_and_bindable():
+    ports = launcher.free_ports(8)
+    assert len(set(ports)) == 8
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+def test_plan_services_order_ports_and_env(tmp_path):
+    ports = list(range(20000, 20010))
+    specs = launcher.plan_services(
+        redis_url="redis://127.0.0.1:1/0", run_id="r1", api_token="tok", run_dir=tmp_path, ports=ports
+    )
+    assert [s.name for s in specs] == ["reward", "reference", "rollout", "trainer"]
+    assert [s.service for s in specs] == ["reward", "reference", "rollout", "trainer"]
+    used = [p for s in specs for p in (s.grpc_port, s.http_port)]
+    assert sorted(used) == sorted(ports[:8])
+    reward, reference, rollout, trainer = specs
+    for s in specs:
+        assert s.env["RLHF_REDIS_URL"] == "redis://127.0.0.1:1/0"
+        assert s.env["RLHF_RUN_ID"] == "r1"
+        assert s.env["RLHF_API_TOKEN"] == "tok"
+    assert rollout.env["RLHF_REWARD_ADDR"] == f"127.0.0.1:{reward.grpc_port}"
+    assert rollout.env["RLHF_REFERENCE_ADDR"] == f"127.0.0.1:{reference.grpc_port}"
+    assert rollout.env["RLHF_REPLICA_ID"]
+    assert trainer.env["RLHF_ROLLOUT_ADDRS"] == rollout.grpc_addr
+    assert trainer.env["RLHF_RUN_DIR"] == str(tmp_path)
+    argv = trainer.argv("c.yaml", python="py")
+    assert argv[:6] == ["py", "-m", "services.cli", "serve", "trainer", "--config"]
+    assert argv[argv.index("--grpc-port") + 1] == str(trainer.grpc_port)
+    assert argv[argv.index("--http-port") + 1] == str(trainer.http_port)
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+
+
+def test_plan_services_several_rollout_replicas(tmp_path):
+    specs = launcher.plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path, rollout_replicas=3)
+    rollouts = [s for s in specs if s.service == "rollout"]
+    assert [s.name for s in rollouts] == ["rollout-0", "rollout-1", "rollout-2"]
+    assert len({s.env["RLHF_REPLICA_ID"] for s in rollouts}) == 3
+    assert specs[-1].env["RLHF_ROLLOUT_ADDRS"].split(",") == [s.grpc_addr for s in rollouts]
+    assert len({p for s in specs for p in (s.grpc_port, s.http_port)}) == 2 * len(specs)
+
+
+def test_every_variable_set_is_known_to_the_services(tmp_path):
+    from rlhf.serving.settings import KNOWN_ENV_VARS, ServiceSettings
+
+    for spec in launcher.plan_services(redis_url="redis://h:1/0", run_id="r", api_token="t", run_dir=tmp_path):
+        env = launcher.child_env(spec.env, base={})
+        unknown = [k for k in env if k.startswith("RLHF_") and k not in KNOWN_ENV_VARS]
+        assert unknown == []
+        ServiceSettings.from_env(env)  # valid
+
+
+def test_child_env_defaults_and_overrides():
+    env = launcher.child_env({"RLHF_RUN_ID": "x"}, base={"PATH": "/bin", "RLHF_CACHE_DIR": "/c", "PYTHONPATH": "/p"})
+    assert env["RLHF_RUN_ID"] == "x"
+    assert env["RLHF_CACHE_DIR"] == "/c"  # the user's choice is kept
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/p"]
+    assert env["PYTHONUNBUFFERED"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert launcher.child_env({}, base={})["RLHF_CACHE_DIR"] == str(launcher.DEFAULT_CACHE_DIR)
+
+
+def test_default_run_dir():
+    d = launcher.default_run_dir("demo", root="runs", now=0)
+    assert d.parent == Path("runs")
+    assert re.fullmatch(r"demo-\d{8}-\d{6}", d.name)
+
+
+# ------------------------------------------------------------ redis and process trees
+
+
+def test_private_redis_start_and_stop(tmp_path):
+    redis = launcher.RedisChild(tmp_path / "redis", tmp_path / "logs" / "redis.log").start()
+    try:
+        redis.wait_ready()
+        import redis as redis_py
+
+        client = redis_py.Redis.from_url(redis.url)
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+        assert client.config_get("appendonly")["appendonly"] == "yes"
+        assert Path(client.config_get("dir")["dir"]) == (tmp_path / "redis").resolve()
+        client.close()
+    finally:
+        launcher.stop_children([redis], grace_s=10)
+    assert not redis.running
+    assert redis.poll() == 0  # a clean shutdown on SIGTERM
+    assert not launcher._redis_ping(redis.port)
+    assert any((tmp_path / "redis").iterdir())  # AOF files
+
+
+_TREE = r"""
+import signal, subprocess, sys, time
+grand = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+print(grand.pid, flush=True)
+if sys.argv[1] == "ignore":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+time.sleep(300)
+"""
+
+
+def _tree(tmp_path: Path, mode: str) -> tuple[launcher.Child, int]:
+    log = tmp_path / f"tree-{mode}.log"
+    child = launcher.Child("tree", [sys.executable, "-c", _TREE, mode], log).start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        text = log.read_text() if log.exists() else ""
+        if text.strip():
+            return child, int(text.split()[0])
+        time.sleep(0.05)
+    raise AssertionError("the test child did not start")
+
+
+def test_stop_children_stops_the_whole_tree_on_sigterm(tmp_path):
+    child, grand = _tree(tmp_path, "obey")
+    assert _alive(grand)
+    t0 = time.monotonic()
+    launcher.stop_children([child], grace_s=10)
+    assert time.monotonic() - t0 < 5
+    assert child.poll() == -signal.SIGTERM
+    deadline = time.monotonic() + 5
+    while _alive(grand) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grand)
+    assert not _group_alive(child.pid)
+
+
+def test_stop_children_kills_what_ignores_sigterm(tmp_path):
+    child, grand = _tree(tmp_path, "ignore")
+    time.sleep(0.3)  # let it install the handler
+    launcher.stop_children([child], grace_s=1)
+    assert child.poll() == -signal.SIGKILL
+    deadline = time.monotonic() + 5
+    while _alive(grand) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grand)
+
+
+def test_early_death_is_reported_with_the_log_tail(tmp_path):
+    opts = launcher.RunOptions(config=tmp_path / "c.yaml")
+    up = launcher.Launcher(opts, out=io.StringIO())
+    dead = launcher.Child("reward", ["sh", "-c", "echo first; echo 'the real cause'; exit 3"], tmp_path / "r.log")
+    dead.start().proc.wait(10)
+    up.children.append(dead)
+    with pytest.raises(launcher.LaunchError, match="(?s)reward exited early with 3.*the real cause"):
+        up._check_alive()
+    launcher.stop_children([dead])
+
+
+def test_up_refuses_a_missing_config(tmp_path, capsys):
+    assert cli_main(["up", "--config", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_up_refuses_an_invalid_config(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("run_id: x\ntraining: {no_such_key: 1}\n")
+    assert cli_main(["up", "--config", str(cfg), "--run-dir", str(tmp_path / "run")]) == 2
+    assert "no_such_key" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ progress
+
+
+def test_metrics_tail_reads_only_complete_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tail = launcher.MetricsTail(path)
+    assert tail.read() == []
+    with open(path, "w") as f:
+        f.write('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "rew')
+    assert [r["step"] for r in tail.read()] == [1]
+    with open(path, "a") as f:
+        f.write('ard/mean": 0.7}\nnot json\n{"step": 3}\n')
+    assert [r["step"] for r in tail.read()] == [2, 3]
+    assert tail.read() == []
+
+
+def test_format_progress():
+    line = launcher.format_progress(
+        {"step": 3, "reward/mean": 0.25, "objective/kl": 0.0123, "samples_per_s": 41.5, "staleness/mean": 0.5,
+         "queue/prompts": 4, "queue/experience": 2, "loss/policy": 0.1},
+        total=40, elapsed=12.3,
+    )  # fmt: skip
+    assert line.startswith("step 3/40")
+    for part in ("reward +0.2500", "kl 0.0123", "samples/s 41.5", "staleness 0.50", "prompts=4", "experience=2"):
+        assert part in line
+    assert launcher.format_progress({"step": 1}) == "step 1"
+
+
+# ------------------------------------------------------------ report
+
+
+def _synthetic_metrics(path: Path, steps: int = 12) -> None:
+    with open(path, "w") as f:
+        for s in range(1, steps + 1):
+            rec = {"step": s, "reward/mean": -1 + 0.1 * s, "reward/std": 0.2, "objective/kl": 0.001 * s,
+                   "kl_coef": 0.01, "loss/policy": 0.5 / s, "loss/value": 1.0 / s, "samples_per_s": 10.0,
+                   "staleness/mean": 0.0, "queue/prompts": 2, "note": "text is ignored"}  # fmt: skip
+            f.write(json.dumps(rec) + "\n")
+        f.write('{"step": 13, "reward/me')  # a truncated last line
+
+
+def _assert_png(path: Path) -> None:
+    assert path.is_file() and path.stat().st_size > 1000
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    from PIL import Image
+
+    with Image.open(path) as im:
+        im.verify()
+    with Image.open(path) as im:
+        assert im.format == "PNG" and im.size[0] > 100 and im.size[1] > 100
+
+
+def test_report_draws_valid_pngs(tmp_path):
+    _synthetic_metrics(tmp_path / "metrics.jsonl")
+    paths = report.draw(tmp_path)
+    assert [p.name for p in paths] == list(report.PLOTS)
+    for p in paths:
+        _assert_png(p)
+
+
+def test_report_summary_and_keys(tmp_path):
+    _synthetic_metrics(tmp_path / "metrics.jsonl")
+    records = report.load_metrics(tmp_path / "metrics.jsonl")
+    assert len(records) == 12
+    assert report.reward_key(records) == "reward/mean"
+    assert report.reward_key([{"step": 1, "rewards/score_mean": 1.0}]) == "rewards/score_mean"
+    text = report.summary(records)
+    assert "steps: 12" in text
+    assert "first -0.9000, last +0.2000" in text
+    assert "objective/kl: last 0.0120" in text
+    assert report.summary([]) == "no training steps recorded"
+
+
+def test_report_cli(tmp_path, capsys):
+    assert cli_main(["report", str(tmp_path)]) == 2
+    _synthetic_metrics(tmp_path / "metrics.jsonl")
+    assert cli_main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "reward/mean: first -0.9000, last +0.2000" in out
+    for name in report.PLOTS:
+        _assert_png(tmp_path / name)
+
+
+def test_report_without_any_known_series_still_draws(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "other": 2}\n')
+    for p in report.draw(tmp_path):
+        _assert_png(p)
+
+
+# ------------------------------------------------------------ end to end
+
+
+def _ring_available() -> bool:
+    """The trainer and the rollout service's entry points exist (the end-to-end run needs both)."""
+    try:
+        return all(importlib.util.find_spec(f"services.{s}.main") is not None for s in ("trainer", "rollout"))
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    not _ring_available(), reason="needs the trainer and rollout services (services/{trainer,rollout}/main.py)"
+)
+def test_rlhf_up_end_to_end(tmp_path, tiny_models):
+    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    run_dir = tmp_path / "run"
+    cfg["run_id"] = "e2e"
+    cfg["training"].update(
+        train_iters=3, global_batch_size=2, save_interval=1, save=str(run_dir / "checkpoints"), log_interval=1
+    )
+    ar = cfg["actor_rollout_ref"]["actor_rollout"]
+    ar.update(max_new_tokens=4, ppo_mini_batch_size=2, ppo_epochs=1)
+    cfg["critic"].update(critic_mini_batch_size=2, critic_update_epochs=1)
+    config = tmp_path / "e2e.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+    env = dict(os.environ)
+    env.pop("RLHF_REDIS_URL", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    logs = "\n".join(f"--- {p.name}\n{launcher.log_tail(p, 30)}" for p in sorted((run_dir / "logs").glob("*.log")))
+    assert proc.returncode == 0, out + logs
+
+    records = report.load_metrics(run_dir / "metrics.jsonl")
+    steps = [r.get("step") for r in records]
+    assert len(records) >= 3 and max(steps) >= 3, steps
+    assert all(any("reward" in k for k in r) for r in records), records[0]
+    for name in report.PLOTS:
+        _assert_png(run_dir / name)
+    found = [p for p in run_dir.rglob("*") if p.is_file() and "checkpoint" in str(p.relative_to(run_dir)).lower()]
+    assert found, sorted(str(p) for p in run_dir.rglob("*"))
+    for name in ("redis", "reward", "reference", "rollout", "trainer"):
+        assert (run_dir / "logs" / f"{name}.log").is_file()
+    assert re.search(r"step 3/3", out), out
+
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)", out)]
+    assert len(pids) >= 5, out  # redis + 4 services
+    deadline = time.monotonic() + 5
+    while any(_group_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _group_alive(p)], "processes left running"
