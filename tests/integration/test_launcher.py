@@ -368,3 +368,38 @@ def test_rlhf_up_end_to_end(tmp_path, tiny_models):
     while any(_group_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if _group_alive(p)], "processes left running"
+
+
+@pytest.mark.timeout(300)
+def test_rlhf_up_ctrl_c_stops_every_process(tmp_path, tiny_models):
+    """SIGINT while the services start: every process started so far is stopped, exit 130."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ)
+    env.pop("RLHF_REDIS_URL", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    out_path = tmp_path / "up.out"
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--config", str(REPO / "configs" / "demo.yaml"),
+             "--run-dir", str(run_dir)],
+            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while "started reference" not in out_path.read_text() and time.monotonic() < deadline:
+                assert proc.poll() is None, out_path.read_text()
+                time.sleep(0.1)
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=90)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = out_path.read_text()
+    assert rc == 130, text
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)", text)]
+    assert len(pids) >= 3, text  # redis, reward, reference
+    deadline = time.monotonic() + 5
+    while any(_group_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _group_alive(p)], text
