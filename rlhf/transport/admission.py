@@ -9,10 +9,11 @@ The counters live in Redis so a restarted trainer resumes them:
 
 - ``rlhf:{run}:issued``   +1 when a job_id is published for the first time (:meth:`PromptQueue.publish`, in the same
   atomic script as the XADD, which also enforces the bound when given an ``Admission``);
-- ``rlhf:{run}:trained``  +n by :meth:`Admission.mark_trained` when the trainer has consumed n jobs (trained on them
-  or dropped them as stale). Store :attr:`AdmissionState.trained` in every checkpoint and call
-  :meth:`Admission.restore` with it after a restart: jobs trained after that checkpoint are redelivered and will be
-  counted again, so the counter must go back with the weights;
+- ``rlhf:{run}:trained``  the jobs the trainer has consumed (trained on, or dropped as stale), set by
+  :meth:`Admission.set_trained` (absolute, retry-safe) or :meth:`Admission.mark_trained` (+n). Keep the total in
+  every checkpoint and call :meth:`Admission.restore` with it after a restart: jobs trained after that checkpoint
+  are redelivered and will be counted again, so the counter must go back with the weights (in flight may then
+  exceed the capacity by those jobs for a while; no new job is issued until it is back under);
 - ``rlhf:{run}:released`` +1 per record dead-lettered from either stream (its job will never be trained).
 
 in flight = issued - trained - released; free = capacity - in flight.
@@ -56,7 +57,7 @@ class AdmissionState:
 
 class Admission:
     """Staleness bound of a run. The trainer asks :meth:`free` (or passes this object to
-    :meth:`PromptQueue.publish`, which refuses atomically past the bound) and reports :meth:`mark_trained`."""
+    :meth:`PromptQueue.publish`, which refuses atomically past the bound) and reports :meth:`set_trained`."""
 
     def __init__(self, redis: aioredis.Redis, run_id: str, max_staleness: int, batch_size: int):
         if max_staleness < 0:
@@ -96,18 +97,25 @@ class Admission:
                 raise TimeoutError(f"admission: only {free} of {need} slots free after {timeout_s} s")
             await asyncio.sleep(poll_s)
 
-    async def mark_trained(self, n: int) -> int:
-        """The trainer consumed ``n`` more jobs (trained on them, or dropped them as stale). Returns the total.
-        Do not count records dropped as duplicates: their job was counted when it was trained."""
-        if n < 0:
-            raise ValueError("n must be >= 0")
-        return int(await self.redis.incrby(self.keys.trained, n))
+    async def set_trained(self, total: int) -> None:
+        """The trainer has consumed ``total`` jobs in all (trained on them, or dropped them as stale; not records
+        dropped as duplicates: their job was counted when it was trained). An absolute value, so a call retried
+        after a connection error counts nothing twice: prefer it to :meth:`mark_trained`. The trainer keeps the
+        total in its own state and checkpoints it."""
+        if total < 0:
+            raise ValueError("total must be >= 0")
+        await self.redis.set(self.keys.trained, total)
 
     async def restore(self, trained: int) -> None:
         """After a trainer restart: set the trained counter to the value saved in the checkpoint it resumed from."""
-        if trained < 0:
-            raise ValueError("trained must be >= 0")
-        await self.redis.set(self.keys.trained, trained)
+        await self.set_trained(trained)
+
+    async def mark_trained(self, n: int) -> int:
+        """Add ``n`` to the trained counter (INCRBY); returns the total. Not idempotent: a retry after a lost reply
+        counts twice; :meth:`set_trained` is the retry-safe form."""
+        if n < 0:
+            raise ValueError("n must be >= 0")
+        return int(await self.redis.incrby(self.keys.trained, n))
 
     async def policy_version(self) -> int | None:
         return await get_policy_version(self.redis, self.keys.run_id)

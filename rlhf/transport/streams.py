@@ -34,7 +34,9 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlhf.transport.codec import (
     Experience,
@@ -268,6 +270,7 @@ class _StreamQueue(Generic[M]):
         restarted consumer gets back what it had read but not acknowledged); then new entries (``>``), waiting up
         to ``block_ms`` for one (``None``: do not wait; ``0``: wait forever, as in Redis). Malformed records are
         dead-lettered and left out, so fewer than ``count`` (even none) may come back before the stream is empty.
+        After a connection error the next call drains the pending list again (a lost reply strands nothing).
         """
         if count <= 0:
             raise ValueError("count must be positive")
@@ -282,7 +285,13 @@ class _StreamQueue(Generic[M]):
             out = await self._decode_entries(entries, consumer, st.skip)
             if out:
                 return out
-        entries = await self._xreadgroup(consumer, ">", count, block_ms)
+        try:
+            entries = await self._xreadgroup(consumer, ">", count, block_ms)
+        except (RedisConnectionError, RedisTimeoutError):
+            # The server may have delivered entries whose reply never arrived: they sit in this consumer's pending
+            # list. Drain it again on the next call so they are not stranded (they may come twice: at least once).
+            self._consumers[consumer] = _ConsumerState()
+            raise
         return await self._decode_entries(entries, consumer)
 
     async def ack(self, entry_ids: Iterable[str | bytes]) -> int:

@@ -383,3 +383,27 @@ def test_bad_client_and_run_id_are_refused(redis_server):
         PromptQueue(aioredis.Redis.from_url(redis_server.url, decode_responses=True), RUN)
     with pytest.raises(ValueError, match="run_id"):
         PromptQueue(connect(redis_server.url), "bad:run")
+
+
+def test_read_whose_reply_was_lost_is_delivered_again(redis_server):
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    async def body():
+        async with session(redis_server) as (r, pq, _):
+            for i in range(3):
+                await pq.publish(make_job(i))
+            real = r.xreadgroup
+
+            async def lossy(*args, **kwargs):  # the server delivers, the reply is lost on the way
+                await real(*args, **kwargs)
+                raise RedisConnectionError("connection reset")
+
+            r.xreadgroup = lossy
+            with pytest.raises(RedisConnectionError):
+                await pq.read("r1", count=2, block_ms=100)
+            r.xreadgroup = real
+            got = await pq.read("r1", count=10, block_ms=100)
+            got += await pq.read("r1", count=10, block_ms=100)
+            assert [j.job_id for _, j in got] == ["job-0", "job-1", "job-2"]
+
+    asyncio.run(body())

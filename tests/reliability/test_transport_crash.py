@@ -238,6 +238,7 @@ async def trainer(url: str, name: str, ckpt: Checkpoint, n_jobs: int, batch: int
     await _retrying(adm.restore, ckpt.trained_count)
     watch["recovered"] += await _retrying(eq.recover, name)
     trained_ids = set(ckpt.trained_ids)
+    trained_count = ckpt.trained_count
     next_index = ckpt.next_index
     since_ckpt: list[str] = []
     unacked: list[str] = []
@@ -257,12 +258,13 @@ async def trainer(url: str, name: str, ckpt: Checkpoint, n_jobs: int, batch: int
                 for _, exp in d.fresh:  # "train"
                     trained_ids.add(exp.job_id)
                     since_ckpt.append(exp.job_id)
-                await adm.mark_trained(len(d.fresh))
+                trained_count += len(d.fresh)
+                await _retrying(adm.set_trained, trained_count)
                 unacked += [e for e, _ in records]
                 if len(since_ckpt) >= batch or len(trained_ids) == n_jobs:
                     # checkpoint (atomic, durable), then ack what it covers, then trim
                     ckpt.trained_ids = set(trained_ids)
-                    ckpt.trained_count = (await adm.state()).trained
+                    ckpt.trained_count = trained_count
                     ckpt.next_index = next_index
                     ckpt.lineage += since_ckpt
                     since_ckpt = []
