@@ -39,7 +39,7 @@ def validate_prompt_job(job: PromptJob, run_id: str | None = None) -> None:
     _check_common(job, run_id, "PromptJob")
     if not job.prompt_ids and not job.prompt_text:
         raise MalformedRecord(f"PromptJob {job.job_id!r} has neither prompt_ids nor prompt_text")
-    if any(t < 0 for t in job.prompt_ids):
+    if job.prompt_ids and min(job.prompt_ids) < 0:
         raise MalformedRecord(f"PromptJob {job.job_id!r} has negative prompt_ids")
 
 
@@ -59,9 +59,10 @@ def validate_experience(exp: Experience, run_id: str | None = None) -> None:
             raise MalformedRecord(f"{where} has {n} response_ids but {len(s.sampling_logprobs)} sampling_logprobs")
         if s.ref_logprobs and len(s.ref_logprobs) != n:
             raise MalformedRecord(f"{where} has {n} response_ids but {len(s.ref_logprobs)} ref_logprobs")
-        if any(t < 0 for t in s.response_ids):
+        if n and min(s.response_ids) < 0:
             raise MalformedRecord(f"{where} has negative response_ids")
-        if not all(map(math.isfinite, s.sampling_logprobs)) or not all(map(math.isfinite, s.ref_logprobs)):
+        # finite sum <=> finite terms (NaN/inf propagate; float32 terms cannot overflow a double): C-speed
+        if not math.isfinite(sum(s.sampling_logprobs)) or not math.isfinite(sum(s.ref_logprobs)):
             raise MalformedRecord(f"{where} has non-finite log-probs")
 
 

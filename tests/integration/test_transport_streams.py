@@ -190,6 +190,10 @@ def test_publish_and_ack_is_atomic(redis_server):
                 bad = make_exp(j1)
                 bad.samples[0].sampling_logprobs.append(-1.0)
                 await eq.publish_and_ack(bad, e1)
+            with pytest.raises(ValueError, match="non-finite"):
+                bad = make_exp(j1)
+                bad.samples[1].sampling_logprobs[0] = float("nan")
+                await eq.publish(bad)
 
     asyncio.run(body())
 
@@ -242,6 +246,7 @@ def test_trim_never_drops_pending_or_undelivered(redis_server):
             await pq.ack([ids[0], ids[1], ids[3], ids[4]])  # ids[2] and ids[5] still pending, 4 undelivered
             assert await pq.trim() == 2  # only the two before the oldest pending entry
             assert await pq.length() == 8
+            assert (await pq.backlog(), await pq.pending()) == (4, 2)
             await pq.ack([ids[2]])
             assert await pq.trim() == 3  # up to ids[5], still pending
             assert (await r.xrange(pq.stream, count=1))[0][0].decode() == ids[5]
@@ -405,5 +410,18 @@ def test_read_whose_reply_was_lost_is_delivered_again(redis_server):
             got = await pq.read("r1", count=10, block_ms=100)
             got += await pq.read("r1", count=10, block_ms=100)
             assert [j.job_id for _, j in got] == ["job-0", "job-1", "job-2"]
+
+    asyncio.run(body())
+
+
+def test_backlog_is_counted_when_redis_cannot_tell_the_lag(redis_server):
+    async def body():
+        async with session(redis_server) as (r, pq, _):
+            res = await pq.publish_many([make_job(i) for i in range(6)])
+            await pq.read("r1", count=2, block_ms=100)
+            assert await pq.backlog() == 4
+            await r.xdel(pq.stream, res[4].entry_id)  # a hole: XINFO GROUPS reports lag nil
+            assert (await r.xinfo_groups(pq.stream))[0]["lag"] is None
+            assert await pq.backlog() == 3 == (await queue_stats(r, RUN)).prompts_backlog
 
     asyncio.run(body())
