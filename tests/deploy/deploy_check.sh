@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Static checks of the deployment files (no cluster, no Docker engine). `make deploy-check` installs the tools and
+# runs this with HELM, TOOLS_BIN (hadolint, kubernetes-validate, yamllint), PY (the project's Python) and
+# DOCKER_COMPOSE set. Each check prints one line; a failing one also prints its output. Exit status 1 if any failed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+: "${HELM:?set HELM}" "${TOOLS_BIN:?set TOOLS_BIN}" "${PY:?set PY}"
+DOCKER_COMPOSE=${DOCKER_COMPOSE:-docker-compose}
+CHART=k8s/rlhf-pipeline
+GPU=(-f k8s/examples/values-gpu.yaml --set-file experiment.configYaml=configs/llama32-1b-ppo.yaml)
+NPU=(-f k8s/examples/values-npu.yaml --set-file experiment.configYaml=configs/llama32-1b-ppo.yaml)
+export RLHF_API_TOKEN=deploy-check
+
+failed=()
+count=0
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+now_ds() { local us=${EPOCHREALTIME/./}; echo $((us / 100000)); }  # tenths of a second (bash 5)
+fmt_ds() { printf '%d.%ds' $(($1 / 10)) $(($1 % 10)); }
+start_all=$(now_ds)
+
+check() {  # check NAME COMMAND...
+    local name=$1 t0 dt
+    shift
+    count=$((count + 1))
+    t0=$(now_ds)
+    if "$@" >"$log" 2>&1; then
+        printf '  ok    %-62s %6s\n' "$name" "$(fmt_ds $(($(now_ds) - t0)))"
+    else
+        printf '  FAIL  %-62s %6s\n' "$name" "$(fmt_ds $(($(now_ds) - t0)))"
+        sed 's/^/        /' "$log"
+        failed+=("$name")
+    fi
+}
+
+compose() { $DOCKER_COMPOSE "$@"; }
+compose_needs_token() {  # the base file refuses to start without RLHF_API_TOKEN
+    ! env -u RLHF_API_TOKEN $DOCKER_COMPOSE -f docker-compose.yml config -q
+}
+validate() {  # helm template ... | kubernetes-validate --strict
+    "$HELM" template rlhf "$CHART" "$@" | "$TOOLS_BIN/kubernetes-validate" --strict --quiet -
+}
+refuses() {  # helm template must fail (the schema or a guard rejects the values)
+    ! "$HELM" template rlhf "$CHART" "$@"
+}
+
+echo "deploy-check: Dockerfile"
+check "hadolint docker/Dockerfile" "$TOOLS_BIN/hadolint" docker/Dockerfile
+check "shell syntax of docker/*.sh" bash -c 'bash -n docker/entrypoint.sh && sh -n docker/install.sh'
+
+echo "deploy-check: docker compose ($($DOCKER_COMPOSE version --short 2>/dev/null || echo '?'))"
+check "compose: docker-compose.yml" compose -f docker-compose.yml config -q
+check "compose: + compose.gpu.yaml" compose -f docker-compose.yml -f compose.gpu.yaml config -q
+check "compose: + compose.npu.yaml" compose -f docker-compose.yml -f compose.npu.yaml config -q
+check "compose: refuses to run without RLHF_API_TOKEN" compose_needs_token
+
+echo "deploy-check: Helm chart ($("$HELM" version --short 2>/dev/null))"
+check "helm lint --strict (default values)" "$HELM" lint --strict "$CHART"
+check "helm lint --strict (values-gpu.yaml)" "$HELM" lint --strict "$CHART" "${GPU[@]}"
+check "helm lint --strict (values-npu.yaml)" "$HELM" lint --strict "$CHART" "${NPU[@]}"
+check "helm template | kubernetes-validate --strict (default)" validate
+check "helm template | kubernetes-validate --strict (GPU)" validate "${GPU[@]}"
+check "helm template | kubernetes-validate --strict (NPU)" validate "${NPU[@]}"
+check "helm template | kubernetes-validate (external Redis, TLS)" validate --set redis.enabled=false \
+    --set redis.external.url=redis://:pw@redis.example:6379/0 --set tls.enabled=true --set tls.existingSecret=rlhf-tls
+check "values.schema.json rejects a misspelt key" refuses --set rollout.acelerator.type=nvidia
+check "values.schema.json rejects an unknown accelerator" refuses --set trainer.accelerator.type=tpu
+
+echo "deploy-check: yamllint"
+check "yamllint (compose files, chart values, examples, configs)" "$TOOLS_BIN/yamllint" --strict \
+    docker-compose.yml compose.gpu.yaml compose.npu.yaml .yamllint k8s configs/llama32-1b-ppo.yaml \
+    configs/llama32-1b-online-dpo.yaml
+
+echo "deploy-check: tests/deploy"
+# shellcheck disable=SC2086
+check "pytest tests/deploy" env HELM="$HELM" DOCKER_COMPOSE="$DOCKER_COMPOSE" "$PY" -m pytest -q tests/deploy ${PYTEST_ARGS:-}
+tail -n 1 "$log" | sed 's/^/        /'  # pytest's summary line
+
+total=$(fmt_ds $(($(now_ds) - start_all)))
+if [ ${#failed[@]} -eq 0 ]; then
+    echo "deploy-check: all $count checks ok in $total"
+else
+    echo "deploy-check: ${#failed[@]} of $count checks FAILED in $total: $(IFS=,; echo "${failed[*]}")"
+    exit 1
+fi

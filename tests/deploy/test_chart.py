@@ -1,0 +1,396 @@
+"""The Helm chart, rendered with `helm template` (default, GPU and NPU values) and read back as manifests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import CHART, ROOT, SERVICES, containers, helm_template, parse_docs, render
+from deploy_contract import parse_container_command, unknown_env
+
+from rlhf.config import load_config, parse_config
+
+ACCELERATOR = {"gpu": "nvidia.com/gpu", "npu": "huawei.com/Ascend910"}
+DEVICE = {"default": "cpu", "gpu": "cuda", "npu": "npu"}
+IMAGE_FLAVOUR = {"default": "cpu", "gpu": "cuda", "npu": "ascend"}
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def test_renders_every_component(rendered):
+    for name, r in rendered.items():
+        assert set(r.service_workloads()) == set(SERVICES), name
+        assert r.component("Deployment", "rollout")
+        assert r.component("StatefulSet", "trainer")
+        assert r.component("StatefulSet", "redis")
+        for comp in ("rollout", "reward", "reference", "trainer"):
+            ports = {p["name"]: p["port"] for p in r.component("Service", comp)["spec"]["ports"]}
+            assert ports["grpc"] == 50051 and ports["http"] == 8000, (name, comp, ports)
+        assert len(r.kind("PodDisruptionBudget")) == 5, name
+        assert len(r.kind("NetworkPolicy")) == 5, name
+
+
+@pytest.mark.parametrize("example", ["gpu", "npu"])
+def test_examples_request_accelerators_for_model_services_and_trainer(rendered, example):
+    resource = ACCELERATOR[example]
+    for comp, workload in rendered[example].service_workloads().items():
+        (c,) = containers(workload)
+        for side in ("requests", "limits"):
+            assert c["resources"][side].get(resource) == "1", f"{example}: {comp} {side} lack {resource}"
+        other = set(ACCELERATOR.values()) - {resource}
+        assert not other & set(c["resources"]["limits"]), f"{example}: {comp} asks for the other accelerator"
+        assert env_of(c)["RLHF_DEVICE"]["value"] == DEVICE[example]
+        assert c["image"].endswith(f"-{IMAGE_FLAVOUR[example]}"), c["image"]
+
+
+def test_default_is_cpu_only(rendered):
+    for comp, workload in rendered["default"].service_workloads().items():
+        (c,) = containers(workload)
+        limits = c["resources"].get("limits", {})
+        assert not set(ACCELERATOR.values()) & set(limits), comp
+        assert env_of(c)["RLHF_DEVICE"]["value"] == "cpu"
+        assert c["image"] == f"rlhf-pipeline/{comp}:0.1.0-cpu"
+
+
+def test_accelerator_count_and_resource_name_come_from_values(helm):
+    r = render(
+        helm,
+        "--set",
+        "trainer.accelerator.type=ascend",
+        "--set",
+        "trainer.accelerator.count=8",
+        "--set",
+        "trainer.accelerator.resourceName=huawei.com/Ascend910B",
+    )
+    (c,) = containers(r.component("StatefulSet", "trainer"))
+    assert c["resources"]["limits"]["huawei.com/Ascend910B"] == "8"
+    assert c["resources"]["requests"]["huawei.com/Ascend910B"] == "8"
+
+
+def test_npu_example_mounts_the_ascend_driver_and_joins_its_group(rendered):
+    for comp, workload in rendered["npu"].service_workloads().items():
+        spec = workload["spec"]["template"]["spec"]
+        host_paths = {v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+        assert {"/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi"} <= host_paths, comp
+        assert spec["securityContext"]["supplementalGroups"], comp
+        assert spec["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
+    for comp, workload in rendered["gpu"].service_workloads().items():
+        spec = workload["spec"]["template"]["spec"]
+        assert not [v for v in spec["volumes"] if "hostPath" in v], f"gpu: {comp} mounts host paths"
+
+
+def test_every_container_command_is_accepted_by_the_rlhf_cli(rendered):
+    for name, r in rendered.items():
+        for comp, workload in r.service_workloads().items():
+            (c,) = containers(workload)
+            assert "command" not in c, f"{comp}: keep the image's entrypoint (it loads the Ascend environment)"
+            ns = parse_container_command(c["args"])
+            assert (ns.command, ns.service) == ("serve", comp), (name, comp, c["args"])
+            assert ns.config == "/etc/rlhf/config.yaml"
+            assert (ns.grpc_port, ns.http_port) == (50051, 8000)
+
+
+def test_trainer_runs_under_torchrun_single_node_by_default(rendered):
+    for r in rendered.values():
+        sts = r.component("StatefulSet", "trainer")
+        assert sts["spec"]["replicas"] == 1
+        (c,) = containers(sts)
+        assert c["args"][:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=1", "--standalone"]
+
+
+def test_multi_node_trainer_is_refused_unless_asked_for(helm):
+    proc = helm_template(helm, "--set", "trainer.torchrun.nnodes=2", check=False)
+    assert proc.returncode != 0 and "future work" in proc.stderr
+    r = render(helm, "--set", "trainer.torchrun.nnodes=2", "--set", "trainer.torchrun.experimentalMultiNode=true")
+    sts = r.component("StatefulSet", "trainer")
+    assert sts["spec"]["replicas"] == 2
+    (c,) = containers(sts)
+    ns = parse_container_command(c["args"])
+    assert ns.service == "trainer"
+    endpoint = next(a for a in c["args"] if a.startswith("--rdzv-endpoint="))
+    assert endpoint.startswith(f"--rdzv-endpoint={sts['metadata']['name']}-0.{sts['spec']['serviceName']}.")
+
+
+def test_env_vars_are_known_to_the_code(rendered, helm):
+    extra = render(
+        helm,
+        "--set",
+        "tls.enabled=true",
+        "--set",
+        "tls.existingSecret=t",
+        "--set",
+        "redis.enabled=false",
+        "--set",
+        "redis.external.url=redis://r:6379/0",
+    )
+    names = set()
+    for r in [*rendered.values(), extra]:
+        for workload in r.workloads():
+            for c in containers(workload):
+                names |= set(env_of(c))
+    assert not unknown_env(names), f"the chart sets variables nothing reads: {unknown_env(names)}"
+
+
+def test_service_wiring(rendered):
+    r = rendered["default"]
+    rollout = env_of(containers(r.component("Deployment", "rollout"))[0])
+    trainer = env_of(containers(r.component("StatefulSet", "trainer"))[0])
+    reward = env_of(containers(r.component("Deployment", "reward"))[0])
+    dom = "rlhf.svc.cluster.local"
+    assert rollout["RLHF_REWARD_ADDR"]["value"] == f"rlhf-rlhf-pipeline-reward.{dom}:50051"
+    assert rollout["RLHF_REFERENCE_ADDR"]["value"] == f"rlhf-rlhf-pipeline-reference.{dom}:50051"
+    assert trainer["RLHF_ROLLOUT_ADDRS"]["value"] == f"rlhf-rlhf-pipeline-rollout-headless.{dom}:50051"
+    headless = [s for s in r.kind("Service") if s["metadata"]["name"] == "rlhf-rlhf-pipeline-rollout-headless"]
+    assert headless and headless[0]["spec"]["clusterIP"] == "None"
+    assert rollout["RLHF_REDIS_URL"]["value"] == f"redis://:$(REDIS_PASSWORD)@rlhf-rlhf-pipeline-redis.{dom}:6379/0"
+    assert list(rollout).index("REDIS_PASSWORD") < list(rollout).index("RLHF_REDIS_URL"), "$(VAR) needs VAR first"
+    assert "RLHF_REDIS_URL" not in reward, "only rollout and the trainer use Redis"
+    for env in (rollout, trainer, reward):
+        assert "secretKeyRef" in env["RLHF_API_TOKEN"]["valueFrom"], "the token comes from a Secret"
+        assert env["RLHF_RUN_ID"]["value"] == "demo"
+        assert env["RLHF_REPLICA_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    for workload in r.workloads():
+        spec = workload["spec"]["template"]["spec"]
+        assert spec["enableServiceLinks"] is False, "service-link variables (RLHF_*_PORT) would look like settings"
+        assert spec["automountServiceAccountToken"] is False
+
+
+def test_external_redis_url_comes_from_a_secret(helm):
+    r = render(helm, "--set", "redis.enabled=false", "--set", "redis.external.url=redis://:pw@redis.example:6379/0")
+    assert not [s for s in r.kind("StatefulSet") if s["metadata"]["labels"]["app.kubernetes.io/component"] == "redis"]
+    env = env_of(containers(r.component("Deployment", "rollout"))[0])
+    assert env["RLHF_REDIS_URL"]["valueFrom"]["secretKeyRef"]["key"] == "redis-url"
+    proc = helm_template(helm, "--set", "redis.enabled=false", check=False)
+    assert proc.returncode != 0 and "redis.external.url" in proc.stderr
+
+
+def test_probes_are_sized_for_model_loading(rendered):
+    for name, r in rendered.items():
+        for comp, workload in r.service_workloads().items():
+            (c,) = containers(workload)
+            startup, live, ready = c["startupProbe"], c["livenessProbe"], c["readinessProbe"]
+            assert startup["httpGet"]["path"] == "/healthz" and live["httpGet"]["path"] == "/healthz"
+            assert ready["httpGet"]["path"] == "/readyz"
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, f"{name}: {comp} startup budget"
+            assert {p["name"] for p in c["ports"]} >= {"grpc", "http"}
+
+
+def test_rendered_experiment_config_loads(rendered):
+    for name, r in rendered.items():
+        (cm,) = [c for c in r.kind("ConfigMap") if c["metadata"]["name"].endswith("-experiment")]
+        cfg = parse_config(yaml.safe_load(cm["data"]["config.yaml"]), f"{name} ConfigMap")
+        expected = "demo" if name == "default" else "llama32-1b-ppo"
+        assert cfg.run_id == expected
+        for workload in r.service_workloads().values():
+            assert env_of(containers(workload)[0])["RLHF_RUN_ID"]["value"] == expected
+
+
+def test_default_values_config_is_the_demo_config():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    assert values["experiment"]["config"] == demo, "values.yaml's experiment.config drifted from configs/demo.yaml"
+    assert parse_config(values["experiment"]["config"]) == load_config(ROOT / "configs" / "demo.yaml")
+
+
+def _peers(rule: dict) -> list[str]:
+    return [
+        p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        for p in rule.get("from", [])
+        if "podSelector" in p
+    ]
+
+
+def _rules_for_port(policy: dict, port: str) -> list[dict]:
+    return [r for r in policy["spec"]["ingress"] if any(p["port"] == port for p in r.get("ports", []))]
+
+
+def test_network_policy_only_trainer_reaches_rollout_grpc_and_admin_ports(rendered):
+    r = rendered["default"]
+    rollout = r.component("NetworkPolicy", "rollout")
+    (grpc_rule,) = _rules_for_port(rollout, "grpc")
+    assert _peers(grpc_rule) == ["trainer"] and len(grpc_rule["from"]) == 1
+    assert not _rules_for_port(rollout, "http"), "no REST clients listed: nothing but port-forward reaches HTTP"
+    trainer = r.component("NetworkPolicy", "trainer")
+    assert not _rules_for_port(trainer, "grpc") and not _rules_for_port(trainer, "http"), "admin ports are closed"
+    (peer_rule,) = [x for x in trainer["spec"]["ingress"] if "ports" not in x]
+    assert _peers(peer_rule) == ["trainer"], "only trainer pods (torchrun) reach the trainer's other ports"
+    for comp in ("reward", "reference"):
+        (g,) = _rules_for_port(r.component("NetworkPolicy", comp), "grpc")
+        assert sorted(_peers(g)) == ["rollout", "trainer"]
+    (redis_rule,) = r.component("NetworkPolicy", "redis")["spec"]["ingress"]
+    assert sorted(_peers(redis_rule)) == ["rollout", "trainer"]
+    for rule in (x for p in r.kind("NetworkPolicy") for x in p["spec"]["ingress"]):
+        assert rule.get("from"), "an ingress rule without `from` admits every pod in the cluster"
+
+
+def test_network_policy_opens_listed_peers(helm):
+    admin = '{"podSelector": {"matchLabels": {"role": "ops"}}}'
+    r = render(helm, "--set-json", f"networkPolicy.adminFrom=[{admin}]")
+    trainer = r.component("NetworkPolicy", "trainer")
+    (g,) = _rules_for_port(trainer, "grpc")
+    assert g["from"] == [json.loads(admin)]
+
+
+def test_keda_scales_rollout_on_the_prompts_stream(rendered):
+    r = rendered["gpu"]
+    (so,) = r.kind("ScaledObject")
+    assert so["spec"]["scaleTargetRef"]["name"] == r.component("Deployment", "rollout")["metadata"]["name"]
+    (trigger,) = so["spec"]["triggers"]
+    assert trigger["type"] == "redis-streams"
+    meta = trigger["metadata"]
+    assert meta["stream"] == "rlhf:llama32-1b-ppo:prompts" and meta["consumerGroup"] == "rollout"
+    assert meta["pendingEntriesCount"] == "64"
+    (auth,) = r.kind("TriggerAuthentication")
+    assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
+    assert "replicas" not in r.component("Deployment", "rollout")["spec"], "KEDA owns the replica count"
+    (redis_rule,) = r.component("NetworkPolicy", "redis")["spec"]["ingress"]
+    assert any("namespaceSelector" in p for p in redis_rule["from"]), "KEDA's operator must reach Redis"
+    assert not rendered["default"].kind("ScaledObject")
+
+
+def test_service_monitor_scrapes_metrics(rendered):
+    (sm,) = rendered["gpu"].kind("ServiceMonitor")
+    (ep,) = sm["spec"]["endpoints"]
+    assert (ep["port"], ep["path"]) == ("http", "/metrics")
+    wanted = sm["spec"]["selector"]["matchLabels"].items()
+    selected = [
+        s for s in rendered["gpu"].kind("Service") if all(s["metadata"]["labels"].get(k) == v for k, v in wanted)
+    ]
+    assert sorted(s["metadata"]["labels"]["app.kubernetes.io/component"] for s in selected) == sorted(SERVICES)
+
+
+def test_redis_runs_with_aof_on_a_pvc(rendered):
+    sts = rendered["default"].component("StatefulSet", "redis")
+    (c,) = containers(sts)
+    args = c["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert "--requirepass" in args
+    assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert c["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+
+
+def test_checkpoints_pvc_is_mounted_where_the_config_saves(rendered):
+    r = rendered["default"]
+    (pvc,) = r.kind("PersistentVolumeClaim")
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    sts = r.component("StatefulSet", "trainer")
+    (c,) = containers(sts)
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["checkpoints"] == "/var/lib/rlhf/runs"
+    vols = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert vols["checkpoints"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    # The image's working directory is /var/lib/rlhf: the demo's relative `runs/demo/checkpoints` lands on the PVC.
+    assert load_config(ROOT / "configs" / "demo.yaml").training.save.startswith("runs/")
+
+
+def test_secrets_are_referenced_not_inlined(helm):
+    r = render(helm, "--set", "auth.existingSecret=my-token", "--set", "redis.auth.existingSecret=my-redis")
+    assert not r.kind("Secret"), "with existing Secrets the chart renders none"
+    env = env_of(containers(r.component("StatefulSet", "trainer"))[0])
+    assert env["RLHF_API_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "my-token"
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "my-redis"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "rollout.acelerator.type=nvidia",
+        "trainer.accelerator.type=tpu",
+        "reward.replicas=-1",
+        "redis.appendfsync=sometimes",
+    ],
+)
+def test_schema_rejects_bad_values(helm, bad):
+    proc = helm_template(helm, "--set", bad, check=False)
+    assert proc.returncode != 0, f"--set {bad} was accepted"
+
+
+def _leaf_paths(node, prefix=()):
+    if isinstance(node, dict) and node:
+        for k, v in node.items():
+            yield from _leaf_paths(v, (*prefix, k))
+    else:
+        yield prefix
+
+
+def test_every_value_is_documented_and_in_the_schema():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    lines = (CHART / "values.yaml").read_text().splitlines()
+
+    def resolve(node):
+        while "$ref" in node:
+            node = schema["definitions"][node["$ref"].rsplit("/", 1)[1]]
+        return node
+
+    def schema_node(path):
+        """The schema of a values path; None inside a free-form object (experiment.config, resources, ...)."""
+        node = resolve(schema)
+        for key in path:
+            props = node.get("properties")
+            if props is None:
+                return None
+            assert key in props, f"values key {'.'.join(path)} is not in values.schema.json"
+            node = resolve(props[key])
+        return node
+
+    for path in _leaf_paths(values):
+        schema_node(path)
+
+    # Every key the schema defines carries a `# --` comment, except blocks whose own keys are documented; below a
+    # documented key (resources, strategy, securityContext, ...) the lines are its value, not more keys.
+    undocumented, stack = [], []  # stack: (indent, key, documented)
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "-")) or ":" not in stripped:
+            continue
+        indent = len(line) - len(stripped)
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        key = stripped.split(":", 1)[0]
+        path = (*[k for _, k, _ in stack], key)
+        j = i - 1
+        while j >= 0 and lines[j].lstrip().startswith("#") and not lines[j].lstrip().startswith("# --"):
+            j -= 1
+        documented = j >= 0 and lines[j].lstrip().startswith("# --")
+        inside_value = any(d for _, _, d in stack)
+        stack.append((indent, key, documented))
+        if inside_value or documented:
+            continue
+        node = schema_node(path)
+        if node is None or node.get("properties") is not None:
+            continue  # free-form content, or a block whose keys are documented
+        undocumented.append(f"values.yaml:{i + 1}: {'.'.join(path)}")
+    assert not undocumented, "keys without a `# --` comment:\n" + "\n".join(undocumented)
+
+
+def test_notes_tell_how_to_watch_a_run(helm):
+    proc = subprocess.run(
+        [helm, "install", "rlhf", str(CHART), "-n", "rlhf", "--dry-run=client"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    for needed in (
+        "logs -f statefulset/rlhf-rlhf-pipeline-trainer",
+        "port-forward svc/rlhf-rlhf-pipeline-rollout",
+        "/v1/status",
+        "/v1/completions",
+        "/v1/score",
+        "XPENDING rlhf:demo:prompts rollout",
+    ):
+        assert needed in notes, needed
+
+
+def test_example_values_files_are_valid_yaml_with_documented_header():
+    for path in sorted(Path(CHART.parent / "examples").glob("values-*.yaml")):
+        text = path.read_text()
+        assert text.startswith("#") and "helm install" in text, f"{path.name}: say how to install with it"
+        assert parse_docs(text), path

