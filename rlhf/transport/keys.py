@@ -17,15 +17,15 @@ TRAINER_GROUP = "trainer"
 # The one field of every stream entry: a serialized protobuf message.
 PAYLOAD_FIELD = b"pb"
 
-_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,200}")  # the config's run_id pattern, bounded
 
 
 def check_run_id(run_id: str) -> str:
-    """A run id is 1-128 characters of ``[A-Za-z0-9._-]`` (no ``:``, ``{``, ``}``, spaces): it names Redis keys."""
-    if not isinstance(run_id, str) or not _RUN_ID.match(run_id):
+    """A run id is 1-200 characters of ``[A-Za-z0-9._-]`` (no ``:``, ``{``, ``}``, spaces): it names Redis keys."""
+    if not isinstance(run_id, str) or not _RUN_ID.fullmatch(run_id):
         raise ValueError(
-            f"run_id {run_id!r} is not usable in Redis key names: use 1-128 characters of letters, digits, "
-            "'.', '_' or '-', starting with a letter or digit"
+            f"run_id {run_id!r} is not usable in Redis key names: use 1-200 characters of letters, digits, "
+            "'.', '_' or '-'"
         )
     return run_id
 

@@ -337,3 +337,57 @@ def test_push_to_many_replicas_reports_each():
                 await server.stop(None)
 
     asyncio.run(body())
+
+
+def _self_signed(tmp_path):
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    (tmp_path / "ca.pem").write_bytes(cert_pem)
+    return cert_pem, key_pem, tmp_path / "ca.pem"
+
+
+def test_push_over_tls(tmp_path):
+    pytest.importorskip("cryptography")
+    cert_pem, key_pem, ca_path = _self_signed(tmp_path)
+
+    async def body():
+        server = grpc.aio.server()
+        servicer = Servicer(WeightReceiver(0))
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+        port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key_pem, cert_pem)]))
+        await server.start()
+        try:
+            resp = await push_weights(f"localhost:{port}", state_dict(), 1, token=TOKEN, tls=ca_path)
+            assert resp.version == 1
+            assert_identical(servicer.weights, state_dict())
+            with pytest.raises(grpc.aio.AioRpcError) as exc:  # plaintext against a TLS port
+                await push_weights(f"localhost:{port}", state_dict(), 2, token=TOKEN, timeout=5)
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await server.stop(None)
+
+    asyncio.run(body())
