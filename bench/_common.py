@@ -1,0 +1,299 @@
+"""What every benchmark shares: the JSON line, the machine, a private redis-server, service processes, models."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("RLHF_BENCH_CACHE", REPO / ".cache" / "bench"))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def log(*args: Any) -> None:
+    """Progress goes to stderr: stdout carries only the one JSON line."""
+    print(*args, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------- the JSON line
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        mem_gib = None
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": mem_gib,
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    return info
+
+
+def target(figure: str, value: float | None, goal: str, met: bool | None) -> dict[str, Any]:
+    """One figure against its target: ``goal`` in words (``>= 1.5x``), ``met`` None when not measured."""
+    return {"figure": figure, "value": value, "target": goal, "met": met}
+
+
+def emit(
+    name: str,
+    settings: dict[str, Any],
+    figures: dict[str, Any],
+    ratio: dict[str, Any],
+    targets: Sequence[dict[str, Any]] = (),
+    notes: Sequence[str] = (),
+    started: float | None = None,
+) -> dict[str, Any]:
+    """Print the benchmark's one JSON line on stdout and return it."""
+    out = {
+        "name": name,
+        "settings": settings,
+        "figures": figures,
+        "ratio": ratio,
+        "targets": list(targets),
+        "notes": list(notes),
+        "machine": machine(),
+        "command": f"python -m bench.{name}",
+        "seconds": round(time.monotonic() - started, 1) if started is not None else None,
+    }
+    print(json.dumps(out, separators=(",", ":"), default=_default), flush=True)
+    return out
+
+
+def _default(o: Any) -> Any:
+    if isinstance(o, Path):
+        return str(o)
+    if hasattr(o, "item"):
+        return o.item()
+    raise TypeError(f"{type(o).__name__} is not JSON serialisable")
+
+
+# ------------------------------------------------------------------------------------------------- statistics
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty sample."""
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, int(round(q / 100 * len(s) + 0.5)) - 1))
+    return float(s[k])
+
+
+def rnd(x: float | None, digits: int = 3) -> float | None:
+    """Round to ``digits`` significant digits (JSON stays readable)."""
+    if x is None:
+        return None
+    if x == 0:
+        return 0.0
+    from math import floor, log10
+
+    return round(x, -int(floor(log10(abs(x)))) + digits - 1)
+
+
+# ------------------------------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port, AOF on (everysec) as compose and Helm run it."""
+
+    def __init__(self, directory: Path, port: int | None = None, aof: bool = True):
+        self.directory = Path(directory)
+        self.port = port or free_port()
+        self.aof = aof
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def __enter__(self) -> RedisServer:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not on PATH (apt-get install -y redis-server)")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
+             "--appendonly", "yes" if self.aof else "no", "--appendfsync", "everysec", "--save", "",
+             "--daemonize", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.02)
+        self.__exit__()
+        raise RuntimeError(f"redis-server did not answer on port {self.port}")
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+class ServiceProc:
+    """``python -m services.cli serve NAME --config FILE`` on free loopback ports; ready when /readyz answers 200."""
+
+    def __init__(self, name: str, config: Path, log_dir: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.config = Path(config)
+        self.grpc_port = free_port()
+        self.http_port = free_port()
+        self.log_path = Path(log_dir) / f"{name}-{self.http_port}.log"
+        self.env = dict(os.environ)
+        self.env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), self.env.get("PYTHONPATH")]))
+        self.env.update(env or {})
+        self.proc: subprocess.Popen | None = None
+        self._log: Any = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_addr(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def __enter__(self) -> ServiceProc:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in __exit__
+        argv = [sys.executable, "-m", "services.cli", "serve", self.name, "--config", str(self.config),
+                "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
+                "--http-port", str(self.http_port)]  # fmt: skip
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.http_url + "/readyz", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+# ------------------------------------------------------------------------------------------------- models
+
+# The model sizes the benchmarks use, built locally by rlhf.tiny (no download). head_dim is 32 or 64 (vLLM CPU).
+MODEL_SPECS: dict[str, dict[str, int]] = {
+    # the test model: ~0.1M parameters
+    "tiny": {},
+    # "small": tens of millions of parameters (~21M policy, the same again for the critic/reward model)
+    "small": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=8),
+    # weight sync: >= 100M parameters (~103M)
+    "large": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=16),
+}  # fmt: skip
+
+
+def build_model(size: str, **overrides: int):
+    """Build (once; reused while the spec is unchanged) the policy + reward model of a size; returns TinyPaths."""
+    from rlhf.tiny import TinySpec, build_tiny
+
+    spec = TinySpec(**{**MODEL_SPECS[size], **overrides})
+    suffix = "" if not overrides else "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    return build_tiny(CACHE / "models" / f"{size}{suffix}", spec)
+
+
+def param_count(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118
+                shape = st.get_slice(name).get_shape()
+                k = 1
+                for d in shape:
+                    k *= d
+                n += k
+    return n
+
+
+def write_yaml(path: Path, data: dict[str, Any]) -> Path:
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

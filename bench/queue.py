@@ -1,0 +1,297 @@
+"""bench.queue: experience records through rlhf.transport vs raw XADD/XREADGROUP of the same bytes, same Redis.
+
+Each record is one Experience (one prompt job's rollout) holding one 1,000-token sample: a 200-token prompt and an
+800-token response with its sampling and reference log-probs (protobuf, ~8.5 KB). Three measurements per round,
+interleaved so that noise hits all of them alike, against one private redis-server (AOF everysec, as deployed):
+
+- ``experience``: a replica publishes records one by one and the trainer reads them in batches and acknowledges them.
+  Ours: ``ExperienceQueue.publish`` (validate + encode + XADD) and ``ExperienceQueue.read`` (XREADGROUP + decode +
+  validate) + ``ack``. Raw: XADD of the already-encoded bytes, XREADGROUP, XACK.
+- ``ring``: the whole path of one training step's batch: the trainer publishes the prompt jobs
+  (``PromptQueue.publish_many``, idempotent + admission Lua), a replica reads each job and writes its experience
+  while acknowledging the job (``ExperienceQueue.publish_and_ack``, Lua), the trainer reads the batch and acks it.
+  Raw: the same commands without the scripts and without protobuf work (XADD, XREADGROUP, XADD + XACK, XREADGROUP,
+  XACK of pre-encoded bytes).
+- a PPO training step of the tiny model (``TrainerEngine.step``, one actor and one critic epoch) on one batch of such
+  records, in the same run: the target compares the queue's time per step with it (the tiny model's one-epoch step
+  is the shortest real step there is, so the fraction only shrinks for real models and settings).
+
+Target: queue time per training step under 1% of the step's time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from bench._common import RedisServer, build_model, emit, log, median, rnd, target
+
+PROMPT_TOKENS = 200
+RESPONSE_TOKENS = 800
+BATCH = 16  # records per training step (configs/demo.yaml: global_batch_size 16)
+ROUNDS = 7
+EXP_RECORDS = 128  # per round, experience-only measurement
+RING_STEPS = 4  # per round, ring measurement (BATCH records each)
+STEP_ROUNDS = 2  # training steps measured (the first step is no slower than the next: no warm-up step)
+RUN = "bench"
+
+
+def make_experience(i: int, vocab: int, rng: random.Random):
+    from rlhf.v1 import common_pb2, experience_pb2
+
+    exp = experience_pb2.Experience(
+        job_id=f"{RUN}-e0-i{i}",
+        run_id=RUN,
+        data_index=i,
+        prompt_ids=[rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)],
+        replica_id="replica-0",
+        created_at_unix_ms=int(time.time() * 1000),
+    )
+    s = exp.samples.add(
+        response_ids=[rng.randrange(3, vocab) for _ in range(RESPONSE_TOKENS)],
+        sampling_logprobs=[-rng.random() * 5 for _ in range(RESPONSE_TOKENS)],
+        ref_logprobs=[-rng.random() * 5 for _ in range(RESPONSE_TOKENS)],
+        score=rng.random(),
+        score_status=common_pb2.ITEM_STATUS_OK,
+        finish_reason=common_pb2.FINISH_REASON_LENGTH,
+        policy_version=0,
+    )
+    del s
+    return exp
+
+
+def make_job(i: int, vocab: int, rng: random.Random):
+    from rlhf.v1 import common_pb2, experience_pb2
+
+    return experience_pb2.PromptJob(
+        job_id=f"{RUN}-e0-i{i}",
+        run_id=RUN,
+        data_index=i,
+        prompt_ids=[rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)],
+        params=common_pb2.SamplingParams(n=1, temperature=1.0, max_tokens=RESPONSE_TOKENS),
+    )
+
+
+# ------------------------------------------------------------------------------------------------- experience only
+
+
+async def exp_ours(redis, exps) -> float:
+    from rlhf.transport import ExperienceQueue, delete_run
+
+    await delete_run(redis, RUN)
+    q = ExperienceQueue(redis, RUN)
+    await q.ensure_groups()
+    t0 = time.perf_counter()
+    for e in exps:
+        await q.publish(e)
+    got = 0
+    while got < len(exps):
+        recs = await q.read("trainer-0", count=BATCH, block_ms=None)
+        await q.ack([r for r, _ in recs])
+        got += len(recs)
+    return time.perf_counter() - t0
+
+
+async def exp_raw(redis, payloads) -> float:
+    from rlhf.transport import RunKeys, delete_run
+
+    await delete_run(redis, RUN)
+    stream = RunKeys(RUN).experience
+    await redis.xgroup_create(stream, "trainer", id="0", mkstream=True)
+    t0 = time.perf_counter()
+    for p in payloads:
+        await redis.xadd(stream, {b"pb": p})
+    got = 0
+    while got < len(payloads):
+        resp = await redis.xreadgroup("trainer", "trainer-0", {stream: ">"}, count=BATCH)
+        entries = resp[0][1] if isinstance(resp, list) else next(iter(resp.values()))[0]
+        await redis.xack(stream, "trainer", *[eid for eid, _ in entries])
+        got += len(entries)
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------------- the ring
+
+
+async def ring_ours(redis, jobs, exps) -> float:
+    from rlhf.transport import Admission, ExperienceQueue, PromptQueue, delete_run
+
+    await delete_run(redis, RUN)
+    pq, eq = PromptQueue(redis, RUN), ExperienceQueue(redis, RUN)
+    adm = Admission(redis, RUN, 0, BATCH)
+    await pq.ensure_groups()
+    await eq.ensure_groups()
+    t0 = time.perf_counter()
+    for s in range(0, len(jobs), BATCH):
+        step_jobs, step_exps = jobs[s : s + BATCH], exps[s : s + BATCH]
+        await pq.publish_many(step_jobs, adm)  # trainer
+        for e in step_exps:  # replica: one job at a time
+            ((entry, _job),) = await pq.read("replica-0", count=1, block_ms=None)
+            await eq.publish_and_ack(e, entry)
+        got = 0
+        while got < len(step_exps):  # trainer
+            recs = await eq.read("trainer-0", count=BATCH - got, block_ms=None)
+            await eq.ack([r for r, _ in recs])
+            got += len(recs)
+        await adm.mark_trained(len(step_exps))
+    return time.perf_counter() - t0
+
+
+async def ring_raw(redis, job_payloads, exp_payloads) -> float:
+    from rlhf.transport import RunKeys, delete_run
+
+    await delete_run(redis, RUN)
+    k = RunKeys(RUN)
+    await redis.xgroup_create(k.prompts, "rollout", id="0", mkstream=True)
+    await redis.xgroup_create(k.experience, "trainer", id="0", mkstream=True)
+
+    def entries(resp):
+        return resp[0][1] if isinstance(resp, list) else next(iter(resp.values()))[0]
+
+    t0 = time.perf_counter()
+    for s in range(0, len(job_payloads), BATCH):
+        step_jobs, step_exps = job_payloads[s : s + BATCH], exp_payloads[s : s + BATCH]
+        async with redis.pipeline(transaction=False) as pipe:
+            for p in step_jobs:
+                pipe.xadd(k.prompts, {b"pb": p})
+            await pipe.execute()
+        for p in step_exps:
+            ((entry, _),) = entries(await redis.xreadgroup("rollout", "replica-0", {k.prompts: ">"}, count=1))
+            async with redis.pipeline(transaction=True) as pipe:
+                pipe.xadd(k.experience, {b"pb": p})
+                pipe.xack(k.prompts, "rollout", entry)
+                await pipe.execute()
+        got = 0
+        while got < len(step_exps):
+            es = entries(await redis.xreadgroup("trainer", "trainer-0", {k.experience: ">"}, count=BATCH - got))
+            await redis.xack(k.experience, "trainer", *[eid for eid, _ in es])
+            got += len(es)
+    return time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------------------------- training step
+
+
+def make_trainer(policy: Path, critic: Path):
+    from rlhf.config import parse_config
+    from services.trainer.engine import TrainerEngine
+
+    cfg = parse_config(
+        {
+            "run_id": RUN,
+            "training": {"stage": "ray_ppo", "global_batch_size": BATCH, "seq_length": 1024, "lr": 1e-5,
+                         "device": "cpu", "seed": 1},
+            "actor_rollout_ref": {
+                "actor_rollout": {"load": str(policy), "max_prompt_length": PROMPT_TOKENS,
+                                  "max_new_tokens": RESPONSE_TOKENS, "ppo_mini_batch_size": 8, "ppo_epochs": 1,
+                                  "shuffle_minibatch": True},
+            },
+            "critic": {"load": str(critic), "critic_mini_batch_size": 8, "critic_update_epochs": 1},
+            "algorithm": {"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95, "kl_ctrl": {"type": "fixed",
+                                                                                        "kl_coef": 0.01}},
+        }
+    )  # fmt: skip
+    return TrainerEngine(cfg, "cpu")
+
+
+async def main() -> None:
+    started = time.monotonic()
+    from rlhf.transport import connect, encode
+
+    paths = build_model("tiny", max_position_embeddings=1024)
+    vocab = 512
+    rng = random.Random(0)
+    exps = [make_experience(i, vocab, rng) for i in range(max(EXP_RECORDS, RING_STEPS * BATCH))]
+    jobs = [make_job(i, vocab, rng) for i in range(RING_STEPS * BATCH)]
+    exp_bytes = [encode(e) for e in exps]
+    job_bytes = [encode(j) for j in jobs]
+    record_bytes = sum(len(b) for b in exp_bytes) / len(exp_bytes)
+    log(f"bench.queue: record {record_bytes:.0f} bytes; building the trainer (tiny PPO, {BATCH} x 1,000 tokens)")
+    trainer = make_trainer(paths.policy, paths.reward)
+
+    t_exp_ours, t_exp_raw, t_ring_ours, t_ring_raw, t_step = [], [], [], [], []
+    n_ring = RING_STEPS * BATCH
+    with tempfile.TemporaryDirectory(prefix="bench-queue-") as tmp, RedisServer(Path(tmp) / "redis") as server:
+        redis = connect(server.url)
+        # warm-up: connections, script loading, allocator
+        await exp_ours(redis, exps[:BATCH])
+        await exp_raw(redis, exp_bytes[:BATCH])
+        await ring_ours(redis, jobs[:BATCH], exps[:BATCH])
+        await ring_raw(redis, job_bytes[:BATCH], exp_bytes[:BATCH])
+        for r in range(ROUNDS):
+            order = [0, 1, 2, 3] if r % 2 == 0 else [1, 0, 3, 2]
+            for k in order:
+                if k == 0:
+                    t_exp_ours.append(await exp_ours(redis, exps[:EXP_RECORDS]))
+                elif k == 1:
+                    t_exp_raw.append(await exp_raw(redis, exp_bytes[:EXP_RECORDS]))
+                elif k == 2:
+                    t_ring_ours.append(await ring_ours(redis, jobs[:n_ring], exps[:n_ring]))
+                else:
+                    t_ring_raw.append(await ring_raw(redis, job_bytes[:n_ring], exp_bytes[:n_ring]))
+            if r < STEP_ROUNDS:
+                t0 = time.perf_counter()
+                trainer.step(exps[:BATCH])
+                t_step.append(time.perf_counter() - t0)
+            log(f"  round {r + 1}/{ROUNDS}: experience ours {EXP_RECORDS / t_exp_ours[-1]:.0f}/s "
+                f"raw {EXP_RECORDS / t_exp_raw[-1]:.0f}/s; ring ours {n_ring / t_ring_ours[-1]:.0f}/s "
+                f"raw {n_ring / t_ring_raw[-1]:.0f}/s")  # fmt: skip
+        await redis.aclose()
+
+    exp_ours_rps = EXP_RECORDS / median(t_exp_ours)
+    exp_raw_rps = EXP_RECORDS / median(t_exp_raw)
+    ring_ours_rps = n_ring / median(t_ring_ours)
+    ring_raw_rps = n_ring / median(t_ring_raw)
+    step_s = median(t_step)
+    per_step_ours = BATCH / ring_ours_rps
+    per_step_extra = BATCH / ring_ours_rps - BATCH / ring_raw_rps
+    frac = per_step_ours / step_s
+    emit(
+        "queue",
+        settings={
+            "record": f"1 Experience, 1 sample of {PROMPT_TOKENS} prompt + {RESPONSE_TOKENS} response tokens "
+            "with sampling and reference log-probs",
+            "record_bytes": round(record_bytes),
+            "batch_per_step": BATCH,
+            "experience_records_per_round": EXP_RECORDS,
+            "ring_records_per_round": n_ring,
+            "rounds": ROUNDS,
+            "redis": "private redis-server on loopback, appendonly yes, appendfsync everysec",
+            "training_step": "TrainerEngine.step, PPO, tiny model (0.1M params), 16 records x 1,000 tokens, "
+            "minibatch 8, 1 actor + 1 critic epoch (the shortest PPO step on this batch), CPU",
+        },
+        figures={
+            "experience_records_per_s": {"rlhf_transport": rnd(exp_ours_rps), "raw_redis": rnd(exp_raw_rps)},
+            "experience_MB_per_s": {
+                "rlhf_transport": rnd(exp_ours_rps * record_bytes / 1e6),
+                "raw_redis": rnd(exp_raw_rps * record_bytes / 1e6),
+            },
+            "ring_records_per_s": {"rlhf_transport": rnd(ring_ours_rps), "raw_redis": rnd(ring_raw_rps)},
+            "queue_ms_per_step": {
+                "rlhf_transport": rnd(per_step_ours * 1e3),
+                "extra_over_raw": rnd(per_step_extra * 1e3),
+            },
+            "training_step_s": rnd(step_s),
+            "queue_fraction_of_step_pct": rnd(100 * frac),
+            "extra_over_raw_fraction_of_step_pct": rnd(100 * per_step_extra / step_s),
+        },
+        ratio={
+            "experience_ours_vs_raw": rnd(exp_ours_rps / exp_raw_rps),
+            "ring_ours_vs_raw": rnd(ring_ours_rps / ring_raw_rps),
+        },
+        targets=[
+            target("queue time per training step / step time (tiny PPO step)", rnd(100 * frac), "< 1 %", frac < 0.01)
+        ],  # fmt: skip
+        notes=[
+            "queue time per step: the whole ring of one step's batch through rlhf.transport (publish prompt jobs, "
+            "read each job, publish_and_ack its experience, read and ack the batch)",
+        ],
+        started=started,
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
