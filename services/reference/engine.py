@@ -117,7 +117,7 @@ class ReferenceEngine:
             n = len(it.prompt_ids) + len(it.response_ids)
             if n > self.max_len:
                 raise InvalidArgument(
-                    f"items[{i}]: prompt_ids + response_ids is {n} tokens; the reference model's "
+                    f"items[{i}].response_ids: prompt_ids + response_ids is {n} tokens; the reference model's "
                     f"context is {self.max_len}: shorten the prompt or the response",
                     f"items[{i}].response_ids",
                 )

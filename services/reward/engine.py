@@ -176,8 +176,8 @@ class ModelScorer(Scorer):
                 raise InvalidArgument(f"items[{i}] encodes to no tokens; send a non-empty prompt", f"items[{i}].prompt")
             if len(ids) > self.max_len:
                 raise InvalidArgument(
-                    f"items[{i}]: prompt + response is {len(ids)} tokens for the reward model {self.name!r}, which "
-                    f"accepts at most {self.max_len}; shorten the response (or the prompt)",
+                    f"items[{i}].response: prompt + response is {len(ids)} tokens for the reward model "
+                    f"{self.name!r}, which accepts at most {self.max_len}; shorten the response (or the prompt)",
                     f"items[{i}].response",
                 )
             bad = [t for t in ids if not 0 <= t < self.vocab]

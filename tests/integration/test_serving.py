@@ -310,9 +310,10 @@ def test_graceful_stop_lets_inflight_requests_finish():
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 def test_tls_for_grpc_and_http(tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
-                   check=True, capture_output=True)  # fmt: skip
+    subj = ["-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"]
+    key_args = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    cmd = ["openssl", "req", "-x509", *key_args, "-keyout", str(key), "-out", str(cert), "-days", "1", *subj]
+    subprocess.run(cmd, check=True, capture_output=True)  # fmt: skip
 
     async def body(runner, http):
         assert (await http.get("/healthz")).status_code == 200
@@ -330,7 +331,8 @@ def test_tls_for_grpc_and_http(tmp_path):
     import ssl
 
     ctx = ssl.create_default_context(cafile=str(cert))
-    run_with(toy_runner(tls_cert=str(cert), tls_key=str(key)), body, client_kw={"verify": ctx})
+    # grace 1 s: an idle keep-alive TLS connection holds the stop for the grace period (close_notify)
+    run_with(toy_runner(tls_cert=str(cert), tls_key=str(key), shutdown_grace_s=1), body, client_kw={"verify": ctx})
 
 
 # ---------------------------------------------------------------- real process
