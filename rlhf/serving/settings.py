@@ -44,6 +44,7 @@ class ServiceSettings(BaseModel):
     reference_addr: str | None = Field(None, description="host:port of the reference service's gRPC server")
     rollout_addrs: list[str] = Field([], description="host:port of each rollout replica's gRPC server (comma list)")
     replica_id: str | None = Field(None, description="this replica's name (default: hostname-pid)")
+    run_dir: str | None = Field(None, description="run folder for checkpoints, metrics and plots (trainer)")
     run_dir: str | None = Field(None, description="run folder for metrics.jsonl and checkpoints (rlhf up sets it)")
 
     @field_validator("rollout_addrs", mode="before")
@@ -113,6 +114,7 @@ class ServiceSettings(BaseModel):
 LIBRARY_ENV_VARS = (
     "RLHF_CACHE_DIR",  # rlhf.models: where tiny models are built
     "RLHF_ENABLE_NPU",  # rlhf.models: device auto may pick npu
+    "RLHF_ROLLOUT_ENGINE",  # services.rollout: vllm | hf, overrides actor_rollout.engine
 )
 
 # Every RLHF_* variable the project reads. Deployment files must set nothing else.
