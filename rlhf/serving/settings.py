@@ -73,6 +73,7 @@ class ServiceSettings(BaseModel):
         "replica_id",
         "reward_addr",
         "reference_addr",
+        "run_dir",
         mode="before",
     )
     @classmethod
