@@ -90,6 +90,8 @@ class Trainer:
                 self.engine.step_count,
                 self.engine.policy_version,
             )
+        # The trained-jobs total is kept here and set absolutely (a retried increment would count twice).
+        self.jobs_trained = (await self.admission.state()).trained
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tasks = [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._train_loop())]
 
@@ -169,7 +171,8 @@ class Trainer:
                 self.samples_trained += int(metrics["samples"])
                 if self.engine.step_count % t.weight_sync_interval == 0:
                     await self._push_weights()
-                await self.admission.mark_trained(len(batch))  # frees admission only after the new weights are out
+                self.jobs_trained += len(batch)
+                await self.admission.set_trained(self.jobs_trained)  # frees admission once the new weights are out
                 if self.engine.step_count % t.save_interval == 0 or self.engine.step_count >= t.train_iters:
                     await self.checkpoint()
                 elapsed = time.perf_counter() - t0
@@ -219,12 +222,11 @@ class Trainer:
 
     async def checkpoint(self) -> Path:
         """Save, then acknowledge the experience the saved steps consumed."""
-        state = await self.admission.state()
         extra = {
             "trained_job_ids": sorted(self.trained_job_ids),
             "samples_trained": self.samples_trained,
             "data": self.cursor.state(),
-            "admission_trained": state.trained,
+            "admission_trained": self.jobs_trained,
             "run_id": self.run_id,
         }
         path = await asyncio.to_thread(save_checkpoint, self.ckpt_dir, self.engine, extra)
