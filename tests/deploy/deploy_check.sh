@@ -25,9 +25,9 @@ check() {  # check NAME COMMAND...
     count=$((count + 1))
     t0=$(now_ds)
     if "$@" >"$log" 2>&1; then
-        printf '  ok    %-62s %6s\n' "$name" "$(fmt_ds $(($(now_ds) - t0)))"
+        printf '  ok    %-66s %6s\n' "$name" "$(fmt_ds $(($(now_ds) - t0)))"
     else
-        printf '  FAIL  %-62s %6s\n' "$name" "$(fmt_ds $(($(now_ds) - t0)))"
+        printf '  FAIL  %-66s %6s\n' "$name" "$(fmt_ds $(($(now_ds) - t0)))"
         sed 's/^/        /' "$log"
         failed+=("$name")
     fi
@@ -63,6 +63,7 @@ check "helm template | kubernetes-validate --strict (GPU)" validate "${GPU[@]}"
 check "helm template | kubernetes-validate --strict (NPU)" validate "${NPU[@]}"
 check "helm template | kubernetes-validate (external Redis, TLS)" validate --set redis.enabled=false \
     --set redis.external.url=redis://:pw@redis.example:6379/0 --set tls.enabled=true --set tls.existingSecret=rlhf-tls
+check "helm template | kubernetes-validate (trainer as an indexed Job)" validate --set trainer.kind=Job
 check "values.schema.json rejects a misspelt key" refuses --set rollout.acelerator.type=nvidia
 check "values.schema.json rejects an unknown accelerator" refuses --set trainer.accelerator.type=tpu
 

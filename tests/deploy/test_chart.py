@@ -117,6 +117,18 @@ def test_multi_node_trainer_is_refused_unless_asked_for(helm):
     assert endpoint.startswith(f"--rdzv-endpoint={sts['metadata']['name']}-0.{sts['spec']['serviceName']}.")
 
 
+def test_trainer_can_be_an_indexed_job(helm):
+    r = render(helm, "--set", "trainer.kind=Job")
+    assert not [s for s in r.kind("StatefulSet") if s["metadata"]["name"].endswith("-trainer")]
+    (job,) = r.kind("Job")
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 1
+    spec = job["spec"]["template"]["spec"]
+    assert spec["restartPolicy"] == "OnFailure" and spec["subdomain"] == f"{job['metadata']['name']}-headless"
+    (c,) = containers(job)
+    assert parse_container_command(c["args"]).service == "trainer"
+    assert "persistentVolumeClaim" in {v["name"]: v for v in spec["volumes"]}["checkpoints"]
+
+
 def test_env_vars_are_known_to_the_code(rendered, helm):
     extra = render(
         helm,

@@ -520,3 +520,96 @@ spec:
       {{- include "rlhf.selectorLabels" $ctx | trim | nindent 6 }}
 {{- end }}
 {{- end }}
+
+{{/* ------------------------------------------------------------------ the trainer */}}
+
+{{- define "rlhf.trainerGuard" -}}
+{{- $tr := .Values.trainer.torchrun }}
+{{- if and (gt (int $tr.nnodes) 1) (not $tr.experimentalMultiNode) }}
+{{- fail "trainer.torchrun.nnodes > 1: multi-node DDP in the trainer is future work (today every node would act as the single writer). Set trainer.torchrun.experimentalMultiNode=true to render it anyway." }}
+{{- end }}
+{{- end }}
+
+{{/* The trainer's pod template, shared by the StatefulSet and the indexed Job; (dict "root" $ "kind" KIND) */}}
+{{- define "rlhf.trainerPodTemplate" -}}
+{{- $root := .root }}
+{{- $values := $root.Values.trainer }}
+{{- $ctx := dict "root" $root "component" "trainer" "values" $values }}
+{{- $name := include "rlhf.componentName" $ctx }}
+{{- $tr := $values.torchrun }}
+template:
+  metadata:
+    labels:
+      {{- include "rlhf.selectorLabels" $ctx | trim | nindent 6 }}
+      {{- with $values.podLabels }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
+    {{- with include "rlhf.podAnnotations" $ctx | trim }}
+    annotations:
+      {{- . | nindent 6 }}
+    {{- end }}
+  spec:
+    {{- include "rlhf.podCommon" $ctx | trim | nindent 4 }}
+    {{- if eq .kind "Job" }}
+    restartPolicy: OnFailure
+    subdomain: {{ $name }}-headless
+    {{- end }}
+    containers:
+      - name: trainer
+        image: {{ include "rlhf.image" $ctx | quote }}
+        imagePullPolicy: {{ $values.image.pullPolicy | default $root.Values.image.pullPolicy }}
+        args:
+          - torchrun
+          - --nnodes={{ $tr.nnodes }}
+          - --nproc-per-node={{ $tr.nprocPerNode }}
+          {{- if eq (int $tr.nnodes) 1 }}
+          - --standalone
+          {{- else }}
+          {{- /* pod 0's stable name: <sts>-0 (StatefulSet) or <job>-0 (indexed Job), under the headless Service */}}
+          - --rdzv-backend=c10d
+          - --rdzv-endpoint={{ $name }}-0.{{ $name }}-headless.{{ include "rlhf.svcDomain" $root }}:{{ $tr.rdzvPort }}
+          - --rdzv-id={{ $root.Release.Name }}-{{ include "rlhf.runId" $root }}
+          {{- end }}
+          - -m
+          - services.cli
+          - serve
+          - trainer
+          - --config
+          - /etc/rlhf/config.yaml
+          - --grpc-port
+          - {{ $root.Values.ports.grpc | quote }}
+          - --http-port
+          - {{ $root.Values.ports.http | quote }}
+        ports:
+          - name: grpc
+            containerPort: {{ $root.Values.ports.grpc }}
+            protocol: TCP
+          - name: http
+            containerPort: {{ $root.Values.ports.http }}
+            protocol: TCP
+          - name: rendezvous
+            containerPort: {{ $tr.rdzvPort }}
+            protocol: TCP
+        env:
+          {{- include "rlhf.env" $ctx | trim | nindent 10 }}
+        {{- include "rlhf.probes" $ctx | trim | nindent 8 }}
+        resources:
+          {{- include "rlhf.resources" $values | trim | nindent 10 }}
+        {{- with $root.Values.containerSecurityContext }}
+        securityContext:
+          {{- toYaml . | nindent 10 }}
+        {{- end }}
+        volumeMounts:
+          {{- include "rlhf.volumeMounts" $ctx | trim | nindent 10 }}
+          - name: checkpoints
+            mountPath: {{ $values.checkpoints.mountPath }}
+    volumes:
+      {{- include "rlhf.volumes" $ctx | trim | nindent 6 }}
+      - name: checkpoints
+        {{- if $values.checkpoints.persistence.enabled }}
+        persistentVolumeClaim:
+          claimName: {{ $values.checkpoints.persistence.existingClaim | default (printf "%s-checkpoints" $name) }}
+        {{- else }}
+        emptyDir: {}
+        {{- end }}
+{{- end }}
