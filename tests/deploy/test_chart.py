@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CHART, ROOT, SERVICES, containers, helm_template, parse_docs, render
 from deploy_contract import parse_container_command, unknown_env
+from deploy_support import CHART, ROOT, SERVICES, containers, helm_template, parse_docs, render
 
 from rlhf.config import load_config, parse_config
 

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 import yaml
-from conftest import COMPOSE_FILES, ROOT, SERVICES
 from deploy_contract import parse_container_command, unknown_env
+from deploy_support import COMPOSE_FILES, ROOT, SERVICES
 
 from rlhf.config import load_config
 

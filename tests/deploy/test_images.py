@@ -8,7 +8,7 @@ import threading
 import tomllib
 
 import pytest
-from conftest import ROOT, SERVICES
+from deploy_support import ROOT, SERVICES
 
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 
