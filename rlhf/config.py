@@ -133,8 +133,9 @@ class KLCtrlConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    adv_estimator: Literal["gae", "grpo", "group_norm", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                           "dr_grpo"] = _f("gae", "advantage estimator")
+    adv_estimator: Literal[
+        "gae", "grpo", "group_norm", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dr_grpo"
+    ] = _f("gae", "advantage estimator")
     gamma: float = _f(1.0, "discount factor", ge=0, le=1)
     lam: float = _f(0.95, "GAE lambda", ge=0, le=1)
     kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = _f("kl", "per-token KL estimator")
