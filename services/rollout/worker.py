@@ -1,0 +1,439 @@
+"""Rollout worker mode: a rollout replica that pulls prompt jobs from Redis and pushes experience back.
+
+Started by ``services.rollout.main`` when ``RLHF_REDIS_URL`` is set (next to the gRPC/HTTP servers, sharing the
+engine, so requests from the queue and from clients are batched together). One ring (ARCHITECTURE.md):
+
+1. read prompt jobs through the ``rollout`` consumer group (consumer name = ``RLHF_REPLICA_ID``); every
+   ``reclaim_interval_s`` also take over jobs pending longer than ``RLHF_ROLLOUT_RECLAIM_IDLE_S`` (a dead replica's,
+   XAUTOCLAIM; a job delivered more than ``max_deliveries`` times is dead-lettered by the queue);
+2. generate ``job.params.n`` samples with the job's sampling parameters and the weights served now (each sample is
+   tagged with the version that produced it, ``Sample.policy_version``);
+3. call ``RewardService.Score`` and ``ReferenceService.LogProbs`` concurrently, with a deadline per call and a few
+   retries (with backoff) of UNAVAILABLE / DEADLINE_EXCEEDED;
+4. write the ``Experience`` and acknowledge the job in one atomic step (:meth:`ExperienceQueue.publish_and_ack`).
+
+A job that fails anywhere is **not** acknowledged: it stays pending and is retried after the idle timeout (by this
+replica or another) until the queue's ``max_deliveries`` dead-letters it. Nothing is ever acked without its
+experience, and a scorer's per-item error is kept in ``Sample.score_status`` / ``score_error`` (never a made-up
+score). A job the engine refuses as invalid (``InvalidArgument``: it can never succeed) is dead-lettered at once.
+
+Up to ``RLHF_ROLLOUT_MAX_INFLIGHT_JOBS`` jobs run concurrently, so the engine batches them. :meth:`RolloutWorker.stop`
+stops reading; jobs in flight get ``drain_s`` seconds to finish, the rest are cancelled and stay pending for
+another replica.
+
+Environment (besides ServiceSettings' ``RLHF_REDIS_URL``, ``RLHF_RUN_ID``, ``RLHF_REPLICA_ID``,
+``RLHF_REWARD_ADDR``, ``RLHF_REFERENCE_ADDR``):
+
+- ``RLHF_ROLLOUT_MAX_INFLIGHT_JOBS`` (default 8): jobs processed at the same time;
+- ``RLHF_ROLLOUT_RECLAIM_IDLE_S`` (default 60): a pending job idle this long is taken over;
+- ``RLHF_ROLLOUT_RPC_TIMEOUT_S`` (default 60): deadline of one reward / reference call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from rlhf.serving.errors import InvalidArgument
+from rlhf.serving.runner import open_channel
+from rlhf.serving.settings import ServiceSettings, register_env_var
+from rlhf.transport import ExperienceQueue, PromptQueue, connect, encode
+from rlhf.v1 import (
+    common_pb2,
+    experience_pb2,
+    reference_pb2,
+    reference_pb2_grpc,
+    reward_pb2,
+    reward_pb2_grpc,
+)
+from services.rollout.engine import SamplingOptions
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlhf.config import ExperimentConfig
+    from rlhf.serving import ServiceMetrics
+    from services.rollout.engine import RolloutEngine
+
+log = logging.getLogger("rlhf.rollout.worker")
+
+MAX_INFLIGHT_ENV = "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS"
+RECLAIM_IDLE_ENV = "RLHF_ROLLOUT_RECLAIM_IDLE_S"
+RPC_TIMEOUT_ENV = "RLHF_ROLLOUT_RPC_TIMEOUT_S"
+for _name in (MAX_INFLIGHT_ENV, RECLAIM_IDLE_ENV, RPC_TIMEOUT_ENV):
+    register_env_var(_name)
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+FINISH = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+class JobFailed(Exception):
+    """A job could not be completed now; ``kind`` labels the failure (metrics). The job stays pending."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class WorkerStats:
+    processed: int = 0  # experience written and job acked
+    duplicates: int = 0  # finished, but another replica had already acked the job (nothing written)
+    reclaimed: int = 0  # jobs taken over from idle consumers
+    dead_lettered: int = 0  # refused by the engine as invalid
+    failed: dict[str, int] = field(default_factory=dict)  # kind -> count (jobs left pending)
+    samples: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+    def fail(self, kind: str) -> None:
+        self.failed[kind] = self.failed.get(kind, 0) + 1
+
+
+def _env_num(env: Mapping[str, str], name: str, default: float, cast: type = float) -> Any:
+    raw = env.get(name, "")
+    if raw == "":
+        return cast(default)
+    try:
+        value = cast(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {raw!r}")
+    return value
+
+
+class RolloutWorker:
+    """Prompt jobs in, experience out, for one replica. ``await worker.run()``; ``worker.stop()`` ends it."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        *,
+        redis_url: str,
+        run_id: str,
+        reward_addr: str,
+        reference_addr: str,
+        replica_id: str | None = None,
+        settings: ServiceSettings | None = None,
+        metrics: ServiceMetrics | None = None,
+        max_inflight_jobs: int = 8,
+        reclaim_idle_s: float = 60.0,
+        reclaim_interval_s: float | None = None,
+        rpc_timeout_s: float = 60.0,
+        rpc_retries: int = 3,
+        rpc_backoff_s: float = 0.2,
+        max_deliveries: int | None = 10,
+        block_ms: int = 500,
+        drain_s: float = 10.0,
+        default_sampling: Mapping[str, Any] | None = None,
+    ):
+        if max_inflight_jobs < 1:
+            raise ValueError("max_inflight_jobs must be at least 1")
+        self.engine = engine
+        self.redis_url = redis_url
+        self.run_id = run_id
+        self.reward_addr = reward_addr
+        self.reference_addr = reference_addr
+        self.replica_id = replica_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.settings = settings or ServiceSettings()
+        self.metrics = metrics
+        self.max_inflight_jobs = max_inflight_jobs
+        self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
+        self.reclaim_interval_s = reclaim_interval_s if reclaim_interval_s is not None else max(reclaim_idle_s / 4, 0.1)
+        self.rpc_timeout_s = rpc_timeout_s
+        self.rpc_retries = rpc_retries
+        self.rpc_backoff_s = rpc_backoff_s
+        self.max_deliveries = max_deliveries
+        self.block_ms = block_ms
+        self.drain_s = drain_s
+        self.defaults = dict(default_sampling or {})
+        self.stats = WorkerStats()
+        self._stop = asyncio.Event()
+        self._inflight: dict[str, asyncio.Task] = {}  # prompt entry id -> task
+        self.running = False
+
+    @classmethod
+    def from_settings(
+        cls,
+        engine: RolloutEngine,
+        settings: ServiceSettings,
+        cfg: ExperimentConfig | None = None,
+        *,
+        metrics: ServiceMetrics | None = None,
+        env: Mapping[str, str] | None = None,
+        **kw: Any,
+    ) -> RolloutWorker:
+        """Build from ServiceSettings (``RLHF_REDIS_URL`` etc.) and the ``RLHF_ROLLOUT_*`` variables."""
+        env = os.environ if env is None else env
+        missing = [n for n, v in (("RLHF_REDIS_URL", settings.redis_url), ("RLHF_REWARD_ADDR", settings.reward_addr),
+                                  ("RLHF_REFERENCE_ADDR", settings.reference_addr)) if not v]  # fmt: skip
+        if missing:
+            raise ValueError(f"rollout worker mode needs {', '.join(missing)}")
+        run_id = settings.run_id or (cfg.run_id if cfg is not None else None)
+        if not run_id:
+            raise ValueError("rollout worker mode needs a run id: RLHF_RUN_ID or the config's run_id")
+        defaults: dict[str, Any] = {}
+        if cfg is not None:
+            from services.rollout.engine import default_options
+
+            defaults = default_options(cfg)
+        opts: dict[str, Any] = {
+            "max_inflight_jobs": _env_num(env, MAX_INFLIGHT_ENV, 8, int),
+            "reclaim_idle_s": _env_num(env, RECLAIM_IDLE_ENV, 60.0),
+            "rpc_timeout_s": _env_num(env, RPC_TIMEOUT_ENV, 60.0),
+            "drain_s": settings.shutdown_grace_s,
+            "default_sampling": defaults,
+        }
+        opts.update(kw)
+        return cls(engine, redis_url=settings.redis_url, run_id=run_id, reward_addr=settings.reward_addr,
+                   reference_addr=settings.reference_addr, replica_id=settings.replica_id, settings=settings,
+                   metrics=metrics, **opts)  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------------ life cycle
+
+    def stop(self) -> None:
+        """Stop taking jobs; :meth:`run` returns after the jobs in flight finish (or ``drain_s`` passes)."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        self.running = True
+        redis = connect(self.redis_url)
+        self._prompts = PromptQueue(redis, self.run_id, max_deliveries=self.max_deliveries)
+        self._experience = ExperienceQueue(redis, self.run_id)
+        self._reward_ch = open_channel(self.reward_addr, self.settings)
+        self._ref_ch = open_channel(self.reference_addr, self.settings)
+        self._reward = reward_pb2_grpc.RewardServiceStub(self._reward_ch)
+        self._ref = reference_pb2_grpc.ReferenceServiceStub(self._ref_ch)
+        log.info("rollout worker %s: run %s, reward %s, reference %s, up to %d jobs at once", self.replica_id,
+                 self.run_id, self.reward_addr, self.reference_addr, self.max_inflight_jobs)  # fmt: skip
+        try:
+            while not self.engine.ready and not self._stop.is_set():
+                await asyncio.sleep(0.1)
+            await self._loop()
+        finally:
+            await self._drain()
+            await self._reward_ch.close()
+            await self._ref_ch.close()
+            await redis.aclose()
+            self.running = False
+            log.info("rollout worker %s stopped: %s", self.replica_id, self.stats)
+
+    async def _loop(self) -> None:
+        next_reclaim = time.monotonic() + self.reclaim_interval_s
+        error_backoff = 0.2
+        stop_wait = asyncio.create_task(self._stop.wait())
+        try:
+            while not self._stop.is_set():
+                free = self.max_inflight_jobs - len(self._inflight)
+                if free <= 0:
+                    await asyncio.wait({stop_wait, *self._inflight.values()}, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                try:
+                    records = []
+                    if time.monotonic() >= next_reclaim:
+                        next_reclaim = time.monotonic() + self.reclaim_interval_s
+                        records = await self._prompts.reclaim(self.replica_id, self.reclaim_idle_ms, count=free)
+                        records = [r for r in records if r[0] not in self._inflight]  # our own slow jobs
+                        self.stats.reclaimed += len(records)
+                        if records:
+                            log.info("%s: reclaimed %d idle job(s)", self.replica_id, len(records))
+                    if not records:
+                        read = asyncio.create_task(self._prompts.read(self.replica_id, free, self.block_ms))
+                        done, _ = await asyncio.wait({read, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+                        if read not in done:  # stopping: whatever the read returns stays pending (unacked)
+                            read.cancel()
+                            with contextlib.suppress(BaseException):
+                                await read
+                            break
+                        records = [r for r in read.result() if r[0] not in self._inflight]
+                    error_backoff = 0.2
+                except Exception as err:  # redis down or restarting: keep trying, jobs stay safe in Redis
+                    self._count_failure("redis")
+                    log.warning("%s: queue error (%s: %s); retrying in %.1fs", self.replica_id,
+                                type(err).__name__, err, error_backoff)  # fmt: skip
+                    await asyncio.sleep(error_backoff)
+                    error_backoff = min(error_backoff * 2, 5.0)
+                    continue
+                for entry_id, job in records:
+                    task = asyncio.create_task(self._run_job(entry_id, job), name=f"rollout-job-{job.job_id}")
+                    self._inflight[entry_id] = task
+                    task.add_done_callback(lambda _t, e=entry_id: self._inflight.pop(e, None))
+        finally:
+            stop_wait.cancel()
+
+    async def _drain(self) -> None:
+        tasks = list(self._inflight.values())
+        if not tasks:
+            return
+        log.info("%s: waiting up to %.1fs for %d job(s) in flight", self.replica_id, self.drain_s, len(tasks))
+        _, pending = await asyncio.wait(tasks, timeout=self.drain_s)
+        for t in pending:  # left pending in Redis: another replica reclaims them
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+            log.warning("%s: %d job(s) left unacknowledged for another replica", self.replica_id, len(pending))
+
+    # ------------------------------------------------------------------------------------------------ one job
+
+    def _count_failure(self, kind: str) -> None:
+        self.stats.fail(kind)
+        if self.metrics is not None:
+            self.metrics.count_error(f"rollout_job_{kind}")
+
+    async def _run_job(self, entry_id: str, job: experience_pb2.PromptJob) -> None:
+        t0 = time.perf_counter()
+        code = "OK"
+        try:
+            exp = await self.process(job)
+            written = await self._experience.publish_and_ack(exp, entry_id)
+            if written is None:
+                code = "DUPLICATE"
+                self.stats.duplicates += 1
+                log.info("%s: job %s was finished by another replica; nothing written", self.replica_id, job.job_id)
+            else:
+                self.stats.processed += 1
+                self.stats.samples += len(exp.samples)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except InvalidArgument as err:
+            code = "INVALID_ARGUMENT"
+            self._count_failure("invalid_argument")
+            reason = f"rollout replica {self.replica_id} refused the job: {err}"
+            self.stats.dead_lettered += await self._prompts._dead_letter(
+                [(entry_id, encode(job), reason)], self.replica_id
+            )
+            log.warning("%s: job %s dead-lettered: %s", self.replica_id, job.job_id, err)
+        except JobFailed as err:
+            code = err.kind.upper()
+            self._count_failure(err.kind)
+            log.warning("%s: job %s failed (%s), left pending: %s", self.replica_id, job.job_id, err.kind, err)
+        except Exception as err:
+            code = "ERROR"
+            self._count_failure("error")
+            log.exception("%s: job %s failed, left pending: %s", self.replica_id, job.job_id, err)
+        finally:
+            if self.metrics is not None:
+                self.metrics.observe_request("RolloutJob", "redis", time.perf_counter() - t0, code)
+
+    def sampling_options(self, p: common_pb2.SamplingParams) -> SamplingOptions:
+        d = self.defaults
+        return SamplingOptions(
+            n=p.n or 1,
+            temperature=p.temperature if p.HasField("temperature") else float(d.get("temperature", 1.0)),
+            top_p=p.top_p if p.HasField("top_p") else float(d.get("top_p", 1.0)),
+            top_k=p.top_k if p.HasField("top_k") else int(d.get("top_k", -1)),
+            max_tokens=p.max_tokens or int(d.get("max_tokens") or 16),
+            stop=tuple(p.stop) if p.stop else tuple(d.get("stop", ())),
+            stop_token_ids=tuple(p.stop_token_ids),
+            seed=p.seed if p.HasField("seed") else None,
+            ignore_eos=p.ignore_eos,
+        )
+
+    async def process(self, job: experience_pb2.PromptJob) -> experience_pb2.Experience:
+        """Generate, score and get reference log-probs for one job; returns its Experience (not yet written)."""
+        tok = self.engine.tokenizer
+        prompt_ids = list(job.prompt_ids)
+        if not prompt_ids:
+            prompt_ids = list(tok.encode(job.prompt_text))
+        prompt_text = job.prompt_text or tok.decode(prompt_ids, skip_special_tokens=True)
+        opts = self.sampling_options(job.params)
+        (result,) = await self.engine.generate([prompt_ids], opts)
+        samples = result.samples
+        texts = [s.text or tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        label = job.label if job.HasField("label") else None
+
+        score_req = reward_pb2.ScoreRequest(
+            items=[
+                reward_pb2.ScoreItem(
+                    prompt=prompt_text,
+                    response=text,
+                    label=label,
+                    prompt_ids=prompt_ids,
+                    response_ids=s.token_ids,
+                    finished=s.finish_reason == "stop",
+                )  # fmt: skip
+                for s, text in zip(samples, texts, strict=True)
+            ]
+        )
+        ref_req = reference_pb2.LogProbsRequest(
+            items=[reference_pb2.LogProbsItem(prompt_ids=prompt_ids, response_ids=s.token_ids) for s in samples]
+        )
+        if opts.temperature > 0:
+            ref_req.temperature = opts.temperature
+        scores, refs = await asyncio.gather(
+            self._call("reward", self._reward.Score, score_req),
+            self._call("reference", self._ref.LogProbs, ref_req),
+        )
+        if len(scores.results) != len(samples) or len(refs.results) != len(samples):
+            raise JobFailed("bad_response", f"{len(samples)} samples, {len(scores.results)} scores, "
+                                            f"{len(refs.results)} reference results")  # fmt: skip
+
+        exp = experience_pb2.Experience(
+            job_id=job.job_id,
+            run_id=job.run_id or self.run_id,
+            data_index=job.data_index,
+            epoch=job.epoch,
+            prompt_ids=prompt_ids,
+            prompt_text=prompt_text,
+            replica_id=self.replica_id,
+            created_at_unix_ms=int(time.time() * 1000),
+            issued_policy_version=job.issued_policy_version,
+        )
+        if label is not None:
+            exp.label = label
+        for s, text, sc, ref in zip(samples, texts, scores.results, refs.results, strict=True):
+            if len(ref.logprobs) != len(s.token_ids):
+                raise JobFailed("bad_response", f"reference gave {len(ref.logprobs)} log-probs for "
+                                                f"{len(s.token_ids)} response tokens")  # fmt: skip
+            exp.samples.append(
+                experience_pb2.Sample(
+                    response_ids=s.token_ids,
+                    sampling_logprobs=s.logprobs,
+                    ref_logprobs=ref.logprobs,
+                    score=sc.score,  # meaningful only with score_status OK (the trainer checks)
+                    score_status=sc.status,
+                    score_error=sc.error,
+                    score_components=dict(sc.components),
+                    finish_reason=FINISH.get(s.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED),
+                    policy_version=s.policy_version,
+                    response_text=text,
+                )
+            )
+            if sc.status != common_pb2.ITEM_STATUS_OK and self.metrics is not None:
+                self.metrics.count_error("rollout_score_item_not_ok")
+        return exp
+
+    async def _call(self, what: str, method: Any, request: Any) -> Any:
+        """One unary call with a deadline; UNAVAILABLE / DEADLINE_EXCEEDED are retried with backoff."""
+        delay = self.rpc_backoff_s
+        for attempt in range(self.rpc_retries + 1):
+            try:
+                return await method(request, timeout=self.rpc_timeout_s, wait_for_ready=False)
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if code in RETRYABLE and attempt < self.rpc_retries:
+                    log.info("%s: %s %s (attempt %d); retrying in %.2fs", self.replica_id, what, code.name,
+                             attempt + 1, delay)  # fmt: skip
+                    await asyncio.sleep(delay)
+                    delay *= 2
+                    continue
+                raise JobFailed(
+                    f"{what}_{code.name.lower()}", f"{what} call failed: {code.name}: {err.details()}"
+                ) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+
+__all__ = ["MAX_INFLIGHT_ENV", "RECLAIM_IDLE_ENV", "RPC_TIMEOUT_ENV", "JobFailed", "RolloutWorker", "WorkerStats"]

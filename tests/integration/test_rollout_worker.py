@@ -1,0 +1,290 @@
+"""Rollout worker mode (services/rollout/worker.py) against real parts: a private redis-server, the reward and
+reference services as subprocesses, and a real causal LM for generation (the ``hf`` rollout engine when it exists,
+else a small transformers engine on the same EngineBase, defined here).
+
+Shows: N prompt jobs in -> N experience records out (n samples each, log-probs aligned, reference log-probs, OK
+scores, policy version), every job acked; reward down -> jobs stay pending, no experience; a worker that dies
+mid-job -> another reclaims the job after the idle timeout and the experience is written once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf.transport import ExperienceQueue, PromptQueue, connect, queue_stats
+from rlhf.v1 import common_pb2, experience_pb2
+from services.rollout.engine import EngineBase, PromptResult, Sample, SamplingOptions, read_checkpoint_manifest
+from services.rollout.worker import RolloutWorker
+
+RUN = "worker-test"
+MAX_TOKENS = 6
+
+
+# ------------------------------------------------------------------------------------------------------ engine
+
+
+class _TinyEngine(EngineBase):
+    """A real transformers policy, sampled token by token (no KV cache: the tiny model makes that cheap). Same
+    conventions as the engines: seed + j per sample, log_softmax(logits / T) at the drawn token, EOS included."""
+
+    kind = "hf-test"
+
+    def __init__(self, path: Path):
+        super().__init__(path, "tiny:policy")
+        self._lock = threading.Lock()
+        self.calls = 0
+
+    async def start(self) -> None:
+        from rlhf.models import load_causal_lm, load_tokenizer
+
+        self._tokenizer = load_tokenizer(self.model_path)
+        self._model = load_causal_lm(self.model_path).eval()
+        self._manifest = read_checkpoint_manifest(self.model_path)
+        self._mark_loaded()
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
+        self.calls += 1
+        return await asyncio.to_thread(self._generate_sync, prompts, params, version)
+
+    def _generate_sync(self, prompts, params, version):
+        import torch
+
+        out = []
+        with self._lock, torch.no_grad():
+            for p in prompts:
+                samples = []
+                for j in range(params.n):
+                    gen = torch.Generator().manual_seed((params.seed or 0) + j)
+                    ids, lps, reason = list(p), [], "length"
+                    for _ in range(params.max_tokens):
+                        logits = self._model(torch.tensor([ids])).logits[0, -1].float()
+                        t = 1.0 if params.greedy else params.temperature
+                        logp = torch.log_softmax(logits / t, -1)
+                        tok = (
+                            int(logp.argmax())
+                            if params.greedy
+                            else int(torch.multinomial(logp.exp(), 1, generator=gen))
+                        )
+                        ids.append(tok)
+                        lps.append(float(logp[tok]))
+                        if tok == self.eos_token_id and not params.ignore_eos:
+                            reason = "stop"
+                            break
+                    resp = ids[len(p) :]
+                    text = self._tokenizer.decode(resp, skip_special_tokens=True)
+                    samples.append(Sample(resp, lps, reason, text, version))
+                out.append(PromptResult(list(p), samples))
+        return out
+
+
+def _make_engine(path: Path) -> EngineBase:
+    try:
+        from services.rollout.hf_engine import HFEngine  # the service's own engine, once it exists
+    except ImportError:
+        return _TinyEngine(path)
+    return HFEngine(path, model_name="tiny:policy", dtype="float32", device="cpu")
+
+
+class _Hang:
+    """Wraps an engine; generate() blocks until released (a replica stuck or dying mid-job)."""
+
+    def __init__(self, engine):
+        self._e = engine
+        self.entered = asyncio.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._e, name)
+
+    async def generate(self, prompts, params):
+        self.entered.set()
+        await asyncio.Event().wait()
+
+
+# ------------------------------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def services(tiny_models, tmp_path_factory):
+    """Reward (rule scorer ``length``) and reference services as real processes, shared by this module."""
+    from _procs import ServiceProc, write_config
+
+    d = tmp_path_factory.mktemp("worker-services")
+    cfg = write_config(d / "cfg.yaml", {
+        "run_id": RUN,
+        "actor_rollout_ref": {"actor_rollout": {"load": "tiny:policy", "engine": "hf"}},
+        "reward": {"scorers": [{"type": "rule", "name": "length", "kwargs": {"target": 4}}]},
+    })  # fmt: skip
+    env = {"RLHF_CACHE_DIR": os.environ["RLHF_CACHE_DIR"], "RLHF_DEVICE": "cpu"}
+    procs = [ServiceProc(n, cfg, d / "logs", env=env) for n in ("reward", "reference")]
+    for p in procs:
+        p.start(wait_ready=False)
+    try:
+        for p in procs:
+            p.wait_ready(120)
+        yield {p.name: p for p in procs}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture
+def engine(tiny_models):
+    """Built here, started inside each test's event loop (engines may hold loop-bound state)."""
+    return _make_engine(Path(os.environ["RLHF_CACHE_DIR"]) / "tiny" / "policy")
+
+
+def _jobs(n: int, tok, prefix: str = "j") -> list[experience_pb2.PromptJob]:
+    jobs = []
+    for i in range(n):
+        text = f"What is {i} plus {i + 1}?"
+        job = experience_pb2.PromptJob(job_id=f"{prefix}{i}", run_id=RUN, data_index=i, epoch=1,
+                                       issued_policy_version=0, label=str(2 * i + 1))  # fmt: skip
+        job.params.CopyFrom(common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=100 + i))
+        if i % 3 == 2:
+            job.prompt_text = text  # text only: the worker tokenizes
+        else:
+            job.prompt_ids.extend(tok.encode(text))  # ids only: the worker decodes the text for the scorer
+        jobs.append(job)
+    return jobs
+
+
+def _worker(engine, redis_server, services, replica="r0", **kw) -> RolloutWorker:
+    kw.setdefault("reward_addr", services["reward"].grpc_addr)
+    kw.setdefault("reference_addr", services["reference"].grpc_addr)
+    return RolloutWorker(engine, redis_url=redis_server.url, run_id=RUN, replica_id=replica,
+                         **{"block_ms": 100, "drain_s": 5.0, **kw})  # fmt: skip
+
+
+async def _read_experience(eq: ExperienceQueue, n: int, timeout: float) -> list[tuple[str, experience_pb2.Experience]]:
+    out: list = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out += await eq.read("trainer-0", count=64, block_ms=200)
+    return out
+
+
+async def _stop(worker: RolloutWorker, task: asyncio.Task) -> None:
+    worker.stop()
+    await asyncio.wait_for(task, 30)
+
+
+# ------------------------------------------------------------------------------------------------------ tests
+
+
+def test_jobs_in_experience_out(engine, services, redis_server):
+    n_jobs = 12
+
+    async def body():
+        await engine.start()
+        redis = connect(redis_server.url)
+        pq, eq = PromptQueue(redis, RUN), ExperienceQueue(redis, RUN)
+        jobs = _jobs(n_jobs, engine.tokenizer)
+        assert all(r.published for r in await pq.publish_many(jobs))
+        worker = _worker(engine, redis_server, services, max_inflight_jobs=4)
+        t0 = time.perf_counter()
+        task = asyncio.create_task(worker.run())
+        records = await _read_experience(eq, n_jobs, 60)
+        elapsed = time.perf_counter() - t0
+        await _stop(worker, task)
+
+        assert len(records) == n_jobs
+        by_id = {e.job_id: e for _, e in records}
+        assert set(by_id) == {j.job_id for j in jobs}
+        for job in jobs:
+            e = by_id[job.job_id]
+            assert (e.run_id, e.data_index, e.epoch, e.replica_id) == (RUN, job.data_index, 1, "r0")
+            assert e.label == job.label and e.issued_policy_version == 0 and e.created_at_unix_ms > 0
+            assert e.prompt_ids and e.prompt_text
+            if job.prompt_text:
+                assert e.prompt_text == job.prompt_text and list(e.prompt_ids) == engine.tokenizer.encode(
+                    job.prompt_text
+                )
+            else:
+                assert list(e.prompt_ids) == list(job.prompt_ids)
+            assert len(e.samples) == 2
+            for s in e.samples:
+                n = len(s.response_ids)
+                assert 1 <= n <= MAX_TOKENS
+                assert len(s.sampling_logprobs) == n and len(s.ref_logprobs) == n
+                assert all(math.isfinite(x) and x <= 0 for x in [*s.sampling_logprobs, *s.ref_logprobs])
+                # same weights, same temperature: the reference agrees with the sampler token by token
+                assert max(abs(a - b) for a, b in zip(s.sampling_logprobs, s.ref_logprobs, strict=True)) < 1e-3
+                assert s.score_status == common_pb2.ITEM_STATUS_OK and 0 < s.score <= 1
+                assert s.policy_version == engine.weights_version == 0
+                assert s.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+                assert s.response_text == engine.tokenizer.decode(list(s.response_ids), skip_special_tokens=True)
+        stats = await queue_stats(redis, RUN)
+        assert (stats.prompts_pending, stats.prompts_backlog, stats.dead_letters) == (0, 0, 0)
+        assert worker.stats.processed == n_jobs and not worker.stats.failed
+        print(f"\nrollout worker: {n_jobs} jobs x 2 samples in {elapsed:.2f}s = {n_jobs / elapsed:.1f} jobs/s")
+        await redis.aclose()
+
+    asyncio.run(body())
+
+
+def test_reward_down_leaves_jobs_pending(engine, services, redis_server):
+    from _procs import _free_port
+
+    async def body():
+        await engine.start()
+        redis = connect(redis_server.url)
+        pq = PromptQueue(redis, RUN)
+        await pq.publish_many(_jobs(3, engine.tokenizer))
+        worker = _worker(engine, redis_server, services, reward_addr=f"127.0.0.1:{_free_port()}", rpc_retries=2,
+                         rpc_backoff_s=0.05, rpc_timeout_s=2.0, reclaim_idle_s=600)  # fmt: skip
+        task = asyncio.create_task(worker.run())
+        deadline = time.monotonic() + 30
+        while sum(worker.stats.failed.values()) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await _stop(worker, task)
+        assert worker.stats.failed == {"reward_unavailable": 3} and worker.stats.processed == 0
+        stats = await queue_stats(redis, RUN)
+        assert stats.experience_length == 0  # no experience with made-up scores
+        assert (stats.prompts_pending, stats.prompts_backlog, stats.dead_letters) == (3, 0, 0)
+        await redis.aclose()
+
+    asyncio.run(body())
+
+
+def test_dead_worker_job_is_reclaimed_and_written_once(engine, services, redis_server):
+    async def body():
+        await engine.start()
+        redis = connect(redis_server.url)
+        pq, eq = PromptQueue(redis, RUN), ExperienceQueue(redis, RUN)
+        (job,) = _jobs(1, engine.tokenizer)
+        entry_id = (await pq.publish(job)).entry_id
+        hung = _Hang(engine)
+        dead = _worker(hung, redis_server, services, replica="dying", drain_s=0.0, reclaim_idle_s=600)
+        dead_task = asyncio.create_task(dead.run())
+        await asyncio.wait_for(hung.entered.wait(), 10)
+        dead_task.cancel()  # the replica dies mid-job: its job stays pending under its name
+        with contextlib.suppress(asyncio.CancelledError):
+            await dead_task
+        assert (await queue_stats(redis, RUN)).prompts_pending == 1
+
+        t0 = time.monotonic()
+        worker = _worker(engine, redis_server, services, replica="survivor", reclaim_idle_s=1.0,
+                         reclaim_interval_s=0.2)  # fmt: skip
+        task = asyncio.create_task(worker.run())
+        records = await _read_experience(eq, 1, 20)
+        took = time.monotonic() - t0
+        await _stop(worker, task)
+        assert len(records) == 1 and records[0][1].job_id == job.job_id
+        assert records[0][1].replica_id == "survivor" and worker.stats.reclaimed == 1
+        assert took >= 0.5  # it waited for the idle timeout (the job was idle ~0s when the survivor started)
+        stats = await queue_stats(redis, RUN)
+        assert (stats.prompts_pending, stats.experience_length) == (0, 1)
+        # the dead replica coming back late with a result writes nothing: the job is no longer pending
+        assert await eq.publish_and_ack(records[0][1], entry_id) is None
+        assert await eq.length() == 1
+        await redis.aclose()
+
+    asyncio.run(body())
