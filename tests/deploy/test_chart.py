@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -417,3 +418,13 @@ def test_example_values_files_are_valid_yaml_with_documented_header():
         text = path.read_text()
         assert text.startswith("#") and "helm install" in text, f"{path.name}: say how to install with it"
         assert parse_docs(text), path
+
+
+def test_values_schema_is_generated_and_current():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "k8s" / "gen_values_schema.py")], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == json.loads((CHART / "values.schema.json").read_text()), (
+        "values.schema.json is stale: python k8s/gen_values_schema.py > k8s/rlhf-pipeline/values.schema.json"
+    )
