@@ -17,6 +17,13 @@ replica or another) until the queue's ``max_deliveries`` dead-letters it. Nothin
 experience, and a scorer's per-item error is kept in ``Sample.score_status`` / ``score_error`` (never a made-up
 score). A job the engine refuses as invalid (``InvalidArgument``: it can never succeed) is dead-lettered at once.
 
+The service's hook (``services/rollout/main.py``), after the engine is ready::
+
+    worker = maybe_start_worker(engine, settings, cfg, metrics=metrics)   # None without RLHF_REDIS_URL
+    ...                                                                    # on shutdown:
+    if worker is not None:
+        await worker.aclose()
+
 Up to ``RLHF_ROLLOUT_MAX_INFLIGHT_JOBS`` jobs run concurrently, so the engine batches them. :meth:`RolloutWorker.stop`
 stops reading; jobs in flight get ``drain_s`` seconds to finish, the rest are cancelled and stay pending for
 another replica.
@@ -163,6 +170,7 @@ class RolloutWorker:
         self._stop = asyncio.Event()
         self._inflight: dict[str, asyncio.Task] = {}  # prompt entry id -> task
         self.running = False
+        self._task: asyncio.Task | None = None
 
     @classmethod
     def from_settings(
@@ -202,6 +210,28 @@ class RolloutWorker:
                    metrics=metrics, **opts)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------ life cycle
+
+    def start(self) -> asyncio.Task:
+        """Run in the background of the current event loop (the service's hook); stop with :meth:`aclose`."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self.run(), name=f"rollout-worker-{self.replica_id}")
+            self._task.add_done_callback(self._on_exit)
+        return self._task
+
+    def _on_exit(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("rollout worker %s crashed", self.replica_id, exc_info=task.exception())
+
+    async def aclose(self) -> None:
+        """Stop taking jobs and wait for the jobs in flight (up to ``drain_s``; the rest stay pending)."""
+        self.stop()
+        if self._task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._task), self.drain_s + 10)
+            if not self._task.done():
+                self._task.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._task
 
     def stop(self) -> None:
         """Stop taking jobs; :meth:`run` returns after the jobs in flight finish (or ``drain_s`` passes)."""
@@ -436,4 +466,29 @@ class RolloutWorker:
         raise AssertionError("unreachable")  # pragma: no cover
 
 
-__all__ = ["MAX_INFLIGHT_ENV", "RECLAIM_IDLE_ENV", "RPC_TIMEOUT_ENV", "JobFailed", "RolloutWorker", "WorkerStats"]
+def maybe_start_worker(
+    engine: RolloutEngine,
+    settings: ServiceSettings,
+    cfg: ExperimentConfig | None = None,
+    *,
+    metrics: ServiceMetrics | None = None,
+    **kw: Any,
+) -> RolloutWorker | None:
+    """Worker mode when ``RLHF_REDIS_URL`` is set: build the worker from the settings and start it in the
+    background; returns None (and starts nothing) otherwise."""
+    if not settings.redis_url:
+        return None
+    worker = RolloutWorker.from_settings(engine, settings, cfg, metrics=metrics, **kw)
+    worker.start()
+    return worker
+
+
+__all__ = [
+    "MAX_INFLIGHT_ENV",
+    "RECLAIM_IDLE_ENV",
+    "RPC_TIMEOUT_ENV",
+    "JobFailed",
+    "RolloutWorker",
+    "WorkerStats",
+    "maybe_start_worker",
+]

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.transport import ExperienceQueue, PromptQueue, connect, queue_stats
+from rlhf.serving import ServiceMetrics, ServiceSettings
+from rlhf.transport import ExperienceQueue, PromptQueue, connect, dead_letters, queue_stats
 from rlhf.v1 import common_pb2, experience_pb2
 from services.rollout.engine import EngineBase, PromptResult, Sample, SamplingOptions, read_checkpoint_manifest
-from services.rollout.worker import RolloutWorker
+from services.rollout.worker import RolloutWorker, maybe_start_worker
 
 RUN = "worker-test"
 MAX_TOKENS = 6
@@ -120,7 +121,8 @@ def services(tiny_models, tmp_path_factory):
     cfg = write_config(d / "cfg.yaml", {
         "run_id": RUN,
         "actor_rollout_ref": {"actor_rollout": {"load": "tiny:policy", "engine": "hf"}},
-        "reward": {"scorers": [{"type": "rule", "name": "length", "kwargs": {"target": 4}}]},
+        "reward": {"scorers": [{"type": "rule", "name": "length", "kwargs": {"target": 4}},
+                               {"type": "rule", "name": "exact_match", "weight": 0.0}]},  # needs a label
     })  # fmt: skip
     env = {"RLHF_CACHE_DIR": os.environ["RLHF_CACHE_DIR"], "RLHF_DEVICE": "cpu"}
     procs = [ServiceProc(n, cfg, d / "logs", env=env) for n in ("reward", "reference")]
@@ -285,6 +287,48 @@ def test_dead_worker_job_is_reclaimed_and_written_once(engine, services, redis_s
         # the dead replica coming back late with a result writes nothing: the job is no longer pending
         assert await eq.publish_and_ack(records[0][1], entry_id) is None
         assert await eq.length() == 1
+        await redis.aclose()
+
+    asyncio.run(body())
+
+
+def test_service_hook_scorer_errors_kept_and_invalid_jobs_dead_lettered(engine, services, redis_server):
+    """The hook main.py uses (settings + RLHF_ROLLOUT_* env); a scorer's per-item error stays in the sample's
+    score_status; a job the engine refuses as invalid is dead-lettered at once (it could never succeed)."""
+
+    async def body():
+        await engine.start()
+        redis = connect(redis_server.url)
+        pq, eq = PromptQueue(redis, RUN), ExperienceQueue(redis, RUN)
+        no_label, too_long, ok = _jobs(3, engine.tokenizer)
+        no_label.ClearField("label")
+        too_long.params.max_tokens = 10**6
+        await pq.publish_many([no_label, too_long, ok])
+        assert maybe_start_worker(engine, ServiceSettings()) is None  # no RLHF_REDIS_URL: no worker mode
+        settings = ServiceSettings(redis_url=redis_server.url, run_id=RUN, replica_id="hooked",
+                                   reward_addr=services["reward"].grpc_addr,
+                                   reference_addr=services["reference"].grpc_addr)  # fmt: skip
+        metrics = ServiceMetrics("rollout")
+        worker = maybe_start_worker(engine, settings, metrics=metrics, env={"RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": "2"})
+        assert worker is not None and worker.max_inflight_jobs == 2 and worker.replica_id == "hooked"
+        records = await _read_experience(eq, 2, 30)
+        deadline = time.monotonic() + 10
+        while worker.stats.dead_lettered < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await worker.aclose()
+        assert not worker.running
+
+        by_id = {e.job_id: e for _, e in records}
+        assert set(by_id) == {no_label.job_id, ok.job_id}
+        for s in by_id[no_label.job_id].samples:
+            assert s.score_status == common_pb2.ITEM_STATUS_INVALID_INPUT and "label" in s.score_error
+        assert all(s.score_status == common_pb2.ITEM_STATUS_OK for s in by_id[ok.job_id].samples)
+        (dead,) = await dead_letters(redis, RUN)
+        assert "max_tokens" in dead["reason"] and "hooked" in dead["reason"]
+        stats = await queue_stats(redis, RUN)
+        assert (stats.prompts_pending, stats.dead_letters, stats.released) == (0, 1, 1)
+        text = metrics.render()[0].decode()
+        assert 'kind="rollout_job_invalid_argument"' in text and 'method="RolloutJob"' in text
         await redis.aclose()
 
     asyncio.run(body())
