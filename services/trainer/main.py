@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -207,7 +208,7 @@ class Trainer:
         self.runner.request_stop()
 
     async def _push_weights(self) -> None:
-        addrs = self.settings.rollout_addrs
+        addrs = await asyncio.to_thread(expand_targets, self.settings.rollout_addrs)
         if not addrs:
             return
         from rlhf.transport import pack_weights, push_weights_many
@@ -255,6 +256,25 @@ class Trainer:
             metrics={k: float(v) for k, v in m.items()},
             samples_trained=self.samples_trained,
         )
+
+
+def expand_targets(addrs: list[str]) -> list[str]:
+    """Every replica behind each ``host:port``: a compose service name or a Kubernetes headless Service resolves to
+    one address per replica, and each must get the weights (one gRPC connection would reach only one of them).
+    Resolved before every push, since replicas come and go."""
+    out: list[str] = []
+    for addr in addrs:
+        host, _, port = addr.rpartition(":")
+        try:
+            infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        except (OSError, ValueError):
+            out.append(addr)  # unresolvable now: try as given, the push reports the failure
+            continue
+        for ip in dict.fromkeys(info[4][0] for info in infos):
+            target = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+            if target not in out:
+                out.append(target)
+    return out
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
