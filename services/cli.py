@@ -58,7 +58,6 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rlhf serve: {err}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
-    warn_unknown_env_vars()
     if not settings.config:
         print("rlhf serve: give --config FILE (or set RLHF_CONFIG)", file=sys.stderr)
         return 2
@@ -77,6 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
             )
             return 2
         raise
+    warn_unknown_env_vars()  # after the import: a service module may register the variables it reads
     serve = getattr(module, "serve", None)
     if serve is None:
         print(f"rlhf serve: {module_name} has no serve(config_path, settings)", file=sys.stderr)

@@ -111,24 +111,28 @@ class ServiceSettings(BaseModel):
         return settings
 
 
-# Variables read by the library outside ServiceSettings (documented where they are used).
+# Variables read outside ServiceSettings (documented where they are used).
 LIBRARY_ENV_VARS = (
     "RLHF_CACHE_DIR",  # rlhf.models: where tiny models are built
     "RLHF_ENABLE_NPU",  # rlhf.models: device auto may pick npu
     "RLHF_ROLLOUT_ENGINE",  # services.rollout: vllm | hf, overrides actor_rollout.engine
+    "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS",  # services.rollout.worker: prompt jobs in flight per replica
+    "RLHF_ROLLOUT_RECLAIM_IDLE_S",  # services.rollout.worker: claim jobs a dead replica left pending this long
+    "RLHF_ROLLOUT_RPC_TIMEOUT_S",  # services.rollout.worker: deadline of reward/reference calls
 )
 
-# Every RLHF_* variable the project reads. Deployment files must set nothing else.
-KNOWN_ENV_VARS: tuple[str, ...] = tuple(ENV_PREFIX + n.upper() for n in ServiceSettings.model_fields) + LIBRARY_ENV_VARS
+# Every RLHF_* variable the project reads: one list, in place (register_env_var appends to it), so every importer
+# sees the same contents. Deployment files must set nothing else.
+KNOWN_ENV_VARS: list[str] = [ENV_PREFIX + n.upper() for n in ServiceSettings.model_fields] + list(LIBRARY_ENV_VARS)
 
 
 def register_env_var(name: str) -> None:
-    """Let another module of the library declare a variable it reads (so start-up does not warn about it)."""
-    global KNOWN_ENV_VARS
+    """Let another module declare a variable it reads (so start-up does not warn about it). Prefer adding it to
+    ``LIBRARY_ENV_VARS`` above, so the deployment checks know it without importing that module."""
     if not name.startswith(ENV_PREFIX):
         raise ValueError(f"{name} must start with {ENV_PREFIX}")
     if name not in KNOWN_ENV_VARS:
-        KNOWN_ENV_VARS = (*KNOWN_ENV_VARS, name)
+        KNOWN_ENV_VARS.append(name)
 
 
 def unknown_env_vars(env: Mapping[str, str] | None = None) -> list[str]:
