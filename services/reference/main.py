@@ -9,6 +9,9 @@ from services.reference.engine import ReferenceEngine
 from services.reference.grpc_servicer import SERVICE_NAME, ReferenceServicer
 from services.reference.http_app import build_app
 
+# `rlhf serve` may skip interpreter finalisation after serve() returns: nothing here relies on atexit hooks.
+FAST_EXIT = True
+
 
 async def serve(config_path: str, settings: ServiceSettings) -> None:
     cfg = load_config(config_path)

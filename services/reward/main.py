@@ -9,6 +9,9 @@ from services.reward.engine import RewardEngine
 from services.reward.grpc_servicer import SERVICE_NAME, RewardServicer
 from services.reward.http_app import build_app
 
+# `rlhf serve` may skip interpreter finalisation after serve() returns: nothing here relies on atexit hooks.
+FAST_EXIT = True
+
 
 async def serve(config_path: str, settings: ServiceSettings) -> None:
     cfg = load_config(config_path)
