@@ -232,7 +232,7 @@ def test_jobs_in_experience_out(engine, services, redis_server):
     asyncio.run(body())
 
 
-def test_reward_down_leaves_jobs_pending(engine, services, redis_server):
+def test_reward_down_leaves_jobs_pending_until_it_is_back(engine, services, redis_server):
     from _procs import _free_port
 
     async def body():
@@ -251,6 +251,15 @@ def test_reward_down_leaves_jobs_pending(engine, services, redis_server):
         stats = await queue_stats(redis, RUN)
         assert stats.experience_length == 0  # no experience with made-up scores
         assert (stats.prompts_pending, stats.prompts_backlog, stats.dead_letters) == (3, 0, 0)
+
+        # reward is back; the replica restarts under its name and finishes its own pending jobs first
+        worker = _worker(engine, redis_server, services, reclaim_idle_s=600)
+        task = asyncio.create_task(worker.run())
+        records = await _read_experience(ExperienceQueue(redis, RUN), 3, 30)
+        await _stop(worker, task)
+        assert len({e.job_id for _, e in records}) == len(records) == 3 and worker.stats.reclaimed == 0
+        assert all(s.score_status == common_pb2.ITEM_STATUS_OK for _, e in records for s in e.samples)
+        assert (await queue_stats(redis, RUN)).prompts_pending == 0
         await redis.aclose()
 
     asyncio.run(body())
