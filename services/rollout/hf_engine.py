@@ -1,0 +1,315 @@
+"""The ``hf`` rollout engine: a transformers causal LM on any torch device, concurrent requests decoded together.
+
+Batching: every request is split into rows (one per sample); an asyncio batcher collects rows for up to
+``batch_wait_ms`` (or until ``max_batch_rows``), left-pads them and decodes them together with a KV cache. Rows
+that arrive while a batch decodes form the next batch. Each row keeps its own sampling parameters, so requests with
+different temperatures, top-p/top-k, stops and lengths share a batch.
+
+Sampling (a seeded loop rather than ``model.generate``, so that every row has its own ``torch.Generator`` and the
+log-probs are computed from exactly the logits sampled from): logits in float32, divided by the row's temperature,
+top-k then top-p masks as in vLLM's PyTorch sampler (top-k keeps the tokens whose logit is at least the k-th
+largest; top-p keeps the smallest set of most probable tokens whose probability reaches ``top_p``, at least one), a
+token drawn by the exponential race ``argmax(p / q), q ~ Exp(1)`` from the row's generator, and its log-prob
+``rlhf.algo.logprobs_from_logits`` of the masked logits at that temperature (see :mod:`services.rollout.engine` for
+what top-p/top-k do to it). Greedy rows (temperature 0) take the argmax and report ``log_softmax(logits)``.
+
+Stops: EOS (unless ``ignore_eos``) and ``stop_token_ids`` end a row with the token included; a stop string ends it
+at the token that completes it, with the text cut before the string (vLLM's behaviour); ``max_tokens`` or the end of
+the context end it with ``length``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf.algo import logprobs_from_logits
+from services.rollout.engine import (
+    EngineBase,
+    EngineHooks,
+    PromptResult,
+    Sample,
+    SamplingOptions,
+    decode_text,
+)
+
+log = logging.getLogger("rlhf.rollout.hf")
+
+
+@dataclass
+class _Row:
+    prompt: list[int]
+    opts: SamplingOptions
+    seed: int
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    # filled by the decoder
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+    stop_reason: int | str | None = None
+    text: str | None = None
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """vLLM 0.32's ``apply_top_k_top_p_pytorch`` (CPU path): masked entries become -inf. ``k``: (B,) long with
+    ``vocab`` meaning off; ``p``: (B,) float with 1.0 meaning off. Works on a copy."""
+    if k is None and p is None:
+        return logits
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        kth = logits_sort.gather(1, (logits_sort.size(1) - k.long()).unsqueeze(1))
+        logits_sort = logits_sort.masked_fill(logits_sort < kth, float("-inf"))
+    if p is not None:
+        probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)
+        top_p_mask = probs_sum <= 1 - p.unsqueeze(1)
+        top_p_mask[:, -1] = False
+        logits_sort = logits_sort.masked_fill(top_p_mask, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, logits_idx, logits_sort)
+
+
+class HFEngine(EngineBase):
+    kind = "hf"
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        model_name: str,
+        *,
+        dtype: str = "float32",
+        device: str = "auto",
+        hooks: EngineHooks | None = None,
+        max_batch_rows: int = 64,
+        batch_wait_ms: float = 5.0,
+        max_model_len: int | None = None,
+    ):
+        super().__init__(model_path, model_name, hooks)
+        if max_model_len:
+            self.max_model_len = min(self.max_model_len, int(max_model_len))
+        self.dtype = dtype
+        self.device_spec = device
+        self.max_batch_rows = max_batch_rows
+        self.batch_wait_s = batch_wait_ms / 1000.0
+        self.model: Any = None
+        self.device: torch.device | None = None
+        self._queue: asyncio.Queue[_Row] | None = None
+        self._worker: asyncio.Task | None = None
+        self._rng = random.SystemRandom()
+        self.pad_token_id = 0
+
+    # ------------------------------------------------------------------------------------------------ life cycle
+
+    async def start(self) -> None:
+        from rlhf.models import load_causal_lm, load_tokenizer, resolve_device
+
+        def _load() -> tuple[Any, Any]:
+            tok = load_tokenizer(self.model_path)
+            model = load_causal_lm(self.model_path, device=self.device_spec, dtype=self.dtype).eval()
+            return tok, model
+
+        self.device = resolve_device(self.device_spec)
+        self._tokenizer, self.model = await asyncio.to_thread(_load)
+        self.pad_token_id = int(self._tokenizer.pad_token_id)
+        self._manifest = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        self._queue = asyncio.Queue()
+        self._worker = asyncio.create_task(self._batcher(), name="hf-batcher")
+        self._mark_loaded()
+        log.info("hf engine ready: %s on %s (%s)", self.model_path, self.device, self.dtype)
+
+    async def close(self) -> None:
+        await super().close()
+        if self._worker is not None:
+            self._worker.cancel()
+            with contextlib.suppress(BaseException):
+                await self._worker
+            self._worker = None
+        if self._queue is not None:
+            from rlhf.serving.errors import NotReady
+
+            while not self._queue.empty():
+                row = self._queue.get_nowait()
+                if not row.future.done():
+                    row.future.set_exception(NotReady("the rollout service is shutting down"))
+
+    # ------------------------------------------------------------------------------------------------ batching
+
+    async def _batcher(self) -> None:
+        assert self._queue is not None
+        while True:
+            rows = [await self._queue.get()]
+            deadline = time.monotonic() + self.batch_wait_s
+            while len(rows) < self.max_batch_rows:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    break
+                try:
+                    rows.append(await asyncio.wait_for(self._queue.get(), timeout))
+                except TimeoutError:
+                    break
+            while len(rows) < self.max_batch_rows and not self._queue.empty():
+                rows.append(self._queue.get_nowait())
+            rows = [r for r in rows if not r.future.done()]  # cancelled callers
+            if not rows:
+                continue
+            try:
+                await asyncio.to_thread(self._decode, rows)
+            except Exception as err:  # noqa: BLE001 - report to every caller in the batch
+                log.exception("hf decode failed")
+                for r in rows:
+                    if not r.future.done():
+                        r.future.set_exception(err)
+                continue
+            for r in rows:
+                if not r.future.done():
+                    r.future.set_result(r)
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        base = params.seed
+        rows: list[list[_Row]] = []
+        for p in prompts:
+            prow = []
+            for j in range(params.n):
+                seed = base + j if base is not None else self._rng.randrange(2**63 - 1)
+                row = _Row(prompt=list(p), opts=params, seed=seed, future=loop.create_future(), loop=loop)
+                prow.append(row)
+                self._queue.put_nowait(row)
+            rows.append(prow)
+        futures = [r.future for prow in rows for r in prow]
+        try:
+            await asyncio.gather(*futures)
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+        return [
+            PromptResult(
+                prompt_token_ids=list(p),
+                samples=[
+                    Sample(
+                        token_ids=r.tokens,
+                        logprobs=r.logprobs,
+                        finish_reason=r.finish or "length",
+                        text=r.text or "",
+                        policy_version=version,
+                        stop_reason=r.stop_reason,
+                    )
+                    for r in prow
+                ],  # fmt: skip
+            )
+            for p, prow in zip(prompts, rows, strict=True)
+        ]
+
+    # ------------------------------------------------------------------------------------------------ decoding
+
+    @torch.inference_mode()
+    def _decode(self, rows: list[_Row]) -> None:
+        """Decode ``rows`` together until each has finished (runs in a worker thread)."""
+        dev = self.device
+        B = len(rows)
+        self.hooks.step(B)
+        P = max(len(r.prompt) for r in rows)
+        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((B, P), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, P - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[i, P - len(r.prompt) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+
+        V = self.vocab_size
+        temps = torch.tensor([r.opts.temperature if not r.opts.greedy else 1.0 for r in rows], dtype=torch.float32)
+        greedy = torch.tensor([r.opts.greedy for r in rows])
+        any_k = any(0 < r.opts.top_k < V and not r.opts.greedy for r in rows)
+        any_p = any(r.opts.top_p < 1.0 and not r.opts.greedy for r in rows)
+        k = torch.tensor([r.opts.top_k if 0 < r.opts.top_k < V and not r.opts.greedy else V for r in rows])
+        p = torch.tensor([r.opts.top_p if not r.opts.greedy else 1.0 for r in rows], dtype=torch.float32)
+        temps, greedy, k, p = temps.to(dev), greedy.to(dev), k.to(dev), p.to(dev)
+        gens = []
+        for r in rows:
+            g = torch.Generator(device=dev)
+            g.manual_seed(r.seed)
+            gens.append(g)
+        stop_ids = [set(r.opts.stop_token_ids) | (set() if r.opts.ignore_eos or self.eos_token_id is None
+                                                  else {self.eos_token_id}) for r in rows]  # fmt: skip
+        budgets = [min(r.opts.max_tokens, self.max_model_len - len(r.prompt)) for r in rows]
+        active = [True] * B
+        steps = max(budgets)
+        past = None
+        inp, inp_pos = ids, pos
+        for _ in range(steps):
+            out = self.model(input_ids=inp, attention_mask=mask, position_ids=inp_pos, past_key_values=past,
+                             use_cache=True, return_dict=True)  # fmt: skip
+            past = out.past_key_values
+            logits = out.logits[:, -1, :].float()
+            z = logits / temps.unsqueeze(1)
+            masked = apply_top_k_top_p(z, k if any_k else None, p if any_p else None)
+            probs = masked.softmax(dim=-1)
+            q = torch.empty_like(probs)
+            for i in range(B):
+                if active[i]:
+                    q[i].exponential_(generator=gens[i])
+                else:
+                    q[i].fill_(1.0)
+            sampled = (probs / q).argmax(dim=-1)
+            tok = torch.where(greedy, logits.argmax(dim=-1), sampled)
+            # log_softmax(masked logits / T) at the token: the distribution sampled from (temperature 1 if greedy)
+            lp = logprobs_from_logits(masked, tok, 1.0)
+            tok_l, lp_l = tok.tolist(), lp.tolist()
+            for i, r in enumerate(rows):
+                if not active[i]:
+                    continue
+                r.tokens.append(tok_l[i])
+                r.logprobs.append(lp_l[i])
+                if tok_l[i] in stop_ids[i]:
+                    r.finish = "stop"
+                    r.stop_reason = tok_l[i] if tok_l[i] in r.opts.stop_token_ids else None  # None: EOS
+                elif r.opts.stop and self._hit_stop_string(r):
+                    r.finish = "stop"
+                elif len(r.tokens) >= budgets[i]:
+                    r.finish = "length"
+                if r.finish is not None:
+                    active[i] = False
+            if not any(active):
+                break
+            nxt = torch.tensor([tok_l[i] if active[i] else self.pad_token_id for i in range(B)], device=dev)
+            inp = nxt.unsqueeze(1)
+            step_mask = torch.tensor([1 if active[i] else 0 for i in range(B)], device=dev, dtype=mask.dtype)
+            mask = torch.cat([mask, step_mask.unsqueeze(1)], dim=1)
+            inp_pos = (mask.sum(1, keepdim=True) - 1).clamp(min=0)
+            n_active = sum(active)
+            if n_active:
+                self.hooks.step(n_active)
+        for r in rows:
+            if r.finish is None:
+                r.finish = "length"
+            if r.text is None:
+                r.text = decode_text(self._tokenizer, r.tokens)
+
+    def _hit_stop_string(self, r: _Row) -> bool:
+        text = decode_text(self._tokenizer, r.tokens)
+        hits = [(text.find(s), s) for s in r.opts.stop if s in text]
+        if not hits:
+            return False
+        at, s = min(hits)
+        r.text = text[:at]
+        r.stop_reason = s
+        return True
+
+    # ------------------------------------------------------------------------------------------------ weights
+
+    async def _load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        def _load() -> None:
+            with torch.no_grad():
+                self.model.load_state_dict(tensors, strict=True)
+
+        await asyncio.to_thread(_load)

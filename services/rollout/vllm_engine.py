@@ -1,0 +1,350 @@
+"""The ``vllm`` rollout engine: vLLM with continuous batching, sampling log-probs and in-place weight reloads.
+
+Two drivers, one behaviour:
+
+- ``inproc`` (default when ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which the service sets on CPU): vLLM's
+  ``LLMEngine`` with the in-process engine core, stepped by one dedicated thread. Requests from the asyncio side are
+  queued to that thread, which adds them between steps, so concurrent requests join the running batch (continuous
+  batching); a finished request resolves its future on the event loop. Starts in about 5 s on CPU, no subprocess.
+  (vLLM 0.32's ``AsyncLLM`` always starts its engine core in a subprocess, whatever that variable says.)
+- ``async`` (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, GPU/NPU images): vLLM's ``AsyncLLM`` (engine core in a
+  subprocess, overlapping scheduling with the device).
+
+Both use ``RequestOutputKind.FINAL_ONLY`` (one output per request: per-token streaming costs ~20x throughput),
+``logprobs=0`` (the sampled token's log-prob only) and ``logprobs_mode="processed_logprobs"`` (log-probs after
+temperature and top-k/top-p: the distribution sampled from; the default ``raw_logprobs`` ignores the temperature),
+``enforce_eager`` and a seed per request.
+
+Weights: the state dict travels to the worker as safetensors bytes through the worker extension
+(:mod:`services.rollout.vllm_ext`) and is loaded by the worker's ``reload_weights(..., is_checkpoint_format=True)``;
+the prefix cache is reset afterwards (cached KV blocks belong to the old weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlhf.serving.errors import Internal, NotReady
+from services.rollout.engine import (
+    EngineBase,
+    EngineHooks,
+    PromptResult,
+    Sample,
+    SamplingOptions,
+    read_checkpoint_manifest,
+)
+
+log = logging.getLogger("rlhf.rollout.vllm")
+
+EXTENSION = "services.rollout.vllm_ext.WorkerExtension"
+
+
+def set_vllm_env_defaults(device: str | None = None) -> None:
+    """Environment vLLM reads at import: a 1 GiB KV cache on CPU, the in-process engine core on CPU, no downloads."""
+    cpu = device == "cpu" or (device in (None, "auto") and not _has_accelerator())
+    if cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _has_accelerator() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _safetensors_bytes(tensors: dict[str, Any]) -> bytes:
+    from safetensors.torch import save
+
+    flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    try:
+        return save(flat)
+    except RuntimeError:  # tensors sharing storage (tied weights): give each its own copy
+        return save({k: v.clone() for k, v in flat.items()})
+
+
+class VllmEngine(EngineBase):
+    kind = "vllm"
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        model_name: str,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        hooks: EngineHooks | None = None,
+        mode: str | None = None,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+    ):
+        super().__init__(model_path, model_name, hooks)
+        if max_model_len:
+            self.max_model_len = min(self.max_model_len, int(max_model_len))
+        if mode is None:
+            mode = "inproc" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0" else "async"
+        if mode not in ("inproc", "async"):
+            raise ValueError(f"vLLM driver mode must be inproc or async, got {mode!r}")
+        self.mode = mode
+        self.dtype = dtype
+        self.seed = seed
+        self.max_num_seqs = max_num_seqs
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self._ids = itertools.count()
+        # inproc driver
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._dead: BaseException | None = None
+        # async driver
+        self._async: Any = None
+        self._inflight = 0
+
+    # ------------------------------------------------------------------------------------------------ start / close
+
+    def _engine_args(self, cls: type) -> Any:
+        kw: dict[str, Any] = dict(
+            model=str(self.model_path),
+            tokenizer=str(self.model_path),
+            dtype=self.dtype,
+            seed=self.seed,
+            enforce_eager=True,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            worker_extension_cls=EXTENSION,
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=True,
+        )
+        kw.update(self.engine_kwargs)
+        return cls(**kw)
+
+    async def start(self) -> None:
+        from rlhf.models import load_tokenizer
+
+        loop = asyncio.get_running_loop()
+        self._manifest = await asyncio.to_thread(read_checkpoint_manifest, self.model_path)
+        self._tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
+        if self.mode == "inproc":
+            started: asyncio.Future = loop.create_future()
+            self._thread = threading.Thread(target=self._run, args=(loop, started), name="vllm-engine", daemon=True)
+            self._thread.start()
+            await started
+        else:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            args = self._engine_args(AsyncEngineArgs)
+            self._async = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        self._mark_loaded()
+        log.info("vLLM engine (%s) ready: %s, max_model_len %d", self.mode, self.model_path, self.max_model_len)
+
+    async def close(self) -> None:
+        await super().close()
+        if self._thread is not None:
+            self._cmds.put(("stop",))
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+        if self._async is not None:
+            eng, self._async = self._async, None
+            await asyncio.to_thread(eng.shutdown)
+
+    # ------------------------------------------------------------------------------------------------ inproc driver
+
+    @staticmethod
+    def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any = None,
+                 error: BaseException | None = None) -> None:  # fmt: skip
+        def _set() -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(value)
+
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            loop.call_soon_threadsafe(_set)
+
+    def _run(self, loop: asyncio.AbstractEventLoop, started: asyncio.Future) -> None:
+        """The engine thread: owns the LLMEngine; adds requests and runs calls between steps."""
+        try:
+            from vllm.engine.arg_utils import EngineArgs
+            from vllm.v1.engine.llm_engine import LLMEngine
+
+            llm = LLMEngine.from_engine_args(self._engine_args(EngineArgs))
+        except BaseException as err:  # noqa: BLE001 - reported to start()
+            self._resolve(loop, started, error=err)
+            return
+        self._resolve(loop, started, True)
+        try:
+            while True:
+                busy = llm.has_unfinished_requests()
+                cmds = []
+                if not busy:
+                    cmds.append(self._cmds.get())
+                while True:
+                    try:
+                        cmds.append(self._cmds.get_nowait())
+                    except queue.Empty:
+                        break
+                for cmd in cmds:
+                    if cmd[0] == "stop":
+                        self._fail_all(NotReady("the rollout service is shutting down"))
+                        return
+                    self._command(llm, cmd)
+                if llm.has_unfinished_requests():
+                    self.hooks.step(llm.get_num_unfinished_requests())
+                    for out in llm.step():
+                        if out.finished:
+                            entry = self._futures.pop(out.request_id, None)
+                            if entry is not None:
+                                self._resolve(entry[0], entry[1], out)
+        except BaseException as err:  # noqa: BLE001 - the engine is dead: fail everything, stop being ready
+            log.exception("vLLM engine thread failed")
+            self._dead = err
+            self._ready = False
+            self._fail_all(Internal(f"the vLLM engine failed ({type(err).__name__}); see the service log"))
+        finally:
+            del llm
+
+    def _command(self, llm: Any, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt, sp, loop, fut = cmd
+            try:
+                llm.add_request(rid, {"prompt_token_ids": prompt}, sp)  # outputs carry this (external) id
+                self._futures[rid] = (loop, fut)
+            except BaseException as err:  # noqa: BLE001 - reported to the caller
+                self._resolve(loop, fut, error=err)
+        elif kind == "abort":
+            rid = cmd[1]
+            if self._futures.pop(rid, None) is not None:
+                llm.abort_request([rid])
+        elif kind == "call":
+            _, fn, loop, fut = cmd
+            try:
+                self._resolve(loop, fut, fn(llm))
+            except BaseException as err:  # noqa: BLE001
+                self._resolve(loop, fut, error=err)
+
+    def _fail_all(self, err: BaseException) -> None:
+        entries, self._futures = list(self._futures.values()), {}
+        for loop, fut in entries:
+            self._resolve(loop, fut, error=err)
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] in ("add", "call"):
+                self._resolve(cmd[-2], cmd[-1], error=err)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None or (self.mode == "inproc" and self._thread is None):
+            raise NotReady("the vLLM engine is not running")
+
+    async def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(llm)`` on the engine thread between two steps."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._cmds.put(("call", fn, loop, fut))
+        return await fut
+
+    async def _submit(self, prompt: list[int], sp: Any) -> Any:
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        rid = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        self._cmds.put(("add", rid, prompt, sp, loop, fut))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._cmds.put(("abort", rid))
+            raise
+
+    async def _submit_async(self, prompt: list[int], sp: Any) -> Any:
+        rid = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        self._inflight += 1
+        self.hooks.step(self._inflight)  # async driver: requests in flight when this one joins
+        final = None
+        try:
+            async for out in self._async.generate({"prompt_token_ids": prompt}, sp, request_id=rid):
+                final = out
+        finally:
+            self._inflight -= 1
+        return final
+
+    # ------------------------------------------------------------------------------------------------ generation
+
+    def _sampling_params(self, o: SamplingOptions) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=o.n,
+            temperature=o.temperature,
+            top_p=o.top_p,
+            top_k=o.top_k if o.top_k > 0 else 0,
+            max_tokens=o.max_tokens,
+            stop=list(o.stop) or None,
+            stop_token_ids=list(o.stop_token_ids) or None,
+            seed=o.seed,
+            ignore_eos=o.ignore_eos,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            skip_special_tokens=True,
+        )
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
+        sp = self._sampling_params(params)
+        submit = self._submit if self.mode == "inproc" else self._submit_async
+        tasks = [asyncio.ensure_future(submit(p, sp)) for p in prompts]
+        try:
+            outs = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        results = []
+        for prompt, out in zip(prompts, outs, strict=True):
+            samples = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)] if ids else []
+                reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "length"
+                samples.append(Sample(token_ids=ids, logprobs=lps, finish_reason=reason, text=c.text,
+                                      policy_version=version, stop_reason=c.stop_reason))  # fmt: skip
+            results.append(PromptResult(prompt_token_ids=list(prompt), samples=samples))
+        return results
+
+    # ------------------------------------------------------------------------------------------------ weights
+
+    async def _load_weights(self, tensors: dict[str, Any]) -> None:
+        blob = await asyncio.to_thread(_safetensors_bytes, tensors)
+        if self.mode == "inproc":
+
+            def _reload(llm: Any) -> Any:
+                r = llm.collective_rpc("rlhf_reload_weights", args=(blob,))
+                llm.reset_prefix_cache()
+                return r
+
+            info = await self._call(_reload)
+        else:
+            info = await self._async.collective_rpc("rlhf_reload_weights", args=(blob,))
+            await self._async.reset_prefix_cache()
+        log.info("vLLM weights reloaded: %s", info)
