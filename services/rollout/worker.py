@@ -404,8 +404,8 @@ class RolloutWorker:
         ref_req = reference_pb2.LogProbsRequest(
             items=[reference_pb2.LogProbsItem(prompt_ids=prompt_ids, response_ids=s.token_ids) for s in samples]
         )
-        if opts.temperature > 0:
-            ref_req.temperature = opts.temperature
+        # the temperature the sampling log-probs are at (greedy ones are at 1.0), so the two line up
+        ref_req.temperature = 1.0 if opts.greedy else opts.temperature
         scores, refs = await asyncio.gather(
             self._call("reward", self._reward.Score, score_req),
             self._call("reference", self._ref.LogProbs, ref_req),
