@@ -9,7 +9,47 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _procs import ServiceProc, write_config  # noqa: E402
+from _procs import REPO, ServiceProc, write_config  # noqa: E402
+
+# Services several test modules (and the README examples) use with the same config: started once per session, all
+# together on first use (their start-up is mostly imports, which overlap well), stopped at the end of the session.
+SHARED_SERVICES = (
+    ("reward", "configs/demo.yaml"),
+    ("reward", "configs/reward-tiny-model.yaml"),
+    ("reference", "configs/demo.yaml"),
+)
+# Small limits so the oversize tests stay cheap; the README examples are far below them.
+SHARED_ENV = {"RLHF_MAX_BODY_BYTES": "300000", "RLHF_MAX_MESSAGE_BYTES": str(1 << 20)}
+
+
+class SharedServices:
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.procs: dict[tuple[str, str], ServiceProc] = {}
+
+    def get(self, name: str, config: str, timeout: float = 120.0) -> ServiceProc:
+        """The running (ready) service for ``(name, config)``; ``config`` relative to the repository root."""
+        key = (name, config)
+        if key not in SHARED_SERVICES:
+            raise KeyError(f"{key} is not in SHARED_SERVICES (tests/integration/conftest.py)")
+        if not self.procs:
+            for n, c in SHARED_SERVICES:
+                self.procs[(n, c)] = ServiceProc(n, REPO / c, self.log_dir, env=SHARED_ENV).start(wait_ready=False)
+        proc = self.procs[key]
+        proc.wait_ready(timeout)
+        return proc
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            p.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_services(tiny_models, tmp_path_factory):
+    """``shared_services.get(name, config) -> ServiceProc`` for the services in SHARED_SERVICES."""
+    pool = SharedServices(tmp_path_factory.mktemp("shared-services"))
+    yield pool
+    pool.stop()
 
 
 @pytest.fixture

@@ -86,17 +86,20 @@ def test_readme_parses():
     assert any(c.kind == "python" for c in ex.commands)
 
 
-def test_readme_service_examples_work(tiny_models, tmp_path):
+def test_readme_service_examples_work(shared_services, tmp_path):
+    from conftest import SHARED_SERVICES
+
     ex = parse((REPO / "README.md").read_text())
-    procs, ports = [], {}
+    own, ports = [], {}
     try:
         for service, config, http, grpc_port in ex.serves:
             assert (REPO / config).is_file(), f"README names a config that does not exist: {config}"
-            p = ServiceProc(service, REPO / config, tmp_path).start(wait_ready=False)  # start all, then wait
-            procs.append(p)
+            if (service, config) in SHARED_SERVICES:
+                p = shared_services.get(service, config)
+            else:  # not shared with other tests: a private process
+                p = ServiceProc(service, REPO / config, tmp_path).start()
+                own.append(p)
             ports[http], ports[grpc_port] = p.http_port, p.grpc_port
-        for p in procs:
-            p.wait_ready(120)
 
         def localize(text: str) -> str:
             return re.sub(r"localhost:(\d+)", lambda m: f"127.0.0.1:{ports.get(int(m[1]), m[1])}", text)
@@ -126,7 +129,7 @@ def test_readme_service_examples_work(tiny_models, tmp_path):
                 continue
             assert close(out, want), f"{cmd.text}\nanswered {out}\nREADME   {want}"
     finally:
-        for p in procs:
+        for p in own:
             p.stop()
 
 

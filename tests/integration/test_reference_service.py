@@ -7,17 +7,13 @@ import grpc
 import httpx
 import pytest
 import torch
-from _procs import ServiceProc, write_config
 
 from rlhf.v1 import reference_pb2, reference_pb2_grpc
 
-TEMPERATURE = 0.8
-CONFIG = {
-    "actor_rollout_ref": {
-        "actor_rollout": {"load": "tiny:policy", "temperature": TEMPERATURE},
-        "ref": {"micro_batch_size": 2},  # several micro-batches with padding in the tests below
-    }
-}
+# configs/demo.yaml (rollout temperature 1.0, ref micro_batch_size 32), shared with the README examples
+# (tests/integration/conftest.py SHARED_SERVICES), with a 300000-byte body limit and 1 MiB messages.
+CONFIG = "configs/demo.yaml"
+TEMPERATURE = 1.0
 ITEMS = [
     {"prompt_ids": [5, 6, 7], "response_ids": [8, 9]},
     {"prompt_ids": [11], "response_ids": [12, 13, 14, 15, 16, 1]},
@@ -28,11 +24,8 @@ ITEMS = [
 
 
 @pytest.fixture(scope="module")
-def ref_svc(tiny_models, tmp_path_factory):
-    d = tmp_path_factory.mktemp("reference")
-    env = {"RLHF_MAX_BODY_BYTES": "200000", "RLHF_MAX_MESSAGE_BYTES": str(1 << 20)}
-    with ServiceProc("reference", write_config(d / "ref.yaml", CONFIG), d, env=env) as svc:
-        yield svc
+def ref_svc(shared_services):
+    return shared_services.get("reference", CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +71,14 @@ def test_logprobs_rest_match_transformers(ref_svc, direct):
 
 
 def test_temperature_override_and_grpc_agree(ref_svc, stub, direct):
-    r = httpx.post(ref_svc.http_url + "/v1/logprobs", json={"items": ITEMS[:3], "temperature": 1.0})
+    r = httpx.post(ref_svc.http_url + "/v1/logprobs", json={"items": ITEMS[:3], "temperature": 0.7})
     rest = [x["logprobs"] for x in r.json()["results"]]
-    assert r.json()["temperature"] == 1.0
+    assert r.json()["temperature"] == pytest.approx(0.7)
     for it, got in zip(ITEMS[:3], rest, strict=True):
-        assert got == pytest.approx(direct(it["prompt_ids"], it["response_ids"], 1.0), abs=2e-5)
-    req = reference_pb2.LogProbsRequest(items=[reference_pb2.LogProbsItem(**it) for it in ITEMS[:3]], temperature=1.0)
+        assert got == pytest.approx(direct(it["prompt_ids"], it["response_ids"], 0.7), abs=2e-5)
+    req = reference_pb2.LogProbsRequest(items=[reference_pb2.LogProbsItem(**it) for it in ITEMS[:3]], temperature=0.7)
     resp = stub.LogProbs(req, timeout=30)
-    assert resp.temperature == 1.0
+    assert resp.temperature == pytest.approx(0.7)
     for g, h in zip(resp.results, rest, strict=True):
         assert list(g.logprobs) == pytest.approx(h, abs=1e-6)
     # unset temperature: the configured one
@@ -93,10 +86,24 @@ def test_temperature_override_and_grpc_agree(ref_svc, stub, direct):
     assert resp.temperature == pytest.approx(TEMPERATURE)
 
 
+def test_configured_temperature():
+    from rlhf.config import parse_config
+    from services.reference.engine import ReferenceEngine
+
+    arr = {"actor_rollout": {"temperature": 0.8}}
+    assert ReferenceEngine(parse_config({"actor_rollout_ref": arr})).temperature == 0.8
+    assert ReferenceEngine(parse_config({"actor_rollout_ref": {**arr, "ref": {"temperature": 0.5}}})).temperature == 0.5
+
+
 def test_batch_composition_does_not_change_results(ref_svc):
     alone = httpx.post(ref_svc.http_url + "/v1/logprobs", json={"items": [ITEMS[1]]}).json()["results"][0]
-    batched = httpx.post(ref_svc.http_url + "/v1/logprobs", json={"items": ITEMS}).json()["results"][1]
-    assert batched["logprobs"] == pytest.approx(alone["logprobs"], abs=1e-5)
+    # 45 items: two micro-batches of the configured 32, sorted by length, each padded
+    many = (ITEMS * 9)[::-1]
+    batched = httpx.post(ref_svc.http_url + "/v1/logprobs", json={"items": many}).json()["results"]
+    for it, res in zip(many, batched, strict=True):
+        assert len(res["logprobs"]) == len(it["response_ids"])
+        if it is ITEMS[1]:
+            assert res["logprobs"] == pytest.approx(alone["logprobs"], abs=1e-5)
 
 
 OK = {"prompt_ids": [5], "response_ids": [6]}

@@ -14,24 +14,16 @@ import time
 import grpc
 import httpx
 import pytest
-from _procs import ServiceProc, write_config
 
 from rlhf.config import parse_config
 from rlhf.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.reward import rules
 from services.reward.engine import Item, RewardEngine
 
-MODEL_WEIGHT = 0.5
-CONFIG = {
-    "reward": {
-        "micro_batch_size": 2,
-        "scorers": [
-            {"type": "model", "load": "tiny:reward", "weight": MODEL_WEIGHT},
-            {"type": "rule", "name": "math_answer", "weight": 1.0},
-        ],
-    }
-}
-ENV = {"RLHF_MAX_BODY_BYTES": "300000", "RLHF_MAX_MESSAGE_BYTES": str(1 << 20)}
+# configs/reward-tiny-model.yaml: the tiny reward model (weight 1.0) + math_answer (weight 0.5); shared with the
+# README examples (tests/integration/conftest.py SHARED_SERVICES), with a 300000-byte body limit and 1 MiB messages.
+CONFIG = "configs/reward-tiny-model.yaml"
+MODEL_WEIGHT, MATH_WEIGHT = 1.0, 0.5
 
 ITEMS = [
     {"prompt": "what is 2 plus 3?", "response": " 5", "label": "5"},
@@ -41,10 +33,8 @@ ITEMS = [
 
 
 @pytest.fixture(scope="module")
-def reward_svc(tiny_models, tmp_path_factory):
-    d = tmp_path_factory.mktemp("reward")
-    with ServiceProc("reward", write_config(d / "reward.yaml", CONFIG), d, env=ENV) as svc:
-        yield svc
+def reward_svc(shared_services):
+    return shared_services.get("reward", CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +68,8 @@ def test_score_rest_matches_the_model_and_rules(reward_svc, tiny_models):
         want_model = direct_model_score(tiny_models, item["prompt"], item["response"])
         assert out["status"] == "ok" and out["error"] is None
         assert out["components"]["model"] == pytest.approx(want_model, abs=1e-4)
-        assert out["score"] == pytest.approx(MODEL_WEIGHT * want_model + out["components"]["math_answer"], abs=1e-6)
+        want = MODEL_WEIGHT * want_model + MATH_WEIGHT * out["components"]["math_answer"]
+        assert out["score"] == pytest.approx(want, abs=1e-6)
     assert res[0]["components"]["math_answer"] == 1.0 and res[1]["components"]["math_answer"] == 0.0
     # the unlabeled item: an error status and no score (never a silent 0); the other scorer's value is kept
     assert res[2]["status"] == "invalid_input" and res[2]["score"] is None
