@@ -91,10 +91,13 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"rlhf serve: {err}", file=sys.stderr)
         return 2
     except OSError as err:
-        if "cannot bind" in str(err):
-            print(f"rlhf serve: {err}", file=sys.stderr)
+        if "cannot bind" in str(err) or isinstance(err, FileNotFoundError):
+            print(f"rlhf serve: {args.service} failed to start: {err}", file=sys.stderr)
             return 1
         raise
+    except ValueError as err:  # a model or setting that cannot be used (named in the message)
+        print(f"rlhf serve: {args.service} failed to start: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     if getattr(module, "FAST_EXIT", False):

@@ -197,7 +197,8 @@ class ServiceRunner:
 
     async def _start_grpc(self) -> None:
         s = self.settings
-        server = grpc.aio.server(options=grpc_options(s))
+        # so_reuseport 0: a second process on the same port is an error, not a silent load-balancing partner
+        server = grpc.aio.server(options=[*grpc_options(s), ("grpc.so_reuseport", 0)])
         for add_fn, servicer in self._grpc_adders:
             if servicer is not None:
                 add_fn(servicer, server)

@@ -377,3 +377,16 @@ def test_sigterm_graceful_shutdown_of_a_real_service(start_service, tmp_path):
     assert "unknown environment variable RLHF_BOGUS_SETTING" in log
     with pytest.raises(httpx.HTTPError):
         httpx.get(svc.http_url + "/healthz", timeout=1)
+
+
+def test_port_in_use_is_a_clear_error():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        for kind in ("grpc", "http"):
+            runner = toy_runner(**{f"{kind}_port": port})
+            with pytest.raises(OSError, match=f"cannot bind {'gRPC' if kind == 'grpc' else 'HTTP'} port"):
+                asyncio.run(runner.run(install_signal_handlers=False))
