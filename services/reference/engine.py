@@ -3,7 +3,8 @@
 ``logprobs(items, temperature)`` returns, for each (prompt_ids, response_ids), ``log p_ref(response_t | prompt,
 response_<t)`` at the temperature: ``log_softmax(logits / T)`` gathered at the response tokens, with the forward
 convention of :mod:`rlhf.models` (the same one the trainer uses for the policy, so the KL terms compare like with
-like). Items are sorted by length and run in micro-batches of ``actor_rollout_ref.ref.micro_batch_size``.
+like). Items are sorted by length and run in micro-batches of ``actor_rollout_ref.ref.micro_batch_size`` rows, made
+smaller when their logits would pass ``LOGITS_BUDGET_BYTES``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from rlhf.serving import InvalidArgument, NotReady, ServiceMetrics
 log = logging.getLogger("rlhf.reference")
 
 MAX_ITEMS = 4096
+LOGITS_BUDGET_BYTES = 2 << 30
 
 
 @dataclass
@@ -145,8 +147,7 @@ class ReferenceEngine:
         order = sorted(range(len(items)), key=lambda k: len(seqs[k]))
         dev = self.model.device
         with self._lock, torch.inference_mode():
-            for s in range(0, len(order), self.micro_batch_size):
-                idx = order[s : s + self.micro_batch_size]
+            for idx in self._micro_batches(order, seqs):
                 width = max(len(seqs[k]) for k in idx)
                 batch = torch.full((len(idx), width), pad, dtype=torch.long)
                 for r, k in enumerate(idx):
@@ -159,6 +160,22 @@ class ReferenceEngine:
                     p, n = len(items[k].prompt_ids), len(items[k].response_ids)
                     out[k] = lp[r, p - 1 : p - 1 + n].tolist()
         return out
+
+    def _micro_batches(self, order: list[int], seqs: list[list[int]]) -> list[list[int]]:
+        """Consecutive groups of the length-sorted items: at most ``micro_batch_size`` rows, and (B, T, V) logits
+        within ``LOGITS_BUDGET_BYTES`` (a 128k vocabulary makes full-length logits the largest tensor by far)."""
+        per_token = max(1, self.vocab_size) * 4 * 2  # float32 logits + the log-softmax temporary
+        groups: list[list[int]] = []
+        cur: list[int] = []
+        for k in order:  # ascending length: the newest item sets the width
+            width = len(seqs[k])
+            if cur and (len(cur) >= self.micro_batch_size or (len(cur) + 1) * width * per_token > LOGITS_BUDGET_BYTES):
+                groups.append(cur)
+                cur = []
+            cur.append(k)
+        if cur:
+            groups.append(cur)
+        return groups
 
     async def logprobs(
         self, items: list[LogProbsItem], temperature: float | None = None

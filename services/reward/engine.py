@@ -46,6 +46,7 @@ class Item:
     prompt_ids: list[int] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
     finished: bool = True
+    cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # per-scorer encodings
 
 
 @dataclass
@@ -159,6 +160,12 @@ class ModelScorer(Scorer):
         return None
 
     def encode(self, it: Item) -> list[int]:
+        key = f"ids:{self.name}"
+        if key not in it.cache:
+            it.cache[key] = self._encode(it)
+        return it.cache[key]
+
+    def _encode(self, it: Item) -> list[int]:
         tok = self.tokenizer
         if not it.prompt and it.prompt_ids:  # token ids only: used as is (they must be the reward model's ids)
             return list(it.prompt_ids) + list(it.response_ids)
