@@ -341,3 +341,38 @@ def test_service_hook_scorer_errors_kept_and_invalid_jobs_dead_lettered(engine, 
         await redis.aclose()
 
     asyncio.run(body())
+
+
+def test_rollout_service_in_worker_mode(services, redis_server, tmp_path, tiny_models):
+    """The real rollout service process with RLHF_REDIS_URL set runs the worker next to its servers."""
+    from _procs import ServiceProc, write_config
+
+    from rlhf.models import load_tokenizer
+
+    tok = load_tokenizer(Path(os.environ["RLHF_CACHE_DIR"]) / "tiny" / "policy")
+    cfg = write_config(tmp_path / "rollout.yaml", {"run_id": RUN, "actor_rollout_ref": {"actor_rollout": {
+        "load": "tiny:policy", "engine": "hf"}}})  # fmt: skip
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_REPLICA_ID": "svc-0", "RLHF_DEVICE": "cpu",
+           "RLHF_REWARD_ADDR": services["reward"].grpc_addr, "RLHF_REFERENCE_ADDR": services["reference"].grpc_addr,
+           "RLHF_ROLLOUT_ENGINE": "hf", "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": "4",
+           "RLHF_SHUTDOWN_GRACE_S": "5"}  # fmt: skip
+    svc = ServiceProc("rollout", cfg, tmp_path / "logs", env=env).start(timeout=120)
+    try:
+
+        async def body():
+            redis = connect(redis_server.url)
+            await PromptQueue(redis, RUN).publish_many(_jobs(4, tok))
+            records = await _read_experience(ExperienceQueue(redis, RUN), 4, 60)
+            stats = await queue_stats(redis, RUN)
+            await redis.aclose()
+            return records, stats
+
+        records, stats = asyncio.run(body())
+        assert len(records) == 4, svc.log_tail()
+        assert {e.replica_id for _, e in records} == {"svc-0"}
+        assert all(len(e.samples) == 2 and e.samples[0].ref_logprobs for _, e in records)
+        assert (stats.prompts_pending, stats.prompts_backlog) == (0, 0)
+        svc.signal()
+        assert svc.wait(30) == 0, svc.log_tail()
+    finally:
+        svc.stop()
