@@ -390,3 +390,22 @@ def test_port_in_use_is_a_clear_error():
             runner = toy_runner(**{f"{kind}_port": port})
             with pytest.raises(OSError, match=f"cannot bind {'gRPC' if kind == 'grpc' else 'HTTP'} port"):
                 asyncio.run(runner.run(install_signal_handlers=False))
+
+
+def test_cli_help_and_client_errors(capsys, tmp_path):
+    from _procs import _free_port
+
+    from services import cli
+
+    for argv in (["--help"], ["serve", "--help"], ["score", "--help"], ["logprobs", "--help"], ["generate", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "serve" in out and "--grpc-port" in out and "/v1/score" in out and "/v1/logprobs" in out
+    assert cli.main(["score", "--url", f"http://127.0.0.1:{_free_port()}", "--prompt", "p", "--response", "r"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
+    assert cli.main(["serve", "reward", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "nosuchservice", "--config", "x"])
