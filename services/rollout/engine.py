@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from rlhf.serving.errors import FailedPrecondition, InvalidArgument
+from rlhf.serving.errors import FailedPrecondition, Internal, InvalidArgument, NotReady
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -158,7 +158,11 @@ class RolloutEngine(Protocol):
 
     async def close(self) -> None: ...
 
-    async def generate(self, prompt_token_ids: list[list[int]], params: SamplingOptions) -> list[PromptResult]: ...
+    defaults: dict[str, Any]  # sampling defaults for fields a request leaves unset
+
+    async def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingOptions, *, field: str = "prompt"
+    ) -> list[PromptResult]: ...
 
     async def swap_weights(self, tensors: dict[str, torch.Tensor], version: int, checksum: str) -> SwapResult: ...
 
@@ -267,7 +271,10 @@ class EngineBase:
         self._checksum = "initial"
         self._loaded_at_ms = 0
         self._ready = False
+        self._not_ready_reason = "the model is still loading; retry when /readyz says ready"
         self._tokenizer: Any = None
+        # sampling defaults for fields a request leaves unset (the service sets them from the experiment config)
+        self.defaults: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 16, "stop": ()}
         self._manifest: dict[str, tuple[int, ...]] = {}
         self._model_config = json.loads((self.model_path / "config.json").read_text())
         self.vocab_size = int(self._model_config["vocab_size"])
@@ -296,6 +303,11 @@ class EngineBase:
     @property
     def ready(self) -> bool:
         return self._ready
+
+    def check_ready(self) -> None:
+        """Raise NotReady (503 / UNAVAILABLE) unless the model is loaded and serving."""
+        if not self._ready:
+            raise NotReady(self._not_ready_reason)
 
     def _mark_loaded(self) -> None:
         self._loaded_at_ms = int(time.time() * 1000)
@@ -348,7 +360,7 @@ class EngineBase:
             raise InvalidArgument(f"seed must be between 0 and {MAX_SEED}, got {params.seed}", field="seed")
         longest = 0
         for i, p in enumerate(prompts):
-            where = f"{field}[{i}]" if len(prompts) > 1 else field
+            where = f"{field}[{i}]" if len(prompts) > 1 or field.endswith("s") else field  # plural: indexed
             if not p:
                 raise InvalidArgument("the prompt is empty: send at least one token (or non-empty text)", field=where)
             if len(p) >= self.max_model_len:
@@ -367,12 +379,12 @@ class EngineBase:
             params = replace(params, top_k=top_k, max_tokens=max_tokens)
         return params
 
-    async def generate(self, prompt_token_ids: list[list[int]], params: SamplingOptions) -> list[PromptResult]:
-        if not self._ready:
-            from rlhf.serving.errors import NotReady
-
-            raise NotReady("the model is still loading; retry when /readyz says ready")
-        params = self.validate(prompt_token_ids, params)
+    async def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingOptions, *, field: str = "prompt"
+    ) -> list[PromptResult]:
+        """``n`` samples for each prompt with the weights served now. ``field``: how errors name the prompts."""
+        self.check_ready()
+        params = self.validate(prompt_token_ids, params, field=field)
         async with self.gate.generation():
             version = self._version
             results = await self._generate(prompt_token_ids, params, version)
@@ -402,7 +414,14 @@ class EngineBase:
                     f"weights version {version} is not newer than the version served ({self._version})",
                     field="header.version",
                 )
-            await self._load_weights(tensors)
+            try:
+                await self._load_weights(tensors)
+            except BaseException as err:
+                # A reload that failed half-way may leave a mix of old and new weights: stop serving.
+                self._ready = False
+                self._not_ready_reason = "a weight swap failed half-way; restart this replica"
+                raise Internal(f"the weight swap to version {version} failed ({type(err).__name__}); "
+                               "this replica stopped serving and must be restarted") from err  # fmt: skip
             self._version = version
             self._checksum = checksum
             self._loaded_at_ms = int(time.time() * 1000)
@@ -419,6 +438,7 @@ class EngineBase:
 
     async def close(self) -> None:
         self._ready = False
+        self._not_ready_reason = "the rollout service is shutting down"
 
 
 def decode_text(tokenizer: Any, token_ids: list[int]) -> str:
@@ -447,6 +467,13 @@ def make_engine(
 
     kind = kind or engine_kind(cfg)
     path = resolve_model_path(cfg.actor.load)
+    engine = _build(kind, cfg, path, device, hooks, **kw)
+    engine.defaults = default_options(cfg)
+    return engine
+
+
+def _build(kind: str, cfg: ExperimentConfig, path: Path, device: str | None, hooks: EngineHooks | None,
+           **kw: Any) -> EngineBase:  # fmt: skip
     if kind == "vllm":
         from services.rollout.vllm_engine import VllmEngine
 
@@ -458,6 +485,37 @@ def make_engine(
         return HFEngine(path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, device=device or "auto",
                         hooks=hooks, **kw)  # fmt: skip
     raise ValueError(f"unknown rollout engine {kind!r}: use one of {', '.join(ENGINES)}")
+
+
+def resolve_options(
+    defaults: dict[str, Any],
+    *,
+    n: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    max_tokens: int | None = None,
+    stop: list[str] | tuple[str, ...] | None = None,
+    stop_token_ids: list[int] | tuple[int, ...] | None = None,
+    seed: int | None = None,
+    ignore_eos: bool = False,
+) -> SamplingOptions:
+    """Request values (``None``: unset) over the service's defaults -> SamplingOptions (not yet validated)."""
+
+    def pick(value: Any, key: str, fallback: Any) -> Any:
+        return value if value is not None else defaults.get(key, fallback)
+
+    return SamplingOptions(
+        n=1 if n is None else n,
+        temperature=float(pick(temperature, "temperature", 1.0)),
+        top_p=float(pick(top_p, "top_p", 1.0)),
+        top_k=int(pick(top_k, "top_k", -1)),
+        max_tokens=int(pick(max_tokens, "max_tokens", 16)),
+        stop=tuple(pick(stop, "stop", ())),
+        stop_token_ids=tuple(stop_token_ids or ()),
+        seed=seed,
+        ignore_eos=bool(ignore_eos),
+    )
 
 
 def default_options(cfg: ExperimentConfig) -> dict[str, Any]:
@@ -489,4 +547,5 @@ __all__ = [
     "engine_kind",
     "make_engine",
     "read_checkpoint_manifest",
+    "resolve_options",
 ]

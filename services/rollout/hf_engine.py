@@ -57,6 +57,7 @@ class _Row:
     finish: str | None = None
     stop_reason: int | str | None = None
     text: str | None = None
+    forced: list[int] | None = None  # teacher forcing (score_tokens): take these tokens instead of sampling
 
 
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
@@ -209,6 +210,21 @@ class HFEngine(EngineBase):
             for p, prow in zip(prompts, rows, strict=True)
         ]
 
+    async def score_tokens(self, prompt: list[int], tokens: list[int], params: SamplingOptions) -> list[float]:
+        """The sampling log-probs this engine reports for ``tokens`` after ``prompt`` under ``params`` (temperature,
+        top-k/top-p), by teacher forcing through the same batched decode loop (the cross-engine check uses it)."""
+        self.check_ready()
+        assert self._queue is not None
+        if not tokens:
+            return []
+        loop = asyncio.get_running_loop()
+        row = _Row(prompt=list(prompt), opts=params, seed=0, future=loop.create_future(), loop=loop,
+                   forced=list(tokens))  # fmt: skip
+        async with self.gate.generation():
+            self._queue.put_nowait(row)
+            await row.future
+        return row.logprobs
+
     # ------------------------------------------------------------------------------------------------ decoding
 
     @torch.inference_mode()
@@ -241,7 +257,8 @@ class HFEngine(EngineBase):
             gens.append(g)
         stop_ids = [set(r.opts.stop_token_ids) | (set() if r.opts.ignore_eos or self.eos_token_id is None
                                                   else {self.eos_token_id}) for r in rows]  # fmt: skip
-        budgets = [min(r.opts.max_tokens, self.max_model_len - len(r.prompt)) for r in rows]
+        budgets = [len(r.forced) if r.forced is not None else min(r.opts.max_tokens, self.max_model_len - len(r.prompt))
+                   for r in rows]  # fmt: skip
         active = [True] * B
         steps = max(budgets)
         past = None
@@ -262,6 +279,9 @@ class HFEngine(EngineBase):
                     q[i].fill_(1.0)
             sampled = (probs / q).argmax(dim=-1)
             tok = torch.where(greedy, logits.argmax(dim=-1), sampled)
+            for i, r in enumerate(rows):
+                if r.forced is not None and active[i]:
+                    tok[i] = r.forced[len(r.tokens)]
             # log_softmax(masked logits / T) at the token: the distribution sampled from (temperature 1 if greedy)
             lp = logprobs_from_logits(masked, tok, 1.0)
             tok_l, lp_l = tok.tolist(), lp.tolist()
@@ -270,7 +290,10 @@ class HFEngine(EngineBase):
                     continue
                 r.tokens.append(tok_l[i])
                 r.logprobs.append(lp_l[i])
-                if tok_l[i] in stop_ids[i]:
+                if r.forced is not None:
+                    if len(r.tokens) >= budgets[i]:
+                        r.finish = "length"
+                elif tok_l[i] in stop_ids[i]:
                     r.finish = "stop"
                     r.stop_reason = tok_l[i] if tok_l[i] in r.opts.stop_token_ids else None  # None: EOS
                 elif r.opts.stop and self._hit_stop_string(r):

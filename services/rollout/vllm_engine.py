@@ -29,6 +29,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -55,6 +56,9 @@ def set_vllm_env_defaults(device: str | None = None) -> None:
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # enforce_eager runs the model eagerly, but vLLM still torch.compile()s a sampler helper on the first request
+        # with log-probs: 20-60 s of inductor work on a 2-core machine, for nothing measurable at this size.
+        os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -137,6 +141,10 @@ class VllmEngine(EngineBase):
         from rlhf.models import load_tokenizer
 
         loop = asyncio.get_running_loop()
+        if os.environ.get("TORCH_COMPILE_DISABLE") == "1":  # also when torch was imported before the variable was set
+            import torch._dynamo
+
+            torch._dynamo.config.disable = True
         self._manifest = await asyncio.to_thread(read_checkpoint_manifest, self.model_path)
         self._tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
         if self.mode == "inproc":
@@ -155,6 +163,7 @@ class VllmEngine(EngineBase):
 
     async def close(self) -> None:
         await super().close()
+        t0 = time.perf_counter()
         if self._thread is not None:
             self._cmds.put(("stop",))
             await asyncio.to_thread(self._thread.join, 30)
@@ -162,6 +171,7 @@ class VllmEngine(EngineBase):
         if self._async is not None:
             eng, self._async = self._async, None
             await asyncio.to_thread(eng.shutdown)
+        log.info("vLLM engine (%s) closed in %.2fs", self.mode, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------------------------------ inproc driver
 

@@ -1,0 +1,115 @@
+"""rlhf.v1.RolloutService over the engine: proto <-> engine types; errors and metrics through rlhf.serving.
+
+- ``Generate``: prompts as text (tokenized by the served model's tokenizer, no chat template) or token ids; fields a
+  request leaves unset take the service's defaults (the experiment config's ``actor_rollout``).
+- ``UpdateWeights``: token-protected (metadata ``authorization: Bearer <RLHF_API_TOKEN>``, checked before any weight
+  byte is read). The stream is staged and verified by :mod:`rlhf.transport.weightsync` (manifest checksum, per-bucket
+  sha256, complete stream, a version newer than the one served); only then does the engine swap it in, between
+  generation steps. A cut, corrupt, stale or mismatched update is refused and the old weights keep serving.
+- ``GetWeightsVersion``: the version served now, its checksum, when it was loaded, the model.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from rlhf.serving import InvalidArgument, ServiceMetrics, ServiceSettings, grpc_errors, require_grpc_token
+from rlhf.transport.weightsync import WeightReceiver
+from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
+from services.rollout.engine import EngineBase, SamplingOptions, resolve_options
+
+SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+
+FINISH_TO_PROTO = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def options_from_proto(p: common_pb2.SamplingParams, defaults: dict[str, Any]) -> SamplingOptions:
+    """proto SamplingParams (0 / unset: default) -> SamplingOptions."""
+    return resolve_options(
+        defaults,
+        n=p.n or 1,
+        temperature=p.temperature if p.HasField("temperature") else None,
+        top_p=p.top_p if p.HasField("top_p") else None,
+        top_k=(p.top_k if p.top_k > 0 else -1) if p.HasField("top_k") else None,
+        max_tokens=p.max_tokens or None,
+        stop=list(p.stop) or None,
+        stop_token_ids=list(p.stop_token_ids),
+        seed=p.seed if p.HasField("seed") else None,
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def prompt_ids_from_proto(engine: EngineBase, prompts: Any) -> list[list[int]]:
+    engine.check_ready()  # the tokenizer comes with the model
+    out = []
+    for i, p in enumerate(prompts):
+        kind = p.WhichOneof("content")
+        if kind == "token_ids":
+            out.append(list(p.token_ids.ids))
+        elif kind == "text":
+            if not p.text:
+                raise InvalidArgument("the prompt text is empty", field=f"prompts[{i}].text")
+            out.append(list(engine.tokenizer.encode(p.text)))
+        else:
+            raise InvalidArgument("the prompt has neither text nor token_ids: set one", field=f"prompts[{i}]")
+    return out
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    def __init__(self, engine: EngineBase, settings: ServiceSettings, metrics: ServiceMetrics):
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.receiver = WeightReceiver(current_version=engine.weights_version, checksum=engine.weights_checksum)
+
+    @grpc_errors("Generate")
+    async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:  # noqa: N802
+        prompts = prompt_ids_from_proto(self.engine, request.prompts)
+        opts = options_from_proto(request.params, self.engine.defaults)
+        self.metrics.observe_batch("Generate", len(prompts) * max(1, opts.n))
+        results = await self.engine.generate(prompts, opts, field="prompts")
+        resp = rollout_pb2.GenerateResponse(
+            request_id=request.request_id or f"gen-{uuid.uuid4().hex}", policy_version=self.engine.weights_version
+        )
+        for r in results:
+            pr = resp.results.add(prompt_token_ids=r.prompt_token_ids)
+            for s in r.samples:
+                pr.completions.add(
+                    token_ids=s.token_ids,
+                    logprobs=s.logprobs,
+                    finish_reason=FINISH_TO_PROTO.get(s.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED),
+                    text=s.text,
+                    policy_version=s.policy_version,
+                )
+        return resp
+
+    @grpc_errors("UpdateWeights")
+    async def UpdateWeights(self, request_iterator, context) -> weights_pb2.UpdateWeightsResponse:  # noqa: N802
+        require_grpc_token(context, self.settings)
+        # the engine is the source of truth for the served version (the receiver refuses anything not newer)
+        self.receiver.current_version = self.engine.weights_version
+        staged = await self.receiver.receive(request_iterator)  # raises: nothing staged, the old weights serve
+        result = await self.engine.swap_weights(staged.tensors, staged.version, staged.checksum)
+        self.receiver.commit(staged)
+        return weights_pb2.UpdateWeightsResponse(
+            version=result.version,
+            swapped=result.swapped,
+            bytes_received=staged.nbytes,
+            checksum=result.checksum,
+            stage_seconds=staged.seconds,
+            swap_seconds=result.swap_seconds,
+        )
+
+    @grpc_errors("GetWeightsVersion")
+    async def GetWeightsVersion(self, request, context) -> weights_pb2.WeightsVersion:  # noqa: N802
+        return weights_pb2.WeightsVersion(
+            version=self.engine.weights_version,
+            checksum=self.engine.weights_checksum,
+            loaded_at_unix_ms=self.engine.loaded_at_unix_ms,
+            model=self.engine.model_name,
+        )

@@ -1,0 +1,73 @@
+"""``rlhf serve rollout``: settings + config -> engine -> gRPC and HTTP servers (+ the Redis worker when configured).
+
+Both servers bind first (``/healthz`` answers, ``/readyz`` says 503 and gRPC health NOT_SERVING); the engine loads
+the model (vLLM: about 5-20 s on CPU); only then is the service ready. With ``RLHF_REDIS_URL`` set, the rollout
+worker (:mod:`services.rollout.worker`) also pulls prompt jobs from the queue, sharing the engine with REST and gRPC
+clients (all their requests are batched together).
+
+The engine: ``actor_rollout_ref.actor_rollout.engine`` (``vllm`` | ``hf``), overridden by ``RLHF_ROLLOUT_ENGINE``;
+the device (``hf``): ``RLHF_DEVICE`` / ``--device`` (default auto).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rlhf.config import load_config
+from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings, register_env_var
+from rlhf.v1 import rollout_pb2_grpc
+from services.rollout.engine import ENGINE_ENV_VAR, EngineHooks, engine_kind, make_engine
+from services.rollout.grpc_servicer import SERVICE_NAME, RolloutServicer
+from services.rollout.http_app import build_app
+from services.rollout.worker import maybe_start_worker  # at import: registers the RLHF_ROLLOUT_* variables
+
+register_env_var(ENGINE_ENV_VAR)
+
+log = logging.getLogger("rlhf.rollout")
+
+# `rlhf serve` may skip interpreter finalisation after serve() returns: the engine is closed by then (the vLLM engine
+# thread joined, an AsyncLLM engine-core subprocess shut down) and nothing relies on atexit hooks.
+FAST_EXIT = True
+
+
+def engine_hooks(metrics: ServiceMetrics) -> EngineHooks:
+    """Engine observations -> Prometheus: sequences per engine step (``rlhf_batch_size{method="engine_step"}``),
+    prompt and generated tokens (``rlhf_tokens_total{kind}``)."""
+    return EngineHooks(
+        on_step=lambda n: metrics.observe_batch("engine_step", n),
+        on_tokens=metrics.add_tokens,
+    )
+
+
+async def serve(config_path: str, settings: ServiceSettings) -> None:
+    cfg = load_config(config_path)
+    kind = engine_kind(cfg)
+    if kind == "vllm":
+        from services.rollout.vllm_engine import set_vllm_env_defaults
+
+        set_vllm_env_defaults(settings.device)
+    metrics = ServiceMetrics("rollout")
+    engine = make_engine(cfg, kind=kind, device=settings.device, hooks=engine_hooks(metrics))
+    runner = ServiceRunner("rollout", settings, metrics)
+    runner.add_grpc(
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+        [SERVICE_NAME],
+        RolloutServicer(engine, settings, metrics),
+    )
+    runner.set_http_app(build_app(engine, settings, metrics))
+    runner.add_readiness_check(lambda: engine.ready)
+    worker = None
+
+    async def startup() -> None:
+        nonlocal worker
+        await engine.start()
+        log.info("rollout: %s engine serving %s (weights version %d)", engine.kind, engine.model_name,
+                 engine.weights_version)  # fmt: skip
+        worker = maybe_start_worker(engine, settings, cfg, metrics=metrics)
+
+    async def shutdown() -> None:
+        if worker is not None:
+            await worker.aclose()
+        await engine.close()
+
+    await runner.run(startup=startup, shutdown=shutdown)
