@@ -210,8 +210,9 @@ class ServiceRunner:
                 add_fn(server)
         self._health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self._health_status = health_pb2.HealthCheckResponse.NOT_SERVING
+        hc = health_pb2.HealthCheckResponse
+        self._health_status = hc.SERVING if self._ready else hc.NOT_SERVING  # set_ready() may have come first
+        await self._set_health(self._health_status)
         addr = f"[{s.host}]:{s.grpc_port}" if ":" in s.host else f"{s.host}:{s.grpc_port}"
         try:
             if s.tls:
