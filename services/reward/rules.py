@@ -189,7 +189,18 @@ def format_check(prompt: str, response: str, label: str | None, *, kind: str = "
     raise ValueError(f"format: kind must be boxed, number, think or json, got {kind!r}")
 
 
+def char_fraction(prompt: str, response: str, label: str | None, *, chars: str = "0123456789") -> float:
+    """Fraction of the response's non-space characters that are in ``chars`` (digits by default), in [0, 1].
+
+    A dense, smooth signal: the demo uses it so that a random tiny policy starts low and PPO visibly raises it."""
+    text = "".join(response.split())
+    if not text:
+        return 0.0
+    return sum(1 for c in text if c in chars) / len(text)
+
+
 RULES: dict[str, RuleFn] = {
+    "char_fraction": char_fraction,
     "math_answer": math_answer,
     "exact_match": exact_match,
     "regex": regex,
