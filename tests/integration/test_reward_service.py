@@ -336,6 +336,10 @@ def test_rules():
     assert all(a < b for a, b in zip(vals[:16], vals[1:17], strict=True))
     assert all(a > b for a, b in zip(vals[16:-1], vals[17:], strict=True))
     assert not math.isclose(vals[0], vals[1])
+    # char_fraction (the demo's reward): digits among non-space characters
+    assert rules.char_fraction("", " 12 ab", None) == 0.5
+    assert rules.char_fraction("", "   ", None) == 0.0
+    assert rules.char_fraction("", "xyz", None, chars="xy") == 2 / 3
 
 
 def test_user_rule_and_bad_rule_config(tmp_path, monkeypatch):
