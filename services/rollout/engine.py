@@ -369,9 +369,13 @@ class EngineBase:
                     f"{self.max_model_len - 1} prompt tokens leave room for one new token",
                     field=where,
                 )
-            bad = next((t for t in p if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
+            bad = next((j for j, t in enumerate(p) if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
             if bad is not None:
-                raise InvalidArgument(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", field=where)
+                raise InvalidArgument(
+                    f"token id {p[bad]} is outside the vocabulary [0, {self.vocab_size}): send ids of the policy's "
+                    "tokenizer",
+                    field=f"{where}[{bad}]",
+                )
             longest = max(longest, len(p))
         top_k = params.top_k if 0 < params.top_k < self.vocab_size else -1
         max_tokens = min(params.max_tokens, self.max_model_len - longest)

@@ -233,17 +233,18 @@ class VllmEngine(EngineBase):
 
     def _command(self, llm: Any, cmd: tuple) -> None:
         kind = cmd[0]
-        if kind == "add":
-            _, rid, prompt, sp, loop, fut = cmd
-            try:
-                llm.add_request(rid, {"prompt_token_ids": prompt}, sp)  # outputs carry this (external) id
-                self._futures[rid] = (loop, fut)
-            except BaseException as err:  # noqa: BLE001 - reported to the caller
-                self._resolve(loop, fut, error=err)
+        if kind == "add":  # all prompts of one request join the batch in the same step
+            _, items, sp, loop, futs = cmd
+            for (rid, prompt), fut in zip(items, futs, strict=True):
+                try:
+                    llm.add_request(rid, {"prompt_token_ids": prompt}, sp)  # outputs carry this (external) id
+                    self._futures[rid] = (loop, fut)
+                except BaseException as err:  # noqa: BLE001 - reported to the caller
+                    self._resolve(loop, fut, error=err)
         elif kind == "abort":
-            rid = cmd[1]
-            if self._futures.pop(rid, None) is not None:
-                llm.abort_request([rid])
+            rids = [rid for rid in cmd[1] if self._futures.pop(rid, None) is not None]
+            if rids:
+                llm.abort_request(rids)
         elif kind == "call":
             _, fn, loop, fut = cmd
             try:
@@ -260,7 +261,10 @@ class VllmEngine(EngineBase):
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 break
-            if cmd[0] in ("add", "call"):
+            if cmd[0] == "add":
+                for fut in cmd[-1]:
+                    self._resolve(cmd[-2], fut, error=err)
+            elif cmd[0] == "call":
                 self._resolve(cmd[-2], cmd[-1], error=err)
 
     def _check_alive(self) -> None:
@@ -275,16 +279,20 @@ class VllmEngine(EngineBase):
         self._cmds.put(("call", fn, loop, fut))
         return await fut
 
-    async def _submit(self, prompt: list[int], sp: Any) -> Any:
+    async def _submit_many(self, prompts: list[list[int]], sp: Any) -> list[Any]:
+        """One vLLM request per prompt, added to the engine together (so they share the same steps)."""
         self._check_alive()
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        rid = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        self._cmds.put(("add", rid, prompt, sp, loop, fut))
+        tag = uuid.uuid4().hex[:8]
+        items = [(f"r{next(self._ids)}-{tag}", p) for p in prompts]
+        futs = [loop.create_future() for _ in prompts]
+        self._cmds.put(("add", items, sp, loop, futs))
         try:
-            return await fut
-        except asyncio.CancelledError:
-            self._cmds.put(("abort", rid))
+            return list(await asyncio.gather(*futs))
+        except BaseException:
+            for f in futs:
+                f.cancel()
+            self._cmds.put(("abort", [rid for rid, _ in items]))
             raise
 
     async def _submit_async(self, prompt: list[int], sp: Any) -> Any:
@@ -322,14 +330,16 @@ class VllmEngine(EngineBase):
 
     async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
         sp = self._sampling_params(params)
-        submit = self._submit if self.mode == "inproc" else self._submit_async
-        tasks = [asyncio.ensure_future(submit(p, sp)) for p in prompts]
-        try:
-            outs = await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
+        if self.mode == "inproc":
+            outs = await self._submit_many(prompts, sp)
+        else:
+            tasks = [asyncio.ensure_future(self._submit_async(p, sp)) for p in prompts]
+            try:
+                outs = await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                raise
         results = []
         for prompt, out in zip(prompts, outs, strict=True):
             samples = []

@@ -1,0 +1,274 @@
+"""The rollout engines in-process: the hf engine's sampling (seeds, n, stops, greedy, top-k/top-p, log-probs against
+a full forward), its batching of concurrent requests, the swap gate (requests in flight finish on the old weights,
+versions only go forward, mismatched state dicts are refused before anything changes), request validation, the
+engine choice (config vs ``RLHF_ROLLOUT_ENGINE``). The vLLM engine runs in test_rollout_service.py (as the service);
+its ``AsyncLLM`` driver (engine core in a subprocess) runs here when ``RLHF_TEST_VLLM_ASYNC=1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from rlhf.serving.errors import FailedPrecondition, InvalidArgument
+from services.rollout.engine import EngineHooks, SamplingOptions, SwapGate, engine_kind
+
+PROMPTS = [[2, 5, 6, 7], [2, 40, 41], [2, 100, 101, 102, 103, 104, 105, 106]]
+
+
+@pytest.fixture(scope="module")
+def state(tiny_models):
+    from safetensors.torch import load_file
+
+    return load_file(str(tiny_models.policy / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def forward(tiny_models):
+    from rlhf.algo import logprobs_from_logits
+    from rlhf.models import causal_lm_logits, load_causal_lm
+
+    model = load_causal_lm(tiny_models.policy).eval()
+
+    def logprobs(prompt, tokens, temperature=1.0, weights=None):
+        if weights is not None:
+            model.load_state_dict(weights)
+        with torch.no_grad():
+            logits = causal_lm_logits(model, torch.tensor([prompt + tokens]), pad_token_id=0)[0]
+        return logprobs_from_logits(logits[len(prompt) - 1 : -1], torch.tensor(tokens), temperature).tolist()
+
+    return logprobs
+
+
+def run_hf(tiny_models, body, **kw):
+    """Start an hf engine, run ``await body(engine)``, close it."""
+    from services.rollout.hf_engine import HFEngine
+
+    async def main():
+        eng = HFEngine(tiny_models.policy, "tiny:policy", device="cpu", **kw)
+        await eng.start()
+        try:
+            return await body(eng)
+        finally:
+            await eng.close()
+
+    return asyncio.run(main())
+
+
+def test_hf_sampling_seeds_n_and_logprobs(tiny_models, forward):
+    steps: list[int] = []
+
+    async def body(eng):
+        o = SamplingOptions(n=3, max_tokens=10, seed=5, temperature=0.7, ignore_eos=True)
+        alone = await eng.generate(PROMPTS[:1], o)
+        # the same request while other requests share the batch: the same samples
+        crowd = await asyncio.gather(
+            eng.generate(PROMPTS[:1], o),
+            *(eng.generate([p], SamplingOptions(max_tokens=10, seed=i)) for i, p in enumerate(PROMPTS * 4)),
+        )
+        other = await eng.generate(PROMPTS[:1], SamplingOptions(n=3, max_tokens=10, seed=6, temperature=0.7))
+        greedy = await eng.generate(PROMPTS, SamplingOptions(n=2, max_tokens=6, temperature=0.0))
+        return alone, crowd[0], other, greedy
+
+    alone, crowd, other, greedy = run_hf(tiny_models, body, hooks=EngineHooks(on_step=steps.append))
+    toks = [s.token_ids for s in alone[0].samples]
+    assert toks == [s.token_ids for s in crowd[0].samples]
+    assert toks != [s.token_ids for s in other[0].samples]
+    assert len({tuple(t) for t in toks}) == 3 and all(len(t) == 10 for t in toks)
+    assert max(steps) > 1, "concurrent requests were not decoded together"
+    worst = 0.0
+    for s in alone[0].samples:
+        ref = forward(PROMPTS[0], s.token_ids, 0.7)
+        worst = max(worst, max(abs(a - b) for a, b in zip(s.logprobs, ref, strict=True)))
+        assert s.policy_version == 0 and s.finish_reason == "length"
+    assert worst < 1e-4, worst
+    for prompt, r in zip(PROMPTS, greedy, strict=True):  # greedy: argmax, log_softmax at temperature 1
+        a, b = r.samples
+        assert a.token_ids == b.token_ids
+        ref = forward(prompt, a.token_ids, 1.0)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, ref, strict=True)) < 1e-4
+
+
+def test_hf_stops_and_lengths(tiny_models):
+    async def body(eng):
+        o = SamplingOptions(max_tokens=16, seed=3, ignore_eos=True)
+        base = (await eng.generate(PROMPTS[:1], o))[0].samples[0]
+        stop_id = base.token_ids[4]
+        by_id = await eng.generate(PROMPTS[:1], replace(o, stop_token_ids=(stop_id,)))
+        near_end = await eng.generate([[5] * 508], o)
+        m = re.search(r"[A-Za-z0-9]{2}", base.text[1:])
+        assert m, base.text
+        by_text = await eng.generate(PROMPTS[:1], replace(o, stop=(m.group(0),)))
+        return base, by_id[0].samples[0], near_end[0].samples[0], by_text[0].samples[0], m.group(0)
+
+    base, by_id, near_end, by_text, stop = run_hf(tiny_models, body)
+    cut = base.token_ids.index(base.token_ids[4]) + 1  # the first occurrence, the stop token included
+    assert by_id.token_ids == base.token_ids[:cut] and by_id.finish_reason == "stop"
+    assert by_id.stop_reason == base.token_ids[4] and by_id.logprobs == base.logprobs[:cut]
+    assert near_end.finish_reason == "length" and len(near_end.token_ids) == 512 - 508  # the context ends first
+    assert by_text.finish_reason == "stop" and by_text.stop_reason == stop
+    assert by_text.text == base.text[: base.text.find(stop)]
+    assert by_text.token_ids == base.token_ids[: len(by_text.token_ids)]
+
+
+def test_hf_truncated_logprobs_match_a_masked_forward(tiny_models, forward):
+    """top-k/top-p: the reported log-prob is that of the renormalised truncated distribution (>= untruncated)."""
+    from services.rollout.hf_engine import apply_top_k_top_p
+
+    async def body(eng):
+        o = SamplingOptions(n=2, max_tokens=12, seed=8, temperature=0.9, top_k=30, top_p=0.8, ignore_eos=True)
+        return (await eng.generate(PROMPTS[:1], o))[0].samples
+
+    samples = run_hf(tiny_models, body)
+    for s in samples:
+        full = forward(PROMPTS[0], s.token_ids, 0.9)
+        assert all(a >= b - 1e-6 for a, b in zip(s.logprobs, full, strict=True))
+        assert any(a > b + 1e-3 for a, b in zip(s.logprobs, full, strict=True))
+    # the masks: top-k keeps the k largest (ties included), top-p the smallest nucleus reaching p (at least one token)
+    logits = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.0, 0.0, 10.0, 0.0]])
+    out = apply_top_k_top_p(logits, torch.tensor([2, 4]), torch.tensor([1.0, 0.5]))
+    assert torch.isinf(out).tolist() == [[False, True, False, True], [True, True, False, True]]
+
+
+def test_swap_gate_drains_requests_in_flight(tiny_models, state, forward):
+    """A swap waits for the requests in flight (they finish on the old weights, tagged with the old version) and new
+    requests wait for the swap; versions only go forward; a mismatched state dict is refused before anything changes."""
+    g = torch.Generator().manual_seed(1)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+    async def body(eng):
+        o = SamplingOptions(n=4, max_tokens=200, seed=2, ignore_eos=True)
+        long = asyncio.create_task(eng.generate(PROMPTS[:1], o))
+        await asyncio.sleep(0.05)
+        assert eng.gate.active == 1
+        swap = asyncio.create_task(eng.swap_weights(new, 1, "c1"))
+        await asyncio.sleep(0.05)
+        late = asyncio.create_task(eng.generate(PROMPTS[:1], SamplingOptions(max_tokens=4, seed=1)))
+        first = await long
+        assert not late.done()
+        result = await swap
+        after = await late
+        with pytest.raises(FailedPrecondition):
+            await eng.swap_weights(state, 1, "again")
+        bad = dict(state)
+        bad["lm_head.weight"] = torch.zeros(2, 2)
+        with pytest.raises(InvalidArgument):
+            await eng.swap_weights(bad, 2, "bad")
+        with pytest.raises(InvalidArgument):
+            await eng.swap_weights({k: v for k, v in state.items() if k != "lm_head.weight"}, 2, "missing")
+        return first, result, after, eng.weights_version, eng.weights_checksum
+
+    first, result, after, version, checksum = run_hf(tiny_models, body)
+    assert result.swapped and result.version == 1 and result.wait_seconds > 0
+    assert (version, checksum) == (1, "c1")
+    assert all(s.policy_version == 0 for s in first[0].samples) and after[0].samples[0].policy_version == 1
+    old = forward(PROMPTS[0], first[0].samples[0].token_ids, 1.0, weights=state)
+    assert max(abs(a - b) for a, b in zip(first[0].samples[0].logprobs, old, strict=True)) < 1e-4
+    new_lp = forward(PROMPTS[0], after[0].samples[0].token_ids, 1.0, weights=new)
+    assert max(abs(a - b) for a, b in zip(after[0].samples[0].logprobs, new_lp, strict=True)) < 1e-4
+    forward(PROMPTS[0], [5], 1.0, weights=state)  # leave the shared model as it was
+
+
+def test_swap_gate_order():
+    async def main():
+        gate, log = SwapGate(), []
+
+        async def gen(name, hold):
+            async with gate.generation():
+                log.append(f"{name}+")
+                await asyncio.sleep(hold)
+                log.append(f"{name}-")
+
+        async def swap():
+            async with gate.exclusive():
+                log.append("swap")
+
+        a = asyncio.create_task(gen("a", 0.05))
+        await asyncio.sleep(0.01)
+        s = asyncio.create_task(swap())
+        await asyncio.sleep(0.01)
+        b = asyncio.create_task(gen("b", 0.0))
+        await asyncio.gather(a, s, b)
+        return log
+
+    assert asyncio.run(main()) == ["a+", "a-", "swap", "b+", "b-"]
+
+
+def test_validation_names_the_field(tiny_models):
+    from services.rollout.hf_engine import HFEngine
+
+    eng = HFEngine(tiny_models.policy, "tiny:policy", device="cpu")
+    ok = SamplingOptions()
+    cases = [
+        ([[]], ok, "prompt"),
+        ([[2, 512]], ok, "prompt[1]"),
+        ([[2], [2, -1]], ok, "prompt[1][1]"),
+        ([[5] * 512], ok, "prompt"),
+        ([[2]], SamplingOptions(max_tokens=0), "max_tokens"),
+        ([[2]], SamplingOptions(max_tokens=512), "max_tokens"),
+        ([[2]], SamplingOptions(n=0), "n"),
+        ([[2]], SamplingOptions(temperature=2.5), "temperature"),
+        ([[2]], SamplingOptions(top_p=0.0), "top_p"),
+        ([[2]], SamplingOptions(top_k=-5), "top_k"),
+        ([[2]], SamplingOptions(stop=("",)), "stop[0]"),
+        ([[2]], SamplingOptions(stop_token_ids=(512,)), "stop_token_ids[0]"),
+        ([[2]], SamplingOptions(seed=-1), "seed"),
+        ([], ok, "prompt"),
+    ]
+    for prompts, opts, field in cases:
+        with pytest.raises(InvalidArgument) as info:
+            eng.validate(prompts, opts)
+        assert info.value.field == field, (prompts, opts, info.value)
+    # max_tokens is cut to the context left; top_k >= vocab is off
+    v = eng.validate([[5] * 500], SamplingOptions(max_tokens=100, top_k=600))
+    assert (v.max_tokens, v.top_k) == (12, -1)
+
+
+def test_engine_choice_from_config_and_env():
+    from rlhf.config import parse_config
+
+    cfg = parse_config({"actor_rollout_ref": {"actor_rollout": {"engine": "hf"}}})
+    assert engine_kind(cfg, env={}) == "hf"
+    assert engine_kind(cfg, env={"RLHF_ROLLOUT_ENGINE": "vllm"}) == "vllm"
+    with pytest.raises(ValueError, match="RLHF_ROLLOUT_ENGINE"):
+        engine_kind(cfg, env={"RLHF_ROLLOUT_ENGINE": "tgi"})
+    import services.rollout.main  # noqa: F401  (registers the variable)
+    from rlhf.serving.settings import KNOWN_ENV_VARS
+
+    assert "RLHF_ROLLOUT_ENGINE" in KNOWN_ENV_VARS
+
+
+@pytest.mark.skipif(os.environ.get("RLHF_TEST_VLLM_ASYNC") != "1", reason="set RLHF_TEST_VLLM_ASYNC=1 (~40 s)")
+def test_vllm_async_driver_generates_and_reloads(tiny_models, state):
+    """vLLM's AsyncLLM (engine core in a subprocess): generation and the worker-extension weight reload by name."""
+    from services.rollout.vllm_engine import VllmEngine
+
+    async def main():
+        for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
+            os.environ.setdefault(k, v)  # read by the engine-core subprocess
+        eng = VllmEngine(tiny_models.policy, "tiny:policy", mode="async")
+        await eng.start()
+        try:
+            o = SamplingOptions(n=2, max_tokens=8, seed=1)
+            a = await eng.generate(PROMPTS, o)
+            g = torch.Generator().manual_seed(0)
+            await eng.swap_weights({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}, 1, "p")
+            b = await eng.generate(PROMPTS, o)
+            await eng.swap_weights(state, 2, "o")
+            c = await eng.generate(PROMPTS, o)
+            return a, b, c
+        finally:
+            await eng.close()
+
+    a, b, c = asyncio.run(main())
+
+    def flat(rs):
+        return [(s.token_ids, s.logprobs) for r in rs for s in r.samples]
+
+    assert flat(a) != flat(b) and flat(a) == flat(c)
+    assert all(s.policy_version == 2 for r in c for s in r.samples)

@@ -1,0 +1,555 @@
+"""The rollout service as a real process (``rlhf serve rollout --config configs/demo.yaml``, vLLM engine on the tiny
+policy): REST and gRPC generation, bad input refused naming the field (and the service keeps serving), 32 concurrent
+requests batched together, the cross-engine check of sampling log-probs (vLLM service vs the hf engine vs a full
+forward), weight sync (perturbed weights change the outputs; the original weights give identical tokens and
+log-probs again; cut, corrupt, stale, unauthenticated or mismatched updates are refused and the old weights keep
+serving; a swap waits for requests in flight), and the README's Rollout examples.
+
+One service process for the whole module (vLLM start-up is the expensive part).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+import torch
+from _procs import REPO, ServiceProc
+
+from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
+
+CONFIG = "configs/demo.yaml"  # engine vllm, temperature 1.0, max_new_tokens 16 (also what the README uses)
+TOKEN = "rollout-test-token"
+PROMPTS = [[2, 5, 6, 7], [2, 40, 41], [2, 100, 101, 102, 103, 104, 105, 106]]
+# Cross-engine tolerance on per-token log-probs (float32 on CPU; values around -6). ENVIRONMENT.md saw 6e-6 for vLLM
+# vs transformers at temperature 1; the measured maxima are printed (run with -s).
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def svc(tiny_models, tmp_path_factory):
+    proc = ServiceProc("rollout", REPO / CONFIG, tmp_path_factory.mktemp("rollout"), env={"RLHF_API_TOKEN": TOKEN})
+    proc.start(timeout=240)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(svc):
+    ch = grpc.insecure_channel(svc.grpc_addr)
+    yield rollout_pb2_grpc.RolloutServiceStub(ch)
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    from rlhf.models import load_tokenizer
+
+    return load_tokenizer(tiny_models.policy)
+
+
+@pytest.fixture(scope="module")
+def policy_state(tiny_models):
+    from safetensors.torch import load_file
+
+    return load_file(str(tiny_models.policy / "model.safetensors"))
+
+
+def post(svc, path: str, body: dict, status: int = 200) -> dict:
+    r = httpx.post(svc.http_url + path, json=body, timeout=120)
+    assert r.status_code == status, r.text
+    return r.json()
+
+
+def served_version(svc) -> int:
+    return httpx.get(svc.http_url + "/v1/weights/version").json()["version"]
+
+
+def generate(svc, prompts=PROMPTS, **params) -> dict:
+    return post(svc, "/v1/generate", {"prompt_token_ids": prompts, **params})
+
+
+def samples_of(body: dict) -> list[tuple[list[int], list[float]]]:
+    return [(c["token_ids"], c["logprobs"]) for r in body["results"] for c in r["completions"]]
+
+
+def same_samples(a: dict, b: dict, tol: float = 1e-5) -> bool:
+    """Same tokens, log-probs within ``tol``: vLLM is not batch-invariant, so the same request decoded in a batch of
+    another shape can differ in the last float bits."""
+    sa, sb = samples_of(a), samples_of(b)
+    return len(sa) == len(sb) and all(
+        ta == tb and max((abs(x - y) for x, y in zip(la, lb, strict=True)), default=0.0) <= tol
+        for (ta, la), (tb, lb) in zip(sa, sb, strict=True)
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ REST / gRPC
+
+
+def test_completions_text_and_token_prompts(svc, tokenizer):
+    text = "User: what is 1 plus 2?\nAssistant:"
+    body = post(svc, "/v1/completions", {"model": "tiny:policy", "prompt": text, "max_tokens": 8, "logprobs": 1,
+                                         "return_token_ids": True, "seed": 7})  # fmt: skip
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "tiny:policy"
+    (choice,) = body["choices"]
+    assert choice["prompt_token_ids"] == tokenizer.encode(text)
+    ids, lp = choice["token_ids"], choice["logprobs"]
+    assert 1 <= len(ids) <= 8 and len(lp["token_logprobs"]) == len(ids) == len(lp["tokens"])
+    assert all(x <= 0 for x in lp["token_logprobs"])
+    assert choice["finish_reason"] in ("stop", "length")
+    assert choice["policy_version"] == body["policy_version"] == served_version(svc)
+    u = body["usage"]
+    assert (u["prompt_tokens"], u["completion_tokens"]) == (len(choice["prompt_token_ids"]), len(ids))
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+
+    # a list of token-id prompts, n=2: choices are prompt-major; without logprobs/return_token_ids they are null
+    body = post(svc, "/v1/completions", {"prompt": PROMPTS[:2], "n": 2, "max_tokens": 4})
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert all(c["logprobs"] is None and c["token_ids"] is None for c in body["choices"])
+    assert body["usage"]["prompt_tokens"] == len(PROMPTS[0]) + len(PROMPTS[1])
+
+
+def test_generate_seeds_lengths_and_stops(svc, tokenizer):
+    a = generate(svc, n=3, max_tokens=12, seed=11, ignore_eos=True)
+    b = generate(svc, n=3, max_tokens=12, seed=11, ignore_eos=True)
+    c = generate(svc, n=3, max_tokens=12, seed=12, ignore_eos=True)
+    assert same_samples(a, b), "the same seed must give the same samples"
+    assert samples_of(a) != samples_of(c)
+    for r, prompt in zip(a["results"], PROMPTS, strict=True):
+        assert r["prompt_token_ids"] == prompt and len(r["completions"]) == 3
+        assert len({tuple(x["token_ids"]) for x in r["completions"]}) == 3, "n samples must differ from each other"
+        for x in r["completions"]:
+            assert len(x["token_ids"]) == 12 and x["finish_reason"] == "length"
+
+    # a stop id ends a sample at its first occurrence, the stop token included
+    ids = a["results"][0]["completions"][0]["token_ids"]
+    stop_id = ids[5]
+    s = generate(svc, [PROMPTS[0]], n=1, max_tokens=12, seed=11, ignore_eos=True, stop_token_ids=[stop_id])
+    (comp,) = s["results"][0]["completions"]
+    cut = ids.index(stop_id) + 1
+    assert comp["token_ids"] == ids[:cut] and comp["finish_reason"] == "stop" and comp["stop_reason"] == stop_id
+    assert comp["logprobs"] == a["results"][0]["completions"][0]["logprobs"][:cut]
+
+    # a stop string ends the text before it
+    text = a["results"][0]["completions"][0]["text"]
+    m = re.search(r"[A-Za-z0-9]{2}", text[1:])
+    assert m, f"no alphanumeric pair in {text!r}"
+    stop = m.group(0)
+    s = generate(svc, [PROMPTS[0]], n=1, max_tokens=12, seed=11, ignore_eos=True, stop=stop)
+    (comp,) = s["results"][0]["completions"]
+    assert comp["finish_reason"] == "stop" and comp["stop_reason"] == stop
+    assert comp["text"] == text[: text.find(stop)]
+    assert comp["token_ids"] == ids[: len(comp["token_ids"])]
+
+
+def test_grpc_generate_and_weights_version(svc, stub, tokenizer):
+    req = rollout_pb2.GenerateRequest(
+        prompts=[
+            common_pb2.Prompt(text="hello world"),
+            common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=PROMPTS[0])),
+        ],
+        params=common_pb2.SamplingParams(n=2, max_tokens=6, seed=3, temperature=0.8),
+        request_id="req-1",
+    )
+    resp = stub.Generate(req, timeout=60)
+    assert resp.request_id == "req-1" and len(resp.results) == 2
+    assert list(resp.results[0].prompt_token_ids) == tokenizer.encode("hello world")
+    for r in resp.results:
+        assert len(r.completions) == 2
+        for c in r.completions:
+            assert 1 <= len(c.token_ids) <= 6 and len(c.logprobs) == len(c.token_ids)
+            assert c.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+            assert c.policy_version == resp.policy_version
+    # the same request over REST gives the same samples (one engine, same seeds)
+    rest = generate(svc, [PROMPTS[0]], n=2, max_tokens=6, seed=3, temperature=0.8)
+    assert [list(c.token_ids) for c in resp.results[1].completions] == [x[0] for x in samples_of(rest)]
+    v = stub.GetWeightsVersion(weights_pb2.GetWeightsVersionRequest())
+    assert v.model == "tiny:policy" and v.version == served_version(svc) and v.loaded_at_unix_ms > 0
+
+
+BAD_REST = [
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 422, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 422, "prompt"),
+    ("/v1/completions", {"prompt": [1.5, 2]}, 422, "prompt"),
+    ("/v1/completions", {"prompt": [2, 5, 512]}, 400, "prompt[2]"),
+    ("/v1/completions", {"prompt": [2, -3]}, 400, "prompt[1]"),
+    ("/v1/completions", {"prompt": [[2, 5], [2, 9999]]}, 400, "prompt[1][1]"),
+    ("/v1/completions", {"prompt": ["hi", ""]}, 400, "prompt[1]"),
+    ("/v1/completions", {"prompt": [5] * 600}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 422, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 422, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "8"}, 422, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": "two"}, 422, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 422, "n"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 422, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 422, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "seed": -1}, 422, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stream": True}, 422, "stream"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, 422, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop[0]"),
+    ("/v1/generate", {"prompt_token_ids": [[2, 512]]}, 400, "prompt_token_ids[0][1]"),
+    ("/v1/generate", {"prompt_token_ids": [[2, -1]]}, 422, "prompt_token_ids[0][1]"),
+    ("/v1/generate", {"prompt_token_ids": [[]]}, 400, "prompt_token_ids[0]"),
+    ("/v1/generate", {"prompt_token_ids": []}, 422, "prompt_token_ids"),
+    ("/v1/generate", {"prompt_token_ids": [[2, 5]], "stop_token_ids": [600]}, 400, "stop_token_ids[0]"),
+    ("/v1/generate", {"prompt_token_ids": "2 5 6"}, 422, "prompt_token_ids"),
+]
+
+
+def test_bad_input_rest_is_refused_naming_the_field(svc):
+    for path, body, status, field in BAD_REST:
+        r = httpx.post(svc.http_url + path, json=body, timeout=60)
+        assert r.status_code == status, (path, body, r.text)
+        err = r.json()["error"]
+        assert err["field"] == field, (path, body, err)
+        assert err["message"] and err["code"] == status
+    r = httpx.post(svc.http_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    # and the service keeps serving
+    assert post(svc, "/v1/completions", {"prompt": "hi", "max_tokens": 2})["choices"][0]["text"] is not None
+    assert httpx.get(svc.http_url + "/readyz").status_code == 200
+
+
+def test_bad_input_grpc_is_invalid_argument(svc, stub):
+    P = common_pb2.Prompt
+    cases = [
+        ([], {}, "prompt"),
+        ([P(token_ids=common_pb2.TokenIds(ids=[2, 600]))], {}, "prompts[0][1]"),
+        ([P(text="")], {}, "prompts[0].text"),
+        ([P()], {}, "prompts[0]"),
+        ([P(token_ids=common_pb2.TokenIds(ids=[5] * 600))], {}, "prompts[0]"),
+        ([P(text="hi")], {"max_tokens": 100000}, "max_tokens"),
+        ([P(text="hi")], {"temperature": 5.0}, "temperature"),
+        ([P(text="hi")], {"top_p": 1.5}, "top_p"),
+        ([P(text="hi")], {"n": -2}, "n"),
+        ([P(text="hi")], {"stop_token_ids": [9999]}, "stop_token_ids[0]"),
+    ]
+    for prompts, params, field in cases:
+        req = rollout_pb2.GenerateRequest(prompts=prompts, params=common_pb2.SamplingParams(**params))
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(req, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (params, info.value.details())
+        assert field in info.value.details(), (field, info.value.details())
+    ok = stub.Generate(
+        rollout_pb2.GenerateRequest(prompts=[P(text="hi")], params=common_pb2.SamplingParams(max_tokens=2))
+    )
+    assert len(ok.results[0].completions) == 1
+
+
+def _metric_buckets(text: str, name: str, labels: str) -> dict[float, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{") and labels in line:
+            le = re.search(r'le="([^"]+)"', line).group(1)
+            out[float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_32_concurrent_requests_are_batched(svc):
+    async def run() -> tuple[list[httpx.Response], float]:
+        async with httpx.AsyncClient(base_url=svc.http_url, timeout=120) as client:
+            t0 = time.perf_counter()
+            rs = await asyncio.gather(
+                *(client.post("/v1/completions", json={"prompt": [2, 5 + i, 6], "max_tokens": 16, "seed": i,
+                                                      "ignore_eos": True, "return_token_ids": True})
+                  for i in range(32))
+            )  # fmt: skip
+            return rs, time.perf_counter() - t0
+
+    before = _metric_buckets(httpx.get(svc.http_url + "/metrics").text, "rlhf_batch_size", 'method="engine_step"')
+    responses, seconds = asyncio.run(run())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    assert all(len(r.json()["choices"][0]["token_ids"]) == 16 for r in responses)
+    after = _metric_buckets(httpx.get(svc.http_url + "/metrics").text, "rlhf_batch_size", 'method="engine_step"')
+    steps = after[float("inf")] - before.get(float("inf"), 0)
+    single = after[1.0] - before.get(1.0, 0)
+    biggest = min(le for le in after if after[le] - before.get(le, 0) == steps)
+    rate = 32 * 16 / seconds
+    print(f"\n32 concurrent REST requests x 16 tokens: {rate:.0f} generated tokens/s end to end ({seconds:.2f} s); "
+          f"{steps:.0f} engine steps, {single:.0f} with one sequence, largest <= {biggest:g}")  # fmt: skip
+    assert steps > single, "no engine step decoded more than one sequence: concurrent requests were not batched"
+    assert biggest >= 8
+    tokens = re.search(r'rlhf_tokens_total\{kind="generated",service="rollout"\} ([0-9.e+]+)',
+                       httpx.get(svc.http_url + "/metrics").text)  # fmt: skip
+    assert tokens and float(tokens.group(1)) >= 32 * 16
+
+
+# ------------------------------------------------------------------------------------------------------ cross-engine
+
+
+class _Loop:
+    """An event loop in a thread, for in-process async engines from sync tests."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 300):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_models):
+    from services.rollout.hf_engine import HFEngine
+
+    lp = _Loop()
+    eng = HFEngine(tiny_models.policy, "tiny:policy", device="cpu")
+    lp.run(eng.start())
+    yield lp, eng
+    lp.run(eng.close())
+    lp.close()
+
+
+@pytest.fixture(scope="module")
+def full_forward(tiny_models):
+    """What the reference service computes: one unpadded forward of prompt + response, log_softmax(logits / T)."""
+    from rlhf.algo import logprobs_from_logits
+    from rlhf.models import causal_lm_logits, load_causal_lm
+
+    model = load_causal_lm(tiny_models.policy).eval()
+
+    def logprobs(prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
+        with torch.no_grad():
+            logits = causal_lm_logits(model, torch.tensor([prompt + tokens]), pad_token_id=0)[0]
+        return logprobs_from_logits(logits[len(prompt) - 1 : -1], torch.tensor(tokens), temperature).tolist()
+
+    return logprobs
+
+
+def _maxdiff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b)
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
+def test_cross_engine_sampling_logprobs_agree(svc, hf_engine, full_forward, temperature):
+    """Same weights, same tokens (sampled by the vLLM service): vLLM's sampling log-probs, the hf engine's (teacher
+    forcing through its decode loop) and a full forward with causal_lm_logits + logprobs_from_logits agree."""
+    from services.rollout.engine import SamplingOptions
+
+    lp, eng = hf_engine
+    body = generate(svc, n=4, max_tokens=16, seed=5, temperature=temperature, ignore_eos=True)
+    vllm_vs_full = vllm_vs_hf = hf_vs_full = 0.0
+    n = 0
+    for r in body["results"]:
+        prompt = r["prompt_token_ids"]
+        for c in r["completions"]:
+            tokens, vllm_lp = c["token_ids"], c["logprobs"]
+            full = full_forward(prompt, tokens, temperature)
+            hf = lp.run(eng.score_tokens(prompt, tokens, SamplingOptions(temperature=temperature)))
+            vllm_vs_full = max(vllm_vs_full, _maxdiff(vllm_lp, full))
+            vllm_vs_hf = max(vllm_vs_hf, _maxdiff(vllm_lp, hf))
+            hf_vs_full = max(hf_vs_full, _maxdiff(hf, full))
+            n += len(tokens)
+    print(f"\nT={temperature}: {n} tokens; max |logprob diff| vLLM vs full forward {vllm_vs_full:.2e}, "
+          f"vLLM vs hf {vllm_vs_hf:.2e}, hf vs full forward {hf_vs_full:.2e}")  # fmt: skip
+    assert max(vllm_vs_full, vllm_vs_hf, hf_vs_full) < LOGPROB_TOL
+
+
+def test_cross_engine_truncated_sampling_logprobs(svc, hf_engine, full_forward):
+    """With top-k/top-p both engines report the renormalised truncated distribution (the one sampled from), equal to
+    each other and never below the untruncated log-softmax the trainer recomputes."""
+    from services.rollout.engine import SamplingOptions
+
+    lp, eng = hf_engine
+    T, k, p = 0.8, 40, 0.9
+    body = generate(svc, n=4, max_tokens=16, seed=9, temperature=T, top_k=k, top_p=p, ignore_eos=True)
+    worst = 0.0
+    for r in body["results"]:
+        prompt = r["prompt_token_ids"]
+        for c in r["completions"]:
+            hf = lp.run(eng.score_tokens(prompt, c["token_ids"], SamplingOptions(temperature=T, top_k=k, top_p=p)))
+            worst = max(worst, _maxdiff(c["logprobs"], hf))
+            full = full_forward(prompt, c["token_ids"], T)
+            assert all(v >= f - 1e-5 for v, f in zip(c["logprobs"], full, strict=True))
+            assert any(v > f + 1e-3 for v, f in zip(c["logprobs"], full, strict=True)), "truncation had no effect"
+    print(f"\nT={T} top_k={k} top_p={p}: max |logprob diff| vLLM vs hf {worst:.2e}")
+    assert worst < LOGPROB_TOL
+
+
+# ------------------------------------------------------------------------------------------------------ weight sync
+
+
+def _push(svc, state, version, token=TOKEN):
+    from rlhf.transport.weightsync import push_weights
+
+    return asyncio.run(push_weights(svc.grpc_addr, state, version, token=token, timeout=120))
+
+
+def _perturbed(state: dict[str, torch.Tensor], scale: float = 0.05) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+def test_weight_swap_changes_outputs_and_original_weights_restore_them(svc, policy_state):
+    params = {"n": 2, "max_tokens": 12, "seed": 21, "ignore_eos": True}
+    v0 = served_version(svc)
+    before = generate(svc, **params)
+    resp = _push(svc, _perturbed(policy_state), v0 + 1)
+    assert resp.swapped and resp.version == v0 + 1 and resp.bytes_received > 0
+    info = httpx.get(svc.http_url + "/v1/weights/version").json()
+    assert info["version"] == v0 + 1 and info["checksum"] == resp.checksum and info["engine"] == "vllm"
+    changed = generate(svc, **params)
+    assert changed["policy_version"] == v0 + 1
+    assert all(c["policy_version"] == v0 + 1 for r in changed["results"] for c in r["completions"])
+    assert samples_of(changed) != samples_of(before)
+    diff = max(_maxdiff(a[1][: len(b[1])], b[1][: len(a[1])]) for a, b in zip(samples_of(before),
+               samples_of(changed), strict=True))  # fmt: skip
+    assert diff > 1e-3, "perturbed weights did not change the log-probs"
+
+    resp = _push(svc, policy_state, v0 + 2)
+    assert resp.swapped and resp.version == v0 + 2
+    after = generate(svc, **params)
+    assert samples_of(after) == samples_of(before), "reloading the original weights must reproduce tokens and log-probs"
+    assert after["policy_version"] == v0 + 2
+
+
+def _updates(state, version):
+    from rlhf.transport.weightsync import pack_weights
+
+    return list(pack_weights(state, version).updates(chunk_bytes=64 * 1024))
+
+
+def test_refused_updates_leave_the_old_weights_serving(svc, stub, policy_state):
+    params = {"n": 1, "max_tokens": 8, "seed": 4}
+    v0 = served_version(svc)
+    baseline = generate(svc, **params)
+    auth = (("authorization", f"Bearer {TOKEN}"),)
+    pert = _perturbed(policy_state)
+
+    def refused(updates, metadata=auth) -> grpc.StatusCode:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.UpdateWeights(iter(updates), metadata=metadata, timeout=60)
+        return info.value.code()
+
+    good = _updates(pert, v0 + 1)
+    assert len(good) > 3
+    assert refused(good, metadata=None) == grpc.StatusCode.UNAUTHENTICATED
+    assert refused(good, metadata=(("authorization", "Bearer wrong"),)) == grpc.StatusCode.UNAUTHENTICATED
+    assert refused(good[:-1]) == grpc.StatusCode.INVALID_ARGUMENT  # cut stream
+    corrupt = [weights_pb2.WeightUpdate() for _ in good]
+    for dst, src in zip(corrupt, good, strict=True):
+        dst.CopyFrom(src)
+    data = bytearray(corrupt[2].chunk.data)
+    data[100] ^= 0xFF
+    corrupt[2].chunk.data = bytes(data)
+    assert refused(corrupt) == grpc.StatusCode.INVALID_ARGUMENT  # a flipped byte: sha256 mismatch
+    assert refused(_updates(pert, v0)) == grpc.StatusCode.FAILED_PRECONDITION  # not newer
+    wrong_shape = dict(pert)
+    wrong_shape["lm_head.weight"] = torch.zeros(3, 3)
+    assert refused(_updates(wrong_shape, v0 + 1)) == grpc.StatusCode.INVALID_ARGUMENT
+    missing = {k: v for k, v in pert.items() if k != "lm_head.weight"}
+    assert refused(_updates(missing, v0 + 1)) == grpc.StatusCode.INVALID_ARGUMENT
+    unknown = {**pert, "extra.weight": torch.zeros(2)}
+    assert refused(_updates(unknown, v0 + 1)) == grpc.StatusCode.INVALID_ARGUMENT
+
+    assert served_version(svc) == v0
+    assert same_samples(generate(svc, **params), baseline), "a refused update changed the weights"
+
+
+def _inflight_http(svc) -> float:
+    m = re.search(r'rlhf_inflight_requests\{protocol="http",service="rollout"\} ([0-9.e+-]+)',
+                  httpx.get(svc.http_url + "/metrics").text)  # fmt: skip
+    return float(m.group(1)) if m else 0.0
+
+
+def test_swap_waits_for_requests_in_flight(svc, policy_state):
+    """A request running when an update arrives finishes on the old weights (same tokens and log-probs as without the
+    update) and is tagged with the old version; requests after the swap use the new weights."""
+    v0 = served_version(svc)
+    long_body = {"prompt_token_ids": [[2, 5, 6, 7]] * 4, "max_tokens": 200, "seed": 1, "ignore_eos": True}
+    reference = post(svc, "/v1/generate", long_body)
+    out: dict = {}
+
+    def long_request() -> None:
+        out["body"] = post(svc, "/v1/generate", long_body)
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    deadline = time.monotonic() + 30
+    while _inflight_http(svc) < 2 and time.monotonic() < deadline:  # the long request and this /metrics call
+        time.sleep(0.01)
+    resp = _push(svc, _perturbed(policy_state), v0 + 1)
+    t.join(120)
+    assert resp.swapped and resp.version == v0 + 1
+    body = out["body"]
+    assert body["policy_version"] == v0
+    assert all(c["policy_version"] == v0 for r in body["results"] for c in r["completions"])
+    assert same_samples(body, reference), "the request in flight did not finish on the old weights"
+    after = post(svc, "/v1/generate", long_body)
+    assert after["policy_version"] == v0 + 1 and not same_samples(after, reference, tol=1e-3)
+    assert _push(svc, policy_state, v0 + 2).swapped  # leave the original weights serving
+
+
+# ------------------------------------------------------------------------------------------------------ README
+
+
+def _readme_rollout_commands() -> tuple[list[tuple[str, int, int]], list[tuple[str, str, str | None]]]:
+    readme = (REPO / "README.md").read_text()
+    m = re.search(r"^### Rollout\n(.*?)(?=^##)", readme, re.S | re.M)
+    assert m, "README.md has no '### Rollout' subsection"
+    serves, commands = [], []
+    for lang, block in re.findall(r"```(bash|python|py)\n(.*?)```", m.group(1), re.S):
+        if lang in ("python", "py"):  # py: needs the API token (run here with the service's token)
+            commands.append((lang, block, None))
+            continue
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.strip()
+            if line.startswith("# ->"):
+                commands[-1] = (*commands[-1][:2], line[4:].strip())
+            elif line.startswith("rlhf serve "):
+                s = re.fullmatch(r"rlhf serve rollout --config (\S+) --http-port (\d+) --grpc-port (\d+) &", line)
+                assert s, f"unexpected serve line: {line}"
+                serves.append((s[1], int(s[2]), int(s[3])))
+            elif line.startswith(("curl ", "rlhf ")):
+                commands.append(("bash", line, None))
+            elif line and not line.startswith("#"):
+                pytest.fail(f"README Rollout: a command the test does not know how to run: {line}")
+    return serves, commands
+
+
+def test_readme_rollout_examples_work(svc):
+    serves, commands = _readme_rollout_commands()
+    assert serves == [(CONFIG, 8000, 50051)]
+    assert [k for k, _, _ in commands if k != "bash"] == ["python", "py"]
+    assert sum(kind == "bash" and text.startswith("curl ") for kind, text, _ in commands) >= 3
+    ports = {8000: svc.http_port, 50051: svc.grpc_port}
+
+    def localize(text: str) -> str:
+        return re.sub(r"localhost:(\d+)", lambda m: f"127.0.0.1:{ports.get(int(m[1]), m[1])}", text)
+
+    for kind, text, expected in commands:
+        if kind in ("python", "py"):
+            env = {**os.environ, "RLHF_API_TOKEN": TOKEN}
+            run = subprocess.run([sys.executable, "-c", localize(text)], cwd=REPO, capture_output=True, text=True,
+                                 timeout=120, env=env)  # fmt: skip
+            assert run.returncode == 0, f"README python block failed:\n{text}\n{run.stderr}"
+            assert "results" in run.stdout or "version" in run.stdout
+            continue
+        line = localize(text)
+        if line.startswith("rlhf "):
+            line = f"{sys.executable} -m services.cli " + line[len("rlhf ") :]
+        run = subprocess.run(["bash", "-c", line], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, f"README command failed: {text}\n{run.stdout}\n{run.stderr}"
+        out = json.loads(run.stdout)
+        is_error = expected is not None and expected.startswith('{"error"')
+        assert ("error" in out) == is_error, f"{text}\n-> {out}\nREADME: {expected}"
+        if is_error:
+            want = json.loads(expected)
+            assert out["error"]["field"] == want["error"]["field"] and out["error"]["code"] == want["error"]["code"]
