@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-CACHE = Path(os.environ.get("RLHF_BENCH_CACHE", REPO / ".cache" / "bench"))
+CACHE = Path(os.environ.get("BENCH_CACHE", REPO / ".cache" / "bench"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -184,7 +184,7 @@ class RedisServer:
 class ServiceProc:
     """``python -m services.cli serve NAME --config FILE`` on free loopback ports; ready when /readyz answers 200."""
 
-    def __init__(self, name: str, config: Path, log_dir: Path, env: dict[str, str] | None = None):
+    def __init__(self, name: str, config: Path, log_dir: Path, env: dict[str, str | None] | None = None):
         self.name = name
         self.config = Path(config)
         self.grpc_port = free_port()
@@ -193,7 +193,11 @@ class ServiceProc:
         self.env = dict(os.environ)
         self.env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
         self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), self.env.get("PYTHONPATH")]))
-        self.env.update(env or {})
+        for k, v in (env or {}).items():  # None: unset
+            if v is None:
+                self.env.pop(k, None)
+            else:
+                self.env[k] = v
         self.proc: subprocess.Popen | None = None
         self._log: Any = None
 

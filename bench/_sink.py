@@ -1,0 +1,70 @@
+"""The receiving end of bench.weight_sync's baselines, run as its own process (``python -m bench._sink``).
+
+- ``--raw-port``: plain TCP. ``8-byte length`` then that many bytes, received into a preallocated buffer
+  (``recv_into``); answers ``b"K"``. The physical limit: one loopback stream, one copy.
+- ``--grpc-port``: a ``RolloutService`` whose ``UpdateWeights`` reads every chunk and keeps nothing, with the
+  services' gRPC options: the ceiling of the same ``push_weights`` stream in Python gRPC, without verification.
+
+Prints ``READY`` when both listen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import threading
+
+
+def raw_server(sock: socket.socket) -> None:
+    sink = bytearray()
+    while True:
+        conn, _ = sock.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            head = conn.recv(8, socket.MSG_WAITALL)
+            if len(head) < 8:
+                continue
+            n = int.from_bytes(head, "little")
+            if len(sink) != n:
+                sink = bytearray(n)
+            view = memoryview(sink)
+            got = 0
+            while got < n:
+                k = conn.recv_into(view[got:], min(n - got, 4 << 20))
+                if k == 0:
+                    break
+                got += k
+            conn.sendall(b"K")
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--raw-port", type=int, required=True)
+    p.add_argument("--grpc-port", type=int, required=True)
+    args = p.parse_args()
+
+    import grpc
+
+    from rlhf.serving import ServiceSettings, grpc_options
+    from rlhf.v1 import rollout_pb2_grpc, weights_pb2
+
+    class Sink(rollout_pb2_grpc.RolloutServiceServicer):
+        async def UpdateWeights(self, request_iterator, context):  # noqa: N802
+            n = 0
+            async for m in request_iterator:
+                n += len(m.chunk.data)
+            return weights_pb2.UpdateWeightsResponse(bytes_received=n)
+
+    server = grpc.aio.server(options=grpc_options(ServiceSettings()))
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(Sink(), server)
+    server.add_insecure_port(f"127.0.0.1:{args.grpc_port}")
+    await server.start()
+    sock = socket.create_server(("127.0.0.1", args.raw_port))
+    threading.Thread(target=raw_server, args=(sock,), daemon=True).start()
+    print("READY", flush=True)
+    await server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
