@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import os
 import secrets
 import shutil
@@ -44,6 +43,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from services.report import parse_record
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -341,18 +342,7 @@ class MetricsTail:
         self.offset += len(data)
         data = self._partial + data
         *lines, self._partial = data.split(b"\n")
-        out = []
-        for line in lines:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-        return out
+        return [rec for rec in map(parse_record, lines) if rec is not None]
 
 
 def _pick(rec: Mapping[str, Any], *names: str, contains: str | None = None) -> tuple[str, float] | None:

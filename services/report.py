@@ -26,21 +26,22 @@ from typing import Any
 PLOTS = ("reward.png", "kl.png", "losses.png")
 
 
+def parse_record(line: str | bytes) -> dict[str, Any] | None:
+    """One metrics.jsonl line as a dict, or None for a blank, half-written or non-object line."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
 def load_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The records of a metrics.jsonl file (lines that are not JSON objects are skipped)."""
-    out = []
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-    return out
+        return [rec for rec in map(parse_record, f) if rec is not None]
 
 
 def _num(v: Any) -> float | None:

@@ -172,9 +172,9 @@ class TrainerEngine:
         staleness = (self.policy_version - 1 - batch.policy_versions).clamp(min=0).float()
         metrics.update(
             {
-                "step": float(self.step_count),
-                "policy_version": float(self.policy_version),
-                "samples": float(batch.responses.shape[0]),
+                "step": self.step_count,
+                "policy_version": self.policy_version,
+                "samples": int(batch.responses.shape[0]),
                 "reward/mean": batch.scores.mean().item(),
                 "reward/std": batch.scores.std().item() if batch.scores.numel() > 1 else 0.0,
                 "response_length/mean": (batch.responses != self.pad_id).sum(1).float().mean().item(),
