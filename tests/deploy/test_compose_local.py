@@ -186,7 +186,7 @@ def local_adaptations(compose: dict[str, Any], tmp: Path) -> dict[str, LocalServ
 
         def localize(value: Any, name: str = name, root: Path = root) -> str:
             value = str(value)
-            value = host_port.sub(lambda m: f"127.0.0.1:{local_port.get((m[1], int(m[2])), m[2])}", value)
+            value = host_port.sub(lambda m: f"127.0.0.1:{local_port[(m[1], int(m[2]))]}", value)  # KeyError: new port
             if value.isdigit() and (name, int(value)) in local_port:
                 return str(local_port[(name, int(value))])
             if value.startswith("/"):
@@ -291,7 +291,7 @@ def test_compose_services_run_as_local_processes(tmp_path):
     assert local["rollout"].env["RLHF_API_TOKEN"] == token
 
     children: dict[str, Child] = {}
-    healthy: set[str] = set()
+    healthy: dict[str, float] = {}  # service -> seconds after t0 when its health check first passed
     health_out: dict[str, str] = {}
     order: list[str] = []
 
@@ -328,7 +328,7 @@ def test_compose_services_run_as_local_processes(tmp_path):
                     ok, said = _healthy(svc)
                     health_out[name] = said[-300:]
                     if ok:
-                        healthy.add(name)
+                        healthy[name] = time.monotonic() - t0
             trainer = children.get("trainer")
             if trainer is not None and trainer.poll() == 0:
                 break
@@ -339,7 +339,7 @@ def test_compose_services_run_as_local_processes(tmp_path):
         assert order.index("models") < min(order.index("reward"), order.index("reference")), order
         assert order.index("rollout") > max(order.index(n) for n in ("redis", "reward", "reference")), order
         assert order.index("trainer") > order.index("rollout"), order
-        assert {"redis", "reward", "reference", "rollout"} <= healthy, failure("health checks")
+        assert {"redis", "reward", "reference", "rollout"} <= set(healthy), failure("health checks")
         assert health_out["redis"] == "PONG", "redis-cli authenticated with REDISCLI_AUTH (the compose password)"
         for name in ("reward", "reference", "rollout", "trainer"):
             log = children[name].log_path.read_text(errors="replace")
@@ -356,4 +356,6 @@ def test_compose_services_run_as_local_processes(tmp_path):
             reversed(list(children.values())),
             grace_s=max((local[n].stop_grace_s for n in children), default=10.0),
         )
-    print(f"compose-as-processes: start order {order}, trainer done after {time.monotonic() - t0:.0f}s")
+    first_healthy = ", ".join(f"{n} {t:.0f}s" for n, t in healthy.items())
+    print(f"\ncompose as local processes: start order {order}; healthy: {first_healthy}; "
+          f"trainer exited 0 after {time.monotonic() - t0:.0f}s")  # fmt: skip
