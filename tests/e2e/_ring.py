@@ -137,8 +137,8 @@ class SharedScorers:
             self.reward = start_reward(self.config, self.log_dir, wait=False)
             self.reference = ServiceProc("reference", self.config, self.log_dir, env=dict(CHILD_ENV))
             self.reference.start(wait_ready=False)
-        self.reward.wait_ready(180)
-        self.reference.wait_ready(180)
+        self.reward = respawn_on_port_clash(self.reward, 180)
+        self.reference = respawn_on_port_clash(self.reference, 180)
         return self.reward, self.reference
 
     def stop(self) -> None:
@@ -147,9 +147,27 @@ class SharedScorers:
                 p.stop()
 
 
+def respawn_on_port_clash(proc: ServiceProc, timeout: float) -> ServiceProc:
+    """Wait for ``proc``; if it lost a race for its free port (another test process took it), start a copy on new
+    ports and return that one."""
+    for _ in range(3):
+        try:
+            proc.wait_ready(timeout)
+            return proc
+        except RuntimeError:
+            if "Address already in use" not in proc.log_text():
+                raise
+            proc.stop()
+            proc = ServiceProc(proc.name, proc.config, proc.log_path.parent, env=proc.env, extra_args=proc.extra_args)
+            proc.start(wait_ready=False)
+    proc.wait_ready(timeout)
+    return proc
+
+
 def start_reward(config: Path, log_dir: Path, *, wait: bool = True, grpc_port=None, http_port=None) -> ServiceProc:
     proc = ServiceProc("reward", config, log_dir, env=dict(CHILD_ENV), grpc_port=grpc_port, http_port=http_port)
-    return proc.start(timeout=180, wait_ready=wait)
+    proc.start(wait_ready=False)
+    return respawn_on_port_clash(proc, 180) if wait else proc
 
 
 def http_json(url: str, timeout: float = 5.0) -> dict:
@@ -220,28 +238,34 @@ class Ring:
         for r in self.rollouts:
             if r.proc is None:
                 r.start(wait_ready=False)
-        for r in self.rollouts:
-            r.wait_ready(240)
+        self.rollouts = [respawn_on_port_clash(r, 240) for r in self.rollouts]
+        self.trainer_env["RLHF_ROLLOUT_ADDRS"] = ",".join(r.grpc_addr for r in self.rollouts)
         if trainer:
             self.start_trainer()
         return self
 
     def start_trainer(self) -> ServiceProc:
-        t = ServiceProc("trainer", self.config_path, self.logs, env=self.trainer_env)
-        self.trainers.append(t)
-        # The trainer may finish a short run before /readyz is polled: an exit 0 is fine too.
-        t.start(wait_ready=False)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if t.proc.poll() is not None:
-                assert t.proc.returncode == 0, t.log_tail()
+        for _ in range(3):
+            t = ServiceProc("trainer", self.config_path, self.logs, env=self.trainer_env)
+            self.trainers.append(t)
+            t.start(wait_ready=False)
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                if t.proc.poll() is not None:  # a short run may finish before /readyz is polled: exit 0 is fine
+                    break
+                try:
+                    t.wait_ready(1)
+                    return t
+                except (TimeoutError, RuntimeError):
+                    continue
+            else:
+                raise TimeoutError(f"trainer not ready:\n{t.log_tail()}")
+            if t.proc.returncode == 0:
                 return t
-            try:
-                t.wait_ready(1)
-                return t
-            except TimeoutError:
-                continue
-        raise TimeoutError(f"trainer not ready:\n{t.log_tail()}")
+            if "Address already in use" not in t.log_text():
+                raise AssertionError(f"trainer exited with {t.proc.returncode}:\n{t.log_tail()}")
+            self.trainers.remove(t)  # lost a race for its free port: again on new ports
+        raise AssertionError("trainer: no free ports")
 
     def stop(self) -> None:
         for p in [*self.trainers, *self.rollouts]:

@@ -1,0 +1,143 @@
+"""Faults during a real training run: the trainer killed -9 and restarted, one of two rollout replicas killed -9
+mid-generation, redis-server killed -9 and restarted on its AOF, the reward service down for a while. In each the
+run must finish with every job trained exactly once and nothing lost (see _ring.assert_ledger).
+
+Each test runs its own ring (its own run id: Redis keys, rollout replicas, trainer) on the hf engine; the reward and
+reference services are the session's, except where a test stops one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+import redis as sync_redis
+from _procs import ServiceProc
+from _ring import Redis, Ring, assert_ledger, start_reward
+
+from rlhf.transport.keys import ROLLOUT_GROUP, RunKeys
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def shared_redis(tmp_path_factory):
+    server = Redis(tmp_path_factory.mktemp("e2e-faults-redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_ring(scorers, shared_redis, tmp_path):
+    rings: list[Ring] = []
+
+    def make(run_id: str, *, redis: Redis | None = None, reward_addr: str | None = None, **opts) -> Ring:
+        reward, reference = scorers.get()
+        ring = Ring(run_id, tmp_path / run_id, redis or shared_redis, reward_addr or reward.grpc_addr,
+                    reference.grpc_addr, **opts)  # fmt: skip
+        rings.append(ring)
+        return ring
+
+    yield make
+    for ring in rings:
+        ring.stop()
+
+
+def test_trainer_killed_and_restarted_loses_nothing_and_trains_nothing_twice(make_ring):
+    ring = make_ring("e2e-kill-trainer", stage="ray_grpo", n=2, train_iters=5, save_interval=2).start()
+    ring.wait_steps(3)
+    ring.kill(ring.trainer)  # after step 3, before (or while) step 4: the step-2 checkpoint is the newest
+    killed_at = len(ring.metrics())
+    assert killed_at < ring.train_iters
+
+    restarted = ring.start_trainer()
+    ring.wait_trained()
+    assert "resumed from" in restarted.log_text()
+    state = assert_ledger(ring, ring.train_iters)
+    steps = [int(m["step"]) for m in ring.metrics()]
+    assert steps[:killed_at] == list(range(1, killed_at + 1)) and steps[-1] == ring.train_iters
+    # Versions never go backwards: the restored weights went out under a new version, which the replica serves.
+    assert state["policy_version"] > ring.train_iters
+    assert ring.served_version() == state["policy_version"]
+
+
+def test_rollout_replica_killed_mid_generation_its_jobs_are_finished_by_the_other(make_ring):
+    # Longer responses and one job at a time keep replica 0 busy generating when it is killed.
+    ring = make_ring("e2e-kill-rollout", stage="ray_ppo", replicas=2, train_iters=4, max_new_tokens=48,
+                     rollout_env={"RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": "2"})  # fmt: skip
+    ring.start(trainer=False)
+    victim = ring.rollouts[0]
+    consumer = f"{ring.run_id}-rollout-0"
+    r = sync_redis.Redis.from_url(ring.redis.url)
+    stream = RunKeys(ring.run_id).prompts
+    ring.start_trainer()
+    held: list = []
+    deadline = time.monotonic() + 60
+    while not held and time.monotonic() < deadline:  # the moment replica 0 holds jobs it has not finished
+        with contextlib.suppress(sync_redis.ResponseError):  # the group does not exist yet
+            held = r.xpending_range(stream, ROLLOUT_GROUP, min="-", max="+", count=100, consumername=consumer)
+        if not held:
+            time.sleep(0.005)
+    assert held, "replica 0 never took a job"
+    ring.kill(victim)
+    held_entries = {h["message_id"].decode() for h in held}
+
+    ring.wait_trained(timeout=180)
+    state = assert_ledger(ring, ring.train_iters)
+    # The jobs replica 0 held were taken over by replica 1 (the sync ring cannot finish a step without them).
+    jobs = {job_id: entry for job_id, entry in _issued_entries(r, ring.run_id).items()}
+    held_jobs = {job_id for job_id, entry in jobs.items() if entry in held_entries}
+    assert held_jobs and held_jobs <= set(state["trained_job_ids"]), (held_jobs, held_entries)
+    still_held = r.xpending_range(stream, ROLLOUT_GROUP, min="-", max="+", count=100, consumername=consumer)
+    assert not still_held
+    assert "reclaimed" in ring.rollouts[1].log_text()
+    assert ring.served_version(1) == state["policy_version"]
+    r.close()
+
+
+def _issued_entries(r, run_id: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in r.hgetall(RunKeys(run_id).jobs).items()}
+
+
+def test_redis_restart_mid_run_every_service_reconnects_and_nothing_is_lost(make_ring, tmp_path):
+    redis = Redis(tmp_path / "own-redis").start()
+    try:
+        ring = make_ring("e2e-redis-restart", redis=redis, stage="ray_grpo", n=2, train_iters=5).start()
+        ring.wait_steps(2)
+        time.sleep(1.5)  # appendfsync everysec: what was written more than a second ago is on disk
+        redis.stop(kill=True)
+        time.sleep(2.0)  # every service sees the connection refused for a while
+        redis.start()
+        ring.wait_trained(timeout=180)
+        assert_ledger(ring, ring.train_iters)
+        assert ring.served_version() == ring.state()["policy_version"]
+    finally:
+        redis.stop()
+
+
+def test_reward_down_for_a_while_samples_wait_and_no_score_is_invented(make_ring, tmp_path):
+    reward_cfg = tmp_path / "reward.yaml"
+    ring = make_ring("e2e-reward-down", stage="ray_grpo", n=2, train_iters=4)
+    reward_cfg.write_text(ring.config_path.read_text())
+    reward = start_reward(reward_cfg, tmp_path / "logs")
+    ring.rollouts[0].env["RLHF_REWARD_ADDR"] = reward.grpc_addr
+    try:
+        ring.start()
+        ring.wait_steps(1)
+        reward.stop()  # SIGTERM: gone until restarted
+        time.sleep(4.0)
+        reward = ServiceProc("reward", reward_cfg, tmp_path / "logs", env=reward.env, grpc_port=reward.grpc_port,
+                             http_port=reward.http_port).start(timeout=120)  # fmt: skip
+        ring.wait_trained(timeout=180)
+        state = assert_ledger(ring, ring.train_iters)
+        # Jobs did meet the outage (they failed and stayed pending) ...
+        log = ring.rollouts[0].log_text()
+        assert "reward_unavailable" in log or "reward call failed" in log, ring.rollouts[0].log_tail()
+        # ... and no score was made up: every trained sample was scored OK by the reward service (a sample without
+        # an OK score is never trained, so a step with one would count fewer samples).
+        n = ring.cfg["actor_rollout_ref"]["actor_rollout"]["n_samples_per_prompt"]
+        assert all(m["samples"] == ring.batch * n for m in ring.metrics())
+        assert len(state["trained_job_ids"]) == ring.train_iters * ring.batch
+    finally:
+        reward.stop()
