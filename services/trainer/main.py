@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 from fastapi import Depends
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlhf.config import ExperimentConfig, load_config
 from rlhf.data import PromptCursor, encode_prompt, load_prompts
@@ -38,6 +40,9 @@ from services.trainer.engine import TrainerEngine
 log = logging.getLogger("rlhf.trainer")
 SERVICE_NAME = "rlhf.v1.TrainerService"
 CONSUMER = "trainer-0"
+# Redis restarting or unreachable for a while: every call the trainer makes is retried (they are all idempotent:
+# job ids dedupe publishing, the trained counter is set absolutely, acks and version publishing can be repeated).
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
 
 
 class Trainer:
@@ -96,6 +101,18 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tasks = [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._train_loop())]
 
+    async def _redis(self, what: str, fn, *args, **kwargs):
+        """``await fn(*args, **kwargs)``, retried with backoff while Redis is unreachable (a restart must not end
+        the run)."""
+        delay = 0.2
+        while True:
+            try:
+                return await fn(*args, **kwargs)
+            except TRANSIENT as err:
+                log.warning("redis unavailable (%s: %s: %s); retrying in %.1fs", what, type(err).__name__, err, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
     async def stop(self) -> None:
         for t in getattr(self, "tasks", []):
             t.cancel()
@@ -135,10 +152,12 @@ class Trainer:
             if self.paused.is_set():
                 await asyncio.sleep(0.1)
                 continue
-            free = await self.admission.wait_free(1)
+            free = await self._redis("admission", self.admission.wait_free, 1)
             while len(backlog) < free:
                 backlog.append(self._job())
-            results = await self.prompts.publish_many(backlog[:free], self.admission)
+            results = await self._redis(
+                "publishing prompt jobs", self.prompts.publish_many, backlog[:free], self.admission
+            )
             # "duplicate" is a job issued before a restart: it is in the streams already, so it is done here too.
             backlog = [job for job, r in zip(backlog[:free], results, strict=True) if r.status == "full"] + backlog[
                 free:
@@ -150,7 +169,7 @@ class Trainer:
         size = self.cfg.training.global_batch_size
         batch: list[tuple[str, experience_pb2.Experience]] = []
         while len(batch) < size:
-            records = await self.experience.read(CONSUMER, count=size - len(batch), block_ms=500)
+            records = await self._redis("reading experience", self.experience.read, CONSUMER, size - len(batch), 500)
             taken = self.trained_job_ids | {e.job_id for _, e in batch}
             split = drop_trained(records, taken)
             self.unacked.extend(split.duplicate_ids)
@@ -173,11 +192,12 @@ class Trainer:
                 if self.engine.step_count % t.weight_sync_interval == 0:
                     await self._push_weights()
                 self.jobs_trained += len(batch)
-                await self.admission.set_trained(self.jobs_trained)  # frees admission once the new weights are out
+                # frees admission once the new weights are out
+                await self._redis("admission", self.admission.set_trained, self.jobs_trained)
                 if self.engine.step_count % t.save_interval == 0 or self.engine.step_count >= t.train_iters:
                     await self.checkpoint()
                 elapsed = time.perf_counter() - t0
-                stats = await queue_stats(self.redis, self.run_id)
+                stats = await self._redis("queue stats", queue_stats, self.redis, self.run_id)
                 metrics.update(
                     {
                         "time/wait_experience_s": wait_s,
@@ -219,7 +239,7 @@ class Trainer:
         for addr, res in results.items():
             if isinstance(res, BaseException):
                 log.warning("weight sync to %s failed: %s", addr, res)
-        await self.admission.publish_policy_version(version)
+        await self._redis("publishing the policy version", self.admission.publish_policy_version, version)
 
     async def checkpoint(self) -> Path:
         """Save, then acknowledge the experience the saved steps consumed."""
@@ -232,8 +252,9 @@ class Trainer:
         }
         path = await asyncio.to_thread(save_checkpoint, self.ckpt_dir, self.engine, extra)
         if self.unacked:
-            await self.experience.ack(self.unacked)
-            self.unacked = []
+            unacked = list(self.unacked)
+            await self._redis("acknowledging experience", self.experience.ack, unacked)
+            self.unacked = self.unacked[len(unacked) :]
         return path
 
     async def status(self) -> trainer_pb2.StatusResponse:
