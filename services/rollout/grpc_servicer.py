@@ -15,7 +15,6 @@ import uuid
 from typing import Any
 
 from rlhf.serving import InvalidArgument, ServiceMetrics, ServiceSettings, grpc_errors, require_grpc_token
-from rlhf.transport.weightsync import WeightReceiver
 from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
 from services.rollout.engine import EngineBase, SamplingOptions, resolve_options
 
@@ -65,6 +64,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
+        from rlhf.transport.weightsync import WeightReceiver  # imports torch: not at module import (see main.py)
+
         self.receiver = WeightReceiver(current_version=engine.weights_version, checksum=engine.weights_checksum)
 
     @grpc_errors("Generate")

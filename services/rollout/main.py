@@ -42,7 +42,7 @@ def engine_hooks(metrics: ServiceMetrics) -> EngineHooks:
 async def serve(config_path: str, settings: ServiceSettings) -> None:
     cfg = load_config(config_path)
     kind = engine_kind(cfg)
-    if kind == "vllm":
+    if kind == "vllm":  # before anything imports torch (OMP_NUM_THREADS is read when torch loads)
         from services.rollout.vllm_engine import set_vllm_env_defaults
 
         set_vllm_env_defaults(settings.device)

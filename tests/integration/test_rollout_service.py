@@ -479,14 +479,17 @@ def test_swap_waits_for_requests_in_flight(svc, policy_state):
 
     def long_request() -> None:
         out["body"] = post(svc, "/v1/generate", long_body)
+        out["done"] = time.monotonic()
 
     t = threading.Thread(target=long_request)
     t.start()
     deadline = time.monotonic() + 30
-    while _inflight_http(svc) < 2 and time.monotonic() < deadline:  # the long request and this /metrics call
-        time.sleep(0.01)
+    while _inflight_http(svc) < 1 and time.monotonic() < deadline:  # /metrics itself is not counted
+        time.sleep(0.05)
+    push_started = time.monotonic()
     resp = _push(svc, _perturbed(policy_state), v0 + 1)
     t.join(120)
+    assert out["done"] > push_started, "the long request had finished before the update arrived: nothing tested"
     assert resp.swapped and resp.version == v0 + 1
     body = out["body"]
     assert body["policy_version"] == v0
