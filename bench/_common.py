@@ -19,10 +19,20 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+QUICK = bool(os.environ.get("BENCH_QUICK"))  # smoke-test the scripts: a fraction of the work, figures meaningless
 CACHE = Path(os.environ.get("BENCH_CACHE", REPO / ".cache" / "bench"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One OpenMP thread per process (as `rlhf up` sets on this machine): the benchmarks run several processes on 2 cores,
+# and OpenMP threads that spin-wait for a descheduled peer burn ~15x the CPU of the work (measured: a tiny-model
+# Generate took 500 ms of CPU with 2 threads under load, 30 ms with 1). Inherited by every service started here.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# stdout carries only the JSON line: keep a private handle on it and send everything else written to fd 1 (vLLM's
+# logging, progress bars of libraries) to stderr.
+_JSON_OUT = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
 
 
 def log(*args: Any) -> None:
@@ -52,6 +62,8 @@ def machine() -> dict[str, Any]:
         "memory_gib": mem_gib,
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
+        "load_average": list(os.getloadavg()),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
     try:
         import torch
@@ -89,7 +101,7 @@ def emit(
         "command": f"python -m bench.{name}",
         "seconds": round(time.monotonic() - started, 1) if started is not None else None,
     }
-    print(json.dumps(out, separators=(",", ":"), default=_default), flush=True)
+    print(json.dumps(out, separators=(",", ":"), default=_default), file=_JSON_OUT, flush=True)
     return out
 
 
