@@ -3,9 +3,10 @@ policy): REST and gRPC generation, bad input refused naming the field (and the s
 requests batched together, the cross-engine check of sampling log-probs (vLLM service vs the hf engine vs a full
 forward), weight sync (perturbed weights change the outputs; the original weights give identical tokens and
 log-probs again; cut, corrupt, stale, unauthenticated or mismatched updates are refused and the old weights keep
-serving; a swap waits for requests in flight), and the README's Rollout examples.
+serving; a swap waits for requests in flight), readiness only after the model is loaded, the same service on the hf
+engine (``RLHF_ROLLOUT_ENGINE=hf``), and the README's Rollout examples.
 
-One service process for the whole module (vLLM start-up is the expensive part).
+Two service processes for the whole module, started together (vLLM start-up is the expensive part).
 """
 
 from __future__ import annotations
@@ -36,11 +37,53 @@ LOGPROB_TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def svc(tiny_models, tmp_path_factory):
-    proc = ServiceProc("rollout", REPO / CONFIG, tmp_path_factory.mktemp("rollout"), env={"RLHF_API_TOKEN": TOKEN})
-    proc.start(timeout=240)
-    yield proc
-    proc.stop()
+def services(tiny_models, tmp_path_factory):
+    """The vLLM service (the config's engine) and an hf one (``RLHF_ROLLOUT_ENGINE=hf``), started together; while
+    the vLLM one loads its model, what it answers is recorded (alive, not ready, generation refused with 503)."""
+    logs = tmp_path_factory.mktemp("rollout")
+    env = {"RLHF_API_TOKEN": TOKEN}
+    vllm = ServiceProc("rollout", REPO / CONFIG, logs, env=env).start(wait_ready=False)
+    hf = ServiceProc("rollout", REPO / CONFIG, logs, env={**env, "RLHF_ROLLOUT_ENGINE": "hf"}).start(wait_ready=False)
+    loading = {}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not loading:
+            try:
+                if httpx.get(vllm.http_url + "/healthz", timeout=1).status_code == 200:
+                    loading["readyz"] = httpx.get(vllm.http_url + "/readyz", timeout=5).status_code
+                    r = httpx.post(vllm.http_url + "/v1/completions", json={"prompt": "hi"}, timeout=5)
+                    loading["completions"] = (r.status_code, r.json()["error"]["type"])
+                    loading["ready_after"] = httpx.get(vllm.http_url + "/readyz", timeout=5).status_code
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        vllm.wait_ready(240)
+        hf.wait_ready(240)
+        yield {"vllm": vllm, "hf": hf, "loading": loading}
+    finally:
+        vllm.stop()
+        hf.stop()
+
+
+@pytest.fixture(scope="module")
+def svc(services):
+    return services["vllm"]
+
+
+@pytest.fixture(scope="module")
+def hf_svc(services):
+    return services["hf"]
+
+
+def test_ready_only_after_the_model_is_loaded(services):
+    loading = services["loading"]
+    assert loading, "the service never answered /healthz"
+    if loading["ready_after"] == 200:
+        pytest.skip("the model loaded before the first probe; nothing to observe")
+    assert loading["readyz"] == 503
+    assert loading["completions"] == (503, "not_ready")
+    v = httpx.get(services["vllm"].http_url + "/v1/weights/version").json()
+    assert v["engine"] == "vllm" and v["loaded_at_unix_ms"] > 0
 
 
 @pytest.fixture(scope="module")
@@ -498,6 +541,32 @@ def test_swap_waits_for_requests_in_flight(svc, policy_state):
     after = post(svc, "/v1/generate", long_body)
     assert after["policy_version"] == v0 + 1 and not same_samples(after, reference, tol=1e-3)
     assert _push(svc, policy_state, v0 + 2).swapped  # leave the original weights serving
+
+
+def test_hf_engine_service(hf_svc, policy_state, full_forward):
+    """RLHF_ROLLOUT_ENGINE=hf overrides the config's vllm: same API, log-probs of its own samples equal a full
+    forward, and it takes weight updates like the vLLM engine."""
+    info = httpx.get(hf_svc.http_url + "/v1/weights/version").json()
+    assert info["engine"] == "hf"
+    params = {"n": 2, "max_tokens": 10, "seed": 3, "temperature": 0.9}
+    before = generate(hf_svc, **params)
+    worst = 0.0
+    for r in before["results"]:
+        for c in r["completions"]:
+            worst = max(worst, _maxdiff(c["logprobs"], full_forward(r["prompt_token_ids"], c["token_ids"], 0.9)))
+    print(f"\nhf service, T=0.9: max |logprob diff| vs full forward {worst:.2e}")
+    assert worst < LOGPROB_TOL
+    assert same_samples(generate(hf_svc, **params), before)
+    body = post(hf_svc, "/v1/completions", {"prompt": ["hello", "world"], "max_tokens": 4, "logprobs": 0})
+    assert len(body["choices"]) == 2 and all(len(c["logprobs"]["token_logprobs"]) >= 1 for c in body["choices"])
+    v0 = info["version"]
+    assert _push(hf_svc, _perturbed(policy_state), v0 + 1).swapped
+    changed = generate(hf_svc, **params)
+    assert changed["policy_version"] == v0 + 1 and not same_samples(changed, before, tol=1e-3)
+    assert _push(hf_svc, policy_state, v0 + 2).swapped
+    assert same_samples(generate(hf_svc, **params), before)
+    r = httpx.post(hf_svc.http_url + "/v1/generate", json={"prompt_token_ids": [[2, 512]]})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "prompt_token_ids[0][1]"
 
 
 # ------------------------------------------------------------------------------------------------------ README
