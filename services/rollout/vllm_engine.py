@@ -33,6 +33,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -345,11 +346,14 @@ class VllmEngine(EngineBase):
         )
 
     async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
-        sp = self._sampling_params(params)
+        # vLLM refuses n > 1 with greedy decoding: send n requests of one sample each instead
+        reps = params.n if params.greedy and params.n > 1 else 1
+        sp = self._sampling_params(replace(params, n=1) if reps > 1 else params)
+        flat = [p for p in prompts for _ in range(reps)]
         if self.mode == "inproc":
-            outs = await self._submit_many(prompts, sp)
+            outs = await self._submit_many(flat, sp)
         else:
-            tasks = [asyncio.ensure_future(self._submit_async(p, sp)) for p in prompts]
+            tasks = [asyncio.ensure_future(self._submit_async(p, sp)) for p in flat]
             try:
                 outs = await asyncio.gather(*tasks)
             except BaseException:
@@ -357,9 +361,11 @@ class VllmEngine(EngineBase):
                     t.cancel()
                 raise
         results = []
-        for prompt, out in zip(prompts, outs, strict=True):
+        for i, prompt in enumerate(prompts):
             samples = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
+            group = outs[i * reps : (i + 1) * reps]
+            completions = [c for out in group for c in sorted(out.outputs, key=lambda c: c.index)]
+            for c in completions:
                 ids = list(c.token_ids)
                 lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)] if ids else []
                 reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "length"

@@ -173,6 +173,12 @@ def test_generate_seeds_lengths_and_stops(svc, tokenizer):
         for x in r["completions"]:
             assert len(x["token_ids"]) == 12 and x["finish_reason"] == "length"
 
+    # greedy (temperature 0) with n > 1: n identical samples; log-probs at temperature 1
+    g = generate(svc, n=2, max_tokens=6, temperature=0.0)
+    for r in g["results"]:
+        first, second = r["completions"]
+        assert first["token_ids"] == second["token_ids"] and first["logprobs"] == second["logprobs"]
+
     # a stop id ends a sample at its first occurrence, the stop token included
     ids = a["results"][0]["completions"][0]["token_ids"]
     stop_id = ids[5]
