@@ -14,38 +14,56 @@ import time
 import pytest
 import redis as sync_redis
 from _procs import ServiceProc
-from _ring import Redis, Ring, assert_ledger, start_reward
+from _ring import Redis, Ring, assert_ledger, respawn_on_port_clash, start_reward
 
 from rlhf.transport.keys import ROLLOUT_GROUP, RunKeys
 
 pytestmark = pytest.mark.slow
 
 
+# name -> ring options. Every ring's rollout replicas are started together when the module starts (their start-up
+# overlaps); each test then starts its trainer and applies its fault.
+RINGS = {
+    "kill-trainer": {"stage": "ray_grpo", "n": 2, "train_iters": 5, "save_interval": 2},
+    # Longer responses and two jobs at a time keep replica 0 busy generating when it is killed.
+    "kill-rollout": {"stage": "ray_ppo", "replicas": 2, "train_iters": 4, "max_new_tokens": 48,
+                     "rollout_env": {"RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": "2"}},
+    "redis-restart": {"stage": "ray_grpo", "n": 2, "train_iters": 12},
+    "reward-down": {"stage": "ray_grpo", "n": 2, "train_iters": 6},
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def shared_redis(tmp_path_factory):
-    server = Redis(tmp_path_factory.mktemp("e2e-faults-redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def make_ring(scorers, shared_redis, tmp_path):
-    rings: list[Ring] = []
-
-    def make(run_id: str, *, redis: Redis | None = None, reward_addr: str | None = None, **opts) -> Ring:
-        reward, reference = scorers.get()
-        ring = Ring(run_id, tmp_path / run_id, redis or shared_redis, reward_addr or reward.grpc_addr,
+def rings(scorers, tmp_path_factory):
+    base = tmp_path_factory.mktemp("e2e-faults")
+    shared = Redis(base / "redis").start()
+    own_redis = Redis(base / "own-redis").start()  # the one redis-restart kills
+    reward, reference = scorers.get()
+    own_reward_cfg = base / "reward-down-reward.yaml"
+    out: dict = {"redis": own_redis}
+    for name, opts in RINGS.items():
+        ring = Ring(f"e2e-{name}", base / name, own_redis if name == "redis-restart" else shared, reward.grpc_addr,
                     reference.grpc_addr, **opts)  # fmt: skip
-        rings.append(ring)
-        return ring
+        out[name] = ring
+    own_reward_cfg.write_text(out["reward-down"].config_path.read_text())
+    out["reward"] = start_reward(own_reward_cfg, base / "logs", wait=False)  # the one reward-down stops
+    try:
+        out["reward"] = respawn_on_port_clash(out["reward"], 180)
+        out["reward-down"].rollouts[0].env["RLHF_REWARD_ADDR"] = out["reward"].grpc_addr
+        for name in RINGS:
+            for r in out[name].rollouts:
+                r.start(wait_ready=False)
+        yield out
+    finally:
+        for name in RINGS:
+            out[name].stop()
+        out["reward"].stop()
+        own_redis.stop()
+        shared.stop()
 
-    yield make
-    for ring in rings:
-        ring.stop()
 
-
-def test_trainer_killed_and_restarted_loses_nothing_and_trains_nothing_twice(make_ring):
-    ring = make_ring("e2e-kill-trainer", stage="ray_grpo", n=2, train_iters=5, save_interval=2).start()
+def test_trainer_killed_and_restarted_loses_nothing_and_trains_nothing_twice(rings):
+    ring = rings["kill-trainer"].start()
     ring.wait_steps(3)
     ring.kill(ring.trainer)  # after step 3, before (or while) step 4: the step-2 checkpoint is the newest
     killed_at = len(ring.metrics())
@@ -62,11 +80,8 @@ def test_trainer_killed_and_restarted_loses_nothing_and_trains_nothing_twice(mak
     assert ring.served_version() == state["policy_version"]
 
 
-def test_rollout_replica_killed_mid_generation_its_jobs_are_finished_by_the_other(make_ring):
-    # Longer responses and one job at a time keep replica 0 busy generating when it is killed.
-    ring = make_ring("e2e-kill-rollout", stage="ray_ppo", replicas=2, train_iters=4, max_new_tokens=48,
-                     rollout_env={"RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": "2"})  # fmt: skip
-    ring.start(trainer=False)
+def test_rollout_replica_killed_mid_generation_its_jobs_are_finished_by_the_other(rings):
+    ring = rings["kill-rollout"].start(trainer=False)
     victim = ring.rollouts[0]
     consumer = f"{ring.run_id}-rollout-0"
     r = sync_redis.Redis.from_url(ring.redis.url)
@@ -100,54 +115,46 @@ def _issued_entries(r, run_id: str) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in r.hgetall(RunKeys(run_id).jobs).items()}
 
 
-def test_redis_restart_mid_run_every_service_reconnects_and_nothing_is_lost(make_ring, tmp_path):
-    redis = Redis(tmp_path / "own-redis").start()
-    try:
-        ring = make_ring("e2e-redis-restart", redis=redis, stage="ray_grpo", n=2, train_iters=12).start()
-        ring.wait_steps(2)
-        # kill -9 while the ring is writing. With appendfsync everysec nothing Redis had written to its AOF is lost
-        # by a process kill (the kernel has it; only a machine crash loses the last second), so a sleep first would
-        # not change anything here: the ring never stops writing. A redone write is harmless (job ids dedupe).
-        redis.stop(kill=True)
-        killed_at = len(ring.metrics())
-        time.sleep(2.0)  # every service sees the connection refused for a while
-        redis.start()
-        ring.wait_trained(timeout=180)
-        assert killed_at < ring.train_iters, "training finished before Redis went down"
-        assert_ledger(ring, ring.train_iters)
-        assert ring.served_version() == ring.state()["policy_version"]
-        # Both sides met the outage and got over it.
-        assert "redis unavailable" in ring.trainer.log_text()
-        assert "queue error" in ring.rollouts[0].log_text()
-    finally:
-        redis.stop()
+def test_redis_restart_mid_run_every_service_reconnects_and_nothing_is_lost(rings):
+    redis = rings["redis"]
+    ring = rings["redis-restart"].start()
+    ring.wait_steps(2)
+    # kill -9 while the ring is writing. With appendfsync everysec nothing Redis had written to its AOF is lost
+    # by a process kill (the kernel has it; only a machine crash loses the last second), so a sleep first would
+    # not change anything here: the ring never stops writing. A redone write is harmless (job ids dedupe).
+    redis.stop(kill=True)
+    killed_at = len(ring.metrics())
+    time.sleep(2.0)  # every service sees the connection refused for a while
+    redis.start()
+    ring.wait_trained(timeout=180)
+    assert killed_at < ring.train_iters, "training finished before Redis went down"
+    assert_ledger(ring, ring.train_iters)
+    assert ring.served_version() == ring.state()["policy_version"]
+    # Both sides met the outage and got over it.
+    assert "redis unavailable" in ring.trainer.log_text()
+    assert "queue error" in ring.rollouts[0].log_text()
 
 
-def test_reward_down_for_a_while_samples_wait_and_no_score_is_invented(make_ring, tmp_path):
-    reward_cfg = tmp_path / "reward.yaml"
-    ring = make_ring("e2e-reward-down", stage="ray_grpo", n=2, train_iters=6)
-    reward_cfg.write_text(ring.config_path.read_text())
-    reward = start_reward(reward_cfg, tmp_path / "logs")
-    ring.rollouts[0].env["RLHF_REWARD_ADDR"] = reward.grpc_addr
-    try:
-        ring.start()
-        ring.wait_steps(1)
-        reward.stop()  # SIGTERM: gone until restarted
-        time.sleep(4.0)
-        reward = ServiceProc("reward", reward_cfg, tmp_path / "logs", env=reward.env, grpc_port=reward.grpc_port,
-                             http_port=reward.http_port).start(timeout=120)  # fmt: skip
-        back_at = len(ring.metrics())
-        ring.wait_trained(timeout=180)
-        # Without scores no experience is written: training stalls (at most the batch already queued is trained).
-        assert back_at < ring.train_iters, "training finished while the reward service was down"
-        state = assert_ledger(ring, ring.train_iters)
-        # Jobs did meet the outage (they failed and stayed pending) ...
-        log = ring.rollouts[0].log_text()
-        assert "reward_unavailable" in log or "reward call failed" in log, ring.rollouts[0].log_tail()
-        # ... and no score was made up: every trained sample was scored OK by the reward service (a sample without
-        # an OK score is never trained, so a step with one would count fewer samples).
-        n = ring.cfg["actor_rollout_ref"]["actor_rollout"]["n_samples_per_prompt"]
-        assert all(m["samples"] == ring.batch * n for m in ring.metrics())
-        assert len(state["trained_job_ids"]) == ring.train_iters * ring.batch
-    finally:
-        reward.stop()
+def test_reward_down_for_a_while_samples_wait_and_no_score_is_invented(rings):
+    ring = rings["reward-down"]
+    reward = rings["reward"]
+    ring.start()
+    ring.wait_steps(1)
+    reward.stop()  # SIGTERM: gone until restarted
+    time.sleep(4.0)
+    reward = ServiceProc("reward", reward.config, reward.log_path.parent, env=reward.env, grpc_port=reward.grpc_port,
+                         http_port=reward.http_port).start(timeout=120)  # fmt: skip
+    rings["reward"] = reward
+    back_at = len(ring.metrics())
+    ring.wait_trained(timeout=180)
+    # Without scores no experience is written: training stalls (at most the batch already queued is trained).
+    assert back_at < ring.train_iters, "training finished while the reward service was down"
+    state = assert_ledger(ring, ring.train_iters)
+    # Jobs did meet the outage (they failed and stayed pending) ...
+    log = ring.rollouts[0].log_text()
+    assert "reward_unavailable" in log or "reward call failed" in log, ring.rollouts[0].log_tail()
+    # ... and no score was made up: every trained sample was scored OK by the reward service (a sample without
+    # an OK score is never trained, so a step with one would count fewer samples).
+    n = ring.cfg["actor_rollout_ref"]["actor_rollout"]["n_samples_per_prompt"]
+    assert all(m["samples"] == ring.batch * n for m in ring.metrics())
+    assert len(state["trained_job_ids"]) == ring.train_iters * ring.batch
