@@ -114,3 +114,12 @@ deploy-tools: $(TOOLS_VENV)/.stamp $(HELM)  ## install the deployment-check tool
 deploy-check: deploy-tools $(VENV)/.stamp  ## static checks: hadolint, compose config, helm lint/template + kubernetes-validate, yamllint, tests/deploy
 	HELM=$(HELM) TOOLS_BIN=$(TOOLS_VENV)/bin PY=$(PY) DOCKER_COMPOSE="$(DOCKER_COMPOSE)" \
 		PYTEST_ARGS="$(PYTEST_ARGS)" bash tests/deploy/deploy_check.sh
+
+# ---------------------------------------------------------------- benchmarks (bench/*.py -> docs/benchmarks.md)
+# Each `python -m bench.<name>` prints one JSON line; bench.report runs them one after the other (each up to about
+# 5 minutes on 2 cores), keeps the JSON and logs in .cache/bench/results/ and writes docs/benchmarks.md.
+# Some of them: make bench BENCH=queue,serving
+.PHONY: bench
+
+bench: $(VENV)/.stamp $(PARITY_VENV)/.stamp  ## run the side-by-side benchmarks and write docs/benchmarks.md
+	$(PY) -m bench.report --run $(if $(BENCH),--only $(BENCH))

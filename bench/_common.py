@@ -222,17 +222,21 @@ class ServiceProc:
         return f"127.0.0.1:{self.grpc_port}"
 
     def __enter__(self) -> ServiceProc:
+        return self.start()
+
+    def start(self, wait_ready: bool = True) -> ServiceProc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in __exit__
         argv = [sys.executable, "-m", "services.cli", "serve", self.name, "--config", str(self.config),
                 "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
                 "--http-port", str(self.http_port)]  # fmt: skip
         self.proc = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.__exit__()
-            raise
+        if wait_ready:
+            try:
+                self.wait_ready()
+            except BaseException:
+                self.__exit__()
+                raise
         return self
 
     def wait_ready(self, timeout: float = 180.0) -> None:
@@ -256,6 +260,9 @@ class ServiceProc:
             return ""
 
     def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

@@ -1,0 +1,227 @@
+"""Run the benchmarks and write docs/benchmarks.md from their JSON lines.
+
+::
+
+    python -m bench.report --run                       # every benchmark, then docs/benchmarks.md (`make bench`)
+    python -m bench.report --run --only queue,serving  # some of them
+    python -m bench.report RESULTS_DIR                 # only render the JSON files a run left in RESULTS_DIR
+
+Each benchmark runs as its own process (``python -m bench.<name>``, stdout = its one JSON line, stderr = its log);
+the JSON and the log are kept under ``.cache/bench/results/``. A benchmark that fails is reported as failed (with
+the end of its log) and the others still run; the exit status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHES = ("queue", "weight_sync", "serving", "engines", "pipeline")
+RESULTS = REPO / ".cache" / "bench" / "results"
+TITLES = {
+    "queue": "Queue: experience records through rlhf.transport vs raw Redis",
+    "weight_sync": "Weight sync: a 104M-parameter policy to a rollout replica vs a raw loopback copy",
+    "serving": "Serving: REST and gRPC vs the engine in-process",
+    "engines": "Rollout engines: generated tokens/s, vllm vs hf",
+    "pipeline": "Pipeline: training samples/s vs TRL 1.12",
+}
+
+
+def run(names: list[str], out: Path) -> dict[str, Any]:
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, Any] = {}
+    for name in names:
+        print(f"== python -m bench.{name}", flush=True)
+        t0 = time.monotonic()
+        with open(out / f"{name}.json", "wb") as fo, open(out / f"{name}.log", "wb") as fe:
+            code = subprocess.call([sys.executable, "-m", f"bench.{name}"], cwd=REPO, stdout=fo, stderr=fe)
+        seconds = time.monotonic() - t0
+        runs[name] = {"exit": code, "seconds": round(seconds, 1)}
+        status = "ok" if code == 0 else f"FAILED (exit {code}; log .cache/bench/results/{name}.log)"
+        print(f"   {status} in {seconds:.0f}s", flush=True)
+    (out / "run.json").write_text(json.dumps(runs, indent=2))
+    return runs
+
+
+def load(out: Path, names: list[str]) -> dict[str, dict | None]:
+    res: dict[str, dict | None] = {}
+    for name in names:
+        path = out / f"{name}.json"
+        res[name] = None
+        if path.exists():
+            lines = [x for x in path.read_text().splitlines() if x.strip().startswith("{")]
+            if lines:
+                res[name] = json.loads(lines[-1])
+    return res
+
+
+# ------------------------------------------------------------------------------------------------- rendering
+
+
+def fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "**no**"
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, list):
+        return ", ".join(fmt(x) for x in v)
+    return str(v)
+
+
+def flatten(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(d, dict):
+        rows = []
+        for k, v in d.items():
+            rows += flatten(v, f"{prefix}.{k}" if prefix else str(k))
+        return rows
+    return [(prefix, d)]
+
+
+def table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def figures_md(name: str, r: dict) -> list[str]:
+    f = r["figures"]
+    if name == "serving":
+        rows = []
+        for svc, per in f.items():
+            for conc, ways in per.items():
+                for way, v in ways.items():
+                    rows.append([svc, conc[1:], way, v["p50_ms"], v["p99_ms"], v["req_per_s"],
+                                 v.get("p50_overhead_ms")])  # fmt: skip
+        return table(["service", "concurrency", "way in", "p50 ms", "p99 ms", "requests/s", "p50 over in-process ms"],
+                     rows)  # fmt: skip
+    if name == "engines":
+        rows = []
+        for size, per in f["generated_tokens_per_s"].items():
+            for batch, v in per.items():
+                rows.append(
+                    [size, batch.split("_")[1], v["vllm"], v["hf"], r["ratio"].get(f"{size}/{batch}/vllm_vs_hf")]
+                )
+        return table(["model", "batch", "vllm tokens/s", "hf tokens/s", "vllm / hf"], rows)
+    if name == "pipeline":
+        rows = []
+        for size, per in f["samples_per_s"].items():
+            for algo, runs in per.items():
+                trl = runs["trl"]["samples_per_s"]
+                for which in ("trl", "sync", "async"):
+                    v = runs[which]
+                    ratio = None if which == "trl" else r["ratio"].get(f"{size}/{algo}/{which}_vs_trl")
+                    rows.append([size, algo, {"trl": "TRL 1.12", "sync": "ours, max_staleness 0",
+                                              "async": "ours, max_staleness 1"}[which],
+                                 v["samples_per_s"], ratio if which != "trl" else 1.0, v["step_seconds"],
+                                 v.get("staleness_mean")])  # fmt: skip
+                del trl
+        return table(["model", "algorithm", "run", "samples/s", "vs TRL", "measured step times s", "staleness"], rows)
+    return table(["figure", "value"], [[k, v] for k, v in flatten(f)])
+
+
+def render(results: dict[str, dict | None], runs: dict[str, Any] | None, names: list[str]) -> str:
+    machine = next((r["machine"] for r in results.values() if r), {})
+    total = sum(v["seconds"] for v in runs.values()) if runs else None
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = "?"
+    lines = [
+        "# Benchmarks",
+        "",
+        "Written by `make bench` (`python -m bench.report --run`): each benchmark is a script under `bench/` that",
+        "prints one JSON line, measuring ours and its baseline interleaved in the same run so the ratios hold on a",
+        "shared machine. Run one alone with `python -m bench.<name>`. Nothing here is a timed test.",
+        "",
+        f"- generated: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}, commit `{commit}`",
+        "- command: `make bench`" + (f" (total {total:.0f} s)" if total is not None else ""),
+        f"- machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {machine.get('memory_gib', '?')} "
+        f"GiB, {machine.get('os', '?')}, Python {machine.get('python', '?')}, torch {machine.get('torch', '?')}, "
+        f"OMP_NUM_THREADS={machine.get('omp_num_threads', '?')} per process",
+        "- the machine is shared: each benchmark records the load average it started under (below); absolute",
+        "  figures move with it, the interleaved ratios much less.",
+        "",
+        "## Targets",
+        "",
+    ]
+    rows = []
+    for name in names:
+        r = results.get(name)
+        if r is None:
+            rows.append([f"bench.{name}", "did not produce a result (see its log)", "-", "-", "**failed**"])
+            continue
+        for t in r["targets"]:
+            rows.append([f"bench.{name}", t["figure"], t["value"], t["target"], t["met"]])
+    lines += table(["benchmark", "figure", "value", "target", "met"], rows)
+    for name in names:
+        r = results.get(name)
+        lines += ["", f"## {TITLES.get(name, name)}", ""]
+        run_info = (runs or {}).get(name)
+        if r is None:
+            lines.append(f"`python -m bench.{name}` produced no result"
+                         + (f" (exit {run_info['exit']})" if run_info else "") + ".")  # fmt: skip
+            log = RESULTS / f"{name}.log"
+            if log.exists():
+                tail = log.read_text(errors="replace").splitlines()[-15:]
+                lines += ["", "```", *tail, "```"]
+            continue
+        doc = ast.get_docstring(ast.parse((REPO / "bench" / f"{name}.py").read_text())) or ""
+        intro = doc.strip().split("\n\n", 1)
+        lines += [
+            f"Command: `python -m bench.{name}` ({r.get('seconds')} s; load average at start "
+            f"{fmt([round(x, 1) for x in r['machine'].get('load_average', [])])}).",
+            "",
+        ]
+        if len(intro) > 1:
+            lines += [intro[1].strip(), ""]
+        lines += ["Settings:", ""]
+        lines += [f"- {k}: {fmt(v)}" for k, v in flatten(r["settings"])]
+        lines += ["", *figures_md(name, r), ""]
+        if name not in ("pipeline", "engines"):
+            lines += ["Ratios: " + "; ".join(f"{k} {fmt(v)}" for k, v in flatten(r["ratio"])), ""]
+        for t in r["targets"]:
+            lines.append(f"- target: {t['figure']}: {fmt(t['value'])} (target {t['target']}): "
+                         f"{'met' if t['met'] else '**missed**'}")  # fmt: skip
+        lines += [f"- note: {n}" for n in r["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="?", default=str(RESULTS), help="folder of <name>.json files")
+    p.add_argument("--run", action="store_true", help="run the benchmarks first")
+    p.add_argument("--only", help="comma-separated benchmark names (default: all)")
+    p.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"), help="the Markdown file to write")
+    args = p.parse_args(argv)
+    names = [n.strip() for n in args.only.split(",")] if args.only else list(BENCHES)
+    unknown = sorted(set(names) - set(BENCHES))
+    if unknown:
+        print(f"unknown benchmark(s): {', '.join(unknown)}; choose from {', '.join(BENCHES)}", file=sys.stderr)
+        return 2
+    out = Path(args.results)
+    runs = run(names, out) if args.run else None
+    if runs is None and (out / "run.json").exists():
+        runs = {k: v for k, v in json.loads((out / "run.json").read_text()).items() if k in names}
+    results = load(out, names)
+    md = Path(args.out)
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text(render(results, runs, names))
+    print(f"wrote {md}" + (f" (benchmarks took {sum(v['seconds'] for v in runs.values()):.0f} s)" if runs else ""))
+    failed = [n for n in names if results.get(n) is None]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    raise SystemExit(main())
