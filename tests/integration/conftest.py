@@ -23,6 +23,8 @@ SHARED_ENV = {"RLHF_MAX_BODY_BYTES": "300000", "RLHF_MAX_MESSAGE_BYTES": str(1 <
 
 
 class SharedServices:
+    shared = SHARED_SERVICES  # tests read it here: `from conftest import ...` may find another directory's conftest
+
     def __init__(self, log_dir: Path):
         self.log_dir = log_dir
         self.procs: dict[tuple[str, str], ServiceProc] = {}

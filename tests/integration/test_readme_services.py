@@ -87,14 +87,12 @@ def test_readme_parses():
 
 
 def test_readme_service_examples_work(shared_services, tmp_path):
-    from conftest import SHARED_SERVICES
-
     ex = parse((REPO / "README.md").read_text())
     own, ports = [], {}
     try:
         for service, config, http, grpc_port in ex.serves:
             assert (REPO / config).is_file(), f"README names a config that does not exist: {config}"
-            if (service, config) in SHARED_SERVICES:
+            if (service, config) in shared_services.shared:
                 p = shared_services.get(service, config)
             else:  # not shared with other tests: a private process
                 p = ServiceProc(service, REPO / config, tmp_path).start()
