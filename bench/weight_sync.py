@@ -282,6 +282,14 @@ async def main() -> None:
             "until every bucket is received, sha256-checked and parsed; the push call adds the wait for in-flight "
             "requests to finish and the swap",
             "grpc_stream_to_sink: the same push_weights into a server that reads every chunk and keeps nothing",
+            "profile (py-spy, replica and client): the client builds every 2 MiB chunk with a copy "
+            "(bytes(memoryview slice)) and a protobuf message (prebuilt messages stream ~2x faster to the sink); "
+            "the replica handles each message in its event loop, then per bucket b''.join, sha256 and "
+            "safetensors.load (three more passes over the bytes), on 2 cores shared with the generating engine",
+            "profile (py-spy, vLLM engine swap): ~30% re-serialising the received tensors into one safetensors blob "
+            "inside the swap gate, ~15% parsing it again in the worker, ~55% vLLM's reload_weights (checkpoint "
+            "loader + oneDNN repacking). Serialising before the gate (or passing the received buckets through) "
+            "would take the first two out of the pause; <= 5% needs double-buffered weights",
             "generation pause = the swap time the replica reports (UpdateWeightsResponse.swap_seconds: the engine's "
             "gate admits no generation step meanwhile); client_seen_pause = longest gap between two finished "
             "Generate calls while the update was in flight less the median gap without one (coarse: a call takes "
