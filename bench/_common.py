@@ -262,9 +262,10 @@ class ServiceProc:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def stop(self) -> None:
+    def stop(self, kill: bool = False) -> None:
+        """SIGTERM and wait (SIGKILL after 30 s); ``kill``: SIGKILL at once (its state does not matter)."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -195,9 +195,9 @@ def run_ours(size, paths, algo, staleness, redis_url, reward, reference, work: P
             if time.monotonic() - t0 > 600:
                 raise TimeoutError(f"{run_id}: no progress in 600 s:\n{trainer.log_tail()}")
             time.sleep(0.2)
-    finally:
-        trainer.stop()
-        rollout.stop()
+    finally:  # the run's state is thrown away: no graceful stop needed
+        trainer.stop(kill=True)
+        rollout.stop(kill=True)
     rows = _rows(metrics)
     steady = rows[1 : steps + 1]
     samples = sum(r["samples"] for r in steady)
@@ -349,6 +349,9 @@ def main() -> None:
             "(pack + stream + swap of the policy) holds the trainer ~1 s. The ring needs ~14 core-seconds per "
             "small-model step, TRL ~8-10 on one core: with 2 cores shared with other work, asynchronous mode has "
             "little idle CPU to overlap into",
+            "two measured steps per run on the small model (the 5-minute budget): on this shared machine the small "
+            "PPO ratios moved between runs (asynchronous / TRL seen from 0.94 to 1.6 while developing this "
+            "benchmark); the tiny-model rows, with more steps, move less",
             "fix from that profile: fused AdamW in the trainer (TRL's default): TrainerEngine.step on this batch "
             "5.0 -> 4.3 s (interleaved A/B)",
         ],

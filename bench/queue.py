@@ -283,7 +283,7 @@ async def main() -> None:
             "ring_ours_vs_raw": rnd(ring_ours_rps / ring_raw_rps),
         },
         targets=[
-            target("queue time per training step / step time (tiny PPO step)", rnd(100 * frac), "< 1 %", frac < 0.01)
+            target("queue time per training step / step time (tiny PPO step), %", rnd(100 * frac), "< 1 %", frac < 0.01)
         ],  # fmt: skip
         notes=[
             "profile (cProfile): most of the per-record cost over raw is the record checks on publish and on read "

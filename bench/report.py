@@ -3,7 +3,7 @@
 ::
 
     python -m bench.report --run                       # every benchmark, then docs/benchmarks.md (`make bench`)
-    python -m bench.report --run --only queue,serving  # some of them
+    python -m bench.report --run --only queue,serving  # rerun some; the report keeps the others' last results
     python -m bench.report RESULTS_DIR                 # only render the JSON files a run left in RESULTS_DIR
 
 Each benchmark runs as its own process (``python -m bench.<name>``, stdout = its one JSON line, stderr = its log);
@@ -38,7 +38,7 @@ TITLES = {
 
 def run(names: list[str], out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    runs: dict[str, Any] = {}
+    runs: dict[str, Any] = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else {}
     for name in names:
         print(f"== python -m bench.{name}", flush=True)
         t0 = time.monotonic()
@@ -145,7 +145,8 @@ def render(results: dict[str, dict | None], runs: dict[str, Any] | None, names: 
         "shared machine. Run one alone with `python -m bench.<name>`. Nothing here is a timed test.",
         "",
         f"- generated: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}, commit `{commit}`",
-        "- command: `make bench`" + (f" (total {total:.0f} s)" if total is not None else ""),
+        "- command: `make bench`"
+        + (f" (the benchmarks' run times add up to {total:.0f} s)" if total is not None else ""),
         f"- machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {machine.get('memory_gib', '?')} "
         f"GiB, {machine.get('os', '?')}, Python {machine.get('python', '?')}, torch {machine.get('torch', '?')}, "
         f"OMP_NUM_THREADS={machine.get('omp_num_threads', '?')} per process",
@@ -188,7 +189,7 @@ def render(results: dict[str, dict | None], runs: dict[str, Any] | None, names: 
         lines += ["Settings:", ""]
         lines += [f"- {k}: {fmt(v)}" for k, v in flatten(r["settings"])]
         lines += ["", *figures_md(name, r), ""]
-        if name not in ("pipeline", "engines"):
+        if name not in ("pipeline", "engines", "serving"):
             lines += ["Ratios: " + "; ".join(f"{k} {fmt(v)}" for k, v in flatten(r["ratio"])), ""]
         for t in r["targets"]:
             lines.append(f"- target: {t['figure']}: {fmt(t['value'])} (target {t['target']}): "
@@ -210,14 +211,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown benchmark(s): {', '.join(unknown)}; choose from {', '.join(BENCHES)}", file=sys.stderr)
         return 2
     out = Path(args.results)
-    runs = run(names, out) if args.run else None
-    if runs is None and (out / "run.json").exists():
-        runs = {k: v for k, v in json.loads((out / "run.json").read_text()).items() if k in names}
-    results = load(out, names)
+    if args.run:
+        run(names, out)
+    # the report covers every benchmark with a result in the folder (--only reruns some, keeps the others' results)
+    runs = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else None
+    results = load(out, list(BENCHES))
     md = Path(args.out)
     md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(render(results, runs, names))
-    print(f"wrote {md}" + (f" (benchmarks took {sum(v['seconds'] for v in runs.values()):.0f} s)" if runs else ""))
+    md.write_text(render(results, runs, list(BENCHES)))
+    total = f" (benchmarks took {sum(v['seconds'] for v in runs.values()):.0f} s)" if runs else ""
+    print(f"wrote {md}{total}")
     failed = [n for n in names if results.get(n) is None]
     return 1 if failed else 0
 
