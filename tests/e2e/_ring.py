@@ -16,10 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import shutil
 import signal
-import socket
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -29,55 +26,15 @@ from _procs import ServiceProc, write_config
 
 from rlhf.transport import connect, queue_stats
 from rlhf.transport.keys import RunKeys
+from rlhf.transport.local_redis import LocalRedis
 
 TOKEN = "e2e-token"
 # Every child gets one thread: five torch processes share two cores (the launcher does the same).
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "RLHF_API_TOKEN": TOKEN}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Redis:
+class Redis(LocalRedis):
     """A private redis-server, AOF on (everysec, as compose and Helm run it); restartable on the same dir and port."""
-
-    def __init__(self, directory: Path, port: int | None = None):
-        self.directory = Path(directory)
-        self.port = port or free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> Redis:
-        exe = shutil.which("redis-server")
-        assert exe, "redis-server is not on PATH (apt-get install -y redis-server)"
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-             "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not answer on port {self.port}")
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill() if kill else self.proc.terminate()
-            self.proc.wait(timeout=10)
 
 
 def base_config(run_id: str, **over: Any) -> dict:

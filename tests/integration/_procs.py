@@ -22,15 +22,9 @@ from pathlib import Path
 
 import yaml
 
+from rlhf.transport.local_redis import free_port as _free_port  # noqa: F401  (tests import it from here)
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(path: Path, data: dict) -> Path:
