@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlhf.transport.local_redis import LocalRedis, free_port
+from rlhf.local_redis import LocalRedis, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = bool(os.environ.get("BENCH_QUICK"))  # smoke-test the scripts: a fraction of the work, figures meaningless

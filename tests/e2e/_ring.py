@@ -24,9 +24,9 @@ from typing import Any
 
 from _procs import ServiceProc, write_config
 
+from rlhf.local_redis import LocalRedis
 from rlhf.transport import connect, queue_stats
 from rlhf.transport.keys import RunKeys
-from rlhf.transport.local_redis import LocalRedis
 
 TOKEN = "e2e-token"
 # Every child gets one thread: five torch processes share two cores (the launcher does the same).

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhf.transport.local_redis import free_port as _free_port  # noqa: F401  (tests import it from here)
+from rlhf.local_redis import free_port as _free_port  # noqa: F401  (tests import it from here)
 
 REPO = Path(__file__).resolve().parents[2]
 
