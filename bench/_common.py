@@ -10,13 +10,12 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from rlhf.local_redis import LocalRedis, free_port
+from services.launcher import http_ready
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = bool(os.environ.get("BENCH_QUICK"))  # smoke-test the scripts: a fraction of the work, figures meaningless
@@ -196,12 +195,8 @@ class ServiceProc:
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.http_url + "/readyz", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
+            if http_ready(self.http_url, timeout=1):
+                return
             time.sleep(0.1)
         raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log_tail()}")
 

@@ -16,13 +16,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import yaml
 
 from rlhf.local_redis import free_port as _free_port  # noqa: F401  (tests import it from here)
+from services.launcher import http_ready
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -90,12 +89,8 @@ class ServiceProc:
             if self.proc is not None and self.proc.poll() is not None:
                 code = self.proc.returncode
                 raise RuntimeError(f"{self.name} exited with {code} during start-up:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.http_url + "/readyz", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
+            if http_ready(self.http_url, timeout=1):
+                return
             time.sleep(0.05)
         raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log_tail()}")
 
