@@ -58,6 +58,7 @@ class Trainer:
         self.samples_trained = 0
         self.unacked: list[str] = []
         self.done = False
+        self._push_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
@@ -114,8 +115,9 @@ class Trainer:
                 delay = min(delay * 2, 5.0)
 
     async def stop(self) -> None:
-        for t in getattr(self, "tasks", []):
-            t.cancel()
+        for t in [*getattr(self, "tasks", []), self._push_task]:
+            if t is not None:
+                t.cancel()
         if getattr(self, "redis", None) is not None:
             await self.redis.aclose()
 
@@ -189,11 +191,19 @@ class Trainer:
                 self.trained_job_ids.update(e.job_id for _, e in batch)
                 self.unacked.extend(entry for entry, _ in batch)
                 self.samples_trained += int(metrics["samples"])
-                if self.engine.step_count % t.weight_sync_interval == 0:
-                    await self._push_weights()
                 self.jobs_trained += len(batch)
-                # frees admission once the new weights are out
-                await self._redis("admission", self.admission.set_trained, self.jobs_trained)
+                # The previous update must be out first: versions reach replicas in order, and the trained count
+                # that frees admission only grows.
+                await self._settle_push()
+                if self.engine.step_count % t.weight_sync_interval == 0:
+                    # Packing copies the weights, so the next step may change them while the copy is delivered:
+                    # the push (transfer + the replicas' swap) overlaps the next step instead of stalling it.
+                    packed = await self._pack()
+                    self._push_task = asyncio.create_task(self._deliver(packed, trained=self.jobs_trained))
+                else:
+                    await self._redis("admission", self.admission.set_trained, self.jobs_trained)
+                if self.engine.step_count >= t.train_iters:
+                    await self._settle_push()
                 if self.engine.step_count % t.save_interval == 0 or self.engine.step_count >= t.train_iters:
                     await self.checkpoint()
                 elapsed = time.perf_counter() - t0
@@ -227,19 +237,36 @@ class Trainer:
         log.info("training finished after %d steps", self.engine.step_count)
         self.runner.request_stop()
 
-    async def _push_weights(self) -> None:
-        addrs = await asyncio.to_thread(expand_targets, self.settings.rollout_addrs)
-        if not addrs:
-            return
-        from rlhf.transport import pack_weights, push_weights_many
+    async def _pack(self):
+        from rlhf.transport import pack_weights
 
         version = self.engine.policy_version
-        packed = await asyncio.to_thread(pack_weights, self.engine.policy_state_dict(), version, version - 1)
-        results = await push_weights_many(addrs, packed, token=self.settings.api_token, timeout=120.0)
-        for addr, res in results.items():
-            if isinstance(res, BaseException):
-                log.warning("weight sync to %s failed: %s", addr, res)
-        await self._redis("publishing the policy version", self.admission.publish_policy_version, version)
+        return await asyncio.to_thread(pack_weights, self.engine.policy_state_dict(), version, version - 1)
+
+    async def _deliver(self, packed, trained: int | None = None) -> None:
+        """Push ``packed`` to every replica, publish its version, then (if given) the trained count: admission
+        frees the next jobs only once the new weights are out, which is what bounds staleness."""
+        from rlhf.transport import push_weights_many
+
+        addrs = await asyncio.to_thread(expand_targets, self.settings.rollout_addrs)
+        if addrs:
+            results = await push_weights_many(addrs, packed, token=self.settings.api_token, timeout=120.0)
+            for addr, res in results.items():
+                if isinstance(res, BaseException):
+                    log.warning("weight sync to %s failed: %s", addr, res)
+            await self._redis("publishing the policy version", self.admission.publish_policy_version, packed.version)
+        if trained is not None:
+            await self._redis("admission", self.admission.set_trained, trained)
+
+    async def _settle_push(self) -> None:
+        """Wait for the weight push in flight, if any (its failure ends training like any other)."""
+        task, self._push_task = self._push_task, None
+        if task is not None:
+            await task
+
+    async def _push_weights(self) -> None:
+        if await asyncio.to_thread(expand_targets, self.settings.rollout_addrs):
+            await self._deliver(await self._pack())
 
     async def checkpoint(self) -> Path:
         """Save, then acknowledge the experience the saved steps consumed."""
