@@ -4,6 +4,8 @@ Names (all labelled with ``service``):
 
 - ``rlhf_requests_total{method, protocol, code}`` and ``rlhf_request_seconds{method, protocol}`` (histogram)
 - ``rlhf_batch_size{method}`` (histogram of items per request)
+- ``rlhf_merged_requests{method}`` / ``rlhf_merged_rows{method}`` (histograms per engine call: how many requests
+  cross-request micro-batching merged into it, and their rows)
 - ``rlhf_tokens_total{kind}`` (prompt / response / generated tokens processed)
 - ``rlhf_errors_total{kind}`` (domain error kinds: invalid_argument, payload_too_large, scorer_error, ...)
 - ``rlhf_ready`` (1 when the service reports ready)
@@ -42,6 +44,14 @@ class ServiceMetrics:
         self.batch = Histogram(
             "rlhf_batch_size", "items per request", ["service", "method"], buckets=BATCH_BUCKETS, registry=r
         )
+        self.merged_requests = Histogram(
+            "rlhf_merged_requests", "requests merged into one engine call", ["service", "method"],
+            buckets=BATCH_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.merged_rows = Histogram(
+            "rlhf_merged_rows", "rows (items) of one merged engine call", ["service", "method"],
+            buckets=BATCH_BUCKETS, registry=r,
+        )  # fmt: skip
         self.tokens = Counter("rlhf_tokens", "tokens processed", ["service", "kind"], registry=r)
         self.errors = Counter("rlhf_errors", "errors by kind", ["service", "kind"], registry=r)
         self.ready = Gauge("rlhf_ready", "1 when the service is ready", ["service"], registry=r)
@@ -54,6 +64,10 @@ class ServiceMetrics:
 
     def observe_batch(self, method: str, size: int) -> None:
         self.batch.labels(self.name, method).observe(size)
+
+    def observe_merged(self, method: str, requests: int, rows: int) -> None:
+        self.merged_requests.labels(self.name, method).observe(requests)
+        self.merged_rows.labels(self.name, method).observe(rows)
 
     def add_tokens(self, kind: str, n: int) -> None:
         if n:

@@ -5,6 +5,11 @@ response_<t)`` at the temperature: ``log_softmax(logits / T)`` gathered at the r
 convention of :mod:`rlhf.models` (the same one the trainer uses for the policy, so the KL terms compare like with
 like). Items are sorted by length and run in micro-batches of ``actor_rollout_ref.ref.micro_batch_size`` rows, made
 smaller when their logits would pass ``LOGITS_BUDGET_BYTES``.
+
+Concurrent requests of the same temperature are merged into one forward call (:class:`rlhf.serving.batching.
+MicroBatcher`: whatever is queued when the model becomes free, up to ``MERGE_MICRO_BATCHES`` micro-batches of rows
+and ``MERGE_MAX_TOKENS`` tokens; no waiting when idle). A row's log-probs do not depend on the other rows (right
+padding, attention mask, position ids from the mask), so merged results equal unbatched ones.
 """
 
 from __future__ import annotations
@@ -17,11 +22,15 @@ from dataclasses import dataclass
 
 from rlhf.config import ExperimentConfig
 from rlhf.serving import InvalidArgument, NotReady, ServiceMetrics
+from rlhf.serving.batching import MicroBatcher
 
 log = logging.getLogger("rlhf.reference")
 
 MAX_ITEMS = 4096
 LOGITS_BUDGET_BYTES = 2 << 30
+# Bounds of one merged call: the head request's latency grows with what is merged behind it.
+MERGE_MICRO_BATCHES = 8
+MERGE_MAX_TOKENS = 1 << 17
 
 
 @dataclass
@@ -52,6 +61,12 @@ class ReferenceEngine:
         self.max_len = 0
         self.ready = False
         self._lock = threading.Lock()
+        self._batcher = MicroBatcher(
+            lambda t, items: self._forward(items, t),
+            max_rows=MERGE_MICRO_BATCHES * self.micro_batch_size,
+            max_cost=MERGE_MAX_TOKENS,
+            on_batch=(lambda n, rows: metrics.observe_merged("logprobs", n, rows)) if metrics is not None else None,
+        )
 
     # -- life cycle
 
@@ -183,7 +198,8 @@ class ReferenceEngine:
         if not self.ready:
             raise NotReady("the reference model is still loading; retry when /readyz answers 200")
         t = self.validate(items, temperature)
-        result = await asyncio.to_thread(self._forward, items, t)
+        cost = sum(len(it.prompt_ids) + len(it.response_ids) for it in items)
+        result = await self._batcher.submit(t, items, cost)
         if self.metrics is not None:
             self.metrics.add_tokens("prompt", sum(len(it.prompt_ids) for it in items))
             self.metrics.add_tokens("response", sum(len(it.response_ids) for it in items))

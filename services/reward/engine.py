@@ -2,7 +2,10 @@
 
 - ``model``: a one-label sequence-classification reward model; the prompt and response go through the tokenizer's
   chat template when it has one (user = prompt, assistant = response); the score is the head's output at the last
-  token. Batched by length in micro-batches of ``reward.micro_batch_size``.
+  token. Batched by length in micro-batches of ``reward.micro_batch_size``; concurrent requests are merged into
+  one forward call (:class:`rlhf.serving.batching.MicroBatcher`: what is queued when the model becomes free, no
+  waiting when idle). Each row's score depends on that row alone (right padding, attention mask, position ids from
+  the mask), so merged scores equal unbatched ones.
 - ``rule``: a function from :mod:`services.reward.rules` (``math_answer``, ``exact_match``, ``regex``, ``length``,
   ``format``) or a user ``module:function``.
 - ``remote``: HTTP POST in OpenRLHF's ``/get_reward`` format with a timeout and bounded retries.
@@ -24,6 +27,7 @@ from typing import Any
 
 from rlhf.config import ExperimentConfig, ScorerConfig
 from rlhf.serving import InvalidArgument, NotReady, ServiceMetrics
+from rlhf.serving.batching import MicroBatcher
 from services.reward import rules
 
 log = logging.getLogger("rlhf.reward")
@@ -36,6 +40,9 @@ _SEVERITY = {OK: 0, TIMEOUT: 1, SCORER_ERROR: 2, INVALID_INPUT: 3}
 MAX_ITEMS = 4096
 MAX_TEXT_CHARS = 1_000_000
 MAX_IDS = 131_072
+# Bounds of one merged reward-model call: the head request's latency grows with what is merged behind it.
+MERGE_MICRO_BATCHES = 8
+MERGE_MAX_TOKENS = 1 << 17
 
 
 @dataclass
@@ -133,7 +140,9 @@ class RuleScorer(Scorer):
 class ModelScorer(Scorer):
     type = "model"
 
-    def __init__(self, cfg: ScorerConfig, name: str, device: str, micro_batch_size: int):
+    def __init__(
+        self, cfg: ScorerConfig, name: str, device: str, micro_batch_size: int, metrics: ServiceMetrics | None = None
+    ):
         super().__init__(cfg, name)
         self.device_name = device
         self.micro_batch_size = micro_batch_size
@@ -141,6 +150,15 @@ class ModelScorer(Scorer):
         self.tokenizer = None
         self.max_len = 0
         self._lock = threading.Lock()
+        on_batch = None
+        if metrics is not None:
+            on_batch = lambda n, rows: metrics.observe_merged(f"score:{name}", n, rows)  # noqa: E731
+        self._batcher = MicroBatcher(
+            lambda _key, seqs: self._forward(seqs),
+            max_rows=MERGE_MICRO_BATCHES * micro_batch_size,
+            max_cost=MERGE_MAX_TOKENS,
+            on_batch=on_batch,
+        )
 
     def load(self) -> None:
         from rlhf.models import load_sequence_classifier, load_tokenizer, resolve_model_path
@@ -174,9 +192,31 @@ class ModelScorer(Scorer):
             return tok(text, add_special_tokens=False)["input_ids"]
         return tok(it.prompt + it.response)["input_ids"]
 
+    def encode_many(self, items: list[Item]) -> None:
+        """Fill the id caches of ``items``: one tokenizer call for all the texts (a fast tokenizer's batch call
+        costs far less than a call per item; the ids are the same)."""
+        key = f"ids:{self.name}"
+        groups: dict[bool, tuple[list[Item], list[str]]] = {True: ([], []), False: ([], [])}
+        for it in items:
+            if key in it.cache:
+                continue
+            if not it.prompt and it.prompt_ids:
+                it.cache[key] = list(it.prompt_ids) + list(it.response_ids)
+                continue
+            text = self._text(it)
+            templated = text is not None
+            groups[templated][0].append(it)
+            groups[templated][1].append(text if templated else it.prompt + it.response)
+        for templated, (its, texts) in groups.items():
+            if its:
+                encoded = self.tokenizer(texts, add_special_tokens=not templated)["input_ids"]
+                for it, ids in zip(its, encoded, strict=True):
+                    it.cache[key] = ids
+
     def validate(self, items: list[Item]) -> None:
         if self.tokenizer is None:
             return
+        self.encode_many(items)
         for i, it in enumerate(items):
             ids = self.encode(it)
             if not ids:
@@ -221,7 +261,7 @@ class ModelScorer(Scorer):
             raise NotReady(f"reward model {self.name!r} is still loading; retry shortly")
         seqs = [self.encode(it) for it in items]
         try:
-            values = await asyncio.to_thread(self._forward, seqs)
+            values = await self._batcher.submit(None, seqs, sum(len(q) for q in seqs))
         except Exception as err:  # noqa: BLE001 - a model failure is an error status for every item
             log.exception("reward model %s failed", self.name)
             return [Failure(SCORER_ERROR, f"scorer {self.name!r} failed: {type(err).__name__}: {err}")] * len(items)
@@ -351,7 +391,7 @@ class RewardEngine:
                 if sc.type == "rule":
                     self.scorers.append(RuleScorer(sc, name, count_tokens=self.count_policy_tokens))
                 elif sc.type == "model":
-                    self.scorers.append(ModelScorer(sc, name, self.device, cfg.reward.micro_batch_size))
+                    self.scorers.append(ModelScorer(sc, name, self.device, cfg.reward.micro_batch_size, metrics))
                 else:
                     self.scorers.append(RemoteScorer(sc, name))
             except ValueError as err:

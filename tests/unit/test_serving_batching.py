@@ -1,0 +1,122 @@
+"""rlhf.serving.batching.MicroBatcher: concurrent requests are merged into one call, each caller gets its own slice,
+idle requests start at once, keys and budgets split calls, errors and cancellations stay with their callers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from rlhf.serving.batching import MicroBatcher
+
+
+class Recorder:
+    """A run function that records each call's (key, rows) and can be held (to let requests queue)."""
+
+    def __init__(self, fail_on: object = None):
+        self.calls: list[tuple[object, list]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_on = fail_on
+
+    def __call__(self, key, rows):
+        self.gate.wait(5)
+        self.calls.append((key, list(rows)))
+        if self.fail_on in rows:
+            raise ValueError(f"bad row {self.fail_on}")
+        return [(key, r * 10) for r in rows]
+
+
+async def _hold_then(rec: Recorder, b: MicroBatcher, first, *rest):
+    """Submit ``first`` while the model is held, queue the ``rest`` behind it, then release."""
+    rec.gate.clear()
+    t0 = asyncio.ensure_future(b.submit(*first))
+    while not b._queue and not rec.calls and b._drainer is None:
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.05)  # the first call is now inside run(), blocked on the gate
+    tasks = [asyncio.ensure_future(b.submit(*r)) for r in rest]
+    await asyncio.sleep(0.01)
+    rec.gate.set()
+    return await asyncio.gather(t0, *tasks, return_exceptions=True)
+
+
+def test_lone_request_runs_alone_and_at_once():
+    rec = Recorder()
+    b = MicroBatcher(rec, max_rows=100, max_cost=100)
+    assert asyncio.run(b.submit("k", [1, 2], 2)) == [("k", 10), ("k", 20)]
+    assert rec.calls == [("k", [1, 2])]
+
+
+def test_queued_requests_merge_into_one_call_in_order():
+    rec = Recorder()
+    seen: list[tuple[int, int]] = []
+    b = MicroBatcher(rec, max_rows=100, max_cost=100, on_batch=lambda n, rows: seen.append((n, rows)))
+    out = asyncio.run(_hold_then(rec, b, ("k", [1], 1), ("k", [2, 3], 2), ("k", [4], 1), ("k", [5, 6, 7], 3)))
+    assert out == [[("k", 10)], [("k", 20), ("k", 30)], [("k", 40)], [("k", 50), ("k", 60), ("k", 70)]]
+    assert rec.calls == [("k", [1]), ("k", [2, 3, 4, 5, 6, 7])]
+    assert seen == [(1, 1), (3, 6)]
+
+
+def test_keys_and_budgets_split_calls():
+    rec = Recorder()
+    b = MicroBatcher(rec, max_rows=3, max_cost=100)
+    out = asyncio.run(
+        _hold_then(rec, b, ("a", [0], 1), ("a", [1], 1), ("b", [2], 1), ("a", [3, 4], 2), ("a", [5], 1), ("b", [6], 1))
+    )
+    assert [len(o) for o in out] == [1, 1, 1, 2, 1, 1]
+    assert out[2] == [("b", 20)] and out[5] == [("b", 60)]
+    # head 'a'[1] takes 'a'[3,4] (3 rows), 'a'[5] would pass max_rows; then 'b' (both), then the last 'a'
+    assert rec.calls == [("a", [0]), ("a", [1, 3, 4]), ("b", [2, 6]), ("a", [5])]
+
+    rec2 = Recorder()
+    b2 = MicroBatcher(rec2, max_rows=100, max_cost=5)
+    asyncio.run(_hold_then(rec2, b2, ("k", [0], 1), ("k", [1], 4), ("k", [2], 4), ("k", [3], 1)))
+    assert rec2.calls == [("k", [0]), ("k", [1, 3]), ("k", [2])]
+
+
+def test_head_over_budget_still_runs():
+    rec = Recorder()
+    b = MicroBatcher(rec, max_rows=1, max_cost=1)
+    assert asyncio.run(b.submit(None, [1, 2, 3], 99)) == [(None, 10), (None, 20), (None, 30)]
+
+
+def test_error_goes_to_the_callers_of_that_call_only():
+    rec = Recorder(fail_on=3)
+    b = MicroBatcher(rec, max_rows=2, max_cost=100)
+    out = asyncio.run(_hold_then(rec, b, ("k", [1], 1), ("k", [2], 1), ("k", [3], 1), ("k", [4], 1)))
+    assert out[0] == [("k", 10)]
+    assert isinstance(out[1], ValueError) and isinstance(out[2], ValueError)  # [2, 3] ran together
+    assert out[3] == [("k", 40)]
+
+
+def test_cancelled_waiter_is_dropped():
+    rec = Recorder()
+    b = MicroBatcher(rec, max_rows=100, max_cost=100)
+
+    async def main():
+        rec.gate.clear()
+        first = asyncio.ensure_future(b.submit("k", [1], 1))
+        await asyncio.sleep(0.05)
+        gone = asyncio.ensure_future(b.submit("k", [2], 1))
+        kept = asyncio.ensure_future(b.submit("k", [3], 1))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        rec.gate.set()
+        return await first, await kept, gone.cancelled()
+
+    assert asyncio.run(main()) == ([("k", 10)], [("k", 30)], True)
+    assert rec.calls == [("k", [1]), ("k", [3])]
+
+
+def test_wrong_result_count_is_an_error():
+    b = MicroBatcher(lambda key, rows: rows[:-1], max_rows=10, max_cost=10)
+    with pytest.raises(RuntimeError, match="2 rows"):
+        asyncio.run(b.submit(None, [1, 2], 2))
+
+
+def test_works_across_event_loops():
+    rec = Recorder()
+    b = MicroBatcher(rec, max_rows=10, max_cost=10)
+    assert asyncio.run(b.submit(1, [1], 1)) == [(1, 10)]
+    assert asyncio.run(b.submit(2, [2], 1)) == [(2, 20)]
