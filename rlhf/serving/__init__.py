@@ -6,7 +6,8 @@ What every service uses (see ``services/reward`` for a complete example):
   :func:`warn_unknown_env_vars`, :func:`configure_logging`;
 - errors: :class:`RLHFError` and subclasses, ``ERROR_TABLE`` (error -> gRPC code, HTTP status), :func:`grpc_errors`
   (decorator for async servicer methods), :func:`abort_grpc`, :func:`install_http_errors`;
-- HTTP: :func:`create_app` (FastAPI with ``/healthz``, ``/readyz``, ``/metrics``, error handlers, body-size limit);
+- HTTP: :func:`create_app` (FastAPI with ``/healthz``, ``/readyz``, ``/metrics``, error handlers, body-size limit),
+  :func:`json_response` (hot routes: render plain data once, no response_model pass);
 - auth: :func:`require_token`, :func:`require_grpc_token`, :func:`http_token_dependency`, :func:`grpc_auth_metadata`;
 - metrics: :class:`ServiceMetrics` (own CollectorRegistry per service);
 - running: :class:`ServiceRunner` (``add_grpc``, ``set_http_app``, ``set_ready``, ``add_readiness_check``,
@@ -45,7 +46,7 @@ from rlhf.serving.errors import (
     install_http_errors,
     status_for,
 )
-from rlhf.serving.http import create_app
+from rlhf.serving.http import create_app, json_response
 from rlhf.serving.metrics import ServiceMetrics
 from rlhf.serving.runner import ServiceRunner, grpc_options, open_channel
 from rlhf.serving.settings import (
@@ -86,6 +87,7 @@ __all__ = [
     "http_error_response",
     "http_token_dependency",
     "install_http_errors",
+    "json_response",
     "open_channel",
     "parse_bearer",
     "register_env_var",

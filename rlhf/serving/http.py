@@ -8,6 +8,10 @@
   413 before the body is read;
 - request counting and latency per route (protocol ``http``).
 
+Hot routes answer with :func:`json_response` (their result, already typed by the engine, rendered once) instead of
+a ``response_model`` that pydantic would validate and serialise again; they keep the schema in OpenAPI through
+``responses={200: {"model": ...}}``.
+
 Readiness comes from ``app.state.readiness`` (a callable returning bool); :class:`ServiceRunner.set_http_app`
 points it at the runner.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -132,7 +137,7 @@ class MetricsMiddleware:
                 status["code"] = msg["status"]
             await send(msg)
 
-        gauge = self.metrics.inflight.labels(self.metrics.name, "http")
+        gauge = self.metrics.inflight_gauge("http")
         gauge.inc()
         t0 = time.perf_counter()
         try:
@@ -142,6 +147,29 @@ class MetricsMiddleware:
             route = scope.get("route")
             method = getattr(route, "path", None) or "other"
             self.metrics.observe_request(method, "http", time.perf_counter() - t0, status["code"])
+
+
+def _finite(v: Any) -> Any:
+    """NaN / inf -> None, recursively: what pydantic's JSON serialisation did for these fields."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
+def json_response(data: Any, status_code: int = 200) -> Response:
+    """A JSON response of plain data (dicts, lists, str, int, float, bool, None), rendered once with the stdlib.
+
+    Non-finite floats are not JSON: they become null (the rare case pays a second pass).
+    """
+    try:
+        body = json.dumps(data, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        body = json.dumps(_finite(data), allow_nan=False, separators=(",", ":"))
+    return Response(body.encode(), status_code=status_code, media_type="application/json")
 
 
 async def _call_readiness(fn: Callable[[], Any] | None) -> bool:

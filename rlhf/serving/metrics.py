@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -57,25 +58,38 @@ class ServiceMetrics:
         self.ready = Gauge("rlhf_ready", "1 when the service is ready", ["service"], registry=r)
         self.inflight = Gauge("rlhf_inflight_requests", "requests in progress", ["service", "protocol"], registry=r)
         self.ready.labels(name).set(0)
+        self._children: dict[tuple, Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(service, *labels)``, remembered: ``labels()`` checks and locks on every call, which is a
+        visible share of a small request's serving cost; the label sets are few (methods x codes)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self.name, *labels)
+        return child
 
     def observe_request(self, method: str, protocol: str, seconds: float, code: str | int) -> None:
-        self.requests.labels(self.name, method, protocol, str(code)).inc()
-        self.latency.labels(self.name, method, protocol).observe(seconds)
+        self._child(self.requests, method, protocol, str(code)).inc()
+        self._child(self.latency, method, protocol).observe(seconds)
+
+    def inflight_gauge(self, protocol: str) -> Any:
+        return self._child(self.inflight, protocol)
 
     def observe_batch(self, method: str, size: int) -> None:
-        self.batch.labels(self.name, method).observe(size)
+        self._child(self.batch, method).observe(size)
 
     def observe_merged(self, method: str, requests: int, rows: int) -> None:
-        self.merged_requests.labels(self.name, method).observe(requests)
-        self.merged_rows.labels(self.name, method).observe(rows)
+        self._child(self.merged_requests, method).observe(requests)
+        self._child(self.merged_rows, method).observe(rows)
 
     def add_tokens(self, kind: str, n: int) -> None:
         if n:
-            self.tokens.labels(self.name, kind).inc(n)
+            self._child(self.tokens, kind).inc(n)
 
     def count_error(self, kind: str, n: int = 1) -> None:
         if n:
-            self.errors.labels(self.name, kind).inc(n)
+            self._child(self.errors, kind).inc(n)
 
     def set_ready(self, ready: bool) -> None:
         self.ready.labels(self.name).set(1 if ready else 0)
@@ -84,7 +98,7 @@ class ServiceMetrics:
     def track(self, method: str, protocol: str) -> Iterator[dict]:
         """Time a block; set ``box["code"]`` inside to record the outcome (default ``OK``)."""
         box: dict = {"code": "OK"}
-        g = self.inflight.labels(self.name, protocol)
+        g = self.inflight_gauge(protocol)
         g.inc()
         t0 = time.perf_counter()
         try:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from rlhf.serving import ServiceMetrics, ServiceSettings, create_app
+from rlhf.serving import ServiceMetrics, ServiceSettings, create_app, json_response
 from services.reference.engine import MAX_ITEMS, LogProbsItem, ReferenceEngine
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
@@ -47,17 +47,20 @@ def build_app(engine: ReferenceEngine, settings: ServiceSettings, metrics: Servi
         description="Per-token log-probs of response tokens under the frozen reference policy.",
     )
 
+    # Rendered once by json_response (the engine's floats need no second validation through a response_model);
+    # the schema stays in OpenAPI through `responses`.
     @app.post(
         "/v1/logprobs",
-        response_model=LogProbsResponseOut,
+        response_model=None,
+        responses={200: {"model": LogProbsResponseOut, "description": "one result per item, in request order"}},
         tags=["reference"],
         summary="log p_ref(response_t | prompt, response_<t) per response token",
     )
-    async def logprobs(body: LogProbsRequestIn) -> LogProbsResponseOut:
+    async def logprobs(body: LogProbsRequestIn) -> Response:
         items = [LogProbsItem(it.prompt_ids, it.response_ids) for it in body.items]
         metrics.observe_batch("/v1/logprobs", len(items))
         results, t = await engine.logprobs(items, body.temperature)
-        return LogProbsResponseOut(results=[TokenLogProbsOut(logprobs=lp) for lp in results], temperature=t)
+        return json_response({"results": [{"logprobs": lp} for lp in results], "temperature": t})
 
     @app.get("/v1/info", tags=["reference"], summary="model, temperature, vocabulary size and context length")
     async def info() -> dict:

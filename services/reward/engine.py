@@ -149,6 +149,7 @@ class ModelScorer(Scorer):
         self.model = None
         self.tokenizer = None
         self.max_len = 0
+        self._backend = None
         self._lock = threading.Lock()
         on_batch = None
         if metrics is not None:
@@ -168,7 +169,41 @@ class ModelScorer(Scorer):
         self.model = load_sequence_classifier(path, device=self.device_name).eval()
         self.max_len = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.vocab = int(self.model.config.vocab_size)
+        self._backend = self._fast_backend()
         log.info("reward model %s loaded from %s on %s", self.name, path, self.model.device)
+
+    def _fast_backend(self):
+        """The Rust tokenizer under a fast HF tokenizer, when calling it directly gives the same ids: the HF wrapper
+        costs more per call than encoding a few short texts (it re-applies truncation/padding settings and converts
+        every encoding). Checked on probe texts here, once; None (use the wrapper) when they differ."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
+        if backend is None:
+            return None
+        probe = ["Hello world 12 + 30 = 42. \\boxed{7}", "  two\nlines\t", "é ü 中文"]
+        try:
+            for special in (False, True):
+                want = tok(probe, add_special_tokens=special)["input_ids"]  # leaves no truncation/padding set
+                got = [e.ids for e in backend.encode_batch(probe, add_special_tokens=special)]
+                if got != want or backend.truncation is not None or backend.padding is not None:
+                    return None
+        except Exception:  # noqa: BLE001 - an unusual tokenizer: the wrapper it is
+            return None
+        return backend
+
+    def _tokenize(self, texts: list[str], special: bool) -> list[list[int]]:
+        if self._backend is not None:
+            return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=special)]
+        return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
+
+    def _texts(self, items: list[Item]) -> list[str] | None:
+        """The chat-template texts of ``items`` (one batched render), or None when the tokenizer has no template."""
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            return None
+        convs = [[{"role": "user", "content": it.prompt}, {"role": "assistant", "content": it.response}]
+                 for it in items]  # fmt: skip
+        return list(tok.apply_chat_template(convs, tokenize=False))
 
     def _text(self, it: Item) -> str | None:
         tok = self.tokenizer
@@ -196,22 +231,22 @@ class ModelScorer(Scorer):
         """Fill the id caches of ``items``: one tokenizer call for all the texts (a fast tokenizer's batch call
         costs far less than a call per item; the ids are the same)."""
         key = f"ids:{self.name}"
-        groups: dict[bool, tuple[list[Item], list[str]]] = {True: ([], []), False: ([], [])}
+        todo = []
         for it in items:
             if key in it.cache:
                 continue
             if not it.prompt and it.prompt_ids:
                 it.cache[key] = list(it.prompt_ids) + list(it.response_ids)
-                continue
-            text = self._text(it)
-            templated = text is not None
-            groups[templated][0].append(it)
-            groups[templated][1].append(text if templated else it.prompt + it.response)
-        for templated, (its, texts) in groups.items():
-            if its:
-                encoded = self.tokenizer(texts, add_special_tokens=not templated)["input_ids"]
-                for it, ids in zip(its, encoded, strict=True):
-                    it.cache[key] = ids
+            else:
+                todo.append(it)
+        if not todo:
+            return
+        texts = self._texts(todo)
+        templated = texts is not None
+        if texts is None:
+            texts = [it.prompt + it.response for it in todo]
+        for it, ids in zip(todo, self._tokenize(texts, special=not templated), strict=True):
+            it.cache[key] = ids
 
     def validate(self, items: list[Item]) -> None:
         if self.tokenizer is None:

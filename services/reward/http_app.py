@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from rlhf.serving import DeadlineExceeded, Internal, InvalidArgument, ServiceMetrics, ServiceSettings, create_app
+from rlhf.serving import (
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    ServiceMetrics,
+    ServiceSettings,
+    create_app,
+    json_response,
+)
 from services.reward.engine import INVALID_INPUT, MAX_ITEMS, OK, STATUSES, TIMEOUT, Item, RewardEngine
 
 
@@ -100,31 +108,35 @@ def build_app(engine: RewardEngine, settings: ServiceSettings, metrics: ServiceM
         "A failing scorer gives the item an error status, never a score of 0.",
     )
 
+    # The results are already typed by the engine: rendered once by json_response rather than validated again
+    # through a response_model; the schema stays in OpenAPI through `responses`.
     @app.post(
         "/v1/score",
-        response_model=ScoreResponseOut,
+        response_model=None,
+        responses={200: {"model": ScoreResponseOut, "description": "one result per item, in request order"}},
         tags=["reward"],
         summary="score a batch; every item gets a score or an error status",
     )
-    async def score(body: ScoreRequestIn) -> ScoreResponseOut:
-        items = [Item(**it.model_dump()) for it in body.items]
+    async def score(body: ScoreRequestIn) -> Response:
+        items = [
+            Item(it.prompt, it.response, it.label, it.prompt_ids, it.response_ids, it.finished) for it in body.items
+        ]
         metrics.observe_batch("/v1/score", len(items))
         outcomes = await engine.score(items)
-        return ScoreResponseOut(
-            results=[
-                ScoreResultOut(score=o.score, status=o.status, error=o.error or None, components=o.components)
-                for o in outcomes
-            ],
-            scorers=[ScorerInfo(**d) for d in engine.describe()],
-        )
+        results = [
+            {"score": o.score, "status": o.status, "error": o.error or None, "components": o.components}
+            for o in outcomes
+        ]
+        return json_response({"results": results, "scorers": engine.describe()})
 
     @app.post(
         "/get_reward",
-        response_model=GetRewardOut,
+        response_model=None,
+        responses={200: {"model": GetRewardOut, "description": "one reward per query"}},
         tags=["reward"],
         summary="OpenRLHF remote reward: {query, prompts, labels} -> {rewards}",
     )
-    async def get_reward(body: GetRewardIn) -> GetRewardOut:
+    async def get_reward(body: GetRewardIn) -> Response:
         items = _items_from_get_reward(body)
         metrics.observe_batch("/get_reward", len(items))
         outcomes = await engine.score(items)
@@ -139,7 +151,7 @@ def build_app(engine: RewardEngine, settings: ServiceSettings, metrics: ServiceM
                 raise DeadlineExceeded(msg, f"query[{i}]")
             raise Internal(msg, f"query[{i}]")
         rewards = [float(o.score) for o in outcomes]
-        return GetRewardOut(rewards=rewards, scores=rewards)
+        return json_response({"rewards": rewards, "scores": rewards})
 
     @app.get("/v1/scorers", response_model=list[ScorerInfo], tags=["reward"], summary="the configured scorers")
     async def scorers() -> list[ScorerInfo]:
