@@ -62,6 +62,8 @@ if QUICK:
 # Online DPO on the small model adds ~3 minutes (three more runs of a 21M-parameter ring): only with BENCH_FULL=1, so
 # that the default run stays within 5 minutes on 2 cores. The target (PPO, small) is always measured.
 ALGOS = {"tiny": ("ppo", "online_dpo"), "small": ("ppo", "online_dpo") if os.environ.get("BENCH_FULL") else ("ppo",)}
+# BENCH_SIZES=small measures one model size only (while working on one figure); `make bench` runs both.
+SIZES = tuple(x for x in os.environ.get("BENCH_SIZES", "tiny,small").split(",") if x in ALGOS)
 TOKEN = "bench-pipeline-token"
 
 
@@ -262,7 +264,7 @@ def main() -> None:
     params = {}
     try:
         with RedisServer(work / "redis") as redis:
-            for size in ("tiny", "small"):
+            for size in SIZES:
                 paths = build_model(size)
                 params[size] = param_count(paths.policy)
                 prompts = prompt_set(paths)

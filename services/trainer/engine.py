@@ -17,7 +17,9 @@ corrects samples made by an older policy version (asynchronous training) and eng
 from __future__ import annotations
 
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -184,35 +186,71 @@ class TrainerEngine:
         )
         return metrics
 
+    def _parallel_critic(self) -> bool:
+        """Actor and critic are separate models with separate losses, so their passes can run side by side (as
+        OpenRLHF and veRL run them on separate workers); the results are the same as one after the other. On a CPU
+        whose cores the intra-op threads already fill, a second thread would only oversubscribe them."""
+        if self.device.type != "cpu":
+            return True
+        return 2 * torch.get_num_threads() <= (os.cpu_count() or 1)
+
     def _ppo(self, b: RolloutBatch) -> dict[str, float]:
-        cfg, a, C = self.cfg, self.cfg.actor, b.context_length
-        with torch.no_grad():
-            _, old_logprobs = self._logits_and_logprobs(b.query_responses, b.responses, C)
-            values = self._values(b.query_responses, C)
-        r = algo.ppo_rollout(
-            b.responses,
-            old_logprobs,
-            b.ref_logprobs,
-            values,
-            b.scores,
-            pad_token_id=self.pad_id,
-            eos_token_id=self.eos_id,
-            stop_token_id=self.eos_id,
-            kl_coef=self.kl_ctrl.value,
-            kl_estimator=cfg.algorithm.kl_penalty,
-            gamma=cfg.algorithm.gamma,
-            lam=cfg.algorithm.lam,
-            missing_eos_penalty=cfg.algorithm.missing_eos_penalty or None,
-            whiten_rewards=cfg.algorithm.whiten_rewards,
-            whiten_advantages=cfg.algorithm.whiten_advantages,
-            score_position=cfg.algorithm.score_position,
-        )
-        metrics = algo.rollout_metrics(r)
+        cfg, a, c, C = self.cfg, self.cfg.actor, self.cfg.critic, b.context_length
         B = b.responses.shape[0]
+        pool = ThreadPoolExecutor(1, thread_name_prefix="critic") if self._parallel_critic() else None
+        try:
+            run = pool.submit if pool else lambda fn, *args: _Done(fn(*args))
+            values_f = run(self._old_values, b.query_responses, C)
+            with torch.no_grad():
+                _, old_logprobs = self._logits_and_logprobs(b.query_responses, b.responses, C)
+            values = values_f.result()
+            r = algo.ppo_rollout(
+                b.responses,
+                old_logprobs,
+                b.ref_logprobs,
+                values,
+                b.scores,
+                pad_token_id=self.pad_id,
+                eos_token_id=self.eos_id,
+                stop_token_id=self.eos_id,
+                kl_coef=self.kl_ctrl.value,
+                kl_estimator=cfg.algorithm.kl_penalty,
+                gamma=cfg.algorithm.gamma,
+                lam=cfg.algorithm.lam,
+                missing_eos_penalty=cfg.algorithm.missing_eos_penalty or None,
+                whiten_rewards=cfg.algorithm.whiten_rewards,
+                whiten_advantages=cfg.algorithm.whiten_advantages,
+                score_position=cfg.algorithm.score_position,
+            )
+            metrics = algo.rollout_metrics(r)
+            # Minibatch orders are drawn here, actor's first, so the shared generator gives the same orders
+            # whether the critic runs alongside or after the actor.
+            actor_mbs = [list(self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch))
+                         for _ in range(a.ppo_epochs)]  # fmt: skip
+            critic_mbs = [list(self._minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch))
+                          for _ in range(c.critic_update_epochs)]  # fmt: skip
+            critic_f = run(self._critic_updates, b, r, critic_mbs)
+            stats = self._actor_updates(b, r, actor_mbs)
+            stats.update(critic_f.result())
+        finally:
+            if pool:
+                pool.shutdown(wait=True)
+        mean_kl = algo.masked_mean(r.kl, r.response_mask, dim=1).mean().item()
+        self.kl_ctrl.update(mean_kl, B)
+        metrics.update({k: sum(v) / len(v) for k, v in stats.items()})
+        metrics["objective/advantages_mean"] = algo.masked_mean(r.advantages, r.response_mask).item()
+        return metrics
+
+    def _old_values(self, qr: torch.Tensor, C: int) -> torch.Tensor:
+        with torch.no_grad():  # grad mode is per thread: set here, where it runs
+            return self._values(qr, C)
+
+    def _actor_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]]) -> dict[str, list[float]]:
+        a, C = self.cfg.actor, b.context_length
         stats: dict[str, list[float]] = {}
         behavior = self._behavior(b, r.logprobs)
-        for _ in range(a.ppo_epochs):
-            for mb in self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch):
+        for epoch in minibatches:
+            for mb in epoch:
                 logits, new_logprobs = self._logits_and_logprobs(b.query_responses[mb], r.responses[mb], C)
                 mask = r.response_mask[mb]
                 pg_loss, pg_stats = algo.ppo_policy_loss(
@@ -238,9 +276,13 @@ class TrainerEngine:
                         **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
                     },
                 )
-        c = cfg.critic
-        for _ in range(c.critic_update_epochs):
-            for mb in self._minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch):
+        return stats
+
+    def _critic_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]]) -> dict[str, list[float]]:
+        c, C = self.cfg.critic, b.context_length
+        stats: dict[str, list[float]] = {}
+        for epoch in minibatches:
+            for mb in epoch:
                 vpred = self._values(b.query_responses[mb], C).masked_fill(r.padding_mask_p1[mb], 0.0)
                 vf_loss, vf_stats = algo.value_loss(
                     vpred, r.values[mb], r.returns[mb], r.value_mask[mb], cliprange_value=c.cliprange_value
@@ -257,11 +299,7 @@ class TrainerEngine:
                         "val/vpred": vf_stats["vpred"].item(),
                     },
                 )
-        mean_kl = algo.masked_mean(r.kl, r.response_mask, dim=1).mean().item()
-        self.kl_ctrl.update(mean_kl, B)
-        metrics.update({k: sum(v) / len(v) for k, v in stats.items()})
-        metrics["objective/advantages_mean"] = algo.masked_mean(r.advantages, r.response_mask).item()
-        return metrics
+        return stats
 
     def _group(self, b: RolloutBatch) -> dict[str, float]:
         """GRPO / RLOO / REINFORCE++: sequence-level baselines within each prompt's group, no critic."""
@@ -415,6 +453,16 @@ def _clip(model: torch.nn.Module, max_norm: float) -> float:
         norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
     value = float(norm)
     return value if math.isfinite(value) else float("nan")
+
+
+class _Done:
+    """An already computed result with a future's ``result()``: the sequential path of :meth:`TrainerEngine._ppo`."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 def _append(acc: dict[str, list[float]], values: dict[str, float]) -> None:

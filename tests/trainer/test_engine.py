@@ -127,3 +127,27 @@ def test_checkpoint_policy_loads_in_transformers(tiny_models, tmp_path):
     for (name, p), q in zip(engine.actor.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(p, q, msg=name)
     assert not (tmp_path / f"{path.name}.tmp").exists()
+
+
+def test_critic_alongside_the_actor_matches_one_after_the_other(tiny_models, monkeypatch):
+    """The PPO step runs the critic's passes in a second thread; the update must be exactly the sequential one."""
+    cfg = _config("ray_ppo")
+    cfg.actor.ppo_mini_batch_size = cfg.critic.critic_mini_batch_size = 8  # several shuffled minibatches per epoch
+    torch.manual_seed(0)
+    probe = TrainerEngine(cfg)
+    batches = [_rollout(probe, PROMPTS[:4], 4) for _ in range(2)]
+    results = {}
+    for parallel in (True, False):
+        monkeypatch.setattr(TrainerEngine, "_parallel_critic", lambda self, p=parallel: p)
+        engine = TrainerEngine(cfg)
+        metrics = [engine.step(b) for b in batches]
+        results[parallel] = (metrics, engine)
+    (m_par, e_par), (m_seq, e_seq) = results[True], results[False]
+    assert m_par[-1]["loss/value"] != m_par[0]["loss/value"]  # the critic did learn between the steps
+    for a, b in zip(m_par, m_seq, strict=True):
+        assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
+            k: v for k, v in b.items() if not k.startswith("time/")
+        }
+    for model in ("actor", "critic"):
+        for p, q in zip(getattr(e_par, model).parameters(), getattr(e_seq, model).parameters(), strict=True):
+            assert torch.equal(p, q), model
