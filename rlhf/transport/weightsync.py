@@ -10,7 +10,8 @@ Wire format (``RolloutService.UpdateWeights``, a client stream of ``WeightUpdate
    (``offset`` = bytes of that bucket sent before), every chunk non-empty. A bucket is the ``safetensors.torch.save``
    of a group of whole tensors (at most ``bucket_bytes``, or one tensor alone when it is larger).
 
-Nothing is pickled and nothing is ``torch.load``-ed: the receiver parses buckets with ``safetensors.torch.load``.
+Nothing is pickled and nothing is ``torch.load``-ed: the receiver checks each bucket's safetensors header (JSON) and
+makes its tensors with ``torch.frombuffer`` on the received bytes (:func:`load_safetensors`; no copy).
 
 Sender: :func:`pack_weights` (serialise once) then :func:`push_weights` / :func:`push_weights_many` (stream the
 same packed bytes to every replica), or :func:`weight_updates` for the raw message generator.
@@ -44,22 +45,27 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import sys
 import time
+import warnings
 from collections.abc import AsyncIterable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from rlhf.v1 import rollout_pb2_grpc, weights_pb2
+from rlhf.v1 import weights_pb2
 
 FORMAT = "safetensors"
+UPDATE_WEIGHTS_METHOD = "/rlhf.v1.RolloutService/UpdateWeights"
 MiB = 1 << 20
-DEFAULT_CHUNK_BYTES = 2 * MiB  # a chunk message is this plus ~20 bytes: fits gRPC's default 4 MiB receive limit
+# Measured on loopback (bench.weight_sync, with pre-serialised messages): 0.5-4 MiB chunks stream alike, 16-32 MiB
+# ones slower. 2 MiB plus the ~20-byte message prefix also fits gRPC's default 4 MiB receive limit.
+DEFAULT_CHUNK_BYTES = 2 * MiB
 DEFAULT_BUCKET_BYTES = 128 * MiB
 
 # ------------------------------------------------------------------------------------------------------- errors
@@ -169,6 +175,64 @@ def _safetensors_header(data: bytes | memoryview) -> dict[str, Any]:
     return meta
 
 
+_TORCH_DTYPES: dict[str, torch.dtype] = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+def load_safetensors(data: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """The tensors of a serialized safetensors buffer, as views into it (``torch.frombuffer``: no copy; a tensor
+    keeps the buffer alive). Validates what ``safetensors.torch.load`` validates: known dtypes, sizes that match
+    the shapes, offsets that tile the data area exactly (in bounds, no overlap, no gap). Raises CorruptUpdate.
+    The tensors share the buffer's memory: writable when it is (bytearray), read-only bytes otherwise."""
+    meta = _safetensors_header(data)
+    view = memoryview(data).cast("B")
+    hlen = int.from_bytes(view[:8], "little")
+    start, size = 8 + hlen, len(view) - 8 - hlen
+    spans: list[tuple[int, int, str]] = []
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+    for name, entry in meta.items():
+        if not isinstance(entry, dict):
+            raise CorruptUpdate(f"safetensors entry {name!r} is not an object")
+        dtype = _TORCH_DTYPES.get(entry.get("dtype"))  # type: ignore[arg-type]
+        shape, offs = entry.get("shape"), entry.get("data_offsets")
+        if dtype is None:
+            raise CorruptUpdate(f"tensor {name!r} has an unknown dtype {entry.get('dtype')!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise CorruptUpdate(f"tensor {name!r} has an invalid shape {shape!r}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)):
+            raise CorruptUpdate(f"tensor {name!r} has invalid data_offsets {offs!r}")
+        begin, end = offs
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not 0 <= begin <= end <= size or end - begin != numel * itemsize:
+            raise CorruptUpdate(f"tensor {name!r}: data_offsets {offs} do not fit {entry['dtype']}{shape} in the data")
+        spans.append((begin, end, name))
+        specs[name] = (dtype, tuple(shape), numel)
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise CorruptUpdate(f"tensor {name!r} starts at {begin}, expected {at}: tensor data overlap or leave a gap")
+        at = end
+    if at != size:
+        raise CorruptUpdate(f"the tensors cover {at} of the {size} data bytes")
+    readonly = view.readonly
+    out: dict[str, torch.Tensor] = {}
+    for begin, _end, name in spans:  # header order, like safetensors
+        dtype, shape, numel = specs[name]
+        if numel == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        with warnings.catch_warnings():  # read-only bytes: torch warns that writes would be undefined; we never write
+            if readonly:
+                warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(view, dtype=dtype, count=numel, offset=start + begin)
+        if t.data_ptr() % t.element_size():  # misaligned (a sender's odd header): kernels expect aligned data
+            t = t.clone()
+        out[name] = t.view(shape)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------------ sending
 
 
@@ -203,6 +267,46 @@ class PackedWeights:
             for off in range(0, len(data), chunk_bytes):
                 chunk = weights_pb2.WeightChunk(bucket=index, offset=off, data=bytes(view[off : off + chunk_bytes]))
                 yield weights_pb2.WeightUpdate(chunk=chunk)
+
+    def encoded_updates(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[bytes]:
+        """:meth:`updates` already serialised (the same bytes ``SerializeToString`` gives): each chunk message is
+        its ~30-byte prefix joined to a slice of the bucket, one copy, instead of a slice copy, a protobuf message
+        and its serialisation (what :func:`push_weights` streams)."""
+        if chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be positive")
+        yield weights_pb2.WeightUpdate(header=self.header).SerializeToString()
+        for index, data in enumerate(self.buckets):
+            view = memoryview(data)
+            for off in range(0, len(data), chunk_bytes):
+                yield encode_chunk(index, off, view[off : off + chunk_bytes])
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def encode_chunk(bucket: int, offset: int, data: bytes | memoryview) -> bytes:
+    """``WeightUpdate(chunk=WeightChunk(bucket, offset, data)).SerializeToString()`` with one copy of ``data``
+    (protobuf wire format: WeightUpdate.chunk = field 2; WeightChunk bucket = 1, offset = 2, data = 3)."""
+    if bucket < 0 or offset < 0:
+        raise ValueError("bucket and offset must be >= 0")
+    n = len(data)
+    inner = b"".join(
+        (
+            b"\x08" + _varint(bucket) if bucket else b"",  # proto3 leaves zero scalars out
+            b"\x10" + _varint(offset) if offset else b"",
+            b"\x1a" + _varint(n) if n else b"",
+        )
+    )
+    return b"".join((b"\x12", _varint(len(inner) + n), inner, data))
 
 
 def _plan_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
@@ -341,8 +445,14 @@ async def push_weights(
             else grpc.aio.insecure_channel(target, options=opts)
         )
     try:
-        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-        return await stub.UpdateWeights(packed.updates(chunk_bytes), timeout=timeout, metadata=metadata)
+        # Messages go out pre-serialised (PackedWeights.encoded_updates): the stub's serializer would build and
+        # encode a protobuf message per chunk, the largest cost of the sender in Python.
+        call = channel.stream_unary(
+            UPDATE_WEIGHTS_METHOD,
+            request_serializer=None,
+            response_deserializer=weights_pb2.UpdateWeightsResponse.FromString,
+        )
+        return await call(packed.encoded_updates(chunk_bytes), timeout=timeout, metadata=metadata)
     finally:
         if own:
             await channel.close()
@@ -361,6 +471,52 @@ async def push_weights_many(
 
 
 # ---------------------------------------------------------------------------------------------------- receiving
+
+
+@dataclass(slots=True)
+class RawChunk:
+    """A ``WeightChunk`` decoded by :func:`decode_update` without protobuf: ``data`` is a view into the message."""
+
+    bucket: int
+    offset: int
+    data: memoryview
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < end and shift < 64:
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+    raise ValueError("bad varint")
+
+
+def decode_update(raw: bytes) -> weights_pb2.WeightUpdate | RawChunk:
+    """The server's request deserializer for ``UpdateWeights``: a chunk in the layout :func:`encode_chunk` writes
+    becomes a :class:`RawChunk` whose data is a view into ``raw`` (protobuf would copy it twice: into its message,
+    then into a new bytes object on ``.data``); anything else (the header, other valid encodings) goes through
+    ``WeightUpdate.FromString``. :func:`receive_update` takes both."""
+    view = memoryview(raw)
+    end = len(view)
+    try:
+        if end and view[0] == 0x12:
+            n, pos = _read_varint(view, 1, end)
+            if pos + n == end:
+                bucket = offset = size = 0
+                if pos < end and view[pos] == 0x08:
+                    bucket, pos = _read_varint(view, pos + 1, end)
+                if pos < end and view[pos] == 0x10:
+                    offset, pos = _read_varint(view, pos + 1, end)
+                if pos < end and view[pos] == 0x1A:
+                    size, pos = _read_varint(view, pos + 1, end)
+                if pos + size == end and bucket < 2**31:
+                    return RawChunk(bucket, offset, view[pos:end])
+    except (ValueError, IndexError):
+        pass
+    return weights_pb2.WeightUpdate.FromString(raw)
 
 
 @dataclass
@@ -448,11 +604,47 @@ def _check_header(
     return per_bucket
 
 
-def _finish_bucket(index: int, parts: list[bytes], sha256: str, manifest: Manifest) -> dict[str, torch.Tensor]:
-    """Join a bucket's chunks, check its digest and content against the manifest, load its tensors (a thread)."""
-    data = b"".join(parts)
-    parts.clear()
-    digest = hashlib.sha256(data).hexdigest()
+class BufferPool:
+    """Bucket buffers kept from one update to the next. Fresh memory costs a page fault per 4 KiB on first touch
+    (about 1 GB/s here, as slow as the transfer itself); a replica that receives an update every training step
+    reuses the buffers of an update whose tensors are gone (a double-buffering engine: the update before last).
+
+    A buffer is free when nothing but the pool refers to it: the staged tensors hold it through the memoryview
+    ``torch.frombuffer`` was given, so a buffer some served tensor still uses is never handed out."""
+
+    def __init__(self) -> None:
+        self._bufs: list[bytearray] = []
+
+    def take(self, nbytes: int) -> bytearray:
+        bufs = self._bufs
+        for i in range(len(bufs)):
+            # references: the list and getrefcount's argument; any tensor or memoryview adds one
+            if len(bufs[i]) == nbytes and sys.getrefcount(bufs[i]) == 2:
+                bufs.append(bufs.pop(i))  # most recently used last
+                return bufs[-1]
+        bufs.append(bytearray(nbytes))
+        return bufs[-1]
+
+    def trim(self, keep_bytes: int) -> None:
+        """Forget the least recently used free buffers beyond ``keep_bytes`` held in all."""
+        bufs = self._bufs
+        total = sum(len(b) for b in bufs)
+        i = 0
+        while total > keep_bytes and i < len(bufs):
+            if sys.getrefcount(bufs[i]) == 2:  # the list and the argument
+                total -= len(bufs.pop(i))
+            else:
+                i += 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self._bufs)
+
+
+def _finish_bucket(
+    index: int, data: bytearray, digest: str, sha256: str, manifest: Manifest
+) -> dict[str, torch.Tensor]:
+    """Check a received bucket's digest and content against the manifest; its tensors are views into ``data``."""
     if digest != sha256:
         raise CorruptUpdate(f"bucket {index}: sha256 {digest} does not match the header's {sha256}")
     meta = _safetensors_header(data)
@@ -469,15 +661,9 @@ def _finish_bucket(index: int, parts: list[bytes], sha256: str, manifest: Manife
         extra = sorted(set(meta) - set(manifest))
         raise CorruptUpdate(f"bucket {index} holds tensors not in the manifest: {extra[:5]}")
     try:
-        tensors = st_load(data)
-    except Exception as err:  # SafetensorError and friends: a buffer that passed the digest but does not parse
+        tensors = load_safetensors(data)
+    except CorruptUpdate as err:  # passed the digest but does not parse: the sender's packing is broken
         raise CorruptUpdate(f"bucket {index} is not a valid safetensors buffer: {err}") from None
-    del data
-    if set(tensors) != set(manifest):
-        raise CorruptUpdate(f"bucket {index}: safetensors gave tensors {sorted(tensors)[:5]}, not the manifest's")
-    for name, t in tensors.items():
-        if tuple(t.shape) != manifest[name][1]:
-            raise CorruptUpdate(f"tensor {name!r}: loaded shape {list(t.shape)} differs from the manifest")
     return tensors
 
 
@@ -491,19 +677,24 @@ async def _aiter(requests: AsyncIterable | Iterable):
 
 
 async def receive_update(
-    request_iterator: AsyncIterable[weights_pb2.WeightUpdate] | Iterable[weights_pb2.WeightUpdate],
+    request_iterator: AsyncIterable[weights_pb2.WeightUpdate | RawChunk]
+    | Iterable[weights_pb2.WeightUpdate | RawChunk],
     current_version: int,
     *,
     max_total_bytes: int | None = None,
     max_bucket_bytes: int | None = None,
     expected: Mapping[str, tuple[str, Sequence[int]]] | None = None,
+    pool: BufferPool | None = None,
 ) -> StagedWeights:
     """Receive and verify one update stream (the servicer's ``request_iterator``) against the served
     ``current_version``; return the staged tensors (host memory) or raise a :class:`WeightSyncError`.
 
-    Memory: the staged tensors plus about two buckets in transit (one being received while the previous one is
-    verified and parsed in a worker thread). Nothing is staged unless every bucket and the manifest check out.
+    Memory: the staged tensors (views into the received buckets: each bucket is one buffer allocated from the header's
+    size and filled chunk by chunk, no join, no parse copy) plus the chunk being hashed. The sha256 of each bucket is
+    computed chunk by chunk in a worker thread (hashlib releases the GIL) while the next chunks arrive. Nothing is
+    staged unless every bucket and the manifest check out.
     ``expected`` (see :func:`manifest_of`): refuse updates whose names/dtypes/shapes differ from the served model.
+    ``pool``: take the bucket buffers from it (see :class:`BufferPool`), else allocate them.
     """
     t0 = time.perf_counter()
     stream = _aiter(request_iterator)
@@ -511,26 +702,36 @@ async def receive_update(
         first = await anext(stream)
     except StopAsyncIteration:
         raise IncompleteUpdate("empty stream: send a WeightUpdate with the header first") from None
-    if first.WhichOneof("part") != "header":
+    if isinstance(first, RawChunk) or first.WhichOneof("part") != "header":
         raise CorruptUpdate("the first WeightUpdate must carry the header", field="header")
     h = first.header
     per_bucket = _check_header(h, current_version, max_total_bytes, max_bucket_bytes, expected)
     nb = len(h.buckets)
+    if pool is not None:  # keep about two updates' buffers: the one serving (double buffering) and the next
+        pool.trim(2 * h.total_bytes)
     staged: dict[str, torch.Tensor] = {}
-    pending: asyncio.Task | None = None  # the previous bucket being verified and loaded
-    index, filled, parts, received = 0, 0, [], 0
+    loop = asyncio.get_running_loop()
+    # One worker thread, FIFO: it hashes each chunk from the bucket buffer (hashlib releases the GIL) and then checks
+    # and parses the finished bucket, while the event loop goes on receiving; the loop never waits for it mid-stream
+    # (queued work refers to the bucket buffers, which exist anyway, so the queue costs no memory).
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-verify")
+    finishing: list[asyncio.Future] = []  # per bucket: its digest checked and its tensors made
+    index, filled, received = 0, 0, 0
+    buf: bytearray | None = None
+    view: memoryview | None = None
+    hasher = hashlib.sha256()
 
-    async def settle() -> None:
-        nonlocal pending
-        if pending is not None:
-            task, pending = pending, None
-            staged.update(await task)
+    def finish(i: int, data: bytearray, h: Any, spec: weights_pb2.BucketEntry) -> dict[str, torch.Tensor]:
+        return _finish_bucket(i, data, h.hexdigest(), spec.sha256, per_bucket[i])
 
     try:
         async for msg in stream:
-            if msg.WhichOneof("part") != "chunk":
+            if isinstance(msg, RawChunk):
+                c = msg
+            elif msg.WhichOneof("part") != "chunk":
                 raise CorruptUpdate("a second header in the stream; send one header, then chunks")
-            c = msg.chunk
+            else:
+                c = msg.chunk
             if index >= nb:
                 raise CorruptUpdate(f"chunk for bucket {c.bucket} after the last bucket ({nb - 1}) was complete")
             if c.bucket != index or c.offset != filled:
@@ -538,26 +739,34 @@ async def receive_update(
                     f"chunk for bucket {c.bucket} at offset {c.offset}: expected bucket {index} at offset {filled} "
                     "(buckets in index order, chunks contiguous)"
                 )
-            size = len(c.data)
+            data = c.data
+            size = len(data)
             bucket = h.buckets[index]
             if size == 0:
                 raise CorruptUpdate(f"empty chunk in bucket {index} at offset {filled}")
             if filled + size > bucket.nbytes:
                 raise CorruptUpdate(f"bucket {index} overruns its {bucket.nbytes} bytes (chunk at {filled}+{size})")
-            parts.append(c.data)
+            if buf is None:  # sized by the header (already checked against the limits), so never regrown
+                buf = pool.take(bucket.nbytes) if pool is not None else bytearray(bucket.nbytes)
+                view = memoryview(buf)
+            assert view is not None
+            view[filled : filled + size] = data
+            del data, msg, c
+            worker.submit(hasher.update, view[filled : filled + size])
             filled += size
             received += size
             if filled == bucket.nbytes:
-                await settle()  # at most one bucket in verification while the next one arrives
-                pending = asyncio.ensure_future(
-                    asyncio.to_thread(_finish_bucket, index, parts, bucket.sha256, per_bucket[index])
-                )
-                index, filled, parts = index + 1, 0, []
-        await settle()
+                finishing.append(loop.run_in_executor(worker, finish, index, buf, hasher, bucket))
+                index, filled, buf, view, hasher = index + 1, 0, None, None, hashlib.sha256()
+            if finishing and finishing[0].done():  # refuse a corrupt bucket as soon as it is known
+                staged.update(finishing.pop(0).result())
+        for f in finishing:
+            staged.update(await f)
+        finishing.clear()
     finally:
-        if pending is not None:  # failed or cancelled: let the worker finish, drop its result
-            pending.cancel()
-            await asyncio.gather(pending, return_exceptions=True)
+        if finishing:  # failed or cancelled: let the worker finish its queue, drop the results
+            await asyncio.gather(*finishing, return_exceptions=True)
+        worker.shutdown(wait=False)
     if index < nb:
         raise IncompleteUpdate(
             f"stream ended after {received} of {h.total_bytes} bytes (bucket {index} of {nb} at byte {filled}): "
@@ -605,6 +814,7 @@ class WeightReceiver:
         self.max_total_bytes = max_total_bytes
         self.max_bucket_bytes = max_bucket_bytes
         self.expected = expected
+        self.pool = BufferPool()
         self._busy = False
 
     @property
@@ -622,6 +832,7 @@ class WeightReceiver:
                 max_total_bytes=self.max_total_bytes,
                 max_bucket_bytes=self.max_bucket_bytes,
                 expected=self.expected,
+                pool=self.pool,
             )
         finally:
             self._busy = False

@@ -30,10 +30,12 @@ batch composition (neither engine is batch-invariant, so a near-tie between two 
 engines use different random streams: one seed gives different samples on ``vllm`` and ``hf``. Without a seed each
 sample uses fresh randomness.
 
-Weights: :meth:`RolloutEngine.swap_weights` installs a full state dict (Hugging Face parameter names) between
-generation steps: it stops admitting new requests, waits until the requests in flight have finished (they finish on
-the old version, and every sample is tagged with the version that produced it), swaps, and resumes. Versions never
-go backwards.
+Weights: :meth:`RolloutEngine.swap_weights` installs a full state dict (Hugging Face parameter names) in two steps.
+First it stages the new weights while generation goes on with the old ones (engine-specific: the ``hf`` engine
+converts them to the model's dtype and device, vLLM readies its worker's input); then it stops admitting new
+requests, waits until the requests in flight have finished (they finish on the old version, and every sample is
+tagged with the version that produced it), installs the staged weights, and resumes. Only the install pauses
+generation. Versions never go backwards.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ class SwapResult:
     swapped: bool
     wait_seconds: float  # waiting for in-flight requests to drain
     swap_seconds: float  # weights being replaced (generation paused)
+    prepare_seconds: float = 0.0  # staging the new weights before the pause (generation goes on)
 
 
 @dataclass
@@ -410,6 +413,10 @@ class EngineBase:
                 field="header.version",
             )
         check_state_dict(tensors, self._manifest)
+        # Staging runs outside the gate: the old weights keep serving meanwhile. A failure here changed nothing.
+        tp = time.perf_counter()
+        staged = await self._prepare_weights(tensors)
+        del tensors
         t0 = time.perf_counter()
         async with self.gate.exclusive():
             t1 = time.perf_counter()
@@ -419,7 +426,7 @@ class EngineBase:
                     field="header.version",
                 )
             try:
-                await self._load_weights(tensors)
+                await self._load_weights(staged)
             except BaseException as err:
                 # A reload that failed half-way may leave a mix of old and new weights: stop serving.
                 self._ready = False
@@ -430,9 +437,16 @@ class EngineBase:
             self._checksum = checksum
             self._loaded_at_ms = int(time.time() * 1000)
             t2 = time.perf_counter()
-        return SwapResult(version=version, checksum=checksum, swapped=True, wait_seconds=t1 - t0, swap_seconds=t2 - t1)
+        del staged
+        return SwapResult(version=version, checksum=checksum, swapped=True, wait_seconds=t1 - t0, swap_seconds=t2 - t1,
+                          prepare_seconds=t0 - tp)  # fmt: skip
 
-    async def _load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    async def _prepare_weights(self, tensors: dict[str, torch.Tensor]) -> Any:
+        """Stage ``tensors`` for :meth:`_load_weights` while the old weights still serve (outside the gate)."""
+        return tensors
+
+    async def _load_weights(self, staged: Any) -> None:
+        """Install what :meth:`_prepare_weights` staged; generation is paused meanwhile (inside the gate)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------------ life cycle

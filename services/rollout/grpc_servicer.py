@@ -59,6 +59,36 @@ def prompt_ids_from_proto(engine: EngineBase, prompts: Any) -> list[list[int]]:
     return out
 
 
+def add_to_server(servicer: RolloutServicer, server: Any) -> None:
+    """``rollout_pb2_grpc.add_RolloutServiceServicer_to_server`` with one change: ``UpdateWeights`` requests are
+    decoded by ``rlhf.transport.weightsync.decode_update``, which leaves each chunk's bytes where gRPC put them
+    (protobuf's deserializer copies every weight byte twice more)."""
+    import grpc
+
+    from rlhf.transport.weightsync import decode_update
+
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=rollout_pb2.GenerateRequest.FromString,
+            response_serializer=rollout_pb2.GenerateResponse.SerializeToString,
+        ),
+        "UpdateWeights": grpc.stream_unary_rpc_method_handler(
+            servicer.UpdateWeights,
+            request_deserializer=decode_update,
+            response_serializer=weights_pb2.UpdateWeightsResponse.SerializeToString,
+        ),
+        "GetWeightsVersion": grpc.unary_unary_rpc_method_handler(
+            servicer.GetWeightsVersion,
+            request_deserializer=weights_pb2.GetWeightsVersionRequest.FromString,
+            response_serializer=weights_pb2.WeightsVersion.SerializeToString,
+        ),
+    }
+    assert set(handlers) == set(rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def __init__(self, engine: EngineBase, settings: ServiceSettings, metrics: ServiceMetrics):
         self.engine = engine

@@ -330,9 +330,28 @@ class HFEngine(EngineBase):
 
     # ------------------------------------------------------------------------------------------------ weights
 
-    async def _load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        def _load() -> None:
-            with torch.no_grad():
-                self.model.load_state_dict(tensors, strict=True)
+    def _stage(self, tensors: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(model tensor, new data) pairs: each new tensor on the model's device and dtype, contiguous. Tied weights
+        (one parameter under several names) get one entry, from the first name. Runs in a thread, outside the gate:
+        a tensor already right (the received float32 CPU buckets) is used as it is, no copy."""
+        model = self.model
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        seen: set[int] = set()
+        pairs = []
+        for name, target in named:
+            if name not in tensors or id(target) in seen:  # non-persistent buffers are not in the state dict
+                continue
+            seen.add(id(target))
+            new = tensors[name].detach().to(device=target.device, dtype=target.dtype)
+            pairs.append((target, new.contiguous()))
+        return pairs
 
-        await asyncio.to_thread(_load)
+    async def _prepare_weights(self, tensors: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return await asyncio.to_thread(self._stage, tensors)
+
+    async def _load_weights(self, staged: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        # Double buffering: the staged tensors become the parameters' storage, O(number of tensors), no copy; the
+        # Parameter objects stay (tied weights stay tied), the old storage is freed with its last reference.
+        with torch.no_grad():
+            for target, new in staged:
+                target.data = new

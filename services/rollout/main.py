@@ -15,9 +15,8 @@ import logging
 
 from rlhf.config import load_config
 from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings, register_env_var
-from rlhf.v1 import rollout_pb2_grpc
 from services.rollout.engine import ENGINE_ENV_VAR, EngineHooks, engine_kind, make_engine
-from services.rollout.grpc_servicer import SERVICE_NAME, RolloutServicer
+from services.rollout.grpc_servicer import SERVICE_NAME, RolloutServicer, add_to_server
 from services.rollout.http_app import build_app
 from services.rollout.worker import maybe_start_worker  # at import: registers the RLHF_ROLLOUT_* variables
 
@@ -50,7 +49,7 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
     engine = make_engine(cfg, kind=kind, device=settings.device, hooks=engine_hooks(metrics))
     runner = ServiceRunner("rollout", settings, metrics)
     runner.add_grpc(
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server,
+        add_to_server,  # the generated add_..._to_server, with a copy-free decoder for UpdateWeights
         [SERVICE_NAME],
         RolloutServicer(engine, settings, metrics),
     )

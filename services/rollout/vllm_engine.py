@@ -15,9 +15,10 @@ Both use ``RequestOutputKind.FINAL_ONLY`` (one output per request: per-token str
 temperature and top-k/top-p: the distribution sampled from; the default ``raw_logprobs`` ignores the temperature),
 ``enforce_eager`` and a seed per request.
 
-Weights: the state dict travels to the worker as safetensors bytes through the worker extension
-(:mod:`services.rollout.vllm_ext`) and is loaded by the worker's ``reload_weights(..., is_checkpoint_format=True)``;
-the prefix cache is reset afterwards (cached KV blocks belong to the old weights).
+Weights: the state dict reaches the worker through the worker extension (:mod:`services.rollout.vllm_ext`): as the
+tensors themselves in-process, as safetensors bytes (serialised before the swap pauses generation) to the
+engine-core subprocess; it is loaded by the worker's ``reload_weights(..., is_checkpoint_format=True)``, and the
+prefix cache is reset afterwards (cached KV blocks belong to the old weights).
 """
 
 from __future__ import annotations
@@ -376,17 +377,26 @@ class VllmEngine(EngineBase):
 
     # ------------------------------------------------------------------------------------------------ weights
 
-    async def _load_weights(self, tensors: dict[str, Any]) -> None:
-        blob = await asyncio.to_thread(_safetensors_bytes, tensors)
+    async def _prepare_weights(self, tensors: dict[str, Any]) -> Any:
+        # Outside the gate. In-process the worker is called directly (no serialisation): it gets the tensors as
+        # they are. The engine-core subprocess gets one safetensors blob (msgpack carries bytes, not tensors),
+        # serialised here while the old weights still serve.
+        if self.mode == "inproc":
+            return list(tensors.items())
+        return await asyncio.to_thread(_safetensors_bytes, tensors)
+
+    async def _load_weights(self, staged: Any) -> None:
+        # vLLM's reload_weights rewrites the serving model's parameters in place (checkpoint loader, then the CPU
+        # backend's repacking): it cannot run while the model generates, so it stays inside the gate.
         if self.mode == "inproc":
 
             def _reload(llm: Any) -> Any:
-                r = llm.collective_rpc("rlhf_reload_weights", args=(blob,))
+                r = llm.collective_rpc("rlhf_load_tensors", args=(staged,))
                 llm.reset_prefix_cache()
                 return r
 
             info = await self._call(_reload)
         else:
-            info = await self._async.collective_rpc("rlhf_reload_weights", args=(blob,))
+            info = await self._async.collective_rpc("rlhf_reload_weights", args=(staged,))
             await self._async.reset_prefix_cache()
         log.info("vLLM weights reloaded: %s", info)

@@ -7,10 +7,12 @@ vLLM mixes this class into its worker (engine argument
 
 The argument is the bytes of one safetensors file: bytes cross vLLM's msgpack RPC intact in both the in-process and
 the engine-core-subprocess modes, and no pickle is involved (``collective_rpc`` with a Python callable would need
-``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). The worker's
-``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` runs the model's own checkpoint loader, so the
-CPU backend's repacked linear layers are rebuilt correctly (calling ``model.load_weights`` again fails there: the
-repacked parameters have size 0).
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1``); the worker makes the tensors as views into them
+(``rlhf.transport.weightsync.load_safetensors``, no copy). In-process, where ``collective_rpc`` calls the worker
+directly and serialises nothing, the engine calls ``rlhf_load_tensors`` with the (name, tensor) pairs themselves.
+Both run the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``: the model's own checkpoint
+loader, so the CPU backend's repacked linear layers are rebuilt correctly (calling ``model.load_weights`` again fails
+there: the repacked parameters have size 0).
 
 This module must import nothing heavy at module level: vLLM imports it inside the worker.
 """
@@ -25,12 +27,19 @@ class WorkerExtension:
 
     def rlhf_reload_weights(self, blob: bytes) -> dict:
         """Load every tensor of the safetensors ``blob`` (checkpoint format) into the model, in place."""
-        from safetensors.torch import load
+        from rlhf.transport.weightsync import load_safetensors
 
         t0 = time.perf_counter()
-        tensors = load(bytes(blob))
+        tensors = load_safetensors(blob)
         self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         return {"tensors": len(tensors), "seconds": time.perf_counter() - t0}
+
+    def rlhf_load_tensors(self, items: list) -> dict:
+        """Load (name, tensor) pairs (checkpoint format) into the model, in place. In-process engines only: the
+        tensors must not cross a process boundary."""
+        t0 = time.perf_counter()
+        self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+        return {"tensors": len(items), "seconds": time.perf_counter() - t0}
 
     def rlhf_ping(self) -> str:
         return "pong"

@@ -272,3 +272,35 @@ def test_vllm_async_driver_generates_and_reloads(tiny_models, state):
 
     assert flat(a) != flat(b) and flat(a) == flat(c)
     assert all(s.policy_version == 2 for r in c for s in r.samples)
+
+
+def test_hf_swap_stages_outside_the_gate_and_installs_storage(tiny_models, state):
+    """The hf engine converts the update before the pause and installs it by swapping parameter storage: the same
+    Parameter objects, now holding the update's memory (no copy when dtype and device already match), tied weights
+    still tied, another dtype converted to the model's."""
+    g = torch.Generator().manual_seed(3)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+    async def body(eng):
+        model = eng.model
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        head.weight = emb.weight  # tie them, as a tied checkpoint would be
+        params = dict(model.named_parameters(remove_duplicate=False))
+        tied = dict(new)
+        tied["lm_head.weight"] = tied["model.embed_tokens.weight"]
+        result = await eng.swap_weights(tied, 1, "v1")
+        after = dict(model.named_parameters(remove_duplicate=False))
+        assert all(after[k] is params[k] for k in params)  # same Parameter objects
+        assert head.weight is emb.weight and torch.equal(emb.weight, tied["model.embed_tokens.weight"])
+        name = "model.layers.0.mlp.down_proj.weight"
+        assert after[name].data_ptr() == tied[name].data_ptr()  # the update's memory now serves
+        assert torch.equal(after[name], tied[name])
+        half = {k: v.to(torch.bfloat16) for k, v in state.items()}
+        half["lm_head.weight"] = half["model.embed_tokens.weight"]
+        await eng.swap_weights(half, 2, "v2")
+        assert after[name].dtype == torch.float32 and torch.equal(after[name], half[name].float())
+        assert head.weight is emb.weight
+        return result
+
+    result = run_hf(tiny_models, body)
+    assert result.swapped and result.prepare_seconds >= 0 and result.swap_seconds >= 0

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import hmac
+import json
 
 import grpc
 import pytest
@@ -18,11 +20,15 @@ from rlhf.transport.weightsync import (
     CorruptUpdate,
     IncompatibleUpdate,
     IncompleteUpdate,
+    RawChunk,
     StaleVersion,
     UpdateInProgress,
     UpdateTooLarge,
     WeightReceiver,
     WeightSyncError,
+    decode_update,
+    encode_chunk,
+    load_safetensors,
     manifest_checksum,
     manifest_of,
     pack_weights,
@@ -391,3 +397,129 @@ def test_push_over_tls(tmp_path):
             await server.stop(None)
 
     asyncio.run(body())
+
+
+# ------------------------------------------------------------------------- fast paths: wire, buffers, parsing
+
+
+def test_encoded_updates_are_the_protobuf_bytes_and_decode_back():
+    packed = pack_weights(state_dict(), 1, bucket_bytes=64 << 10)
+    for chunk_bytes in (4096, 5000, 1 << 20):
+        encoded = list(packed.encoded_updates(chunk_bytes))
+        assert encoded == [m.SerializeToString() for m in packed.updates(chunk_bytes)]
+        decoded = [decode_update(b) for b in encoded]
+        assert isinstance(decoded[0], weights_pb2.WeightUpdate) and decoded[0].header == packed.header
+        assert all(isinstance(d, RawChunk) for d in decoded[1:])
+        for d, m in zip(decoded[1:], list(packed.updates(chunk_bytes))[1:], strict=True):
+            assert (d.bucket, d.offset, bytes(d.data)) == (m.chunk.bucket, m.chunk.offset, m.chunk.data)
+    assert (
+        encode_chunk(3, 1 << 40, b"xyz")
+        == weights_pb2.WeightUpdate(
+            chunk=weights_pb2.WeightChunk(bucket=3, offset=1 << 40, data=b"xyz")
+        ).SerializeToString()
+    )
+    # another valid encoding (fields out of order) still decodes, through protobuf
+    odd = b"\x12\x09" + b"\x1a\x03xyz" + b"\x10\x05" + b"\x08\x02"
+    m = decode_update(odd)
+    assert isinstance(m, weights_pb2.WeightUpdate) and (m.chunk.bucket, m.chunk.offset, m.chunk.data) == (2, 5, b"xyz")
+
+
+def test_receive_raw_chunks_round_trip_and_refusals():
+    packed = pack_weights(state_dict(), 1, bucket_bytes=64 << 10)
+    encoded = list(packed.encoded_updates(4096))
+    staged = receive([decode_update(b) for b in encoded])
+    assert_identical(staged.tensors, state_dict())
+    bad = list(encoded)
+    flipped = bytearray(bad[3])
+    flipped[-10] ^= 0x01
+    bad[3] = bytes(flipped)
+    with pytest.raises(CorruptUpdate, match="sha256"):
+        receive([decode_update(b) for b in bad])
+    with pytest.raises(IncompleteUpdate, match="was cut"):
+        receive([decode_update(b) for b in encoded[:-2]])
+    with pytest.raises(CorruptUpdate, match="first WeightUpdate must carry the header"):
+        receive([decode_update(b) for b in encoded[1:]])
+
+
+def test_staged_tensors_are_writable_views_of_one_buffer_per_bucket():
+    staged = receive(messages())
+    big = staged.tensors["model.big"]
+    assert big.is_contiguous() and not big.is_inference()
+    assert torch.equal(big, state_dict()["model.big"])
+    big[0, 0] = 5.0  # a writable buffer (the hf engine serves from it)
+    assert big[0, 0].item() == 5.0
+
+
+def test_buffer_pool_never_reuses_memory_that_staged_tensors_hold():
+    async def body():
+        receiver = WeightReceiver(0)
+        sds = [state_dict(i) for i in range(4)]
+        first = await receiver.receive(messages(sds[1], 1, 0))
+        receiver.commit(first)
+        second = await receiver.receive(messages(sds[2], 2, 1))  # `first` is alive: fresh buffers
+        receiver.commit(second)
+        assert_identical(first.tensors, sds[1])
+        ptr_first = first.tensors["model.big"].data_ptr()
+        held = receiver.pool.nbytes
+        del first
+        third = await receiver.receive(messages(sds[3], 3, 2))  # reuses the buffers `first` held
+        receiver.commit(third)
+        assert_identical(second.tensors, sds[2])
+        assert_identical(third.tensors, sds[3])
+        assert third.tensors["model.big"].data_ptr() == ptr_first
+        assert receiver.pool.nbytes == held
+
+    asyncio.run(body())
+
+
+def _bucket_with_header(meta: dict, data: bytes) -> bytes:
+    head = json.dumps(meta).encode()
+    head += b" " * (-len(head) % 8)
+    return len(head).to_bytes(8, "little") + head + data
+
+
+@pytest.mark.parametrize(
+    ("meta", "match"),
+    [
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            "overlap",
+        ),  # fmt: skip
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, "expected 0"),
+        ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, "do not fit"),
+        ({"a": {"dtype": "F32", "shape": [6], "data_offsets": [0, 24]}}, "do not fit"),  # past the end
+        ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, "cover 4 of the 16"),
+        ({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}}, "unknown dtype"),
+        ({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, "invalid shape"),
+        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0]}}, "invalid data_offsets"),
+    ],
+)
+def test_load_safetensors_refuses_what_safetensors_refuses(meta, match):
+    with pytest.raises(CorruptUpdate, match=match):
+        load_safetensors(_bucket_with_header(meta, bytes(16)))
+
+
+def test_load_safetensors_matches_safetensors():
+    from safetensors.torch import save
+
+    sd = {k: v.contiguous().clone() for k, v in state_dict().items()}
+    blob = save(sd)
+    got = load_safetensors(blob)  # read-only bytes: views all the same
+    assert_identical(got, {k: sd[k] for k in got})
+    assert set(got) == set(sd)
+
+
+def test_a_bucket_with_a_valid_digest_but_bad_layout_is_refused():
+    """A sender that hashed a broken bucket: the digests match, the safetensors layout does not."""
+    packed = pack_weights({"w": torch.ones(4)}, 1)
+    bucket = _bucket_with_header({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, bytes(16))
+    packed.buckets[0] = bucket
+    b = packed.header.buckets[0]
+    b.nbytes, b.sha256 = len(bucket), hashlib.sha256(bucket).hexdigest()
+    packed.header.checksum = manifest_checksum([b.sha256])
+    packed.header.total_bytes = len(bucket)
+    with pytest.raises(CorruptUpdate, match="not a valid safetensors buffer"):
+        receive(list(packed.updates()))
