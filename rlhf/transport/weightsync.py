@@ -14,10 +14,13 @@ Nothing is pickled and nothing is ``torch.load``-ed: the receiver checks each bu
 makes its tensors with ``torch.frombuffer`` on the received bytes (:func:`load_safetensors`; no copy).
 
 Sender: :func:`pack_weights` (serialise once) then :func:`push_weights` / :func:`push_weights_many` (stream the
-same packed bytes to every replica), or :func:`weight_updates` for the raw message generator.
-Receiver: :func:`receive_update` (or :class:`WeightReceiver`, which also serialises updates and keeps the served
-version) returns :class:`StagedWeights` only when every check passed, else raises one of the errors below; the
-caller keeps serving its old weights either way until it swaps the staged ones in.
+same packed bytes to every replica, as pre-serialised messages: :meth:`PackedWeights.encoded_updates`), or
+:func:`weight_updates` for the message generator.
+Receiver: :func:`receive_update` (or :class:`WeightReceiver`, which also serialises updates, keeps the served version
+and reuses bucket buffers across versions through a :class:`BufferPool`) returns :class:`StagedWeights` only when
+every check passed, else raises one of the errors below; the caller keeps serving its old weights either way until
+it swaps the staged ones in. It takes ``WeightUpdate`` messages, or what :func:`decode_update` makes of the raw
+request bytes (the rollout service's deserializer: chunk data stays where gRPC put it).
 
 Errors and their gRPC codes (they subclass ``rlhf.serving.errors`` classes when available, so the serving layer's
 table maps them automatically; each also carries ``grpc_code``):

@@ -405,7 +405,8 @@ class EngineBase:
     # ------------------------------------------------------------------------------------------------ weights
 
     async def swap_weights(self, tensors: dict[str, torch.Tensor], version: int, checksum: str) -> SwapResult:
-        """Install ``tensors`` as ``version`` between generation steps (see the module docstring)."""
+        """Install ``tensors`` as ``version`` between generation steps (see the module docstring). The engine may
+        keep the tensors' memory as its own (the hf engine serves from it): do not modify them afterwards."""
         if version <= self._version:
             raise FailedPrecondition(
                 f"weights version {version} is not newer than the version served ({self._version}); "

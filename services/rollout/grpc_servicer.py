@@ -6,6 +6,8 @@
   byte is read). The stream is staged and verified by :mod:`rlhf.transport.weightsync` (manifest checksum, per-bucket
   sha256, complete stream, a version newer than the one served); only then does the engine swap it in, between
   generation steps. A cut, corrupt, stale or mismatched update is refused and the old weights keep serving.
+  Register with :func:`add_to_server` (not the generated function): its request decoder leaves each chunk's bytes in
+  gRPC's buffer instead of copying them twice through protobuf.
 - ``GetWeightsVersion``: the version served now, its checksum, when it was loaded, the model.
 """
 
