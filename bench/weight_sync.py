@@ -304,16 +304,24 @@ async def main() -> None:
             "tensors with torch.frombuffer on the buffer (own safetensors header parser; no copy)",
             "profile after (py-spy): sha256 runs at ~1.1-1.8 GB/s on one core, overlapped; the replica's event loop "
             "and the client's sendmsg in Python gRPC (HTTP/2 framing, one loop thread per side) are what is left: "
-            "the gRPC sink (no replica work) is itself about 0.3 of raw, so the transfer cannot reach 0.5 of raw "
-            "through Python gRPC on loopback; 16-32 MiB chunks measured slower than 0.5-4 MiB",
+            "the gRPC sink, with no replica work at all, is itself "
+            + ", ".join(f"{ratios[e]['grpc_sink_vs_raw']}" for e in ENGINES)
+            + " of raw here, so the transfer cannot reach 0.5 of raw through Python gRPC on 2 loopback cores; "
+            "16-32 MiB chunks measured slower than 0.5-4 MiB, a sync client no faster than the aio one",
             "pause before: the engine re-serialised the update to one safetensors blob and reloaded it inside the "
             "swap gate (vLLM: ~30% re-serialising, ~15% parsing, ~55% reload_weights; 3.6 s = 0.98 of the transfer)",
             "pause after: swap_weights stages outside the gate (hf: dtype/device conversion, none needed here; "
             "vLLM in-process: nothing, the tensors go to the worker directly, no blob), then installs inside it. "
             "hf installs by pointing each parameter at the staged tensor (param.data = staged, O(number of "
-            "tensors); tied weights stay tied). vLLM's reload_weights (checkpoint loader writing into the serving "
-            "model, then the CPU backend's oneDNN repacking) mutates the model generation reads, so it stays in the "
-            "gate; <= 5% would need a second vLLM model instance to load into and swap, which vLLM 0.32 does not offer",
+            "tensors); tied weights stay tied). vLLM's reload_weights is all that is left in its pause and cannot "
+            "leave the gate: its layerwise reload first moves the serving layers to the meta device, then per layer "
+            "materialises fresh tensors, runs the checkpoint loader and the CPU backend's oneDNN repacking, and "
+            "copies the result into the kernel tensors. Building that on shadow layers outside the gate (vLLM 0.32 "
+            "has no API for it; a second copy of the weights in memory) would leave only the final copy inside",
+            "generation goes on during the transfer but slower (Generate calls during vs idle: "
+            + ", ".join(f"{e} {per[e]['generate_calls_during_update_vs_idle']}" for e in ENGINES)
+            + "): the client, the replica's receive and its sha256 thread share the 2 cores with decoding; the "
+            "client-seen gap includes that slowdown, the generation pause does not",
             "generation pause = the swap time the replica reports (UpdateWeightsResponse.swap_seconds: the engine's "
             "gate admits no generation step meanwhile); client_seen_pause = longest gap between two finished "
             "Generate calls while the update was in flight less the median gap without one (coarse: a call takes "
