@@ -207,7 +207,7 @@ def load_safetensors(data: bytes | bytearray | memoryview) -> dict[str, torch.Te
         numel = 1
         for d in shape:
             numel *= d
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if not 0 <= begin <= end <= size or end - begin != numel * itemsize:
             raise CorruptUpdate(f"tensor {name!r}: data_offsets {offs} do not fit {entry['dtype']}{shape} in the data")
         spans.append((begin, end, name))
