@@ -45,6 +45,13 @@ class ServiceSettings(BaseModel):
     rollout_addrs: list[str] = Field([], description="host:port of each rollout replica's gRPC server (comma list)")
     replica_id: str | None = Field(None, description="this replica's name (default: hostname-pid)")
     run_dir: str | None = Field(None, description="run folder for checkpoints, metrics and plots (trainer)")
+    weights_data_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="rollout: TCP port of the weight-sync data plane (raw bytes beside gRPC; 0: any free port); "
+        "off when unset or with TLS (it is plaintext; weights then go over gRPC UpdateWeights)",
+    )
     run_dir: str | None = Field(None, description="run folder for metrics.jsonl and checkpoints (rlhf up sets it)")
 
     @field_validator("rollout_addrs", mode="before")
@@ -74,6 +81,7 @@ class ServiceSettings(BaseModel):
         "reward_addr",
         "reference_addr",
         "run_dir",
+        "weights_data_port",
         mode="before",
     )
     @classmethod

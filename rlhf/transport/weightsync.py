@@ -65,6 +65,9 @@ from rlhf.v1 import weights_pb2
 
 FORMAT = "safetensors"
 UPDATE_WEIGHTS_METHOD = "/rlhf.v1.RolloutService/UpdateWeights"
+OPEN_TRANSFER_METHOD = "/rlhf.v1.RolloutService/OpenWeightsTransfer"
+COMMIT_WEIGHTS_METHOD = "/rlhf.v1.RolloutService/CommitWeights"
+TRANSPORTS = ("auto", "grpc", "tcp")
 MiB = 1 << 20
 # Measured on loopback (bench.weight_sync, with pre-serialised messages): 0.5-4 MiB chunks stream alike, 16-32 MiB
 # ones slower. 2 MiB plus the ~20-byte message prefix also fits gRPC's default 4 MiB receive limit.
@@ -418,15 +421,25 @@ async def push_weights(
     tls: bool | str | Path | bytes | grpc.ChannelCredentials = False,
     channel: grpc.aio.Channel | None = None,
     options: Sequence[tuple[str, Any]] = (),
+    transport: str = "auto",
 ) -> weights_pb2.UpdateWeightsResponse:
-    """Stream weights to one replica's ``RolloutService.UpdateWeights`` and return its response.
+    """Send weights to one replica and return its ``UpdateWeightsResponse``.
+
+    ``transport``: ``"tcp"``, the raw-TCP data plane (``OpenWeightsTransfer``, the buckets on the replica's data
+    port at ``target``'s host, ``CommitWeights``; :mod:`rlhf.transport.dataplane`); ``"grpc"``, the
+    ``UpdateWeights`` stream; ``"auto"`` (default), the data plane when the replica offers one (Open answers a port),
+    else the stream (a replica without the data plane, or UNIMPLEMENTED from an older one). ``"tcp"`` against a
+    replica without it raises ``RuntimeError``.
 
     ``weights``: a state dict (then ``version`` is required; it is packed in a worker thread) or a
     :class:`PackedWeights` (``version``/``parent_version`` must then be None or agree with it). ``token`` goes out
     as ``authorization: Bearer <token>``. ``tls``: False (plaintext), True (system roots), a CA bundle path or
     bytes, or ready ``grpc.ChannelCredentials``. ``channel``: reuse an open channel (``target``/``tls``/``options``
-    are then ignored). A refusal comes back as ``grpc.aio.AioRpcError`` (see the module docstring for the codes).
+    are then ignored). A refusal comes back as ``grpc.aio.AioRpcError`` (see the module docstring for the codes);
+    ``timeout`` bounds the whole update.
     """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
     if isinstance(weights, PackedWeights):
         if version is not None and version != weights.version:
             raise ValueError(f"version {version} disagrees with the packed weights' version {weights.version}")
@@ -447,7 +460,12 @@ async def push_weights(
             if creds is not None
             else grpc.aio.insecure_channel(target, options=opts)
         )
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
+        if transport != "grpc":
+            resp = await _push_over_data_plane(channel, target, packed, deadline, metadata, required=transport == "tcp")
+            if resp is not None:
+                return resp
         # Messages go out pre-serialised (PackedWeights.encoded_updates): the stub's serializer would build and
         # encode a protobuf message per chunk, the largest cost of the sender in Python.
         call = channel.stream_unary(
@@ -455,10 +473,85 @@ async def push_weights(
             request_serializer=None,
             response_deserializer=weights_pb2.UpdateWeightsResponse.FromString,
         )
-        return await call(packed.encoded_updates(chunk_bytes), timeout=timeout, metadata=metadata)
+        return await call(packed.encoded_updates(chunk_bytes), timeout=_left(deadline), metadata=metadata)
     finally:
         if own:
             await channel.close()
+
+
+def _left(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("push_weights: deadline exceeded")
+    return left
+
+
+def _host_of(target: str) -> str:
+    """The host of a gRPC target (``host:port``, ``[v6]:port``, ``dns:///host:port``, ``ipv4:host:port``)."""
+    for prefix in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        if target.startswith(prefix):
+            target = target[len(prefix) :]
+            break
+    host = target.rsplit(":", 1)[0] if target.count(":") == 1 or target.startswith("[") else target
+    return host.strip("[]")
+
+
+async def _push_over_data_plane(
+    channel: grpc.aio.Channel,
+    target: str,
+    packed: PackedWeights,
+    deadline: float | None,
+    metadata: Any,
+    *,
+    required: bool,
+) -> weights_pb2.UpdateWeightsResponse | None:
+    """Open, send the buckets on the data port, commit. None: the replica has no data plane (and not ``required``)."""
+    from rlhf.transport.dataplane import send_buckets
+
+    open_call = channel.unary_unary(
+        OPEN_TRANSFER_METHOD,
+        request_serializer=weights_pb2.OpenWeightsTransferRequest.SerializeToString,
+        response_deserializer=weights_pb2.OpenWeightsTransferResponse.FromString,
+    )
+    try:
+        opened = await open_call(
+            weights_pb2.OpenWeightsTransferRequest(header=packed.header), timeout=_left(deadline), metadata=metadata
+        )
+    except grpc.aio.AioRpcError as err:
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED and not required:
+            return None  # a replica from before the data plane
+        raise
+    if not opened.data_port:
+        if required:
+            raise RuntimeError(f"{target} offers no weights data port (RLHF_WEIGHTS_DATA_PORT unset, or TLS)")
+        return None
+    commit_call = channel.unary_unary(
+        COMMIT_WEIGHTS_METHOD,
+        request_serializer=weights_pb2.CommitWeightsRequest.SerializeToString,
+        response_deserializer=weights_pb2.UpdateWeightsResponse.FromString,
+    )
+    host = _host_of(target)
+    # The commit goes out with the data (it waits on the replica until every byte is verified): its answer comes
+    # back as soon as the swap is done, without a round trip after the send.
+    commit = asyncio.ensure_future(
+        commit_call(weights_pb2.CommitWeightsRequest(ticket=opened.ticket), timeout=_left(deadline), metadata=metadata)
+    )
+    try:
+        await asyncio.to_thread(send_buckets, host, opened.data_port, opened.ticket, packed.buckets, _left(deadline))
+    except Exception as err:
+        # the replica's answer says more (short data: IncompleteUpdate), when it comes quickly; a data port it
+        # cannot reach leaves its transfer to expire (its ttl), and this raises the connection error
+        try:
+            return await asyncio.wait_for(asyncio.shield(commit), timeout=5.0)
+        except TimeoutError:
+            commit.cancel()
+            raise err from None
+    except BaseException:
+        commit.cancel()
+        raise
+    return await commit
 
 
 async def push_weights_many(
@@ -824,10 +917,17 @@ class WeightReceiver:
     def busy(self) -> bool:
         return self._busy
 
-    async def receive(self, request_iterator: AsyncIterable | Iterable) -> StagedWeights:
+    def reserve(self) -> None:
+        """Take the one-update slot (raises UpdateInProgress); :meth:`receive` and the data plane's Open do."""
         if self._busy:
             raise UpdateInProgress("another weight update is being received; retry when it has finished")
         self._busy = True
+
+    def release(self) -> None:
+        self._busy = False
+
+    async def receive(self, request_iterator: AsyncIterable | Iterable) -> StagedWeights:
+        self.reserve()
         try:
             return await receive_update(
                 request_iterator,
@@ -838,7 +938,7 @@ class WeightReceiver:
                 pool=self.pool,
             )
         finally:
-            self._busy = False
+            self.release()
 
     def commit(self, staged: StagedWeights) -> None:
         """Record that ``staged`` now serves (call after the swap). Refuses to go backwards."""

@@ -45,6 +45,16 @@ class RolloutServiceStub:
                 request_serializer=rlhf_dot_v1_dot_weights__pb2.WeightUpdate.SerializeToString,
                 response_deserializer=rlhf_dot_v1_dot_weights__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.OpenWeightsTransfer = channel.unary_unary(
+                '/rlhf.v1.RolloutService/OpenWeightsTransfer',
+                request_serializer=rlhf_dot_v1_dot_weights__pb2.OpenWeightsTransferRequest.SerializeToString,
+                response_deserializer=rlhf_dot_v1_dot_weights__pb2.OpenWeightsTransferResponse.FromString,
+                _registered_method=True)
+        self.CommitWeights = channel.unary_unary(
+                '/rlhf.v1.RolloutService/CommitWeights',
+                request_serializer=rlhf_dot_v1_dot_weights__pb2.CommitWeightsRequest.SerializeToString,
+                response_deserializer=rlhf_dot_v1_dot_weights__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.GetWeightsVersion = channel.unary_unary(
                 '/rlhf.v1.RolloutService/GetWeightsVersion',
                 request_serializer=rlhf_dot_v1_dot_weights__pb2.GetWeightsVersionRequest.SerializeToString,
@@ -69,6 +79,21 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenWeightsTransfer(self, request, context):
+        """The same update over the raw-TCP data plane (bytes outside HTTP/2; see weights.proto for the protocol):
+        Open checks the header as UpdateWeights does and reserves the buffers, the client sends the buckets on the data
+        port with the ticket, Commit waits for them, verifies, swaps and answers as UpdateWeights. Both token-protected.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetWeightsVersion(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -86,6 +111,16 @@ def add_RolloutServiceServicer_to_server(servicer, server):
             'UpdateWeights': grpc.stream_unary_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=rlhf_dot_v1_dot_weights__pb2.WeightUpdate.FromString,
+                    response_serializer=rlhf_dot_v1_dot_weights__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'OpenWeightsTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenWeightsTransfer,
+                    request_deserializer=rlhf_dot_v1_dot_weights__pb2.OpenWeightsTransferRequest.FromString,
+                    response_serializer=rlhf_dot_v1_dot_weights__pb2.OpenWeightsTransferResponse.SerializeToString,
+            ),
+            'CommitWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitWeights,
+                    request_deserializer=rlhf_dot_v1_dot_weights__pb2.CommitWeightsRequest.FromString,
                     response_serializer=rlhf_dot_v1_dot_weights__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'GetWeightsVersion': grpc.unary_unary_rpc_method_handler(
@@ -147,6 +182,60 @@ class RolloutService:
             target,
             '/rlhf.v1.RolloutService/UpdateWeights',
             rlhf_dot_v1_dot_weights__pb2.WeightUpdate.SerializeToString,
+            rlhf_dot_v1_dot_weights__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenWeightsTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlhf.v1.RolloutService/OpenWeightsTransfer',
+            rlhf_dot_v1_dot_weights__pb2.OpenWeightsTransferRequest.SerializeToString,
+            rlhf_dot_v1_dot_weights__pb2.OpenWeightsTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlhf.v1.RolloutService/CommitWeights',
+            rlhf_dot_v1_dot_weights__pb2.CommitWeightsRequest.SerializeToString,
             rlhf_dot_v1_dot_weights__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,

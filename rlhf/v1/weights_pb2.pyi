@@ -80,6 +80,28 @@ class UpdateWeightsResponse(_message.Message):
     swap_seconds: float
     def __init__(self, version: _Optional[int] = ..., swapped: _Optional[bool] = ..., bytes_received: _Optional[int] = ..., checksum: _Optional[str] = ..., stage_seconds: _Optional[float] = ..., swap_seconds: _Optional[float] = ...) -> None: ...
 
+class OpenWeightsTransferRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: WeightHeader
+    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ...) -> None: ...
+
+class OpenWeightsTransferResponse(_message.Message):
+    __slots__ = ("ticket", "data_port", "ticket_ttl_seconds")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    TICKET_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    data_port: int
+    ticket_ttl_seconds: float
+    def __init__(self, ticket: _Optional[bytes] = ..., data_port: _Optional[int] = ..., ticket_ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class CommitWeightsRequest(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    def __init__(self, ticket: _Optional[bytes] = ...) -> None: ...
+
 class GetWeightsVersionRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

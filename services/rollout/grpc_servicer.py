@@ -8,6 +8,10 @@
   generation steps. A cut, corrupt, stale or mismatched update is refused and the old weights keep serving.
   Register with :func:`add_to_server` (not the generated function): its request decoder leaves each chunk's bytes in
   gRPC's buffer instead of copying them twice through protobuf.
+- ``OpenWeightsTransfer`` / ``CommitWeights``: the same update over the raw-TCP data plane
+  (:mod:`rlhf.transport.dataplane`, on with ``RLHF_WEIGHTS_DATA_PORT`` and without TLS): Open checks the header and
+  answers a ticket and the data port (port 0: no data plane, use ``UpdateWeights``), the client sends the buckets
+  there, Commit waits for them, verifies and swaps as ``UpdateWeights`` does. Token-protected like it.
 - ``GetWeightsVersion``: the version served now, its checksum, when it was loaded, the model.
 """
 
@@ -80,6 +84,16 @@ def add_to_server(servicer: RolloutServicer, server: Any) -> None:
             request_deserializer=decode_update,
             response_serializer=weights_pb2.UpdateWeightsResponse.SerializeToString,
         ),
+        "OpenWeightsTransfer": grpc.unary_unary_rpc_method_handler(
+            servicer.OpenWeightsTransfer,
+            request_deserializer=weights_pb2.OpenWeightsTransferRequest.FromString,
+            response_serializer=weights_pb2.OpenWeightsTransferResponse.SerializeToString,
+        ),
+        "CommitWeights": grpc.unary_unary_rpc_method_handler(
+            servicer.CommitWeights,
+            request_deserializer=weights_pb2.CommitWeightsRequest.FromString,
+            response_serializer=weights_pb2.UpdateWeightsResponse.SerializeToString,
+        ),
         "GetWeightsVersion": grpc.unary_unary_rpc_method_handler(
             servicer.GetWeightsVersion,
             request_deserializer=weights_pb2.GetWeightsVersionRequest.FromString,
@@ -99,6 +113,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         from rlhf.transport.weightsync import WeightReceiver  # imports torch: not at module import (see main.py)
 
         self.receiver = WeightReceiver(current_version=engine.weights_version, checksum=engine.weights_checksum)
+        self.data = None  # the WeightDataServer, when start_data_plane ran
+
+    async def start_data_plane(self, host: str, port: int) -> int:
+        """Listen for weight data on ``port`` (0: any free port); returns the port."""
+        from rlhf.transport.dataplane import WeightDataServer
+
+        self.data = WeightDataServer(self.receiver, host, port)
+        return await self.data.start()
+
+    async def close_data_plane(self) -> None:
+        if self.data is not None:
+            await self.data.close()
 
     @grpc_errors("Generate")
     async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:  # noqa: N802
@@ -127,6 +153,26 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         # the engine is the source of truth for the served version (the receiver refuses anything not newer)
         self.receiver.current_version = self.engine.weights_version
         staged = await self.receiver.receive(request_iterator)  # raises: nothing staged, the old weights serve
+        return await self._swap(staged)
+
+    @grpc_errors("OpenWeightsTransfer")
+    async def OpenWeightsTransfer(self, request, context) -> weights_pb2.OpenWeightsTransferResponse:  # noqa: N802
+        require_grpc_token(context, self.settings)
+        if self.data is None:
+            return weights_pb2.OpenWeightsTransferResponse(data_port=0)  # the client streams over UpdateWeights
+        self.receiver.current_version = self.engine.weights_version
+        ticket, ttl = await self.data.open(request.header)  # raises like UpdateWeights on a bad header
+        return weights_pb2.OpenWeightsTransferResponse(ticket=ticket, data_port=self.data.port, ticket_ttl_seconds=ttl)
+
+    @grpc_errors("CommitWeights")
+    async def CommitWeights(self, request, context) -> weights_pb2.UpdateWeightsResponse:  # noqa: N802
+        require_grpc_token(context, self.settings)
+        if self.data is None:
+            raise InvalidArgument("this replica has no weights data plane: nothing to commit", field="ticket")
+        staged = await self.data.take(request.ticket)  # raises: nothing staged, the old weights serve
+        return await self._swap(staged)
+
+    async def _swap(self, staged) -> weights_pb2.UpdateWeightsResponse:
         result = await self.engine.swap_weights(staged.tensors, staged.version, staged.checksum)
         self.receiver.commit(staged)
         return weights_pb2.UpdateWeightsResponse(

@@ -48,10 +48,11 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
     metrics = ServiceMetrics("rollout")
     engine = make_engine(cfg, kind=kind, device=settings.device, hooks=engine_hooks(metrics))
     runner = ServiceRunner("rollout", settings, metrics)
+    servicer = RolloutServicer(engine, settings, metrics)
     runner.add_grpc(
         add_to_server,  # the generated add_..._to_server, with a copy-free decoder for UpdateWeights
         [SERVICE_NAME],
-        RolloutServicer(engine, settings, metrics),
+        servicer,
     )
     runner.set_http_app(build_app(engine, settings, metrics))
     runner.add_readiness_check(lambda: engine.ready)
@@ -59,6 +60,11 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
 
     async def startup() -> None:
         nonlocal worker
+        if settings.weights_data_port is not None and settings.tls:
+            log.warning("rollout: RLHF_WEIGHTS_DATA_PORT ignored: the data plane is plaintext and TLS is on")
+        elif settings.weights_data_port is not None:
+            port = await servicer.start_data_plane(settings.host, settings.weights_data_port)
+            log.info("rollout: weights data plane on %s:%d", settings.host, port)
         await engine.start()
         log.info("rollout: %s engine serving %s (weights version %d)", engine.kind, engine.model_name,
                  engine.weights_version)  # fmt: skip
@@ -67,6 +73,7 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
     async def shutdown() -> None:
         if worker is not None:
             await worker.aclose()
+        await servicer.close_data_plane()
         await engine.close()
 
     await runner.run(startup=startup, shutdown=shutdown)

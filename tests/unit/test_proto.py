@@ -37,7 +37,10 @@ def test_every_proto_has_generated_modules():
 
 
 SERVICES = {
-    "rollout": ("RolloutService", {"Generate", "UpdateWeights", "GetWeightsVersion"}),
+    "rollout": (
+        "RolloutService",
+        {"Generate", "UpdateWeights", "OpenWeightsTransfer", "CommitWeights", "GetWeightsVersion"},
+    ),
     "reward": ("RewardService", {"Score"}),
     "reference": ("ReferenceService", {"LogProbs"}),
     "trainer": ("TrainerService", {"Status", "Checkpoint", "Pause", "Resume"}),
@@ -65,7 +68,7 @@ def test_update_weights_is_client_streaming():
 
     methods = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name
     assert methods["UpdateWeights"].client_streaming and not methods["UpdateWeights"].server_streaming
-    for name in ("Generate", "GetWeightsVersion"):
+    for name in ("Generate", "GetWeightsVersion", "OpenWeightsTransfer", "CommitWeights"):
         assert not methods[name].client_streaming and not methods[name].server_streaming
 
 

@@ -1,0 +1,337 @@
+"""Weight sync's raw-TCP data plane: the update's bytes on one plain TCP connection, the control on gRPC.
+
+Python gRPC tops out well below the loopback socket on large streams (HTTP/2 framing and one event-loop thread per
+side: a gRPC server that only discards the chunks reaches 0.3-0.4 of a raw socket copy), so the buckets travel
+outside it. The protocol (comments in proto/rlhf/v1/weights.proto):
+
+1. ``OpenWeightsTransfer(header)`` (token-protected): :meth:`WeightDataServer.open` checks the header exactly as
+   the streaming path does (:func:`~rlhf.transport.weightsync.receive_update`'s checks: stale version, manifest,
+   limits, another update in progress), takes the bucket buffers and answers a ticket (32 random bytes, single use)
+   and the data port;
+2. the client connects to the data port, sends the ticket, then the buckets' bytes in index order, then closes its
+   sending side (:func:`send_buckets`). The replica compares the ticket in constant time (unknown, used or expired:
+   it closes the connection) and ``recv_into``s straight into the bucket buffers in a thread, while a second thread
+   hashes what arrived (hashlib releases the GIL) and parses each finished bucket, as the stream path does;
+3. ``CommitWeights(ticket)`` (token-protected): :meth:`WeightDataServer.take` waits for the data and returns the
+   :class:`~rlhf.transport.weightsync.StagedWeights` or raises the same errors (short data -> IncompleteUpdate,
+   bytes after the last bucket or a digest/content mismatch -> CorruptUpdate); the servicer swaps them in.
+
+Expiry (``ttl``): a ticket not presented within ``ttl`` of Open, a connection that makes no progress for ``ttl``,
+and a finished transfer not committed within ``ttl`` are dropped: the buffers and the receiver's "update in
+progress" slot are freed, the old weights keep serving. Nothing received is unpickled: the buckets are safetensors,
+parsed by :func:`~rlhf.transport.weightsync.load_safetensors`.
+
+The data plane is plaintext: the header (with every bucket's sha256) comes over authenticated gRPC, so tampered
+bytes are refused, but they are not encrypted; the rollout service turns it off when it serves TLS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from rlhf.transport.weightsync import (
+    CorruptUpdate,
+    IncompleteUpdate,
+    StagedWeights,
+    WeightReceiver,
+    _check_header,
+    _finish_bucket,
+)
+from rlhf.v1 import weights_pb2
+
+log = logging.getLogger("rlhf.transport.dataplane")
+
+TICKET_BYTES = 32
+DEFAULT_TTL_S = 60.0
+# recv_into / sha256 granularity: large enough that Python's per-call cost is nothing, small enough that hashing
+# follows the data closely (the last slice of the last bucket is hashed after the transfer)
+SLICE_BYTES = 4 << 20
+_SOCKET_BUFFER = 4 << 20  # loopback/LAN: larger kernel buffers mean fewer wake-ups per byte
+
+
+class _Transfer:
+    """One update from Open until it is taken (CommitWeights), fails or expires. Lives on the event loop."""
+
+    def __init__(self, header: weights_pb2.WeightHeader, per_bucket: list, buffers: list[bytearray], ttl: float):
+        self.ticket = secrets.token_bytes(TICKET_BYTES)
+        self.header = header
+        self.per_bucket = per_bucket
+        self.buffers: list[bytearray] | None = buffers
+        self.claimed = False  # a connection presented the ticket: single use
+        self.sock: socket.socket | None = None
+        self.result: asyncio.Future[StagedWeights] = asyncio.get_running_loop().create_future()
+        self.t0 = time.perf_counter()
+        self.timer: asyncio.TimerHandle | None = None
+        self.ttl = ttl
+
+
+class WeightDataServer:
+    """The replica's data-plane listener and tickets, for one :class:`WeightReceiver` (which keeps serialising
+    updates: while a transfer is open, ``UpdateWeights`` and another Open get UpdateInProgress).
+
+    ::
+
+        data = WeightDataServer(receiver, host="0.0.0.0", port=0)
+        await data.start()                                    # data.port
+        ticket, ttl = await data.open(header)                 # OpenWeightsTransfer
+        staged = await data.take(ticket)                      # CommitWeights; then swap and receiver.commit(staged)
+        await data.close()
+    """
+
+    def __init__(self, receiver: WeightReceiver, host: str = "127.0.0.1", port: int = 0, *, ttl: float = DEFAULT_TTL_S):
+        self.receiver = receiver
+        self.host, self.port, self.ttl = host, port, ttl
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+        self._transfers: list[_Transfer] = []  # at most one open at a time (the receiver's slot), plus settled ones
+        self._conns: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> int:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(8)
+        sock.setblocking(False)
+        self._sock, self.port = sock, sock.getsockname()[1]
+        self._accepting = asyncio.create_task(self._accept_loop(), name="weights-data-accept")
+        return self.port
+
+    async def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+        for t in list(self._transfers):
+            self._drop(t, IncompleteUpdate("the replica is shutting down"))
+        for task in list(self._conns):
+            task.cancel()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    # ------------------------------------------------------------------------------------------------ control
+
+    async def open(self, header: weights_pb2.WeightHeader) -> tuple[bytes, float]:
+        """Check ``header`` as the stream path does, reserve the receiver and the bucket buffers; (ticket, ttl)."""
+        r = self.receiver
+        r.reserve()  # UpdateInProgress
+        try:
+            per_bucket = _check_header(header, r.current_version, r.max_total_bytes, r.max_bucket_bytes, r.expected)
+            r.pool.trim(2 * header.total_bytes)  # as receive_update: the update serving and this one
+            buffers = [r.pool.take(b.nbytes) for b in header.buckets]
+        except BaseException:
+            r.release()
+            raise
+        t = _Transfer(header, per_bucket, buffers, self.ttl)
+        self._transfers.append(t)
+        t.timer = asyncio.get_running_loop().call_later(self.ttl, self._expire, t, "no data connection")
+        return t.ticket, self.ttl
+
+    async def take(self, ticket: bytes) -> StagedWeights:
+        """Wait for the transfer of ``ticket`` and return its staged weights (or raise its error); it is then done:
+        the receiver's slot is free and the caller swaps. Raises IncompleteUpdate for an unknown/expired ticket."""
+        t = self._find(ticket)
+        if t is None:
+            raise IncompleteUpdate("unknown or expired transfer ticket: nothing was staged; open a new transfer")
+        try:
+            staged = await asyncio.shield(t.result)  # a cancelled commit leaves the transfer to its expiry
+        finally:
+            if t.result.done():
+                self._forget(t)
+        return staged
+
+    # ------------------------------------------------------------------------------------------------ internals
+
+    def _find(self, ticket: bytes) -> _Transfer | None:
+        found = None
+        for t in self._transfers:  # constant time per comparison; no early exit either
+            if hmac.compare_digest(t.ticket, ticket) and found is None:
+                found = t
+        return found
+
+    def _settle(self, t: _Transfer, outcome: StagedWeights | BaseException) -> None:
+        """The data is in (or failed): free the slot on failure, keep the staged weights ``ttl`` for the commit."""
+        if t.result.done():
+            return
+        if isinstance(outcome, BaseException):
+            t.result.set_exception(outcome)
+            t.result.exception()  # retrieved: no "never retrieved" warning when nobody commits
+            self._release(t)
+        else:
+            t.result.set_result(outcome)
+        if t.timer is not None:
+            t.timer.cancel()
+        t.timer = asyncio.get_running_loop().call_later(t.ttl, self._forget, t)
+
+    def _release(self, t: _Transfer) -> None:
+        if t.buffers is not None:  # the buffers go back to the pool (nothing else refers to them now)
+            t.buffers = None
+            self.receiver.release()
+
+    def _forget(self, t: _Transfer) -> None:
+        if t.timer is not None:
+            t.timer.cancel()
+            t.timer = None
+        if t in self._transfers:
+            self._transfers.remove(t)
+        if not t.result.done():
+            t.result.set_exception(IncompleteUpdate("transfer dropped"))
+            t.result.exception()
+        self._release(t)
+
+    def _drop(self, t: _Transfer, err: BaseException) -> None:
+        if t.sock is not None:  # wakes the receiving thread up (recv_into returns 0 or raises)
+            with contextlib.suppress(OSError):
+                t.sock.shutdown(socket.SHUT_RDWR)
+        self._settle(t, err)
+        self._forget(t)
+
+    def _expire(self, t: _Transfer, why: str) -> None:
+        if not t.claimed:
+            log.warning("weight transfer for version %d expired: %s within %.0f s", t.header.version, why, t.ttl)
+            self._drop(t, IncompleteUpdate(f"the transfer ticket expired: {why} within {t.ttl:.0f} s"))
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as err:  # e.g. EMFILE: keep serving
+                log.warning("weights data port: accept failed: %s", err)
+                await asyncio.sleep(0.1)
+                continue
+            task = asyncio.create_task(self._serve(conn))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        with conn:
+            conn.setblocking(False)
+            ticket = bytearray()
+            try:
+                async with asyncio.timeout(self.ttl):
+                    while len(ticket) < TICKET_BYTES:
+                        part = await loop.sock_recv(conn, TICKET_BYTES - len(ticket))
+                        if not part:
+                            return
+                        ticket += part
+            except (TimeoutError, OSError):
+                return
+            t = self._find(bytes(ticket))
+            if t is None or t.claimed or t.result.done():
+                log.warning("weights data port: connection with an unknown, used or expired ticket refused")
+                return
+            t.claimed, t.sock = True, conn
+            conn.setblocking(True)
+            conn.settimeout(t.ttl)  # no progress for ttl: the transfer is dropped
+            assert t.buffers is not None
+            try:
+                tensors, nbytes = await asyncio.to_thread(_receive_buckets, conn, t.header, t.per_bucket, t.buffers)
+            except Exception as err:  # noqa: BLE001 - settled into the transfer; CommitWeights reports it
+                if not isinstance(err, (CorruptUpdate, IncompleteUpdate)):
+                    err = IncompleteUpdate(f"the data connection failed: {err}")
+                log.warning("weight transfer for version %d refused: %s", t.header.version, err)
+                self._settle(t, err)
+                return
+            finally:
+                t.sock = None
+            h = t.header
+            manifest = {name: spec for m in t.per_bucket for name, spec in m.items()}
+            staged = StagedWeights(
+                version=h.version,
+                parent_version=h.parent_version,
+                checksum=h.checksum,
+                tensors={x.name: tensors[x.name] for x in h.tensors},
+                nbytes=nbytes,
+                seconds=time.perf_counter() - t.t0,
+                manifest=manifest,
+            )
+            self._settle(t, staged)
+
+
+def _receive_buckets(
+    conn: socket.socket, h: weights_pb2.WeightHeader, per_bucket: list, buffers: list[bytearray]
+) -> tuple[dict[str, Any], int]:
+    """In a thread: the buckets' bytes into ``buffers``, hashed and parsed in a second thread as they arrive; then
+    EOF. Raises IncompleteUpdate (short data, timeout, reset) or CorruptUpdate (extra bytes, digests, content)."""
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-verify")
+    finishing: list[Future] = []
+    received = 0
+    try:
+        for i, (spec, buf) in enumerate(zip(h.buckets, buffers, strict=True)):
+            view = memoryview(buf)
+            hasher = hashlib.sha256()
+            filled = 0
+            while filled < spec.nbytes:
+                start, end = filled, min(filled + SLICE_BYTES, spec.nbytes)
+                while filled < end:
+                    try:
+                        n = conn.recv_into(view[filled:end])
+                    except TimeoutError:
+                        raise IncompleteUpdate("the data connection made no progress in time") from None
+                    except OSError as err:
+                        raise IncompleteUpdate(f"the data connection failed: {err}") from None
+                    if n == 0:
+                        raise IncompleteUpdate(
+                            f"data ended after {received + filled} of {h.total_bytes} bytes (bucket {i} at byte "
+                            f"{filled}): the update was cut; nothing was staged"
+                        )
+                    filled += n
+                worker.submit(hasher.update, view[start:end])
+                if finishing and finishing[0].done():  # refuse a corrupt bucket as soon as it is known
+                    finishing[0].result()
+            received += filled
+            finishing.append(worker.submit(_finish, i, buf, hasher, spec.sha256, per_bucket[i]))
+        try:
+            extra = conn.recv(1)
+        except OSError:  # timeout or reset after every byte arrived: the data is complete, judge it
+            extra = b""
+        if extra:
+            raise CorruptUpdate(f"bytes after the last bucket ({h.total_bytes} bytes): the update is not the header's")
+        tensors: dict[str, Any] = {}
+        for f in finishing:
+            tensors.update(f.result())
+        return tensors, received
+    finally:
+        worker.shutdown(wait=True, cancel_futures=True)  # nothing refers to the buffers once this returns
+
+
+def _finish(i: int, buf: bytearray, hasher: Any, sha256: str, manifest: Any) -> dict[str, Any]:
+    return _finish_bucket(i, buf, hasher.hexdigest(), sha256, manifest)
+
+
+# ------------------------------------------------------------------------------------------------------ client
+
+
+def send_buckets(host: str, port: int, ticket: bytes, buckets: Sequence[bytes], timeout: float | None) -> None:
+    """Blocking (run it in a thread): connect, send the ticket and every bucket (memoryviews, no copy), close.
+    ``timeout``: the whole send, connection included."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+        s.sendall(ticket)
+        for b in buckets:
+            view = memoryview(b)
+            for off in range(0, len(view), 64 * SLICE_BYTES):  # the deadline, checked between sendall calls
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError("weights data connection: deadline exceeded")
+                    s.settimeout(left)
+                s.sendall(view[off : off + 64 * SLICE_BYTES])
+        s.shutdown(socket.SHUT_WR)  # end of data: the replica checks that nothing follows
