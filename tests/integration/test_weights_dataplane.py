@@ -1,0 +1,344 @@
+"""Weight sync's raw-TCP data plane (rlhf.transport.dataplane) on loopback, through the rollout service's own
+servicer (token check, error table, add_to_server) over a fake engine: round trips, the fallback to the gRPC stream,
+and every way a transfer can go wrong leaving the old weights serving and the replica free for the next update."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import torch
+
+from rlhf.serving import ServiceMetrics, ServiceSettings
+from rlhf.transport.dataplane import send_buckets
+from rlhf.transport.weightsync import manifest_of, pack_weights, push_weights
+from rlhf.v1 import rollout_pb2_grpc, weights_pb2
+from services.rollout.engine import SwapResult
+from services.rollout.grpc_servicer import RolloutServicer, add_to_server
+
+TOKEN = "dataplane-token"
+AUTH = (("authorization", f"Bearer {TOKEN}"),)
+
+
+def state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(256, 64, generator=g),
+        "layer.0.weight": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+        "layer.0.bias": torch.randn(64, generator=g),
+        "big": torch.randn(300, 300, generator=g),  # its own bucket with 64 KiB buckets
+        "step": torch.tensor(3),
+    }
+
+
+@dataclass
+class FakeEngine:
+    """What the servicer needs of an engine: the served version and a swap that keeps the tensors."""
+
+    weights_version: int = 0
+    weights_checksum: str = ""
+    loaded_at_unix_ms: int = 1
+    model_name: str = "fake"
+    swaps: int = 0
+    tensors: dict | None = None
+
+    async def swap_weights(self, tensors, version, checksum) -> SwapResult:
+        self.tensors, self.weights_version, self.weights_checksum = tensors, version, checksum
+        self.swaps += 1
+        return SwapResult(version, checksum, True, wait_seconds=0.0, swap_seconds=0.001)
+
+
+class Replica:
+    def __init__(self, data_plane: bool = True, ttl: float = 10.0, expected=None):
+        self.engine = FakeEngine()
+        self.servicer = RolloutServicer(self.engine, ServiceSettings(api_token=TOKEN), ServiceMetrics("rollout"))
+        self.servicer.receiver.expected = expected
+        self.data_plane, self.ttl = data_plane, ttl
+
+    async def __aenter__(self) -> Replica:
+        self.server = grpc.aio.server()
+        add_to_server(self.servicer, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.addr = f"127.0.0.1:{port}"
+        await self.server.start()
+        if self.data_plane:
+            await self.servicer.start_data_plane("127.0.0.1", 0)
+            self.servicer.data.ttl = self.ttl
+        self.channel = grpc.aio.insecure_channel(self.addr)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.channel.close()
+        await self.servicer.close_data_plane()
+        await self.server.stop(None)
+
+    @property
+    def port(self) -> int:
+        return self.servicer.data.port
+
+    def calls(self, method: str) -> int:
+        text = self.servicer.metrics.render()[0].decode()
+        return sum(
+            int(float(line.rsplit(" ", 1)[1]))
+            for line in text.splitlines()
+            if line.startswith("rlhf_requests_total{") and f'method="{method}"' in line
+        )
+
+    async def open(self, packed, metadata=AUTH) -> weights_pb2.OpenWeightsTransferResponse:
+        call = self.channel.unary_unary(
+            "/rlhf.v1.RolloutService/OpenWeightsTransfer",
+            request_serializer=weights_pb2.OpenWeightsTransferRequest.SerializeToString,
+            response_deserializer=weights_pb2.OpenWeightsTransferResponse.FromString,
+        )
+        return await call(weights_pb2.OpenWeightsTransferRequest(header=packed.header), metadata=metadata, timeout=30)
+
+    async def commit(self, ticket: bytes, metadata=AUTH) -> weights_pb2.UpdateWeightsResponse:
+        call = self.channel.unary_unary(
+            "/rlhf.v1.RolloutService/CommitWeights",
+            request_serializer=weights_pb2.CommitWeightsRequest.SerializeToString,
+            response_deserializer=weights_pb2.UpdateWeightsResponse.FromString,
+        )
+        return await call(weights_pb2.CommitWeightsRequest(ticket=ticket), metadata=metadata, timeout=30)
+
+
+def pack(version: int, seed: int = 0):
+    return pack_weights(state_dict(seed), version, bucket_bytes=64 << 10)
+
+
+def payload(packed) -> bytes:
+    return b"".join(packed.buckets)
+
+
+async def send_raw(port: int, data: bytes, close: bool = True) -> socket.socket:
+    """Connect and send ``data`` (ticket included); returns the socket (closed when ``close``)."""
+
+    def go() -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            s.sendall(data)
+        except OSError:  # the replica closed a refused connection while we were sending
+            pass
+        if close:
+            s.close()
+        return s
+
+    return await asyncio.to_thread(go)
+
+
+async def closed_by_peer(s: socket.socket) -> bool:
+    def go() -> bool:
+        s.settimeout(10)
+        try:
+            return s.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    return await asyncio.to_thread(go)
+
+
+async def refused(coro) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await coro
+    return info.value.code(), info.value.details()
+
+
+def assert_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k].view(-1).view(torch.uint8),
+                                                            want[k].reshape(-1).view(torch.uint8)), k  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------ round trips
+
+
+def test_push_uses_the_data_plane_and_is_bit_identical():
+    async def main():
+        async with Replica(expected=manifest_of(state_dict())) as r:
+            for version in (1, 2, 3):  # the third reuses the first one's buffers (BufferPool)
+                sd = state_dict(version)
+                resp = await push_weights(r.addr, sd, version, token=TOKEN, bucket_bytes=64 << 10)
+                assert resp.swapped and resp.version == version and resp.bytes_received > 0
+                assert resp.checksum == r.engine.weights_checksum and resp.stage_seconds > 0
+                assert_bits(r.engine.tensors, sd)
+            assert r.calls("CommitWeights") == 3 and r.calls("UpdateWeights") == 0
+            assert not r.servicer.receiver.busy and r.servicer.receiver.current_version == 3
+            resp = await push_weights(r.addr, state_dict(9), 4, token=TOKEN, transport="grpc")  # the stream still works
+            assert resp.swapped and r.calls("UpdateWeights") == 1
+            assert_bits(r.engine.tensors, state_dict(9))
+
+    asyncio.run(main())
+
+
+def test_auto_falls_back_to_the_grpc_stream():
+    async def main():
+        async with Replica(data_plane=False) as r:  # RLHF_WEIGHTS_DATA_PORT unset: Open answers port 0
+            resp = await push_weights(r.addr, state_dict(), 1, token=TOKEN)
+            assert resp.swapped and r.calls("UpdateWeights") == 1 and r.calls("CommitWeights") == 0
+            with pytest.raises(RuntimeError, match="no weights data port"):
+                await push_weights(r.addr, state_dict(), 2, token=TOKEN, transport="tcp")
+            assert not r.servicer.receiver.busy
+
+        class Old(rollout_pb2_grpc.RolloutServiceServicer):  # a replica from before the data plane
+            async def UpdateWeights(self, request_iterator, context):  # noqa: N802
+                n = sum([len(m.chunk.data) async for m in request_iterator])
+                return weights_pb2.UpdateWeightsResponse(version=1, swapped=True, bytes_received=n)
+
+        server = grpc.aio.server()
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(Old(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            packed = pack(1)
+            resp = await push_weights(f"127.0.0.1:{port}", packed)
+            assert resp.swapped and resp.bytes_received == packed.total_bytes
+            code, _ = await refused(push_weights(f"127.0.0.1:{port}", packed, transport="tcp"))
+            assert code == grpc.StatusCode.UNIMPLEMENTED
+        finally:
+            await server.stop(None)
+        with pytest.raises(ValueError):
+            await push_weights(f"127.0.0.1:{port}", packed, transport="udp")
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------------------------------ refusals
+
+
+def test_open_checks_the_header_like_the_stream_and_the_token():
+    async def main():
+        async with Replica(expected=manifest_of(state_dict())) as r:
+            r.servicer.receiver.max_total_bytes = 10 << 20
+            assert (await refused(r.open(pack(1), metadata=None)))[0] == grpc.StatusCode.UNAUTHENTICATED
+            bad = (("authorization", "Bearer wrong"),)
+            assert (await refused(r.open(pack(1), metadata=bad)))[0] == grpc.StatusCode.UNAUTHENTICATED
+            assert (await refused(r.commit(b"x" * 32, metadata=None)))[0] == grpc.StatusCode.UNAUTHENTICATED
+            assert (await refused(r.open(pack(0))))[0] == grpc.StatusCode.FAILED_PRECONDITION  # not newer
+            other = pack_weights({**state_dict(), "extra": torch.zeros(2)}, 1)
+            assert (await refused(r.open(other)))[0] == grpc.StatusCode.INVALID_ARGUMENT  # not the served model
+            big = pack_weights({"embed.weight": torch.zeros(4 << 20)}, 1)
+            r.servicer.receiver.expected = None
+            assert (await refused(r.open(big)))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+            corrupt = pack(1)
+            corrupt.header.checksum = "0" * 64
+            assert (await refused(r.open(corrupt)))[0] == grpc.StatusCode.INVALID_ARGUMENT
+            assert not r.servicer.receiver.busy  # no refusal holds the slot
+            opened = await r.open(pack(1))
+            assert len(opened.ticket) == 32 and opened.data_port == r.port and opened.ticket_ttl_seconds > 0
+            code, details = await refused(r.open(pack(2)))  # one update at a time, whatever the transport
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "another weight update" in details
+            code, _ = await refused(push_weights(r.addr, pack(2), token=TOKEN, transport="grpc"))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION
+            code, details = await refused(r.commit(secrets.token_bytes(32)))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "ticket" in details
+            assert r.engine.swaps == 0
+
+    asyncio.run(main())
+
+
+def test_bad_short_extra_corrupt_and_reused_data_connections():
+    async def main():
+        async with Replica() as r:
+            # a wrong ticket: the connection is closed unread, the transfer waits for the right one
+            packed = pack(1)
+            opened = await r.open(packed)
+            s = await send_raw(r.port, secrets.token_bytes(32) + payload(packed), close=False)
+            assert await closed_by_peer(s)
+            s.close()
+            await asyncio.to_thread(send_buckets, "127.0.0.1", r.port, opened.ticket, packed.buckets, 10)
+            # the same ticket again (after its data): refused; the first connection's update commits
+            s = await send_raw(r.port, opened.ticket + payload(packed), close=False)
+            assert await closed_by_peer(s)
+            s.close()
+            resp = await r.commit(opened.ticket)
+            assert resp.swapped and resp.version == 1 and r.engine.weights_version == 1
+            code, _ = await refused(r.commit(opened.ticket))  # single use: committed once
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+
+            def refusal_leaves_v1(code_details, pattern):
+                code, details = code_details
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and pattern in details, details
+                assert r.engine.weights_version == 1 and r.engine.swaps == 1
+                assert not r.servicer.receiver.busy
+
+            packed = pack(2, seed=2)
+            data = payload(packed)
+            # short: the connection ends before the last byte
+            opened = await r.open(packed)
+            await send_raw(r.port, opened.ticket + data[:-100])
+            refusal_leaves_v1(await refused(r.commit(opened.ticket)), "cut")
+            # extra bytes after the last bucket
+            opened = await r.open(packed)
+            await send_raw(r.port, opened.ticket + data + b"\0")
+            refusal_leaves_v1(await refused(r.commit(opened.ticket)), "after the last bucket")
+            # a flipped byte: the bucket's sha256
+            opened = await r.open(packed)
+            flipped = bytearray(data)
+            flipped[len(data) // 2] ^= 0xFF
+            await send_raw(r.port, opened.ticket + bytes(flipped))
+            refusal_leaves_v1(await refused(r.commit(opened.ticket)), "sha256")
+            # the commit arriving first waits for the data
+            opened = await r.open(packed)
+            commit = asyncio.ensure_future(r.commit(opened.ticket))
+            await asyncio.sleep(0.2)
+            assert not commit.done()
+            await send_raw(r.port, opened.ticket + data)
+            assert (await commit).version == 2
+            assert_bits(r.engine.tensors, state_dict(2))
+
+    asyncio.run(main())
+
+
+def test_expiry_frees_the_replica():
+    async def main():
+        async with Replica(ttl=0.5) as r:
+            # a client that never connects
+            opened = await r.open(pack(1))
+            assert r.servicer.receiver.busy
+            await asyncio.sleep(1.0)
+            assert not r.servicer.receiver.busy and not r.servicer.data._transfers
+            code, details = await refused(r.commit(opened.ticket))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "expired" in details
+            s = await send_raw(r.port, opened.ticket + payload(pack(1)), close=False)  # too late
+            assert await closed_by_peer(s)
+            s.close()
+            # a client that stalls mid-stream: cut after ttl without progress
+            opened = await r.open(pack(1))
+            s = await send_raw(r.port, opened.ticket + payload(pack(1))[:1000], close=False)
+            t0 = time.monotonic()
+            code, details = await refused(r.commit(opened.ticket))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "progress" in details
+            assert time.monotonic() - t0 < 5 and not r.servicer.receiver.busy
+            s.close()
+            # data in, never committed: dropped after ttl
+            packed = pack(1)
+            opened = await r.open(packed)
+            await asyncio.to_thread(send_buckets, "127.0.0.1", r.port, opened.ticket, packed.buckets, 10)
+            await asyncio.sleep(1.5)
+            assert not r.servicer.receiver.busy and not r.servicer.data._transfers
+            assert (await refused(r.commit(opened.ticket)))[0] == grpc.StatusCode.INVALID_ARGUMENT
+            assert r.engine.swaps == 0
+            # and the next update goes through
+            resp = await push_weights(r.addr, packed, token=TOKEN, transport="tcp")
+            assert resp.swapped and resp.version == 1
+
+    asyncio.run(main())
+
+
+def test_a_cut_push_reports_the_replicas_refusal():
+    """push_weights whose data connection breaks: the replica's IncompleteUpdate comes back, the old weights serve."""
+
+    async def main():
+        async with Replica() as r:
+            packed = pack(1)
+            cut = type(packed)(packed.header, [packed.buckets[0][:-10], *packed.buckets[1:]])  # fewer bytes sent
+            code, details = await refused(push_weights(r.addr, cut, token=TOKEN, transport="tcp"))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert r.engine.swaps == 0 and not r.servicer.receiver.busy
+
+    asyncio.run(main())
