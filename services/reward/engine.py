@@ -43,6 +43,8 @@ MAX_IDS = 131_072
 # Bounds of one merged reward-model call: the head request's latency grows with what is merged behind it.
 MERGE_MICRO_BATCHES = 8
 MERGE_MAX_TOKENS = 1 << 17
+# Requests with more text than this are validated (chat template + tokeniser) in a worker thread, not on the loop.
+OFFLOAD_CHARS = 1 << 16
 
 
 @dataclass
@@ -262,7 +264,7 @@ class ModelScorer(Scorer):
                     f"{self.name!r}, which accepts at most {self.max_len}; shorten the response (or the prompt)",
                     f"items[{i}].response",
                 )
-            bad = [t for t in ids if not 0 <= t < self.vocab]
+            bad = [t for t in ids if not 0 <= t < self.vocab] if min(ids) < 0 or max(ids) >= self.vocab else []
             if bad:
                 raise InvalidArgument(
                     f"items[{i}].prompt_ids/response_ids contain {bad[0]}, outside the reward model's vocabulary "
@@ -505,7 +507,7 @@ class RewardEngine:
                     raise InvalidArgument(
                         f"items[{i}].{fname} has {len(ids)} ids; the limit is {MAX_IDS}", f"items[{i}].{fname}"
                     )
-                neg = next((t for t in ids if t < 0), None)
+                neg = next((t for t in ids if t < 0), None) if ids and min(ids) < 0 else None
                 if neg is not None:
                     raise InvalidArgument(
                         f"items[{i}].{fname} contains {neg}: token ids are >= 0", f"items[{i}].{fname}"
@@ -516,7 +518,10 @@ class RewardEngine:
     async def score(self, items: list[Item]) -> list[ScoreOutcome]:
         if not self.ready:
             raise NotReady("the reward service is still loading its scorers; retry when /readyz answers 200")
-        self.validate(items)
+        if sum(len(it.prompt) + len(it.response) for it in items) > OFFLOAD_CHARS:
+            await asyncio.to_thread(self.validate, items)  # templating + tokenising: ms of CPU, off the event loop
+        else:
+            self.validate(items)  # a few short texts: less work than the thread hop
         per_scorer = await asyncio.gather(*(s.score(items) for s in self.scorers))
         outcomes = []
         for i in range(len(items)):

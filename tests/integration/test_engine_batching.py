@@ -141,3 +141,32 @@ def test_reward_model_merged_equals_alone(tiny_models):
     for r in reqs:
         for it in r:
             assert it.cache[f"ids:{model.name}"] == model._encode(it)
+
+
+def test_big_requests_validate_off_the_loop_with_the_same_results(ref_engine, tiny_models, monkeypatch):
+    """Validation (and the reward model's tokenising) of big requests runs in a worker thread: same results, same
+    errors naming the field (forced here by a threshold of 0)."""
+    import services.reference.engine as ref_mod
+    import services.reward.engine as rew_mod
+
+    eng, _ = ref_engine
+    reqs = _requests(4, 3)
+    inline = [asyncio.run(eng.logprobs(r))[0] for r in reqs]
+    monkeypatch.setattr(ref_mod, "OFFLOAD_IDS", 0)
+    for r, a in zip(reqs, inline, strict=True):
+        for x, y in zip(asyncio.run(eng.logprobs(r))[0], a, strict=True):
+            assert x == pytest.approx(y, abs=1e-5)
+    with pytest.raises(InvalidArgument) as err:
+        asyncio.run(eng.logprobs([LogProbsItem([5], [6, 99999])]))
+    assert err.value.field == "items[0].response_ids[1]"
+
+    cfg = parse_config({"reward": {"scorers": [{"type": "model", "load": "tiny:reward"}]}})
+    rew = RewardEngine(cfg, device="cpu")
+    rew.load()
+    items = [Item(prompt="what is 2 plus 2?", response="4"), Item(prompt="name a colour", response="blue")]
+    want = [o.score for o in asyncio.run(rew.score([Item(it.prompt, it.response) for it in items]))]
+    monkeypatch.setattr(rew_mod, "OFFLOAD_CHARS", 0)
+    assert [o.score for o in asyncio.run(rew.score(items))] == pytest.approx(want, abs=1e-6)
+    with pytest.raises(InvalidArgument) as err:
+        asyncio.run(rew.score([Item(prompt="hi", response="x"), Item(prompt="", response="y")]))
+    assert err.value.field == "items[1].prompt"
