@@ -53,6 +53,7 @@ log = logging.getLogger("rlhf.transport.dataplane")
 
 TICKET_BYTES = 32
 DEFAULT_TTL_S = 60.0
+TICKET_WAIT_S = 10.0  # a client sends its ticket as soon as it connects
 # recv_into / sha256 granularity: large enough that Python's per-call cost is nothing, small enough that hashing
 # follows the data closely (the last slice of the last bucket is hashed after the transfer)
 SLICE_BYTES = 4 << 20
@@ -223,7 +224,7 @@ class WeightDataServer:
             conn.setblocking(False)
             ticket = bytearray()
             try:
-                async with asyncio.timeout(self.ttl):
+                async with asyncio.timeout(min(self.ttl, TICKET_WAIT_S)):  # a connection without a ticket
                     while len(ticket) < TICKET_BYTES:
                         part = await loop.sock_recv(conn, TICKET_BYTES - len(ticket))
                         if not part:

@@ -10,11 +10,17 @@ Wire format (``RolloutService.UpdateWeights``, a client stream of ``WeightUpdate
    (``offset`` = bytes of that bucket sent before), every chunk non-empty. A bucket is the ``safetensors.torch.save``
    of a group of whole tensors (at most ``bucket_bytes``, or one tensor alone when it is larger).
 
+The same header and bucket bytes can also travel over the raw-TCP data plane (:mod:`rlhf.transport.dataplane`:
+``OpenWeightsTransfer`` with the header, the buckets on one plain TCP connection, ``CommitWeights``), which
+:func:`push_weights` uses by default when the replica offers it: Python gRPC streaming reaches well under half of
+a raw socket's bandwidth. The checks and the errors below are the same on both.
+
 Nothing is pickled and nothing is ``torch.load``-ed: the receiver checks each bucket's safetensors header (JSON) and
 makes its tensors with ``torch.frombuffer`` on the received bytes (:func:`load_safetensors`; no copy).
 
-Sender: :func:`pack_weights` (serialise once) then :func:`push_weights` / :func:`push_weights_many` (stream the
-same packed bytes to every replica, as pre-serialised messages: :meth:`PackedWeights.encoded_updates`), or
+Sender: :func:`pack_weights` (serialise once) then :func:`push_weights` / :func:`push_weights_many` (send the
+same packed bytes to every replica: over the data plane, or streamed as pre-serialised messages,
+:meth:`PackedWeights.encoded_updates`), or
 :func:`weight_updates` for the message generator.
 Receiver: :func:`receive_update` (or :class:`WeightReceiver`, which also serialises updates, keeps the served version
 and reuses bucket buffers across versions through a :class:`BufferPool`) returns :class:`StagedWeights` only when

@@ -43,7 +43,8 @@ def services(tiny_models, tmp_path_factory):
     logs = tmp_path_factory.mktemp("rollout")
     env = {"RLHF_API_TOKEN": TOKEN}
     vllm = ServiceProc("rollout", REPO / CONFIG, logs, env=env).start(wait_ready=False)
-    hf = ServiceProc("rollout", REPO / CONFIG, logs, env={**env, "RLHF_ROLLOUT_ENGINE": "hf"}).start(wait_ready=False)
+    hf_env = {**env, "RLHF_ROLLOUT_ENGINE": "hf", "RLHF_WEIGHTS_DATA_PORT": "0"}  # weights over the data plane
+    hf = ServiceProc("rollout", REPO / CONFIG, logs, env=hf_env).start(wait_ready=False)
     loading = {}
     try:
         deadline = time.monotonic() + 120
@@ -573,6 +574,37 @@ def test_hf_engine_service(hf_svc, policy_state, full_forward):
     assert same_samples(generate(hf_svc, **params), before)
     r = httpx.post(hf_svc.http_url + "/v1/generate", json={"prompt_token_ids": [[2, 512]]})
     assert r.status_code == 400 and r.json()["error"]["field"] == "prompt_token_ids[0][1]"
+
+
+def test_data_plane_is_offered_only_when_configured_and_a_cut_transfer_is_refused(svc, hf_svc, policy_state):
+    """The hf service runs with RLHF_WEIGHTS_DATA_PORT=0 (its pushes above went over the data plane), the vLLM one
+    without (Open answers port 0; push_weights streamed over UpdateWeights)."""
+    from rlhf.transport.dataplane import send_buckets
+    from rlhf.transport.weightsync import pack_weights
+
+    auth = (("authorization", f"Bearer {TOKEN}"),)
+    v0 = served_version(hf_svc)
+    packed = pack_weights(_perturbed(policy_state), v0 + 1)
+    with grpc.insecure_channel(svc.grpc_addr) as ch:
+        off = rollout_pb2_grpc.RolloutServiceStub(ch).OpenWeightsTransfer(
+            weights_pb2.OpenWeightsTransferRequest(header=packed.header), metadata=auth, timeout=30
+        )
+        assert off.data_port == 0 and not off.ticket
+    with grpc.insecure_channel(hf_svc.grpc_addr) as ch:
+        stub = rollout_pb2_grpc.RolloutServiceStub(ch)
+        opened = stub.OpenWeightsTransfer(
+            weights_pb2.OpenWeightsTransferRequest(header=packed.header), metadata=auth, timeout=30
+        )
+        assert opened.data_port > 0 and len(opened.ticket) == 32
+        cut = [*packed.buckets[:-1], packed.buckets[-1][:-1]]
+        send_buckets("127.0.0.1", opened.data_port, opened.ticket, cut, 30)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.CommitWeights(weights_pb2.CommitWeightsRequest(ticket=opened.ticket), metadata=auth, timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cut" in info.value.details()
+    assert served_version(hf_svc) == v0
+    resp = _push(hf_svc, packed, None)
+    assert resp.swapped and resp.version == v0 + 1
+    assert _push(hf_svc, policy_state, v0 + 2).swapped  # leave the original weights serving
 
 
 # ------------------------------------------------------------------------------------------------------ README

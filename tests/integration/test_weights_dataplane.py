@@ -5,6 +5,7 @@ and every way a transfer can go wrong leaving the old weights serving and the re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import socket
 import time
@@ -119,10 +120,8 @@ async def send_raw(port: int, data: bytes, close: bool = True) -> socket.socket:
 
     def go() -> socket.socket:
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
-        try:
+        with contextlib.suppress(OSError):  # the replica closed a refused connection while we were sending
             s.sendall(data)
-        except OSError:  # the replica closed a refused connection while we were sending
-            pass
         if close:
             s.close()
         return s
