@@ -191,9 +191,9 @@ def run_ours(size, paths, algo, staleness, redis_url, reward, reference, work: P
         trainer.start(wait_ready=False)  # it publishes prompt jobs; the replica takes them once it has loaded
         assert trainer.proc is not None
         while len(_rows(metrics)) < steps + 1:
-            if trainer.proc.poll() is not None:
-                raise RuntimeError(f"trainer exited {trainer.proc.returncode}:\n{trainer.log_tail()}\n"
-                                   f"rollout:\n{rollout.log_tail()}")  # fmt: skip
+            for proc in (trainer, rollout):  # a dead part stalls the ring: fail now, with its log
+                if proc.proc is not None and proc.proc.poll() is not None:
+                    raise RuntimeError(f"{proc.name} exited {proc.proc.returncode}:\n{proc.log_tail()}")
             if time.monotonic() - t0 > 600:
                 raise TimeoutError(f"{run_id}: no progress in 600 s:\n{trainer.log_tail()}")
             time.sleep(0.2)
