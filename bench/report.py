@@ -102,8 +102,10 @@ def figures_md(name: str, r: dict) -> list[str]:
             for conc, ways in per.items():
                 for way, v in ways.items():
                     rows.append([svc, conc[1:], way, v["p50_ms"], v["p99_ms"], v["req_per_s"],
-                                 v.get("p50_overhead_ms")])  # fmt: skip
-        return table(["service", "concurrency", "way in", "p50 ms", "p99 ms", "requests/s", "p50 over in-process ms"],
+                                 v.get("p50_overhead_ms"), v.get("caller_cpu_ms_per_req"),
+                                 v.get("service_cpu_ms_per_req"), v.get("cpu_over_in_process_ms_per_req")])  # fmt: skip
+        return table(["service", "concurrency", "way in", "p50 ms", "p99 ms", "requests/s", "p50 over in-process ms",
+                      "caller CPU ms/request", "service CPU ms/request", "CPU over in-process ms/request"],
                      rows)  # fmt: skip
     if name == "engines":
         rows = []
