@@ -1,22 +1,27 @@
 """bench.weight_sync: push a >= 100M-parameter policy to a rollout replica over loopback, vs a raw socket copy.
 
 The trainer's side is what the trainer service does after an update: ``pack_weights`` (safetensors buckets, sha256
-per bucket, manifest) once per version, then ``push_weights`` (``RolloutService.UpdateWeights``, a client stream of
-2 MiB chunks, pre-serialised, with the API token). The replica is the real rollout service (``rlhf serve rollout``,
-its own process), measured twice: with the ``hf`` engine (as the pipeline deploys it) and with the ``vllm`` engine.
-It receives and verifies the update, stages it while generation goes on, installs it between generation steps and
-answers. All the while it is generating: two client threads keep sending small ``Generate`` calls (one 16-token
-prompt, 2 new tokens), and the time each one finishes is recorded.
+per bucket, manifest) once per version, then ``push_weights`` with its default transport, which is the raw-TCP data
+plane when the replica offers one (``OpenWeightsTransfer`` with the header and the API token; the buckets on one
+plain TCP connection to the replica's data port, ``sendall`` of the packed buffers; ``CommitWeights``). The replica
+is the real rollout service (``rlhf serve rollout``, its own process, ``RLHF_WEIGHTS_DATA_PORT=0``), measured twice:
+with the ``hf`` engine (as the pipeline deploys it) and with the ``vllm`` engine. It receives the bytes straight
+into the bucket buffers (``recv_into`` in a thread), hashes and parses them as they arrive, installs the update
+between generation steps and answers. All the while it is generating: two client threads keep sending small
+``Generate`` calls (one 16-token prompt, 2 new tokens), and the time each one finishes is recorded.
 
-Interleaved in the same run, the same bytes (the packed buckets) go to a second process (:mod:`bench._sink`):
+Interleaved in the same run (alternately before and after the measured push):
 
-- raw: one loopback TCP stream, ``sendall`` into a preallocated buffer (``recv_into``): the physical limit;
-- gRPC sink: the same ``push_weights`` into a server that decodes every chunk as the replica does and keeps
-  nothing: Python gRPC streaming, without the replica's copy, verification and swap.
+- gRPC stream: the same update (under the next version) through ``push_weights(transport="grpc")``, the
+  ``UpdateWeights`` client stream of 2 MiB pre-serialised chunks: the path before the data plane, for comparison;
+- raw: the same bytes on one loopback TCP stream into a preallocated buffer of another process (:mod:`bench._sink`,
+  ``sendall`` / ``recv_into``): the physical limit;
+- gRPC sink: the same ``UpdateWeights`` stream into a server (:mod:`bench._sink`) that decodes every chunk as the
+  replica does and keeps nothing: Python gRPC streaming, without the replica's copy, verification and swap.
 
-Figures, per engine: GB/s of the transfer (what the replica reports as staging: from the first message of the
-stream until every bucket is received, sha256-checked and parsed) and of the whole update (pack + push) against the
-raw copy; the generation pause: the swap time the replica reports (its gate lets no generation step run
+Figures, per engine: GB/s of the transfer (what the replica reports as staging: from Open, or the stream's first
+message, until every bucket is received, sha256-checked and parsed) and of the whole update (pack + push) against
+the raw copy; the generation pause: the swap time the replica reports (its gate lets no generation step run
 meanwhile), cross-checked from the client side by the longest gap between two finished ``Generate`` calls while the
 update is in flight, less the median gap without one.
 Targets: transfer >= 50% of raw bandwidth; pause <= 5% of the transfer time (each engine).
@@ -32,6 +37,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from bench._common import (
     CACHE,
@@ -139,6 +145,8 @@ def gaps(ts: list[float]) -> list[float]:
 async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_addr: str, log_dir: Path) -> dict:
     """ROUNDS updates (after a warm-up) to one replica with ``engine``, the raw copy and the gRPC sink interleaved."""
     from rlhf.transport import pack_weights, push_weights
+    from rlhf.transport.weightsync import PackedWeights
+    from rlhf.v1 import weights_pb2
 
     cfg = write_yaml(
         log_dir / f"weight_sync-rollout-{engine}.yaml",
@@ -149,32 +157,43 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
         },
     )
     log(f"bench.weight_sync: starting the rollout service ({engine} engine)")
-    env = {"RLHF_API_TOKEN": TOKEN, "RLHF_REDIS_URL": None, "RLHF_ROLLOUT_ENGINE": engine}
-    keys = ("pack", "push", "raw", "sink", "swap", "stage", "pause", "base_gap", "rate")
+    env = {"RLHF_API_TOKEN": TOKEN, "RLHF_REDIS_URL": None, "RLHF_ROLLOUT_ENGINE": engine,
+           "RLHF_WEIGHTS_DATA_PORT": "0"}  # fmt: skip
+    keys = ("pack", "push", "raw", "sink", "swap", "stage", "pause", "base_gap", "rate", "gpush", "gstage", "gswap")
     t: dict[str, list[float]] = {k: [] for k in keys}
     total = 0
     with ServiceProc("rollout", cfg, log_dir, env=env) as svc, Load(svc.grpc_addr, vocab) as load:
         for r in range(ROUNDS + 1):  # round 0 warms up every path
-            version = r + 1
+            raw_first = r % 2 == 1  # the comparisons (gRPC stream, raw, sink) before the measured push, or after
+            # two versions a round: the comparison's push goes first when it runs first
+            version, other = (2 * r + 2, 2 * r + 1) if raw_first else (2 * r + 1, 2 * r + 2)
             t0 = time.perf_counter()
             packed = pack_weights(state, version)
             pack_s = time.perf_counter() - t0
             total = packed.total_bytes
 
-            async def baselines(packed=packed) -> tuple[float, float]:
+            async def baselines(packed=packed, other=other) -> tuple[float, float, float, Any]:
                 raw_s = await asyncio.to_thread(raw_copy, raw_port, packed.buckets)
                 t0 = time.perf_counter()
-                await push_weights(sink_addr, packed)
-                return raw_s, time.perf_counter() - t0
+                await push_weights(sink_addr, packed, transport="grpc")
+                sink_s = time.perf_counter() - t0
+                # the same bytes under the other version of this round: the checksum covers the buckets only
+                header = weights_pb2.WeightHeader()
+                header.CopyFrom(packed.header)
+                header.version = other
+                header.parent_version = header.version - 1
+                t0 = time.perf_counter()
+                gresp = await push_weights(svc.grpc_addr, PackedWeights(header, packed.buckets), token=TOKEN,
+                                           transport="grpc")  # fmt: skip
+                return raw_s, sink_s, time.perf_counter() - t0, gresp
 
-            raw_first = r % 2 == 1
             if raw_first:
-                raw_s, sink_s = await baselines()
+                raw_s, sink_s, gpush_s, gresp = await baselines()
             t_idle = time.monotonic()
             await asyncio.sleep(IDLE_S)
             t_start = time.monotonic()
             t0 = time.perf_counter()
-            resp = await push_weights(svc.grpc_addr, packed, token=TOKEN)
+            resp = await push_weights(svc.grpc_addr, packed, token=TOKEN, transport="tcp")
             push_s = time.perf_counter() - t0
             t_end = time.monotonic()
             await asyncio.sleep(1.0)
@@ -187,16 +206,19 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
             rate_idle = len(base) / IDLE_S
             rate_during = len(load.between(t_start, t_end)) / (t_end - t_start)
             if not raw_first:
-                raw_s, sink_s = await baselines()
+                raw_s, sink_s, gpush_s, gresp = await baselines()
+            if not gresp.swapped:
+                raise RuntimeError(f"gRPC-stream update not served: {gresp}")
             del packed
             log(f"  {engine} round {r}{' (warm-up)' if r == 0 else ''}: pack {pack_s:.2f}s, push {push_s:.2f}s "
-                f"(replica: stage {resp.stage_seconds:.2f}s, swap {resp.swap_seconds:.3f}s), raw {raw_s:.2f}s, "
-                f"gRPC sink {sink_s:.2f}s; pause {pause * 1e3:.0f} ms; calls/s {rate_idle:.1f} idle, "
-                f"{rate_during:.1f} during")  # fmt: skip
+                f"(replica: stage {resp.stage_seconds:.2f}s, swap {resp.swap_seconds:.3f}s), gRPC stream push "
+                f"{gpush_s:.2f}s (stage {gresp.stage_seconds:.2f}s), raw {raw_s:.2f}s, gRPC sink {sink_s:.2f}s; "
+                f"pause {pause * 1e3:.0f} ms; calls/s {rate_idle:.1f} idle, {rate_during:.1f} during")  # fmt: skip
             if r == 0:
                 continue
             rate = rate_during / rate_idle if rate_idle else float("nan")
-            values = (pack_s, push_s, raw_s, sink_s, resp.swap_seconds, resp.stage_seconds, pause, base_gap, rate)
+            values = (pack_s, push_s, raw_s, sink_s, resp.swap_seconds, resp.stage_seconds, pause, base_gap, rate,
+                      gpush_s, gresp.stage_seconds, gresp.swap_seconds)  # fmt: skip
             for k, v in zip(keys, values, strict=True):
                 t[k].append(v)
         errors = load.errors
@@ -212,6 +234,8 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
             "raw_socket": rnd(raw_gbps),
             "grpc_stream_to_sink": rnd(gb / median(t["sink"])),
             "transfer": rnd(gb / transfer_s),
+            "grpc_stream_transfer": rnd(gb / median(t["gstage"])),
+            "grpc_stream_push_call": rnd(gb / median(t["gpush"])),
             "push_call": rnd(gb / median(t["push"])),
             "pack_plus_push": rnd(e2e_gbps),
         },
@@ -222,6 +246,9 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
             "push_call": rnd(median(t["push"])),
             "transfer": rnd(transfer_s),
             "replica_swap": rnd(pause_s),
+            "grpc_stream_push_call": rnd(median(t["gpush"])),
+            "grpc_stream_transfer": rnd(median(t["gstage"])),
+            "grpc_stream_replica_swap": rnd(median(t["gswap"])),
         },
         "generation_pause_ms": rnd(pause_s * 1e3),
         "client_seen_pause_ms": rnd(median(seen) * 1e3) if seen else None,
@@ -230,6 +257,7 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
         "generate_errors": errors,
         "ratio": {
             "transfer_vs_raw": gb / transfer_s / raw_gbps,
+            "grpc_stream_transfer_vs_raw": gb / median(t["gstage"]) / raw_gbps,
             "grpc_sink_vs_raw": gb / median(t["sink"]) / raw_gbps,
             "pack_plus_push_vs_raw": e2e_gbps / raw_gbps,
             "pause_vs_transfer": pause_s / transfer_s,
