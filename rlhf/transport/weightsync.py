@@ -435,7 +435,9 @@ async def push_weights(
     port at ``target``'s host, ``CommitWeights``; :mod:`rlhf.transport.dataplane`); ``"grpc"``, the
     ``UpdateWeights`` stream; ``"auto"`` (default), the data plane when the replica offers one (Open answers a port),
     else the stream (a replica without the data plane, or UNIMPLEMENTED from an older one). ``"tcp"`` against a
-    replica without it raises ``RuntimeError``.
+    replica without it raises ``RuntimeError``. The data connection goes to ``target``'s host: name one replica
+    (an address, or a name that resolves to one; the trainer expands service names to one address per replica).
+    A data port the client cannot reach fails the push, and the replica frees the update after its ticket's ttl.
 
     ``weights``: a state dict (then ``version`` is required; it is packed in a worker thread) or a
     :class:`PackedWeights` (``version``/``parent_version`` must then be None or agree with it). ``token`` goes out
