@@ -294,6 +294,12 @@ schema = {
             {
                 "grpc": s("integer", "gRPC port", minimum=1, maximum=65535),
                 "http": s("integer", "HTTP port", minimum=1, maximum=65535),
+                "weightsData": s(
+                    "integer",
+                    "rollout's weight-sync data port (RLHF_WEIGHTS_DATA_PORT); 0 = off",
+                    minimum=0,
+                    maximum=65535,
+                ),
             },
             "ports",
             required=["grpc", "http"],

@@ -242,6 +242,23 @@ def test_network_policy_only_trainer_reaches_rollout_grpc_and_admin_ports(render
         assert rule.get("from"), "an ingress rule without `from` admits every pod in the cluster"
 
 
+def test_rollout_weight_data_port_is_open_to_the_trainer_only_and_off_under_tls(rendered, helm):
+    r = rendered["default"]
+    (c,) = containers(r.component("Deployment", "rollout"))
+    port = {p["name"]: p["containerPort"] for p in c["ports"]}["weights-data"]
+    assert env_of(c)["RLHF_WEIGHTS_DATA_PORT"]["value"] == str(port)
+    (rule,) = _rules_for_port(r.component("NetworkPolicy", "rollout"), "weights-data")
+    assert _peers(rule) == ["trainer"]
+    for comp in ("reward", "reference"):
+        (other,) = containers(r.component("Deployment", comp))
+        assert "RLHF_WEIGHTS_DATA_PORT" not in env_of(other)
+    # plaintext data plane: off with TLS on (the trainer then streams over gRPC UpdateWeights)
+    tls = render(helm, "--set", "tls.enabled=true", "--set", "tls.existingSecret=rlhf-tls")
+    (c,) = containers(tls.component("Deployment", "rollout"))
+    assert "RLHF_WEIGHTS_DATA_PORT" not in env_of(c) and "weights-data" not in {p["name"] for p in c["ports"]}
+    assert not _rules_for_port(tls.component("NetworkPolicy", "rollout"), "weights-data")
+
+
 def test_network_policy_opens_listed_peers(helm):
     admin = '{"podSelector": {"matchLabels": {"role": "ops"}}}'
     r = render(helm, "--set-json", f"networkPolicy.adminFrom=[{admin}]")

@@ -271,6 +271,10 @@ readinessProbe:
 - name: RLHF_ROLLOUT_ADDRS
   value: {{ include "rlhf.rolloutAddrs" $root | quote }}
 {{- end }}
+{{- if and (eq .component "rollout") $v.ports.weightsData (not $v.tls.enabled) }}
+- name: RLHF_WEIGHTS_DATA_PORT
+  value: {{ $v.ports.weightsData | quote }}
+{{- end }}
 {{- if and (eq .component "rollout") .values.engine }}
 - name: RLHF_ROLLOUT_ENGINE
   value: {{ .values.engine | quote }}
@@ -450,6 +454,11 @@ spec:
             - name: http
               containerPort: {{ $root.Values.ports.http }}
               protocol: TCP
+            {{- if and (eq $component "rollout") $root.Values.ports.weightsData (not $root.Values.tls.enabled) }}
+            - name: weights-data
+              containerPort: {{ $root.Values.ports.weightsData }}
+              protocol: TCP
+            {{- end }}
           env:
             {{- include "rlhf.env" $ctx | trim | nindent 12 }}
           {{- include "rlhf.probes" $ctx | trim | nindent 10 }}
