@@ -197,7 +197,7 @@ def run_ours(size, paths, algo, staleness, redis_url, reward, reference, work: P
     rollout = ServiceProc(
         "rollout", cfg, run_dir / "logs",
         env={**common, "RLHF_REWARD_ADDR": reward.grpc_addr, "RLHF_REFERENCE_ADDR": reference.grpc_addr,
-             "RLHF_REPLICA_ID": f"{run_id}-rollout-0", "RLHF_ROLLOUT_ENGINE": "hf",
+             "RLHF_REPLICA_ID": f"{run_id}-rollout-0", "RLHF_ROLLOUT_ENGINE": "hf", "RLHF_WEIGHTS_DATA_PORT": "0",
              "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": str(BATCH)},
     )  # fmt: skip
     trainer = ServiceProc(

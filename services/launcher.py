@@ -133,6 +133,8 @@ def plan_services(
                 "RLHF_REWARD_ADDR": reward.grpc_addr,
                 "RLHF_REFERENCE_ADDR": reference.grpc_addr,
                 "RLHF_REPLICA_ID": f"{run_id}-rollout-{i}",
+                # the weight-sync data plane on a free port (the replica reports it in OpenWeightsTransfer)
+                "RLHF_WEIGHTS_DATA_PORT": "0",
             },
         )
         for i in range(rollout_replicas)

@@ -1,5 +1,6 @@
 """Transport between the services: Redis Streams queues (prompt jobs, experience), admission control, and the
-weight-sync protocol (safetensors buckets over ``RolloutService.UpdateWeights``).
+weight-sync protocol (safetensors buckets behind a verified header: over the replica's TCP data plane, opened and
+committed by gRPC ``OpenWeightsTransfer`` / ``CommitWeights``, or streamed over ``RolloutService.UpdateWeights``).
 
 ``import rlhf.transport`` does not import torch; the weight-sync names load :mod:`rlhf.transport.weightsync` on
 first use.
