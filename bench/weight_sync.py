@@ -278,6 +278,7 @@ async def main() -> None:
     state = load_file(str(next(paths.policy.glob("*.safetensors"))))
     vocab = int(next(iter(v for k, v in state.items() if k.endswith("embed_tokens.weight"))).shape[0])
     log_dir = CACHE / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)  # a fresh clone has no cache yet
     log(f"bench.weight_sync: policy {n_params / 1e6:.1f}M parameters")
     raw_port, sink_grpc = free_port(), free_port()
     sink = start_sink(raw_port, sink_grpc, log_dir / "weight_sync-sink.log")
