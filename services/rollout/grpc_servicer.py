@@ -70,37 +70,24 @@ def add_to_server(servicer: RolloutServicer, server: Any) -> None:
     decoded by ``rlhf.transport.weightsync.decode_update``, which leaves each chunk's bytes where gRPC put them
     (protobuf's deserializer copies every weight byte twice more)."""
     import grpc
+    from google.protobuf.message_factory import GetMessageClass
 
     from rlhf.transport.weightsync import decode_update
 
-    handlers = {
-        "Generate": grpc.unary_unary_rpc_method_handler(
-            servicer.Generate,
-            request_deserializer=rollout_pb2.GenerateRequest.FromString,
-            response_serializer=rollout_pb2.GenerateResponse.SerializeToString,
-        ),
-        "UpdateWeights": grpc.stream_unary_rpc_method_handler(
-            servicer.UpdateWeights,
-            request_deserializer=decode_update,
-            response_serializer=weights_pb2.UpdateWeightsResponse.SerializeToString,
-        ),
-        "OpenWeightsTransfer": grpc.unary_unary_rpc_method_handler(
-            servicer.OpenWeightsTransfer,
-            request_deserializer=weights_pb2.OpenWeightsTransferRequest.FromString,
-            response_serializer=weights_pb2.OpenWeightsTransferResponse.SerializeToString,
-        ),
-        "CommitWeights": grpc.unary_unary_rpc_method_handler(
-            servicer.CommitWeights,
-            request_deserializer=weights_pb2.CommitWeightsRequest.FromString,
-            response_serializer=weights_pb2.UpdateWeightsResponse.SerializeToString,
-        ),
-        "GetWeightsVersion": grpc.unary_unary_rpc_method_handler(
-            servicer.GetWeightsVersion,
-            request_deserializer=weights_pb2.GetWeightsVersionRequest.FromString,
-            response_serializer=weights_pb2.WeightsVersion.SerializeToString,
-        ),
+    # Built from the service descriptor, so a method added to rollout.proto is served without another edit here.
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
     }
-    assert set(handlers) == set(rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name)
+    handlers = {}
+    for name, m in rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name.items():
+        handlers[name] = kinds[(m.client_streaming, m.server_streaming)](
+            getattr(servicer, name),
+            request_deserializer=decode_update if name == "UpdateWeights" else GetMessageClass(m.input_type).FromString,
+            response_serializer=GetMessageClass(m.output_type).SerializeToString,
+        )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
