@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from rlhf.v1 import experience_pb2
+from rlhf.v1 import common_pb2, experience_pb2
 
 PromptJob = experience_pb2.PromptJob
 Experience = experience_pb2.Experience
@@ -20,9 +20,12 @@ MAX_JOB_ID_CHARS = 256
 class MalformedRecord(ValueError):
     """A stream record that cannot be used; ``reason`` says why (it is stored with the dead letter)."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, job_id: str = ""):
         super().__init__(reason)
         self.reason = reason
+        # The record's job id when it parsed: the dead letter releases that job's admission slot only if the
+        # trainer issued it (a foreign record must not loosen the staleness bound).
+        self.job_id = job_id
 
 
 def _check_common(msg: PromptJob | Experience, run_id: str | None, what: str) -> None:
@@ -47,7 +50,9 @@ def validate_experience(exp: Experience, run_id: str | None = None) -> None:
     """Raise MalformedRecord unless ``exp`` is trainable.
 
     It needs a job_id, at least one sample, and per sample: as many finite ``sampling_logprobs`` as
-    ``response_ids``, ``ref_logprobs`` either empty or as many as ``response_ids``, no negative token ids.
+    ``response_ids``, ``ref_logprobs`` either empty or as many as ``response_ids``, no negative token ids, and a
+    finite score when the score's status is OK (one NaN reward turns every weight into NaN in one update).
+    Token ids are checked against the vocabulary where the model is known: :func:`check_token_ids`.
     """
     _check_common(exp, run_id, "Experience")
     if not exp.samples:
@@ -64,6 +69,30 @@ def validate_experience(exp: Experience, run_id: str | None = None) -> None:
         # finite sum <=> finite terms (NaN/inf propagate; float32 terms cannot overflow a double): C-speed
         if not math.isfinite(sum(s.sampling_logprobs)) or not math.isfinite(sum(s.ref_logprobs)):
             raise MalformedRecord(f"{where} has non-finite log-probs")
+        if s.score_status == common_pb2.ITEM_STATUS_OK and not math.isfinite(s.score):
+            raise MalformedRecord(f"{where} has a non-finite score ({s.score}) with status OK")
+    if exp.prompt_ids and min(exp.prompt_ids) < 0:
+        raise MalformedRecord(f"Experience {exp.job_id!r} has negative prompt_ids")
+
+
+def check_token_ids(exp: Experience, vocab_size: int) -> None:
+    """Raise MalformedRecord unless every prompt and response token id of ``exp`` is in ``[0, vocab_size)``: the
+    consumer that knows its model checks this before the record can reach an embedding lookup."""
+    if exp.prompt_ids and (min(exp.prompt_ids) < 0 or max(exp.prompt_ids) >= vocab_size):
+        bad = next(t for t in exp.prompt_ids if not 0 <= t < vocab_size)
+        raise MalformedRecord(
+            f"Experience {exp.job_id!r} prompt_ids has token id {bad}, outside the vocabulary [0, {vocab_size})",
+            exp.job_id,
+        )
+    for i, s in enumerate(exp.samples):
+        ids = s.response_ids
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            raise MalformedRecord(
+                f"Experience {exp.job_id!r} samples[{i}].response_ids has token id {bad}, outside the vocabulary "
+                f"[0, {vocab_size})",
+                exp.job_id,
+            )
 
 
 def _decode(cls, data: bytes | None, what: str):
@@ -79,13 +108,19 @@ def _decode(cls, data: bytes | None, what: str):
 
 def decode_prompt_job(data: bytes | None, run_id: str | None = None) -> PromptJob:
     job = _decode(PromptJob, data, "PromptJob")
-    validate_prompt_job(job, run_id)
+    try:
+        validate_prompt_job(job, run_id)
+    except MalformedRecord as err:
+        raise MalformedRecord(err.reason, job.job_id) from None
     return job
 
 
 def decode_experience(data: bytes | None, run_id: str | None = None) -> Experience:
     exp = _decode(Experience, data, "Experience")
-    validate_experience(exp, run_id)
+    try:
+        validate_experience(exp, run_id)
+    except MalformedRecord as err:
+        raise MalformedRecord(err.reason, exp.job_id) from None
     return exp
 
 

@@ -77,8 +77,14 @@ class RunKeys:
 
     @property
     def released(self) -> str:
-        """Counter: jobs that will never reach the trainer (their record was dead-lettered)."""
+        """Counter: issued jobs that will never reach the trainer (their record was dead-lettered). Records of jobs
+        the trainer never issued release nothing, so foreign records cannot loosen the staleness bound."""
         return self._k("released")
+
+    @property
+    def released_jobs(self) -> str:
+        """Hash: job_id -> 1 for each issued job whose slot a dead letter released (a job releases at most once)."""
+        return self._k("released_jobs")
 
     @property
     def policy_version(self) -> str:
@@ -95,5 +101,6 @@ class RunKeys:
             self.issued,
             self.trained,
             self.released,
+            self.released_jobs,
             self.policy_version,
         ]

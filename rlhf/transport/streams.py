@@ -122,14 +122,19 @@ redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return id
 """
 
-# KEYS: source stream, dead stream, dead_count hash, released counter.
-# ARGV: group, entry id, reason, payload, consumer, unix ms, dead stream cap.
+# KEYS: source stream, dead stream, dead_count hash, released counter, issued jobs hash, released jobs hash.
+# ARGV: group, entry id, reason, payload, consumer, unix ms, dead stream cap, job id ('' when it did not parse).
+# The admission slot is released only for a job this run issued, once per job: a foreign or repeated record must
+# not let more jobs into flight than the staleness bound allows.
 _DEAD_LETTER = """
 if #redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1) == 0 then return 0 end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[7], '*', 'source', KEYS[1], 'id', ARGV[2], 'group', ARGV[1],
-           'reason', ARGV[3], 'consumer', ARGV[5], 'at_unix_ms', ARGV[6], 'payload', ARGV[4])
+           'reason', ARGV[3], 'consumer', ARGV[5], 'at_unix_ms', ARGV[6], 'payload', ARGV[4], 'job_id', ARGV[8])
 redis.call('HINCRBY', KEYS[3], KEYS[1], 1)
-redis.call('INCR', KEYS[4])
+if ARGV[8] ~= '' and redis.call('HEXISTS', KEYS[5], ARGV[8]) == 1
+   and redis.call('HSETNX', KEYS[6], ARGV[8], '1') == 1 then
+  redis.call('INCR', KEYS[4])
+end
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 return 1
 """
@@ -193,6 +198,13 @@ class _StreamQueue(Generic[M]):
     def _decode(self, data: bytes | None) -> M:
         raise NotImplementedError
 
+    def _job_id_of(self, data: bytes | None) -> str:
+        """The job id of a payload, or '' when it does not decode."""
+        try:
+            return self._decode(data).job_id
+        except MalformedRecord as err:
+            return err.job_id
+
     async def ensure_groups(self) -> None:
         """Create the stream and its consumer group at id 0 (so nothing published before is skipped). Idempotent."""
         try:
@@ -220,15 +232,18 @@ class _StreamQueue(Generic[M]):
                 await self.ensure_groups()
         return []
 
-    async def _dead_letter(self, items: Sequence[tuple[str, bytes | None, str]], consumer: str) -> int:
-        """Move (entry id, payload, reason) to the dead-letter stream, ack them here, count them; atomic per record."""
+    async def dead_letter(self, items: Sequence[tuple[str, bytes | None, str, str]], consumer: str) -> int:
+        """Move (entry id, payload, reason, job id) to the dead-letter stream, ack them here, count them; atomic per
+        record. Only entries still pending in this group move (returns how many did). For a consumer that finds a
+        record unusable after decoding it (the trainer: token ids outside its vocabulary)."""
         if not items:
             return 0
         now = str(int(time.time() * 1000))
-        keys = [self.stream, self.keys.dead, self.keys.dead_count, self.keys.released]
+        k = self.keys
+        keys = [self.stream, k.dead, k.dead_count, k.released, k.jobs, k.released_jobs]
         async with self.redis.pipeline(transaction=False) as pipe:
-            for entry_id, payload, reason in items:
-                args = [self.group, entry_id, reason, payload or b"", consumer, now, self.dead_maxlen]
+            for entry_id, payload, reason, job_id in items:
+                args = [self.group, entry_id, reason, payload or b"", consumer, now, self.dead_maxlen, job_id]
                 await self._dead_script(keys=keys, args=args, client=pipe)
             moved = sum(int(x) for x in await pipe.execute())
         self.counters.dead_lettered += moved
@@ -238,7 +253,7 @@ class _StreamQueue(Generic[M]):
         self, entries: Iterable[tuple[bytes, dict | None]], consumer: str, skip: Container[str] = ()
     ) -> list[Record]:
         out: list[Record] = []
-        dead: list[tuple[str, bytes | None, str]] = []
+        dead: list[tuple[str, bytes | None, str, str]] = []
         vanished: list[str] = []
         for raw_id, fields in entries:
             entry_id = _s(raw_id)
@@ -253,11 +268,11 @@ class _StreamQueue(Generic[M]):
             try:
                 out.append((entry_id, self._decode(payload)))
             except MalformedRecord as err:
-                dead.append((entry_id, payload, err.reason))
+                dead.append((entry_id, payload, err.reason, err.job_id))
         if vanished:
             await self.redis.xack(self.stream, self.group, *vanished)
             self.counters.vanished += len(vanished)
-        await self._dead_letter(dead, consumer)
+        await self.dead_letter(dead, consumer)
         self.counters.delivered += len(out)
         return out
 
@@ -332,10 +347,11 @@ class _StreamQueue(Generic[M]):
                 times = info[0]["times_delivered"] if info else 0
                 if times > self.max_deliveries and fields:
                     reason = f"delivered {times} times (max_deliveries={self.max_deliveries}); consumers kept dying"
-                    poison.append((_s(raw_id), fields.get(PAYLOAD_FIELD), reason))
+                    payload = fields.get(PAYLOAD_FIELD)
+                    poison.append((_s(raw_id), payload, reason, self._job_id_of(payload)))
                 else:
                     keep.append((raw_id, fields))
-            await self._dead_letter(poison, consumer)
+            await self.dead_letter(poison, consumer)
             claimed = keep
         out = await self._decode_entries(claimed, consumer)
         if st.draining:

@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import sys
 import time
 import warnings
@@ -376,6 +377,9 @@ def pack_weights(
         raise ValueError("bucket_bytes must be positive")
     if not state_dict:
         raise ValueError("state_dict is empty")
+    bad = next((name for name, t in state_dict.items() if not all_finite(t)), None)
+    if bad is not None:  # a diverged update must never reach a replica (it would serve garbage, and stay ready)
+        raise ValueError(f"refusing to pack weights: tensor {bad!r} has NaN or infinite values")
     header = weights_pb2.WeightHeader(version=version, parent_version=parent_version, format=FORMAT)
     buckets: list[bytes] = []
     for index, names in enumerate(_plan_buckets(state_dict, bucket_bytes)):
@@ -768,7 +772,20 @@ def _finish_bucket(
         tensors = load_safetensors(data)
     except CorruptUpdate as err:  # passed the digest but does not parse: the sender's packing is broken
         raise CorruptUpdate(f"bucket {index} is not a valid safetensors buffer: {err}") from None
+    bad = next((name for name, t in tensors.items() if not all_finite(t)), None)
+    if bad is not None:  # the digest only proves the bytes are the sender's; NaN weights are refused, old ones kept
+        raise CorruptUpdate(f"tensor {bad!r} has NaN or infinite values; the update is refused", field="tensors")
     return tensors
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in ``t``. A float32 sum is finite exactly when every term is, unless finite terms overflow it
+    (only then is the exact, slower per-element check needed); one pass, no tensor-sized mask."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return True
+    if math.isfinite(float(t.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(t).all())
 
 
 async def _aiter(requests: AsyncIterable | Iterable):

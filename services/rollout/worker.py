@@ -343,8 +343,8 @@ class RolloutWorker:
             self._count_failure("invalid_argument")
             reason = f"rollout replica {self.replica_id} refused the job: {err}"
             try:  # the queue's own dead-letter step (atomic: dead stream + count + ack)
-                self.stats.dead_lettered += await self._prompts._dead_letter(
-                    [(entry_id, encode(job), reason)], self.replica_id
+                self.stats.dead_lettered += await self._prompts.dead_letter(
+                    [(entry_id, encode(job), reason, job.job_id)], self.replica_id
                 )
                 log.warning("%s: job %s dead-lettered: %s", self.replica_id, job.job_id, err)
             except Exception as dl_err:  # left pending: max_deliveries dead-letters it later

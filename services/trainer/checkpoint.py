@@ -7,9 +7,13 @@ Layout of ``<save>/step_<N>/``::
     optim.safetensors     optimizer tensors (Adam moments), flattened as "<opt>.<param index>.<key>"
     state.json            step, policy version, optimizer scalars, KL coefficient, data position, RNG seeds,
                           and the job ids already trained on (so a restart trains nothing twice)
+    manifest.json         written last: every other file with its size. A folder without it, or whose files
+                          differ from it, is incomplete and never loaded
 
-A checkpoint is written to ``step_<N>.tmp`` and renamed into place, then ``latest`` is replaced atomically: a crash
-at any moment leaves the previous checkpoint intact. Nothing is pickled: safetensors and JSON only.
+A checkpoint is written to a private ``step_<N>.tmp-*`` folder and renamed into place, then ``latest`` is replaced
+atomically: a crash at any moment leaves the previous checkpoint intact, and :func:`latest_checkpoint` falls back
+to the newest complete ``step_*`` when ``latest`` names one that is not. The caller keeps to one writer at a time
+(the trainer holds a lock). Nothing is pickled: safetensors and JSON only.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+MANIFEST = "manifest.json"
 
 
 def _optimizer_state(name: str, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -61,9 +68,7 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{engine.step_count}"
-    tmp = root / f"step_{engine.step_count}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=root))
     engine.actor.save_pretrained(tmp / "policy", safe_serialization=True)
     engine.tokenizer.save_pretrained(tmp / "policy")
     tensors, meta = _optimizer_state("actor", engine.actor_opt)
@@ -84,37 +89,77 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
         **extra,
     }
     (tmp / "state.json").write_text(json.dumps(state))
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    (tmp / MANIFEST).write_text(json.dumps({"step": engine.step_count, "files": files}))
     _fsync_tree(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    latest_tmp = root / "latest.tmp"
+    if final.exists():  # a second checkpoint of the same step: move the old one aside, never delete it first
+        old = Path(tempfile.mkdtemp(prefix=f"{final.name}.old-", dir=root))
+        os.replace(final, old / final.name)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    latest_tmp = root / f"latest.tmp-{os.getpid()}"
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")
+    for stale in root.glob("step_*.tmp-*"):  # left by a writer that crashed
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
+def incomplete_reason(path: str | Path) -> str | None:
+    """Why the checkpoint folder ``path`` must not be loaded, or None when its manifest matches its files."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"{path} has no {MANIFEST} (the writer did not finish)"
+    except ValueError as err:
+        return f"{path}/{MANIFEST} is not valid JSON ({err})"
+    for name, size in manifest.get("files", {}).items():
+        f = path / name
+        if not f.is_file():
+            return f"{path} is missing {name}"
+        if f.stat().st_size != size:
+            return f"{path}/{name} has {f.stat().st_size} bytes, the manifest says {size}"
+    if "state.json" not in manifest.get("files", {}):
+        return f"{path}/{MANIFEST} does not list state.json"
+    return None
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint ``latest`` names if it is complete, else the complete ``step_<N>`` with the highest N, else
+    None."""
     root = Path(root)
     pointer = root / "latest"
-    if not pointer.is_file():
-        return None
-    path = root / pointer.read_text().strip()
-    return path if (path / "state.json").is_file() else None
+    if pointer.is_file():
+        path = root / pointer.read_text().strip()
+        if incomplete_reason(path) is None:
+            return path
+    steps = []
+    for p in root.glob("step_*"):
+        suffix = p.name[len("step_") :]
+        if suffix.isdigit() and incomplete_reason(p) is None:
+            steps.append((int(suffix), p))
+    return max(steps)[1] if steps else None
 
 
 def load_checkpoint(path: str | Path, engine) -> dict[str, Any]:
     """Restore weights, optimizers, RNG and counters into ``engine``; returns state.json (for the caller's extras)."""
     path = Path(path)
+    reason = incomplete_reason(path)
+    if reason is not None:
+        raise ValueError(f"checkpoint {path} is incomplete and cannot be loaded: {reason}")
     state = json.loads((path / "state.json").read_text())
     if state["stage"] != engine.stage:
         raise ValueError(f"checkpoint {path} was trained with stage {state['stage']}, config says {engine.stage}")
-    from safetensors.torch import load_file as load_weights
-
-    engine.actor.load_state_dict(_hf_weights(path / "policy", load_weights), strict=False)
+    _load_weights(engine.actor, path / "policy")
     tensors = load_file(path / "optim.safetensors")
     _restore_optimizer("actor", engine.actor_opt, tensors, state["optimizers"]["actor"])
-    if engine.critic is not None and (path / "critic").is_dir():
-        engine.critic.load_state_dict(_hf_weights(path / "critic", load_weights), strict=False)
+    if engine.critic is not None:
+        if not (path / "critic").is_dir():
+            raise ValueError(f"checkpoint {path} has no critic/, but stage {engine.stage} trains one")
+        _load_weights(engine.critic, path / "critic")
         _restore_optimizer("critic", engine.critic_opt, tensors, state["optimizers"]["critic"])
     torch.set_rng_state(tensors["rng.torch"])
     engine.generator.set_state(tensors["rng.generator"])
@@ -124,8 +169,20 @@ def load_checkpoint(path: str | Path, engine) -> dict[str, Any]:
     return state
 
 
-def _hf_weights(directory: Path, load) -> dict[str, torch.Tensor]:
+def _load_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Load a save_pretrained folder into ``model``; every parameter must come from it, except the ones tied to a
+    parameter that does (save_pretrained writes tied weights once). Anything else missing would silently keep the
+    initial weights."""
     weights: dict[str, torch.Tensor] = {}
     for f in sorted(directory.glob("*.safetensors")):
-        weights.update(load(f))
-    return weights
+        weights.update(load_file(f))
+    if not weights:
+        raise ValueError(f"{directory} holds no weights (*.safetensors)")
+    result = model.load_state_dict(weights, strict=False)
+    state = model.state_dict()
+    loaded = {t.data_ptr() for name, t in state.items() if name in weights}
+    missing = [k for k in result.missing_keys if state[k].data_ptr() not in loaded]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"{directory} does not match the model: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )

@@ -16,8 +16,10 @@ corrects samples made by an older policy version (asynchronous training) and eng
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,7 +37,14 @@ from rlhf.models import (
     resolve_model_path,
     score_head_outputs,
 )
+from rlhf.transport.codec import check_token_ids
 from rlhf.v1 import common_pb2, experience_pb2
+
+log = logging.getLogger("rlhf.trainer")
+
+
+class NoUsableSamples(ValueError):
+    """Every sample of a batch failed scoring (or is empty): the scorers' fault, not the records'."""
 
 
 @dataclass
@@ -83,6 +92,22 @@ class TrainerEngine:
         self.generator = torch.Generator().manual_seed(t.seed)
         self.step_count = 0
         self.policy_version = 0
+        # Optimizer steps skipped for a non-finite loss or gradient, this step and in all (the critic's thread too).
+        self._skipped_lock = threading.Lock()
+        self.skipped_updates = 0
+        self._skipped_this_step = 0
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a record may carry: rows of the input embedding that the output head also scores."""
+        rows = self.actor.get_input_embeddings().num_embeddings
+        head = self.actor.get_output_embeddings()
+        return min(rows, head.out_features) if head is not None else rows
+
+    def check_record(self, exp: experience_pb2.Experience) -> None:
+        """Raise MalformedRecord when ``exp`` cannot be trained on by this model (token ids outside the vocabulary).
+        The stream checked everything that needs no model; this is what only the trainer can check."""
+        check_token_ids(exp, self.vocab_size)
 
     # ------------------------------------------------------------------ collation
     def collate(self, experiences: list[experience_pb2.Experience]) -> RolloutBatch:
@@ -94,7 +119,11 @@ class TrainerEngine:
                     continue
                 rows.append((g, list(exp.prompt_ids), s))
         if not rows:
-            raise ValueError("no usable sample in this batch (all scores failed or responses empty)")
+            errors = sorted({s.score_error for exp in experiences for s in exp.samples if s.score_error})
+            raise NoUsableSamples(
+                "no usable sample in this batch (all scores failed or responses empty)"
+                + (f"; score errors: {'; '.join(errors[:3])}" if errors else "")
+            )
         C = max(len(p) for _, p, _ in rows)
         L = max(len(s.response_ids) for _, _, s in rows)
         B = len(rows)
@@ -151,16 +180,39 @@ class TrainerEngine:
             yield order[start : start + size]
 
     def _actor_step(self, loss: torch.Tensor) -> float:
-        self.actor_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = _clip(self.actor, self.cfg.training.clip_grad)
-        self.actor_opt.step()
-        return norm
+        return self._optimizer_step("actor", self.actor, self.actor_opt, loss)
+
+    def _optimizer_step(self, role: str, model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor):
+        """Backward and step, unless the loss or the gradient is NaN/inf: then the step is skipped (weights and
+        optimizer state untouched), logged and counted, and the gradient norm comes back as NaN. One bad minibatch
+        must not turn every weight into NaN."""
+        opt.zero_grad(set_to_none=True)
+        if torch.isfinite(loss.detach()).all():
+            loss.backward()
+            norm = _clip(model, self.cfg.training.clip_grad)
+            if math.isfinite(norm):
+                opt.step()
+                return norm
+        opt.zero_grad(set_to_none=True)
+        with self._skipped_lock:
+            self.skipped_updates += 1
+            self._skipped_this_step += 1
+        log.warning("step %d: %s update skipped: non-finite loss or gradient", self.step_count + 1, role)
+        return float("nan")
 
     # ------------------------------------------------------------------ the update
+    def probe(self, experiences: list[experience_pb2.Experience]) -> None:
+        """Collate ``experiences`` and run the actor's forward pass on them, changing nothing: raises what a step on
+        them would raise because of the records themselves (the trainer uses it to find a record that fails a
+        step, to dead-letter it)."""
+        batch = self.collate(experiences)
+        with torch.no_grad():
+            self._logits_and_logprobs(batch.query_responses, batch.responses, batch.context_length)
+
     def step(self, experiences: list[experience_pb2.Experience]) -> dict[str, float]:
         t0 = time.perf_counter()
         batch = self.collate(experiences)
+        self._skipped_this_step = 0
         if self.stage == "ray_ppo":
             metrics = self._ppo(batch)
         elif self.stage == "ray_online_dpo":
@@ -181,6 +233,7 @@ class TrainerEngine:
                 "staleness/mean": staleness.mean().item(),
                 "staleness/max": staleness.max().item(),
                 "kl_coef": self.kl_ctrl.value,
+                "nonfinite/skipped_updates": float(self._skipped_this_step),
                 "time/step_s": time.perf_counter() - t0,
             }
         )
@@ -287,10 +340,7 @@ class TrainerEngine:
                 vf_loss, vf_stats = algo.value_loss(
                     vpred, r.values[mb], r.returns[mb], r.value_mask[mb], cliprange_value=c.cliprange_value
                 )
-                self.critic_opt.zero_grad(set_to_none=True)
-                (c.vf_coef * vf_loss).backward()
-                _clip(self.critic, self.cfg.training.clip_grad)
-                self.critic_opt.step()
+                self._optimizer_step("critic", self.critic, self.critic_opt, c.vf_coef * vf_loss)
                 _append(
                     stats,
                     {
@@ -419,7 +469,8 @@ class TrainerEngine:
 
     # ------------------------------------------------------------------ weights
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """The actor's weights in Hugging Face names, contiguous, on the CPU (what weight sync ships)."""
+        """The actor's weights in Hugging Face names, contiguous, on the CPU (what weight sync ships; it refuses
+        non-finite tensors)."""
         return {k: v.detach().to("cpu").contiguous() for k, v in self.actor.state_dict().items()}
 
 

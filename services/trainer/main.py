@@ -24,6 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rlhf.config import ExperimentConfig, load_config
 from rlhf.data import PromptCursor, encode_prompt, load_prompts
 from rlhf.serving import (
+    NotReady,
     ServiceMetrics,
     ServiceRunner,
     ServiceSettings,
@@ -32,10 +33,18 @@ from rlhf.serving import (
     http_token_dependency,
     require_grpc_token,
 )
-from rlhf.transport import Admission, ExperienceQueue, PromptQueue, connect, drop_trained, queue_stats
+from rlhf.transport import (
+    Admission,
+    ExperienceQueue,
+    MalformedRecord,
+    PromptQueue,
+    connect,
+    drop_trained,
+    queue_stats,
+)
 from rlhf.v1 import common_pb2, experience_pb2, trainer_pb2, trainer_pb2_grpc
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from services.trainer.engine import TrainerEngine
+from services.trainer.engine import NoUsableSamples, TrainerEngine
 
 log = logging.getLogger("rlhf.trainer")
 SERVICE_NAME = "rlhf.v1.TrainerService"
@@ -59,6 +68,10 @@ class Trainer:
         self.unacked: list[str] = []
         self.done = False
         self._push_task: asyncio.Task | None = None
+        # One writer of the trainer's state at a time: a step and a checkpoint (the loop's or an admin call's) never
+        # interleave, so a checkpoint holds one step's weights with that step's ledger.
+        self._state_lock = asyncio.Lock()
+        self.dead_lettered = 0
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
@@ -80,21 +93,36 @@ class Trainer:
             )
         self.records = {r.index: r for r in records}
         ckpt = self.cfg.training.load or latest_checkpoint(self.ckpt_dir)
+        trained = 0
         if ckpt:
             state = await asyncio.to_thread(load_checkpoint, ckpt, self.engine)
             self.trained_job_ids = set(state.get("trained_job_ids", []))
             self.samples_trained = state.get("samples_trained", 0)
             self.cursor.epoch, self.cursor.offset = state["data"]["epoch"], state["data"]["offset"]
             self.cursor._order = self.cursor._make_order()
-            await self.admission.restore(state["admission_trained"])
-            # Versions never go backwards: the restored weights are published under a new, higher version.
-            published = await self.admission.policy_version() or 0
-            self.engine.policy_version = max(self.engine.policy_version, published) + 1
+            trained = state["admission_trained"]
+        # The trained counter goes back with the weights: to the checkpoint's total, or to 0 when a trainer died
+        # before its first checkpoint (its steps are lost with it; their experience was never acknowledged and comes
+        # back). Versions never go backwards: weights that differ from what the replicas serve are published under
+        # a new, higher version.
+        await self.admission.restore(trained)
+        published = await self.admission.policy_version()
+        if ckpt or published is not None:
+            self.engine.policy_version = max(self.engine.policy_version, published or 0) + 1
             await self._push_weights()
+        if ckpt:
             log.info(
                 "resumed from %s at step %d, publishing as version %d",
                 ckpt,
                 self.engine.step_count,
+                self.engine.policy_version,
+            )
+        elif published is not None:
+            log.info(
+                "no checkpoint in %s, but the run published version %d: starting over from the initial weights as "
+                "version %d",
+                self.ckpt_dir,
+                published,
                 self.engine.policy_version,
             )
         # The trained-jobs total is kept here and set absolutely (a retried increment would count twice).
@@ -175,10 +203,56 @@ class Trainer:
             taken = self.trained_job_ids | {e.job_id for _, e in batch}
             split = drop_trained(records, taken)
             self.unacked.extend(split.duplicate_ids)
-            batch.extend(split.fresh)
+            usable = []
+            for entry_id, exp in split.fresh:
+                try:
+                    self.engine.check_record(exp)
+                except MalformedRecord as err:
+                    await self._dead_letter(entry_id, exp, err.reason)
+                else:
+                    usable.append((entry_id, exp))
+            batch.extend(usable)
             while self.paused.is_set():
                 await asyncio.sleep(0.1)
         return batch
+
+    async def _dead_letter(self, entry_id: str, exp: experience_pb2.Experience, reason: str) -> None:
+        """Move an experience record the trainer cannot use to the dead letters (acknowledged there; its job's
+        admission slot is released if this run issued it), so no restart meets it again."""
+        reason = f"trainer: {reason}"
+        payload = exp.SerializeToString()
+        moved = await self._redis(
+            "dead-lettering", self.experience.dead_letter, [(entry_id, payload, reason, exp.job_id)], CONSUMER
+        )
+        self.dead_lettered += moved
+        log.warning("experience %s (job %s) dead-lettered: %s", entry_id, exp.job_id, reason)
+
+    async def _step(self, batch: list[tuple[str, experience_pb2.Experience]]):
+        """One update on ``batch``, or on what is left of it after dead-lettering the records that make it fail.
+        Returns (metrics, the batch it trained on); metrics is None when no record was left."""
+        while batch:
+            try:
+                return await asyncio.to_thread(self.engine.step, [e for _, e in batch]), batch
+            except NoUsableSamples:
+                raise  # every score failed: the scorers' fault, not the records'
+            except Exception as err:
+                culprits = []
+                for entry_id, exp in batch:  # which record makes it fail on its own
+                    try:
+                        await asyncio.to_thread(self.engine.probe, [exp])
+                    except NoUsableSamples:
+                        pass
+                    except Exception as own:
+                        culprits.append((entry_id, exp, f"{type(own).__name__}: {own}"))
+                if not culprits:
+                    raise
+                log.warning("step %d failed (%s: %s); retrying without %d record(s)",
+                            self.engine.step_count + 1, type(err).__name__, err, len(culprits))  # fmt: skip
+                for entry_id, exp, reason in culprits:
+                    await self._dead_letter(entry_id, exp, f"the update step failed on this record: {reason}")
+                bad = {entry_id for entry_id, _, _ in culprits}
+                batch = [(entry_id, exp) for entry_id, exp in batch if entry_id not in bad]
+        return None, batch
 
     async def _train_loop(self) -> None:
         t = self.cfg.training
@@ -187,47 +261,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 batch = await self._next_batch()
                 wait_s = time.perf_counter() - t0
-                metrics = await asyncio.to_thread(self.engine.step, [e for _, e in batch])
-                self.trained_job_ids.update(e.job_id for _, e in batch)
-                self.unacked.extend(entry for entry, _ in batch)
-                self.samples_trained += int(metrics["samples"])
-                self.jobs_trained += len(batch)
-                # The previous update must be out first: versions reach replicas in order, and the trained count
-                # that frees admission only grows.
-                await self._settle_push()
-                if self.engine.step_count % t.weight_sync_interval == 0:
-                    # Packing copies the weights, so the next step may change them while the copy is delivered:
-                    # the push (transfer + the replicas' swap) overlaps the next step instead of stalling it.
-                    packed = await self._pack()
-                    self._push_task = asyncio.create_task(self._deliver(packed, trained=self.jobs_trained))
-                else:
-                    await self._redis("admission", self.admission.set_trained, self.jobs_trained)
-                if self.engine.step_count >= t.train_iters:
-                    await self._settle_push()
-                if self.engine.step_count % t.save_interval == 0 or self.engine.step_count >= t.train_iters:
-                    await self.checkpoint()
-                elapsed = time.perf_counter() - t0
-                stats = await self._redis("queue stats", queue_stats, self.redis, self.run_id)
-                metrics.update(
-                    {
-                        "time/wait_experience_s": wait_s,
-                        "time/iteration_s": elapsed,
-                        "samples_per_s": metrics["samples"] / elapsed,
-                        "queue/prompts_backlog": float(stats.prompts_backlog),
-                        "queue/experience_backlog": float(stats.experience_backlog),
-                    }
-                )
-                self.last_metrics = metrics
-                with open(self.run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(metrics) + "\n")
-                if self.engine.step_count % t.log_interval == 0:
-                    log.info(
-                        "step %d reward %.4f kl %.4f samples/s %.1f",
-                        self.engine.step_count,
-                        metrics["reward/mean"],
-                        metrics.get("objective/kl", float("nan")),
-                        metrics["samples_per_s"],
-                    )
+                async with self._state_lock:
+                    await self._train_step(batch, t0, wait_s)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -236,6 +271,55 @@ class Trainer:
         self.done = True
         log.info("training finished after %d steps", self.engine.step_count)
         self.runner.request_stop()
+
+    async def _train_step(self, batch, t0: float, wait_s: float) -> None:
+        """Train on ``batch`` (less any record that makes the step fail), push, checkpoint, write the metrics."""
+        t = self.cfg.training
+        metrics, batch = await self._step(batch)
+        if metrics is None:
+            return  # every record was dead-lettered: read another batch
+        self.trained_job_ids.update(e.job_id for _, e in batch)
+        self.unacked.extend(entry for entry, _ in batch)
+        self.samples_trained += int(metrics["samples"])
+        self.jobs_trained += len(batch)
+        # The previous update must be out first: versions reach replicas in order, and the trained count that frees
+        # admission only grows.
+        await self._settle_push()
+        if self.engine.step_count % t.weight_sync_interval == 0:
+            # Packing copies the weights, so the next step may change them while the copy is delivered: the push
+            # (transfer + the replicas' swap) overlaps the next step instead of stalling it.
+            packed = await self._pack()
+            self._push_task = asyncio.create_task(self._deliver(packed, trained=self.jobs_trained))
+        else:
+            await self._redis("admission", self.admission.set_trained, self.jobs_trained)
+        if self.engine.step_count >= t.train_iters:
+            await self._settle_push()
+        if self.engine.step_count % t.save_interval == 0 or self.engine.step_count >= t.train_iters:
+            await self._checkpoint()
+        elapsed = time.perf_counter() - t0
+        stats = await self._redis("queue stats", queue_stats, self.redis, self.run_id)
+        metrics.update(
+            {
+                "time/wait_experience_s": wait_s,
+                "time/iteration_s": elapsed,
+                "samples_per_s": metrics["samples"] / elapsed,
+                "queue/prompts_backlog": float(stats.prompts_backlog),
+                "queue/experience_backlog": float(stats.experience_backlog),
+                "queue/dead_lettered_by_trainer": float(self.dead_lettered),
+                "nonfinite/skipped_updates_total": float(self.engine.skipped_updates),
+            }
+        )
+        self.last_metrics = metrics
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.engine.step_count % t.log_interval == 0:
+            log.info(
+                "step %d reward %.4f kl %.4f samples/s %.1f",
+                self.engine.step_count,
+                metrics["reward/mean"],
+                metrics.get("objective/kl", float("nan")),
+                metrics["samples_per_s"],
+            )
 
     async def _pack(self):
         from rlhf.transport import pack_weights
@@ -269,7 +353,14 @@ class Trainer:
             await self._deliver(await self._pack())
 
     async def checkpoint(self) -> Path:
-        """Save, then acknowledge the experience the saved steps consumed."""
+        """Save now (an admin call): waits for a step in progress, so the checkpoint holds whole steps only."""
+        if self.engine is None:
+            raise NotReady("the trainer is still starting; no state to checkpoint yet")
+        async with self._state_lock:
+            return await self._checkpoint()
+
+    async def _checkpoint(self) -> Path:
+        """Save, then acknowledge the experience the saved steps consumed. Hold ``_state_lock``."""
         extra = {
             "trained_job_ids": sorted(self.trained_job_ids),
             "samples_trained": self.samples_trained,

@@ -15,6 +15,7 @@ import signal
 import time
 
 import httpx
+import torch
 
 from rlhf.transport import ExperienceQueue, PromptQueue, connect, queue_stats
 from rlhf.v1 import common_pb2, experience_pb2
@@ -48,8 +49,11 @@ def _config(tmp_path, train_iters: int, save_interval: int) -> dict:
     }
 
 
-async def _answer_jobs(redis_url: str, stop: asyncio.Event, answered: list[str], limit: int | None) -> None:
-    """Play the rollout replicas: each prompt job gets one experience record with n samples (up to ``limit``)."""
+async def _answer_jobs(
+    redis_url: str, stop: asyncio.Event, answered: list[str], limit: int | None, mutate=None
+) -> None:
+    """Play the rollout replicas: each prompt job gets one experience record with n samples (up to ``limit``);
+    ``mutate(index, record)`` may change the index-th record before it is written."""
     redis = connect(redis_url)
     prompts, experience = PromptQueue(redis, "ring"), ExperienceQueue(redis, "ring")
     rng = random.Random(0)
@@ -78,23 +82,35 @@ async def _answer_jobs(redis_url: str, stop: asyncio.Event, answered: list[str],
                         score_status=common_pb2.ITEM_STATUS_OK,
                         policy_version=0,
                     )
-                if await experience.publish_and_ack(exp, entry_id):
+                if mutate is not None:
+                    mutate(len(answered), exp)
+                written = await experience._publish_ack_script(
+                    keys=[experience.keys.prompts, experience.keys.experience],
+                    args=["rollout", entry_id, exp.SerializeToString()],
+                )  # as publish_and_ack, minus its producer-side checks: a poisoned record must reach the stream
+                if written:
                     answered.append(job.job_id)
     finally:
         await redis.aclose()
 
 
-def _run_with_replicas(redis_url: str, until, timeout: float = 120.0, limit: int | None = None) -> list[str]:
+def _run_with_replicas(
+    redis_url: str, until, timeout: float = 120.0, limit: int | None = None, mutate=None, during=None
+) -> list[str]:
+    """Answer jobs until ``until()``; ``during()`` (a coroutine function) runs alongside once."""
     answered: list[str] = []
 
     async def main():
         stop = asyncio.Event()
-        task = asyncio.create_task(_answer_jobs(redis_url, stop, answered, limit))
+        task = asyncio.create_task(_answer_jobs(redis_url, stop, answered, limit, mutate))
+        side = asyncio.create_task(during()) if during is not None else None
         deadline = time.monotonic() + timeout
         while not until() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         stop.set()
         await task
+        if side is not None:
+            await side
 
     asyncio.run(main())
     return answered
@@ -155,3 +171,117 @@ def test_killed_trainer_resumes_and_trains_nothing_twice(redis_server, start_ser
     assert len(state["trained_job_ids"]) == len(set(state["trained_job_ids"])) == 20
     # The restored weights were published under a new version: 2 (checkpoint) -> 3, then steps 3-5 -> 6.
     assert state["policy_version"] == 6
+
+
+def _poison(index: int, exp: experience_pb2.Experience) -> None:
+    """Records 0-3 are well-formed but poisonous: token ids outside the tiny vocabulary (512), or a NaN score."""
+    if index == 0:
+        exp.samples[0].response_ids[:3] = [600, 70000, 2**31 - 1]
+    elif index == 1:
+        exp.prompt_ids.append(512)
+    elif index == 2:
+        exp.samples[1].score = float("nan")
+    elif index == 3:
+        exp.samples[0].score = float("inf")
+
+
+def test_poison_records_are_dead_lettered_and_the_run_goes_on(redis_server, start_service, tmp_path):
+    """Each of these records used to end the step (IndexError) or turn every weight into NaN, on every restart."""
+    from rlhf.transport import dead_letters
+    from rlhf.transport.keys import PAYLOAD_FIELD, RunKeys
+
+    run_dir = tmp_path / "run"
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
+    trainer = start_service("trainer", _config(tmp_path, train_iters=3, save_interval=1), env=env)
+
+    async def inject_foreign():  # records of jobs this run never issued: dead-lettered, no admission slot released
+        redis = connect(redis_server.url)
+        try:
+            for i in range(5):
+                foreign = experience_pb2.Experience(job_id=f"foreign-{i}", run_id="ring", prompt_ids=[1, 2])
+                foreign.samples.add(response_ids=[9999], sampling_logprobs=[-1.0], ref_logprobs=[-1.0], score=1.0,
+                                    score_status=common_pb2.ITEM_STATUS_OK)  # fmt: skip
+                await redis.xadd(RunKeys("ring").experience, {PAYLOAD_FIELD: foreign.SerializeToString()})
+        finally:
+            await redis.aclose()
+
+    answered = _run_with_replicas(
+        redis_server.url, lambda: trainer.proc.poll() is not None, mutate=_poison, during=inject_foreign
+    )
+    assert trainer.wait(timeout=30) == 0, trainer.log_tail()
+    steps = _metrics(run_dir)
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["nonfinite/skipped_updates"] == 0 for m in steps)
+    state = json.loads((run_dir / "checkpoints" / "step_3" / "state.json").read_text())
+    poisoned = set(answered[:4])
+    assert not poisoned & set(state["trained_job_ids"]) and len(state["trained_job_ids"]) == 12
+    stats = asyncio.run(_stats(redis_server.url))
+    assert stats.dead_letters == 9 and stats.experience_pending == 0
+    assert stats.released == 4  # the four poisoned jobs this run issued; the five foreign records release nothing
+
+    async def letters():
+        redis = connect(redis_server.url)
+        try:
+            return await dead_letters(redis, "ring")
+        finally:
+            await redis.aclose()
+
+    reasons = " | ".join(d["reason"] for d in asyncio.run(letters()))
+    assert "outside the vocabulary [0, 512)" in reasons and "non-finite score" in reasons
+    # The weights stayed finite, and the final policy loads.
+    from safetensors.torch import load_file
+
+    for f in (run_dir / "checkpoints" / "step_3" / "policy").glob("*.safetensors"):
+        for name, t in load_file(f).items():
+            assert torch.isfinite(t).all(), name
+
+
+def test_trainer_killed_before_its_first_checkpoint_starts_over(redis_server, start_service, tmp_path):
+    run_dir = tmp_path / "run"
+    # A replica address that refuses connections: each push fails at once, and the version is published anyway.
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN,
+           "RLHF_ROLLOUT_ADDRS": "127.0.0.1:1"}  # fmt: skip
+    cfg = _config(tmp_path, train_iters=4, save_interval=100)
+    trainer = start_service("trainer", cfg, env=env)
+    _run_with_replicas(redis_server.url, lambda: len(_metrics(run_dir)) >= 2, limit=8)
+    trainer.signal(signal.SIGKILL)  # two versions published, no checkpoint written
+    trainer.wait(timeout=10)
+    assert not (run_dir / "checkpoints").exists()
+
+    restarted = start_service("trainer", cfg, env=env)  # used to fail: "version 1 is older than the published 2"
+    assert "starting over from the initial weights as version 3" in restarted.log_text()
+    _run_with_replicas(redis_server.url, lambda: restarted.proc.poll() is not None)
+    assert restarted.wait(timeout=30) == 0, restarted.log_tail()
+    state = json.loads((run_dir / "checkpoints" / "step_4" / "state.json").read_text())
+    # Nothing from the lost life counts: four steps of four distinct jobs, the trained counter set back with them.
+    assert len(state["trained_job_ids"]) == len(set(state["trained_job_ids"])) == 16
+    assert state["admission_trained"] == 16 and state["policy_version"] == 7
+    assert asyncio.run(_stats(redis_server.url)).experience_pending == 0
+
+
+def test_concurrent_checkpoint_calls_write_whole_checkpoints(redis_server, start_service, tmp_path):
+    from services.trainer.checkpoint import incomplete_reason
+
+    run_dir = tmp_path / "run"
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
+    trainer = start_service("trainer", _config(tmp_path, train_iters=3, save_interval=100), env=env)
+    codes: list[int] = []
+
+    async def hammer():
+        async with httpx.AsyncClient(timeout=60) as client:
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            while len(_metrics(run_dir)) < 2:  # concurrent calls while steps run
+                rs = await asyncio.gather(*[client.post(trainer.http_url + "/v1/checkpoint", headers=headers)
+                                            for _ in range(8)])  # fmt: skip
+                codes.extend(r.status_code for r in rs)
+                await asyncio.sleep(0.05)
+
+    _run_with_replicas(redis_server.url, lambda: trainer.proc.poll() is not None, during=hammer)
+    assert trainer.wait(timeout=30) == 0, trainer.log_tail()
+    assert codes and set(codes) == {200}, codes
+    root = run_dir / "checkpoints"
+    for step in sorted(root.glob("step_*")):
+        assert incomplete_reason(step) is None, step
+        state = json.loads((step / "state.json").read_text())
+        assert state["step"] == int(step.name.split("_")[1])
+    assert not list(root.glob("*.tmp*")) and not list(root.glob("*.old-*"))

@@ -269,7 +269,7 @@ def test_trim_never_drops_pending_or_undelivered(redis_server):
 
 def test_admission_bounds_staleness(redis_server):
     async def body():
-        async with session(redis_server) as (r, pq, _):
+        async with session(redis_server) as (r, pq, eq):
             sync = Admission(r, RUN, max_staleness=0, batch_size=4)
             assert sync.capacity == 4
             res = await pq.publish_many([make_job(i) for i in range(6)], admission=sync)
@@ -301,11 +301,24 @@ def test_admission_bounds_staleness(redis_server):
             await again.restore(trained=4)
             assert (await again.state()).in_flight == 8
 
-            # a dead-lettered job releases its slot
+            # a dead-lettered record of an issued job releases its slot, once; records of jobs never issued (garbage,
+            # or a well-formed job id this run never published) release nothing: they must not loosen the bound
             await r.xadd(pq.stream, {PAYLOAD_FIELD: b"\xff\xfe garbage"})
+            foreign = make_exp(make_job(99))
+            foreign.samples[0].score, foreign.samples[0].score_status = float("nan"), common_pb2.ITEM_STATUS_OK
+            await r.xadd(eq.stream, {PAYLOAD_FIELD: foreign.SerializeToString()})
             await pq.read("r1", count=100, block_ms=100)
+            await eq.read("t", count=100, block_ms=100)
             st = await again.state()
-            assert st.released == 1 and st.in_flight == 7
+            assert (st.released, st.in_flight) == (0, 8)
+            for _ in range(2):  # the same issued job dead-lettered twice releases one slot
+                poisoned = make_exp(make_job(5))
+                poisoned.samples[1].sampling_logprobs[0] = float("inf")
+                await r.xadd(eq.stream, {PAYLOAD_FIELD: poisoned.SerializeToString()})
+                assert await eq.read("t", count=100, block_ms=100) == []
+            st = await again.state()
+            assert (st.released, st.in_flight) == (1, 7)
+            assert (await queue_stats(r, RUN)).dead_letters == 4
             with pytest.raises(ValueError):
                 Admission(r, RUN, max_staleness=-1, batch_size=4)
 

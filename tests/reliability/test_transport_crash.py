@@ -66,7 +66,9 @@ def test_queue_state_survives_redis_kill(redis_server):
         held = await pq.read("replica-a", count=4, block_ms=100)
         for entry_id, job in held[:2]:
             await eq.publish_and_ack(make_exp(job, "replica-a"), entry_id)
-        await r.xadd(eq.stream, {PAYLOAD_FIELD: b"\xff garbage"})
+        poisoned = make_exp(make_job(5), "replica-b")  # an issued job's record that is dead-lettered: releases
+        poisoned.samples[0].sampling_logprobs[0] = float("nan")
+        await r.xadd(eq.stream, {PAYLOAD_FIELD: poisoned.SerializeToString()})
         assert len(await eq.read("trainer", count=10, block_ms=100)) == 2  # read, not acked
         await adm.mark_trained(2)
         await adm.publish_policy_version(7)
