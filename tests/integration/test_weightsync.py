@@ -523,3 +523,24 @@ def test_a_bucket_with_a_valid_digest_but_bad_layout_is_refused():
     packed.header.total_bytes = len(bucket)
     with pytest.raises(CorruptUpdate, match="not a valid safetensors buffer"):
         receive(list(packed.updates()))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_never_packed_nor_accepted(bad):
+    """A diverged update is refused on both ends: the packer will not send it, and a replica that gets one anyway
+    (an older or foreign sender; the digests are the sender's) refuses it and keeps serving its weights."""
+    from safetensors.torch import save as st_save
+
+    sd = {"w": torch.ones(4), "b": torch.zeros(2, dtype=torch.bfloat16)}
+    sd_bad = {**sd, "b": torch.tensor([0.0, bad], dtype=torch.bfloat16)}
+    with pytest.raises(ValueError, match="'b' has NaN or infinite values"):
+        pack_weights(sd_bad, 1)
+    packed = pack_weights(sd, 1)
+    bucket = st_save(sd_bad)  # the same layout, finite digests of non-finite numbers
+    packed.buckets[0] = bucket
+    b = packed.header.buckets[0]
+    b.nbytes, b.sha256 = len(bucket), hashlib.sha256(bucket).hexdigest()
+    packed.header.checksum = manifest_checksum([b.sha256])
+    packed.header.total_bytes = len(bucket)
+    with pytest.raises(CorruptUpdate, match="'b' has NaN or infinite values"):
+        receive(list(packed.updates()))
