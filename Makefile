@@ -13,7 +13,7 @@ PARITY_PKGS := trl==1.12.0 transformers==5.24.0 accelerate==1.15.0 datasets==5.2
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-unit test-parity lint proto clean help demo
+.PHONY: setup test test-unit test-parity lint proto clean help demo chaos
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -48,6 +48,10 @@ test-parity: $(PARITY_VENV)/.stamp  ## only the TRL parity tests (seeds: RLHF_PA
 lint: $(VENV)/.stamp  ## ruff
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+CHAOS_ROUNDS ?= 3
+chaos: $(VENV)/.stamp  ## a ring under scripted faults (kill -9 of each service, Redis restart, poison...): one JSON line
+	$(PY) tests/e2e/chaos.py --rounds $(CHAOS_ROUNDS) --out .cache/chaos.json $(CHAOS_ARGS)
 
 demo: $(VENV)/.stamp  ## the tiny CPU PPO demo: `rlhf up --config configs/demo.yaml` (a few minutes; plots in runs/)
 	$(VENV)/bin/rlhf up --config configs/demo.yaml $(DEMO_ARGS)

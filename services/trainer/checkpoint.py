@@ -84,6 +84,7 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
         "step": engine.step_count,
         "policy_version": engine.policy_version,
         "kl_coef": engine.kl_ctrl.value,
+        "version_segments": engine.version_segments,
         "stage": engine.stage,
         "optimizers": optim_meta,
         **extra,
@@ -166,6 +167,7 @@ def load_checkpoint(path: str | Path, engine) -> dict[str, Any]:
     engine.step_count = state["step"]
     engine.policy_version = state["policy_version"]
     engine.kl_ctrl.value = state["kl_coef"]
+    engine.version_segments = [tuple(x) for x in state.get("version_segments", [(0, 0)])]
     return state
 
 

@@ -92,6 +92,10 @@ class TrainerEngine:
         self.generator = torch.Generator().manual_seed(t.seed)
         self.step_count = 0
         self.policy_version = 0
+        # (first version, step count it was published at) of each stretch of versions that followed training steps
+        # one for one. A restart publishes its restored weights under a new version without a step, so staleness is
+        # counted in steps through these, not as a difference of versions.
+        self.version_segments: list[tuple[int, int]] = [(0, 0)]
         # Optimizer steps skipped for a non-finite loss or gradient, this step and in all (the critic's thread too).
         self._skipped_lock = threading.Lock()
         self.skipped_updates = 0
@@ -201,6 +205,14 @@ class TrainerEngine:
         return float("nan")
 
     # ------------------------------------------------------------------ the update
+    def steps_behind(self, versions: torch.Tensor, step: int) -> torch.Tensor:
+        """Training steps between the weights that generated samples of ``versions`` and the weights at ``step``.
+        Samples from weights a crash discarded (trained past the restored checkpoint) count as 0."""
+        starts = torch.tensor([v for v, _ in self.version_segments])
+        seg = (torch.searchsorted(starts, versions, right=True) - 1).clamp(min=0)
+        steps_at = torch.tensor([st for _, st in self.version_segments])[seg] + (versions - starts[seg])
+        return (step - steps_at).clamp(min=0).float()
+
     def probe(self, experiences: list[experience_pb2.Experience]) -> None:
         """Collate ``experiences`` and run the actor's forward pass on them, changing nothing: raises what a step on
         them would raise because of the records themselves (the trainer uses it to find a record that fails a
@@ -221,7 +233,7 @@ class TrainerEngine:
             metrics = self._group(batch)
         self.step_count += 1
         self.policy_version += 1
-        staleness = (self.policy_version - 1 - batch.policy_versions).clamp(min=0).float()
+        staleness = self.steps_behind(batch.policy_versions, self.step_count - 1)
         metrics.update(
             {
                 "step": self.step_count,

@@ -109,6 +109,7 @@ class Trainer:
         published = await self.admission.policy_version()
         if ckpt or published is not None:
             self.engine.policy_version = max(self.engine.policy_version, published or 0) + 1
+            self.engine.version_segments.append((self.engine.policy_version, self.engine.step_count))
             await self._push_weights()
         if ckpt:
             log.info(
