@@ -12,8 +12,9 @@
 3. one progress line per training step, read from ``<run_dir>/metrics.jsonl`` (written by the trainer);
 4. when the trainer exits 0 (``training.train_iters`` done), everything else is stopped, the plots are drawn
    (``services.report``) and ``rlhf up`` exits 0. Ctrl-C / SIGTERM stops every process (SIGTERM in reverse start
-   order, then SIGKILL after a grace period; a second Ctrl-C kills at once). A service that dies early has the end
-   of its log printed and ``rlhf up`` exits 1.
+   order, then SIGKILL after a grace period; a second Ctrl-C kills at once). A service that dies during start-up
+   has the end of its log printed and ``rlhf up`` exits 1; one that dies mid-run (the trainer too: it resumes from
+   its checkpoint) is restarted on its ports, up to ``--max-restarts`` times per service.
 
 The run folder (default ``runs/<run_id>-<YYYYmmdd-HHMMSS>``) holds ``config.yaml`` (a copy), ``metrics.jsonl``,
 ``reward.png``, ``kl.png``, ``losses.png``, the trainer's checkpoints (it is told the folder via ``RLHF_RUN_DIR``),
@@ -392,6 +393,7 @@ class RunOptions:
     stop_grace: float = 20.0
     python: str = sys.executable
     quiet: bool = False
+    max_restarts: int = 3
 
 
 class Launcher:
@@ -402,6 +404,7 @@ class Launcher:
         self._force = False
         self._stopping = False
         self.run_dir: Path | None = None
+        self.restarts: dict[str, int] = {}
 
     def say(self, msg: str) -> None:
         print(f"[rlhf up] {msg}", file=self.out, flush=True)
@@ -459,6 +462,30 @@ class Launcher:
             rc = child.poll()
             if rc is not None:
                 raise LaunchError(f"{child.name} exited early with {rc}; end of {child.log_path}:\n{child.log_tail()}")
+
+    def _supervise(self, exclude: tuple[str, ...] = ()) -> None:
+        """After start-up: a service (or the private redis-server) that died is restarted on its ports, as compose
+        and Kubernetes restart containers; the ring's queue and checkpoints make that safe."""
+        for child in self.children:
+            if child.name not in exclude and child.proc is not None and (rc := child.poll()) is not None:
+                self._restart(child, rc)
+
+    def _restart(self, child: Child, rc: int) -> None:
+        """Restart ``child`` after it exited with ``rc``, at most ``max_restarts`` times per service (backing off),
+        then give up with its log's tail."""
+        n = self.restarts.get(child.name, 0)
+        if n >= self.opts.max_restarts:
+            raise LaunchError(f"{child.name} exited with {rc} after {n} restart(s) (--max-restarts "
+                              f"{self.opts.max_restarts}); end of {child.log_path}:\n{child.log_tail()}")  # fmt: skip
+        self.restarts[child.name] = n + 1
+        self.say(f"{child.name} exited with {rc}; restarting it ({n + 1}/{self.opts.max_restarts})")
+        child.signal_group(signal.SIGKILL)  # what is left of its process group
+        child.close_log()
+        time.sleep(min(0.5 * 2**n, 8.0))
+        child.start()
+        if isinstance(child, RedisChild):
+            child.wait_ready()
+        self.say(f"restarted {child.name} (pid {child.pid})")
 
     # main ------------------------------------------------------------
     def run(self) -> int:
@@ -554,12 +581,17 @@ class Launcher:
                 if not self.opts.quiet:
                     print(format_progress(rec, total, time.monotonic() - t_start), file=self.out, flush=True)
             rc = trainer.poll()
-            if rc is not None:
+            if rc == 0:
                 for rec in tail.read():
                     if not self.opts.quiet:
                         print(format_progress(rec, total, time.monotonic() - t_start), file=self.out, flush=True)
                 return rc
-            self._check_alive(exclude=("trainer",))
+            if rc is not None:  # it resumes from its last checkpoint
+                try:
+                    self._restart(trainer, rc)
+                except LaunchError:
+                    return rc
+            self._supervise(exclude=("trainer",))
             time.sleep(0.25)
 
     def _shutdown(self) -> None:
@@ -598,11 +630,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds each stage may take to get ready")
     p.add_argument("--stop-grace", type=float, default=20.0, help="seconds a service gets after SIGTERM")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    p.add_argument("--max-restarts", type=int, default=3,
+                   help="times each service is restarted after it dies mid-run (default %(default)s)")  # fmt: skip
 
 
 def main(args: argparse.Namespace) -> int:
     if args.rollout_replicas < 1:
         print("rlhf up: --rollout-replicas must be at least 1", file=sys.stderr)
+        return 2
+    if args.max_restarts < 0:
+        print("rlhf up: --max-restarts must be at least 0", file=sys.stderr)
         return 2
     if not Path(args.config).is_file():
         print(f"rlhf up: config file {args.config} does not exist", file=sys.stderr)
@@ -614,5 +651,6 @@ def main(args: argparse.Namespace) -> int:
         ready_timeout=args.ready_timeout,
         stop_grace=args.stop_grace,
         quiet=args.quiet,
+        max_restarts=args.max_restarts,
     )
     return Launcher(opts).run()

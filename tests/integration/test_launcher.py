@@ -210,6 +210,35 @@ def test_early_death_is_reported_with_the_log_tail(tmp_path):
     launcher.stop_children([dead])
 
 
+def test_a_service_that_dies_mid_run_is_restarted_a_bounded_number_of_times(tmp_path):
+    out = io.StringIO()
+    up = launcher.Launcher(launcher.RunOptions(config=tmp_path / "c.yaml", max_restarts=2), out=out)
+    dead = launcher.Child("rollout", ["sh", "-c", "echo life; exit 3"], tmp_path / "r.log")
+    dead.start().proc.wait(10)
+    up.children.append(dead)
+    for _ in range(2):
+        up._supervise()
+        dead.proc.wait(10)
+    assert up.restarts == {"rollout": 2}
+    assert (tmp_path / "r.log").read_text().count("life") == 3  # each life appends to the same log
+    with pytest.raises(launcher.LaunchError, match="(?s)rollout exited with 3 after 2 restart.*--max-restarts 2"):
+        up._supervise()
+    assert "rollout exited with 3; restarting it (2/2)" in out.getvalue()
+    launcher.stop_children([dead])
+
+
+def test_a_trainer_that_dies_is_restarted_and_the_run_follows_it(tmp_path):
+    up = launcher.Launcher(launcher.RunOptions(config=tmp_path / "c.yaml", quiet=True), out=io.StringIO())
+    up.run_dir = tmp_path
+    # Fails on its first life, finishes on the second (as a trainer resuming from its checkpoint would).
+    script = f"if [ -f {tmp_path}/lived ]; then exit 0; fi; touch {tmp_path}/lived; exit 1"
+    trainer = launcher.Child("trainer", ["sh", "-c", script], tmp_path / "t.log").start()
+    up.children.append(trainer)
+    assert up._follow(trainer, total=1, t_start=time.monotonic()) == 0
+    assert up.restarts == {"trainer": 1}
+    launcher.stop_children([trainer])
+
+
 def test_up_refuses_a_missing_config(tmp_path, capsys):
     assert cli_main(["up", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
