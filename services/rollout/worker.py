@@ -53,7 +53,7 @@ import grpc
 from rlhf.serving.errors import InvalidArgument
 from rlhf.serving.runner import open_channel
 from rlhf.serving.settings import ServiceSettings, register_env_var
-from rlhf.transport import ExperienceQueue, PromptQueue, connect, encode
+from rlhf.transport import ExperienceQueue, PromptQueue, connect, encode, get_policy_version
 from rlhf.v1 import (
     common_pb2,
     experience_pb2,
@@ -260,10 +260,23 @@ class RolloutWorker:
             self.running = False
             log.info("rollout worker %s stopped: %s", self.replica_id, self.stats)
 
+    async def _behind(self) -> int | None:
+        """The run's published policy version when this replica serves an older one (it started or restarted after
+        that push), else None. Such a replica takes no job until the trainer brings it up to date: its samples would
+        be as many versions stale as it is behind."""
+        now = time.monotonic()
+        if now >= self._published_checked + 0.5:
+            self._published_checked = now
+            self._published = await get_policy_version(self._prompts.redis, self.run_id)
+        if self._published is not None and self.engine.weights_version < self._published:
+            return self._published
+        return None
+
     async def _loop(self) -> None:
         next_reclaim = time.monotonic() + self.reclaim_interval_s
         error_backoff = 0.2
         stop_wait = asyncio.create_task(self._stop.wait())
+        self._published, self._published_checked, waiting = None, float("-inf"), False
         try:
             while not self._stop.is_set():
                 free = self.max_inflight_jobs - len(self._inflight)
@@ -271,6 +284,18 @@ class RolloutWorker:
                     await asyncio.wait({stop_wait, *self._inflight.values()}, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 try:
+                    behind = await self._behind()
+                    if behind is not None:
+                        if not waiting:
+                            log.info("%s: serving weights version %d, the run is at %d: waiting for the trainer's "
+                                     "push before taking jobs", self.replica_id, self.engine.weights_version,
+                                     behind)  # fmt: skip
+                        waiting = True
+                        await asyncio.wait({stop_wait}, timeout=0.2)
+                        continue
+                    if waiting:
+                        log.info("%s: weights version %d: taking jobs", self.replica_id, self.engine.weights_version)
+                        waiting = False
                     records = []
                     if time.monotonic() >= next_reclaim:
                         next_reclaim = time.monotonic() + self.reclaim_interval_s

@@ -17,6 +17,7 @@ import socket
 import time
 from pathlib import Path
 
+import grpc
 from fastapi import Depends
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -31,6 +32,7 @@ from rlhf.serving import (
     create_app,
     grpc_errors,
     http_token_dependency,
+    open_channel,
     require_grpc_token,
 )
 from rlhf.transport import (
@@ -72,6 +74,7 @@ class Trainer:
         # interleave, so a checkpoint holds one step's weights with that step's ledger.
         self._state_lock = asyncio.Lock()
         self.dead_lettered = 0
+        self._held: list[tuple[str, experience_pb2.Experience]] = []  # read, not yet trained (see _next_batch)
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
@@ -129,7 +132,11 @@ class Trainer:
         # The trained-jobs total is kept here and set absolutely (a retried increment would count twice).
         self.jobs_trained = (await self.admission.state()).trained
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.tasks = [asyncio.create_task(self._publish_loop()), asyncio.create_task(self._train_loop())]
+        self.tasks = [
+            asyncio.create_task(self._publish_loop()),
+            asyncio.create_task(self._train_loop()),
+            asyncio.create_task(self._catch_up_loop()),
+        ]
 
     async def _redis(self, what: str, fn, *args, **kwargs):
         """``await fn(*args, **kwargs)``, retried with backoff while Redis is unreachable (a restart must not end
@@ -197,24 +204,31 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     async def _next_batch(self) -> list[tuple[str, experience_pb2.Experience]]:
+        """The next ``global_batch_size`` records, stalest first. Replicas finish jobs in any order, so the trainer
+        reads everything that has arrived (admission keeps at most ``max_staleness + 1`` batches in flight) and
+        trains the records of the oldest weights first; the fresher ones wait for the next step."""
         size = self.cfg.training.global_batch_size
-        batch: list[tuple[str, experience_pb2.Experience]] = []
-        while len(batch) < size:
-            records = await self._redis("reading experience", self.experience.read, CONSUMER, size - len(batch), 500)
-            taken = self.trained_job_ids | {e.job_id for _, e in batch}
-            split = drop_trained(records, taken)
-            self.unacked.extend(split.duplicate_ids)
-            usable = []
-            for entry_id, exp in split.fresh:
-                try:
-                    self.engine.check_record(exp)
-                except MalformedRecord as err:
-                    await self._dead_letter(entry_id, exp, err.reason)
-                else:
-                    usable.append((entry_id, exp))
-            batch.extend(usable)
+        ahead = size * (self.cfg.training.max_staleness + 1)
+        while True:
+            if len(self._held) < ahead:
+                block = 500 if len(self._held) < size else None  # a full batch in hand: take only what is there
+                want = ahead - len(self._held)
+                records = await self._redis("reading experience", self.experience.read, CONSUMER, want, block)
+                split = drop_trained(records, self.trained_job_ids | {e.job_id for _, e in self._held})
+                self.unacked.extend(split.duplicate_ids)
+                for entry_id, exp in split.fresh:
+                    try:
+                        self.engine.check_record(exp)
+                    except MalformedRecord as err:
+                        await self._dead_letter(entry_id, exp, err.reason)
+                    else:
+                        self._held.append((entry_id, exp))
             while self.paused.is_set():
                 await asyncio.sleep(0.1)
+            if len(self._held) >= size:
+                break
+        self._held.sort(key=lambda r: min((s.policy_version for s in r[1].samples), default=0))
+        batch, self._held = self._held[:size], self._held[size:]
         return batch
 
     async def _dead_letter(self, entry_id: str, exp: experience_pb2.Experience, reason: str) -> None:
@@ -331,17 +345,58 @@ class Trainer:
     async def _deliver(self, packed, trained: int | None = None) -> None:
         """Push ``packed`` to every replica, publish its version, then (if given) the trained count: admission
         frees the next jobs only once the new weights are out, which is what bounds staleness."""
-        from rlhf.transport import push_weights_many
-
         addrs = await asyncio.to_thread(expand_targets, self.settings.rollout_addrs)
         if addrs:
-            results = await push_weights_many(addrs, packed, token=self.settings.api_token, timeout=120.0)
-            for addr, res in results.items():
-                if isinstance(res, BaseException):
-                    log.warning("weight sync to %s failed: %s", addr, res)
+            await self._push_to(addrs, packed)
             await self._redis("publishing the policy version", self.admission.publish_policy_version, packed.version)
         if trained is not None:
             await self._redis("admission", self.admission.set_trained, trained)
+
+    async def _catch_up_loop(self, interval_s: float = 2.0) -> None:
+        """Bring replicas that serve an older version than the run's published one up to date: a replica that
+        started or restarted after a push (a crash, a scale-up) waits for this before it takes a job (see the
+        rollout worker), so it never generates samples from weights many versions old."""
+        from rlhf.v1 import rollout_pb2_grpc, weights_pb2
+
+        while not self.done:
+            await asyncio.sleep(interval_s)
+            try:
+                published = await self.admission.policy_version()
+                addrs = await asyncio.to_thread(expand_targets, self.settings.rollout_addrs)
+                if published is None or not addrs or (self._push_task is not None and not self._push_task.done()):
+                    continue
+                lagging = []
+                for addr in addrs:
+                    channel = open_channel(addr, self.settings)
+                    try:
+                        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+                        served = await stub.GetWeightsVersion(weights_pb2.GetWeightsVersionRequest(), timeout=5)
+                    except grpc.aio.AioRpcError:
+                        continue  # down or starting: asked again next time
+                    finally:
+                        await channel.close()
+                    if served.version < published:
+                        lagging.append((addr, served.version))
+                if not lagging:
+                    continue
+                async with self._state_lock:  # between steps: the weights of one version
+                    packed = await self._pack()
+                for addr, served in lagging:
+                    log.info("replica %s serves version %d, the run is at %d: pushing version %d", addr, served,
+                             published, packed.version)  # fmt: skip
+                await self._push_to([a for a, _ in lagging], packed)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - Redis restarting, a replica going away: try again later
+                log.warning("catching up lagging replicas failed (%s: %s); retrying", type(err).__name__, err)
+
+    async def _push_to(self, addrs: list[str], packed) -> None:
+        from rlhf.transport import push_weights_many
+
+        results = await push_weights_many(addrs, packed, token=self.settings.api_token, timeout=120.0)
+        for addr, res in results.items():
+            if isinstance(res, BaseException):
+                log.warning("weight sync to %s failed: %s", addr, res)
 
     async def _settle_push(self) -> None:
         """Wait for the weight push in flight, if any (its failure ends training like any other)."""

@@ -128,8 +128,10 @@ class Chaos:
     def fault_kill_rollout(self) -> dict:
         victim = self.ring.rollouts[0]
         self.kill(victim)
-        self.ring.rollouts[0] = self.restart(victim)
-        return {}
+        self.ring.rollouts[0] = new = self.restart(victim)
+        # It comes back serving the initial weights: it must wait for the trainer's catch-up push before a job.
+        self.ring.wait_for(lambda: "taking jobs" in new.log_text(), 60, "catch-up push to the restarted replica")
+        return {"waited_for_weights": "waiting for the trainer's push" in new.log_text()}
 
     def fault_kill_trainer(self) -> dict:
         self.kill(self.ring.trainer)
