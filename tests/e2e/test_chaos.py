@@ -26,7 +26,6 @@ def test_chaos_round_loses_nothing_and_recovers_from_every_fault(tmp_path, tiny_
     assert result["dead_letters"] >= result["poison_injected"] == 3
     assert result["released"] == result["jobs_dead_lettered"] == 0
     assert result["nonfinite_steps_skipped"] == 0
-    assert next(f for f in result["faults"] if f["fault"] == "kill_rollout")["waited_for_weights"]
     storm = next(f for f in result["faults"] if f["fault"] == "admin_storm")
     assert storm["ok"] == storm["calls"]
     assert set(result["served_versions"]) == {result["final_policy_version"]}
