@@ -27,6 +27,7 @@ from rlhf.serving.auth import (
 )
 from rlhf.serving.errors import (
     ERROR_TABLE,
+    ClientDisconnected,
     DeadlineExceeded,
     FailedPrecondition,
     Internal,
@@ -46,7 +47,7 @@ from rlhf.serving.errors import (
     install_http_errors,
     status_for,
 )
-from rlhf.serving.http import create_app, json_response
+from rlhf.serving.http import cancel_on_disconnect, create_app, json_response
 from rlhf.serving.metrics import ServiceMetrics
 from rlhf.serving.runner import ServiceRunner, grpc_options, open_channel
 from rlhf.serving.settings import (
@@ -61,6 +62,7 @@ from rlhf.serving.settings import (
 __all__ = [
     "ERROR_TABLE",
     "KNOWN_ENV_VARS",
+    "ClientDisconnected",
     "DeadlineExceeded",
     "FailedPrecondition",
     "Internal",
@@ -77,6 +79,7 @@ __all__ = [
     "ServiceSettings",
     "Unauthenticated",
     "abort_grpc",
+    "cancel_on_disconnect",
     "configure_logging",
     "create_app",
     "error_body",

@@ -89,6 +89,10 @@ class Internal(RLHFError):
     """A bug or an unexpected failure inside the service (500)."""
 
 
+class ClientDisconnected(RLHFError):
+    """The client went away before the answer; its work was cancelled (499, nginx's "client closed request")."""
+
+
 # The one table: domain error -> (gRPC status code, HTTP status). Looked up along the MRO, so a subclass
 # defined elsewhere inherits its parent's row.
 ERROR_TABLE: dict[type[RLHFError], tuple[grpc.StatusCode, int]] = {
@@ -104,6 +108,7 @@ ERROR_TABLE: dict[type[RLHFError], tuple[grpc.StatusCode, int]] = {
     NotFound: (grpc.StatusCode.NOT_FOUND, 404),
     DeadlineExceeded: (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
     Internal: (grpc.StatusCode.INTERNAL, 500),
+    ClientDisconnected: (grpc.StatusCode.CANCELLED, 499),
 }
 
 

@@ -178,3 +178,45 @@ def test_openapi_fuzz_finds_no_server_errors(ref_svc):
 
     assert fuzz_openapi(ref_svc.http_url, max_examples=30) > 50
     assert httpx.get(ref_svc.http_url + "/readyz").status_code == 200
+
+
+# ------------------------------------------------------------------------------------------------ issue 17.10
+
+
+def test_tiny_temperature_is_refused_not_nan(ref_svc, stub):
+    """Temperature 1e-300 is 0 in float32: the answer was NaN / -inf log-probs with 200. Now a clear 4xx."""
+    item = {"prompt_ids": [5, 6, 7], "response_ids": [8, 9]}
+    r = httpx.post(ref_svc.http_url + "/v1/logprobs", json={"items": [item], "temperature": 1e-300})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "temperature", r.text
+    with pytest.raises(grpc.RpcError) as e:
+        stub.LogProbs(reference_pb2.LogProbsRequest(items=[reference_pb2.LogProbsItem(**item)], temperature=1e-300))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
+    # a small accepted temperature still gives finite log-probs
+    resp = stub.LogProbs(reference_pb2.LogProbsRequest(items=[reference_pb2.LogProbsItem(**item)], temperature=1e-4))
+    assert all(v == v and abs(v) != float("inf") for v in resp.results[0].logprobs)
+
+
+def test_non_finite_log_probs_are_an_error_not_a_result(tiny_models):
+    """A model that computes NaN (here: a NaN weight) gets an error naming the item, never NaN log-probs."""
+    import asyncio
+
+    from rlhf.config import parse_config
+    from services.reference.engine import LogProbsItem, NonFiniteOutput, ReferenceEngine
+
+    eng = ReferenceEngine(parse_config({"training": {"device": "cpu"}}), device="cpu")
+    eng.load()
+    assert asyncio.run(eng.logprobs([LogProbsItem([5, 6], [7, 8])]))[0][0]  # finite before
+    with torch.no_grad():
+        eng.model.get_output_embeddings().weight[8].fill_(float("nan"))
+    with pytest.raises(NonFiniteOutput) as err:
+        asyncio.run(eng.logprobs([LogProbsItem([5, 6], [7, 8])]))
+    assert err.value.field == "items[0].response_ids[0]" and "non-finite" in err.value.message
+
+
+def test_undecodable_request_is_invalid_argument(ref_svc):
+    with grpc.insecure_channel(ref_svc.grpc_addr) as ch:
+        raw = ch.unary_unary("/rlhf.v1.ReferenceService/LogProbs", request_serializer=None,
+                             response_deserializer=None)  # fmt: skip
+        with pytest.raises(grpc.RpcError) as e:
+            raw(b"\x0a\xff\xff\xff\xff\x0f")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
