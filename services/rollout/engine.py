@@ -310,6 +310,13 @@ class EngineBase:
     def ready(self) -> bool:
         return self._ready
 
+    def weight_manifest(self) -> dict[str, tuple[None, tuple[int, ...]]]:
+        """What a weight update must hold: name -> (dtype, shape) of every parameter, in the form
+        ``rlhf.transport.WeightReceiver(expected=...)`` takes (dtype None: any, the engine converts it). It bounds
+        the sizes an update header may announce before the receiver allocates anything."""
+        self.check_ready()  # known once the model is loaded
+        return {name: (None, shape) for name, shape in self._manifest.items()}
+
     def check_ready(self) -> None:
         """Raise NotReady (503 / UNAVAILABLE) unless the model is loaded and serving."""
         if not self._ready:

@@ -136,8 +136,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @grpc_errors("UpdateWeights")
     async def UpdateWeights(self, request_iterator, context) -> weights_pb2.UpdateWeightsResponse:  # noqa: N802
         require_grpc_token(context, self.settings)
-        # the engine is the source of truth for the served version (the receiver refuses anything not newer)
-        self.receiver.current_version = self.engine.weights_version
+        self._sync_receiver()
         staged = await self.receiver.receive(request_iterator)  # raises: nothing staged, the old weights serve
         return await self._swap(staged)
 
@@ -146,7 +145,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         require_grpc_token(context, self.settings)
         if self.data is None:
             return weights_pb2.OpenWeightsTransferResponse(data_port=0)  # the client streams over UpdateWeights
-        self.receiver.current_version = self.engine.weights_version
+        self._sync_receiver()
         ticket, ttl = await self.data.open(request.header)  # raises like UpdateWeights on a bad header
         return weights_pb2.OpenWeightsTransferResponse(ticket=ticket, data_port=self.data.port, ticket_ttl_seconds=ttl)
 
@@ -157,6 +156,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise InvalidArgument("this replica has no weights data plane: nothing to commit", field="ticket")
         staged = await self.data.take(request.ticket)  # raises: nothing staged, the old weights serve
         return await self._swap(staged)
+
+    def _sync_receiver(self) -> None:
+        """The engine is the source of truth for the served version (the receiver refuses anything not newer) and
+        for the parameters an update must match (names and shapes, checked before any buffer is allocated)."""
+        self.receiver.expected = self.engine.weight_manifest()
+        self.receiver.current_version = self.engine.weights_version
 
     async def _swap(self, staged) -> weights_pb2.UpdateWeightsResponse:
         result = await self.engine.swap_weights(staged.tensors, staged.version, staged.checksum)
