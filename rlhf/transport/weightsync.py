@@ -566,12 +566,24 @@ async def _push_over_data_plane(
 async def push_weights_many(
     targets: Iterable[str],
     packed: PackedWeights,
+    *,
+    server_names: Mapping[str, str] | None = None,
     **kwargs: Any,
 ) -> dict[str, weights_pb2.UpdateWeightsResponse | BaseException]:
     """:func:`push_weights` of one packed update to several replicas concurrently; per target the response or
-    the exception (a failed replica does not stop the others)."""
+    the exception (a failed replica does not stop the others). ``server_names``: per target, the name its TLS
+    certificate is checked against when that is not the target's host (a service name the caller resolved to one
+    address per replica: the certificate names the service, not the pod's address)."""
     targets = list(targets)
-    results = await asyncio.gather(*(push_weights(t, packed, **kwargs) for t in targets), return_exceptions=True)
+
+    def one(target: str):
+        name = (server_names or {}).get(target)
+        if name is None:
+            return push_weights(target, packed, **kwargs)
+        options = [*kwargs.get("options", ()), ("grpc.ssl_target_name_override", name)]
+        return push_weights(target, packed, **{**kwargs, "options": options})
+
+    results = await asyncio.gather(*(one(t) for t in targets), return_exceptions=True)
     return dict(zip(targets, results, strict=True))
 
 

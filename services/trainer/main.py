@@ -32,6 +32,7 @@ from rlhf.serving import (
     http_token_dependency,
     require_grpc_token,
 )
+from rlhf.serving.runner import client_credentials
 from rlhf.transport import Admission, ExperienceQueue, PromptQueue, connect, drop_trained, queue_stats
 from rlhf.v1 import common_pb2, experience_pb2, trainer_pb2, trainer_pb2_grpc
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -250,7 +251,12 @@ class Trainer:
 
         addrs = await asyncio.to_thread(expand_targets, self.settings.rollout_addrs)
         if addrs:
-            results = await push_weights_many(addrs, packed, token=self.settings.api_token, timeout=120.0)
+            tls: dict = {}
+            creds = client_credentials(self.settings)
+            if creds is not None:  # TLS ring: verify each replica against its service's name, not its pod address
+                names = await asyncio.to_thread(_tls_names, self.settings.rollout_addrs)
+                tls = {"tls": creds, "server_names": names}
+            results = await push_weights_many(addrs, packed, token=self.settings.api_token, timeout=120.0, **tls)
             for addr, res in results.items():
                 if isinstance(res, BaseException):
                     log.warning("weight sync to %s failed: %s", addr, res)
@@ -304,6 +310,11 @@ class Trainer:
             metrics={k: float(v) for k, v in m.items()},
             samples_trained=self.samples_trained,
         )
+
+
+def _tls_names(addrs: list[str]) -> dict[str, str]:
+    """Expanded target -> the host name it was resolved from (for TLS name checks)."""
+    return {t: a.rpartition(":")[0].strip("[]") for a in addrs for t in expand_targets([a]) if t != a}
 
 
 def expand_targets(addrs: list[str]) -> list[str]:
