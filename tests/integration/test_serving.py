@@ -383,9 +383,15 @@ async def _raw_http(port: int, chunks: list[bytes], pause: float, deadline: floa
     return got, time.perf_counter() - t0
 
 
-def test_slow_clients_are_closed_within_the_read_timeouts():
+@pytest.mark.parametrize("impl", ["auto", "h11"])
+def test_slow_clients_are_closed_within_the_read_timeouts(impl, monkeypatch):
     """Slowloris: headers sent one byte at a time get 408 and a closed connection after the header timeout; a body
-    that trickles is cut after the body timeout. A complete request that is slow to serve is not affected."""
+    that trickles is cut after the body timeout. A complete request that is slow to serve is not affected. On both
+    of uvicorn's HTTP implementations (auto: httptools when installed)."""
+    if impl == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        monkeypatch.setattr("rlhf.serving.http_deadline._base_protocol", lambda: H11Protocol)
     request = b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 20\r\n\r\n"
 
     async def body(runner, http):
