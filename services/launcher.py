@@ -328,11 +328,19 @@ class RedisChild(Child):
 
 
 def http_ready(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> bool:
-    """``GET /readyz`` answers 200 (``context``: TLS settings for an ``https://`` URL)."""
+    """``GET /readyz`` answers 200 (``context``: TLS settings for an ``https://`` URL). A certificate that does not
+    verify raises LaunchError at once: retrying cannot fix it."""
     try:
         with urllib.request.urlopen(url.rstrip("/") + "/readyz", timeout=timeout, context=context) as r:
             return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+    except urllib.error.URLError as err:
+        if isinstance(err.reason, ssl.SSLCertVerificationError):
+            raise LaunchError(
+                f"cannot verify the certificate of {url}: {err.reason.verify_message}; set RLHF_TLS_CA to the CA "
+                "bundle that signed RLHF_TLS_CERT (and make the certificate name 127.0.0.1)"
+            ) from None
+        return False
+    except (ConnectionError, TimeoutError, OSError, ValueError):
         return False
 
 

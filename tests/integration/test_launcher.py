@@ -440,6 +440,29 @@ def _certificates(d: Path) -> dict[str, str]:
     return {k: str(v) for k, v in paths.items()}
 
 
+def test_readiness_poll_says_when_the_certificate_does_not_verify(tmp_path):
+    """TLS without the right RLHF_TLS_CA: a clear error at once, not a 600 s wait for readiness."""
+    import http.server
+    import ssl
+    import threading
+
+    pytest.importorskip("cryptography")
+    paths = _certificates(tmp_path)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(paths["RLHF_TLS_CERT"], paths["RLHF_TLS_KEY"])
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"https://127.0.0.1:{server.server_port}"
+    try:
+        with pytest.raises(launcher.LaunchError, match="RLHF_TLS_CA"):
+            launcher.http_ready(url, timeout=5, context=ssl.create_default_context())  # system roots only
+        trusted = ssl.create_default_context(cafile=paths["RLHF_TLS_CA"])
+        assert launcher.http_ready(url, timeout=5, context=trusted) is False  # verified; no /readyz there: 404
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(not _ring_available(), reason="needs the trainer and rollout services")
 def test_rlhf_up_tls_ring(tmp_path, tiny_models):
