@@ -196,21 +196,29 @@ def test_tiny_temperature_is_refused_not_nan(ref_svc, stub):
     assert all(v == v and abs(v) != float("inf") for v in resp.results[0].logprobs)
 
 
-def test_non_finite_log_probs_are_an_error_not_a_result(tiny_models):
-    """A model that computes NaN (here: a NaN weight) gets an error naming the item, never NaN log-probs."""
-    import asyncio
+def test_non_finite_log_probs_are_an_error_not_a_result(tiny_models, start_service, tmp_path):
+    """A model that computes NaN (here: a reference model with a NaN weight) gets a 500 naming the item, never NaN
+    log-probs with 200 (JSON would even show them as null)."""
+    import shutil
 
-    from rlhf.config import parse_config
-    from services.reference.engine import LogProbsItem, NonFiniteOutput, ReferenceEngine
+    from safetensors.torch import load_file, save_file
 
-    eng = ReferenceEngine(parse_config({"training": {"device": "cpu"}}), device="cpu")
-    eng.load()
-    assert asyncio.run(eng.logprobs([LogProbsItem([5, 6], [7, 8])]))[0][0]  # finite before
-    with torch.no_grad():
-        eng.model.get_output_embeddings().weight[8].fill_(float("nan"))
-    with pytest.raises(NonFiniteOutput) as err:
-        asyncio.run(eng.logprobs([LogProbsItem([5, 6], [7, 8])]))
-    assert err.value.field == "items[0].response_ids[0]" and "non-finite" in err.value.message
+    model = tmp_path / "nan-policy"
+    shutil.copytree(tiny_models.policy, model)
+    weights = load_file(str(model / "model.safetensors"))
+    head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    weights[head][8] = float("nan")  # the logit of token 8 is NaN, so is every log-softmax of that row
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    svc = start_service("reference", {"actor_rollout_ref": {"ref": {"load": str(model)}}})
+    r = httpx.post(svc.http_url + "/v1/logprobs", json={"items": [{"prompt_ids": [5, 6], "response_ids": [7, 8]}]})
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "non_finite_output" and err["field"] == "items[0].response_ids[0]", err
+    with grpc.insecure_channel(svc.grpc_addr) as ch, pytest.raises(grpc.RpcError) as e:
+        reference_pb2_grpc.ReferenceServiceStub(ch).LogProbs(
+            reference_pb2.LogProbsRequest(items=[reference_pb2.LogProbsItem(prompt_ids=[5], response_ids=[9])])
+        )
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "non-finite log-prob" in e.value.details()
 
 
 def test_undecodable_request_is_invalid_argument(ref_svc):
