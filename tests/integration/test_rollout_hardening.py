@@ -48,6 +48,21 @@ def test_disconnected_client_cancels_its_generation(hf_svc):
     after = _engine_tokens(hf_svc.http_url)
     assert after == settled, (before, settled, after)  # nothing decodes for the departed client
     assert after - before < n * max_tokens / 2, (before, after)
+    # the same for a gRPC call the client cancels
+    from rlhf.v1 import common_pb2, rollout_pb2
+
+    with grpc.insecure_channel(hf_svc.grpc_addr) as ch:
+        req = rollout_pb2.GenerateRequest(
+            prompts=[common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=[2, 5, 6]))],
+            params=common_pb2.SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True, seed=2),
+        )
+        call = rollout_pb2_grpc.RolloutServiceStub(ch).Generate.future(req)
+        time.sleep(1.0)
+        assert call.cancel()
+    time.sleep(1.5)
+    settled = _engine_tokens(hf_svc.http_url)
+    time.sleep(1.5)
+    assert _engine_tokens(hf_svc.http_url) == settled and settled - after < n * max_tokens / 2, (after, settled)
     # and the service serves the next request normally
     r = httpx.post(hf_svc.http_url + "/v1/generate", json={"prompt_token_ids": [[2, 5]], "max_tokens": 4}, timeout=30)
     assert r.status_code == 200 and len(r.json()["results"][0]["completions"][0]["token_ids"]) >= 1
