@@ -287,6 +287,7 @@ schema = {
             {
                 "enabled": s("boolean", "TLS on"),
                 "existingSecret": s("string", "kubernetes.io/tls Secret"),
+                "caKey": s("string", "CA bundle key in the Secret (RLHF_TLS_CA of rollout, trainer)", minLength=1),
             },
             "TLS",
         ),

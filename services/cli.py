@@ -119,8 +119,13 @@ def _post(url: str, path: str, body: dict[str, Any], token: str | None, timeout:
     if token:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers)
+    context = None
+    if url.startswith("https:"):  # verify the service with RLHF_TLS_CA when set (else the system's roots)
+        import ssl
+
+        context = ssl.create_default_context(cafile=os.environ.get("RLHF_TLS_CA") or None)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
             out = json.loads(resp.read() or b"null")
             code = 0
     except urllib.error.HTTPError as err:

@@ -35,6 +35,7 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -96,9 +97,11 @@ class ServiceSpec:
     def grpc_addr(self) -> str:
         return f"{HOST}:{self.grpc_port}"
 
+    tls: bool = False  # the service serves HTTPS (RLHF_TLS_CERT / RLHF_TLS_KEY)
+
     @property
     def http_url(self) -> str:
-        return f"http://{HOST}:{self.http_port}"
+        return f"{'https' if self.tls else 'http'}://{HOST}:{self.http_port}"
 
     def argv(self, config: str | Path, python: str = sys.executable) -> list[str]:
         return [python, "-m", "services.cli", "serve", self.service, "--config", str(config), "--host", HOST,
@@ -113,8 +116,10 @@ def plan_services(
     run_dir: Path,
     rollout_replicas: int = 1,
     ports: Sequence[int] | None = None,
+    tls: bool = False,
 ) -> list[ServiceSpec]:
-    """The services of one run, in start order, with their ports and the ``RLHF_*`` variables each one needs."""
+    """The services of one run, in start order, with their ports and the ``RLHF_*`` variables each one needs.
+    ``tls``: the services serve TLS (the certificate, key and CA come to them in the environment, as to ``rlhf up``)."""
     n = 3 + rollout_replicas
     ports = list(ports) if ports is not None else free_ports(2 * n)
     if len(ports) < 2 * n:
@@ -134,8 +139,9 @@ def plan_services(
                 "RLHF_REWARD_ADDR": reward.grpc_addr,
                 "RLHF_REFERENCE_ADDR": reference.grpc_addr,
                 "RLHF_REPLICA_ID": f"{run_id}-rollout-{i}",
-                # the weight-sync data plane on a free port (the replica reports it in OpenWeightsTransfer)
-                "RLHF_WEIGHTS_DATA_PORT": "0",
+                # the weight-sync data plane on a free port (the replica reports it in OpenWeightsTransfer); it is
+                # plaintext, so off under TLS (weights then stream over gRPC)
+                **({} if tls else {"RLHF_WEIGHTS_DATA_PORT": "0"}),
             },
         )
         for i in range(rollout_replicas)
@@ -147,7 +153,10 @@ def plan_services(
         next(it),
         {**common, "RLHF_ROLLOUT_ADDRS": ",".join(r.grpc_addr for r in rollouts), "RLHF_RUN_DIR": str(run_dir)},
     )
-    return [reward, reference, *rollouts, trainer]
+    specs = [reward, reference, *rollouts, trainer]
+    for spec in specs:
+        spec.tls = tls
+    return specs
 
 
 def child_env(spec_env: Mapping[str, str], base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -319,11 +328,20 @@ class RedisChild(Child):
 # ------------------------------------------------------------ readiness and progress
 
 
-def http_ready(url: str, timeout: float = 1.0) -> bool:
+def http_ready(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> bool:
+    """``GET /readyz`` answers 200 (``context``: TLS settings for an ``https://`` URL). A certificate that does not
+    verify raises LaunchError at once: retrying cannot fix it."""
     try:
-        with urllib.request.urlopen(url.rstrip("/") + "/readyz", timeout=timeout) as r:
+        with urllib.request.urlopen(url.rstrip("/") + "/readyz", timeout=timeout, context=context) as r:
             return r.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+    except urllib.error.URLError as err:
+        if isinstance(err.reason, ssl.SSLCertVerificationError):
+            raise LaunchError(
+                f"cannot verify the certificate of {url}: {err.reason.verify_message}; set RLHF_TLS_CA to the CA "
+                "bundle that signed RLHF_TLS_CERT (and make the certificate name 127.0.0.1)"
+            ) from None
+        return False
+    except (ConnectionError, TimeoutError, OSError, ValueError):
         return False
 
 
@@ -401,6 +419,7 @@ class Launcher:
         self.opts = opts
         self.out = out or sys.stdout
         self.children: list[Child] = []
+        self.ssl_context: ssl.SSLContext | None = None  # polling /readyz of services that serve TLS
         self._force = False
         self._stopping = False
         self.run_dir: Path | None = None
@@ -445,7 +464,7 @@ class Launcher:
                         continue
                     raise LaunchError(f"{spec.name} exited with {rc} during start-up; end of {child.log_path}:\n"
                                       f"{child.log_tail()}")  # fmt: skip
-                if http_ready(spec.http_url):
+                if http_ready(spec.http_url, context=self.ssl_context):
                     self.say(f"{spec.name} ready ({time.monotonic() - t0:.1f}s)")
                     pending.remove((spec, child))
             if pending and time.monotonic() - t0 > self.opts.ready_timeout:
@@ -497,6 +516,14 @@ class Launcher:
         except ConfigError as err:
             print(f"rlhf up: {err}", file=sys.stderr)
             return 2
+        from rlhf.serving import ServiceSettings, client_ssl_context
+
+        try:  # the services read the same RLHF_* variables: TLS on for them is TLS on for the launcher's polls
+            settings = ServiceSettings.from_env()
+        except ValueError as err:
+            print(f"rlhf up: {err}", file=sys.stderr)
+            return 2
+        self.ssl_context = client_ssl_context(settings)
         run_id = os.environ.get("RLHF_RUN_ID") or cfg.run_id
         self.run_dir = Path(self.opts.run_dir or default_run_dir(run_id)).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -521,7 +548,9 @@ class Launcher:
                 self.say(f"redis-server ready on port {redis.port} (pid {redis.pid}, AOF in {redis.directory})")
             token = os.environ.get("RLHF_API_TOKEN") or secrets.token_urlsafe(24)
             specs = plan_services(redis_url=redis_url, run_id=run_id, api_token=token, run_dir=self.run_dir,
-                                  rollout_replicas=self.opts.rollout_replicas)  # fmt: skip
+                                  rollout_replicas=self.opts.rollout_replicas, tls=settings.tls)  # fmt: skip
+            if settings.tls:
+                self.say("TLS on: every service serves gRPC and HTTPS, every client verifies its peer")
             by_name = {s.name: s for s in specs}
             stages = [
                 [by_name["reward"], by_name["reference"]],

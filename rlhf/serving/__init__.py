@@ -11,7 +11,8 @@ What every service uses (see ``services/reward`` for a complete example):
 - auth: :func:`require_token`, :func:`require_grpc_token`, :func:`http_token_dependency`, :func:`grpc_auth_metadata`;
 - metrics: :class:`ServiceMetrics` (own CollectorRegistry per service);
 - running: :class:`ServiceRunner` (``add_grpc``, ``set_http_app``, ``set_ready``, ``add_readiness_check``,
-  ``await run(startup=..., shutdown=...)``), :func:`open_channel` / :func:`grpc_options` for clients.
+  ``await run(startup=..., shutdown=...)``), :func:`open_channel` / :func:`grpc_options` for clients
+  (TLS per the settings: :func:`client_credentials`, :func:`client_ssl_context`).
 
 A service package provides ``services/<name>/main.py`` with ``serve(config_path: str, settings: ServiceSettings)``
 (a coroutine function; ``rlhf serve <name>`` runs it with ``asyncio.run``).
@@ -27,6 +28,7 @@ from rlhf.serving.auth import (
 )
 from rlhf.serving.errors import (
     ERROR_TABLE,
+    ClientDisconnected,
     DeadlineExceeded,
     FailedPrecondition,
     Internal,
@@ -46,9 +48,9 @@ from rlhf.serving.errors import (
     install_http_errors,
     status_for,
 )
-from rlhf.serving.http import create_app, json_response
+from rlhf.serving.http import cancel_on_disconnect, create_app, json_response
 from rlhf.serving.metrics import ServiceMetrics
-from rlhf.serving.runner import ServiceRunner, grpc_options, open_channel
+from rlhf.serving.runner import ServiceRunner, client_credentials, client_ssl_context, grpc_options, open_channel
 from rlhf.serving.settings import (
     KNOWN_ENV_VARS,
     ServiceSettings,
@@ -61,6 +63,7 @@ from rlhf.serving.settings import (
 __all__ = [
     "ERROR_TABLE",
     "KNOWN_ENV_VARS",
+    "ClientDisconnected",
     "DeadlineExceeded",
     "FailedPrecondition",
     "Internal",
@@ -77,6 +80,9 @@ __all__ = [
     "ServiceSettings",
     "Unauthenticated",
     "abort_grpc",
+    "cancel_on_disconnect",
+    "client_credentials",
+    "client_ssl_context",
     "configure_logging",
     "create_app",
     "error_body",

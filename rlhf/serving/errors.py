@@ -89,6 +89,10 @@ class Internal(RLHFError):
     """A bug or an unexpected failure inside the service (500)."""
 
 
+class ClientDisconnected(RLHFError):
+    """The client went away before the answer; its work was cancelled (499, nginx's "client closed request")."""
+
+
 # The one table: domain error -> (gRPC status code, HTTP status). Looked up along the MRO, so a subclass
 # defined elsewhere inherits its parent's row.
 ERROR_TABLE: dict[type[RLHFError], tuple[grpc.StatusCode, int]] = {
@@ -104,6 +108,7 @@ ERROR_TABLE: dict[type[RLHFError], tuple[grpc.StatusCode, int]] = {
     NotFound: (grpc.StatusCode.NOT_FOUND, 404),
     DeadlineExceeded: (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
     Internal: (grpc.StatusCode.INTERNAL, 500),
+    ClientDisconnected: (grpc.StatusCode.CANCELLED, 499),
 }
 
 
@@ -197,6 +202,94 @@ def grpc_errors(metrics: ServiceMetrics | str | None = None, method: str | None 
         return wrapper
 
     return deco
+
+
+class _Undecodable:
+    """What a request deserializer returns instead of raising (see :class:`DecodeErrorInterceptor`)."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _safe_deserializer(deserializer: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def decode(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as err:  # noqa: BLE001 - DecodeError, or whatever a parser throws at garbage
+            return _Undecodable(f"{type(err).__name__}: {err}")
+
+    return decode
+
+
+class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Undecodable request bytes -> INVALID_ARGUMENT (the code of :class:`InvalidArgument`), on every method.
+
+    grpc answers a deserializer that raises with UNKNOWN or INTERNAL, which says "server bug" for what is a client's
+    mistake. Each handler's deserializer is wrapped to return a marker instead of raising; the behaviour refuses the
+    marker (for client streams: when the iterator reaches it) before any servicer code sees it.
+    """
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = details.method
+        code, _ = status_for(InvalidArgument(""))
+
+        async def refuse(context: grpc.aio.ServicerContext, bad: _Undecodable) -> None:
+            await context.abort(code, f"the request to {method} is not a valid protobuf message ({bad.reason}); "
+                                      "send the message type its .proto file declares")  # fmt: skip
+
+        def unary(inner: Callable) -> Callable:
+            if inspect.isasyncgenfunction(inner):
+
+                async def gen(request, context):
+                    if isinstance(request, _Undecodable):
+                        await refuse(context, request)
+                    async for r in inner(request, context):
+                        yield r
+
+                return gen
+
+            async def call(request, context):
+                if isinstance(request, _Undecodable):
+                    await refuse(context, request)
+                return await inner(request, context)
+
+            return call
+
+        def streaming(inner: Callable) -> Callable:
+            def checked(requests, context):
+                async def it():
+                    async for r in requests:
+                        if isinstance(r, _Undecodable):
+                            await refuse(context, r)
+                        yield r
+
+                return it()
+
+            if inspect.isasyncgenfunction(inner):
+
+                async def gen(requests, context):
+                    async for r in inner(checked(requests, context), context):
+                        yield r
+
+                return gen
+
+            async def call(requests, context):
+                return await inner(checked(requests, context), context)
+
+            return call
+
+        kind = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+        name = next(k for k in kind if getattr(handler, k) is not None)
+        wrap = streaming if handler.request_streaming else unary
+        return handler._replace(
+            request_deserializer=_safe_deserializer(handler.request_deserializer),
+            **{name: wrap(getattr(handler, name))},
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------- HTTP

@@ -18,19 +18,24 @@ points it at the runner.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import json
 import math
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import AfterValidator
 
-from rlhf.serving.errors import PayloadTooLarge, error_body, install_http_errors
+from rlhf.serving.errors import ClientDisconnected, PayloadTooLarge, error_body, install_http_errors
 from rlhf.serving.metrics import ServiceMetrics
 from rlhf.serving.settings import ServiceSettings
+
+T = TypeVar("T")
 
 HEALTH_PATHS = ("/healthz", "/readyz", "/metrics")
 # A refused body up to this size is read and dropped so that the client sees the 413; a larger one is cut off.
@@ -147,6 +152,47 @@ class MetricsMiddleware:
             route = scope.get("route")
             method = getattr(route, "path", None) or "other"
             self.metrics.observe_request(method, "http", time.perf_counter() - t0, status["code"])
+
+
+def _utf8(v: str) -> str:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid UTF-8 (it contains a lone surrogate)") from None
+    return v
+
+
+# A JSON string may escape a lone surrogate ("\\ud800"), which no tokenizer or encoder takes: refused with 422.
+Utf8Text = Annotated[str, AfterValidator(_utf8)]
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` (an engine call) unless the HTTP client disconnects first: then ``work`` is cancelled, so the
+    engine stops generating for nobody, and :class:`ClientDisconnected` is raised (its 499 reaches no one).
+
+    Call it after the body has been read (a FastAPI body parameter has been): from then on the only message
+    uvicorn's ``receive()`` delivers is ``http.disconnect``, when the connection closes.
+    """
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler was cancelled (shutdown): the work goes too
+        watcher.cancel()
+        task.cancel()
+        raise
+    watcher.cancel()
+    if not task.done():  # the client left: stop the work
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise ClientDisconnected("the client closed the connection before the answer; the request was cancelled")
+    return task.result()
 
 
 def _finite(v: Any) -> Any:

@@ -21,6 +21,7 @@ import inspect
 import logging
 import signal
 import socket
+import ssl
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from rlhf.serving.errors import DecodeErrorInterceptor
 from rlhf.serving.metrics import ServiceMetrics
 from rlhf.serving.settings import ServiceSettings
 
 log = logging.getLogger("rlhf.serving")
 
 ReadinessCheck = Callable[[], "bool | Awaitable[bool]"]
+
+# An idle keep-alive connection is closed after this (uvicorn's default, stated here because it bounds idle fds).
+KEEP_ALIVE_S = 5
+# Request line + headers (h11; httptools has its own fixed limit): ours are a few hundred bytes.
+MAX_HEADER_BYTES = 16 * 1024
 
 
 def grpc_options(settings: ServiceSettings) -> list[tuple[str, Any]]:
@@ -49,13 +56,37 @@ def grpc_options(settings: ServiceSettings) -> list[tuple[str, Any]]:
     ]
 
 
+def client_credentials(settings: ServiceSettings | None) -> grpc.ChannelCredentials | None:
+    """The credentials of this service's gRPC clients: TLS (roots ``RLHF_TLS_CA``, else the system's) when the
+    settings say the ring runs TLS (:attr:`ServiceSettings.client_tls`), else None (plaintext)."""
+    if settings is None or not settings.client_tls:
+        return None
+    roots = Path(settings.tls_ca).read_bytes() if settings.tls_ca else None
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
+def client_ssl_context(settings: ServiceSettings | None) -> ssl.SSLContext | None:
+    """The same choice for HTTP clients (``rlhf up`` polling ``/readyz``): an ``ssl.SSLContext`` or None."""
+    if settings is None or not settings.client_tls:
+        return None
+    return ssl.create_default_context(cafile=settings.tls_ca)
+
+
 def open_channel(
-    target: str, settings: ServiceSettings | None = None, *, tls_ca: str | None = None
+    target: str, settings: ServiceSettings | None = None, *, tls_ca: str | None = None, server_name: str | None = None
 ) -> grpc.aio.Channel:
-    """Client side: a grpc.aio channel to a peer service with the same message-size bounds (TLS when ``tls_ca``)."""
-    options = grpc_options(settings or ServiceSettings())
+    """Client side: a grpc.aio channel to a peer service with the same message-size bounds; TLS when the settings
+    say so (:func:`client_credentials`) or when ``tls_ca`` names a CA bundle. Every client channel of the services
+    is opened here (the trainer's weight pushes pass :func:`client_credentials` to ``push_weights``).
+    ``server_name``: the name the peer's certificate must carry when ``target`` is one resolved address of it."""
+    settings = settings or ServiceSettings()
+    options = grpc_options(settings)
     if tls_ca:
-        creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+        settings = settings.model_copy(update={"tls_ca": tls_ca})
+    creds = client_credentials(settings)
+    if creds is not None:
+        if server_name:
+            options = [*options, ("grpc.ssl_target_name_override", server_name)]
         return grpc.aio.secure_channel(target, creds, options=options)
     return grpc.aio.insecure_channel(target, options=options)
 
@@ -202,7 +233,7 @@ class ServiceRunner:
         # would answer them with GOAWAY "too_many_pings")
         server_options = [*grpc_options(s), ("grpc.so_reuseport", 0),
                           ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000)]  # fmt: skip
-        server = grpc.aio.server(options=server_options)
+        server = grpc.aio.server(options=server_options, interceptors=[DecodeErrorInterceptor()])
         for add_fn, servicer in self._grpc_adders:
             if servicer is not None:
                 add_fn(servicer, server)
@@ -235,8 +266,14 @@ class ServiceRunner:
         s = self.settings
         sock = _bind_socket(s.host, s.http_port)
         self.http_port = sock.getsockname()[1]
+        from rlhf.serving.http_deadline import deadline_protocol
+
         config = uvicorn.Config(
             self._app,
+            # slow clients: a request's headers and body must arrive within these (uvicorn has no such limit)
+            http=deadline_protocol(s.http_header_timeout_s, s.http_body_timeout_s),
+            timeout_keep_alive=KEEP_ALIVE_S,
+            h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             log_level=s.log_level if s.log_level != "info" else "warning",
             access_log=s.log_level == "debug",
             timeout_graceful_shutdown=max(1, int(round(s.shutdown_grace_s))) if s.shutdown_grace_s else None,

@@ -33,9 +33,21 @@ class ServiceSettings(BaseModel):
     config: str | None = Field(None, description="experiment config YAML (also --config)")
     tls_cert: str | None = Field(None, description="PEM certificate: serve gRPC and HTTP over TLS (with tls_key)")
     tls_key: str | None = Field(None, repr=False, description="PEM private key for tls_cert")
+    tls_ca: str | None = Field(
+        None,
+        description="PEM CA bundle that signs the peers' certificates: this service's gRPC and HTTP clients "
+        "(rollout -> reward/reference, trainer -> rollout, rlhf up -> /readyz) then use TLS; without it they use TLS "
+        "with the system roots when this service serves TLS, else plaintext",
+    )
     max_message_bytes: int = Field(64 * MiB, gt=0, description="largest gRPC message received (and sent)")
     max_body_bytes: int = Field(8 * MiB, gt=0, description="largest HTTP request body; larger gets 413")
     shutdown_grace_s: float = Field(10.0, ge=0, description="seconds in-flight requests get after SIGTERM")
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, description="seconds an HTTP client has to send a request's line and headers (slow: closed, 408)"
+    )
+    http_body_timeout_s: float = Field(
+        60.0, gt=0, description="seconds an HTTP client has to send a request's body once its headers arrived"
+    )
     log_level: str = Field("info", description="debug, info, warning, error")
     device: str | None = Field(None, description="override the config's device: auto, cpu, cuda, npu")
     redis_url: str | None = Field(None, repr=False, description="redis://[:password@]host:port/db")
@@ -72,6 +84,7 @@ class ServiceSettings(BaseModel):
     @field_validator(
         "tls_cert",
         "tls_key",
+        "tls_ca",
         "api_token",
         "config",
         "device",
@@ -91,6 +104,11 @@ class ServiceSettings(BaseModel):
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert and self.tls_key)
+
+    @property
+    def client_tls(self) -> bool:
+        """Whether this service's clients connect to peers over TLS: a ring runs TLS everywhere or nowhere."""
+        return bool(self.tls_ca) or self.tls
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ServiceSettings:

@@ -1,18 +1,28 @@
 """Protobuf codecs of the stream records, with the checks a record must pass before a consumer sees it.
 
-A record that fails (bytes that do not parse, required fields missing, inconsistent lengths) raises
-:class:`MalformedRecord` with a reason; the queues turn that into a dead letter, never into an exception in the
-consumer loop. Producers get the same checks as a ``ValueError`` before anything is written.
+A record that fails (bytes that do not parse, a record of the other type, required fields missing, inconsistent
+lengths) raises :class:`MalformedRecord` with a reason; the queues turn that into a dead letter, never into an
+exception in the consumer loop. Producers get the same checks as a ``ValueError`` before anything is written.
+
+Record type: PromptJob and Experience share field numbers and wire types, so the bytes of one parse as the other.
+:func:`encode` tags every record (``record_type``) and the decoders refuse a record tagged as the other type.
+Records written before the tag (``RECORD_TYPE_UNSPECIFIED``) are still accepted, unless a field number the
+expected type knows arrives with another wire type: protobuf keeps such a field as unknown, and it only happens
+when the bytes are another message (an untagged Experience read as a PromptJob carries its replica_id that way).
 """
 
 from __future__ import annotations
 
 import math
 
+from google.protobuf import unknown_fields
+from google.protobuf.message import Message
+
 from rlhf.v1 import common_pb2, experience_pb2
 
 PromptJob = experience_pb2.PromptJob
 Experience = experience_pb2.Experience
+RECORD_TYPES = {PromptJob: experience_pb2.RECORD_TYPE_PROMPT_JOB, Experience: experience_pb2.RECORD_TYPE_EXPERIENCE}
 
 MAX_JOB_ID_CHARS = 256
 
@@ -95,6 +105,39 @@ def check_token_ids(exp: Experience, vocab_size: int) -> None:
             )
 
 
+def _wire_type_clash(msg: Message) -> str | None:
+    """The path of a field whose number ``msg``'s type knows but that arrived with another wire type, if any."""
+    known = msg.DESCRIPTOR.fields_by_number
+    for f in unknown_fields.UnknownFieldSet(msg):
+        if f.field_number in known:
+            return known[f.field_number].name
+    for fd, value in msg.ListFields():
+        if fd.message_type is None or fd.message_type.GetOptions().map_entry:
+            continue
+        for i, sub in enumerate(value if fd.is_repeated else [value]):
+            inner = _wire_type_clash(sub)
+            if inner is not None:
+                return f"{fd.name}[{i}].{inner}" if fd.is_repeated else f"{fd.name}.{inner}"
+    return None
+
+
+def _check_record_type(msg: PromptJob | Experience, what: str) -> None:
+    want = RECORD_TYPES[type(msg)]
+    got = msg.record_type
+    if got == want:
+        return
+    if got != experience_pb2.RECORD_TYPE_UNSPECIFIED:
+        name = experience_pb2.RecordType.Name(got) if got in experience_pb2.RecordType.values() else str(got)
+        raise MalformedRecord(
+            f"the record is tagged {name}, but {what} records are expected: it was written to the wrong stream"
+        )
+    clash = _wire_type_clash(msg)
+    if clash is not None:
+        raise MalformedRecord(
+            f"the record is not a {what}: its field {clash} has another wire type (another message's bytes?)"
+        )
+
+
 def _decode(cls, data: bytes | None, what: str):
     if data is None:
         raise MalformedRecord(f"the entry has no payload field; expected a serialized {what}")
@@ -103,6 +146,8 @@ def _decode(cls, data: bytes | None, what: str):
         msg.ParseFromString(bytes(data))
     except Exception as err:  # DecodeError, or anything else the parser throws at garbage
         raise MalformedRecord(f"payload is not a valid {what} protobuf ({type(err).__name__}: {err})") from None
+    _check_record_type(msg, what)
+    msg.ClearField("record_type")  # a wire-level tag: decoded records equal the messages that were encoded
     return msg
 
 
@@ -124,5 +169,11 @@ def decode_experience(data: bytes | None, run_id: str | None = None) -> Experien
     return exp
 
 
+# ``record_type`` (field 15, varint) as wire bytes: appended to a serialized message it sets the field (the last
+# value of a scalar wins), so encode() tags a record without touching the caller's message.
+_TAGS = {cls: bytes([15 << 3, value]) for cls, value in RECORD_TYPES.items()}
+
+
 def encode(msg: PromptJob | Experience) -> bytes:
-    return msg.SerializeToString()
+    """The record's bytes, tagged with its type."""
+    return msg.SerializeToString() + _TAGS[type(msg)]

@@ -569,12 +569,24 @@ async def _push_over_data_plane(
 async def push_weights_many(
     targets: Iterable[str],
     packed: PackedWeights,
+    *,
+    server_names: Mapping[str, str] | None = None,
     **kwargs: Any,
 ) -> dict[str, weights_pb2.UpdateWeightsResponse | BaseException]:
     """:func:`push_weights` of one packed update to several replicas concurrently; per target the response or
-    the exception (a failed replica does not stop the others)."""
+    the exception (a failed replica does not stop the others). ``server_names``: per target, the name its TLS
+    certificate is checked against when that is not the target's host (a service name the caller resolved to one
+    address per replica: the certificate names the service, not the pod's address)."""
     targets = list(targets)
-    results = await asyncio.gather(*(push_weights(t, packed, **kwargs) for t in targets), return_exceptions=True)
+
+    def one(target: str):
+        name = (server_names or {}).get(target)
+        if name is None:
+            return push_weights(target, packed, **kwargs)
+        options = [*kwargs.get("options", ()), ("grpc.ssl_target_name_override", name)]
+        return push_weights(target, packed, **{**kwargs, "options": options})
+
+    results = await asyncio.gather(*(one(t) for t in targets), return_exceptions=True)
     return dict(zip(targets, results, strict=True))
 
 
@@ -690,6 +702,8 @@ def _check_header(
             raise CorruptUpdate(f"tensor {t.name!r} is listed twice")
         if any(d < 0 for d in t.shape):
             raise CorruptUpdate(f"tensor {t.name!r} has a negative dimension")
+        if t.dtype not in _TORCH_DTYPES:
+            raise CorruptUpdate(f"tensor {t.name!r} has an unknown dtype {t.dtype!r}")
         per_bucket[t.bucket][t.name] = (t.dtype, tuple(t.shape))
     for i, m in enumerate(per_bucket):
         if not m:
@@ -705,11 +719,31 @@ def _check_header(
             )
         for name, (dt, shape) in got.items():
             edt, eshape = expected[name]
-            if dt != edt or tuple(shape) != tuple(eshape):
+            if (edt is not None and dt != edt) or tuple(shape) != tuple(eshape):
                 raise IncompatibleUpdate(
-                    f"tensor {name!r} is {dt}{list(shape)} in the update but {edt}{list(eshape)} in the served model"
+                    f"tensor {name!r} is {dt}{list(shape)} in the update but {edt or ''}{list(eshape)} in the "
+                    "served model"
                 )
+    # Every bucket's size follows from its tensors' dtypes and shapes (plus its JSON header): an announced size
+    # is checked before a buffer is allocated for it, so a header cannot make the replica allocate more than the
+    # tensors it lists (and, with ``expected``, than the served model's tensors) need.
+    for i, (b, m) in enumerate(zip(h.buckets, per_bucket, strict=True)):
+        data = sum(_TORCH_DTYPES[dt].itemsize * math.prod(shape) for dt, shape in m.values())
+        slack = _bucket_header_allowance(m)
+        if not 8 + data <= b.nbytes <= 8 + data + slack:
+            raise CorruptUpdate(
+                f"header.buckets[{i}].nbytes is {b.nbytes}, but its tensors need {data} bytes of data plus a "
+                f"safetensors header of at most {slack} bytes",
+                field=f"header.buckets[{i}].nbytes",
+            )
     return per_bucket
+
+
+def _bucket_header_allowance(manifest: Manifest) -> int:
+    """The largest safetensors JSON header a bucket of these tensors can have: per tensor its name (JSON-escaped,
+    up to 6 characters per character), dtype, shape and offsets; plus room for ``__metadata__`` and padding."""
+    per_tensor = sum(6 * len(name) + 80 + 21 * (len(shape) + 2) for name, (_, shape) in manifest.items())
+    return 64 * 1024 + per_tensor
 
 
 class BufferPool:
@@ -814,7 +848,9 @@ async def receive_update(
     size and filled chunk by chunk, no join, no parse copy) plus the chunk being hashed. The sha256 of each bucket is
     computed chunk by chunk in a worker thread (hashlib releases the GIL) while the next chunks arrive. Nothing is
     staged unless every bucket and the manifest check out.
-    ``expected`` (see :func:`manifest_of`): refuse updates whose names/dtypes/shapes differ from the served model.
+    ``expected`` (see :func:`manifest_of`): refuse updates whose names/dtypes/shapes differ from the served model
+    (a dtype of None accepts any dtype for that tensor: the engine converts it). Bucket sizes are checked against the
+    listed tensors before anything is allocated.
     ``pool``: take the bucket buffers from it (see :class:`BufferPool`), else allocate them.
     """
     t0 = time.perf_counter()

@@ -1,5 +1,6 @@
 from rlhf.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,8 +8,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RecordType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RECORD_TYPE_UNSPECIFIED: _ClassVar[RecordType]
+    RECORD_TYPE_PROMPT_JOB: _ClassVar[RecordType]
+    RECORD_TYPE_EXPERIENCE: _ClassVar[RecordType]
+RECORD_TYPE_UNSPECIFIED: RecordType
+RECORD_TYPE_PROMPT_JOB: RecordType
+RECORD_TYPE_EXPERIENCE: RecordType
+
 class PromptJob(_message.Message):
-    __slots__ = ("job_id", "run_id", "data_index", "epoch", "prompt_ids", "prompt_text", "label", "params", "issued_policy_version", "issued_at_unix_ms", "metadata")
+    __slots__ = ("job_id", "run_id", "data_index", "epoch", "prompt_ids", "prompt_text", "label", "params", "issued_policy_version", "issued_at_unix_ms", "metadata", "record_type")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +37,7 @@ class PromptJob(_message.Message):
     ISSUED_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     ISSUED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    RECORD_TYPE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     run_id: str
     data_index: int
@@ -38,7 +49,8 @@ class PromptJob(_message.Message):
     issued_policy_version: int
     issued_at_unix_ms: int
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, job_id: _Optional[str] = ..., run_id: _Optional[str] = ..., data_index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., label: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., issued_policy_version: _Optional[int] = ..., issued_at_unix_ms: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    record_type: RecordType
+    def __init__(self, job_id: _Optional[str] = ..., run_id: _Optional[str] = ..., data_index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., label: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., issued_policy_version: _Optional[int] = ..., issued_at_unix_ms: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., record_type: _Optional[_Union[RecordType, str]] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("response_ids", "sampling_logprobs", "ref_logprobs", "score", "score_status", "score_error", "score_components", "finish_reason", "policy_version", "response_text")
@@ -72,7 +84,7 @@ class Sample(_message.Message):
     def __init__(self, response_ids: _Optional[_Iterable[int]] = ..., sampling_logprobs: _Optional[_Iterable[float]] = ..., ref_logprobs: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., score_status: _Optional[_Union[_common_pb2.ItemStatus, str]] = ..., score_error: _Optional[str] = ..., score_components: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., response_text: _Optional[str] = ...) -> None: ...
 
 class Experience(_message.Message):
-    __slots__ = ("job_id", "run_id", "data_index", "epoch", "prompt_ids", "prompt_text", "label", "samples", "replica_id", "created_at_unix_ms", "issued_policy_version")
+    __slots__ = ("job_id", "run_id", "data_index", "epoch", "prompt_ids", "prompt_text", "label", "samples", "replica_id", "created_at_unix_ms", "issued_policy_version", "record_type")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +96,7 @@ class Experience(_message.Message):
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ISSUED_POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECORD_TYPE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     run_id: str
     data_index: int
@@ -95,4 +108,5 @@ class Experience(_message.Message):
     replica_id: str
     created_at_unix_ms: int
     issued_policy_version: int
-    def __init__(self, job_id: _Optional[str] = ..., run_id: _Optional[str] = ..., data_index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., label: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., replica_id: _Optional[str] = ..., created_at_unix_ms: _Optional[int] = ..., issued_policy_version: _Optional[int] = ...) -> None: ...
+    record_type: RecordType
+    def __init__(self, job_id: _Optional[str] = ..., run_id: _Optional[str] = ..., data_index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., label: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., replica_id: _Optional[str] = ..., created_at_unix_ms: _Optional[int] = ..., issued_policy_version: _Optional[int] = ..., record_type: _Optional[_Union[RecordType, str]] = ...) -> None: ...

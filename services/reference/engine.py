@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 from dataclasses import dataclass
 
 from rlhf.config import ExperimentConfig
-from rlhf.serving import InvalidArgument, NotReady, ServiceMetrics
+from rlhf.serving import Internal, InvalidArgument, NotReady, ServiceMetrics
 from rlhf.serving.batching import MicroBatcher
 
 log = logging.getLogger("rlhf.reference")
@@ -33,6 +32,14 @@ MERGE_MICRO_BATCHES = 8
 MERGE_MAX_TOKENS = 1 << 17
 # Requests with more ids than this are validated in a worker thread, not on the event loop.
 OFFLOAD_IDS = 1 << 16
+# Logits are divided by the temperature in float32: 1e-300 is 0 there and gave NaN / -inf "log-probs". Below the
+# rollout's greedy threshold (services.rollout.engine.GREEDY_EPS) no sampled policy matches anyway.
+MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 1e6
+
+
+class NonFiniteOutput(Internal):
+    """The model computed NaN or inf for a valid request: an error (500), never a result."""
 
 
 @dataclass
@@ -80,6 +87,11 @@ class ReferenceEngine:
         model = load_causal_lm(path, device=self.device).eval()
         for p in model.parameters():
             p.requires_grad_(False)
+        if not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"reference temperature {self.temperature} is outside [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] "
+                "(actor_rollout_ref.ref.temperature, else actor_rollout.temperature)"
+            )
         self.pad_token_id = int(tok.pad_token_id)
         self.vocab_size = int(model.config.vocab_size)
         self.max_len = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
@@ -116,10 +128,10 @@ class ReferenceEngine:
             raise InvalidArgument("items is empty: send at least one {prompt_ids, response_ids} item", "items")
         if len(items) > self.max_items:
             raise InvalidArgument(f"items has {len(items)} entries; send at most {self.max_items} per request", "items")
-        if temperature is not None and not (math.isfinite(temperature) and temperature > 0):
+        if temperature is not None and not (MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):  # NaN fails too
             raise InvalidArgument(
-                f"temperature is {temperature}; send a value > 0 or leave it unset "
-                f"(the service default is {self.temperature})",
+                f"temperature is {temperature}; send a value in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] or leave "
+                f"it unset (the service default is {self.temperature})",
                 "temperature",
             )
         for i, it in enumerate(items):
@@ -178,7 +190,16 @@ class ReferenceEngine:
                 lp = logprobs_from_logits(logits[:, :-1], batch[:, 1:], temperature).float().cpu()
                 for r, k in enumerate(idx):
                     p, n = len(items[k].prompt_ids), len(items[k].response_ids)
-                    out[k] = lp[r, p - 1 : p - 1 + n].tolist()
+                    row = lp[r, p - 1 : p - 1 + n]
+                    if not bool(torch.isfinite(row).all()):  # never a NaN / -inf "log-prob" as a success
+                        j = int((~torch.isfinite(row)).nonzero()[0])
+                        raise NonFiniteOutput(
+                            f"the reference model gave a non-finite log-prob ({float(row[j])}) for "
+                            f"items[{k}].response_ids[{j}]; nothing was returned (the model's weights or this "
+                            "temperature overflow float32)",
+                            f"items[{k}].response_ids[{j}]",
+                        )
+                    out[k] = row.tolist()
         return out
 
     def _micro_batches(self, order: list[int], seqs: list[list[int]]) -> list[list[int]]:

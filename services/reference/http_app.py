@@ -8,7 +8,7 @@ from fastapi import FastAPI, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from rlhf.serving import ServiceMetrics, ServiceSettings, create_app, json_response
-from services.reference.engine import MAX_ITEMS, LogProbsItem, ReferenceEngine
+from services.reference.engine import MAX_ITEMS, MAX_TEMPERATURE, MIN_TEMPERATURE, LogProbsItem, ReferenceEngine
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
 
@@ -25,7 +25,11 @@ class LogProbsItemIn(_Model):
 class LogProbsRequestIn(_Model):
     items: list[LogProbsItemIn] = Field(min_length=1, max_length=MAX_ITEMS)
     temperature: float | None = Field(
-        None, gt=0, le=1e6, allow_inf_nan=False, description="default: the service's configured temperature"
+        None,
+        ge=MIN_TEMPERATURE,
+        le=MAX_TEMPERATURE,
+        allow_inf_nan=False,
+        description="default: the service's configured temperature",
     )
 
 

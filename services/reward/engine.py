@@ -109,6 +109,8 @@ class RuleScorer(Scorer):
         self.builtin = (cfg.name or "") in rules.RULES
         self.kwargs = dict(cfg.kwargs)
         rules.check_kwargs(self.fn, self.kwargs, cfg.name or "")
+        if self.builtin:
+            self.kwargs = rules.prepare_kwargs(cfg.name or "", self.kwargs)
         self.wants_sample = rules.accepts_sample(self.fn)
         self.count_tokens = count_tokens
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import FastAPI, Response
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from rlhf.serving import (
     DeadlineExceeded,
@@ -16,18 +16,10 @@ from rlhf.serving import (
     create_app,
     json_response,
 )
+from rlhf.serving.http import Utf8Text
 from services.reward.engine import INVALID_INPUT, MAX_ITEMS, OK, STATUSES, TIMEOUT, Item, RewardEngine
 
-
-def _utf8(v: str) -> str:
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError("text must be valid UTF-8 (it contains a lone surrogate)") from None
-    return v
-
-
-Text = Annotated[str, AfterValidator(_utf8)]
+Text = Utf8Text
 TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
 
 

@@ -126,18 +126,54 @@ def exact_match(prompt: str, response: str, label: str | None, *, extract: bool 
     return 0.0
 
 
-def regex(
-    prompt: str, response: str, label: str | None, *, pattern: str | None = None, mode: str = "search", flags: str = ""
-) -> float:
-    """1.0 when ``pattern`` (or, without it, the label as a pattern) matches the response (``search``/``fullmatch``)."""
-    pat = pattern if pattern is not None else _need_label(label, "regex")
+REGEX_MODES = ("search", "match", "fullmatch")
+REGEX_FLAGS = {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL}
+
+
+def compile_regex(pattern: str, flags: str = "", mode: str = "search") -> re.Pattern[str]:
+    """The ``regex`` rule's pattern, compiled once when the scorer is built (a bad pattern fails at start-up)."""
+    if mode not in REGEX_MODES:
+        raise ValueError(f"regex: mode must be search, match or fullmatch, got {mode!r}")
+    unknown = sorted(set(flags) - set(REGEX_FLAGS))
+    if unknown:
+        raise ValueError(f"regex: unknown flags {unknown}; use any of i, m, s")
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError("regex: pattern must be a non-empty string")
     fl = 0
     for ch in flags:
-        fl |= {"i": re.IGNORECASE, "m": re.MULTILINE, "s": re.DOTALL}.get(ch, 0)
-    rx = re.compile(pat, fl)
-    if mode not in ("search", "fullmatch", "match"):
-        raise ValueError(f"regex mode must be search, match or fullmatch, got {mode!r}")
+        fl |= REGEX_FLAGS[ch]
+    try:
+        return re.compile(pattern, fl)
+    except re.error as err:
+        raise ValueError(f"regex: pattern {pattern!r} does not compile: {err}") from None
+
+
+def regex(
+    prompt: str,
+    response: str,
+    label: str | None,
+    *,
+    pattern: str | re.Pattern[str],
+    mode: str = "search",
+    flags: str = "",
+) -> float:
+    """1.0 when ``pattern`` matches the response (``search``, ``match`` or ``fullmatch``), else 0.0.
+
+    The pattern comes from the scorer's config only and is required; the item's label is never used as a pattern.
+    A pattern sent by a client can backtrack for seconds (``^(a+)+$`` on 28 characters: 6 s) and ``re`` holds the
+    GIL meanwhile, so even a worker thread would stall the service's event loop. To compare with a label, use
+    ``exact_match`` (the label as literal text).
+    """
+    rx = pattern if isinstance(pattern, re.Pattern) else compile_regex(pattern, flags, mode)
     return 1.0 if getattr(rx, mode)(response) else 0.0
+
+
+def prepare_kwargs(name: str, kwargs: dict) -> dict:
+    """A built-in rule's config kwargs made ready once, at start-up (``regex``: the pattern compiled)."""
+    if name == "regex":
+        kwargs = dict(kwargs)
+        kwargs["pattern"] = compile_regex(kwargs.get("pattern"), kwargs.get("flags", ""), kwargs.get("mode", "search"))
+    return kwargs
 
 
 def length(

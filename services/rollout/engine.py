@@ -67,6 +67,9 @@ MAX_STOP_LEN = 256  # characters per stop string
 MAX_TEMPERATURE = 2.0  # vLLM 0.32 refuses more
 MAX_SEED = 2**63 - 1 - MAX_N  # sample j uses seed + j
 GREEDY_EPS = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
+# Prompt texts longer than this (in all) are tokenised in a worker thread: a 7 MB prompt took seconds on the event
+# loop, and health checks waited (the tokenizer releases the GIL, so the loop keeps answering meanwhile).
+OFFLOAD_CHARS = 1 << 16
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -307,6 +310,13 @@ class EngineBase:
     def ready(self) -> bool:
         return self._ready
 
+    def weight_manifest(self) -> dict[str, tuple[None, tuple[int, ...]]]:
+        """What a weight update must hold: name -> (dtype, shape) of every parameter, in the form
+        ``rlhf.transport.WeightReceiver(expected=...)`` takes (dtype None: any, the engine converts it). It bounds
+        the sizes an update header may announce before the receiver allocates anything."""
+        self.check_ready()  # known once the model is loaded
+        return {name: (None, shape) for name, shape in self._manifest.items()}
+
     def check_ready(self) -> None:
         """Raise NotReady (503 / UNAVAILABLE) unless the model is loaded and serving."""
         if not self._ready:
@@ -317,6 +327,25 @@ class EngineBase:
         self._ready = True
 
     # ------------------------------------------------------------------------------------------------ requests
+
+    async def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of prompt texts with the served model's tokenizer (as given: no chat template). Raises
+        InvalidArgument for text that is not valid Unicode (a lone surrogate cannot be tokenised)."""
+        self.check_ready()  # the tokenizer comes with the model
+        for i, t in enumerate(texts):
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidArgument(
+                    "the prompt is not valid UTF-8 (it contains a lone surrogate)", field=f"prompt[{i}]"
+                ) from None
+
+        def encode() -> list[list[int]]:
+            return [list(self._tokenizer.encode(t)) for t in texts]
+
+        if sum(len(t) for t in texts) > OFFLOAD_CHARS:
+            return await asyncio.to_thread(encode)
+        return encode()
 
     def validate(self, prompts: list[list[int]], params: SamplingOptions, field: str = "prompt") -> SamplingOptions:
         """Check a request against this model; returns the options with ``max_tokens`` capped to the context.

@@ -49,20 +49,19 @@ def options_from_proto(p: common_pb2.SamplingParams, defaults: dict[str, Any]) -
     )
 
 
-def prompt_ids_from_proto(engine: EngineBase, prompts: Any) -> list[list[int]]:
+async def prompt_ids_from_proto(engine: EngineBase, prompts: Any) -> list[list[int]]:
     engine.check_ready()  # the tokenizer comes with the model
-    out = []
+    texts = []
     for i, p in enumerate(prompts):
         kind = p.WhichOneof("content")
-        if kind == "token_ids":
-            out.append(list(p.token_ids.ids))
-        elif kind == "text":
+        if kind == "text":
             if not p.text:
                 raise InvalidArgument("the prompt text is empty", field=f"prompts[{i}].text")
-            out.append(list(engine.tokenizer.encode(p.text)))
-        else:
+            texts.append(p.text)
+        elif kind != "token_ids":
             raise InvalidArgument("the prompt has neither text nor token_ids: set one", field=f"prompts[{i}]")
-    return out
+    encoded = iter(await engine.encode_texts(texts) if texts else [])
+    return [next(encoded) if p.WhichOneof("content") == "text" else list(p.token_ids.ids) for p in prompts]
 
 
 def add_to_server(servicer: RolloutServicer, server: Any) -> None:
@@ -115,7 +114,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
     @grpc_errors("Generate")
     async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:  # noqa: N802
-        prompts = prompt_ids_from_proto(self.engine, request.prompts)
+        prompts = await prompt_ids_from_proto(self.engine, request.prompts)
         opts = options_from_proto(request.params, self.engine.defaults)
         self.metrics.observe_batch("Generate", len(prompts) * max(1, opts.n))
         results = await self.engine.generate(prompts, opts, field="prompts")
@@ -137,8 +136,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @grpc_errors("UpdateWeights")
     async def UpdateWeights(self, request_iterator, context) -> weights_pb2.UpdateWeightsResponse:  # noqa: N802
         require_grpc_token(context, self.settings)
-        # the engine is the source of truth for the served version (the receiver refuses anything not newer)
-        self.receiver.current_version = self.engine.weights_version
+        self._sync_receiver()
         staged = await self.receiver.receive(request_iterator)  # raises: nothing staged, the old weights serve
         return await self._swap(staged)
 
@@ -147,7 +145,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         require_grpc_token(context, self.settings)
         if self.data is None:
             return weights_pb2.OpenWeightsTransferResponse(data_port=0)  # the client streams over UpdateWeights
-        self.receiver.current_version = self.engine.weights_version
+        self._sync_receiver()
         ticket, ttl = await self.data.open(request.header)  # raises like UpdateWeights on a bad header
         return weights_pb2.OpenWeightsTransferResponse(ticket=ticket, data_port=self.data.port, ticket_ttl_seconds=ttl)
 
@@ -158,6 +156,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             raise InvalidArgument("this replica has no weights data plane: nothing to commit", field="ticket")
         staged = await self.data.take(request.ticket)  # raises: nothing staged, the old weights serve
         return await self._swap(staged)
+
+    def _sync_receiver(self) -> None:
+        """The engine is the source of truth for the served version (the receiver refuses anything not newer) and
+        for the parameters an update must match (names and shapes, checked before any buffer is allocated)."""
+        self.receiver.expected = self.engine.weight_manifest()
+        self.receiver.current_version = self.engine.weights_version
 
     async def _swap(self, staged) -> weights_pb2.UpdateWeightsResponse:
         result = await self.engine.swap_weights(staged.tensors, staged.version, staged.checksum)

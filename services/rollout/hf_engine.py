@@ -264,6 +264,14 @@ class HFEngine(EngineBase):
         past = None
         inp, inp_pos = ids, pos
         for _ in range(steps):
+            # A caller that went away (HTTP client disconnected, gRPC call cancelled) cancelled its futures: its
+            # rows stop here instead of decoding to max_tokens for nobody.
+            for i, r in enumerate(rows):
+                if active[i] and r.future.cancelled():
+                    active[i] = False
+                    r.finish = "abort"
+            if not any(active):
+                break
             out = self.model(input_ids=inp, attention_mask=mask, position_ids=inp_pos, past_key_values=past,
                              use_cache=True, return_dict=True)  # fmt: skip
             past = out.past_key_values

@@ -21,10 +21,18 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
-from rlhf.serving import InvalidArgument, ServiceMetrics, ServiceSettings, create_app, json_response
+from rlhf.serving import (
+    InvalidArgument,
+    ServiceMetrics,
+    ServiceSettings,
+    cancel_on_disconnect,
+    create_app,
+    json_response,
+)
+from rlhf.serving.http import Utf8Text
 from services.rollout.engine import (
     MAX_N,
     MAX_SEED,
@@ -53,7 +61,7 @@ class _Sampling(_Model):
     temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, description="0: greedy (default: the service's)")
     top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling (default: the service's)")
     top_k: StrictInt | None = Field(None, ge=-1, description="-1 or 0: off (default: the service's)")
-    stop: str | list[str] | None = Field(None, description="stop string(s); not included in the text")
+    stop: Utf8Text | list[Utf8Text] | None = Field(None, description="stop string(s); not included in the text")
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP, description="token ids that end a sample")
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="sample j uses seed + j: reproducible")
     ignore_eos: StrictBool = Field(False, description="keep generating after EOS")
@@ -67,7 +75,7 @@ class _Sampling(_Model):
 
 class CompletionRequest(_Sampling):
     model: str | None = Field(None, description="accepted for OpenAI compatibility; the served model answers")
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]] = Field(
+    prompt: Utf8Text | list[Utf8Text] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="the prompt(s): " + PROMPT_SHAPES
     )
     logprobs: StrictInt | None = Field(None, ge=0, le=20, description="return the sampled tokens' log-probs")
@@ -183,28 +191,26 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
         "tokens-in/tokens-out generation with per-token sampling log-probs, and the served weights version.",
     )
 
-    def encode_prompts(prompt: Any) -> list[list[int]]:
+    async def encode_prompts(prompt: Any) -> list[list[int]]:
         engine.check_ready()  # the tokenizer comes with the model
         if isinstance(prompt, str) or _is_int(prompt[0]):  # one prompt
             prompt = [prompt]
-        out = []
         for i, p in enumerate(prompt):
-            if isinstance(p, str):
-                if not p:
-                    where = f"prompt[{i}]" if len(prompt) > 1 else "prompt"
-                    raise InvalidArgument("the prompt is empty: send non-empty text or token ids", field=where)
-                out.append(list(engine.tokenizer.encode(p)))
-            else:
-                out.append(list(p))
-        return out
+            if isinstance(p, str) and not p:
+                where = f"prompt[{i}]" if len(prompt) > 1 else "prompt"
+                raise InvalidArgument("the prompt is empty: send non-empty text or token ids", field=where)
+        texts = [p for p in prompt if isinstance(p, str)]
+        encoded = iter(await engine.encode_texts(texts) if texts else [])
+        return [next(encoded) if isinstance(p, str) else list(p) for p in prompt]
 
+    # The engine call runs under cancel_on_disconnect: a client that hangs up cancels its generation.
     @app.post("/v1/completions", response_model=CompletionResponse, tags=["rollout"],
               summary="OpenAI-style completions with token ids, sampling log-probs, policy version")  # fmt: skip
-    async def completions(body: CompletionRequest) -> CompletionResponse:
-        prompts = encode_prompts(body.prompt)
+    async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
+        prompts = await encode_prompts(body.prompt)
         opts = body.options(engine.defaults)
         metrics.observe_batch("/v1/completions", len(prompts) * opts.n)
-        results = await engine.generate(prompts, opts, field="prompt")
+        results = await cancel_on_disconnect(request, engine.generate(prompts, opts, field="prompt"))
         choices = []
         for r in results:
             for s in r.samples:
@@ -234,10 +240,11 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
     @app.post("/v1/generate", response_model=None, tags=["rollout"],
               responses={200: {"model": GenerateResponse, "description": "one result per prompt, in order"}},
               summary="token ids in; token ids, sampling log-probs and finish reasons out")  # fmt: skip
-    async def generate(body: GenerateRequest) -> Response:
+    async def generate(body: GenerateRequest, request: Request) -> Response:
         opts = body.options(engine.defaults)
         metrics.observe_batch("/v1/generate", len(body.prompt_token_ids) * opts.n)
-        results = await engine.generate([list(p) for p in body.prompt_token_ids], opts, field="prompt_token_ids")
+        prompts = [list(p) for p in body.prompt_token_ids]
+        results = await cancel_on_disconnect(request, engine.generate(prompts, opts, field="prompt_token_ids"))
         return json_response(
             {
                 "request_id": f"gen-{uuid.uuid4().hex}",

@@ -405,7 +405,7 @@ class RolloutWorker:
         tok = self.engine.tokenizer
         prompt_ids = list(job.prompt_ids)
         if not prompt_ids:
-            prompt_ids = list(tok.encode(job.prompt_text))
+            (prompt_ids,) = await self.engine.encode_texts([job.prompt_text])
         prompt_text = job.prompt_text or tok.decode(prompt_ids, skip_special_tokens=True)
         opts = self.sampling_options(job.params)
         (result,) = await self.engine.generate([prompt_ids], opts)

@@ -35,6 +35,7 @@ from rlhf.serving import (
     open_channel,
     require_grpc_token,
 )
+from rlhf.serving.runner import client_credentials
 from rlhf.transport import (
     Admission,
     ExperienceQueue,
@@ -366,8 +367,9 @@ class Trainer:
                 if published is None or not addrs or (self._push_task is not None and not self._push_task.done()):
                     continue
                 lagging = []
+                names = await asyncio.to_thread(_tls_names, self.settings.rollout_addrs)
                 for addr in addrs:
-                    channel = open_channel(addr, self.settings)
+                    channel = open_channel(addr, self.settings, server_name=names.get(addr))
                     try:
                         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
                         served = await stub.GetWeightsVersion(weights_pb2.GetWeightsVersionRequest(), timeout=5)
@@ -393,7 +395,12 @@ class Trainer:
     async def _push_to(self, addrs: list[str], packed) -> None:
         from rlhf.transport import push_weights_many
 
-        results = await push_weights_many(addrs, packed, token=self.settings.api_token, timeout=120.0)
+        tls: dict = {}
+        creds = client_credentials(self.settings)
+        if creds is not None:  # TLS ring: verify each replica against its service's name, not its pod address
+            names = await asyncio.to_thread(_tls_names, self.settings.rollout_addrs)
+            tls = {"tls": creds, "server_names": names}
+        results = await push_weights_many(addrs, packed, token=self.settings.api_token, timeout=120.0, **tls)
         for addr, res in results.items():
             if isinstance(res, BaseException):
                 log.warning("weight sync to %s failed: %s", addr, res)
@@ -451,6 +458,11 @@ class Trainer:
             metrics={k: float(v) for k, v in m.items()},
             samples_trained=self.samples_trained,
         )
+
+
+def _tls_names(addrs: list[str]) -> dict[str, str]:
+    """Expanded target -> the host name it was resolved from (for TLS name checks)."""
+    return {t: a.rpartition(":")[0].strip("[]") for a in addrs for t in expand_targets([a]) if t != a}
 
 
 def expand_targets(addrs: list[str]) -> list[str]:

@@ -259,6 +259,26 @@ def test_rollout_weight_data_port_is_open_to_the_trainer_only_and_off_under_tls(
     assert not _rules_for_port(tls.component("NetworkPolicy", "rollout"), "weights-data")
 
 
+def test_tls_gives_the_clients_the_ca(rendered, helm):
+    """Issue 17.5: with tls.enabled the services serve TLS, so their clients (rollout -> reward/reference, trainer ->
+    rollout) need the CA that signed the peers' certificate: RLHF_TLS_CA from the mounted Secret."""
+    for comp, kind in (("rollout", "Deployment"), ("trainer", "StatefulSet")):
+        (c,) = containers(rendered["default"].component(kind, comp))
+        assert "RLHF_TLS_CA" not in env_of(c)
+    tls = render(helm, "--set", "tls.enabled=true", "--set", "tls.existingSecret=t", "--set", "tls.caKey=root.pem")
+    for comp, kind in (("rollout", "Deployment"), ("trainer", "StatefulSet"), ("reward", "Deployment"),
+                       ("reference", "Deployment")):  # fmt: skip
+        (c,) = containers(tls.component(kind, comp))
+        env = env_of(c)
+        assert env["RLHF_TLS_CERT"]["value"] == "/etc/rlhf-tls/tls.crt"
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert mounts["tls"] == "/etc/rlhf-tls"
+        if comp in ("rollout", "trainer"):
+            assert env["RLHF_TLS_CA"]["value"] == "/etc/rlhf-tls/root.pem", comp
+        else:  # servers only: they open no channel to a peer
+            assert "RLHF_TLS_CA" not in env, comp
+
+
 def test_network_policy_opens_listed_peers(helm):
     admin = '{"podSelector": {"matchLabels": {"role": "ops"}}}'
     r = render(helm, "--set-json", f"networkPolicy.adminFrom=[{admin}]")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import math
 import os
 import re
 import signal
@@ -432,3 +433,99 @@ def test_rlhf_up_ctrl_c_stops_every_process(tmp_path, tiny_models):
     while any(_group_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if _group_alive(p)], text
+
+
+def _certificates(d: Path) -> dict[str, str]:
+    """A CA and a server certificate it signed for 127.0.0.1 / localhost (PEM files in ``d``)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(subject: str, key, issuer: str, issuer_key, ca: bool) -> x509.Certificate:
+        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+             .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)])).public_key(key.public_key())
+             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))  # fmt: skip
+        if not ca:
+            names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            b = b.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = cert("rlhf test CA", ca_key, "rlhf test CA", ca_key, True)
+    server = cert("rlhf services", key, "rlhf test CA", ca_key, False)
+    paths = {"RLHF_TLS_CA": d / "ca.pem", "RLHF_TLS_CERT": d / "cert.pem", "RLHF_TLS_KEY": d / "key.pem"}
+    paths["RLHF_TLS_CA"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths["RLHF_TLS_CERT"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    paths["RLHF_TLS_KEY"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                        serialization.NoEncryption()))  # fmt: skip
+    return {k: str(v) for k, v in paths.items()}
+
+
+def test_readiness_poll_says_when_the_certificate_does_not_verify(tmp_path):
+    """TLS without the right RLHF_TLS_CA: a clear error at once, not a 600 s wait for readiness."""
+    import http.server
+    import ssl
+    import threading
+
+    pytest.importorskip("cryptography")
+    paths = _certificates(tmp_path)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(paths["RLHF_TLS_CERT"], paths["RLHF_TLS_KEY"])
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"https://127.0.0.1:{server.server_port}"
+    try:
+        with pytest.raises(launcher.LaunchError, match="RLHF_TLS_CA"):
+            launcher.http_ready(url, timeout=5, context=ssl.create_default_context())  # system roots only
+        trusted = ssl.create_default_context(cafile=paths["RLHF_TLS_CA"])
+        assert launcher.http_ready(url, timeout=5, context=trusted) is False  # verified; no /readyz there: 404
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not _ring_available(), reason="needs the trainer and rollout services")
+def test_rlhf_up_tls_ring(tmp_path, tiny_models):
+    """Issue 17.5: with RLHF_TLS_CERT/KEY/CA every service serves TLS only and every client (rollout -> reward and
+    reference, trainer -> rollout weight pushes, rlhf up -> /readyz) verifies its peer; the demo ring runs to the end.
+    A client left in plaintext would not get one answer from a TLS server, so the finished run is the proof."""
+    pytest.importorskip("cryptography")
+    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    run_dir = tmp_path / "run"
+    cfg["run_id"] = "tls"
+    cfg["training"].update(train_iters=2, global_batch_size=2, save_interval=2, save=str(run_dir / "checkpoints"),
+                           log_interval=1)  # fmt: skip
+    cfg["actor_rollout_ref"]["actor_rollout"].update(max_new_tokens=4, ppo_mini_batch_size=2, ppo_epochs=1)
+    cfg["critic"].update(critic_mini_batch_size=2, critic_update_epochs=1)
+    config = tmp_path / "tls.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+    env = dict(os.environ)
+    env.pop("RLHF_REDIS_URL", None)
+    env.update(_certificates(tmp_path), RLHF_ROLLOUT_ENGINE="hf")  # hf: a quicker start than vLLM
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir), "--quiet"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    logs = {p.stem: p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log")}
+    assert proc.returncode == 0, out + "\n".join(f"--- {k}\n{launcher.log_tail(run_dir / 'logs' / (k + '.log'))}"
+                                                 for k in logs)  # fmt: skip
+    assert "TLS on" in out and re.search(r"\[rlhf up\] \S+ ready", out), out
+    for name in ("reward", "reference", "rollout", "trainer"):  # each served gRPC and HTTP with TLS
+        assert re.search(r"gRPC on \S+, HTTP on \S+ \(TLS\)", logs[name]), (name, logs[name][-2000:])
+    assert "weight sync to" not in logs["trainer"], logs["trainer"][-3000:]  # every push reached the replica
+    records = report.load_metrics(run_dir / "metrics.jsonl")
+    assert max(r["step"] for r in records) == 2
+    assert all(r["staleness/max"] == 0 for r in records), records  # the replica served each new version
+    assert all(math.isfinite(r["reward/mean"]) for r in records)

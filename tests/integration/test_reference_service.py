@@ -178,3 +178,53 @@ def test_openapi_fuzz_finds_no_server_errors(ref_svc):
 
     assert fuzz_openapi(ref_svc.http_url, max_examples=30) > 50
     assert httpx.get(ref_svc.http_url + "/readyz").status_code == 200
+
+
+# ------------------------------------------------------------------------------------------------ issue 17.10
+
+
+def test_tiny_temperature_is_refused_not_nan(ref_svc, stub):
+    """Temperature 1e-300 is 0 in float32: the answer was NaN / -inf log-probs with 200. Now a clear 4xx."""
+    item = {"prompt_ids": [5, 6, 7], "response_ids": [8, 9]}
+    r = httpx.post(ref_svc.http_url + "/v1/logprobs", json={"items": [item], "temperature": 1e-300})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "temperature", r.text
+    with pytest.raises(grpc.RpcError) as e:
+        stub.LogProbs(reference_pb2.LogProbsRequest(items=[reference_pb2.LogProbsItem(**item)], temperature=1e-300))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in e.value.details()
+    # a small accepted temperature still gives finite log-probs
+    resp = stub.LogProbs(reference_pb2.LogProbsRequest(items=[reference_pb2.LogProbsItem(**item)], temperature=1e-4))
+    assert all(v == v and abs(v) != float("inf") for v in resp.results[0].logprobs)
+
+
+def test_non_finite_log_probs_are_an_error_not_a_result(tiny_models, start_service, tmp_path):
+    """A model that computes NaN (here: a reference model with a NaN weight) gets a 500 naming the item, never NaN
+    log-probs with 200 (JSON would even show them as null)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "nan-policy"
+    shutil.copytree(tiny_models.policy, model)
+    weights = load_file(str(model / "model.safetensors"))
+    head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    weights[head][8] = float("nan")  # the logit of token 8 is NaN, so is every log-softmax of that row
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    svc = start_service("reference", {"actor_rollout_ref": {"ref": {"load": str(model)}}})
+    r = httpx.post(svc.http_url + "/v1/logprobs", json={"items": [{"prompt_ids": [5, 6], "response_ids": [7, 8]}]})
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "non_finite_output" and err["field"] == "items[0].response_ids[0]", err
+    with grpc.insecure_channel(svc.grpc_addr) as ch, pytest.raises(grpc.RpcError) as e:
+        reference_pb2_grpc.ReferenceServiceStub(ch).LogProbs(
+            reference_pb2.LogProbsRequest(items=[reference_pb2.LogProbsItem(prompt_ids=[5], response_ids=[9])])
+        )
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "non-finite log-prob" in e.value.details()
+
+
+def test_undecodable_request_is_invalid_argument(ref_svc):
+    with grpc.insecure_channel(ref_svc.grpc_addr) as ch:
+        raw = ch.unary_unary("/rlhf.v1.ReferenceService/LogProbs", request_serializer=None,
+                             response_deserializer=None)  # fmt: skip
+        with pytest.raises(grpc.RpcError) as e:
+            raw(b"\x0a\xff\xff\xff\xff\x0f")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

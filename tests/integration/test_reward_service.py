@@ -365,3 +365,34 @@ def test_user_rule_and_bad_rule_config(tmp_path, monkeypatch):
     for bad, msg in bad_cases:
         with pytest.raises(ConfigError, match=msg.replace("[", r"\[").replace("]", r"\]")):
             RewardEngine(parse_config({"reward": {"scorers": [bad]}}))
+
+
+# ------------------------------------------------------------------------------------------------ regex (issue 17.7)
+
+EVIL = "^(a+)+$"  # catastrophic backtracking: ~6 s on 28 characters, doubling per character
+
+
+def test_regex_pattern_comes_from_the_config_only():
+    from rlhf.config import ConfigError
+
+    # without a pattern the label used to be compiled as one: now the scorer is refused at start-up
+    with pytest.raises(ConfigError, match=r"needs kwargs \['pattern'\]"):
+        RewardEngine(parse_config({"reward": {"scorers": [{"type": "rule", "name": "regex"}]}}))
+    for kwargs, msg in [({"pattern": "("}, "does not compile"), ({"pattern": "a", "flags": "x"}, "unknown flags"),
+                        ({"pattern": "a", "mode": "find"}, "mode must be")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=msg):
+            RewardEngine(parse_config({"reward": {"scorers": [{"type": "rule", "name": "regex", "kwargs": kwargs}]}}))
+    eng = RewardEngine(parse_config({"reward": {"scorers": [
+        {"type": "rule", "name": "regex", "kwargs": {"pattern": r"answer: \d+", "flags": "i"}}]}}))  # fmt: skip
+    eng.load()
+    assert isinstance(eng.scorers[0].kwargs["pattern"], __import__("re").Pattern)  # compiled once, at load
+    t0 = time.perf_counter()
+    out = _score(eng, [Item("p", "ANSWER: 42", label=EVIL), Item("p", "a" * 28 + "!", label=EVIL)])
+    assert time.perf_counter() - t0 < 1.0
+    assert [o.score for o in out] == [1.0, 0.0]
+
+
+def test_regex_without_pattern_refused_by_the_service(start_service):
+    svc = start_service("reward", {"reward": {"scorers": [{"type": "rule", "name": "regex"}]}}, wait_ready=False)
+    assert svc.wait(timeout=120) != 0
+    assert "needs kwargs ['pattern']" in svc.log_text()

@@ -663,3 +663,25 @@ def test_readme_rollout_examples_work(svc):
         if is_error:
             want = json.loads(expected)
             assert out["error"]["field"] == want["error"]["field"] and out["error"]["code"] == want["error"]["code"]
+
+
+def test_disconnected_client_aborts_its_vllm_requests(svc):
+    """Issue 17.8 on the vLLM engine: a REST client that hangs up cancels the call, which aborts its vLLM requests
+    (the engine's steps stop counting its sequences)."""
+
+    def engine_rows() -> float:  # sequences per engine step, summed (rlhf_batch_size{method="engine_step"})
+        m = re.search(r'^rlhf_batch_size_sum\{[^}]*method="engine_step"[^}]*\} (\S+)$',
+                      httpx.get(svc.http_url + "/metrics").text, re.M)  # fmt: skip
+        return float(m.group(1)) if m else 0.0
+
+    body = {"prompt_token_ids": [[2, 5, 6]] * 8, "n": 64, "max_tokens": 500, "ignore_eos": True, "seed": 3}
+    before = engine_rows()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(svc.http_url + "/v1/generate", json=body, timeout=httpx.Timeout(5.0, read=1.0))
+    time.sleep(1.5)
+    settled = engine_rows()
+    time.sleep(1.5)
+    assert engine_rows() == settled, (before, settled)
+    assert settled - before < 8 * 64 * 500 / 2, (before, settled)
+    r = httpx.post(svc.http_url + "/v1/generate", json={"prompt_token_ids": [[2, 5]], "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200

@@ -335,6 +335,87 @@ def test_tls_for_grpc_and_http(tmp_path):
     run_with(toy_runner(tls_cert=str(cert), tls_key=str(key), shutdown_grace_s=1), body, client_kw={"verify": ctx})
 
 
+def test_undecodable_protobuf_is_invalid_argument():
+    """Garbage request bytes are the client's mistake: INVALID_ARGUMENT on every method (it was UNKNOWN/INTERNAL)."""
+
+    async def body(runner, http):
+        async with channel(runner) as ch:
+            for method in ("/rlhf.v1.RewardService/Score", "/grpc.health.v1.Health/Check"):
+                raw = ch.unary_unary(method, request_serializer=None, response_deserializer=None)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await raw(b"\xff\xff\xff\x0f")
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value)
+                assert "not a valid protobuf message" in e.value.details()
+            # still serving, and a valid message still decodes
+            resp = await reward_pb2_grpc.RewardServiceStub(ch).Score(
+                reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="p")])
+            )
+            assert resp.results[0].score == 1.0
+
+    run_with(toy_runner(), body)
+
+
+async def _raw_http(port: int, chunks: list[bytes], pause: float, deadline: float) -> tuple[bytes, float]:
+    """Send ``chunks`` with ``pause`` between them (stopping when the server closes); returns what the server sent
+    and how long the connection stayed open (up to ``deadline`` s)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    t0 = time.perf_counter()
+    got = b""
+
+    async def trickle():
+        for c in chunks:
+            writer.write(c)
+            await writer.drain()
+            await asyncio.sleep(pause)
+
+    sender = asyncio.create_task(trickle())
+    try:
+        while time.perf_counter() - t0 < deadline:
+            data = await asyncio.wait_for(reader.read(65536), deadline)
+            if not data:
+                break
+            got += data
+    except (TimeoutError, ConnectionError):
+        pass
+    finally:
+        sender.cancel()
+        writer.close()
+    return got, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("impl", ["auto", "h11"])
+def test_slow_clients_are_closed_within_the_read_timeouts(impl, monkeypatch):
+    """Slowloris: headers sent one byte at a time get 408 and a closed connection after the header timeout; a body
+    that trickles is cut after the body timeout. A complete request that is slow to serve is not affected. On both
+    of uvicorn's HTTP implementations (auto: httptools when installed)."""
+    if impl == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        monkeypatch.setattr("rlhf.serving.http_deadline._base_protocol", lambda: H11Protocol)
+    request = b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 20\r\n\r\n"
+
+    async def body(runner, http):
+        port = runner.http_port
+        headers = [request[i : i + 1] for i in range(len(request))]
+        got, held = await _raw_http(port, headers, pause=0.1, deadline=10)
+        assert got.startswith(b"HTTP/1.1 408"), got
+        assert 0.9 < held < 2.5, held
+        got, held = await _raw_http(port, [request] + [b" "] * 20, pause=0.2, deadline=10)
+        assert got == b"" and 0.9 < held < 2.5, (got, held)  # cut: the app never answered
+        # idle connections (nothing sent at all) are closed too
+        got, held = await _raw_http(port, [], pause=0, deadline=10)
+        assert got.startswith(b"HTTP/1.1 408") and held < 2.5, (got, held)
+        # received in time, slow to serve (1 s, like the body timeout): answered
+        r = await http.post("/slow")
+        assert r.status_code == 200 and r.json() == {"done": True}
+        # a keep-alive connection serves request after request
+        for _ in range(3):
+            assert (await http.post("/echo", json={"a": 1})).json() == {"a": 1}
+            await asyncio.sleep(0.5)
+
+    run_with(toy_runner(http_header_timeout_s=1.0, http_body_timeout_s=1.0), body)
+
+
 # ---------------------------------------------------------------- real process
 
 

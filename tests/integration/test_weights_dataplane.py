@@ -47,6 +47,10 @@ class FakeEngine:
     model_name: str = "fake"
     swaps: int = 0
     tensors: dict | None = None
+    manifest: dict | None = None  # what updates must match (None: anything)
+
+    def weight_manifest(self) -> dict | None:
+        return self.manifest
 
     async def swap_weights(self, tensors, version, checksum) -> SwapResult:
         self.tensors, self.weights_version, self.weights_checksum = tensors, version, checksum
@@ -58,7 +62,7 @@ class Replica:
     def __init__(self, data_plane: bool = True, ttl: float = 10.0, expected=None):
         self.engine = FakeEngine()
         self.servicer = RolloutServicer(self.engine, ServiceSettings(api_token=TOKEN), ServiceMetrics("rollout"))
-        self.servicer.receiver.expected = expected
+        self.engine.manifest = expected
         self.data_plane, self.ttl = data_plane, ttl
 
     async def __aenter__(self) -> Replica:

@@ -211,6 +211,38 @@ def test_size_limits_and_expected_manifest():
         receive(msgs, expected=expected)
 
 
+def _announce(msgs, bucket: int, nbytes: int) -> None:
+    """Make the header claim ``nbytes`` for ``bucket`` (checksum and total kept consistent)."""
+    h = msgs[0].header
+    h.buckets[bucket].nbytes = nbytes
+    h.total_bytes = sum(b.nbytes for b in h.buckets)
+
+
+def test_announced_sizes_are_bounded_by_the_tensors_before_allocating():
+    """A header announcing 2^40 bytes raised MemoryError (smaller sizes were allocated at once): each bucket's size
+    must follow from its tensors' dtypes and shapes, and with ``expected`` those shapes are the served model's."""
+    sd = state_dict()
+    for nbytes in (1 << 40, 1 << 30, 7):
+        msgs = copy.deepcopy(messages(sd))
+        _announce(msgs, 0, nbytes)
+        with pytest.raises(CorruptUpdate, match=r"buckets\[0\].nbytes"):
+            receive(msgs)
+    # a tensor announced far larger than the model's: refused against the served model's shapes, any dtype allowed
+    msgs = copy.deepcopy(messages(sd))
+    h = msgs[0].header
+    big = next(t for t in h.tensors if t.name == "model.big")
+    big.shape[:] = [1 << 20, 1 << 20]
+    shapes = {k: (None, tuple(v.shape)) for k, v in sd.items()}
+    with pytest.raises(IncompatibleUpdate, match="model.big"):
+        receive(msgs, expected=shapes)
+    with pytest.raises(CorruptUpdate, match="unknown dtype"):
+        bad = copy.deepcopy(messages(sd))
+        bad[0].header.tensors[0].dtype = "F128"
+        receive(bad)
+    # what pack_weights makes passes, with dtype-free expectations too
+    assert_identical(receive(messages(sd), expected=shapes).tensors, sd)
+
+
 def test_receiver_takes_one_update_at_a_time():
     async def body():
         receiver = WeightReceiver(0)

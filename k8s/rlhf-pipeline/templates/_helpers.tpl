@@ -240,6 +240,10 @@ readinessProbe:
   value: /etc/rlhf-tls/tls.crt
 - name: RLHF_TLS_KEY
   value: /etc/rlhf-tls/tls.key
+{{- if or (eq .component "rollout") (eq .component "trainer") }}
+- name: RLHF_TLS_CA
+  value: {{ printf "/etc/rlhf-tls/%s" $v.tls.caKey | quote }}
+{{- end }}
 {{- end }}
 {{- if or (eq .component "rollout") (eq .component "trainer") }}
 {{- if $v.redis.enabled }}

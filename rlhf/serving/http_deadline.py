@@ -1,0 +1,98 @@
+"""Read deadlines for uvicorn's HTTP connections: a client must send each request in time, or it is closed.
+
+uvicorn has no such limit: ``timeout_keep_alive`` only covers the idle time after a response and is reset by every
+byte received, so a client trickling a header one byte per second (slowloris) holds a connection, a task and a file
+descriptor for as long as it likes, and ASGI middleware never runs before the headers are complete. This wraps
+uvicorn's protocol class (httptools or h11, whichever ``http="auto"`` picks) with two deadlines per request:
+
+- ``header_timeout``: from the connection's start (or the end of the previous response on a keep-alive connection)
+  until the request line and headers are in. Late: ``408 Request Timeout`` and the connection is closed.
+- ``body_timeout``: from the headers until the whole body is in. Late: the connection is closed (the app, waiting
+  in ``receive()``, gets ``http.disconnect``).
+
+A request that has been received completely is not limited: slow work and long responses are unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+log = logging.getLogger("rlhf.serving")
+
+_408 = (
+    b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
+)
+_408_BODY = (
+    b'{"error":{"type":"request_timeout","message":"the request was not received in time","field":null,"code":408}}'
+)
+
+
+def _base_protocol() -> type:
+    """The class uvicorn's ``http="auto"`` would use: httptools when installed, else h11."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    return AutoHTTPProtocol
+
+
+def deadline_protocol(header_timeout: float, body_timeout: float, base: type | None = None) -> type:
+    """A subclass of uvicorn's HTTP protocol (``base``, default the auto choice) with the read deadlines; pass it
+    as ``uvicorn.Config(http=...)``."""
+    base = base or _base_protocol()
+
+    class DeadlineProtocol(base):  # type: ignore[misc, valid-type]
+        # Both uvicorn protocols keep the request being served in ``self.cycle`` (a new object once a request's
+        # headers are parsed; ``more_body`` False once its body is complete), which is all this relies on.
+        _deadline: asyncio.TimerHandle | None = None
+        _seen_cycle: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm(header_timeout, "headers")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            cycle = self.cycle
+            if cycle is None or cycle is self._seen_cycle and cycle.response_complete:
+                return  # still reading the (next) request's headers: the header deadline runs on
+            if cycle is not self._seen_cycle:  # a new request's headers are complete
+                self._seen_cycle = cycle
+                if cycle.more_body:
+                    self._arm(body_timeout, "body")
+                else:
+                    self._disarm()
+            elif not cycle.more_body:
+                self._disarm()  # the body is complete
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            # a pipelined request may already be in (self.cycle is then the new, unfinished one)
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                self._arm(header_timeout, "headers")
+
+        def _arm(self, seconds: float, what: str) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(seconds, self._expired, what, seconds)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expired(self, what: str, seconds: float) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            client = "{}:{}".format(*self.client) if self.client else "a client"
+            log.info("closing the connection of %s: its request %s took over %.0f s", client, what, seconds)
+            if what == "headers":  # no request started: nothing else will answer
+                self.transport.write(_408 % len(_408_BODY) + _408_BODY)
+            self.transport.close()
+
+    DeadlineProtocol.__name__ = DeadlineProtocol.__qualname__ = f"Deadline{base.__name__}"
+    return DeadlineProtocol
