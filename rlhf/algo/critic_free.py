@@ -231,7 +231,8 @@ def grpo_loss(
 
     Extras that TRL does not have (off by default): ``dual_clip`` (OpenRLHF, negative advantages) and a truncated
     importance weight ``min(exp(old - behaviour), tis_cap)`` per token for samples from an older policy version.
-    stats: ``clip_ratio/{low_mean,high_mean,region_mean}`` (TRL's names), ``kl`` (mean per valid token),
+    stats: ``clip_ratio/{low_mean,high_mean,region_mean}`` (TRL's names: fractions of the valid tokens, or of the rows
+    at sequence level), ``kl`` (mean per valid token),
     ``approxkl``, ``ratio``, ``policy_loss`` (the loss before any entropy bonus).
     """
     if loss_type not in LOSS_TYPES:
@@ -294,9 +295,10 @@ def grpo_loss(
     with torch.no_grad():
         is_low = (coef_1 < 1.0 - eps_low) & (adv < 0)
         is_high = (coef_1 > 1.0 + eps_high) & (adv > 0)
-        stats["clip_ratio/low_mean"] = _masked_mean(is_low.expand_as(mask).float(), mask)
-        stats["clip_ratio/high_mean"] = _masked_mean(is_high.expand_as(mask).float(), mask)
-        stats["clip_ratio/region_mean"] = _masked_mean((is_low | is_high).expand_as(mask).float(), mask)
+        for name, flags in (("low", is_low), ("high", is_high), ("region", is_low | is_high)):
+            # TRL: a fraction of tokens, or of rows when there is one ratio per row (sequence level)
+            frac = flags.float().mean() if flags.shape[1] == 1 else _masked_mean(flags.float(), mask)
+            stats[f"clip_ratio/{name}_mean"] = frac
         stats["approxkl"] = _masked_mean(0.5 * log_ratio.square(), mask)
         stats["ratio"] = _masked_mean(torch.exp(log_ratio), mask)
         stats["kl"] = _masked_mean(kl, mask) if kl is not None else torch.zeros(())
