@@ -318,7 +318,7 @@ def compare(case: Case, trl: dict, ours: dict, report: dict) -> Comparison:
     g = trl["gen"]
     mask = g["completion_mask"].bool()
     W = mask.shape[1]
-    cmp = Comparison(f"GRPO {s.name} seed={case.seed}", prefix="grpo ", report=report)
+    cmp = Comparison(f"GRPO {s.name} seed={case.seed}", prefix=f"grpo {s.loss_type} [{s.name}] ", report=report)
     calls = ours["loss_calls"]
     first = calls[:S]  # the first pass over the minibatches: the whole batch, in row order
     our_mask = torch.cat([c["mask"] for c in first])

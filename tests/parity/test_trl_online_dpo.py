@@ -355,7 +355,7 @@ def test_online_dpo_engine_matches_trl(setting: ODPOSetting, seed: int, tmp_path
     ours = run_engine(case, model_dir, trl["forward"][1])
     m, t = ours["metrics"], dict(trl["stats"], loss=trl["loss"])
     title = f"online DPO engine {setting.name} T={ENGINE_TEMPERATURE} seed={seed}"
-    cmp = Comparison(title, prefix="online_dpo engine ", report=parity_report)
+    cmp = Comparison(title, prefix=f"online_dpo engine {setting.loss_type} ", report=parity_report)
     # IPO squares x - 1/(2 beta), x a difference of sums of ~20 log-probs: the engine's forward (explicit position ids,
     # section 7.5) and TRL's plain call differ by ~5e-7 per token, ~2e-6 per sum, so the loss and the gradient (both
     # scale with 2|x - 1/(2 beta)|) get an absolute 1e-5 there; the sigmoid loss keeps section 6.4's 1e-6.

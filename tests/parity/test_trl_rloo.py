@@ -240,7 +240,7 @@ def compare(case: Case, trl: dict, ours: dict, report: dict) -> Comparison:
     S = B // s.minibatch
     g = trl["gen"]
     mask = g["completion_mask"].bool()
-    cmp = Comparison(f"RLOO {s.name} seed={case.seed}", prefix="rloo ", report=report)
+    cmp = Comparison(f"RLOO {s.name} seed={case.seed}", prefix=f"rloo trl [{s.name}] ", report=report)
     calls = ours["loss_calls"]
     first = calls[:S]
     cmp.exact("completion_mask", torch.cat([c["mask"] for c in first]), mask)
