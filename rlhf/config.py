@@ -218,6 +218,12 @@ class ExperimentConfig(Section):
         return a.max_new_tokens or max(1, self.training.seq_length - a.max_prompt_length)
 
     @property
+    def logprob_temperature(self) -> float | None:
+        """What divides the logits for the trainer's and the reference's log-probs: None for the sampling temperature
+        (TRL's PPO, GRPO, RLOO), 1.0 for ray_online_dpo (TRL's OnlineDPOTrainer never divides)."""
+        return 1.0 if self.training.stage == "ray_online_dpo" else None
+
+    @property
     def critic_free_estimator(self) -> str:
         """The estimator of a critic-free stage: grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline)."""
         stage, est = self.training.stage, self.algorithm.adv_estimator

@@ -413,7 +413,8 @@ class TrainerEngine:
         chosen, rejected = algo.select_chosen_rejected(scores, P)
         ref_logprobs = b.ref_logprobs[idx]
         ref_sums = algo.masked_sum(ref_logprobs, mask, dim=1)
-        _, logprobs = self._logits_and_logprobs(b.query_responses[idx], responses, C, temperature=1.0)
+        T = cfg.logprob_temperature  # 1.0: TRL's online DPO never divides by the sampling temperature
+        _, logprobs = self._logits_and_logprobs(b.query_responses[idx], responses, C, temperature=T)
         sums = algo.masked_sum(logprobs, mask, dim=1)
         loss, stats = algo.dpo_loss(
             sums[chosen],
