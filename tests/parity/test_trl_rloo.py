@@ -265,7 +265,7 @@ def compare(case: Case, trl: dict, ours: dict, report: dict) -> Comparison:
         for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
             cmp.add(f"{name}{tag}", call["stats"][name], m[name][step], STAT_TOL)
         worst_grad(cmp, tag, o_grads, t_grads, GRAD_ATOL, GRAD_RTOL)
-    cmp.add("objective/kl vs TRL kl (per token)", ours["metrics"]["objective/kl"],
+    cmp.add("objective/kl (sum over tokens, mean over rows)", ours["metrics"]["objective/kl"],
             ((trl["old_per_token"] - trl["ref_per_token"]) * mask).sum(1).mean() if s.beta else 0.0,
             STAT_TOL if s.beta else 1.0)  # fmt: skip
     return cmp
