@@ -9,7 +9,9 @@ PARITY_PY := $(PARITY_VENV)/bin/python
 # torch is pinned to the local CPU wheel; anything looser downloads a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 # TRL 1.12.0 is the last release with PPOTrainer; its online DPO clashes with vllm, hence its own environment.
-PARITY_PKGS := trl==1.12.0 transformers==5.24.0 accelerate==1.15.0 datasets==5.2.0 requests pytest pytest-timeout numpy pyyaml
+# protobuf and pydantic: the parity tests drive the trainer engine (rlhf.v1 experience records, rlhf.config).
+PARITY_PKGS := trl==1.12.0 transformers==5.24.0 accelerate==1.15.0 datasets==5.2.0 requests pytest pytest-timeout numpy pyyaml \
+	"protobuf>=7.36.2,<8" pydantic
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 

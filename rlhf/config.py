@@ -138,12 +138,46 @@ class AlgorithmConfig(Section):
     ] = _f("gae", "advantage estimator")
     gamma: float = _f(1.0, "discount factor", ge=0, le=1)
     lam: float = _f(0.95, "GAE lambda", ge=0, le=1)
-    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = _f("kl", "per-token KL estimator")
-    kl_ctrl: KLCtrlConfig = _f(KLCtrlConfig(), "KL coefficient")
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = _f(
+        "kl", "per-token KL estimator (default k3, low_var_kl, for ray_grpo as TRL's GRPO; kl, k1, otherwise)"
+    )
+    kl_ctrl: KLCtrlConfig = _f(KLCtrlConfig(), "KL coefficient (TRL's beta)")
     missing_eos_penalty: float = _f(0.0, "subtracted from the score of responses without EOS", ge=0)
     whiten_rewards: bool = _f(False, "whiten per-token rewards over the batch before GAE")
-    whiten_advantages: bool = _f(True, "whiten advantages over the batch")
+    whiten_advantages: bool = _f(
+        True,
+        "whiten advantages over the batch: ray_ppo (TRL), ray_reinforce_plus_plus (OpenRLHF, plain variance), "
+        "ray_rloo (TRL's normalize_advantages; default off there); ray_grpo uses scale_rewards instead",
+    )
     score_position: Literal["trl", "last_token"] = _f("trl", "where the score is added: TRL (first pad) or last token")
+    # The critic-free family (ray_grpo, ray_rloo, ray_reinforce_plus_plus) with TRL 1.12's option names. TRL's
+    # epsilon, epsilon_high, num_iterations and beta are actor_rollout.clip_ratio, clip_ratio_high, ppo_epochs and
+    # kl_ctrl.kl_coef here (the MindSpeed-LLM names of the same quantities).
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f(
+        "dapo",
+        "critic-free loss aggregation (TRL's loss_type): grpo per-sequence mean, bnpo token mean of the minibatch, "
+        "dr_grpo sum / (rows x max_new_tokens), dapo sum / mean tokens per minibatch of the rollout batch; "
+        "default dr_grpo when adv_estimator is dr_grpo",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group",
+        "ray_grpo: divide advantages by the std of the prompt's group, of the batch, or not (TRL's scale_rewards); "
+        "default none when adv_estimator is dr_grpo",
+    )
+    use_bias_correction_kl: bool = _f(True, "ray_grpo: weight the KL term by the importance ratio (TRL, DeepSeek-V3.2)")
+    importance_sampling_level: Literal["token", "sequence"] = _f(
+        "token", "ray_grpo / ray_reinforce_plus_plus: one ratio per token, or per sequence (GSPO; TRL's name)"
+    )
+    mask_truncated_completions: bool = _f(False, "critic-free: completions without EOS drop out of the loss (TRL)")
+    top_entropy_quantile: float = _f(
+        1.0, "ray_grpo: the policy loss keeps only the top quantile of tokens by entropy (TRL; 1 keeps all)", ge=0, le=1
+    )
+    rloo_convention: Literal["trl", "openrlhf"] = _f(
+        "trl",
+        "ray_rloo: trl folds beta x KL (k1 summed over the sequence) into the reward before the leave-one-out "
+        "baseline and clips one ratio per sequence (TRL's RLOOTrainer); openrlhf puts the baseline on the score, "
+        "adds the per-token KL penalty after it and uses the token-level clipped loss (OpenRLHF's rloo)",
+    )
     dpo_beta: float = _f(0.1, "online DPO beta", gt=0)
     dpo_loss_type: Literal["sigmoid", "ipo"] = _f("sigmoid", "online DPO loss")
 
@@ -183,13 +217,90 @@ class ExperimentConfig(Section):
         a = self.actor
         return a.max_new_tokens or max(1, self.training.seq_length - a.max_prompt_length)
 
+    @property
+    def logprob_temperature(self) -> float | None:
+        """What divides the logits for the trainer's and the reference's log-probs: None for the sampling temperature
+        (TRL's PPO, GRPO, RLOO), 1.0 for ray_online_dpo (TRL's OnlineDPOTrainer never divides)."""
+        return 1.0 if self.training.stage == "ray_online_dpo" else None
+
+    @property
+    def critic_free_estimator(self) -> str:
+        """The estimator of a critic-free stage: grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline)."""
+        stage, est = self.training.stage, self.algorithm.adv_estimator
+        if stage == "ray_grpo":
+            return "dr_grpo" if est == "dr_grpo" else "grpo"
+        if stage == "ray_rloo":
+            return "rloo"
+        if stage == "ray_reinforce_plus_plus":
+            return est if est == "reinforce_plus_plus_baseline" else "reinforce_plus_plus"
+        raise ValueError(f"{stage} is not a critic-free stage")
+
     @model_validator(mode="after")
     def _cross_checks(self) -> ExperimentConfig:
         if self.reward.load is not None:
             self.reward.scorers = [ScorerConfig(type="model", load=self.reward.load)]
         if self.training.stage == "ray_online_dpo" and self.actor.n_samples_per_prompt not in (1, 2):
             raise ValueError("actor_rollout_ref.actor_rollout.n_samples_per_prompt must be 2 for ray_online_dpo")
+        _check_algorithm(self.training.stage, self.algorithm)
+        if self.training.stage == "ray_rloo" and self.algorithm.rloo_convention == "trl" and self.actor.dual_clip:
+            raise ValueError("actor_rollout.dual_clip is not used by ray_rloo with rloo_convention trl")
         return self
+
+
+# adv_estimator values each stage accepts ("gae", the default, means the stage's own estimator)
+_STAGE_ESTIMATORS = {
+    "ray_ppo": ("gae",),
+    "ray_online_dpo": ("gae",),
+    "ray_grpo": ("gae", "grpo", "group_norm", "dr_grpo"),
+    "ray_rloo": ("gae", "rloo"),
+    "ray_reinforce_plus_plus": ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+}
+_CRITIC_FREE = ("ray_grpo", "ray_rloo", "ray_reinforce_plus_plus")
+# the critic-free fields -> the stages that read them: one set for another stage is an error, never ignored.
+# (The older fields, e.g. dpo_beta or lam, are not checked: shared configs set them for every stage.)
+_ALGORITHM_FIELD_STAGES = {
+    "loss_type": ("ray_grpo", "ray_rloo", "ray_reinforce_plus_plus"),
+    "scale_rewards": ("ray_grpo",),
+    "use_bias_correction_kl": ("ray_grpo",),
+    "importance_sampling_level": ("ray_grpo", "ray_reinforce_plus_plus"),
+    "mask_truncated_completions": _CRITIC_FREE,
+    "top_entropy_quantile": ("ray_grpo",),
+    "rloo_convention": ("ray_rloo",),
+}
+# TRL's (or OpenRLHF's) defaults where a stage's differs from the field default; an explicit value always wins
+_STAGE_DEFAULTS = {
+    "ray_grpo": {"kl_coef": 0.0, "kl_penalty": "low_var_kl"},  # TRL GRPOConfig: beta 0.0; its KL term is k3
+    "ray_rloo": {"whiten_advantages": False},  # TRL RLOOConfig: beta 0.05 (the field default), no normalisation
+    "ray_reinforce_plus_plus": {"kl_coef": 0.01, "loss_type": "bnpo"},  # OpenRLHF: init_kl_coef, token mean
+}
+
+
+def _check_algorithm(stage: str, alg: AlgorithmConfig) -> None:
+    if alg.adv_estimator not in _STAGE_ESTIMATORS[stage]:
+        raise ValueError(
+            f"algorithm.adv_estimator {alg.adv_estimator!r} does not apply to training.stage {stage}; "
+            f"use one of {_STAGE_ESTIMATORS[stage]}"
+        )
+    explicit = set(alg.model_fields_set)
+    for name in sorted(explicit):
+        stages = _ALGORITHM_FIELD_STAGES.get(name)
+        if stages is not None and stage not in stages:
+            raise ValueError(f"algorithm.{name} is not used by training.stage {stage} (only by {', '.join(stages)})")
+    if stage == "ray_rloo" and alg.rloo_convention == "trl" and "loss_type" in explicit:
+        raise ValueError(
+            "algorithm.loss_type is not used by ray_rloo with rloo_convention trl (one ratio per sequence)"
+        )
+    defaults = dict(_STAGE_DEFAULTS.get(stage, {}))
+    if stage == "ray_grpo" and alg.adv_estimator == "dr_grpo":  # Dr. GRPO = TRL's loss_type dr_grpo, scale_rewards none
+        defaults.update(loss_type="dr_grpo", scale_rewards="none")
+    if stage == "ray_rloo" and alg.rloo_convention == "openrlhf":
+        defaults["loss_type"] = "bnpo"
+    for name, value in defaults.items():
+        if name == "kl_coef":
+            if "kl_coef" not in alg.kl_ctrl.model_fields_set:
+                alg.kl_ctrl.kl_coef = value
+        elif name not in explicit:
+            setattr(alg, name, value)
 
 
 def _format_error(err: ValidationError, source: str) -> str:

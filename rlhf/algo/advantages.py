@@ -22,8 +22,8 @@ def gae(
     passes tensors already zero past ``ell + 1`` and no mask, which gives the same numbers. Advantages are not whitened.
     """
     if mask is not None:
-        mask = mask.to(values.dtype)
-        rewards, values = rewards * mask, values * mask
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+        rewards, values = torch.where(mask.bool(), rewards, zero), torch.where(mask.bool(), values, zero)
     B, L = rewards.shape
     advantages = torch.zeros_like(rewards)
     last = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
@@ -42,11 +42,12 @@ def group_advantages(
     scores: torch.Tensor,
     group_size: int,
     estimator: str = "grpo",
-    eps: float = 1e-6,
+    eps: float = 1e-4,
     scale: str = "group",
 ) -> torch.Tensor:
     """Per-sequence advantages from ``n = group_size`` samples of each prompt, laid out contiguously.
 
+    Equal-size groups only; the trainer uses ``rlhf.algo.critic_free`` (groups of any size). ``eps`` is TRL's 1e-4.
     scores: (G * n,) -> (G * n,).
       grpo / group_norm:             (r - mean_group) / (std_group + eps)   (unbiased std; ``scale="batch"`` uses the
                                      batch std, ``scale="none"`` skips the division as Dr. GRPO does)
@@ -83,20 +84,22 @@ def group_advantages(
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     """``G_t = sum_{k >= t} gamma^(k-t) r_k`` over masked tokens: (B, L) -> (B, L), 0 outside the mask."""
-    mask = mask.to(rewards.dtype)
-    rewards = rewards * mask
+    mask = mask.bool()
+    zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
+    rewards = torch.where(mask, rewards, zero)
     returns = torch.zeros_like(rewards)
     running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
     for t in reversed(range(rewards.shape[1])):
         running = rewards[:, t] + gamma * running
         returns[:, t] = running
-    return returns * mask
+    return torch.where(mask, returns, zero)
 
 
 def token_advantages_from_sequence(advantages: torch.Tensor, mask: torch.Tensor, whiten: bool = False) -> torch.Tensor:
     """Broadcast per-sequence advantages (B,) over the response tokens (B, L); optionally whiten over the batch."""
-    mask = mask.to(torch.float32)
-    token = advantages.float()[:, None] * mask
+    mask = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=advantages.device)
+    token = torch.where(mask, advantages.float()[:, None], zero)
     if whiten:
-        token = masked_whiten(token, mask) * mask
+        token = torch.where(mask, masked_whiten(token, mask), zero)
     return token

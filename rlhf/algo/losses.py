@@ -23,7 +23,9 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, how: LossAggregation = "
     if how == "seq_mean_token_mean":
         return masked_mean(values, mask, dim=1).mean()
     if how == "seq_mean_token_sum_norm":
-        return (values * mask.to(values.dtype)).sum() / values.numel()
+        return torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device)).sum() / (
+            values.numel()
+        )
     raise ValueError(f"unknown loss aggregation {how!r}")
 
 

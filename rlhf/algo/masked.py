@@ -10,9 +10,12 @@ import torch
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of ``values`` where ``mask`` is set. values, mask: (B, L) -> scalar, or (B,) with ``dim=1``."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() if dim is None else (values * mask).sum(dim)
+    """Sum of ``values`` where ``mask`` is set. values, mask: (B, L) -> scalar, or (B,) with ``dim=1``.
+
+    Masked entries are selected away, not multiplied by 0, so an inf or NaN there (a padded log-prob) stays out.
+    """
+    picked = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device))
+    return picked.sum() if dim is None else picked.sum(dim)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -21,8 +24,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     values, mask: (B, L). ``dim=None`` -> scalar token-mean over the batch; ``dim=1`` -> (B,) per-row means.
     A selection with no set position has mean 0 (TRL returns NaN), so an all-masked row cannot poison a loss.
     """
-    mask = mask.to(values.dtype)
-    total = (values * mask).sum() if dim is None else (values * mask).sum(dim)
+    total = masked_sum(values, mask, dim)
+    mask = mask.bool().expand_as(values).to(values.dtype)
     count = mask.sum() if dim is None else mask.sum(dim)
     return torch.where(count > 0, total / count.clamp(min=torch.finfo(values.dtype).tiny), torch.zeros_like(total))
 

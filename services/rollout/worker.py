@@ -145,6 +145,7 @@ class RolloutWorker:
         block_ms: int = 500,
         drain_s: float = 10.0,
         default_sampling: Mapping[str, Any] | None = None,
+        ref_temperature: float | None = None,
     ):
         if max_inflight_jobs < 1:
             raise ValueError("max_inflight_jobs must be at least 1")
@@ -166,6 +167,7 @@ class RolloutWorker:
         self.block_ms = block_ms
         self.drain_s = drain_s
         self.defaults = dict(default_sampling or {})
+        self.ref_temperature = ref_temperature  # None: the sampling temperature (ExperimentConfig.logprob_temperature)
         self.stats = WorkerStats()
         self._stop = asyncio.Event()
         self._inflight: dict[str, asyncio.Task] = {}  # prompt entry id -> task
@@ -203,6 +205,7 @@ class RolloutWorker:
             "rpc_timeout_s": _env_num(env, RPC_TIMEOUT_ENV, 60.0),
             "drain_s": settings.shutdown_grace_s,
             "default_sampling": defaults,
+            "ref_temperature": cfg.logprob_temperature if cfg is not None else None,
         }
         opts.update(kw)
         return cls(engine, redis_url=settings.redis_url, run_id=run_id, reward_addr=settings.reward_addr,
@@ -429,8 +432,12 @@ class RolloutWorker:
         ref_req = reference_pb2.LogProbsRequest(
             items=[reference_pb2.LogProbsItem(prompt_ids=prompt_ids, response_ids=s.token_ids) for s in samples]
         )
-        # the temperature the sampling log-probs are at (greedy ones are at 1.0), so the two line up
-        ref_req.temperature = 1.0 if opts.greedy else opts.temperature
+        # the temperature the sampling log-probs are at (greedy ones are at 1.0), so the two line up; online DPO's
+        # reference log-probs are at 1.0 whatever the sampling temperature (TRL), as the trainer's are
+        if self.ref_temperature is not None:
+            ref_req.temperature = self.ref_temperature
+        else:
+            ref_req.temperature = 1.0 if opts.greedy else opts.temperature
         scores, refs = await asyncio.gather(
             self._call("reward", self._reward.Score, score_req),
             self._call("reference", self._ref.LogProbs, ref_req),

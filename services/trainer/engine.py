@@ -165,9 +165,11 @@ class TrainerEngine:
     def temperature(self) -> float:
         return self.cfg.actor.temperature if self.cfg.actor.do_sample else 1.0
 
-    def _logits_and_logprobs(self, qr: torch.Tensor, responses: torch.Tensor, C: int):
+    def _logits_and_logprobs(self, qr: torch.Tensor, responses: torch.Tensor, C: int, temperature: float | None = None):
+        """Response logits and log-probs at ``temperature`` (default the sampling temperature; online DPO uses 1)."""
         logits = causal_lm_logits(self.actor, qr, self.pad_id)[:, C - 1 : -1]
-        return logits, algo.logprobs_from_logits(logits, responses, self.temperature)
+        T = self.temperature if temperature is None else temperature
+        return logits, algo.logprobs_from_logits(logits, responses, T)
 
     def _values(self, qr: torch.Tensor, C: int) -> torch.Tensor:
         return score_head_outputs(self.critic, qr, self.pad_id)[:, C - 1 : -1].float()
@@ -364,85 +366,97 @@ class TrainerEngine:
         return stats
 
     def _group(self, b: RolloutBatch) -> dict[str, float]:
-        """GRPO / RLOO / REINFORCE++: sequence-level baselines within each prompt's group, no critic."""
-        cfg, a, C = self.cfg, self.cfg.actor, b.context_length
-        estimator = cfg.algorithm.adv_estimator
-        if estimator == "gae":
-            estimator = {"ray_grpo": "grpo", "ray_rloo": "rloo", "ray_reinforce_plus_plus": "reinforce_plus_plus"}[
-                self.stage
-            ]
+        """GRPO / RLOO / REINFORCE++: advantages from each prompt's group of samples, no critic.
+
+        The math is ``rlhf.algo.critic_free`` (TRL's GRPOTrainer / RLOOTrainer, OpenRLHF's REINFORCE++); here only the
+        data: masks, the on-policy old log-probs, minibatches and epochs (TRL's ``num_iterations``).
+        """
+        cfg, a, alg, C = self.cfg, self.cfg.actor, self.cfg.algorithm, b.context_length
+        estimator = cfg.critic_free_estimator
+        trl_rloo = estimator == "rloo" and alg.rloo_convention == "trl"
+        kl_in_loss = estimator in ("grpo", "dr_grpo")
+        beta = self.kl_ctrl.value
         responses = algo.truncate_at_stop(b.responses, self.eos_id, self.pad_id)
         ell = algo.sequence_lengths(responses, self.pad_id)
         mask = torch.arange(responses.shape[1], device=responses.device)[None, :] <= ell[:, None]
         contains_eos = (responses == self.eos_id).any(1)
-        scores = b.scores - cfg.algorithm.missing_eos_penalty * (~contains_eos).float()
-        seq_adv = _grouped(scores, b.group, estimator)
-        kl_in_reward = estimator in ("rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+        if alg.mask_truncated_completions:  # TRL: completions that do not end in EOS leave the loss
+            mask = mask & contains_eos[:, None]
+        scores = b.scores - alg.missing_eos_penalty * (~contains_eos).float()
+        zero = torch.zeros((), device=responses.device)
+        ref = torch.where(mask, b.ref_logprobs, zero)
         with torch.no_grad():
             _, old_logprobs = self._logits_and_logprobs(b.query_responses, responses, C)
-        ref = b.ref_logprobs.masked_fill(~mask, 0.0)
-        if kl_in_reward:  # OpenRLHF: -beta * KL per token plus the baseline-adjusted score at the last token
-            kr = algo.kl_penalized_rewards(
-                seq_adv,
-                old_logprobs.masked_fill(~mask, 0.0),
-                ref,
-                ell,
-                self.kl_ctrl.value,
-                cfg.algorithm.kl_penalty,
-                score_position="last_token",
+        old_logprobs = torch.where(mask, old_logprobs, zero)
+        kl = algo.kl_estimate(old_logprobs, ref, alg.kl_penalty)  # 0 outside the mask: both inputs are 0 there
+        if kl_in_loss:
+            advantages = algo.grpo_advantages(scores, b.group, alg.scale_rewards)
+        elif trl_rloo:
+            advantages, _ = algo.rloo_trl_advantages(
+                scores, b.group, algo.masked_sum(kl, mask, dim=1), beta, normalize_advantages=alg.whiten_advantages
             )
-            advantages = algo.discounted_returns(kr.rewards, mask, gamma=1.0)
-            if estimator != "rloo":
-                advantages = algo.masked_whiten(advantages, mask) * mask
         else:
-            advantages = algo.token_advantages_from_sequence(seq_adv, mask)
-        B = responses.shape[0]
-        stats: dict[str, list[float]] = {}
+            advantages, _ = algo.openrlhf_advantages(
+                scores, b.group, old_logprobs, ref, mask, estimator, beta, alg.kl_penalty, alg.gamma,
+                whiten=alg.whiten_advantages,
+            )  # fmt: skip
         behavior = self._behavior(b, old_logprobs)
-        aggregation = "seq_mean_token_sum_norm" if estimator == "dr_grpo" else "token_mean"
+        if trl_rloo:
+            old_seq = algo.masked_sum(old_logprobs, mask, dim=1)
+            behavior_seq = None if behavior is None else algo.masked_sum(behavior, mask, dim=1)
+        B = responses.shape[0]
+        n_minibatches = math.ceil(B / a.ppo_mini_batch_size)
+        num_items = mask.sum() / n_minibatches  # DAPO: the rollout batch's tokens per minibatch (TRL)
+        stats: dict[str, list[float]] = {}
         for _ in range(a.ppo_epochs):
             for mb in self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch):
                 logits, new_logprobs = self._logits_and_logprobs(b.query_responses[mb], responses[mb], C)
-                pg_loss, pg_stats = algo.ppo_policy_loss(
-                    new_logprobs,
-                    old_logprobs[mb],
-                    advantages[mb],
-                    mask[mb],
-                    clip_ratio=a.clip_ratio,
-                    clip_ratio_high=a.clip_ratio_high,
-                    dual_clip=a.dual_clip,
-                    behavior_logprobs=None if behavior is None else behavior[mb],
-                    tis_cap=a.tis_cap,
-                    aggregation=aggregation,
-                )
-                loss = pg_loss
-                kl_loss = torch.zeros(())
-                if not kl_in_reward and self.kl_ctrl.value > 0:  # GRPO: k3 KL as a loss term
-                    kl_tok = algo.kl_estimate(new_logprobs, ref[mb], "k3")
-                    kl_loss = algo.masked_mean(kl_tok, mask[mb])
-                    loss = loss + self.kl_ctrl.value * kl_loss
-                entropy = algo.masked_mean(algo.entropy_from_logits(logits, self.temperature), mask[mb])
-                if a.entropy_coeff:
-                    loss = loss - a.entropy_coeff * entropy
+                with torch.set_grad_enabled(bool(a.entropy_coeff)):  # a loss term only with the bonus
+                    entropies = algo.entropy_from_logits(logits, self.temperature)
+                entropy_mask = None
+                if alg.top_entropy_quantile < 1.0:
+                    entropy_mask = algo.top_entropy_mask(entropies, mask[mb], alg.top_entropy_quantile)
+                if trl_rloo:
+                    pg_loss, pg_stats = algo.rloo_trl_loss(
+                        new_logprobs, old_seq[mb], advantages[mb], mask[mb], epsilon=a.clip_ratio,
+                        epsilon_high=a.clip_ratio_high, tis_cap=a.tis_cap,
+                        behavior_sequence_logprobs=None if behavior is None else behavior_seq[mb],
+                    )  # fmt: skip
+                else:
+                    pg_loss, pg_stats = algo.grpo_loss(
+                        new_logprobs, old_logprobs[mb], advantages[mb], mask[mb], loss_type=alg.loss_type,
+                        epsilon=a.clip_ratio, epsilon_high=a.clip_ratio_high,
+                        importance_sampling_level=alg.importance_sampling_level, ref_logprobs=ref[mb],
+                        beta=beta if kl_in_loss else 0.0, kl_estimator=alg.kl_penalty,
+                        use_bias_correction_kl=alg.use_bias_correction_kl, entropy_mask=entropy_mask,
+                        max_completion_length=cfg.max_new_tokens, num_items=num_items, dual_clip=a.dual_clip,
+                        behavior_logprobs=None if behavior is None else behavior[mb], tis_cap=a.tis_cap,
+                    )  # fmt: skip
+                kept = mask[mb] if entropy_mask is None else entropy_mask
+                entropy = algo.masked_mean(entropies, kept)
+                loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
                 grad_norm = self._actor_step(loss)
                 _append(
                     stats,
                     {
                         "loss/policy": pg_loss.item(),
-                        "loss/kl": kl_loss.item(),
-                        "policy/entropy": entropy.item(),
+                        "policy/entropy": algo.masked_mean(entropies.detach(), mask[mb]).item(),
                         "policy/grad_norm": grad_norm,
-                        **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
+                        **{f"policy/{k}": v.item() for k, v in pg_stats.items() if k != "policy_loss"},
                     },
                 )
-        kl = algo.kl_estimate(old_logprobs, ref, cfg.algorithm.kl_penalty).masked_fill(~mask, 0.0)
         metrics = {k: sum(v) / len(v) for k, v in stats.items()}
-        metrics["objective/kl"] = kl.sum(1).mean().item()
+        metrics["objective/kl"] = algo.masked_sum(kl, mask, dim=1).mean().item()
         metrics["objective/scores"] = scores.mean().item()
+        metrics["objective/advantages_mean"] = advantages.float().mean().item()
         return metrics
 
     def _online_dpo(self, b: RolloutBatch) -> dict[str, float]:
-        """Pairs within each prompt's group: the first two OK samples; chosen has the higher score (ties: first)."""
+        """Pairs within each prompt's group: the first two OK samples; chosen has the higher score (ties: first).
+
+        As TRL's OnlineDPOTrainer: log-probs of the raw logits (no division by the sampling temperature), summed over
+        each completion through its EOS.
+        """
         cfg, C = self.cfg, b.context_length
         firsts, seconds = [], []
         for g in torch.unique(b.group).tolist():
@@ -459,9 +473,11 @@ class TrainerEngine:
         contains_eos = (responses == self.eos_id).any(1)
         scores = b.scores[idx] - cfg.algorithm.missing_eos_penalty * (~contains_eos).float()
         chosen, rejected = algo.select_chosen_rejected(scores, P)
-        ref_sums = (b.ref_logprobs[idx] * mask).sum(1)
-        _, logprobs = self._logits_and_logprobs(b.query_responses[idx], responses, C)
-        sums = (logprobs * mask).sum(1)
+        ref_logprobs = b.ref_logprobs[idx]
+        ref_sums = algo.masked_sum(ref_logprobs, mask, dim=1)
+        T = cfg.logprob_temperature  # 1.0: TRL's online DPO never divides by the sampling temperature
+        _, logprobs = self._logits_and_logprobs(b.query_responses[idx], responses, C, temperature=T)
+        sums = algo.masked_sum(logprobs, mask, dim=1)
         loss, stats = algo.dpo_loss(
             sums[chosen],
             sums[rejected],
@@ -475,7 +491,7 @@ class TrainerEngine:
             "loss/dpo": loss.item(),
             "policy/grad_norm": grad_norm,
             "objective/scores_margin": (scores[chosen] - scores[rejected]).mean().item(),
-            "objective/kl": ((logprobs.detach() - b.ref_logprobs[idx]) * mask).sum(1).mean().item(),
+            "objective/kl": algo.masked_sum(logprobs.detach() - ref_logprobs, mask, dim=1).mean().item(),
             **{k: v.item() for k, v in stats.items()},
         }
 
@@ -484,19 +500,6 @@ class TrainerEngine:
         """The actor's weights in Hugging Face names, contiguous, on the CPU (what weight sync ships; it refuses
         non-finite tensors)."""
         return {k: v.detach().to("cpu").contiguous() for k, v in self.actor.state_dict().items()}
-
-
-def _grouped(scores: torch.Tensor, group: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Apply a group estimator per prompt; groups may differ in size when some samples were dropped."""
-    out = torch.zeros_like(scores, dtype=torch.float32)
-    for g in torch.unique(group).tolist():
-        rows = (group == g).nonzero().flatten()
-        n = rows.numel()
-        if n == 1 and estimator in ("rloo", "grpo"):
-            out[rows] = 0.0  # a lone sample has no baseline to compare with
-            continue
-        out[rows] = algo.group_advantages(scores[rows], n, estimator)
-    return out
 
 
 def _first_model_scorer(cfg: ExperimentConfig) -> str | None:

@@ -220,3 +220,66 @@ class Comparison:
         text = self.table()
         print("\n" + text)
         assert not bad, f"{len(bad)} quantities differ from TRL beyond tolerance: {bad}\n{text}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# driving the trainer's real update path (services.trainer.engine.TrainerEngine) on fixed completions
+
+
+def save_pretrained(model, path) -> str:
+    """The model (safetensors) and the parity tokenizer in one directory: what ``actor.load`` and TRL both read."""
+    model.save_pretrained(str(path), safe_serialization=True)
+    build_tokenizer().save_pretrained(str(path))
+    return str(path)
+
+
+def truncate_after_eos(row: list[int]) -> list[int]:
+    """What generation returns: the tokens through the first EOS (all of them when there is none)."""
+    return row[: row.index(EOS) + 1] if EOS in row else list(row)
+
+
+@torch.no_grad()
+def reference_logprobs(ref_model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    """The reference service's math: log_softmax(logits / T) of the reference model at the completion tokens."""
+    from rlhf.algo import logprobs_from_logits
+    from rlhf.models import causal_lm_logits
+
+    ids = torch.tensor([prompt + completion])
+    logits = causal_lm_logits(ref_model, ids, PAD)[:, len(prompt) - 1 : -1]
+    return logprobs_from_logits(logits, ids[:, len(prompt) :], temperature)[0].tolist()
+
+
+def experiences(prompts: list[list[int]], completions: list[list[int]], scores: list[float], refs: list[list[float]]):
+    """Experience records as the rollout worker publishes them: one per prompt, its ``n`` samples in order."""
+    from rlhf.v1 import common_pb2, experience_pb2
+
+    n = len(completions) // len(prompts)
+    out = []
+    for j, prompt in enumerate(prompts):
+        exp = experience_pb2.Experience(job_id=f"job{j}", prompt_ids=prompt)
+        for i in range(j * n, (j + 1) * n):
+            exp.samples.add(response_ids=completions[i], ref_logprobs=refs[i], score=scores[i],
+                            score_status=common_pb2.ITEM_STATUS_OK, policy_version=0)  # fmt: skip
+        out.append(exp)
+    return out
+
+
+def capture_optimizer_grads(engine) -> list[dict[str, torch.Tensor]]:
+    """Record the actor's gradients at every optimizer step of ``engine`` (the step itself is unchanged)."""
+    grads: list[dict[str, torch.Tensor]] = []
+    step = engine.actor_opt.step
+
+    def recording_step(*args, **kwargs):
+        grads.append({n: p.grad.detach().clone() for n, p in engine.actor.named_parameters() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    engine.actor_opt.step = recording_step
+    return grads
+
+
+def worst_grad(cmp: Comparison, tag: str, ours: dict[str, torch.Tensor], trl: dict[str, torch.Tensor],
+               atol: float, rtol: float) -> None:  # fmt: skip
+    """Compare the parameter whose gradient differs most (by name: both are the same LlamaForCausalLM)."""
+    assert set(ours) == set(trl), set(ours) ^ set(trl)
+    worst = max(trl, key=lambda n: float(((ours[n] - trl[n]).abs() - rtol * trl[n].abs()).max()))
+    cmp.add(f"grad (worst parameter){tag}", ours[worst], trl[worst], atol, rtol=rtol)

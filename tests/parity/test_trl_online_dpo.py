@@ -14,6 +14,7 @@ over those slots too, so the per-token log-probs of Path B come from the same pl
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -24,9 +25,14 @@ from parity_support import (
     Comparison,
     build_models,
     build_tokenizer,
+    capture_optimizer_grads,
+    experiences,
     left_pad,
     make_prompts,
     make_responses,
+    save_pretrained,
+    truncate_after_eos,
+    worst_grad,
 )
 
 from rlhf.algo import (
@@ -302,3 +308,62 @@ def test_online_dpo_matches_trl(setting: ODPOSetting, seed: int, tmp_path, parit
     trl = run_trl(case, models, tmp_path)
     ours = run_ours(case, models)
     compare(case, trl, ours, parity_report).check()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the trainer's real update path: TrainerEngine.step with stage ray_online_dpo, sampling temperature != 1
+
+ENGINE_TEMPERATURE = 0.9  # TRL's default sampling temperature; its online DPO never divides the logits by it
+
+
+def run_engine(case: Case, model_dir: str, trl_ref: torch.Tensor) -> dict:
+    """The experience records carry TRL's reference log-probs (at temperature 1, as TRL computes them): the reference
+    service is an input of the trainer here."""
+    from rlhf.config import parse_config
+    from services.trainer.engine import TrainerEngine
+
+    s = case.setting
+    B = s.num_prompts
+    cfg = parse_config(
+        {
+            "training": {"stage": "ray_online_dpo", "device": "cpu", "lr": 1e-3, "seed": case.seed, "clip_grad": 0.0},
+            "actor_rollout_ref": {"actor_rollout": {"load": model_dir, "do_sample": True,
+                                                    "temperature": ENGINE_TEMPERATURE, "n_samples_per_prompt": 2}},
+            "algorithm": {"dpo_beta": s.beta, "dpo_loss_type": s.loss_type,
+                          "missing_eos_penalty": s.missing_eos_penalty or 0.0},
+        }
+    )  # fmt: skip
+    engine = TrainerEngine(cfg, device="cpu")
+    assert engine.temperature == ENGINE_TEMPERATURE
+    grads = capture_optimizer_grads(engine)
+    rows = [truncate_after_eos(r) for r in case.completions.tolist()]
+    order = [i for j in range(B) for i in (j, B + j)]  # each prompt's record holds its two samples, first then second
+    completions = [rows[i] for i in order]
+    refs = [trl_ref[i, : len(rows[i])].tolist() for i in order]
+    metrics = engine.step(experiences(case.prompts, completions, case.scores[order].tolist(), refs))
+    return {"metrics": metrics, "grads": grads[0]}
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=[s.name for s in SETTINGS])
+def test_online_dpo_engine_matches_trl(setting: ODPOSetting, seed: int, tmp_path, parity_report):
+    case = make_case(setting, seed)
+    models = build_models(seed)
+    # the perturbed policy as the reference: at the first step policy != reference, so no margin is 0 up to rounding
+    models = dataclasses.replace(models, ref=models.behaviour)
+    model_dir = save_pretrained(models.fresh().policy, tmp_path / "policy")
+    trl = run_trl(case, models, tmp_path)
+    ours = run_engine(case, model_dir, trl["forward"][1])
+    m, t = ours["metrics"], dict(trl["stats"], loss=trl["loss"])
+    title = f"online DPO engine {setting.name} T={ENGINE_TEMPERATURE} seed={seed}"
+    cmp = Comparison(title, prefix=f"online_dpo engine {setting.loss_type} ", report=parity_report)
+    # IPO squares x - 1/(2 beta), x a difference of sums of ~20 log-probs: the engine's forward (explicit position ids,
+    # section 7.5) and TRL's plain call differ by ~5e-7 per token, ~2e-6 per sum, so the loss and the gradient (both
+    # scale with 2|x - 1/(2 beta)|) get an absolute 1e-5 there; the sigmoid loss keeps section 6.4's 1e-6.
+    ipo = setting.loss_type == "ipo"
+    cmp.add("loss", m["loss/dpo"], t["loss"], 1e-5 if ipo else LOSS_TOL)
+    for name, tol in (("rewards/chosen", STAT_TOL), ("rewards/rejected", STAT_TOL), ("rewards/margins", STAT_TOL),
+                      ("rewards/accuracies", 0.0), ("logps/chosen", SUM_TOL), ("logps/rejected", SUM_TOL),
+                      ("objective/scores_margin", STAT_TOL)):  # fmt: skip
+        cmp.add(name, m[name], t[name], tol)
+    worst_grad(cmp, "", ours["grads"], trl["grads"], 1e-5 if ipo else GRAD_ATOL, GRAD_RTOL)
+    cmp.check()

@@ -1,0 +1,359 @@
+"""The critic-free family assembled: GRPO (with Dr. GRPO, DAPO, BNPO and GSPO), RLOO, REINFORCE++ (+baseline).
+
+One rollout batch holds ``B`` rows (samples); ``group`` (B,) says which prompt each row answers. The functions here
+turn sequence scores into advantages and compute the loss of one minibatch, so the trainer only calls them.
+
+Conventions, checked number for number by tests/parity:
+
+* GRPO is TRL 1.12's ``GRPOTrainer`` (``_generate_and_score_completions`` and ``_compute_loss``): group-normalised
+  advantages ``(r - mean) / (std + 1e-4)`` (unbiased std; per group, per batch or none: ``scale_rewards``), the clipped
+  surrogate with ``epsilon`` / ``epsilon_high``, an optional k3 KL term (``beta``) weighted by the importance ratio
+  (``use_bias_correction_kl``), the aggregation named by ``loss_type`` (the KL term shares its normaliser),
+  ``importance_sampling_level="sequence"`` (GSPO) and ``top_entropy_quantile``.
+* RLOO ``"trl"`` is TRL 1.12's ``RLOOTrainer``: the KL (sum over tokens of ``old - ref``) is folded into the reward
+  *before* the leave-one-out baseline; one clipped ratio per sequence from the summed log-probs; mean over rows.
+* RLOO ``"openrlhf"`` and REINFORCE++ (+baseline) are OpenRLHF's: the baseline acts on the score alone, the per-token
+  KL penalty (clamped to [-10, 10]) is added afterwards, advantages are the reward-to-go; REINFORCE++ whitens them
+  over the batch with the plain (biased) variance and ``rsqrt(clamp(var, 1e-8))``.
+
+Masked positions are *selected* away (``torch.where``) before any arithmetic that could overflow, never multiplied by
+0: a padded position with a log-prob of -inf must not turn a loss or its gradient into NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from rlhf.algo.kl import kl_estimate
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+ScaleRewards = Literal["group", "batch", "none"]
+GRPO_STD_EPS = 1e-4  # TRL: advantages / (std + 1e-4)
+OPENRLHF_KL_CLAMP = 10.0
+
+
+def _zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=x.dtype, device=x.device)
+
+
+def _groups(group: torch.Tensor) -> list[torch.Tensor]:
+    """Row indices of each group, in order of first appearance of the group id."""
+    return [(group == g).nonzero().flatten() for g in torch.unique(group).tolist()]
+
+
+def _unbiased_std(x: torch.Tensor) -> torch.Tensor:
+    """TRL's ``nanstd`` for a vector without NaN: sqrt(mean((x - mean)^2) * n / (n - 1)); 0 for a single value."""
+    n = x.numel()
+    if n < 2:
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    mean = x.mean()
+    return torch.sqrt(((x - mean) ** 2).mean() * (n / (n - 1)))
+
+
+def grpo_advantages(
+    scores: torch.Tensor, group: torch.Tensor, scale_rewards: ScaleRewards = "group", eps: float = GRPO_STD_EPS
+) -> torch.Tensor:
+    """TRL GRPO: ``A = r - mean_group(r)``, divided by ``std + eps`` unless ``scale_rewards == "none"``.
+
+    scores, group: (B,) -> (B,) float32. ``"group"``: the unbiased std of each group; ``"batch"``: of all scores. A
+    group of one sample (others dropped) gets advantage 0, as TRL's ``nan_to_num`` of its 0/0 would give.
+    """
+    if scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale_rewards!r}")
+    r = scores.float()
+    adv = torch.zeros_like(r)
+    batch_std = _unbiased_std(r)
+    for rows in _groups(group):
+        g = r[rows]
+        centred = g - g.mean()
+        if scale_rewards == "group":
+            centred = centred / (_unbiased_std(g) + eps)
+        elif scale_rewards == "batch":
+            centred = centred / (batch_std + eps)
+        adv[rows] = centred if rows.numel() > 1 else torch.zeros_like(g)
+    return adv
+
+
+def leave_one_out(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """``r_i - mean_{j != i} r_j`` within each group: (B,) -> (B,); 0 for a group of one sample."""
+    r = rewards.float()
+    adv = torch.zeros_like(r)
+    for rows in _groups(group):
+        n = rows.numel()
+        if n > 1:
+            g = r[rows]
+            adv[rows] = g - (g.sum() - g) / (n - 1)
+    return adv
+
+
+def rloo_trl_advantages(
+    scores: torch.Tensor,
+    group: torch.Tensor,
+    sequence_kl: torch.Tensor | None = None,
+    beta: float = 0.0,
+    normalize_advantages: bool = False,
+    eps: float = GRPO_STD_EPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL RLOO: ``r = score - beta * sequence_kl``, then the leave-one-out baseline, then optional batch normalisation.
+
+    scores, group: (B,); sequence_kl: (B,) the KL summed over each completion (TRL: ``sum_t (old_t - ref_t)``).
+    Returns ``(advantages, rewards)``, both (B,). Normalisation is ``(A - mean) / (std + eps)`` over the batch.
+    """
+    rewards = scores.float()
+    if beta != 0.0:
+        if sequence_kl is None:
+            raise ValueError("beta != 0 needs sequence_kl")
+        rewards = rewards - beta * sequence_kl.float()
+    adv = leave_one_out(rewards, group)
+    if normalize_advantages:
+        adv = (adv - adv.mean()) / (_unbiased_std(adv) + eps)
+    return adv, rewards
+
+
+OpenRLHFEstimator = Literal["rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+
+
+def openrlhf_advantages(
+    scores: torch.Tensor,
+    group: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    estimator: OpenRLHFEstimator,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k1",
+    gamma: float = 1.0,
+    whiten: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OpenRLHF's token-level advantages for ``rloo``, ``reinforce`` and ``reinforce_baseline``.
+
+    scores, group: (B,); logprobs (rollout policy), ref_logprobs, mask: (B, L). Steps (OpenRLHF ``experience_maker``):
+    the baseline on the scalar score (rloo: leave-one-out; reinforce_baseline: group mean; reinforce: none), the
+    per-token reward ``-kl_coef * clamp(KL_t, -10, 10)`` with the shaped score added at the last response token, the
+    reward-to-go ``G_t = sum_{k>=t} gamma^(k-t) r_k`` (gamma forced to 1 with a baseline), and, for the two REINFORCE++
+    estimators (``whiten=None``), whitening over every response token of the batch: ``(G - mean) *
+    rsqrt(clamp(var, 1e-8))`` with the plain (biased) variance. Returns ``(advantages, per_token_rewards)``, (B, L),
+    0 outside ``mask``.
+    """
+    mask = mask.bool()
+    r = scores.float()
+    if estimator == "rloo":
+        shaped = leave_one_out(r, group)
+    elif estimator == "reinforce_plus_plus_baseline":
+        shaped = r.clone()
+        for rows in _groups(group):
+            shaped[rows] = r[rows] - r[rows].mean()
+    elif estimator == "reinforce_plus_plus":
+        shaped = r
+    else:
+        raise ValueError(f"unknown OpenRLHF estimator {estimator!r}")
+    if estimator != "reinforce_plus_plus":
+        gamma = 1.0
+    zero = _zero(r)
+    kl = kl_estimate(
+        torch.where(mask, logprobs, zero), torch.where(mask, ref_logprobs, zero), kl_estimator, clamp=OPENRLHF_KL_CLAMP
+    )
+    rewards = torch.where(mask, -kl_coef * kl, zero)
+    L = mask.shape[1]
+    last = (mask.long() * torch.arange(1, L + 1, device=mask.device)).argmax(dim=1)  # last set column
+    has_tokens = mask.any(dim=1)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    rewards[rows, last] += torch.where(has_tokens, shaped, zero)
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(r)
+    for t in reversed(range(L)):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    returns = torch.where(mask, returns, zero)
+    if whiten is None:
+        whiten = estimator != "rloo"
+    if whiten:
+        n = mask.sum().clamp(min=1)
+        mean = torch.where(mask, returns, zero).sum() / n
+        var = torch.where(mask, (returns - mean) ** 2, zero).sum() / n  # plain variance, as OpenRLHF
+        returns = torch.where(mask, (returns - mean) * var.clamp(min=1e-8).rsqrt(), zero)
+    return returns, rewards
+
+
+def top_entropy_mask(entropies: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """TRL's ``top_entropy_quantile``: keep the response tokens whose entropy is in the top ``quantile`` of the batch.
+
+    entropies, mask: (B, L) -> bool (B, L). The threshold is ``torch.quantile(valid entropies, 1 - quantile)``; a token
+    is kept when its entropy is >= the threshold. ``quantile=1`` keeps every response token.
+    """
+    mask = mask.bool()
+    if not 0.0 <= quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {quantile}")
+    valid = entropies.detach()[mask].float()
+    if valid.numel() == 0:
+        return torch.zeros_like(mask)
+    threshold = torch.quantile(valid, 1.0 - quantile)
+    return (torch.where(mask, entropies.detach(), _zero(entropies)) >= threshold) & mask
+
+
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    loss_type: LossType = "dapo",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    importance_sampling_level: Literal["token", "sequence"] = "token",
+    ref_logprobs: torch.Tensor | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    use_bias_correction_kl: bool = True,
+    entropy_mask: torch.Tensor | None = None,
+    max_completion_length: int | None = None,
+    num_items: float | torch.Tensor | None = None,
+    dual_clip: float | None = None,
+    behavior_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO-family loss of one minibatch (TRL 1.12 ``GRPOTrainer._compute_loss``).
+
+    logprobs (with grad), old_logprobs, mask: (B, L); advantages: (B,) per sequence or (B, L) per token.
+    ``coef = exp(log pi - log pi_old)`` per token, or (``importance_sampling_level="sequence"``, GSPO) the exp of the
+    masked mean log-ratio of each row; ``loss_t = -min(coef * A, clamp(coef, 1 - epsilon, 1 + epsilon_high) * A)``;
+    tokens outside ``entropy_mask`` drop out of that term; with ``beta != 0`` the ``kl_estimator`` (k3 in TRL) of
+    ``pi`` against ``ref_logprobs`` is added per token, times ``coef`` when ``use_bias_correction_kl``. Aggregation
+    (the KL term included):
+
+      grpo     mean over rows of (sum_t loss_t / n_tokens(row))
+      bnpo     sum loss_t / n_tokens(minibatch)
+      dr_grpo  sum loss_t / (rows * max_completion_length)
+      dapo     sum loss_t / num_items  (TRL: tokens of the whole generation batch / minibatches per generation)
+
+    Extras that TRL does not have (off by default): ``dual_clip`` (OpenRLHF, negative advantages) and a truncated
+    importance weight ``min(exp(old - behaviour), tis_cap)`` per token for samples from an older policy version.
+    stats: ``clip_ratio/{low_mean,high_mean,region_mean}`` (TRL's names: fractions of the valid tokens, or of the rows
+    at sequence level), ``kl`` (mean per valid token),
+    ``approxkl``, ``ratio``, ``policy_loss`` (the loss before any entropy bonus).
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
+    mask = mask.bool()
+    zero = _zero(logprobs)
+    eps_low = epsilon
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
+    # Select before subtracting: padded positions hold whatever the caller left there (0, 1.0, -inf, ...).
+    log_ratio = torch.where(mask, logprobs - torch.where(mask, old_logprobs, zero), zero)
+    count = mask.sum(dim=1)
+    if importance_sampling_level == "token":
+        log_w = log_ratio
+    else:
+        log_w = (log_ratio.sum(dim=1) / count.clamp(min=1)).unsqueeze(1)  # (B, 1)
+    coef_1 = torch.exp(log_w)
+    coef_2 = torch.clamp(coef_1, 1.0 - eps_low, 1.0 + eps_high)
+    adv = advantages.float().unsqueeze(1) if advantages.dim() == 1 else advantages.float()
+    loss1, loss2 = coef_1 * adv, coef_2 * adv
+    per_token = -torch.min(loss1, loss2)
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        per_token = torch.where(adv < 0, torch.min(per_token, -dual_clip * adv), per_token)
+    per_token = per_token.expand_as(log_ratio) if per_token.shape != log_ratio.shape else per_token
+    if entropy_mask is not None:
+        per_token = torch.where(entropy_mask.bool(), per_token, zero)
+    stats: dict[str, torch.Tensor] = {}
+    if behavior_logprobs is not None:
+        if tis_cap is None:
+            raise ValueError("behavior_logprobs given without tis_cap")
+        weight = torch.exp(torch.where(mask, old_logprobs - torch.where(mask, behavior_logprobs, zero), zero))
+        weight = weight.clamp(max=tis_cap).detach()
+        per_token = per_token * weight
+        stats["tis_weight"] = _masked_mean(weight, mask)
+    kl = None
+    if beta != 0.0:
+        if ref_logprobs is None:
+            raise ValueError("beta != 0 needs ref_logprobs")
+        kl = kl_estimate(torch.where(mask, logprobs, zero), torch.where(mask, ref_logprobs, zero), kl_estimator)
+        if use_bias_correction_kl:
+            kl = kl * coef_1
+        per_token = per_token + beta * kl
+    total = torch.where(mask, per_token, zero)
+    if loss_type == "grpo":
+        loss = (total.sum(dim=1) / count.clamp(min=1)).mean()
+    elif loss_type == "bnpo":
+        loss = total.sum() / count.sum().clamp(min=1)
+    elif loss_type == "dr_grpo":
+        if not max_completion_length:
+            raise ValueError("loss_type 'dr_grpo' needs max_completion_length")
+        loss = total.sum() / (total.shape[0] * max_completion_length)
+    else:
+        if num_items is None:
+            raise ValueError("loss_type 'dapo' needs num_items (tokens per minibatch, averaged over the batch)")
+        loss = total.sum() / torch.as_tensor(num_items, dtype=total.dtype, device=total.device).clamp(min=1.0)
+    with torch.no_grad():
+        is_low = (coef_1 < 1.0 - eps_low) & (adv < 0)
+        is_high = (coef_1 > 1.0 + eps_high) & (adv > 0)
+        for name, flags in (("low", is_low), ("high", is_high), ("region", is_low | is_high)):
+            # TRL: a fraction of tokens, or of rows when there is one ratio per row (sequence level)
+            frac = flags.float().mean() if flags.shape[1] == 1 else _masked_mean(flags.float(), mask)
+            stats[f"clip_ratio/{name}_mean"] = frac
+        stats["approxkl"] = _masked_mean(0.5 * log_ratio.square(), mask)
+        stats["ratio"] = _masked_mean(torch.exp(log_ratio), mask)
+        stats["kl"] = _masked_mean(kl, mask) if kl is not None else torch.zeros(())
+        stats["policy_loss"] = loss.detach()
+    return loss, stats
+
+
+def rloo_trl_loss(
+    logprobs: torch.Tensor,
+    old_sequence_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    behavior_sequence_logprobs: torch.Tensor | None = None,
+    tis_cap: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL 1.12 ``RLOOTrainer._compute_loss``: one clipped ratio per sequence, mean over rows.
+
+    logprobs (with grad), mask: (B, L); old_sequence_logprobs, advantages: (B,). ``coef = exp(sum_t log pi -
+    old_sequence_logprobs)``; ``loss = mean_b -min(coef * A, clamp(coef, 1 - epsilon, 1 + epsilon_high) * A)``.
+    Optional (not in TRL): a per-sequence truncated importance weight ``min(exp(old - behaviour), tis_cap)`` from the
+    summed sampling log-probs. stats: ``clip_ratio/{low_mean,high_mean,region_mean}`` over rows, ``ratio``.
+    """
+    mask = mask.bool()
+    zero = _zero(logprobs)
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    old, adv = old_sequence_logprobs.detach().float(), advantages.detach().float()
+    seq = torch.where(mask, logprobs, zero).sum(dim=1)
+    coef_1 = torch.exp(seq - old)
+    coef_2 = torch.clamp(coef_1, 1.0 - epsilon, 1.0 + eps_high)
+    per_sequence = -torch.min(coef_1 * adv, coef_2 * adv)
+    stats: dict[str, torch.Tensor] = {}
+    if behavior_sequence_logprobs is not None:
+        if tis_cap is None:
+            raise ValueError("behavior_sequence_logprobs given without tis_cap")
+        weight = torch.exp(old - behavior_sequence_logprobs.float()).clamp(max=tis_cap).detach()
+        per_sequence = per_sequence * weight
+        stats["tis_weight"] = weight.mean()
+    loss = per_sequence.mean()
+    with torch.no_grad():
+        is_low = (coef_1 < 1.0 - epsilon) & (adv < 0)
+        is_high = (coef_1 > 1.0 + eps_high) & (adv > 0)
+        stats["clip_ratio/low_mean"] = is_low.float().mean()
+        stats["clip_ratio/high_mean"] = is_high.float().mean()
+        stats["clip_ratio/region_mean"] = (is_low | is_high).float().mean()
+        stats["ratio"] = coef_1.mean()
+        stats["policy_loss"] = loss.detach()
+    return loss, stats
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over set positions by selection (a NaN/inf outside the mask stays outside); 0 when nothing is set."""
+    mask = mask.bool()
+    total = torch.where(mask, values, _zero(values)).sum()
+    n = mask.sum()
+    return torch.where(n > 0, total / n.clamp(min=1), _zero(values))
