@@ -348,14 +348,17 @@ def http_ready(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = 
 class MetricsTail:
     """Reads the complete lines appended to a JSONL file since the last call."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, from_end: bool = False):
         self.path = Path(path)
-        self.offset = 0
+        self.offset = self.path.stat().st_size if from_end and self.path.exists() else 0
         self._partial = b""
 
     def read(self) -> list[dict[str, Any]]:
         try:
             with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < self.offset:  # cut back by a trainer resuming from a checkpoint: follow from the cut
+                    self.offset, self._partial = size, b""
                 f.seek(self.offset)
                 data = f.read()
         except OSError:
@@ -528,7 +531,8 @@ class Launcher:
         self.run_dir = Path(self.opts.run_dir or default_run_dir(run_id)).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
-        shutil.copyfile(config_path, self.run_dir / "config.yaml")
+        if config_path != (self.run_dir / "config.yaml").resolve():
+            shutil.copyfile(config_path, self.run_dir / "config.yaml")
         total = cfg.training.train_iters
 
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -568,8 +572,10 @@ class Launcher:
             self._shutdown()
             return self._finish()
         except Interrupted as sig:
-            self.say(f"{sig}: stopping every process (Ctrl-C again to kill at once)")
+            self.say(f"{sig}: stopping every process; the trainer checkpoints first (Ctrl-C again to kill at once)")
             self._shutdown()
+            if self.run_dir is not None and (self.run_dir / "metrics.jsonl").exists():
+                self.say(f"continue with: rlhf up --resume {self.run_dir}")
             return 128 + sig.signum
         except LaunchError as err:
             print(f"rlhf up: {err}", file=sys.stderr, flush=True)
@@ -604,7 +610,8 @@ class Launcher:
 
     def _follow(self, trainer: Child, total: int, t_start: float) -> int:
         assert self.run_dir is not None
-        tail = MetricsTail(self.run_dir / "metrics.jsonl")
+        # A resumed run's earlier steps are not shown again; its trainer cuts the file back to its checkpoint.
+        tail = MetricsTail(self.run_dir / "metrics.jsonl", from_end=True)
         while True:
             for rec in tail.read():
                 if not self.opts.quiet:
@@ -653,8 +660,11 @@ class Launcher:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="experiment config YAML")
+    p.add_argument("--config", help="experiment config YAML (required unless --resume)")
     p.add_argument("--run-dir", help="run folder (default runs/<run_id>-<timestamp>)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a stopped run: its folder's config (unless --config), Redis data, checkpoints and "
+                        "metrics; training goes on from the last checkpoint")  # fmt: skip
     p.add_argument("--rollout-replicas", type=int, default=1, help="rollout processes (default %(default)s)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds each stage may take to get ready")
     p.add_argument("--stop-grace", type=float, default=20.0, help="seconds a service gets after SIGTERM")
@@ -670,12 +680,25 @@ def main(args: argparse.Namespace) -> int:
     if args.max_restarts < 0:
         print("rlhf up: --max-restarts must be at least 0", file=sys.stderr)
         return 2
+    run_dir = args.run_dir
+    if args.resume:
+        if args.run_dir:
+            print("rlhf up: give --resume RUN_DIR or --run-dir, not both", file=sys.stderr)
+            return 2
+        if not Path(args.resume).is_dir():
+            print(f"rlhf up: --resume: run folder {args.resume} does not exist", file=sys.stderr)
+            return 2
+        run_dir = args.resume
+        args.config = args.config or str(Path(args.resume) / "config.yaml")
+    if not args.config:
+        print("rlhf up: --config is required (or --resume RUN_DIR)", file=sys.stderr)
+        return 2
     if not Path(args.config).is_file():
         print(f"rlhf up: config file {args.config} does not exist", file=sys.stderr)
         return 2
     opts = RunOptions(
         config=Path(args.config),
-        run_dir=Path(args.run_dir) if args.run_dir else None,
+        run_dir=Path(run_dir) if run_dir else None,
         rollout_replicas=args.rollout_replicas,
         ready_timeout=args.ready_timeout,
         stop_grace=args.stop_grace,

@@ -10,7 +10,6 @@ It stops (exit 0) after ``training.train_iters`` steps.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -22,6 +21,7 @@ from fastapi import Depends
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from rlhf import runlog
 from rlhf.config import ExperimentConfig, load_config
 from rlhf.data import PromptCursor, encode_prompt, load_prompts
 from rlhf.serving import (
@@ -133,6 +133,11 @@ class Trainer:
         # The trained-jobs total is kept here and set absolutely (a retried increment would count twice).
         self.jobs_trained = (await self.admission.state()).trained
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Steps after the checkpoint are trained again: each step stays in metrics.jsonl once.
+        cut = runlog.truncate_after(self.run_dir / "metrics.jsonl", self.engine.step_count)
+        if cut:
+            log.info("metrics.jsonl cut back to step %d (%d later line(s) removed)", self.engine.step_count, cut)
+        self._saved_step = self.engine.step_count if ckpt else None
         self.tasks = [
             asyncio.create_task(self._publish_loop()),
             asyncio.create_task(self._train_loop()),
@@ -152,7 +157,22 @@ class Trainer:
                 delay = min(delay * 2, 5.0)
 
     async def stop(self) -> None:
-        for t in [*getattr(self, "tasks", []), self._push_task]:
+        """SIGTERM (Ctrl-C under ``rlhf up``, a pod or container stop): finish the step in progress, checkpoint
+        what was trained since the last checkpoint, then stop. Killed before it is done, the previous checkpoint
+        stands (checkpoints are atomic)."""
+        tasks = [*getattr(self, "tasks", []), self._push_task]
+        unsaved = self.engine is not None and hasattr(self, "tasks") and not self.done
+        if unsaved and self.engine.step_count not in (0, getattr(self, "_saved_step", None)):
+            async with self._state_lock:  # waits for a step in progress; none starts after it
+                for t in tasks:
+                    if t is not None:
+                        t.cancel()
+                log.info("stopping: checkpointing step %d", self.engine.step_count)
+                try:
+                    await self._checkpoint()
+                except Exception:  # noqa: BLE001 - the previous checkpoint stands
+                    log.exception("checkpoint on stop failed")
+        for t in tasks:
             if t is not None:
                 t.cancel()
         if getattr(self, "redis", None) is not None:
@@ -326,8 +346,7 @@ class Trainer:
             }
         )
         self.last_metrics = metrics
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        runlog.append(self.run_dir / "metrics.jsonl", metrics)
         if self.engine.step_count % t.log_interval == 0:
             log.info(
                 "step %d reward %.4f kl %.4f samples/s %.1f",
@@ -432,6 +451,7 @@ class Trainer:
             "run_id": self.run_id,
         }
         path = await asyncio.to_thread(save_checkpoint, self.ckpt_dir, self.engine, extra)
+        self._saved_step = self.engine.step_count
         if self.unacked:
             unacked = list(self.unacked)
             await self._redis("acknowledging experience", self.experience.ack, unacked)

@@ -435,6 +435,54 @@ def test_rlhf_up_ctrl_c_stops_every_process(tmp_path, tiny_models):
     assert not [p for p in pids if _group_alive(p)], text
 
 
+@pytest.mark.timeout(600)
+def test_ctrl_c_checkpoints_and_resume_continues_without_duplicate_steps(tmp_path, tiny_models):
+    """Ctrl-C mid-run: the trainer checkpoints the step it reached before stopping; `rlhf up --resume RUN_DIR` goes
+    on from there with its progress lines and metrics.jsonl continuing, each step once."""
+    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    cfg["run_id"] = "resume"
+    cfg["training"].update(train_iters=12, global_batch_size=2, save_interval=100, log_interval=1)
+    cfg["actor_rollout_ref"]["actor_rollout"].update(max_new_tokens=4, ppo_mini_batch_size=2, ppo_epochs=1)
+    cfg["critic"].update(critic_mini_batch_size=2, critic_update_epochs=1)
+    config = tmp_path / "resume.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    run_dir = tmp_path / "run"
+    env = dict(os.environ)
+    env.pop("RLHF_REDIS_URL", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    first = tmp_path / "first.out"
+    with open(first, "w") as out:
+        argv = [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir)]
+        proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not re.search(r"step 3/12", first.read_text()) and time.monotonic() < deadline:
+                assert proc.poll() is None, first.read_text()
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=120) == 130, first.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = first.read_text()
+    assert f"continue with: rlhf up --resume {run_dir}" in text, text
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    state = json.loads((run_dir / "checkpoints" / latest / "state.json").read_text())
+    stopped_at = state["step"]  # no save_interval checkpoint before 100: this one was written on Ctrl-C
+    assert 3 <= stopped_at < 12, stopped_at
+    assert "stopping: checkpointing step" in (run_dir / "logs" / "trainer.log").read_text()
+
+    second = subprocess.run([sys.executable, "-m", "services.cli", "up", "--resume", str(run_dir)], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=400)  # fmt: skip
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out + launcher.log_tail(run_dir / "logs" / "trainer.log", 40)
+    shown = [int(m) for m in re.findall(r"step (\d+)/12", out)]
+    assert shown and shown[0] == stopped_at + 1 and shown[-1] == 12, shown  # progress continues, no replay
+    steps = [r["step"] for r in report.load_metrics(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, 13)), steps  # each step once: the run's plot does not jump back
+    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+
+
 def _certificates(d: Path) -> dict[str, str]:
     """A CA and a server certificate it signed for 127.0.0.1 / localhost (PEM files in ``d``)."""
     import datetime

@@ -1,0 +1,45 @@
+"""A run's ``metrics.jsonl``: one JSON object per training step, appended by the trainer.
+
+A trainer that resumes from the checkpoint of step N trains steps N+1... again, so it first cuts the file back to
+step N (:func:`truncate_after`): the file then holds each step once, in order, whatever crashes the run went through.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def append(path: str | Path, record: dict) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def truncate_after(path: str | Path, step: int) -> int:
+    """Cut ``path`` (in place, same file) just before the first record whose ``step`` exceeds ``step``, and any
+    half-written last line; returns how many lines were removed (0 when the file is missing or already ends there)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return 0
+    keep = 0
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            keep += len(line) + 1
+            continue
+        try:
+            rec = json.loads(line)
+            s = int(rec["step"])
+        except (ValueError, KeyError, TypeError):
+            s = None
+        if s is None or s > step or i == len(lines) - 1:  # unreadable, later, or not newline-terminated
+            removed = sum(1 for x in lines[i:] if x.strip())
+            with open(path, "r+b") as f:
+                f.truncate(keep)
+                os.fsync(f.fileno())
+            return removed
+        keep += len(line) + 1
+    return 0
