@@ -268,6 +268,20 @@ def test_metrics_tail_reads_only_complete_lines(tmp_path):
     assert tail.read() == []
 
 
+def test_metrics_tail_of_a_resumed_run_skips_old_lines_and_follows_a_cut(tmp_path):
+    from rlhf import runlog
+
+    path = tmp_path / "metrics.jsonl"
+    for step in range(1, 6):
+        runlog.append(path, {"step": step})
+    tail = launcher.MetricsTail(path, from_end=True)
+    assert tail.read() == []  # the earlier life's lines are not shown again
+    runlog.truncate_after(path, 3)  # the resumed trainer cuts back to its checkpoint
+    assert tail.read() == []
+    runlog.append(path, {"step": 4})
+    assert [r["step"] for r in tail.read()] == [4]
+
+
 def test_format_progress():
     line = launcher.format_progress(
         {"step": 3, "reward/mean": 0.25, "objective/kl": 0.0123, "samples_per_s": 41.5, "staleness/mean": 0.5,

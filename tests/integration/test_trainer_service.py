@@ -165,8 +165,9 @@ def test_killed_trainer_resumes_and_trains_nothing_twice(redis_server, start_ser
     _run_with_replicas(redis_server.url, lambda: restarted.proc.poll() is not None)
     assert restarted.wait(timeout=30) == 0, restarted.log_tail()
     steps = _metrics(run_dir)
-    # Steps 1-3 from the first life, then 3-5 again from the step-2 checkpoint: step 3 is redone, not lost.
-    assert [m["step"] for m in steps] == [1, 2, 3, 3, 4, 5]
+    # Step 3 is redone from the step-2 checkpoint, not lost; metrics.jsonl was cut back to step 2 first.
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
+    assert "metrics.jsonl cut back to step 2 (1 later line(s) removed)" in restarted.log_text()
     state = json.loads((run_dir / "checkpoints" / "step_5" / "state.json").read_text())
     assert len(state["trained_job_ids"]) == len(set(state["trained_job_ids"])) == 20
     # The restored weights were published under a new version: 2 (checkpoint) -> 3, then steps 3-5 -> 6.
