@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a private redis-server (unless RLHF_REDIS_URL is set), the reward and reference services, "
         "the rollout replica(s) and the trainer as local processes on free loopback ports; show one line per "
         "training step; stop everything when training is done (or on Ctrl-C) and draw the plots. "
-        "Writes the run folder: metrics.jsonl, reward.png, kl.png, losses.png, checkpoints, logs/.",
+        "Writes the run folder: metrics.jsonl, the plots (reward, kl, losses, lengths, throughput), checkpoints, logs/.",
     )
     u.set_defaults(func=_up)
     from services import launcher
@@ -272,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser(
         "report",
         help="(re)draw a run's plots from its metrics.jsonl and print a summary",
-        description="Draw reward.png, kl.png and losses.png in RUN_DIR from RUN_DIR/metrics.jsonl; print the "
+        description="Draw reward.png, kl.png, losses.png, lengths.png, throughput.png (and dpo_rewards.png) in RUN_DIR "
+        "from RUN_DIR/metrics.jsonl; print the "
         "first/last mean reward.",
     )
     r.add_argument("run_dir", help="the run folder (holds metrics.jsonl)")

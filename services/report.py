@@ -4,10 +4,14 @@
 ``{"step": 3, "reward/mean": 0.41, "objective/kl": 0.002, "loss/policy": -0.01, "loss/value": 0.3, ...}``.
 :func:`draw` writes, next to it:
 
-- ``reward.png``: the mean reward per step (with a +-std band when ``reward/std`` is there; other ``reward*`` and
-  ``score*`` series as thin lines);
-- ``kl.png``: every series whose name contains ``kl`` (the KL estimate, the KL coefficient...);
-- ``losses.png``: every ``loss/*`` series.
+- ``reward.png``: the mean reward per step (with a +-std band when ``reward/std`` is there; per-scorer
+  ``reward/<scorer>``, ``objective/scores`` and the like as thin lines);
+- ``kl.png``: the KL series: a name part that is ``kl``, ends in ``kl`` (``approxkl``) or starts with ``kl_``
+  (``kl_coef``); ``loss/kl`` stays with the losses, and names that merely contain the letters (``backlog``) are not KL;
+- ``losses.png``: every ``loss/*`` series;
+- ``lengths.png``: ``response_length/*``; ``throughput.png``: ``samples_per_s`` and the ``time/*`` series;
+- ``dpo_rewards.png`` (online DPO only): the implicit rewards ``rewards/chosen|rejected|margins|accuracies``, on
+  their own axes since their scale is not the reward's.
 
 Matplotlib with the Agg backend (no display needed). A truncated last line (a run still being written, or killed) is
 skipped.
@@ -23,7 +27,37 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-PLOTS = ("reward.png", "kl.png", "losses.png")
+PLOTS = ("reward.png", "kl.png", "losses.png", "lengths.png", "throughput.png")  # drawn for every run
+DPO_PLOT = "dpo_rewards.png"
+
+
+def family(key: str) -> str | None:
+    """The plot a metric belongs in (a file name of :data:`PLOTS` or :data:`DPO_PLOT`), or None."""
+    k = key.lower()
+    if k.startswith("rewards/"):
+        return DPO_PLOT
+    if k.startswith("loss"):
+        return "losses.png"
+    parts = k.split("/")
+    if any(p == "kl" or p.endswith("kl") or p.startswith("kl_") for p in parts):
+        return "kl.png"
+    if ("reward" in k or k.startswith("score") or k.endswith("/scores")) and not k.endswith("/std"):
+        return "reward.png"
+    if k.startswith("response_length"):
+        return "lengths.png"
+    if k == "samples_per_s" or k.startswith("time/"):
+        return "throughput.png"
+    return None
+
+
+def plot_keys(records: Sequence[Mapping[str, Any]]) -> dict[str, list[str]]:
+    """Plot file -> the series it shows (``reward/mean``'s band and line are drawn by :func:`draw` itself)."""
+    out: dict[str, list[str]] = {name: [] for name in PLOTS}
+    for k in numeric_keys(records):
+        f = family(k)
+        if f is not None and k != "step":
+            out.setdefault(f, []).append(k)
+    return out
 
 
 def parse_record(line: str | bytes) -> dict[str, Any] | None:
@@ -113,7 +147,8 @@ def _save(fig, ax, path: Path, any_data: bool) -> Path:
 
 
 def draw(run_dir: str | Path, records: Sequence[Mapping[str, Any]] | None = None) -> list[Path]:
-    """Write reward.png, kl.png and losses.png into ``run_dir`` from its metrics.jsonl; returns their paths."""
+    """Write the plots of :data:`PLOTS` (and :data:`DPO_PLOT` for online DPO) into ``run_dir`` from its
+    metrics.jsonl; returns their paths."""
     run_dir = Path(run_dir)
     if records is None:
         records = load_metrics(run_dir / "metrics.jsonl")
@@ -138,25 +173,25 @@ def draw(run_dir: str | Path, records: Sequence[Mapping[str, Any]] | None = None
                 ax.fill_between([b[0] for b in band], [b[1] - b[2] for b in band], [b[1] + b[2] for b in band],
                                 alpha=0.2, label=f"± {std_key}")  # fmt: skip
         drawn = bool(xs)
-    for k in keys:
-        kl = k.lower()
-        if k != rk and ("reward" in kl or kl.startswith("score")) and not kl.endswith("/std"):
+    groups = plot_keys(records)
+    for k in groups.pop("reward.png"):
+        if k != rk:
             xs, ys = series(records, k)
             ax.plot(xs, ys, linewidth=1, alpha=0.7, label=k)
             drawn = drawn or bool(xs)
     out.append(_save(fig, ax, run_dir / "reward.png", drawn))
 
-    for name, title, pred in (
-        ("kl.png", "KL divergence to the reference", lambda k: "kl" in k.lower()),
-        ("losses.png", "losses", lambda k: k.lower().startswith("loss")),
-    ):
-        fig, ax = _figure(title, title.split()[0])
+    titles = {"kl.png": "KL divergence to the reference", "losses.png": "losses", "lengths.png": "response length",
+              "throughput.png": "throughput and time", DPO_PLOT: "DPO implicit rewards"}  # fmt: skip
+    for name, chosen in groups.items():
+        if name == DPO_PLOT and not chosen:
+            continue
+        fig, ax = _figure(titles[name], titles[name].split()[0])
         drawn = False
-        for k in keys:
-            if pred(k):
-                xs, ys = series(records, k)
-                ax.plot(xs, ys, marker="o", markersize=2, label=k)
-                drawn = drawn or bool(xs)
+        for k in chosen:
+            xs, ys = series(records, k)
+            ax.plot(xs, ys, marker="o", markersize=2, label=k)
+            drawn = drawn or bool(xs)
         out.append(_save(fig, ax, run_dir / name, drawn))
     return out
 
@@ -175,7 +210,7 @@ def summary(records: Sequence[Mapping[str, Any]]) -> str:
             lines.append(f"{rk}: first {ys[0]:+.4f}, last {ys[-1]:+.4f}")
             lines.append(f"{rk} averaged over the first/last {k} step(s): {first:+.4f} -> {last:+.4f} "
                          f"({last - first:+.4f})")  # fmt: skip
-    for key in ("objective/kl",) + tuple(k for k in numeric_keys(records) if "kl" in k.lower()):
+    for key in ("objective/kl",) + tuple(k for k in numeric_keys(records) if family(k) == "kl.png"):
         _, ys = series(records, key)
         if ys:
             lines.append(f"{key}: last {ys[-1]:.4f}")

@@ -339,6 +339,20 @@ def test_report_summary_and_keys(tmp_path):
     assert report.summary([]) == "no training steps recorded"
 
 
+def test_each_plot_shows_its_quantity_family():
+    rec = {"step": 1, "reward/mean": 0.5, "reward/std": 0.1, "reward/char_fraction": 0.4, "objective/scores": 0.5,
+           "objective/kl": 0.01, "kl_coef": 0.05, "policy/approxkl": 0.001, "loss/policy": 0.1, "loss/kl": 0.2,
+           "queue/prompts_backlog": 3.0, "queue/experience_backlog": 1.0, "response_length/mean": 6.0,
+           "samples_per_s": 9.0, "time/step_s": 0.4, "rewards/chosen": 2.0, "rewards/margins": 1.0}  # fmt: skip
+    keys = {name: sorted(ks) for name, ks in report.plot_keys([rec]).items()}
+    assert keys["kl.png"] == ["kl_coef", "objective/kl", "policy/approxkl"]  # not the backlogs, not loss/kl
+    assert keys["losses.png"] == ["loss/kl", "loss/policy"]
+    assert keys["reward.png"] == ["objective/scores", "reward/char_fraction", "reward/mean"]
+    assert keys[report.DPO_PLOT] == ["rewards/chosen", "rewards/margins"]  # DPO's implicit rewards: own axes
+    assert keys["lengths.png"] == ["response_length/mean"]
+    assert keys["throughput.png"] == ["samples_per_s", "time/step_s"]
+
+
 def test_report_cli(tmp_path, capsys):
     assert cli_main(["report", str(tmp_path)]) == 2
     _synthetic_metrics(tmp_path / "metrics.jsonl")
