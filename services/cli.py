@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a private redis-server (unless RLHF_REDIS_URL is set), the reward and reference services, "
         "the rollout replica(s) and the trainer as local processes on free loopback ports; show one line per "
         "training step; stop everything when training is done (or on Ctrl-C) and draw the plots. "
-        "Writes the run folder: metrics.jsonl, the plots (reward, kl, losses, lengths, throughput), checkpoints, logs/.",
+        "Writes the run folder: metrics.jsonl, the plots, checkpoints, logs/.",
     )
     u.set_defaults(func=_up)
     from services import launcher

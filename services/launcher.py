@@ -17,7 +17,7 @@
    its checkpoint) is restarted on its ports, up to ``--max-restarts`` times per service.
 
 The run folder (default ``runs/<run_id>-<YYYYmmdd-HHMMSS>``) holds ``config.yaml`` (a copy), ``metrics.jsonl``,
-``reward.png``, ``kl.png``, ``losses.png`` (and the other plots of ``services.report``), the trainer's checkpoints (it is told the folder via ``RLHF_RUN_DIR``),
+the plots (``services.report.PLOTS``), the trainer's checkpoints (it is told the folder via ``RLHF_RUN_DIR``),
 ``logs/<service>.log`` and ``redis/`` (the private Redis data).
 
 Every child runs in its own session (process group): the terminal's Ctrl-C reaches only the launcher, which stops
