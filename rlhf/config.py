@@ -123,6 +123,13 @@ class RewardConfig(Section):
     scorers: list[ScorerConfig] = _f([ScorerConfig(type="model", load="tiny:reward")], "scorers, combined by weight")
     micro_batch_size: int = _f(16, "sequences per reward-model forward", gt=0)
     load: str | None = _f(None, "shorthand for one model scorer (MindSpeed's reward.load)")
+    max_failed_fraction: float = _f(
+        0.5,
+        "the run stops, naming the scorer, when more than this fraction of a step's samples failed scoring ...",
+        ge=0,
+        le=1,
+    )
+    failed_patience: int = _f(3, "... for this many steps in a row (a short outage is waited out)", gt=0)
 
 
 class KLCtrlConfig(Section):

@@ -10,6 +10,10 @@ import json
 import os
 from pathlib import Path
 
+# The trainer's exit code when the run stopped itself by one of its rules (for example its reward failing for too
+# many steps): a supervisor should not restart it, since a restart would fail the same way.
+EXIT_STOPPED_BY_RULE = 3
+
 
 def append(path: str | Path, record: dict) -> None:
     with open(path, "a", encoding="utf-8") as f:

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from rlhf import runlog
 from services.report import parse_record
 
 REPO = Path(__file__).resolve().parents[1]
@@ -566,6 +567,10 @@ class Launcher:
                 self._wait_ready(started, may_finish=("trainer",))
             trainer = next(c for c in self.children if c.name == "trainer")
             rc = self._follow(trainer, total, t_start)
+            if rc == runlog.EXIT_STOPPED_BY_RULE:
+                stop = next((ln for ln in reversed(trainer.log_tail(200).splitlines()) if "stopping the run" in ln), "")
+                raise LaunchError(f"the trainer stopped the run: {stop.split('stopping the run: ', 1)[-1]}\n"
+                                  f"end of {trainer.log_path}:\n{trainer.log_tail(10)}")  # fmt: skip
             if rc != 0:
                 raise LaunchError(f"trainer exited with {rc}; end of {trainer.log_path}:\n{trainer.log_tail()}")
             self.say(f"training done in {time.monotonic() - t_start:.0f}s; stopping the services")
@@ -621,6 +626,8 @@ class Launcher:
                 for rec in tail.read():
                     if not self.opts.quiet:
                         print(format_progress(rec, total, time.monotonic() - t_start), file=self.out, flush=True)
+                return rc
+            if rc == runlog.EXIT_STOPPED_BY_RULE:  # the run stopped itself: restarting would not help
                 return rc
             if rc is not None:  # it resumes from its last checkpoint
                 try:

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,11 +79,27 @@ class ScoreOutcome:
 
 class Scorer:
     type = "?"
+    LOG_EVERY_S = 10.0  # failures are logged at most this often per scorer (with how many were not)
 
     def __init__(self, cfg: ScorerConfig, name: str):
         self.cfg = cfg
         self.name = name
         self.weight = cfg.weight
+        self._logged_at = float("-inf")
+        self._unlogged = 0
+
+    def report_failure(self, message: str, exc: BaseException | None = None) -> None:
+        """Log a failed item (the traceback of a raising user function included): a scorer that fails shows in the
+        reward service's log, not only as an error status in the samples. Rate-limited: a scorer failing on every
+        item logs once per ``LOG_EVERY_S`` with the count it left out."""
+        now = time.monotonic()
+        if now - self._logged_at < self.LOG_EVERY_S:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more failure(s) since the last report)" if self._unlogged else ""
+        self._logged_at, self._unlogged = now, 0
+        exc_info = (type(exc), exc, exc.__traceback__) if exc is not None else None
+        log.warning("%s%s", message, more, exc_info=exc_info)
 
     def load(self) -> None:
         """Blocking set-up (model loading); called once before serving."""
@@ -125,12 +142,17 @@ class RuleScorer(Scorer):
         except rules.RuleInputError as err:
             return Failure(INVALID_INPUT, f"scorer {self.name!r}: {err}")
         except Exception as err:  # noqa: BLE001 - a user function may raise anything
-            return Failure(SCORER_ERROR, f"scorer {self.name!r} raised {type(err).__name__}: {err}")
+            message = f"scorer {self.name!r} raised {type(err).__name__}: {err}"
+            self.report_failure(message, err)
+            return Failure(SCORER_ERROR, message)
         try:
             value = float(value)
         except (TypeError, ValueError):
-            return Failure(SCORER_ERROR, f"scorer {self.name!r} returned {type(value).__name__}, not a number")
+            message = f"scorer {self.name!r} returned {type(value).__name__}, not a number"
+            self.report_failure(message)
+            return Failure(SCORER_ERROR, message)
         if not math.isfinite(value):
+            self.report_failure(f"scorer {self.name!r} returned {value}")
             return Failure(SCORER_ERROR, f"scorer {self.name!r} returned {value}")
         return value
 
@@ -384,6 +406,7 @@ class RemoteScorer(Scorer):
                 out.append(v if math.isfinite(v) else Failure(SCORER_ERROR, f"scorer {self.name!r}: reward {v}"))
             return out
         assert last is not None
+        self.report_failure(last.message)
         return [last] * len(items)
 
     async def close(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,41 @@ log = logging.getLogger("rlhf.trainer")
 
 class NoUsableSamples(ValueError):
     """Every sample of a batch failed scoring (or is empty): the scorers' fault, not the records'."""
+
+
+_SCORER_NAME = re.compile(r"scorer '([^']+)'")
+
+
+def score_stats(experiences: list[experience_pb2.Experience]) -> dict[str, float]:
+    """``reward/failed_fraction`` (samples whose score failed) and ``reward/<scorer>`` (each scorer's mean component
+    over the samples scored OK) of a batch."""
+    total = failed = 0
+    sums: dict[str, list[float]] = {}
+    for exp in experiences:
+        for s in exp.samples:
+            total += 1
+            if s.score_status != common_pb2.ITEM_STATUS_OK:
+                failed += 1
+                continue
+            for name, v in s.score_components.items():
+                sums.setdefault(name, []).append(v)
+    out = {"reward/failed_fraction": failed / total if total else 0.0}
+    for name, vs in sums.items():
+        key = f"reward/{name}" if name not in ("mean", "std", "failed_fraction") else f"reward/scorer_{name}"
+        out[key] = sum(vs) / len(vs)
+    return out
+
+
+def score_failures(experiences: list[experience_pb2.Experience]) -> str:
+    """Which scorers failed on a batch's samples, most often first, with one error of each: for a message."""
+    by_scorer: dict[str, list[str]] = {}
+    for exp in experiences:
+        for s in exp.samples:
+            if s.score_status != common_pb2.ITEM_STATUS_OK:
+                m = _SCORER_NAME.search(s.score_error)
+                by_scorer.setdefault(m.group(1) if m else "?", []).append(s.score_error or "no error text")
+    ranked = sorted(by_scorer.items(), key=lambda kv: -len(kv[1]))
+    return "; ".join(f"scorer {name!r} failed {len(errs)} time(s), e.g. {errs[0]}" for name, errs in ranked[:3])
 
 
 @dataclass
@@ -236,6 +272,7 @@ class TrainerEngine:
         self.step_count += 1
         self.policy_version += 1
         staleness = self.steps_behind(batch.policy_versions, self.step_count - 1)
+        metrics.update(score_stats(experiences))
         metrics.update(
             {
                 "step": self.step_count,

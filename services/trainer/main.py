@@ -47,7 +47,7 @@ from rlhf.transport import (
 )
 from rlhf.v1 import common_pb2, experience_pb2, trainer_pb2, trainer_pb2_grpc
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from services.trainer.engine import NoUsableSamples, TrainerEngine
+from services.trainer.engine import NoUsableSamples, TrainerEngine, score_failures
 
 log = logging.getLogger("rlhf.trainer")
 SERVICE_NAME = "rlhf.v1.TrainerService"
@@ -252,6 +252,24 @@ class Trainer:
         batch, self._held = self._held[:size], self._held[size:]
         return batch
 
+    def _check_scoring(self, experiences: list[experience_pb2.Experience], failed_fraction: float) -> None:
+        """Stop the run (exit ``runlog.EXIT_STOPPED_BY_RULE``, which supervisors should not restart) when more than
+        ``reward.max_failed_fraction`` of the samples failed scoring for ``reward.failed_patience`` steps in a row:
+        training on the few that scored would be training on a different reward, silently."""
+        r = self.cfg.reward
+        if failed_fraction <= r.max_failed_fraction:
+            self._failed_steps = 0
+            return
+        self._failed_steps = getattr(self, "_failed_steps", 0) + 1
+        detail = score_failures(experiences)
+        log.warning("%.0f%% of this step's samples failed scoring (%d/%d steps in a row): %s", 100 * failed_fraction,
+                    self._failed_steps, r.failed_patience, detail)  # fmt: skip
+        if self._failed_steps >= r.failed_patience:
+            log.error("stopping the run: more than %.0f%% of the samples failed scoring for %d steps in a row "
+                      "(reward.max_failed_fraction, reward.failed_patience): %s", 100 * r.max_failed_fraction,
+                      r.failed_patience, detail)  # fmt: skip
+            os._exit(runlog.EXIT_STOPPED_BY_RULE)
+
     async def _dead_letter(self, entry_id: str, exp: experience_pb2.Experience, reason: str) -> None:
         """Move an experience record the trainer cannot use to the dead letters (acknowledged there; its job's
         admission slot is released if this run issued it), so no restart meets it again."""
@@ -311,9 +329,19 @@ class Trainer:
     async def _train_step(self, batch, t0: float, wait_s: float) -> None:
         """Train on ``batch`` (less any record that makes the step fail), push, checkpoint, write the metrics."""
         t = self.cfg.training
-        metrics, batch = await self._step(batch)
+        try:
+            metrics, batch = await self._step(batch)
+        except NoUsableSamples:
+            metrics = None  # no sample scored: no update, and the records are consumed (a retry scores nothing)
+            self._check_scoring([e for _, e in batch], 1.0)
+            self.trained_job_ids.update(e.job_id for _, e in batch)
+            self.unacked.extend(entry for entry, _ in batch)
+            self.jobs_trained += len(batch)
+            await self._redis("admission", self.admission.set_trained, self.jobs_trained)
+            return
         if metrics is None:
             return  # every record was dead-lettered: read another batch
+        self._check_scoring([e for _, e in batch], metrics["reward/failed_fraction"])
         self.trained_job_ids.update(e.job_id for _, e in batch)
         self.unacked.extend(entry for entry, _ in batch)
         self.samples_trained += int(metrics["samples"])

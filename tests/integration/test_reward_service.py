@@ -396,3 +396,29 @@ def test_regex_without_pattern_refused_by_the_service(start_service):
     svc = start_service("reward", {"reward": {"scorers": [{"type": "rule", "name": "regex"}]}}, wait_ready=False)
     assert svc.wait(timeout=120) != 0
     assert "needs kwargs ['pattern']" in svc.log_text()
+
+
+def test_a_raising_user_scorer_is_logged_with_its_traceback_rate_limited(tmp_path, monkeypatch, caplog):
+    """A user's function that raises shows in the reward service's log (once per window, with the count left out),
+    not only as an error status in the samples."""
+    import asyncio
+    import logging
+    import sys
+
+    from rlhf.config import ScorerConfig
+    from services.reward.engine import Item, RuleScorer
+
+    (tmp_path / "brokenscorer.py").write_text("def score(prompt, response, label, **kw):\n    return 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("brokenscorer", None)
+    scorer = RuleScorer(ScorerConfig(type="rule", name="brokenscorer:score"), "mine")
+    items = [Item(prompt="p", response="r") for _ in range(5)]
+    with caplog.at_level(logging.WARNING, logger="rlhf.reward"):
+        out = asyncio.run(scorer.score(items))
+        assert all(o.status == "scorer_error" and "ZeroDivisionError" in o.message for o in out)
+        scorer._logged_at -= scorer.LOG_EVERY_S  # the window passed
+        asyncio.run(scorer.score(items[:1]))
+    records = [r for r in caplog.records if "scorer 'mine' raised ZeroDivisionError" in r.getMessage()]
+    assert len(records) == 2, [r.getMessage() for r in caplog.records]
+    assert records[0].exc_info is not None and "1 / 0" in caplog.text  # the traceback, with the user's line
+    assert "(4 more failure(s) since the last report)" in records[1].getMessage()

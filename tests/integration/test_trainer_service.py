@@ -79,6 +79,7 @@ async def _answer_jobs(
                         sampling_logprobs=[-6.0] * len(ids),
                         ref_logprobs=[-6.2] * len(ids),
                         score=len(ids) / 4.0,
+                        score_components={"length": len(ids) / 4.0},
                         score_status=common_pb2.ITEM_STATUS_OK,
                         policy_version=0,
                     )
@@ -286,3 +287,29 @@ def test_concurrent_checkpoint_calls_write_whole_checkpoints(redis_server, start
         state = json.loads((step / "state.json").read_text())
         assert state["step"] == int(step.name.split("_")[1])
     assert not list(root.glob("*.tmp*")) and not list(root.glob("*.old-*"))
+
+
+def test_a_scorer_failing_on_most_samples_stops_the_run_naming_it(redis_server, start_service, tmp_path):
+    """Training on the few samples that still score would be training on another reward, silently: the trainer
+    stops (exit 3, not restarted by supervisors) after reward.failed_patience steps, naming the scorer."""
+    from rlhf import runlog
+
+    def fail_most(index: int, exp: experience_pb2.Experience) -> None:
+        if index >= 4:  # the first batch scores fine; then the first sample of every record fails, both of 1 in 4
+            for s in exp.samples[: 2 if index % 4 == 0 else 1]:
+                s.score_status = common_pb2.ITEM_STATUS_SCORER_ERROR
+                s.score_error = "scorer 'mine' raised KeyError: 'x'"
+
+    run_dir = tmp_path / "run"
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
+    cfg = _config(tmp_path, train_iters=10, save_interval=100)
+    cfg["reward"].update(max_failed_fraction=0.5, failed_patience=2)
+    trainer = start_service("trainer", cfg, env=env)
+    _run_with_replicas(redis_server.url, lambda: trainer.proc.poll() is not None, mutate=fail_most)
+    assert trainer.wait(timeout=30) == runlog.EXIT_STOPPED_BY_RULE, trainer.log_tail()
+    log = trainer.log_text()
+    assert "stopping the run: more than 50% of the samples failed scoring for 2 steps in a row" in log
+    assert "scorer 'mine' failed" in log and "KeyError" in log
+    steps = _metrics(run_dir)
+    assert steps[0]["reward/failed_fraction"] == 0.0 and steps[0]["reward/length"] > 0  # per-scorer reward
+    assert steps[1]["reward/failed_fraction"] == 0.625  # 5 of 8 samples failed
