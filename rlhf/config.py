@@ -248,6 +248,23 @@ class ExperimentConfig(Section):
             self.reward.scorers = [ScorerConfig(type="model", load=self.reward.load)]
         if self.training.stage == "ray_online_dpo" and self.actor.n_samples_per_prompt not in (1, 2):
             raise ValueError("actor_rollout_ref.actor_rollout.n_samples_per_prompt must be 2 for ray_online_dpo")
+        # Combinations that load but cannot learn: reported together, before any service starts.
+        problems = []
+        k = self.algorithm.kl_ctrl
+        if k.type == "adaptive" and k.target_kl is None:
+            problems.append("algorithm.kl_ctrl.type is adaptive but kl_ctrl.target_kl is not set (the KL it steers to)")
+        if self.training.stage in _CRITIC_FREE and self.actor.n_samples_per_prompt < 2:
+            problems.append(
+                f"training.stage {self.training.stage} compares the samples of each prompt, but "
+                "actor_rollout.n_samples_per_prompt is 1: every advantage is 0 and nothing is learnt; set 2 or more"
+            )
+        if self.training.stage == "ray_online_dpo" and not self.actor.do_sample:
+            problems.append(
+                "ray_online_dpo with actor_rollout.do_sample false generates two identical answers per prompt (no "
+                "preference to learn); set do_sample: true"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
         _check_algorithm(self.training.stage, self.algorithm)
         if self.training.stage == "ray_rloo" and self.algorithm.rloo_convention == "trl" and self.actor.dual_clip:
             raise ValueError("actor_rollout.dual_clip is not used by ray_rloo with rloo_convention trl")

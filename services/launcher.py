@@ -528,6 +528,13 @@ class Launcher:
             print(f"rlhf up: {err}", file=sys.stderr)
             return 2
         self.ssl_context = client_ssl_context(settings)
+        from rlhf import preflight
+
+        report = preflight.check(cfg, os.environ.get("RLHF_REDIS_URL"))
+        if report.problems or report.warnings:
+            print(f"rlhf up: {preflight.format_report(report, config_path)}", file=sys.stderr, flush=True)
+        if report.problems:
+            return 2
         run_id = os.environ.get("RLHF_RUN_ID") or cfg.run_id
         self.run_dir = Path(self.opts.run_dir or default_run_dir(run_id)).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)

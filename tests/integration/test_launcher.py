@@ -252,6 +252,39 @@ def test_up_refuses_an_invalid_config(tmp_path, capsys):
     assert "no_such_key" in capsys.readouterr().err
 
 
+def test_up_reports_every_problem_at_once_before_starting_anything(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "myrewards.py").write_text("def score(prompt, response, label, **kw):\n    return 1.0\n")
+    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    cfg["data"] = {"path": str(tmp_path / "missing.jsonl")}
+    cfg["critic"]["load"] = str(tmp_path / "no-such-model")
+    cfg["reward"]["scorers"] = [{"type": "rule", "name": "myrewards:score"}, {"type": "rule", "name": "nosuchmod:f"},
+                                {"type": "rule", "name": "myrewards:missing"}]  # fmt: skip
+    path = tmp_path / "many.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv("RLHF_REDIS_URL", "redis://127.0.0.1:1/0")  # nothing listens there
+    assert cli_main(["up", "--config", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "5 problem(s)" in err and "nothing was started" in err, err
+    for expected in ("missing.jsonl does not exist", "critic.load", "no-such-model", "'nosuchmod' does not import",
+                     "has no function 'missing'", "RLHF_REDIS_URL redis://127.0.0.1:1/0: cannot connect"):  # fmt: skip
+        assert expected in err, (expected, err)
+    assert "myrewards:score" not in err  # the module in the working directory imports
+    assert not (tmp_path / "run").exists()  # no run folder, no redis-server, no service
+
+
+def test_config_rules_that_cannot_learn_are_reported_together(tmp_path, capsys):
+    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    cfg["training"]["stage"] = "ray_grpo"
+    cfg["algorithm"] = {"adv_estimator": "grpo", "kl_ctrl": {"type": "adaptive"}}
+    cfg["actor_rollout_ref"]["actor_rollout"]["n_samples_per_prompt"] = 1
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert cli_main(["up", "--config", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "kl_ctrl.target_kl is not set" in err and "n_samples_per_prompt is 1" in err, err
+
+
 # ------------------------------------------------------------ progress
 
 

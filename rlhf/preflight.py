@@ -1,0 +1,128 @@
+"""Checks a run can pass in a second, before any service loads a model: all problems at once.
+
+``rlhf up`` runs :func:`check` after the config has loaded (the config's own rules already ran) and before it starts
+anything, so a missing data file or a mistyped scorer module is reported in well under a second instead of after
+every service has loaded its models (tens of seconds on the tiny models, minutes on real ones).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from rlhf.config import ConfigError, ExperimentConfig
+
+
+@dataclass
+class Report:
+    problems: list[str] = field(default_factory=list)  # the run cannot work: nothing is started
+    warnings: list[str] = field(default_factory=list)  # it runs, but probably not as meant
+
+
+def _model_specs(cfg: ExperimentConfig) -> list[tuple[str, str]]:
+    specs = [("actor_rollout_ref.actor_rollout.load", cfg.actor.load)]
+    if cfg.actor_rollout_ref.ref.load:
+        specs.append(("actor_rollout_ref.ref.load", cfg.actor_rollout_ref.ref.load))
+    if cfg.training.stage == "ray_ppo" and cfg.critic.load:
+        specs.append(("critic.load", cfg.critic.load))
+    for i, s in enumerate(cfg.reward.scorers):
+        if s.type == "model" and s.load:
+            specs.append((f"reward.scorers[{i}].load", s.load))
+    return specs
+
+
+def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
+    from rlhf.data import load_prompts
+
+    report = Report()
+    try:
+        load_prompts(cfg.data)
+    except ConfigError as err:
+        report.problems.append(str(err))
+    except OSError as err:
+        report.problems.append(f"data.path: {cfg.data.path}: {err}")
+
+    actor_dir = None
+    for key, spec in _model_specs(cfg):
+        if spec.startswith("tiny:"):
+            continue  # built by rlhf up itself
+        from rlhf.models import resolve_model_path  # torch and transformers: only when there is a model to find
+
+        try:
+            path = resolve_model_path(spec)
+        except (OSError, ValueError) as err:
+            report.problems.append(f"{key}: {err}")
+            continue
+        if key.startswith("actor_rollout_ref.actor_rollout"):
+            actor_dir = path
+
+    tok_spec = cfg.training.tokenizer_name_or_path or (str(actor_dir) if actor_dir else None)
+    if tok_spec:
+        from rlhf.models import load_tokenizer
+
+        try:
+            tok = load_tokenizer(tok_spec)
+        except Exception as err:  # noqa: BLE001 - whatever the tokenizer library raises, it is this file's problem
+            report.problems.append(f"tokenizer {tok_spec}: cannot be loaded ({type(err).__name__}: {err})")
+        else:
+            if tok.eos_token_id is None:
+                report.problems.append(f"tokenizer {tok_spec} has no EOS token: responses could never end")
+            if tok.pad_token_id is None:
+                report.problems.append(f"tokenizer {tok_spec} has no pad token: set one in its tokenizer_config.json")
+            elif tok.pad_token_id == tok.eos_token_id:
+                report.warnings.append(
+                    f"tokenizer {tok_spec} uses its EOS token as padding: the EOS that ends a response is then "
+                    "masked like padding (give it a pad token of its own)"
+                )
+
+    for i, s in enumerate(cfg.reward.scorers):
+        if s.type == "rule" and s.name and ":" in s.name:
+            module, _, fn = s.name.partition(":")
+            try:
+                with _cwd_on_path():  # where the reward service finds a user's module too
+                    found = getattr(importlib.import_module(module), fn, None)
+            except Exception as err:  # noqa: BLE001 - a user module may fail to import in any way
+                report.problems.append(
+                    f"reward.scorers[{i}].name {s.name}: module {module!r} does not import from {os.getcwd()} "
+                    f"({type(err).__name__}: {err})"
+                )
+                continue
+            if not callable(found):
+                report.problems.append(f"reward.scorers[{i}].name {s.name}: {module} has no function {fn!r}")
+
+    if redis_url:
+        u = urlparse(redis_url)
+        try:
+            socket.create_connection((u.hostname or "127.0.0.1", u.port or 6379), timeout=2).close()
+        except OSError as err:
+            report.problems.append(f"RLHF_REDIS_URL {redis_url}: cannot connect ({err})")
+    return report
+
+
+@contextlib.contextmanager
+def _cwd_on_path():
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
+def format_report(report: Report, source: str | Path) -> str:
+    lines = []
+    if report.problems:
+        lines.append(f"{len(report.problems)} problem(s) with {source}; nothing was started:")
+        lines += [f"  - {p}" for p in report.problems]
+    for w in report.warnings:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)

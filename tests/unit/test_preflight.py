@@ -1,0 +1,37 @@
+"""rlhf.preflight on real model folders: the tokenizer checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from rlhf import preflight
+from rlhf.config import parse_config
+
+
+def _with_tokenizer(tmp_path, tiny_models, **changes):
+    model = tmp_path / "policy"
+    shutil.copytree(tiny_models.policy, model)
+    cfg_path = model / "tokenizer_config.json"
+    tok = json.loads(cfg_path.read_text())
+    tok.update(changes)
+    cfg_path.write_text(json.dumps(tok))
+    actor = {"actor_rollout": {"load": str(model)}}
+    scorers = [{"type": "rule", "name": "char_fraction"}]
+    return parse_config({"actor_rollout_ref": actor, "reward": {"scorers": scorers}})
+
+
+def test_a_pad_token_that_is_the_eos_token_is_warned_about(tmp_path, tiny_models):
+    ok = preflight.check(_with_tokenizer(tmp_path / "a", tiny_models))
+    assert ok.problems == [] and ok.warnings == []
+    same = preflight.check(_with_tokenizer(tmp_path / "b", tiny_models, pad_token="</s>"))
+    assert same.problems == []
+    assert len(same.warnings) == 1 and "uses its EOS token as padding" in same.warnings[0]
+    assert "warning: " in preflight.format_report(same, "x.yaml")
+
+
+def test_a_model_folder_that_does_not_exist_is_a_problem(tmp_path):
+    cfg = parse_config({"actor_rollout_ref": {"actor_rollout": {"load": str(tmp_path / "nope")}},
+                        "reward": {"scorers": [{"type": "rule", "name": "char_fraction"}]}})  # fmt: skip
+    report = preflight.check(cfg)
+    assert len(report.problems) == 1 and "actor_rollout_ref.actor_rollout.load" in report.problems[0]
