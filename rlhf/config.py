@@ -52,6 +52,12 @@ class TrainingConfig(Section):
     max_staleness: int = _f(0, "policy versions a sample may lag (0 = synchronous on-policy)", ge=0)
     weight_sync_interval: int = _f(1, "push weights to rollout every N updates", gt=0)
     log_interval: int = _f(1, "print progress every N steps", gt=0)
+    log_completions_interval: int = _f(
+        10,
+        "every N steps, a table of sample completions (prompt, response, reward) in completions.jsonl and the "
+        "trackers (0: never)",
+        ge=0,
+    )
 
 
 class ActorRolloutConfig(Section):

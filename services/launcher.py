@@ -377,12 +377,48 @@ def _pick(rec: Mapping[str, Any], *names: str, contains: str | None = None) -> t
             return n, float(v)
     if contains:
         for k, v in rec.items():
-            if contains in k.lower() and isinstance(v, int | float) and not isinstance(v, bool):
+            if (
+                contains in k.lower()
+                and not k.endswith("failed_fraction")
+                and isinstance(v, int | float)
+                and not (isinstance(v, bool))
+            ):
                 return k, float(v)
     return None
 
 
-def format_progress(rec: Mapping[str, Any], total: int | None = None, elapsed: float | None = None) -> str:
+def _duration(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class Eta:
+    """Time left from the pace of the steps seen in this session (a resumed run's earlier steps do not count)."""
+
+    def __init__(self, total: int | None):
+        self.total = total
+        self.first: tuple[float, float] | None = None
+
+    def __call__(self, rec: Mapping[str, Any], now: float) -> float | None:
+        step = _num_or_none(rec.get("step"))
+        if step is None or not self.total:
+            return None
+        if self.first is None:
+            self.first = (now, step)
+            return None
+        t0, s0 = self.first
+        if step <= s0 or now <= t0:
+            return None
+        return (self.total - step) * (now - t0) / (step - s0)
+
+
+def _num_or_none(v: Any) -> float | None:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def format_progress(
+    rec: Mapping[str, Any], total: int | None = None, elapsed: float | None = None, eta_s: float | None = None
+) -> str:
     """One progress line for a metrics record."""
     step = rec.get("step", "?")
     parts = [f"step {step}/{total}" if total else f"step {step}"]
@@ -395,11 +431,18 @@ def format_progress(rec: Mapping[str, Any], total: int | None = None, elapsed: f
     for label, kv, fmt in fields:
         if kv is not None:
             parts.append(f"{label} {fmt.format(kv[1])}")
+    failed = _num_or_none(rec.get("reward/failed_fraction"))
+    if failed:
+        parts.append(f"score failed {100 * failed:.0f}%")
     queues = [(k.split("/", 1)[1], v) for k, v in rec.items() if k.startswith("queue/") and isinstance(v, int | float)]
     if queues:
         parts.append("queue " + " ".join(f"{k}={v:g}" for k, v in queues))
-    if elapsed is not None:
-        parts.append(f"[{elapsed:.0f}s]")
+    per_step = _num_or_none(rec.get("time/iteration_s"))
+    if per_step is not None:
+        parts.append(f"{per_step:.2f} s/step")
+    if elapsed is not None or eta_s is not None:
+        clock = _duration(elapsed) if elapsed is not None else ""
+        parts.append(f"[{clock}{', ETA ' + _duration(eta_s) if eta_s is not None else ''}]")
     return "  ".join(parts)
 
 
@@ -624,15 +667,21 @@ class Launcher:
         assert self.run_dir is not None
         # A resumed run's earlier steps are not shown again; its trainer cuts the file back to its checkpoint.
         tail = MetricsTail(self.run_dir / "metrics.jsonl", from_end=True)
+        eta = Eta(total)
+
+        def line(rec: Mapping[str, Any]) -> str:
+            now = time.monotonic()
+            return format_progress(rec, total, now - t_start, eta(rec, now))
+
         while True:
             for rec in tail.read():
                 if not self.opts.quiet:
-                    print(format_progress(rec, total, time.monotonic() - t_start), file=self.out, flush=True)
+                    print(line(rec), file=self.out, flush=True)
             rc = trainer.poll()
             if rc == 0:
                 for rec in tail.read():
                     if not self.opts.quiet:
-                        print(format_progress(rec, total, time.monotonic() - t_start), file=self.out, flush=True)
+                        print(line(rec), file=self.out, flush=True)
                 return rc
             if rc == runlog.EXIT_STOPPED_BY_RULE:  # the run stopped itself: restarting would not help
                 return rc

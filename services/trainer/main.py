@@ -36,6 +36,7 @@ from rlhf.serving import (
     require_grpc_token,
 )
 from rlhf.serving.runner import client_credentials
+from rlhf.tracking import Tracker
 from rlhf.transport import (
     Admission,
     ExperienceQueue,
@@ -137,6 +138,7 @@ class Trainer:
         cut = runlog.truncate_after(self.run_dir / "metrics.jsonl", self.engine.step_count)
         if cut:
             log.info("metrics.jsonl cut back to step %d (%d later line(s) removed)", self.engine.step_count, cut)
+        self.tracker = Tracker(self.run_dir, self.run_id, self.cfg.model_dump(), resume_step=self.engine.step_count)
         self._saved_step = self.engine.step_count if ckpt else None
         self.tasks = [
             asyncio.create_task(self._publish_loop()),
@@ -175,6 +177,8 @@ class Trainer:
         for t in tasks:
             if t is not None:
                 t.cancel()
+        if getattr(self, "tracker", None) is not None:
+            self.tracker.close()
         if getattr(self, "redis", None) is not None:
             await self.redis.aclose()
 
@@ -375,6 +379,10 @@ class Trainer:
         )
         self.last_metrics = metrics
         runlog.append(self.run_dir / "metrics.jsonl", metrics)
+        step = self.engine.step_count
+        self.tracker.log(metrics, step)
+        if t.log_completions_interval and step % t.log_completions_interval == 0:
+            self.tracker.completions(_completion_rows([e for _, e in batch]), step)
         if self.engine.step_count % t.log_interval == 0:
             log.info(
                 "step %d reward %.4f kl %.4f samples/s %.1f",
@@ -506,6 +514,18 @@ class Trainer:
             metrics={k: float(v) for k, v in m.items()},
             samples_trained=self.samples_trained,
         )
+
+
+def _completion_rows(experiences: list[experience_pb2.Experience], limit: int = 8) -> list[dict]:
+    """The first sample of up to ``limit`` records: prompt, response, reward (None when its scoring failed)."""
+    rows = []
+    for exp in experiences[:limit]:
+        if exp.samples:
+            s = exp.samples[0]
+            ok = s.score_status == common_pb2.ITEM_STATUS_OK
+            rows.append({"prompt": exp.prompt_text, "response": s.response_text, "reward": s.score if ok else None,
+                         "policy_version": s.policy_version})  # fmt: skip
+    return rows
 
 
 def _tls_names(addrs: list[str]) -> dict[str, str]:

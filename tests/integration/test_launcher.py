@@ -325,6 +325,12 @@ def test_format_progress():
     for part in ("reward +0.2500", "kl 0.0123", "samples/s 41.5", "staleness 0.50", "prompts=4", "experience=2"):
         assert part in line
     assert launcher.format_progress({"step": 1}) == "step 1"
+    line = launcher.format_progress({"step": 5, "time/iteration_s": 1.5, "reward/failed_fraction": 0.25}, 40,
+                                    elapsed=75, eta_s=3725)  # fmt: skip
+    assert line == "step 5/40  score failed 25%  1.50 s/step  [1m15s, ETA 1h02m]", line
+    eta = launcher.Eta(total=12)
+    assert eta({"step": 4}, now=100.0) is None  # the first step seen only starts the clock (a resumed run)
+    assert eta({"step": 6}, now=104.0) == 12.0  # 2 s/step, 6 steps left
 
 
 # ------------------------------------------------------------ report

@@ -15,6 +15,7 @@ import signal
 import time
 
 import httpx
+import pytest
 import torch
 
 from rlhf.transport import ExperienceQueue, PromptQueue, connect, queue_stats
@@ -125,7 +126,9 @@ def _metrics(run_dir) -> list[dict]:
 def test_trainer_trains_checkpoints_and_acks(redis_server, start_service, tmp_path):
     run_dir = tmp_path / "run"
     env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
-    trainer = start_service("trainer", _config(tmp_path, train_iters=3, save_interval=2), env=env)
+    cfg = _config(tmp_path, train_iters=3, save_interval=2)
+    cfg["training"]["log_completions_interval"] = 2
+    trainer = start_service("trainer", cfg, env=env)
     status = httpx.get(trainer.http_url + "/v1/status").json()
     assert status["stage"] == "ray_grpo" and status["run_id"] == "ring"
     assert httpx.post(trainer.http_url + "/v1/checkpoint").status_code == 401  # admin call without the token
@@ -140,6 +143,16 @@ def test_trainer_trains_checkpoints_and_acks(redis_server, start_service, tmp_pa
     # Every experience record the steps consumed is acknowledged once the final checkpoint covers it.
     stats = asyncio.run(_stats(redis_server.url))
     assert stats.experience_pending == 0
+    # Tracking: TensorBoard scalars of every step, and the completions table of step 2 (log_completions_interval 2).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3]
+    assert [e.value for e in events.Scalars("loss/policy")] == pytest.approx([m["loss/policy"] for m in steps])
+    rows = [json.loads(x) for x in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2] * 4 and all(r["reward"] is not None for r in rows)
+    (table,) = events.Tensors("completions/text_summary")
+    assert table.step == 2 and b"| prompt | response | reward | policy_version |" in table.tensor_proto.string_val[0]
 
 
 async def _stats(url):

@@ -1,0 +1,99 @@
+"""Experiment tracking: what a user of TRL or OpenRLHF looks at during a run.
+
+- TensorBoard event files in ``<run_dir>/tensorboard`` always (``tensorboard --logdir <run_dir>``): every numeric
+  metric of each step, and the sample-completion tables as text;
+- Weights & Biases as well when the ``wandb`` package is installed and ``WANDB_PROJECT`` is set (``WANDB_MODE=offline``
+  works without a network; the run is named after the run id and resumed with it);
+- ``<run_dir>/completions.jsonl``: every ``training.log_completions_interval`` steps, a few samples of the step
+  (prompt, response, reward, the policy version that generated it).
+
+A trainer resuming from the checkpoint of step N passes ``resume_step=N``: TensorBoard hides the events after it
+(the steps are trained again), as metrics.jsonl is cut back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("rlhf.tracking")
+
+
+class Tracker:
+    def __init__(self, run_dir: str | Path, run_id: str, config: Mapping[str, Any], resume_step: int = 0):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = Path(run_dir)
+        self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+        self.wandb = None
+        if os.environ.get("WANDB_PROJECT"):
+            try:
+                import wandb
+            except ImportError:
+                log.warning("WANDB_PROJECT is set but the wandb package is not installed: logging to TensorBoard only")
+            else:
+                self.wandb = wandb.init(project=os.environ["WANDB_PROJECT"], name=run_id, id=run_id, resume="allow",
+                                        config=dict(config), dir=str(self.run_dir))  # fmt: skip
+        self._completions = self.run_dir / "completions.jsonl"
+        if resume_step:
+            _cut_completions(self._completions, resume_step)
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        scalars = {k: float(v) for k, v in metrics.items() if _number(v) and k != "step"}
+        for k, v in scalars.items():
+            self.tb.add_scalar(k, v, step)
+        self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
+
+    def completions(self, rows: Sequence[Mapping[str, Any]], step: int) -> None:
+        """A table of sample completions of ``step`` (dicts with prompt, response, reward, ...)."""
+        if not rows:
+            return
+        with open(self._completions, "a", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps({"step": step, **r}) + "\n")
+        cols = list(rows[0])
+        table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        table += ["| " + " | ".join(_cell(r.get(c)) for c in cols) + " |" for r in rows]
+        self.tb.add_text("completions", "\n".join(table), step)
+        self.tb.flush()
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({"completions": wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])},
+                           step=step)  # fmt: skip
+
+    def close(self) -> None:
+        self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _cell(v: Any) -> str:
+    text = f"{v:.4f}" if isinstance(v, float) else str(v)
+    return text.replace("|", "\\|").replace("\n", " ")[:200]
+
+
+def _cut_completions(path: Path, step: int) -> None:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return
+    kept = []
+    for line in lines:
+        try:
+            if int(json.loads(line)["step"]) <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    path.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
