@@ -77,6 +77,9 @@ class Trainer:
         self._state_lock = asyncio.Lock()
         self.dead_lettered = 0
         self._held: list[tuple[str, experience_pb2.Experience]] = []  # read, not yet trained (see _next_batch)
+        self._trained_published = 0  # the trained count and policy version last written (see _reassert_loop)
+        self._version_published: int | None = None
+        self._admission_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
@@ -111,6 +114,7 @@ class Trainer:
         # back). Versions never go backwards: weights that differ from what the replicas serve are published under
         # a new, higher version.
         await self.admission.restore(trained)
+        self._trained_published = trained
         published = await self.admission.policy_version()
         if ckpt or published is not None:
             self.engine.policy_version = max(self.engine.policy_version, published or 0) + 1
@@ -144,6 +148,7 @@ class Trainer:
             asyncio.create_task(self._publish_loop()),
             asyncio.create_task(self._train_loop()),
             asyncio.create_task(self._catch_up_loop()),
+            asyncio.create_task(self._reassert_loop()),
         ]
 
     async def _redis(self, what: str, fn, *args, **kwargs):
@@ -341,7 +346,7 @@ class Trainer:
             self.trained_job_ids.update(e.job_id for _, e in batch)
             self.unacked.extend(entry for entry, _ in batch)
             self.jobs_trained += len(batch)
-            await self._redis("admission", self.admission.set_trained, self.jobs_trained)
+            await self._set_trained(self.jobs_trained)
             return
         if metrics is None:
             return  # every record was dead-lettered: read another batch
@@ -359,7 +364,7 @@ class Trainer:
             packed = await self._pack()
             self._push_task = asyncio.create_task(self._deliver(packed, trained=self.jobs_trained))
         else:
-            await self._redis("admission", self.admission.set_trained, self.jobs_trained)
+            await self._set_trained(self.jobs_trained)
         if self.engine.step_count >= t.train_iters:
             await self._settle_push()
         if self.engine.step_count % t.save_interval == 0 or self.engine.step_count >= t.train_iters:
@@ -405,8 +410,32 @@ class Trainer:
         if addrs:
             await self._push_to(addrs, packed)
             await self._redis("publishing the policy version", self.admission.publish_policy_version, packed.version)
+            self._version_published = packed.version
         if trained is not None:
-            await self._redis("admission", self.admission.set_trained, trained)
+            await self._set_trained(trained)
+
+    async def _set_trained(self, total: int) -> None:
+        async with self._admission_lock:  # never overtaken by an older value re-asserted
+            await self._redis("admission", self.admission.set_trained, total)
+            self._trained_published = total
+
+    async def _reassert_loop(self, interval_s: float = 2.0) -> None:
+        """Write the admission counter and the policy version again every few seconds. Redis acknowledges a write
+        before its AOF is on disk (everysec), so a machine crash can take back the last second: a trained count
+        rolled back would keep a synchronous ring waiting forever (no slot free, so no job, so no step to write it
+        again). Both writes are absolute and monotonic where it matters, so repeating them is harmless."""
+        while not self.done:
+            await asyncio.sleep(interval_s)
+            try:
+                async with self._admission_lock:
+                    await self.admission.set_trained(self._trained_published)
+                version = self._version_published
+                if version is not None:
+                    await self.admission.publish_policy_version(version)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - Redis restarting: the next round writes them
+                log.debug("re-asserting the admission state failed: %s", err)
 
     async def _catch_up_loop(self, interval_s: float = 2.0) -> None:
         """Bring replicas that serve an older version than the run's published one up to date: a replica that

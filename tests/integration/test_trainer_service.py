@@ -326,3 +326,35 @@ def test_a_scorer_failing_on_most_samples_stops_the_run_naming_it(redis_server, 
     steps = _metrics(run_dir)
     assert steps[0]["reward/failed_fraction"] == 0.0 and steps[0]["reward/length"] > 0  # per-scorer reward
     assert steps[1]["reward/failed_fraction"] == 0.625  # 5 of 8 samples failed
+
+
+def test_admission_writes_lost_with_the_last_second_of_aof_heal(redis_server, start_service, tmp_path):
+    """Redis acknowledges writes before its AOF is on disk (everysec): a machine crash can take back the last
+    second. Here that second held the trainer's last trained count and the 4 jobs it then issued: a synchronous ring
+    then has no free slot (so no job, so no step to write the count again) and used to wait forever."""
+    import redis as sync_redis
+
+    from rlhf.transport.keys import RunKeys
+
+    run_dir = tmp_path / "run"
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
+    trainer = start_service("trainer", _config(tmp_path, train_iters=4, save_interval=100), env=env)
+    k, r = RunKeys("ring"), sync_redis.Redis.from_url(redis_server.url)
+    _run_with_replicas(redis_server.url, lambda: len(_metrics(run_dir)) >= 2 and int(r.get(k.issued) or 0) == 12,
+                       limit=8)  # fmt: skip
+    # The lost second: trained 8 -> 4, and the jobs issued after it (prompt entries, ids, count) never happened.
+    newest = r.xrevrange(k.prompts, count=4)
+    lost_ids = []
+    for entry_id, fields in newest:
+        job = experience_pb2.PromptJob.FromString(fields[b"pb"])
+        lost_ids.append(job.job_id)
+        r.xdel(k.prompts, entry_id)
+    r.hdel(k.jobs, *lost_ids)
+    r.set(k.issued, 8)
+    r.set(k.trained, 4)
+    _run_with_replicas(redis_server.url, lambda: trainer.proc.poll() is not None, timeout=90)
+    assert trainer.wait(timeout=30) == 0, trainer.log_tail()
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2, 3, 4]
+    state = json.loads((run_dir / "checkpoints" / "step_4" / "state.json").read_text())
+    assert not set(lost_ids) & set(state["trained_job_ids"]) and len(state["trained_job_ids"]) == 16
+    r.close()
