@@ -103,7 +103,10 @@ class CriticConfig(Section):
 
 class ScorerConfig(Section):
     type: Literal["model", "rule", "remote"] = _f("rule", "model: reward model; rule: a Python function; remote: HTTP")
-    name: str | None = _f(None, "rule name from the registry, or module:function for a user function")
+    name: str | None = _f(
+        None,
+        "rule name from the registry, or module:function for a user function (imported from the working directory)",
+    )
     load: str | None = _f(None, "reward model directory (type model), or tiny:reward")
     url: str | None = _f(None, "remote scorer URL speaking OpenRLHF's /get_reward format (type remote)")
     weight: float = _f(1.0, "weight of this scorer in the combined reward")
