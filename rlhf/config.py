@@ -55,7 +55,7 @@ class TrainingConfig(Section):
 
 
 class ActorRolloutConfig(Section):
-    load: str = _f("tiny:policy", "actor/rollout model: a folder, a Hugging Face id (from the HF cache), or tiny:policy")
+    load: str = _f("tiny:policy", "actor/rollout model: a folder, a Hugging Face id (HF cache), or tiny:policy")
     save: str | None = _f(None, "where to write the trained actor (default: under training.save)")
     do_sample: bool = _f(True, "sample (True) or decode greedily (False) during rollout")
     temperature: float = _f(1.0, "sampling temperature; also divides logits for log-probs", gt=0)
