@@ -410,11 +410,12 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
         return render()
 
     def stream_response(kind: str, prompts: list[list[int]], opts: SamplingOptions, n: int, include_usage: bool,
-                        chunk: Callable[[int, str, list[int], list[float], Any, Sample | None], dict[str, Any]],
+                        chunk: Callable[[int, str, list[int], list[float], Any, Sample | None], dict[str, Any] | None],
                         first: Callable[[int], dict[str, Any] | None]) -> StreamingResponse:  # fmt: skip
         """SSE over ``engine.generate_stream``: ``first(index)`` opens each choice (chat: the role; echo: the
-        prompt), ``chunk(index, text, token_ids, logprobs, top, sample)`` renders each piece. Errors after the first
-        byte are sent as an ``error`` event (the status is already 200), then ``[DONE]``."""
+        prompt), ``chunk(index, text, token_ids, logprobs, top, sample)`` renders each piece (None: nothing to
+        send). Errors after the first byte are sent as an ``error`` event (the status is already 200), then
+        ``[DONE]``."""
         rid = f"{'chatcmpl' if kind == 'chat.completion.chunk' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         head = {"id": rid, "object": kind, "created": created, "model": engine.model_name}
@@ -432,10 +433,9 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
                     generated += len(ev.token_ids)
                     ts = texts[index]
                     text = ts.finish(ev.token_ids, ev.sample.text) if ev.sample is not None else ts.push(ev.token_ids)
-                    if not text and not ev.token_ids and ev.sample is None:
-                        continue
                     c = chunk(index, text, ev.token_ids, ev.logprobs, ev.top_logprobs, ev.sample)
-                    yield _sse({**head, "choices": [c]})
+                    if c is not None:
+                        yield _sse({**head, "choices": [c]})
                 if include_usage:
                     p = sum(len(x) for x in prompts)
                     usage = {"prompt_tokens": p, "completion_tokens": generated, "total_tokens": p + generated}
@@ -481,6 +481,8 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
                 if want_lp and ids:
                     lp = _logprobs(engine, ids, lps, top if body.logprobs else None, offsets[index]).model_dump()
                     offsets[index] += sum(len(t) for t in lp["tokens"])
+                if not text and lp is None and smp is None:
+                    return None  # tokens whose text is held back, nothing else to say
                 c = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
                 if smp is not None:
                     c.update(finish_reason=smp.finish_reason, stop_reason=smp.stop_reason,
@@ -539,6 +541,8 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
 
             def chunk(index, text, ids, lps, top, smp):  # noqa: ANN001
                 lp = _chat_logprobs(engine, ids, lps, top).model_dump() if body.logprobs and ids else None
+                if not text and lp is None and smp is None:
+                    return None
                 c = {"index": index, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": None}
                 if smp is not None:
                     c.update(finish_reason=smp.finish_reason, stop_reason=smp.stop_reason,
