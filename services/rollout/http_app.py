@@ -335,12 +335,13 @@ def _n_and_best_of(n: int, best_of: int | None, stream: bool) -> int:
 
 
 class _TextStream:
-    """The text of one streamed choice, piece by piece. Held back: the last ``len(longest stop) - 1`` characters (they
-    may begin a stop string, which the final text cuts) and a trailing U+FFFD (a character whose bytes are split
-    across tokens). The finished sample's text then gives the rest."""
+    """The text of one streamed choice, piece by piece. Held back: a stop string that has appeared and the last
+    ``len(longest stop) - 1`` characters (they may begin one; the final text is cut before it), and a trailing U+FFFD
+    (a character whose bytes are split across tokens). The finished sample's text then gives the rest."""
 
     def __init__(self, tokenizer: Any, opts: SamplingOptions):
         self.tokenizer = tokenizer
+        self.stop = opts.stop
         self.hold = max((len(s) for s in opts.stop), default=1) - 1
         self.ids: list[int] = []
         self.sent = 0
@@ -349,6 +350,8 @@ class _TextStream:
         self.ids += ids
         text = decode_text(self.tokenizer, self.ids)
         safe = len(text) - self.hold
+        # the token that completes a stop string arrives before the engine's verdict: stop short of it
+        safe = min([safe, *(text.find(s) for s in self.stop if s in text)])
         while safe > self.sent and text[safe - 1] == "\ufffd":
             safe -= 1
         if safe <= self.sent:
