@@ -687,7 +687,7 @@ def _readme_rollout_commands() -> tuple[list[tuple[str, int, int]], list[tuple[s
 def test_readme_rollout_examples_work(svc):
     serves, commands = _readme_rollout_commands()
     assert serves == [(CONFIG, 8000, 50051)]
-    assert [k for k, _, _ in commands if k != "bash"] == ["python", "py"]
+    assert [k for k, _, _ in commands if k != "bash"] == ["python", "python", "py"]  # openai client, gRPC, weights
     assert sum(kind == "bash" and text.startswith("curl ") for kind, text, _ in commands) >= 3
     ports = {8000: svc.http_port, 50051: svc.grpc_port}
 
@@ -700,7 +700,7 @@ def test_readme_rollout_examples_work(svc):
             run = subprocess.run([sys.executable, "-c", localize(text)], cwd=REPO, capture_output=True, text=True,
                                  timeout=120, env=env)  # fmt: skip
             assert run.returncode == 0, f"README python block failed:\n{text}\n{run.stderr}"
-            assert "results" in run.stdout or "version" in run.stdout
+            assert "results" in run.stdout or "version" in run.stdout, run.stdout
             continue
         line = localize(text)
         if line.startswith("rlhf "):
