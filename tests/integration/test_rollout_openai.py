@@ -6,7 +6,10 @@ body (``openai.BadRequestError`` with ``param`` set)."""
 from __future__ import annotations
 
 import math
+import re
+import time
 
+import httpx
 import openai
 import pytest
 from _procs import REPO, ServiceProc
@@ -176,3 +179,26 @@ def test_errors_are_openai_errors_with_param(client):
     assert info.value.param == "max_tokens"
     # and the service still answers
     assert client.models.list().data[0].id == MODEL
+
+
+def test_a_stream_closed_early_stops_its_generation(svc, client):
+    """A client that stops reading a stream and closes it cancels the hf rows still decoding (the engine's steps
+    stop counting them), and the service keeps serving."""
+
+    def engine_rows() -> float:  # sequences per engine step, summed
+        m = re.search(r'^rlhf_batch_size_sum\{[^}]*method="engine_step"[^}]*\} (\S+)$',
+                      httpx.get(svc.http_url + "/metrics").text, re.M)  # fmt: skip
+        return float(m.group(1)) if m else 0.0
+
+    before = engine_rows()
+    stream = client.completions.create(model=MODEL, prompt="hi", n=16, max_tokens=400, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    first = next(iter(stream))
+    assert first.choices and first.object == "text_completion"
+    stream.close()
+    time.sleep(1.5)
+    settled = engine_rows()
+    time.sleep(1.5)
+    assert engine_rows() == settled, (before, settled)
+    assert settled - before < 16 * 400 / 2, (before, settled)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].finish_reason == "length"
