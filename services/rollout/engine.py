@@ -23,6 +23,14 @@ Sampling log-probs are the log-probabilities of the distribution the token was a
   or equal to the untruncated values the trainer recomputes. Use top-p/top-k = off for on-policy RL;
 - temperature 0 (greedy): ``log_softmax(logits)`` (temperature 1) at the argmax token.
 
+Penalties (``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``; vLLM's definitions) change the logits
+before the temperature, so the sampling log-probs include them: like top-k/top-p they then differ from what the
+trainer recomputes (keep them off for on-policy RL). ``top_logprobs: k`` adds, per generated token, the k most
+probable tokens of that same distribution.
+
+Streaming: :meth:`EngineBase.generate_stream` yields events; the ``hf`` engine one per decoded token, the ``vllm``
+engine (whose drivers collect final outputs only) one per finished sample.
+
 Seeds: sample ``j`` of a prompt in a request with ``seed = s`` is drawn with a generator seeded ``s + j`` (vLLM's
 convention for ``n > 1``; every prompt of a request uses the same ``s``). The same engine kind, weights, prompt and
 parameters then give the same tokens, whatever other requests run at the same time, up to floating-point effects of

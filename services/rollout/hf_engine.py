@@ -12,6 +12,11 @@ largest; top-p keeps the smallest set of most probable tokens whose probability 
 token drawn by the exponential race ``argmax(p / q), q ~ Exp(1)`` from the row's generator, and its log-prob
 ``rlhf.algo.logprobs_from_logits`` of the masked logits at that temperature (see :mod:`services.rollout.engine` for
 what top-p/top-k do to it). Greedy rows (temperature 0) take the argmax and report ``log_softmax(logits)``.
+Penalties come first, on the float32 logits, as in vLLM's sampler (:func:`apply_penalties`); a batch with no
+penalized row skips them. ``top_logprobs`` are the top-k of the same masked distribution.
+
+Streaming (:meth:`HFEngine.generate_stream`): the decode thread hands each row's new token to the event loop as it
+is decoded.
 
 Stops: EOS (unless ``ignore_eos``) and ``stop_token_ids`` end a row with the token included; a stop string ends it
 at the token that completes it, with the text cut before the string (vLLM's behaviour); ``max_tokens`` or the end of
