@@ -122,6 +122,12 @@ class _OpenAIRequest(_Sampling):
     stream_options: StreamOptions | None = Field(None, description="with stream: include_usage")
     user: str | None = Field(None, description="accepted and ignored: OpenAI uses it for abuse monitoring")
 
+    def include_usage(self) -> bool:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidArgument("stream_options applies to streams only: set stream: true or drop it",
+                                  field="stream_options")  # fmt: skip
+        return bool(self.stream_options and self.stream_options.include_usage)
+
 
 class CompletionRequest(_OpenAIRequest):
     prompt: Utf8Text | list[Utf8Text] | list[StrictInt] | list[list[StrictInt]] = Field(
@@ -458,6 +464,7 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
               responses={200: {"content": {"text/event-stream": {}},
                                "description": "JSON, or SSE chunks with stream: true"}})  # fmt: skip
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        body.include_usage()  # refuses stream_options without stream
         prompts = await encode_prompts(body.prompt)
         n = body.n
         best_of = _n_and_best_of(n, body.best_of, body.stream)
@@ -492,7 +499,7 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
                              policy_version=smp.policy_version)  # fmt: skip
                 return c
 
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage = body.include_usage()
             return stream_response("text_completion", prompts, opts, n, include_usage, chunk, first)
 
         results = await cancel_on_disconnect(request, engine.generate(prompts, opts, field="prompt"))
@@ -527,6 +534,7 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
               responses={200: {"content": {"text/event-stream": {}},
                                "description": "JSON, or SSE chunks with stream: true"}})  # fmt: skip
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        body.include_usage()  # refuses stream_options without stream
         if body.top_logprobs and not body.logprobs:
             raise InvalidArgument("top_logprobs needs logprobs: true", field="top_logprobs")
         prompt = await render_chat(body.messages)
@@ -552,7 +560,7 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
                              policy_version=smp.policy_version)  # fmt: skip
                 return c
 
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage = body.include_usage()
             return stream_response("chat.completion.chunk", [prompt], opts, n, include_usage, chunk, first)
 
         results = await cancel_on_disconnect(request, engine.generate([prompt], opts, field="messages"))

@@ -153,6 +153,7 @@ def test_errors_are_openai_errors_with_param(client):
         (openai.BadRequestError, dict(prompt="hi", best_of=3, stream=True), "best_of"),
         (openai.BadRequestError, dict(prompt="hi", echo=True, logprobs=1), "echo"),
         (openai.BadRequestError, dict(prompt=[2, 5, 600]), "prompt[2]"),
+        (openai.BadRequestError, dict(prompt="hi", stream_options={"include_usage": True}), "stream_options"),
         (openai.UnprocessableEntityError, dict(prompt="hi", logit_bias={"5": 1}), "logit_bias"),
         (openai.UnprocessableEntityError, dict(prompt="hi", presence_penalty=3), "presence_penalty"),
         (
