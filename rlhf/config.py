@@ -61,7 +61,7 @@ class TrainingConfig(Section):
 
 
 class ActorRolloutConfig(Section):
-    load: str = _f("tiny:policy", "actor/rollout model: a Hugging Face directory, or tiny:policy for rlhf.tiny")
+    load: str = _f("tiny:policy", "actor/rollout model: a folder, a Hugging Face id (HF cache), or tiny:policy")
     save: str | None = _f(None, "where to write the trained actor (default: under training.save)")
     do_sample: bool = _f(True, "sample (True) or decode greedily (False) during rollout")
     temperature: float = _f(1.0, "sampling temperature; also divides logits for log-probs", gt=0)
@@ -109,7 +109,10 @@ class CriticConfig(Section):
 
 class ScorerConfig(Section):
     type: Literal["model", "rule", "remote"] = _f("rule", "model: reward model; rule: a Python function; remote: HTTP")
-    name: str | None = _f(None, "rule name from the registry, or module:function for a user function")
+    name: str | None = _f(
+        None,
+        "rule name from the registry, or module:function for a user function (imported from the working directory)",
+    )
     load: str | None = _f(None, "reward model directory (type model), or tiny:reward")
     url: str | None = _f(None, "remote scorer URL speaking OpenRLHF's /get_reward format (type remote)")
     weight: float = _f(1.0, "weight of this scorer in the combined reward")

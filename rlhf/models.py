@@ -8,6 +8,7 @@ left padding does not shift positions.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -92,11 +93,31 @@ def score_head_outputs(model, query_responses: torch.Tensor, pad_token_id: int) 
     return model.score(hidden).squeeze(-1)
 
 
+# A Hugging Face repo id: "org/name" (or "name"); letters, digits, "-", "_", "."; no "..", no leading/trailing "-"/".".
+_HF_REPO_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+# Files a model needs (weights, configs, tokenizer); other formats a repo may carry (.bin, .onnx, .gguf) are skipped.
+_HF_ALLOW = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+
+
+def _hub_offline() -> bool:
+    # read at call time: huggingface_hub reads its constants at import, before a test or a CLI sets the variable
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _looks_like_repo_id(spec: str) -> bool:
+    return bool(_HF_REPO_ID.match(spec)) and ".." not in spec and not spec.endswith((".", "-"))
+
+
 def resolve_model_path(spec: str) -> Path:
     """A model reference from the config -> a local directory.
 
-    ``tiny:policy`` / ``tiny:reward`` build (once) the models of ``rlhf.tiny`` under ``$RLHF_CACHE_DIR/tiny``
-    (default ``~/.cache/rlhf-pipeline``); anything else is a Hugging Face directory that must exist (no hub downloads).
+    - ``tiny:policy`` / ``tiny:reward`` build (once) the models of ``rlhf.tiny`` under ``$RLHF_CACHE_DIR/tiny``
+      (default ``~/.cache/rlhf-pipeline``);
+    - a directory that exists is used as it is (it must hold a config.json);
+    - anything else shaped like a Hugging Face id (``Qwen/Qwen2.5-0.5B-Instruct``) is looked up in the Hugging Face
+      cache (``HF_HUB_CACHE`` / ``HF_HOME``); with ``HF_HUB_OFFLINE=1`` only the cache is used, else a model missing
+      from it is downloaded (weights as safetensors, configs, tokenizer);
+    - else the path does not exist, and the error says so.
     """
     if spec.startswith("tiny:"):
         from rlhf.tiny import build_tiny
@@ -108,6 +129,43 @@ def resolve_model_path(spec: str) -> Path:
         paths = build_tiny(cache / "tiny")
         return paths.policy if which == "policy" else paths.reward
     path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model directory {path} has no config.json (downloads are not done at run time)")
-    return path
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json: give a Hugging Face model folder")
+        return path
+    if not _looks_like_repo_id(spec):
+        raise FileNotFoundError(f"model directory {path} does not exist (and {spec!r} is not a Hugging Face model id)")
+    return _from_hub(spec)
+
+
+def _from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = _hub_offline()
+    cache_dir = os.environ.get("HF_HUB_CACHE") or None  # None: the hub's default (HF_HOME/hub)
+    try:
+        folder = Path(
+            snapshot_download(repo_id, cache_dir=cache_dir, local_files_only=offline, allow_patterns=_HF_ALLOW)
+        )
+    except LocalEntryNotFoundError:
+        how = (
+            "HF_HUB_OFFLINE=1 allows no download: run `hf download " + repo_id + "` where the network is reachable, "
+            "or unset HF_HUB_OFFLINE"
+            if offline
+            else "and it could not be downloaded (no network?)"
+        )
+        raise FileNotFoundError(
+            f"model {repo_id!r} is neither a local folder nor in the Hugging Face cache "
+            f"({cache_dir or 'the default cache'}); {how}"
+        ) from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(
+            f"model {repo_id!r} is neither a local folder nor a Hugging Face repository you can read "
+            "(check the spelling; gated models need HF_TOKEN)"
+        ) from None
+    except HfHubHTTPError as err:
+        raise FileNotFoundError(f"model {repo_id!r}: downloading it from the Hugging Face hub failed: {err}") from None
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"model {repo_id!r} (at {folder}) has no config.json: is it a transformers model?")
+    return folder

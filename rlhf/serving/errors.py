@@ -2,7 +2,7 @@
 
 Engines raise these (``raise InvalidArgument("items[2].response is empty: send at least one token", field=...)``);
 the gRPC layer turns them into ``context.abort(code, message)`` (:func:`abort_grpc` / :func:`grpc_errors`) and the
-HTTP layer into ``{"error": {"type", "message", "field", "code"}}`` with the matching status
+HTTP layer into ``{"error": {"type", "message", "param", "field", "code"}}`` with the matching status
 (:func:`install_http_errors`).
 A message names the field and says what to change. Anything that is not an ``RLHFError`` is an internal error: its
 details go to the log, not to the client.
@@ -129,9 +129,12 @@ def as_rlhf_error(err: BaseException) -> RLHFError:
 
 
 def error_body(err: RLHFError) -> dict[str, Any]:
-    """The OpenAI-like HTTP error body."""
+    """The HTTP error body, OpenAI's shape: ``param`` is OpenAI's name for the field at fault (the ``openai`` client
+    reads it into ``APIError.param``); ``field`` carries the same value for this project's existing clients."""
     _, http_status = status_for(err)
-    return {"error": {"type": err.kind, "message": err.message, "field": err.field, "code": http_status}}
+    return {
+        "error": {"type": err.kind, "message": err.message, "param": err.field, "field": err.field, "code": http_status}
+    }
 
 
 def grpc_details(err: RLHFError) -> str:

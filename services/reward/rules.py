@@ -11,7 +11,9 @@ import importlib
 import inspect
 import json
 import math
+import os
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -246,12 +248,20 @@ RULES: dict[str, RuleFn] = {
 
 
 def resolve_rule(name: str) -> RuleFn:
-    """A registered rule name, or ``package.module:function`` (imported now, so a typo fails at start-up)."""
+    """A registered rule name, or ``package.module:function`` (imported now, so a typo fails at start-up).
+
+    User modules are imported from the current working directory (plus ``PYTHONPATH`` and installed packages), under
+    ``rlhf up`` and ``rlhf serve reward`` alike: ``rlhf up`` starts its services with ``python -m``, which puts the
+    working directory first on ``sys.path``, but the ``rlhf`` console script does not, so it is added here.
+    """
     if name in RULES:
         return RULES[name]
     if ":" not in name:
         raise ValueError(f"unknown rule {name!r}: use one of {sorted(RULES)} or module:function")
     mod_name, _, fn_name = name.partition(":")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)  # after installed packages: a stray file in the folder cannot shadow a library
     try:
         module = importlib.import_module(mod_name)
     except ImportError as err:

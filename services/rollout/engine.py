@@ -23,6 +23,14 @@ Sampling log-probs are the log-probabilities of the distribution the token was a
   or equal to the untruncated values the trainer recomputes. Use top-p/top-k = off for on-policy RL;
 - temperature 0 (greedy): ``log_softmax(logits)`` (temperature 1) at the argmax token.
 
+Penalties (``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``; vLLM's definitions) change the logits
+before the temperature, so the sampling log-probs include them: like top-k/top-p they then differ from what the
+trainer recomputes (keep them off for on-policy RL). ``top_logprobs: k`` adds, per generated token, the k most
+probable tokens of that same distribution.
+
+Streaming: :meth:`EngineBase.generate_stream` yields events; the ``hf`` engine one per decoded token, the ``vllm``
+engine (whose drivers collect final outputs only) one per finished sample.
+
 Seeds: sample ``j`` of a prompt in a request with ``seed = s`` is drawn with a generator seeded ``s + j`` (vLLM's
 convention for ``n > 1``; every prompt of a request uses the same ``s``). The same engine kind, weights, prompt and
 parameters then give the same tokens, whatever other requests run at the same time, up to floating-point effects of
@@ -66,6 +74,8 @@ MAX_STOP = 16  # stop strings (and stop ids) per request
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_TEMPERATURE = 2.0  # vLLM 0.32 refuses more
 MAX_SEED = 2**63 - 1 - MAX_N  # sample j uses seed + j
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_REPETITION_PENALTY = 10.0
 GREEDY_EPS = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
 # Prompt texts longer than this (in all) are tokenised in a worker thread: a 7 MB prompt took seconds on the event
 # loop, and health checks waited (the tokenizer releases the GIL, so the loop keeps answering meanwhile).
@@ -87,10 +97,21 @@ class SamplingOptions:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    # vLLM's penalties: repetition (> 1 discourages tokens of the prompt and the output so far: positive logits
+    # divided by it, negative ones multiplied), then OpenAI's frequency (minus penalty x count in the output so far)
+    # and presence (minus penalty once a token is in the output)
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    top_logprobs: int = 0  # alternatives per generated token (the most probable of the distribution sampled from)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass
@@ -101,6 +122,22 @@ class Sample:
     text: str
     policy_version: int
     stop_reason: int | str | None = None  # the stop id or string that ended it (None for EOS or length)
+    # per generated token, (token id, log-prob) of the top_logprobs most probable tokens, most probable first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class StreamEvent:
+    """A piece of :meth:`EngineBase.generate_stream`: new tokens of sample ``sample_index`` of prompt
+    ``prompt_index`` and, on the last event of that sample, the finished sample (its text is final: stop strings
+    cut)."""
+
+    prompt_index: int
+    sample_index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    sample: Sample | None = None
 
 
 @dataclass
@@ -388,6 +425,21 @@ class EngineBase:
                 raise InvalidArgument(
                     f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})", field=f"stop_token_ids[{i}]"
                 )
+        if not (0.0 < params.repetition_penalty <= MAX_REPETITION_PENALTY):
+            raise InvalidArgument(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1: off), "
+                f"got {params.repetition_penalty}",
+                field="repetition_penalty",
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(params, name)
+            if not (-2.0 <= v <= 2.0):
+                raise InvalidArgument(f"{name} must be in [-2, 2] (0: off), got {v}", field=name)
+        if not (0 <= params.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidArgument(
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {params.top_logprobs}",
+                field="top_logprobs",
+            )
         if params.seed is not None and not (0 <= params.seed <= MAX_SEED):
             raise InvalidArgument(f"seed must be between 0 and {MAX_SEED}, got {params.seed}", field="seed")
         longest = 0
@@ -430,6 +482,16 @@ class EngineBase:
 
     async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
         raise NotImplementedError
+
+    async def generate_stream(
+        self, prompt_token_ids: list[list[int]], params: SamplingOptions, *, field: str = "prompt"
+    ) -> AsyncIterator[StreamEvent]:
+        """Like :meth:`generate`, as events. This default streams each sample once it has finished (one event: all
+        its tokens and the sample); an engine that can hand out tokens as they are decoded overrides it (``hf``)."""
+        results = await self.generate(prompt_token_ids, params, field=field)
+        for i, r in enumerate(results):
+            for j, smp in enumerate(r.samples):
+                yield StreamEvent(i, j, smp.token_ids, smp.logprobs, smp.top_logprobs, smp)
 
     # ------------------------------------------------------------------------------------------------ weights
 
@@ -547,6 +609,10 @@ def resolve_options(
     stop_token_ids: list[int] | tuple[int, ...] | None = None,
     seed: int | None = None,
     ignore_eos: bool = False,
+    repetition_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    top_logprobs: int | None = None,
 ) -> SamplingOptions:
     """Request values (``None``: unset) over the service's defaults -> SamplingOptions (not yet validated)."""
 
@@ -563,6 +629,10 @@ def resolve_options(
         stop_token_ids=tuple(stop_token_ids or ()),
         seed=seed,
         ignore_eos=bool(ignore_eos),
+        repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
+        frequency_penalty=0.0 if frequency_penalty is None else float(frequency_penalty),
+        presence_penalty=0.0 if presence_penalty is None else float(presence_penalty),
+        top_logprobs=int(top_logprobs or 0),
     )
 
 
@@ -587,6 +657,7 @@ __all__ = [
     "RolloutEngine",
     "Sample",
     "SamplingOptions",
+    "StreamEvent",
     "SwapGate",
     "SwapResult",
     "check_state_dict",

@@ -12,6 +12,11 @@ largest; top-p keeps the smallest set of most probable tokens whose probability 
 token drawn by the exponential race ``argmax(p / q), q ~ Exp(1)`` from the row's generator, and its log-prob
 ``rlhf.algo.logprobs_from_logits`` of the masked logits at that temperature (see :mod:`services.rollout.engine` for
 what top-p/top-k do to it). Greedy rows (temperature 0) take the argmax and report ``log_softmax(logits)``.
+Penalties come first, on the float32 logits, as in vLLM's sampler (:func:`apply_penalties`); a batch with no
+penalized row skips them. ``top_logprobs`` are the top-k of the same masked distribution.
+
+Streaming (:meth:`HFEngine.generate_stream`): the decode thread hands each row's new token to the event loop as it
+is decoded.
 
 Stops: EOS (unless ``ignore_eos``) and ``stop_token_ids`` end a row with the token included; a stop string ends it
 at the token that completes it, with the text cut before the string (vLLM's behaviour); ``max_tokens`` or the end of
@@ -25,6 +30,7 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +44,7 @@ from services.rollout.engine import (
     PromptResult,
     Sample,
     SamplingOptions,
+    StreamEvent,
     decode_text,
 )
 
@@ -58,6 +65,20 @@ class _Row:
     stop_reason: int | str | None = None
     text: str | None = None
     forced: list[int] | None = None  # teacher forcing (score_tokens): take these tokens instead of sampling
+    top: list[list[tuple[int, float]]] | None = None  # top_logprobs alternatives per token, when asked for
+    # streaming: called on the event loop with (token, log-prob, alternatives) as each token is decoded
+    on_token: Any = None
+
+
+def apply_penalties(logits: torch.Tensor, in_prompt: torch.Tensor, counts: torch.Tensor, rep: torch.Tensor,
+                    freq: torch.Tensor, pres: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """vLLM's penalties on (B, V) logits: repetition (tokens seen in the prompt or the output: positive logits divided
+    by it, negative ones multiplied), then frequency (``- freq x count``) and presence (``- pres`` once seen) over the
+    output's token ``counts``. ``rep`` / ``freq`` / ``pres``: (B,); 1, 0, 0 leave a row unchanged."""
+    seen = in_prompt | (counts > 0)
+    r = rep.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - freq.unsqueeze(1) * counts - pres.unsqueeze(1) * (counts > 0).to(logits.dtype)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
@@ -172,19 +193,31 @@ class HFEngine(EngineBase):
                 if not r.future.done():
                     r.future.set_result(r)
 
-    async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
+    def _enqueue(self, prompts: list[list[int]], params: SamplingOptions, on_token: Any = None) -> list[list[_Row]]:
+        """One row per sample, queued for the batcher. ``on_token(i, j)``: the streaming callback of sample j of
+        prompt i (None: no streaming)."""
         assert self._queue is not None
         loop = asyncio.get_running_loop()
         base = params.seed
         rows: list[list[_Row]] = []
-        for p in prompts:
+        for i, p in enumerate(prompts):
             prow = []
             for j in range(params.n):
                 seed = base + j if base is not None else self._rng.randrange(2**63 - 1)
-                row = _Row(prompt=list(p), opts=params, seed=seed, future=loop.create_future(), loop=loop)
+                row = _Row(prompt=list(p), opts=params, seed=seed, future=loop.create_future(), loop=loop,
+                           on_token=on_token(i, j) if on_token is not None else None)  # fmt: skip
                 prow.append(row)
                 self._queue.put_nowait(row)
             rows.append(prow)
+        return rows
+
+    @staticmethod
+    def _sample(r: _Row, version: int) -> Sample:
+        return Sample(token_ids=r.tokens, logprobs=r.logprobs, finish_reason=r.finish or "length", text=r.text or "",
+                      policy_version=version, stop_reason=r.stop_reason, top_logprobs=r.top)  # fmt: skip
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
+        rows = self._enqueue(prompts, params)
         futures = [r.future for prow in rows for r in prow]
         try:
             await asyncio.gather(*futures)
@@ -193,22 +226,52 @@ class HFEngine(EngineBase):
                 f.cancel()
             raise
         return [
-            PromptResult(
-                prompt_token_ids=list(p),
-                samples=[
-                    Sample(
-                        token_ids=r.tokens,
-                        logprobs=r.logprobs,
-                        finish_reason=r.finish or "length",
-                        text=r.text or "",
-                        policy_version=version,
-                        stop_reason=r.stop_reason,
-                    )
-                    for r in prow
-                ],  # fmt: skip
-            )
+            PromptResult(prompt_token_ids=list(p), samples=[self._sample(r, version) for r in prow])
             for p, prow in zip(prompts, rows, strict=True)
         ]
+
+    async def generate_stream(
+        self, prompt_token_ids: list[list[int]], params: SamplingOptions, *, field: str = "prompt"
+    ) -> AsyncIterator[StreamEvent]:
+        """Tokens as they are decoded: the decode thread hands each new token to the event loop
+        (``call_soon_threadsafe``), where it becomes an event; the last event of a sample carries the finished
+        sample. Closing the iterator (a client that went away) cancels the rows still decoding."""
+        self.check_ready()
+        params = self.validate(prompt_token_ids, params, field=field)
+        events: asyncio.Queue[tuple] = asyncio.Queue()
+
+        def on_token(i: int, j: int) -> Any:
+            return lambda tok, lp, top: events.put_nowait(("tok", i, j, tok, lp, top))
+
+        async with self.gate.generation():
+            version = self._version
+            rows = self._enqueue(prompt_token_ids, params, on_token)
+            flat = [(i, j, r) for i, prow in enumerate(rows) for j, r in enumerate(prow)]
+            for i, j, r in flat:
+                # runs after the row's token callbacks: they were scheduled from the decode thread before the
+                # batcher resolved the future
+                r.future.add_done_callback(lambda _f, i=i, j=j: events.put_nowait(("done", i, j)))
+            try:
+                left = len(flat)
+                while left:
+                    ev = await events.get()
+                    if ev[0] == "tok":
+                        _, i, j, tok, lp, top = ev
+                        yield StreamEvent(i, j, [tok], [lp], [top] if top is not None else None)
+                        continue
+                    _, i, j = ev
+                    left -= 1
+                    r = rows[i][j]
+                    if r.future.cancelled():
+                        raise asyncio.CancelledError
+                    if r.future.exception() is not None:
+                        raise r.future.exception()
+                    yield StreamEvent(i, j, [], [], None, self._sample(r, version))
+            finally:
+                for _, _, r in flat:
+                    r.future.cancel()
+        self.hooks.tokens("prompt", sum(len(p) for p in prompt_token_ids))
+        self.hooks.tokens("generated", sum(len(r.tokens) for _, _, r in flat))
 
     async def score_tokens(self, prompt: list[int], tokens: list[int], params: SamplingOptions) -> list[float]:
         """The sampling log-probs this engine reports for ``tokens`` after ``prompt`` under ``params`` (temperature,
@@ -259,6 +322,20 @@ class HFEngine(EngineBase):
                                                   else {self.eos_token_id}) for r in rows]  # fmt: skip
         budgets = [len(r.forced) if r.forced is not None else min(r.opts.max_tokens, self.max_model_len - len(r.prompt))
                    for r in rows]  # fmt: skip
+        penalized = any(r.opts.penalized for r in rows)
+        if penalized:
+            in_prompt = torch.zeros((B, V), dtype=torch.bool)
+            for i, r in enumerate(rows):
+                in_prompt[i, torch.tensor(r.prompt)] = True
+            in_prompt = in_prompt.to(dev)
+            counts = torch.zeros((B, V), dtype=torch.float32, device=dev)  # each token's count in the output so far
+            rep = torch.tensor([r.opts.repetition_penalty for r in rows], dtype=torch.float32, device=dev)
+            freq = torch.tensor([r.opts.frequency_penalty for r in rows], dtype=torch.float32, device=dev)
+            pres = torch.tensor([r.opts.presence_penalty for r in rows], dtype=torch.float32, device=dev)
+        n_top = max(r.opts.top_logprobs for r in rows)
+        for r in rows:
+            if r.opts.top_logprobs:
+                r.top = []
         active = [True] * B
         steps = max(budgets)
         past = None
@@ -276,6 +353,8 @@ class HFEngine(EngineBase):
                              use_cache=True, return_dict=True)  # fmt: skip
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
+            if penalized:  # before temperature and top-k/top-p, as in vLLM; greedy rows take the penalized argmax
+                logits = apply_penalties(logits, in_prompt, counts, rep, freq, pres)
             z = logits / temps.unsqueeze(1)
             masked = apply_top_k_top_p(z, k if any_k else None, p if any_p else None)
             probs = masked.softmax(dim=-1)
@@ -293,11 +372,25 @@ class HFEngine(EngineBase):
             # log_softmax(masked logits / T) at the token: the distribution sampled from (temperature 1 if greedy)
             lp = logprobs_from_logits(masked, tok, 1.0)
             tok_l, lp_l = tok.tolist(), lp.tolist()
+            top_l = None
+            if n_top:  # the most probable tokens of the same distribution (tokens masked by top-k/top-p: -inf)
+                top_v, top_i = masked.log_softmax(dim=-1).topk(n_top, dim=-1)
+                top_l = list(zip(top_i.tolist(), top_v.tolist(), strict=True))
+            if penalized:
+                counts.scatter_add_(1, tok.unsqueeze(1), torch.tensor(active, dtype=counts.dtype, device=dev)[:, None])
             for i, r in enumerate(rows):
                 if not active[i]:
                     continue
                 r.tokens.append(tok_l[i])
                 r.logprobs.append(lp_l[i])
+                alts = None
+                if r.top is not None and top_l is not None:
+                    k = r.opts.top_logprobs
+                    alts = [(t, v) for t, v in zip(top_l[i][0][:k], top_l[i][1][:k], strict=True) if v > float("-inf")]
+                    r.top.append(alts)
+                if r.on_token is not None:
+                    with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody listens
+                        r.loop.call_soon_threadsafe(r.on_token, tok_l[i], lp_l[i], alts)
                 if r.forced is not None:
                     if len(r.tokens) >= budgets[i]:
                         r.finish = "length"

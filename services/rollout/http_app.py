@@ -1,45 +1,76 @@
 """REST for the rollout service.
 
-- ``POST /v1/completions``: the OpenAI / vLLM completions shape (``prompt`` as text, token ids, or a list of either;
-  ``n``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``, ``stop_token_ids``, ``seed``,
-  ``ignore_eos``, ``logprobs``, ``return_token_ids``), plus ``policy_version`` (the weights version that produced
-  every choice). ``logprobs: N`` returns the sampled tokens' log-probs (``tokens``, ``token_logprobs``,
-  ``text_offset``); ``top_logprobs`` is null: alternatives are not computed. Text prompts are tokenized as given
-  (no chat template), as vLLM's completions endpoint does.
+OpenAI / vLLM compatible (the official ``openai`` client works against it):
+
+- ``POST /v1/completions``: the completions shape (``prompt`` as text, token ids, or a list of either). Sampling:
+  ``n``, ``best_of`` (``best_of`` samples per prompt are generated and the ``n`` with the highest cumulative
+  log-prob are returned, as vLLM does; not with ``stream``), ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
+  ``stop``, ``stop_token_ids``, ``seed``, ``ignore_eos``, ``frequency_penalty``, ``presence_penalty``,
+  ``repetition_penalty`` (vLLM's). ``logprobs: N`` returns the sampled tokens' log-probs and, per token, the ``N``
+  most probable alternatives of the distribution sampled from (``top_logprobs``). ``echo`` prepends the prompt to
+  the text (with ``logprobs`` it is refused: prompt log-probs are not computed). ``return_token_ids`` (vLLM) adds
+  prompt and completion token ids. Text prompts are tokenized as given (no chat template), as vLLM's completions do.
+- ``POST /v1/chat/completions``: ``messages`` rendered with the served tokenizer's chat template (with the generation
+  prompt), the same sampling fields (``max_completion_tokens`` or ``max_tokens``), ``logprobs: true`` and
+  ``top_logprobs: N``; answers ``choices[].message``.
+- ``stream: true`` on both: Server-Sent Events with OpenAI's chunks (``text_completion`` /
+  ``chat.completion.chunk``), ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk.
+  The ``hf`` engine streams tokens as they are decoded; the ``vllm`` engine streams each choice once it has
+  finished (its driver collects final outputs only: per-token outputs cost throughput).
+- ``user`` is accepted and ignored: OpenAI uses it for abuse monitoring, which this service does not do.
+- Every choice and response carries ``policy_version`` (the weights version that produced it).
+
+Also:
+
 - ``POST /v1/generate``: token ids in, token ids + per-token sampling log-probs + finish reasons out.
 - ``GET /v1/weights/version``: the weights version served now.
 - ``GET /v1/models``: the served model, for OpenAI clients.
 
 Fields a request leaves out take the service's defaults (the experiment config's ``actor_rollout``: temperature,
-top_p, top_k, max_new_tokens, stop). Bad input is refused with 4xx naming the field (422 for a body that does not
-match the schema, 400 for values the model cannot take: ids outside the vocabulary, prompts that fill the context).
+top_p, top_k, max_new_tokens, stop). Bad input is refused with 4xx naming the field in OpenAI's error body
+(``param``; also ``field``): 422 for a body that does not match the schema (unknown fields included: an OpenAI field
+this service does not implement, such as ``logit_bias`` or ``tools``, is refused, not ignored), 400 for values the
+model cannot take (ids outside the vocabulary, prompts that fill the context, ``best_of < n``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import math
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
 
 from rlhf.serving import (
     InvalidArgument,
+    RLHFError,
     ServiceMetrics,
     ServiceSettings,
     cancel_on_disconnect,
     create_app,
     json_response,
 )
+from rlhf.serving.errors import as_rlhf_error, error_body
 from rlhf.serving.http import Utf8Text
 from services.rollout.engine import (
     MAX_N,
+    MAX_REPETITION_PENALTY,
     MAX_SEED,
     MAX_STOP,
     MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    OFFLOAD_CHARS,
     EngineBase,
     PromptResult,
+    Sample,
+    SamplingOptions,
+    decode_text,
     resolve_options,
 )
 
@@ -65,24 +96,54 @@ class _Sampling(_Model):
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP, description="token ids that end a sample")
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="sample j uses seed + j: reproducible")
     ignore_eos: StrictBool = Field(False, description="keep generating after EOS")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="minus penalty x the token's count so far")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="minus penalty once the token appeared")
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=MAX_REPETITION_PENALTY, description="vLLM's: > 1 discourages prompt and output tokens"
+    )
 
-    def options(self, defaults: dict[str, Any]):
+    def options(self, defaults: dict[str, Any], *, n: int | None = None, max_tokens: int | None = None,
+                top_logprobs: int = 0) -> SamplingOptions:  # fmt: skip
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return resolve_options(defaults, n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                               max_tokens=self.max_tokens, stop=stop, stop_token_ids=self.stop_token_ids,
-                               seed=self.seed, ignore_eos=self.ignore_eos)  # fmt: skip
+        return resolve_options(defaults, n=n or self.n, temperature=self.temperature, top_p=self.top_p,
+                               top_k=self.top_k, max_tokens=max_tokens or self.max_tokens, stop=stop,
+                               stop_token_ids=self.stop_token_ids, seed=self.seed, ignore_eos=self.ignore_eos,
+                               repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+                               presence_penalty=self.presence_penalty, top_logprobs=top_logprobs)  # fmt: skip
 
 
-class CompletionRequest(_Sampling):
+class StreamOptions(_Model):
+    include_usage: StrictBool = Field(False, description="a last chunk with the usage of the whole request")
+
+
+class _OpenAIRequest(_Sampling):
     model: str | None = Field(None, description="accepted for OpenAI compatibility; the served model answers")
+    stream: StrictBool = Field(False, description="Server-Sent Events (OpenAI chunks), ending with data: [DONE]")
+    stream_options: StreamOptions | None = Field(None, description="with stream: include_usage")
+    user: str | None = Field(None, description="accepted and ignored: OpenAI uses it for abuse monitoring")
+
+    def include_usage(self) -> bool:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidArgument("stream_options applies to streams only: set stream: true or drop it",
+                                  field="stream_options")  # fmt: skip
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_OpenAIRequest):
     prompt: Utf8Text | list[Utf8Text] | list[StrictInt] | list[list[StrictInt]] = Field(
         description="the prompt(s): " + PROMPT_SHAPES
     )
-    logprobs: StrictInt | None = Field(None, ge=0, le=20, description="return the sampled tokens' log-probs")
+    logprobs: StrictInt | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="the sampled tokens' log-probs and this many alternatives each",
+    )
+    best_of: StrictInt | None = Field(
+        None, ge=1, le=MAX_N, description="samples generated per prompt; the n most probable are returned"
+    )
+    echo: StrictBool = Field(False, description="prepend the prompt to the text")
     return_token_ids: StrictBool = Field(False, description="return prompt and completion token ids (vLLM)")
-    stream: Literal[False] = Field(False, description="streaming is not supported")
-    echo: Literal[False] = Field(False, description="echoing the prompt is not supported")
-    user: str | None = Field(None, description="accepted for OpenAI compatibility; ignored")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -99,6 +160,31 @@ class CompletionRequest(_Sampling):
         raise ValueError(f"must be {PROMPT_SHAPES}")
 
 
+class TextPart(_Model):
+    type: Literal["text"] = Field(description="only text parts: the served models are text-only")
+    text: Utf8Text
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Utf8Text | list[TextPart] | None = Field(None, description="text, or a list of text parts")
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1, description="the conversation, rendered by the chat template")
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="new tokens per choice (OpenAI's newer "
+                                                    "name for max_tokens; wins when both are set)")  # fmt: skip
+    logprobs: StrictBool = Field(False, description="return the sampled tokens' log-probs")
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                           description="alternatives per token (needs logprobs: true)")  # fmt: skip
+
+
 class GenerateRequest(_Sampling):
     prompt_token_ids: list[list[TokenId]] = Field(min_length=1, description="one list of token ids per prompt")
 
@@ -107,7 +193,7 @@ class LogprobsOut(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
     text_offset: list[int]
-    top_logprobs: None = None
+    top_logprobs: list[dict[str, float]] | None = Field(None, description="with logprobs > 0: alternatives per token")
 
 
 class ChoiceOut(BaseModel):
@@ -118,6 +204,34 @@ class ChoiceOut(BaseModel):
     logprobs: LogprobsOut | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    policy_version: int
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobsOut(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoiceOut(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobsOut | None = None
+    finish_reason: str
+    stop_reason: int | str | None = None
     policy_version: int
 
 
@@ -133,6 +247,16 @@ class CompletionResponse(BaseModel):
     created: int
     model: str
     choices: list[ChoiceOut]
+    usage: UsageOut
+    policy_version: int = Field(description="the weights version serving when the request finished")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoiceOut]
     usage: UsageOut
     policy_version: int = Field(description="the weights version serving when the request finished")
 
@@ -171,14 +295,84 @@ def _usage(results: list[PromptResult]) -> UsageOut:
     return UsageOut(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
-def _logprobs(engine: EngineBase, token_ids: list[int], logprobs: list[float]) -> LogprobsOut:
-    tok = engine.tokenizer
-    pieces = [tok.decode([t], skip_special_tokens=False) for t in token_ids]
-    offsets, at = [], 0
+def _piece(engine: EngineBase, token_id: int) -> str:
+    return engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _logprobs(engine: EngineBase, token_ids: list[int], logprobs: list[float],
+              top: list[list[tuple[int, float]]] | None, offset: int = 0) -> LogprobsOut:  # fmt: skip
+    """The completions log-probs of some tokens; ``offset``: where their text starts in the choice's text."""
+    pieces = [_piece(engine, t) for t in token_ids]
+    offsets, at = [], offset
     for piece in pieces:
         offsets.append(at)
         at += len(piece)
-    return LogprobsOut(tokens=pieces, token_logprobs=logprobs, text_offset=offsets)
+    alts = [{_piece(engine, t): v for t, v in pos} for pos in top] if top is not None else None
+    return LogprobsOut(tokens=pieces, token_logprobs=logprobs, text_offset=offsets, top_logprobs=alts)
+
+
+def _chat_logprobs(engine: EngineBase, token_ids: list[int], logprobs: list[float],
+                   top: list[list[tuple[int, float]]] | None) -> ChatLogprobsOut:  # fmt: skip
+    def entry(t: int, v: float) -> dict[str, Any]:
+        piece = _piece(engine, t)
+        return {"token": piece, "logprob": v, "bytes": list(piece.encode("utf-8"))}
+
+    tops = top if top is not None else [[] for _ in token_ids]
+    return ChatLogprobsOut(content=[ChatTokenLogprob(**entry(t, v), top_logprobs=[entry(a, av) for a, av in alts])
+                                    for t, v, alts in zip(token_ids, logprobs, tops, strict=True)])  # fmt: skip
+
+
+def _best(samples: list[Sample], n: int) -> list[Sample]:
+    """best_of: the n samples with the highest cumulative log-prob, most probable first (vLLM's rule)."""
+    if len(samples) <= n:
+        return samples
+    return sorted(samples, key=lambda s: math.fsum(s.logprobs), reverse=True)[:n]
+
+
+def _n_and_best_of(n: int, best_of: int | None, stream: bool) -> int:
+    if best_of is None:
+        return n
+    if best_of < n:
+        raise InvalidArgument(f"best_of ({best_of}) must be at least n ({n})", field="best_of")
+    if stream and best_of > n:
+        raise InvalidArgument("best_of > n cannot be streamed: the best samples are known only at the end; "
+                              "drop stream or best_of", field="best_of")  # fmt: skip
+    return best_of
+
+
+class _TextStream:
+    """The text of one streamed choice, piece by piece. Held back: a stop string that has appeared and the last
+    ``len(longest stop) - 1`` characters (they may begin one; the final text is cut before it), and a trailing U+FFFD
+    (a character whose bytes are split across tokens). The finished sample's text then gives the rest."""
+
+    def __init__(self, tokenizer: Any, opts: SamplingOptions):
+        self.tokenizer = tokenizer
+        self.stop = opts.stop
+        self.hold = max((len(s) for s in opts.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        text = decode_text(self.tokenizer, self.ids)
+        safe = len(text) - self.hold
+        # the token that completes a stop string arrives before the engine's verdict: stop short of it
+        safe = min([safe, *(text.find(s) for s in self.stop if s in text)])
+        while safe > self.sent and text[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe <= self.sent:
+            return ""
+        out, self.sent = text[self.sent : safe], safe
+        return out
+
+    def finish(self, ids: list[int], final_text: str) -> str:
+        self.ids += ids
+        out, self.sent = final_text[self.sent :], max(self.sent, len(final_text))
+        return out
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
 
 
 def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMetrics) -> FastAPI:
@@ -203,24 +397,124 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
         encoded = iter(await engine.encode_texts(texts) if texts else [])
         return [next(encoded) if isinstance(p, str) else list(p) for p in prompt]
 
-    # The engine call runs under cancel_on_disconnect: a client that hangs up cancels its generation.
+    async def render_chat(messages: list[ChatMessage]) -> list[int]:
+        """The conversation through the served tokenizer's chat template, with the generation prompt (vLLM's chat
+        endpoint does the same); the rendered text holds any special tokens, so none are added when tokenizing."""
+        engine.check_ready()
+        tok = engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise InvalidArgument("the served model's tokenizer has no chat template: use /v1/completions with the "
+                                  "prompt as text", field="messages")  # fmt: skip
+        conv = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+
+        def render() -> list[int]:
+            try:
+                text = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+            except Exception as err:  # noqa: BLE001 - jinja's TemplateError (raise_exception in the template) and kin
+                raise InvalidArgument(f"the chat template refused the messages: {err}", field="messages") from None
+            return list(tok.encode(text, add_special_tokens=False))
+
+        if sum(len(c["content"]) for c in conv) > OFFLOAD_CHARS:
+            return await asyncio.to_thread(render)
+        return render()
+
+    def stream_response(kind: str, prompts: list[list[int]], opts: SamplingOptions, n: int, include_usage: bool,
+                        chunk: Callable[[int, str, list[int], list[float], Any, Sample | None], dict[str, Any] | None],
+                        first: Callable[[int], dict[str, Any] | None]) -> StreamingResponse:  # fmt: skip
+        """SSE over ``engine.generate_stream``: ``first(index)`` opens each choice (chat: the role; echo: the
+        prompt), ``chunk(index, text, token_ids, logprobs, top, sample)`` renders each piece (None: nothing to
+        send). Errors after the first byte are sent as an ``error`` event (the status is already 200), then
+        ``[DONE]``."""
+        rid = f"{'chatcmpl' if kind == 'chat.completion.chunk' else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        head = {"id": rid, "object": kind, "created": created, "model": engine.model_name}
+
+        async def events() -> AsyncIterator[bytes]:
+            texts = [_TextStream(engine.tokenizer, opts) for _ in range(len(prompts) * n)]
+            generated = 0
+            try:
+                for index in range(len(texts)):
+                    opening = first(index)
+                    if opening is not None:
+                        yield _sse({**head, "choices": [opening]})
+                async for ev in engine.generate_stream(prompts, opts, field="prompt"):
+                    index = ev.prompt_index * n + ev.sample_index
+                    generated += len(ev.token_ids)
+                    ts = texts[index]
+                    text = ts.finish(ev.token_ids, ev.sample.text) if ev.sample is not None else ts.push(ev.token_ids)
+                    c = chunk(index, text, ev.token_ids, ev.logprobs, ev.top_logprobs, ev.sample)
+                    if c is not None:
+                        yield _sse({**head, "choices": [c]})
+                if include_usage:
+                    p = sum(len(x) for x in prompts)
+                    usage = {"prompt_tokens": p, "completion_tokens": generated, "total_tokens": p + generated}
+                    yield _sse({**head, "choices": [], "usage": usage, "policy_version": engine.weights_version})
+            except Exception as err:  # noqa: BLE001 - the status line is sent: report in the stream
+                rerr: RLHFError = as_rlhf_error(err)
+                metrics.count_error(rerr.kind)
+                yield _sse(error_body(rerr))
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # The engine call runs under cancel_on_disconnect: a client that hangs up cancels its generation (streams: the
+    # server cancels the response, which closes the engine's event iterator).
     @app.post("/v1/completions", response_model=CompletionResponse, tags=["rollout"],
-              summary="OpenAI-style completions with token ids, sampling log-probs, policy version")  # fmt: skip
-    async def completions(body: CompletionRequest, request: Request) -> CompletionResponse:
+              summary="OpenAI-style completions with token ids, sampling log-probs, policy version",
+              responses={200: {"content": {"text/event-stream": {}},
+                               "description": "JSON, or SSE chunks with stream: true"}})  # fmt: skip
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        body.include_usage()  # refuses stream_options without stream
         prompts = await encode_prompts(body.prompt)
-        opts = body.options(engine.defaults)
+        n = body.n
+        best_of = _n_and_best_of(n, body.best_of, body.stream)
+        if body.echo and body.logprobs is not None:
+            raise InvalidArgument("echo with logprobs would need the prompt's log-probs, which are not computed: "
+                                  "ask for one of them", field="echo")  # fmt: skip
+        opts = body.options(engine.defaults, n=best_of, top_logprobs=body.logprobs or 0)
+        raw = [body.prompt] if isinstance(body.prompt, str) or _is_int(body.prompt[0]) else body.prompt
+        echoes = [(p if isinstance(p, str) else decode_text(engine.tokenizer, list(p))) if body.echo else ""
+                  for p in raw]  # fmt: skip
         metrics.observe_batch("/v1/completions", len(prompts) * opts.n)
+        want_lp = body.logprobs is not None
+
+        if body.stream:
+            engine.validate(prompts, opts, field="prompt")  # refused with a 4xx before the stream starts
+            offsets = [len(echoes[i // n]) for i in range(len(prompts) * n)]  # text_offset of the next token
+
+            def first(index: int) -> dict[str, Any] | None:
+                text = echoes[index // n]
+                return {"index": index, "text": text, "logprobs": None, "finish_reason": None} if text else None
+
+            def chunk(index, text, ids, lps, top, smp):  # noqa: ANN001
+                lp = None
+                if want_lp and ids:
+                    lp = _logprobs(engine, ids, lps, top if body.logprobs else None, offsets[index]).model_dump()
+                    offsets[index] += sum(len(t) for t in lp["tokens"])
+                if not text and lp is None and smp is None:
+                    return None  # tokens whose text is held back, nothing else to say
+                c = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
+                if smp is not None:
+                    c.update(finish_reason=smp.finish_reason, stop_reason=smp.stop_reason,
+                             policy_version=smp.policy_version)  # fmt: skip
+                return c
+
+            include_usage = body.include_usage()
+            return stream_response("text_completion", prompts, opts, n, include_usage, chunk, first)
+
         results = await cancel_on_disconnect(request, engine.generate(prompts, opts, field="prompt"))
         choices = []
-        for r in results:
-            for s in r.samples:
+        for i, r in enumerate(results):
+            for s in _best(r.samples, n):
                 choices.append(
                     ChoiceOut(
                         index=len(choices),
-                        text=s.text,
+                        text=echoes[i] + s.text,
                         finish_reason=s.finish_reason,
                         stop_reason=s.stop_reason,
-                        logprobs=_logprobs(engine, s.token_ids, s.logprobs) if body.logprobs is not None else None,
+                        logprobs=_logprobs(engine, s.token_ids, s.logprobs, s.top_logprobs if body.logprobs else None)
+                        if want_lp
+                        else None,
                         token_ids=s.token_ids if body.return_token_ids else None,
                         prompt_token_ids=r.prompt_token_ids if body.return_token_ids else None,
                         policy_version=s.policy_version,
@@ -228,6 +522,61 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
                 )
         return CompletionResponse(
             id=f"cmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=engine.model_name,
+            choices=choices,
+            usage=_usage(results),
+            policy_version=engine.weights_version,
+        )
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["rollout"],
+              summary="OpenAI-style chat completions (the served tokenizer's chat template)",
+              responses={200: {"content": {"text/event-stream": {}},
+                               "description": "JSON, or SSE chunks with stream: true"}})  # fmt: skip
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        body.include_usage()  # refuses stream_options without stream
+        if body.top_logprobs and not body.logprobs:
+            raise InvalidArgument("top_logprobs needs logprobs: true", field="top_logprobs")
+        prompt = await render_chat(body.messages)
+        n = body.n
+        top_k = (body.top_logprobs or 0) if body.logprobs else 0
+        opts = body.options(engine.defaults, max_tokens=body.max_completion_tokens, top_logprobs=top_k)
+        metrics.observe_batch("/v1/chat/completions", opts.n)
+
+        if body.stream:
+            engine.validate([prompt], opts, field="messages")
+
+            def first(index: int) -> dict[str, Any]:
+                return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}  # fmt: skip
+
+            def chunk(index, text, ids, lps, top, smp):  # noqa: ANN001
+                lp = _chat_logprobs(engine, ids, lps, top).model_dump() if body.logprobs and ids else None
+                if not text and lp is None and smp is None:
+                    return None
+                c = {"index": index, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": None}
+                if smp is not None:
+                    c.update(finish_reason=smp.finish_reason, stop_reason=smp.stop_reason,
+                             policy_version=smp.policy_version)  # fmt: skip
+                return c
+
+            include_usage = body.include_usage()
+            return stream_response("chat.completion.chunk", [prompt], opts, n, include_usage, chunk, first)
+
+        results = await cancel_on_disconnect(request, engine.generate([prompt], opts, field="messages"))
+        choices = [
+            ChatChoiceOut(
+                index=j,
+                message=ChatMessageOut(content=s.text),
+                logprobs=_chat_logprobs(engine, s.token_ids, s.logprobs, s.top_logprobs) if body.logprobs else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                policy_version=s.policy_version,
+            )
+            for j, s in enumerate(results[0].samples)
+        ]
+        return ChatCompletionResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=engine.model_name,
             choices=choices,

@@ -99,6 +99,12 @@ def _safetensors_bytes(tensors: dict[str, Any]) -> bytes:
         return save({k: v.clone() for k, v in flat.items()})
 
 
+def _top(position: dict[int, Any], k: int) -> list[tuple[int, float]]:
+    """The k most probable tokens of one position of vLLM's log-probs (rank 1 first; -inf: masked by top-k/top-p)."""
+    ranked = sorted((lp.rank, t, float(lp.logprob)) for t, lp in position.items() if lp.rank is not None)
+    return [(t, v) for rank, t, v in ranked if rank <= k and v > float("-inf")]
+
+
 class VllmEngine(EngineBase):
     kind = "vllm"
 
@@ -341,7 +347,10 @@ class VllmEngine(EngineBase):
             stop_token_ids=list(o.stop_token_ids) or None,
             seed=o.seed,
             ignore_eos=o.ignore_eos,
-            logprobs=0,
+            repetition_penalty=o.repetition_penalty,
+            frequency_penalty=o.frequency_penalty,
+            presence_penalty=o.presence_penalty,
+            logprobs=o.top_logprobs,  # 0: the sampled token's only
             output_kind=RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
         )
@@ -369,9 +378,13 @@ class VllmEngine(EngineBase):
             for c in completions:
                 ids = list(c.token_ids)
                 lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)] if ids else []
+                top = None
+                if params.top_logprobs:  # each position's dict holds the sampled token and the top k by rank
+                    top = [_top(d, params.top_logprobs) for d in (c.logprobs or [])]
                 reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "length"
                 samples.append(Sample(token_ids=ids, logprobs=lps, finish_reason=reason, text=c.text,
-                                      policy_version=version, stop_reason=c.stop_reason))  # fmt: skip
+                                      policy_version=version, stop_reason=c.stop_reason,
+                                      top_logprobs=top))  # fmt: skip
             results.append(PromptResult(prompt_token_ids=list(prompt), samples=samples))
         return results
 

@@ -47,8 +47,10 @@ class ServiceProc:
         grpc_port: int | None = None,
         http_port: int | None = None,
         extra_args: list[str] | None = None,
+        cwd: str | Path | None = None,
     ):
         self.name = name
+        self.cwd = Path(cwd) if cwd is not None else REPO
         self.config = str(config)
         self.grpc_port = grpc_port or _free_port()
         self.http_port = http_port or _free_port()
@@ -78,7 +80,7 @@ class ServiceProc:
     def start(self, timeout: float = 90.0, wait_ready: bool = True) -> ServiceProc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.argv, cwd=self.cwd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
         if wait_ready:
             self.wait_ready(timeout)
         return self

@@ -245,8 +245,12 @@ BAD_REST = [
     ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 422, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 422, "top_p"),
     ("/v1/completions", {"prompt": "hi", "seed": -1}, 422, "seed"),
-    ("/v1/completions", {"prompt": "hi", "stream": True}, 422, "stream"),
-    ("/v1/completions", {"prompt": "hi", "best_of": 2}, 422, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 422, "stream"),
+    ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 1}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 422, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}}, 422, "logit_bias"),
+    ("/v1/chat/completions", {"messages": []}, 422, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop[0]"),
     ("/v1/generate", {"prompt_token_ids": [[2, 512]]}, 400, "prompt_token_ids[0][1]"),
     ("/v1/generate", {"prompt_token_ids": [[2, -1]]}, 422, "prompt_token_ids[0][1]"),
@@ -262,7 +266,7 @@ def test_bad_input_rest_is_refused_naming_the_field(svc):
         r = httpx.post(svc.http_url + path, json=body, timeout=60)
         assert r.status_code == status, (path, body, r.text)
         err = r.json()["error"]
-        assert err["field"] == field, (path, body, err)
+        assert err["field"] == err["param"] == field, (path, body, err)
         assert err["message"] and err["code"] == status
     r = httpx.post(svc.http_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 422
@@ -431,6 +435,52 @@ def test_cross_engine_truncated_sampling_logprobs(svc, hf_engine, full_forward):
             assert any(v > f + 1e-3 for v, f in zip(c["logprobs"], full, strict=True)), "truncation had no effect"
     print(f"\nT={T} top_k={k} top_p={p}: max |logprob diff| vLLM vs hf {worst:.2e}")
     assert worst < LOGPROB_TOL
+
+
+def test_cross_engine_penalties(svc, hf_engine, full_forward):
+    """frequency / presence / repetition penalties: vLLM's sampling log-probs (its SamplingParams) and the hf engine's
+    (its own implementation in the decode loop, teacher-forced on vLLM's tokens) agree, and differ from the
+    unpenalized log-softmax."""
+    from services.rollout.engine import SamplingOptions
+
+    lp, eng = hf_engine
+    pen = {"frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.3}
+    body = generate(svc, n=3, max_tokens=16, seed=13, temperature=1.0, ignore_eos=True, **pen)
+    worst, moved = 0.0, 0.0
+    for r in body["results"]:
+        prompt = r["prompt_token_ids"]
+        for c in r["completions"]:
+            hf = lp.run(eng.score_tokens(prompt, c["token_ids"], SamplingOptions(temperature=1.0, **pen)))
+            worst = max(worst, _maxdiff(c["logprobs"], hf))
+            moved = max(moved, _maxdiff(c["logprobs"], full_forward(prompt, c["token_ids"], 1.0)))
+    print(f"\npenalties {pen}: max |logprob diff| vLLM vs hf {worst:.2e}; vs unpenalized {moved:.2e}")
+    assert worst < LOGPROB_TOL and moved > 5e-3
+
+
+def test_openai_client_on_vllm(svc):
+    """The official client against the vLLM engine: chat (template), top_logprobs from vLLM's logprobs=k, and
+    streams (one chunk of text per choice: the vLLM driver collects final outputs)."""
+    import openai
+
+    client = openai.OpenAI(base_url=svc.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "what is 1 plus 2?"}]
+    chat = client.chat.completions.create(model="tiny:policy", messages=msgs, max_tokens=6, seed=4, logprobs=True,
+                                          top_logprobs=3)  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for tok in content:
+        alts = [a.logprob for a in tok.top_logprobs]
+        assert len(alts) == 3 and alts == sorted(alts, reverse=True) and alts[0] >= tok.logprob - 1e-5
+    streamed = "".join(ev.choices[0].delta.content or "" for ev in client.chat.completions.create(
+        model="tiny:policy", messages=msgs, max_tokens=6, seed=4, stream=True) if ev.choices)  # fmt: skip
+    assert streamed == chat.choices[0].message.content
+    texts = ["", ""]
+    for ev in client.completions.create(model="tiny:policy", prompt="hi", max_tokens=5, seed=1, n=2, stream=True):
+        for c in ev.choices:
+            texts[c.index] += c.text
+    whole = client.completions.create(model="tiny:policy", prompt="hi", max_tokens=5, seed=1, n=2)
+    assert texts == [c.text for c in whole.choices]
+    client.close()
 
 
 # ------------------------------------------------------------------------------------------------------ weight sync
@@ -637,7 +687,7 @@ def _readme_rollout_commands() -> tuple[list[tuple[str, int, int]], list[tuple[s
 def test_readme_rollout_examples_work(svc):
     serves, commands = _readme_rollout_commands()
     assert serves == [(CONFIG, 8000, 50051)]
-    assert [k for k, _, _ in commands if k != "bash"] == ["python", "py"]
+    assert [k for k, _, _ in commands if k != "bash"] == ["python", "python", "py"]  # openai client, gRPC, weights
     assert sum(kind == "bash" and text.startswith("curl ") for kind, text, _ in commands) >= 3
     ports = {8000: svc.http_port, 50051: svc.grpc_port}
 
@@ -650,7 +700,7 @@ def test_readme_rollout_examples_work(svc):
             run = subprocess.run([sys.executable, "-c", localize(text)], cwd=REPO, capture_output=True, text=True,
                                  timeout=120, env=env)  # fmt: skip
             assert run.returncode == 0, f"README python block failed:\n{text}\n{run.stderr}"
-            assert "results" in run.stdout or "version" in run.stdout
+            assert "results" in run.stdout or "version" in run.stdout, run.stdout
             continue
         line = localize(text)
         if line.startswith("rlhf "):
