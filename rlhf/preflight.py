@@ -107,10 +107,11 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
 
 @contextlib.contextmanager
 def _cwd_on_path():
+    """The working directory after the installed packages, as the reward service looks for a user's module."""
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:
-        sys.path.insert(0, cwd)
+        sys.path.append(cwd)
     try:
         yield
     finally:
