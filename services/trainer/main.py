@@ -10,6 +10,7 @@ It stops (exit 0) after ``training.train_iters`` steps.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
@@ -51,6 +52,8 @@ from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save
 from services.trainer.engine import NoUsableSamples, TrainerEngine, score_failures
 
 log = logging.getLogger("rlhf.trainer")
+LEDGER = "trained_jobs.jsonl"  # in the run folder: per checkpoint, the job ids trained since the one before
+KEEP_WINDOWS = 2  # checkpoint windows of trained job ids kept for the duplicate filter (see Trainer._checkpoint)
 SERVICE_NAME = "rlhf.v1.TrainerService"
 CONSUMER = "trainer-0"
 # Redis restarting or unreachable for a while: every call the trainer makes is retried (they are all idempotent:
@@ -67,7 +70,9 @@ class Trainer:
         self.engine: TrainerEngine | None = None
         self.paused = asyncio.Event()
         self.last_metrics: dict[str, float] = {}
-        self.trained_job_ids: set[str] = set()
+        self.trained_job_ids: set[str] = set()  # the duplicate filter: the jobs of the last few checkpoint windows
+        self._window: set[str] = set()  # trained since the last checkpoint
+        self._windows: collections.deque[tuple[int, set[str]]] = collections.deque()  # (checkpoint step, job ids)
         self.samples_trained = 0
         self.unacked: list[str] = []
         self.done = False
@@ -104,7 +109,9 @@ class Trainer:
         trained = 0
         if ckpt:
             state = await asyncio.to_thread(load_checkpoint, ckpt, self.engine)
-            self.trained_job_ids = set(state.get("trained_job_ids", []))
+            windows = state.get("trained_job_windows") or [[state["step"], state.get("trained_job_ids", [])]]
+            self._windows = collections.deque((int(st), set(ids)) for st, ids in windows)
+            self.trained_job_ids = set().union(*(ids for _, ids in self._windows))
             self.samples_trained = state.get("samples_trained", 0)
             self.cursor.epoch, self.cursor.offset = state["data"]["epoch"], state["data"]["offset"]
             self.cursor._order = self.cursor._make_order()
@@ -139,6 +146,7 @@ class Trainer:
         self.jobs_trained = (await self.admission.state()).trained
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Steps after the checkpoint are trained again: each step stays in metrics.jsonl once.
+        runlog.truncate_after(self.run_dir / LEDGER, self.engine.step_count)
         cut = runlog.truncate_after(self.run_dir / "metrics.jsonl", self.engine.step_count)
         if cut:
             log.info("metrics.jsonl cut back to step %d (%d later line(s) removed)", self.engine.step_count, cut)
@@ -261,6 +269,10 @@ class Trainer:
         batch, self._held = self._held[:size], self._held[size:]
         return batch
 
+    def _trained(self, job_ids: list[str]) -> None:
+        self.trained_job_ids.update(job_ids)
+        self._window.update(job_ids)
+
     def _check_scoring(self, experiences: list[experience_pb2.Experience], failed_fraction: float) -> None:
         """Stop the run (exit ``runlog.EXIT_STOPPED_BY_RULE``, which supervisors should not restart) when more than
         ``reward.max_failed_fraction`` of the samples failed scoring for ``reward.failed_patience`` steps in a row:
@@ -343,7 +355,7 @@ class Trainer:
         except NoUsableSamples:
             metrics = None  # no sample scored: no update, and the records are consumed (a retry scores nothing)
             self._check_scoring([e for _, e in batch], 1.0)
-            self.trained_job_ids.update(e.job_id for _, e in batch)
+            self._trained([e.job_id for _, e in batch])
             self.unacked.extend(entry for entry, _ in batch)
             self.jobs_trained += len(batch)
             await self._set_trained(self.jobs_trained)
@@ -351,7 +363,7 @@ class Trainer:
         if metrics is None:
             return  # every record was dead-lettered: read another batch
         self._check_scoring([e for _, e in batch], metrics["reward/failed_fraction"])
-        self.trained_job_ids.update(e.job_id for _, e in batch)
+        self._trained([e.job_id for _, e in batch])
         self.unacked.extend(entry for entry, _ in batch)
         self.samples_trained += int(metrics["samples"])
         self.jobs_trained += len(batch)
@@ -507,9 +519,28 @@ class Trainer:
             return await self._checkpoint()
 
     async def _checkpoint(self) -> Path:
-        """Save, then acknowledge the experience the saved steps consumed. Hold ``_state_lock``."""
+        """Save, then acknowledge the experience the saved steps consumed. Hold ``_state_lock``.
+
+        The job ids trained since the previous checkpoint close a window: they go to the run's ledger
+        (``trained_jobs.jsonl``, written before the checkpoint so a checkpoint never covers jobs the ledger lacks) and
+        stay in the duplicate filter for ``KEEP_WINDOWS`` checkpoints. Older ones are forgotten there and in the issued
+        ids: their experience was acknowledged before the next checkpoint began, so no record of them can come back,
+        and the trainer's memory, its checkpoints and Redis stay bounded however long the run is."""
+        step = self.engine.step_count
+        dropped: set[str] = set()
+        if self._window:
+            runlog.append(self.run_dir / LEDGER, {"step": step, "job_ids": sorted(self._window)})
+            if self._windows and self._windows[-1][0] == step:
+                self._windows[-1][1].update(self._window)
+            else:
+                self._windows.append((step, self._window))
+            self._window = set()
+            while len(self._windows) > KEEP_WINDOWS:
+                dropped |= self._windows.popleft()[1]
+            self.trained_job_ids -= dropped
         extra = {
             "trained_job_ids": sorted(self.trained_job_ids),
+            "trained_job_windows": [[st, sorted(ids)] for st, ids in self._windows],
             "samples_trained": self.samples_trained,
             "data": self.cursor.state(),
             "admission_trained": self.jobs_trained,
@@ -521,6 +552,8 @@ class Trainer:
             unacked = list(self.unacked)
             await self._redis("acknowledging experience", self.experience.ack, unacked)
             self.unacked = self.unacked[len(unacked) :]
+        if dropped:
+            await self._redis("forgetting trained job ids", self.prompts.forget_jobs, sorted(dropped))
         return path
 
     async def status(self) -> trainer_pb2.StatusResponse:

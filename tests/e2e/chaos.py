@@ -240,8 +240,8 @@ class Chaos:
 
         ring = self.ring
         state = ring.state()
-        trained = state["trained_job_ids"]
-        issued = ring.issued_job_ids()
+        trained = ring.ledger()
+        issued = ring.issued_job_ids()  # without the trained jobs the trainer has forgotten (bounded ledger)
 
         async def released(r):
             return {k.decode() for k in await r.hkeys(RunKeys("chaos").released_jobs)}
@@ -254,7 +254,7 @@ class Chaos:
         return {
             "faults_injected": len(self.faults),
             "recovered": sum(1 for f in self.faults if f["recover_s"] is not None),
-            "jobs_issued": len(issued),
+            "jobs_issued": stats.issued,
             "jobs_trained": len(set(trained)),
             "jobs_trained_twice": len(trained) - len(set(trained)),
             "jobs_lost": len(issued - set(trained) - in_streams - dead_issued),

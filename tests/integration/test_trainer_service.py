@@ -118,6 +118,12 @@ def _run_with_replicas(
     return answered
 
 
+def _ledger(run_dir) -> list[str]:
+    """Every job id trained, from the run's ledger (trained_jobs.jsonl)."""
+    path = run_dir / "trained_jobs.jsonl"
+    return [j for line in path.read_text().splitlines() for j in json.loads(line)["job_ids"]]
+
+
 def _metrics(run_dir) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -139,7 +145,7 @@ def test_trainer_trains_checkpoints_and_acks(redis_server, start_service, tmp_pa
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all("reward/mean" in m and m["samples"] == 8 for m in steps)
     state = json.loads((run_dir / "checkpoints" / "step_3" / "state.json").read_text())
-    assert len(state["trained_job_ids"]) == 12 and state["policy_version"] == 3
+    assert len(_ledger(run_dir)) == 12 and state["policy_version"] == 3
     # Every experience record the steps consumed is acknowledged once the final checkpoint covers it.
     stats = asyncio.run(_stats(redis_server.url))
     assert stats.experience_pending == 0
@@ -183,7 +189,7 @@ def test_killed_trainer_resumes_and_trains_nothing_twice(redis_server, start_ser
     assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
     assert "metrics.jsonl cut back to step 2 (1 later line(s) removed)" in restarted.log_text()
     state = json.loads((run_dir / "checkpoints" / "step_5" / "state.json").read_text())
-    assert len(state["trained_job_ids"]) == len(set(state["trained_job_ids"])) == 20
+    assert len(_ledger(run_dir)) == len(set(_ledger(run_dir))) == 20
     # The restored weights were published under a new version: 2 (checkpoint) -> 3, then steps 3-5 -> 6.
     assert state["policy_version"] == 6
 
@@ -227,9 +233,8 @@ def test_poison_records_are_dead_lettered_and_the_run_goes_on(redis_server, star
     steps = _metrics(run_dir)
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(m["nonfinite/skipped_updates"] == 0 for m in steps)
-    state = json.loads((run_dir / "checkpoints" / "step_3" / "state.json").read_text())
     poisoned = set(answered[:4])
-    assert not poisoned & set(state["trained_job_ids"]) and len(state["trained_job_ids"]) == 12
+    assert not poisoned & set(_ledger(run_dir)) and len(_ledger(run_dir)) == 12
     stats = asyncio.run(_stats(redis_server.url))
     assert stats.dead_letters == 9 and stats.experience_pending == 0
     assert stats.released == 4  # the four poisoned jobs this run issued; the five foreign records release nothing
@@ -269,7 +274,7 @@ def test_trainer_killed_before_its_first_checkpoint_starts_over(redis_server, st
     assert restarted.wait(timeout=30) == 0, restarted.log_tail()
     state = json.loads((run_dir / "checkpoints" / "step_4" / "state.json").read_text())
     # Nothing from the lost life counts: four steps of four distinct jobs, the trained counter set back with them.
-    assert len(state["trained_job_ids"]) == len(set(state["trained_job_ids"])) == 16
+    assert len(_ledger(run_dir)) == len(set(_ledger(run_dir))) == 16
     assert state["admission_trained"] == 16 and state["policy_version"] == 7
     assert asyncio.run(_stats(redis_server.url)).experience_pending == 0
 
@@ -355,6 +360,29 @@ def test_admission_writes_lost_with_the_last_second_of_aof_heal(redis_server, st
     _run_with_replicas(redis_server.url, lambda: trainer.proc.poll() is not None, timeout=90)
     assert trainer.wait(timeout=30) == 0, trainer.log_tail()
     assert [m["step"] for m in _metrics(run_dir)] == [1, 2, 3, 4]
-    state = json.loads((run_dir / "checkpoints" / "step_4" / "state.json").read_text())
-    assert not set(lost_ids) & set(state["trained_job_ids"]) and len(state["trained_job_ids"]) == 16
+    assert not set(lost_ids) & set(_ledger(run_dir)) and len(_ledger(run_dir)) == 16
     r.close()
+
+
+def test_the_duplicate_filter_and_the_issued_ids_stay_bounded(redis_server, start_service, tmp_path):
+    """A long run must not grow the trainer's memory, its checkpoints or Redis with every job id it ever trained:
+    ids are kept for the last two checkpoint windows, the ledger file has them all."""
+    import redis as sync_redis
+
+    from rlhf.transport.keys import RunKeys
+
+    run_dir = tmp_path / "run"
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
+    trainer = start_service("trainer", _config(tmp_path, train_iters=8, save_interval=1), env=env)
+    _run_with_replicas(redis_server.url, lambda: trainer.proc.poll() is not None)
+    assert trainer.wait(timeout=30) == 0, trainer.log_tail()
+    ledger = _ledger(run_dir)
+    assert len(ledger) == len(set(ledger)) == 32
+    state = json.loads((run_dir / "checkpoints" / "step_8" / "state.json").read_text())
+    assert [w[0] for w in state["trained_job_windows"]] == [7, 8]
+    assert set(state["trained_job_ids"]) == set(ledger[-8:])  # the jobs of steps 7 and 8 only
+    r = sync_redis.Redis.from_url(redis_server.url)
+    issued = {k.decode() for k in r.hkeys(RunKeys("ring").jobs)}
+    r.close()
+    assert not issued & set(ledger[:-8])  # forgotten: trained before the last two checkpoints
+    assert set(ledger[-8:]) <= issued
