@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import grpc
+import torch
 from fastapi import Depends
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -71,7 +72,9 @@ class Trainer:
         self.paused = asyncio.Event()
         self.last_metrics: dict[str, float] = {}
         self.trained_job_ids: set[str] = set()  # the duplicate filter: the jobs of the last few checkpoint windows
-        self._window: set[str] = set()  # trained since the last checkpoint
+        self._window: set[str] = set()  # trained (or dropped as stale) since the last checkpoint
+        self._window_stale: set[str] = set()  # of those, dropped as stale
+        self.stale_dropped = 0
         self._windows: collections.deque[tuple[int, set[str]]] = collections.deque()  # (checkpoint step, job ids)
         self.samples_trained = 0
         self.unacked: list[str] = []
@@ -263,11 +266,39 @@ class Trainer:
                         self._held.append((entry_id, exp))
             while self.paused.is_set():
                 await asyncio.sleep(0.1)
+            dropped = self._drop_stale()
+            if dropped:  # their slots are free now: no step may come to free them (a synchronous ring would wait)
+                await self._set_trained(self._trained_published + dropped)
             if len(self._held) >= size:
                 break
         self._held.sort(key=lambda r: min((s.policy_version for s in r[1].samples), default=0))
         batch, self._held = self._held[:size], self._held[size:]
         return batch
+
+    def _drop_stale(self) -> int:
+        """Consume, without training, the held records whose samples are more than ``training.max_staleness`` steps
+        older than the weights the next step updates. Admission bounds the jobs in flight, but replicas finish
+        them in any order (and a fault can hold one back), so a record can still arrive too late: the bound is kept
+        here. A dropped job counts as consumed for admission and is listed as such in the ledger."""
+        if not self._held:
+            return 0
+        versions = [min((s.policy_version for s in e.samples), default=0) for _, e in self._held]
+        behind = self.engine.steps_behind(torch.tensor(versions), self.engine.step_count).tolist()
+        bound = self.cfg.training.max_staleness
+        stale = [r for r, b in zip(self._held, behind, strict=True) if b > bound]
+        if not stale:
+            return 0
+        self._held = [r for r, b in zip(self._held, behind, strict=True) if b <= bound]
+        ids = [e.job_id for _, e in stale]
+        self.trained_job_ids.update(ids)  # consumed: a duplicate record of one is dropped too
+        self._window.update(ids)
+        self._window_stale.update(ids)
+        self.unacked.extend(entry for entry, _ in stale)
+        self.jobs_trained += len(stale)
+        self.stale_dropped += len(stale)
+        log.info("dropped %d record(s) staler than max_staleness %d before step %d (%s steps behind)", len(stale),
+                 bound, self.engine.step_count + 1, max(behind))  # fmt: skip
+        return len(stale)
 
     def _trained(self, job_ids: list[str]) -> None:
         self.trained_job_ids.update(job_ids)
@@ -392,6 +423,7 @@ class Trainer:
                 "queue/experience_backlog": float(stats.experience_backlog),
                 "queue/dead_lettered_by_trainer": float(self.dead_lettered),
                 "nonfinite/skipped_updates_total": float(self.engine.skipped_updates),
+                "staleness/dropped_records_total": float(self.stale_dropped),
             }
         )
         self.last_metrics = metrics
@@ -427,7 +459,10 @@ class Trainer:
             await self._set_trained(trained)
 
     async def _set_trained(self, total: int) -> None:
+        """Write the consumed-jobs total; it only grows (a push that packed an older total may land after records
+        were dropped as stale), except through ``Admission.restore`` at start-up."""
         async with self._admission_lock:  # never overtaken by an older value re-asserted
+            total = max(total, self._trained_published)
             await self._redis("admission", self.admission.set_trained, total)
             self._trained_published = total
 
@@ -529,12 +564,15 @@ class Trainer:
         step = self.engine.step_count
         dropped: set[str] = set()
         if self._window:
-            runlog.append(self.run_dir / LEDGER, {"step": step, "job_ids": sorted(self._window)})
+            line = {"step": step, "job_ids": sorted(self._window - self._window_stale)}
+            if self._window_stale:
+                line["dropped_stale"] = sorted(self._window_stale)
+            runlog.append(self.run_dir / LEDGER, line)
             if self._windows and self._windows[-1][0] == step:
                 self._windows[-1][1].update(self._window)
             else:
                 self._windows.append((step, self._window))
-            self._window = set()
+            self._window, self._window_stale = set(), set()
             while len(self._windows) > KEEP_WINDOWS:
                 dropped |= self._windows.popleft()[1]
             self.trained_job_ids -= dropped

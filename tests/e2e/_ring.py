@@ -270,6 +270,9 @@ class Ring:
         the one before; cut back with the checkpoints on a resume). A job in it twice was trained twice."""
         return trained_ledger(self.run_dir)
 
+    def dropped_stale(self) -> list[str]:
+        return trained_ledger(self.run_dir, "dropped_stale")
+
     def state(self, step: int | None = None) -> dict:
         return json.loads((self.checkpoint_dir(step) / "state.json").read_text())
 
@@ -322,11 +325,12 @@ class Ring:
         proc.proc.wait(timeout=10)
 
 
-def trained_ledger(run_dir: Path) -> list[str]:
+def trained_ledger(run_dir: Path, key: str = "job_ids") -> list[str]:
+    """The run's ledger: ``job_ids`` (trained) or ``dropped_stale`` (consumed without training: too stale)."""
     path = Path(run_dir) / "trained_jobs.jsonl"
     if not path.exists():
         return []
-    return [job for line in path.read_text().splitlines() if line.strip() for job in json.loads(line)["job_ids"]]
+    return [job for line in path.read_text().splitlines() if line.strip() for job in json.loads(line).get(key, [])]
 
 
 def assert_ledger(ring: Ring, steps: int) -> dict:
@@ -344,7 +348,8 @@ def assert_ledger(ring: Ring, steps: int) -> dict:
     issued = ring.issued_job_ids()  # trained jobs older than the last checkpoints are forgotten here
     assert stats.issued >= len(ids)
     in_streams = set(ring.stream_job_ids("prompts")) | set(ring.stream_job_ids("experience"))
-    lost = issued - set(ids) - in_streams
+    dropped = ring.dropped_stale()
+    lost = issued - set(ids) - set(dropped) - in_streams
     assert not lost, f"issued, never trained and in no stream: {sorted(lost)}"
-    assert stats.trained == len(ids)
+    assert stats.trained == len(ids) + len(dropped)
     return state

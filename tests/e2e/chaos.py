@@ -241,6 +241,7 @@ class Chaos:
         ring = self.ring
         state = ring.state()
         trained = ring.ledger()
+        dropped = set(ring.dropped_stale())
         issued = ring.issued_job_ids()  # without the trained jobs the trainer has forgotten (bounded ledger)
 
         async def released(r):
@@ -257,7 +258,8 @@ class Chaos:
             "jobs_issued": stats.issued,
             "jobs_trained": len(set(trained)),
             "jobs_trained_twice": len(trained) - len(set(trained)),
-            "jobs_lost": len(issued - set(trained) - in_streams - dead_issued),
+            "jobs_lost": len(issued - set(trained) - dropped - in_streams - dead_issued),
+            "jobs_dropped_stale": len(dropped),
             "jobs_dead_lettered": len(dead_issued),
             "poison_injected": self.injected_poison,
             "dead_letters": stats.dead_letters,

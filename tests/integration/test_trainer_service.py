@@ -82,7 +82,7 @@ async def _answer_jobs(
                         score=len(ids) / 4.0,
                         score_components={"length": len(ids) / 4.0},
                         score_status=common_pb2.ITEM_STATUS_OK,
-                        policy_version=0,
+                        policy_version=job.issued_policy_version,  # what a replica up to date serves
                     )
                 if mutate is not None:
                     mutate(len(answered), exp)
@@ -386,3 +386,27 @@ def test_the_duplicate_filter_and_the_issued_ids_stay_bounded(redis_server, star
     r.close()
     assert not issued & set(ledger[:-8])  # forgotten: trained before the last two checkpoints
     assert set(ledger[-8:]) <= issued
+
+
+def test_records_staler_than_the_bound_are_dropped_not_trained(redis_server, start_service, tmp_path):
+    """Admission bounds the jobs in flight; a record that still arrives too stale (replicas finish out of order, a
+    replica fell behind) is consumed without training, its slot freed at once, and listed in the ledger as such."""
+
+    def stale(index: int, exp: experience_pb2.Experience) -> None:
+        if 8 <= index < 10:  # two records of the third batch come from weights two steps old
+            for s in exp.samples:
+                s.policy_version = max(0, s.policy_version - 2)
+
+    run_dir = tmp_path / "run"
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
+    trainer = start_service("trainer", _config(tmp_path, train_iters=4, save_interval=1), env=env)
+    answered = _run_with_replicas(redis_server.url, lambda: trainer.proc.poll() is not None, mutate=stale)
+    assert trainer.wait(timeout=30) == 0, trainer.log_tail()
+    steps = _metrics(run_dir)
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert all(m["staleness/max"] == 0 for m in steps)  # max_staleness: 0 held
+    assert steps[-1]["staleness/dropped_records_total"] == 2
+    dropped = [j for line in (run_dir / "trained_jobs.jsonl").read_text().splitlines()
+               for j in json.loads(line).get("dropped_stale", [])]  # fmt: skip
+    assert sorted(dropped) == sorted(answered[8:10])
+    assert not set(dropped) & set(_ledger(run_dir)) and len(_ledger(run_dir)) == 16
