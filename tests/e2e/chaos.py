@@ -24,7 +24,8 @@ from its injection to the first step trained after the faulted part was back. Th
 the faults could outrun (a tiny step takes a fraction of a second, a restart several seconds): after the last fault
 and two more steps it is paused, checkpointed and stopped. The ledger comes from that checkpoint and Redis: jobs
 issued, trained (distinct), trained twice (in the ledger), lost (issued, never trained, in no stream, not
-dead-lettered).
+dead-lettered, not dropped as too stale). ``max_staleness`` is the largest staleness, in training steps, of a sample
+that was trained; records that arrived staler than the bound were dropped (``jobs_dropped_stale``).
 """
 
 from __future__ import annotations
