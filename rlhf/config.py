@@ -44,7 +44,9 @@ class TrainingConfig(Section):
     clip_grad: float = _f(1.0, "gradient-norm clip (<= 0 disables)")
     lr_decay_style: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule")
     lr_warmup_fraction: float = _f(0.0, "fraction of train_iters spent warming up", ge=0, le=1)
-    bf16: bool = _f(False, "train in bfloat16 (fp32 master weights are not kept: use on GPU/NPU only)")
+    bf16: bool = _f(
+        False, "bf16 autocast compute over fp32 master weights and AdamW state; weights pushed to rollout as bf16"
+    )
     device: Literal["auto", "cpu", "cuda", "npu"] = _f("auto", "device for the trainer's models")
     save_interval: int = _f(10, "checkpoint every N steps", gt=0)
     save: str = _f("runs/checkpoints", "checkpoint directory")
