@@ -111,3 +111,14 @@ def test_image_env_vars_are_known_to_the_code():
     names = {m for line in re.findall(r"^ENV (.+)$", text, re.M) for m in re.findall(r"(\w+)=", line)}
     assert "RLHF_CONFIG" in names and "VLLM_CPU_KVCACHE_SPACE" in names
     assert not unknown_env(names), f"the image sets variables nothing reads: {unknown_env(names)}"
+
+
+def test_accelerator_images_spawn_vllm_workers_and_ascend_installs_use_pypi():
+    st = stages()
+    for name in ("vllm-cuda", "vllm-ascend"):
+        assert re.search(r"^ENV VLLM_WORKER_MULTIPROC_METHOD=spawn$", st[name], re.M), name
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in st["vllm-cpu"]  # in-process engine core on CPU: nothing forks
+    for name in ("torch-ascend", "vllm-ascend"):
+        # the base's pip.conf (a mirror as the global index) must not reach the project's installs
+        assert re.search(r"^ENV PIP_CONFIG_FILE=/dev/null PIP_INDEX_URL=\$\{ASCEND_PIP_INDEX_URL\}$", st[name], re.M)
+        assert "ARG ASCEND_PIP_INDEX_URL=https://pypi.org/simple" in st[name], name
