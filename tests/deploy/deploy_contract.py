@@ -23,6 +23,7 @@ NON_RLHF_ENV = {
     "PIP_CONFIG_FILE": "Ascend image build: /dev/null, so the base's pip.conf (a mirror as global index) is ignored",
     "PIP_INDEX_URL": "Ascend image build: PyPI (or ASCEND_PIP_INDEX_URL) for the project's requirements",
     "VLLM_WORKER_MULTIPROC_METHOD": "vLLM: spawn its workers (the service already runs gRPC/HTTP threads)",
+    "VLLM_ASCEND_ENABLE_NZ": "vllm-ascend: 0 keeps weights in the ND layout in-place reloads write",
 }
 
 
