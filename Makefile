@@ -122,7 +122,7 @@ deploy-check: deploy-tools $(VENV)/.stamp  ## static checks: hadolint, compose c
 		PYTEST_ARGS="$(PYTEST_ARGS)" bash tests/deploy/deploy_check.sh
 
 # pip's resolver on each image variant's dependency set (cpu, cuda, ascend x torch, vllm): metadata only, no images.
-# About 5 minutes of PyPI round trips, hence not part of deploy-check. One variant: make resolve-check VARIANTS=cuda/vllm
+# About 5-8 minutes of PyPI round trips, hence not part of deploy-check. One variant: make resolve-check VARIANTS=cuda/vllm
 .PHONY: resolve-check
 resolve-check:  ## check that each image variant's Python dependencies resolve on its base (pip --dry-run; needs PyPI)
 	$(PYTHON) tests/deploy/resolve_check.py $(VARIANTS)
