@@ -121,6 +121,12 @@ deploy-check: deploy-tools $(VENV)/.stamp  ## static checks: hadolint, compose c
 	HELM=$(HELM) TOOLS_BIN=$(TOOLS_VENV)/bin PY=$(PY) DOCKER_COMPOSE="$(DOCKER_COMPOSE)" \
 		PYTEST_ARGS="$(PYTEST_ARGS)" bash tests/deploy/deploy_check.sh
 
+# pip's resolver on each image variant's dependency set (cpu, cuda, ascend x torch, vllm): metadata only, no images.
+# About 5-8 minutes of PyPI round trips, hence not part of deploy-check. One variant: make resolve-check VARIANTS=cuda/vllm
+.PHONY: resolve-check
+resolve-check:  ## check that each image variant's Python dependencies resolve on its base (pip --dry-run; needs PyPI)
+	$(PYTHON) tests/deploy/resolve_check.py $(VARIANTS)
+
 # ---------------------------------------------------------------- benchmarks (bench/*.py -> docs/benchmarks.md)
 # Each `python -m bench.<name>` prints one JSON line; bench.report runs them one after the other (each up to about
 # 5 minutes on 2 cores), keeps the JSON and logs in .cache/bench/results/ and writes docs/benchmarks.md.

@@ -44,7 +44,9 @@ class TrainingConfig(Section):
     clip_grad: float = _f(1.0, "gradient-norm clip (<= 0 disables)")
     lr_decay_style: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule")
     lr_warmup_fraction: float = _f(0.0, "fraction of train_iters spent warming up", ge=0, le=1)
-    bf16: bool = _f(False, "train in bfloat16 (fp32 master weights are not kept: use on GPU/NPU only)")
+    bf16: bool = _f(
+        False, "bf16 autocast compute over fp32 master weights and AdamW state; weights pushed to rollout as bf16"
+    )
     device: Literal["auto", "cpu", "cuda", "npu"] = _f("auto", "device for the trainer's models")
     save_interval: int = _f(10, "checkpoint every N steps", gt=0)
     save: str = _f("runs/checkpoints", "checkpoint directory")
@@ -85,6 +87,16 @@ class ActorRolloutConfig(Section):
     apply_chat_template: bool = _f(True, "wrap prompts in the tokenizer's chat template when it has one")
     lr: float | None = _f(None, "actor learning rate (overrides training.lr)")
     dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "rollout dtype")
+    # vLLM engine settings (vLLM's engine-argument names; tensor parallelism under the seeds' Megatron name)
+    max_model_len: int | None = _f(
+        None, "rollout context length (prompt + response tokens); default the model's; vllm and hf engines", gt=1
+    )
+    gpu_memory_utilization: float | None = _f(
+        None, "vllm: fraction of the device's memory vLLM may take (default vLLM's 0.9); lower it to share a GPU",
+        gt=0, le=1,
+    )  # fmt: skip
+    tensor_model_parallel_size: int = _f(1, "vllm: devices the rollout engine shards the model over", ge=1, le=64)
+    enforce_eager: bool = _f(True, "vllm: run eagerly (false: CUDA graphs / compile: faster decode, slower start)")
 
 
 class RefConfig(Section):
@@ -275,6 +287,7 @@ class ExperimentConfig(Section):
         if problems:
             raise ValueError("; ".join(problems))
         _check_algorithm(self.training.stage, self.algorithm)
+        _check_rollout(self)
         if self.training.stage == "ray_rloo" and self.algorithm.rloo_convention == "trl" and self.actor.dual_clip:
             raise ValueError("actor_rollout.dual_clip is not used by ray_rloo with rloo_convention trl")
         return self
@@ -306,6 +319,25 @@ _STAGE_DEFAULTS = {
     "ray_rloo": {"whiten_advantages": False},  # TRL RLOOConfig: beta 0.05 (the field default), no normalisation
     "ray_reinforce_plus_plus": {"kl_coef": 0.01, "loss_type": "bnpo"},  # OpenRLHF: init_kl_coef, token mean
 }
+
+
+# rollout fields only the vllm engine reads: set explicitly with engine hf they would be ignored, so they are errors
+VLLM_ONLY_FIELDS = ("gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager")
+
+
+def _check_rollout(cfg: ExperimentConfig) -> None:
+    a = cfg.actor
+    if a.engine == "hf":
+        for name in VLLM_ONLY_FIELDS:
+            if name in a.model_fields_set:
+                raise ValueError(f"actor_rollout_ref.actor_rollout.{name} is read by the vllm engine only; "
+                                 "remove it or set engine: vllm")  # fmt: skip
+    if a.max_model_len is not None and a.max_model_len < a.max_prompt_length + cfg.max_new_tokens:
+        raise ValueError(
+            f"actor_rollout_ref.actor_rollout.max_model_len {a.max_model_len} is shorter than max_prompt_length + "
+            f"the response budget ({a.max_prompt_length} + {cfg.max_new_tokens}); raise it or lower "
+            "max_prompt_length / max_new_tokens (training.seq_length)"
+        )
 
 
 def _check_algorithm(stage: str, alg: AlgorithmConfig) -> None:

@@ -7,11 +7,14 @@ left padding does not shift positions.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("rlhf.models")
 
 DTYPES = {
     "float32": torch.float32,
@@ -27,15 +30,31 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     """``auto`` picks cuda, then npu, then cpu. ``npu`` imports torch_npu (only then: it breaks CPU-only installs)."""
     if isinstance(device, torch.device):
         return device
-    if device == "npu" or (device == "auto" and os.environ.get("RLHF_ENABLE_NPU") == "1"):
+    if device == "auto":
+        device = auto_device_type()
+    if device == "npu":
         import torch_npu  # noqa: F401  (registers the npu device)
 
         return torch.device("npu")
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda") and not device.startswith(("cuda:", "npu:")):
         raise ValueError(f"device must be auto, cpu, cuda or npu, got {device!r}")
     return torch.device(device)
+
+
+def auto_device_type() -> str:
+    """What ``device: auto`` means on this machine: ``cuda`` when CUDA is available, else ``npu`` when torch_npu
+    imports and reports an NPU (the Ascend images install it; CPU installs must not), else ``cpu``."""
+    if torch.cuda.is_available():
+        return "cuda"
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except ImportError:
+        return "cpu"
+    except Exception as err:  # noqa: BLE001 - torch_npu without a working CANN fails in many ways: not an NPU
+        log.warning("device auto: torch_npu is installed but does not load (%s); using the CPU", err)
+        return "cpu"
+    npu = getattr(torch, "npu", None)
+    return "npu" if npu is not None and npu.is_available() else "cpu"
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

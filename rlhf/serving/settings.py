@@ -140,8 +140,9 @@ class ServiceSettings(BaseModel):
 # Variables read outside ServiceSettings (documented where they are used).
 LIBRARY_ENV_VARS = (
     "RLHF_CACHE_DIR",  # rlhf.models: where tiny models are built
-    "RLHF_ENABLE_NPU",  # rlhf.models: device auto may pick npu
     "RLHF_ROLLOUT_ENGINE",  # services.rollout: vllm | hf, overrides actor_rollout.engine
+    "RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION",  # services.rollout: overrides actor_rollout.gpu_memory_utilization
+    "RLHF_ROLLOUT_MAX_MODEL_LEN",  # services.rollout: overrides actor_rollout.max_model_len
     "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS",  # services.rollout.worker: prompt jobs in flight per replica
     "RLHF_ROLLOUT_RECLAIM_IDLE_S",  # services.rollout.worker: claim jobs a dead replica left pending this long
     "RLHF_ROLLOUT_RPC_TIMEOUT_S",  # services.rollout.worker: deadline of reward/reference calls

@@ -6,7 +6,9 @@ worker (:mod:`services.rollout.worker`) also pulls prompt jobs from the queue, s
 clients (all their requests are batched together).
 
 The engine: ``actor_rollout_ref.actor_rollout.engine`` (``vllm`` | ``hf``), overridden by ``RLHF_ROLLOUT_ENGINE``;
-the device (``hf``): ``RLHF_DEVICE`` / ``--device`` (default auto).
+the device (``hf``): ``RLHF_DEVICE`` / ``--device`` (default auto). ``RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION`` and
+``RLHF_ROLLOUT_MAX_MODEL_LEN`` override the config's ``actor_rollout`` fields of those names (a deployment that shares
+the rollout's GPU sets them).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import logging
 
 from rlhf.config import load_config
 from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings, register_env_var
-from services.rollout.engine import ENGINE_ENV_VAR, EngineHooks, engine_kind, make_engine
+from services.rollout.engine import ENGINE_ENV_VAR, EngineHooks, apply_rollout_env, engine_kind, make_engine
 from services.rollout.grpc_servicer import SERVICE_NAME, RolloutServicer, add_to_server
 from services.rollout.http_app import build_app
 from services.rollout.worker import maybe_start_worker  # at import: registers the RLHF_ROLLOUT_* variables
@@ -39,7 +41,7 @@ def engine_hooks(metrics: ServiceMetrics) -> EngineHooks:
 
 
 async def serve(config_path: str, settings: ServiceSettings) -> None:
-    cfg = load_config(config_path)
+    cfg = apply_rollout_env(load_config(config_path))
     kind = engine_kind(cfg)
     if kind == "vllm":  # before anything imports torch (OMP_NUM_THREADS is read when torch loads)
         from services.rollout.vllm_engine import set_vllm_env_defaults

@@ -13,7 +13,8 @@ Two drivers, one behaviour:
 Both use ``RequestOutputKind.FINAL_ONLY`` (one output per request: per-token streaming costs ~20x throughput),
 ``logprobs=0`` (the sampled token's log-prob only) and ``logprobs_mode="processed_logprobs"`` (log-probs after
 temperature and top-k/top-p: the distribution sampled from; the default ``raw_logprobs`` ignores the temperature),
-``enforce_eager`` and a seed per request.
+a seed per request, and the engine settings of ``actor_rollout`` (``max_model_len``, ``gpu_memory_utilization``,
+``tensor_model_parallel_size``, ``enforce_eager``: :func:`services.rollout.engine.vllm_engine_kwargs`).
 
 Weights: the state dict reaches the worker through the worker extension (:mod:`services.rollout.vllm_ext`): as the
 tensors themselves in-process, as safetensors bytes (serialised before the swap pauses generation) to the
@@ -64,6 +65,7 @@ def set_vllm_env_defaults(device: str | None = None) -> None:
       ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core in-process: the ``inproc`` driver), and
       ``TORCH_COMPILE_DISABLE=1``: enforce_eager runs the model eagerly, but vLLM still torch.compile()s a sampler
       helper on the first request with log-probs (20-60 s of inductor work on a 2-core machine).
+    - on GPU/NPU: ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` (the images set it too).
     - ``HF_HUB_OFFLINE=1``: models are local directories; nothing is downloaded.
     """
     if "OMP_NUM_THREADS" not in os.environ:
@@ -72,6 +74,10 @@ def set_vllm_env_defaults(device: str | None = None) -> None:
                         "every core per step; set OMP_NUM_THREADS=1 in the environment")  # fmt: skip
         os.environ["OMP_NUM_THREADS"] = "1"
     cpu = device == "cpu" or (device in (None, "auto") and not _has_accelerator())
+    if not cpu:
+        # The service already runs gRPC and uvicorn threads when vLLM starts its workers; fork would copy a
+        # multi-threaded process (and CUDA/ACL state), which can deadlock or fail to initialise the device.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     if cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

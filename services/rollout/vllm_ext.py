@@ -12,7 +12,8 @@ the engine-core-subprocess modes, and no pickle is involved (``collective_rpc`` 
 directly and serialises nothing, the engine calls ``rlhf_load_tensors`` with the (name, tensor) pairs themselves.
 Both run the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``: the model's own checkpoint
 loader, so the CPU backend's repacked linear layers are rebuilt correctly (calling ``model.load_weights`` again fails
-there: the repacked parameters have size 0).
+there: the repacked parameters have size 0). A worker without ``reload_weights`` (vllm-ascend 0.23) gets the model's
+``load_weights`` instead (:meth:`WorkerExtension._rlhf_load`).
 
 This module must import nothing heavy at module level: vLLM imports it inside the worker.
 """
@@ -31,15 +32,28 @@ class WorkerExtension:
 
         t0 = time.perf_counter()
         tensors = load_safetensors(blob)
-        self.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
-        return {"tensors": len(tensors), "seconds": time.perf_counter() - t0}
+        path = self._rlhf_load(list(tensors.items()))
+        return {"tensors": len(tensors), "seconds": time.perf_counter() - t0, "path": path}
 
     def rlhf_load_tensors(self, items: list) -> dict:
         """Load (name, tensor) pairs (checkpoint format) into the model, in place. In-process engines only: the
         tensors must not cross a process boundary."""
         t0 = time.perf_counter()
-        self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
-        return {"tensors": len(items), "seconds": time.perf_counter() - t0}
+        path = self._rlhf_load(items)
+        return {"tensors": len(items), "seconds": time.perf_counter() - t0, "path": path}
+
+    def _rlhf_load(self, items: list) -> str:
+        """Load through what this worker has, decided by feature, not by version: vLLM's ``reload_weights`` (0.32+;
+        it re-runs the post-load processing, which the CPU backend's repacked layers need), else the model's own
+        checkpoint-format ``load_weights`` (vllm-ascend 0.23's worker has no ``reload_weights``; its weights stay in
+        the ND layout the loader writes because the image sets VLLM_ASCEND_ENABLE_NZ=0)."""
+        if hasattr(self, "reload_weights"):
+            self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+            return "reload_weights"
+        runner = self.model_runner
+        model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+        model.load_weights(iter(items))
+        return "model.load_weights"
 
     def rlhf_ping(self) -> str:
         return "pong"

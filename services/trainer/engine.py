@@ -16,6 +16,7 @@ corrects samples made by an older policy version (asynchronous training) and eng
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -107,7 +108,10 @@ class TrainerEngine:
         actor_path = resolve_model_path(cfg.actor.load)
         self.tokenizer = load_tokenizer(cfg.training.tokenizer_name_or_path or actor_path)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        self.actor = load_causal_lm(actor_path, self.device, "bfloat16" if cfg.training.bf16 else "float32")
+        # Parameters and AdamW state stay fp32 even with bf16 (master weights): at the configs' lr 5e-7 an update is
+        # far below a bf16 weight's resolution, so pure-bf16 weights would hardly move. bf16 is the compute dtype
+        # (autocast in every forward) and the dtype pushed to rollout; checkpoints keep fp32.
+        self.actor = load_causal_lm(actor_path, self.device, "float32")
         self.actor.train()
         _disable_dropout(self.actor)
         t = cfg.training
@@ -201,14 +205,24 @@ class TrainerEngine:
     def temperature(self) -> float:
         return self.cfg.actor.temperature if self.cfg.actor.do_sample else 1.0
 
+    def _autocast(self):
+        """bf16 compute over the fp32 weights when ``training.bf16`` is on. Autocast state is per thread, so each
+        forward enters it where it runs (the critic's passes run on their own thread)."""
+        if not self.cfg.training.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
     def _logits_and_logprobs(self, qr: torch.Tensor, responses: torch.Tensor, C: int, temperature: float | None = None):
         """Response logits and log-probs at ``temperature`` (default the sampling temperature; online DPO uses 1)."""
-        logits = causal_lm_logits(self.actor, qr, self.pad_id)[:, C - 1 : -1]
+        with self._autocast():
+            logits = causal_lm_logits(self.actor, qr, self.pad_id)[:, C - 1 : -1]
         T = self.temperature if temperature is None else temperature
         return logits, algo.logprobs_from_logits(logits, responses, T)
 
     def _values(self, qr: torch.Tensor, C: int) -> torch.Tensor:
-        return score_head_outputs(self.critic, qr, self.pad_id)[:, C - 1 : -1].float()
+        with self._autocast():
+            values = score_head_outputs(self.critic, qr, self.pad_id)[:, C - 1 : -1]
+        return values.float()
 
     def _behavior(self, b: RolloutBatch, old_logprobs: torch.Tensor) -> torch.Tensor | None:
         """Sampling log-probs for truncated importance sampling; rows without them count as on-policy."""
@@ -535,8 +549,16 @@ class TrainerEngine:
     # ------------------------------------------------------------------ weights
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The actor's weights in Hugging Face names, contiguous, on the CPU (what weight sync ships; it refuses
-        non-finite tensors)."""
-        return {k: v.detach().to("cpu").contiguous() for k, v in self.actor.state_dict().items()}
+        non-finite tensors). With ``training.bf16`` the fp32 master weights are cast to bf16 here, and only here:
+        rollout serves bf16 and the transfer is half the bytes."""
+        dtype = torch.bfloat16 if self.cfg.training.bf16 else None
+        out = {}
+        for k, v in self.actor.state_dict().items():
+            v = v.detach()
+            if dtype is not None and v.is_floating_point():
+                v = v.to(dtype)
+            out[k] = v.to("cpu").contiguous()
+        return out
 
 
 def _first_model_scorer(cfg: ExperimentConfig) -> str | None:

@@ -20,6 +20,10 @@ NON_RLHF_ENV = {
     "PIP_DISABLE_PIP_VERSION_CHECK": "image build: no network call for pip's version check",
     "PIP_BREAK_SYSTEM_PACKAGES": "image build: install into the system Python of the Ubuntu-based vLLM/CANN bases",
     "HOME": "image: the non-root user's home (torch and vLLM caches)",
+    "PIP_CONFIG_FILE": "Ascend image build: /dev/null, so the base's pip.conf (a mirror as global index) is ignored",
+    "PIP_INDEX_URL": "Ascend image build: PyPI (or ASCEND_PIP_INDEX_URL) for the project's requirements",
+    "VLLM_WORKER_MULTIPROC_METHOD": "vLLM: spawn its workers (the service already runs gRPC/HTTP threads)",
+    "VLLM_ASCEND_ENABLE_NZ": "vllm-ascend: 0 keeps weights in the ND layout in-place reloads write",
 }
 
 

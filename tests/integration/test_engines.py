@@ -304,3 +304,45 @@ def test_hf_swap_stages_outside_the_gate_and_installs_storage(tiny_models, state
 
     result = run_hf(tiny_models, body)
     assert result.swapped and result.prepare_seconds >= 0 and result.swap_seconds >= 0
+
+
+def test_vllm_engine_runs_with_the_configured_max_model_len(tiny_models, monkeypatch):
+    """actor_rollout.max_model_len reaches the running vLLM engine (its model config), not only our own checks."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from rlhf.config import parse_config
+    from services.rollout.engine import make_engine
+
+    for k, v in (
+        ("VLLM_CPU_KVCACHE_SPACE", "1"),
+        ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+        ("TORCH_COMPILE_DISABLE", "1"),
+    ):
+        monkeypatch.setenv(k, v)  # the in-process driver, as the service sets them on CPU
+    built = []
+    real = LLMEngine.from_engine_args.__func__
+
+    def capture(cls, *args, **kw):
+        built.append(real(cls, *args, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(capture))
+    cfg = parse_config(
+        {
+            "training": {"seq_length": 96},
+            "actor_rollout_ref": {"actor_rollout": {"max_prompt_length": 32, "max_model_len": 100}},
+        }  # fmt: skip
+    )
+
+    async def main():
+        eng = make_engine(cfg, kind="vllm")
+        await eng.start()
+        try:
+            out = await eng.generate([PROMPTS[0]], SamplingOptions(n=1, max_tokens=4, seed=1))
+            return eng.max_model_len, out
+        finally:
+            await eng.close()
+
+    ours, out = asyncio.run(main())
+    assert ours == 100 and built[0].model_config.max_model_len == 100
+    assert len(out[0].samples[0].token_ids) == 4

@@ -151,3 +151,49 @@ def test_critic_alongside_the_actor_matches_one_after_the_other(tiny_models, mon
     for model in ("actor", "critic"):
         for p, q in zip(getattr(e_par, model).parameters(), getattr(e_seq, model).parameters(), strict=True):
             assert torch.equal(p, q), model
+
+
+def _changed_fraction(batches, bf16: bool, pure_bf16: bool = False) -> tuple[float, TrainerEngine]:
+    """Fraction of actor weight elements that moved over ``batches`` at the Llama-3.2-1B configs' lr (5e-7)."""
+    cfg = _config("ray_ppo")
+    cfg.training.lr, cfg.training.bf16 = 5e-7, bf16
+    torch.manual_seed(0)
+    engine = TrainerEngine(cfg)
+    if pure_bf16:  # what bf16 meant before fp32 master weights: the weights themselves in bf16
+        engine.actor.to(torch.bfloat16)
+    before = [p.detach().clone() for p in engine.actor.parameters()]
+    for batch in batches:
+        engine.step(batch)
+    changed = sum(int((p.detach() != q).sum()) for p, q in zip(engine.actor.parameters(), before, strict=True))
+    return changed / sum(q.numel() for q in before), engine
+
+
+def test_bf16_keeps_fp32_master_weights_that_learn_at_a_small_lr(tiny_models, tmp_path):
+    from safetensors import safe_open
+
+    torch.manual_seed(0)
+    probe = TrainerEngine(_config("ray_ppo"))
+    batches = [_rollout(probe, PROMPTS[:4], 4) for _ in range(3)]
+    fp32, _ = _changed_fraction(batches, bf16=False)
+    mixed, engine = _changed_fraction(batches, bf16=True)
+    pure, _ = _changed_fraction(batches, bf16=False, pure_bf16=True)
+    print(f"changed fraction: fp32 {fp32:.4f} bf16+master {mixed:.4f} pure bf16 {pure:.4f}")
+    assert fp32 > 0.5, fp32  # rows of unused tokens get no gradient
+    assert mixed > 0.9 * fp32, (mixed, fp32)
+    assert pure < 0.5 * fp32, (pure, fp32)  # the control: without master weights the updates are rounded away
+    # compute is bf16 (autocast), weights and optimizer state fp32
+    with engine._autocast(), torch.no_grad():
+        logits = causal_lm_logits(engine.actor, torch.tensor([PROMPTS[0]]), engine.pad_id)
+    assert logits.dtype == torch.bfloat16
+    assert {p.dtype for p in engine.actor.parameters()} == {torch.float32}
+    assert {p.dtype for p in engine.critic.parameters()} == {torch.float32}
+    assert {s["exp_avg"].dtype for s in engine.actor_opt.state.values()} == {torch.float32}
+    # rollout gets bf16: the master weights rounded
+    pushed = engine.policy_state_dict()
+    assert {v.dtype for v in pushed.values()} == {torch.bfloat16}
+    for name, p in engine.actor.state_dict().items():
+        assert torch.equal(pushed[name], p.to(torch.bfloat16)), name
+    # checkpoints keep the fp32 master weights
+    path = save_checkpoint(tmp_path, engine, {})
+    with safe_open(str(path / "policy" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}  # noqa: SIM118 (safe_open is not iterable)

