@@ -86,6 +86,7 @@ class Trainer:
         self.dead_lettered = 0
         self._held: list[tuple[str, experience_pb2.Experience]] = []  # read, not yet trained (see _next_batch)
         self._trained_published = 0  # the trained count and policy version last written (see _reassert_loop)
+        self._unpushed_jobs = 0  # jobs trained into weights whose push has not landed yet
         self._version_published: int | None = None
         self._admission_lock = asyncio.Lock()
 
@@ -266,9 +267,8 @@ class Trainer:
                         self._held.append((entry_id, exp))
             while self.paused.is_set():
                 await asyncio.sleep(0.1)
-            dropped = self._drop_stale()
-            if dropped:  # their slots are free now: no step may come to free them (a synchronous ring would wait)
-                await self._set_trained(self._trained_published + dropped)
+            if self._drop_stale():  # their slots are free now: no step may come to free them (a sync ring would wait)
+                await self._write_admission()
             if len(self._held) >= size:
                 break
         self._held.sort(key=lambda r: min((s.policy_version for s in r[1].samples), default=0))
@@ -389,7 +389,7 @@ class Trainer:
             self._trained([e.job_id for _, e in batch])
             self.unacked.extend(entry for entry, _ in batch)
             self.jobs_trained += len(batch)
-            await self._set_trained(self.jobs_trained)
+            await self._write_admission()
             return
         if metrics is None:
             return  # every record was dead-lettered: read another batch
@@ -397,17 +397,21 @@ class Trainer:
         self._trained([e.job_id for _, e in batch])
         self.unacked.extend(entry for entry, _ in batch)
         self.samples_trained += int(metrics["samples"])
+        push = self.engine.step_count % t.weight_sync_interval == 0
+        # Counted at once (and together: no await in between), admitted only once the weights they trained are out.
         self.jobs_trained += len(batch)
+        if push:
+            self._unpushed_jobs += len(batch)
         # The previous update must be out first: versions reach replicas in order, and the trained count that frees
         # admission only grows.
         await self._settle_push()
-        if self.engine.step_count % t.weight_sync_interval == 0:
+        if push:
             # Packing copies the weights, so the next step may change them while the copy is delivered: the push
             # (transfer + the replicas' swap) overlaps the next step instead of stalling it.
             packed = await self._pack()
-            self._push_task = asyncio.create_task(self._deliver(packed, trained=self.jobs_trained))
+            self._push_task = asyncio.create_task(self._deliver(packed, jobs=len(batch)))
         else:
-            await self._set_trained(self.jobs_trained)
+            await self._write_admission()
         if self.engine.step_count >= t.train_iters:
             await self._settle_push()
         if self.engine.step_count % t.save_interval == 0 or self.engine.step_count >= t.train_iters:
@@ -447,22 +451,23 @@ class Trainer:
         version = self.engine.policy_version
         return await asyncio.to_thread(pack_weights, self.engine.policy_state_dict(), version, version - 1)
 
-    async def _deliver(self, packed, trained: int | None = None) -> None:
-        """Push ``packed`` to every replica, publish its version, then (if given) the trained count: admission
-        frees the next jobs only once the new weights are out, which is what bounds staleness."""
+    async def _deliver(self, packed, jobs: int = 0) -> None:
+        """Push ``packed`` to every replica, publish its version, then admit the ``jobs`` whose training it carries:
+        admission frees the next jobs only once the new weights are out, which is what bounds staleness."""
         addrs = await asyncio.to_thread(expand_targets, self.settings.rollout_addrs)
         if addrs:
             await self._push_to(addrs, packed)
             await self._redis("publishing the policy version", self.admission.publish_policy_version, packed.version)
             self._version_published = packed.version
-        if trained is not None:
-            await self._set_trained(trained)
+        if jobs:
+            self._unpushed_jobs -= jobs
+            await self._write_admission()
 
-    async def _set_trained(self, total: int) -> None:
-        """Write the consumed-jobs total; it only grows (a push that packed an older total may land after records
-        were dropped as stale), except through ``Admission.restore`` at start-up."""
+    async def _write_admission(self) -> None:
+        """Write the jobs consumed (trained or dropped as stale), less those trained into weights not out yet. Both
+        terms change together, so the value only grows."""
         async with self._admission_lock:  # never overtaken by an older value re-asserted
-            total = max(total, self._trained_published)
+            total = self.jobs_trained - self._unpushed_jobs
             await self._redis("admission", self.admission.set_trained, total)
             self._trained_published = total
 
