@@ -39,7 +39,6 @@ from rlhf.models import (
     resolve_model_path,
     score_head_outputs,
 )
-from rlhf.transport.codec import check_token_ids
 from rlhf.v1 import common_pb2, experience_pb2
 
 log = logging.getLogger("rlhf.trainer")
@@ -151,6 +150,8 @@ class TrainerEngine:
     def check_record(self, exp: experience_pb2.Experience) -> None:
         """Raise MalformedRecord when ``exp`` cannot be trained on by this model (token ids outside the vocabulary).
         The stream checked everything that needs no model; this is what only the trainer can check."""
+        from rlhf.transport.codec import check_token_ids  # here: the engine itself needs no Redis client (parity venv)
+
         check_token_ids(exp, self.vocab_size)
 
     # ------------------------------------------------------------------ collation

@@ -17,6 +17,19 @@ VOCAB = 32
 FIRST_WORD = 4  # ids 4..31 are plain words; responses draw from them (and EOS), never from PAD
 
 
+# The TRL config arguments every parity test shares: fp32 on the CPU, nothing saved, reported or printed.
+TRL_CPU_ARGS = {
+    "bf16": False,
+    "fp16": False,
+    "use_cpu": True,
+    "gradient_checkpointing": False,
+    "report_to": "none",
+    "save_strategy": "no",
+    "logging_steps": 1,
+    "disable_tqdm": True,
+}
+
+
 def build_tokenizer():
     """A PreTrainedTokenizerFast over a 32-entry WordLevel vocabulary, left padding, pad != eos."""
     from tokenizers import Tokenizer, models, pre_tokenizers

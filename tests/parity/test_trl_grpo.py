@@ -24,6 +24,7 @@ import pytest
 import torch
 from parity_support import (
     PAD,
+    TRL_CPU_ARGS,
     Comparison,
     build_models,
     build_tokenizer,
@@ -157,14 +158,7 @@ def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
         mask_truncated_completions=s.mask_truncated,
         top_entropy_quantile=s.top_entropy_quantile,
         learning_rate=s.lr,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
+        **TRL_CPU_ARGS,
         log_completions=False,
     )
     trainer = GRPOTrainer(

@@ -22,6 +22,7 @@ import torch
 from parity_support import (
     EOS,
     PAD,
+    TRL_CPU_ARGS,
     Comparison,
     build_models,
     build_tokenizer,
@@ -129,14 +130,7 @@ def run_trl(case: Case, models, tmp_path) -> dict:
         max_new_tokens=s.completion_length,
         max_length=512,
         learning_rate=1e-3,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
+        **TRL_CPU_ARGS,
     )
     trainer = OnlineDPOTrainer(
         model=m.policy,

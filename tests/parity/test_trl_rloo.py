@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from parity_support import (
+    TRL_CPU_ARGS,
     Comparison,
     build_models,
     build_tokenizer,
@@ -125,14 +126,7 @@ def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
         normalize_advantages=s.normalize_advantages,
         mask_truncated_completions=s.mask_truncated,
         learning_rate=s.lr,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
+        **TRL_CPU_ARGS,
         log_completions=False,
     )
     trainer = RLOOTrainer(
