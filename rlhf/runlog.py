@@ -47,3 +47,14 @@ def truncate_after(path: str | Path, step: int) -> int:
             return removed
         keep += len(line) + 1
     return 0
+
+
+def checkpoint_step(checkpoints: str | Path) -> int:
+    """The step of the checkpoint ``checkpoints/latest`` names (``step_<N>``), 0 when there is none: where a trainer
+    started on this run folder resumes from."""
+    try:
+        name = (Path(checkpoints) / "latest").read_text().strip()
+    except OSError:
+        return 0
+    suffix = name[len("step_") :] if name.startswith("step_") else ""
+    return int(suffix) if suffix.isdigit() else 0

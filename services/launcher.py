@@ -471,6 +471,7 @@ class Launcher:
         self._stopping = False
         self.run_dir: Path | None = None
         self.restarts: dict[str, int] = {}
+        self._tail: MetricsTail | None = None
 
     def say(self, msg: str) -> None:
         print(f"[rlhf up] {msg}", file=self.out, flush=True)
@@ -584,6 +585,11 @@ class Launcher:
         (self.run_dir / "logs").mkdir(exist_ok=True)
         if config_path != (self.run_dir / "config.yaml").resolve():
             shutil.copyfile(config_path, self.run_dir / "config.yaml")
+        # A run folder used before (--resume): its trainer goes on from its checkpoint and cuts metrics.jsonl back to
+        # it; cut it here first, before anything can append, so the progress shown continues from that step.
+        metrics = self.run_dir / "metrics.jsonl"
+        runlog.truncate_after(metrics, runlog.checkpoint_step(self.run_dir / "checkpoints"))
+        self._tail = MetricsTail(metrics, from_end=True)
         total = cfg.training.train_iters
 
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -665,8 +671,7 @@ class Launcher:
 
     def _follow(self, trainer: Child, total: int, t_start: float) -> int:
         assert self.run_dir is not None
-        # A resumed run's earlier steps are not shown again; its trainer cuts the file back to its checkpoint.
-        tail = MetricsTail(self.run_dir / "metrics.jsonl", from_end=True)
+        tail = self._tail or MetricsTail(self.run_dir / "metrics.jsonl", from_end=True)
         eta = Eta(total)
 
         def line(rec: Mapping[str, Any]) -> str:

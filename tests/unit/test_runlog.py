@@ -30,3 +30,12 @@ def test_truncate_after_drops_a_half_written_last_line(tmp_path):
     assert [json.loads(x)["step"] for x in p.read_text().splitlines()] == [1, 2]
     runlog.append(p, {"step": 3})
     assert [json.loads(x)["step"] for x in p.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_checkpoint_step_reads_the_latest_pointer(tmp_path):
+    assert runlog.checkpoint_step(tmp_path / "checkpoints") == 0
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_7\n")
+    assert runlog.checkpoint_step(tmp_path / "checkpoints") == 7
+    (tmp_path / "checkpoints" / "latest").write_text("garbage")
+    assert runlog.checkpoint_step(tmp_path / "checkpoints") == 0
