@@ -372,17 +372,12 @@ class MetricsTail:
 
 def _pick(rec: Mapping[str, Any], *names: str, contains: str | None = None) -> tuple[str, float] | None:
     for n in names:
-        v = rec.get(n)
-        if isinstance(v, int | float) and not isinstance(v, bool):
-            return n, float(v)
-    if contains:
+        v = _num_or_none(rec.get(n))
+        if v is not None:
+            return n, v
+    if contains:  # a fraction of failures is not the quantity itself
         for k, v in rec.items():
-            if (
-                contains in k.lower()
-                and not k.endswith("failed_fraction")
-                and isinstance(v, int | float)
-                and not (isinstance(v, bool))
-            ):
+            if contains in k.lower() and not k.endswith("failed_fraction") and _num_or_none(v) is not None:
                 return k, float(v)
     return None
 

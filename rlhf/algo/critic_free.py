@@ -27,6 +27,7 @@ from typing import Literal
 import torch
 
 from rlhf.algo.kl import kl_estimate
+from rlhf.algo.masked import masked_mean
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -270,7 +271,7 @@ def grpo_loss(
         weight = torch.exp(torch.where(mask, old_logprobs - torch.where(mask, behavior_logprobs, zero), zero))
         weight = weight.clamp(max=tis_cap).detach()
         per_token = per_token * weight
-        stats["tis_weight"] = _masked_mean(weight, mask)
+        stats["tis_weight"] = masked_mean(weight, mask)
     kl = None
     if beta != 0.0:
         if ref_logprobs is None:
@@ -297,11 +298,11 @@ def grpo_loss(
         is_high = (coef_1 > 1.0 + eps_high) & (adv > 0)
         for name, flags in (("low", is_low), ("high", is_high), ("region", is_low | is_high)):
             # TRL: a fraction of tokens, or of rows when there is one ratio per row (sequence level)
-            frac = flags.float().mean() if flags.shape[1] == 1 else _masked_mean(flags.float(), mask)
+            frac = flags.float().mean() if flags.shape[1] == 1 else masked_mean(flags.float(), mask)
             stats[f"clip_ratio/{name}_mean"] = frac
-        stats["approxkl"] = _masked_mean(0.5 * log_ratio.square(), mask)
-        stats["ratio"] = _masked_mean(torch.exp(log_ratio), mask)
-        stats["kl"] = _masked_mean(kl, mask) if kl is not None else torch.zeros(())
+        stats["approxkl"] = masked_mean(0.5 * log_ratio.square(), mask)
+        stats["ratio"] = masked_mean(torch.exp(log_ratio), mask)
+        stats["kl"] = masked_mean(kl, mask) if kl is not None else torch.zeros(())
         stats["policy_loss"] = loss.detach()
     return loss, stats
 
@@ -349,11 +350,3 @@ def rloo_trl_loss(
         stats["ratio"] = coef_1.mean()
         stats["policy_loss"] = loss.detach()
     return loss, stats
-
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over set positions by selection (a NaN/inf outside the mask stays outside); 0 when nothing is set."""
-    mask = mask.bool()
-    total = torch.where(mask, values, _zero(values)).sum()
-    n = mask.sum()
-    return torch.where(n > 0, total / n.clamp(min=1), _zero(values))

@@ -544,15 +544,20 @@ def test_load_safetensors_matches_safetensors():
     assert set(got) == set(sd)
 
 
-def test_a_bucket_with_a_valid_digest_but_bad_layout_is_refused():
-    """A sender that hashed a broken bucket: the digests match, the safetensors layout does not."""
-    packed = pack_weights({"w": torch.ones(4)}, 1)
-    bucket = _bucket_with_header({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, bytes(16))
+def _replace_only_bucket(packed, bucket: bytes) -> None:
+    """Swap a one-bucket update's bytes, with digests and sizes that match them (a sender that hashed what it sent)."""
     packed.buckets[0] = bucket
     b = packed.header.buckets[0]
     b.nbytes, b.sha256 = len(bucket), hashlib.sha256(bucket).hexdigest()
     packed.header.checksum = manifest_checksum([b.sha256])
     packed.header.total_bytes = len(bucket)
+
+
+def test_a_bucket_with_a_valid_digest_but_bad_layout_is_refused():
+    """A sender that hashed a broken bucket: the digests match, the safetensors layout does not."""
+    packed = pack_weights({"w": torch.ones(4)}, 1)
+    bucket = _bucket_with_header({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}, bytes(16))
+    _replace_only_bucket(packed, bucket)
     with pytest.raises(CorruptUpdate, match="not a valid safetensors buffer"):
         receive(list(packed.updates()))
 
@@ -569,10 +574,6 @@ def test_non_finite_weights_are_never_packed_nor_accepted(bad):
         pack_weights(sd_bad, 1)
     packed = pack_weights(sd, 1)
     bucket = st_save(sd_bad)  # the same layout, finite digests of non-finite numbers
-    packed.buckets[0] = bucket
-    b = packed.header.buckets[0]
-    b.nbytes, b.sha256 = len(bucket), hashlib.sha256(bucket).hexdigest()
-    packed.header.checksum = manifest_checksum([b.sha256])
-    packed.header.total_bytes = len(bucket)
+    _replace_only_bucket(packed, bucket)
     with pytest.raises(CorruptUpdate, match="'b' has NaN or infinite values"):
         receive(list(packed.updates()))
