@@ -207,10 +207,9 @@ trainer_props["job"] = obj(
 )
 trainer_props["torchrun"] = obj(
     {
-        "nnodes": s("integer", "torchrun --nnodes (pods); >1 needs experimentalMultiNode", minimum=1),
-        "nprocPerNode": s("integer", "torchrun --nproc-per-node", minimum=1),
+        "nnodes": s("integer", "torchrun --nnodes (pods, one per node)", minimum=1),
+        "nprocPerNode": s("integer", "torchrun --nproc-per-node (one per device)", minimum=1),
         "rdzvPort": s("integer", "c10d rendezvous port", minimum=1, maximum=65535),
-        "experimentalMultiNode": s("boolean", "render nnodes > 1 anyway"),
     },
     "torchrun",
     required=["nnodes", "nprocPerNode"],

@@ -64,6 +64,11 @@ check "helm template | kubernetes-validate --strict (NPU)" validate "${NPU[@]}"
 check "helm template | kubernetes-validate (external Redis, TLS)" validate --set redis.enabled=false \
     --set redis.external.url=redis://:pw@redis.example:6379/0 --set tls.enabled=true --set tls.existingSecret=rlhf-tls
 check "helm template | kubernetes-validate (trainer as an indexed Job)" validate --set trainer.kind=Job
+check "helm template | kubernetes-validate (GPU trainer, 2 nodes x 2 processes)" validate "${GPU[@]}" \
+    --set trainer.torchrun.nnodes=2 --set trainer.torchrun.nprocPerNode=2 --set trainer.accelerator.count=2
+check "helm template | kubernetes-validate (NPU trainer as a Job, 2 nodes x 2 processes)" validate "${NPU[@]}" \
+    --set trainer.kind=Job --set trainer.torchrun.nnodes=2 --set trainer.torchrun.nprocPerNode=2 \
+    --set trainer.accelerator.count=2
 check "values.schema.json rejects a misspelt key" refuses --set rollout.acelerator.type=nvidia
 check "values.schema.json rejects an unknown accelerator" refuses --set trainer.accelerator.type=tpu
 

@@ -68,6 +68,8 @@ def test_accelerator_count_and_resource_name_come_from_values(helm):
         "trainer.accelerator.count=8",
         "--set",
         "trainer.accelerator.resourceName=huawei.com/Ascend910B",
+        "--set",
+        "trainer.torchrun.nprocPerNode=8",
     )
     (c,) = containers(r.component("StatefulSet", "trainer"))
     assert c["resources"]["limits"]["huawei.com/Ascend910B"] == "8"
@@ -112,17 +114,42 @@ def test_trainer_runs_under_torchrun_single_node_by_default(rendered):
         assert c["args"][:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=1", "--standalone"]
 
 
-def test_multi_node_trainer_is_refused_unless_asked_for(helm):
-    proc = helm_template(helm, "--set", "trainer.torchrun.nnodes=2", check=False)
-    assert proc.returncode != 0 and "future work" in proc.stderr
-    r = render(helm, "--set", "trainer.torchrun.nnodes=2", "--set", "trainer.torchrun.experimentalMultiNode=true")
-    sts = r.component("StatefulSet", "trainer")
-    assert sts["spec"]["replicas"] == 2
-    (c,) = containers(sts)
-    ns = parse_container_command(c["args"])
-    assert ns.service == "trainer"
-    endpoint = next(a for a in c["args"] if a.startswith("--rdzv-endpoint="))
-    assert endpoint.startswith(f"--rdzv-endpoint={sts['metadata']['name']}-0.{sts['spec']['serviceName']}.")
+def _torchrun_args(container: dict):
+    from torch.distributed.run import get_args_parser
+
+    assert container["args"][0] == "torchrun"
+    return get_args_parser().parse_args(container["args"][1:])
+
+
+@pytest.mark.parametrize("kind", ["StatefulSet", "Job"])
+def test_multi_node_trainer_renders_two_nodes_by_two_processes(helm, kind):
+    """2 nodes x 2 GPUs: one pod per node, torchrun's own parser reads a c10d rendezvous on pod 0's stable name."""
+    r = render(
+        helm, "-f", "k8s/examples/values-gpu.yaml", "--set", f"trainer.kind={kind}",
+        "--set", "trainer.torchrun.nnodes=2", "--set", "trainer.torchrun.nprocPerNode=2",
+        "--set", "trainer.accelerator.count=2",
+    )  # fmt: skip
+    workload = r.component(kind, "trainer")
+    name = workload["metadata"]["name"]
+    if kind == "StatefulSet":
+        assert workload["spec"]["replicas"] == 2 and workload["spec"]["podManagementPolicy"] == "Parallel"
+        headless = workload["spec"]["serviceName"]
+    else:
+        assert workload["spec"]["completions"] == workload["spec"]["parallelism"] == 2
+        headless = workload["spec"]["template"]["spec"]["subdomain"]
+    (c,) = containers(workload)
+    tr = _torchrun_args(c)
+    assert (tr.nnodes, tr.nproc_per_node, tr.rdzv_backend, tr.standalone) == ("2", "2", "c10d", False)
+    assert tr.rdzv_endpoint.startswith(f"{name}-0.{headless}.") and tr.rdzv_endpoint.endswith(":29500")
+    assert parse_container_command(c["args"]).service == "trainer"
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert {"NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING"} <= set(env_of(c))
+
+
+def test_trainer_needs_one_device_per_process(helm):
+    proc = helm_template(helm, "-f", "k8s/examples/values-gpu.yaml", "--set", "trainer.torchrun.nprocPerNode=2",
+                         check=False)  # fmt: skip
+    assert proc.returncode != 0 and "must equal trainer.torchrun.nprocPerNode" in proc.stderr
 
 
 def test_trainer_can_be_an_indexed_job(helm):

@@ -537,9 +537,9 @@ spec:
 {{/* ------------------------------------------------------------------ the trainer */}}
 
 {{- define "rlhf.trainerGuard" -}}
-{{- $tr := .Values.trainer.torchrun }}
-{{- if and (gt (int $tr.nnodes) 1) (not $tr.experimentalMultiNode) }}
-{{- fail "trainer.torchrun.nnodes > 1: multi-node DDP in the trainer is future work (today every node would act as the single writer). Set trainer.torchrun.experimentalMultiNode=true to render it anyway." }}
+{{- $v := .Values.trainer }}
+{{- if and (ne $v.accelerator.type "none") (ne (int $v.accelerator.count) (int $v.torchrun.nprocPerNode)) }}
+{{- fail (printf "trainer.accelerator.count (%d) must equal trainer.torchrun.nprocPerNode (%d): torchrun starts one process per device" (int $v.accelerator.count) (int $v.torchrun.nprocPerNode)) }}
 {{- end }}
 {{- end }}
 
