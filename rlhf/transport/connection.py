@@ -58,7 +58,7 @@ class RedisTarget:
     """A parsed ``RLHF_REDIS_URL``."""
 
     kind: str  # "single" | "sentinel" | "cluster"
-    url: str  # single: the URL for redis-py, without this module's query keys
+    url: str = field(repr=False)  # single: the URL for redis-py, without this module's query keys (holds the password)
     hosts: tuple[tuple[str, int], ...] = ()  # sentinel / cluster: the addresses
     service_name: str = ""
     db: int = 0
