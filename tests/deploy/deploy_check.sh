@@ -63,6 +63,12 @@ check "helm template | kubernetes-validate --strict (GPU)" validate "${GPU[@]}"
 check "helm template | kubernetes-validate --strict (NPU)" validate "${NPU[@]}"
 check "helm template | kubernetes-validate (external Redis, TLS)" validate --set redis.enabled=false \
     --set redis.external.url=redis://:pw@redis.example:6379/0 --set tls.enabled=true --set tls.existingSecret=rlhf-tls
+check "helm template | kubernetes-validate (external Sentinel, WAIT 1, KEDA)" validate --set redis.enabled=false \
+    --set 'redis.external.sentinel.addresses={redis-node-0.redis-headless:26379}' \
+    --set redis.external.passwordSecret.name=redis --set redis.external.waitReplicas=1 \
+    --set rollout.autoscaling.keda.enabled=true
+check "helm template | kubernetes-validate (external Redis Cluster, TLS)" validate --set redis.enabled=false \
+    --set 'redis.external.cluster.addresses={redis-cluster:6379}' --set redis.external.tls=true
 check "helm template | kubernetes-validate (trainer as an indexed Job)" validate --set trainer.kind=Job
 check "values.schema.json rejects a misspelt key" refuses --set rollout.acelerator.type=nvidia
 check "values.schema.json rejects an unknown accelerator" refuses --set trainer.accelerator.type=tpu
