@@ -79,3 +79,28 @@ def test_run_keys_share_one_hash_tag():
     assert all(k.startswith("rlhf:{demo-1.a_b}:") for k in keys.all()) and keys.hash_tag == "{demo-1.a_b}"
     with pytest.raises(ValueError, match="not usable in Redis key names"):
         RunKeys("a}b")
+
+
+def test_preflight_reaches_any_address_of_each_shape_and_never_prints_the_password(tmp_path):
+    import socket
+
+    from rlhf import preflight
+    from rlhf.config import parse_config
+    from rlhf.local_redis import free_port
+
+    cfg = parse_config({"actor_rollout_ref": {"actor_rollout": {"load": str(tmp_path / "nope")}},
+                        "reward": {"scorers": [{"type": "rule", "name": "char_fraction"}]}})  # fmt: skip
+
+    def redis_problems(url: str) -> list[str]:
+        return [p for p in preflight.check(cfg, url).problems if "RLHF_REDIS_URL" in p]
+
+    down = free_port()
+    (p,) = redis_problems(f"redis+sentinel://:hunter2@127.0.0.1:{down}/mymaster")
+    assert f"sentinel 127.0.0.1:{down} service mymaster" in p and "cannot connect" in p and "hunter2" not in p
+    with socket.socket() as listener:  # one of the cluster's seed nodes answers: enough
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        up = listener.getsockname()[1]
+        assert redis_problems(f"redis+cluster://:hunter2@127.0.0.1:{down},127.0.0.1:{up}") == []
+    (p,) = redis_problems("redis+cluster://:hunter2@127.0.0.1:1?wait_replicas=1")
+    assert "not available on a Redis Cluster" in p and "hunter2" not in p
