@@ -224,6 +224,21 @@ class LocalSentinelGroup:
         self.stop()
 
 
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000, Redis's rule) is valid and free too."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 class LocalCluster:
     """A Redis Cluster of ``masters`` masters (no replicas) on loopback, created with ``redis-cli --cluster
     create``; ``url`` is its ``redis+cluster://`` URL."""
@@ -233,6 +248,7 @@ class LocalCluster:
         self.nodes = [
             LocalRedis(
                 self.directory / f"node-{i}",
+                _cluster_port(),
                 extra_args=[
                     "--cluster-enabled",
                     "yes",

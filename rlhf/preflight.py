@@ -96,13 +96,13 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
                 report.problems.append(f"reward.scorers[{i}].name {s.name}: {module} has no function {fn!r}")
 
     if redis_url:
-        from rlhf.transport.connection import addresses, describe
+        from rlhf.transport.connection import addresses, redact
 
         try:
-            addrs, what = addresses(redis_url), describe(redis_url)
+            addrs = addresses(redis_url)
         except ValueError as err:
             report.problems.append(str(err))
-            addrs, what = [], ""
+            addrs = []
         errors = []
         for host, port in addrs:  # a Sentinel group or a cluster is usable while any of its addresses answers
             try:
@@ -112,7 +112,7 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
                 errors.append(f"{host}:{port}: {err}")
         else:
             if addrs:
-                report.problems.append(f"RLHF_REDIS_URL ({what}): cannot connect ({'; '.join(errors)})")
+                report.problems.append(f"RLHF_REDIS_URL {redact(redis_url)}: cannot connect ({'; '.join(errors)})")
     return report
 
 

@@ -234,6 +234,19 @@ def describe(url: str) -> str:
     return f"sentinel {hosts} service {t.service_name}" if t.kind == "sentinel" else f"cluster {hosts}"
 
 
+def redact(url: str) -> str:
+    """The URL with its password (if any) shown as ``***``, for messages."""
+    scheme, netloc, path, query, frag = urlsplit(url)
+    if "@" in netloc:
+        userinfo, _, hosts = netloc.rpartition("@")
+        user, sep, _ = userinfo.partition(":")
+        netloc = f"{user}{sep and ':***'}@{hosts}"
+    query = "&".join(
+        f"{k}=***" if k == "sentinel_password" else f"{k}={v}" for k, v in parse_qsl(query, keep_blank_values=True)
+    )
+    return urlunsplit((scheme, netloc, path, query, frag))
+
+
 def addresses(url: str) -> list[tuple[str, int]]:
     """The TCP addresses a URL names (the server, the sentinels or the cluster's seed nodes); [] for a unix socket."""
     t = parse_redis_url(url)

@@ -55,6 +55,8 @@ def test_sentinel_failover_mid_run_loses_nothing_and_trains_nothing_twice(scorer
         trainer_log = ring.trainer.log_text()
         rollout_log = ring.rollouts[0].log_text()
         assert "redis unavailable" in trainer_log  # the trainer met the failover and retried
+        fence = ring.redis_call(lambda r: r.get(RunKeys(ring.run_id).fence))
+        assert int(fence or 0) > 0  # the ring's writes went out with WAIT 1 (each WAIT follows an INCR of the fence)
         figures = {
             "failover_s": round(promoted_at - killed_at, 2),
             "recovered_s": round(next_step_at - killed_at, 2),  # kill -9 -> the ring's next finished step

@@ -3,7 +3,7 @@ Cluster (every script and multi-key command of a run in one slot, two runs on di
 (master, replica, three sentinels: WAIT on the guarantee-bearing writes, a kill -9 failover that loses none of the
 writes it acknowledged). The URL shapes themselves are unit-tested in tests/unit/test_redis_url.py.
 
-About 15 s in all (cluster creation ~1 s, a Sentinel group ~2.5 s, a failover ~3 s).
+About 25 s in all (cluster creation ~1 s, a Sentinel group ~2.5 s, a failover ~3 s).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_a_run_uses_one_slot_and_two_runs_use_two_nodes_of_a_cluster(cluster):
 
 @pytest.fixture
 def sentinel_group(tmp_path):
-    group = LocalSentinelGroup(tmp_path / "sentinel", query="wait_replicas=1&wait_timeout_ms=300").start()
+    group = LocalSentinelGroup(tmp_path / "sentinel", query="wait_replicas=1&wait_timeout_ms=2000").start()
     yield group
     group.stop()
 
@@ -101,7 +101,7 @@ def test_wait_reaches_the_replica_and_a_missing_replica_is_a_retryable_error(sen
         r = connect(sentinel_group.url)
         try:
             pq, eq = PromptQueue(r, "w"), ExperienceQueue(r, "w")
-            assert pq.wait == WaitPolicy(1, 300)
+            assert pq.wait == WaitPolicy(1, 2000)
             assert (await pq.publish(make_job(0, "w"))).published
             replica = sentinel_group.servers[1]
             # Acknowledged means on the replica: it answers with the job at once.
@@ -158,3 +158,57 @@ def test_failover_keeps_every_acknowledged_write(sentinel_group):
             await r.aclose()
 
     asyncio.run(body())
+
+
+def test_a_write_lost_in_a_failover_is_reissued_after_the_idle_timeout_and_wait_refuses_to_count_it(tmp_path):
+    """The replica is frozen (SIGSTOP) and its link cut while a rollout replica finishes two jobs: the write made
+    without WAIT is acknowledged by the master, the one made with ``wait_replicas=1`` raises ``ReplicationLag``. The
+    master is then killed -9 and the replica promoted: neither experience survived, both jobs are still pending, and
+    reclaiming them after the idle timeout (the rollout worker's re-issue) yields exactly one record per job."""
+    import signal
+
+    async def body(group: LocalSentinelGroup):
+        plain, waiting = connect(group.url), connect(group.url + "?wait_replicas=1&wait_timeout_ms=2000")
+        try:
+            pq, eq, eq_wait = PromptQueue(plain, "l"), ExperienceQueue(plain, "l"), ExperienceQueue(waiting, "l")
+            await pq.publish_many([make_job(0, "l"), make_job(1, "l")])
+            jobs = await pq.read("r1", 2, None)
+            assert (await PromptQueue(waiting, "l").publish(make_job(9, "l"))).published  # WAIT: all of it replicated
+            replica, old = group.servers[1], group.master_port()
+            replica.proc.send_signal(signal.SIGSTOP)
+            try:
+                # Cut the replication link (the frozen replica cannot come back): what follows stays on the master.
+                assert _cli(old, "CLIENT", "KILL", "TYPE", "replica").strip() == "1"
+                (e0, j0), (e1, j1) = jobs
+                assert await eq.publish_and_ack(make_exp(j0), e0) is not None  # acknowledged by the master alone
+                with pytest.raises(ReplicationLag):
+                    await eq_wait.publish_and_ack(make_exp(j1), e1)  # not counted: no replica has it
+                group.server(old).stop(kill=True)
+            finally:
+                replica.proc.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 30
+            while group.master_port() in (None, old):
+                assert time.monotonic() < deadline, "no failover"
+                await asyncio.sleep(0.1)
+            for _ in range(100):  # the client follows the sentinels to the promoted replica
+                try:
+                    assert await eq.length() == 0  # both experience records were lost with the old master
+                    break
+                except RedisConnectionError:
+                    await asyncio.sleep(0.1)
+            assert await pq.pending() == 2  # ... but not their jobs: still pending, so they come back
+            reissued = await PromptQueue(plain, "l").reclaim("r2", min_idle_ms=0, count=10)
+            assert sorted(j.job_id for _, j in reissued) == ["job-0", "job-1"]
+            for entry_id, job in reissued:
+                assert await eq.publish_and_ack(make_exp(job), entry_id) is not None
+            got = await eq.read("trainer", 10, None)
+            assert sorted(e.job_id for _, e in got) == ["job-0", "job-1"]  # one record per job
+        finally:
+            await plain.aclose()
+            await waiting.aclose()
+
+    group = LocalSentinelGroup(tmp_path / "sentinel").start()
+    try:
+        asyncio.run(body(group))
+    finally:
+        group.stop()

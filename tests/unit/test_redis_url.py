@@ -7,7 +7,15 @@ import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from rlhf.transport.connection import WaitPolicy, addresses, connect, describe, parse_redis_url, wait_policy
+from rlhf.transport.connection import (
+    WaitPolicy,
+    addresses,
+    connect,
+    describe,
+    parse_redis_url,
+    redact,
+    wait_policy,
+)
 from rlhf.transport.keys import RunKeys
 
 
@@ -33,6 +41,10 @@ def test_cluster_url():
     t = parse_redis_url("rediss+cluster://:pw@n1:7000,n2:7001")
     assert t.kind == "cluster" and t.tls and t.hosts == (("n1", 7000), ("n2", 7001)) and t.password == "pw"
     assert describe("redis+cluster://:pw@n1:7000") == "cluster n1:7000"
+    assert redact("redis+sentinel://u:pw@s1/m?sentinel_password=x&wait_replicas=1") == (
+        "redis+sentinel://u:***@s1/m?sentinel_password=***&wait_replicas=1"
+    )
+    assert redact("redis://127.0.0.1:1/0") == "redis://127.0.0.1:1/0"
     assert addresses("redis+sentinel://a:1,b:2/m") == [("a", 1), ("b", 2)]
     assert addresses("redis://:pw@h:7/0") == [("h", 7)]
 
@@ -96,7 +108,7 @@ def test_preflight_reaches_any_address_of_each_shape_and_never_prints_the_passwo
 
     down = free_port()
     (p,) = redis_problems(f"redis+sentinel://:hunter2@127.0.0.1:{down}/mymaster")
-    assert f"sentinel 127.0.0.1:{down} service mymaster" in p and "cannot connect" in p and "hunter2" not in p
+    assert f"RLHF_REDIS_URL redis+sentinel://:***@127.0.0.1:{down}/mymaster: cannot connect" in p and "hunter2" not in p
     with socket.socket() as listener:  # one of the cluster's seed nodes answers: enough
         listener.bind(("127.0.0.1", 0))
         listener.listen()
