@@ -6,8 +6,9 @@
 - Cluster (three masters, made by ``redis-cli --cluster create``): two runs at once, their keys on different
   masters, each to the end.
 
-Tiny GRPO rings on the hf engine; about 2-3 minutes for the module on 2 cores (most of it is starting the rollout
-replicas and trainers). The failover figures are printed as one JSON line (-s or -rA).
+Tiny GRPO rings on the hf engine; 1 min 52 s for the module on 2 shared cores at load average ~6, 4 min 26 s at
+~15 (most of it is starting the rollout replicas and trainers). The failover figures are printed as one JSON line
+(-s or -rA).
 """
 
 from __future__ import annotations

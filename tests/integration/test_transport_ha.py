@@ -3,7 +3,7 @@ Cluster (every script and multi-key command of a run in one slot, two runs on di
 (master, replica, three sentinels: WAIT on the guarantee-bearing writes, a kill -9 failover that loses none of the
 writes it acknowledged). The URL shapes themselves are unit-tested in tests/unit/test_redis_url.py.
 
-About 25 s in all (cluster creation ~1 s, a Sentinel group ~2.5 s, a failover ~3 s).
+About 22 s in all on 2 shared cores (cluster creation ~1 s, a Sentinel group ~2.5 s, a failover ~3 s).
 """
 
 from __future__ import annotations
