@@ -413,7 +413,9 @@ schema = {
                 "external": obj(
                     {
                         "url": s(
-                            "string", "RLHF_REDIS_URL", pattern="^((rediss?|rediss?\\+sentinel|rediss?\\+cluster)://.+)?$"
+                            "string",
+                            "RLHF_REDIS_URL",
+                            pattern="^((rediss?|rediss?\\+sentinel|rediss?\\+cluster)://.+)?$",
                         ),
                         "existingSecret": s("string", "existing Secret with the URL"),
                         "existingSecretUrlKey": s("string", "key", minLength=1),
