@@ -13,6 +13,9 @@ interleaved so that noise hits all of them alike, against one private redis-serv
   (``ExperienceQueue.publish_and_ack``, Lua), the trainer reads the batch and acks it.
   Raw: the same commands without the scripts and without protobuf work (XADD, XREADGROUP, XADD + XACK, XREADGROUP,
   XACK of pre-encoded bytes).
+- ``replicated``: the ring again on a master with one replica (loopback), interleaved without WAIT and with
+  ``wait_replicas=1`` (``WAIT 1`` after each guarantee-bearing write and each experience read, see docs/redis-ha.md),
+  the trainer writing its trained count as the service does (``set_trained``): the cost of acknowledged replication.
 - a PPO training step of the tiny model (``TrainerEngine.step``, one actor and one critic epoch) on one batch of such
   records, in the same run: the target compares the queue's time per step with it (the tiny model's one-epoch step
   is the shortest real step there is, so the fraction only shrinks for real models and settings).
@@ -120,7 +123,7 @@ async def exp_raw(redis, payloads) -> float:
 # ------------------------------------------------------------------------------------------------- the ring
 
 
-async def ring_ours(redis, jobs, exps) -> float:
+async def ring_ours(redis, jobs, exps, absolute: bool = False) -> float:
     from rlhf.transport import Admission, ExperienceQueue, PromptQueue, delete_run
 
     await delete_run(redis, RUN)
@@ -141,8 +144,39 @@ async def ring_ours(redis, jobs, exps) -> float:
             recs = await eq.read("trainer-0", count=BATCH - got, block_ms=None)
             await eq.ack([r for r, _ in recs])
             got += len(recs)
-        await adm.mark_trained(len(step_exps))
+        if absolute:  # as the trainer service writes it (retry-safe, and WAITed under a wait policy)
+            await adm.set_trained(s + len(step_exps))
+        else:
+            await adm.mark_trained(len(step_exps))
     return time.perf_counter() - t0
+
+
+async def replicated_rounds(tmp: Path, jobs, exps, log_prefix: str) -> tuple[list[float], list[float]]:
+    """The ring on a master with one replica (loopback), without WAIT and with ``wait_replicas=1``, interleaved."""
+    from rlhf.local_redis import LocalRedis
+    from rlhf.transport import connect
+
+    fast = ["--repl-diskless-sync-delay", "0"]
+    with (
+        LocalRedis(tmp / "master", extra_args=fast) as master,
+        LocalRedis(tmp / "replica", extra_args=[*fast, "--replicaof", "127.0.0.1", str(master.port)]),
+    ):
+        plain, waiting = connect(master.url), connect(master.url.replace("/0", "/0?wait_replicas=1"))
+        while (await plain.info("replication")).get("connected_slaves", 0) < 1 or "online" not in str(
+            (await plain.info("replication")).get("slave0", "")
+        ):
+            await asyncio.sleep(0.05)
+        await ring_ours(plain, jobs[:BATCH], exps[:BATCH], absolute=True)  # warm-up
+        await ring_ours(waiting, jobs[:BATCH], exps[:BATCH], absolute=True)
+        no_wait, wait1 = [], []
+        for r in range(ROUNDS):
+            for k in [0, 1] if r % 2 == 0 else [1, 0]:
+                (no_wait if k == 0 else wait1).append(await ring_ours(plain if k == 0 else waiting, jobs, exps, True))
+            log(f"  {log_prefix} round {r + 1}/{ROUNDS}: ring no WAIT {len(jobs) / no_wait[-1]:.0f}/s, "
+                f"WAIT 1 {len(jobs) / wait1[-1]:.0f}/s")  # fmt: skip
+        await plain.aclose()
+        await waiting.aclose()
+    return no_wait, wait1
 
 
 async def ring_raw(redis, job_payloads, exp_payloads) -> float:
@@ -247,6 +281,7 @@ async def main() -> None:
                 f"raw {EXP_RECORDS / t_exp_raw[-1]:.0f}/s; ring ours {n_ring / t_ring_ours[-1]:.0f}/s "
                 f"raw {n_ring / t_ring_raw[-1]:.0f}/s")  # fmt: skip
         await redis.aclose()
+        t_no_wait, t_wait1 = await replicated_rounds(Path(tmp), jobs[:n_ring], exps[:n_ring], "master+replica")
 
     exp_ours_rps = EXP_RECORDS / median(t_exp_ours)
     exp_raw_rps = EXP_RECORDS / median(t_exp_raw)
@@ -256,6 +291,8 @@ async def main() -> None:
     per_step_ours = BATCH / ring_ours_rps
     per_step_extra = BATCH / ring_ours_rps - BATCH / ring_raw_rps
     frac = per_step_ours / step_s
+    per_step_no_wait = BATCH / (n_ring / median(t_no_wait))
+    per_step_wait1 = BATCH / (n_ring / median(t_wait1))
     emit(
         "queue",
         settings={
@@ -267,6 +304,9 @@ async def main() -> None:
             "ring_records_per_round": n_ring,
             "rounds": ROUNDS,
             "redis": "private redis-server on loopback, appendonly yes, appendfsync everysec",
+            "replicated": "the ring again on a master with one replica (two more redis-servers on loopback, AOF "
+            "everysec), the trainer writing its trained count as the service does (set_trained): no WAIT vs "
+            "wait_replicas=1 in RLHF_REDIS_URL (WAIT 1 after each guarantee-bearing write and each experience read)",
             "training_step": "TrainerEngine.step, PPO, tiny model (0.1M params), 16 records x 1,000 tokens, "
             "minibatch 8, 1 actor + 1 critic epoch (the shortest PPO step on this batch), CPU",
         },
@@ -284,10 +324,19 @@ async def main() -> None:
             "training_step_s": rnd(step_s),
             "queue_fraction_of_step_pct": rnd(100 * frac),
             "extra_over_raw_fraction_of_step_pct": rnd(100 * per_step_extra / step_s),
+            "replicated_queue_ms_per_step": {
+                "no_wait": rnd(per_step_no_wait * 1e3),
+                "wait_1": rnd(per_step_wait1 * 1e3),
+            },
+            "replicated_queue_fraction_of_step_pct": {
+                "no_wait": rnd(100 * per_step_no_wait / step_s),
+                "wait_1": rnd(100 * per_step_wait1 / step_s),
+            },
         },
         ratio={
             "experience_ours_vs_raw": rnd(exp_ours_rps / exp_raw_rps),
             "ring_ours_vs_raw": rnd(ring_ours_rps / ring_raw_rps),
+            "replicated_ring_wait_1_vs_no_wait": rnd(median(t_no_wait) / median(t_wait1)),
         },
         targets=[
             target(
@@ -310,6 +359,8 @@ async def main() -> None:
             "2.77 s under load before, ~1.2 s on a quiet machine), so the fraction rose for the same queue time "
             "(14.1 ms -> 16.2 ms per step, replica reading one job at a time); the replica now reads jobs as the "
             "worker does (up to 8 per read) on both sides",
+            "replicated rows: a step of the ring makes about 20 WAITs (publish_many, 16 publish_and_ack, the "
+            "trainer's read(s), its ack, its trained count); each waits for the replica's acknowledgement on loopback",
         ],
         started=started,
     )

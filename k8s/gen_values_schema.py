@@ -26,6 +26,10 @@ def freeobj(d):
     return {"type": "object", "description": d}
 
 
+def hostports(d):
+    return {"type": "array", "description": d, "items": {"type": "string", "pattern": "^[^:,/@]+:[0-9]+$"}}
+
+
 quantity = {"type": ["string", "integer"], "pattern": "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E|m)?$"}
 
 defs = {
@@ -407,9 +411,28 @@ schema = {
                 "pdb": {"$ref": "#/definitions/pdb"},
                 "external": obj(
                     {
-                        "url": s("string", "redis:// URL", pattern="^(rediss?://.+)?$"),
+                        "url": s(
+                            "string",
+                            "RLHF_REDIS_URL",
+                            pattern="^((rediss?|rediss?\\+sentinel|rediss?\\+cluster)://.+)?$",
+                        ),
                         "existingSecret": s("string", "existing Secret with the URL"),
                         "existingSecretUrlKey": s("string", "key", minLength=1),
+                        "sentinel": obj(
+                            {
+                                "addresses": hostports("host:port of each sentinel"),
+                                "serviceName": s("string", "master set name", pattern="^[A-Za-z0-9._-]+$"),
+                            },
+                            "external Sentinel group",
+                        ),
+                        "cluster": obj({"addresses": hostports("host:port of some nodes")}, "external Redis Cluster"),
+                        "tls": s("boolean", "TLS to the sentinels / cluster nodes"),
+                        "passwordSecret": obj(
+                            {"name": s("string", "Secret name"), "key": s("string", "Secret key", minLength=1)},
+                            "password of the Sentinel group / cluster",
+                        ),
+                        "waitReplicas": s("integer", "replicas each guarantee-bearing write waits for", minimum=0),
+                        "waitTimeoutMs": s("integer", "WAIT timeout in ms", minimum=1),
                     },
                     "external Redis",
                 ),

@@ -14,7 +14,6 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
 from rlhf.config import ConfigError, ExperimentConfig
 
@@ -97,11 +96,23 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
                 report.problems.append(f"reward.scorers[{i}].name {s.name}: {module} has no function {fn!r}")
 
     if redis_url:
-        u = urlparse(redis_url)
+        from rlhf.transport.connection import addresses, redact
+
         try:
-            socket.create_connection((u.hostname or "127.0.0.1", u.port or 6379), timeout=2).close()
-        except OSError as err:
-            report.problems.append(f"RLHF_REDIS_URL {redis_url}: cannot connect ({err})")
+            addrs = addresses(redis_url)
+        except ValueError as err:
+            report.problems.append(str(err))
+            addrs = []
+        errors = []
+        for host, port in addrs:  # a Sentinel group or a cluster is usable while any of its addresses answers
+            try:
+                socket.create_connection((host, port), timeout=2).close()
+                break
+            except OSError as err:
+                errors.append(f"{host}:{port}: {err}")
+        else:
+            if addrs:
+                report.problems.append(f"RLHF_REDIS_URL {redact(redis_url)}: cannot connect ({'; '.join(errors)})")
     return report
 
 

@@ -50,7 +50,12 @@ class ServiceSettings(BaseModel):
     )
     log_level: str = Field("info", description="debug, info, warning, error")
     device: str | None = Field(None, description="override the config's device: auto, cpu, cuda, npu")
-    redis_url: str | None = Field(None, repr=False, description="redis://[:password@]host:port/db")
+    redis_url: str | None = Field(
+        None,
+        repr=False,
+        description="redis://[:password@]host:port/db, redis+sentinel://[:password@]host:port,.../service[/db] or "
+        "redis+cluster://[:password@]host:port,... (rediss* for TLS; ?wait_replicas=N: docs/redis-ha.md)",
+    )
     run_id: str | None = Field(None, description="override the config's run_id (names the Redis keys)")
     reward_addr: str | None = Field(None, description="host:port of the reward service's gRPC server")
     reference_addr: str | None = Field(None, description="host:port of the reference service's gRPC server")

@@ -39,6 +39,7 @@ from typing import Any
 
 from rlhf.transport.admission import Admission, AdmissionState, get_policy_version, publish_policy_version
 from rlhf.transport.codec import MalformedRecord, decode_experience, decode_prompt_job, encode
+from rlhf.transport.connection import ReplicationLag, WaitPolicy, parse_redis_url
 from rlhf.transport.keys import ROLLOUT_GROUP, TRAINER_GROUP, RunKeys
 from rlhf.transport.streams import (
     Deduped,
@@ -52,6 +53,7 @@ from rlhf.transport.streams import (
     drop_trained,
     queue_stats,
     trim_stream,
+    waited,
 )
 
 _WEIGHTSYNC = {
@@ -92,7 +94,9 @@ __all__ = [
     "PromptQueue",
     "PublishResult",
     "QueueStats",
+    "ReplicationLag",
     "RunKeys",
+    "WaitPolicy",
     "connect",
     "dead_letters",
     "decode_experience",
@@ -102,7 +106,9 @@ __all__ = [
     "encode",
     "get_policy_version",
     "publish_policy_version",
+    "parse_redis_url",
     "queue_stats",
     "trim_stream",
+    "waited",
     *sorted(_WEIGHTSYNC),
 ]

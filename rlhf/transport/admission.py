@@ -24,9 +24,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 
+from rlhf.transport.connection import NO_WAIT, WaitPolicy, wait_policy
 from rlhf.transport.keys import RunKeys
 
 # KEYS: version key. ARGV: version. Sets it only upward; returns the stored version.
@@ -59,7 +61,15 @@ class Admission:
     """Staleness bound of a run. The trainer asks :meth:`free` (or passes this object to
     :meth:`PromptQueue.publish`, which refuses atomically past the bound) and reports :meth:`set_trained`."""
 
-    def __init__(self, redis: aioredis.Redis, run_id: str, max_staleness: int, batch_size: int):
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        run_id: str,
+        max_staleness: int,
+        batch_size: int,
+        *,
+        wait: WaitPolicy | None = None,
+    ):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 (0 = synchronous), got {max_staleness}")
         if batch_size <= 0:
@@ -68,6 +78,7 @@ class Admission:
         self.keys = RunKeys(run_id)
         self.max_staleness = max_staleness
         self.batch_size = batch_size
+        self.wait = wait if wait is not None else wait_policy(redis)  # WAIT after set_trained / the version
         self._set_version = redis.register_script(_SET_VERSION)
 
     @property
@@ -104,7 +115,9 @@ class Admission:
         total in its own state and checkpoints it."""
         if total < 0:
             raise ValueError("total must be >= 0")
-        await self.redis.set(self.keys.trained, total)
+        from rlhf.transport.streams import _one, waited
+
+        await waited(self.redis, self.wait, self.keys.fence, lambda c: _one(c.set(self.keys.trained, total)))
 
     async def restore(self, trained: int) -> None:
         """After a trainer restart: set the trained counter to the value saved in the checkpoint it resumed from."""
@@ -121,7 +134,9 @@ class Admission:
         return await get_policy_version(self.redis, self.keys.run_id)
 
     async def publish_policy_version(self, version: int) -> int:
-        return await publish_policy_version(self.redis, self.keys.run_id, version, script=self._set_version)
+        return await publish_policy_version(
+            self.redis, self.keys.run_id, version, script=self._set_version, wait=self.wait
+        )
 
 
 async def get_policy_version(redis: aioredis.Redis, run_id: str) -> int | None:
@@ -130,13 +145,22 @@ async def get_policy_version(redis: aioredis.Redis, run_id: str) -> int | None:
     return int(v) if v is not None else None
 
 
-async def publish_policy_version(redis: aioredis.Redis, run_id: str, version: int, *, script=None) -> int:
+async def publish_policy_version(
+    redis: aioredis.Redis, run_id: str, version: int, *, script: Any = None, wait: WaitPolicy = NO_WAIT
+) -> int:
     """Record ``version`` as the run's policy version. Versions never go backwards: publishing the current one
-    again is a no-op, a lower one raises ValueError (the stored one is kept)."""
+    again is a no-op, a lower one raises ValueError (the stored one is kept). With ``wait``, returns once that many
+    replicas have it (see rlhf.transport.streams.waited)."""
+    from rlhf.transport.streams import _one, waited
+
     if version < 0:
         raise ValueError("version must be >= 0")
     script = script or redis.register_script(_SET_VERSION)
-    stored = int(await script(keys=[RunKeys(run_id).policy_version], args=[version]))
+    k = RunKeys(run_id)
+    (raw,) = await waited(
+        redis, wait, k.fence, lambda c: _one(script(keys=[k.policy_version], args=[version], client=c))
+    )
+    stored = int(raw)
     if stored > version:
         raise ValueError(f"policy version {version} is older than the published version {stored}")
     return stored

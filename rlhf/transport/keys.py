@@ -1,7 +1,9 @@
 """Redis key names of one run: the only place they are spelt out.
 
-Every key of a run starts with ``rlhf:{run_id}:`` (``{run_id}`` is a format placeholder: the key of run ``demo`` is
-``rlhf:demo:prompts``). Deleting a run's state is ``DEL`` of :meth:`RunKeys.all`.
+Every key of a run starts with ``rlhf:{<run_id>}:``, braces included: the key of run ``demo`` is
+``rlhf:{demo}:prompts``. The braces are a Redis Cluster hash tag: every key of a run hashes to the same slot, so the
+Lua scripts and pipelines that touch several of them run on a cluster (no CROSSSLOT), and runs with different ids
+spread over the slots. Deleting a run's state is ``DEL`` of :meth:`RunKeys.all`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,12 @@ class RunKeys:
         check_run_id(self.run_id)
 
     def _k(self, name: str) -> str:
-        return f"rlhf:{self.run_id}:{name}"
+        return f"rlhf:{{{self.run_id}}}:{name}"
+
+    @property
+    def hash_tag(self) -> str:
+        """``{run_id}``: the part of every key of the run that Redis Cluster hashes to pick the slot."""
+        return f"{{{self.run_id}}}"
 
     @property
     def prompts(self) -> str:
@@ -91,6 +98,13 @@ class RunKeys:
         """The newest policy version the trainer has published (an integer; only ever increases)."""
         return self._k("policy_version")
 
+    @property
+    def fence(self) -> str:
+        """Counter bumped right before each ``WAIT`` (rlhf.transport.connection.WaitPolicy): WAIT covers the
+        writes of the connection it is sent on, so a write on that connection first makes it cover everything the
+        ring read or wrote before it, including a write that was a no-op (a duplicate publish)."""
+        return self._k("fence")
+
     def all(self) -> list[str]:
         return [
             self.prompts,
@@ -103,4 +117,5 @@ class RunKeys:
             self.released,
             self.released_jobs,
             self.policy_version,
+            self.fence,
         ]

@@ -21,15 +21,17 @@ tests/integration/test_transport*.py or tests/reliability/):
 - **malformed records never raise into a consumer**: they are moved to the dead-letter stream with the reason,
   acknowledged on their stream and counted (:class:`QueueStats`), atomically (Lua).
 
-Use a client made by :func:`connect` (bytes responses, no socket timeout shorter than a blocking read).
+Use a client made by :func:`connect` (bytes responses, no socket timeout shorter than a blocking read; a single
+Redis, a Sentinel group or a Redis Cluster). With a wait policy (``wait_replicas`` in ``RLHF_REDIS_URL``) the writes
+the guarantees depend on return only once that many replicas have them, and the trainer's reads only once the
+records they return are on that many replicas (see :func:`waited`, docs/redis-ha.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
@@ -48,6 +50,8 @@ from rlhf.transport.codec import (
     validate_experience,
     validate_prompt_job,
 )
+from rlhf.transport.connection import NO_WAIT, ReplicationLag, WaitPolicy, is_cluster, wait_policy
+from rlhf.transport.connection import connect as connect  # re-exported: rlhf.transport.streams.connect
 from rlhf.transport.keys import PAYLOAD_FIELD, ROLLOUT_GROUP, TRAINER_GROUP, RunKeys
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,22 +61,36 @@ M = TypeVar("M", PromptJob, Experience)
 Record = tuple[str, M]  # (stream entry id, decoded message)
 
 
-def connect(url: str | None = None, **kwargs: Any) -> aioredis.Redis:
-    """An asyncio Redis client fit for the queues: bytes responses (payloads are protobuf), no read timeout (blocking
-    reads), TCP keepalive, periodic health checks. ``url`` defaults to ``$RLHF_REDIS_URL``, then the local server.
+async def waited(
+    redis: Any, wait: WaitPolicy, fence: str, queue: Callable[[Any], Awaitable[Any]], *, batch: bool = False
+) -> list:
+    """Run the commands ``queue(client)`` issues (awaiting each, returning their replies: on a pipeline they are
+    queued, on a cluster client made at once), then, with ``wait.replicas``, ``INCR fence`` and ``WAIT`` on the same
+    connection (WAIT covers the writes of the connection it is sent on); returns the commands' replies. Raises
+    :class:`ReplicationLag` when fewer replicas acknowledged within the timeout: what was written stands on the
+    master, and every caller's write is idempotent, so the caller retries the whole call. Without a wait policy the
+    commands go in one pipeline when ``batch`` (one round trip), else straight to the client.
+
+    On a Redis Cluster (where :func:`connect` refuses a wait policy) the commands run one by one, in order: redis-py's
+    cluster pipeline does not load Lua scripts, and all keys of a run live in one slot anyway.
     """
-    url = url or os.environ.get("RLHF_REDIS_URL") or "redis://127.0.0.1:6379/0"
-    if kwargs.get("decode_responses"):
-        raise ValueError("the transport needs decode_responses=False: stream payloads are binary protobuf")
-    opts: dict[str, Any] = {
-        "decode_responses": False,
-        "socket_timeout": None,
-        "socket_connect_timeout": 5.0,
-        "socket_keepalive": True,
-        "health_check_interval": 30,
-    }
-    opts.update(kwargs)
-    return aioredis.Redis.from_url(url, **opts)
+    if is_cluster(redis) or not (wait.replicas or batch):
+        return list(await queue(redis))
+    async with redis.pipeline(transaction=False) as pipe:
+        await queue(pipe)
+        if wait.replicas:
+            pipe.incr(fence)
+            pipe.wait(wait.replicas, wait.timeout_ms)
+        out = await pipe.execute()
+    if wait.replicas:
+        acked = int(out[-1])
+        if acked < wait.replicas:
+            raise ReplicationLag(
+                f"WAIT: {acked} of {wait.replicas} replica(s) acknowledged within {wait.timeout_ms} ms "
+                "(wait_replicas in RLHF_REDIS_URL); the write stands on the master and is retried"
+            )
+        out = out[:-2]
+    return out
 
 
 def _s(v: bytes | str | None) -> str | None:
@@ -163,9 +181,14 @@ class LocalCounters:
     reclaimed: int = 0
 
 
+async def _one(call: Awaitable[Any]) -> list:
+    return [await call]
+
+
 class _StreamQueue(Generic[M]):
     group: str
     kind: str
+    wait_reads = False  # WAIT after reads too (the trainer's: it must not train on a record a failover takes back)
 
     def __init__(
         self,
@@ -174,6 +197,7 @@ class _StreamQueue(Generic[M]):
         *,
         max_deliveries: int | None = None,
         dead_maxlen: int = 100_000,
+        wait: WaitPolicy | None = None,
     ):
         kwargs = getattr(getattr(redis, "connection_pool", None), "connection_kwargs", {})
         if kwargs.get("decode_responses"):
@@ -183,6 +207,7 @@ class _StreamQueue(Generic[M]):
         self.run_id = run_id
         self.max_deliveries = max_deliveries
         self.dead_maxlen = dead_maxlen
+        self.wait = wait if wait is not None else wait_policy(redis)  # see waited()
         self.counters = LocalCounters()
         self._groups_ready = False
         self._consumers: dict[str, _ConsumerState] = {}
@@ -222,8 +247,13 @@ class _StreamQueue(Generic[M]):
         await self._ready()
         for attempt in range(2):
             try:
-                resp = await self.redis.xreadgroup(
-                    self.group, consumer, {self.stream: start}, count=count, block=block_ms
+                (resp,) = await waited(
+                    self.redis,
+                    self.wait if self.wait_reads else NO_WAIT,
+                    self.keys.fence,
+                    lambda c: _one(
+                        c.xreadgroup(self.group, consumer, {self.stream: start}, count=count, block=block_ms)
+                    ),
                 )
                 return _entries(resp)
             except ResponseError as err:  # the group vanished (a Redis without persistence restarted)
@@ -241,11 +271,15 @@ class _StreamQueue(Generic[M]):
         now = str(int(time.time() * 1000))
         k = self.keys
         keys = [self.stream, k.dead, k.dead_count, k.released, k.jobs, k.released_jobs]
-        async with self.redis.pipeline(transaction=False) as pipe:
+
+        async def queue(c: Any) -> list:
+            out = []
             for entry_id, payload, reason, job_id in items:
                 args = [self.group, entry_id, reason, payload or b"", consumer, now, self.dead_maxlen, job_id]
-                await self._dead_script(keys=keys, args=args, client=pipe)
-            moved = sum(int(x) for x in await pipe.execute())
+                out.append(await self._dead_script(keys=keys, args=args, client=c))
+            return out
+
+        moved = sum(int(x) for x in await waited(self.redis, self.wait, k.fence, queue, batch=True))
         self.counters.dead_lettered += moved
         return moved
 
@@ -312,10 +346,13 @@ class _StreamQueue(Generic[M]):
     async def ack(self, entry_ids: Iterable[str | bytes]) -> int:
         """Acknowledge entries in this queue's group; returns how many were pending (re-acking is harmless)."""
         ids = list(entry_ids)
-        n = 0
-        for i in range(0, len(ids), 1000):
-            n += await self.redis.xack(self.stream, self.group, *ids[i : i + 1000])
-        return n
+        if not ids:
+            return 0
+
+        async def queue(c: Any) -> list:
+            return [await c.xack(self.stream, self.group, *ids[i : i + 1000]) for i in range(0, len(ids), 1000)]
+
+        return sum(int(n) for n in await waited(self.redis, self.wait, self.keys.fence, queue))
 
     async def reclaim(self, consumer: str, min_idle_ms: int, count: int = 16) -> list[Record]:
         """Take over up to ``count`` entries pending longer than ``min_idle_ms`` in the group (a dead consumer's)
@@ -483,16 +520,17 @@ class PromptQueue(_StreamQueue[PromptJob]):
     def _decode(self, data: bytes | None) -> PromptJob:
         return decode_prompt_job(data, self.run_id)
 
-    def _publish_call(self, job: PromptJob, admission: Admission | None, client: Any) -> Any:
+    def _check_publishable(self, job: PromptJob, admission: Admission | None) -> None:
         try:
             validate_prompt_job(job, self.run_id)
         except MalformedRecord as err:
             raise ValueError(f"refusing to publish: {err.reason}") from None
-        capacity = -1
-        if admission is not None:
-            if admission.keys != self.keys:
-                raise ValueError(f"admission is for run {admission.keys.run_id!r}, this queue for {self.run_id!r}")
-            capacity = admission.capacity
+        if admission is not None and admission.keys != self.keys:
+            raise ValueError(f"admission is for run {admission.keys.run_id!r}, this queue for {self.run_id!r}")
+
+    def _publish_call(self, job: PromptJob, admission: Admission | None, client: Any) -> Any:
+        self._check_publishable(job, admission)
+        capacity = admission.capacity if admission is not None else -1
         k = self.keys
         return self._publish_script(
             keys=[k.jobs, k.prompts, k.issued, k.trained, k.released],
@@ -514,17 +552,20 @@ class PromptQueue(_StreamQueue[PromptJob]):
         in the same atomic script): otherwise status ``full`` and nothing is written. ``ValueError`` for a job
         without job_id / prompt, or for another run.
         """
-        await self._ready()
-        return self._result(job, await self._publish_call(job, admission, self.redis))
+        return (await self.publish_many([job], admission))[0]
 
     async def publish_many(self, jobs: Sequence[PromptJob], admission: Admission | None = None) -> list[PublishResult]:
         """:meth:`publish` for many jobs in one round trip (each job atomic; in order, so once ``full`` is reached
         the rest are ``full`` too unless one was a duplicate)."""
         await self._ready()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for job in jobs:
-                await self._publish_call(job, admission, pipe)
-            raws = await pipe.execute()
+        calls = [(job, admission) for job in jobs]  # validated before anything is sent
+
+        async def queue(c: Any) -> list:
+            return [await self._publish_call(job, adm, c) for job, adm in calls]
+
+        for job in jobs:
+            self._check_publishable(job, admission)
+        raws = await waited(self.redis, self.wait, self.keys.fence, queue, batch=True)
         return [self._result(j, r) for j, r in zip(jobs, raws, strict=True)]
 
     async def issued_entry(self, job_id: str) -> str | None:
@@ -551,6 +592,7 @@ class ExperienceQueue(_StreamQueue[Experience]):
 
     group = TRAINER_GROUP
     kind = "experience"
+    wait_reads = True
 
     def __init__(self, redis: aioredis.Redis, run_id: str, **kwargs: Any):
         super().__init__(redis, run_id, **kwargs)
@@ -586,7 +628,14 @@ class ExperienceQueue(_StreamQueue[Experience]):
         await self._ready()
         payload = self._payload(experience)
         keys = [self.keys.prompts, self.keys.experience]
-        return _s(await self._publish_ack_script(keys=keys, args=[ROLLOUT_GROUP, prompt_entry_id, payload]))
+        args = [ROLLOUT_GROUP, prompt_entry_id, payload]
+        (raw,) = await waited(
+            self.redis,
+            self.wait,
+            self.keys.fence,
+            lambda c: _one(self._publish_ack_script(keys=keys, args=args, client=c)),
+        )
+        return _s(raw)
 
 
 @dataclass

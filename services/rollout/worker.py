@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlhf.serving.errors import InvalidArgument
 from rlhf.serving.runner import open_channel
@@ -355,7 +357,7 @@ class RolloutWorker:
         code = "OK"
         try:
             exp = await self.process(job)
-            written = await self._experience.publish_and_ack(exp, entry_id)
+            written = await self._publish(exp, entry_id)
             if written is None:
                 code = "DUPLICATE"
                 self.stats.duplicates += 1
@@ -388,6 +390,24 @@ class RolloutWorker:
         finally:
             if self.metrics is not None:
                 self.metrics.observe_request("RolloutJob", "redis", time.perf_counter() - t0, code)
+
+    async def _publish(self, exp: experience_pb2.Experience, entry_id: str) -> str | None:
+        """:meth:`ExperienceQueue.publish_and_ack`, retried while Redis is unreachable or its replicas lag (a
+        restart, a Sentinel failover, ``wait_replicas`` not met yet), for up to the reclaim idle time: the work is
+        kept instead of regenerated. A retry is safe: once a try went through, the job is no longer pending and the
+        next writes nothing. Past that time the job is left pending, and reclaimed (re-issued) as any failed job."""
+        deadline = time.monotonic() + self.reclaim_idle_ms / 1000
+        delay = 0.2
+        while True:
+            try:
+                return await self._experience.publish_and_ack(exp, entry_id)
+            except (RedisConnectionError, RedisTimeoutError) as err:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("%s: writing the experience of job %s failed (%s: %s); retrying in %.1fs",
+                            self.replica_id, exp.job_id, type(err).__name__, err, delay)  # fmt: skip
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     def sampling_options(self, p: common_pb2.SamplingParams) -> SamplingOptions:
         d = self.defaults

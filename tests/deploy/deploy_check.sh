@@ -63,6 +63,12 @@ check "helm template | kubernetes-validate --strict (GPU)" validate "${GPU[@]}"
 check "helm template | kubernetes-validate --strict (NPU)" validate "${NPU[@]}"
 check "helm template | kubernetes-validate (external Redis, TLS)" validate --set redis.enabled=false \
     --set redis.external.url=redis://:pw@redis.example:6379/0 --set tls.enabled=true --set tls.existingSecret=rlhf-tls
+check "helm template | kubernetes-validate (external Sentinel, WAIT 1, KEDA)" validate --set redis.enabled=false \
+    --set 'redis.external.sentinel.addresses={redis-node-0.redis-headless:26379}' \
+    --set redis.external.passwordSecret.name=redis --set redis.external.waitReplicas=1 \
+    --set rollout.autoscaling.keda.enabled=true
+check "helm template | kubernetes-validate (external Redis Cluster, TLS)" validate --set redis.enabled=false \
+    --set 'redis.external.cluster.addresses={redis-cluster:6379}' --set redis.external.tls=true
 check "helm template | kubernetes-validate (trainer as an indexed Job)" validate --set trainer.kind=Job
 check "helm template | kubernetes-validate (GPU trainer, 2 nodes x 2 processes)" validate "${GPU[@]}" \
     --set trainer.torchrun.nnodes=2 --set trainer.torchrun.nprocPerNode=2 --set trainer.accelerator.count=2

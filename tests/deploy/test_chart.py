@@ -217,6 +217,87 @@ def test_external_redis_url_comes_from_a_secret(helm):
     assert proc.returncode != 0 and "redis.external.url" in proc.stderr
 
 
+SENTINEL = (
+    "--set",
+    "redis.enabled=false",
+    "--set",
+    "redis.external.sentinel.addresses={s1.redis:26379,s2.redis:26379}",
+    "--set",
+    "redis.external.passwordSecret.name=ext-redis",
+    "--set",
+    "rollout.autoscaling.keda.enabled=true",
+)
+CLUSTER = ("--set", "redis.enabled=false", "--set", "redis.external.cluster.addresses={n1.redis:6379}",
+           "--set", "redis.external.tls=true", "--set", "rollout.autoscaling.keda.enabled=true")  # fmt: skip
+
+
+def _redis_env(r) -> dict:
+    """RLHF_REDIS_URL of rollout and the trainer (the same), with the password Kubernetes would expand."""
+    envs = [
+        env_of(containers(w)[0]) for w in (r.component("Deployment", "rollout"), r.component("StatefulSet", "trainer"))
+    ]
+    assert envs[0]["RLHF_REDIS_URL"] == envs[1]["RLHF_REDIS_URL"]
+    return envs[0]
+
+
+def test_external_sentinel_group_builds_the_url_the_services_parse(helm):
+    from rlhf.transport.connection import WaitPolicy, parse_redis_url
+
+    r = render(helm, *SENTINEL, "--set", "redis.external.waitReplicas=1", "--set", "redis.external.waitTimeoutMs=500")
+    assert not [s for s in r.kind("StatefulSet") if s["metadata"]["labels"]["app.kubernetes.io/component"] == "redis"]
+    env = _redis_env(r)
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "ext-redis", "key": "redis-password"}
+    assert list(env).index("REDIS_PASSWORD") < list(env).index("RLHF_REDIS_URL"), "$(VAR) needs VAR first"
+    t = parse_redis_url(env["RLHF_REDIS_URL"]["value"].replace("$(REDIS_PASSWORD)", "pw"))
+    assert t.kind == "sentinel" and t.hosts == (("s1.redis", 26379), ("s2.redis", 26379))
+    assert t.service_name == "mymaster" and t.password == t.sentinel_password == "pw" and t.wait == WaitPolicy(1, 500)
+    (so,) = r.kind("ScaledObject")
+    (trigger,) = so["spec"]["triggers"]
+    assert trigger["type"] == "redis-sentinel-streams" and trigger["metadata"]["sentinelMaster"] == "mymaster"
+    assert trigger["metadata"]["addresses"] == "s1.redis:26379,s2.redis:26379"
+    assert trigger["metadata"]["stream"] == "rlhf:{demo}:prompts"
+    (auth,) = r.kind("TriggerAuthentication")
+    assert {p["parameter"] for p in auth["spec"]["secretTargetRef"]} == {"password", "sentinelPassword"}
+    assert all(p["name"] == "ext-redis" for p in auth["spec"]["secretTargetRef"])
+    assert not any("redis-url" in (s.get("data") or {}) for s in r.kind("Secret")), "no URL Secret is needed"
+
+
+def test_external_cluster_builds_the_url_the_services_parse(helm):
+    from rlhf.transport.connection import parse_redis_url
+
+    r = render(helm, *CLUSTER)
+    env = _redis_env(r)
+    assert "REDIS_PASSWORD" not in env  # no passwordSecret: no password
+    t = parse_redis_url(env["RLHF_REDIS_URL"]["value"])
+    assert t.kind == "cluster" and t.tls and t.hosts == (("n1.redis", 6379),) and t.password is None
+    (so,) = r.kind("ScaledObject")
+    (trigger,) = so["spec"]["triggers"]
+    assert trigger["type"] == "redis-cluster-streams" and "databaseIndex" not in trigger["metadata"]
+    assert trigger["metadata"]["enableTLS"] == "true" and not r.kind("TriggerAuthentication")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--set", "redis.external.url=redis://h:6379/0"), "set one of url/existingSecret, sentinel.addresses"),
+        (("--set", "redis.external.url=redis://h:6379/0", "--set", "redis.external.cluster.addresses={n1:6379}"),
+         "(got url, sentinel, cluster)"),
+        (("--set", "redis.external.waitReplicas=1", "--set", "redis.external.sentinel.addresses=null",
+          "--set", "redis.external.url=redis://h:6379/0"), "put wait_replicas=N in the URL"),
+        (("--set", "redis.enabled=true"), "apply with redis.enabled=false"),
+        (("--set", "redis.external.sentinel.addresses={s1}"), "values don't meet the specifications of the schema"),
+    ],
+)  # fmt: skip
+def test_external_redis_values_that_would_be_ignored_are_refused(helm, extra, message):
+    proc = helm_template(helm, *SENTINEL, *extra, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-600:]
+
+
+def test_cluster_refuses_wait_replicas(helm):
+    proc = helm_template(helm, *CLUSTER, "--set", "redis.external.waitReplicas=1", check=False)
+    assert proc.returncode != 0 and "not available on a Redis Cluster" in proc.stderr, proc.stderr[-600:]
+
+
 def test_probes_are_sized_for_model_loading(rendered):
     for name, r in rendered.items():
         for comp, workload in r.service_workloads().items():
@@ -328,7 +409,7 @@ def test_keda_scales_rollout_on_the_prompts_stream(rendered):
     (trigger,) = so["spec"]["triggers"]
     assert trigger["type"] == "redis-streams"
     meta = trigger["metadata"]
-    assert meta["stream"] == "rlhf:llama32-1b-ppo:prompts" and meta["consumerGroup"] == "rollout"
+    assert meta["stream"] == "rlhf:{llama32-1b-ppo}:prompts" and meta["consumerGroup"] == "rollout"
     assert meta["pendingEntriesCount"] == "64"
     (auth,) = r.kind("TriggerAuthentication")
     assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
@@ -479,7 +560,7 @@ def test_notes_tell_how_to_watch_a_run(helm, tmp_path):
         "/v1/status",
         "/v1/completions",
         "/v1/score",
-        "XPENDING rlhf:demo:prompts rollout",
+        "XPENDING 'rlhf:{demo}:prompts' rollout",
     ):
         assert needed in text, needed
 

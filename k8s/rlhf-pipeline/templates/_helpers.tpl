@@ -111,6 +111,55 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (include "rlhf.secretName" .) .Values.redis.external.existingSecret }}
 {{- end }}
 
+{{/* How the services reach Redis: "chart" (the chart's own), "url" (an external URL in a Secret), "sentinel" or
+"cluster" (external, RLHF_REDIS_URL built from redis.external). Fails on values that would be ignored. */}}
+{{- define "rlhf.redisMode" -}}
+{{- $r := .Values.redis }}
+{{- $ext := $r.external }}
+{{- $given := list }}
+{{- if or $ext.url $ext.existingSecret }}{{ $given = append $given "url" }}{{ end }}
+{{- if $ext.sentinel.addresses }}{{ $given = append $given "sentinel" }}{{ end }}
+{{- if $ext.cluster.addresses }}{{ $given = append $given "cluster" }}{{ end }}
+{{- $ha := or $ext.sentinel.addresses $ext.cluster.addresses }}
+{{- if $r.enabled }}
+{{- if or $ha (gt (int $ext.waitReplicas) 0) }}
+{{- fail "redis.external.sentinel / .cluster / .waitReplicas apply with redis.enabled=false (the chart's own Redis has no replicas)" }}
+{{- end }}
+{{- print "chart" }}
+{{- else }}
+{{- if eq (len $given) 0 }}
+{{- fail "redis.enabled=false needs redis.external.url or redis.external.existingSecret (a Secret with the redis:// URL), redis.external.sentinel.addresses or redis.external.cluster.addresses" }}
+{{- end }}
+{{- if gt (len $given) 1 }}
+{{- fail (printf "redis.external: set one of url/existingSecret, sentinel.addresses, cluster.addresses (got %s)" (join ", " $given)) }}
+{{- end }}
+{{- $mode := first $given }}
+{{- if and (gt (int $ext.waitReplicas) 0) (eq $mode "url") }}
+{{- fail "redis.external.waitReplicas: with redis.external.url put wait_replicas=N in the URL's query instead" }}
+{{- end }}
+{{- if and (gt (int $ext.waitReplicas) 0) (eq $mode "cluster") }}
+{{- fail "redis.external.waitReplicas is not available on a Redis Cluster (WAIT must go on the connection that wrote; redis-py's cluster client cannot do that): use a Sentinel group for acknowledged replication" }}
+{{- end }}
+{{- print $mode }}
+{{- end }}
+{{- end }}
+
+{{/* RLHF_REDIS_URL of an external Sentinel group or cluster; $(REDIS_PASSWORD) is expanded by Kubernetes. */}}
+{{- define "rlhf.redisHaUrl" -}}
+{{- $ext := .Values.redis.external }}
+{{- $auth := ternary ":$(REDIS_PASSWORD)@" "" (ne $ext.passwordSecret.name "") }}
+{{- $scheme := ternary "rediss" "redis" $ext.tls }}
+{{- if $ext.sentinel.addresses }}
+{{- $q := "" }}
+{{- if gt (int $ext.waitReplicas) 0 }}
+{{- $q = printf "?wait_replicas=%d&wait_timeout_ms=%d" (int $ext.waitReplicas) (int $ext.waitTimeoutMs) }}
+{{- end }}
+{{- printf "%s+sentinel://%s%s/%s/0%s" $scheme $auth (join "," $ext.sentinel.addresses) $ext.sentinel.serviceName $q }}
+{{- else }}
+{{- printf "%s+cluster://%s%s" $scheme $auth (join "," $ext.cluster.addresses) }}
+{{- end }}
+{{- end }}
+
 {{/* A secret value kept across upgrades: the given one, else the one already in the cluster, else a new random one. */}}
 {{- define "rlhf.secretValue" -}}
 {{- $existing := lookup "v1" "Secret" .root.Release.Namespace (include "rlhf.secretName" .root) }}
@@ -259,6 +308,16 @@ readinessProbe:
 - name: RLHF_REDIS_URL
   value: {{ printf "redis://%s:6379/0" (include "rlhf.redisHost" $root) | quote }}
 {{- end }}
+{{- else if has (include "rlhf.redisMode" $root) (list "sentinel" "cluster") }}
+{{- if $v.redis.external.passwordSecret.name }}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.redis.external.passwordSecret.name }}
+      key: {{ $v.redis.external.passwordSecret.key }}
+{{- end }}
+- name: RLHF_REDIS_URL
+  value: {{ include "rlhf.redisHaUrl" $root | quote }}
 {{- else }}
 - name: RLHF_REDIS_URL
   valueFrom:
