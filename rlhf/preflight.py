@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from rlhf.config import ConfigError, ExperimentConfig
+from rlhf.config import ConfigError, ExperimentConfig, config_warning
 
 
 @dataclass
@@ -41,6 +41,9 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
     from rlhf.data import load_prompts
 
     report = Report()
+    warning = config_warning(cfg)  # MindSpeed keys that do not apply here: one warning, a line per key
+    if warning:
+        report.warnings.append(warning)
     try:
         load_prompts(cfg.data)
     except ConfigError as err:
