@@ -41,8 +41,15 @@ from rlhf.algo.ppo import (
     sequence_lengths,
     truncate_at_stop,
 )
+from rlhf.algo.reward_norm import RunningMoments, normalize_and_clip
+from rlhf.algo.schedule import lr_at
+from rlhf.algo.sft import sft_loss
 
 __all__ = [
+    "RunningMoments",
+    "lr_at",
+    "normalize_and_clip",
+    "sft_loss",
     "GROUP_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_TYPES",

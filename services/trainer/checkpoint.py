@@ -87,6 +87,7 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
         "version_segments": engine.version_segments,
         "stage": engine.stage,
         "optimizers": optim_meta,
+        "reward_moments": None if engine.reward_moments is None else engine.reward_moments.state(),
         **extra,
     }
     (tmp / "state.json").write_text(json.dumps(state))
@@ -105,7 +106,30 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
     os.replace(latest_tmp, root / "latest")
     for stale in root.glob("step_*.tmp-*"):  # left by a writer that crashed
         shutil.rmtree(stale, ignore_errors=True)
+    export_models(engine)
     return final
+
+
+def export_models(engine) -> None:
+    """Write the actor (and the critic) as Hugging Face folders to ``actor_rollout.save`` / ``critic.save`` when set
+    (the seeds' save fields): the latest weights, replaced whole (written beside, then renamed over)."""
+    cfg = engine.cfg
+    targets = [(cfg.actor.save, engine.actor, engine.tokenizer), (cfg.critic.save, engine.critic, engine.tokenizer)]
+    for dest, model, tok in targets:
+        if dest is None or model is None:
+            continue
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        old = None
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            os.replace(dest, old / dest.name)
+        os.replace(tmp, dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def incomplete_reason(path: str | Path) -> str | None:
@@ -156,14 +180,21 @@ def load_checkpoint(path: str | Path, engine) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path} was trained with stage {state['stage']}, config says {engine.stage}")
     _load_weights(engine.actor, path / "policy")
     tensors = load_file(path / "optim.safetensors")
-    _restore_optimizer("actor", engine.actor_opt, tensors, state["optimizers"]["actor"])
+    t = engine.cfg.training  # MindSpeed's no_load_optim / no_load_rng: fresh AdamW moments / generators
+    if not t.no_load_optim:
+        _restore_optimizer("actor", engine.actor_opt, tensors, state["optimizers"]["actor"])
     if engine.critic is not None:
         if not (path / "critic").is_dir():
             raise ValueError(f"checkpoint {path} has no critic/, but stage {engine.stage} trains one")
         _load_weights(engine.critic, path / "critic")
-        _restore_optimizer("critic", engine.critic_opt, tensors, state["optimizers"]["critic"])
-    torch.set_rng_state(tensors["rng.torch"])
-    engine.generator.set_state(tensors["rng.generator"])
+        if not t.no_load_optim:
+            _restore_optimizer("critic", engine.critic_opt, tensors, state["optimizers"]["critic"])
+    if not t.no_load_rng:
+        torch.set_rng_state(tensors["rng.torch"])
+        engine.generator.set_state(tensors["rng.generator"])
+    moments = state.get("reward_moments")
+    if engine.reward_moments is not None and moments:
+        engine.reward_moments = type(engine.reward_moments)(**moments)
     engine.step_count = state["step"]
     engine.policy_version = state["policy_version"]
     engine.kl_ctrl.value = state["kl_coef"]
