@@ -265,8 +265,9 @@ class AlgorithmConfig(Section):
 
 class ResourcePoolConfig(Section):
     """Accelerators per role under ``rlhf up`` (one list entry per node; rlhf up runs on one node). Each service
-    process sees only its own devices (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES); no effect on a CPU-only
-    machine or under Kubernetes (there the chart's resources place each role)."""
+    process sees only its own devices (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), handed out in order: trainer,
+    rollout replicas, reference, reward. Without resource_pool or num_gpus_* in the config every service sees every
+    device; no effect on a CPU-only machine or under Kubernetes (there the chart's resources place each role)."""
 
     actor_rollout: list[int] = _f(
         [1], "devices for the trainer and rollout together: num_gpus_for_train + num_gpus_for_infer"
