@@ -183,3 +183,29 @@ def test_save_folders_hold_the_trained_models_and_no_load_optim_rng(tiny_models,
     full = TrainerEngine(_config())
     load_checkpoint(latest_checkpoint(tmp_path / "ckpt"), full)
     assert full.actor_opt.state and torch.equal(full.generator.get_state(), engine.generator.get_state())
+
+
+def test_tokenizer_sampling_mode_adam_settings_and_vf_coef_reach_the_engine(tiny_models, tmp_path):
+    import shutil
+
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tiny_models.policy, tok_dir)
+    (tok_dir / "model.safetensors").unlink()
+    cfg = _config(training={"tokenizer_name_or_path": str(tok_dir), "adam_beta1": 0.8, "adam_beta2": 0.99,
+                            "weight_decay": 0.05},
+                  actor={"do_sample": False, "temperature": 0.7})  # fmt: skip
+    engine = TrainerEngine(cfg)
+    assert engine.tokenizer.name_or_path == str(tok_dir)
+    assert engine.temperature == 1.0  # greedy rollout: log-probs of the raw logits
+    group = engine.actor_opt.param_groups[0]
+    assert group["betas"] == (0.8, 0.99) and group["weight_decay"] == 0.05
+    assert engine.critic_opt.param_groups[0]["betas"] == (0.8, 0.99)
+    assert TrainerEngine(_config(actor={"temperature": 0.7})).temperature == 0.7
+
+    grads = {}
+    for coef in (1.0, 3.0):
+        e = TrainerEngine(_config(critic={"vf_coef": coef}))
+        step = e.critic_opt.step
+        e.critic_opt.step = lambda s=step, e=e, c=coef: (grads.setdefault(c, e.critic.score.weight.grad.clone()), s())
+        e.step(_batch(e))
+    torch.testing.assert_close(grads[3.0], 3.0 * grads[1.0], rtol=1e-4, atol=1e-7)

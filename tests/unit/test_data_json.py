@@ -34,3 +34,24 @@ def test_bad_json_files_are_config_errors_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="data.map_keys.text: row 0 .* no column 'text'"):
         load_texts(DataConfig(pretrain_data=str(texts)))
     assert load_texts(DataConfig(pretrain_data=str(texts), map_keys={"text": "body"})) == ["x"]
+
+
+def test_max_samples_shuffle_and_system_message():
+    from rlhf.data import PromptCursor, encode_prompt
+
+    records = load_prompts(DataConfig(max_samples=5))
+    assert [r.index for r in records] == [0, 1, 2, 3, 4]
+    plain = PromptCursor(records, seed=1, shuffle=False)
+    assert [plain.next()[1].index for _ in range(5)] == [0, 1, 2, 3, 4]
+    shuffled = PromptCursor(records, seed=1, shuffle=True)
+    order = [shuffled.next()[1].index for _ in range(5)]
+    assert sorted(order) == [0, 1, 2, 3, 4] and order != [0, 1, 2, 3, 4]
+
+    class Tok:
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            return [len(m["content"]) for m in messages]
+
+    assert encode_prompt(Tok(), "four", 10, system="sys") == [3, 4]
+    assert encode_prompt(Tok(), "four", 10) == [4]
