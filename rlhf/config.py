@@ -38,8 +38,8 @@ class TrainingConfig(Section):
     global_batch_size: int = _f(
         8, "prompts per training step (the rollout batch; each gives n_samples_per_prompt samples)", gt=0
     )
-    seq_length: int = _f(1024, "maximum prompt + response tokens", gt=1)
-    train_iters: int = _f(100, "training steps to run", gt=0)
+    seq_length: int = _f(1024, "maximum prompt + response length in tokens", gt=1)
+    train_iters: int = _f(100, "training steps (optimizer updates of one rollout batch each) to run", gt=0)
     tokenizer_name_or_path: str | None = _f(None, "tokenizer directory; default: the actor's")
     seed: int = _f(1234, "random seed for data order, sampling and initialisation")
     lr: float = _f(1e-6, "actor learning rate", gt=0)
@@ -85,8 +85,8 @@ class ActorRolloutConfig(Section):
     temperature: float = _f(1.0, "sampling temperature; also divides logits for log-probs", gt=0)
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
     top_k: int = _f(-1, "top-k sampling (-1 disables)")
-    max_prompt_length: int = _f(512, "prompts longer than this are truncated from the left", gt=0)
-    max_new_tokens: int | None = _f(None, "response budget; default seq_length - max_prompt_length", gt=0)
+    max_prompt_length: int = _f(512, "prompt budget in tokens: longer prompts are truncated from the left", gt=0)
+    max_new_tokens: int | None = _f(None, "response budget in tokens; default seq_length - max_prompt_length", gt=0)
     n_samples_per_prompt: int = _f(1, "samples per prompt (GRPO/RLOO group size; 2 for online DPO)", gt=0)
     ppo_mini_batch_size: int = _f(
         1, "samples per actor optimizer step (online DPO: 2 samples = 1 pair, so pairs = this / 2, at least 1)", gt=0
@@ -156,7 +156,7 @@ class ActorRolloutRefConfig(Section):
 class CriticConfig(Section):
     load: str | None = _f(None, "critic initialisation: a sequence-classification model (default the reward model)")
     cliprange_value: float = _f(0.2, "value clip range (<= 0 disables)")
-    critic_mini_batch_size: int = _f(1, "rows per critic optimizer step", gt=0)
+    critic_mini_batch_size: int = _f(1, "samples per critic optimizer step", gt=0)
     critic_update_epochs: int = _f(1, "passes of the critic over each rollout batch", gt=0)
     lr: float | None = _f(None, "critic learning rate (default training.lr); follows the actor's schedule shape")
     save: str | None = _f(None, "also write the critic as a Hugging Face folder here at every checkpoint")
