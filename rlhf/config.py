@@ -112,6 +112,18 @@ class ActorRolloutConfig(Section):
     stop: list[str] = _f([], "stop strings for generation")
     apply_chat_template: bool = _f(True, "wrap prompts in the tokenizer's chat template when it has one")
     lr: float | None = _f(None, "actor learning rate (overrides training.lr)")
+    # LoRA (seed 001's peft LoraConfig: r, lora_alpha, lora_dropout, target_modules)
+    lora_r: int = _f(
+        0, "LoRA rank of the actor's adapters (0: full fine-tuning); rollout gets the merged weights", ge=0
+    )
+    lora_alpha: float = _f(16.0, "LoRA alpha: the adapter's update is scaled by alpha / r", gt=0)
+    lora_dropout: float = _f(
+        0.0, "LoRA dropout; only 0: the policy-gradient losses compare two forward passes (TRL disables it too)", ge=0
+    )
+    lora_target_modules: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "names of the actor's linear modules that get adapters",
+    )
     # per-role optimizer settings (MindSpeed puts them in the role section); null: the training section's value
     weight_decay: float | None = _f(None, "actor AdamW weight decay (default training.weight_decay)", ge=0)
     adam_beta1: float | None = _f(None, "actor AdamW beta1 (default training.adam_beta1)", ge=0, lt=1)
@@ -416,6 +428,13 @@ def _optimization_problems(cfg: ExperimentConfig) -> list[str]:
         elif a.freezing_actor_steps >= t.train_iters:
             problems.append(f"actor_rollout.freezing_actor_steps {a.freezing_actor_steps} >= training.train_iters "
                             f"{t.train_iters}: the actor would never train")  # fmt: skip
+    if a.lora_dropout > 0:
+        problems.append(
+            "actor_rollout.lora_dropout must be 0: dropout makes the new and old log-probs of the same tokens differ, "
+            "which the ratio and KL terms read as policy change (TRL's PPO disables it as well)"
+        )
+    if a.lora_r == 0 and {"lora_alpha", "lora_target_modules"} & a.model_fields_set:
+        problems.append("actor_rollout.lora_alpha / lora_target_modules are read only with lora_r > 0; set lora_r")
     if a.ptx_coef > 0 and cfg.data.pretrain_data is None:
         problems.append("actor_rollout.ptx_coef > 0 needs data.pretrain_data (the SFT texts)")
     if a.ptx_coef == 0 and cfg.data.pretrain_data is not None:

@@ -115,6 +115,11 @@ class TrainerEngine:
         self.actor = load_causal_lm(actor_path, self.device, "float32")
         self.actor.train()
         _disable_dropout(self.actor)
+        if cfg.actor.lora_r:  # only the adapters train; rollout and checkpoints get the merged weights
+            from rlhf.lora import wrap_lora
+
+            a = cfg.actor
+            self.actor = wrap_lora(self.actor, a.lora_r, a.lora_alpha, a.lora_target_modules)
         t = cfg.training
         # fused AdamW, TRL's default ("adamw_torch_fused"): 4-6x faster optimizer steps than the per-tensor loop (CPU)
         fused = self.device.type in ("cpu", "cuda")
@@ -632,7 +637,13 @@ class TrainerEngine:
         rollout serves bf16 and the transfer is half the bytes."""
         dtype = torch.bfloat16 if self.cfg.training.bf16 else None
         out = {}
-        for k, v in self.actor.state_dict().items():
+        if self.cfg.actor.lora_r:
+            from rlhf.lora import merged_state_dict
+
+            weights = merged_state_dict(self.actor)
+        else:
+            weights = self.actor.state_dict()
+        for k, v in weights.items():
             v = v.detach()
             if dtype is not None and v.is_floating_point():
                 v = v.to(dtype)
@@ -641,8 +652,8 @@ class TrainerEngine:
 
 
 def _adamw(model: torch.nn.Module, role: optim.RoleOptim, fused: bool) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=role.lr, betas=role.betas, weight_decay=role.weight_decay,
-                             fused=fused)  # fmt: skip
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    return torch.optim.AdamW(params, lr=role.lr, betas=role.betas, weight_decay=role.weight_decay, fused=fused)
 
 
 class _PtxData:

@@ -34,6 +34,7 @@ PER_ROLE = "tests/unit/test_algo_training_options.py::test_per_role_optimizer_fi
 SCHEDULE = [TO + "test_lr_schedule_sets_each_steps_learning_rate",
             "tests/unit/test_algo_training_options.py::test_lr_schedule_values_at_given_steps", PER_ROLE]  # fmt: skip
 DATA = "tests/unit/test_data_json.py::"
+LORA = "tests/trainer/test_lora.py::"
 
 FIELD_TESTS: dict[str, list[str] | str] = {
     "run_id": [TRAINER_SVC, "tests/integration/test_launcher.py::test_plan_services_order_ports_and_env"],
@@ -119,6 +120,19 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "actor_rollout_ref.actor_rollout.stop": ["tests/integration/test_engines.py::test_hf_stops_and_lengths"],
     "actor_rollout_ref.actor_rollout.apply_chat_template": [
         "tests/integration/test_rollout_openai.py::test_chat_uses_the_chat_template"
+    ],
+    "actor_rollout_ref.actor_rollout.lora_r": [
+        LORA + "test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model",
+        LORA + "test_a_lora_checkpoint_resumes_the_adapters_and_its_policy_is_the_merged_model",
+    ],
+    "actor_rollout_ref.actor_rollout.lora_alpha": [
+        LORA + "test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model"
+    ],
+    "actor_rollout_ref.actor_rollout.lora_dropout": [
+        SEEDS + "test_options_that_only_make_sense_together_are_checked_at_load"
+    ],
+    "actor_rollout_ref.actor_rollout.lora_target_modules": [
+        LORA + "test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model"
     ],
     "actor_rollout_ref.actor_rollout.lr": SCHEDULE,
     "actor_rollout_ref.actor_rollout.weight_decay": [PER_ROLE],
