@@ -223,7 +223,10 @@ class AlgorithmConfig(Section):
     gamma: float = _f(1.0, "discount factor", ge=0, le=1)
     lam: float = _f(0.95, "GAE lambda", ge=0, le=1)
     kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = _f(
-        "kl", "per-token KL estimator (default k3, low_var_kl, for ray_grpo as TRL's GRPO; kl, k1, otherwise)"
+        "kl",
+        "per-token KL estimator (default k3, low_var_kl, for ray_grpo as TRL's GRPO; kl, k1, otherwise); "
+        "full (ray_ppo): the exact KL over the vocabulary, from a reference copy the trainer holds (one more model "
+        "in its memory)",
     )
     kl_ctrl: KLCtrlConfig = _f(KLCtrlConfig(), "KL coefficient (TRL's beta)")
     missing_eos_penalty: float = _f(
@@ -445,11 +448,10 @@ def _optimization_problems(cfg: ExperimentConfig) -> list[str]:
     clip = cfg.algorithm.reward_clip_range
     if clip is not None and not clip[0] < clip[1]:
         problems.append(f"algorithm.reward_clip_range {list(clip)} must be [low, high] with low < high")
-    if cfg.algorithm.kl_penalty == "full":
+    if cfg.algorithm.kl_penalty == "full" and stage != "ray_ppo":
         problems.append(
-            "algorithm.kl_penalty full (TRL's whole-vocabulary KL) needs the reference model's full distribution at "
-            "every token, and the reference service returns the sampled tokens' log-probs only; use kl (k1) or "
-            "low_var_kl (k3), which estimate the same KL from the sampled tokens"
+            f"algorithm.kl_penalty full (TRL PPO's whole-vocabulary KL) is built for ray_ppo only, not {stage}; use "
+            "kl (k1) or low_var_kl (k3), which estimate the same KL from the sampled tokens"
         )
     if a.num_gpus_for_train is not None and a.num_gpus_for_train > 1:
         problems.append(f"actor_rollout.num_gpus_for_train {a.num_gpus_for_train}: the trainer runs on one device "

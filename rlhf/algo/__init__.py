@@ -26,6 +26,7 @@ from rlhf.algo.kl import (
     AdaptiveKLController,
     FixedKLController,
     KLRewards,
+    full_kl,
     kl_estimate,
     kl_penalized_rewards,
     make_kl_controller,
@@ -47,6 +48,7 @@ from rlhf.algo.sft import sft_loss
 
 __all__ = [
     "RunningMoments",
+    "full_kl",
     "lr_at",
     "normalize_and_clip",
     "sft_loss",

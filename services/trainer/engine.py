@@ -134,6 +134,13 @@ class TrainerEngine:
             self.critic.train()
             _disable_dropout(self.critic)
             self.critic_opt = _adamw(self.critic, self.critic_optim, fused)
+        # kl_penalty full (TRL): the whole-vocabulary KL needs the reference's logits, which the reference service
+        # does not send (it returns the sampled tokens' log-probs), so the trainer holds a frozen reference copy
+        self.ref_model = None
+        if cfg.algorithm.kl_penalty == "full":
+            ref_src = cfg.actor_rollout_ref.ref.load or cfg.actor.load
+            self.ref_model = load_causal_lm(resolve_model_path(ref_src), self.device, "float32").eval()
+            self.ref_model.requires_grad_(False)
         # reward normalisation: running statistics of every score seen (checkpointed with the optimizers)
         self.reward_moments = algo.RunningMoments() if cfg.algorithm.normalize_reward else None
         self.ptx = _PtxData(cfg, self.tokenizer) if cfg.actor.ptx_coef > 0 else None
@@ -367,8 +374,14 @@ class TrainerEngine:
         try:
             run = pool.submit if pool else lambda fn, *args: _Done(fn(*args))
             values_f = run(self._old_values, b.query_responses, C)
+            full_kl = None
             with torch.no_grad():
-                _, old_logprobs = self._logits_and_logprobs(b.query_responses, b.responses, C)
+                old_logits, old_logprobs = self._logits_and_logprobs(b.query_responses, b.responses, C)
+                if self.ref_model is not None:
+                    with self._autocast():
+                        ref_logits = causal_lm_logits(self.ref_model, b.query_responses, self.pad_id)[:, C - 1 : -1]
+                    full_kl = algo.full_kl(old_logits, ref_logits, self.temperature)
+                del old_logits
             values = values_f.result()
             r = algo.ppo_rollout(
                 b.responses,
@@ -387,6 +400,7 @@ class TrainerEngine:
                 whiten_rewards=cfg.algorithm.whiten_rewards,
                 whiten_advantages=cfg.algorithm.whiten_advantages,
                 score_position=cfg.algorithm.score_position,
+                kl=full_kl,
             )
             metrics = algo.rollout_metrics(r)
             # Minibatch orders are drawn here, actor's first, so the shared generator gives the same orders

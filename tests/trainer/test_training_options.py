@@ -209,3 +209,21 @@ def test_tokenizer_sampling_mode_adam_settings_and_vf_coef_reach_the_engine(tiny
         e.critic_opt.step = lambda s=step, e=e, c=coef: (grads.setdefault(c, e.critic.score.weight.grad.clone()), s())
         e.step(_batch(e))
     torch.testing.assert_close(grads[3.0], 3.0 * grads[1.0], rtol=1e-4, atol=1e-7)
+
+
+def test_kl_penalty_full_penalises_the_whole_vocabulary_kl_to_the_reference(tiny_models):
+    engine = TrainerEngine(_config(algorithm={"kl_penalty": "full", "whiten_advantages": False}))
+    with torch.no_grad():  # a reference that differs from the actor, so the KL is not 0
+        for p in engine.ref_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    batch = _batch(engine)
+    rb = engine.collate(batch)
+    C = rb.context_length
+    with torch.no_grad():
+        logits = causal_lm_logits(engine.actor, rb.query_responses, engine.pad_id)[:, C - 1 : -1]
+        ref = causal_lm_logits(engine.ref_model, rb.query_responses, engine.pad_id)[:, C - 1 : -1]
+    expected = algo.full_kl(logits, ref, engine.temperature)
+    mask = rb.responses != engine.pad_id
+    m = engine.step(batch)
+    want = (expected * mask).sum(1).mean().item()
+    assert want > 1e-3 and m["objective/kl"] == pytest.approx(want, rel=1e-4)

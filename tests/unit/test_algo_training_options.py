@@ -93,3 +93,19 @@ def test_micro_weights_add_up_to_one_minibatch():
     assert optim.micro_weight("sum", parts[0], whole) == 1.0
     assert [len(m) for m in optim.micro_batches(torch.arange(5), 2)] == [2, 2, 1]
     assert [len(m) for m in optim.micro_batches(torch.arange(5), None)] == [5]
+
+
+def test_full_kl_is_the_exact_kl_over_the_vocabulary_and_replaces_the_estimate():
+    torch.manual_seed(2)
+    logits, ref_logits = torch.randn(2, 3, 5), torch.randn(2, 3, 5)
+    got = algo.full_kl(logits, ref_logits, temperature=0.7)
+    for b in range(2):
+        for t in range(3):
+            p = torch.softmax(logits[b, t] / 0.7, -1)
+            q = torch.softmax(ref_logits[b, t] / 0.7, -1)
+            assert got[b, t].item() == pytest.approx((p * (p / q).log()).sum().item(), rel=1e-5)
+    assert (got >= 0).all() and algo.full_kl(logits, logits).abs().max() < 1e-6
+    lp = torch.zeros(2, 3)
+    kr = algo.kl_penalized_rewards(torch.ones(2), lp, lp, torch.tensor([2, 0]), 0.5, kl=got)
+    assert torch.allclose(kr.kl, got * torch.tensor([[1, 1, 1], [1, 0, 0]]))
+    assert torch.allclose(kr.non_score_reward, -0.5 * kr.kl)

@@ -200,7 +200,11 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     ],  # fmt: skip
     "algorithm.gamma": [PPO_PARITY],
     "algorithm.lam": [PPO_PARITY],
-    "algorithm.kl_penalty": [PPO_PARITY, GRPO_PARITY],
+    "algorithm.kl_penalty": [
+        PPO_PARITY,
+        GRPO_PARITY,
+        TO + "test_kl_penalty_full_penalises_the_whole_vocabulary_kl_to_the_reference",
+    ],
     "algorithm.kl_ctrl.type": ["tests/unit/test_algo_kl.py::test_make_kl_controller"],
     "algorithm.kl_ctrl.kl_coef": [PPO_PARITY],
     "algorithm.kl_ctrl.target_kl": ["tests/unit/test_algo_kl.py::test_adaptive_controller_update_rule"],
