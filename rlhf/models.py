@@ -70,9 +70,32 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(path))
-    if tok.pad_token_id is None:
-        raise ValueError(f"tokenizer at {path} has no pad token; RL batching needs one distinct from EOS")
+    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
+        # Llama-3 has no pad token, and the usual fix (pad = EOS) masks every response's EOS as padding: pad with a
+        # token that never appears in text instead. Every service loads tokenizers here, so all pick the same one.
+        pad = unused_pad_token(tok)
+        if pad is None:
+            raise ValueError(
+                f"tokenizer at {path} has no pad token distinct from EOS, and no pad, reserved or unknown token to pad "
+                "with; add a pad token to its tokenizer_config.json (RL batching masks padding, and EOS must not be)"
+            )
+        tok.pad_token = pad
     return tok
+
+
+def unused_pad_token(tok) -> str | None:
+    """A special token to pad with when a tokenizer has none of its own: one named like a pad token (Llama-3.1's
+    ``<|finetune_right_pad_id|>``), else a reserved one (Llama-3's ``<|reserved_special_token_0|>``), else UNK; never
+    EOS or BOS."""
+    taken = {tok.eos_token_id, tok.bos_token_id}
+    added = sorted((i, t.content) for i, t in tok.added_tokens_decoder.items() if i not in taken)
+    for word in ("pad", "reserved"):
+        for _, content in added:
+            if word in content.lower():
+                return content
+    if tok.unk_token is not None and tok.unk_token_id not in taken:
+        return tok.unk_token
+    return None
 
 
 def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32"):

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf.config import ConfigError, ExperimentConfig
+from rlhf.config import ConfigError, ExperimentConfig, config_warning
 
 
 @dataclass
@@ -36,10 +36,20 @@ def _model_specs(cfg: ExperimentConfig) -> list[tuple[str, str]]:
     return specs
 
 
+def _own_pad_token_id(spec: str) -> int | None:
+    """The pad id a tokenizer folder declares itself (before rlhf.models.load_tokenizer picks a distinct one)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(spec).pad_token_id
+
+
 def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
     from rlhf.data import load_prompts
 
     report = Report()
+    warning = config_warning(cfg)  # MindSpeed keys that do not apply here: one warning, a line per key
+    if warning:
+        report.warnings.append(warning)
     try:
         load_prompts(cfg.data)
     except ConfigError as err:
@@ -72,13 +82,14 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
         else:
             if tok.eos_token_id is None:
                 report.problems.append(f"tokenizer {tok_spec} has no EOS token: responses could never end")
-            if tok.pad_token_id is None:
-                report.problems.append(f"tokenizer {tok_spec} has no pad token: set one in its tokenizer_config.json")
-            elif tok.pad_token_id == tok.eos_token_id:
+            own = _own_pad_token_id(tok_spec)
+            if own is None or own == tok.eos_token_id:
                 report.warnings.append(
-                    f"tokenizer {tok_spec} uses its EOS token as padding: the EOS that ends a response is then "
-                    "masked like padding (give it a pad token of its own)"
-                )
+                    f"tokenizer {tok_spec} has no pad token of its own"
+                    + (" (it uses its EOS token as padding, which would mask the EOS that ends a response)"
+                       if own is not None else "")
+                    + f": padding with {tok.pad_token!r} (id {tok.pad_token_id}) instead"
+                )  # fmt: skip
 
     for i, s in enumerate(cfg.reward.scorers):
         if s.type == "rule" and s.name and ":" in s.name:

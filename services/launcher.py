@@ -44,10 +44,13 @@ import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from rlhf import runlog
 from services.report import parse_record
+
+if TYPE_CHECKING:
+    from services.devices import DevicePlan
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -118,6 +121,7 @@ def plan_services(
     rollout_replicas: int = 1,
     ports: Sequence[int] | None = None,
     tls: bool = False,
+    devices: DevicePlan | None = None,
 ) -> list[ServiceSpec]:
     """The services of one run, in start order, with their ports and the ``RLHF_*`` variables each one needs.
     ``tls``: the services serve TLS (the certificate, key and CA come to them in the environment, as to ``rlhf up``)."""
@@ -157,6 +161,8 @@ def plan_services(
     specs = [reward, reference, *rollouts, trainer]
     for spec in specs:
         spec.tls = tls
+        if devices is not None:  # resource_pool / num_gpus_for_*: each process sees only its own devices
+            spec.env.update(devices.env_for(spec.name))
     return specs
 
 
@@ -448,7 +454,7 @@ def format_progress(
 class RunOptions:
     config: Path
     run_dir: Path | None = None
-    rollout_replicas: int = 1
+    rollout_replicas: int | None = None  # None: from the config's device counts, else 1
     ready_timeout: float = 600.0
     stop_grace: float = 20.0
     python: str = sys.executable
@@ -574,6 +580,11 @@ class Launcher:
             print(f"rlhf up: {preflight.format_report(report, config_path)}", file=sys.stderr, flush=True)
         if report.problems:
             return 2
+        try:
+            replicas, devices = self._devices(cfg)
+        except ValueError as err:
+            print(f"rlhf up: {err}", file=sys.stderr)
+            return 2
         run_id = os.environ.get("RLHF_RUN_ID") or cfg.run_id
         self.run_dir = Path(self.opts.run_dir or default_run_dir(run_id)).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -604,7 +615,7 @@ class Launcher:
                 self.say(f"redis-server ready on port {redis.port} (pid {redis.pid}, AOF in {redis.directory})")
             token = os.environ.get("RLHF_API_TOKEN") or secrets.token_urlsafe(24)
             specs = plan_services(redis_url=redis_url, run_id=run_id, api_token=token, run_dir=self.run_dir,
-                                  rollout_replicas=self.opts.rollout_replicas, tls=settings.tls)  # fmt: skip
+                                  rollout_replicas=replicas, tls=settings.tls, devices=devices)  # fmt: skip
             if settings.tls:
                 self.say("TLS on: every service serves gRPC and HTTPS, every client verifies its peer")
             by_name = {s.name: s for s in specs}
@@ -641,6 +652,24 @@ class Launcher:
             self._shutdown()
             for s, h in old.items():
                 signal.signal(s, h)
+
+    def _devices(self, cfg) -> tuple[int, DevicePlan | None]:
+        """Rollout replicas and, on an accelerator machine, the devices of each service (resource_pool)."""
+        from services.devices import VISIBLE_ENV, plan_devices, rollout_replicas, visible_devices
+
+        kind = cfg.training.device
+        if kind == "auto":
+            from rlhf.models import auto_device_type
+
+            kind = auto_device_type()
+        a = cfg.actor
+        placed = cfg.resource_pool.model_fields_set or a.num_gpus_for_train or a.num_gpus_for_infer
+        if kind not in VISIBLE_ENV or not placed:
+            return self.opts.rollout_replicas or 1, None  # CPU, or no device counts: every service sees every device
+        replicas = rollout_replicas(cfg, self.opts.rollout_replicas)
+        plan = plan_devices(cfg, visible_devices(kind), replicas, VISIBLE_ENV[kind])
+        self.say(plan.describe())
+        return replicas, plan
 
     def _prepare_models(self, cfg) -> None:
         """Build the tiny models once, before the services start (they would otherwise race to build them)."""
@@ -728,7 +757,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a stopped run: its folder's config (unless --config), Redis data, checkpoints and "
                         "metrics; training goes on from the last checkpoint")  # fmt: skip
-    p.add_argument("--rollout-replicas", type=int, default=1, help="rollout processes (default %(default)s)")
+    p.add_argument("--rollout-replicas", type=int, default=None,
+                   help="rollout processes (default: the config's rollout devices / tensor parallel size, "
+                        "else 1)")  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds each stage may take to get ready")
     p.add_argument("--stop-grace", type=float, default=20.0, help="seconds a service gets after SIGTERM")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
@@ -737,7 +768,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.rollout_replicas < 1:
+    if args.rollout_replicas is not None and args.rollout_replicas < 1:
         print("rlhf up: --rollout-replicas must be at least 1", file=sys.stderr)
         return 2
     if args.max_restarts < 0:

@@ -26,6 +26,7 @@ from rlhf.algo.kl import (
     AdaptiveKLController,
     FixedKLController,
     KLRewards,
+    full_kl,
     kl_estimate,
     kl_penalized_rewards,
     make_kl_controller,
@@ -41,8 +42,16 @@ from rlhf.algo.ppo import (
     sequence_lengths,
     truncate_at_stop,
 )
+from rlhf.algo.reward_norm import RunningMoments, normalize_and_clip
+from rlhf.algo.schedule import lr_at
+from rlhf.algo.sft import sft_loss
 
 __all__ = [
+    "RunningMoments",
+    "full_kl",
+    "lr_at",
+    "normalize_and_clip",
+    "sft_loss",
     "GROUP_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_TYPES",

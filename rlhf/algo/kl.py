@@ -61,6 +61,7 @@ def kl_penalized_rewards(
     score_position: Literal["trl", "last_token"] = "trl",
     contains_eos: torch.Tensor | None = None,
     missing_eos_penalty: float | None = None,
+    kl: torch.Tensor | None = None,
 ) -> KLRewards:
     """Per-token rewards ``-kl_coef * KL_t`` with the sequence score added at one position.
 
@@ -71,11 +72,13 @@ def kl_penalized_rewards(
       ``trl``        TRL PPO: column ``ell + 1`` (the first pad slot) when it exists, else ``ell``.
       ``last_token`` OpenRLHF / MindSpeed-LLM: the last response token ``ell`` (column 0 for an empty response).
     ``missing_eos_penalty`` is subtracted from the score of rows whose ``contains_eos`` is False.
+    ``kl``: a (B, L) per-token KL computed elsewhere (``full_kl``), used instead of ``kl_estimator``.
     """
     B, L = logprobs.shape
     idx = torch.arange(L, device=logprobs.device)
     valid = idx[None, :] <= sequence_lengths[:, None]
-    kl = torch.where(valid, kl_estimate(logprobs, ref_logprobs, kl_estimator), torch.zeros((), device=logprobs.device))
+    per_token = kl_estimate(logprobs, ref_logprobs, kl_estimator) if kl is None else kl
+    kl = torch.where(valid, per_token, torch.zeros((), device=logprobs.device))
     non_score_reward = -kl_coef * kl
     scores = scores.to(non_score_reward.dtype)
     if missing_eos_penalty:
@@ -136,3 +139,15 @@ def make_kl_controller(
             raise ValueError("kl_ctrl.type 'adaptive' needs kl_ctrl.target_kl")
         return AdaptiveKLController(kl_coef, target_kl, horizon)
     raise ValueError(f"kl_ctrl.type must be 'fixed' or 'adaptive', got {type!r}")
+
+
+def full_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Exact per-token KL(pi || ref) over the whole vocabulary (TRL's ``kl_penalty="full"``).
+
+    logits, ref_logits: (B, L, V) at the response positions -> (B, L) ``sum_v pi(v) (log pi(v) - log ref(v))`` of the
+    softmax at ``temperature``; computed in float32 at least.
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logp = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    ref_logp = torch.log_softmax(ref_logits.to(dtype) / temperature, dim=-1)
+    return (logp.exp() * (logp - ref_logp)).sum(-1)

@@ -85,6 +85,7 @@ def ppo_rollout(
     whiten_rewards: bool = False,
     whiten_advantages: bool = True,
     score_position: Literal["trl", "last_token"] = "trl",
+    kl: torch.Tensor | None = None,
 ) -> PPORollout:
     """Turn one rollout batch into rewards, advantages and returns.
 
@@ -92,6 +93,7 @@ def ppo_rollout(
     logprobs / ref_logprobs: (B, L) log-probs of ``responses`` under the rollout and reference policies;
     values: (B, L) critic values read at the position before each response token; scores: (B,) sequence scores of the
     truncated responses. ``missing_eos_penalty`` checks for ``eos_token_id`` even when another stop id is used (TRL).
+    ``kl``: (B, L) per-token KL from elsewhere (the whole-vocabulary ``full_kl``) instead of ``kl_estimator``.
     """
     num_eos_tokens = (responses == eos_token_id).sum()
     responses = truncate_at_stop(responses, stop_token_id, pad_token_id)
@@ -114,6 +116,7 @@ def ppo_rollout(
         score_position=score_position,
         contains_eos=contains_eos,
         missing_eos_penalty=missing_eos_penalty,
+        kl=kl,
     )
     rewards = kr.rewards
     if whiten_rewards:

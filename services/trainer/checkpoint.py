@@ -69,8 +69,11 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{engine.step_count}"
     tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=root))
-    engine.actor.save_pretrained(tmp / "policy", safe_serialization=True)
-    engine.tokenizer.save_pretrained(tmp / "policy")
+    _save_policy(engine, tmp / "policy")
+    if engine.cfg.actor.lora_r:  # the adapters: what a LoRA run trains (the base comes from the load folder)
+        from rlhf.lora import adapter_state_dict
+
+        save_file(adapter_state_dict(engine.actor), tmp / "adapter.safetensors")
     tensors, meta = _optimizer_state("actor", engine.actor_opt)
     optim_meta = {"actor": meta}
     if engine.critic is not None:
@@ -87,6 +90,7 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
         "version_segments": engine.version_segments,
         "stage": engine.stage,
         "optimizers": optim_meta,
+        "reward_moments": None if engine.reward_moments is None else engine.reward_moments.state(),
         **extra,
     }
     (tmp / "state.json").write_text(json.dumps(state))
@@ -105,7 +109,53 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
     os.replace(latest_tmp, root / "latest")
     for stale in root.glob("step_*.tmp-*"):  # left by a writer that crashed
         shutil.rmtree(stale, ignore_errors=True)
+    export_models(engine)
     return final
+
+
+def _save_policy(engine, directory: Path) -> None:
+    """The actor as a Hugging Face folder; a LoRA actor as its merged model (loads in transformers and vLLM)."""
+    if engine.cfg.actor.lora_r:
+        from rlhf.lora import merged_state_dict
+
+        directory.mkdir(parents=True, exist_ok=True)
+        engine.actor.get_base_model().config.save_pretrained(directory)
+        merged = {k: v.contiguous() for k, v in merged_state_dict(engine.actor).items()}
+        # tied weights (embeddings = output head) are one tensor: written once, as save_pretrained does
+        seen, unique = set(), {}
+        for k, v in merged.items():
+            if v.data_ptr() not in seen:
+                seen.add(v.data_ptr())
+                unique[k] = v
+        save_file(unique, directory / "model.safetensors", metadata={"format": "pt"})
+    else:
+        engine.actor.save_pretrained(directory, safe_serialization=True)
+    engine.tokenizer.save_pretrained(directory)
+
+
+def export_models(engine) -> None:
+    """Write the actor (and the critic) as Hugging Face folders to ``actor_rollout.save`` / ``critic.save`` when set
+    (the seeds' save fields): the latest weights, replaced whole (written beside, then renamed over)."""
+    cfg = engine.cfg
+    targets = [(cfg.actor.save, engine.actor), (cfg.critic.save, engine.critic)]
+    for dest, model in targets:
+        if dest is None or model is None:
+            continue
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        if model is engine.actor:
+            _save_policy(engine, tmp)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
+            engine.tokenizer.save_pretrained(tmp)
+        old = None
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            os.replace(dest, old / dest.name)
+        os.replace(tmp, dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def incomplete_reason(path: str | Path) -> str | None:
@@ -154,21 +204,43 @@ def load_checkpoint(path: str | Path, engine) -> dict[str, Any]:
     state = json.loads((path / "state.json").read_text())
     if state["stage"] != engine.stage:
         raise ValueError(f"checkpoint {path} was trained with stage {state['stage']}, config says {engine.stage}")
-    _load_weights(engine.actor, path / "policy")
+    if engine.cfg.actor.lora_r:
+        _load_adapter(engine.actor, path / "adapter.safetensors")
+    else:
+        _load_weights(engine.actor, path / "policy")
     tensors = load_file(path / "optim.safetensors")
-    _restore_optimizer("actor", engine.actor_opt, tensors, state["optimizers"]["actor"])
+    t = engine.cfg.training  # MindSpeed's no_load_optim / no_load_rng: fresh AdamW moments / generators
+    if not t.no_load_optim:
+        _restore_optimizer("actor", engine.actor_opt, tensors, state["optimizers"]["actor"])
     if engine.critic is not None:
         if not (path / "critic").is_dir():
             raise ValueError(f"checkpoint {path} has no critic/, but stage {engine.stage} trains one")
         _load_weights(engine.critic, path / "critic")
-        _restore_optimizer("critic", engine.critic_opt, tensors, state["optimizers"]["critic"])
-    torch.set_rng_state(tensors["rng.torch"])
-    engine.generator.set_state(tensors["rng.generator"])
+        if not t.no_load_optim:
+            _restore_optimizer("critic", engine.critic_opt, tensors, state["optimizers"]["critic"])
+    if not t.no_load_rng:
+        torch.set_rng_state(tensors["rng.torch"])
+        engine.generator.set_state(tensors["rng.generator"])
+    moments = state.get("reward_moments")
+    if engine.reward_moments is not None and moments:
+        engine.reward_moments = type(engine.reward_moments)(**moments)
     engine.step_count = state["step"]
     engine.policy_version = state["policy_version"]
     engine.kl_ctrl.value = state["kl_coef"]
     engine.version_segments = [tuple(x) for x in state.get("version_segments", [(0, 0)])]
     return state
+
+
+def _load_adapter(model: torch.nn.Module, file: Path) -> None:
+    """Load a LoRA run's adapters; every adapter tensor of ``model`` must come from ``file``."""
+    if not file.is_file():
+        raise ValueError(f"{file.parent} has no adapter.safetensors, but the config trains LoRA adapters (lora_r)")
+    weights = load_file(file)
+    wanted = {k for k in model.state_dict() if ".lora_" in k}
+    if set(weights) != wanted:
+        raise ValueError(f"{file} does not match the adapters: missing {sorted(wanted - set(weights))[:5]}, "
+                         f"unexpected {sorted(set(weights) - wanted)[:5]}")  # fmt: skip
+    model.load_state_dict(weights, strict=False)
 
 
 def _load_weights(model: torch.nn.Module, directory: Path) -> None:

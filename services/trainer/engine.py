@@ -17,6 +17,7 @@ corrects samples made by an older policy version (asynchronous training) and eng
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -40,6 +41,7 @@ from rlhf.models import (
     score_head_outputs,
 )
 from rlhf.v1 import common_pb2, experience_pb2
+from services.trainer import optim
 
 log = logging.getLogger("rlhf.trainer")
 
@@ -113,19 +115,35 @@ class TrainerEngine:
         self.actor = load_causal_lm(actor_path, self.device, "float32")
         self.actor.train()
         _disable_dropout(self.actor)
+        if cfg.actor.lora_r:  # only the adapters train; rollout and checkpoints get the merged weights
+            from rlhf.lora import wrap_lora
+
+            a = cfg.actor
+            self.actor = wrap_lora(self.actor, a.lora_r, a.lora_alpha, a.lora_target_modules)
         t = cfg.training
-        betas = (t.adam_beta1, t.adam_beta2)
         # fused AdamW, TRL's default ("adamw_torch_fused"): 4-6x faster optimizer steps than the per-tensor loop (CPU)
-        adam = {"betas": betas, "weight_decay": t.weight_decay, "fused": self.device.type in ("cpu", "cuda")}
-        self.actor_opt = torch.optim.AdamW(self.actor.parameters(), lr=cfg.actor.lr or t.lr, **adam)
+        fused = self.device.type in ("cpu", "cuda")
+        self.actor_optim = optim.actor_optim(cfg)
+        self.actor_opt = _adamw(self.actor, self.actor_optim, fused)
         self.critic = None
         self.critic_opt = None
+        self.critic_optim = optim.critic_optim(cfg)
         if self.stage == "ray_ppo":
             critic_src = cfg.critic.load or _first_model_scorer(cfg) or "tiny:reward"
             self.critic = load_sequence_classifier(resolve_model_path(critic_src), self.device)
             self.critic.train()
             _disable_dropout(self.critic)
-            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr or t.lr, **adam)
+            self.critic_opt = _adamw(self.critic, self.critic_optim, fused)
+        # kl_penalty full (TRL): the whole-vocabulary KL needs the reference's logits, which the reference service
+        # does not send (it returns the sampled tokens' log-probs), so the trainer holds a frozen reference copy
+        self.ref_model = None
+        if cfg.algorithm.kl_penalty == "full":
+            ref_src = cfg.actor_rollout_ref.ref.load or cfg.actor.load
+            self.ref_model = load_causal_lm(resolve_model_path(ref_src), self.device, "float32").eval()
+            self.ref_model.requires_grad_(False)
+        # reward normalisation: running statistics of every score seen (checkpointed with the optimizers)
+        self.reward_moments = algo.RunningMoments() if cfg.algorithm.normalize_reward else None
+        self.ptx = _PtxData(cfg, self.tokenizer) if cfg.actor.ptx_coef > 0 else None
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algo.make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.generator = torch.Generator().manual_seed(t.seed)
@@ -236,17 +254,37 @@ class TrainerEngine:
         for start in range(0, n, size):
             yield order[start : start + size]
 
-    def _actor_step(self, loss: torch.Tensor) -> float:
-        return self._optimizer_step("actor", self.actor, self.actor_opt, loss)
+    def _actor_step(self, losses) -> float:
+        """One actor optimizer step over ``losses``: one loss tensor, or an iterable of weighted micro-batch losses
+        whose gradients accumulate (each is built and freed in turn), plus the PPO-ptx SFT term when configured."""
+        losses = [losses] if isinstance(losses, torch.Tensor) else losses
+        if self.ptx is not None:
+            losses = itertools.chain(losses, [self._ptx_loss()])
+        return self._optimizer_step("actor", self.actor, self.actor_opt, losses, self.actor_optim.clip_grad)
 
-    def _optimizer_step(self, role: str, model: torch.nn.Module, opt: torch.optim.Optimizer, loss: torch.Tensor):
-        """Backward and step, unless the loss or the gradient is NaN/inf: then the step is skipped (weights and
-        optimizer state untouched), logged and counted, and the gradient norm comes back as NaN. One bad minibatch
-        must not turn every weight into NaN."""
+    def _ptx_loss(self) -> torch.Tensor:
+        """``ptx_coef`` x the SFT loss on the next rows of data.pretrain_data (as many rows as one actor minibatch)."""
+        ids = self.ptx.next_batch(self.cfg.actor.ppo_mini_batch_size).to(self.device)
+        with self._autocast():
+            logits = causal_lm_logits(self.actor, ids, self.pad_id)
+        loss = algo.sft_loss(logits.float(), ids, ids != self.pad_id)
+        self._ptx_losses.append(loss.item())
+        return self.cfg.actor.ptx_coef * loss
+
+    def _optimizer_step(self, role: str, model: torch.nn.Module, opt: torch.optim.Optimizer, losses, clip_grad=None):
+        """Backward every loss of ``losses`` (a tensor or an iterable of micro-batch losses, gradients accumulating)
+        and step, unless a loss or the gradient is NaN/inf: then the step is skipped (weights and optimizer state
+        untouched), logged and counted, and the gradient norm comes back as NaN. One bad minibatch must not turn
+        every weight into NaN."""
         opt.zero_grad(set_to_none=True)
-        if torch.isfinite(loss.detach()).all():
+        finite = True
+        for loss in [losses] if isinstance(losses, torch.Tensor) else losses:
+            if not torch.isfinite(loss.detach()).all():
+                finite = False
+                break
             loss.backward()
-            norm = _clip(model, self.cfg.training.clip_grad)
+        if finite:
+            norm = _clip(model, self.cfg.training.clip_grad if clip_grad is None else clip_grad)
             if math.isfinite(norm):
                 opt.step()
                 return norm
@@ -278,6 +316,17 @@ class TrainerEngine:
         t0 = time.perf_counter()
         batch = self.collate(experiences)
         self._skipped_this_step = 0
+        self._ptx_losses: list[float] = []
+        total = self.cfg.training.train_iters
+        lr = optim.set_lr(self.actor_opt, self.actor_optim, self.step_count, total)
+        if self.critic_opt is not None:
+            optim.set_lr(self.critic_opt, self.critic_optim, self.step_count, total)
+        raw_scores = batch.scores
+        alg = self.cfg.algorithm
+        if self.reward_moments is not None:
+            self.reward_moments.update(raw_scores)
+        if self.reward_moments is not None or alg.reward_clip_range is not None:
+            batch.scores = algo.normalize_and_clip(raw_scores, self.reward_moments, alg.reward_clip_range)
         if self.stage == "ray_ppo":
             metrics = self._ppo(batch)
         elif self.stage == "ray_online_dpo":
@@ -293,8 +342,9 @@ class TrainerEngine:
                 "step": self.step_count,
                 "policy_version": self.policy_version,
                 "samples": int(batch.responses.shape[0]),
-                "reward/mean": batch.scores.mean().item(),
-                "reward/std": batch.scores.std().item() if batch.scores.numel() > 1 else 0.0,
+                "reward/mean": raw_scores.mean().item(),
+                "reward/std": raw_scores.std().item() if raw_scores.numel() > 1 else 0.0,
+                "lr/actor": lr,
                 "response_length/mean": (batch.responses != self.pad_id).sum(1).float().mean().item(),
                 "staleness/mean": staleness.mean().item(),
                 "staleness/max": staleness.max().item(),
@@ -303,6 +353,10 @@ class TrainerEngine:
                 "time/step_s": time.perf_counter() - t0,
             }
         )
+        if batch.scores is not raw_scores:
+            metrics["reward/normalized_mean"] = batch.scores.mean().item()
+        if self._ptx_losses:
+            metrics["loss/ptx"] = sum(self._ptx_losses) / len(self._ptx_losses)
         return metrics
 
     def _parallel_critic(self) -> bool:
@@ -320,8 +374,14 @@ class TrainerEngine:
         try:
             run = pool.submit if pool else lambda fn, *args: _Done(fn(*args))
             values_f = run(self._old_values, b.query_responses, C)
+            full_kl = None
             with torch.no_grad():
-                _, old_logprobs = self._logits_and_logprobs(b.query_responses, b.responses, C)
+                old_logits, old_logprobs = self._logits_and_logprobs(b.query_responses, b.responses, C)
+                if self.ref_model is not None:
+                    with self._autocast():
+                        ref_logits = causal_lm_logits(self.ref_model, b.query_responses, self.pad_id)[:, C - 1 : -1]
+                    full_kl = algo.full_kl(old_logits, ref_logits, self.temperature)
+                del old_logits
             values = values_f.result()
             r = algo.ppo_rollout(
                 b.responses,
@@ -340,6 +400,7 @@ class TrainerEngine:
                 whiten_rewards=cfg.algorithm.whiten_rewards,
                 whiten_advantages=cfg.algorithm.whiten_advantages,
                 score_position=cfg.algorithm.score_position,
+                kl=full_kl,
             )
             metrics = algo.rollout_metrics(r)
             # Minibatch orders are drawn here, actor's first, so the shared generator gives the same orders
@@ -349,7 +410,9 @@ class TrainerEngine:
             critic_mbs = [list(self._minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch))
                           for _ in range(c.critic_update_epochs)]  # fmt: skip
             critic_f = run(self._critic_updates, b, r, critic_mbs)
-            stats = self._actor_updates(b, r, actor_mbs)
+            # OpenRLHF's freezing_actor_steps: the critic learns values of a fixed policy before the actor moves
+            frozen = self.step_count < a.freezing_actor_steps
+            stats = {} if frozen else self._actor_updates(b, r, actor_mbs)
             stats.update(critic_f.result())
         finally:
             if pool:
@@ -358,6 +421,7 @@ class TrainerEngine:
         self.kl_ctrl.update(mean_kl, B)
         metrics.update({k: sum(v) / len(v) for k, v in stats.items()})
         metrics["objective/advantages_mean"] = algo.masked_mean(r.advantages, r.response_mask).item()
+        metrics["policy/frozen"] = float(frozen)
         return metrics
 
     def _old_values(self, qr: torch.Tensor, C: int) -> torch.Tensor:
@@ -368,33 +432,34 @@ class TrainerEngine:
         a, C = self.cfg.actor, b.context_length
         stats: dict[str, list[float]] = {}
         behavior = self._behavior(b, r.logprobs)
+
+        def micro_loss(mu: torch.Tensor, weight: float) -> torch.Tensor:
+            # TRL's token mean over the minibatch = sum over micro-batches of (micro token mean x token share)
+            logits, new_logprobs = self._logits_and_logprobs(b.query_responses[mu], r.responses[mu], C)
+            mask = r.response_mask[mu]
+            pg_loss, pg_stats = algo.ppo_policy_loss(
+                new_logprobs,
+                r.logprobs[mu],
+                r.advantages[mu],
+                mask,
+                clip_ratio=a.clip_ratio,
+                clip_ratio_high=a.clip_ratio_high,
+                dual_clip=a.dual_clip,
+                behavior_logprobs=None if behavior is None else behavior[mu],
+                tis_cap=a.tis_cap,
+            )
+            entropy = algo.masked_mean(algo.entropy_from_logits(logits, self.temperature), mask)
+            loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
+            _append(stats, {"loss/policy": pg_loss.item(), "policy/entropy": entropy.item(),
+                            **{f"policy/{k}": v.item() for k, v in pg_stats.items()}})  # fmt: skip
+            return weight * loss
+
         for epoch in minibatches:
             for mb in epoch:
-                logits, new_logprobs = self._logits_and_logprobs(b.query_responses[mb], r.responses[mb], C)
-                mask = r.response_mask[mb]
-                pg_loss, pg_stats = algo.ppo_policy_loss(
-                    new_logprobs,
-                    r.logprobs[mb],
-                    r.advantages[mb],
-                    mask,
-                    clip_ratio=a.clip_ratio,
-                    clip_ratio_high=a.clip_ratio_high,
-                    dual_clip=a.dual_clip,
-                    behavior_logprobs=None if behavior is None else behavior[mb],
-                    tis_cap=a.tis_cap,
-                )
-                entropy = algo.masked_mean(algo.entropy_from_logits(logits, self.temperature), mask)
-                loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
-                grad_norm = self._actor_step(loss)
-                _append(
-                    stats,
-                    {
-                        "loss/policy": pg_loss.item(),
-                        "policy/entropy": entropy.item(),
-                        "policy/grad_norm": grad_norm,
-                        **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
-                    },
-                )
+                whole = r.response_mask[mb]
+                losses = (micro_loss(mu, optim.micro_weight("tokens", r.response_mask[mu], whole))
+                          for mu in optim.micro_batches(mb, a.micro_batch_size))  # fmt: skip
+                _append(stats, {"policy/grad_norm": self._actor_step(losses)})
         return stats
 
     def _critic_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]]) -> dict[str, list[float]]:
@@ -460,43 +525,59 @@ class TrainerEngine:
         n_minibatches = math.ceil(B / a.ppo_mini_batch_size)
         num_items = mask.sum() / n_minibatches  # DAPO: the rollout batch's tokens per minibatch (TRL)
         stats: dict[str, list[float]] = {}
+        # how each loss_type averages, so that micro-batch losses add up to the minibatch's (TRL's accumulation)
+        kind = (
+            "rows"
+            if trl_rloo or alg.loss_type in ("grpo", "dr_grpo")
+            else "sum"
+            if alg.loss_type == "dapo"
+            else "tokens"
+        )
+
+        def micro_loss(mb: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+            logits, new_logprobs = self._logits_and_logprobs(b.query_responses[mb], responses[mb], C)
+            with torch.set_grad_enabled(bool(a.entropy_coeff)):  # a loss term only with the bonus
+                entropies = algo.entropy_from_logits(logits, self.temperature)
+            entropy_mask = None
+            if alg.top_entropy_quantile < 1.0:  # the quantile of each forward pass, as TRL's
+                entropy_mask = algo.top_entropy_mask(entropies, mask[mb], alg.top_entropy_quantile)
+            if trl_rloo:
+                pg_loss, pg_stats = algo.rloo_trl_loss(
+                    new_logprobs, old_seq[mb], advantages[mb], mask[mb], epsilon=a.clip_ratio,
+                    epsilon_high=a.clip_ratio_high, tis_cap=a.tis_cap,
+                    behavior_sequence_logprobs=None if behavior is None else behavior_seq[mb],
+                )  # fmt: skip
+            else:
+                pg_loss, pg_stats = algo.grpo_loss(
+                    new_logprobs, old_logprobs[mb], advantages[mb], mask[mb], loss_type=alg.loss_type,
+                    epsilon=a.clip_ratio, epsilon_high=a.clip_ratio_high,
+                    importance_sampling_level=alg.importance_sampling_level, ref_logprobs=ref[mb],
+                    beta=beta if kl_in_loss else 0.0, kl_estimator=alg.kl_penalty,
+                    use_bias_correction_kl=alg.use_bias_correction_kl, entropy_mask=entropy_mask,
+                    max_completion_length=cfg.max_new_tokens, num_items=num_items, dual_clip=a.dual_clip,
+                    behavior_logprobs=None if behavior is None else behavior[mb], tis_cap=a.tis_cap,
+                )  # fmt: skip
+            kept = mask[mb] if entropy_mask is None else entropy_mask
+            weight = optim.micro_weight(kind, mask[mb], mask[whole])
+            loss = weight * pg_loss
+            if a.entropy_coeff:
+                loss = loss - a.entropy_coeff * optim.micro_weight("tokens", kept, mask[whole]) * algo.masked_mean(
+                    entropies, kept
+                )
+            _append(
+                stats,
+                {
+                    "loss/policy": pg_loss.item(),
+                    "policy/entropy": algo.masked_mean(entropies.detach(), mask[mb]).item(),
+                    **{f"policy/{k}": v.item() for k, v in pg_stats.items() if k != "policy_loss"},
+                },
+            )
+            return loss
+
         for _ in range(a.ppo_epochs):
             for mb in self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch):
-                logits, new_logprobs = self._logits_and_logprobs(b.query_responses[mb], responses[mb], C)
-                with torch.set_grad_enabled(bool(a.entropy_coeff)):  # a loss term only with the bonus
-                    entropies = algo.entropy_from_logits(logits, self.temperature)
-                entropy_mask = None
-                if alg.top_entropy_quantile < 1.0:
-                    entropy_mask = algo.top_entropy_mask(entropies, mask[mb], alg.top_entropy_quantile)
-                if trl_rloo:
-                    pg_loss, pg_stats = algo.rloo_trl_loss(
-                        new_logprobs, old_seq[mb], advantages[mb], mask[mb], epsilon=a.clip_ratio,
-                        epsilon_high=a.clip_ratio_high, tis_cap=a.tis_cap,
-                        behavior_sequence_logprobs=None if behavior is None else behavior_seq[mb],
-                    )  # fmt: skip
-                else:
-                    pg_loss, pg_stats = algo.grpo_loss(
-                        new_logprobs, old_logprobs[mb], advantages[mb], mask[mb], loss_type=alg.loss_type,
-                        epsilon=a.clip_ratio, epsilon_high=a.clip_ratio_high,
-                        importance_sampling_level=alg.importance_sampling_level, ref_logprobs=ref[mb],
-                        beta=beta if kl_in_loss else 0.0, kl_estimator=alg.kl_penalty,
-                        use_bias_correction_kl=alg.use_bias_correction_kl, entropy_mask=entropy_mask,
-                        max_completion_length=cfg.max_new_tokens, num_items=num_items, dual_clip=a.dual_clip,
-                        behavior_logprobs=None if behavior is None else behavior[mb], tis_cap=a.tis_cap,
-                    )  # fmt: skip
-                kept = mask[mb] if entropy_mask is None else entropy_mask
-                entropy = algo.masked_mean(entropies, kept)
-                loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
-                grad_norm = self._actor_step(loss)
-                _append(
-                    stats,
-                    {
-                        "loss/policy": pg_loss.item(),
-                        "policy/entropy": algo.masked_mean(entropies.detach(), mask[mb]).item(),
-                        "policy/grad_norm": grad_norm,
-                        **{f"policy/{k}": v.item() for k, v in pg_stats.items() if k != "policy_loss"},
-                    },
-                )
+                losses = (micro_loss(mu, mb) for mu in optim.micro_batches(mb, a.micro_batch_size))
+                _append(stats, {"policy/grad_norm": self._actor_step(losses)})
         metrics = {k: sum(v) / len(v) for k, v in stats.items()}
         metrics["objective/kl"] = algo.masked_sum(kl, mask, dim=1).mean().item()
         metrics["objective/scores"] = scores.mean().item()
@@ -528,24 +609,40 @@ class TrainerEngine:
         ref_logprobs = b.ref_logprobs[idx]
         ref_sums = algo.masked_sum(ref_logprobs, mask, dim=1)
         T = cfg.logprob_temperature  # 1.0: TRL's online DPO never divides by the sampling temperature
-        _, logprobs = self._logits_and_logprobs(b.query_responses[idx], responses, C, temperature=T)
-        sums = algo.masked_sum(logprobs, mask, dim=1)
-        loss, stats = algo.dpo_loss(
-            sums[chosen],
-            sums[rejected],
-            ref_sums[chosen],
-            ref_sums[rejected],
-            beta=cfg.algorithm.dpo_beta,
-            loss_type=cfg.algorithm.dpo_loss_type,
-        )
-        grad_norm = self._actor_step(loss)
-        return {
-            "loss/dpo": loss.item(),
-            "policy/grad_norm": grad_norm,
-            "objective/scores_margin": (scores[chosen] - scores[rejected]).mean().item(),
-            "objective/kl": algo.masked_sum(logprobs.detach() - ref_logprobs, mask, dim=1).mean().item(),
-            **{k: v.item() for k, v in stats.items()},
-        }
+        a = cfg.actor
+        stats: dict[str, list[float]] = {}
+
+        def micro_loss(pairs: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+            # rows of these pairs' chosen and rejected answers; the DPO loss is a mean over pairs
+            rows = torch.cat([chosen[pairs], rejected[pairs]])
+            logits, logprobs = self._logits_and_logprobs(b.query_responses[idx[rows]], responses[rows], C, T)
+            sums = algo.masked_sum(logprobs, mask[rows], dim=1)
+            n = len(pairs)
+            loss, dpo_stats = algo.dpo_loss(
+                sums[:n], sums[n:], ref_sums[chosen[pairs]], ref_sums[rejected[pairs]],
+                beta=cfg.algorithm.dpo_beta, loss_type=cfg.algorithm.dpo_loss_type,
+            )  # fmt: skip
+            total = optim.micro_weight("rows", pairs, whole) * loss
+            entropy = algo.masked_mean(algo.entropy_from_logits(logits, T), mask[rows])
+            if a.entropy_coeff:  # the seeds' entropy bonus, a token mean over both answers of the minibatch's pairs
+                whole_rows = torch.cat([chosen[whole], rejected[whole]])
+                total = total - a.entropy_coeff * optim.micro_weight("tokens", mask[rows], mask[whole_rows]) * entropy
+            kl = algo.masked_sum(logprobs.detach() - ref_logprobs[rows], mask[rows], dim=1).mean()
+            _append(stats, {"loss/dpo": loss.item(), "policy/entropy": entropy.item(), "objective/kl": kl.item(),
+                            **{k: v.item() for k, v in dpo_stats.items()}})  # fmt: skip
+            return total
+
+        # ppo_mini_batch_size and micro_batch_size count samples: a pair is two
+        pairs_per_step = max(1, a.ppo_mini_batch_size // 2)
+        micro_pairs = None if a.micro_batch_size is None else max(1, a.micro_batch_size // 2)
+        for _ in range(a.ppo_epochs):
+            for mb in self._minibatches(P, pairs_per_step, a.shuffle_minibatch):
+                mb = mb.to(b.responses.device)
+                losses = (micro_loss(mu, mb) for mu in optim.micro_batches(mb, micro_pairs))
+                _append(stats, {"policy/grad_norm": self._actor_step(losses)})
+        metrics = {k: sum(v) / len(v) for k, v in stats.items()}
+        metrics["objective/scores_margin"] = (scores[chosen] - scores[rejected]).mean().item()
+        return metrics
 
     # ------------------------------------------------------------------ weights
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
@@ -554,11 +651,46 @@ class TrainerEngine:
         rollout serves bf16 and the transfer is half the bytes."""
         dtype = torch.bfloat16 if self.cfg.training.bf16 else None
         out = {}
-        for k, v in self.actor.state_dict().items():
+        if self.cfg.actor.lora_r:
+            from rlhf.lora import merged_state_dict
+
+            weights = merged_state_dict(self.actor)
+        else:
+            weights = self.actor.state_dict()
+        for k, v in weights.items():
             v = v.detach()
             if dtype is not None and v.is_floating_point():
                 v = v.to(dtype)
             out[k] = v.to("cpu").contiguous()
+        return out
+
+
+def _adamw(model: torch.nn.Module, role: optim.RoleOptim, fused: bool) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    return torch.optim.AdamW(params, lr=role.lr, betas=role.betas, weight_decay=role.weight_decay, fused=fused)
+
+
+class _PtxData:
+    """PPO-ptx texts (data.pretrain_data), tokenized once, served in a fixed cycling order: a batch is a (rows, T)
+    tensor right-padded with the pad id."""
+
+    def __init__(self, cfg: ExperimentConfig, tokenizer):
+        from rlhf.data import load_texts
+
+        self.pad_id = tokenizer.pad_token_id
+        limit = cfg.training.seq_length
+        self.rows = [tokenizer(t, add_special_tokens=True)["input_ids"][:limit] for t in load_texts(cfg.data)]
+        self.rows = [r for r in self.rows if len(r) >= 2]
+        if not self.rows:
+            raise ValueError(f"data.pretrain_data {cfg.data.pretrain_data}: no text of two tokens or more")
+        self.offset = 0
+
+    def next_batch(self, n: int) -> torch.Tensor:
+        picked = [self.rows[(self.offset + i) % len(self.rows)] for i in range(n)]
+        self.offset = (self.offset + n) % len(self.rows)
+        out = torch.full((n, max(len(r) for r in picked)), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(picked):
+            out[i, : len(r)] = torch.tensor(r)
         return out
 
 

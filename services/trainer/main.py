@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rlhf.config import load_config
+import logging
+
+from rlhf.config import config_warning, load_config
 from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings
 from rlhf.v1 import trainer_pb2_grpc
 from services.trainer.grpc_servicer import SERVICE_NAME, TrainerServicer
@@ -12,6 +14,9 @@ from services.trainer.loop import Trainer
 
 async def serve(config_path: str, settings: ServiceSettings) -> None:
     cfg = load_config(config_path)
+    warning = config_warning(cfg)
+    if warning:  # once per run, in the trainer's log (rlhf up also prints it before anything starts)
+        logging.getLogger("rlhf.trainer").warning("%s", warning)
     if not settings.redis_url:
         raise SystemExit("rlhf serve trainer: set RLHF_REDIS_URL (the experience queue)")
     metrics = ServiceMetrics("trainer")

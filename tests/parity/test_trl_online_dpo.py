@@ -322,7 +322,8 @@ def run_engine(case: Case, model_dir: str, trl_ref: torch.Tensor) -> dict:
         {
             "training": {"stage": "ray_online_dpo", "device": "cpu", "lr": 1e-3, "seed": case.seed, "clip_grad": 0.0},
             "actor_rollout_ref": {"actor_rollout": {"load": model_dir, "do_sample": True,
-                                                    "temperature": ENGINE_TEMPERATURE, "n_samples_per_prompt": 2}},
+                                                    "temperature": ENGINE_TEMPERATURE, "n_samples_per_prompt": 2,
+                                                    "ppo_mini_batch_size": 2 * B}},  # TRL: one step on every pair
             "algorithm": {"dpo_beta": s.beta, "dpo_loss_type": s.loss_type,
                           "missing_eos_penalty": s.missing_eos_penalty or 0.0},
         }

@@ -113,7 +113,8 @@ def make_case(setting: PPOSetting, seed: int) -> Case:
 # Path A: TRL's PPOTrainer.train()
 
 
-def run_trl(case: Case, models, tmp_path, monkeypatch) -> dict:
+def run_trl(case: Case, models, tmp_path, monkeypatch, peft_config=None) -> dict:
+    """``peft_config``: TRL trains LoRA adapters on the policy, and its reference is the policy without them."""
     import trl.experimental.ppo.ppo_trainer as P
     from datasets import Dataset
     from trl.experimental.ppo import PPOConfig, PPOTrainer
@@ -228,13 +229,18 @@ def run_trl(case: Case, models, tmp_path, monkeypatch) -> dict:
         args=args,
         processing_class=tok,
         model=m.policy,
-        ref_model=m.ref,
+        ref_model=None if peft_config is not None else m.ref,
+        peft_config=peft_config,
         reward_model=m.reward,
         value_model=m.value,
         train_dataset=ds,
         eval_dataset=ds,  # __init__ builds an eval DataLoader unconditionally
     )
     trainer.log = log_hook
+    if peft_config is not None:  # the adapters as TRL initialised them (lora_A random), for path B to start from
+        cap["initial_adapter"] = {k: v.detach().clone() for k, v in trainer.policy_model.state_dict().items()
+                                  if ".lora_" in k}  # fmt: skip
+        cap["policy_model"] = trainer.policy_model
     trainer.train()
     assert next(perm_iter, None) is None, "TRL did not draw one permutation per epoch"
     assert "logs" in cap, "PPOTrainer.train() never logged"
@@ -245,7 +251,9 @@ def run_trl(case: Case, models, tmp_path, monkeypatch) -> dict:
 # Path B: ours
 
 
-def run_ours(case: Case, models, queries: torch.Tensor) -> dict:
+def run_ours(case: Case, models, queries: torch.Tensor, lora: dict | None = None) -> dict:
+    """``lora``: {"r", "alpha", "target_modules", "initial_adapter"}: the policy trains LoRA adapters (rlhf.lora)
+    from TRL's initial adapter weights, and the reference is the initial policy (TRL's disabled adapters)."""
     """``queries``: the left-padded prompts in the row order TRL's dataloader produced (row order is input data)."""
     s = case.setting
     m = models.fresh()
@@ -254,9 +262,17 @@ def run_ours(case: Case, models, queries: torch.Tensor) -> dict:
     responses = torch.stack([case.responses[tuple(q[q != PAD].tolist())] for q in queries])
     qr = torch.cat([queries, responses], 1)
 
+    ref_model = m.ref
+    if lora is not None:
+        from rlhf.lora import wrap_lora
+
+        ref_model = models.fresh().policy
+        m.policy = wrap_lora(m.policy, lora["r"], lora["alpha"], lora["target_modules"])
+        result = m.policy.load_state_dict(lora["initial_adapter"], strict=False)
+        assert not result.unexpected_keys and not [k for k in result.missing_keys if ".lora_" in k]
     with torch.no_grad():
         old = logprobs_from_logits(causal_lm_logits(m.behaviour, qr, PAD)[:, C - 1 : -1], responses, tau)
-        ref = logprobs_from_logits(causal_lm_logits(m.ref, qr, PAD)[:, C - 1 : -1], responses, tau)
+        ref = logprobs_from_logits(causal_lm_logits(ref_model, qr, PAD)[:, C - 1 : -1], responses, tau)
         values = score_head_outputs(m.value, qr, PAD)[:, C - 1 : -1]
         post = truncate_at_stop(responses, EOS, PAD)
         ell = sequence_lengths(post, PAD)
@@ -377,6 +393,7 @@ def run_ours(case: Case, models, queries: torch.Tensor) -> dict:
         "gae_returns": gae_returns,
         "minibatches": minibatches,
         "metrics": metrics,
+        "policy": policy,
     }
 
 

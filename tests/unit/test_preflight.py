@@ -27,7 +27,22 @@ def test_a_pad_token_that_is_the_eos_token_is_warned_about(tmp_path, tiny_models
     same = preflight.check(_with_tokenizer(tmp_path / "b", tiny_models, pad_token="</s>"))
     assert same.problems == []
     assert len(same.warnings) == 1 and "uses its EOS token as padding" in same.warnings[0]
+    assert "padding with '<pad>' (id 0) instead" in same.warnings[0]
     assert "warning: " in preflight.format_report(same, "x.yaml")
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_an_unused_token_not_eos(tmp_path, tiny_models):
+    """Llama-3 has no pad token; seed 001 sets pad = EOS, which masks each response's EOS. Loading picks a token that
+    never appears in text (here the tiny tokenizer's reserved <pad>) and every service loads it the same way."""
+    from rlhf.models import load_tokenizer
+
+    cfg = _with_tokenizer(tmp_path, tiny_models, pad_token=None)
+    report = preflight.check(cfg)
+    assert report.problems == [] and "has no pad token of its own: padding with '<pad>'" in report.warnings[0]
+    tok = load_tokenizer(cfg.actor.load)
+    assert tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
+    eos_tok = load_tokenizer(_with_tokenizer(tmp_path / "eos", tiny_models, pad_token="</s>").actor.load)
+    assert eos_tok.pad_token_id == tok.pad_token_id
 
 
 def test_a_model_folder_that_does_not_exist_is_a_problem(tmp_path):

@@ -1,0 +1,19 @@
+"""The SFT (next-token) loss of PPO-ptx: the pre-training objective mixed into the actor loss (InstructGPT;
+OpenRLHF's ``ptx_coef``)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf.algo.logprobs import logprobs_from_logits
+from rlhf.algo.masked import masked_mean
+
+
+def sft_loss(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of each next token.
+
+    logits: (B, T, V) of ``input_ids`` (B, T); mask: (B, T) True where a token is real. Position t predicts token
+    t + 1; the mean runs over the predicted tokens that are real.
+    """
+    logp = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:])
+    return -masked_mean(logp, mask[:, 1:])

@@ -1,0 +1,97 @@
+"""The trainer's optimizer settings per role, the learning-rate schedule and micro-batch splitting.
+
+Kept apart from the update step (engine.py) so the step reads as the algorithm: which AdamW settings a role gets,
+what its learning rate is at a step, and how a minibatch splits into micro-batches whose weighted losses add up to
+the minibatch's loss (so k micro-batches give the gradient of one pass over the whole minibatch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.algo.schedule import lr_at
+from rlhf.config import ExperimentConfig
+
+
+@dataclass(frozen=True)
+class RoleOptim:
+    lr: float
+    min_lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    clip_grad: float
+    decay_style: str
+    warmup_fraction: float
+
+
+def _pick(role_value, default):
+    return default if role_value is None else role_value
+
+
+def actor_optim(cfg: ExperimentConfig) -> RoleOptim:
+    """The actor's settings: its own (MindSpeed's per-role fields) where set, else the training section's."""
+    a, t = cfg.actor, cfg.training
+    return RoleOptim(
+        lr=a.lr or t.lr,
+        min_lr=_pick(a.min_lr, t.min_lr),
+        weight_decay=_pick(a.weight_decay, t.weight_decay),
+        betas=(_pick(a.adam_beta1, t.adam_beta1), _pick(a.adam_beta2, t.adam_beta2)),
+        clip_grad=_pick(a.clip_grad, t.clip_grad),
+        decay_style=_pick(a.lr_decay_style, t.lr_decay_style),
+        warmup_fraction=_pick(a.lr_warmup_fraction, t.lr_warmup_fraction),
+    )
+
+
+def critic_optim(cfg: ExperimentConfig) -> RoleOptim:
+    """The critic's settings: the training section's, at critic.lr; its schedule ends at the same fraction of its lr
+    as the training section's (min_lr / lr)."""
+    t = cfg.training
+    lr = cfg.critic.lr or t.lr
+    return RoleOptim(
+        lr=lr,
+        min_lr=lr * t.min_lr / t.lr,
+        weight_decay=t.weight_decay,
+        betas=(t.adam_beta1, t.adam_beta2),
+        clip_grad=t.clip_grad,
+        decay_style=t.lr_decay_style,
+        warmup_fraction=t.lr_warmup_fraction,
+    )
+
+
+def set_lr(opt: torch.optim.Optimizer, role: RoleOptim, step: int, total_steps: int) -> float:
+    """Set every parameter group of ``opt`` to the scheduled rate of training step ``step`` (0-based); returns it.
+    Stateless (a function of the step), so a resumed run continues the schedule from its step count."""
+    value = lr_at(step, lr=role.lr, min_lr=role.min_lr, total_steps=total_steps,
+                  warmup_fraction=role.warmup_fraction, style=role.decay_style)  # fmt: skip
+    for group in opt.param_groups:
+        group["lr"] = value
+    return value
+
+
+def micro_batches(rows: torch.Tensor, size: int | None) -> Iterator[torch.Tensor]:
+    """Split a minibatch's row indices into micro-batches of ``size`` (None: one, the whole minibatch)."""
+    if size is None or size >= len(rows):
+        yield rows
+        return
+    for start in range(0, len(rows), size):
+        yield rows[start : start + size]
+
+
+def micro_weight(kind: str, micro: torch.Tensor, whole: torch.Tensor) -> float:
+    """The factor that makes a micro-batch's loss its share of the minibatch's loss.
+
+    ``kind``: ``tokens`` for a mean over the minibatch's valid tokens (micro/whole are (b, L) masks), ``rows`` for a
+    mean over rows (micro/whole: anything with one row per sample), ``sum`` for a loss already normalised by a
+    constant (DAPO's num_items): the micro-batch losses simply add.
+    """
+    if kind == "sum":
+        return 1.0
+    if kind == "rows":
+        return micro.shape[0] / whole.shape[0]
+    if kind == "tokens":
+        total = float(whole.sum())
+        return float(micro.sum()) / total if total > 0 else micro.shape[0] / whole.shape[0]
+    raise ValueError(f"unknown micro-batch weighting {kind!r}")

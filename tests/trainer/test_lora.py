@@ -1,0 +1,57 @@
+"""LoRA training of the actor (seed 001: peft's r, alpha, target modules): only the adapters change, and what is
+pushed to rollout and written to checkpoints is the merged model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.engine import TrainerEngine
+
+pytest.importorskip("peft")
+
+from test_training_options import _batch, _config  # noqa: E402  (same directory: the fixed-batch helpers)
+
+LORA = {"lora_r": 4, "lora_alpha": 8.0, "lora_target_modules": ["q_proj", "v_proj", "o_proj"]}
+
+
+def test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model(tiny_models):
+    engine = TrainerEngine(_config("ray_grpo", actor=LORA))
+    before = {k: v.clone() for k, v in engine.actor.state_dict().items()}
+    trainable = {n for n, p in engine.actor.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+    engine.step(_batch(engine))
+    after = engine.actor.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(".lora_B." in k or ".lora_A." in k for k in changed)
+    assert any(".lora_B." in k for k in changed)  # B starts at 0: the adapters now move the model
+
+    pushed = engine.policy_state_dict()
+    reference = copy.deepcopy(engine.actor).merge_and_unload().state_dict()  # peft's own merge
+    plain = TrainerEngine(_config("ray_grpo")).policy_state_dict()
+    assert set(pushed) == set(plain) == set(reference)  # the base model's names, no adapter tensors
+    for k, v in reference.items():
+        torch.testing.assert_close(pushed[k], v, rtol=1e-6, atol=1e-7)
+    assert any(not torch.equal(pushed[k], plain[k]) for k in pushed if "q_proj" in k)
+
+
+def test_a_lora_checkpoint_resumes_the_adapters_and_its_policy_is_the_merged_model(tiny_models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    engine = TrainerEngine(_config("ray_grpo", actor=LORA))
+    engine.step(_batch(engine))
+    path = save_checkpoint(tmp_path, engine, {})
+    merged = engine.policy_state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(path / "policy").state_dict()
+    for k, v in merged.items():
+        torch.testing.assert_close(loaded[k], v)
+    resumed = TrainerEngine(_config("ray_grpo", actor=LORA))
+    load_checkpoint(latest_checkpoint(tmp_path), resumed)
+    for k, v in resumed.policy_state_dict().items():
+        torch.testing.assert_close(v, merged[k])
+    batch = _batch(engine, seed=5)
+    a, b = engine.step(batch), resumed.step(batch)
+    assert a["loss/policy"] == pytest.approx(b["loss/policy"], abs=1e-6)

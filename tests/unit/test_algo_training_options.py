@@ -1,0 +1,111 @@
+"""The pure parts of the seeds' training options: LR schedule values, running reward statistics and clipping, the
+SFT loss of PPO-ptx, micro-batch weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf import algo
+from services.trainer import optim
+
+
+def _lrs(style, total=11, warmup=0.0, lr=1.0, min_lr=0.1):
+    return [algo.lr_at(s, lr=lr, min_lr=min_lr, total_steps=total, warmup_fraction=warmup, style=style)
+            for s in range(total)]  # fmt: skip
+
+
+def test_lr_schedule_values_at_given_steps():
+    assert _lrs("constant") == [1.0] * 11
+    lin = _lrs("linear")
+    assert lin[0] == 1.0 and lin[-1] == pytest.approx(0.1) and lin[5] == pytest.approx(0.55)
+    cos = _lrs("cosine")
+    assert cos[0] == 1.0 and cos[-1] == pytest.approx(0.1) and cos[5] == pytest.approx(0.55)
+    assert cos[2] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.2)))
+    # warm-up: 20% of 10 steps = 2 steps rising from lr/2, then the decay over the remaining steps
+    warm = _lrs("linear", total=10, warmup=0.2)
+    assert warm[:2] == [0.5, 1.0] and warm[2] == 1.0 and warm[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(warm[2:], warm[3:], strict=False))
+    with pytest.raises(ValueError, match="lr_decay_style"):
+        _lrs("step")
+
+
+def test_per_role_optimizer_fields_override_the_training_section():
+    from rlhf.config import parse_config
+
+    cfg = parse_config({
+        "training": {"lr": 1e-5, "min_lr": 1e-6, "weight_decay": 0.1, "clip_grad": 1.0, "lr_decay_style": "cosine",
+                     "train_iters": 4},
+        "actor_rollout_ref": {"actor_rollout": {"lr": 2e-5, "weight_decay": 0.0, "adam_beta2": 0.95, "clip_grad": 5.0,
+                                                "lr_decay_style": "linear", "min_lr": 0.0}},
+        "critic": {"lr": 4e-5},
+    })  # fmt: skip
+    a, c = optim.actor_optim(cfg), optim.critic_optim(cfg)
+    assert (a.lr, a.min_lr, a.weight_decay, a.betas, a.clip_grad, a.decay_style) == (
+        2e-5, 0.0, 0.0, (0.9, 0.95), 5.0, "linear")  # fmt: skip
+    assert (c.lr, c.weight_decay, c.decay_style) == (4e-5, 0.1, "cosine") and c.min_lr == pytest.approx(4e-6)
+    opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=a.lr)
+    assert [optim.set_lr(opt, a, s, 4) for s in range(4)] == pytest.approx([2e-5, 2e-5 * 2 / 3, 2e-5 / 3, 0.0])
+    assert opt.param_groups[0]["lr"] == 0.0
+
+
+def test_running_moments_are_the_statistics_of_everything_seen():
+    torch.manual_seed(0)
+    batches = [torch.randn(n) * 3 + 2 for n in (5, 1, 17, 8)]
+    m = algo.RunningMoments()
+    for i, x in enumerate(batches):
+        m.update(x)
+        seen = torch.cat(batches[: i + 1]).double()
+        assert m.count == seen.numel()
+        assert m.mean == pytest.approx(seen.mean().item(), rel=1e-9, abs=1e-12)
+        assert m.var == pytest.approx(seen.var(unbiased=False).item(), rel=1e-9, abs=1e-12)
+    out = algo.normalize_and_clip(batches[-1], m, None)
+    assert torch.allclose(out, (batches[-1] - m.mean) / m.std, atol=1e-6)
+
+
+def test_clipped_rewards_stay_in_range():
+    x = torch.tensor([-50.0, -1.0, 0.0, 2.0, 40.0])
+    out = algo.normalize_and_clip(x, None, (-3.0, 3.0))
+    assert out.tolist() == [-3.0, -1.0, 0.0, 2.0, 3.0]
+    m = algo.RunningMoments()
+    m.update(x)
+    normed = algo.normalize_and_clip(x, m, (-1.0, 1.0))
+    assert normed.min() >= -1.0 and normed.max() <= 1.0 and normed[0] == -1.0 and normed[-1] == 1.0
+
+
+def test_sft_loss_is_the_mean_next_token_nll_over_real_tokens():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 5, 7)
+    ids = torch.randint(1, 7, (2, 5))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]).bool()
+    terms = [-torch.log_softmax(logits[b, t], -1)[ids[b, t + 1]] for b in range(2) for t in range(4) if mask[b, t + 1]]
+    assert algo.sft_loss(logits, ids, mask).item() == pytest.approx(torch.stack(terms).mean().item(), rel=1e-6)
+
+
+def test_micro_weights_add_up_to_one_minibatch():
+    whole = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 0, 0]]).bool()
+    parts = [whole[:2], whole[2:]]
+    assert sum(optim.micro_weight("tokens", p, whole) for p in parts) == pytest.approx(1.0)
+    assert optim.micro_weight("tokens", parts[0], whole) == pytest.approx(3 / 6)
+    assert optim.micro_weight("rows", parts[1][:1], whole) == 0.25
+    assert optim.micro_weight("sum", parts[0], whole) == 1.0
+    assert [len(m) for m in optim.micro_batches(torch.arange(5), 2)] == [2, 2, 1]
+    assert [len(m) for m in optim.micro_batches(torch.arange(5), None)] == [5]
+
+
+def test_full_kl_is_the_exact_kl_over_the_vocabulary_and_replaces_the_estimate():
+    torch.manual_seed(2)
+    logits, ref_logits = torch.randn(2, 3, 5), torch.randn(2, 3, 5)
+    got = algo.full_kl(logits, ref_logits, temperature=0.7)
+    for b in range(2):
+        for t in range(3):
+            p = torch.softmax(logits[b, t] / 0.7, -1)
+            q = torch.softmax(ref_logits[b, t] / 0.7, -1)
+            assert got[b, t].item() == pytest.approx((p * (p / q).log()).sum().item(), rel=1e-5)
+    assert (got >= 0).all() and algo.full_kl(logits, logits).abs().max() < 1e-6
+    lp = torch.zeros(2, 3)
+    kr = algo.kl_penalized_rewards(torch.ones(2), lp, lp, torch.tensor([2, 0]), 0.5, kl=got)
+    assert torch.allclose(kr.kl, got * torch.tensor([[1, 1, 1], [1, 0, 0]]))
+    assert torch.allclose(kr.non_score_reward, -0.5 * kr.kl)

@@ -1,0 +1,298 @@
+"""Every experiment-config field has a test that shows its effect, or a documented mapping, and a README row.
+
+``FIELD_TESTS`` maps each field to the tests that fail if the field stops doing what it says (checked to exist), or
+to ``MAPPED`` + the sentence saying where the field's value goes when a test of the target covers it, or (a known
+gap, listed in KNOWN_UNTESTED) to ``UNTESTED`` + where the code reads it. A new field
+without an entry fails here; so does an entry whose test was renamed away.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from rlhf.config import ExperimentConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+MAPPED = "mapped:"
+UNTESTED = "untested:"  # read by the code, but no test shows the effect yet: this list must only shrink
+KNOWN_UNTESTED = {"training.weight_sync_interval", "training.log_interval"}
+
+TO = "tests/trainer/test_training_options.py::"
+PPO_PARITY = "tests/parity/test_trl_ppo.py::test_ppo_matches_trl"
+GRPO_PARITY = "tests/parity/test_trl_grpo.py::test_grpo_engine_matches_trl"
+RLOO_PARITY = "tests/parity/test_trl_rloo.py::test_rloo_engine_matches_trl"
+DPO_PARITY = "tests/parity/test_trl_online_dpo.py::test_online_dpo_engine_matches_trl"
+TRAINER_SVC = "tests/integration/test_trainer_service.py::test_trainer_trains_checkpoints_and_acks"
+ROLLOUT_SETTINGS = "tests/unit/test_rollout_engine_settings.py::"
+SEEDS = "tests/unit/test_config_seeds.py::"
+DEVICES = "tests/unit/test_devices.py::"
+ENGINE_SMALL = TO + "test_tokenizer_sampling_mode_adam_settings_and_vf_coef_reach_the_engine"
+PER_ROLE = "tests/unit/test_algo_training_options.py::test_per_role_optimizer_fields_override_the_training_section"
+SCHEDULE = [TO + "test_lr_schedule_sets_each_steps_learning_rate",
+            "tests/unit/test_algo_training_options.py::test_lr_schedule_values_at_given_steps", PER_ROLE]  # fmt: skip
+DATA = "tests/unit/test_data_json.py::"
+LORA = "tests/trainer/test_lora.py::"
+
+FIELD_TESTS: dict[str, list[str] | str] = {
+    "run_id": [TRAINER_SVC, "tests/integration/test_launcher.py::test_plan_services_order_ports_and_env"],
+    "training.stage": [
+        "tests/trainer/test_engine.py::test_ppo_raises_the_reward",
+        "tests/trainer/test_engine.py::test_grpo_raises_the_reward",
+    ],  # fmt: skip
+    "training.global_batch_size": [TRAINER_SVC],
+    "training.seq_length": [ROLLOUT_SETTINGS + "test_max_model_len_bounds_the_hf_engine"],
+    "training.train_iters": [TRAINER_SVC],
+    "training.tokenizer_name_or_path": [ENGINE_SMALL],
+    "training.seed": ["tests/trainer/test_engine.py::test_checkpoint_resume_is_exact"],
+    "training.lr": SCHEDULE,
+    "training.weight_decay": [ENGINE_SMALL],
+    "training.adam_beta1": [ENGINE_SMALL],
+    "training.adam_beta2": [ENGINE_SMALL],
+    "training.clip_grad": [PER_ROLE, "tests/trainer/test_robustness.py"],
+    "training.lr_decay_style": SCHEDULE,
+    "training.lr_warmup_fraction": [
+        "tests/unit/test_algo_training_options.py::test_lr_schedule_values_at_given_steps",
+        PER_ROLE,
+    ],  # fmt: skip
+    "training.min_lr": SCHEDULE,
+    "training.no_load_optim": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng"],
+    "training.no_load_rng": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng"],
+    "training.bf16": ["tests/trainer/test_engine.py::test_bf16_keeps_fp32_master_weights_that_learn_at_a_small_lr"],
+    "training.device": ["tests/unit/test_device_auto.py"],
+    "training.save_interval": [TRAINER_SVC],
+    "training.save": [
+        TRAINER_SVC,
+        "tests/deploy/test_chart.py::test_checkpoints_pvc_is_mounted_where_the_config_saves",
+    ],
+    "training.load": ["tests/trainer/test_engine.py::test_checkpoint_resume_is_exact"],
+    "training.max_staleness": ["tests/integration/test_transport_streams.py::test_admission_bounds_staleness"],
+    "training.weight_sync_interval": UNTESTED + " read by loop.py (push when step % interval == 0); no test runs a "
+    "value other than 1",
+    "training.log_interval": UNTESTED + " read by loop.py (a progress line every N steps); output only",
+    "training.log_completions_interval": [TRAINER_SVC],
+    "actor_rollout_ref.actor_rollout.load": ["tests/unit/test_models_resolve.py"],
+    "actor_rollout_ref.actor_rollout.save": [
+        TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng",
+        SEEDS + "test_seed_000_ppo_snippet_loads_with_its_save_folders",
+    ],  # fmt: skip
+    "actor_rollout_ref.actor_rollout.do_sample": [ENGINE_SMALL],
+    "actor_rollout_ref.actor_rollout.temperature": [ENGINE_SMALL, GRPO_PARITY],
+    "actor_rollout_ref.actor_rollout.top_p": [
+        "tests/integration/test_engines.py::test_hf_truncated_logprobs_match_a_masked_forward"
+    ],
+    "actor_rollout_ref.actor_rollout.top_k": [
+        "tests/integration/test_engines.py::test_hf_truncated_logprobs_match_a_masked_forward"
+    ],
+    "actor_rollout_ref.actor_rollout.max_prompt_length": [ROLLOUT_SETTINGS + "test_max_model_len_bounds_the_hf_engine"],
+    "actor_rollout_ref.actor_rollout.max_new_tokens": [GRPO_PARITY],
+    "actor_rollout_ref.actor_rollout.n_samples_per_prompt": [
+        "tests/trainer/test_engine.py::test_grpo_raises_the_reward"
+    ],
+    "actor_rollout_ref.actor_rollout.ppo_mini_batch_size": [
+        TO + "test_online_dpo_minibatches_epochs_and_entropy_bonus",
+        PPO_PARITY,
+    ],  # fmt: skip
+    "actor_rollout_ref.actor_rollout.micro_batch_size": [
+        TO + "test_k_micro_batches_equal_one_step_on_the_whole_minibatch"
+    ],
+    "actor_rollout_ref.actor_rollout.ppo_epochs": [
+        TO + "test_online_dpo_minibatches_epochs_and_entropy_bonus",
+        PPO_PARITY,
+    ],
+    "actor_rollout_ref.actor_rollout.clip_ratio": [PPO_PARITY, GRPO_PARITY],
+    "actor_rollout_ref.actor_rollout.clip_ratio_high": [GRPO_PARITY],
+    "actor_rollout_ref.actor_rollout.dual_clip": ["tests/unit/test_algo_losses.py::test_ppo_policy_loss_dual_clip"],
+    "actor_rollout_ref.actor_rollout.tis_cap": [
+        "tests/unit/test_algo_losses.py::test_ppo_policy_loss_truncated_importance_sampling"
+    ],
+    "actor_rollout_ref.actor_rollout.shuffle_minibatch": [TO + "test_online_dpo_minibatches_epochs_and_entropy_bonus"],
+    "actor_rollout_ref.actor_rollout.entropy_coeff": [TO + "test_online_dpo_minibatches_epochs_and_entropy_bonus"],
+    "actor_rollout_ref.actor_rollout.freezing_actor_steps": [
+        TO + "test_a_frozen_actor_does_not_change_while_the_critic_does"
+    ],
+    "actor_rollout_ref.actor_rollout.ptx_coef": [TO + "test_ptx_loss_enters_the_gradient_with_its_coefficient"],
+    "actor_rollout_ref.actor_rollout.engine": [
+        "tests/integration/test_engines.py::test_engine_choice_from_config_and_env"
+    ],
+    "actor_rollout_ref.actor_rollout.stop": ["tests/integration/test_engines.py::test_hf_stops_and_lengths"],
+    "actor_rollout_ref.actor_rollout.apply_chat_template": [
+        "tests/integration/test_rollout_openai.py::test_chat_uses_the_chat_template"
+    ],
+    "actor_rollout_ref.actor_rollout.lora_r": [
+        LORA + "test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model",
+        LORA + "test_a_lora_checkpoint_resumes_the_adapters_and_its_policy_is_the_merged_model",
+    ],
+    "actor_rollout_ref.actor_rollout.lora_alpha": [
+        LORA + "test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model"
+    ],
+    "actor_rollout_ref.actor_rollout.lora_dropout": [
+        SEEDS + "test_options_that_only_make_sense_together_are_checked_at_load"
+    ],
+    "actor_rollout_ref.actor_rollout.lora_target_modules": [
+        LORA + "test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model"
+    ],
+    "actor_rollout_ref.actor_rollout.lr": SCHEDULE,
+    "actor_rollout_ref.actor_rollout.weight_decay": [PER_ROLE],
+    "actor_rollout_ref.actor_rollout.adam_beta1": [PER_ROLE],
+    "actor_rollout_ref.actor_rollout.adam_beta2": [PER_ROLE],
+    "actor_rollout_ref.actor_rollout.clip_grad": [PER_ROLE],
+    "actor_rollout_ref.actor_rollout.lr_decay_style": [PER_ROLE],
+    "actor_rollout_ref.actor_rollout.lr_warmup_fraction": [PER_ROLE],
+    "actor_rollout_ref.actor_rollout.min_lr": [PER_ROLE],
+    "actor_rollout_ref.actor_rollout.num_gpus_for_train": [DEVICES + "test_seed_004_gets_one_device_per_role_in_order"],
+    "actor_rollout_ref.actor_rollout.num_gpus_for_infer": [
+        DEVICES + "test_rollout_devices_become_replicas_of_the_tensor_parallel_size"
+    ],
+    "actor_rollout_ref.actor_rollout.dtype": [
+        "tests/integration/test_engines.py::test_hf_swap_stages_outside_the_gate_and_installs_storage"
+    ],
+    "actor_rollout_ref.actor_rollout.max_model_len": [ROLLOUT_SETTINGS + "test_max_model_len_bounds_the_hf_engine"],
+    "actor_rollout_ref.actor_rollout.gpu_memory_utilization": [
+        ROLLOUT_SETTINGS + "test_settings_reach_vllm_engine_args"
+    ],
+    "actor_rollout_ref.actor_rollout.tensor_model_parallel_size": [
+        ROLLOUT_SETTINGS + "test_settings_reach_vllm_engine_args",
+        DEVICES + "test_rollout_devices_become_replicas_of_the_tensor_parallel_size",
+    ],  # fmt: skip
+    "actor_rollout_ref.actor_rollout.enforce_eager": [ROLLOUT_SETTINGS + "test_settings_reach_vllm_engine_args"],
+    "actor_rollout_ref.ref.load": [
+        "tests/integration/test_reference_service.py::test_logprobs_rest_match_transformers"
+    ],
+    "actor_rollout_ref.ref.temperature": ["tests/integration/test_reference_service.py::test_configured_temperature"],
+    "actor_rollout_ref.ref.micro_batch_size": ["tests/integration/test_engine_batching.py"],
+    "critic.load": ["tests/trainer/test_engine.py::test_ppo_raises_the_reward"],
+    "critic.cliprange_value": [PPO_PARITY],
+    "critic.critic_mini_batch_size": [
+        "tests/trainer/test_engine.py::test_critic_alongside_the_actor_matches_one_after_the_other"
+    ],
+    "critic.critic_update_epochs": [PPO_PARITY],
+    "critic.lr": [PER_ROLE],
+    "critic.save": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng"],
+    "critic.vf_coef": [ENGINE_SMALL],
+    "reward.scorers": ["tests/integration/test_reward_service.py::test_score_rest_matches_the_model_and_rules"],
+    "reward.scorers[].type": ["tests/integration/test_reward_service.py::test_score_rest_matches_the_model_and_rules"],
+    "reward.scorers[].name": ["tests/integration/test_reward_service.py::test_user_rule_and_bad_rule_config"],
+    "reward.scorers[].load": ["tests/integration/test_reward_service.py::test_score_rest_matches_the_model_and_rules"],
+    "reward.scorers[].url": ["tests/integration/test_reward_service.py::test_remote_scorer_ok_combines_with_rules"],
+    "reward.scorers[].weight": ["tests/integration/test_reward_service.py::test_remote_scorer_ok_combines_with_rules"],
+    "reward.scorers[].timeout_s": [
+        "tests/integration/test_reward_service.py::test_remote_failures_through_the_service"
+    ],
+    "reward.scorers[].retries": ["tests/integration/test_reward_service.py::test_remote_scorer_retry_recovers"],
+    "reward.scorers[].kwargs": [
+        "tests/integration/test_reward_service.py::test_regex_pattern_comes_from_the_config_only"
+    ],
+    "reward.micro_batch_size": ["tests/integration/test_engine_batching.py::test_reward_model_merged_equals_alone"],
+    "reward.load": MAPPED + " shorthand: replaces reward.scorers with one model scorer (rlhf/config.py), whose load "
+    "is tested above; " + SEEDS + "test_seed_000_ppo_snippet_loads_with_its_save_folders checks the mapping",
+    "reward.max_failed_fraction": [
+        "tests/integration/test_trainer_service.py::test_a_scorer_failing_on_most_samples_stops_the_run_naming_it"
+    ],
+    "reward.failed_patience": [
+        "tests/integration/test_trainer_service.py::test_a_scorer_failing_on_most_samples_stops_the_run_naming_it"
+    ],
+    "algorithm.adv_estimator": [
+        "tests/unit/test_config_critic_free.py::test_stage_defaults_follow_trl_and_openrlhf",
+        "tests/parity/test_openrlhf_reinforce.py",
+    ],  # fmt: skip
+    "algorithm.gamma": [PPO_PARITY],
+    "algorithm.lam": [PPO_PARITY],
+    "algorithm.kl_penalty": [
+        PPO_PARITY,
+        GRPO_PARITY,
+        TO + "test_kl_penalty_full_penalises_the_whole_vocabulary_kl_to_the_reference",
+    ],
+    "algorithm.kl_ctrl.type": ["tests/unit/test_algo_kl.py::test_make_kl_controller"],
+    "algorithm.kl_ctrl.kl_coef": [PPO_PARITY],
+    "algorithm.kl_ctrl.target_kl": ["tests/unit/test_algo_kl.py::test_adaptive_controller_update_rule"],
+    "algorithm.kl_ctrl.horizon": ["tests/unit/test_algo_kl.py::test_adaptive_controller_update_rule"],
+    "algorithm.missing_eos_penalty": [PPO_PARITY, DPO_PARITY],
+    "algorithm.normalize_reward": [TO + "test_normalised_rewards_use_the_running_statistics_and_clipping_bounds_them"],
+    "algorithm.reward_clip_range": [TO + "test_normalised_rewards_use_the_running_statistics_and_clipping_bounds_them"],
+    "algorithm.whiten_rewards": [PPO_PARITY],
+    "algorithm.whiten_advantages": [PPO_PARITY, RLOO_PARITY],
+    "algorithm.score_position": ["tests/unit/test_algo_ppo.py::test_ppo_rollout_score_positions"],
+    "algorithm.loss_type": [GRPO_PARITY],
+    "algorithm.scale_rewards": [GRPO_PARITY],
+    "algorithm.use_bias_correction_kl": [GRPO_PARITY],
+    "algorithm.importance_sampling_level": [GRPO_PARITY],
+    "algorithm.mask_truncated_completions": [GRPO_PARITY, RLOO_PARITY],
+    "algorithm.top_entropy_quantile": [GRPO_PARITY],
+    "algorithm.rloo_convention": [RLOO_PARITY, "tests/parity/test_openrlhf_reinforce.py"],
+    "algorithm.dpo_beta": [DPO_PARITY],
+    "algorithm.dpo_loss_type": [DPO_PARITY],
+    "resource_pool.actor_rollout": [
+        DEVICES + "test_colocated_rollout_shares_the_trainers_device",
+        DEVICES + "test_seed_004_gets_one_device_per_role_in_order",
+    ],  # fmt: skip
+    "resource_pool.ref": [DEVICES + "test_seed_004_gets_one_device_per_role_in_order"],
+    "resource_pool.critic": MAPPED + " the critic trains in the trainer process on the trainer's device; a count is "
+    "named in the start-up warning (rlhf/config.py _stage_notes)",
+    "resource_pool.reward": [DEVICES + "test_seed_004_gets_one_device_per_role_in_order"],
+    "data.path": [DATA + "test_a_json_array_and_json_lines_both_load_with_the_key_map"],
+    "data.map_keys": [DATA + "test_a_json_array_and_json_lines_both_load_with_the_key_map"],
+    "data.pretrain_data": [
+        TO + "test_ptx_loss_enters_the_gradient_with_its_coefficient",
+        DATA + "test_bad_json_files_are_config_errors_naming_the_key",
+    ],  # fmt: skip
+    "data.system": [DATA + "test_max_samples_shuffle_and_system_message"],
+    "data.shuffle": [DATA + "test_max_samples_shuffle_and_system_message"],
+    "data.max_samples": [DATA + "test_max_samples_shuffle_and_system_message"],
+}
+
+
+def config_fields(model: type[BaseModel] = ExperimentConfig, prefix: str = "") -> list[str]:
+    out = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += config_fields(ann, f"{prefix}{name}.")
+            continue
+        out.append(prefix + name)
+        args = getattr(ann, "__args__", ())
+        if (
+            getattr(ann, "__origin__", None) is list
+            and args
+            and isinstance(args[0], type)
+            and issubclass(args[0], BaseModel)
+        ):
+            out += config_fields(args[0], f"{prefix}{name}[].")
+    return out
+
+
+def _test_exists(test_id: str) -> bool:
+    path, _, name = test_id.partition("::")
+    file = ROOT / path
+    if not file.is_file():
+        return False
+    if not name:
+        return True
+    tree = ast.parse(file.read_text())
+    return any(isinstance(n, ast.FunctionDef) and n.name == name for n in tree.body)
+
+
+def test_every_field_has_an_effect_test_or_a_documented_mapping():
+    fields = config_fields()
+    missing = [f for f in fields if f not in FIELD_TESTS]
+    assert not missing, f"config fields without an effect test or mapping in FIELD_TESTS: {missing}"
+    stale = [f for f in FIELD_TESTS if f not in fields]
+    assert not stale, f"FIELD_TESTS names fields the config no longer has: {stale}"
+    for field, tests in FIELD_TESTS.items():
+        if isinstance(tests, str):
+            assert tests.startswith(MAPPED) or (tests.startswith(UNTESTED) and field in KNOWN_UNTESTED), field
+            assert len(tests) > 40, field
+            continue
+        assert tests, field
+        for test_id in tests:
+            assert _test_exists(test_id), f"{field}: {test_id} does not exist"
+
+
+def test_the_readme_lists_every_field_with_its_default():
+    readme = (ROOT / "README.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`"): line for line in readme.splitlines() if line.startswith("| `")}
+    for field in config_fields():
+        assert field in rows, f"README's configuration table has no row for {field}"
+        assert len(rows[field].split("|")) >= 5, field

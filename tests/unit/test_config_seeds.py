@@ -1,0 +1,105 @@
+"""The seeds' MindSpeed-LLM configs load: Megatron-only keys are mapped or named in one warning, misspelt keys are
+errors with a suggestion, and options that only make sense together are checked at load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlhf.config import ConfigError, config_warning, load_config, parse_config
+
+SEEDS = Path(__file__).parent / "seed_configs"
+
+
+def test_seed_000_ppo_snippet_loads_with_its_save_folders():
+    cfg = load_config(SEEDS / "ppo_trainer_llama32_1b.yaml")
+    assert cfg.training.stage == "ray_ppo"
+    assert cfg.actor.save == "./model_weights/llama32-mcore-save/"
+    assert cfg.critic.save == "./model_weights/llama32-mcore-orm-save/"
+    assert cfg.critic.load == cfg.reward.load == "./model_weights/llama32-mcore-orm/"
+    assert cfg.reward.scorers[0].load == "./model_weights/llama32-mcore-orm/"
+    assert config_warning(cfg) is None  # nothing in it is Megatron-only
+
+
+def test_seed_004_online_dpo_test_config_loads_mapped_and_warned():
+    cfg = load_config(SEEDS / "ray_online_dpo_full_llama32_1b_tp1pp1.yaml")
+    a = cfg.actor
+    # mapped to this project's fields
+    assert cfg.training.stage == "ray_online_dpo" and cfg.training.no_load_optim and cfg.training.no_load_rng
+    assert (a.lr, a.clip_grad, a.lr_decay_style, a.min_lr, a.micro_batch_size) == (1e-7, 10000.0, "constant", 0.0, 4)
+    assert (a.num_gpus_for_train, a.num_gpus_for_infer, a.tensor_model_parallel_size) == (1, 1, 1)
+    assert cfg.algorithm.missing_eos_penalty == 1.0
+    assert cfg.data.shuffle is False  # actor_rollout.shuffle: false / no_shuffle: true
+    assert cfg.reward.micro_batch_size == 8 and cfg.actor_rollout_ref.ref.micro_batch_size == 4
+    # one warning, one line per key that does not apply, each with its reason
+    warning = config_warning(cfg)
+    lines = warning.splitlines()[1:]
+    for key in ("defaults", "training.distributed_backend", "reward.sequence_parallel",
+                "actor_rollout_ref.actor_rollout.use_kv_cache", "actor_rollout_ref.actor_rollout.num_samples_per_step",
+                "actor_rollout_ref.ref.tensor_model_parallel_size", "actor_rollout_ref.actor_rollout.clip_ratio",
+                "algorithm.kl_ctrl"):  # fmt: skip
+        assert any(line.strip().startswith(f"{key}: ") for line in lines), key
+    assert all(": " in line and len(line.split(": ", 1)[1]) > 20 for line in lines)
+    # mapped keys are not in the warning
+    assert not any("missing_eos_penalty" in line or "clip_grad" in line or "no_load_optim" in line for line in lines)
+
+
+def test_a_misspelt_key_is_an_error_that_suggests_the_closest():
+    with pytest.raises(ConfigError) as err:
+        parse_config({"actor_rollout_ref": {"actor_rollout": {"ppo_mini_bach_size": 4}}})
+    assert "actor_rollout_ref.actor_rollout.ppo_mini_bach_size" in str(err.value)
+    assert "did you mean 'ppo_mini_batch_size'?" in str(err.value)
+    with pytest.raises(ConfigError, match="did you mean 'kl_coef'"):
+        parse_config({"algorithm": {"kl_ctrl": {"kl_coeff": 0.1}}})
+    with pytest.raises(ConfigError, match="unknown key"):
+        parse_config({"training": {"completely_unrelated": 1}})
+
+
+def test_a_mapped_key_that_contradicts_its_target_is_an_error():
+    with pytest.raises(ConfigError, match="contradicts algorithm.missing_eos_penalty"):
+        parse_config({"actor_rollout_ref": {"actor_rollout": {"missing_eos_penalty": 1.0}},
+                      "algorithm": {"missing_eos_penalty": 0.5}})  # fmt: skip
+    with pytest.raises(ConfigError, match="only PretrainedFromHF"):
+        parse_config({"training": {"tokenizer_type": "Llama2Tokenizer"}})
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"training": {"stage": "ray_online_dpo"}, "actor_rollout_ref": {"actor_rollout": {"do_sample": False}}},
+         "set do_sample: true"),
+        ({"training": {"stage": "ray_grpo"}}, "set 2 or more"),
+        ({"training": {"lr": 1e-6, "min_lr": 1e-5}}, "lower min_lr"),
+        ({"actor_rollout_ref": {"actor_rollout": {"ppo_mini_batch_size": 4, "micro_batch_size": 8}}},
+         "larger than ppo_mini_batch_size"),
+        ({"training": {"stage": "ray_grpo"}, "actor_rollout_ref": {"actor_rollout": {
+            "n_samples_per_prompt": 4, "freezing_actor_steps": 2}}}, "only ray_ppo has a critic"),
+        ({"training": {"train_iters": 5}, "actor_rollout_ref": {"actor_rollout": {"freezing_actor_steps": 5}}},
+         "would never train"),
+        ({"actor_rollout_ref": {"actor_rollout": {"ptx_coef": 0.5}}}, "needs data.pretrain_data"),
+        ({"data": {"pretrain_data": "x.jsonl"}}, "set actor_rollout.ptx_coef"),
+        ({"algorithm": {"reward_clip_range": [3, -3]}}, "low < high"),
+        ({"training": {"stage": "ray_rloo"}, "actor_rollout_ref": {"actor_rollout": {"n_samples_per_prompt": 2}},
+          "algorithm": {"kl_penalty": "full"}}, "built for ray_ppo only"),
+        ({"actor_rollout_ref": {"actor_rollout": {"num_gpus_for_train": 2}}}, "runs on one device"),
+        ({"actor_rollout_ref": {"actor_rollout": {"num_gpus_for_infer": 3, "tensor_model_parallel_size": 2}}},
+         "not a multiple"),
+        ({"actor_rollout_ref": {"actor_rollout": {"num_gpus_for_train": 1, "num_gpus_for_infer": 2}},
+          "resource_pool": {"actor_rollout": [2]}}, "is not num_gpus_for_train"),
+        ({"resource_pool": {"reward": [1, 1]}}, "runs on one machine"),
+        ({"actor_rollout_ref": {"actor_rollout": {"lora_r": 8, "lora_dropout": 0.05}}}, "lora_dropout must be 0"),
+        ({"actor_rollout_ref": {"actor_rollout": {"lora_alpha": 32}}}, "only with lora_r > 0"),
+    ],
+)  # fmt: skip
+def test_options_that_only_make_sense_together_are_checked_at_load(data, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(data)
+
+
+def test_rlhf_up_prints_the_not_applicable_keys_once_before_starting():
+    from rlhf import preflight
+
+    report = preflight.check(load_config(SEEDS / "ray_online_dpo_full_llama32_1b_tp1pp1.yaml"))
+    mine = [w for w in report.warnings if w.startswith("config keys accepted but not applicable here")]
+    assert len(mine) == 1 and "training.distributed_backend" in mine[0]

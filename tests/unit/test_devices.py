@@ -1,0 +1,66 @@
+"""resource_pool and num_gpus_for_train / num_gpus_for_infer under ``rlhf up``: the devices each service sees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlhf.config import parse_config
+from services.devices import plan_devices, rollout_replicas, visible_devices
+from services.launcher import plan_services
+
+SEED_004 = Path(__file__).parent / "seed_configs" / "ray_online_dpo_full_llama32_1b_tp1pp1.yaml"
+
+
+def _cfg(actor=None, pool=None):
+    return parse_config({"actor_rollout_ref": {"actor_rollout": actor or {}}, "resource_pool": pool or {}})
+
+
+def test_seed_004_gets_one_device_per_role_in_order(tmp_path):
+    from rlhf.config import load_config
+
+    cfg = load_config(SEED_004)  # actor_rollout [2] = 1 train + 1 infer, ref [1], reward [1]
+    replicas = rollout_replicas(cfg, None)
+    plan = plan_devices(cfg, ["0", "1", "2", "3", "4"], replicas, "CUDA_VISIBLE_DEVICES")
+    assert (plan.trainer, plan.rollouts, plan.reference, plan.reward) == (["0"], [["1"]], ["2"], ["3"])
+    specs = plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path, rollout_replicas=replicas,
+                          ports=list(range(20000, 20008)), devices=plan)  # fmt: skip
+    assert {s.name: s.env["CUDA_VISIBLE_DEVICES"] for s in specs} == {
+        "reward": "3", "reference": "2", "rollout": "1", "trainer": "0"}  # fmt: skip
+
+
+def test_rollout_devices_become_replicas_of_the_tensor_parallel_size():
+    cfg = _cfg({"num_gpus_for_infer": 4, "tensor_model_parallel_size": 2}, {"ref": [0], "reward": [1]})
+    assert rollout_replicas(cfg, None) == 2
+    plan = plan_devices(cfg, [str(i) for i in range(8)], 2, "ASCEND_RT_VISIBLE_DEVICES")
+    assert plan.rollouts == [["1", "2"], ["3", "4"]] and plan.reference == [] and plan.reward == ["5"]
+    assert plan.env_for("rollout-1") == {"ASCEND_RT_VISIBLE_DEVICES": "3,4"}
+    assert plan.env_for("reference") == {"ASCEND_RT_VISIBLE_DEVICES": ""}  # no device: it runs on the CPU
+    # resource_pool.actor_rollout alone: what the trainer leaves goes to rollout
+    assert rollout_replicas(_cfg(pool={"actor_rollout": [4]}), None) == 3
+    assert rollout_replicas(_cfg(), 2) == 2 and rollout_replicas(_cfg(), None) == 1
+
+
+def test_asking_for_more_than_there_is_or_contradicting_the_flag_is_an_error():
+    cfg = _cfg({"num_gpus_for_infer": 2}, {"ref": [1], "reward": [1]})
+    with pytest.raises(ValueError, match="asks for 5 devices .* shows 4"):
+        plan_devices(cfg, ["0", "1", "2", "3"], 2, "CUDA_VISIBLE_DEVICES")
+    with pytest.raises(ValueError, match="--rollout-replicas 3 contradicts"):
+        rollout_replicas(cfg, 3)
+    with pytest.raises(ValueError, match="not a positive multiple"):
+        rollout_replicas(_cfg({"tensor_model_parallel_size": 2}, {"actor_rollout": [2]}), None)
+    with pytest.raises(ValueError, match="shares the trainer's 1 device"):
+        plan_devices(_cfg({"tensor_model_parallel_size": 2}, {"actor_rollout": [1]}), ["0", "1"], 1, "X")
+
+
+def test_colocated_rollout_shares_the_trainers_device():
+    cfg = _cfg(pool={"actor_rollout": [1], "ref": [1], "reward": [0]})  # MindSpeed's colocated actor
+    assert rollout_replicas(cfg, None) == 1
+    plan = plan_devices(cfg, ["0", "1"], 1, "CUDA_VISIBLE_DEVICES")
+    assert (plan.trainer, plan.rollouts, plan.reference, plan.reward) == (["0"], [["0"]], ["1"], [])
+
+
+def test_visible_devices_follow_the_runtime_variable():
+    assert visible_devices("cuda", {"CUDA_VISIBLE_DEVICES": "2, 5"}) == ["2", "5"]
+    assert visible_devices("npu", {"ASCEND_RT_VISIBLE_DEVICES": "0,1,2"}) == ["0", "1", "2"]
