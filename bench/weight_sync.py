@@ -145,7 +145,7 @@ def gaps(ts: list[float]) -> list[float]:
 async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_addr: str, log_dir: Path) -> dict:
     """ROUNDS updates (after a warm-up) to one replica with ``engine``, the raw copy and the gRPC sink interleaved."""
     from rlhf.transport import pack_weights, push_weights
-    from rlhf.transport.weightsync import PackedWeights
+    from rlhf.transport.weights import PackedWeights
     from rlhf.v1 import weights_pb2
 
     cfg = write_yaml(
@@ -270,7 +270,7 @@ async def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    from rlhf.transport.weightsync import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
+    from rlhf.transport.weights import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
 
     torch.set_num_threads(1)  # the trainer's client only serialises and sends
     paths = build_model("large")

@@ -102,18 +102,32 @@ class CommitWeightsRequest(_message.Message):
     ticket: bytes
     def __init__(self, ticket: _Optional[bytes] = ...) -> None: ...
 
+class AbortWeightsTransferRequest(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    def __init__(self, ticket: _Optional[bytes] = ...) -> None: ...
+
+class AbortWeightsTransferResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
+
 class GetWeightsVersionRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WeightsVersion(_message.Message):
-    __slots__ = ("version", "checksum", "loaded_at_unix_ms", "model")
+    __slots__ = ("version", "checksum", "loaded_at_unix_ms", "model", "parent_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     LOADED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     checksum: str
     loaded_at_unix_ms: int
     model: str
-    def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., loaded_at_unix_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    parent_version: int
+    def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., loaded_at_unix_ms: _Optional[int] = ..., model: _Optional[str] = ..., parent_version: _Optional[int] = ...) -> None: ...

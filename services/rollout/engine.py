@@ -59,7 +59,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from rlhf.serving.errors import FailedPrecondition, Internal, InvalidArgument, NotReady
+from rlhf.serving.errors import Internal, InvalidArgument, NotReady
+from rlhf.transport.weights.version import ServedVersion
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -313,9 +314,9 @@ class EngineBase:
         self.model_name = model_name
         self.hooks = hooks or EngineHooks()
         self.gate = SwapGate()
-        self._version = 0
-        self._checksum = "initial"
-        self._loaded_at_ms = 0
+        # The served version's one owner on this replica: the weight receiver and the data plane check updates
+        # against it, the swap advances it, every sample and GetWeightsVersion report it.
+        self.served = ServedVersion()
         self._ready = False
         self._not_ready_reason = "the model is still loading; retry when /readyz says ready"
         self._tokenizer: Any = None
@@ -336,15 +337,15 @@ class EngineBase:
 
     @property
     def weights_version(self) -> int:
-        return self._version
+        return self.served.version
 
     @property
     def weights_checksum(self) -> str:
-        return self._checksum
+        return self.served.checksum
 
     @property
     def loaded_at_unix_ms(self) -> int:
-        return self._loaded_at_ms
+        return self.served.loaded_at_unix_ms
 
     @property
     def ready(self) -> bool:
@@ -363,7 +364,7 @@ class EngineBase:
             raise NotReady(self._not_ready_reason)
 
     def _mark_loaded(self) -> None:
-        self._loaded_at_ms = int(time.time() * 1000)
+        self.served.mark_loaded()
         self._ready = True
 
     # ------------------------------------------------------------------------------------------------ requests
@@ -477,7 +478,7 @@ class EngineBase:
         self.check_ready()
         params = self.validate(prompt_token_ids, params, field=field)
         async with self.gate.generation():
-            version = self._version
+            version = self.served.version
             results = await self._generate(prompt_token_ids, params, version)
         self.hooks.tokens("prompt", sum(len(p) for p in prompt_token_ids))
         self.hooks.tokens("generated", sum(len(s.token_ids) for r in results for s in r.samples))
@@ -498,15 +499,15 @@ class EngineBase:
 
     # ------------------------------------------------------------------------------------------------ weights
 
-    async def swap_weights(self, tensors: dict[str, torch.Tensor], version: int, checksum: str) -> SwapResult:
-        """Install ``tensors`` as ``version`` between generation steps (see the module docstring). The engine may
-        keep the tensors' memory as its own (the hf engine serves from it): do not modify them afterwards."""
-        if version <= self._version:
-            raise FailedPrecondition(
-                f"weights version {version} is not newer than the version served ({self._version}); "
-                "versions never go backwards: publish restored weights under a new, higher version",
-                field="header.version",
-            )
+    async def swap_weights(
+        self, tensors: dict[str, torch.Tensor], version: int, checksum: str, parent_version: int | None = None
+    ) -> SwapResult:
+        """Install ``tensors`` as ``version`` (trained from ``parent_version``, default ``version - 1``) between
+        generation steps (see the module docstring); :attr:`served` decides whether it is newer (StaleVersion,
+        409 / FAILED_PRECONDITION, when not). The engine may keep the tensors' memory as its own (the hf engine
+        serves from it): do not modify them afterwards."""
+        parent = version - 1 if parent_version is None else parent_version
+        self.served.check(version, parent)
         check_state_dict(tensors, self._manifest)
         # Staging runs outside the gate: the old weights keep serving meanwhile. A failure here changed nothing.
         tp = time.perf_counter()
@@ -515,11 +516,7 @@ class EngineBase:
         t0 = time.perf_counter()
         async with self.gate.exclusive():
             t1 = time.perf_counter()
-            if version <= self._version:  # another swap won the race while we waited
-                raise FailedPrecondition(
-                    f"weights version {version} is not newer than the version served ({self._version})",
-                    field="header.version",
-                )
+            self.served.check(version, parent)  # another swap may have won the race while we waited
             try:
                 await self._load_weights(staged)
             except BaseException as err:
@@ -528,9 +525,7 @@ class EngineBase:
                 self._not_ready_reason = "a weight swap failed half-way; restart this replica"
                 raise Internal(f"the weight swap to version {version} failed ({type(err).__name__}); "
                                "this replica stopped serving and must be restarted") from err  # fmt: skip
-            self._version = version
-            self._checksum = checksum
-            self._loaded_at_ms = int(time.time() * 1000)
+            self.served.advance(version, parent, checksum)
             t2 = time.perf_counter()
         del staged
         return SwapResult(version=version, checksum=checksum, swapped=True, wait_seconds=t1 - t0, swap_seconds=t2 - t1,

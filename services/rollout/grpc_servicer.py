@@ -3,16 +3,18 @@
 - ``Generate``: prompts as text (tokenized by the served model's tokenizer, no chat template) or token ids; fields a
   request leaves unset take the service's defaults (the experiment config's ``actor_rollout``).
 - ``UpdateWeights``: token-protected (metadata ``authorization: Bearer <RLHF_API_TOKEN>``, checked before any weight
-  byte is read). The stream is staged and verified by :mod:`rlhf.transport.weightsync` (manifest checksum, per-bucket
+  byte is read). The stream is staged and verified by :mod:`rlhf.transport.weights` (manifest checksum, per-bucket
   sha256, complete stream, a version newer than the one served); only then does the engine swap it in, between
   generation steps. A cut, corrupt, stale or mismatched update is refused and the old weights keep serving.
   Register with :func:`add_to_server` (not the generated function): its request decoder leaves each chunk's bytes in
   gRPC's buffer instead of copying them twice through protobuf.
 - ``OpenWeightsTransfer`` / ``CommitWeights``: the same update over the raw-TCP data plane
-  (:mod:`rlhf.transport.dataplane`, on with ``RLHF_WEIGHTS_DATA_PORT`` and without TLS): Open checks the header and
-  answers a ticket and the data port (port 0: no data plane, use ``UpdateWeights``), the client sends the buckets
-  there, Commit waits for them, verifies and swaps as ``UpdateWeights`` does. Token-protected like it.
-- ``GetWeightsVersion``: the version served now, its checksum, when it was loaded, the model.
+  (:mod:`rlhf.transport.weights.dataplane`, on with ``RLHF_WEIGHTS_DATA_PORT`` and without TLS): Open checks the
+  header and answers a ticket and the data port (port 0: no data plane, use ``UpdateWeights``), the client sends the
+  buckets there, Commit waits for them, verifies and swaps as ``UpdateWeights`` does; ``AbortWeightsTransfer`` drops
+  an open transfer at once. Token-protected like it.
+- ``GetWeightsVersion``: the version served now (the engine's :class:`~rlhf.transport.weights.ServedVersion`, the
+  one owner), the parent version its update named, its checksum, when it was loaded, the model.
 """
 
 from __future__ import annotations
@@ -66,12 +68,12 @@ async def prompt_ids_from_proto(engine: EngineBase, prompts: Any) -> list[list[i
 
 def add_to_server(servicer: RolloutServicer, server: Any) -> None:
     """``rollout_pb2_grpc.add_RolloutServiceServicer_to_server`` with one change: ``UpdateWeights`` requests are
-    decoded by ``rlhf.transport.weightsync.decode_update``, which leaves each chunk's bytes where gRPC put them
+    decoded by ``rlhf.transport.weights.format.decode_update``, which leaves each chunk's bytes where gRPC put them
     (protobuf's deserializer copies every weight byte twice more)."""
     import grpc
     from google.protobuf.message_factory import GetMessageClass
 
-    from rlhf.transport.weightsync import decode_update
+    from rlhf.transport.weights.format import decode_update
 
     # Built from the service descriptor, so a method added to rollout.proto is served without another edit here.
     kinds = {
@@ -96,14 +98,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
-        from rlhf.transport.weightsync import WeightReceiver  # imports torch: not at module import (see main.py)
+        from rlhf.transport.weights.receive import WeightReceiver  # imports torch: not at module import (main.py)
 
-        self.receiver = WeightReceiver(current_version=engine.weights_version, checksum=engine.weights_checksum)
+        self.receiver = WeightReceiver(engine.served)  # asks the engine's version owner; the swap advances it
         self.data = None  # the WeightDataServer, when start_data_plane ran
 
     async def start_data_plane(self, host: str, port: int) -> int:
         """Listen for weight data on ``port`` (0: any free port); returns the port."""
-        from rlhf.transport.dataplane import WeightDataServer
+        from rlhf.transport.weights.dataplane import WeightDataServer
 
         self.data = WeightDataServer(self.receiver, host, port)
         return await self.data.start()
@@ -157,15 +159,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         staged = await self.data.take(request.ticket)  # raises: nothing staged, the old weights serve
         return await self._swap(staged)
 
+    @grpc_errors("AbortWeightsTransfer")
+    async def AbortWeightsTransfer(self, request, context) -> weights_pb2.AbortWeightsTransferResponse:  # noqa: N802
+        require_grpc_token(context, self.settings)
+        aborted = self.data.abort(request.ticket) if self.data is not None else False
+        return weights_pb2.AbortWeightsTransferResponse(aborted=aborted)
+
     def _sync_receiver(self) -> None:
-        """The engine is the source of truth for the served version (the receiver refuses anything not newer) and
-        for the parameters an update must match (names and shapes, checked before any buffer is allocated)."""
+        """The parameters an update must match (names and shapes, checked before any buffer is allocated) are the
+        engine's, known once its model is loaded; the version comes from the engine's owner, read at each check."""
         self.receiver.expected = self.engine.weight_manifest()
-        self.receiver.current_version = self.engine.weights_version
 
     async def _swap(self, staged) -> weights_pb2.UpdateWeightsResponse:
-        result = await self.engine.swap_weights(staged.tensors, staged.version, staged.checksum)
-        self.receiver.commit(staged)
+        result = await self.engine.swap_weights(staged.tensors, staged.version, staged.checksum, staged.parent_version)
         return weights_pb2.UpdateWeightsResponse(
             version=result.version,
             swapped=result.swapped,
@@ -178,8 +184,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @grpc_errors("GetWeightsVersion")
     async def GetWeightsVersion(self, request, context) -> weights_pb2.WeightsVersion:  # noqa: N802
         return weights_pb2.WeightsVersion(
-            version=self.engine.weights_version,
-            checksum=self.engine.weights_checksum,
-            loaded_at_unix_ms=self.engine.loaded_at_unix_ms,
+            version=self.engine.served.version,
+            parent_version=self.engine.served.parent_version,
+            checksum=self.engine.served.checksum,
+            loaded_at_unix_ms=self.engine.served.loaded_at_unix_ms,
             model=self.engine.model_name,
         )

@@ -244,7 +244,7 @@ class HFEngine(EngineBase):
             return lambda tok, lp, top: events.put_nowait(("tok", i, j, tok, lp, top))
 
         async with self.gate.generation():
-            version = self._version
+            version = self.served.version
             rows = self._enqueue(prompt_token_ids, params, on_token)
             flat = [(i, j, r) for i, prow in enumerate(rows) for j, r in enumerate(prow)]
             for i, j, r in flat:

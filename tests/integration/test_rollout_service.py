@@ -487,7 +487,7 @@ def test_openai_client_on_vllm(svc):
 
 
 def _push(svc, state, version, token=TOKEN):
-    from rlhf.transport.weightsync import push_weights
+    from rlhf.transport.weights import push_weights
 
     return asyncio.run(push_weights(svc.grpc_addr, state, version, token=token, timeout=120))
 
@@ -521,7 +521,7 @@ def test_weight_swap_changes_outputs_and_original_weights_restore_them(svc, poli
 
 
 def _updates(state, version):
-    from rlhf.transport.weightsync import pack_weights
+    from rlhf.transport.weights import pack_weights
 
     return list(pack_weights(state, version).updates(chunk_bytes=64 * 1024))
 
@@ -629,8 +629,8 @@ def test_hf_engine_service(hf_svc, policy_state, full_forward):
 def test_data_plane_is_offered_only_when_configured_and_a_cut_transfer_is_refused(svc, hf_svc, policy_state):
     """The hf service runs with RLHF_WEIGHTS_DATA_PORT=0 (its pushes above went over the data plane), the vLLM one
     without (Open answers port 0; push_weights streamed over UpdateWeights)."""
-    from rlhf.transport.dataplane import send_buckets
-    from rlhf.transport.weightsync import pack_weights
+    from rlhf.transport.weights import pack_weights
+    from rlhf.transport.weights.dataplane import send_buckets
 
     auth = (("authorization", f"Bearer {TOKEN}"),)
     v0 = served_version(hf_svc)
