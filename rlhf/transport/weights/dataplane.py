@@ -23,7 +23,7 @@ bytes take at ``min_rate`` bytes/s: a trickling connection cannot keep it), a se
 ``AbortWeightsTransfer`` (:meth:`WeightDataServer.abort`), and a finished transfer not committed within ``ttl``:
 each is dropped at once, its buffers and the slot freed, the old weights serving. A connection without a valid
 ticket never touches the slot: it is closed after the ticket check, and at most ``MAX_PENDING_CONNECTIONS`` such
-connections wait for their ticket at a time (more are closed on accept). Nothing received is unpickled: the buckets
+connections wait for their ticket at a time (a new one evicts the oldest). Nothing received is unpickled: the buckets
 are safetensors, parsed by :func:`~rlhf.transport.weights.format.load_safetensors`.
 
 The data plane is plaintext: the header (with every bucket's sha256) comes over authenticated gRPC, so tampered
@@ -112,7 +112,7 @@ class WeightDataServer:
         self.receiver = receiver
         self.host, self.port, self.ttl = host, port, ttl
         self.read_timeout, self.min_rate, self.ticket_wait = read_timeout, min_rate, ticket_wait
-        self._pending = 0  # connections that have not presented a ticket yet
+        self._pending: dict[socket.socket, None] = {}  # connections that have not presented a ticket, oldest first
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._transfers: list[_Transfer] = []  # at most one open at a time (the receiver's slot), plus settled ones
@@ -257,9 +257,14 @@ class WeightDataServer:
                 log.warning("weights data port: accept failed: %s", err)
                 await asyncio.sleep(0.1)
                 continue
-            if self._pending >= MAX_PENDING_CONNECTIONS:  # a flood of connections without tickets
-                conn.close()
-                continue
+            if len(self._pending) >= MAX_PENDING_CONNECTIONS:
+                # A flood of connections that send no ticket: drop the oldest waiting one, not the newcomer (a real
+                # sender sends its ticket at once, so it never waits long enough to be the oldest).
+                oldest = next(iter(self._pending))
+                self._pending.pop(oldest)
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
+            self._pending[conn] = None
             task = asyncio.create_task(self._serve(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
@@ -269,7 +274,6 @@ class WeightDataServer:
         with conn:
             conn.setblocking(False)
             ticket = bytearray()
-            self._pending += 1
             try:
                 async with asyncio.timeout(min(self.ttl, self.ticket_wait)):  # a connection without a ticket
                     while len(ticket) < TICKET_BYTES:
@@ -280,7 +284,7 @@ class WeightDataServer:
             except (TimeoutError, OSError):
                 return
             finally:
-                self._pending -= 1
+                self._pending.pop(conn, None)
             t = self._find(bytes(ticket))
             if t is None or t.claimed or t.result.done():
                 log.warning("weights data port: connection with an unknown, used or expired ticket refused")
