@@ -81,10 +81,24 @@ class UpdateWeightsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., swapped: _Optional[bool] = ..., bytes_received: _Optional[int] = ..., checksum: _Optional[str] = ..., stage_seconds: _Optional[float] = ..., swap_seconds: _Optional[float] = ...) -> None: ...
 
 class OpenWeightsTransferRequest(_message.Message):
-    __slots__ = ("header",)
+    __slots__ = ("header", "group")
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     header: WeightHeader
-    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ...) -> None: ...
+    group: CollectiveGroup
+    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., group: _Optional[_Union[CollectiveGroup, _Mapping]] = ...) -> None: ...
+
+class CollectiveGroup(_message.Message):
+    __slots__ = ("address", "port", "key", "timeout_seconds")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    port: int
+    key: str
+    timeout_seconds: float
+    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., key: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class OpenWeightsTransferResponse(_message.Message):
     __slots__ = ("ticket", "data_port", "ticket_ttl_seconds")

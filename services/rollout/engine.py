@@ -328,6 +328,7 @@ class EngineBase:
         self.max_model_len = int(self._model_config.get("max_position_embeddings") or 2048)
         eos = self._model_config.get("eos_token_id")
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        self.ties_word_embeddings = bool(self._model_config.get("tie_word_embeddings", False))
 
     # ------------------------------------------------------------------------------------------------ properties
 
@@ -508,7 +509,8 @@ class EngineBase:
         serves from it): do not modify them afterwards."""
         parent = version - 1 if parent_version is None else parent_version
         self.served.check(version, parent)
-        check_state_dict(tensors, self._manifest)
+        if not getattr(tensors, "in_engine", False):  # staged by the engine itself: its header was checked
+            check_state_dict(tensors, self._manifest)
         # Staging runs outside the gate: the old weights keep serving meanwhile. A failure here changed nothing.
         tp = time.perf_counter()
         staged = await self._prepare_weights(tensors)
@@ -534,6 +536,13 @@ class EngineBase:
     async def _prepare_weights(self, tensors: dict[str, torch.Tensor]) -> Any:
         """Stage ``tensors`` for :meth:`_load_weights` while the old weights still serve (outside the gate)."""
         return tensors
+
+    async def receive_collective(self, group: Any, ticket: bytes, header: Any, per_bucket: list) -> tuple[Any, int]:
+        """Receive a collective push's buckets (:mod:`rlhf.transport.weights.collective`): in this process by
+        default; an engine that receives elsewhere (vLLM: its worker) overrides it. Returns (tensors, bytes)."""
+        from rlhf.transport.weights.collective import receive_buckets
+
+        return await asyncio.to_thread(receive_buckets, group, ticket, header, per_bucket)
 
     async def _load_weights(self, staged: Any) -> None:
         """Install what :meth:`_prepare_weights` staged; generation is paused meanwhile (inside the gate)."""

@@ -22,7 +22,14 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from rlhf.serving import InvalidArgument, ServiceMetrics, ServiceSettings, grpc_errors, require_grpc_token
+from rlhf.serving import (
+    FailedPrecondition,
+    InvalidArgument,
+    ServiceMetrics,
+    ServiceSettings,
+    grpc_errors,
+    require_grpc_token,
+)
 from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
 from services.rollout.engine import EngineBase, SamplingOptions, resolve_options
 
@@ -98,21 +105,20 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
+        from rlhf.transport.weights.dataplane import WeightDataServer
         from rlhf.transport.weights.receive import WeightReceiver  # imports torch: not at module import (main.py)
 
         self.receiver = WeightReceiver(engine.served)  # asks the engine's version owner; the swap advances it
-        self.data = None  # the WeightDataServer, when start_data_plane ran
+        # tickets for the data plane and the collective path; it listens on a port only after start_data_plane
+        self.data = WeightDataServer(self.receiver)
 
     async def start_data_plane(self, host: str, port: int) -> int:
         """Listen for weight data on ``port`` (0: any free port); returns the port."""
-        from rlhf.transport.weights.dataplane import WeightDataServer
-
-        self.data = WeightDataServer(self.receiver, host, port)
+        self.data.host, self.data.port = host, port
         return await self.data.start()
 
     async def close_data_plane(self) -> None:
-        if self.data is not None:
-            await self.data.close()
+        await self.data.close()
 
     @grpc_errors("Generate")
     async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:  # noqa: N802
@@ -145,24 +151,35 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @grpc_errors("OpenWeightsTransfer")
     async def OpenWeightsTransfer(self, request, context) -> weights_pb2.OpenWeightsTransferResponse:  # noqa: N802
         require_grpc_token(context, self.settings)
-        if self.data is None:
+        group = None
+        if request.HasField("group"):
+            if self.settings.tls:
+                raise FailedPrecondition("collective weight transfer is plaintext and this replica serves TLS; push "
+                                         "over UpdateWeights (RLHF_WEIGHTS_TRANSPORT=grpc)", field="group")  # fmt: skip
+            from rlhf.transport.weights.collective import GroupSpec  # torch: not at module import (main.py)
+
+            try:
+                group = GroupSpec.from_proto(request.group)
+            except ValueError as err:
+                raise InvalidArgument(str(err), field="group") from None
+        elif not self.data.listening:
             return weights_pb2.OpenWeightsTransferResponse(data_port=0)  # the client streams over UpdateWeights
         self._sync_receiver()
-        ticket, ttl = await self.data.open(request.header)  # raises like UpdateWeights on a bad header
-        return weights_pb2.OpenWeightsTransferResponse(ticket=ticket, data_port=self.data.port, ticket_ttl_seconds=ttl)
+        receive = getattr(self.engine, "receive_collective", None) if group is not None else None
+        ticket, ttl = await self.data.open(request.header, group, receive)  # raises like UpdateWeights
+        port = self.data.port if group is None else 0
+        return weights_pb2.OpenWeightsTransferResponse(ticket=ticket, data_port=port, ticket_ttl_seconds=ttl)
 
     @grpc_errors("CommitWeights")
     async def CommitWeights(self, request, context) -> weights_pb2.UpdateWeightsResponse:  # noqa: N802
         require_grpc_token(context, self.settings)
-        if self.data is None:
-            raise InvalidArgument("this replica has no weights data plane: nothing to commit", field="ticket")
         staged = await self.data.take(request.ticket)  # raises: nothing staged, the old weights serve
         return await self._swap(staged)
 
     @grpc_errors("AbortWeightsTransfer")
     async def AbortWeightsTransfer(self, request, context) -> weights_pb2.AbortWeightsTransferResponse:  # noqa: N802
         require_grpc_token(context, self.settings)
-        aborted = self.data.abort(request.ticket) if self.data is not None else False
+        aborted = self.data.abort(request.ticket)
         return weights_pb2.AbortWeightsTransferResponse(aborted=aborted)
 
     def _sync_receiver(self) -> None:

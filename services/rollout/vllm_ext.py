@@ -22,6 +22,13 @@ from __future__ import annotations
 
 import time
 
+try:  # vLLM imports this module inside its worker: add the collective backend to its weight-transfer factory
+    from services.rollout.vllm_transfer import register as _register_transfer
+
+    _register_transfer()
+except ImportError:  # pragma: no cover - vLLM absent (imported for its docstring only)
+    pass
+
 
 class WorkerExtension:
     """Methods added to vLLM's worker; names start with ``rlhf_`` so they cannot clash with the worker's own."""

@@ -33,7 +33,10 @@ Environment (besides ServiceSettings' ``RLHF_REDIS_URL``, ``RLHF_RUN_ID``, ``RLH
 
 - ``RLHF_ROLLOUT_MAX_INFLIGHT_JOBS`` (default 8): jobs processed at the same time;
 - ``RLHF_ROLLOUT_RECLAIM_IDLE_S`` (default 60): a pending job idle this long is taken over;
-- ``RLHF_ROLLOUT_RPC_TIMEOUT_S`` (default 60): deadline of one reward / reference call.
+- ``RLHF_ROLLOUT_RPC_TIMEOUT_S`` (default 60): deadline of one reward / reference call;
+- ``RLHF_ROLLOUT_CATCH_UP_WAIT_S`` (default 60): how long a replica behind the run's published version waits for the
+  trainer's push before it takes jobs with the weights it has (the run's newest checkpoint, loaded at start-up: what
+  a trainer that is down resumes from; see :mod:`services.rollout.late_join`).
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ log = logging.getLogger("rlhf.rollout.worker")
 MAX_INFLIGHT_ENV = "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS"
 RECLAIM_IDLE_ENV = "RLHF_ROLLOUT_RECLAIM_IDLE_S"
 RPC_TIMEOUT_ENV = "RLHF_ROLLOUT_RPC_TIMEOUT_S"
-for _name in (MAX_INFLIGHT_ENV, RECLAIM_IDLE_ENV, RPC_TIMEOUT_ENV):
+CATCH_UP_WAIT_ENV = "RLHF_ROLLOUT_CATCH_UP_WAIT_S"
+for _name in (MAX_INFLIGHT_ENV, RECLAIM_IDLE_ENV, RPC_TIMEOUT_ENV, CATCH_UP_WAIT_ENV):
     register_env_var(_name)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -146,6 +150,7 @@ class RolloutWorker:
         drain_s: float = 10.0,
         default_sampling: Mapping[str, Any] | None = None,
         ref_temperature: float | None = None,
+        catch_up_wait_s: float = 60.0,
     ):
         if max_inflight_jobs < 1:
             raise ValueError("max_inflight_jobs must be at least 1")
@@ -168,6 +173,7 @@ class RolloutWorker:
         self.drain_s = drain_s
         self.defaults = dict(default_sampling or {})
         self.ref_temperature = ref_temperature  # None: the sampling temperature (ExperimentConfig.logprob_temperature)
+        self.catch_up_wait_s = catch_up_wait_s
         self.stats = WorkerStats()
         self._stop = asyncio.Event()
         self._inflight: dict[str, asyncio.Task] = {}  # prompt entry id -> task
@@ -203,6 +209,7 @@ class RolloutWorker:
             "max_inflight_jobs": _env_num(env, MAX_INFLIGHT_ENV, 8, int),
             "reclaim_idle_s": _env_num(env, RECLAIM_IDLE_ENV, 60.0),
             "rpc_timeout_s": _env_num(env, RPC_TIMEOUT_ENV, 60.0),
+            "catch_up_wait_s": _env_num(env, CATCH_UP_WAIT_ENV, 60.0),
             "drain_s": settings.shutdown_grace_s,
             "default_sampling": defaults,
             "ref_temperature": cfg.logprob_temperature if cfg is not None else None,
@@ -265,21 +272,37 @@ class RolloutWorker:
 
     async def _behind(self) -> int | None:
         """The run's published policy version when this replica serves an older one (it started or restarted after
-        that push), else None. Such a replica takes no job until the trainer brings it up to date: its samples would
-        be as many versions stale as it is behind."""
+        that push), else None. Such a replica takes no job until the trainer brings it up to date (its samples would
+        be as many versions stale as it is behind), or until ``catch_up_wait_s`` passed without a push: then the
+        trainer is down or cannot reach it, and it serves the run's newest checkpoint (loaded at start-up), which is
+        what a trainer resumes from; a live trainer drops its samples if they are past the staleness bound."""
         now = time.monotonic()
         if now >= self._published_checked + 0.5:
             self._published_checked = now
             self._published = await get_policy_version(self._prompts.redis, self.run_id)
-        if self._published is not None and self.engine.weights_version < self._published:
-            return self._published
-        return None
+        if self._published is None or self.engine.weights_version >= self._published:
+            self._behind_since = None
+            return None
+        if self._behind_since is None:
+            self._behind_since = now
+        if now - self._behind_since >= self.catch_up_wait_s:
+            if not self._gave_up:
+                log.warning("%s: no weights push within %.0f s (the run is at version %d): taking jobs with version "
+                            "%d", self.replica_id, self.catch_up_wait_s, self._published,
+                            self.engine.weights_version)  # fmt: skip
+            self._gave_up = True
+            return None
+        self._gave_up = False
+        return self._published
 
     async def _loop(self) -> None:
         next_reclaim = time.monotonic() + self.reclaim_interval_s
         error_backoff = 0.2
         stop_wait = asyncio.create_task(self._stop.wait())
         self._published, self._published_checked, waiting = None, float("-inf"), False
+        self._behind_since: float | None = None
+        self._gave_up = False
+        self._first_logged = False
         try:
             while not self._stop.is_set():
                 free = self.max_inflight_jobs - len(self._inflight)
@@ -324,6 +347,10 @@ class RolloutWorker:
                     await asyncio.sleep(error_backoff)
                     error_backoff = min(error_backoff * 2, 5.0)
                     continue
+                if records and not self._first_logged:  # what a late joiner starts with (tests/e2e/test_late_replica)
+                    self._first_logged = True
+                    log.info("%s: first job with weights version %d (the run published %s)", self.replica_id,
+                             self.engine.weights_version, self._published)  # fmt: skip
                 for entry_id, job in records:
                     task = asyncio.create_task(self._run_job(entry_id, job), name=f"rollout-job-{job.job_id}")
                     self._inflight[entry_id] = task
@@ -522,6 +549,7 @@ __all__ = [
     "MAX_INFLIGHT_ENV",
     "RECLAIM_IDLE_ENV",
     "RPC_TIMEOUT_ENV",
+    "CATCH_UP_WAIT_ENV",
     "JobFailed",
     "RolloutWorker",
     "WorkerStats",

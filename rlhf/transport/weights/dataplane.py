@@ -45,8 +45,9 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from rlhf.transport.weights.collective import GroupSpec, receive_buckets
 from rlhf.transport.weights.errors import CorruptUpdate, IncompleteUpdate
-from rlhf.transport.weights.receive import StagedWeights, WeightReceiver, finish_bucket
+from rlhf.transport.weights.receive import StagedInEngine, StagedWeights, WeightReceiver, finish_bucket
 from rlhf.v1 import weights_pb2
 
 log = logging.getLogger("rlhf.transport.weights.dataplane")
@@ -145,22 +146,72 @@ class WeightDataServer:
 
     # ------------------------------------------------------------------------------------------------ control
 
-    async def open(self, header: weights_pb2.WeightHeader) -> tuple[bytes, float]:
-        """Check ``header`` as the stream path does, reserve the receiver and the bucket buffers; (ticket, ttl)."""
+    @property
+    def listening(self) -> bool:
+        """The data port is open (:meth:`start` ran): Open without a group answers it."""
+        return self._sock is not None
+
+    async def open(
+        self, header: weights_pb2.WeightHeader, group: GroupSpec | None = None, receive: Any = None
+    ) -> tuple[bytes, float]:
+        """Check ``header`` as the stream path does, reserve the receiver and the bucket buffers; (ticket, ttl).
+        With ``group`` the buckets come by collective broadcast (:mod:`rlhf.transport.weights.collective`): the
+        replica joins the push's group at once, under the same deadline, abort and commit. ``receive``: the engine's
+        own receiver, ``await receive(group, ticket, header, per_bucket) -> (tensors, nbytes)`` (default: this
+        process, :func:`~rlhf.transport.weights.collective.receive_buckets` in a thread)."""
         r = self.receiver
         r.reserve()  # UpdateInProgress
         try:
             per_bucket = r.check(header)
-            r.pool.trim(2 * header.total_bytes)  # as receive_update: the update serving and this one
-            buffers = [r.pool.take(b.nbytes) for b in header.buckets]
+            if group is None:
+                r.pool.trim(2 * header.total_bytes)  # as receive_update: the update serving and this one
+                buffers = [r.pool.take(b.nbytes) for b in header.buckets]
+            else:
+                buffers = []  # the collective receiver allocates its own (a thread cut off never writes into reuse)
         except BaseException:
             r.release()
             raise
         t = _Transfer(header, per_bucket, buffers, self.ttl)
         t.deadline_s = self.ttl + header.total_bytes / self.min_rate
         self._transfers.append(t)
-        t.timer = asyncio.get_running_loop().call_later(self.ttl, self._expire, t, "no data connection")
+        loop = asyncio.get_running_loop()
+        if group is None:
+            t.timer = loop.call_later(self.ttl, self._expire, t, "no data connection")
+        else:
+            t.claimed = True  # no data connection will present the ticket
+            t.timer = loop.call_later(t.deadline_s, self._expire, t, f"not complete within {t.deadline_s:.0f} s")
+            task = asyncio.create_task(self._serve_collective(t, group, receive))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
         return t.ticket, self.ttl
+
+    async def _serve_collective(self, t: _Transfer, group: GroupSpec, receive: Any) -> None:
+        try:
+            if receive is None:
+                tensors, nbytes = await asyncio.to_thread(receive_buckets, group, t.ticket, t.header, t.per_bucket)
+            else:
+                tensors, nbytes = await receive(group, t.ticket, t.header, t.per_bucket)
+        except Exception as err:  # noqa: BLE001 - settled into the transfer; CommitWeights reports it
+            if not isinstance(err, (CorruptUpdate, IncompleteUpdate)):
+                err = IncompleteUpdate(f"the collective transfer failed: {err}")
+            log.warning("collective weight transfer for version %d refused: %s", t.header.version, err)
+            self._settle(t, err)
+            return
+        self._settle(t, self._staged(t, tensors, nbytes))
+
+    @staticmethod
+    def _staged(t: _Transfer, tensors: dict[str, Any], nbytes: int) -> StagedWeights:
+        h = t.header
+        manifest = {name: spec for m in t.per_bucket for name, spec in m.items()}
+        return StagedWeights(
+            version=h.version,
+            parent_version=h.parent_version,
+            checksum=h.checksum,
+            tensors=tensors if isinstance(tensors, StagedInEngine) else {x.name: tensors[x.name] for x in h.tensors},
+            nbytes=nbytes,
+            seconds=time.perf_counter() - t.t0,
+            manifest=manifest,
+        )
 
     def abort(self, ticket: bytes) -> bool:
         """The sender gives up (``AbortWeightsTransfer``): drop the transfer of ``ticket`` now, freeing the slot and
@@ -313,18 +364,7 @@ class WeightDataServer:
                 return
             finally:
                 t.sock = None
-            h = t.header
-            manifest = {name: spec for m in t.per_bucket for name, spec in m.items()}
-            staged = StagedWeights(
-                version=h.version,
-                parent_version=h.parent_version,
-                checksum=h.checksum,
-                tensors={x.name: tensors[x.name] for x in h.tensors},
-                nbytes=nbytes,
-                seconds=time.perf_counter() - t.t0,
-                manifest=manifest,
-            )
-            self._settle(t, staged)
+            self._settle(t, self._staged(t, tensors, nbytes))
 
 
 def _receive_buckets(

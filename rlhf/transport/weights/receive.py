@@ -47,6 +47,13 @@ from rlhf.transport.weights.version import ServedVersion, check_newer
 from rlhf.v1 import weights_pb2
 
 
+class StagedInEngine(dict):
+    """The tensors of an update that an engine received and staged itself (vLLM: inside its worker, through vLLM's
+    weight-transfer API): names only, the values are None. The engine's swap installs them."""
+
+    in_engine = True
+
+
 @dataclass
 class StagedWeights:
     """A verified update, not yet serving: swap ``tensors`` in, then :meth:`WeightReceiver.commit`."""

@@ -31,7 +31,7 @@ UPDATE_WEIGHTS_METHOD = "/rlhf.v1.RolloutService/UpdateWeights"
 OPEN_TRANSFER_METHOD = "/rlhf.v1.RolloutService/OpenWeightsTransfer"
 COMMIT_WEIGHTS_METHOD = "/rlhf.v1.RolloutService/CommitWeights"
 ABORT_TRANSFER_METHOD = "/rlhf.v1.RolloutService/AbortWeightsTransfer"
-TRANSPORTS = ("auto", "grpc", "tcp")
+TRANSPORTS = ("auto", "grpc", "tcp", "collective")  # collective: push_weights_many / push_collective only
 
 
 def _credentials(tls: bool | str | Path | bytes | grpc.ChannelCredentials) -> grpc.ChannelCredentials | None:
@@ -79,6 +79,15 @@ async def push_weights(
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
+    if transport == "collective":
+        if not isinstance(weights, PackedWeights):
+            weights = await asyncio.to_thread(pack_weights, weights, version, parent_version, bucket_bytes=bucket_bytes)
+        result = (await push_collective([target], weights, token=token, timeout=timeout, tls=tls, options=options))[
+            target
+        ]
+        if isinstance(result, BaseException):
+            raise result
+        return result
     if isinstance(weights, PackedWeights):
         if version is not None and version != weights.version:
             raise ValueError(f"version {version} disagrees with the packed weights' version {weights.version}")
@@ -228,5 +237,101 @@ async def push_weights_many(
         options = [*kwargs.get("options", ()), ("grpc.ssl_target_name_override", name)]
         return push_weights(target, packed, **{**kwargs, "options": options})
 
+    if kwargs.get("transport") == "collective":
+        return await push_collective(targets, packed, server_names=server_names, **kwargs)
     results = await asyncio.gather(*(one(t) for t in targets), return_exceptions=True)
     return dict(zip(targets, results, strict=True))
+
+
+def _channel(target: str, tls: Any, options: Sequence[tuple[str, Any]], name: str | None) -> grpc.aio.Channel:
+    opts = [("grpc.max_send_message_length", 64 * MiB), *options]
+    if name is not None:
+        opts.append(("grpc.ssl_target_name_override", name))
+    creds = _credentials(tls)
+    if creds is not None:
+        return grpc.aio.secure_channel(target, creds, options=opts)
+    return grpc.aio.insecure_channel(target, options=opts)
+
+
+async def push_collective(
+    targets: Iterable[str],
+    packed: PackedWeights,
+    *,
+    token: str | None = None,
+    timeout: float | None = 600.0,
+    tls: bool | str | Path | bytes | grpc.ChannelCredentials = False,
+    options: Sequence[tuple[str, Any]] = (),
+    server_names: Mapping[str, str] | None = None,
+    group_address: str | None = None,
+    group_timeout_s: float = 60.0,
+    **_: Any,
+) -> dict[str, weights_pb2.UpdateWeightsResponse | BaseException]:
+    """One update to every replica at once by collective broadcast (:mod:`rlhf.transport.weights.collective`);
+    per target its response or exception. Open goes to every target; those that answer a ticket form this push's
+    group with the trainer as rank 0; the buckets are broadcast; each is committed. When the broadcast fails (a
+    member died or hung: within ``group_timeout_s``), every ticket is aborted, so the survivors keep serving their
+    version and free their slot at once, and every member's entry is the error; the next push forms a new group.
+    ``group_address``: where replicas reach this process (default: the local address on the route to the first)."""
+    from rlhf.transport.weights.collective import TrainerGroup, local_address_towards
+
+    targets = list(targets)
+    out: dict[str, weights_pb2.UpdateWeightsResponse | BaseException] = {}
+    if not targets:
+        return out
+    deadline = None if timeout is None else time.monotonic() + timeout
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    address = group_address or local_address_towards(_host_of(targets[0]))
+    group = await asyncio.to_thread(TrainerGroup, address, group_timeout_s)
+    channels = {t: _channel(t, tls, options, (server_names or {}).get(t)) for t in targets}
+    try:
+
+        async def open_one(target: str) -> weights_pb2.OpenWeightsTransferResponse:
+            call = channels[target].unary_unary(
+                OPEN_TRANSFER_METHOD,
+                request_serializer=weights_pb2.OpenWeightsTransferRequest.SerializeToString,
+                response_deserializer=weights_pb2.OpenWeightsTransferResponse.FromString,
+            )
+            req = weights_pb2.OpenWeightsTransferRequest(header=packed.header, group=group.spec.to_proto())
+            return await call(req, timeout=_left(deadline), metadata=metadata)
+
+        opened = await asyncio.gather(*(open_one(t) for t in targets), return_exceptions=True)
+        members = []
+        for target, res in zip(targets, opened, strict=True):
+            if isinstance(res, BaseException):
+                out[target] = res  # refused (stale, busy, down): not in this push's group
+            else:
+                members.append((target, res.ticket))
+        if not members:
+            return out
+        world = group.admit([ticket for _, ticket in members])
+
+        async def commit_one(target: str, ticket: bytes) -> weights_pb2.UpdateWeightsResponse:
+            call = channels[target].unary_unary(
+                COMMIT_WEIGHTS_METHOD,
+                request_serializer=weights_pb2.CommitWeightsRequest.SerializeToString,
+                response_deserializer=weights_pb2.UpdateWeightsResponse.FromString,
+            )
+            return await call(weights_pb2.CommitWeightsRequest(ticket=ticket), timeout=_left(deadline),
+                              metadata=metadata)  # fmt: skip
+
+        # the commits wait on the replicas until their data is verified and swapped: sent with the data
+        commits = [asyncio.ensure_future(commit_one(t, k)) for t, k in members]
+        try:
+            await asyncio.to_thread(group.broadcast, world, packed.buckets)
+        except BaseException as err:
+            await asyncio.shield(asyncio.gather(*(_abort(channels[t], k, metadata) for t, k in members)))
+            for c in commits:
+                c.cancel()
+            failure = err if isinstance(err, Exception) else RuntimeError("collective push cancelled")
+            for t, _ in members:
+                out[t] = RuntimeError(f"collective broadcast of version {packed.version} failed: {failure}")
+            if not isinstance(err, Exception):
+                raise
+            return out
+        results = await asyncio.gather(*commits, return_exceptions=True)
+        for (t, _), res in zip(members, results, strict=True):
+            out[t] = res
+        return out
+    finally:
+        group.close()
+        await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)
