@@ -688,6 +688,36 @@ def resolve_options(
     )
 
 
+def options_from_proto(p: Any, defaults: Mapping[str, Any]) -> SamplingOptions:
+    """``rlhf.v1.SamplingParams`` (a gRPC request's or a prompt job's; 0 / unset: the default) -> SamplingOptions.
+    The one conversion: the gRPC servicer and the queue worker both call it (the HTTP app resolves its JSON body
+    through :func:`resolve_options` the same way)."""
+    return resolve_options(
+        dict(defaults),
+        n=p.n or 1,
+        temperature=p.temperature if p.HasField("temperature") else None,
+        top_p=p.top_p if p.HasField("top_p") else None,
+        top_k=(p.top_k if p.top_k > 0 else -1) if p.HasField("top_k") else None,
+        max_tokens=p.max_tokens or None,
+        stop=list(p.stop) or None,
+        stop_token_ids=list(p.stop_token_ids),
+        seed=p.seed if p.HasField("seed") else None,
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def finish_reason_proto(reason: str) -> int:
+    """A sample's finish reason (``stop`` | ``length`` | ``abort``, what the HTTP app returns as is) -> the
+    ``rlhf.v1.FinishReason`` the gRPC servicer and the experience records carry."""
+    from rlhf.v1 import common_pb2
+
+    return {
+        "stop": common_pb2.FINISH_REASON_STOP,
+        "length": common_pb2.FINISH_REASON_LENGTH,
+        "abort": common_pb2.FINISH_REASON_ABORT,
+    }.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
 def default_options(cfg: ExperimentConfig) -> dict[str, Any]:
     """Sampling defaults of this service (from the experiment config) for fields a request leaves unset."""
     a = cfg.actor
@@ -716,7 +746,9 @@ __all__ = [
     "decode_text",
     "default_options",
     "engine_kind",
+    "finish_reason_proto",
     "make_engine",
+    "options_from_proto",
     "read_checkpoint_manifest",
     "resolve_options",
 ]

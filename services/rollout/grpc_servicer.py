@@ -30,32 +30,10 @@ from rlhf.serving import (
     grpc_errors,
     require_grpc_token,
 )
-from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
-from services.rollout.engine import EngineBase, SamplingOptions, resolve_options
+from rlhf.v1 import rollout_pb2, rollout_pb2_grpc, weights_pb2
+from services.rollout.engine import EngineBase, finish_reason_proto, options_from_proto
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-
-FINISH_TO_PROTO = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
-
-
-def options_from_proto(p: common_pb2.SamplingParams, defaults: dict[str, Any]) -> SamplingOptions:
-    """proto SamplingParams (0 / unset: default) -> SamplingOptions."""
-    return resolve_options(
-        defaults,
-        n=p.n or 1,
-        temperature=p.temperature if p.HasField("temperature") else None,
-        top_p=p.top_p if p.HasField("top_p") else None,
-        top_k=(p.top_k if p.top_k > 0 else -1) if p.HasField("top_k") else None,
-        max_tokens=p.max_tokens or None,
-        stop=list(p.stop) or None,
-        stop_token_ids=list(p.stop_token_ids),
-        seed=p.seed if p.HasField("seed") else None,
-        ignore_eos=p.ignore_eos,
-    )
 
 
 async def prompt_ids_from_proto(engine: EngineBase, prompts: Any) -> list[list[int]]:
@@ -135,7 +113,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 pr.completions.add(
                     token_ids=s.token_ids,
                     logprobs=s.logprobs,
-                    finish_reason=FINISH_TO_PROTO.get(s.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED),
+                    finish_reason=finish_reason_proto(s.finish_reason),
                     text=s.text,
                     policy_version=s.policy_version,
                 )

@@ -65,7 +65,7 @@ from rlhf.v1 import (
     reward_pb2,
     reward_pb2_grpc,
 )
-from services.rollout.engine import SamplingOptions
+from services.rollout.engine import SamplingOptions, finish_reason_proto, options_from_proto
 
 if TYPE_CHECKING:  # pragma: no cover
     from rlhf.config import ExperimentConfig
@@ -82,12 +82,6 @@ for _name in (MAX_INFLIGHT_ENV, RECLAIM_IDLE_ENV, RPC_TIMEOUT_ENV, CATCH_UP_WAIT
     register_env_var(_name)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-FINISH = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
 
 
 class JobFailed(Exception):
@@ -417,18 +411,7 @@ class RolloutWorker:
                 self.metrics.observe_request("RolloutJob", "redis", time.perf_counter() - t0, code)
 
     def sampling_options(self, p: common_pb2.SamplingParams) -> SamplingOptions:
-        d = self.defaults
-        return SamplingOptions(
-            n=p.n or 1,
-            temperature=p.temperature if p.HasField("temperature") else float(d.get("temperature", 1.0)),
-            top_p=p.top_p if p.HasField("top_p") else float(d.get("top_p", 1.0)),
-            top_k=p.top_k if p.HasField("top_k") else int(d.get("top_k", -1)),
-            max_tokens=p.max_tokens or int(d.get("max_tokens") or 16),
-            stop=tuple(p.stop) if p.stop else tuple(d.get("stop", ())),
-            stop_token_ids=tuple(p.stop_token_ids),
-            seed=p.seed if p.HasField("seed") else None,
-            ignore_eos=p.ignore_eos,
-        )
+        return options_from_proto(p, self.defaults)
 
     async def process(self, job: experience_pb2.PromptJob) -> experience_pb2.Experience:
         """Generate, score and get reference log-probs for one job; returns its Experience (not yet written)."""
@@ -499,7 +482,7 @@ class RolloutWorker:
                     score_status=sc.status,
                     score_error=sc.error,
                     score_components=dict(sc.components),
-                    finish_reason=FINISH.get(s.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED),
+                    finish_reason=finish_reason_proto(s.finish_reason),
                     policy_version=s.policy_version,
                     response_text=text,
                 )
