@@ -346,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "device-check")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    # stdout carries only the JSON line: vLLM logs to fd 1, so everything else written there goes to stderr
+    json_out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     p = plan(args)
     started = time.perf_counter()
     result: dict[str, Any] = {"name": "device_check", "plan": p}
@@ -362,13 +365,13 @@ def main(argv: list[str] | None = None) -> int:
                 result["imports"][m] = "ok"
             except Exception as err:  # noqa: BLE001
                 result["imports"][m] = f"{type(err).__name__}: {err}"
-        print(json.dumps(result, separators=(",", ":")))
+        print(json.dumps(result, separators=(",", ":")), file=json_out, flush=True)
         return 0 if all(v == "ok" for v in result["imports"].values()) else 1
     if p["device"] == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            print(json.dumps({**result, "error": "no CUDA device; use --cpu"}))
+            print(json.dumps({**result, "error": "no CUDA device; use --cpu"}), file=json_out, flush=True)
             return 2
         result["gpu"] = torch.cuda.get_device_name(0)
     built = _phase(result, "model", build_model, p)
@@ -383,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             _phase(result, "weights", weights_cpu, p, built["path"])
     _phase(result, "ring", ring, p)
     result["seconds"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(result, separators=(",", ":")))
+    print(json.dumps(result, separators=(",", ":")), file=json_out, flush=True)
     ok = all("error" not in v for k, v in result.items() if isinstance(v, dict) and k != "plan")
     return 0 if ok else 1
 
