@@ -163,9 +163,8 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
     log(f"bench.weight_sync: starting the rollout service ({engine} engine)")
     env = {"RLHF_API_TOKEN": TOKEN, "RLHF_REDIS_URL": None, "RLHF_ROLLOUT_ENGINE": engine,
            "RLHF_WEIGHTS_DATA_PORT": "0"}  # fmt: skip
-    keys = ("pack", "push", "raw", "sink", "swap", "stage", "pause", "base_gap", "rate", "gpush", "gstage", "gswap",
-            "cpush", "cstage", "cswap")  # fmt: skip
-    t: dict[str, list[float]] = {k: [] for k in keys}
+    keys = ("pack", "push", "raw", "sink", "swap", "stage", "pause", "base_gap", "rate", "gpush", "gstage", "gswap")
+    t: dict[str, list[float]] = {k: [] for k in (*keys, "cpush", "cstage", "cswap")}
     total = 0
     with ServiceProc("rollout", cfg, log_dir, env=env) as svc, Load(svc.grpc_addr, vocab) as load:
         for r in range(ROUNDS + 1):  # round 0 warms up every path
