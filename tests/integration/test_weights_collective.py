@@ -179,7 +179,8 @@ REPLICA_CHILD = Path(__file__).with_name("_weights_replica.py")
 
 
 def start_child_replica() -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path.cwd()), os.environ.get("PYTHONPATH")]))}
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, str(REPLICA_CHILD), TOKEN], stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline().strip()  # "ready <addr>"
     assert line.startswith("ready "), line
