@@ -15,7 +15,7 @@ PARITY_PKGS := trl==1.12.0 transformers==5.24.0 accelerate==1.15.0 datasets==5.2
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-unit test-parity lint proto clean help demo chaos
+.PHONY: setup test test-unit test-parity lint proto clean help demo chaos device-check
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -54,6 +54,19 @@ lint: $(VENV)/.stamp  ## ruff
 CHAOS_ROUNDS ?= 3
 chaos: $(VENV)/.stamp  ## a ring under scripted faults (kill -9 of each service, Redis restart, poison...): one JSON line
 	$(PY) tests/e2e/chaos.py --rounds $(CHAOS_ROUNDS) --out .cache/chaos.json $(CHAOS_ARGS)
+
+# The CUDA check's own environment: the CUDA version set of docker/Dockerfile (vLLM 0.33.0, which brings torch 2.14.0).
+CUDA_VENV := .venv-cuda
+CUDA_VLLM := vllm==0.33.0
+
+$(CUDA_VENV)/.stamp:
+	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/pip install -q $(CUDA_VLLM)
+	$(CUDA_VENV)/bin/pip install -q -e .
+	touch $@
+
+device-check: $(CUDA_VENV)/.stamp  ## on one CUDA GPU: 1.5B model, vLLM vs the rollout engine, NCCL weight transfer, bf16 ring (one JSON line)
+	HF_HUB_OFFLINE=1 $(CUDA_VENV)/bin/python -m bench.device_check $(DEVICE_CHECK_ARGS)
 
 demo: $(VENV)/.stamp  ## the tiny CPU PPO demo: `rlhf up --config configs/demo.yaml` (a few minutes; plots in runs/)
 	$(VENV)/bin/rlhf up --config configs/demo.yaml $(DEMO_ARGS)

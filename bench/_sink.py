@@ -3,8 +3,9 @@
 - ``--raw-port``: plain TCP. ``8-byte length`` then that many bytes, received into a preallocated buffer
   (``recv_into``); answers ``b"K"``. The physical limit: one loopback stream, one copy.
 - ``--grpc-port``: a ``RolloutService`` whose ``UpdateWeights`` reads every chunk and keeps nothing, with the
-  services' gRPC options and the rollout service's request decoder (``weightsync.decode_update``): the ceiling of the
-  same ``push_weights`` stream in Python gRPC, without copying, verification or swap.
+  services' gRPC options and the rollout service's request decoder
+  (``rlhf.transport.weights.format.decode_update``): the ceiling of the same ``push_weights`` stream in Python gRPC,
+  without copying, verification or swap.
 
 Prints ``READY`` when both listen.
 """
@@ -48,7 +49,7 @@ async def main() -> None:
     import grpc
 
     from rlhf.serving import ServiceSettings, grpc_options
-    from rlhf.transport.weightsync import RawChunk
+    from rlhf.transport.weights import RawChunk
     from rlhf.v1 import rollout_pb2_grpc, weights_pb2
     from services.rollout.grpc_servicer import add_to_server
 

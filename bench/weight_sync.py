@@ -19,6 +19,10 @@ Interleaved in the same run (alternately before and after the measured push):
 - gRPC sink: the same ``UpdateWeights`` stream into a server (:mod:`bench._sink`) that decodes every chunk as the
   replica does and keeps nothing: Python gRPC streaming, without the replica's copy, verification and swap.
 
+After those rounds, the same replica gets ``ROUNDS`` collective pushes (``push_weights_many(transport=
+"collective")``: Open with the push's group, the trainer as gloo rank 0 broadcasting bucket by bucket, Commit): the
+``hf`` replica receives in the service process, the vLLM one inside its worker through vLLM's weight-transfer API.
+
 Figures, per engine: GB/s of the transfer (what the replica reports as staging: from Open, or the stream's first
 message, until every bucket is received, sha256-checked and parsed) and of the whole update (pack + push) against
 the raw copy; the generation pause: the swap time the replica reports (its gate lets no generation step run
@@ -144,8 +148,8 @@ def gaps(ts: list[float]) -> list[float]:
 
 async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_addr: str, log_dir: Path) -> dict:
     """ROUNDS updates (after a warm-up) to one replica with ``engine``, the raw copy and the gRPC sink interleaved."""
-    from rlhf.transport import pack_weights, push_weights
-    from rlhf.transport.weightsync import PackedWeights
+    from rlhf.transport import pack_weights, push_weights, push_weights_many
+    from rlhf.transport.weights import PackedWeights
     from rlhf.v1 import weights_pb2
 
     cfg = write_yaml(
@@ -160,7 +164,7 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
     env = {"RLHF_API_TOKEN": TOKEN, "RLHF_REDIS_URL": None, "RLHF_ROLLOUT_ENGINE": engine,
            "RLHF_WEIGHTS_DATA_PORT": "0"}  # fmt: skip
     keys = ("pack", "push", "raw", "sink", "swap", "stage", "pause", "base_gap", "rate", "gpush", "gstage", "gswap")
-    t: dict[str, list[float]] = {k: [] for k in keys}
+    t: dict[str, list[float]] = {k: [] for k in (*keys, "cpush", "cstage", "cswap")}
     total = 0
     with ServiceProc("rollout", cfg, log_dir, env=env) as svc, Load(svc.grpc_addr, vocab) as load:
         for r in range(ROUNDS + 1):  # round 0 warms up every path
@@ -221,6 +225,20 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
                       gpush_s, gresp.stage_seconds, gresp.swap_seconds)  # fmt: skip
             for k, v in zip(keys, values, strict=True):
                 t[k].append(v)
+        for r in range(ROUNDS):  # the collective path, same replica, versions after the rounds'
+            packed = pack_weights(state, 2 * ROUNDS + 3 + r)
+            t0 = time.perf_counter()
+            out = await push_weights_many([svc.grpc_addr], packed, token=TOKEN, transport="collective")
+            cpush_s = time.perf_counter() - t0
+            cresp = out[svc.grpc_addr]
+            if isinstance(cresp, BaseException) or not cresp.swapped:
+                raise RuntimeError(f"collective update not served: {cresp}")
+            log(f"  {engine} collective {r}: push {cpush_s:.2f}s (replica: stage {cresp.stage_seconds:.2f}s, swap "
+                f"{cresp.swap_seconds:.3f}s)")  # fmt: skip
+            t["cpush"].append(cpush_s)
+            t["cstage"].append(cresp.stage_seconds)
+            t["cswap"].append(cresp.swap_seconds)
+            del packed
         errors = load.errors
     gb = total / 1e9
     raw_gbps = gb / median(t["raw"])
@@ -236,6 +254,8 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
             "transfer": rnd(gb / transfer_s),
             "grpc_stream_transfer": rnd(gb / median(t["gstage"])),
             "grpc_stream_push_call": rnd(gb / median(t["gpush"])),
+            "collective_transfer": rnd(gb / median(t["cstage"])),
+            "collective_push_call": rnd(gb / median(t["cpush"])),
             "push_call": rnd(gb / median(t["push"])),
             "pack_plus_push": rnd(e2e_gbps),
         },
@@ -249,6 +269,9 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
             "grpc_stream_push_call": rnd(median(t["gpush"])),
             "grpc_stream_transfer": rnd(median(t["gstage"])),
             "grpc_stream_replica_swap": rnd(median(t["gswap"])),
+            "collective_push_call": rnd(median(t["cpush"])),
+            "collective_transfer": rnd(median(t["cstage"])),
+            "collective_replica_swap": rnd(median(t["cswap"])),
         },
         "generation_pause_ms": rnd(pause_s * 1e3),
         "client_seen_pause_ms": rnd(median(seen) * 1e3) if seen else None,
@@ -258,6 +281,7 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
         "ratio": {
             "transfer_vs_raw": gb / transfer_s / raw_gbps,
             "grpc_stream_transfer_vs_raw": gb / median(t["gstage"]) / raw_gbps,
+            "collective_transfer_vs_raw": gb / median(t["cstage"]) / raw_gbps,
             "grpc_sink_vs_raw": gb / median(t["sink"]) / raw_gbps,
             "pack_plus_push_vs_raw": e2e_gbps / raw_gbps,
             "pause_vs_transfer": pause_s / transfer_s,
@@ -270,7 +294,7 @@ async def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    from rlhf.transport.weightsync import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
+    from rlhf.transport.weights import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
 
     torch.set_num_threads(1)  # the trainer's client only serialises and sends
     paths = build_model("large")
@@ -312,7 +336,9 @@ async def main() -> None:
             "generating all the time (2 client threads of Generate: 1 prompt of 16 tokens, 2 new tokens); "
             "plaintext loopback",
             "transport": "push_weights' default: the raw-TCP data plane (OpenWeightsTransfer, one TCP connection "
-            "to the data port, CommitWeights); the grpc_stream_* figures: transport='grpc' (UpdateWeights)",
+            "to the data port, CommitWeights); the grpc_stream_* figures: transport='grpc' (UpdateWeights); the "
+            "collective_* figures: transport='collective' (gloo broadcast from the trainer as rank 0, a group per "
+            "push; the vLLM replica receives in its worker through vLLM's weight-transfer API)",
             "raw": "one TCP stream on loopback into a preallocated buffer of another process (sendall / recv_into)",
             "rounds": ROUNDS,
         },

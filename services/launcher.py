@@ -144,6 +144,7 @@ def plan_services(
                 "RLHF_REWARD_ADDR": reward.grpc_addr,
                 "RLHF_REFERENCE_ADDR": reference.grpc_addr,
                 "RLHF_REPLICA_ID": f"{run_id}-rollout-{i}",
+                "RLHF_RUN_DIR": str(run_dir),  # a restarted replica starts from the run's newest checkpoint
                 # the weight-sync data plane on a free port (the replica reports it in OpenWeightsTransfer); it is
                 # plaintext, so off under TLS (weights then stream over gRPC)
                 **({} if tls else {"RLHF_WEIGHTS_DATA_PORT": "0"}),

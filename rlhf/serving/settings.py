@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 log = logging.getLogger("rlhf.serving")
 
@@ -70,6 +70,12 @@ class ServiceSettings(BaseModel):
         "off when unset or with TLS (it is plaintext; weights then go over gRPC UpdateWeights)",
     )
     run_dir: str | None = Field(None, description="run folder for metrics.jsonl and checkpoints (rlhf up sets it)")
+    weights_transport: Literal["auto", "tcp", "grpc", "collective"] = Field(
+        "auto",
+        description="trainer: how pushed weights travel (control is always authenticated gRPC): auto (each replica's "
+        "TCP data plane when it offers one, else the UpdateWeights stream), tcp, grpc, or collective (one broadcast "
+        "to every replica, gloo; plaintext like tcp, so refused with TLS)",
+    )
 
     @field_validator("rollout_addrs", mode="before")
     @classmethod
@@ -105,6 +111,18 @@ class ServiceSettings(BaseModel):
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
         return None if v == "" else v
+
+    @field_validator("weights_transport", mode="before")
+    @classmethod
+    def _transport(cls, v: Any) -> Any:
+        return "auto" if v in ("", None) else str(v).strip().lower()
+
+    @model_validator(mode="after")
+    def _plaintext_transport_needs_no_tls(self) -> ServiceSettings:
+        if self.weights_transport in ("tcp", "collective") and self.tls:
+            raise ValueError(f"RLHF_WEIGHTS_TRANSPORT={self.weights_transport} sends weights in plaintext and this "
+                             "service serves TLS: use auto or grpc")  # fmt: skip
+        return self
 
     @property
     def tls(self) -> bool:
@@ -151,6 +169,7 @@ LIBRARY_ENV_VARS = (
     "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS",  # services.rollout.worker: prompt jobs in flight per replica
     "RLHF_ROLLOUT_RECLAIM_IDLE_S",  # services.rollout.worker: claim jobs a dead replica left pending this long
     "RLHF_ROLLOUT_RPC_TIMEOUT_S",  # services.rollout.worker: deadline of reward/reference calls
+    "RLHF_ROLLOUT_CATCH_UP_WAIT_S",  # services.rollout.worker: wait for the trainer's push before taking jobs behind
 )
 
 # Every RLHF_* variable the project reads: one list, in place (register_env_var appends to it), so every importer

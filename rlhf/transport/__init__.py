@@ -2,7 +2,7 @@
 weight-sync protocol (safetensors buckets behind a verified header: over the replica's TCP data plane, opened and
 committed by gRPC ``OpenWeightsTransfer`` / ``CommitWeights``, or streamed over ``RolloutService.UpdateWeights``).
 
-``import rlhf.transport`` does not import torch; the weight-sync names load :mod:`rlhf.transport.weightsync` on
+``import rlhf.transport`` does not import torch; the weight-sync names load from :mod:`rlhf.transport.weights` on
 first use.
 
 A rollout replica::
@@ -79,7 +79,7 @@ _WEIGHTSYNC = {
 
 def __getattr__(name: str) -> Any:
     if name in _WEIGHTSYNC:
-        return getattr(importlib.import_module("rlhf.transport.weightsync"), name)
+        return getattr(importlib.import_module("rlhf.transport.weights"), name)
     raise AttributeError(f"module 'rlhf.transport' has no attribute {name!r}")
 
 

@@ -55,6 +55,11 @@ class RolloutServiceStub:
                 request_serializer=rlhf_dot_v1_dot_weights__pb2.CommitWeightsRequest.SerializeToString,
                 response_deserializer=rlhf_dot_v1_dot_weights__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.AbortWeightsTransfer = channel.unary_unary(
+                '/rlhf.v1.RolloutService/AbortWeightsTransfer',
+                request_serializer=rlhf_dot_v1_dot_weights__pb2.AbortWeightsTransferRequest.SerializeToString,
+                response_deserializer=rlhf_dot_v1_dot_weights__pb2.AbortWeightsTransferResponse.FromString,
+                _registered_method=True)
         self.GetWeightsVersion = channel.unary_unary(
                 '/rlhf.v1.RolloutService/GetWeightsVersion',
                 request_serializer=rlhf_dot_v1_dot_weights__pb2.GetWeightsVersionRequest.SerializeToString,
@@ -94,6 +99,14 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbortWeightsTransfer(self, request, context):
+        """The sender gives up on an open transfer (its send failed or it was cancelled): the replica drops it at once and
+        frees the update slot, instead of at the ticket's expiry. Token-protected. Unknown tickets are not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetWeightsVersion(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -122,6 +135,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.CommitWeights,
                     request_deserializer=rlhf_dot_v1_dot_weights__pb2.CommitWeightsRequest.FromString,
                     response_serializer=rlhf_dot_v1_dot_weights__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'AbortWeightsTransfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortWeightsTransfer,
+                    request_deserializer=rlhf_dot_v1_dot_weights__pb2.AbortWeightsTransferRequest.FromString,
+                    response_serializer=rlhf_dot_v1_dot_weights__pb2.AbortWeightsTransferResponse.SerializeToString,
             ),
             'GetWeightsVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWeightsVersion,
@@ -237,6 +255,33 @@ class RolloutService:
             '/rlhf.v1.RolloutService/CommitWeights',
             rlhf_dot_v1_dot_weights__pb2.CommitWeightsRequest.SerializeToString,
             rlhf_dot_v1_dot_weights__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortWeightsTransfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlhf.v1.RolloutService/AbortWeightsTransfer',
+            rlhf_dot_v1_dot_weights__pb2.AbortWeightsTransferRequest.SerializeToString,
+            rlhf_dot_v1_dot_weights__pb2.AbortWeightsTransferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -81,10 +81,24 @@ class UpdateWeightsResponse(_message.Message):
     def __init__(self, version: _Optional[int] = ..., swapped: _Optional[bool] = ..., bytes_received: _Optional[int] = ..., checksum: _Optional[str] = ..., stage_seconds: _Optional[float] = ..., swap_seconds: _Optional[float] = ...) -> None: ...
 
 class OpenWeightsTransferRequest(_message.Message):
-    __slots__ = ("header",)
+    __slots__ = ("header", "group")
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
     header: WeightHeader
-    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ...) -> None: ...
+    group: CollectiveGroup
+    def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., group: _Optional[_Union[CollectiveGroup, _Mapping]] = ...) -> None: ...
+
+class CollectiveGroup(_message.Message):
+    __slots__ = ("address", "port", "key", "timeout_seconds")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    port: int
+    key: str
+    timeout_seconds: float
+    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., key: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class OpenWeightsTransferResponse(_message.Message):
     __slots__ = ("ticket", "data_port", "ticket_ttl_seconds")
@@ -102,18 +116,32 @@ class CommitWeightsRequest(_message.Message):
     ticket: bytes
     def __init__(self, ticket: _Optional[bytes] = ...) -> None: ...
 
+class AbortWeightsTransferRequest(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    def __init__(self, ticket: _Optional[bytes] = ...) -> None: ...
+
+class AbortWeightsTransferResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
+
 class GetWeightsVersionRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WeightsVersion(_message.Message):
-    __slots__ = ("version", "checksum", "loaded_at_unix_ms", "model")
+    __slots__ = ("version", "checksum", "loaded_at_unix_ms", "model", "parent_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     LOADED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     checksum: str
     loaded_at_unix_ms: int
     model: str
-    def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., loaded_at_unix_ms: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    parent_version: int
+    def __init__(self, version: _Optional[int] = ..., checksum: _Optional[str] = ..., loaded_at_unix_ms: _Optional[int] = ..., model: _Optional[str] = ..., parent_version: _Optional[int] = ...) -> None: ...

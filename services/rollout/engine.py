@@ -59,7 +59,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from rlhf.serving.errors import FailedPrecondition, Internal, InvalidArgument, NotReady
+from rlhf.serving.errors import Internal, InvalidArgument, NotReady
+from rlhf.transport.weights.version import ServedVersion
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -313,9 +314,9 @@ class EngineBase:
         self.model_name = model_name
         self.hooks = hooks or EngineHooks()
         self.gate = SwapGate()
-        self._version = 0
-        self._checksum = "initial"
-        self._loaded_at_ms = 0
+        # The served version's one owner on this replica: the weight receiver and the data plane check updates
+        # against it, the swap advances it, every sample and GetWeightsVersion report it.
+        self.served = ServedVersion()
         self._ready = False
         self._not_ready_reason = "the model is still loading; retry when /readyz says ready"
         self._tokenizer: Any = None
@@ -327,6 +328,7 @@ class EngineBase:
         self.max_model_len = int(self._model_config.get("max_position_embeddings") or 2048)
         eos = self._model_config.get("eos_token_id")
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
+        self.ties_word_embeddings = bool(self._model_config.get("tie_word_embeddings", False))
 
     # ------------------------------------------------------------------------------------------------ properties
 
@@ -336,15 +338,15 @@ class EngineBase:
 
     @property
     def weights_version(self) -> int:
-        return self._version
+        return self.served.version
 
     @property
     def weights_checksum(self) -> str:
-        return self._checksum
+        return self.served.checksum
 
     @property
     def loaded_at_unix_ms(self) -> int:
-        return self._loaded_at_ms
+        return self.served.loaded_at_unix_ms
 
     @property
     def ready(self) -> bool:
@@ -363,7 +365,7 @@ class EngineBase:
             raise NotReady(self._not_ready_reason)
 
     def _mark_loaded(self) -> None:
-        self._loaded_at_ms = int(time.time() * 1000)
+        self.served.mark_loaded()
         self._ready = True
 
     # ------------------------------------------------------------------------------------------------ requests
@@ -477,7 +479,7 @@ class EngineBase:
         self.check_ready()
         params = self.validate(prompt_token_ids, params, field=field)
         async with self.gate.generation():
-            version = self._version
+            version = self.served.version
             results = await self._generate(prompt_token_ids, params, version)
         self.hooks.tokens("prompt", sum(len(p) for p in prompt_token_ids))
         self.hooks.tokens("generated", sum(len(s.token_ids) for r in results for s in r.samples))
@@ -498,16 +500,17 @@ class EngineBase:
 
     # ------------------------------------------------------------------------------------------------ weights
 
-    async def swap_weights(self, tensors: dict[str, torch.Tensor], version: int, checksum: str) -> SwapResult:
-        """Install ``tensors`` as ``version`` between generation steps (see the module docstring). The engine may
-        keep the tensors' memory as its own (the hf engine serves from it): do not modify them afterwards."""
-        if version <= self._version:
-            raise FailedPrecondition(
-                f"weights version {version} is not newer than the version served ({self._version}); "
-                "versions never go backwards: publish restored weights under a new, higher version",
-                field="header.version",
-            )
-        check_state_dict(tensors, self._manifest)
+    async def swap_weights(
+        self, tensors: dict[str, torch.Tensor], version: int, checksum: str, parent_version: int | None = None
+    ) -> SwapResult:
+        """Install ``tensors`` as ``version`` (trained from ``parent_version``, default ``version - 1``) between
+        generation steps (see the module docstring); :attr:`served` decides whether it is newer (StaleVersion,
+        409 / FAILED_PRECONDITION, when not). The engine may keep the tensors' memory as its own (the hf engine
+        serves from it): do not modify them afterwards."""
+        parent = version - 1 if parent_version is None else parent_version
+        self.served.check(version, parent)
+        if not getattr(tensors, "in_engine", False):  # staged by the engine itself: its header was checked
+            check_state_dict(tensors, self._manifest)
         # Staging runs outside the gate: the old weights keep serving meanwhile. A failure here changed nothing.
         tp = time.perf_counter()
         staged = await self._prepare_weights(tensors)
@@ -515,11 +518,7 @@ class EngineBase:
         t0 = time.perf_counter()
         async with self.gate.exclusive():
             t1 = time.perf_counter()
-            if version <= self._version:  # another swap won the race while we waited
-                raise FailedPrecondition(
-                    f"weights version {version} is not newer than the version served ({self._version})",
-                    field="header.version",
-                )
+            self.served.check(version, parent)  # another swap may have won the race while we waited
             try:
                 await self._load_weights(staged)
             except BaseException as err:
@@ -528,9 +527,7 @@ class EngineBase:
                 self._not_ready_reason = "a weight swap failed half-way; restart this replica"
                 raise Internal(f"the weight swap to version {version} failed ({type(err).__name__}); "
                                "this replica stopped serving and must be restarted") from err  # fmt: skip
-            self._version = version
-            self._checksum = checksum
-            self._loaded_at_ms = int(time.time() * 1000)
+            self.served.advance(version, parent, checksum)
             t2 = time.perf_counter()
         del staged
         return SwapResult(version=version, checksum=checksum, swapped=True, wait_seconds=t1 - t0, swap_seconds=t2 - t1,
@@ -539,6 +536,13 @@ class EngineBase:
     async def _prepare_weights(self, tensors: dict[str, torch.Tensor]) -> Any:
         """Stage ``tensors`` for :meth:`_load_weights` while the old weights still serve (outside the gate)."""
         return tensors
+
+    async def receive_collective(self, group: Any, ticket: bytes, header: Any, per_bucket: list) -> tuple[Any, int]:
+        """Receive a collective push's buckets (:mod:`rlhf.transport.weights.collective`): in this process by
+        default; an engine that receives elsewhere (vLLM: its worker) overrides it. Returns (tensors, bytes)."""
+        from rlhf.transport.weights.collective import receive_buckets
+
+        return await asyncio.to_thread(receive_buckets, group, ticket, header, per_bucket)
 
     async def _load_weights(self, staged: Any) -> None:
         """Install what :meth:`_prepare_weights` staged; generation is paused meanwhile (inside the gate)."""
@@ -684,6 +688,36 @@ def resolve_options(
     )
 
 
+def options_from_proto(p: Any, defaults: Mapping[str, Any]) -> SamplingOptions:
+    """``rlhf.v1.SamplingParams`` (a gRPC request's or a prompt job's; 0 / unset: the default) -> SamplingOptions.
+    The one conversion: the gRPC servicer and the queue worker both call it (the HTTP app resolves its JSON body
+    through :func:`resolve_options` the same way)."""
+    return resolve_options(
+        dict(defaults),
+        n=p.n or 1,
+        temperature=p.temperature if p.HasField("temperature") else None,
+        top_p=p.top_p if p.HasField("top_p") else None,
+        top_k=(p.top_k if p.top_k > 0 else -1) if p.HasField("top_k") else None,
+        max_tokens=p.max_tokens or None,
+        stop=list(p.stop) or None,
+        stop_token_ids=list(p.stop_token_ids),
+        seed=p.seed if p.HasField("seed") else None,
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def finish_reason_proto(reason: str) -> int:
+    """A sample's finish reason (``stop`` | ``length`` | ``abort``, what the HTTP app returns as is) -> the
+    ``rlhf.v1.FinishReason`` the gRPC servicer and the experience records carry."""
+    from rlhf.v1 import common_pb2
+
+    return {
+        "stop": common_pb2.FINISH_REASON_STOP,
+        "length": common_pb2.FINISH_REASON_LENGTH,
+        "abort": common_pb2.FINISH_REASON_ABORT,
+    }.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
 def default_options(cfg: ExperimentConfig) -> dict[str, Any]:
     """Sampling defaults of this service (from the experiment config) for fields a request leaves unset."""
     a = cfg.actor
@@ -712,7 +746,9 @@ __all__ = [
     "decode_text",
     "default_options",
     "engine_kind",
+    "finish_reason_proto",
     "make_engine",
+    "options_from_proto",
     "read_checkpoint_manifest",
     "resolve_options",
 ]

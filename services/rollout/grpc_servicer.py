@@ -3,16 +3,18 @@
 - ``Generate``: prompts as text (tokenized by the served model's tokenizer, no chat template) or token ids; fields a
   request leaves unset take the service's defaults (the experiment config's ``actor_rollout``).
 - ``UpdateWeights``: token-protected (metadata ``authorization: Bearer <RLHF_API_TOKEN>``, checked before any weight
-  byte is read). The stream is staged and verified by :mod:`rlhf.transport.weightsync` (manifest checksum, per-bucket
+  byte is read). The stream is staged and verified by :mod:`rlhf.transport.weights` (manifest checksum, per-bucket
   sha256, complete stream, a version newer than the one served); only then does the engine swap it in, between
   generation steps. A cut, corrupt, stale or mismatched update is refused and the old weights keep serving.
   Register with :func:`add_to_server` (not the generated function): its request decoder leaves each chunk's bytes in
   gRPC's buffer instead of copying them twice through protobuf.
 - ``OpenWeightsTransfer`` / ``CommitWeights``: the same update over the raw-TCP data plane
-  (:mod:`rlhf.transport.dataplane`, on with ``RLHF_WEIGHTS_DATA_PORT`` and without TLS): Open checks the header and
-  answers a ticket and the data port (port 0: no data plane, use ``UpdateWeights``), the client sends the buckets
-  there, Commit waits for them, verifies and swaps as ``UpdateWeights`` does. Token-protected like it.
-- ``GetWeightsVersion``: the version served now, its checksum, when it was loaded, the model.
+  (:mod:`rlhf.transport.weights.dataplane`, on with ``RLHF_WEIGHTS_DATA_PORT`` and without TLS): Open checks the
+  header and answers a ticket and the data port (port 0: no data plane, use ``UpdateWeights``), the client sends the
+  buckets there, Commit waits for them, verifies and swaps as ``UpdateWeights`` does; ``AbortWeightsTransfer`` drops
+  an open transfer at once. Token-protected like it.
+- ``GetWeightsVersion``: the version served now (the engine's :class:`~rlhf.transport.weights.ServedVersion`, the
+  one owner), the parent version its update named, its checksum, when it was loaded, the model.
 """
 
 from __future__ import annotations
@@ -20,33 +22,18 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from rlhf.serving import InvalidArgument, ServiceMetrics, ServiceSettings, grpc_errors, require_grpc_token
-from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
-from services.rollout.engine import EngineBase, SamplingOptions, resolve_options
+from rlhf.serving import (
+    FailedPrecondition,
+    InvalidArgument,
+    ServiceMetrics,
+    ServiceSettings,
+    grpc_errors,
+    require_grpc_token,
+)
+from rlhf.v1 import rollout_pb2, rollout_pb2_grpc, weights_pb2
+from services.rollout.engine import EngineBase, finish_reason_proto, options_from_proto
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-
-FINISH_TO_PROTO = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
-
-
-def options_from_proto(p: common_pb2.SamplingParams, defaults: dict[str, Any]) -> SamplingOptions:
-    """proto SamplingParams (0 / unset: default) -> SamplingOptions."""
-    return resolve_options(
-        defaults,
-        n=p.n or 1,
-        temperature=p.temperature if p.HasField("temperature") else None,
-        top_p=p.top_p if p.HasField("top_p") else None,
-        top_k=(p.top_k if p.top_k > 0 else -1) if p.HasField("top_k") else None,
-        max_tokens=p.max_tokens or None,
-        stop=list(p.stop) or None,
-        stop_token_ids=list(p.stop_token_ids),
-        seed=p.seed if p.HasField("seed") else None,
-        ignore_eos=p.ignore_eos,
-    )
 
 
 async def prompt_ids_from_proto(engine: EngineBase, prompts: Any) -> list[list[int]]:
@@ -66,12 +53,12 @@ async def prompt_ids_from_proto(engine: EngineBase, prompts: Any) -> list[list[i
 
 def add_to_server(servicer: RolloutServicer, server: Any) -> None:
     """``rollout_pb2_grpc.add_RolloutServiceServicer_to_server`` with one change: ``UpdateWeights`` requests are
-    decoded by ``rlhf.transport.weightsync.decode_update``, which leaves each chunk's bytes where gRPC put them
+    decoded by ``rlhf.transport.weights.format.decode_update``, which leaves each chunk's bytes where gRPC put them
     (protobuf's deserializer copies every weight byte twice more)."""
     import grpc
     from google.protobuf.message_factory import GetMessageClass
 
-    from rlhf.transport.weightsync import decode_update
+    from rlhf.transport.weights.format import decode_update
 
     # Built from the service descriptor, so a method added to rollout.proto is served without another edit here.
     kinds = {
@@ -96,21 +83,20 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
-        from rlhf.transport.weightsync import WeightReceiver  # imports torch: not at module import (see main.py)
+        from rlhf.transport.weights.dataplane import WeightDataServer
+        from rlhf.transport.weights.receive import WeightReceiver  # imports torch: not at module import (main.py)
 
-        self.receiver = WeightReceiver(current_version=engine.weights_version, checksum=engine.weights_checksum)
-        self.data = None  # the WeightDataServer, when start_data_plane ran
+        self.receiver = WeightReceiver(engine.served)  # asks the engine's version owner; the swap advances it
+        # tickets for the data plane and the collective path; it listens on a port only after start_data_plane
+        self.data = WeightDataServer(self.receiver)
 
     async def start_data_plane(self, host: str, port: int) -> int:
         """Listen for weight data on ``port`` (0: any free port); returns the port."""
-        from rlhf.transport.dataplane import WeightDataServer
-
-        self.data = WeightDataServer(self.receiver, host, port)
+        self.data.host, self.data.port = host, port
         return await self.data.start()
 
     async def close_data_plane(self) -> None:
-        if self.data is not None:
-            await self.data.close()
+        await self.data.close()
 
     @grpc_errors("Generate")
     async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:  # noqa: N802
@@ -127,7 +113,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 pr.completions.add(
                     token_ids=s.token_ids,
                     logprobs=s.logprobs,
-                    finish_reason=FINISH_TO_PROTO.get(s.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED),
+                    finish_reason=finish_reason_proto(s.finish_reason),
                     text=s.text,
                     policy_version=s.policy_version,
                 )
@@ -143,29 +129,44 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @grpc_errors("OpenWeightsTransfer")
     async def OpenWeightsTransfer(self, request, context) -> weights_pb2.OpenWeightsTransferResponse:  # noqa: N802
         require_grpc_token(context, self.settings)
-        if self.data is None:
+        group = None
+        if request.HasField("group"):
+            if self.settings.tls:
+                raise FailedPrecondition("collective weight transfer is plaintext and this replica serves TLS; push "
+                                         "over UpdateWeights (RLHF_WEIGHTS_TRANSPORT=grpc)", field="group")  # fmt: skip
+            from rlhf.transport.weights.collective import GroupSpec  # torch: not at module import (main.py)
+
+            try:
+                group = GroupSpec.from_proto(request.group)
+            except ValueError as err:
+                raise InvalidArgument(str(err), field="group") from None
+        elif not self.data.listening:
             return weights_pb2.OpenWeightsTransferResponse(data_port=0)  # the client streams over UpdateWeights
         self._sync_receiver()
-        ticket, ttl = await self.data.open(request.header)  # raises like UpdateWeights on a bad header
-        return weights_pb2.OpenWeightsTransferResponse(ticket=ticket, data_port=self.data.port, ticket_ttl_seconds=ttl)
+        receive = getattr(self.engine, "receive_collective", None) if group is not None else None
+        ticket, ttl = await self.data.open(request.header, group, receive)  # raises like UpdateWeights
+        port = self.data.port if group is None else 0
+        return weights_pb2.OpenWeightsTransferResponse(ticket=ticket, data_port=port, ticket_ttl_seconds=ttl)
 
     @grpc_errors("CommitWeights")
     async def CommitWeights(self, request, context) -> weights_pb2.UpdateWeightsResponse:  # noqa: N802
         require_grpc_token(context, self.settings)
-        if self.data is None:
-            raise InvalidArgument("this replica has no weights data plane: nothing to commit", field="ticket")
         staged = await self.data.take(request.ticket)  # raises: nothing staged, the old weights serve
         return await self._swap(staged)
 
+    @grpc_errors("AbortWeightsTransfer")
+    async def AbortWeightsTransfer(self, request, context) -> weights_pb2.AbortWeightsTransferResponse:  # noqa: N802
+        require_grpc_token(context, self.settings)
+        aborted = self.data.abort(request.ticket)
+        return weights_pb2.AbortWeightsTransferResponse(aborted=aborted)
+
     def _sync_receiver(self) -> None:
-        """The engine is the source of truth for the served version (the receiver refuses anything not newer) and
-        for the parameters an update must match (names and shapes, checked before any buffer is allocated)."""
+        """The parameters an update must match (names and shapes, checked before any buffer is allocated) are the
+        engine's, known once its model is loaded; the version comes from the engine's owner, read at each check."""
         self.receiver.expected = self.engine.weight_manifest()
-        self.receiver.current_version = self.engine.weights_version
 
     async def _swap(self, staged) -> weights_pb2.UpdateWeightsResponse:
-        result = await self.engine.swap_weights(staged.tensors, staged.version, staged.checksum)
-        self.receiver.commit(staged)
+        result = await self.engine.swap_weights(staged.tensors, staged.version, staged.checksum, staged.parent_version)
         return weights_pb2.UpdateWeightsResponse(
             version=result.version,
             swapped=result.swapped,
@@ -178,8 +179,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     @grpc_errors("GetWeightsVersion")
     async def GetWeightsVersion(self, request, context) -> weights_pb2.WeightsVersion:  # noqa: N802
         return weights_pb2.WeightsVersion(
-            version=self.engine.weights_version,
-            checksum=self.engine.weights_checksum,
-            loaded_at_unix_ms=self.engine.loaded_at_unix_ms,
+            version=self.engine.served.version,
+            parent_version=self.engine.served.parent_version,
+            checksum=self.engine.served.checksum,
+            loaded_at_unix_ms=self.engine.served.loaded_at_unix_ms,
             model=self.engine.model_name,
         )

@@ -64,7 +64,6 @@ class _Row:
     finish: str | None = None
     stop_reason: int | str | None = None
     text: str | None = None
-    forced: list[int] | None = None  # teacher forcing (score_tokens): take these tokens instead of sampling
     top: list[list[tuple[int, float]]] | None = None  # top_logprobs alternatives per token, when asked for
     # streaming: called on the event loop with (token, log-prob, alternatives) as each token is decoded
     on_token: Any = None
@@ -96,6 +95,14 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
         top_p_mask[:, -1] = False
         logits_sort = logits_sort.masked_fill(top_p_mask, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, logits_idx, logits_sort)
+
+
+def step_distribution(logits: torch.Tensor, temps: torch.Tensor, k: torch.Tensor | None,
+                      p: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """(B, V) float32 logits (penalties applied) -> the logits of the distribution each row samples from:
+    divided by the row's temperature, then top-k / top-p masked (-inf). Its ``log_softmax`` at a token is the
+    sampling log-prob the engine reports (one code path for the decode loop and anything that checks it)."""
+    return apply_top_k_top_p(logits / temps.unsqueeze(1), k, p)
 
 
 class HFEngine(EngineBase):
@@ -244,7 +251,7 @@ class HFEngine(EngineBase):
             return lambda tok, lp, top: events.put_nowait(("tok", i, j, tok, lp, top))
 
         async with self.gate.generation():
-            version = self._version
+            version = self.served.version
             rows = self._enqueue(prompt_token_ids, params, on_token)
             flat = [(i, j, r) for i, prow in enumerate(rows) for j, r in enumerate(prow)]
             for i, j, r in flat:
@@ -272,21 +279,6 @@ class HFEngine(EngineBase):
                     r.future.cancel()
         self.hooks.tokens("prompt", sum(len(p) for p in prompt_token_ids))
         self.hooks.tokens("generated", sum(len(r.tokens) for _, _, r in flat))
-
-    async def score_tokens(self, prompt: list[int], tokens: list[int], params: SamplingOptions) -> list[float]:
-        """The sampling log-probs this engine reports for ``tokens`` after ``prompt`` under ``params`` (temperature,
-        top-k/top-p), by teacher forcing through the same batched decode loop (the cross-engine check uses it)."""
-        self.check_ready()
-        assert self._queue is not None
-        if not tokens:
-            return []
-        loop = asyncio.get_running_loop()
-        row = _Row(prompt=list(prompt), opts=params, seed=0, future=loop.create_future(), loop=loop,
-                   forced=list(tokens))  # fmt: skip
-        async with self.gate.generation():
-            self._queue.put_nowait(row)
-            await row.future
-        return row.logprobs
 
     # ------------------------------------------------------------------------------------------------ decoding
 
@@ -320,8 +312,7 @@ class HFEngine(EngineBase):
             gens.append(g)
         stop_ids = [set(r.opts.stop_token_ids) | (set() if r.opts.ignore_eos or self.eos_token_id is None
                                                   else {self.eos_token_id}) for r in rows]  # fmt: skip
-        budgets = [len(r.forced) if r.forced is not None else min(r.opts.max_tokens, self.max_model_len - len(r.prompt))
-                   for r in rows]  # fmt: skip
+        budgets = [min(r.opts.max_tokens, self.max_model_len - len(r.prompt)) for r in rows]
         penalized = any(r.opts.penalized for r in rows)
         if penalized:
             in_prompt = torch.zeros((B, V), dtype=torch.bool)
@@ -355,8 +346,7 @@ class HFEngine(EngineBase):
             logits = out.logits[:, -1, :].float()
             if penalized:  # before temperature and top-k/top-p, as in vLLM; greedy rows take the penalized argmax
                 logits = apply_penalties(logits, in_prompt, counts, rep, freq, pres)
-            z = logits / temps.unsqueeze(1)
-            masked = apply_top_k_top_p(z, k if any_k else None, p if any_p else None)
+            masked = step_distribution(logits, temps, k if any_k else None, p if any_p else None)
             probs = masked.softmax(dim=-1)
             q = torch.empty_like(probs)
             for i in range(B):
@@ -366,9 +356,6 @@ class HFEngine(EngineBase):
                     q[i].fill_(1.0)
             sampled = (probs / q).argmax(dim=-1)
             tok = torch.where(greedy, logits.argmax(dim=-1), sampled)
-            for i, r in enumerate(rows):
-                if r.forced is not None and active[i]:
-                    tok[i] = r.forced[len(r.tokens)]
             # log_softmax(masked logits / T) at the token: the distribution sampled from (temperature 1 if greedy)
             lp = logprobs_from_logits(masked, tok, 1.0)
             tok_l, lp_l = tok.tolist(), lp.tolist()
@@ -391,10 +378,7 @@ class HFEngine(EngineBase):
                 if r.on_token is not None:
                     with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody listens
                         r.loop.call_soon_threadsafe(r.on_token, tok_l[i], lp_l[i], alts)
-                if r.forced is not None:
-                    if len(r.tokens) >= budgets[i]:
-                        r.finish = "length"
-                elif tok_l[i] in stop_ids[i]:
+                if tok_l[i] in stop_ids[i]:
                     r.finish = "stop"
                     r.stop_reason = tok_l[i] if tok_l[i] in r.opts.stop_token_ids else None  # None: EOS
                 elif r.opts.stop and self._hit_stop_string(r):

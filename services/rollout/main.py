@@ -20,6 +20,7 @@ from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings, registe
 from services.rollout.engine import ENGINE_ENV_VAR, EngineHooks, apply_rollout_env, engine_kind, make_engine
 from services.rollout.grpc_servicer import SERVICE_NAME, RolloutServicer, add_to_server
 from services.rollout.http_app import build_app
+from services.rollout.late_join import load_latest_checkpoint
 from services.rollout.worker import maybe_start_worker  # at import: registers the RLHF_ROLLOUT_* variables
 
 register_env_var(ENGINE_ENV_VAR)
@@ -68,6 +69,8 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
             port = await servicer.start_data_plane(settings.host, settings.weights_data_port)
             log.info("rollout: weights data plane on %s:%d", settings.host, port)
         await engine.start()
+        if settings.redis_url:  # a replica of a run: start from the run's newest checkpoint, if any (late_join.py)
+            await load_latest_checkpoint(engine, cfg, settings)
         log.info("rollout: %s engine serving %s (weights version %d)", engine.kind, engine.model_name,
                  engine.weights_version)  # fmt: skip
         worker = maybe_start_worker(engine, settings, cfg, metrics=metrics)

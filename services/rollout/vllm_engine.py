@@ -152,6 +152,10 @@ class VllmEngine(EngineBase):
     # ------------------------------------------------------------------------------------------------ start / close
 
     def _engine_args(self, cls: type) -> Any:
+        from vllm.config import WeightTransferConfig
+
+        from services.rollout.vllm_transfer import BACKEND as TRANSFER_BACKEND
+
         kw: dict[str, Any] = dict(
             model=str(self.model_path),
             tokenizer=str(self.model_path),
@@ -163,6 +167,9 @@ class VllmEngine(EngineBase):
             worker_extension_cls=EXTENSION,
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
+            # vLLM's weight-transfer API with the collective backend (services/rollout/vllm_transfer.py, registered
+            # by the worker extension): collective pushes go through init/start/update/finish
+            weight_transfer_config=WeightTransferConfig(backend=TRANSFER_BACKEND),
         )
         kw.update(self.engine_kwargs)
         return cls(**kw)
@@ -396,7 +403,60 @@ class VllmEngine(EngineBase):
 
     # ------------------------------------------------------------------------------------------------ weights
 
+    async def receive_collective(self, group: Any, ticket: bytes, header: Any, per_bucket: list) -> tuple[Any, int]:
+        """A collective push received by vLLM's worker through vLLM's weight-transfer API (backend ``rlhf_gloo``):
+        join the push's group, start an update, one ``update_weights`` per bucket (received, verified and staged in
+        the worker's host memory; the model untouched). :meth:`_load_weights` finishes it at the commit."""
+        from rlhf.transport.weights.collective import GROUP_ERRORS
+        from rlhf.transport.weights.errors import IncompleteUpdate
+        from rlhf.transport.weights.receive import StagedInEngine
+
+        init = {"address": group.address, "port": group.port, "key": group.key, "timeout_s": group.timeout_s,
+                "ticket": ticket.hex()}  # fmt: skip
+        buckets = [
+            {"index": i, "nbytes": b.nbytes, "sha256": b.sha256,
+             "tensors": [[name, dt, list(shape)] for name, (dt, shape) in per_bucket[i].items()]}
+            for i, b in enumerate(header.buckets)
+        ]  # fmt: skip
+        try:
+            if self.mode == "inproc":
+
+                def run(llm: Any) -> None:  # on the engine thread: generation waits for the transfer
+                    rpc = llm.collective_rpc
+                    rpc("init_weight_transfer_engine", args=(init,))
+                    try:
+                        rpc("start_weight_update")
+                    except RuntimeError as err:  # an update received but never committed (expired, aborted)
+                        if "already active" not in str(err):
+                            raise
+                        rpc("update_weights", args=({"index": -1, "nbytes": 0, "sha256": "", "discard": True},))
+                        rpc("finish_weight_update")
+                        rpc("start_weight_update")
+                    for b in buckets:
+                        rpc("update_weights", args=(b,))
+
+                await self._call(run)
+            else:
+                rpc = self._async.collective_rpc
+                await rpc("init_weight_transfer_engine", args=(init,))
+                try:
+                    await rpc("start_weight_update")
+                except Exception as err:  # noqa: BLE001 - as above, across the engine-core process
+                    if "already active" not in str(err):
+                        raise
+                    await rpc("update_weights", args=({"index": -1, "nbytes": 0, "sha256": "", "discard": True},))
+                    await rpc("finish_weight_update")
+                    await rpc("start_weight_update")
+                for b in buckets:
+                    await rpc("update_weights", args=(b,))
+        except GROUP_ERRORS as err:
+            raise IncompleteUpdate(f"the collective transfer into vLLM failed ({type(err).__name__}: {err}); "
+                                   "nothing was installed") from None  # fmt: skip
+        return StagedInEngine.fromkeys(t.name for t in header.tensors), header.total_bytes
+
     async def _prepare_weights(self, tensors: dict[str, Any]) -> Any:
+        if getattr(tensors, "in_engine", False):  # already in the worker (receive_collective)
+            return tensors
         # Outside the gate. In-process the worker is called directly (no serialisation): it gets the tensors as
         # they are. The engine-core subprocess gets one safetensors blob (msgpack carries bytes, not tensors),
         # serialised here while the old weights still serve.
@@ -407,6 +467,20 @@ class VllmEngine(EngineBase):
     async def _load_weights(self, staged: Any) -> None:
         # vLLM's reload_weights rewrites the serving model's parameters in place (checkpoint loader, then the CPU
         # backend's repacking): it cannot run while the model generates, so it stays inside the gate.
+        if getattr(staged, "in_engine", False):  # vLLM's weight-transfer API: install what update_weights staged
+            if self.mode == "inproc":
+
+                def _finish(llm: Any) -> Any:
+                    r = llm.collective_rpc("finish_weight_update")
+                    llm.reset_prefix_cache()
+                    return r
+
+                await self._call(_finish)
+            else:
+                await self._async.collective_rpc("finish_weight_update")
+                await self._async.reset_prefix_cache()
+            log.info("vLLM weights installed through the weight-transfer API (%d tensors)", len(staged))
+            return
         if self.mode == "inproc":
 
             def _reload(llm: Any) -> Any:

@@ -8,7 +8,7 @@ vLLM mixes this class into its worker (engine argument
 The argument is the bytes of one safetensors file: bytes cross vLLM's msgpack RPC intact in both the in-process and
 the engine-core-subprocess modes, and no pickle is involved (``collective_rpc`` with a Python callable would need
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``); the worker makes the tensors as views into them
-(``rlhf.transport.weightsync.load_safetensors``, no copy). In-process, where ``collective_rpc`` calls the worker
+(``rlhf.transport.weights.format.load_safetensors``, no copy). In-process, where ``collective_rpc`` calls the worker
 directly and serialises nothing, the engine calls ``rlhf_load_tensors`` with the (name, tensor) pairs themselves.
 Both run the worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``: the model's own checkpoint
 loader, so the CPU backend's repacked linear layers are rebuilt correctly (calling ``model.load_weights`` again fails
@@ -22,13 +22,20 @@ from __future__ import annotations
 
 import time
 
+try:  # vLLM imports this module inside its worker: add the collective backend to its weight-transfer factory
+    from services.rollout.vllm_transfer import register as _register_transfer
+
+    _register_transfer()
+except ImportError:  # pragma: no cover - vLLM absent (imported for its docstring only)
+    pass
+
 
 class WorkerExtension:
     """Methods added to vLLM's worker; names start with ``rlhf_`` so they cannot clash with the worker's own."""
 
     def rlhf_reload_weights(self, blob: bytes) -> dict:
         """Load every tensor of the safetensors ``blob`` (checkpoint format) into the model, in place."""
-        from rlhf.transport.weightsync import load_safetensors
+        from rlhf.transport.weights.format import load_safetensors
 
         t0 = time.perf_counter()
         tensors = load_safetensors(blob)

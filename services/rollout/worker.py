@@ -33,7 +33,10 @@ Environment (besides ServiceSettings' ``RLHF_REDIS_URL``, ``RLHF_RUN_ID``, ``RLH
 
 - ``RLHF_ROLLOUT_MAX_INFLIGHT_JOBS`` (default 8): jobs processed at the same time;
 - ``RLHF_ROLLOUT_RECLAIM_IDLE_S`` (default 60): a pending job idle this long is taken over;
-- ``RLHF_ROLLOUT_RPC_TIMEOUT_S`` (default 60): deadline of one reward / reference call.
+- ``RLHF_ROLLOUT_RPC_TIMEOUT_S`` (default 60): deadline of one reward / reference call;
+- ``RLHF_ROLLOUT_CATCH_UP_WAIT_S`` (default 60): how long a replica behind the run's published version waits for the
+  trainer's push before it takes jobs with the weights it has (the run's newest checkpoint, loaded at start-up: what
+  a trainer that is down resumes from; see :mod:`services.rollout.late_join`).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ from rlhf.v1 import (
     reward_pb2,
     reward_pb2_grpc,
 )
-from services.rollout.engine import SamplingOptions
+from services.rollout.engine import SamplingOptions, finish_reason_proto, options_from_proto
 
 if TYPE_CHECKING:  # pragma: no cover
     from rlhf.config import ExperimentConfig
@@ -76,16 +79,11 @@ log = logging.getLogger("rlhf.rollout.worker")
 MAX_INFLIGHT_ENV = "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS"
 RECLAIM_IDLE_ENV = "RLHF_ROLLOUT_RECLAIM_IDLE_S"
 RPC_TIMEOUT_ENV = "RLHF_ROLLOUT_RPC_TIMEOUT_S"
-for _name in (MAX_INFLIGHT_ENV, RECLAIM_IDLE_ENV, RPC_TIMEOUT_ENV):
+CATCH_UP_WAIT_ENV = "RLHF_ROLLOUT_CATCH_UP_WAIT_S"
+for _name in (MAX_INFLIGHT_ENV, RECLAIM_IDLE_ENV, RPC_TIMEOUT_ENV, CATCH_UP_WAIT_ENV):
     register_env_var(_name)
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-FINISH = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
 
 
 class JobFailed(Exception):
@@ -148,6 +146,7 @@ class RolloutWorker:
         drain_s: float = 10.0,
         default_sampling: Mapping[str, Any] | None = None,
         ref_temperature: float | None = None,
+        catch_up_wait_s: float = 60.0,
     ):
         if max_inflight_jobs < 1:
             raise ValueError("max_inflight_jobs must be at least 1")
@@ -170,6 +169,7 @@ class RolloutWorker:
         self.drain_s = drain_s
         self.defaults = dict(default_sampling or {})
         self.ref_temperature = ref_temperature  # None: the sampling temperature (ExperimentConfig.logprob_temperature)
+        self.catch_up_wait_s = catch_up_wait_s
         self.stats = WorkerStats()
         self._stop = asyncio.Event()
         self._inflight: dict[str, asyncio.Task] = {}  # prompt entry id -> task
@@ -205,6 +205,7 @@ class RolloutWorker:
             "max_inflight_jobs": _env_num(env, MAX_INFLIGHT_ENV, 8, int),
             "reclaim_idle_s": _env_num(env, RECLAIM_IDLE_ENV, 60.0),
             "rpc_timeout_s": _env_num(env, RPC_TIMEOUT_ENV, 60.0),
+            "catch_up_wait_s": _env_num(env, CATCH_UP_WAIT_ENV, 60.0),
             "drain_s": settings.shutdown_grace_s,
             "default_sampling": defaults,
             "ref_temperature": cfg.logprob_temperature if cfg is not None else None,
@@ -267,21 +268,37 @@ class RolloutWorker:
 
     async def _behind(self) -> int | None:
         """The run's published policy version when this replica serves an older one (it started or restarted after
-        that push), else None. Such a replica takes no job until the trainer brings it up to date: its samples would
-        be as many versions stale as it is behind."""
+        that push), else None. Such a replica takes no job until the trainer brings it up to date (its samples would
+        be as many versions stale as it is behind), or until ``catch_up_wait_s`` passed without a push: then the
+        trainer is down or cannot reach it, and it serves the run's newest checkpoint (loaded at start-up), which is
+        what a trainer resumes from; a live trainer drops its samples if they are past the staleness bound."""
         now = time.monotonic()
         if now >= self._published_checked + 0.5:
             self._published_checked = now
             self._published = await get_policy_version(self._prompts.redis, self.run_id)
-        if self._published is not None and self.engine.weights_version < self._published:
-            return self._published
-        return None
+        if self._published is None or self.engine.weights_version >= self._published:
+            self._behind_since = None
+            return None
+        if self._behind_since is None:
+            self._behind_since = now
+        if now - self._behind_since >= self.catch_up_wait_s:
+            if not self._gave_up:
+                log.warning("%s: no weights push within %.0f s (the run is at version %d): taking jobs with version "
+                            "%d", self.replica_id, self.catch_up_wait_s, self._published,
+                            self.engine.weights_version)  # fmt: skip
+            self._gave_up = True
+            return None
+        self._gave_up = False
+        return self._published
 
     async def _loop(self) -> None:
         next_reclaim = time.monotonic() + self.reclaim_interval_s
         error_backoff = 0.2
         stop_wait = asyncio.create_task(self._stop.wait())
         self._published, self._published_checked, waiting = None, float("-inf"), False
+        self._behind_since: float | None = None
+        self._gave_up = False
+        self._first_logged = False
         try:
             while not self._stop.is_set():
                 free = self.max_inflight_jobs - len(self._inflight)
@@ -326,6 +343,10 @@ class RolloutWorker:
                     await asyncio.sleep(error_backoff)
                     error_backoff = min(error_backoff * 2, 5.0)
                     continue
+                if records and not self._first_logged:  # what a late joiner starts with (tests/e2e/test_late_replica)
+                    self._first_logged = True
+                    log.info("%s: first job with weights version %d (the run published %s)", self.replica_id,
+                             self.engine.weights_version, self._published)  # fmt: skip
                 for entry_id, job in records:
                     task = asyncio.create_task(self._run_job(entry_id, job), name=f"rollout-job-{job.job_id}")
                     self._inflight[entry_id] = task
@@ -410,18 +431,7 @@ class RolloutWorker:
                 delay = min(delay * 2, 2.0)
 
     def sampling_options(self, p: common_pb2.SamplingParams) -> SamplingOptions:
-        d = self.defaults
-        return SamplingOptions(
-            n=p.n or 1,
-            temperature=p.temperature if p.HasField("temperature") else float(d.get("temperature", 1.0)),
-            top_p=p.top_p if p.HasField("top_p") else float(d.get("top_p", 1.0)),
-            top_k=p.top_k if p.HasField("top_k") else int(d.get("top_k", -1)),
-            max_tokens=p.max_tokens or int(d.get("max_tokens") or 16),
-            stop=tuple(p.stop) if p.stop else tuple(d.get("stop", ())),
-            stop_token_ids=tuple(p.stop_token_ids),
-            seed=p.seed if p.HasField("seed") else None,
-            ignore_eos=p.ignore_eos,
-        )
+        return options_from_proto(p, self.defaults)
 
     async def process(self, job: experience_pb2.PromptJob) -> experience_pb2.Experience:
         """Generate, score and get reference log-probs for one job; returns its Experience (not yet written)."""
@@ -492,7 +502,7 @@ class RolloutWorker:
                     score_status=sc.status,
                     score_error=sc.error,
                     score_components=dict(sc.components),
-                    finish_reason=FINISH.get(s.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED),
+                    finish_reason=finish_reason_proto(s.finish_reason),
                     policy_version=s.policy_version,
                     response_text=text,
                 )
@@ -542,6 +552,7 @@ __all__ = [
     "MAX_INFLIGHT_ENV",
     "RECLAIM_IDLE_ENV",
     "RPC_TIMEOUT_ENV",
+    "CATCH_UP_WAIT_ENV",
     "JobFailed",
     "RolloutWorker",
     "WorkerStats",

@@ -28,7 +28,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-MANIFEST = "manifest.json"
+from rlhf.checkpoints import MANIFEST, incomplete_reason, latest_checkpoint  # the readers, shared with rollout
+
+__all__ = ["MANIFEST", "incomplete_reason", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 
 def _optimizer_state(name: str, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -156,43 +158,6 @@ def export_models(engine) -> None:
         os.replace(tmp, dest)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def incomplete_reason(path: str | Path) -> str | None:
-    """Why the checkpoint folder ``path`` must not be loaded, or None when its manifest matches its files."""
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except FileNotFoundError:
-        return f"{path} has no {MANIFEST} (the writer did not finish)"
-    except ValueError as err:
-        return f"{path}/{MANIFEST} is not valid JSON ({err})"
-    for name, size in manifest.get("files", {}).items():
-        f = path / name
-        if not f.is_file():
-            return f"{path} is missing {name}"
-        if f.stat().st_size != size:
-            return f"{path}/{name} has {f.stat().st_size} bytes, the manifest says {size}"
-    if "state.json" not in manifest.get("files", {}):
-        return f"{path}/{MANIFEST} does not list state.json"
-    return None
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The checkpoint ``latest`` names if it is complete, else the complete ``step_<N>`` with the highest N, else
-    None."""
-    root = Path(root)
-    pointer = root / "latest"
-    if pointer.is_file():
-        path = root / pointer.read_text().strip()
-        if incomplete_reason(path) is None:
-            return path
-    steps = []
-    for p in root.glob("step_*"):
-        suffix = p.name[len("step_") :]
-        if suffix.isdigit() and incomplete_reason(p) is None:
-            steps.append((int(suffix), p))
-    return max(steps)[1] if steps else None
 
 
 def load_checkpoint(path: str | Path, engine) -> dict[str, Any]:

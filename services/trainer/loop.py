@@ -530,7 +530,8 @@ class Trainer:
         if creds is not None:  # TLS ring: verify each replica against its service's name, not its pod address
             names = await asyncio.to_thread(_tls_names, self.settings.rollout_addrs)
             tls = {"tls": creds, "server_names": names}
-        results = await push_weights_many(addrs, packed, token=self.settings.api_token, timeout=120.0, **tls)
+        results = await push_weights_many(addrs, packed, token=self.settings.api_token, timeout=120.0,
+                                          transport=self.settings.weights_transport, **tls)  # fmt: skip
         for addr, res in results.items():
             if isinstance(res, BaseException):
                 log.warning("weight sync to %s failed: %s", addr, res)

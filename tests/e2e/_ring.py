@@ -166,6 +166,7 @@ class Ring:
                     "RLHF_REFERENCE_ADDR": reference_addr,
                     "RLHF_REPLICA_ID": f"{run_id}-rollout-{i}",
                     "RLHF_ROLLOUT_RECLAIM_IDLE_S": "2",
+                    "RLHF_RUN_DIR": str(self.dir / "run"),
                     **(rollout_env or {}),
                 },
             )
@@ -191,11 +192,14 @@ class Ring:
     def train_iters(self) -> int:
         return self.cfg["training"]["train_iters"]
 
-    def start(self, *, trainer: bool = True) -> Ring:
-        for r in self.rollouts:
+    def start(self, *, trainer: bool = True, replicas: int | None = None) -> Ring:
+        """Start the first ``replicas`` rollout replicas (default all; the others are in the trainer's address list,
+        as a scaled-up Deployment's pods are, and start later with :meth:`start_replica`), then the trainer."""
+        started = self.rollouts[:replicas]
+        for r in started:
             if r.proc is None:
                 r.start(wait_ready=False)
-        self.rollouts = [respawn_on_port_clash(r, 240) for r in self.rollouts]
+        self.rollouts[: len(started)] = [respawn_on_port_clash(r, 240) for r in started]
         self.trainer_env["RLHF_ROLLOUT_ADDRS"] = ",".join(r.grpc_addr for r in self.rollouts)
         if trainer:
             self.start_trainer()
@@ -224,6 +228,11 @@ class Ring:
             self.trainers.remove(t)  # lost a race for its free port: again on new ports
         raise AssertionError("trainer: no free ports")
 
+    def start_replica(self, i: int, timeout: float = 240) -> None:
+        """Start replica ``i`` on the address the trainer already has (no respawn: the trainer knows only that one)."""
+        self.rollouts[i].start(wait_ready=False)
+        self.rollouts[i].wait_ready(timeout)
+
     def stop(self) -> None:
         for p in [*self.trainers, *self.rollouts]:
             p.stop(timeout=15)
@@ -244,7 +253,7 @@ class Ring:
         while not cond():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.run_id}: no {what} after {timeout:.0f}s\n{self.log_tails()}")
-            procs = [p for p in [self.trainer, *self.rollouts] if p not in self.killed]
+            procs = [p for p in [self.trainer, *self.rollouts] if p not in self.killed and p.proc is not None]
             dead = [p for p in procs if p.proc.poll() not in (None, 0)]
             assert not dead, f"{dead[0].name} exited with {dead[0].proc.returncode}:\n{dead[0].log_tail()}"
             time.sleep(interval)
@@ -258,7 +267,8 @@ class Ring:
         assert self.trainer.proc.returncode == 0, self.trainer.log_tail()
 
     def log_tails(self) -> str:
-        return "\n".join(f"--- {p.name} {p.log_path}\n{p.log_tail(15)}" for p in [*self.trainers, *self.rollouts])
+        procs = [p for p in [*self.trainers, *self.rollouts] if p.proc is not None]
+        return "\n".join(f"--- {p.name} {p.log_path}\n{p.log_tail(15)}" for p in procs)
 
     def checkpoint_dir(self, step: int | None = None) -> Path:
         root = self.run_dir / "checkpoints"

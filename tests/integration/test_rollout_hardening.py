@@ -116,7 +116,7 @@ def test_update_weights_refuses_garbage_and_absurd_sizes_before_allocating(hf_sv
         header.tensors.add(name="model.embed_tokens.weight", dtype="F32", shape=[512, 64], bucket=0)
         header.buckets.add(index=0, nbytes=1 << 40, sha256="0" * 64)
         header.total_bytes = 1 << 40
-        from rlhf.transport.weightsync import manifest_checksum
+        from rlhf.transport.weights import manifest_checksum
 
         header.checksum = manifest_checksum(["0" * 64])
         with pytest.raises(grpc.RpcError) as e:

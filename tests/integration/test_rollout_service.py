@@ -386,6 +386,35 @@ def full_forward(tiny_models):
     return logprobs
 
 
+def hf_sampling_logprobs(eng, prompt: list[int], tokens: list[int], o) -> list[float]:
+    """The sampling log-probs the hf engine reports for ``tokens`` after ``prompt`` under options ``o``: one forward
+    of its model over the whole sequence, then per position its own penalties (vLLM's definitions) and
+    ``step_distribution`` (temperature, top-k / top-p), as its decode loop applies them."""
+    from rlhf.algo import logprobs_from_logits
+    from rlhf.models import causal_lm_logits
+    from services.rollout.hf_engine import apply_penalties, step_distribution
+
+    V = eng.vocab_size
+    with torch.no_grad():
+        logits = causal_lm_logits(eng.model, torch.tensor([prompt + tokens]), pad_token_id=0)[0].float()
+    in_prompt = torch.zeros(1, V, dtype=torch.bool)
+    in_prompt[0, torch.tensor(prompt)] = True
+    counts = torch.zeros(1, V)
+    one = lambda v: torch.tensor([float(v)])  # noqa: E731
+    k = torch.tensor([o.top_k]) if 0 < o.top_k < V else None
+    p = torch.tensor([o.top_p]) if o.top_p < 1.0 else None
+    out = []
+    for t, tok in enumerate(tokens):
+        row = logits[len(prompt) - 1 + t].unsqueeze(0)
+        if o.penalized:
+            row = apply_penalties(row, in_prompt, counts, one(o.repetition_penalty), one(o.frequency_penalty),
+                                  one(o.presence_penalty))  # fmt: skip
+        masked = step_distribution(row, one(o.temperature), k, p)
+        out.append(float(logprobs_from_logits(masked, torch.tensor([tok]), 1.0)[0]))
+        counts[0, tok] += 1
+    return out
+
+
 def _maxdiff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b)
     return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
@@ -393,11 +422,12 @@ def _maxdiff(a: list[float], b: list[float]) -> float:
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.5])
 def test_cross_engine_sampling_logprobs_agree(svc, hf_engine, full_forward, temperature):
-    """Same weights, same tokens (sampled by the vLLM service): vLLM's sampling log-probs, the hf engine's (teacher
-    forcing through its decode loop) and a full forward with causal_lm_logits + logprobs_from_logits agree."""
+    """Same weights, same tokens (sampled by the vLLM service): vLLM's sampling log-probs, the hf engine's (its
+    sampling functions over a forward of its model) and a full forward with causal_lm_logits + logprobs_from_logits
+    agree."""
     from services.rollout.engine import SamplingOptions
 
-    lp, eng = hf_engine
+    _, eng = hf_engine
     body = generate(svc, n=4, max_tokens=16, seed=5, temperature=temperature, ignore_eos=True)
     vllm_vs_full = vllm_vs_hf = hf_vs_full = 0.0
     n = 0
@@ -406,7 +436,7 @@ def test_cross_engine_sampling_logprobs_agree(svc, hf_engine, full_forward, temp
         for c in r["completions"]:
             tokens, vllm_lp = c["token_ids"], c["logprobs"]
             full = full_forward(prompt, tokens, temperature)
-            hf = lp.run(eng.score_tokens(prompt, tokens, SamplingOptions(temperature=temperature)))
+            hf = hf_sampling_logprobs(eng, prompt, tokens, SamplingOptions(temperature=temperature))
             vllm_vs_full = max(vllm_vs_full, _maxdiff(vllm_lp, full))
             vllm_vs_hf = max(vllm_vs_hf, _maxdiff(vllm_lp, hf))
             hf_vs_full = max(hf_vs_full, _maxdiff(hf, full))
@@ -421,14 +451,14 @@ def test_cross_engine_truncated_sampling_logprobs(svc, hf_engine, full_forward):
     each other and never below the untruncated log-softmax the trainer recomputes."""
     from services.rollout.engine import SamplingOptions
 
-    lp, eng = hf_engine
+    _, eng = hf_engine
     T, k, p = 0.8, 40, 0.9
     body = generate(svc, n=4, max_tokens=16, seed=9, temperature=T, top_k=k, top_p=p, ignore_eos=True)
     worst = 0.0
     for r in body["results"]:
         prompt = r["prompt_token_ids"]
         for c in r["completions"]:
-            hf = lp.run(eng.score_tokens(prompt, c["token_ids"], SamplingOptions(temperature=T, top_k=k, top_p=p)))
+            hf = hf_sampling_logprobs(eng, prompt, c["token_ids"], SamplingOptions(temperature=T, top_k=k, top_p=p))
             worst = max(worst, _maxdiff(c["logprobs"], hf))
             full = full_forward(prompt, c["token_ids"], T)
             assert all(v >= f - 1e-5 for v, f in zip(c["logprobs"], full, strict=True))
@@ -439,18 +469,18 @@ def test_cross_engine_truncated_sampling_logprobs(svc, hf_engine, full_forward):
 
 def test_cross_engine_penalties(svc, hf_engine, full_forward):
     """frequency / presence / repetition penalties: vLLM's sampling log-probs (its SamplingParams) and the hf engine's
-    (its own implementation in the decode loop, teacher-forced on vLLM's tokens) agree, and differ from the
+    (its own penalties and step distribution, on vLLM's tokens) agree, and differ from the
     unpenalized log-softmax."""
     from services.rollout.engine import SamplingOptions
 
-    lp, eng = hf_engine
+    _, eng = hf_engine
     pen = {"frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.3}
     body = generate(svc, n=3, max_tokens=16, seed=13, temperature=1.0, ignore_eos=True, **pen)
     worst, moved = 0.0, 0.0
     for r in body["results"]:
         prompt = r["prompt_token_ids"]
         for c in r["completions"]:
-            hf = lp.run(eng.score_tokens(prompt, c["token_ids"], SamplingOptions(temperature=1.0, **pen)))
+            hf = hf_sampling_logprobs(eng, prompt, c["token_ids"], SamplingOptions(temperature=1.0, **pen))
             worst = max(worst, _maxdiff(c["logprobs"], hf))
             moved = max(moved, _maxdiff(c["logprobs"], full_forward(prompt, c["token_ids"], 1.0)))
     print(f"\npenalties {pen}: max |logprob diff| vLLM vs hf {worst:.2e}; vs unpenalized {moved:.2e}")
@@ -487,7 +517,7 @@ def test_openai_client_on_vllm(svc):
 
 
 def _push(svc, state, version, token=TOKEN):
-    from rlhf.transport.weightsync import push_weights
+    from rlhf.transport.weights import push_weights
 
     return asyncio.run(push_weights(svc.grpc_addr, state, version, token=token, timeout=120))
 
@@ -521,7 +551,7 @@ def test_weight_swap_changes_outputs_and_original_weights_restore_them(svc, poli
 
 
 def _updates(state, version):
-    from rlhf.transport.weightsync import pack_weights
+    from rlhf.transport.weights import pack_weights
 
     return list(pack_weights(state, version).updates(chunk_bytes=64 * 1024))
 
@@ -629,8 +659,8 @@ def test_hf_engine_service(hf_svc, policy_state, full_forward):
 def test_data_plane_is_offered_only_when_configured_and_a_cut_transfer_is_refused(svc, hf_svc, policy_state):
     """The hf service runs with RLHF_WEIGHTS_DATA_PORT=0 (its pushes above went over the data plane), the vLLM one
     without (Open answers port 0; push_weights streamed over UpdateWeights)."""
-    from rlhf.transport.dataplane import send_buckets
-    from rlhf.transport.weightsync import pack_weights
+    from rlhf.transport.weights import pack_weights
+    from rlhf.transport.weights.dataplane import send_buckets
 
     auth = (("authorization", f"Bearer {TOKEN}"),)
     v0 = served_version(hf_svc)

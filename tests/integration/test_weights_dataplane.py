@@ -1,4 +1,4 @@
-"""Weight sync's raw-TCP data plane (rlhf.transport.dataplane) on loopback, through the rollout service's own
+"""Weight sync's raw-TCP data plane (rlhf.transport.weights.dataplane) on loopback, through the rollout service's own
 servicer (token check, error table, add_to_server) over a fake engine: round trips, the fallback to the gRPC stream,
 and every way a transfer can go wrong leaving the old weights serving and the replica free for the next update."""
 
@@ -9,15 +9,15 @@ import contextlib
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import pytest
 import torch
 
 from rlhf.serving import ServiceMetrics, ServiceSettings
-from rlhf.transport.dataplane import send_buckets
-from rlhf.transport.weightsync import manifest_of, pack_weights, push_weights
+from rlhf.transport.weights import ServedVersion, manifest_of, pack_weights, push_weights
+from rlhf.transport.weights.dataplane import send_buckets
 from rlhf.v1 import rollout_pb2_grpc, weights_pb2
 from services.rollout.engine import SwapResult
 from services.rollout.grpc_servicer import RolloutServicer, add_to_server
@@ -39,11 +39,9 @@ def state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
 
 @dataclass
 class FakeEngine:
-    """What the servicer needs of an engine: the served version and a swap that keeps the tensors."""
+    """What the servicer needs of an engine: the served version's owner and a swap that keeps the tensors."""
 
-    weights_version: int = 0
-    weights_checksum: str = ""
-    loaded_at_unix_ms: int = 1
+    served: ServedVersion = field(default_factory=ServedVersion)
     model_name: str = "fake"
     swaps: int = 0
     tensors: dict | None = None
@@ -52,8 +50,9 @@ class FakeEngine:
     def weight_manifest(self) -> dict | None:
         return self.manifest
 
-    async def swap_weights(self, tensors, version, checksum) -> SwapResult:
-        self.tensors, self.weights_version, self.weights_checksum = tensors, version, checksum
+    async def swap_weights(self, tensors, version, checksum, parent_version) -> SwapResult:
+        self.served.advance(version, parent_version, checksum)
+        self.tensors = tensors
         self.swaps += 1
         return SwapResult(version, checksum, True, wait_seconds=0.0, swap_seconds=0.001)
 
@@ -73,7 +72,7 @@ class Replica:
         await self.server.start()
         if self.data_plane:
             await self.servicer.start_data_plane("127.0.0.1", 0)
-            self.servicer.data.ttl = self.ttl
+            self.servicer.data.ttl = self.servicer.data.read_timeout = self.ttl
         self.channel = grpc.aio.insecure_channel(self.addr)
         return self
 
@@ -167,7 +166,7 @@ def test_push_uses_the_data_plane_and_is_bit_identical():
                 sd = state_dict(version)
                 resp = await push_weights(r.addr, sd, version, token=TOKEN, bucket_bytes=64 << 10)
                 assert resp.swapped and resp.version == version and resp.bytes_received > 0
-                assert resp.checksum == r.engine.weights_checksum and resp.stage_seconds > 0
+                assert resp.checksum == r.engine.served.checksum and resp.stage_seconds > 0
                 assert_bits(r.engine.tensors, sd)
             assert r.calls("CommitWeights") == 3 and r.calls("UpdateWeights") == 0
             assert not r.servicer.receiver.busy and r.servicer.receiver.current_version == 3
@@ -259,14 +258,14 @@ def test_bad_short_extra_corrupt_and_reused_data_connections():
             assert await closed_by_peer(s)
             s.close()
             resp = await r.commit(opened.ticket)
-            assert resp.swapped and resp.version == 1 and r.engine.weights_version == 1
+            assert resp.swapped and resp.version == 1 and r.engine.served.version == 1
             code, _ = await refused(r.commit(opened.ticket))  # single use: committed once
             assert code == grpc.StatusCode.INVALID_ARGUMENT
 
             def refusal_leaves_v1(code_details, pattern):
                 code, details = code_details
                 assert code == grpc.StatusCode.INVALID_ARGUMENT and pattern in details, details
-                assert r.engine.weights_version == 1 and r.engine.swaps == 1
+                assert r.engine.served.version == 1 and r.engine.swaps == 1
                 assert not r.servicer.receiver.busy
 
             packed = pack(2, seed=2)
@@ -310,7 +309,8 @@ def test_expiry_frees_the_replica():
             s = await send_raw(r.port, opened.ticket + payload(pack(1)), close=False)  # too late
             assert await closed_by_peer(s)
             s.close()
-            # a client that stalls mid-stream: cut after ttl without progress
+            # a client that stalls mid-stream: cut after read_timeout without progress (the deadline is far)
+            r.servicer.data.min_rate = 1
             opened = await r.open(pack(1))
             s = await send_raw(r.port, opened.ticket + payload(pack(1))[:1000], close=False)
             t0 = time.monotonic()
@@ -318,6 +318,7 @@ def test_expiry_frees_the_replica():
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "progress" in details
             assert time.monotonic() - t0 < 5 and not r.servicer.receiver.busy
             s.close()
+            r.servicer.data.min_rate = 8 << 20
             # data in, never committed: dropped after ttl
             packed = pack(1)
             opened = await r.open(packed)
@@ -343,5 +344,127 @@ def test_a_cut_push_reports_the_replicas_refusal():
             code, details = await refused(push_weights(r.addr, cut, token=TOKEN, transport="tcp"))
             assert code == grpc.StatusCode.INVALID_ARGUMENT
             assert r.engine.swaps == 0 and not r.servicer.receiver.busy
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------ who may hold the update slot (item 4)
+
+
+async def abort(r: Replica, ticket: bytes, metadata=AUTH) -> bool:
+    call = r.channel.unary_unary(
+        "/rlhf.v1.RolloutService/AbortWeightsTransfer",
+        request_serializer=weights_pb2.AbortWeightsTransferRequest.SerializeToString,
+        response_deserializer=weights_pb2.AbortWeightsTransferResponse.FromString,
+    )
+    resp = await call(weights_pb2.AbortWeightsTransferRequest(ticket=ticket), metadata=metadata, timeout=30)
+    return resp.aborted
+
+
+def test_abort_frees_the_slot_at_once_and_cuts_the_data_connection():
+    async def main():
+        async with Replica(ttl=60.0) as r:  # without the abort, the slot would stay taken for a minute
+            opened = await r.open(pack(1))
+            assert (await refused(abort(r, opened.ticket, metadata=None)))[0] == grpc.StatusCode.UNAUTHENTICATED
+            assert r.servicer.receiver.busy
+            assert await abort(r, opened.ticket) is True
+            assert not r.servicer.receiver.busy and r.servicer.data.open_transfers == 0
+            code, details = await refused(r.commit(opened.ticket))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert await abort(r, opened.ticket) is False  # gone: not an error
+            # mid-stream: the receiving thread is woken and the connection closed
+            opened = await r.open(pack(1))
+            s = await send_raw(r.port, opened.ticket + payload(pack(1))[:1000], close=False)
+            commit = asyncio.ensure_future(r.commit(opened.ticket))
+            await asyncio.sleep(0.2)
+            t0 = time.monotonic()
+            assert await abort(r, opened.ticket) is True
+            code, details = await refused(commit)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "aborted" in details
+            assert time.monotonic() - t0 < 5 and not r.servicer.receiver.busy
+            assert await closed_by_peer(s)
+            s.close()
+            resp = await push_weights(r.addr, pack(1), token=TOKEN, transport="tcp")
+            assert resp.swapped and r.engine.served.version == 1
+
+    asyncio.run(main())
+
+
+def test_a_failed_send_aborts_its_transfer(monkeypatch):
+    """push_weights whose data connection cannot be made frees the replica's slot through the abort call, not after
+    the ticket's ttl: the next push goes through at once."""
+    import rlhf.transport.weights.send as send_mod
+
+    def unreachable(host, port, ticket, buckets, timeout):
+        raise ConnectionRefusedError("data port unreachable (firewall)")
+
+    async def main():
+        async with Replica(ttl=60.0) as r:
+            monkeypatch.setattr(send_mod, "send_buckets", unreachable)
+            with pytest.raises((ConnectionRefusedError, grpc.aio.AioRpcError)):
+                await push_weights(r.addr, pack(1), token=TOKEN, transport="tcp")
+            assert not r.servicer.receiver.busy and r.engine.swaps == 0
+            monkeypatch.undo()
+            resp = await push_weights(r.addr, pack(1), token=TOKEN, transport="tcp")
+            assert resp.swapped
+
+    asyncio.run(main())
+
+
+def test_connections_without_a_valid_ticket_never_hold_the_slot():
+    async def main():
+        async with Replica(ttl=30.0) as r:
+            data = r.servicer.data
+            data.ticket_wait = 2.0
+            # a flood of connections that send nothing: at most MAX_PENDING_CONNECTIONS wait, none touches the slot
+            from rlhf.transport.weights.dataplane import MAX_PENDING_CONNECTIONS
+
+            idle = [await send_raw(r.port, b"", close=False) for _ in range(MAX_PENDING_CONNECTIONS + 4)]
+            await asyncio.sleep(0.3)
+            assert len(data._pending) <= MAX_PENDING_CONNECTIONS and not r.servicer.receiver.busy
+            # wrong tickets while a transfer is open: closed, the transfer is untouched
+            packed = pack(1)
+            opened = await r.open(packed)
+            for junk in (secrets.token_bytes(32), opened.ticket[:-1] + bytes([opened.ticket[-1] ^ 1])):
+                s = await send_raw(r.port, junk + payload(packed), close=False)
+                assert await closed_by_peer(s)
+                s.close()
+            # the ticket's owner still gets through, behind a full set of idle connections (it evicts the oldest)
+            idle += [await send_raw(r.port, b"", close=False) for _ in range(MAX_PENDING_CONNECTIONS)]
+            await asyncio.sleep(0.1)
+            await asyncio.to_thread(send_buckets, "127.0.0.1", r.port, opened.ticket, packed.buckets, 10)
+            resp = await r.commit(opened.ticket)
+            assert resp.swapped and resp.version == 1
+            for s in idle:  # each was closed by the replica after ticket_wait
+                assert await closed_by_peer(s)
+                s.close()
+            assert not data._pending
+
+    asyncio.run(main())
+
+
+def test_a_trickling_connection_is_cut_at_the_transfer_deadline():
+    """A sender with a valid ticket that sends a byte now and then (never idle for read_timeout) still cannot keep
+    the slot: the transfer must finish within ttl + total_bytes / min_rate."""
+
+    async def main():
+        async with Replica(ttl=0.5) as r:
+            r.servicer.data.read_timeout = 5.0
+            r.servicer.data.min_rate = 1 << 30  # deadline ~0.5 s
+            packed = pack(1)
+            opened = await r.open(packed)
+            s = await send_raw(r.port, opened.ticket + payload(packed)[:10], close=False)
+            commit = asyncio.ensure_future(r.commit(opened.ticket))
+            t0 = time.monotonic()
+            with contextlib.suppress(OSError):
+                for i in range(30):  # one byte every 0.1 s
+                    if commit.done():
+                        break
+                    await asyncio.to_thread(s.sendall, payload(packed)[10 + i : 11 + i])
+                    await asyncio.sleep(0.1)
+            code, details = await refused(commit)
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "not complete within" in details
+            assert time.monotonic() - t0 < 3 and not r.servicer.receiver.busy
+            s.close()
 
     asyncio.run(main())

@@ -39,7 +39,14 @@ def test_every_proto_has_generated_modules():
 SERVICES = {
     "rollout": (
         "RolloutService",
-        {"Generate", "UpdateWeights", "OpenWeightsTransfer", "CommitWeights", "GetWeightsVersion"},
+        {
+            "Generate",
+            "UpdateWeights",
+            "OpenWeightsTransfer",
+            "CommitWeights",
+            "AbortWeightsTransfer",
+            "GetWeightsVersion",
+        },
     ),
     "reward": ("RewardService", {"Score"}),
     "reference": ("ReferenceService", {"LogProbs"}),
@@ -68,7 +75,7 @@ def test_update_weights_is_client_streaming():
 
     methods = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name
     assert methods["UpdateWeights"].client_streaming and not methods["UpdateWeights"].server_streaming
-    for name in ("Generate", "GetWeightsVersion", "OpenWeightsTransfer", "CommitWeights"):
+    for name in ("Generate", "GetWeightsVersion", "OpenWeightsTransfer", "CommitWeights", "AbortWeightsTransfer"):
         assert not methods[name].client_streaming and not methods[name].server_streaming
 
 

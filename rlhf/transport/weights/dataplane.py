@@ -5,7 +5,7 @@ side: a gRPC server that only discards the chunks reaches 0.3-0.4 of a raw socke
 outside it. The protocol (comments in proto/rlhf/v1/weights.proto):
 
 1. ``OpenWeightsTransfer(header)`` (token-protected): :meth:`WeightDataServer.open` checks the header exactly as
-   the streaming path does (:func:`~rlhf.transport.weightsync.receive_update`'s checks: stale version, manifest,
+   the streaming path does (:func:`~rlhf.transport.weights.receive.receive_update`'s checks: stale version, manifest,
    limits, another update in progress), takes the bucket buffers and answers a ticket (32 random bytes, single use)
    and the data port;
 2. the client connects to the data port, sends the ticket, then the buckets' bytes in index order, then closes its
@@ -13,13 +13,18 @@ outside it. The protocol (comments in proto/rlhf/v1/weights.proto):
    it closes the connection) and ``recv_into``s straight into the bucket buffers in a thread, while a second thread
    hashes what arrived (hashlib releases the GIL) and parses each finished bucket, as the stream path does;
 3. ``CommitWeights(ticket)`` (token-protected): :meth:`WeightDataServer.take` waits for the data and returns the
-   :class:`~rlhf.transport.weightsync.StagedWeights` or raises the same errors (short data -> IncompleteUpdate,
+   :class:`~rlhf.transport.weights.receive.StagedWeights` or raises the same errors (short data -> IncompleteUpdate,
    bytes after the last bucket or a digest/content mismatch -> CorruptUpdate); the servicer swaps them in.
 
-Expiry (``ttl``): a ticket not presented within ``ttl`` of Open, a connection that makes no progress for ``ttl``,
-and a finished transfer not committed within ``ttl`` are dropped: the buffers and the receiver's "update in
-progress" slot are freed, the old weights keep serving. Nothing received is unpickled: the buckets are safetensors,
-parsed by :func:`~rlhf.transport.weightsync.load_safetensors`.
+Who can hold the replica's one update slot: only an authenticated Open, and only for bounded times. A ticket not
+presented within ``ttl`` of Open, a data connection that sends no ticket within ``TICKET_WAIT_S`` or makes no
+progress for ``read_timeout``, a transfer that is not complete within its deadline (``ttl`` plus the time its
+bytes take at ``min_rate`` bytes/s: a trickling connection cannot keep it), a sender that calls
+``AbortWeightsTransfer`` (:meth:`WeightDataServer.abort`), and a finished transfer not committed within ``ttl``:
+each is dropped at once, its buffers and the slot freed, the old weights serving. A connection without a valid
+ticket never touches the slot: it is closed after the ticket check, and at most ``MAX_PENDING_CONNECTIONS`` such
+connections wait for their ticket at a time (a new one evicts the oldest). Nothing received is unpickled: the buckets
+are safetensors, parsed by :func:`~rlhf.transport.weights.format.load_safetensors`.
 
 The data plane is plaintext: the header (with every bucket's sha256) comes over authenticated gRPC, so tampered
 bytes are refused, but they are not encrypted; the rollout service turns it off when it serves TLS.
@@ -40,21 +45,19 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from rlhf.transport.weightsync import (
-    CorruptUpdate,
-    IncompleteUpdate,
-    StagedWeights,
-    WeightReceiver,
-    _check_header,
-    _finish_bucket,
-)
+from rlhf.transport.weights.collective import GroupSpec, receive_buckets
+from rlhf.transport.weights.errors import CorruptUpdate, IncompleteUpdate
+from rlhf.transport.weights.receive import StagedInEngine, StagedWeights, WeightReceiver, finish_bucket
 from rlhf.v1 import weights_pb2
 
-log = logging.getLogger("rlhf.transport.dataplane")
+log = logging.getLogger("rlhf.transport.weights.dataplane")
 
 TICKET_BYTES = 32
 DEFAULT_TTL_S = 60.0
 TICKET_WAIT_S = 10.0  # a client sends its ticket as soon as it connects
+DEFAULT_READ_TIMEOUT_S = 30.0  # no byte for this long on a data connection: the transfer is dropped
+DEFAULT_MIN_RATE = 8 << 20  # bytes/s: a transfer's deadline is ttl + total_bytes / min_rate
+MAX_PENDING_CONNECTIONS = 16  # connections that have not presented a ticket yet
 # recv_into / sha256 granularity: large enough that Python's per-call cost is nothing, small enough that hashing
 # follows the data closely (the last slice of the last bucket is hashed after the transfer)
 SLICE_BYTES = 4 << 20
@@ -67,6 +70,7 @@ class _Transfer:
     """One update from Open until it is taken (CommitWeights), fails or expires. Lives on the event loop."""
 
     def __init__(self, header: weights_pb2.WeightHeader, per_bucket: list, buffers: list[bytearray], ttl: float):
+        # deadline of the data once its connection arrives: set by the server (ttl + total_bytes / min_rate)
         self.ticket = secrets.token_bytes(TICKET_BYTES)
         self.header = header
         self.per_bucket = per_bucket
@@ -77,6 +81,7 @@ class _Transfer:
         self.t0 = time.perf_counter()
         self.timer: asyncio.TimerHandle | None = None
         self.ttl = ttl
+        self.deadline_s = ttl
 
 
 class WeightDataServer:
@@ -92,9 +97,23 @@ class WeightDataServer:
         await data.close()
     """
 
-    def __init__(self, receiver: WeightReceiver, host: str = "127.0.0.1", port: int = 0, *, ttl: float = DEFAULT_TTL_S):
+    def __init__(
+        self,
+        receiver: WeightReceiver,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        ttl: float = DEFAULT_TTL_S,
+        read_timeout: float = DEFAULT_READ_TIMEOUT_S,
+        min_rate: float = DEFAULT_MIN_RATE,
+        ticket_wait: float = TICKET_WAIT_S,
+    ):
+        if min(ttl, read_timeout, min_rate, ticket_wait) <= 0:
+            raise ValueError("ttl, read_timeout, min_rate and ticket_wait must be positive")
         self.receiver = receiver
         self.host, self.port, self.ttl = host, port, ttl
+        self.read_timeout, self.min_rate, self.ticket_wait = read_timeout, min_rate, ticket_wait
+        self._pending: dict[socket.socket, None] = {}  # connections that have not presented a ticket, oldest first
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._transfers: list[_Transfer] = []  # at most one open at a time (the receiver's slot), plus settled ones
@@ -127,21 +146,88 @@ class WeightDataServer:
 
     # ------------------------------------------------------------------------------------------------ control
 
-    async def open(self, header: weights_pb2.WeightHeader) -> tuple[bytes, float]:
-        """Check ``header`` as the stream path does, reserve the receiver and the bucket buffers; (ticket, ttl)."""
+    @property
+    def listening(self) -> bool:
+        """The data port is open (:meth:`start` ran): Open without a group answers it."""
+        return self._sock is not None
+
+    async def open(
+        self, header: weights_pb2.WeightHeader, group: GroupSpec | None = None, receive: Any = None
+    ) -> tuple[bytes, float]:
+        """Check ``header`` as the stream path does, reserve the receiver and the bucket buffers; (ticket, ttl).
+        With ``group`` the buckets come by collective broadcast (:mod:`rlhf.transport.weights.collective`): the
+        replica joins the push's group at once, under the same deadline, abort and commit. ``receive``: the engine's
+        own receiver, ``await receive(group, ticket, header, per_bucket) -> (tensors, nbytes)`` (default: this
+        process, :func:`~rlhf.transport.weights.collective.receive_buckets` in a thread)."""
         r = self.receiver
         r.reserve()  # UpdateInProgress
         try:
-            per_bucket = _check_header(header, r.current_version, r.max_total_bytes, r.max_bucket_bytes, r.expected)
-            r.pool.trim(2 * header.total_bytes)  # as receive_update: the update serving and this one
-            buffers = [r.pool.take(b.nbytes) for b in header.buckets]
+            per_bucket = r.check(header)
+            if group is None:
+                r.pool.trim(2 * header.total_bytes)  # as receive_update: the update serving and this one
+                buffers = [r.pool.take(b.nbytes) for b in header.buckets]
+            else:
+                buffers = []  # the collective receiver allocates its own (a thread cut off never writes into reuse)
         except BaseException:
             r.release()
             raise
         t = _Transfer(header, per_bucket, buffers, self.ttl)
+        t.deadline_s = self.ttl + header.total_bytes / self.min_rate
         self._transfers.append(t)
-        t.timer = asyncio.get_running_loop().call_later(self.ttl, self._expire, t, "no data connection")
+        loop = asyncio.get_running_loop()
+        if group is None:
+            t.timer = loop.call_later(self.ttl, self._expire, t, "no data connection")
+        else:
+            t.claimed = True  # no data connection will present the ticket
+            t.timer = loop.call_later(t.deadline_s, self._expire, t, f"not complete within {t.deadline_s:.0f} s")
+            task = asyncio.create_task(self._serve_collective(t, group, receive))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
         return t.ticket, self.ttl
+
+    async def _serve_collective(self, t: _Transfer, group: GroupSpec, receive: Any) -> None:
+        try:
+            if receive is None:
+                tensors, nbytes = await asyncio.to_thread(receive_buckets, group, t.ticket, t.header, t.per_bucket)
+            else:
+                tensors, nbytes = await receive(group, t.ticket, t.header, t.per_bucket)
+        except Exception as err:  # noqa: BLE001 - settled into the transfer; CommitWeights reports it
+            if not isinstance(err, (CorruptUpdate, IncompleteUpdate)):
+                err = IncompleteUpdate(f"the collective transfer failed: {err}")
+            log.warning("collective weight transfer for version %d refused: %s", t.header.version, err)
+            self._settle(t, err)
+            return
+        self._settle(t, self._staged(t, tensors, nbytes))
+
+    @staticmethod
+    def _staged(t: _Transfer, tensors: dict[str, Any], nbytes: int) -> StagedWeights:
+        h = t.header
+        manifest = {name: spec for m in t.per_bucket for name, spec in m.items()}
+        return StagedWeights(
+            version=h.version,
+            parent_version=h.parent_version,
+            checksum=h.checksum,
+            tensors=tensors if isinstance(tensors, StagedInEngine) else {x.name: tensors[x.name] for x in h.tensors},
+            nbytes=nbytes,
+            seconds=time.perf_counter() - t.t0,
+            manifest=manifest,
+        )
+
+    def abort(self, ticket: bytes) -> bool:
+        """The sender gives up (``AbortWeightsTransfer``): drop the transfer of ``ticket`` now, freeing the slot and
+        cutting its data connection. False when no transfer in progress has that ticket (a finished one is left to
+        its commit or expiry)."""
+        t = self._find(ticket)
+        if t is None or t.result.done():
+            return False
+        log.warning("weight transfer for version %d aborted by the sender", t.header.version)
+        self._drop(t, IncompleteUpdate("the sender aborted the transfer; nothing was staged"))
+        return True
+
+    @property
+    def open_transfers(self) -> int:
+        """Transfers holding the update slot (opened, data not yet in)."""
+        return sum(1 for t in self._transfers if not t.result.done())
 
     async def take(self, ticket: bytes) -> StagedWeights:
         """Wait for the transfer of ``ticket`` and return its staged weights (or raise its error); it is then done:
@@ -203,9 +289,14 @@ class WeightDataServer:
         self._forget(t)
 
     def _expire(self, t: _Transfer, why: str) -> None:
+        if t.result.done():
+            return
         if not t.claimed:
             log.warning("weight transfer for version %d expired: %s within %.0f s", t.header.version, why, t.ttl)
             self._drop(t, IncompleteUpdate(f"the transfer ticket expired: {why} within {t.ttl:.0f} s"))
+            return
+        log.warning("weight transfer for version %d cut: %s", t.header.version, why)
+        self._drop(t, IncompleteUpdate(f"the transfer was cut: {why}; nothing was staged"))
 
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -217,6 +308,14 @@ class WeightDataServer:
                 log.warning("weights data port: accept failed: %s", err)
                 await asyncio.sleep(0.1)
                 continue
+            if len(self._pending) >= MAX_PENDING_CONNECTIONS:
+                # A flood of connections that send no ticket: drop the oldest waiting one, not the newcomer (a real
+                # sender sends its ticket at once, so it never waits long enough to be the oldest).
+                oldest = next(iter(self._pending))
+                self._pending.pop(oldest)
+                with contextlib.suppress(OSError):
+                    oldest.shutdown(socket.SHUT_RDWR)
+            self._pending[conn] = None
             task = asyncio.create_task(self._serve(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
@@ -227,7 +326,7 @@ class WeightDataServer:
             conn.setblocking(False)
             ticket = bytearray()
             try:
-                async with asyncio.timeout(min(self.ttl, TICKET_WAIT_S)):  # a connection without a ticket
+                async with asyncio.timeout(min(self.ttl, self.ticket_wait)):  # a connection without a ticket
                     while len(ticket) < TICKET_BYTES:
                         part = await loop.sock_recv(conn, TICKET_BYTES - len(ticket))
                         if not part:
@@ -235,18 +334,25 @@ class WeightDataServer:
                         ticket += part
             except (TimeoutError, OSError):
                 return
+            finally:
+                self._pending.pop(conn, None)
             t = self._find(bytes(ticket))
             if t is None or t.claimed or t.result.done():
                 log.warning("weights data port: connection with an unknown, used or expired ticket refused")
                 return
             t.claimed, t.sock = True, conn
+            if t.timer is not None:  # from now on the transfer's deadline bounds it, not the ticket's expiry
+                t.timer.cancel()
+            why = f"not complete within {t.deadline_s:.0f} s"
+            t.timer = loop.call_later(t.deadline_s, self._expire, t, why)
             # Blocking, with the kernel's receive timeout rather than Python's (which polls a non-blocking socket):
             # MSG_WAITALL then returns once per slice, so the thread takes the GIL once per slice, not once per
             # loopback segment, each time queueing behind the event loop and generation (up to 5 ms per switch).
-            # No progress for ttl: recv fails and the transfer is dropped.
+            # No progress for read_timeout: recv fails and the transfer is dropped.
             conn.setblocking(True)
-            sec = int(t.ttl)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, int((t.ttl - sec) * 1e6)))
+            sec = int(self.read_timeout)
+            usec = int((self.read_timeout - sec) * 1e6)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, usec))
             assert t.buffers is not None
             try:
                 tensors, nbytes = await asyncio.to_thread(_receive_buckets, conn, t.header, t.per_bucket, t.buffers)
@@ -258,18 +364,7 @@ class WeightDataServer:
                 return
             finally:
                 t.sock = None
-            h = t.header
-            manifest = {name: spec for m in t.per_bucket for name, spec in m.items()}
-            staged = StagedWeights(
-                version=h.version,
-                parent_version=h.parent_version,
-                checksum=h.checksum,
-                tensors={x.name: tensors[x.name] for x in h.tensors},
-                nbytes=nbytes,
-                seconds=time.perf_counter() - t.t0,
-                manifest=manifest,
-            )
-            self._settle(t, staged)
+            self._settle(t, self._staged(t, tensors, nbytes))
 
 
 def _receive_buckets(
@@ -326,7 +421,7 @@ def _receive_buckets(
 
 
 def _finish(i: int, buf: bytearray, hasher: Any, sha256: str, manifest: Any) -> dict[str, Any]:
-    return _finish_bucket(i, buf, hasher.hexdigest(), sha256, manifest)
+    return finish_bucket(i, buf, hasher.hexdigest(), sha256, manifest)
 
 
 # ------------------------------------------------------------------------------------------------------ client

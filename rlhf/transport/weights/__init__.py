@@ -1,0 +1,48 @@
+"""Weight sync, trainer -> rollout replica: versioned, integrity-checked, all-or-nothing.
+
+The package, by role (arrows point down this list; nothing imports upwards):
+
+- :mod:`~rlhf.transport.weights.send`: the trainer's push to one or many replicas (control over gRPC, bytes over
+  the data plane or the ``UpdateWeights`` stream);
+- :mod:`~rlhf.transport.weights.dataplane`: the replica's TCP data-plane listener and tickets, and the sender's
+  socket (:func:`~rlhf.transport.weights.dataplane.send_buckets`);
+- :mod:`~rlhf.transport.weights.receive`: header checks, bucket verification, staging, the update slot;
+- :mod:`~rlhf.transport.weights.format`: safetensors buckets, the header, the protobuf chunk codec;
+- :mod:`~rlhf.transport.weights.version`: the served version's one owner and the one "newer" rule;
+- :mod:`~rlhf.transport.weights.errors`: the refusals (mapped to gRPC/HTTP by ``rlhf.serving.errors``' table).
+
+``import rlhf.transport.weights`` imports neither torch nor gRPC; a name is loaded from its module on first use
+(the rollout service sets ``OMP_NUM_THREADS`` before torch loads). docs/weight-sync.md describes the protocol.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_NAMES = {
+    "errors": (
+        "CorruptUpdate", "IncompatibleUpdate", "IncompleteUpdate", "StaleVersion", "UpdateInProgress",
+        "UpdateTooLarge", "WeightSyncError",
+    ),
+    "version": ("ServedVersion", "check_newer"),
+    "format": (
+        "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES", "FORMAT", "PackedWeights", "RawChunk", "all_finite",
+        "decode_update", "dtype_name", "encode_chunk", "load_safetensors", "manifest_checksum", "manifest_of",
+        "pack_weights", "weight_updates",
+    ),
+    "receive": ("BufferPool", "StagedWeights", "WeightReceiver", "check_header", "receive_update"),
+    "dataplane": ("WeightDataServer", "send_buckets"),
+    "send": ("TRANSPORTS", "push_weights", "push_weights_many"),
+}  # fmt: skip
+_WHERE = {name: module for module, names in _NAMES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rlhf.transport.weights' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"rlhf.transport.weights.{module}"), name)
+
+
+__all__ = sorted(_WHERE)

@@ -1,0 +1,167 @@
+"""Collective weight transfer: the trainer (rank 0) broadcasts the safetensors buckets to every replica at once.
+
+The control stays the versioned, token-protected gRPC calls of the data plane: ``OpenWeightsTransfer`` with a
+``group`` (the trainer's rendezvous store: address, port, a key unique to this push) checks the header, reserves the
+replica's update slot and answers a ticket; the replica then joins the push's group in a thread and receives each
+bucket into its own buffer by ``broadcast``; ``CommitWeights(ticket)`` verifies every bucket's sha256 and the
+manifest (as every path does) and swaps. The group is formed afresh for each push from the replicas whose Open
+succeeded, so replicas that join or leave between pushes are simply in the next group or not:
+
+1. the trainer starts a ``TCPStore`` (its master) on a free port and sends Open to every replica;
+2. it writes, under the push's key, ``world_size`` and ``rank/<ticket hex>`` for each replica that answered a
+   ticket (ranks 1..n in that order): a replica learns its rank from its own ticket, so one that failed Open, or
+   does not exist, is never waited for;
+3. every member builds the gloo process group on that store and the trainer broadcasts bucket by bucket.
+
+Failure: a member that dies mid-broadcast (kill -9 closes its sockets; a hung one trips the group's timeout) makes
+the broadcast raise on the trainer within ``timeout_s``, never hang; the trainer aborts every ticket of the push
+(``AbortWeightsTransfer``), so the survivors free their slot at once and keep serving their version, and the next
+push forms a group of the survivors. Bytes a replica received are never installed unless every digest matches.
+
+The replica's side is an engine's: the ``hf`` engine receives in the service process (:func:`receive_buckets`);
+the ``vllm`` engine inside its worker, through vLLM's own weight-transfer API (``init_weight_transfer_engine``,
+``start_weight_update``, ``update_weights`` per bucket, ``finish_weight_update`` at the commit), with a gloo backend
+registered in vLLM's ``WeightTransferEngineFactory`` (``services/rollout/vllm_transfer.py``) that uses the helpers
+here. The bytes are not encrypted (like the data plane): off under TLS.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import secrets
+import socket
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhf.transport.weights.errors import IncompleteUpdate
+from rlhf.transport.weights.format import Manifest
+from rlhf.transport.weights.receive import finish_bucket
+from rlhf.v1 import weights_pb2
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where a push's group meets: the trainer's store and the push's key (sent in ``OpenWeightsTransfer``)."""
+
+    address: str
+    port: int
+    key: str
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def to_proto(self) -> weights_pb2.CollectiveGroup:
+        return weights_pb2.CollectiveGroup(address=self.address, port=self.port, key=self.key,
+                                           timeout_seconds=self.timeout_s)  # fmt: skip
+
+    @classmethod
+    def from_proto(cls, g: weights_pb2.CollectiveGroup) -> GroupSpec:
+        if not g.address or not 0 < g.port < 65536 or not g.key:
+            raise ValueError("group: address, port and key are required")
+        timeout = g.timeout_seconds if g.timeout_seconds > 0 else DEFAULT_TIMEOUT_S
+        return cls(g.address, g.port, g.key, min(timeout, 600.0))
+
+
+def _timeout(spec: GroupSpec) -> datetime.timedelta:
+    return datetime.timedelta(seconds=spec.timeout_s)
+
+
+def _process_group(store: Any, rank: int, world_size: int, spec: GroupSpec, host: str) -> Any:
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = _timeout(spec)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(dist.PrefixStore(spec.key + "/pg/", store), rank, world_size, opts)
+
+
+def _broadcast(pg: Any, t: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    pg.broadcast([t], opts).wait()
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to ``host`` (what a replica there can connect back to). A UDP
+    ``connect`` sends nothing; it only picks the interface."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class TrainerGroup:
+    """Rank 0 of one push: hosts the store, assigns ranks to the replicas that opened, broadcasts the buckets."""
+
+    def __init__(self, address: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.spec_store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+        self.spec = GroupSpec(address, self.spec_store.port, f"rlhf-weights-{secrets.token_hex(8)}", timeout_s)
+        self._store = dist.PrefixStore(self.spec.key + "/", self.spec_store)
+        self.pg: Any = None
+
+    def admit(self, tickets: Sequence[bytes]) -> int:
+        """Give ranks 1..n to the replicas holding ``tickets`` (those whose Open succeeded); returns the world
+        size. Replicas wait for their rank on the store, so this releases them."""
+        world = len(tickets) + 1
+        self._store.set("world_size", str(world))
+        for rank, ticket in enumerate(tickets, start=1):
+            self._store.set(f"rank/{ticket.hex()}", str(rank))
+        return world
+
+    def broadcast(self, world: int, buckets: Sequence[bytes]) -> None:
+        """Blocking: form the group (every admitted replica joins within the timeout) and send every bucket."""
+        self.pg = _process_group(self.spec_store, 0, world, self.spec, self.spec.address)
+        for data in buckets:
+            with warnings.catch_warnings():  # read-only bytes: broadcast reads them on rank 0, never writes
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.frombuffer(memoryview(data), dtype=torch.uint8)
+            _broadcast(self.pg, t)
+
+    def close(self) -> None:
+        self.pg = None
+        self.spec_store = None
+
+
+def join_group(spec: GroupSpec, ticket: bytes) -> Any:
+    """Blocking: wait for the rank the trainer gave ``ticket`` on the push's store and join the group."""
+    client = dist.TCPStore(spec.address, spec.port, is_master=False, timeout=_timeout(spec))
+    store = dist.PrefixStore(spec.key + "/", client)
+    rank = int(store.get(f"rank/{ticket.hex()}"))
+    world = int(store.get("world_size"))
+    return _process_group(client, rank, world, spec, local_address_towards(spec.address))
+
+
+def receive_bucket(pg: Any, index: int, nbytes: int, sha256: str, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Blocking: receive bucket ``index`` by broadcast into a buffer of its own, verify and parse it."""
+    buf = bytearray(nbytes)  # fresh: a thread cut off by a timeout never writes into reused memory
+    _broadcast(pg, torch.frombuffer(buf, dtype=torch.uint8))
+    return finish_bucket(index, buf, hashlib.sha256(buf).hexdigest(), sha256, manifest)
+
+
+GROUP_ERRORS = (RuntimeError, ValueError, OSError, dist.DistError)
+
+
+def receive_buckets(
+    spec: GroupSpec, ticket: bytes, h: weights_pb2.WeightHeader, per_bucket: list
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Blocking (a replica's thread): join the push's group with the rank the trainer gave ``ticket``, receive every
+    bucket, verify and parse them. Raises IncompleteUpdate when the group fails (a member died, the timeout passed)
+    and the errors of :func:`~rlhf.transport.weights.receive.finish_bucket`."""
+    try:
+        pg = join_group(spec, ticket)
+        tensors: dict[str, torch.Tensor] = {}
+        for i, b in enumerate(h.buckets):
+            tensors.update(receive_bucket(pg, i, b.nbytes, b.sha256, per_bucket[i]))
+        return tensors, h.total_bytes
+    except GROUP_ERRORS as err:
+        raise IncompleteUpdate(
+            f"the collective transfer failed ({type(err).__name__}: {err}); nothing was staged"
+        ) from None

@@ -1,0 +1,417 @@
+"""A replica's side of weight sync: check a header, receive and verify the buckets, stage the tensors.
+
+:func:`receive_update` (or :class:`WeightReceiver`, which holds the replica's one update slot and reuses bucket
+buffers across versions through a :class:`BufferPool`) returns :class:`StagedWeights` only when every check passed,
+else raises a :class:`~rlhf.transport.weights.errors.WeightSyncError`; the old weights serve either way until the
+engine swaps the staged ones in. It takes ``WeightUpdate`` messages, or what
+:func:`~rlhf.transport.weights.format.decode_update` makes of the raw request bytes.
+
+The served version is not kept here: the receiver asks the replica's
+:class:`~rlhf.transport.weights.version.ServedVersion` (the engine's) before it allocates a byte, and the engine
+advances it at the swap. A client that cancels the call mid-stream cancels the handler: nothing is staged.
+Authentication is the servicer's job (before the receiver reads a byte).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import sys
+import time
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlhf.transport.weights.errors import (
+    CorruptUpdate,
+    IncompatibleUpdate,
+    IncompleteUpdate,
+    UpdateInProgress,
+    UpdateTooLarge,
+)
+from rlhf.transport.weights.format import (
+    FORMAT,
+    TORCH_DTYPES,
+    Manifest,
+    RawChunk,
+    all_finite,
+    load_safetensors,
+    manifest_checksum,
+    safetensors_header,
+)
+from rlhf.transport.weights.version import ServedVersion, check_newer
+from rlhf.v1 import weights_pb2
+
+
+class StagedInEngine(dict):
+    """The tensors of an update that an engine received and staged itself (vLLM: inside its worker, through vLLM's
+    weight-transfer API): names only, the values are None. The engine's swap installs them."""
+
+    in_engine = True
+
+
+@dataclass
+class StagedWeights:
+    """A verified update, not yet serving: swap ``tensors`` in, then :meth:`WeightReceiver.commit`."""
+
+    version: int
+    parent_version: int
+    checksum: str
+    tensors: dict[str, torch.Tensor]
+    nbytes: int  # serialized bytes received
+    seconds: float  # receiving and verifying
+    manifest: Manifest = field(default_factory=dict)
+
+    @property
+    def bytes(self) -> int:
+        return self.nbytes
+
+
+def check_header(
+    h: weights_pb2.WeightHeader,
+    current_version: int,
+    max_total_bytes: int | None,
+    max_bucket_bytes: int | None,
+    expected: Mapping[str, tuple[str, Sequence[int]]] | None,
+) -> list[Manifest]:
+    """Validate a header; returns per bucket the manifest of its tensors."""
+    if h.format != FORMAT:
+        raise CorruptUpdate(f"header.format is {h.format!r}; only {FORMAT!r} is supported")
+    check_newer(h.version, h.parent_version, current_version)  # the one rule (StaleVersion, CorruptUpdate)
+    if not h.buckets:
+        raise CorruptUpdate("header lists no buckets")
+    for i, b in enumerate(h.buckets):
+        if b.index != i:
+            raise CorruptUpdate(f"header.buckets[{i}].index is {b.index}: buckets must be listed in index order")
+        if b.nbytes < 8:
+            raise CorruptUpdate(f"header.buckets[{i}].nbytes is {b.nbytes}: too small for a safetensors buffer")
+        if len(b.sha256) != 64 or any(c not in "0123456789abcdef" for c in b.sha256):
+            raise CorruptUpdate(f"header.buckets[{i}].sha256 is not a lowercase sha256 hex digest")
+        if max_bucket_bytes is not None and b.nbytes > max_bucket_bytes:
+            raise UpdateTooLarge(f"bucket {i} has {b.nbytes} bytes; this replica accepts at most {max_bucket_bytes}")
+    total = sum(b.nbytes for b in h.buckets)
+    if h.total_bytes != total:
+        raise CorruptUpdate(f"header.total_bytes is {h.total_bytes} but the buckets add up to {total}")
+    if max_total_bytes is not None and total > max_total_bytes:
+        raise UpdateTooLarge(f"update has {total} bytes; this replica accepts at most {max_total_bytes}")
+    if h.checksum != manifest_checksum([b.sha256 for b in h.buckets]):
+        raise CorruptUpdate("header.checksum does not match the bucket digests")
+    per_bucket: list[Manifest] = [{} for _ in h.buckets]
+    for t in h.tensors:
+        if not t.name:
+            raise CorruptUpdate("header lists a tensor without a name")
+        if not 0 <= t.bucket < len(h.buckets):
+            raise CorruptUpdate(f"tensor {t.name!r} is in bucket {t.bucket}, but there are {len(h.buckets)} buckets")
+        if any(t.name in m for m in per_bucket):
+            raise CorruptUpdate(f"tensor {t.name!r} is listed twice")
+        if any(d < 0 for d in t.shape):
+            raise CorruptUpdate(f"tensor {t.name!r} has a negative dimension")
+        if t.dtype not in TORCH_DTYPES:
+            raise CorruptUpdate(f"tensor {t.name!r} has an unknown dtype {t.dtype!r}")
+        per_bucket[t.bucket][t.name] = (t.dtype, tuple(t.shape))
+    for i, m in enumerate(per_bucket):
+        if not m:
+            raise CorruptUpdate(f"bucket {i} holds no tensor")
+    if expected is not None:
+        got = {k: v for m in per_bucket for k, v in m.items()}
+        missing = sorted(set(expected) - set(got))
+        extra = sorted(set(got) - set(expected))
+        if missing or extra:
+            raise IncompatibleUpdate(
+                f"update does not fit the served model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unknown {extra[:5]}{'...' if len(extra) > 5 else ''}"
+            )
+        for name, (dt, shape) in got.items():
+            edt, eshape = expected[name]
+            if (edt is not None and dt != edt) or tuple(shape) != tuple(eshape):
+                raise IncompatibleUpdate(
+                    f"tensor {name!r} is {dt}{list(shape)} in the update but {edt or ''}{list(eshape)} in the "
+                    "served model"
+                )
+    # Every bucket's size follows from its tensors' dtypes and shapes (plus its JSON header): an announced size
+    # is checked before a buffer is allocated for it, so a header cannot make the replica allocate more than the
+    # tensors it lists (and, with ``expected``, than the served model's tensors) need.
+    for i, (b, m) in enumerate(zip(h.buckets, per_bucket, strict=True)):
+        data = sum(TORCH_DTYPES[dt].itemsize * math.prod(shape) for dt, shape in m.values())
+        slack = bucket_header_allowance(m)
+        if not 8 + data <= b.nbytes <= 8 + data + slack:
+            raise CorruptUpdate(
+                f"header.buckets[{i}].nbytes is {b.nbytes}, but its tensors need {data} bytes of data plus a "
+                f"safetensors header of at most {slack} bytes",
+                field=f"header.buckets[{i}].nbytes",
+            )
+    return per_bucket
+
+
+def bucket_header_allowance(manifest: Manifest) -> int:
+    """The largest safetensors JSON header a bucket of these tensors can have: per tensor its name (JSON-escaped,
+    up to 6 characters per character), dtype, shape and offsets; plus room for ``__metadata__`` and padding."""
+    per_tensor = sum(6 * len(name) + 80 + 21 * (len(shape) + 2) for name, (_, shape) in manifest.items())
+    return 64 * 1024 + per_tensor
+
+
+class BufferPool:
+    """Bucket buffers kept from one update to the next. Fresh memory costs a page fault per 4 KiB on first touch
+    (about 1 GB/s here, as slow as the transfer itself); a replica that receives an update every training step
+    reuses the buffers of an update whose tensors are gone (a double-buffering engine: the update before last).
+
+    A buffer is free when nothing but the pool refers to it: the staged tensors hold it through the memoryview
+    ``torch.frombuffer`` was given, so a buffer some served tensor still uses is never handed out."""
+
+    def __init__(self) -> None:
+        self._bufs: list[bytearray] = []
+
+    def take(self, nbytes: int) -> bytearray:
+        bufs = self._bufs
+        for i in range(len(bufs)):
+            # references: the list and getrefcount's argument; any tensor or memoryview adds one
+            if len(bufs[i]) == nbytes and sys.getrefcount(bufs[i]) == 2:
+                bufs.append(bufs.pop(i))  # most recently used last
+                return bufs[-1]
+        bufs.append(bytearray(nbytes))
+        return bufs[-1]
+
+    def trim(self, keep_bytes: int) -> None:
+        """Forget the least recently used free buffers beyond ``keep_bytes`` held in all."""
+        bufs = self._bufs
+        total = sum(len(b) for b in bufs)
+        i = 0
+        while total > keep_bytes and i < len(bufs):
+            if sys.getrefcount(bufs[i]) == 2:  # the list and the argument
+                total -= len(bufs.pop(i))
+            else:
+                i += 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self._bufs)
+
+
+def finish_bucket(index: int, data: bytearray, digest: str, sha256: str, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Check a received bucket's digest and content against the manifest; its tensors are views into ``data``."""
+    if digest != sha256:
+        raise CorruptUpdate(f"bucket {index}: sha256 {digest} does not match the header's {sha256}")
+    meta = safetensors_header(data)
+    for name, (dt, shape) in manifest.items():
+        entry = meta.get(name)
+        if entry is None:
+            raise CorruptUpdate(f"bucket {index} does not contain tensor {name!r} listed in the manifest")
+        if entry.get("dtype") != dt or tuple(entry.get("shape", ())) != shape:
+            raise CorruptUpdate(
+                f"tensor {name!r}: bucket {index} holds {entry.get('dtype')}{entry.get('shape')}, "
+                f"the manifest says {dt}{list(shape)}"
+            )
+    if len(meta) != len(manifest):
+        extra = sorted(set(meta) - set(manifest))
+        raise CorruptUpdate(f"bucket {index} holds tensors not in the manifest: {extra[:5]}")
+    try:
+        tensors = load_safetensors(data)
+    except CorruptUpdate as err:  # passed the digest but does not parse: the sender's packing is broken
+        raise CorruptUpdate(f"bucket {index} is not a valid safetensors buffer: {err}") from None
+    bad = next((name for name, t in tensors.items() if not all_finite(t)), None)
+    if bad is not None:  # the digest only proves the bytes are the sender's; NaN weights are refused, old ones kept
+        raise CorruptUpdate(f"tensor {bad!r} has NaN or infinite values; the update is refused", field="tensors")
+    return tensors
+
+
+async def _aiter(requests: AsyncIterable | Iterable):
+    if hasattr(requests, "__aiter__"):
+        async for m in requests:
+            yield m
+    else:
+        for m in requests:
+            yield m
+
+
+async def receive_update(
+    request_iterator: AsyncIterable[weights_pb2.WeightUpdate | RawChunk]
+    | Iterable[weights_pb2.WeightUpdate | RawChunk],
+    current_version: int,
+    *,
+    max_total_bytes: int | None = None,
+    max_bucket_bytes: int | None = None,
+    expected: Mapping[str, tuple[str, Sequence[int]]] | None = None,
+    pool: BufferPool | None = None,
+) -> StagedWeights:
+    """Receive and verify one update stream (the servicer's ``request_iterator``) against the served
+    ``current_version``; return the staged tensors (host memory) or raise a :class:`WeightSyncError`.
+
+    Memory: the staged tensors (views into the received buckets: each bucket is one buffer allocated from the header's
+    size and filled chunk by chunk, no join, no parse copy) plus the chunk being hashed. The sha256 of each bucket is
+    computed chunk by chunk in a worker thread (hashlib releases the GIL) while the next chunks arrive. Nothing is
+    staged unless every bucket and the manifest check out.
+    ``expected`` (see :func:`manifest_of`): refuse updates whose names/dtypes/shapes differ from the served model
+    (a dtype of None accepts any dtype for that tensor: the engine converts it). Bucket sizes are checked against the
+    listed tensors before anything is allocated.
+    ``pool``: take the bucket buffers from it (see :class:`BufferPool`), else allocate them.
+    """
+    t0 = time.perf_counter()
+    stream = _aiter(request_iterator)
+    try:
+        first = await anext(stream)
+    except StopAsyncIteration:
+        raise IncompleteUpdate("empty stream: send a WeightUpdate with the header first") from None
+    if isinstance(first, RawChunk) or first.WhichOneof("part") != "header":
+        raise CorruptUpdate("the first WeightUpdate must carry the header", field="header")
+    h = first.header
+    per_bucket = check_header(h, current_version, max_total_bytes, max_bucket_bytes, expected)
+    nb = len(h.buckets)
+    if pool is not None:  # keep about two updates' buffers: the one serving (double buffering) and the next
+        pool.trim(2 * h.total_bytes)
+    staged: dict[str, torch.Tensor] = {}
+    loop = asyncio.get_running_loop()
+    # One worker thread, FIFO: it hashes each chunk from the bucket buffer (hashlib releases the GIL) and then checks
+    # and parses the finished bucket, while the event loop goes on receiving; the loop never waits for it mid-stream
+    # (queued work refers to the bucket buffers, which exist anyway, so the queue costs no memory).
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-verify")
+    finishing: list[asyncio.Future] = []  # per bucket: its digest checked and its tensors made
+    index, filled, received = 0, 0, 0
+    buf: bytearray | None = None
+    view: memoryview | None = None
+    hasher = hashlib.sha256()
+
+    def finish(i: int, data: bytearray, h: Any, spec: weights_pb2.BucketEntry) -> dict[str, torch.Tensor]:
+        return finish_bucket(i, data, h.hexdigest(), spec.sha256, per_bucket[i])
+
+    try:
+        async for msg in stream:
+            if isinstance(msg, RawChunk):
+                c = msg
+            elif msg.WhichOneof("part") != "chunk":
+                raise CorruptUpdate("a second header in the stream; send one header, then chunks")
+            else:
+                c = msg.chunk
+            if index >= nb:
+                raise CorruptUpdate(f"chunk for bucket {c.bucket} after the last bucket ({nb - 1}) was complete")
+            if c.bucket != index or c.offset != filled:
+                raise CorruptUpdate(
+                    f"chunk for bucket {c.bucket} at offset {c.offset}: expected bucket {index} at offset {filled} "
+                    "(buckets in index order, chunks contiguous)"
+                )
+            data = c.data
+            size = len(data)
+            bucket = h.buckets[index]
+            if size == 0:
+                raise CorruptUpdate(f"empty chunk in bucket {index} at offset {filled}")
+            if filled + size > bucket.nbytes:
+                raise CorruptUpdate(f"bucket {index} overruns its {bucket.nbytes} bytes (chunk at {filled}+{size})")
+            if buf is None:  # sized by the header (already checked against the limits), so never regrown
+                buf = pool.take(bucket.nbytes) if pool is not None else bytearray(bucket.nbytes)
+                view = memoryview(buf)
+            assert view is not None
+            view[filled : filled + size] = data
+            del data, msg, c
+            worker.submit(hasher.update, view[filled : filled + size])
+            filled += size
+            received += size
+            if filled == bucket.nbytes:
+                finishing.append(loop.run_in_executor(worker, finish, index, buf, hasher, bucket))
+                index, filled, buf, view, hasher = index + 1, 0, None, None, hashlib.sha256()
+            if finishing and finishing[0].done():  # refuse a corrupt bucket as soon as it is known
+                staged.update(finishing.pop(0).result())
+        for f in finishing:
+            staged.update(await f)
+        finishing.clear()
+    finally:
+        if finishing:  # failed or cancelled: let the worker finish its queue, drop the results
+            await asyncio.gather(*finishing, return_exceptions=True)
+        worker.shutdown(wait=False)
+    if index < nb:
+        raise IncompleteUpdate(
+            f"stream ended after {received} of {h.total_bytes} bytes (bucket {index} of {nb} at byte {filled}): "
+            "the update was cut; nothing was staged"
+        )
+    manifest = {name: spec for m in per_bucket for name, spec in m.items()}
+    ordered = {t.name: staged[t.name] for t in h.tensors}
+    return StagedWeights(
+        version=h.version,
+        parent_version=h.parent_version,
+        checksum=h.checksum,
+        tensors=ordered,
+        nbytes=received,
+        seconds=time.perf_counter() - t0,
+        manifest=manifest,
+    )
+
+
+class WeightReceiver:
+    """A replica's receiving side: one update at a time (the update slot), checked against the served version.
+
+    ::
+
+        receiver = WeightReceiver(engine.served, expected=manifest_of(model.state_dict()))
+
+        async def UpdateWeights(self, request_iterator, context):   # inside rlhf.serving.grpc_errors
+            require_grpc_token(context, settings)
+            staged = await receiver.receive(request_iterator)      # raises WeightSyncError: old weights keep serving
+            await engine.swap_weights(staged.tensors, staged.version, staged.checksum, staged.parent_version)
+
+    ``served``: the replica's :class:`ServedVersion` (the engine's; the engine advances it at the swap). An int
+    makes a private one at that version (tests and tools without an engine: :meth:`commit` then advances it).
+    """
+
+    def __init__(
+        self,
+        served: ServedVersion | int = 0,
+        *,
+        checksum: str = "",
+        max_total_bytes: int | None = None,
+        max_bucket_bytes: int | None = None,
+        expected: Mapping[str, tuple[str, Sequence[int]]] | None = None,
+    ):
+        if not isinstance(served, ServedVersion):
+            served = ServedVersion(version=served, checksum=checksum)
+        self.served = served
+        self.max_total_bytes = max_total_bytes
+        self.max_bucket_bytes = max_bucket_bytes
+        self.expected = expected
+        self.pool = BufferPool()
+        self._busy = False
+
+    @property
+    def current_version(self) -> int:
+        return self.served.version
+
+    @property
+    def checksum(self) -> str:
+        return self.served.checksum
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def reserve(self) -> None:
+        """Take the one-update slot (raises UpdateInProgress); :meth:`receive` and the data plane's Open do."""
+        if self._busy:
+            raise UpdateInProgress("another weight update is being received; retry when it has finished")
+        self._busy = True
+
+    def release(self) -> None:
+        self._busy = False
+
+    def check(self, header: weights_pb2.WeightHeader) -> list[Manifest]:
+        """:func:`check_header` against the served version and this receiver's limits and manifest."""
+        return check_header(header, self.served.version, self.max_total_bytes, self.max_bucket_bytes, self.expected)
+
+    async def receive(self, request_iterator: AsyncIterable | Iterable) -> StagedWeights:
+        self.reserve()
+        try:
+            return await receive_update(
+                request_iterator,
+                self.served.version,
+                max_total_bytes=self.max_total_bytes,
+                max_bucket_bytes=self.max_bucket_bytes,
+                expected=self.expected,
+                pool=self.pool,
+            )
+        finally:
+            self.release()
+
+    def commit(self, staged: StagedWeights) -> None:
+        """Advance the served version to ``staged`` (for a receiver without an engine; an engine's swap does it).
+        Refuses to go backwards (StaleVersion)."""
+        self.served.advance(staged.version, staged.parent_version, staged.checksum)
