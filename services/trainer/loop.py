@@ -243,8 +243,10 @@ class Trainer:
         """The next ``global_batch_size`` records, stalest first. Replicas finish jobs in any order, so the trainer
         reads everything that has arrived (admission keeps at most ``max_staleness + 1`` batches in flight) and
         trains the records of the oldest weights first; the fresher ones wait for the next step."""
-        size = self.cfg.training.global_batch_size
-        ahead = size * (self.cfg.training.max_staleness + 1)
+        t = self.cfg.training
+        size = t.global_batch_size
+        # Never read more than the steps left will train: a record read and left untrained stays pending at exit.
+        ahead = size * min(t.max_staleness + 1, t.train_iters - self.engine.step_count)
         while True:
             if len(self._held) < ahead:
                 block = 500 if len(self._held) < size else None  # a full batch in hand: take only what is there
