@@ -38,8 +38,10 @@ from pathlib import Path
 
 from bench._common import (
     CACHE,
+    CORE_THREADS,
     QUICK,
     REPO,
+    RING_THREADS,
     RedisServer,
     ServiceProc,
     build_model,
@@ -47,6 +49,7 @@ from bench._common import (
     log,
     param_count,
     rnd,
+    side,
     target,
     write_yaml,
 )
@@ -80,6 +83,9 @@ class TRLWorker:
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
         env = dict(os.environ)
         env["PYTHONPATH"] = str(REPO)
+        # TRL runs as a user runs it: one process with torch's default threads, one per core it may use (the ring's
+        # cores; the ring's four processes get RING_THREADS each, as `rlhf up` gives them)
+        env["OMP_NUM_THREADS"] = str(CORE_THREADS)
         self.proc = subprocess.Popen(
             [str(PARITY_PY), "-m", "bench._trl_worker"], cwd=REPO, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -181,6 +187,9 @@ def _pool(acc: dict | None, res: dict) -> dict:
            "seconds": acc["seconds"] + res["seconds"], "step_seconds": acc["step_seconds"] + res["step_seconds"],
            "steps_measured": n_acc + n_res}  # fmt: skip
     out["samples_per_s"] = out["samples"] / out["seconds"]
+    if "phase_seconds_mean" in acc:
+        out["phase_seconds_mean"] = {k: rnd((v * n_acc + res["phase_seconds_mean"][k] * n_res) / (n_acc + n_res))
+                                     for k, v in acc["phase_seconds_mean"].items()}  # fmt: skip
     if "staleness_mean" in acc:
         out["staleness_mean"] = rnd((acc["staleness_mean"] * n_acc + res["staleness_mean"] * n_res) / (n_acc + n_res))
     return out
@@ -236,6 +245,36 @@ def run_ours(size, paths, algo, staleness, redis_url, reward, reference, work: P
     }
 
 
+def run_bound(size: str, paths, algo: str, prompts: dict, work: Path, steps: int) -> dict:
+    """The compute bound (bench._bound): the ring step's model passes back to back in one process with every core."""
+    cfg = experiment(size, paths, algo, 0, f"bound-{size}-{algo}", work / "bound", steps + 1)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(CORE_THREADS)}
+    with open(work / f"bound-{size}-{algo}.log", "ab") as logf:
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench._bound"], cwd=REPO, env=env, input=json.dumps(
+                {"config": cfg, "prompt_ids": prompts["ids"], "steps": steps + 1}).encode(),
+            stdout=subprocess.PIPE, stderr=logf, timeout=900,
+        )  # fmt: skip
+    lines = [x for x in proc.stdout.decode().splitlines() if x.startswith("RESULT ")]
+    res = json.loads(lines[-1][len("RESULT ") :]) if lines else {"error": f"exit {proc.returncode}"}
+    if "error" in res:
+        raise RuntimeError(f"compute bound failed: {res['error']} (log: {work}/bound-{size}-{algo}.log)")
+    steady = res["steps"][1:]
+    samples = BATCH * (2 if algo == "online_dpo" else 1) * len(steady)
+    seconds = sum(x["total"] for x in steady)
+    phases = {k: rnd(sum(x[k] for x in steady) / len(steady)) for k in steady[0] if k != "total"}
+    return {
+        "samples_per_s": samples / seconds,
+        "samples": samples,
+        "seconds": seconds,
+        "steps_measured": len(steady),
+        "step_seconds": [rnd(x["total"]) for x in steady],
+        "first_step_s": rnd(res["steps"][0]["total"]),
+        "phase_seconds_mean": phases,
+        "torch_threads": res["torch_threads"],
+    }
+
+
 def run_trl(worker: TRLWorker, paths, algo: str, prompts: dict, steps: int) -> dict:
     res = worker.run(
         {
@@ -255,6 +294,7 @@ def run_trl(worker: TRLWorker, paths, algo: str, prompts: dict, steps: int) -> d
     )
     times = res["step_seconds"][1:]
     return {
+        "torch_threads": worker.ready.get("torch_threads") if worker.ready else None,
         "samples_per_s": res["samples_per_step"] * len(times) / sum(times),
         "samples": res["samples_per_step"] * len(times),
         "seconds": sum(times),
@@ -306,12 +346,16 @@ def main() -> None:
                     log(f"bench.pipeline: {size} ({params[size] / 1e6:.1f}M): reward and reference ready")
                     figures[size] = {}
                     for algo in ALGOS[size]:
-                        order = ["trl", "sync", "async"] if algo == "ppo" else ["async", "sync", "trl"]
+                        order = ["trl", "bound", "sync", "async"]
+                        if algo != "ppo":
+                            order.reverse()
                         runs = [w for i in range(REPEATS[size]) for w in (order if i % 2 == 0 else order[::-1])]
                         row: dict[str, dict] = {}
                         for which in runs:
                             if which == "trl":
                                 res = run_trl(worker, paths, algo, prompts, steps)
+                            elif which == "bound":
+                                res = run_bound(size, paths, algo, prompts, work, steps)
                             else:
                                 staleness = 0 if which == "sync" else 1
                                 res = run_ours(size, paths, algo, staleness, redis.url, reward, reference,
@@ -322,9 +366,16 @@ def main() -> None:
                         for which in row:
                             row[which]["samples_per_s"] = rnd(row[which]["samples_per_s"])
                         figures[size][algo] = row
+                        ratio[f"{size}/{algo}/bound_vs_trl"] = rnd(
+                            row["bound"]["samples_per_s"] / row["trl"]["samples_per_s"]
+                        )
                         for mode in ("sync", "async"):
                             ratio[f"{size}/{algo}/{mode}_vs_trl"] = rnd(
                                 row[mode]["samples_per_s"] / row["trl"]["samples_per_s"]
+                            )
+                            # step time over the compute bound's (equal samples per step on both)
+                            ratio[f"{size}/{algo}/{mode}_step_vs_bound"] = rnd(
+                                row["bound"]["samples_per_s"] / row[mode]["samples_per_s"]
                             )
                 finally:
                     reward.stop()
@@ -333,6 +384,9 @@ def main() -> None:
         worker.close()
 
     key = "small/ppo/async_vs_trl"
+    bkey = "small/ppo/async_step_vs_bound"
+    ring_threads = {"trainer": RING_THREADS, "rollout": RING_THREADS, "reward": RING_THREADS,
+                    "reference": RING_THREADS, "redis-server": 1}  # fmt: skip
     emit(
         "pipeline",
         settings={
@@ -348,9 +402,18 @@ def main() -> None:
             "online_dpo": "2 samples per prompt, 1 step per batch, sigmoid loss, beta 0.1",
             "lr": LR,
             "ours": "rlhf-pipeline ring as `rlhf up` runs it: redis-server, reward, reference, rollout (hf engine), "
-            "trainer, each its own process, OMP_NUM_THREADS=1 each; sync = max_staleness 0, async = 1; weights "
-            "pushed after every update",
-            "trl": "TRL 1.12.0 PPOTrainer / OnlineDPOTrainer, .venv-parity, one process, OMP_NUM_THREADS=1",
+            "trainer, each its own process; sync = max_staleness 0, async = 1; weights pushed after every update",
+            "trl": "TRL 1.12.0 PPOTrainer / OnlineDPOTrainer, .venv-parity, one process",
+            "bound": "the compute bound (bench._bound): the ring step's model passes (generation, reward, reference, "
+            "update, weight copy) back to back in one process, the same engine classes, no service between them",
+            "resources": {
+                "ours": side(
+                    ring_threads,
+                    "five processes, threads as `rlhf up` sets them (a quarter of the cores each, at least 1)",
+                ),
+                "trl": side(CORE_THREADS, "one process, torch's default threads (one per core)"),
+                "bound": side(CORE_THREADS, "one process, torch's default threads (one per core)"),
+            },  # fmt: skip
             "measured_steps": STEPS,
             "runs_per_side": REPEATS,
             "algorithms": {k: list(v) for k, v in ALGOS.items()},
@@ -359,36 +422,32 @@ def main() -> None:
         ratio=ratio,
         targets=[
             target(
-                "asynchronous PPO / TRL PPO samples/s, small model",
+                "asynchronous PPO / TRL PPO samples/s, small model, equal cores",
                 ratio.get(key),
                 ">= 1.5",
                 ratio.get(key) is not None and ratio[key] >= 1.5,
             ),
+            target(
+                "asynchronous PPO step time / compute bound step time, small model",
+                ratio.get(bkey),
+                "<= 1.15",
+                ratio.get(bkey) is not None and ratio[bkey] <= 1.15,
+            ),
         ],  # fmt: skip
-        notes=[
-            "ours: steady steps only (the first, with start-up, left out; stopped before the final checkpoint); "
-            "TRL: every update but the first",
-            "one OpenMP thread per process on both sides: TRL with 2 threads ran 3-6x slower on this shared machine "
-            "(small PPO: 29-61 s per update vs 8-10 s with 1)",
-            "rollout engine: hf (bench.engines: on this CPU it out-generates vLLM on these small models)",
-            "profile before this round's fixes (py-spy, 40 s of the asynchronous small-model PPO ring): the trainer "
-            "spent ~89% in TrainerEngine.step (backward ~37%, forward ~31%, AdamW ~24% before fused AdamW), the "
-            "actor's and the critic's passes one after the other; the reward and reference services ran one forward "
-            "per prompt job (one Score / LogProbs call per job) serialised by a lock; the weight push after each "
-            "update (pack + stream + swap) held the trainer ~1 s. Asynchronous / TRL was 1.4 (0.94-1.6 over runs)",
-            "fixes from that profile: fused AdamW (TrainerEngine.step 5.0 -> 4.3 s, interleaved A/B); the critic's "
-            "passes run alongside the actor's in a second thread, the same update bit for bit (step 1.4x faster, "
-            "interleaved A/B on this batch); the weight push overlaps the next step (the trainer packs a copy and "
-            "delivers it in the background; admission frees the next jobs only once it has landed, so staleness stays "
-            "bounded); reward and reference merge concurrent requests into one forward",
-            "the ring uses both cores (trainer: actor and critic threads; rollout, reward, reference beside it) while "
-            "TRL runs on one, so other work on this shared machine weighs on ours much more than on TRL: with a "
-            "helper's test suite running beside it, one asynchronous small-model run gave 7-10 s steps and the next, "
-            "quiet one 2.9-3.3 s, while TRL stayed at 4.9-5.3 s; hence the mirrored repeats and the load average "
-            "recorded with the result",
-        ],
+        notes=NOTES,
         started=started,
     )
+
+
+# What the numbers above mean and where they came from (kept with the result, rendered into docs/benchmarks.md).
+NOTES = [
+    "ours: steady steps only (the first, with start-up, left out; stopped before the final checkpoint); "
+    "TRL and the bound: every step but the first",
+    "equal resources: every side runs on the same cores (settings.resources); TRL and the compute bound, one process "
+    "each, get torch's default threads (one per core); the ring's processes get what `rlhf up` gives them. "
+    "OMP_WAIT_POLICY=PASSIVE on every side (bench._common: spinning OpenMP threads collapse 2-thread runs on this "
+    "shared machine). Until issue 15 TRL ran with one thread while the ring shared both cores",
+]
 
 
 if __name__ == "__main__":

@@ -32,7 +32,20 @@ import os
 import time
 from pathlib import Path
 
-from bench._common import CACHE, QUICK, ServiceProc, build_model, emit, log, percentile, rnd, target, write_yaml
+from bench._common import (
+    CACHE,
+    QUICK,
+    RING_THREADS,
+    ServiceProc,
+    build_model,
+    emit,
+    log,
+    percentile,
+    rnd,
+    side,
+    target,
+    write_yaml,
+)
 
 CONCURRENCY = (1, 8, 32)
 REQUESTS = {1: 40, 8: 96, 32: 192}  # per way and repetition
@@ -222,6 +235,13 @@ async def main() -> None:
     emit(
         "serving",
         settings={
+            "resources": {
+                "in_process": side(RING_THREADS, "callers and engine in this process"),
+                "grpc_and_rest": side(
+                    {"callers": RING_THREADS, "service": RING_THREADS},
+                    "callers in this process, the service in its own",
+                ),
+            },  # fmt: skip
             "model": "tiny (rlhf.tiny, 0.1M parameters): the serving layer's cost is as visible as it can be",
             "reward": f"Score, {ITEMS} items, tiny reward model",
             "reference": f"LogProbs, {ITEMS} items of 16 + 16 tokens",

@@ -42,6 +42,7 @@ from typing import Any
 from bench._common import (
     CACHE,
     REPO,
+    RING_THREADS,
     ServiceProc,
     build_model,
     emit,
@@ -50,6 +51,7 @@ from bench._common import (
     median,
     param_count,
     rnd,
+    side,
     target,
     write_yaml,
 )
@@ -302,6 +304,13 @@ async def main() -> None:
     emit(
         "weight_sync",
         settings={
+            "resources": {
+                "ours": side(
+                    {"trainer client": 1, "replica (rlhf serve rollout)": RING_THREADS},
+                    "this process sends (torch 1 thread: it only packs and sends); the replica's process",
+                ),
+                "raw": side({"sender": 1, "receiver (bench._sink)": 1}, "plain sockets, no torch work"),
+            },  # fmt: skip
             "policy_parameters": n_params,
             "bytes": per[ENGINES[0]]["bytes"],
             "dtype": "float32",
