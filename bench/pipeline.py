@@ -1,29 +1,35 @@
-"""bench.pipeline: training samples/s of rlhf-pipeline (synchronous and asynchronous) vs TRL 1.12, PPO and online DPO.
+"""bench.pipeline: training samples/s of rlhf-pipeline (sync and async) vs TRL 1.12 and vs the compute bound.
 
-The same model, prompts, batch, response length and epochs on both sides, for the tiny test model and the small one
-(~21M parameters, built locally by rlhf.tiny), all on this machine's CPU:
+The same model, prompts, batch, response length and epochs on every side, for the tiny test model and the small one
+(~21M parameters, built locally by rlhf.tiny), all on this machine's CPU, every side on the same cores
+(``settings.resources`` gives each side's cores and threads):
 
 - rlhf-pipeline: the real ring, each part its own process as ``rlhf up`` runs it (a private redis-server, the
   reward and reference services, one rollout replica with the ``hf`` engine taking a whole batch of prompt jobs at
   once (``RLHF_ROLLOUT_MAX_INFLIGHT_JOBS`` = 16, as TRL generates the batch at once), the trainer service; wired
-  through the same ``RLHF_*`` variables, one OpenMP thread each). Synchronous is ``training.max_staleness: 0``,
-  asynchronous ``max_staleness: 1`` (rollout of the next batch overlaps the update; samples one version old are
-  corrected by truncated importance sampling). Weights are pushed to the replica after every update. Reward and
-  reference services start once per model size; each run gets a fresh replica and trainer (versions never go
-  backwards).
-  Figure: samples trained / wall time of the steady steps (the first step, which includes start-up, is left out;
-  the trainer is stopped before its final checkpoint), from the trainer's ``metrics.jsonl``.
+  through the same ``RLHF_*`` variables and threads as ``rlhf up`` sets them). Synchronous is
+  ``training.max_staleness: 0``, asynchronous ``max_staleness: 1`` (rollout of the next batch overlaps the update;
+  samples one version old are corrected by truncated importance sampling). Weights are pushed to the replica after
+  every update. Reward and reference services start once per model size; each run gets a fresh replica and trainer
+  (versions never go backwards). Figure: samples trained / wall time of the steady steps (the first step, which
+  includes start-up, is left out; the trainer is stopped before its final checkpoint), from ``metrics.jsonl``.
 - TRL: ``PPOTrainer.train()`` / ``OnlineDPOTrainer.train()`` in .venv-parity (one worker process,
-  :mod:`bench._trl_worker`, imported once). Figure: samples / wall time of every update but the first.
+  :mod:`bench._trl_worker`, imported once) with torch's default threads, one per core, as a user runs it. Figure:
+  samples / wall time of every update but the first.
+- the compute bound (:mod:`bench._bound`): the model passes one ring step needs (generation with the hf engine,
+  reward and reference forwards, the trainer's update, a weight copy into the generator) back to back in one
+  process with every core, the same engine classes and configuration as the ring. The ring's step time over it is
+  what the service split, queue, RPC, serialisation and idle waits cost (below 1: the asynchronous ring overlaps
+  rollout with the update, which one process doing the passes in turn cannot).
 
-Settings (both sides): 16 prompts per update from the built-in arithmetic set (chat template, up to 48 tokens), up to
+Settings (every side): 16 prompts per update from the built-in arithmetic set (chat template, up to 48 tokens), up to
 16 new tokens (stop at EOS), temperature 1, lr 1e-5; PPO: GAE (gamma 1, lambda 0.95), 2 epochs over 2 minibatches
 of 8 for the policy and the critic (initialised from the reward model), reward model = the tiny/small reward head;
 online DPO: 2 samples per prompt, one step per batch, sigmoid loss, beta 0.1, the reward model judges each pair.
-The runs alternate (TRL first for PPO, last for online DPO); the small model's PPO runs twice in mirrored order
-(TRL, sync, async, async, sync, TRL) and each side's figure pools the steps of both. Online DPO on the small model
-runs only with ``BENCH_FULL=1`` (about 2 more minutes). Target: asynchronous PPO >= 1.5x TRL's samples/s on the
-small model.
+The runs alternate (TRL, bound, sync, async for PPO; the reverse for online DPO); the small model's PPO runs twice
+in mirrored order (TRL, bound, sync, async, async, sync, bound, TRL) and each side's figure pools the steps of both.
+Online DPO on the small model runs only with ``BENCH_FULL=1``. Targets: asynchronous PPO >= 1.5x TRL's samples/s
+and step time <= 1.15x the compute bound's, on the small model. ``BENCH_ENGINE=vllm`` runs the ring with vLLM.
 """
 
 from __future__ import annotations
@@ -74,6 +80,10 @@ ALGOS = {"tiny": ("ppo", "online_dpo"), "small": ("ppo", "online_dpo") if os.env
 # BENCH_SIZES=small measures one model size only (while working on one figure); `make bench` runs both.
 SIZES = tuple(x for x in os.environ.get("BENCH_SIZES", "tiny,small").split(",") if x in ALGOS)
 TOKEN = "bench-pipeline-token"
+# The ring's rollout engine: hf unless BENCH_ENGINE=vllm (see the notes for why hf)
+ENGINE = os.environ.get("BENCH_ENGINE", "hf")
+if ENGINE not in ("hf", "vllm"):
+    raise SystemExit(f"BENCH_ENGINE must be hf or vllm, not {ENGINE!r}")
 
 
 class TRLWorker:
@@ -139,7 +149,7 @@ def experiment(size: str, paths, algo: str, staleness: int, run_id: str, run_dir
         "actor_rollout_ref": {
             "actor_rollout": {
                 "load": str(paths.policy),
-                "engine": "hf",
+                "engine": ENGINE,
                 "do_sample": True,
                 "temperature": 1.0,
                 "max_prompt_length": PROMPT_TOKENS,
@@ -206,7 +216,7 @@ def run_ours(size, paths, algo, staleness, redis_url, reward, reference, work: P
     rollout = ServiceProc(
         "rollout", cfg, run_dir / "logs",
         env={**common, "RLHF_REWARD_ADDR": reward.grpc_addr, "RLHF_REFERENCE_ADDR": reference.grpc_addr,
-             "RLHF_REPLICA_ID": f"{run_id}-rollout-0", "RLHF_ROLLOUT_ENGINE": "hf", "RLHF_WEIGHTS_DATA_PORT": "0",
+             "RLHF_REPLICA_ID": f"{run_id}-rollout-0", "RLHF_ROLLOUT_ENGINE": ENGINE, "RLHF_WEIGHTS_DATA_PORT": "0",
              "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": str(BATCH)},
     )  # fmt: skip
     trainer = ServiceProc(
@@ -401,8 +411,9 @@ def main() -> None:
             "0.95; KL coef 0.05",
             "online_dpo": "2 samples per prompt, 1 step per batch, sigmoid loss, beta 0.1",
             "lr": LR,
-            "ours": "rlhf-pipeline ring as `rlhf up` runs it: redis-server, reward, reference, rollout (hf engine), "
-            "trainer, each its own process; sync = max_staleness 0, async = 1; weights pushed after every update",
+            "ours": "rlhf-pipeline ring as `rlhf up` runs it: redis-server, reward, reference, rollout "
+            f"({ENGINE} engine), trainer, each its own process; sync = max_staleness 0, async = 1; weights pushed "
+            "after every update",
             "trl": "TRL 1.12.0 PPOTrainer / OnlineDPOTrainer, .venv-parity, one process",
             "bound": "the compute bound (bench._bound): the ring step's model passes (generation, reward, reference, "
             "update, weight copy) back to back in one process, the same engine classes, no service between them",

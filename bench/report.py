@@ -25,14 +25,15 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHES = ("queue", "weight_sync", "serving", "engines", "pipeline")
+BENCHES = ("queue", "weight_sync", "serving", "engines", "padding_free", "pipeline")
 RESULTS = REPO / ".cache" / "bench" / "results"
 TITLES = {
     "queue": "Queue: experience records through rlhf.transport vs raw Redis",
     "weight_sync": "Weight sync: a 104M-parameter policy to a rollout replica vs a raw loopback copy",
     "serving": "Serving: REST and gRPC vs the engine in-process",
     "engines": "Rollout engines: generated tokens/s, vllm vs hf",
-    "pipeline": "Pipeline: training samples/s vs TRL 1.12",
+    "padding_free": "Padding-free passes: the trainer's PPO step and the reference forward, padded vs packed",
+    "pipeline": "Pipeline: training samples/s vs TRL 1.12 and vs the compute bound",
 }
 
 
