@@ -80,6 +80,9 @@ ALGOS = {"tiny": ("ppo", "online_dpo"), "small": ("ppo", "online_dpo") if os.env
 # BENCH_SIZES=small measures one model size only (while working on one figure); `make bench` runs both.
 SIZES = tuple(x for x in os.environ.get("BENCH_SIZES", "tiny,small").split(",") if x in ALGOS)
 TOKEN = "bench-pipeline-token"
+# Padding-free actor/critic/reference passes (rlhf.packing; exact, and faster: bench.padding_free) in the ring and the
+# compute bound alike; BENCH_PADDING_FREE=0 measures the padded passes
+PADDING_FREE = os.environ.get("BENCH_PADDING_FREE", "1") != "0"
 # The ring's rollout engine: hf unless BENCH_ENGINE=vllm (see the notes for why hf)
 ENGINE = os.environ.get("BENCH_ENGINE", "hf")
 if ENGINE not in ("hf", "vllm"):
@@ -145,6 +148,7 @@ def experiment(size: str, paths, algo: str, staleness: int, run_id: str, run_dir
             "device": "cpu",
             "max_staleness": staleness,
             "seed": 1,
+            "padding_free": PADDING_FREE,
         },
         "actor_rollout_ref": {
             "actor_rollout": {
@@ -411,6 +415,8 @@ def main() -> None:
             "0.95; KL coef 0.05",
             "online_dpo": "2 samples per prompt, 1 step per batch, sigmoid loss, beta 0.1",
             "lr": LR,
+            "padding_free": PADDING_FREE,
+            "rollout_engine": ENGINE,
             "ours": "rlhf-pipeline ring as `rlhf up` runs it: redis-server, reward, reference, rollout "
             f"({ENGINE} engine), trainer, each its own process; sync = max_staleness 0, async = 1; weights pushed "
             "after every update",
@@ -420,7 +426,7 @@ def main() -> None:
             "resources": {
                 "ours": side(
                     ring_threads,
-                    "five processes, threads as `rlhf up` sets them (a quarter of the cores each, at least 1)",
+                    "five processes, threads as `rlhf up` sets them (every core each, idle threads sleeping)",
                 ),
                 "trl": side(CORE_THREADS, "one process, torch's default threads (one per core)"),
                 "bound": side(CORE_THREADS, "one process, torch's default threads (one per core)"),
@@ -454,10 +460,38 @@ def main() -> None:
 NOTES = [
     "ours: steady steps only (the first, with start-up, left out; stopped before the final checkpoint); "
     "TRL and the bound: every step but the first",
-    "equal resources: every side runs on the same cores (settings.resources); TRL and the compute bound, one process "
-    "each, get torch's default threads (one per core); the ring's processes get what `rlhf up` gives them. "
-    "OMP_WAIT_POLICY=PASSIVE on every side (bench._common: spinning OpenMP threads collapse 2-thread runs on this "
-    "shared machine). Until issue 15 TRL ran with one thread while the ring shared both cores",
+    "equal resources (issue 15): every side runs on the same cores (settings.resources); TRL and the compute bound, "
+    "one process each, get torch's default threads (one per core); the ring's processes get what `rlhf up` gives "
+    "them (every core each since issue 15). OMP_WAIT_POLICY=PASSIVE on every side: with spinning OpenMP threads a "
+    "small-model update with 2 threads took 22-37 s under a load average of 5 vs 3.8-4.6 s passive, minutes apart. "
+    "Before issue 15 TRL ran with one thread while the ring's processes shared both cores: the figures published "
+    "then (async 1.75x, sync 1.52x TRL on the small model) did not compare equal resources and are withdrawn",
+    "profile that motivated this round (issue 15): the compute bound's phases on the small model (2 threads): "
+    "update 2.07 s of 2.8 s (74%), generation 0.31 s, reward 0.19-0.31 s, reference 0.11 s, weight copy 0.006 s; "
+    "inside the update (torch.profiler, one TrainerEngine.step) aten::mm is 76% of the CPU time, attention 3%, "
+    "fused AdamW 3%: the step is matmul-bound, so the work to drop is the padded passes' (padding tokens and the "
+    "padded attention's mask)",
+    "change 1, padding-free passes (training.padding_free, rlhf.packing; on in this ring and the bound): the batch's "
+    "real tokens packed in one row, positions per sequence, attention within each sequence. Exact: "
+    "tests/trainer/test_packing.py (logits, values, gradients, PPO / GRPO / online DPO updates and reference "
+    "log-probs equal within float32 rounding; the A/B's losses differ by 1.2e-7). bench.padding_free (interleaved, "
+    "one trainer thread, load average 9-10): PPO step padded / padding-free 1.35x on this ring's batch shape "
+    "(3% padding: the gain is mostly the attention without a padding mask) and 1.70x with prompts of 8-48 tokens "
+    "(49% padding); reference forward 1.06x / 1.60x",
+    "change 2, no idle core (services.launcher.child_env, so `rlhf up` and this ring): every process may use every "
+    "core and idle OpenMP threads sleep, so rollout and scoring have both cores while the trainer waits and the "
+    "trainer has both during an update. bench.ring_threads (asynchronous small-model PPO ring, A/B/B/A, load "
+    "average 8-16): 2.94 vs 1.11 samples/s, 2.65x over one thread per process; on a loaded machine part of that "
+    "is more threads winning more CPU from other jobs, so the quiet-machine gain is smaller",
+    "rollout engine: hf, the faster here. The small model's generation is 0.31 s of a 2.8 s compute-bound step "
+    "(11%) and overlaps the update in the asynchronous ring; bench.engines measured vLLM 1.16-1.26x hf at batch "
+    "8-64 on the small model (worth < 0.05 s per step), while a vLLM replica stops generating for 0.49-0.68 of each "
+    "weight transfer (bench.weight_sync; issue 15 item 4) and takes ~1.7 GB. BENCH_ENGINE=vllm runs this ring "
+    "with vLLM",
+    "earlier rounds (before issue 15): fused AdamW; the critic's passes beside the actor's in a second thread; the "
+    "weight push overlapping the next step; reward and reference merging concurrent requests into one forward",
+    "the machine is shared (about 7 engineers' test runs): absolute figures move with the load average recorded "
+    "below; each comparison runs side by side in one run, in mirrored order, and the lead may re-run `make bench`",
 ]
 
 

@@ -5,7 +5,8 @@ reference, rollout, trainer), alternating A, B, B, A: ``quarter``, what ``rlhf u
 the cores, at least one: 1 on 2 cores), and ``all``, every core to every process with ``OMP_WAIT_POLICY=PASSIVE``
 (so a process that waits, e.g. rollout during an update, leaves its cores to the one that works instead of spinning
 on them). Figure: samples/s of the steady steps, pooled per setting. Not part of ``make bench`` (about 4 minutes):
-``python -m bench.ring_threads``; it decided the thread setting bench.pipeline and ``rlhf up`` use.
+``python -m bench.ring_threads``; it decided the thread setting ``rlhf up`` (services.launcher.child_env) and so
+bench.pipeline use: every core per process, ``OMP_WAIT_POLICY=PASSIVE``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> None:
         with RedisServer(work / "redis") as redis:
             for which in runs:
                 os.environ["OMP_NUM_THREADS"] = str(SETTINGS[which])  # inherited by every service started below
+                os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # both settings (bench._common's default)
                 cfg = write_yaml(work / "services.yaml", experiment("small", paths, "ppo", 1, "rt", work, 1))
                 env = {"RLHF_REDIS_URL": redis.url}
                 reward = ServiceProc("reward", cfg, work / "logs", env=env).start(wait_ready=False)

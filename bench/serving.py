@@ -289,8 +289,10 @@ async def main() -> None:
             "ms per request, reference ~0.6-1.1): the service's forward thread and loop each use more CPU per "
             "request than the same engine in-process; running the forward inline or on one dedicated thread did "
             "not change it beyond this machine's noise",
-            "OMP_NUM_THREADS=1 in every process: with 2 OpenMP threads the rollout service burned ~500 ms of CPU "
-            "per 8-token Generate on this shared machine instead of ~30 ms (spinning threads)",
+            "threads: every process as `rlhf up` sets them since issue 15 (OMP_NUM_THREADS = the cores, "
+            "OMP_WAIT_POLICY=PASSIVE; settings.resources); before, one thread each, because with spinning 2-thread "
+            "OpenMP teams the rollout service burned ~500 ms of CPU per 8-token Generate on this shared machine "
+            "instead of ~30 ms",
         ],
         started=started,
     )

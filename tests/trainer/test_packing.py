@@ -120,7 +120,7 @@ def test_update_with_padding_free_equals_padded(tiny_models, stage, extra):
             }
         )
         engine = TrainerEngine(cfg)
-        metrics = [engine.step(_experiences(n, seed)) for seed in (1, 2)]
+        metrics = [engine.step(_experiences(n, 1))]
         results.append((metrics, {k: v.clone() for k, v in engine.actor.state_dict().items()}))
     (m0, w0), (m1, w1) = results
     for a, b in zip(m0, m1, strict=True):
