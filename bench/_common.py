@@ -31,6 +31,14 @@ CORES: list[int] = sorted(os.sched_getaffinity(0) if hasattr(os, "sched_getaffin
 os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 RING_THREADS = int(os.environ["OMP_NUM_THREADS"])
 CORE_THREADS = len(CORES)
+
+
+def rollout_threads(engine: str) -> int:
+    """A rollout replica's threads under `rlhf up`: RING_THREADS with the hf engine; vLLM keeps its serving default
+    of one (services.launcher.Launcher.run)."""
+    return RING_THREADS if engine != "vllm" else 1
+
+
 # Idle OpenMP threads sleep instead of spinning, on every side alike. On this shared machine a spinning thread whose
 # peer is descheduled burns its core: a small-model PPO update with 2 threads took 22-37 s under a load average of 5
 # with the default policy, 3.8-4.6 s with PASSIVE, in the same minute (a tiny-model Generate: 500 ms of CPU vs 30 ms).

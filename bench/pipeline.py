@@ -55,6 +55,7 @@ from bench._common import (
     log,
     param_count,
     rnd,
+    rollout_threads,
     side,
     target,
     write_yaml,
@@ -221,7 +222,7 @@ def run_ours(size, paths, algo, staleness, redis_url, reward, reference, work: P
         "rollout", cfg, run_dir / "logs",
         env={**common, "RLHF_REWARD_ADDR": reward.grpc_addr, "RLHF_REFERENCE_ADDR": reference.grpc_addr,
              "RLHF_REPLICA_ID": f"{run_id}-rollout-0", "RLHF_ROLLOUT_ENGINE": ENGINE, "RLHF_WEIGHTS_DATA_PORT": "0",
-             "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": str(BATCH)},
+             "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": str(BATCH), "OMP_NUM_THREADS": str(rollout_threads(ENGINE))},
     )  # fmt: skip
     trainer = ServiceProc(
         "trainer", cfg, run_dir / "logs",
@@ -399,7 +400,7 @@ def main() -> None:
 
     key = "small/ppo/async_vs_trl"
     bkey = "small/ppo/async_step_vs_bound"
-    ring_threads = {"trainer": RING_THREADS, "rollout": RING_THREADS, "reward": RING_THREADS,
+    ring_threads = {"trainer": RING_THREADS, "rollout": rollout_threads(ENGINE), "reward": RING_THREADS,
                     "reference": RING_THREADS, "redis-server": 1}  # fmt: skip
     emit(
         "pipeline",

@@ -42,7 +42,6 @@ from typing import Any
 from bench._common import (
     CACHE,
     REPO,
-    RING_THREADS,
     ServiceProc,
     build_model,
     emit,
@@ -51,6 +50,7 @@ from bench._common import (
     median,
     param_count,
     rnd,
+    rollout_threads,
     side,
     target,
     write_yaml,
@@ -160,7 +160,7 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
     )
     log(f"bench.weight_sync: starting the rollout service ({engine} engine)")
     env = {"RLHF_API_TOKEN": TOKEN, "RLHF_REDIS_URL": None, "RLHF_ROLLOUT_ENGINE": engine,
-           "RLHF_WEIGHTS_DATA_PORT": "0"}  # fmt: skip
+           "RLHF_WEIGHTS_DATA_PORT": "0", "OMP_NUM_THREADS": str(rollout_threads(engine))}  # fmt: skip
     keys = ("pack", "push", "raw", "sink", "swap", "stage", "pause", "base_gap", "rate", "gpush", "gstage", "gswap")
     t: dict[str, list[float]] = {k: [] for k in keys}
     total = 0
@@ -306,7 +306,7 @@ async def main() -> None:
         settings={
             "resources": {
                 "ours": side(
-                    {"trainer client": 1, "replica (rlhf serve rollout)": RING_THREADS},
+                    {"trainer client": 1, "hf replica": rollout_threads("hf"), "vllm replica": rollout_threads("vllm")},
                     "this process sends (torch 1 thread: it only packs and sends); the replica's process",
                 ),
                 "raw": side({"sender": 1, "receiver (bench._sink)": 1}, "plain sockets, no torch work"),

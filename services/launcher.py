@@ -612,6 +612,12 @@ class Launcher:
                                   rollout_replicas=self.opts.rollout_replicas, tls=settings.tls)  # fmt: skip
             if settings.tls:
                 self.say("TLS on: every service serves gRPC and HTTPS, every client verifies its peer")
+            if (os.environ.get("RLHF_ROLLOUT_ENGINE") or cfg.actor.engine) == "vllm":
+                # vLLM's CPU kernels keep their serving default of one thread (services.rollout.vllm_engine); the
+                # every-core default of child_env was measured with the hf engine only
+                for s in specs:
+                    if s.service == "rollout":
+                        s.env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
             by_name = {s.name: s for s in specs}
             stages = [
                 [by_name["reward"], by_name["reference"]],
