@@ -486,9 +486,19 @@ NOTES = [
     "is more threads winning more CPU from other jobs, so the quiet-machine gain is smaller",
     "rollout engine: hf, the faster here. The small model's generation is 0.31 s of a 2.8 s compute-bound step "
     "(11%) and overlaps the update in the asynchronous ring; bench.engines measured vLLM 1.16-1.26x hf at batch "
-    "8-64 on the small model (worth < 0.05 s per step), while a vLLM replica stops generating for 0.49-0.68 of each "
+    "8-64 on the small model (worth < 0.05 s per step), while a vLLM replica stops generating for 0.2-0.68 of each "
     "weight transfer (bench.weight_sync; issue 15 item 4) and takes ~1.7 GB. BENCH_ENGINE=vllm runs this ring "
     "with vLLM",
+    "why asynchronous PPO is not 1.5x TRL at equal cores (first run at equal cores, load average 11: 1.02x): the "
+    "compute bound itself was only 1.08x TRL (the same model passes; TRL also runs them in one process) and the "
+    "ring was within 1.06x of the bound in both modes. With every core given to each side there is no idle core "
+    "left for the asynchronous overlap to fill, so sync and async land together. The gap to 1.5x is model work, not "
+    "the service split: closing it needs less work per sample than TRL does (e.g. reusing the rollout's sampling "
+    "log-probs instead of recomputing the old log-probs, or bf16) or more cores; the 1.75x published before came "
+    "from TRL's single thread",
+    "tiny model: steps of 0.1-0.2 s, where the ring's fixed costs per step (queue, RPC, weight push) make it "
+    "1.6-2.3x the bound; TRL's tiny PPO with 2 threads took 1.5-2.4 s per step (0.5 s with one thread before "
+    "issue 15): OpenMP teams on tensors this small cost more than they give",
     "earlier rounds (before issue 15): fused AdamW; the critic's passes beside the actor's in a second thread; the "
     "weight push overlapping the next step; reward and reference merging concurrent requests into one forward",
     "the machine is shared (about 7 engineers' test runs): absolute figures move with the load average recorded "
