@@ -23,10 +23,26 @@ CACHE = Path(os.environ.get("BENCH_CACHE", REPO / ".cache" / "bench"))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# One OpenMP thread per process (as `rlhf up` sets on this machine): the benchmarks run several processes on 2 cores,
-# and OpenMP threads that spin-wait for a descheduled peer burn ~15x the CPU of the work (measured: a tiny-model
-# Generate took 500 ms of CPU with 2 threads under load, 30 ms with 1). Inherited by every service started here.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The cores every side of every benchmark runs on (the benchmark's own affinity, inherited by what it starts).
+CORES: list[int] = sorted(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
+# Threads per service process as `rlhf up` sets them (services.launcher.child_env: every core, idle threads
+# sleeping). Inherited by every service started here; a baseline that runs as one process gets every core too
+# (CORE_THREADS), as a user would run it.
+os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+RING_THREADS = int(os.environ["OMP_NUM_THREADS"])
+CORE_THREADS = len(CORES)
+
+
+def rollout_threads(engine: str) -> int:
+    """A rollout replica's threads under `rlhf up`: RING_THREADS with the hf engine; vLLM keeps its serving default
+    of one (services.launcher.Launcher.run)."""
+    return RING_THREADS if engine != "vllm" else 1
+
+
+# Idle OpenMP threads sleep instead of spinning, on every side alike. On this shared machine a spinning thread whose
+# peer is descheduled burns its core: a small-model PPO update with 2 threads took 22-37 s under a load average of 5
+# with the default policy, 3.8-4.6 s with PASSIVE, in the same minute (a tiny-model Generate: 500 ms of CPU vs 30 ms).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # stdout carries only the JSON line: keep a private handle on it and send everything else written to fd 1 (vLLM's
 # logging, progress bars of libraries) to stderr.
@@ -63,6 +79,8 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "load_average": list(os.getloadavg()),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "affinity": CORES,
     }
     try:
         import torch
@@ -72,6 +90,15 @@ def machine() -> dict[str, Any]:
     except ImportError:
         pass
     return info
+
+
+def side(threads: dict[str, int] | int, what: str = "") -> dict[str, Any]:
+    """What one side of a comparison ran on: the cores (CPU ids it may run on) and the torch/OpenMP threads of each
+    of its processes (an int: one process), for the JSON's ``settings.resources``."""
+    out: dict[str, Any] = {"cores": CORES, "threads": threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    if what:
+        out["what"] = what
+    return out
 
 
 def target(figure: str, value: float | None, goal: str, met: bool | None) -> dict[str, Any]:

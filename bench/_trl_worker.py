@@ -160,7 +160,8 @@ def run_online_dpo(c: dict, out_dir: str) -> dict:
 def main() -> None:
     import torch
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    # torch's default: OMP_NUM_THREADS if set (bench.pipeline sets it to the cores the ring runs on), else one
+    # thread per core
     out = sys.stdout
     sys.stdout = sys.stderr  # library chatter goes to stderr; the answers go to the real stdout
     print("RESULT " + json.dumps({"ready": True, "torch_threads": torch.get_num_threads()}), file=out, flush=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from bench._common import build_model, emit, log, median, param_count, rnd
+from bench._common import RING_THREADS, build_model, emit, log, median, param_count, rnd, side
 
 BATCHES = (1, 8, 64)
 NEW_TOKENS = 32
@@ -72,6 +72,10 @@ async def main() -> None:
     emit(
         "engines",
         settings={
+            "resources": {
+                "vllm": side(RING_THREADS, "in this process, one after the other with hf"),
+                "hf": side(RING_THREADS, "in this process, one after the other with vllm"),
+            },
             "models": {k: f"{v / 1e6:.2f}M parameters" for k, v in sizes.items()},
             "dtype": "float32",
             "device": "cpu",

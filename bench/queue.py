@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._common import RedisServer, build_model, emit, log, median, rnd, target
+from bench._common import RING_THREADS, RedisServer, build_model, emit, log, median, rnd, side, target
 
 PROMPT_TOKENS = 200
 RESPONSE_TOKENS = 800
@@ -296,6 +296,11 @@ async def main() -> None:
     emit(
         "queue",
         settings={
+            "resources": {
+                "rlhf_transport": side(RING_THREADS, "this benchmark's process + a private redis-server (1 thread)"),
+                "raw_redis": side(RING_THREADS, "the same process and redis-server, interleaved"),
+                "training_step": side(RING_THREADS, "in this process, a service process's threads (as `rlhf up`)"),
+            },
             "record": f"1 Experience, 1 sample of {PROMPT_TOKENS} prompt + {RESPONSE_TOKENS} response tokens "
             "with sampling and reference log-probs",
             "record_bytes": round(record_bytes),

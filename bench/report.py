@@ -25,14 +25,15 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHES = ("queue", "weight_sync", "serving", "engines", "pipeline")
+BENCHES = ("queue", "weight_sync", "serving", "engines", "padding_free", "pipeline")
 RESULTS = REPO / ".cache" / "bench" / "results"
 TITLES = {
     "queue": "Queue: experience records through rlhf.transport vs raw Redis",
     "weight_sync": "Weight sync: a 104M-parameter policy to a rollout replica vs a raw loopback copy",
     "serving": "Serving: REST and gRPC vs the engine in-process",
     "engines": "Rollout engines: generated tokens/s, vllm vs hf",
-    "pipeline": "Pipeline: training samples/s vs TRL 1.12",
+    "padding_free": "Padding-free passes: the trainer's PPO step and the reference forward, padded vs packed",
+    "pipeline": "Pipeline: training samples/s vs TRL 1.12 and vs the compute bound",
 }
 
 
@@ -117,18 +118,20 @@ def figures_md(name: str, r: dict) -> list[str]:
         return table(["model", "batch", "vllm tokens/s", "hf tokens/s", "vllm / hf"], rows)
     if name == "pipeline":
         rows = []
+        labels = {"trl": "TRL 1.12", "bound": "compute bound (one process)", "sync": "ours, max_staleness 0",
+                  "async": "ours, max_staleness 1"}  # fmt: skip
         for size, per in f["samples_per_s"].items():
             for algo, runs in per.items():
-                trl = runs["trl"]["samples_per_s"]
-                for which in ("trl", "sync", "async"):
-                    v = runs[which]
-                    ratio = None if which == "trl" else r["ratio"].get(f"{size}/{algo}/{which}_vs_trl")
-                    rows.append([size, algo, {"trl": "TRL 1.12", "sync": "ours, max_staleness 0",
-                                              "async": "ours, max_staleness 1"}[which],
-                                 v["samples_per_s"], ratio if which != "trl" else 1.0, v["step_seconds"],
-                                 v.get("staleness_mean")])  # fmt: skip
-                del trl
-        return table(["model", "algorithm", "run", "samples/s", "vs TRL", "measured step times s", "staleness"], rows)
+                for which in ("trl", "bound", "sync", "async"):
+                    v = runs.get(which)
+                    if v is None:  # a result from before the compute bound was measured
+                        continue
+                    vs_trl = 1.0 if which == "trl" else r["ratio"].get(f"{size}/{algo}/{which}_vs_trl")
+                    vs_bound = r["ratio"].get(f"{size}/{algo}/{which}_step_vs_bound")
+                    rows.append([size, algo, labels[which], v["samples_per_s"], vs_trl, vs_bound, v["step_seconds"],
+                                 v.get("staleness_mean"), v.get("torch_threads")])  # fmt: skip
+        return table(["model", "algorithm", "run", "samples/s", "vs TRL", "step time / bound", "measured step times s",
+                      "staleness", "torch threads"], rows)  # fmt: skip
     return table(["figure", "value"], [[k, v] for k, v in flatten(f)])
 
 
@@ -151,7 +154,9 @@ def render(results: dict[str, dict | None], runs: dict[str, Any] | None, names: 
         + (f" (the benchmarks' run times add up to {total:.0f} s)" if total is not None else ""),
         f"- machine: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores, {machine.get('memory_gib', '?')} "
         f"GiB, {machine.get('os', '?')}, Python {machine.get('python', '?')}, torch {machine.get('torch', '?')}, "
-        f"OMP_NUM_THREADS={machine.get('omp_num_threads', '?')} per process",
+        f"OMP_NUM_THREADS={machine.get('omp_num_threads', '?')} per service process, OMP_WAIT_POLICY="
+        f"{machine.get('omp_wait_policy', '?')}; each benchmark's settings.resources gives the cores and threads of "
+        "each side",
         "- the machine is shared: each benchmark records the load average it started under (below); absolute",
         "  figures move with it, the interleaved ratios much less.",
         "",

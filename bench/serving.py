@@ -32,7 +32,20 @@ import os
 import time
 from pathlib import Path
 
-from bench._common import CACHE, QUICK, ServiceProc, build_model, emit, log, percentile, rnd, target, write_yaml
+from bench._common import (
+    CACHE,
+    QUICK,
+    RING_THREADS,
+    ServiceProc,
+    build_model,
+    emit,
+    log,
+    percentile,
+    rnd,
+    side,
+    target,
+    write_yaml,
+)
 
 CONCURRENCY = (1, 8, 32)
 REQUESTS = {1: 40, 8: 96, 32: 192}  # per way and repetition
@@ -222,6 +235,13 @@ async def main() -> None:
     emit(
         "serving",
         settings={
+            "resources": {
+                "in_process": side(RING_THREADS, "callers and engine in this process"),
+                "grpc_and_rest": side(
+                    {"callers": RING_THREADS, "service": RING_THREADS},
+                    "callers in this process, the service in its own",
+                ),
+            },  # fmt: skip
             "model": "tiny (rlhf.tiny, 0.1M parameters): the serving layer's cost is as visible as it can be",
             "reward": f"Score, {ITEMS} items, tiny reward model",
             "reference": f"LogProbs, {ITEMS} items of 16 + 16 tokens",
@@ -269,8 +289,10 @@ async def main() -> None:
             "ms per request, reference ~0.6-1.1): the service's forward thread and loop each use more CPU per "
             "request than the same engine in-process; running the forward inline or on one dedicated thread did "
             "not change it beyond this machine's noise",
-            "OMP_NUM_THREADS=1 in every process: with 2 OpenMP threads the rollout service burned ~500 ms of CPU "
-            "per 8-token Generate on this shared machine instead of ~30 ms (spinning threads)",
+            "threads: every process as `rlhf up` sets them since issue 15 (OMP_NUM_THREADS = the cores, "
+            "OMP_WAIT_POLICY=PASSIVE; settings.resources); before, one thread each, because with spinning 2-thread "
+            "OpenMP teams the rollout service burned ~500 ms of CPU per 8-token Generate on this shared machine "
+            "instead of ~30 ms",
         ],
         started=started,
     )

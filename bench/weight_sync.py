@@ -54,6 +54,8 @@ from bench._common import (
     median,
     param_count,
     rnd,
+    rollout_threads,
+    side,
     target,
     write_yaml,
 )
@@ -162,7 +164,7 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
     )
     log(f"bench.weight_sync: starting the rollout service ({engine} engine)")
     env = {"RLHF_API_TOKEN": TOKEN, "RLHF_REDIS_URL": None, "RLHF_ROLLOUT_ENGINE": engine,
-           "RLHF_WEIGHTS_DATA_PORT": "0"}  # fmt: skip
+           "RLHF_WEIGHTS_DATA_PORT": "0", "OMP_NUM_THREADS": str(rollout_threads(engine))}  # fmt: skip
     keys = ("pack", "push", "raw", "sink", "swap", "stage", "pause", "base_gap", "rate", "gpush", "gstage", "gswap")
     t: dict[str, list[float]] = {k: [] for k in (*keys, "cpush", "cstage", "cswap")}
     total = 0
@@ -326,6 +328,13 @@ async def main() -> None:
     emit(
         "weight_sync",
         settings={
+            "resources": {
+                "ours": side(
+                    {"trainer client": 1, "hf replica": rollout_threads("hf"), "vllm replica": rollout_threads("vllm")},
+                    "this process sends (torch 1 thread: it only packs and sends); the replica's process",
+                ),
+                "raw": side({"sender": 1, "receiver (bench._sink)": 1}, "plain sockets, no torch work"),
+            },  # fmt: skip
             "policy_parameters": n_params,
             "bytes": per[ENGINES[0]]["bytes"],
             "dtype": "float32",

@@ -60,6 +60,11 @@ class TrainingConfig(Section):
         False, "bf16 autocast compute over fp32 master weights and AdamW state; weights pushed to rollout as bf16"
     )
     device: Literal["auto", "cpu", "cuda", "npu"] = _f("auto", "device for the trainer's models")
+    padding_free: bool = _f(
+        False,
+        "pack each batch's sequences without padding (positions per sequence, attention within each sequence) for "
+        "the actor's, critic's and reference's passes; pays when lengths vary (rlhf.packing)",
+    )
     save_interval: int = _f(10, "checkpoint every N steps", gt=0)
     save: str = _f("runs/checkpoints", "checkpoint directory")
     load: str | None = _f(None, "checkpoint directory to resume from (default: the newest under save)")

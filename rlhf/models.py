@@ -119,17 +119,26 @@ def _inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict[str, torch
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
 
-def causal_lm_logits(model, query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """Logits of a causal LM on (B, T) ids padded with ``pad_token_id`` -> (B, T, V)."""
+def causal_lm_logits(model, query_responses: torch.Tensor, pad_token_id: int, packed: bool = False) -> torch.Tensor:
+    """Logits of a causal LM on (B, T) ids padded with ``pad_token_id`` -> (B, T, V). ``packed``: padding-free
+    (:mod:`rlhf.packing`; zeros at padding positions, which every loss masks)."""
+    if packed:
+        from rlhf.packing import packed_causal_lm_logits
+
+        return packed_causal_lm_logits(model, query_responses, pad_token_id)
     return model(**_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False).logits
 
 
-def score_head_outputs(model, query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+def score_head_outputs(model, query_responses: torch.Tensor, pad_token_id: int, packed: bool = False) -> torch.Tensor:
     """Per-position outputs of a one-label sequence-classification model's head (reward model or critic): (B, T).
 
     Runs the backbone (``model.base_model_prefix``) and applies ``model.score`` to every position, so a value can be
-    read per token and a reward at any chosen token.
+    read per token and a reward at any chosen token. ``packed``: padding-free, as in :func:`causal_lm_logits`.
     """
+    if packed:
+        from rlhf.packing import packed_score_head_outputs
+
+        return packed_score_head_outputs(model, query_responses, pad_token_id)
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(**_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False).last_hidden_state
     return model.score(hidden).squeeze(-1)

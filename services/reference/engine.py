@@ -185,7 +185,7 @@ class ReferenceEngine:
                 for r, k in enumerate(idx):
                     batch[r, : len(seqs[k])] = torch.tensor(seqs[k], dtype=torch.long)
                 batch = batch.to(dev)
-                logits = causal_lm_logits(self.model, batch, pad)
+                logits = causal_lm_logits(self.model, batch, pad, self.cfg.training.padding_free)
                 # position t predicts token t+1
                 lp = logprobs_from_logits(logits[:, :-1], batch[:, 1:], temperature).float().cpu()
                 for r, k in enumerate(idx):

@@ -234,13 +234,13 @@ class TrainerEngine:
     def _logits_and_logprobs(self, qr: torch.Tensor, responses: torch.Tensor, C: int, temperature: float | None = None):
         """Response logits and log-probs at ``temperature`` (default the sampling temperature; online DPO uses 1)."""
         with self._autocast():
-            logits = causal_lm_logits(self.actor, qr, self.pad_id)[:, C - 1 : -1]
+            logits = causal_lm_logits(self.actor, qr, self.pad_id, self.cfg.training.padding_free)[:, C - 1 : -1]
         T = self.temperature if temperature is None else temperature
         return logits, algo.logprobs_from_logits(logits, responses, T)
 
     def _values(self, qr: torch.Tensor, C: int) -> torch.Tensor:
         with self._autocast():
-            values = score_head_outputs(self.critic, qr, self.pad_id)[:, C - 1 : -1]
+            values = score_head_outputs(self.critic, qr, self.pad_id, self.cfg.training.padding_free)[:, C - 1 : -1]
         return values.float()
 
     def _behavior(self, b: RolloutBatch, old_logprobs: torch.Tensor) -> torch.Tensor | None:

@@ -122,6 +122,11 @@ def test_child_env_defaults_and_overrides():
     assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/p"]
     assert env["PYTHONUNBUFFERED"] == "1" and env["HF_HUB_OFFLINE"] == "1"
     assert launcher.child_env({}, base={})["RLHF_CACHE_DIR"] == str(launcher.DEFAULT_CACHE_DIR)
+    # every core to each process, idle OpenMP threads sleeping (issue 15); the user's values win
+    env = launcher.child_env({}, base={})
+    assert env["OMP_NUM_THREADS"] == str(os.cpu_count()) and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    env = launcher.child_env({}, base={"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"})
+    assert env["OMP_NUM_THREADS"] == "3" and env["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def test_default_run_dir():
