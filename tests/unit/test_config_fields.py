@@ -60,6 +60,10 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "training.min_lr": SCHEDULE,
     "training.no_load_optim": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng"],
     "training.no_load_rng": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng"],
+    "training.padding_free": [
+        "tests/trainer/test_packing.py::test_update_with_padding_free_equals_padded",
+        "tests/trainer/test_packing.py::test_reference_logprobs_with_padding_free_equal_padded",
+    ],  # fmt: skip
     "training.bf16": ["tests/trainer/test_engine.py::test_bf16_keeps_fp32_master_weights_that_learn_at_a_small_lr"],
     "training.device": ["tests/unit/test_device_auto.py"],
     "training.save_interval": [TRAINER_SVC],
