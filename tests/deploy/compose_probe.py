@@ -44,6 +44,8 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 30) -
             status, raw = resp.status, resp.read()
     except urllib.error.HTTPError as err:
         status, raw = err.code, err.read()
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as err:  # not listening (yet), or reset
+        return 0, f"{type(err).__name__}: {err}"
     try:
         return status, json.loads(raw)
     except ValueError:
@@ -82,9 +84,8 @@ def cmd_order(events_file: str) -> None:
                 fail(f"{svc} started but {dep} was never {how}")
             if when > started[svc]:
                 fail(f"{svc} started at +{started[svc] - t0:.1f}s, before {dep} was {how} (+{when - t0:.1f}s)")
-    for svc in ("rollout", "trainer"):
-        if svc not in healthy:
-            fail(f"{svc} never became healthy")
+    # (the trainer is last: nothing waits for it, and a short run may end before Docker's first check of it;
+    # the check reads its /readyz itself)
     order = sorted(
         [(t, f"{s} healthy") for s, t in healthy.items()] + [(t, f"{s} exited 0") for s, t in exited0.items()]
     )

@@ -22,7 +22,7 @@ STANDIN_DEBIAN=rlhf-standin/debian:bookworm
 STANDIN_WHEEL_PORT=${COMPOSE_CHECK_WHEEL_PORT:-39617}
 STANDIN_WHEEL_PID=
 
-standin_log() { echo "[compose-check] stand-ins: $*" >&2; }
+standin_log() { echo "[compose-check] $(date -u +%H:%M:%S) stand-ins: $*" >&2; }
 
 # The Debian mirror apt uses here (deb822 or one-line sources), else deb.debian.org.
 standin_mirror() {

@@ -46,7 +46,7 @@ refuses() {  # helm template must fail (the schema or a guard rejects the values
 
 echo "deploy-check: Dockerfile"
 check "hadolint docker/Dockerfile" "$TOOLS_BIN/hadolint" docker/Dockerfile
-check "shell syntax of docker/*.sh" bash -c 'bash -n docker/entrypoint.sh && sh -n docker/install.sh'
+check "shell syntax of docker/*.sh and the compose-check scripts" bash -c 'bash -n docker/entrypoint.sh && sh -n docker/install.sh && bash -n tests/deploy/compose_check.sh && bash -n tests/deploy/compose_standins.sh'
 
 echo "deploy-check: docker compose ($($DOCKER_COMPOSE version --short 2>/dev/null || echo '?'))"
 check "compose: docker-compose.yml" compose -f docker-compose.yml config -q
