@@ -63,7 +63,9 @@ check "helm template | kubernetes-validate --strict (GPU)" validate "${GPU[@]}"
 check "helm template | kubernetes-validate --strict (NPU)" validate "${NPU[@]}"
 check "helm template | kubernetes-validate (external Redis, TLS)" validate --set redis.enabled=false \
     --set redis.external.url=redis://:pw@redis.example:6379/0 --set tls.enabled=true --set tls.existingSecret=rlhf-tls
-check "helm template | kubernetes-validate (trainer as an indexed Job)" validate --set trainer.kind=Job
+check "helm template | kubernetes-validate (two trainer nodes: an indexed Job of 2)" validate \
+    --set trainer.torchrun.nnodes=2 --set trainer.torchrun.experimentalMultiNode=true
+check "values.schema.json rejects trainer.kind (the trainer is always a Job)" refuses --set trainer.kind=StatefulSet
 check "values.schema.json rejects a misspelt key" refuses --set rollout.acelerator.type=nvidia
 check "values.schema.json rejects an unknown accelerator" refuses --set trainer.accelerator.type=tpu
 
