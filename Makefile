@@ -124,7 +124,7 @@ deploy-check: deploy-tools $(VENV)/.stamp  ## static checks: hadolint, compose c
 # The four CPU images built from docker/Dockerfile and docker-compose.yml run by a real Docker engine (started and
 # stopped by the check when none runs; docker.io installed from Debian when missing, so root), with a crash of the
 # rollout container, down/up with resume, and down -v. Base images that no registry serves get local stand-ins
-# (tests/deploy/compose_standins.sh). 18 minutes from a fresh state on a busy 2-core machine (4-6 with the images
+# (tests/deploy/compose_standins.sh). 14-18 minutes from a fresh state on a busy 2-core machine (4-6 with the images
 # cached). COMPOSE_CHECK_KEEP=1 keeps the images.
 .PHONY: compose-check
 compose-check:  ## build the CPU images and run docker-compose.yml for real (Docker engine; see tests/deploy/compose_check.sh)
