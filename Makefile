@@ -134,6 +134,15 @@ deploy-check: deploy-tools $(VENV)/.stamp  ## static checks: hadolint, compose c
 	HELM=$(HELM) TOOLS_BIN=$(TOOLS_VENV)/bin PY=$(PY) DOCKER_COMPOSE="$(DOCKER_COMPOSE)" \
 		PYTEST_ARGS="$(PYTEST_ARGS)" bash tests/deploy/deploy_check.sh
 
+# The four CPU images built from docker/Dockerfile and docker-compose.yml run by a real Docker engine (started and
+# stopped by the check when none runs; docker.io installed from Debian when missing, so root), with a crash of the
+# rollout container, down/up with resume, and down -v. Base images that no registry serves get local stand-ins
+# (tests/deploy/compose_standins.sh). 14-18 minutes from a fresh state on a busy 2-core machine (4-6 with the images
+# cached). COMPOSE_CHECK_KEEP=1 keeps the images.
+.PHONY: compose-check
+compose-check:  ## build the CPU images and run docker-compose.yml for real (Docker engine; see tests/deploy/compose_check.sh)
+	bash tests/deploy/compose_check.sh
+
 # pip's resolver on each image variant's dependency set (cpu, cuda, ascend x torch, vllm): metadata only, no images.
 # About 5-8 minutes of PyPI round trips, hence not part of deploy-check. One variant: make resolve-check VARIANTS=cuda/vllm
 .PHONY: resolve-check

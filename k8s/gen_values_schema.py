@@ -197,17 +197,16 @@ rollout = stateless(
 )
 
 trainer_props = pod_common()
-trainer_props["kind"] = s("string", "StatefulSet or (indexed) Job", enum=["StatefulSet", "Job"])
 trainer_props["job"] = obj(
     {
-        "backoffLimit": s("integer", "Job only: restarts before the Job fails", minimum=0),
+        "backoffLimit": s("integer", "restarts on failure before the Job fails", minimum=0),
         "ttlSecondsAfterFinished": {
             "type": ["integer", "null"],
             "minimum": 0,
-            "description": "Job only: delete the finished Job after this many seconds",
+            "description": "delete the finished Job after this many seconds",
         },
     },
-    "Job settings",
+    "the trainer Job (indexed: one pod per torchrun node; restarted on failure only)",
 )
 trainer_props["torchrun"] = obj(
     {

@@ -55,6 +55,9 @@ class WorkerExtension:
         checkpoint-format ``load_weights`` (vllm-ascend 0.23's worker has no ``reload_weights``; its weights stay in
         the ND layout the loader writes because the image sets VLLM_ASCEND_ENABLE_NZ=0)."""
         if hasattr(self, "reload_weights"):
+            if not getattr(self, "_rlhf_quieted", False):
+                _quiet_derived_buffer_warnings(self.model_runner.get_model())
+                self._rlhf_quieted = True
             self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
             return "reload_weights"
         runner = self.model_runner
@@ -64,3 +67,32 @@ class WorkerExtension:
 
     def rlhf_ping(self) -> str:
         return "pong"
+
+
+def _quiet_derived_buffer_warnings(model) -> None:
+    """Drop vLLM's "<Layer>: Failed to load weights" for layers that hold nothing a checkpoint can fill.
+
+    vLLM's layerwise reload (``model_loader/reload/layerwise.py``, 0.32) counts every parameter and buffer of a
+    layer as loadable. A layer whose only tensors are non-persistent buffers derived from the config (the rotary
+    embedding's ``cos_sin_cache``) therefore loads nothing on every reload, is warned about, and gets its current
+    tensors back, which is correct. The warning stays for any layer class that has a parameter or a persistent
+    buffer somewhere in the model."""
+    import logging
+
+    derived, loadable = set(), set()
+    for module in model.modules():
+        buffers = {name for name, b in module._buffers.items() if b is not None}
+        own_params = any(True for _ in module.parameters(recurse=False))
+        if buffers and not own_params and buffers <= module._non_persistent_buffers_set:
+            derived.add(type(module).__name__)
+        elif own_params or buffers:
+            loadable.add(type(module).__name__)
+    quiet = derived - loadable
+    if not quiet:
+        return
+
+    class _DerivedOnly(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not (record.msg == "%s: Failed to load weights" and record.args and record.args[0] in quiet)
+
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_DerivedOnly())

@@ -46,7 +46,7 @@ refuses() {  # helm template must fail (the schema or a guard rejects the values
 
 echo "deploy-check: Dockerfile"
 check "hadolint docker/Dockerfile" "$TOOLS_BIN/hadolint" docker/Dockerfile
-check "shell syntax of docker/*.sh" bash -c 'bash -n docker/entrypoint.sh && sh -n docker/install.sh'
+check "shell syntax of docker/*.sh and the compose-check scripts" bash -c 'bash -n docker/entrypoint.sh && sh -n docker/install.sh && bash -n tests/deploy/compose_check.sh && bash -n tests/deploy/compose_standins.sh'
 
 echo "deploy-check: docker compose ($($DOCKER_COMPOSE version --short 2>/dev/null || echo '?'))"
 check "compose: docker-compose.yml" compose -f docker-compose.yml config -q
@@ -69,12 +69,11 @@ check "helm template | kubernetes-validate (external Sentinel, WAIT 1, KEDA)" va
     --set rollout.autoscaling.keda.enabled=true
 check "helm template | kubernetes-validate (external Redis Cluster, TLS)" validate --set redis.enabled=false \
     --set 'redis.external.cluster.addresses={redis-cluster:6379}' --set redis.external.tls=true
-check "helm template | kubernetes-validate (trainer as an indexed Job)" validate --set trainer.kind=Job
 check "helm template | kubernetes-validate (GPU trainer, 2 nodes x 2 processes)" validate "${GPU[@]}" \
     --set trainer.torchrun.nnodes=2 --set trainer.torchrun.nprocPerNode=2 --set trainer.accelerator.count=2
-check "helm template | kubernetes-validate (NPU trainer as a Job, 2 nodes x 2 processes)" validate "${NPU[@]}" \
-    --set trainer.kind=Job --set trainer.torchrun.nnodes=2 --set trainer.torchrun.nprocPerNode=2 \
-    --set trainer.accelerator.count=2
+check "helm template | kubernetes-validate (NPU trainer, 2 nodes x 2 processes)" validate "${NPU[@]}" \
+    --set trainer.torchrun.nnodes=2 --set trainer.torchrun.nprocPerNode=2 --set trainer.accelerator.count=2
+check "values.schema.json rejects trainer.kind (the trainer is always a Job)" refuses --set trainer.kind=StatefulSet
 check "values.schema.json rejects a misspelt key" refuses --set rollout.acelerator.type=nvidia
 check "values.schema.json rejects an unknown accelerator" refuses --set trainer.accelerator.type=tpu
 

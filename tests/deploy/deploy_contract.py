@@ -11,6 +11,7 @@ import pytest
 # Variables the deployment files may set that are not the project's RLHF_* settings, and why.
 NON_RLHF_ENV = {
     "HF_HUB_OFFLINE": "transformers / huggingface_hub: never download at run time (models are local or tiny:*)",
+    "OMP_NUM_THREADS": "torch / vLLM threads per process: the container's cores, not the host's (oversubscription)",
     "VLLM_CPU_KVCACHE_SPACE": "vLLM's CPU backend: KV-cache GiB; without it start-up refuses on a small machine",
     "REDIS_PASSWORD": "chart only: expanded into RLHF_REDIS_URL ($(REDIS_PASSWORD)) and redis-server --requirepass",
     "REDISCLI_AUTH": "the redis container only: lets redis-cli (health checks) authenticate",

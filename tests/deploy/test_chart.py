@@ -28,7 +28,7 @@ def test_renders_every_component(rendered):
     for name, r in rendered.items():
         assert set(r.service_workloads()) == set(SERVICES), name
         assert r.component("Deployment", "rollout")
-        assert r.component("StatefulSet", "trainer")
+        assert r.component("Job", "trainer")
         assert r.component("StatefulSet", "redis")
         for comp in ("rollout", "reward", "reference", "trainer"):
             ports = {p["name"]: p["port"] for p in r.component("Service", comp)["spec"]["ports"]}
@@ -71,7 +71,7 @@ def test_accelerator_count_and_resource_name_come_from_values(helm):
         "--set",
         "trainer.torchrun.nprocPerNode=8",
     )
-    (c,) = containers(r.component("StatefulSet", "trainer"))
+    (c,) = containers(r.component("Job", "trainer"))
     assert c["resources"]["limits"]["huawei.com/Ascend910B"] == "8"
     assert c["resources"]["requests"]["huawei.com/Ascend910B"] == "8"
 
@@ -108,9 +108,9 @@ def test_every_container_command_is_accepted_by_the_rlhf_cli(rendered):
 
 def test_trainer_runs_under_torchrun_single_node_by_default(rendered):
     for r in rendered.values():
-        sts = r.component("StatefulSet", "trainer")
-        assert sts["spec"]["replicas"] == 1
-        (c,) = containers(sts)
+        job = r.component("Job", "trainer")
+        assert job["spec"]["completions"] == job["spec"]["parallelism"] == 1
+        (c,) = containers(job)
         assert c["args"][:4] == ["torchrun", "--nnodes=1", "--nproc-per-node=1", "--standalone"]
 
 
@@ -121,22 +121,16 @@ def _torchrun_args(container: dict):
     return get_args_parser().parse_args(container["args"][1:])
 
 
-@pytest.mark.parametrize("kind", ["StatefulSet", "Job"])
-def test_multi_node_trainer_renders_two_nodes_by_two_processes(helm, kind):
+def test_multi_node_trainer_renders_two_nodes_by_two_processes(helm):
     """2 nodes x 2 GPUs: one pod per node, torchrun's own parser reads a c10d rendezvous on pod 0's stable name."""
     r = render(
-        helm, "-f", "k8s/examples/values-gpu.yaml", "--set", f"trainer.kind={kind}",
-        "--set", "trainer.torchrun.nnodes=2", "--set", "trainer.torchrun.nprocPerNode=2",
-        "--set", "trainer.accelerator.count=2",
+        helm, "-f", "k8s/examples/values-gpu.yaml", "--set", "trainer.torchrun.nnodes=2",
+        "--set", "trainer.torchrun.nprocPerNode=2", "--set", "trainer.accelerator.count=2",
     )  # fmt: skip
-    workload = r.component(kind, "trainer")
+    workload = r.component("Job", "trainer")
     name = workload["metadata"]["name"]
-    if kind == "StatefulSet":
-        assert workload["spec"]["replicas"] == 2 and workload["spec"]["podManagementPolicy"] == "Parallel"
-        headless = workload["spec"]["serviceName"]
-    else:
-        assert workload["spec"]["completions"] == workload["spec"]["parallelism"] == 2
-        headless = workload["spec"]["template"]["spec"]["subdomain"]
+    assert workload["spec"]["completions"] == workload["spec"]["parallelism"] == 2
+    headless = workload["spec"]["template"]["spec"]["subdomain"]
     (c,) = containers(workload)
     tr = _torchrun_args(c)
     assert (tr.nnodes, tr.nproc_per_node, tr.rdzv_backend, tr.standalone) == ("2", "2", "c10d", False)
@@ -152,16 +146,41 @@ def test_trainer_needs_one_device_per_process(helm):
     assert proc.returncode != 0 and "must equal trainer.torchrun.nprocPerNode" in proc.stderr
 
 
-def test_trainer_can_be_an_indexed_job(helm):
-    r = render(helm, "--set", "trainer.kind=Job")
-    assert not [s for s in r.kind("StatefulSet") if s["metadata"]["name"].endswith("-trainer")]
+def test_trainer_is_an_indexed_job_that_is_not_restarted_once_finished(helm, rendered):
+    """A finished trainer exits 0 and must stay finished: a StatefulSet (restartPolicy Always) would start it again
+    and again. An indexed Job restarts it on failure only (it resumes from its checkpoint)."""
+    for r in rendered.values():
+        labels = [(w["kind"], w["metadata"]["labels"]["app.kubernetes.io/component"]) for w in r.workloads()]
+        kinds = [kind for kind, comp in labels if comp == "trainer"]
+        assert kinds == ["Job"]
+    r = render(helm, "--set", "trainer.job.backoffLimit=7", "--set", "trainer.job.ttlSecondsAfterFinished=600")
     (job,) = r.kind("Job")
     assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 1
+    assert (job["spec"]["backoffLimit"], job["spec"]["ttlSecondsAfterFinished"]) == (7, 600)
     spec = job["spec"]["template"]["spec"]
     assert spec["restartPolicy"] == "OnFailure" and spec["subdomain"] == f"{job['metadata']['name']}-headless"
     (c,) = containers(job)
     assert parse_container_command(c["args"]).service == "trainer"
     assert "persistentVolumeClaim" in {v["name"]: v for v in spec["volumes"]}["checkpoints"]
+    # the former switch is gone, and says so rather than being ignored
+    proc = helm_template(helm, "--set", "trainer.kind=StatefulSet", check=False)
+    assert proc.returncode != 0 and "kind" in proc.stderr
+
+
+def test_omp_threads_follow_each_containers_cpu(helm, rendered):
+    """torch sizes its thread pool by the node's cores unless OMP_NUM_THREADS says otherwise."""
+    for comp, workload in rendered["default"].service_workloads().items():
+        (c,) = containers(workload)
+        res = c["resources"]
+        cpu = str(res.get("limits", {}).get("cpu") or res.get("requests", {}).get("cpu") or "1")
+        want = max(1, int(cpu[:-1]) // 1000) if cpu.endswith("m") else max(1, int(float(cpu)))
+        assert env_of(c)["OMP_NUM_THREADS"]["value"] == str(want), comp
+    r = render(helm, "--set", "trainer.resources.limits.cpu=3500m", "--set", "reward.resources.requests.cpu=250m",
+               "--set-json", 'reference.env=[{"name": "OMP_NUM_THREADS", "value": "5"}]')  # fmt: skip
+    envs = {comp: containers(w)[0]["env"] for comp, w in r.service_workloads().items()}
+    assert env_of({"env": envs["trainer"]})["OMP_NUM_THREADS"]["value"] == "3"
+    assert env_of({"env": envs["reward"]})["OMP_NUM_THREADS"]["value"] == "1"
+    assert [e["value"] for e in envs["reference"] if e["name"] == "OMP_NUM_THREADS"] == ["5"], "the user's wins"
 
 
 def test_env_vars_are_known_to_the_code(rendered, helm):
@@ -187,7 +206,7 @@ def test_env_vars_are_known_to_the_code(rendered, helm):
 def test_service_wiring(rendered):
     r = rendered["default"]
     rollout = env_of(containers(r.component("Deployment", "rollout"))[0])
-    trainer = env_of(containers(r.component("StatefulSet", "trainer"))[0])
+    trainer = env_of(containers(r.component("Job", "trainer"))[0])
     reward = env_of(containers(r.component("Deployment", "reward"))[0])
     dom = "rlhf.svc.cluster.local"
     assert rollout["RLHF_REWARD_ADDR"]["value"] == f"rlhf-rlhf-pipeline-reward.{dom}:50051"
@@ -233,9 +252,7 @@ CLUSTER = ("--set", "redis.enabled=false", "--set", "redis.external.cluster.addr
 
 def _redis_env(r) -> dict:
     """RLHF_REDIS_URL of rollout and the trainer (the same), with the password Kubernetes would expand."""
-    envs = [
-        env_of(containers(w)[0]) for w in (r.component("Deployment", "rollout"), r.component("StatefulSet", "trainer"))
-    ]
+    envs = [env_of(containers(w)[0]) for w in (r.component("Deployment", "rollout"), r.component("Job", "trainer"))]
     assert envs[0]["RLHF_REDIS_URL"] == envs[1]["RLHF_REDIS_URL"]
     return envs[0]
 
@@ -377,11 +394,11 @@ def test_rollout_weight_data_port_is_open_to_the_trainer_only_and_off_under_tls(
 def test_tls_gives_the_clients_the_ca(rendered, helm):
     """Issue 17.5: with tls.enabled the services serve TLS, so their clients (rollout -> reward/reference, trainer ->
     rollout) need the CA that signed the peers' certificate: RLHF_TLS_CA from the mounted Secret."""
-    for comp, kind in (("rollout", "Deployment"), ("trainer", "StatefulSet")):
+    for comp, kind in (("rollout", "Deployment"), ("trainer", "Job")):
         (c,) = containers(rendered["default"].component(kind, comp))
         assert "RLHF_TLS_CA" not in env_of(c)
     tls = render(helm, "--set", "tls.enabled=true", "--set", "tls.existingSecret=t", "--set", "tls.caKey=root.pem")
-    for comp, kind in (("rollout", "Deployment"), ("trainer", "StatefulSet"), ("reward", "Deployment"),
+    for comp, kind in (("rollout", "Deployment"), ("trainer", "Job"), ("reward", "Deployment"),
                        ("reference", "Deployment")):  # fmt: skip
         (c,) = containers(tls.component(kind, comp))
         env = env_of(c)
@@ -437,14 +454,17 @@ def test_redis_runs_with_aof_on_a_pvc(rendered):
     assert args[args.index("--appendonly") + 1] == "yes"
     assert "--requirepass" in args
     assert sts["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
-    assert c["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+    # started and ready on PONG only (redis-cli exits 0 on NOAUTH / LOADING): compose's check, which
+    # test_compose.py::test_redis_healthcheck_passes_on_pong_only runs against those replies
+    pong = ["sh", "-c", "redis-cli ping | grep -qx PONG"]
+    assert c["startupProbe"]["exec"]["command"] == c["readinessProbe"]["exec"]["command"] == pong
 
 
 def test_checkpoints_pvc_is_mounted_where_the_config_saves(rendered):
     r = rendered["default"]
     (pvc,) = r.kind("PersistentVolumeClaim")
     assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-    sts = r.component("StatefulSet", "trainer")
+    sts = r.component("Job", "trainer")
     (c,) = containers(sts)
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts["checkpoints"] == "/var/lib/rlhf/runs"
@@ -457,7 +477,7 @@ def test_checkpoints_pvc_is_mounted_where_the_config_saves(rendered):
 def test_secrets_are_referenced_not_inlined(helm):
     r = render(helm, "--set", "auth.existingSecret=my-token", "--set", "redis.auth.existingSecret=my-redis")
     assert not r.kind("Secret"), "with existing Secrets the chart renders none"
-    env = env_of(containers(r.component("StatefulSet", "trainer"))[0])
+    env = env_of(containers(r.component("Job", "trainer"))[0])
     assert env["RLHF_API_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "my-token"
     assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "my-redis"
 
@@ -555,7 +575,7 @@ def test_notes_tell_how_to_watch_a_run(helm, tmp_path):
     assert proc.returncode == 0, proc.stderr
     text = yaml.safe_load(proc.stdout)["data"]["notes"]
     for needed in (
-        "logs -f statefulset/rlhf-rlhf-pipeline-trainer",
+        "logs -f job/rlhf-rlhf-pipeline-trainer",
         "port-forward svc/rlhf-rlhf-pipeline-rollout",
         "/v1/status",
         "/v1/completions",

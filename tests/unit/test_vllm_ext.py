@@ -5,6 +5,8 @@ in: a model with vLLM's ``load_weights(iterable of (name, tensor))``."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from safetensors.torch import save
 
@@ -72,3 +74,41 @@ def test_reload_weights_is_used_where_the_worker_has_it():
     ((weights, checkpoint_format),) = worker.reloaded
     assert checkpoint_format is True and set(weights) == {"proj.weight", "proj.bias"}
     assert torch.equal(worker.model_runner.model.proj.weight, before)  # not loaded a second time by the model
+
+
+class Rotary(torch.nn.Module):
+    """Like vLLM's RotaryEmbedding: its only tensor is a cache derived from the config, never in a checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cos_sin_cache", torch.ones(8, 2), persistent=False)
+
+
+class WarningWorker(AscendLikeWorker):
+    """Logs what vLLM 0.32's layerwise reload logs for every layer that loaded nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.model_runner.model.rotary = Rotary()
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format):
+        dict(weights_iterator)
+        log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        for layer in ("Rotary", "Linear"):
+            log.warning("%s: Failed to load weights", layer)
+
+
+def test_reload_warning_is_dropped_only_for_layers_a_checkpoint_cannot_fill():
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    log.addHandler(handler)
+    try:
+        worker = WarningWorker()
+        worker.rlhf_reload_weights(save(_new_weights()))
+        worker.rlhf_reload_weights(save(_new_weights()))
+    finally:
+        log.removeHandler(handler)
+    # the rotary cache is given back unchanged by vLLM (nothing lost); a Linear loading nothing is a real problem
+    assert seen == ["Linear: Failed to load weights"] * 2

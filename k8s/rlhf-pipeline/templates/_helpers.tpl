@@ -247,6 +247,25 @@ readinessProbe:
 {{- end }}
 {{- end }}
 
+{{/* OMP_NUM_THREADS of a container: its CPU limit, else its CPU request, in whole cores (at least 1). torch sizes its
+thread pool by the node's cores otherwise, and several pods on one node oversubscribe it. */}}
+{{- define "rlhf.ompThreads" -}}
+{{- $res := default (dict) . }}
+{{- $cpu := toString (or (dig "limits" "cpu" "" $res) (dig "requests" "cpu" "" $res) "1") }}
+{{- $n := 1 }}
+{{- if hasSuffix "m" $cpu }}
+{{- $n = div (atoi (trimSuffix "m" $cpu)) 1000 }}
+{{- else }}
+{{- $n = int (floor (float64 $cpu)) }}
+{{- end }}
+{{- max 1 $n }}
+{{- end }}
+
+{{/* "true" when the EnvVar list .env sets .name (the user's own value wins over the chart's) */}}
+{{- define "rlhf.envHas" -}}
+{{- range .env }}{{ if eq .name $.name }}true{{ end }}{{ end }}
+{{- end }}
+
 {{/* RLHF_* environment of a service container; call with (dict "root" $ "component" "rollout" "values" .Values.rollout) */}}
 {{- define "rlhf.env" -}}
 {{- $root := .root }}
@@ -275,6 +294,10 @@ readinessProbe:
   value: /var/cache/rlhf
 - name: HF_HUB_OFFLINE
   value: {{ ternary "1" "0" $v.settings.hfHubOffline | quote }}
+{{- if not (include "rlhf.envHas" (dict "env" .values.env "name" "OMP_NUM_THREADS")) }}
+- name: OMP_NUM_THREADS
+  value: {{ include "rlhf.ompThreads" .values.resources | quote }}
+{{- end }}
 - name: RLHF_REPLICA_ID
   valueFrom:
     fieldRef:
@@ -602,7 +625,7 @@ spec:
 {{- end }}
 {{- end }}
 
-{{/* The trainer's pod template, shared by the StatefulSet and the indexed Job; (dict "root" $ "kind" KIND) */}}
+{{/* The trainer Job's pod template; (dict "root" $) */}}
 {{- define "rlhf.trainerPodTemplate" -}}
 {{- $root := .root }}
 {{- $values := $root.Values.trainer }}
@@ -622,10 +645,8 @@ template:
     {{- end }}
   spec:
     {{- include "rlhf.podCommon" $ctx | trim | nindent 4 }}
-    {{- if eq .kind "Job" }}
     restartPolicy: OnFailure
     subdomain: {{ $name }}-headless
-    {{- end }}
     containers:
       - name: trainer
         image: {{ include "rlhf.image" $ctx | quote }}
@@ -637,7 +658,7 @@ template:
           {{- if eq (int $tr.nnodes) 1 }}
           - --standalone
           {{- else }}
-          {{- /* pod 0's stable name: <sts>-0 (StatefulSet) or <job>-0 (indexed Job), under the headless Service */}}
+          {{- /* pod 0's stable name: <job>-0 (indexed Job), under the headless Service */}}
           - --rdzv-backend=c10d
           - --rdzv-endpoint={{ $name }}-0.{{ $name }}-headless.{{ include "rlhf.svcDomain" $root }}:{{ $tr.rdzvPort }}
           - --rdzv-id={{ $root.Release.Name }}-{{ include "rlhf.runId" $root }}
