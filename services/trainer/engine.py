@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf import algo
+from rlhf import distributed as dist
 from rlhf.config import ExperimentConfig
 from rlhf.models import (
     causal_lm_logits,
@@ -103,6 +104,8 @@ class TrainerEngine:
         self.cfg = cfg
         self.stage = cfg.training.stage
         self.device = resolve_device(device or cfg.training.device)
+        # None at world size 1: no process group, and every method below runs its single-process code unchanged.
+        self.group = dist.init_from_env(self.device, cfg.training.collective_timeout_s)
         torch.manual_seed(cfg.training.seed)
         actor_path = resolve_model_path(cfg.actor.load)
         self.tokenizer = load_tokenizer(cfg.training.tokenizer_name_or_path or actor_path)
@@ -113,6 +116,7 @@ class TrainerEngine:
         self.actor = load_causal_lm(actor_path, self.device, "float32")
         self.actor.train()
         _disable_dropout(self.actor)
+        self._prepare(self.actor)
         t = cfg.training
         betas = (t.adam_beta1, t.adam_beta2)
         # fused AdamW, TRL's default ("adamw_torch_fused"): 4-6x faster optimizer steps than the per-tensor loop (CPU)
@@ -125,6 +129,7 @@ class TrainerEngine:
             self.critic = load_sequence_classifier(resolve_model_path(critic_src), self.device)
             self.critic.train()
             _disable_dropout(self.critic)
+            self._prepare(self.critic)
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr or t.lr, **adam)
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algo.make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
@@ -139,6 +144,16 @@ class TrainerEngine:
         self._skipped_lock = threading.Lock()
         self.skipped_updates = 0
         self._skipped_this_step = 0
+        # Rank 0's commands to the group (step, gather, heartbeat) go one at a time, each with its collectives.
+        self._command_lock = threading.Lock()
+
+    def _prepare(self, model: torch.nn.Module) -> None:
+        """Activation checkpointing if asked, then FSDP2 sharding in a group (before its optimizer is built, so the
+        AdamW state is sharded too)."""
+        if self.cfg.training.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.group is not None:
+            dist.shard(model, self.cfg.training.bf16, self.device)
 
     @property
     def vocab_size(self) -> int:
@@ -220,6 +235,30 @@ class TrainerEngine:
         T = self.temperature if temperature is None else temperature
         return logits, algo.logprobs_from_logits(logits, responses, T)
 
+    def _actor_rows(self, qr, responses, C: int, temperature: float | None = None, entropy: bool | None = None):
+        """Log-probs of the rows and, with ``entropy`` set (True: with gradient), their per-token entropies. In a
+        group each rank runs the actor on its share of the rows and the results are gathered (distributed.py)."""
+        if self.group is None:
+            logits, logprobs = self._logits_and_logprobs(qr, responses, C, temperature)
+            return logprobs, self._entropies(logits, entropy)
+        n, rows = qr.shape[0], dist.local_rows(qr.shape[0], self.group)
+        logits, logprobs = self._logits_and_logprobs(qr[rows], responses[rows], C, temperature)
+        entropies = self._entropies(logits, entropy)
+        logprobs = dist.gather_rows(logprobs, n, self.group)
+        return logprobs, None if entropies is None else dist.gather_rows(entropies, n, self.group)
+
+    def _entropies(self, logits: torch.Tensor, entropy: bool | None):
+        if entropy is None:
+            return None
+        with torch.set_grad_enabled(entropy and torch.is_grad_enabled()):
+            return algo.entropy_from_logits(logits, self.temperature)
+
+    def _critic_rows(self, qr: torch.Tensor, C: int) -> torch.Tensor:
+        if self.group is None:
+            return self._values(qr, C)
+        n = qr.shape[0]
+        return dist.gather_rows(self._values(qr[dist.local_rows(n, self.group)], C), n, self.group)
+
     def _values(self, qr: torch.Tensor, C: int) -> torch.Tensor:
         with self._autocast():
             values = score_head_outputs(self.critic, qr, self.pad_id)[:, C - 1 : -1]
@@ -244,8 +283,8 @@ class TrainerEngine:
         optimizer state untouched), logged and counted, and the gradient norm comes back as NaN. One bad minibatch
         must not turn every weight into NaN."""
         opt.zero_grad(set_to_none=True)
-        if torch.isfinite(loss.detach()).all():
-            loss.backward()
+        if torch.isfinite(loss.detach()).all():  # the whole minibatch's loss: every rank decides alike
+            (loss * dist.backward_scale(self.group) if self.group is not None else loss).backward()
             norm = _clip(model, self.cfg.training.clip_grad)
             if math.isfinite(norm):
                 opt.step()
@@ -269,23 +308,24 @@ class TrainerEngine:
     def probe(self, experiences: list[experience_pb2.Experience]) -> None:
         """Collate ``experiences`` and run the actor's forward pass on them, changing nothing: raises what a step on
         them would raise because of the records themselves (the trainer uses it to find a record that fails a
-        step, to dead-letter it)."""
+        step, to dead-letter it). In a group only the collation: a forward on rank 0 alone would wait for the
+        other ranks' shards forever."""
         batch = self.collate(experiences)
+        if self.group is not None:
+            return
         with torch.no_grad():
             self._logits_and_logprobs(batch.query_responses, batch.responses, batch.context_length)
 
     def step(self, experiences: list[experience_pb2.Experience]) -> dict[str, float]:
         t0 = time.perf_counter()
-        batch = self.collate(experiences)
-        self._skipped_this_step = 0
-        if self.stage == "ray_ppo":
-            metrics = self._ppo(batch)
-        elif self.stage == "ray_online_dpo":
-            metrics = self._online_dpo(batch)
+        batch = self.collate(experiences)  # in a group: before anything is sent, so a bad batch stops nowhere else
+        if self.group is not None:
+            with self._command_lock:
+                dist.broadcast_ints([_STEP], 1, self.device)
+                self._send_batch(batch)
+                metrics = self._update(batch)
         else:
-            metrics = self._group(batch)
-        self.step_count += 1
-        self.policy_version += 1
+            metrics = self._update(batch)
         staleness = self.steps_behind(batch.policy_versions, self.step_count - 1)
         metrics.update(score_stats(experiences))
         metrics.update(
@@ -305,10 +345,63 @@ class TrainerEngine:
         )
         return metrics
 
+    def _update(self, batch: RolloutBatch) -> dict[str, float]:
+        self._skipped_this_step = 0
+        if self.stage == "ray_ppo":
+            metrics = self._ppo(batch)
+        elif self.stage == "ray_online_dpo":
+            metrics = self._online_dpo(batch)
+        else:
+            metrics = self._group(batch)
+        self.step_count += 1
+        self.policy_version += 1
+        return metrics
+
+    # ------------------------------------------------------------------ the group: rank 0 leads, the others follow
+    def _send_batch(self, b: RolloutBatch) -> None:
+        dist.broadcast_ints([b.context_length], 1, self.device)
+        dist.broadcast_tensors(_batch_tensors(b), len(_BATCH_FIELDS), self.device)
+
+    def _receive_batch(self) -> RolloutBatch:
+        (C,) = dist.broadcast_ints(None, 1, self.device)
+        t = dict(zip(_BATCH_FIELDS, dist.broadcast_tensors(None, len(_BATCH_FIELDS), self.device), strict=True))
+        return RolloutBatch(responses=t["query_responses"][:, C:], context_length=C, **t)
+
+    def follow(self) -> None:
+        """Ranks other than 0: take part in what rank 0 does (steps, weight gathers), collective for collective,
+        until it calls :meth:`stop_followers`. Commands and batches arrive as tensors (no pickle)."""
+        if self.group is None or self.group.is_driver:
+            raise RuntimeError("follow() is for ranks other than 0 of a trainer group")
+        while True:
+            (cmd,) = dist.broadcast_ints(None, 1, self.device)
+            if cmd == _STOP:
+                return
+            if cmd == _STEP:
+                self._update(self._receive_batch())
+            elif cmd == _GATHER:
+                for _ in self._gathered_policy(keep=False):
+                    pass
+            elif cmd != _NOOP:
+                raise RuntimeError(f"trainer group: unknown command {cmd} from rank 0")
+
+    def heartbeat(self) -> None:
+        """Rank 0, idle: a no-op command, so followers waiting for the next one do not reach the collective
+        timeout while the ring waits for experience."""
+        if self.group is not None:
+            with self._command_lock:
+                dist.broadcast_ints([_NOOP], 1, self.device)
+
+    def stop_followers(self) -> None:
+        if self.group is not None and self.group.is_driver:
+            with self._command_lock:
+                dist.broadcast_ints([_STOP], 1, self.device)
+
     def _parallel_critic(self) -> bool:
         """Actor and critic are separate models with separate losses, so their passes can run side by side (as
         OpenRLHF and veRL run them on separate workers); the results are the same as one after the other. On a CPU
         whose cores the intra-op threads already fill, a second thread would only oversubscribe them."""
+        if self.group is not None:  # two threads' collectives could interleave differently on each rank
+            return False
         if self.device.type != "cpu":
             return True
         return 2 * torch.get_num_threads() <= (os.cpu_count() or 1)
@@ -321,7 +414,7 @@ class TrainerEngine:
             run = pool.submit if pool else lambda fn, *args: _Done(fn(*args))
             values_f = run(self._old_values, b.query_responses, C)
             with torch.no_grad():
-                _, old_logprobs = self._logits_and_logprobs(b.query_responses, b.responses, C)
+                old_logprobs, _ = self._actor_rows(b.query_responses, b.responses, C)
             values = values_f.result()
             r = algo.ppo_rollout(
                 b.responses,
@@ -362,7 +455,7 @@ class TrainerEngine:
 
     def _old_values(self, qr: torch.Tensor, C: int) -> torch.Tensor:
         with torch.no_grad():  # grad mode is per thread: set here, where it runs
-            return self._values(qr, C)
+            return self._critic_rows(qr, C)
 
     def _actor_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]]) -> dict[str, list[float]]:
         a, C = self.cfg.actor, b.context_length
@@ -370,7 +463,7 @@ class TrainerEngine:
         behavior = self._behavior(b, r.logprobs)
         for epoch in minibatches:
             for mb in epoch:
-                logits, new_logprobs = self._logits_and_logprobs(b.query_responses[mb], r.responses[mb], C)
+                new_logprobs, entropies = self._actor_rows(b.query_responses[mb], r.responses[mb], C, entropy=True)
                 mask = r.response_mask[mb]
                 pg_loss, pg_stats = algo.ppo_policy_loss(
                     new_logprobs,
@@ -383,7 +476,7 @@ class TrainerEngine:
                     behavior_logprobs=None if behavior is None else behavior[mb],
                     tis_cap=a.tis_cap,
                 )
-                entropy = algo.masked_mean(algo.entropy_from_logits(logits, self.temperature), mask)
+                entropy = algo.masked_mean(entropies, mask)
                 loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
                 grad_norm = self._actor_step(loss)
                 _append(
@@ -402,7 +495,7 @@ class TrainerEngine:
         stats: dict[str, list[float]] = {}
         for epoch in minibatches:
             for mb in epoch:
-                vpred = self._values(b.query_responses[mb], C).masked_fill(r.padding_mask_p1[mb], 0.0)
+                vpred = self._critic_rows(b.query_responses[mb], C).masked_fill(r.padding_mask_p1[mb], 0.0)
                 vf_loss, vf_stats = algo.value_loss(
                     vpred, r.values[mb], r.returns[mb], r.value_mask[mb], cliprange_value=c.cliprange_value
                 )
@@ -438,7 +531,7 @@ class TrainerEngine:
         zero = torch.zeros((), device=responses.device)
         ref = torch.where(mask, b.ref_logprobs, zero)
         with torch.no_grad():
-            _, old_logprobs = self._logits_and_logprobs(b.query_responses, responses, C)
+            old_logprobs, _ = self._actor_rows(b.query_responses, responses, C)
         old_logprobs = torch.where(mask, old_logprobs, zero)
         kl = algo.kl_estimate(old_logprobs, ref, alg.kl_penalty)  # 0 outside the mask: both inputs are 0 there
         if kl_in_loss:
@@ -462,9 +555,10 @@ class TrainerEngine:
         stats: dict[str, list[float]] = {}
         for _ in range(a.ppo_epochs):
             for mb in self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch):
-                logits, new_logprobs = self._logits_and_logprobs(b.query_responses[mb], responses[mb], C)
-                with torch.set_grad_enabled(bool(a.entropy_coeff)):  # a loss term only with the bonus
-                    entropies = algo.entropy_from_logits(logits, self.temperature)
+                # entropies carry a gradient only with the bonus (a loss term only then)
+                new_logprobs, entropies = self._actor_rows(
+                    b.query_responses[mb], responses[mb], C, entropy=bool(a.entropy_coeff)
+                )
                 entropy_mask = None
                 if alg.top_entropy_quantile < 1.0:
                     entropy_mask = algo.top_entropy_mask(entropies, mask[mb], alg.top_entropy_quantile)
@@ -528,7 +622,7 @@ class TrainerEngine:
         ref_logprobs = b.ref_logprobs[idx]
         ref_sums = algo.masked_sum(ref_logprobs, mask, dim=1)
         T = cfg.logprob_temperature  # 1.0: TRL's online DPO never divides by the sampling temperature
-        _, logprobs = self._logits_and_logprobs(b.query_responses[idx], responses, C, temperature=T)
+        logprobs, _ = self._actor_rows(b.query_responses[idx], responses, C, temperature=T)
         sums = algo.masked_sum(logprobs, mask, dim=1)
         loss, stats = algo.dpo_loss(
             sums[chosen],
@@ -552,6 +646,10 @@ class TrainerEngine:
         """The actor's weights in Hugging Face names, contiguous, on the CPU (what weight sync ships; it refuses
         non-finite tensors). With ``training.bf16`` the fp32 master weights are cast to bf16 here, and only here:
         rollout serves bf16 and the transfer is half the bytes."""
+        if self.group is not None:
+            with self._command_lock:
+                dist.broadcast_ints([_GATHER], 1, self.device)
+                return dict(self._gathered_policy(keep=True))
         dtype = torch.bfloat16 if self.cfg.training.bf16 else None
         out = {}
         for k, v in self.actor.state_dict().items():
@@ -560,6 +658,30 @@ class TrainerEngine:
                 v = v.to(dtype)
             out[k] = v.to("cpu").contiguous()
         return out
+
+    def _gathered_policy(self, keep: bool):
+        """(name, full tensor) of the sharded actor, gathered one parameter at a time on every rank (the gather is
+        a collective); ranks that do not ``keep`` drop each tensor at once, so their extra memory is one tensor."""
+        dtype = torch.bfloat16 if self.cfg.training.bf16 else None
+        for k, v in self.actor.state_dict().items():
+            v = dist.full_value(v.detach())
+            if not keep:
+                yield k, None
+                continue
+            if dtype is not None and v.is_floating_point():
+                v = v.to(dtype)
+            yield k, v.to("cpu").contiguous()
+
+
+_NOOP, _STEP, _GATHER, _STOP = 0, 1, 2, 3
+_BATCH_FIELDS = (
+    "query_responses", "sampling_logprobs", "ref_logprobs", "scores", "group", "policy_versions",
+    "has_sampling_logprobs",
+)  # fmt: skip
+
+
+def _batch_tensors(b: RolloutBatch) -> list[torch.Tensor]:
+    return [getattr(b, name) for name in _BATCH_FIELDS]
 
 
 def _first_model_scorer(cfg: ExperimentConfig) -> str | None:
@@ -576,8 +698,12 @@ def _clip(model: torch.nn.Module, max_norm: float) -> float:
     if max_norm and max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     else:
-        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
-    value = float(norm)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if grads and hasattr(grads[0], "full_tensor"):  # sharded (FSDP2): the norm over every rank's shards
+            norm = torch.nn.utils.get_total_norm(grads)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    value = float(dist.full_value(norm))
     return value if math.isfinite(value) else float("nan")
 
 
