@@ -25,6 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -41,6 +42,7 @@ from rlhf.models import (
     score_head_outputs,
 )
 from rlhf.v1 import common_pb2, experience_pb2
+from services.trainer import checkpoint
 
 log = logging.getLogger("rlhf.trainer")
 
@@ -381,8 +383,25 @@ class TrainerEngine:
             elif cmd == _GATHER:
                 for _ in self._gathered_policy(keep=False):
                     pass
+            elif cmd in (_SAVE, _LOAD):
+                path = Path(dist.broadcast_text(None, self.device))
+                (checkpoint.write_sharded if cmd == _SAVE else checkpoint.restore)(path, self)
             elif cmd != _NOOP:
                 raise RuntimeError(f"trainer group: unknown command {cmd} from rank 0")
+
+    def save_group(self, path: Path) -> None:
+        """Rank 0 (checkpoint.save_checkpoint): every rank writes its part of the checkpoint into ``path``."""
+        with self._command_lock:
+            dist.broadcast_ints([_SAVE], 1, self.device)
+            dist.broadcast_text(str(path), self.device)
+            checkpoint.write_sharded(path, self)
+
+    def load_group(self, path: Path) -> None:
+        """Rank 0 (checkpoint.load_checkpoint): every rank restores its part of the checkpoint at ``path``."""
+        with self._command_lock:
+            dist.broadcast_ints([_LOAD], 1, self.device)
+            dist.broadcast_text(str(path), self.device)
+            checkpoint.restore(path, self)
 
     def heartbeat(self) -> None:
         """Rank 0, idle: a no-op command, so followers waiting for the next one do not reach the collective
@@ -673,7 +692,7 @@ class TrainerEngine:
             yield k, v.to("cpu").contiguous()
 
 
-_NOOP, _STEP, _GATHER, _STOP = 0, 1, 2, 3
+_NOOP, _STEP, _GATHER, _STOP, _SAVE, _LOAD = 0, 1, 2, 3, 4, 5
 _BATCH_FIELDS = (
     "query_responses", "sampling_logprobs", "ref_logprobs", "scores", "group", "policy_versions",
     "has_sampling_logprobs",

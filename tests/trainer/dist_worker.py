@@ -70,9 +70,65 @@ def batch(n: int, prompts: int = 4, vocab: int = 512, seed: int = 3) -> list[exp
     return out
 
 
+def full_state(engine: TrainerEngine) -> dict[str, torch.Tensor]:
+    """Weights and AdamW moments of actor and critic, gathered and keyed by name (a collective on every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    full = StateDictOptions(full_state_dict=True)
+    out = {}
+    for role, model, opt in (("actor", engine.actor, engine.actor_opt), ("critic", engine.critic, engine.critic_opt)):
+        if model is None:
+            continue
+        for k, v in model.state_dict().items():
+            out[f"{role}.{k}"] = distributed.full_value(v.detach()).clone()
+        for name, st in get_optimizer_state_dict(model, opt, options=full)["state"].items():
+            for key, v in st.items():
+                out[f"{role}_optim.{name}.{key}"] = distributed.full_value(v).clone().reshape(-1).float()
+    return out
+
+
+def resume(out: Path, options: dict[str, str]) -> None:
+    """PPO: with ``save=DIR`` one step on batch 1 then a checkpoint into DIR (and the state saved,
+    ``saved.safetensors``); with ``load=DIR`` the restored state
+    (``restored.safetensors``) and one step on batch 2 (``next.json``, ``next.safetensors``)."""
+    from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+
+    cfg = config("ray_ppo", {})
+    engine = TrainerEngine(cfg)
+    driver = engine.group is None or engine.group.is_driver
+    if not driver:
+        engine.follow()
+    elif "save" in options:
+        engine.step(batch(4, seed=3))
+        save_checkpoint(options["save"], engine, {"trained_job_ids": ["j0"]})
+        engine.stop_followers()
+    else:
+        load_checkpoint(latest_checkpoint(options["load"]), engine)
+        engine.stop_followers()
+    state = full_state(engine)  # saved or restored
+    if driver:
+        save_file(state, out / ("saved.safetensors" if "save" in options else "restored.safetensors"))
+    if "save" in options:
+        return
+    if driver:
+        metrics = engine.step(batch(4, seed=5))
+        engine.stop_followers()
+    else:
+        engine.follow()
+    after = full_state(engine)
+    if driver:
+        save_file(after, out / "next.safetensors")
+        (out / "next.json").write_text(json.dumps(metrics))
+
+
 def main() -> None:
     out = Path(sys.argv[1])
-    options = {k: v == "1" for k, v in (a.split("=", 1) for a in sys.argv[2:])}
+    raw = dict(a.split("=", 1) for a in sys.argv[2:])
+    if "save" in raw or "load" in raw:
+        resume(out, raw)
+        distributed.destroy()
+        return
+    options = {k: v == "1" for k, v in raw.items()}
     stages = [s for s in RUNS if options.get(s, True)]
     for stage in stages:
         cfg = config(stage, options)
