@@ -93,6 +93,7 @@ class ServiceSpec:
     grpc_port: int
     http_port: int
     env: dict[str, str] = field(default_factory=dict)  # RLHF_* variables for this process (over the common ones)
+    procs: int = 1  # > 1: the service runs under torch.distributed.run with this many processes (the trainer)
 
     @property
     def grpc_addr(self) -> str:
@@ -105,8 +106,11 @@ class ServiceSpec:
         return f"{'https' if self.tls else 'http'}://{HOST}:{self.http_port}"
 
     def argv(self, config: str | Path, python: str = sys.executable) -> list[str]:
-        return [python, "-m", "services.cli", "serve", self.service, "--config", str(config), "--host", HOST,
-                "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port)]  # fmt: skip
+        serve = ["-m", "services.cli", "serve", self.service, "--config", str(config), "--host", HOST,
+                 "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port)]  # fmt: skip
+        if self.procs > 1:  # rank 0 serves the ports; torchrun ends the whole group when any process dies
+            return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.procs}", *serve]
+        return [python, *serve]
 
 
 def plan_services(
@@ -118,6 +122,7 @@ def plan_services(
     rollout_replicas: int = 1,
     ports: Sequence[int] | None = None,
     tls: bool = False,
+    trainer_procs: int = 1,
 ) -> list[ServiceSpec]:
     """The services of one run, in start order, with their ports and the ``RLHF_*`` variables each one needs.
     ``tls``: the services serve TLS (the certificate, key and CA come to them in the environment, as to ``rlhf up``)."""
@@ -153,6 +158,7 @@ def plan_services(
         next(it),
         next(it),
         {**common, "RLHF_ROLLOUT_ADDRS": ",".join(r.grpc_addr for r in rollouts), "RLHF_RUN_DIR": str(run_dir)},
+        procs=trainer_procs,
     )
     specs = [reward, reference, *rollouts, trainer]
     for spec in specs:
@@ -449,6 +455,7 @@ class RunOptions:
     config: Path
     run_dir: Path | None = None
     rollout_replicas: int = 1
+    trainer_procs: int = 1
     ready_timeout: float = 600.0
     stop_grace: float = 20.0
     python: str = sys.executable
@@ -604,7 +611,8 @@ class Launcher:
                 self.say(f"redis-server ready on port {redis.port} (pid {redis.pid}, AOF in {redis.directory})")
             token = os.environ.get("RLHF_API_TOKEN") or secrets.token_urlsafe(24)
             specs = plan_services(redis_url=redis_url, run_id=run_id, api_token=token, run_dir=self.run_dir,
-                                  rollout_replicas=self.opts.rollout_replicas, tls=settings.tls)  # fmt: skip
+                                  rollout_replicas=self.opts.rollout_replicas, tls=settings.tls,
+                                  trainer_procs=self.opts.trainer_procs)  # fmt: skip
             if settings.tls:
                 self.say("TLS on: every service serves gRPC and HTTPS, every client verifies its peer")
             by_name = {s.name: s for s in specs}
@@ -729,6 +737,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="continue a stopped run: its folder's config (unless --config), Redis data, checkpoints and "
                         "metrics; training goes on from the last checkpoint")  # fmt: skip
     p.add_argument("--rollout-replicas", type=int, default=1, help="rollout processes (default %(default)s)")
+    p.add_argument("--trainer-procs", type=int, default=1,
+                   help="trainer processes: > 1 runs an FSDP2 trainer group under torch.distributed.run (gloo on "
+                        "the CPU) (default %(default)s)")  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds each stage may take to get ready")
     p.add_argument("--stop-grace", type=float, default=20.0, help="seconds a service gets after SIGTERM")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
@@ -739,6 +750,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.rollout_replicas < 1:
         print("rlhf up: --rollout-replicas must be at least 1", file=sys.stderr)
+        return 2
+    if args.trainer_procs < 1:
+        print("rlhf up: --trainer-procs must be at least 1", file=sys.stderr)
         return 2
     if args.max_restarts < 0:
         print("rlhf up: --max-restarts must be at least 0", file=sys.stderr)
@@ -763,6 +777,7 @@ def main(args: argparse.Namespace) -> int:
         config=Path(args.config),
         run_dir=Path(run_dir) if run_dir else None,
         rollout_replicas=args.rollout_replicas,
+        trainer_procs=args.trainer_procs,
         ready_timeout=args.ready_timeout,
         stop_grace=args.stop_grace,
         quiet=args.quiet,
