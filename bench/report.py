@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHES = ("queue", "weight_sync", "serving", "engines", "pipeline")
+BENCHES = ("queue", "weight_sync", "serving", "engines", "pipeline", "trainer_scale")
 RESULTS = REPO / ".cache" / "bench" / "results"
 TITLES = {
     "queue": "Queue: experience records through rlhf.transport vs raw Redis",
@@ -33,6 +33,7 @@ TITLES = {
     "serving": "Serving: REST and gRPC vs the engine in-process",
     "engines": "Rollout engines: generated tokens/s, vllm vs hf",
     "pipeline": "Pipeline: training samples/s vs TRL 1.12",
+    "trainer_scale": "Trainer scale: per-rank training state and step time, FSDP2 world size 2 vs 1",
 }
 
 
