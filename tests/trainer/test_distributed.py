@@ -141,3 +141,39 @@ def test_world_size_1_makes_no_group(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "two")
     with pytest.raises(ValueError, match="WORLD_SIZE must be an integer"):
         distributed.init_from_env(torch.device("cpu"), 10)
+
+
+def test_trainer_procs_runs_the_trainer_under_torchrun(tmp_path):
+    """`rlhf up --trainer-procs 2`: the trainer's command line is torch.distributed.run's (checked with its own
+    parser); the other services stay single processes."""
+    from torch.distributed.run import get_args_parser
+
+    from services import launcher
+
+    specs = launcher.plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path, trainer_procs=2)
+    *others, trainer = specs
+    argv = trainer.argv("c.yaml", "py")
+    assert argv[:3] == ["py", "-m", "torch.distributed.run"]
+    args = get_args_parser().parse_args(argv[3:])
+    assert args.nproc_per_node == "2" and args.standalone and args.module
+    assert args.training_script == "services.cli" and args.training_script_args[:4] == [
+        "serve",
+        "trainer",
+        "--config",
+        "c.yaml",
+    ]
+    assert all(s.argv("c.yaml", "py")[:3] == ["py", "-m", "services.cli"] for s in others)
+    single = launcher.plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path)[-1]
+    assert single.argv("c.yaml", "py")[:3] == ["py", "-m", "services.cli"]
+
+
+def test_trainer_procs_below_1_is_refused(tmp_path, capsys):
+    import argparse
+
+    from services import launcher
+
+    p = argparse.ArgumentParser()
+    launcher.add_arguments(p)
+    (tmp_path / "c.yaml").write_text("run_id: x\n")
+    assert launcher.main(p.parse_args(["--config", str(tmp_path / "c.yaml"), "--trainer-procs", "0"])) == 2
+    assert "--trainer-procs must be at least 1" in capsys.readouterr().err
