@@ -121,9 +121,29 @@ def resume(out: Path, options: dict[str, str]) -> None:
         (out / "next.json").write_text(json.dumps(metrics))
 
 
+def hang(out: Path, timeout_s: float) -> None:
+    """Rank 1 never enters the collective; rank 0's must fail after ``timeout_s``, not wait forever."""
+    import time
+
+    group = distributed.init_from_env(torch.device("cpu"), timeout_s)
+    if group.rank == 1:
+        time.sleep(timeout_s * 4)
+        return
+    t0 = time.monotonic()
+    try:
+        distributed.broadcast_ints([1], 1, torch.device("cpu"))
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    (out / "hang.json").write_text(json.dumps({"error": error, "waited_s": time.monotonic() - t0}))
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     raw = dict(a.split("=", 1) for a in sys.argv[2:])
+    if "hang" in raw:
+        hang(out, float(raw["hang"]))
+        return
     if "save" in raw or "load" in raw:
         resume(out, raw)
         distributed.destroy()

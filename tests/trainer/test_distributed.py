@@ -121,6 +121,14 @@ def test_checkpoint_resumes_at_another_world_size(runs):
         torch.testing.assert_close(p, saved[f"actor.{name}"], atol=0, rtol=0, msg=name)
 
 
+def test_a_hung_collective_times_out(tmp_path):
+    """``training.collective_timeout_s``: rank 1 never joins; rank 0's broadcast fails after the timeout."""
+    _run(tmp_path / "hang", 2, "hang=3")
+    result = json.loads((tmp_path / "hang" / "hang.json").read_text())
+    assert result["error"] is not None and "Timed out" in result["error"], result
+    assert 2.5 <= result["waited_s"] < 30, result
+
+
 def test_shares_split_rows_evenly_and_gather_rebuilds_them():
     assert distributed.shares(7, 2) == [(0, 4), (4, 7)]
     assert distributed.shares(1, 2) == [(0, 1), (1, 1)]
