@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHES = ("queue", "weight_sync", "serving", "engines", "padding_free", "pipeline")
+BENCHES = ("queue", "weight_sync", "serving", "engines", "padding_free", "pipeline", "trainer_scale")
 RESULTS = REPO / ".cache" / "bench" / "results"
 TITLES = {
     "queue": "Queue: experience records through rlhf.transport vs raw Redis",
@@ -34,6 +34,7 @@ TITLES = {
     "engines": "Rollout engines: generated tokens/s, vllm vs hf",
     "padding_free": "Padding-free passes: the trainer's PPO step and the reference forward, padded vs packed",
     "pipeline": "Pipeline: training samples/s vs TRL 1.12 and vs the compute bound",
+    "trainer_scale": "Trainer scale: per-rank training state and step time, FSDP2 world size 2 vs 1",
 }
 
 

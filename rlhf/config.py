@@ -65,6 +65,12 @@ class TrainingConfig(Section):
         "pack each batch's sequences without padding (positions per sequence, attention within each sequence) for "
         "the actor's, critic's and reference's passes; pays when lengths vary (rlhf.packing)",
     )
+    activation_checkpointing: bool = _f(
+        False, "recompute each decoder layer's activations in backward instead of keeping them (less memory, more time)"
+    )
+    collective_timeout_s: float = _f(
+        600.0, "multi-process trainer (torchrun): seconds a collective may wait before the group fails", gt=0
+    )
     save_interval: int = _f(10, "checkpoint every N steps", gt=0)
     save: str = _f("runs/checkpoints", "checkpoint directory")
     load: str | None = _f(None, "checkpoint directory to resume from (default: the newest under save)")

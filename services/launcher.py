@@ -96,6 +96,7 @@ class ServiceSpec:
     grpc_port: int
     http_port: int
     env: dict[str, str] = field(default_factory=dict)  # RLHF_* variables for this process (over the common ones)
+    procs: int = 1  # > 1: the service runs under torch.distributed.run with this many processes (the trainer)
 
     @property
     def grpc_addr(self) -> str:
@@ -108,8 +109,11 @@ class ServiceSpec:
         return f"{'https' if self.tls else 'http'}://{HOST}:{self.http_port}"
 
     def argv(self, config: str | Path, python: str = sys.executable) -> list[str]:
-        return [python, "-m", "services.cli", "serve", self.service, "--config", str(config), "--host", HOST,
-                "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port)]  # fmt: skip
+        serve = ["-m", "services.cli", "serve", self.service, "--config", str(config), "--host", HOST,
+                 "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port)]  # fmt: skip
+        if self.procs > 1:  # rank 0 serves the ports; torchrun ends the whole group when any process dies
+            return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.procs}", *serve]
+        return [python, *serve]
 
 
 def plan_services(
@@ -122,6 +126,7 @@ def plan_services(
     ports: Sequence[int] | None = None,
     tls: bool = False,
     devices: DevicePlan | None = None,
+    trainer_procs: int = 1,
 ) -> list[ServiceSpec]:
     """The services of one run, in start order, with their ports and the ``RLHF_*`` variables each one needs.
     ``tls``: the services serve TLS (the certificate, key and CA come to them in the environment, as to ``rlhf up``)."""
@@ -158,6 +163,7 @@ def plan_services(
         next(it),
         next(it),
         {**common, "RLHF_ROLLOUT_ADDRS": ",".join(r.grpc_addr for r in rollouts), "RLHF_RUN_DIR": str(run_dir)},
+        procs=trainer_procs,
     )
     specs = [reward, reference, *rollouts, trainer]
     for spec in specs:
@@ -461,6 +467,7 @@ class RunOptions:
     config: Path
     run_dir: Path | None = None
     rollout_replicas: int | None = None  # None: from the config's device counts, else 1
+    trainer_procs: int = 1
     ready_timeout: float = 600.0
     stop_grace: float = 20.0
     python: str = sys.executable
@@ -621,7 +628,8 @@ class Launcher:
                 self.say(f"redis-server ready on port {redis.port} (pid {redis.pid}, AOF in {redis.directory})")
             token = os.environ.get("RLHF_API_TOKEN") or secrets.token_urlsafe(24)
             specs = plan_services(redis_url=redis_url, run_id=run_id, api_token=token, run_dir=self.run_dir,
-                                  rollout_replicas=replicas, tls=settings.tls, devices=devices)  # fmt: skip
+                                  rollout_replicas=replicas, tls=settings.tls, devices=devices,
+                                  trainer_procs=self.opts.trainer_procs)  # fmt: skip
             if settings.tls:
                 self.say("TLS on: every service serves gRPC and HTTPS, every client verifies its peer")
             if (os.environ.get("RLHF_ROLLOUT_ENGINE") or cfg.actor.engine) == "vllm":
@@ -772,6 +780,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollout-replicas", type=int, default=None,
                    help="rollout processes (default: the config's rollout devices / tensor parallel size, "
                         "else 1)")  # fmt: skip
+    p.add_argument("--trainer-procs", type=int, default=1,
+                   help="trainer processes: > 1 runs an FSDP2 trainer group under torch.distributed.run (gloo on "
+                        "the CPU) (default %(default)s)")  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds each stage may take to get ready")
     p.add_argument("--stop-grace", type=float, default=20.0, help="seconds a service gets after SIGTERM")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
@@ -782,6 +793,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.rollout_replicas is not None and args.rollout_replicas < 1:
         print("rlhf up: --rollout-replicas must be at least 1", file=sys.stderr)
+        return 2
+    if args.trainer_procs < 1:
+        print("rlhf up: --trainer-procs must be at least 1", file=sys.stderr)
         return 2
     if args.max_restarts < 0:
         print("rlhf up: --max-restarts must be at least 0", file=sys.stderr)
@@ -806,6 +820,7 @@ def main(args: argparse.Namespace) -> int:
         config=Path(args.config),
         run_dir=Path(run_dir) if run_dir else None,
         rollout_replicas=args.rollout_replicas,
+        trainer_procs=args.trainer_procs,
         ready_timeout=args.ready_timeout,
         stop_grace=args.stop_grace,
         quiet=args.quiet,

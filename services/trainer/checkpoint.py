@@ -4,7 +4,10 @@ Layout of ``<save>/step_<N>/``::
 
     policy/               save_pretrained + tokenizer: transformers and vLLM load it as is
     critic/               the PPO critic (sequence classification), when there is one
-    optim.safetensors     optimizer tensors (Adam moments), flattened as "<opt>.<param index>.<key>"
+    optim.safetensors     optimizer tensors (Adam moments), flattened as "<opt>.<param index>.<key>"; from a
+                          multi-process (FSDP2) trainer only the RNG states, and instead:
+    sharded/              torch.distributed.checkpoint of the sharded training state: actor optimizer, critic and
+                          its optimizer, keyed by parameter name, loadable at any world size (1 included)
     state.json            step, policy version, optimizer scalars, KL coefficient, data position, RNG seeds,
                           and the job ids already trained on (so a restart trains nothing twice)
     manifest.json         written last: every other file with its size. A folder without it, or whose files
@@ -71,17 +74,21 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{engine.step_count}"
     tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=root))
-    _save_policy(engine, tmp / "policy")
-    if engine.cfg.actor.lora_r:  # the adapters: what a LoRA run trains (the base comes from the load folder)
-        from rlhf.lora import adapter_state_dict
+    if engine.group is not None:  # every rank writes its shards (the folder must be on storage they all see)
+        engine.save_group(tmp)
+        tensors, optim_meta = {}, {"format": "dcp"}
+    else:
+        _save_policy(engine, tmp / "policy")
+        if engine.cfg.actor.lora_r:  # the adapters: what a LoRA run trains (the base comes from the load folder)
+            from rlhf.lora import adapter_state_dict
 
-        save_file(adapter_state_dict(engine.actor), tmp / "adapter.safetensors")
-    tensors, meta = _optimizer_state("actor", engine.actor_opt)
-    optim_meta = {"actor": meta}
-    if engine.critic is not None:
-        engine.critic.save_pretrained(tmp / "critic", safe_serialization=True)
-        critic_tensors, optim_meta["critic"] = _optimizer_state("critic", engine.critic_opt)
-        tensors.update(critic_tensors)
+            save_file(adapter_state_dict(engine.actor), tmp / "adapter.safetensors")
+        tensors, meta = _optimizer_state("actor", engine.actor_opt)
+        optim_meta = {"actor": meta}
+        if engine.critic is not None:
+            engine.critic.save_pretrained(tmp / "critic", safe_serialization=True)
+            critic_tensors, optim_meta["critic"] = _optimizer_state("critic", engine.critic_opt)
+            tensors.update(critic_tensors)
     tensors["rng.torch"] = torch.get_rng_state()
     tensors["rng.generator"] = engine.generator.get_state()
     save_file(tensors, tmp / "optim.safetensors")
@@ -111,7 +118,7 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
     os.replace(latest_tmp, root / "latest")
     for stale in root.glob("step_*.tmp-*"):  # left by a writer that crashed
         shutil.rmtree(stale, ignore_errors=True)
-    export_models(engine)
+    export_models(engine, final / "policy")
     return final
 
 
@@ -135,9 +142,10 @@ def _save_policy(engine, directory: Path) -> None:
     engine.tokenizer.save_pretrained(directory)
 
 
-def export_models(engine) -> None:
+def export_models(engine, policy_dir: Path) -> None:
     """Write the actor (and the critic) as Hugging Face folders to ``actor_rollout.save`` / ``critic.save`` when set
-    (the seeds' save fields): the latest weights, replaced whole (written beside, then renamed over)."""
+    (the seeds' save fields): the latest weights, replaced whole (written beside, then renamed over). In a trainer
+    group the actor is the checkpoint's gathered ``policy_dir`` (the critic is refused there: it stays sharded)."""
     cfg = engine.cfg
     targets = [(cfg.actor.save, engine.actor), (cfg.critic.save, engine.critic)]
     for dest, model in targets:
@@ -146,7 +154,9 @@ def export_models(engine) -> None:
         dest = Path(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-        if model is engine.actor:
+        if model is engine.actor and engine.group is not None:
+            shutil.copytree(policy_dir, tmp, dirs_exist_ok=True)
+        elif model is engine.actor:
             _save_policy(engine, tmp)
         else:
             model.save_pretrained(tmp, safe_serialization=True)
@@ -169,21 +179,49 @@ def load_checkpoint(path: str | Path, engine) -> dict[str, Any]:
     state = json.loads((path / "state.json").read_text())
     if state["stage"] != engine.stage:
         raise ValueError(f"checkpoint {path} was trained with stage {state['stage']}, config says {engine.stage}")
-    if engine.cfg.actor.lora_r:
-        _load_adapter(engine.actor, path / "adapter.safetensors")
+    if engine.critic is not None and not ((path / "critic").is_dir() or (path / "sharded").is_dir()):
+        raise ValueError(f"checkpoint {path} has no critic/, but stage {engine.stage} trains one")
+    if engine.group is not None:
+        engine.load_group(path)  # every rank runs restore()
     else:
-        _load_weights(engine.actor, path / "policy")
+        restore(path, engine)
+    return state
+
+
+def restore(path: Path, engine) -> None:
+    """Load a complete checkpoint folder into ``engine`` (this process's part of it, in a group): written at any
+    world size, read at any world size."""
+    path = Path(path)
+    state = json.loads((path / "state.json").read_text())
     tensors = load_file(path / "optim.safetensors")
     t = engine.cfg.training  # MindSpeed's no_load_optim / no_load_rng: fresh AdamW moments / generators
-    if not t.no_load_optim:
-        _restore_optimizer("actor", engine.actor_opt, tensors, state["optimizers"]["actor"])
-    if engine.critic is not None:
-        if not (path / "critic").is_dir():
-            raise ValueError(f"checkpoint {path} has no critic/, but stage {engine.stage} trains one")
-        _load_weights(engine.critic, path / "critic")
+    if engine.group is None and not (path / "sharded").is_dir():  # the single-process format, as always
+        if engine.cfg.actor.lora_r:
+            _load_adapter(engine.actor, path / "adapter.safetensors")
+        else:
+            _load_weights(engine.actor, path / "policy")
         if not t.no_load_optim:
-            _restore_optimizer("critic", engine.critic_opt, tensors, state["optimizers"]["critic"])
-    if not t.no_load_rng:
+            _restore_optimizer("actor", engine.actor_opt, tensors, state["optimizers"]["actor"])
+        if engine.critic is not None:
+            _load_weights(engine.critic, path / "critic")
+            if not t.no_load_optim:
+                _restore_optimizer("critic", engine.critic_opt, tensors, state["optimizers"]["critic"])
+    else:
+        if t.no_load_optim:
+            raise ValueError("training.no_load_optim: not built for a multi-process trainer's checkpoint")
+        _load_full_weights(engine.actor, path / "policy")
+        if (path / "sharded").is_dir():
+            _read_sharded(path / "sharded", engine)
+        else:  # a single-process checkpoint into a group: each rank takes its shards of the full state
+            _set_full_optimizer(engine.actor, engine.actor_opt, "actor", tensors, state["optimizers"]["actor"])
+            if engine.critic is not None:
+                _load_full_weights(engine.critic, path / "critic")
+                _set_full_optimizer(engine.critic, engine.critic_opt, "critic", tensors, state["optimizers"]["critic"])
+    _restore_counters(engine, state, tensors)
+
+
+def _restore_counters(engine, state: dict, tensors: dict[str, torch.Tensor]) -> None:
+    if not engine.cfg.training.no_load_rng:
         torch.set_rng_state(tensors["rng.torch"])
         engine.generator.set_state(tensors["rng.generator"])
     moments = state.get("reward_moments")
@@ -193,6 +231,16 @@ def load_checkpoint(path: str | Path, engine) -> dict[str, Any]:
     engine.policy_version = state["policy_version"]
     engine.kl_ctrl.value = state["kl_coef"]
     engine.version_segments = [tuple(x) for x in state.get("version_segments", [(0, 0)])]
+
+
+# ------------------------------------------------------------------ the multi-process (FSDP2) format
+def _sharded_state(engine) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state = {"actor_optim": get_optimizer_state_dict(engine.actor, engine.actor_opt)}
+    if engine.critic is not None:
+        state["critic"] = get_model_state_dict(engine.critic)
+        state["critic_optim"] = get_optimizer_state_dict(engine.critic, engine.critic_opt)
     return state
 
 
@@ -206,6 +254,75 @@ def _load_adapter(model: torch.nn.Module, file: Path) -> None:
         raise ValueError(f"{file} does not match the adapters: missing {sorted(wanted - set(weights))[:5]}, "
                          f"unexpected {sorted(set(weights) - wanted)[:5]}")  # fmt: skip
     model.load_state_dict(weights, strict=False)
+
+
+def write_sharded(path: Path, engine) -> None:
+    """Every rank of a group: the policy gathered into Hugging Face format (rank 0 writes it), and the sharded state
+    through torch.distributed.checkpoint (each rank writes its own shards)."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(engine.actor, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if engine.group.is_driver:
+        engine.actor.save_pretrained(path / "policy", state_dict=full, safe_serialization=True)
+        engine.tokenizer.save_pretrained(path / "policy")
+    del full
+    save(_sharded_state(engine), checkpoint_id=str(path / "sharded"))
+
+
+def _read_sharded(directory: Path, engine) -> None:
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    state = _sharded_state(engine)
+    load(state, checkpoint_id=str(directory))  # resharded to this world size (plain tensors at world size 1)
+    set_optimizer_state_dict(engine.actor, engine.actor_opt, state["actor_optim"])
+    if engine.critic is not None:
+        set_model_state_dict(engine.critic, state["critic"])
+        set_optimizer_state_dict(engine.critic, engine.critic_opt, state["critic_optim"])
+
+
+def _load_full_weights(model: torch.nn.Module, directory: Path) -> None:
+    """A Hugging Face folder into a model that may be sharded: every rank reads the full tensors and keeps its
+    shards. Tied weights are written once; they come back through the parameter they are tied to."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    weights: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        weights.update(load_file(f))
+    if not weights:
+        raise ValueError(f"{directory} holds no weights (*.safetensors)")
+    names = set(model.state_dict())
+    missing = sorted(names - set(weights) - _tied_names(model))
+    unexpected = sorted(set(weights) - names)
+    if missing or unexpected:
+        raise ValueError(f"{directory} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _tied_names(model: torch.nn.Module) -> set[str]:
+    """Names under which a parameter appears a second time (``named_parameters`` lists each parameter once)."""
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+
+
+def _set_full_optimizer(model, opt, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """The single-process format (states keyed by parameter index) as a full, name-keyed optimizer state dict."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = [n for n, _ in model.named_parameters()]  # the optimizer's parameter order
+    state: dict[str, dict[str, Any]] = {}
+    prefix = f"{name}."
+    for key, value in tensors.items():
+        if key.startswith(prefix):
+            idx, field = key[len(prefix) :].split(".", 1)
+            state.setdefault(names[int(idx)], {})[field] = value
+    for key, value in meta["scalars"].items():
+        idx, field = key.split(".", 1)
+        state.setdefault(names[int(idx)], {})[field] = value
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in meta["param_groups"]]
+    set_optimizer_state_dict(
+        model, opt, {"state": state, "param_groups": groups}, options=StateDictOptions(full_state_dict=True)
+    )
 
 
 def _load_weights(model: torch.nn.Module, directory: Path) -> None:

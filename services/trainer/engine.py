@@ -26,10 +26,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from rlhf import algo
+from rlhf import distributed as dist
 from rlhf.config import ExperimentConfig
 from rlhf.models import (
     causal_lm_logits,
@@ -41,7 +43,7 @@ from rlhf.models import (
     score_head_outputs,
 )
 from rlhf.v1 import common_pb2, experience_pb2
-from services.trainer import optim
+from services.trainer import checkpoint, optim
 
 log = logging.getLogger("rlhf.trainer")
 
@@ -105,6 +107,10 @@ class TrainerEngine:
         self.cfg = cfg
         self.stage = cfg.training.stage
         self.device = resolve_device(device or cfg.training.device)
+        # None at world size 1: no process group, and every method below runs its single-process code unchanged.
+        self.group = dist.init_from_env(self.device, cfg.training.collective_timeout_s)
+        if self.group is not None:
+            _refuse_in_group(cfg)
         torch.manual_seed(cfg.training.seed)
         actor_path = resolve_model_path(cfg.actor.load)
         self.tokenizer = load_tokenizer(cfg.training.tokenizer_name_or_path or actor_path)
@@ -120,6 +126,7 @@ class TrainerEngine:
 
             a = cfg.actor
             self.actor = wrap_lora(self.actor, a.lora_r, a.lora_alpha, a.lora_target_modules)
+        self._prepare(self.actor)
         t = cfg.training
         # fused AdamW, TRL's default ("adamw_torch_fused"): 4-6x faster optimizer steps than the per-tensor loop (CPU)
         fused = self.device.type in ("cpu", "cuda")
@@ -133,6 +140,7 @@ class TrainerEngine:
             self.critic = load_sequence_classifier(resolve_model_path(critic_src), self.device)
             self.critic.train()
             _disable_dropout(self.critic)
+            self._prepare(self.critic)
             self.critic_opt = _adamw(self.critic, self.critic_optim, fused)
         # kl_penalty full (TRL): the whole-vocabulary KL needs the reference's logits, which the reference service
         # does not send (it returns the sampled tokens' log-probs), so the trainer holds a frozen reference copy
@@ -157,6 +165,16 @@ class TrainerEngine:
         self._skipped_lock = threading.Lock()
         self.skipped_updates = 0
         self._skipped_this_step = 0
+        # Rank 0's commands to the group (step, gather, heartbeat) go one at a time, each with its collectives.
+        self._command_lock = threading.Lock()
+
+    def _prepare(self, model: torch.nn.Module) -> None:
+        """Activation checkpointing if asked, then FSDP2 sharding in a group (before its optimizer is built, so the
+        AdamW state is sharded too)."""
+        if self.cfg.training.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.group is not None:
+            dist.shard(model, self.cfg.training.bf16, self.device)
 
     @property
     def vocab_size(self) -> int:
@@ -238,6 +256,30 @@ class TrainerEngine:
         T = self.temperature if temperature is None else temperature
         return logits, algo.logprobs_from_logits(logits, responses, T)
 
+    def _actor_rows(self, qr, responses, C: int, temperature: float | None = None, entropy: bool | None = None):
+        """Log-probs of the rows and, with ``entropy`` set (True: with gradient), their per-token entropies. In a
+        group each rank runs the actor on its share of the rows and the results are gathered (distributed.py)."""
+        if self.group is None:
+            logits, logprobs = self._logits_and_logprobs(qr, responses, C, temperature)
+            return logprobs, self._entropies(logits, entropy, temperature)
+        n, rows = qr.shape[0], dist.local_rows(qr.shape[0], self.group)
+        logits, logprobs = self._logits_and_logprobs(qr[rows], responses[rows], C, temperature)
+        entropies = self._entropies(logits, entropy, temperature)
+        logprobs = dist.gather_rows(logprobs, n, self.group)
+        return logprobs, None if entropies is None else dist.gather_rows(entropies, n, self.group)
+
+    def _entropies(self, logits: torch.Tensor, entropy: bool | None, temperature: float | None = None):
+        if entropy is None:
+            return None
+        with torch.set_grad_enabled(entropy and torch.is_grad_enabled()):
+            return algo.entropy_from_logits(logits, self.temperature if temperature is None else temperature)
+
+    def _critic_rows(self, qr: torch.Tensor, C: int) -> torch.Tensor:
+        if self.group is None:
+            return self._values(qr, C)
+        n = qr.shape[0]
+        return dist.gather_rows(self._values(qr[dist.local_rows(n, self.group)], C), n, self.group)
+
     def _values(self, qr: torch.Tensor, C: int) -> torch.Tensor:
         with self._autocast():
             values = score_head_outputs(self.critic, qr, self.pad_id, self.cfg.training.padding_free)[:, C - 1 : -1]
@@ -279,10 +321,10 @@ class TrainerEngine:
         opt.zero_grad(set_to_none=True)
         finite = True
         for loss in [losses] if isinstance(losses, torch.Tensor) else losses:
-            if not torch.isfinite(loss.detach()).all():
+            if not torch.isfinite(loss.detach()).all():  # a whole (micro-)batch's loss: every rank decides alike
                 finite = False
                 break
-            loss.backward()
+            (loss * dist.backward_scale(self.group) if self.group is not None else loss).backward()
         if finite:
             norm = _clip(model, self.cfg.training.clip_grad if clip_grad is None else clip_grad)
             if math.isfinite(norm):
@@ -307,34 +349,30 @@ class TrainerEngine:
     def probe(self, experiences: list[experience_pb2.Experience]) -> None:
         """Collate ``experiences`` and run the actor's forward pass on them, changing nothing: raises what a step on
         them would raise because of the records themselves (the trainer uses it to find a record that fails a
-        step, to dead-letter it)."""
+        step, to dead-letter it). In a group only the collation: a forward on rank 0 alone would wait for the
+        other ranks' shards forever."""
         batch = self.collate(experiences)
+        if self.group is not None:
+            return
         with torch.no_grad():
             self._logits_and_logprobs(batch.query_responses, batch.responses, batch.context_length)
 
     def step(self, experiences: list[experience_pb2.Experience]) -> dict[str, float]:
         t0 = time.perf_counter()
-        batch = self.collate(experiences)
-        self._skipped_this_step = 0
-        self._ptx_losses: list[float] = []
-        total = self.cfg.training.train_iters
-        lr = optim.set_lr(self.actor_opt, self.actor_optim, self.step_count, total)
-        if self.critic_opt is not None:
-            optim.set_lr(self.critic_opt, self.critic_optim, self.step_count, total)
+        batch = self.collate(experiences)  # in a group: before anything is sent, so a bad batch stops nowhere else
         raw_scores = batch.scores
         alg = self.cfg.algorithm
-        if self.reward_moments is not None:
+        if self.reward_moments is not None:  # rank 0's running statistics; the group gets the normalised scores
             self.reward_moments.update(raw_scores)
         if self.reward_moments is not None or alg.reward_clip_range is not None:
             batch.scores = algo.normalize_and_clip(raw_scores, self.reward_moments, alg.reward_clip_range)
-        if self.stage == "ray_ppo":
-            metrics = self._ppo(batch)
-        elif self.stage == "ray_online_dpo":
-            metrics = self._online_dpo(batch)
+        if self.group is not None:
+            with self._command_lock:
+                dist.broadcast_ints([_STEP], 1, self.device)
+                self._send_batch(batch)
+                metrics = self._update(batch)
         else:
-            metrics = self._group(batch)
-        self.step_count += 1
-        self.policy_version += 1
+            metrics = self._update(batch)
         staleness = self.steps_behind(batch.policy_versions, self.step_count - 1)
         metrics.update(score_stats(experiences))
         metrics.update(
@@ -344,7 +382,7 @@ class TrainerEngine:
                 "samples": int(batch.responses.shape[0]),
                 "reward/mean": raw_scores.mean().item(),
                 "reward/std": raw_scores.std().item() if raw_scores.numel() > 1 else 0.0,
-                "lr/actor": lr,
+                "lr/actor": self._lr,
                 "response_length/mean": (batch.responses != self.pad_id).sum(1).float().mean().item(),
                 "staleness/mean": staleness.mean().item(),
                 "staleness/max": staleness.max().item(),
@@ -359,10 +397,86 @@ class TrainerEngine:
             metrics["loss/ptx"] = sum(self._ptx_losses) / len(self._ptx_losses)
         return metrics
 
+    def _update(self, batch: RolloutBatch) -> dict[str, float]:
+        """One update on ``batch``: on rank 0, and in a group on every other rank alike (:meth:`follow`)."""
+        self._skipped_this_step = 0
+        self._ptx_losses: list[float] = []
+        total = self.cfg.training.train_iters
+        self._lr = optim.set_lr(self.actor_opt, self.actor_optim, self.step_count, total)
+        if self.critic_opt is not None:
+            optim.set_lr(self.critic_opt, self.critic_optim, self.step_count, total)
+        if self.stage == "ray_ppo":
+            metrics = self._ppo(batch)
+        elif self.stage == "ray_online_dpo":
+            metrics = self._online_dpo(batch)
+        else:
+            metrics = self._group(batch)
+        self.step_count += 1
+        self.policy_version += 1
+        return metrics
+
+    # ------------------------------------------------------------------ the group: rank 0 leads, the others follow
+    def _send_batch(self, b: RolloutBatch) -> None:
+        dist.broadcast_ints([b.context_length], 1, self.device)
+        dist.broadcast_tensors(_batch_tensors(b), len(_BATCH_FIELDS), self.device)
+
+    def _receive_batch(self) -> RolloutBatch:
+        (C,) = dist.broadcast_ints(None, 1, self.device)
+        t = dict(zip(_BATCH_FIELDS, dist.broadcast_tensors(None, len(_BATCH_FIELDS), self.device), strict=True))
+        return RolloutBatch(responses=t["query_responses"][:, C:], context_length=C, **t)
+
+    def follow(self) -> None:
+        """Ranks other than 0: take part in what rank 0 does (steps, weight gathers), collective for collective,
+        until it calls :meth:`stop_followers`. Commands and batches arrive as tensors (no pickle)."""
+        if self.group is None or self.group.is_driver:
+            raise RuntimeError("follow() is for ranks other than 0 of a trainer group")
+        while True:
+            (cmd,) = dist.broadcast_ints(None, 1, self.device)
+            if cmd == _STOP:
+                return
+            if cmd == _STEP:
+                self._update(self._receive_batch())
+            elif cmd == _GATHER:
+                for _ in self._gathered_policy(keep=False):
+                    pass
+            elif cmd in (_SAVE, _LOAD):
+                path = Path(dist.broadcast_text(None, self.device))
+                (checkpoint.write_sharded if cmd == _SAVE else checkpoint.restore)(path, self)
+            elif cmd != _NOOP:
+                raise RuntimeError(f"trainer group: unknown command {cmd} from rank 0")
+
+    def save_group(self, path: Path) -> None:
+        """Rank 0 (checkpoint.save_checkpoint): every rank writes its part of the checkpoint into ``path``."""
+        with self._command_lock:
+            dist.broadcast_ints([_SAVE], 1, self.device)
+            dist.broadcast_text(str(path), self.device)
+            checkpoint.write_sharded(path, self)
+
+    def load_group(self, path: Path) -> None:
+        """Rank 0 (checkpoint.load_checkpoint): every rank restores its part of the checkpoint at ``path``."""
+        with self._command_lock:
+            dist.broadcast_ints([_LOAD], 1, self.device)
+            dist.broadcast_text(str(path), self.device)
+            checkpoint.restore(path, self)
+
+    def heartbeat(self) -> None:
+        """Rank 0, idle: a no-op command, so followers waiting for the next one do not reach the collective
+        timeout while the ring waits for experience."""
+        if self.group is not None:
+            with self._command_lock:
+                dist.broadcast_ints([_NOOP], 1, self.device)
+
+    def stop_followers(self) -> None:
+        if self.group is not None and self.group.is_driver:
+            with self._command_lock:
+                dist.broadcast_ints([_STOP], 1, self.device)
+
     def _parallel_critic(self) -> bool:
         """Actor and critic are separate models with separate losses, so their passes can run side by side (as
         OpenRLHF and veRL run them on separate workers); the results are the same as one after the other. On a CPU
         whose cores the intra-op threads already fill, a second thread would only oversubscribe them."""
+        if self.group is not None:  # two threads' collectives could interleave differently on each rank
+            return False
         if self.device.type != "cpu":
             return True
         return 2 * torch.get_num_threads() <= (os.cpu_count() or 1)
@@ -376,12 +490,14 @@ class TrainerEngine:
             values_f = run(self._old_values, b.query_responses, C)
             full_kl = None
             with torch.no_grad():
-                old_logits, old_logprobs = self._logits_and_logprobs(b.query_responses, b.responses, C)
-                if self.ref_model is not None:
+                if self.ref_model is not None:  # kl_penalty full: one process only (refused in a group)
+                    old_logits, old_logprobs = self._logits_and_logprobs(b.query_responses, b.responses, C)
                     with self._autocast():
                         ref_logits = causal_lm_logits(self.ref_model, b.query_responses, self.pad_id)[:, C - 1 : -1]
                     full_kl = algo.full_kl(old_logits, ref_logits, self.temperature)
-                del old_logits
+                    del old_logits
+                else:
+                    old_logprobs, _ = self._actor_rows(b.query_responses, b.responses, C)
             values = values_f.result()
             r = algo.ppo_rollout(
                 b.responses,
@@ -426,7 +542,7 @@ class TrainerEngine:
 
     def _old_values(self, qr: torch.Tensor, C: int) -> torch.Tensor:
         with torch.no_grad():  # grad mode is per thread: set here, where it runs
-            return self._values(qr, C)
+            return self._critic_rows(qr, C)
 
     def _actor_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]]) -> dict[str, list[float]]:
         a, C = self.cfg.actor, b.context_length
@@ -435,7 +551,7 @@ class TrainerEngine:
 
         def micro_loss(mu: torch.Tensor, weight: float) -> torch.Tensor:
             # TRL's token mean over the minibatch = sum over micro-batches of (micro token mean x token share)
-            logits, new_logprobs = self._logits_and_logprobs(b.query_responses[mu], r.responses[mu], C)
+            new_logprobs, entropies = self._actor_rows(b.query_responses[mu], r.responses[mu], C, entropy=True)
             mask = r.response_mask[mu]
             pg_loss, pg_stats = algo.ppo_policy_loss(
                 new_logprobs,
@@ -448,7 +564,7 @@ class TrainerEngine:
                 behavior_logprobs=None if behavior is None else behavior[mu],
                 tis_cap=a.tis_cap,
             )
-            entropy = algo.masked_mean(algo.entropy_from_logits(logits, self.temperature), mask)
+            entropy = algo.masked_mean(entropies, mask)
             loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
             _append(stats, {"loss/policy": pg_loss.item(), "policy/entropy": entropy.item(),
                             **{f"policy/{k}": v.item() for k, v in pg_stats.items()}})  # fmt: skip
@@ -467,7 +583,7 @@ class TrainerEngine:
         stats: dict[str, list[float]] = {}
         for epoch in minibatches:
             for mb in epoch:
-                vpred = self._values(b.query_responses[mb], C).masked_fill(r.padding_mask_p1[mb], 0.0)
+                vpred = self._critic_rows(b.query_responses[mb], C).masked_fill(r.padding_mask_p1[mb], 0.0)
                 vf_loss, vf_stats = algo.value_loss(
                     vpred, r.values[mb], r.returns[mb], r.value_mask[mb], cliprange_value=c.cliprange_value
                 )
@@ -503,7 +619,7 @@ class TrainerEngine:
         zero = torch.zeros((), device=responses.device)
         ref = torch.where(mask, b.ref_logprobs, zero)
         with torch.no_grad():
-            _, old_logprobs = self._logits_and_logprobs(b.query_responses, responses, C)
+            old_logprobs, _ = self._actor_rows(b.query_responses, responses, C)
         old_logprobs = torch.where(mask, old_logprobs, zero)
         kl = algo.kl_estimate(old_logprobs, ref, alg.kl_penalty)  # 0 outside the mask: both inputs are 0 there
         if kl_in_loss:
@@ -535,9 +651,10 @@ class TrainerEngine:
         )
 
         def micro_loss(mb: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-            logits, new_logprobs = self._logits_and_logprobs(b.query_responses[mb], responses[mb], C)
-            with torch.set_grad_enabled(bool(a.entropy_coeff)):  # a loss term only with the bonus
-                entropies = algo.entropy_from_logits(logits, self.temperature)
+            # entropies carry a gradient only with the bonus (a loss term only then)
+            new_logprobs, entropies = self._actor_rows(
+                b.query_responses[mb], responses[mb], C, entropy=bool(a.entropy_coeff)
+            )
             entropy_mask = None
             if alg.top_entropy_quantile < 1.0:  # the quantile of each forward pass, as TRL's
                 entropy_mask = algo.top_entropy_mask(entropies, mask[mb], alg.top_entropy_quantile)
@@ -615,7 +732,9 @@ class TrainerEngine:
         def micro_loss(pairs: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
             # rows of these pairs' chosen and rejected answers; the DPO loss is a mean over pairs
             rows = torch.cat([chosen[pairs], rejected[pairs]])
-            logits, logprobs = self._logits_and_logprobs(b.query_responses[idx[rows]], responses[rows], C, T)
+            logprobs, entropies = self._actor_rows(
+                b.query_responses[idx[rows]], responses[rows], C, temperature=T, entropy=bool(a.entropy_coeff)
+            )
             sums = algo.masked_sum(logprobs, mask[rows], dim=1)
             n = len(pairs)
             loss, dpo_stats = algo.dpo_loss(
@@ -623,7 +742,7 @@ class TrainerEngine:
                 beta=cfg.algorithm.dpo_beta, loss_type=cfg.algorithm.dpo_loss_type,
             )  # fmt: skip
             total = optim.micro_weight("rows", pairs, whole) * loss
-            entropy = algo.masked_mean(algo.entropy_from_logits(logits, T), mask[rows])
+            entropy = algo.masked_mean(entropies, mask[rows])
             if a.entropy_coeff:  # the seeds' entropy bonus, a token mean over both answers of the minibatch's pairs
                 whole_rows = torch.cat([chosen[whole], rejected[whole]])
                 total = total - a.entropy_coeff * optim.micro_weight("tokens", mask[rows], mask[whole_rows]) * entropy
@@ -649,6 +768,10 @@ class TrainerEngine:
         """The actor's weights in Hugging Face names, contiguous, on the CPU (what weight sync ships; it refuses
         non-finite tensors). With ``training.bf16`` the fp32 master weights are cast to bf16 here, and only here:
         rollout serves bf16 and the transfer is half the bytes."""
+        if self.group is not None:
+            with self._command_lock:
+                dist.broadcast_ints([_GATHER], 1, self.device)
+                return dict(self._gathered_policy(keep=True))
         dtype = torch.bfloat16 if self.cfg.training.bf16 else None
         out = {}
         if self.cfg.actor.lora_r:
@@ -663,6 +786,45 @@ class TrainerEngine:
                 v = v.to(dtype)
             out[k] = v.to("cpu").contiguous()
         return out
+
+    def _gathered_policy(self, keep: bool):
+        """(name, full tensor) of the sharded actor, gathered one parameter at a time on every rank (the gather is
+        a collective); ranks that do not ``keep`` drop each tensor at once, so their extra memory is one tensor."""
+        dtype = torch.bfloat16 if self.cfg.training.bf16 else None
+        for k, v in self.actor.state_dict().items():
+            v = dist.full_value(v.detach())
+            if not keep:
+                yield k, None
+                continue
+            if dtype is not None and v.is_floating_point():
+                v = v.to(dtype)
+            yield k, v.to("cpu").contiguous()
+
+
+def _refuse_in_group(cfg: ExperimentConfig) -> None:
+    """Options built for one trainer process only: refused in a torchrun group rather than silently wrong (each
+    would run the same extra pass on every rank, or hold an unsharded model beside the sharded ones)."""
+    one_process = {
+        "actor_rollout.lora_r": cfg.actor.lora_r,
+        "algorithm.kl_penalty: full": cfg.algorithm.kl_penalty == "full",
+        "actor_rollout.ptx_coef": cfg.actor.ptx_coef > 0,
+        "critic.save": cfg.critic.save is not None,
+    }
+    used = [k for k, v in one_process.items() if v]
+    if used:
+        raise ValueError(f"{', '.join(used)}: built for a one-process trainer; run without torchrun (or "
+                         "--trainer-procs 1), or turn these off")  # fmt: skip
+
+
+_NOOP, _STEP, _GATHER, _STOP, _SAVE, _LOAD = 0, 1, 2, 3, 4, 5
+_BATCH_FIELDS = (
+    "query_responses", "sampling_logprobs", "ref_logprobs", "scores", "group", "policy_versions",
+    "has_sampling_logprobs",
+)  # fmt: skip
+
+
+def _batch_tensors(b: RolloutBatch) -> list[torch.Tensor]:
+    return [getattr(b, name) for name in _BATCH_FIELDS]
 
 
 def _adamw(model: torch.nn.Module, role: optim.RoleOptim, fused: bool) -> torch.optim.AdamW:
@@ -708,8 +870,12 @@ def _clip(model: torch.nn.Module, max_norm: float) -> float:
     if max_norm and max_norm > 0:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     else:
-        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
-    value = float(norm)
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if grads and hasattr(grads[0], "full_tensor"):  # sharded (FSDP2): the norm over every rank's shards
+            norm = torch.nn.utils.get_total_norm(grads)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    value = float(dist.full_value(norm))
     return value if math.isfinite(value) else float("nan")
 
 

@@ -156,6 +156,8 @@ class Trainer:
             asyncio.create_task(self._catch_up_loop()),
             asyncio.create_task(self._reassert_loop()),
         ]
+        if self.engine.group is not None:
+            self.tasks.append(asyncio.create_task(self._heartbeat_loop()))
 
     async def _redis(self, what: str, fn, *args, **kwargs):
         """``await fn(*args, **kwargs)``, retried with backoff while Redis is unreachable (a restart must not end
@@ -188,10 +190,23 @@ class Trainer:
         for t in tasks:
             if t is not None:
                 t.cancel()
+        if self.engine is not None and self.engine.group is not None:
+            try:  # after the checkpoint, which the other ranks took part in
+                await asyncio.to_thread(self.engine.stop_followers)
+            except Exception:  # noqa: BLE001 - a dead rank: torchrun ends the group anyway
+                log.exception("could not stop the other trainer ranks")
         if getattr(self, "tracker", None) is not None:
             self.tracker.close()
         if getattr(self, "redis", None) is not None:
             await self.redis.aclose()
+
+    async def _heartbeat_loop(self) -> None:
+        """A multi-process trainer's other ranks wait in a collective for rank 0's next command; while the ring
+        waits for experience, a no-op now and then keeps them under the collective timeout."""
+        interval = self.cfg.training.collective_timeout_s / 4
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.to_thread(self.engine.heartbeat)
 
     # ------------------------------------------------------------------ publishing prompt jobs
     def _job(self) -> experience_pb2.PromptJob:

@@ -138,6 +138,8 @@ def test_multi_node_trainer_renders_two_nodes_by_two_processes(helm):
     assert parse_container_command(c["args"]).service == "trainer"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert {"NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING"} <= set(env_of(c))
+    # only global rank 0 serves HTTP: no HTTP probe may kill the other nodes' pods
+    assert not {"livenessProbe", "readinessProbe", "startupProbe"} & set(c)
 
 
 def test_trainer_needs_one_device_per_process(helm):

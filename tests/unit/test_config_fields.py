@@ -64,6 +64,8 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         "tests/trainer/test_packing.py::test_update_with_padding_free_equals_padded",
         "tests/trainer/test_packing.py::test_reference_logprobs_with_padding_free_equal_padded",
     ],  # fmt: skip
+    "training.activation_checkpointing": ["tests/trainer/test_distributed.py::test_world_2_update_equals_world_1"],
+    "training.collective_timeout_s": ["tests/trainer/test_distributed.py::test_a_hung_collective_times_out"],
     "training.bf16": ["tests/trainer/test_engine.py::test_bf16_keeps_fp32_master_weights_that_learn_at_a_small_lr"],
     "training.device": ["tests/unit/test_device_auto.py"],
     "training.save_interval": [TRAINER_SVC],

@@ -685,7 +685,9 @@ template:
             protocol: TCP
         env:
           {{- include "rlhf.env" $ctx | trim | nindent 10 }}
+        {{- if eq (int $tr.nnodes) 1 }}
         {{- include "rlhf.probes" $ctx | trim | nindent 8 }}
+        {{- end }}
         resources:
           {{- include "rlhf.resources" $values | trim | nindent 10 }}
         {{- with $root.Values.containerSecurityContext }}
