@@ -410,3 +410,27 @@ def test_records_staler_than_the_bound_are_dropped_not_trained(redis_server, sta
                for j in json.loads(line).get("dropped_stale", [])]  # fmt: skip
     assert sorted(dropped) == sorted(answered[8:10])
     assert not set(dropped) & set(_ledger(run_dir)) and len(_ledger(run_dir)) == 16
+
+
+def test_weight_sync_and_log_intervals_skip_pushes_and_progress_lines(redis_server, start_service, tmp_path):
+    """``weight_sync_interval: 2``: a real rollout replica gets weights after steps 2 and 4 only (two UpdateWeights
+    calls, ending at version 4; interval 1 would make four); ``log_interval: 2``: progress lines of steps 2 and 4."""
+    run_dir = tmp_path / "run"
+    cfg = _config(tmp_path, train_iters=4, save_interval=4)
+    cfg["training"].update(weight_sync_interval=2, log_interval=2)
+    rollout = start_service("rollout", cfg, env={"RLHF_API_TOKEN": TOKEN})  # serves weights; takes no jobs
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN,
+           "RLHF_ROLLOUT_ADDRS": rollout.grpc_addr, "RLHF_WEIGHTS_TRANSPORT": "grpc"}  # fmt: skip
+    trainer = start_service("trainer", cfg, env=env)
+    _run_with_replicas(redis_server.url, lambda: trainer.proc.poll() is not None)
+    assert trainer.wait(timeout=30) == 0, trainer.log_tail()
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2, 3, 4]
+    assert httpx.get(rollout.http_url + "/v1/weights/version").json()["version"] == 4
+    metrics = httpx.get(rollout.http_url + "/metrics").text
+    pushes = [
+        line for line in metrics.splitlines() if line.startswith("rlhf_requests_total") and "UpdateWeights" in line
+    ]
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in pushes) == 2, pushes
+    log = trainer.log_text()
+    assert "step 2 reward" in log and "step 4 reward" in log, log[-2000:]
+    assert "step 1 reward" not in log and "step 3 reward" not in log
