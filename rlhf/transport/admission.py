@@ -28,7 +28,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from rlhf.transport.connection import NO_WAIT, WaitPolicy, wait_policy
+from rlhf.transport.connection import NO_WAIT, WaitPolicy, one, wait_policy, waited
 from rlhf.transport.keys import RunKeys
 
 # KEYS: version key. ARGV: version. Sets it only upward; returns the stored version.
@@ -115,9 +115,8 @@ class Admission:
         total in its own state and checkpoints it."""
         if total < 0:
             raise ValueError("total must be >= 0")
-        from rlhf.transport.streams import _one, waited
 
-        await waited(self.redis, self.wait, self.keys.fence, lambda c: _one(c.set(self.keys.trained, total)))
+        await waited(self.redis, self.wait, self.keys.fence, lambda c: one(c.set(self.keys.trained, total)))
 
     async def restore(self, trained: int) -> None:
         """After a trainer restart: set the trained counter to the value saved in the checkpoint it resumed from."""
@@ -150,15 +149,14 @@ async def publish_policy_version(
 ) -> int:
     """Record ``version`` as the run's policy version. Versions never go backwards: publishing the current one
     again is a no-op, a lower one raises ValueError (the stored one is kept). With ``wait``, returns once that many
-    replicas have it (see rlhf.transport.streams.waited)."""
-    from rlhf.transport.streams import _one, waited
+    replicas have it (see rlhf.transport.connection.waited)."""
 
     if version < 0:
         raise ValueError("version must be >= 0")
     script = script or redis.register_script(_SET_VERSION)
     k = RunKeys(run_id)
     (raw,) = await waited(
-        redis, wait, k.fence, lambda c: _one(script(keys=[k.policy_version], args=[version], client=c))
+        redis, wait, k.fence, lambda c: one(script(keys=[k.policy_version], args=[version], client=c))
     )
     stored = int(raw)
     if stored > version:

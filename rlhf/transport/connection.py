@@ -19,6 +19,7 @@ docs/redis-ha.md. A Redis Cluster refuses ``wait_replicas`` (see :func:`parse_re
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
@@ -254,3 +255,39 @@ def addresses(url: str) -> list[tuple[str, int]]:
         return list(t.hosts)
     u = urlsplit(t.url)
     return [] if u.scheme == "unix" else [(u.hostname or "127.0.0.1", u.port or 6379)]
+
+
+async def waited(
+    redis: Any, wait: WaitPolicy, fence: str, queue: Callable[[Any], Awaitable[Any]], *, batch: bool = False
+) -> list:
+    """Run the commands ``queue(client)`` issues (awaiting each, returning their replies: on a pipeline they are
+    queued, on a cluster client made at once), then, with ``wait.replicas``, ``INCR fence`` and ``WAIT`` on the same
+    connection (WAIT covers the writes of the connection it is sent on); returns the commands' replies. Raises
+    :class:`ReplicationLag` when fewer replicas acknowledged within the timeout: what was written stands on the
+    master, and every caller's write is idempotent, so the caller retries the whole call. Without a wait policy the
+    commands go in one pipeline when ``batch`` (one round trip), else straight to the client.
+
+    On a Redis Cluster (where :func:`connect` refuses a wait policy) the commands run one by one, in order: redis-py's
+    cluster pipeline does not load Lua scripts, and all keys of a run live in one slot anyway.
+    """
+    if is_cluster(redis) or not (wait.replicas or batch):
+        return list(await queue(redis))
+    async with redis.pipeline(transaction=False) as pipe:
+        await queue(pipe)
+        if wait.replicas:
+            pipe.incr(fence)
+            pipe.wait(wait.replicas, wait.timeout_ms)
+        out = await pipe.execute()
+    if wait.replicas:
+        acked = int(out[-1])
+        if acked < wait.replicas:
+            raise ReplicationLag(
+                f"WAIT: {acked} of {wait.replicas} replica(s) acknowledged within {wait.timeout_ms} ms "
+                "(wait_replicas in RLHF_REDIS_URL); the write stands on the master and is retried"
+            )
+        out = out[:-2]
+    return out
+
+
+async def one(call: Awaitable[Any]) -> list:
+    return [await call]

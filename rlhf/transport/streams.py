@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
@@ -50,7 +50,7 @@ from rlhf.transport.codec import (
     validate_experience,
     validate_prompt_job,
 )
-from rlhf.transport.connection import NO_WAIT, ReplicationLag, WaitPolicy, is_cluster, wait_policy
+from rlhf.transport.connection import NO_WAIT, WaitPolicy, one, wait_policy, waited
 from rlhf.transport.connection import connect as connect  # re-exported: rlhf.transport.streams.connect
 from rlhf.transport.keys import PAYLOAD_FIELD, ROLLOUT_GROUP, TRAINER_GROUP, RunKeys
 
@@ -59,38 +59,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 M = TypeVar("M", PromptJob, Experience)
 Record = tuple[str, M]  # (stream entry id, decoded message)
-
-
-async def waited(
-    redis: Any, wait: WaitPolicy, fence: str, queue: Callable[[Any], Awaitable[Any]], *, batch: bool = False
-) -> list:
-    """Run the commands ``queue(client)`` issues (awaiting each, returning their replies: on a pipeline they are
-    queued, on a cluster client made at once), then, with ``wait.replicas``, ``INCR fence`` and ``WAIT`` on the same
-    connection (WAIT covers the writes of the connection it is sent on); returns the commands' replies. Raises
-    :class:`ReplicationLag` when fewer replicas acknowledged within the timeout: what was written stands on the
-    master, and every caller's write is idempotent, so the caller retries the whole call. Without a wait policy the
-    commands go in one pipeline when ``batch`` (one round trip), else straight to the client.
-
-    On a Redis Cluster (where :func:`connect` refuses a wait policy) the commands run one by one, in order: redis-py's
-    cluster pipeline does not load Lua scripts, and all keys of a run live in one slot anyway.
-    """
-    if is_cluster(redis) or not (wait.replicas or batch):
-        return list(await queue(redis))
-    async with redis.pipeline(transaction=False) as pipe:
-        await queue(pipe)
-        if wait.replicas:
-            pipe.incr(fence)
-            pipe.wait(wait.replicas, wait.timeout_ms)
-        out = await pipe.execute()
-    if wait.replicas:
-        acked = int(out[-1])
-        if acked < wait.replicas:
-            raise ReplicationLag(
-                f"WAIT: {acked} of {wait.replicas} replica(s) acknowledged within {wait.timeout_ms} ms "
-                "(wait_replicas in RLHF_REDIS_URL); the write stands on the master and is retried"
-            )
-        out = out[:-2]
-    return out
 
 
 def _s(v: bytes | str | None) -> str | None:
@@ -181,10 +149,6 @@ class LocalCounters:
     reclaimed: int = 0
 
 
-async def _one(call: Awaitable[Any]) -> list:
-    return [await call]
-
-
 class _StreamQueue(Generic[M]):
     group: str
     kind: str
@@ -251,7 +215,7 @@ class _StreamQueue(Generic[M]):
                     self.redis,
                     self.wait if self.wait_reads else NO_WAIT,
                     self.keys.fence,
-                    lambda c: _one(
+                    lambda c: one(
                         c.xreadgroup(self.group, consumer, {self.stream: start}, count=count, block=block_ms)
                     ),
                 )
@@ -633,7 +597,7 @@ class ExperienceQueue(_StreamQueue[Experience]):
             self.redis,
             self.wait,
             self.keys.fence,
-            lambda c: _one(self._publish_ack_script(keys=keys, args=args, client=c)),
+            lambda c: one(self._publish_ack_script(keys=keys, args=args, client=c)),
         )
         return _s(raw)
 
