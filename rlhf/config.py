@@ -146,8 +146,8 @@ class ActorRolloutConfig(Section):
     lr_warmup_fraction: float | None = _f(None, "actor warm-up (default training.lr_warmup_fraction)", ge=0, lt=1)
     min_lr: float | None = _f(None, "actor final learning rate (default training.min_lr)", ge=0)
     num_gpus_for_train: int | None = _f(
-        None, "rlhf up: accelerators for the trainer process (the trainer uses one; more is an error until "
-        "multi-device training lands)", ge=1,
+        None, "rlhf up: trainer processes, one per device (an FSDP2 group under torchrun when > 1; the "
+        "--trainer-procs default)", ge=1,
     )  # fmt: skip
     num_gpus_for_infer: int | None = _f(
         None, "rlhf up: accelerators for rollout: replicas = this / tensor_model_parallel_size", ge=1
@@ -464,9 +464,6 @@ def _optimization_problems(cfg: ExperimentConfig) -> list[str]:
             f"algorithm.kl_penalty full (TRL PPO's whole-vocabulary KL) is built for ray_ppo only, not {stage}; use "
             "kl (k1) or low_var_kl (k3), which estimate the same KL from the sampled tokens"
         )
-    if a.num_gpus_for_train is not None and a.num_gpus_for_train > 1:
-        problems.append(f"actor_rollout.num_gpus_for_train {a.num_gpus_for_train}: the trainer runs on one device "
-                        "(multi-device training is not built yet); set 1")  # fmt: skip
     if a.num_gpus_for_infer is not None and a.num_gpus_for_infer % a.tensor_model_parallel_size:
         problems.append(
             f"actor_rollout.num_gpus_for_infer {a.num_gpus_for_infer} is not a multiple of "

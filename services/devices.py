@@ -50,6 +50,17 @@ def infer_devices(cfg: ExperimentConfig) -> int | None:
     return None
 
 
+def trainer_procs(cfg: ExperimentConfig, flag: int | None) -> int:
+    """Trainer processes (an FSDP2 group under torchrun when > 1): ``actor_rollout.num_gpus_for_train`` when the config
+    gives it, else ``--trainer-procs`` (default 1); both given and different is an error."""
+    n = cfg.actor.num_gpus_for_train
+    if n is None:
+        return flag or 1
+    if flag is not None and flag != n:
+        raise ValueError(f"--trainer-procs {flag} contradicts actor_rollout.num_gpus_for_train {n}; give one of them")
+    return n
+
+
 def rollout_replicas(cfg: ExperimentConfig, flag: int | None) -> int:
     """Rollout processes: the config's rollout devices / tensor_model_parallel_size when it gives them, else
     ``--rollout-replicas`` (default 1); both given and different is an error."""

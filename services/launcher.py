@@ -467,7 +467,7 @@ class RunOptions:
     config: Path
     run_dir: Path | None = None
     rollout_replicas: int | None = None  # None: from the config's device counts, else 1
-    trainer_procs: int = 1
+    trainer_procs: int | None = None  # None: actor_rollout.num_gpus_for_train, else 1
     ready_timeout: float = 600.0
     stop_grace: float = 20.0
     python: str = sys.executable
@@ -595,6 +595,9 @@ class Launcher:
             return 2
         try:
             replicas, devices = self._devices(cfg)
+            from services.devices import trainer_procs
+
+            procs = trainer_procs(cfg, self.opts.trainer_procs)
         except ValueError as err:
             print(f"rlhf up: {err}", file=sys.stderr)
             return 2
@@ -629,7 +632,7 @@ class Launcher:
             token = os.environ.get("RLHF_API_TOKEN") or secrets.token_urlsafe(24)
             specs = plan_services(redis_url=redis_url, run_id=run_id, api_token=token, run_dir=self.run_dir,
                                   rollout_replicas=replicas, tls=settings.tls, devices=devices,
-                                  trainer_procs=self.opts.trainer_procs)  # fmt: skip
+                                  trainer_procs=procs)  # fmt: skip
             if settings.tls:
                 self.say("TLS on: every service serves gRPC and HTTPS, every client verifies its peer")
             if (os.environ.get("RLHF_ROLLOUT_ENGINE") or cfg.actor.engine) == "vllm":
@@ -780,9 +783,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollout-replicas", type=int, default=None,
                    help="rollout processes (default: the config's rollout devices / tensor parallel size, "
                         "else 1)")  # fmt: skip
-    p.add_argument("--trainer-procs", type=int, default=1,
+    p.add_argument("--trainer-procs", type=int, default=None,
                    help="trainer processes: > 1 runs an FSDP2 trainer group under torch.distributed.run (gloo on "
-                        "the CPU) (default %(default)s)")  # fmt: skip
+                        "the CPU) (default: actor_rollout.num_gpus_for_train, else 1)")  # fmt: skip
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds each stage may take to get ready")
     p.add_argument("--stop-grace", type=float, default=20.0, help="seconds a service gets after SIGTERM")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
@@ -794,7 +797,7 @@ def main(args: argparse.Namespace) -> int:
     if args.rollout_replicas is not None and args.rollout_replicas < 1:
         print("rlhf up: --rollout-replicas must be at least 1", file=sys.stderr)
         return 2
-    if args.trainer_procs < 1:
+    if args.trainer_procs is not None and args.trainer_procs < 1:
         print("rlhf up: --trainer-procs must be at least 1", file=sys.stderr)
         return 2
     if args.max_restarts < 0:

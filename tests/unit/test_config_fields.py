@@ -150,7 +150,10 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "actor_rollout_ref.actor_rollout.lr_decay_style": [PER_ROLE],
     "actor_rollout_ref.actor_rollout.lr_warmup_fraction": [PER_ROLE],
     "actor_rollout_ref.actor_rollout.min_lr": [PER_ROLE],
-    "actor_rollout_ref.actor_rollout.num_gpus_for_train": [DEVICES + "test_seed_004_gets_one_device_per_role_in_order"],
+    "actor_rollout_ref.actor_rollout.num_gpus_for_train": [
+        DEVICES + "test_seed_004_gets_one_device_per_role_in_order",
+        DEVICES + "test_num_gpus_for_train_is_the_trainer_group_size",
+    ],  # fmt: skip
     "actor_rollout_ref.actor_rollout.num_gpus_for_infer": [
         DEVICES + "test_rollout_devices_become_replicas_of_the_tensor_parallel_size"
     ],

@@ -82,7 +82,6 @@ def test_a_mapped_key_that_contradicts_its_target_is_an_error():
         ({"algorithm": {"reward_clip_range": [3, -3]}}, "low < high"),
         ({"training": {"stage": "ray_rloo"}, "actor_rollout_ref": {"actor_rollout": {"n_samples_per_prompt": 2}},
           "algorithm": {"kl_penalty": "full"}}, "built for ray_ppo only"),
-        ({"actor_rollout_ref": {"actor_rollout": {"num_gpus_for_train": 2}}}, "runs on one device"),
         ({"actor_rollout_ref": {"actor_rollout": {"num_gpus_for_infer": 3, "tensor_model_parallel_size": 2}}},
          "not a multiple"),
         ({"actor_rollout_ref": {"actor_rollout": {"num_gpus_for_train": 1, "num_gpus_for_infer": 2}},

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import parse_config
-from services.devices import plan_devices, rollout_replicas, visible_devices
+from services.devices import plan_devices, rollout_replicas, trainer_procs, visible_devices
 from services.launcher import plan_services
 
 SEED_004 = Path(__file__).parent / "seed_configs" / "ray_online_dpo_full_llama32_1b_tp1pp1.yaml"
@@ -64,3 +64,12 @@ def test_colocated_rollout_shares_the_trainers_device():
 def test_visible_devices_follow_the_runtime_variable():
     assert visible_devices("cuda", {"CUDA_VISIBLE_DEVICES": "2, 5"}) == ["2", "5"]
     assert visible_devices("npu", {"ASCEND_RT_VISIBLE_DEVICES": "0,1,2"}) == ["0", "1", "2"]
+
+
+def test_num_gpus_for_train_is_the_trainer_group_size():
+    """MindSpeed's num_gpus_for_train: that many trainer processes (an FSDP2 group) under `rlhf up`."""
+    assert trainer_procs(_cfg(), None) == 1 and trainer_procs(_cfg(), 3) == 3
+    assert trainer_procs(_cfg({"num_gpus_for_train": 2}), None) == 2
+    assert trainer_procs(_cfg({"num_gpus_for_train": 2}), 2) == 2
+    with pytest.raises(ValueError, match="contradicts actor_rollout.num_gpus_for_train 2"):
+        trainer_procs(_cfg({"num_gpus_for_train": 2}), 1)
