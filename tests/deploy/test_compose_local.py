@@ -152,6 +152,7 @@ def local_adaptations(compose: dict[str, Any], tmp: Path) -> dict[str, LocalServ
     image_entrypoint = ["bash", "/opt/rlhf/entrypoint.sh"]
     executables = {
         "rlhf": _rlhf_executable(),
+        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
         "python3": [sys.executable],
         "python": [sys.executable],
         "redis-server": [shutil.which("redis-server") or "redis-server"],
