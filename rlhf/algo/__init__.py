@@ -13,6 +13,8 @@ from rlhf.algo.advantages import (
 )
 from rlhf.algo.critic_free import (
     LOSS_TYPES,
+    completion_mask,
+    critic_free_advantages,
     grpo_advantages,
     grpo_loss,
     leave_one_out,
@@ -32,7 +34,7 @@ from rlhf.algo.kl import (
     make_kl_controller,
 )
 from rlhf.algo.logprobs import entropy_from_logits, logprobs_from_logits
-from rlhf.algo.losses import aggregate, dpo_loss, ppo_policy_loss, select_chosen_rejected, value_loss
+from rlhf.algo.losses import aggregate, dpo_loss, dpo_pairs, ppo_policy_loss, select_chosen_rejected, value_loss
 from rlhf.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from rlhf.algo.ppo import (
     PPORollout,
@@ -60,8 +62,11 @@ __all__ = [
     "KLRewards",
     "PPORollout",
     "aggregate",
+    "completion_mask",
+    "critic_free_advantages",
     "discounted_returns",
     "dpo_loss",
+    "dpo_pairs",
     "entropy_from_logits",
     "first_true_indices",
     "gae",

@@ -27,7 +27,8 @@ from typing import Literal
 import torch
 
 from rlhf.algo.kl import kl_estimate
-from rlhf.algo.masked import masked_mean
+from rlhf.algo.masked import masked_mean, masked_sum
+from rlhf.algo.ppo import sequence_lengths, truncate_at_stop
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -350,3 +351,50 @@ def rloo_trl_loss(
         stats["ratio"] = coef_1.mean()
         stats["policy_loss"] = loss.detach()
     return loss, stats
+
+
+def completion_mask(
+    responses: torch.Tensor, eos_token_id: int | None, pad_token_id: int, mask_truncated: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A critic-free batch's completions as the losses see them: (responses cut after their first EOS, the (B, L)
+    mask of real tokens through the EOS, (B,) whether each ended in EOS). ``mask_truncated`` (TRL's
+    ``mask_truncated_completions``) takes completions without an EOS out of the loss."""
+    responses = truncate_at_stop(responses, eos_token_id, pad_token_id)
+    ell = sequence_lengths(responses, pad_token_id)
+    mask = torch.arange(responses.shape[1], device=responses.device)[None, :] <= ell[:, None]
+    contains_eos = (responses == eos_token_id).any(1)
+    if mask_truncated:
+        mask = mask & contains_eos[:, None]
+    return responses, mask, contains_eos
+
+
+def critic_free_advantages(
+    estimator: str,
+    scores: torch.Tensor,
+    group: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    rloo_convention: str = "trl",
+    kl_estimator: str = "kl",
+    beta: float = 0.0,
+    scale_rewards: ScaleRewards = "group",
+    whiten: bool = False,
+    gamma: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, per-token KL) of a batch for the stage's ``estimator``: GRPO / Dr. GRPO group-normalised (the KL
+    goes into the loss instead), RLOO with TRL's convention (the summed KL folded into the reward before the
+    baseline), else OpenRLHF's RLOO / REINFORCE++ (+baseline). Log-probs must be 0 outside ``mask``."""
+    kl = kl_estimate(old_logprobs, ref_logprobs, kl_estimator)  # 0 outside the mask: both inputs are 0 there
+    if estimator in ("grpo", "dr_grpo"):
+        return grpo_advantages(scores, group, scale_rewards), kl
+    if estimator == "rloo" and rloo_convention == "trl":
+        advantages, _ = rloo_trl_advantages(
+            scores, group, masked_sum(kl, mask, dim=1), beta, normalize_advantages=whiten
+        )
+        return advantages, kl
+    advantages, _ = openrlhf_advantages(
+        scores, group, old_logprobs, ref_logprobs, mask, estimator, beta, kl_estimator, gamma, whiten=whiten
+    )
+    return advantages, kl

@@ -168,3 +168,15 @@ def select_chosen_rejected(scores: torch.Tensor, num_prompts: int) -> tuple[torc
     chosen = arange + (~first_wins).long() * num_prompts
     rejected = arange + first_wins.long() * num_prompts
     return chosen, rejected
+
+
+def dpo_pairs(group: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Online DPO's pairs: the first two rows of each prompt's group (in row order), as (firsts, seconds) row lists;
+    a prompt with fewer than two scored samples gives no pair."""
+    firsts, seconds = [], []
+    for g in torch.unique(group).tolist():
+        rows = (group == g).nonzero().flatten().tolist()
+        if len(rows) >= 2:
+            firsts.append(rows[0])
+            seconds.append(rows[1])
+    return firsts, seconds

@@ -296,6 +296,15 @@ class TrainerEngine:
         for start in range(0, n, size):
             yield order[start : start + size]
 
+    def _actor_epochs(self, epochs, micro_size: int | None, micro_loss, stats: dict[str, list[float]]) -> None:
+        """The actor's minibatch loop, one for every stage: each minibatch of each epoch is one optimizer step over
+        the weighted losses of its micro-batches (``micro_loss(micro_rows, minibatch_rows)``), gradients
+        accumulating. ``epochs`` yields each epoch's minibatches (row index tensors), drawn lazily in that order."""
+        for epoch in epochs:
+            for mb in epoch:
+                losses = (micro_loss(mu, mb) for mu in optim.micro_batches(mb, micro_size))
+                _append(stats, {"policy/grad_norm": self._actor_step(losses)})
+
     def _actor_step(self, losses) -> float:
         """One actor optimizer step over ``losses``: one loss tensor, or an iterable of weighted micro-batch losses
         whose gradients accumulate (each is built and freed in turn), plus the PPO-ptx SFT term when configured."""
@@ -549,8 +558,9 @@ class TrainerEngine:
         stats: dict[str, list[float]] = {}
         behavior = self._behavior(b, r.logprobs)
 
-        def micro_loss(mu: torch.Tensor, weight: float) -> torch.Tensor:
+        def micro_loss(mu: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
             # TRL's token mean over the minibatch = sum over micro-batches of (micro token mean x token share)
+            weight = optim.micro_weight("tokens", r.response_mask[mu], r.response_mask[mb])
             new_logprobs, entropies = self._actor_rows(b.query_responses[mu], r.responses[mu], C, entropy=True)
             mask = r.response_mask[mu]
             pg_loss, pg_stats = algo.ppo_policy_loss(
@@ -570,12 +580,7 @@ class TrainerEngine:
                             **{f"policy/{k}": v.item() for k, v in pg_stats.items()}})  # fmt: skip
             return weight * loss
 
-        for epoch in minibatches:
-            for mb in epoch:
-                whole = r.response_mask[mb]
-                losses = (micro_loss(mu, optim.micro_weight("tokens", r.response_mask[mu], whole))
-                          for mu in optim.micro_batches(mb, a.micro_batch_size))  # fmt: skip
-                _append(stats, {"policy/grad_norm": self._actor_step(losses)})
+        self._actor_epochs(minibatches, a.micro_batch_size, micro_loss, stats)
         return stats
 
     def _critic_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]]) -> dict[str, list[float]]:
@@ -601,38 +606,29 @@ class TrainerEngine:
     def _group(self, b: RolloutBatch) -> dict[str, float]:
         """GRPO / RLOO / REINFORCE++: advantages from each prompt's group of samples, no critic.
 
-        The math is ``rlhf.algo.critic_free`` (TRL's GRPOTrainer / RLOOTrainer, OpenRLHF's REINFORCE++); here only the
-        data: masks, the on-policy old log-probs, minibatches and epochs (TRL's ``num_iterations``).
+        The math, masks and advantages included, is ``rlhf.algo.critic_free`` (TRL's GRPOTrainer / RLOOTrainer,
+        OpenRLHF's REINFORCE++); here only the model passes: the on-policy old log-probs and the minibatch updates
+        over epochs (TRL's ``num_iterations``).
         """
         cfg, a, alg, C = self.cfg, self.cfg.actor, self.cfg.algorithm, b.context_length
         estimator = cfg.critic_free_estimator
         trl_rloo = estimator == "rloo" and alg.rloo_convention == "trl"
         kl_in_loss = estimator in ("grpo", "dr_grpo")
         beta = self.kl_ctrl.value
-        responses = algo.truncate_at_stop(b.responses, self.eos_id, self.pad_id)
-        ell = algo.sequence_lengths(responses, self.pad_id)
-        mask = torch.arange(responses.shape[1], device=responses.device)[None, :] <= ell[:, None]
-        contains_eos = (responses == self.eos_id).any(1)
-        if alg.mask_truncated_completions:  # TRL: completions that do not end in EOS leave the loss
-            mask = mask & contains_eos[:, None]
+        responses, mask, contains_eos = algo.completion_mask(
+            b.responses, self.eos_id, self.pad_id, alg.mask_truncated_completions
+        )
         scores = b.scores - alg.missing_eos_penalty * (~contains_eos).float()
         zero = torch.zeros((), device=responses.device)
         ref = torch.where(mask, b.ref_logprobs, zero)
         with torch.no_grad():
             old_logprobs, _ = self._actor_rows(b.query_responses, responses, C)
         old_logprobs = torch.where(mask, old_logprobs, zero)
-        kl = algo.kl_estimate(old_logprobs, ref, alg.kl_penalty)  # 0 outside the mask: both inputs are 0 there
-        if kl_in_loss:
-            advantages = algo.grpo_advantages(scores, b.group, alg.scale_rewards)
-        elif trl_rloo:
-            advantages, _ = algo.rloo_trl_advantages(
-                scores, b.group, algo.masked_sum(kl, mask, dim=1), beta, normalize_advantages=alg.whiten_advantages
-            )
-        else:
-            advantages, _ = algo.openrlhf_advantages(
-                scores, b.group, old_logprobs, ref, mask, estimator, beta, alg.kl_penalty, alg.gamma,
-                whiten=alg.whiten_advantages,
-            )  # fmt: skip
+        advantages, kl = algo.critic_free_advantages(
+            estimator, scores, b.group, old_logprobs, ref, mask, rloo_convention=alg.rloo_convention,
+            kl_estimator=alg.kl_penalty, beta=beta, scale_rewards=alg.scale_rewards, whiten=alg.whiten_advantages,
+            gamma=alg.gamma,
+        )  # fmt: skip
         behavior = self._behavior(b, old_logprobs)
         if trl_rloo:
             old_seq = algo.masked_sum(old_logprobs, mask, dim=1)
@@ -691,10 +687,8 @@ class TrainerEngine:
             )
             return loss
 
-        for _ in range(a.ppo_epochs):
-            for mb in self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch):
-                losses = (micro_loss(mu, mb) for mu in optim.micro_batches(mb, a.micro_batch_size))
-                _append(stats, {"policy/grad_norm": self._actor_step(losses)})
+        epochs = (self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch) for _ in range(a.ppo_epochs))
+        self._actor_epochs(epochs, a.micro_batch_size, micro_loss, stats)
         metrics = {k: sum(v) / len(v) for k, v in stats.items()}
         metrics["objective/kl"] = algo.masked_sum(kl, mask, dim=1).mean().item()
         metrics["objective/scores"] = scores.mean().item()
@@ -708,12 +702,7 @@ class TrainerEngine:
         each completion through its EOS.
         """
         cfg, C = self.cfg, b.context_length
-        firsts, seconds = [], []
-        for g in torch.unique(b.group).tolist():
-            rows = (b.group == g).nonzero().flatten().tolist()
-            if len(rows) >= 2:
-                firsts.append(rows[0])
-                seconds.append(rows[1])
+        firsts, seconds = algo.dpo_pairs(b.group)
         if not firsts:
             raise ValueError("online DPO needs two scored samples per prompt; none in this batch")
         P = len(firsts)
@@ -754,11 +743,10 @@ class TrainerEngine:
         # ppo_mini_batch_size and micro_batch_size count samples: a pair is two
         pairs_per_step = max(1, a.ppo_mini_batch_size // 2)
         micro_pairs = None if a.micro_batch_size is None else max(1, a.micro_batch_size // 2)
-        for _ in range(a.ppo_epochs):
-            for mb in self._minibatches(P, pairs_per_step, a.shuffle_minibatch):
-                mb = mb.to(b.responses.device)
-                losses = (micro_loss(mu, mb) for mu in optim.micro_batches(mb, micro_pairs))
-                _append(stats, {"policy/grad_norm": self._actor_step(losses)})
+        dev = b.responses.device
+        epochs = ((mb.to(dev) for mb in self._minibatches(P, pairs_per_step, a.shuffle_minibatch))
+                  for _ in range(a.ppo_epochs))  # fmt: skip
+        self._actor_epochs(epochs, micro_pairs, micro_loss, stats)
         metrics = {k: sum(v) / len(v) for k, v in stats.items()}
         metrics["objective/scores_margin"] = (scores[chosen] - scores[rejected]).mean().item()
         return metrics

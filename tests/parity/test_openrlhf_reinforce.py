@@ -164,7 +164,7 @@ def run_engine(s: Setting, model_dir: str, prompts, completions, scores, refs, m
         cap.setdefault("old", a[1].clone())
         return loss, stats
 
-    monkeypatch.setattr(rlhf.algo, "openrlhf_advantages", adv_spy)
+    monkeypatch.setattr(rlhf.algo.critic_free, "openrlhf_advantages", adv_spy)  # called by critic_free_advantages
     monkeypatch.setattr(rlhf.algo, "grpo_loss", loss_spy)
     engine.step(experiences(prompts, completions, scores, refs))
     cap["grads"] = grads

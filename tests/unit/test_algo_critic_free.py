@@ -271,3 +271,43 @@ def test_top_entropy_mask_keeps_the_top_quantile():
                             for er, mr in zip(ent.tolist(), mask.tolist(), strict=True)]  # fmt: skip
     assert not got[0, 3]  # padding never kept, however high its entropy
     assert top_entropy_mask(ent, mask, 1.0).equal(mask)
+
+
+def test_completion_mask_cuts_after_eos_and_can_drop_truncated_completions():
+    from rlhf.algo import completion_mask
+
+    eos, pad = 2, 0
+    responses = torch.tensor([[5, eos, 7, 8], [5, 6, 7, 8], [5, 6, pad, pad]])
+    cut, mask, ends = completion_mask(responses, eos, pad)
+    assert cut.tolist() == [[5, eos, pad, pad], [5, 6, 7, 8], [5, 6, pad, pad]]
+    assert mask.tolist() == [[True, True, False, False], [True] * 4, [True, True, False, False]]
+    assert ends.tolist() == [True, False, False]
+    _, dropped, _ = completion_mask(responses, eos, pad, mask_truncated=True)
+    assert dropped.tolist() == [[True, True, False, False], [False] * 4, [False] * 4]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus"])
+def test_critic_free_advantages_dispatch_to_each_estimators_formula(estimator):
+    from rlhf.algo import critic_free_advantages, kl_estimate
+
+    g = torch.Generator().manual_seed(0)
+    scores, group = torch.randn(6, generator=g), torch.tensor([0, 0, 0, 1, 1, 1])
+    mask = torch.rand(6, 5, generator=g) > 0.3
+    old = torch.where(mask, -torch.rand(6, 5, generator=g), torch.zeros(()))
+    ref = torch.where(mask, -torch.rand(6, 5, generator=g), torch.zeros(()))
+    adv, kl = critic_free_advantages(estimator, scores, group, old, ref, mask, beta=0.1, kl_estimator="kl")
+    assert torch.equal(kl, kl_estimate(old, ref, "kl"))
+    if estimator == "grpo":
+        want = grpo_advantages(scores, group, "group")
+    elif estimator == "rloo":  # TRL's convention: the summed KL folded in before the leave-one-out baseline
+        want, _ = rloo_trl_advantages(scores, group, masked_sum(kl, mask, dim=1), 0.1, normalize_advantages=False)
+    else:
+        want, _ = openrlhf_advantages(scores, group, old, ref, mask, estimator, 0.1, "kl", 1.0, whiten=False)
+    assert torch.equal(adv, want)
+
+
+def test_dpo_pairs_take_the_first_two_rows_of_each_prompt():
+    from rlhf.algo import dpo_pairs
+
+    assert dpo_pairs(torch.tensor([0, 0, 0, 1, 2, 2])) == ([0, 4], [1, 5])
+    assert dpo_pairs(torch.tensor([3, 1, 3, 1])) == ([1, 0], [3, 2])
