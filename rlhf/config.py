@@ -75,7 +75,9 @@ class TrainingConfig(Section):
     save: str = _f("runs/checkpoints", "checkpoint directory")
     load: str | None = _f(None, "checkpoint directory to resume from (default: the newest under save)")
     max_staleness: int = _f(0, "policy versions a sample may lag (0 = synchronous on-policy)", ge=0)
-    weight_sync_interval: int = _f(1, "push weights to rollout every N updates", gt=0)
+    weight_sync_interval: int = _f(
+        1, "push weights to rollout every N updates (rollout then lags up to N - 1: needs max_staleness >= N - 1)", gt=0
+    )
     log_interval: int = _f(1, "print progress every N steps", gt=0)
     log_completions_interval: int = _f(
         10,
@@ -376,6 +378,16 @@ class ExperimentConfig(Section):
         k = self.algorithm.kl_ctrl
         if k.type == "adaptive" and k.target_kl is None:
             problems.append("algorithm.kl_ctrl.type is adaptive but kl_ctrl.target_kl is not set (the KL it steers to)")
+        t = self.training
+        if t.weight_sync_interval - 1 > t.max_staleness:
+            # between pushes rollout serves weights up to interval - 1 updates old: every such sample would be
+            # dropped as stale, and the ring would train nothing
+            problems.append(
+                f"training.weight_sync_interval {t.weight_sync_interval} leaves rollout up to "
+                f"{t.weight_sync_interval - 1} updates behind between pushes, more than training.max_staleness "
+                f"{t.max_staleness} allows (those samples would all be dropped as stale): set max_staleness >= "
+                f"{t.weight_sync_interval - 1} or weight_sync_interval <= {t.max_staleness + 1}"
+            )
         if self.training.stage in _CRITIC_FREE and self.actor.n_samples_per_prompt < 2:
             problems.append(
                 f"training.stage {self.training.stage} compares the samples of each prompt, but "

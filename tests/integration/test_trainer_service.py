@@ -417,7 +417,7 @@ def test_weight_sync_and_log_intervals_skip_pushes_and_progress_lines(redis_serv
     calls, ending at version 4; interval 1 would make four); ``log_interval: 2``: progress lines of steps 2 and 4."""
     run_dir = tmp_path / "run"
     cfg = _config(tmp_path, train_iters=4, save_interval=4)
-    cfg["training"].update(weight_sync_interval=2, log_interval=2)
+    cfg["training"].update(weight_sync_interval=2, log_interval=2, max_staleness=1)  # interval 2 needs staleness 1
     rollout = start_service("rollout", cfg, env={"RLHF_API_TOKEN": TOKEN})  # serves weights; takes no jobs
     env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN,
            "RLHF_ROLLOUT_ADDRS": rollout.grpc_addr, "RLHF_WEIGHTS_TRANSPORT": "grpc"}  # fmt: skip

@@ -89,6 +89,7 @@ def test_a_mapped_key_that_contradicts_its_target_is_an_error():
         ({"resource_pool": {"reward": [1, 1]}}, "runs on one machine"),
         ({"actor_rollout_ref": {"actor_rollout": {"lora_r": 8, "lora_dropout": 0.05}}}, "lora_dropout must be 0"),
         ({"actor_rollout_ref": {"actor_rollout": {"lora_alpha": 32}}}, "only with lora_r > 0"),
+        ({"training": {"weight_sync_interval": 3, "max_staleness": 1}}, "set max_staleness >= 2"),
     ],
 )  # fmt: skip
 def test_options_that_only_make_sense_together_are_checked_at_load(data, message):
