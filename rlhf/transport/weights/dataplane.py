@@ -192,12 +192,17 @@ class WeightDataServer:
             else:
                 tensors, nbytes = await receive(group, t.ticket, t.header, t.per_bucket)
         except Exception as err:  # noqa: BLE001 - settled into the transfer; CommitWeights reports it
-            if not isinstance(err, (CorruptUpdate, IncompleteUpdate)):
-                err = IncompleteUpdate(f"the collective transfer failed: {err}")
-            log.warning("collective weight transfer for version %d refused: %s", t.header.version, err)
-            self._settle(t, err)
+            self._refuse(t, err, "the collective transfer failed", "collective weight transfer")
             return
         self._settle(t, self._staged(t, tensors, nbytes))
+
+    def _refuse(self, t: _Transfer, err: Exception, failed: str, what: str) -> None:
+        """Settle ``t`` with the error a receive raised: a corrupt or incomplete update as it is, anything else (a
+        broken connection or group) as an incomplete one."""
+        if not isinstance(err, (CorruptUpdate, IncompleteUpdate)):
+            err = IncompleteUpdate(f"{failed}: {err}")
+        log.warning("%s for version %d refused: %s", what, t.header.version, err)
+        self._settle(t, err)
 
     @staticmethod
     def _staged(t: _Transfer, tensors: dict[str, Any], nbytes: int) -> StagedWeights:
@@ -357,10 +362,7 @@ class WeightDataServer:
             try:
                 tensors, nbytes = await asyncio.to_thread(_receive_buckets, conn, t.header, t.per_bucket, t.buffers)
             except Exception as err:  # noqa: BLE001 - settled into the transfer; CommitWeights reports it
-                if not isinstance(err, (CorruptUpdate, IncompleteUpdate)):
-                    err = IncompleteUpdate(f"the data connection failed: {err}")
-                log.warning("weight transfer for version %d refused: %s", t.header.version, err)
-                self._settle(t, err)
+                self._refuse(t, err, "the data connection failed", "weight transfer")
                 return
             finally:
                 t.sock = None
