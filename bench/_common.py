@@ -10,7 +10,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +264,23 @@ MODEL_SPECS: dict[str, dict[str, int]] = {
     "large": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                   num_key_value_heads=16),
 }  # fmt: skip
+
+
+@contextmanager
+def scorer_services(
+    config: Path, log_dir: Path, env: dict[str, str | None]
+) -> Iterator[tuple[ServiceProc, ServiceProc]]:
+    """The reward and reference services of a benchmark ring, started together (their model loads overlap), ready
+    on entry and stopped on exit."""
+    reward = ServiceProc("reward", config, log_dir, env=env).start(wait_ready=False)
+    reference = ServiceProc("reference", config, log_dir, env=env).start(wait_ready=False)
+    try:
+        reward.wait_ready()
+        reference.wait_ready()
+        yield reward, reference
+    finally:
+        reward.stop()
+        reference.stop()
 
 
 def build_model(size: str, **overrides: int):

@@ -56,6 +56,7 @@ from bench._common import (
     param_count,
     rnd,
     rollout_threads,
+    scorer_services,
     side,
     target,
     write_yaml,
@@ -353,11 +354,7 @@ def main() -> None:
                 )
                 steps = STEPS[size]
                 env = {"RLHF_REDIS_URL": redis.url}
-                reward = ServiceProc("reward", cfg, work / "logs", env=env).start(wait_ready=False)
-                reference = ServiceProc("reference", cfg, work / "logs", env=env).start(wait_ready=False)
-                try:
-                    reward.wait_ready()
-                    reference.wait_ready()
+                with scorer_services(cfg, work / "logs", env) as (reward, reference):
                     log(f"bench.pipeline: {size} ({params[size] / 1e6:.1f}M): reward and reference ready")
                     figures[size] = {}
                     for algo in ALGOS[size]:
@@ -392,9 +389,6 @@ def main() -> None:
                             ratio[f"{size}/{algo}/{mode}_step_vs_bound"] = rnd(
                                 row["bound"]["samples_per_s"] / row[mode]["samples_per_s"]
                             )
-                finally:
-                    reward.stop()
-                    reference.stop()
     finally:
         worker.close()
 

@@ -20,11 +20,11 @@ from bench._common import (
     CORE_THREADS,
     QUICK,
     RedisServer,
-    ServiceProc,
     build_model,
     emit,
     log,
     rnd,
+    scorer_services,
     side,
     write_yaml,
 )
@@ -52,15 +52,8 @@ def main() -> None:
                 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # both settings (bench._common's default)
                 cfg = write_yaml(work / "services.yaml", experiment("small", paths, "ppo", 1, "rt", work, 1))
                 env = {"RLHF_REDIS_URL": redis.url}
-                reward = ServiceProc("reward", cfg, work / "logs", env=env).start(wait_ready=False)
-                reference = ServiceProc("reference", cfg, work / "logs", env=env).start(wait_ready=False)
-                try:
-                    reward.wait_ready()
-                    reference.wait_ready()
+                with scorer_services(cfg, work / "logs", env) as (reward, reference):
                     res = run_ours("small", paths, "ppo", 1, redis.url, reward, reference, work, STEPS)
-                finally:
-                    reward.stop()
-                    reference.stop()
                 log(f"  {which}: {res['samples_per_s']:.2f} samples/s (steps {res['step_seconds']})")
                 rows[which] = _pool(rows.get(which), res)
     finally:
