@@ -1,5 +1,5 @@
 """PPO on the demo task learns: `rlhf up` on configs/demo.yaml (the digit-fraction rule reward, vLLM rollout, as a
-user runs it), shortened to 40 steps; the mean reward of the last 5 steps is clearly above the first 5."""
+user runs it), run for the demo's 60 steps; the mean reward of the last 5 steps is clearly above the first 5."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 40
+STEPS = 60  # the demo's own length: at 40 steps the margin sat near the bound (+0.19 in one run)
 
 pytestmark = pytest.mark.slow
 
