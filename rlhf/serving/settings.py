@@ -74,7 +74,13 @@ class ServiceSettings(BaseModel):
         "auto",
         description="trainer: how pushed weights travel (control is always authenticated gRPC): auto (each replica's "
         "TCP data plane when it offers one, else the UpdateWeights stream), tcp, grpc, or collective (one broadcast "
-        "to every replica, gloo; plaintext like tcp, so refused with TLS)",
+        "to every replica; plaintext like tcp, so refused with TLS)",
+    )
+    weights_collective_backend: Literal["auto", "gloo", "nccl", "hccl"] = Field(
+        "auto",
+        description="trainer, with weights_transport=collective: the group's backend, sent to every replica in the "
+        "push (a replica that cannot run it refuses): auto (by the trainer's device: gloo on cpu, nccl on cuda, hccl "
+        "on npu), gloo (host memory, any device), nccl, hccl",
     )
 
     @field_validator("rollout_addrs", mode="before")
@@ -112,7 +118,7 @@ class ServiceSettings(BaseModel):
     def _empty_is_none(cls, v: Any) -> Any:
         return None if v == "" else v
 
-    @field_validator("weights_transport", mode="before")
+    @field_validator("weights_transport", "weights_collective_backend", mode="before")
     @classmethod
     def _transport(cls, v: Any) -> Any:
         return "auto" if v in ("", None) else str(v).strip().lower()
@@ -122,6 +128,9 @@ class ServiceSettings(BaseModel):
         if self.weights_transport in ("tcp", "collective") and self.tls:
             raise ValueError(f"RLHF_WEIGHTS_TRANSPORT={self.weights_transport} sends weights in plaintext and this "
                              "service serves TLS: use auto or grpc")  # fmt: skip
+        if self.weights_collective_backend != "auto" and self.weights_transport != "collective":
+            raise ValueError(f"RLHF_WEIGHTS_COLLECTIVE_BACKEND={self.weights_collective_backend} only applies with "
+                             f"RLHF_WEIGHTS_TRANSPORT=collective (it is {self.weights_transport})")  # fmt: skip
         return self
 
     @property

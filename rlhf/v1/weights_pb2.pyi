@@ -89,16 +89,18 @@ class OpenWeightsTransferRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightHeader, _Mapping]] = ..., group: _Optional[_Union[CollectiveGroup, _Mapping]] = ...) -> None: ...
 
 class CollectiveGroup(_message.Message):
-    __slots__ = ("address", "port", "key", "timeout_seconds")
+    __slots__ = ("address", "port", "key", "timeout_seconds", "backend")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     address: str
     port: int
     key: str
     timeout_seconds: float
-    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., key: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    backend: str
+    def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., key: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class OpenWeightsTransferResponse(_message.Message):
     __slots__ = ("ticket", "data_port", "ticket_ttl_seconds")

@@ -537,12 +537,19 @@ class EngineBase:
         """Stage ``tensors`` for :meth:`_load_weights` while the old weights still serve (outside the gate)."""
         return tensors
 
+    @property
+    def device_type(self) -> str:
+        """The device type the model lives on (cpu, cuda, npu): which collective backends the engine can join."""
+        raise NotImplementedError
+
     async def receive_collective(self, group: Any, ticket: bytes, header: Any, per_bucket: list) -> tuple[Any, int]:
         """Receive a collective push's buckets (:mod:`rlhf.transport.weights.collective`): in this process by
-        default; an engine that receives elsewhere (vLLM: its worker) overrides it. Returns (tensors, bytes)."""
+        default, on the model's device for nccl/hccl (``self.device``); an engine that receives elsewhere (vLLM:
+        its worker) overrides it. Returns (tensors, bytes)."""
         from rlhf.transport.weights.collective import receive_buckets
 
-        return await asyncio.to_thread(receive_buckets, group, ticket, header, per_bucket)
+        device = None if group.backend == "gloo" else self.device
+        return await asyncio.to_thread(receive_buckets, group, ticket, header, per_bucket, device)
 
     async def _load_weights(self, staged: Any) -> None:
         """Install what :meth:`_prepare_weights` staged; generation is paused meanwhile (inside the gate)."""

@@ -143,6 +143,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         elif not self.data.listening:
             return weights_pb2.OpenWeightsTransferResponse(data_port=0)  # the client streams over UpdateWeights
         self._sync_receiver()
+        if group is not None:
+            from rlhf.transport.weights.collective import check_backend
+
+            check_backend(group.backend, self.engine.device_type)  # CollectiveUnavailable; nothing reserved yet
         receive = getattr(self.engine, "receive_collective", None) if group is not None else None
         ticket, ttl = await self.data.open(request.header, group, receive)  # raises like UpdateWeights
         port = self.data.port if group is None else 0

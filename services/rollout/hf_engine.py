@@ -153,6 +153,11 @@ class HFEngine(EngineBase):
         self._mark_loaded()
         log.info("hf engine ready: %s on %s (%s)", self.model_path, self.device, self.dtype)
 
+    @property
+    def device_type(self) -> str:
+        self.check_ready()  # the device is resolved with the model
+        return self.device.type
+
     async def close(self) -> None:
         await super().close()
         if self._worker is not None:

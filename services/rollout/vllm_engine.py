@@ -403,16 +403,24 @@ class VllmEngine(EngineBase):
 
     # ------------------------------------------------------------------------------------------------ weights
 
+    @property
+    def device_type(self) -> str:
+        """vLLM's platform in this process (cuda, npu with vllm-ascend, cpu): its workers' device type."""
+        from vllm.platforms import current_platform
+
+        return str(current_platform.device_type)
+
     async def receive_collective(self, group: Any, ticket: bytes, header: Any, per_bucket: list) -> tuple[Any, int]:
-        """A collective push received by vLLM's worker through vLLM's weight-transfer API (backend ``rlhf_gloo``):
-        join the push's group, start an update, one ``update_weights`` per bucket (received, verified and staged in
-        the worker's host memory; the model untouched). :meth:`_load_weights` finishes it at the commit."""
+        """A collective push received by vLLM's worker through vLLM's weight-transfer API (backend
+        ``rlhf_collective``): join the push's group (gloo, or nccl/hccl on the worker's own device), start an update,
+        one ``update_weights`` per bucket (received, verified and staged in the worker's host memory; the model
+        untouched). :meth:`_load_weights` finishes it at the commit."""
         from rlhf.transport.weights.collective import GROUP_ERRORS
         from rlhf.transport.weights.errors import IncompleteUpdate
         from rlhf.transport.weights.receive import StagedInEngine
 
         init = {"address": group.address, "port": group.port, "key": group.key, "timeout_s": group.timeout_s,
-                "ticket": ticket.hex()}  # fmt: skip
+                "ticket": ticket.hex(), "backend": group.backend}  # fmt: skip
         buckets = [
             {"index": i, "nbytes": b.nbytes, "sha256": b.sha256,
              "tensors": [[name, dt, list(shape)] for name, (dt, shape) in per_bucket[i].items()]}

@@ -2,18 +2,24 @@
 
 vLLM drives weight updates through ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
 ``finish_weight_update`` on an engine it builds from ``WeightTransferConfig(backend=...)`` with its
-``WeightTransferEngineFactory``. vLLM 0.32 ships NCCL, IPC and other GPU backends; this module registers ``rlhf_gloo``
-(:func:`register`, called when vLLM imports the worker extension), which joins the trainer's per-push gloo group of
-:mod:`rlhf.transport.weights.collective`:
+``WeightTransferEngineFactory``. vLLM 0.32 ships NCCL, IPC and other GPU backends; this module registers
+``rlhf_collective`` (:func:`register`, called when vLLM imports the worker extension), which joins the trainer's
+per-push group of :mod:`rlhf.transport.weights.collective` with the backend the push names (gloo, nccl, hccl):
 
-- ``init_weight_transfer_engine({"address", "port", "key", "timeout_s", "ticket"})``: join the push's group (the rank
-  comes from the trainer's store, keyed by this replica's ticket);
+- ``init_weight_transfer_engine({"address", "port", "key", "timeout_s", "ticket", "backend"})``: join the push's
+  group (the rank comes from the trainer's store, keyed by this replica's ticket); nccl/hccl on the worker's device;
 - ``start_weight_update()``: forget anything staged before; the model is not touched;
 - ``update_weights({"index", "nbytes", "sha256", "tensors": [[name, dtype, shape], ...]})`` per bucket: receive the
-  bucket by broadcast into host memory and check its sha256 and content (the header was checked against the model
-  by the service before Open answered); still nothing touches the model, so a broadcast that fails leaves it whole;
+  bucket by broadcast (on the device for nccl/hccl, then copied to host memory) and check its sha256 and content
+  (the header was checked against the model by the service before Open answered); still nothing touches the model,
+  so a broadcast that fails leaves it whole;
 - ``finish_weight_update()`` (at CommitWeights, inside the engine's swap gate): load the staged tensors with vLLM's
   in-place ``reload_weights`` (checkpoint format: the CPU backend's repacked layers are rebuilt), then drop them.
+
+Why not vLLM's own ``nccl`` engine on CUDA: it broadcasts tensor by tensor straight into the model's load path, so
+a broadcast cut half-way leaves the model half updated, and it checks no digest; this path keeps the replica's
+rule (every bucket's sha256 against the header sent over authenticated gRPC, the old weights serve on any failure)
+on every backend, and the trainer's group is the same for hf and vLLM replicas.
 
 Only plain values cross vLLM's RPC (msgpack); the bytes never do. Imported inside vLLM's worker process.
 """
@@ -23,28 +29,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-BACKEND = "rlhf_gloo"
+BACKEND = "rlhf_collective"
 
 
 def register() -> None:
-    """Add ``rlhf_gloo`` to vLLM's factory (lazily, by module path; idempotent)."""
+    """Add ``rlhf_collective`` to vLLM's factory (lazily, by module path; idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "RlhfGlooWeightTransferEngine")
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "RlhfCollectiveWeightTransferEngine")
 
 
 @dataclass
-class GlooInitInfo:
+class CollectiveInitInfo:
     address: str
     port: int
     key: str
     ticket: str  # hex
     timeout_s: float = 60.0
+    backend: str = "gloo"
 
 
 @dataclass
-class GlooBucketInfo:
+class CollectiveBucketInfo:
     index: int
     nbytes: int
     sha256: str
@@ -58,44 +65,56 @@ def _engine_base() -> type:
     return WeightTransferEngine
 
 
-class RlhfGlooWeightTransferEngine(_engine_base()):  # type: ignore[misc]
-    init_info_cls = GlooInitInfo
-    update_info_cls = GlooBucketInfo
+class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
+    init_info_cls = CollectiveInitInfo
+    update_info_cls = CollectiveBucketInfo
     supports_draft_weight_update = False
 
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
         self.pg: Any = None
+        self.spec: Any = None
         self.staged: dict[str, Any] = {}
 
-    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+    def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
         from rlhf.transport.weights.collective import GroupSpec, join_group
 
-        spec = GroupSpec(init_info.address, int(init_info.port), init_info.key, float(init_info.timeout_s))
-        self.pg = join_group(spec, bytes.fromhex(init_info.ticket))
+        self._close()  # a group left by an update that was never finished
+        self.spec = GroupSpec(init_info.address, int(init_info.port), init_info.key, float(init_info.timeout_s),
+                              init_info.backend)  # fmt: skip
+        self.pg = join_group(self.spec, bytes.fromhex(init_info.ticket))
 
     def start_weight_update(self) -> None:
         self.staged = {}
 
-    def receive_weights(self, info: GlooBucketInfo) -> None:
+    def receive_weights(self, info: CollectiveBucketInfo) -> None:
         from rlhf.transport.weights.collective import receive_bucket
 
         if info.discard:
             self.staged = {}
             return
         if self.pg is None:
-            raise RuntimeError("rlhf_gloo: init_weight_transfer_engine must join the push's group first")
+            raise RuntimeError("rlhf_collective: init_weight_transfer_engine must join the push's group first")
         manifest = {name: (dtype, tuple(int(d) for d in shape)) for name, dtype, shape in info.tensors}
-        self.staged.update(receive_bucket(self.pg, int(info.index), int(info.nbytes), info.sha256, manifest))
+        device = None if self.spec.backend == "gloo" else self.device  # the worker's own device
+        self.staged.update(receive_bucket(self.pg, int(info.index), int(info.nbytes), info.sha256, manifest, device))
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         staged, self.staged = self.staged, {}
-        self.pg = None  # one group per push
+        self._close()  # one group per push
         if not staged:  # a discarded update: nothing to install
             return
         reload_weights(self.vllm_config, self.model, iter(staged.items()), None, True)
 
+    def _close(self) -> None:
+        from rlhf.transport.weights.collective import close_group
+
+        if self.pg is not None:
+            close_group(self.pg, self.spec)
+        self.pg = None
+
     def shutdown(self) -> None:
-        self.pg, self.staged = None, {}
+        self._close()
+        self.staged = {}

@@ -83,10 +83,16 @@ class Trainer:
         self._unpushed_jobs = 0  # jobs trained into weights whose push has not landed yet
         self._version_published: int | None = None
         self._admission_lock = asyncio.Lock()
+        self._collective: dict = {}  # the collective push's backend and device (start)
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
         self.engine = await asyncio.to_thread(TrainerEngine, self.cfg, self.settings.device)
+        if self.settings.weights_transport == "collective":  # a backend this trainer cannot run: refused at start
+            from rlhf.transport.weights.collective import trainer_backend
+
+            backend, device = trainer_backend(self.settings.weights_collective_backend, self.engine.device)
+            self._collective = {"backend": backend, "device": device}
         self.redis = connect(self.settings.redis_url)
         self.prompts = PromptQueue(self.redis, self.run_id)
         self.experience = ExperienceQueue(self.redis, self.run_id)
@@ -548,7 +554,8 @@ class Trainer:
             names = await asyncio.to_thread(_tls_names, self.settings.rollout_addrs)
             tls = {"tls": creds, "server_names": names}
         results = await push_weights_many(addrs, packed, token=self.settings.api_token, timeout=120.0,
-                                          transport=self.settings.weights_transport, **tls)  # fmt: skip
+                                          transport=self.settings.weights_transport, **tls,
+                                          **self._collective)  # fmt: skip
         for addr, res in results.items():
             if isinstance(res, BaseException):
                 log.warning("weight sync to %s failed: %s", addr, res)

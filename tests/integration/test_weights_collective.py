@@ -53,6 +53,7 @@ class FakeEngine:
     model_name: str = "fake"
     tensors: dict | None = None
     history: list[int] = field(default_factory=list)  # every version swapped in, in order
+    device_type: str = "cpu"  # the backends it can join: gloo only
 
     def weight_manifest(self) -> None:
         return None

@@ -1,6 +1,7 @@
 """Collective pushes into real engines, two at once: the ``hf`` engine (receives in the service process) and vLLM
 (receives inside its worker through vLLM's own weight-transfer API: init / start / update per bucket / finish, with
-the ``rlhf_gloo`` backend registered in vLLM's factory). Both behind the rollout servicer's Open / Commit."""
+the ``rlhf_collective`` backend registered in vLLM's factory). Both behind the rollout servicer's Open / Commit;
+and the refusal of a backend a replica cannot run."""
 
 from __future__ import annotations
 
@@ -79,5 +80,45 @@ def test_collective_round_trip_into_hf_and_vllm_at_once(tiny_models, state, monk
                 await server.stop(None)
             await vl.close()
             await hf.close()
+
+    asyncio.run(main())
+
+
+def test_a_backend_the_replica_cannot_run_is_refused_at_open_and_leaves_it_whole(tiny_models, state):
+    """A push whose group is nccl (as from a CUDA trainer) to hf replicas on CPU: each refuses at Open with
+    FAILED_PRECONDITION naming nccl and its device, reserves nothing, and no group forms (no broadcast: nothing is
+    copied to a device here). A gloo push right after reaches both, bit for bit."""
+    from rlhf.transport.weights.send import push_collective
+    from services.rollout.hf_engine import HFEngine
+
+    g = torch.Generator().manual_seed(3)
+    perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+    async def main():
+        engines = [HFEngine(tiny_models.policy, "tiny:policy", device="cpu") for _ in range(2)]
+        for e in engines:
+            await e.start()
+        servers = [await serve(e) for e in engines]
+        targets = [addr for _, addr, _ in servers]
+        try:
+            nccl = {"backend": "nccl", "device": torch.device("cuda"), "group_timeout_s": 5.0}
+            out = await asyncio.wait_for(push_collective(targets, pack_weights(perturbed, 1), token=TOKEN, **nccl), 30)
+            for addr, (_, _, servicer), e in zip(targets, servers, engines, strict=True):
+                err = out[addr]
+                assert isinstance(err, grpc.aio.AioRpcError), err
+                assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "cannot join a nccl weight group" in err.details() and "on cpu" in err.details()
+                assert e.weights_version == 0 and not servicer.receiver.busy
+            out = await push_weights_many(targets, pack_weights(perturbed, 1), token=TOKEN, transport="collective")
+            assert [r.version for r in out.values()] == [1, 1], out
+            for e in engines:
+                for name, t in e.model.state_dict().items():
+                    assert torch.equal(t, perturbed[name]), name
+        finally:
+            for server, _, servicer in servers:
+                await servicer.close_data_plane()
+                await server.stop(None)
+            for e in engines:
+                await e.close()
 
     asyncio.run(main())

@@ -10,6 +10,7 @@ CorruptUpdate            INVALID_ARGUMENT        bad header, out-of-order chunk,
 IncompleteUpdate         INVALID_ARGUMENT        the data ended, was cut, timed out or was aborted (400)
 IncompatibleUpdate       INVALID_ARGUMENT        the manifest does not fit the served model (400)
 UpdateTooLarge           RESOURCE_EXHAUSTED      over the replica's byte limits (413)
+CollectiveUnavailable    FAILED_PRECONDITION     the replica cannot run the push's collective backend (409)
 =======================  ======================  ============================================================
 """
 
@@ -44,3 +45,7 @@ class IncompatibleUpdate(WeightSyncError, InvalidArgument):
 
 class UpdateTooLarge(WeightSyncError, PayloadTooLarge):
     pass
+
+
+class CollectiveUnavailable(WeightSyncError, FailedPrecondition):
+    """A collective push asks for a backend this replica cannot run (nccl without CUDA, hccl without torch_npu)."""

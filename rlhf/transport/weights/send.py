@@ -264,6 +264,8 @@ async def push_collective(
     server_names: Mapping[str, str] | None = None,
     group_address: str | None = None,
     group_timeout_s: float = 60.0,
+    backend: str = "gloo",
+    device: Any = None,
     **_: Any,
 ) -> dict[str, weights_pb2.UpdateWeightsResponse | BaseException]:
     """One update to every replica at once by collective broadcast (:mod:`rlhf.transport.weights.collective`);
@@ -271,7 +273,9 @@ async def push_collective(
     group with the trainer as rank 0; the buckets are broadcast; each is committed. When the broadcast fails (a
     member died or hung: within ``group_timeout_s``), every ticket is aborted, so the survivors keep serving their
     version and free their slot at once, and every member's entry is the error; the next push forms a new group.
-    ``group_address``: where replicas reach this process (default: the local address on the route to the first)."""
+    ``group_address``: where replicas reach this process (default: the local address on the route to the first).
+    ``backend``/``device``: the group's backend and where the buckets go before the broadcast
+    (:func:`~rlhf.transport.weights.collective.trainer_backend`); a replica that cannot run it refuses Open."""
     from rlhf.transport.weights.collective import TrainerGroup, local_address_towards
 
     targets = list(targets)
@@ -281,7 +285,7 @@ async def push_collective(
     deadline = None if timeout is None else time.monotonic() + timeout
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     address = group_address or local_address_towards(_host_of(targets[0]))
-    group = await asyncio.to_thread(TrainerGroup, address, group_timeout_s)
+    group = await asyncio.to_thread(TrainerGroup, address, group_timeout_s, backend, device)
     channels = {t: _channel(t, tls, options, (server_names or {}).get(t)) for t in targets}
     try:
 
