@@ -307,6 +307,19 @@ schema = {
             "ports",
             required=["grpc", "http"],
         ),
+        "weightSync": obj(
+            {
+                "transport": s(
+                    "string", "RLHF_WEIGHTS_TRANSPORT of the trainer", enum=["auto", "tcp", "grpc", "collective"]
+                ),
+                "collectiveBackend": s(
+                    "string",
+                    "RLHF_WEIGHTS_COLLECTIVE_BACKEND of the trainer (transport collective)",
+                    enum=["auto", "gloo", "nccl", "hccl"],
+                ),
+            },
+            "how the trainer pushes weights to the rollout replicas",
+        ),
         "settings": obj(
             {
                 "logLevel": s("string", "RLHF_LOG_LEVEL", enum=["debug", "info", "warning", "error", "critical"]),

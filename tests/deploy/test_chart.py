@@ -602,3 +602,40 @@ def test_values_schema_is_generated_and_current():
     assert json.loads(proc.stdout) == json.loads((CHART / "values.schema.json").read_text()), (
         "values.schema.json is stale: python k8s/gen_values_schema.py > k8s/rlhf-pipeline/values.schema.json"
     )
+
+
+@pytest.mark.parametrize(("example", "backend"), [("default", None), ("gpu", "nccl"), ("npu", "hccl")])
+def test_weight_sync_transport_per_accelerator(rendered, example, backend):
+    """GPU/NPU push weights by one collective broadcast (nccl/hccl), CPU keeps auto (the TCP data plane); with
+    collective the NetworkPolicy opens every port between trainer and rollout pods (store and gloo/NCCL/HCCL peers
+    listen on ephemeral ports), and only then."""
+    r = rendered[example]
+    (trainer,) = containers(r.component("Job", "trainer"))
+    env = env_of(trainer)
+    (rollout,) = containers(r.component("Deployment", "rollout"))
+    assert "RLHF_WEIGHTS_TRANSPORT" not in env_of(rollout)  # the replica takes the backend from each push
+    trainer_np, rollout_np = r.component("NetworkPolicy", "trainer"), r.component("NetworkPolicy", "rollout")
+    open_rollout = [x for x in rollout_np["spec"]["ingress"] if "ports" not in x]
+    open_trainer = [_peers(x) for x in trainer_np["spec"]["ingress"] if "ports" not in x]
+    if backend is None:
+        assert "RLHF_WEIGHTS_TRANSPORT" not in env and "RLHF_WEIGHTS_COLLECTIVE_BACKEND" not in env
+        assert not open_rollout and open_trainer == [["trainer"]]
+        return
+    assert env["RLHF_WEIGHTS_TRANSPORT"]["value"] == "collective"
+    assert env["RLHF_WEIGHTS_COLLECTIVE_BACKEND"]["value"] == backend
+    assert [_peers(x) for x in open_rollout] == [["trainer"]]
+    assert sorted(open_trainer) == [["rollout"], ["trainer"]]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--set", "weightSync.collectiveBackend=nccl"), "applies with weightSync.transport=collective only"),
+        (("--set", "weightSync.transport=collective", "--set", "tls.enabled=true", "--set",
+          "tls.existingSecret=rlhf-tls"), "sends weights in plaintext"),
+        (("--set", "weightSync.transport=nccl"), "values don't meet the specifications of the schema"),
+    ],
+)  # fmt: skip
+def test_weight_sync_values_that_would_be_ignored_or_refused_fail_the_render(helm, extra, message):
+    proc = helm_template(helm, *extra, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-600:]

@@ -197,3 +197,19 @@ def test_rollout_may_bind_numa_memory_and_threads_are_bounded(compose_files):
     assert base["rollout"]["cap_add"] == ["SYS_NICE"]
     for name in SERVICES:
         assert base[name]["environment"]["OMP_NUM_THREADS"] == "${RLHF_OMP_NUM_THREADS:-1}", name
+
+
+@pytest.mark.parametrize(("override", "backend"), [("compose.gpu.yaml", "nccl"), ("compose.npu.yaml", "hccl")])
+def test_accelerator_overrides_push_weights_by_collective_and_cpu_keeps_auto(compose_files, override, backend):
+    base = compose_files["docker-compose.yml"]["services"]["trainer"]["environment"]
+    assert "RLHF_WEIGHTS_TRANSPORT" not in base and "RLHF_WEIGHTS_COLLECTIVE_BACKEND" not in base  # auto: tcp plane
+    env = compose_files[override]["services"]["trainer"]["environment"]
+    assert env["RLHF_WEIGHTS_TRANSPORT"] == "collective" and env["RLHF_WEIGHTS_COLLECTIVE_BACKEND"] == backend
+    assert env["RLHF_DEVICE"] == {"nccl": "cuda", "hccl": "npu"}[backend]  # the anchor's keys are still merged
+    # the settings the trainer builds from them are accepted (a typo or a backend without the transport is refused)
+    from rlhf.serving import ServiceSettings
+
+    merged = {k: str(v) for k, v in env.items() if k.startswith("RLHF_WEIGHTS_")}
+    assert ServiceSettings.from_env(merged).weights_collective_backend == backend
+    for name in ("rollout", "reward", "reference"):
+        assert "RLHF_WEIGHTS_TRANSPORT" not in compose_files[override]["services"][name]["environment"]

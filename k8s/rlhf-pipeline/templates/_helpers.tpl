@@ -357,6 +357,9 @@ thread pool by the node's cores otherwise, and several pods on one node oversubs
 - name: RLHF_ROLLOUT_ADDRS
   value: {{ include "rlhf.rolloutAddrs" $root | quote }}
 {{- end }}
+{{- if eq .component "trainer" }}
+{{- include "rlhf.weightSyncEnv" $root }}
+{{- end }}
 {{- if and (eq .component "rollout") $v.ports.weightsData (not $v.tls.enabled) }}
 - name: RLHF_WEIGHTS_DATA_PORT
   value: {{ $v.ports.weightsData | quote }}
@@ -707,4 +710,24 @@ template:
         {{- else }}
         emptyDir: {}
         {{- end }}
+{{- end }}
+
+{{/* The trainer's RLHF_WEIGHTS_TRANSPORT / RLHF_WEIGHTS_COLLECTIVE_BACKEND (weightSync); values that would be ignored
+     or refused at start fail the render. */}}
+{{- define "rlhf.weightSyncEnv" -}}
+{{- $w := .Values.weightSync }}
+{{- if and (ne $w.collectiveBackend "auto") (ne $w.transport "collective") }}
+{{- fail (printf "weightSync.collectiveBackend=%s applies with weightSync.transport=collective only" $w.collectiveBackend) }}
+{{- end }}
+{{- if and (has $w.transport (list "tcp" "collective")) .Values.tls.enabled }}
+{{- fail (printf "weightSync.transport=%s sends weights in plaintext: use auto or grpc with tls.enabled" $w.transport) }}
+{{- end }}
+{{- if ne $w.transport "auto" }}
+- name: RLHF_WEIGHTS_TRANSPORT
+  value: {{ $w.transport | quote }}
+{{- end }}
+{{- if ne $w.collectiveBackend "auto" }}
+- name: RLHF_WEIGHTS_COLLECTIVE_BACKEND
+  value: {{ $w.collectiveBackend | quote }}
+{{- end }}
 {{- end }}
