@@ -18,6 +18,7 @@ class Engine:
     def __init__(self) -> None:
         self.served = ServedVersion()
         self.model_name = "child"
+        self.device_type = "cpu"  # the collective backends it can join: gloo only
 
     def weight_manifest(self) -> None:
         return None
