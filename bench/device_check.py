@@ -17,7 +17,10 @@ Phases (each one's figures, or its error, go in the JSON; one failing does not s
    and a check that it lands (greedy tokens change with perturbed weights, and come back exactly with the
    originals). NCCL refuses two ranks on one GPU on some versions: the error is recorded and the same runs with
    vLLM's ``ipc`` backend (the colocated path). With ``--cpu``: the project's collective push (gloo) into a vLLM
-   engine through the ``rlhf_gloo`` backend instead.
+   engine through the ``rlhf_collective`` backend instead.
+3b. ``collective_nccl`` (GPU only): the same push through OUR services with nccl: this process as the trainer, a
+   rollout servicer over ``VllmEngine`` (its worker on the same GPU) receiving through ``rlhf_collective``. Two ranks
+   on one GPU: NCCL refuses that on many versions ("Duplicate GPU detected"); the row then records that error.
 4. ``ring``: ``rlhf up`` of configs/demo.yaml on the GPU (``device: cuda``, ``training.bf16: true``, vLLM engine
    sharing the GPU at ``gpu_memory_utilization: 0.3``), 60 steps: the trainer in bf16 with fp32 master weights
    must learn (mean reward of the last 5 steps at least 0.2 above the first 5; the CPU demo gains about 0.6).
@@ -241,14 +244,18 @@ def weights_gpu(p: dict[str, Any], path: str, backend: str) -> dict[str, Any]:
         server.wait(timeout=60)
 
 
-def weights_cpu(p: dict[str, Any], path: str) -> dict[str, Any]:
-    """Without a GPU: the project's collective push (gloo) into a vLLM engine through the rlhf_gloo backend."""
+def weights_service(p: dict[str, Any], path: str, backend: str) -> dict[str, Any]:
+    """The project's collective push through OUR services: this process as the trainer (rank 0, buckets on its
+    device for nccl) -> a rollout servicer over ``VllmEngine``, whose worker receives through the
+    ``rlhf_collective`` backend of vLLM's weight-transfer API on its own device. On one GPU both ranks share it:
+    NCCL refuses that on many versions ("Duplicate GPU detected"), and the error is then this row's result."""
     import grpc
     import torch
     from safetensors.torch import load_file
 
     from rlhf.serving import ServiceMetrics, ServiceSettings
-    from rlhf.transport.weights import pack_weights, push_weights_many
+    from rlhf.transport.weights import pack_weights
+    from rlhf.transport.weights.send import push_collective
     from services.rollout.engine import SamplingOptions
     from services.rollout.grpc_servicer import RolloutServicer, add_to_server
     from services.rollout.vllm_engine import VllmEngine
@@ -256,8 +263,18 @@ def weights_cpu(p: dict[str, Any], path: str) -> dict[str, Any]:
     state = load_file(str(Path(path) / "model.safetensors"))
 
     async def main() -> dict[str, Any]:
-        eng = VllmEngine(path, "device-check", dtype=p["dtype"], mode="inproc", max_model_len=512)
+        gpu = p["device"] == "cuda"
+        eng = VllmEngine(path, "device-check", dtype=p["dtype"], mode="async" if gpu else "inproc", max_model_len=512,
+                         engine_kwargs={"gpu_memory_utilization": 0.3} if gpu else None)  # fmt: skip
         await eng.start()
+        group = {"backend": backend, "device": torch.device("cuda") if backend == "nccl" else None,
+                 "group_timeout_s": 120.0}  # fmt: skip
+
+        async def push(packed):
+            out = await push_collective([addr], packed, token="t", **group)
+            if isinstance(out[addr], BaseException):
+                raise out[addr]
+
         servicer = RolloutServicer(eng, ServiceSettings(api_token="t"), ServiceMetrics("rollout"))
         server = grpc.aio.server()
         add_to_server(servicer, server)
@@ -272,15 +289,13 @@ def weights_cpu(p: dict[str, Any], path: str) -> dict[str, Any]:
             for version in range(1, p["pushes"] + 1):
                 packed = pack_weights(moved, version)
                 t0 = time.perf_counter()
-                out = await push_weights_many([addr], packed, token="t", transport="collective")
+                await push(packed)
                 seconds.append(time.perf_counter() - t0)
-                if isinstance(out[addr], BaseException):
-                    raise out[addr]
             changed = [s.token_ids for r in await eng.generate(prompts(p)[:4], greedy) for s in r.samples]
-            await push_weights_many([addr], pack_weights(state, p["pushes"] + 1), token="t", transport="collective")
+            await push(pack_weights(state, p["pushes"] + 1))
             restored = [s.token_ids for r in await eng.generate(prompts(p)[:4], greedy) for s in r.samples]
             push_s = statistics.median(seconds)
-            return {"backend": "rlhf_gloo (vLLM weight-transfer API)", "push_seconds": round(push_s, 3),
+            return {"backend": f"rlhf_collective/{backend} (vLLM weight transfer)", "push_seconds": round(push_s, 3),
                     "GB_per_s": round(packed.total_bytes / push_s / 1e9, 3), "bytes": packed.total_bytes,
                     "landed": changed != before, "restored_exactly": restored == before}  # fmt: skip
         finally:
@@ -382,8 +397,9 @@ def main(argv: list[str] | None = None) -> int:
             if got is None:
                 result["weights_nccl"] = result.pop("weights")
                 _phase(result, "weights", weights_gpu, p, built["path"], "ipc")
+            _phase(result, "collective_nccl", weights_service, p, built["path"], "nccl")
         else:
-            _phase(result, "weights", weights_cpu, p, built["path"])
+            _phase(result, "weights", weights_service, p, built["path"], "gloo")
     _phase(result, "ring", ring, p)
     result["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(result, separators=(",", ":")), file=json_out, flush=True)
