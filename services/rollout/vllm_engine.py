@@ -95,6 +95,15 @@ def _has_accelerator() -> bool:
     return any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/davinci_manager"))
 
 
+# An update received but never committed (expired, aborted) is still open in the worker: these calls end it and start
+# a new one (start_weight_update refused with "already active").
+_END_UNCOMMITTED = (
+    ("update_weights", ({"index": -1, "nbytes": 0, "sha256": "", "discard": True},)),
+    ("finish_weight_update", ()),
+    ("start_weight_update", ()),
+)
+
+
 def _safetensors_bytes(tensors: dict[str, Any]) -> bytes:
     from safetensors.torch import save
 
@@ -148,6 +157,8 @@ class VllmEngine(EngineBase):
         # async driver
         self._async: Any = None
         self._inflight = 0
+        self._features: dict[str, bool] = {}  # what the worker offers (rlhf_features), asked at start
+        self.load_path = ""  # how the last update went in: "weight_transfer" or "reload" (logged, and for tests)
 
     # ------------------------------------------------------------------------------------------------ start / close
 
@@ -195,6 +206,7 @@ class VllmEngine(EngineBase):
 
             args = self._engine_args(AsyncEngineArgs)
             self._async = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        self._features = await self._worker_features()
         self._mark_loaded()
         log.info("vLLM engine (%s) ready: %s, max_model_len %d", self.mode, self.model_path, self.max_model_len)
 
@@ -402,6 +414,60 @@ class VllmEngine(EngineBase):
         return results
 
     # ------------------------------------------------------------------------------------------------ weights
+    #
+    # Weights go in through vLLM's weight-transfer API (init / start / update / finish, our backend of
+    # services/rollout/vllm_transfer.py) wherever the worker has it, else through the worker extension's
+    # reload_weights (vllm_ext.py). Which, and whether the transfer engine can stage an update while the model
+    # generates, is asked of the worker once at start (``rlhf_features``): decided by feature, never by version.
+
+    async def _rpc(self, method: str, *args: Any) -> Any:
+        """One worker call (the first worker's answer)."""
+        if self.mode == "inproc":
+            return (await self._call(lambda llm: llm.collective_rpc(method, args=args)))[0]
+        return (await self._async.collective_rpc(method, args=args))[0]
+
+    async def _worker_features(self) -> dict[str, bool]:
+        try:
+            return dict(await self._rpc("rlhf_features"))
+        except Exception as err:  # noqa: BLE001 - an older worker extension: the reload path only
+            log.warning("the vLLM worker does not report its features (%s); loading through reload_weights", err)
+            return {"weight_transfer": False, "engine_sessions": False, "reload_weights": True}
+
+    async def _session(self, updates: list[dict], finish: bool) -> None:
+        """start_weight_update, one update_weights per entry of ``updates``, then (``finish``) finish_weight_update
+        and a prefix-cache reset: on the engine thread in one call in-process, else call by call."""
+        if self.mode == "inproc":
+
+            def run(llm: Any) -> None:  # generation waits meanwhile
+                rpc = llm.collective_rpc
+                try:
+                    rpc("start_weight_update")
+                except RuntimeError as err:
+                    if "already active" not in str(err):
+                        raise
+                    for method, args in _END_UNCOMMITTED:
+                        rpc(method, args=args)
+                for u in updates:
+                    rpc("update_weights", args=(u,))
+                if finish:
+                    rpc("finish_weight_update")
+                    llm.reset_prefix_cache()
+
+            await self._call(run)
+            return
+        rpc = self._async.collective_rpc
+        try:
+            await rpc("start_weight_update")
+        except Exception as err:  # noqa: BLE001 - as above, across the engine-core process
+            if "already active" not in str(err):
+                raise
+            for method, args in _END_UNCOMMITTED:
+                await rpc(method, args=args)
+        for u in updates:
+            await rpc("update_weights", args=(u,))
+        if finish:
+            await rpc("finish_weight_update")
+            await self._async.reset_prefix_cache()
 
     @property
     def device_type(self) -> str:
@@ -414,11 +480,15 @@ class VllmEngine(EngineBase):
         """A collective push received by vLLM's worker through vLLM's weight-transfer API (backend
         ``rlhf_collective``): join the push's group (gloo, or nccl/hccl on the worker's own device), start an update,
         one ``update_weights`` per bucket (received, verified and staged in the worker's host memory; the model
-        untouched). :meth:`_load_weights` finishes it at the commit."""
+        untouched). :meth:`_load_weights` finishes it at the commit. A worker that loads every update into the model
+        as it arrives (no engine sessions: vLLM 0.23) cannot receive while the model generates: the buckets then come
+        into this process, and the commit hands them over."""
         from rlhf.transport.weights.collective import GROUP_ERRORS
         from rlhf.transport.weights.errors import IncompleteUpdate
         from rlhf.transport.weights.receive import StagedInEngine
 
+        if not self._features.get("engine_sessions"):
+            return await super().receive_collective(group, ticket, header, per_bucket)
         init = {"address": group.address, "port": group.port, "key": group.key, "timeout_s": group.timeout_s,
                 "ticket": ticket.hex(), "backend": group.backend}  # fmt: skip
         buckets = [
@@ -427,36 +497,8 @@ class VllmEngine(EngineBase):
             for i, b in enumerate(header.buckets)
         ]  # fmt: skip
         try:
-            if self.mode == "inproc":
-
-                def run(llm: Any) -> None:  # on the engine thread: generation waits for the transfer
-                    rpc = llm.collective_rpc
-                    rpc("init_weight_transfer_engine", args=(init,))
-                    try:
-                        rpc("start_weight_update")
-                    except RuntimeError as err:  # an update received but never committed (expired, aborted)
-                        if "already active" not in str(err):
-                            raise
-                        rpc("update_weights", args=({"index": -1, "nbytes": 0, "sha256": "", "discard": True},))
-                        rpc("finish_weight_update")
-                        rpc("start_weight_update")
-                    for b in buckets:
-                        rpc("update_weights", args=(b,))
-
-                await self._call(run)
-            else:
-                rpc = self._async.collective_rpc
-                await rpc("init_weight_transfer_engine", args=(init,))
-                try:
-                    await rpc("start_weight_update")
-                except Exception as err:  # noqa: BLE001 - as above, across the engine-core process
-                    if "already active" not in str(err):
-                        raise
-                    await rpc("update_weights", args=({"index": -1, "nbytes": 0, "sha256": "", "discard": True},))
-                    await rpc("finish_weight_update")
-                    await rpc("start_weight_update")
-                for b in buckets:
-                    await rpc("update_weights", args=(b,))
+            await self._rpc("init_weight_transfer_engine", init)
+            await self._session(buckets, finish=False)
         except GROUP_ERRORS as err:
             raise IncompleteUpdate(f"the collective transfer into vLLM failed ({type(err).__name__}: {err}); "
                                    "nothing was installed") from None  # fmt: skip
@@ -465,17 +507,17 @@ class VllmEngine(EngineBase):
     async def _prepare_weights(self, tensors: dict[str, Any]) -> Any:
         if getattr(tensors, "in_engine", False):  # already in the worker (receive_collective)
             return tensors
-        # Outside the gate. In-process the worker is called directly (no serialisation): it gets the tensors as
-        # they are. The engine-core subprocess gets one safetensors blob (msgpack carries bytes, not tensors),
-        # serialised here while the old weights still serve.
-        if self.mode == "inproc":
+        # Outside the gate, while the old weights still serve. The worker gets one safetensors blob (vLLM's RPC
+        # carries bytes intact, tensors nested in an update's fields it does not), except on the in-process reload
+        # path, where rlhf_load_tensors takes the tensors as they are.
+        if self.mode == "inproc" and not self._features.get("weight_transfer"):
             return list(tensors.items())
         return await asyncio.to_thread(_safetensors_bytes, tensors)
 
     async def _load_weights(self, staged: Any) -> None:
-        # vLLM's reload_weights rewrites the serving model's parameters in place (checkpoint loader, then the CPU
-        # backend's repacking): it cannot run while the model generates, so it stays inside the gate.
-        if getattr(staged, "in_engine", False):  # vLLM's weight-transfer API: install what update_weights staged
+        # Installing rewrites the serving model's parameters in place (checkpoint loader, then the CPU backend's
+        # repacking): it cannot run while the model generates, so it stays inside the gate.
+        if getattr(staged, "in_engine", False):  # staged in the worker by receive_collective: install it
             if self.mode == "inproc":
 
                 def _finish(llm: Any) -> Any:
@@ -487,7 +529,13 @@ class VllmEngine(EngineBase):
             else:
                 await self._async.collective_rpc("finish_weight_update")
                 await self._async.reset_prefix_cache()
+            self.load_path = "weight_transfer"
             log.info("vLLM weights installed through the weight-transfer API (%d tensors)", len(staged))
+            return
+        if self._features.get("weight_transfer"):  # the whole update handed over in one session
+            await self._session([{"index": 0, "nbytes": 0, "sha256": "", "data": staged}], finish=True)
+            self.load_path = "weight_transfer"
+            log.info("vLLM weights loaded through the weight-transfer API")
             return
         if self.mode == "inproc":
 
@@ -500,4 +548,5 @@ class VllmEngine(EngineBase):
         else:
             info = await self._async.collective_rpc("rlhf_reload_weights", args=(staged,))
             await self._async.reset_prefix_cache()
+        self.load_path = "reload"
         log.info("vLLM weights reloaded: %s", info)

