@@ -243,7 +243,9 @@ def test_engine_choice_from_config_and_env():
     assert "RLHF_ROLLOUT_ENGINE" in KNOWN_ENV_VARS
 
 
-_ASYNC_OPT_IN = pytest.mark.skipif(os.environ.get("RLHF_TEST_VLLM_ASYNC") != "1", reason="set RLHF_TEST_VLLM_ASYNC=1 (~40 s)")
+_ASYNC_OPT_IN = pytest.mark.skipif(
+    os.environ.get("RLHF_TEST_VLLM_ASYNC") != "1", reason="set RLHF_TEST_VLLM_ASYNC=1 (~40 s)"
+)
 
 
 @pytest.mark.parametrize("mode", [pytest.param("async", marks=_ASYNC_OPT_IN), "inproc"])

