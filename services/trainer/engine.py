@@ -800,8 +800,9 @@ class TrainerEngine:
             dist.broadcast_ints([_GATHER], 1, self.device)
             gathered = self._gathered_policy(keep=True)
             try:
-                for item in gathered:  # noqa: UP028 - ``yield from`` would close ``gathered`` undrained on close()
+                for item in gathered:  # not ``yield from``: that would close ``gathered`` undrained on close()
                     yield item
+                    del item  # the tensor goes before the next gather, not after it
             finally:
                 for _ in gathered:
                     pass
