@@ -192,7 +192,8 @@ def main() -> None:
                "parameter, gradient and AdamW moment is sharded, nothing replicated.",
                "Push peak: world 1 holds every serialised bucket (the whole policy) until the push is done; the "
                "group's streamed push holds one bucket buffer and the gather's transient copy of one tensor, "
-               "and makes every bucket twice (digests first, then the bytes), so push_make_s is about 2x."],
+               "and makes every bucket twice (digests first, then the bytes), each tensor gathered across the group "
+               "(gloo over loopback here): push_make_s is several times world 1's (quick run: 1.07 s vs 0.14 s)."],
         started=started,
     )  # fmt: skip
 
