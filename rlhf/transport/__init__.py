@@ -63,6 +63,7 @@ _WEIGHTSYNC = {
     "PackedWeights",
     "StagedWeights",
     "StaleVersion",
+    "StreamedWeights",
     "UpdateInProgress",
     "UpdateTooLarge",
     "WeightReceiver",
@@ -72,6 +73,7 @@ _WEIGHTSYNC = {
     "pack_weights",
     "push_weights",
     "push_weights_many",
+    "push_weights_streamed",
     "receive_update",
     "weight_updates",
 }

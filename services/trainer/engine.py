@@ -42,6 +42,7 @@ from rlhf.models import (
     resolve_model_path,
     score_head_outputs,
 )
+from rlhf.transport.weights.format import DEFAULT_BUCKET_BYTES, StreamedWeights
 from rlhf.v1 import common_pb2, experience_pb2
 from services.trainer import checkpoint, optim
 
@@ -774,6 +775,37 @@ class TrainerEngine:
                 v = v.to(dtype)
             out[k] = v.to("cpu").contiguous()
         return out
+
+    def policy_stream(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> StreamedWeights:
+        """Rank 0 of a group: the policy (as :meth:`policy_state_dict` gives it) as streamed weights, for a push that
+        gathers it bucket by bucket and never holds the whole model (``push_weights_streamed``). The plan comes
+        from the shards' metadata (a DTensor's shape is the global one); each of the stream's two passes is one
+        gather command to the group. The weights must not change between the passes: the caller holds off steps,
+        so in a group training waits for the push."""
+        if self.group is None or not self.group.is_driver:
+            raise RuntimeError("policy_stream() is for rank 0 of a trainer group; at world size 1 pack the state dict")
+        dtype = torch.bfloat16 if self.cfg.training.bf16 else None
+        specs = [
+            (k, dtype if dtype is not None and v.is_floating_point() else v.dtype, tuple(v.shape))
+            for k, v in self.actor.state_dict().items()
+        ]
+        return StreamedWeights(specs, self._policy_pass, version, version - 1, bucket_bytes=bucket_bytes)
+
+    def _policy_pass(self):
+        """One gather of the whole policy, tensor by tensor: the command goes to the followers, which gather every
+        parameter with rank 0. Closed early (a push that stopped), rank 0 still gathers the rest, or the followers
+        would wait in a collective that never comes. The command lock is held for the pass, in the thread that runs
+        it, so no other command can come between its gathers."""
+        with self._command_lock:
+            dist.broadcast_ints([_GATHER], 1, self.device)
+            gathered = self._gathered_policy(keep=True)
+            try:
+                for item in gathered:  # not ``yield from``: that would close ``gathered`` undrained on close()
+                    yield item
+                    del item  # the tensor goes before the next gather, not after it
+            finally:
+                for _ in gathered:
+                    pass
 
     def _gathered_policy(self, keep: bool):
         """(name, full tensor) of the sharded actor, gathered one parameter at a time on every rank (the gather is

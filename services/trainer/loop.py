@@ -422,11 +422,15 @@ class Trainer:
         # The previous update must be out first: versions reach replicas in order, and the trained count that frees
         # admission only grows.
         await self._settle_push()
-        if push:
+        if push and self.engine.group is None:
             # Packing copies the weights, so the next step may change them while the copy is delivered: the push
             # (transfer + the replicas' swap) overlaps the next step instead of stalling it.
             packed = await self._pack()
             self._push_task = asyncio.create_task(self._deliver(packed, jobs=len(batch)))
+        elif push:
+            # A trainer group streams the push (never the whole policy on rank 0): the weights must stay as they are
+            # until it is done, so the next step waits for it (this holds _state_lock).
+            await self._deliver(None, jobs=len(batch))
         else:
             await self._write_admission()
         if self.engine.step_count >= t.train_iters:
@@ -470,12 +474,13 @@ class Trainer:
 
     async def _deliver(self, packed, jobs: int = 0) -> None:
         """Push ``packed`` to every replica, publish its version, then admit the ``jobs`` whose training it carries:
-        admission frees the next jobs only once the new weights are out, which is what bounds staleness."""
+        admission frees the next jobs only once the new weights are out, which is what bounds staleness. ``packed``
+        None: a trainer group streams the current weights (see :meth:`_push_to`; hold ``_state_lock``)."""
         addrs = await asyncio.to_thread(expand_targets, self.settings.rollout_addrs)
         if addrs:
-            await self._push_to(addrs, packed)
-            await self._redis("publishing the policy version", self.admission.publish_policy_version, packed.version)
-            self._version_published = packed.version
+            version = await self._push_to(addrs, packed)
+            await self._redis("publishing the policy version", self.admission.publish_policy_version, version)
+            self._version_published = version
         if jobs:
             self._unpushed_jobs -= jobs
             await self._write_admission()
@@ -534,31 +539,43 @@ class Trainer:
                         lagging.append((addr, served.version))
                 if not lagging:
                     continue
+                targets = [a for a, _ in lagging]
                 async with self._state_lock:  # between steps: the weights of one version
+                    for addr, served in lagging:
+                        log.info("replica %s serves version %d, the run is at %d: pushing version %d", addr, served,
+                                 published, self.engine.policy_version)  # fmt: skip
+                    if self.engine.group is not None:  # streamed: the weights may not change until it is done
+                        await self._push_to(targets, None)
+                        continue
                     packed = await self._pack()
-                for addr, served in lagging:
-                    log.info("replica %s serves version %d, the run is at %d: pushing version %d", addr, served,
-                             published, packed.version)  # fmt: skip
-                await self._push_to([a for a, _ in lagging], packed)
+                await self._push_to(targets, packed)
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - Redis restarting, a replica going away: try again later
                 log.warning("catching up lagging replicas failed (%s: %s); retrying", type(err).__name__, err)
 
-    async def _push_to(self, addrs: list[str], packed) -> None:
-        from rlhf.transport import push_weights_many
+    async def _push_to(self, addrs: list[str], packed) -> int:
+        """Push ``packed`` to ``addrs``, or with ``packed`` None (a trainer group; hold ``_state_lock``) stream the
+        engine's current weights: gathered bucket by bucket, twice (the digests, then the bytes), so rank 0 holds
+        one bucket, never the whole policy, and training waits for the push. Returns the version pushed."""
+        from rlhf.transport import push_weights_many, push_weights_streamed
 
         tls: dict = {}
         creds = client_credentials(self.settings)
         if creds is not None:  # TLS ring: verify each replica against its service's name, not its pod address
             names = await asyncio.to_thread(_tls_names, self.settings.rollout_addrs)
             tls = {"tls": creds, "server_names": names}
-        results = await push_weights_many(addrs, packed, token=self.settings.api_token, timeout=120.0,
-                                          transport=self.settings.weights_transport, **tls,
-                                          **self._collective)  # fmt: skip
+        kw = {"token": self.settings.api_token, "timeout": 120.0, "transport": self.settings.weights_transport,
+              **tls, **self._collective}  # fmt: skip
+        if packed is None:
+            packed = self.engine.policy_stream(self.engine.policy_version)
+            results = await push_weights_streamed(addrs, packed, **kw)
+        else:
+            results = await push_weights_many(addrs, packed, **kw)
         for addr, res in results.items():
             if isinstance(res, BaseException):
                 log.warning("weight sync to %s failed: %s", addr, res)
+        return packed.version
 
     async def _settle_push(self) -> None:
         """Wait for the weight push in flight, if any (its failure ends training like any other)."""
@@ -567,8 +584,13 @@ class Trainer:
             await task
 
     async def _push_weights(self) -> None:
-        if await asyncio.to_thread(expand_targets, self.settings.rollout_addrs):
+        if not await asyncio.to_thread(expand_targets, self.settings.rollout_addrs):
+            return
+        if self.engine.group is None:
             await self._deliver(await self._pack())
+            return
+        async with self._state_lock:
+            await self._deliver(None)
 
     async def checkpoint(self) -> Path:
         """Save now (an admin call): waits for a step in progress, so the checkpoint holds whole steps only."""

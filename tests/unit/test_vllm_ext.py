@@ -137,9 +137,9 @@ def test_the_worker_reports_what_it_offers_for_loading_weights():
 
 
 def _engine():
-    from services.rollout.vllm_transfer import RlhfCollectiveWeightTransferEngine
-
     from types import SimpleNamespace
+
+    from services.rollout.vllm_transfer import RlhfCollectiveWeightTransferEngine
 
     config = SimpleNamespace(parallel_config=None, model_config=None)  # the two fields vLLM's base keeps
     return RlhfCollectiveWeightTransferEngine(None, config, torch.device("cpu"), Model())

@@ -3,7 +3,7 @@
 The package, by role (arrows point down this list; nothing imports upwards):
 
 - :mod:`~rlhf.transport.weights.send`: the trainer's push to one or many replicas (control over gRPC, bytes over
-  the data plane or the ``UpdateWeights`` stream);
+  the data plane, the ``UpdateWeights`` stream or a collective broadcast), of packed or streamed weights;
 - :mod:`~rlhf.transport.weights.dataplane`: the replica's TCP data-plane listener and tickets, and the sender's
   socket (:func:`~rlhf.transport.weights.dataplane.send_buckets`);
 - :mod:`~rlhf.transport.weights.receive`: header checks, bucket verification, staging, the update slot;
@@ -29,11 +29,11 @@ _NAMES = {
     "format": (
         "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES", "FORMAT", "PackedWeights", "RawChunk", "all_finite",
         "decode_update", "dtype_name", "encode_chunk", "load_safetensors", "manifest_checksum", "manifest_of",
-        "pack_weights", "weight_updates",
+        "pack_weights", "StreamedWeights", "weight_updates",
     ),
     "receive": ("BufferPool", "StagedWeights", "WeightReceiver", "check_header", "receive_update"),
     "dataplane": ("WeightDataServer", "send_buckets"),
-    "send": ("TRANSPORTS", "push_weights", "push_weights_many"),
+    "send": ("TRANSPORTS", "push_weights", "push_weights_many", "push_weights_streamed"),
 }  # fmt: skip
 _WHERE = {name: module for module, names in _NAMES.items() for name in names}
 

@@ -39,7 +39,7 @@ import hashlib
 import secrets
 import socket
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,8 +218,9 @@ class TrainerGroup:
             self._store.set(f"rank/{ticket.hex()}", str(rank))
         return world
 
-    def broadcast(self, world: int, buckets: Sequence[bytes]) -> None:
-        """Blocking: form the group (every admitted replica joins within the timeout) and send every bucket."""
+    def broadcast(self, world: int, buckets: Iterable[bytes | memoryview]) -> None:
+        """Blocking: form the group (every admitted replica joins within the timeout) and send every bucket (they
+        may be made as they are asked for: a streamed push)."""
         self.pg = _process_group(self.spec_store, 0, world, self.spec, self.spec.address)
         for data in buckets:
             with warnings.catch_warnings():  # read-only bytes: broadcast reads them on rank 0, never writes

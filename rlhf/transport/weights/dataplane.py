@@ -41,7 +41,7 @@ import secrets
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -429,9 +429,12 @@ def _finish(i: int, buf: bytearray, hasher: Any, sha256: str, manifest: Any) -> 
 # ------------------------------------------------------------------------------------------------------ client
 
 
-def send_buckets(host: str, port: int, ticket: bytes, buckets: Sequence[bytes], timeout: float | None) -> None:
+def send_buckets(
+    host: str, port: int, ticket: bytes, buckets: Iterable[bytes | memoryview], timeout: float | None
+) -> None:
     """Blocking (run it in a thread): connect, send the ticket and every bucket (memoryviews, no copy), close.
-    ``timeout``: the whole send, connection included."""
+    ``buckets`` may be made as they are asked for (a streamed push). ``timeout``: the whole send, connection
+    included."""
     deadline = None if timeout is None else time.monotonic() + timeout
     with socket.create_connection((host, port), timeout=timeout) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -22,7 +22,7 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -242,14 +242,19 @@ def encode_chunk(bucket: int, offset: int, data: bytes | memoryview) -> bytes:
 
 
 def _plan_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
-    plan: list[list[str]] = []
-    size = 0
     for name, t in state_dict.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
         if t.layout != torch.strided:
             raise ValueError(f"state_dict[{name!r}] is not a dense tensor ({t.layout}); call .to_dense() first")
-        n = t.numel() * t.element_size()
+    return _plan_sizes(((name, t.numel() * t.element_size()) for name, t in state_dict.items()), bucket_bytes)
+
+
+def _plan_sizes(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Whole tensors in order into buckets of at most ``bucket_bytes`` (a larger tensor alone in its own)."""
+    plan: list[list[str]] = []
+    size = 0
+    for name, n in sizes:
         if plan and plan[-1] and size + n <= bucket_bytes:
             plan[-1].append(name)
             size += n
@@ -324,6 +329,156 @@ def weight_updates(
 ) -> Iterator[weights_pb2.WeightUpdate]:
     """The ``WeightUpdate`` stream of a state dict (header, then chunks)."""
     return pack_weights(state_dict, version, parent_version, bucket_bytes=bucket_bytes).updates(chunk_bytes)
+
+
+# ------------------------------------------------------------------------------------------------------ streaming
+
+TensorSpec = tuple[str, torch.dtype, tuple[int, ...]]  # name, dtype, shape: what a tensor will be, before it exists
+
+
+@dataclass(frozen=True)
+class _BucketLayout:
+    """One bucket's safetensors layout, computed from the specs alone: the serialised header and where each tensor's
+    bytes go (offsets into the whole bucket, header included)."""
+
+    prefix: bytes  # the 8-byte length and the JSON header, padded with spaces to a multiple of 8 (as safetensors)
+    spans: dict[str, tuple[int, int]]
+    nbytes: int
+
+
+def _layout(specs: Sequence[TensorSpec]) -> _BucketLayout:
+    # Widest dtypes first (stable): with the header padded to 8 bytes, every tensor starts aligned to its itemsize,
+    # so load_safetensors' frombuffer views need no copy.
+    order = sorted(specs, key=lambda s: -s[1].itemsize)
+    meta: dict[str, Any] = {}
+    at = 0
+    for name, dtype, shape in order:
+        n = math.prod(shape) * dtype.itemsize
+        meta[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [at, at + n]}
+        at += n
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    base = 8 + len(text)
+    spans = {name: (base + e["data_offsets"][0], base + e["data_offsets"][1]) for name, e in meta.items()}
+    return _BucketLayout(len(text).to_bytes(8, "little") + text, spans, base + at)
+
+
+class StreamedWeights:
+    """Weights serialised bucket by bucket from a source that yields them one tensor at a time (a sharded trainer
+    gathering each parameter), never the whole state dict at once: what a trainer group pushes.
+
+    The bucket plan and the manifest come from ``specs`` (name, dtype, shape) alone. The header needs every bucket's
+    sha256 before the first byte is sent, so the source is read twice, and must yield the same tensors both times
+    (the caller keeps the weights unchanged in between): :meth:`seal` serialises and hashes each bucket and drops
+    it, filling the header; :meth:`buckets` serialises them again for sending. Each tensor is copied straight to its
+    offset in one preallocated buffer of the largest bucket's size and dropped, so a pass holds one bucket and one
+    tensor. The layout is computed, not taken from ``safetensors.torch.save``, so both passes give the same bytes.
+
+    ``source()`` starts one pass: an iterator of ``(name, tensor)`` in ``specs`` order, each tensor of its spec's
+    dtype and shape (any device). It is closed when a pass stops early: a source that must run to the end (a
+    collective gather) drains itself then."""
+
+    def __init__(
+        self,
+        specs: Sequence[TensorSpec],
+        source: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+        version: int,
+        parent_version: int | None = None,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ):
+        if parent_version is None:
+            parent_version = version - 1
+        if parent_version >= version:
+            raise ValueError(f"parent_version ({parent_version}) must be smaller than version ({version})")
+        if bucket_bytes <= 0:
+            raise ValueError("bucket_bytes must be positive")
+        if not specs:
+            raise ValueError("no tensors to stream")
+        by_name = {name: (dtype, tuple(shape)) for name, dtype, shape in specs}
+        if len(by_name) != len(specs):
+            raise ValueError("a tensor name is listed twice")
+        self._by_name = by_name
+        self._source = source
+        plan = _plan_sizes(((n, math.prod(sh) * dt.itemsize) for n, (dt, sh) in by_name.items()), bucket_bytes)
+        self._plan = plan
+        self._layouts = [_layout([(n, *by_name[n]) for n in names]) for names in plan]
+        self.header = weights_pb2.WeightHeader(version=version, parent_version=parent_version, format=FORMAT)
+        for index, names in enumerate(plan):
+            for n in names:
+                dtype, shape = by_name[n]
+                self.header.tensors.add(name=n, dtype=dtype_name(dtype), shape=shape, bucket=index)
+        self.header.total_bytes = sum(lay.nbytes for lay in self._layouts)
+        self.buffer_bytes = max(lay.nbytes for lay in self._layouts)  # what a pass holds besides one tensor
+        self.sealed = False
+
+    @property
+    def version(self) -> int:
+        return self.header.version
+
+    @property
+    def checksum(self) -> str:
+        return self.header.checksum
+
+    @property
+    def total_bytes(self) -> int:
+        return self.header.total_bytes
+
+    def seal(self) -> weights_pb2.WeightHeader:
+        """Pass 1 (blocking): serialise and hash every bucket, refusing non-finite values, and complete the header
+        (bucket sizes and digests, checksum). Returns the header."""
+        del self.header.buckets[:]
+        for index, data in enumerate(self._pass(check_finite=True)):
+            self.header.buckets.add(index=index, nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        self.header.checksum = manifest_checksum([b.sha256 for b in self.header.buckets])
+        self.sealed = True
+        return self.header
+
+    def buckets(self) -> Iterator[memoryview]:
+        """Pass 2 (blocking, after :meth:`seal`): each bucket's bytes in index order. Every bucket is a view of the
+        same buffer, valid until the next one is asked for: send it (or copy it) before that."""
+        if not self.sealed:
+            raise RuntimeError("seal() the stream first: the header must carry every bucket's digest")
+        return self._pass(check_finite=False)
+
+    def _pass(self, check_finite: bool) -> Iterator[memoryview]:
+        buf = bytearray(self.buffer_bytes)
+        view = memoryview(buf)
+        src = self._source()
+        try:
+            it = iter(src)
+            for index, lay in enumerate(self._layouts):
+                view[: len(lay.prefix)] = lay.prefix
+                for name in self._plan[index]:  # the source's order
+                    got = next(it, None)
+                    if got is None:
+                        raise ValueError(f"the weight source ended before tensor {name!r}")
+                    self._write(view, got, name, *lay.spans[name], check_finite)
+                    del got  # the gathered tensor goes now, not when the next one arrives
+                yield view[: lay.nbytes]
+            if next(it, None) is not None:
+                raise ValueError("the weight source yields more tensors than its specs list")
+        finally:
+            close = getattr(src, "close", None)
+            if close is not None:
+                close()
+
+    def _write(self, view: memoryview, got, name: str, begin: int, end: int, check_finite: bool) -> None:
+        got_name, t = got
+        dtype, shape = self._by_name[name]
+        if got_name != name:
+            raise ValueError(f"the weight source yielded {got_name!r} where its specs list {name!r}")
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(f"tensor {name!r}: the source yielded {t.dtype}{list(t.shape)}, its specs say "
+                             f"{dtype}{list(shape)}")  # fmt: skip
+        if check_finite and not all_finite(t):  # a diverged update must never reach a replica
+            raise ValueError(f"refusing to send weights: tensor {name!r} has NaN or infinite values")
+        if end > begin:
+            t = t.detach()
+            if t.device.type != "cpu":
+                t = t.to("cpu")
+            dst = torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=begin)
+            dst.copy_(t.contiguous().reshape(-1).view(torch.uint8))
 
 
 # ------------------------------------------------------------------------------------------------------ decoding

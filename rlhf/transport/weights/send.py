@@ -1,16 +1,25 @@
-"""The trainer's side of weight sync: push one packed update to one replica or to many.
+"""The trainer's side of weight sync: push one update to one replica or to many.
 
 Control always goes over authenticated gRPC (``authorization: Bearer <token>``); the bytes take the transport the
 caller picks (:data:`TRANSPORTS`): the replica's TCP data plane (``OpenWeightsTransfer``, the buckets on one plain
-TCP connection, ``CommitWeights``), or the ``UpdateWeights`` stream of pre-serialised messages. A refusal comes back
-as ``grpc.aio.AioRpcError`` with the code of its error class (``rlhf.serving.errors``' table).
+TCP connection, ``CommitWeights``), the ``UpdateWeights`` stream of pre-serialised messages, or a collective
+broadcast. A refusal comes back as ``grpc.aio.AioRpcError`` with the code of its error class
+(``rlhf.serving.errors``' table).
+
+The update is either packed (:class:`~rlhf.transport.weights.format.PackedWeights`: every bucket in memory, each
+replica reads them at its own pace) or streamed (:class:`~rlhf.transport.weights.format.StreamedWeights`, a sharded
+trainer's push: :func:`push_weights_streamed` makes one bucket at a time and hands it to every replica's sender).
+The wire is the same either way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +32,8 @@ from rlhf.transport.weights.format import (
     DEFAULT_CHUNK_BYTES,
     MiB,
     PackedWeights,
+    StreamedWeights,
+    encode_chunk,
     pack_weights,
 )
 from rlhf.v1 import weights_pb2
@@ -111,7 +122,9 @@ async def push_weights(
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         if transport != "grpc":
-            resp = await _push_over_data_plane(channel, target, packed, deadline, metadata, required=transport == "tcp")
+            resp = await _push_over_data_plane(
+                channel, target, packed.header, packed.buckets, deadline, metadata, required=transport == "tcp"
+            )
             if resp is not None:
                 return resp
         # Messages go out pre-serialised (PackedWeights.encoded_updates): the stub's serializer would build and
@@ -149,13 +162,16 @@ def _host_of(target: str) -> str:
 async def _push_over_data_plane(
     channel: grpc.aio.Channel,
     target: str,
-    packed: PackedWeights,
+    header: weights_pb2.WeightHeader,
+    buckets: Iterable[bytes | memoryview],
     deadline: float | None,
     metadata: Any,
     *,
     required: bool,
+    executor: Executor | None = None,
 ) -> weights_pb2.UpdateWeightsResponse | None:
-    """Open, send the buckets on the data port, commit. None: the replica has no data plane (and not ``required``)."""
+    """Open, send the buckets on the data port, commit. None: the replica has no data plane (and not ``required``).
+    The send runs in a thread of ``executor`` (default: asyncio's)."""
     open_call = channel.unary_unary(
         OPEN_TRANSFER_METHOD,
         request_serializer=weights_pb2.OpenWeightsTransferRequest.SerializeToString,
@@ -163,7 +179,7 @@ async def _push_over_data_plane(
     )
     try:
         opened = await open_call(
-            weights_pb2.OpenWeightsTransferRequest(header=packed.header), timeout=_left(deadline), metadata=metadata
+            weights_pb2.OpenWeightsTransferRequest(header=header), timeout=_left(deadline), metadata=metadata
         )
     except grpc.aio.AioRpcError as err:
         if err.code() == grpc.StatusCode.UNIMPLEMENTED and not required:
@@ -185,7 +201,8 @@ async def _push_over_data_plane(
         commit_call(weights_pb2.CommitWeightsRequest(ticket=opened.ticket), timeout=_left(deadline), metadata=metadata)
     )
     try:
-        await asyncio.to_thread(send_buckets, host, opened.data_port, opened.ticket, packed.buckets, _left(deadline))
+        send = functools.partial(send_buckets, host, opened.data_port, opened.ticket, buckets, _left(deadline))
+        await asyncio.get_running_loop().run_in_executor(executor, send)
     except Exception as err:
         # Free the replica's update slot now rather than at its ticket's expiry, then report the replica's answer
         # (it says more: short data is IncompleteUpdate) when it comes quickly, else the connection error.
@@ -255,7 +272,7 @@ def _channel(target: str, tls: Any, options: Sequence[tuple[str, Any]], name: st
 
 async def push_collective(
     targets: Iterable[str],
-    packed: PackedWeights,
+    packed: PackedWeights | StreamedWeights,
     *,
     token: str | None = None,
     timeout: float | None = 600.0,
@@ -275,7 +292,8 @@ async def push_collective(
     version and free their slot at once, and every member's entry is the error; the next push forms a new group.
     ``group_address``: where replicas reach this process (default: the local address on the route to the first).
     ``backend``/``device``: the group's backend and where the buckets go before the broadcast
-    (:func:`~rlhf.transport.weights.collective.trainer_backend`); a replica that cannot run it refuses Open."""
+    (:func:`~rlhf.transport.weights.collective.trainer_backend`); a replica that cannot run it refuses Open.
+    Streamed weights must be sealed; the broadcast makes each bucket as it goes (one consumer, the group)."""
     from rlhf.transport.weights.collective import TrainerGroup, local_address_towards
 
     targets = list(targets)
@@ -321,7 +339,7 @@ async def push_collective(
         # the commits wait on the replicas until their data is verified and swapped: sent with the data
         commits = [asyncio.ensure_future(commit_one(t, k)) for t, k in members]
         try:
-            await asyncio.to_thread(group.broadcast, world, packed.buckets)
+            await asyncio.to_thread(_broadcast, group, world, packed)
         except BaseException as err:
             await asyncio.shield(asyncio.gather(*(_abort(channels[t], k, metadata) for t, k in members)))
             for c in commits:
@@ -339,3 +357,182 @@ async def push_collective(
     finally:
         group.close()
         await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)
+
+
+def _broadcast(group: Any, world: int, weights: PackedWeights | StreamedWeights) -> None:
+    if isinstance(weights, PackedWeights):
+        group.broadcast(world, weights.buckets)
+        return
+    buckets = weights.buckets()
+    try:
+        group.broadcast(world, buckets)
+    finally:
+        buckets.close()  # cut short: the source drains itself (a trainer group's followers gather every parameter)
+
+
+# ------------------------------------------------------------------------------------------------------ streamed
+
+
+class _Fanout:
+    """One producer, several consumers of the same buckets: bucket i is made once and handed to every consumer;
+    bucket i + 1 is made only when every live consumer has finished bucket i (the buckets share one buffer). A
+    consumer that leaves (its replica failed) holds no one back. Thread-safe; consumers and producer block."""
+
+    def __init__(self, n: int):
+        self._cv = threading.Condition()
+        self._live = set(range(n))
+        self._taken = [-1] * n  # the last bucket each consumer took
+        self._busy = [False] * n  # still sending it (until it asks for the next)
+        self._index = -1
+        self._data: memoryview | None = None
+        self._end = False
+        self._error: BaseException | None = None
+
+    def _idle(self) -> bool:
+        return all(self._taken[k] == self._index and not self._busy[k] for k in self._live)
+
+    def wait_idle(self) -> bool:
+        """Producer: wait until every live consumer has finished the last bucket; False when none is left."""
+        with self._cv:
+            self._cv.wait_for(self._idle)
+            return bool(self._live)
+
+    def publish(self, data: memoryview) -> None:
+        with self._cv:
+            self._index += 1
+            self._data = data
+            self._cv.notify_all()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        with self._cv:
+            self._end, self._error, self._data = True, error, None
+            self._cv.notify_all()
+
+    def take(self, k: int) -> tuple[int, memoryview] | None:
+        """Consumer ``k``, done with its last bucket: the next one (index, bytes), or None after the last. Raises
+        when the producer failed or ``k`` has left."""
+        with self._cv:
+            self._busy[k] = False
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: k not in self._live or self._taken[k] < self._index or self._end)
+            if k not in self._live:
+                raise RuntimeError("this replica's send was stopped")
+            if self._error is not None:
+                raise RuntimeError(f"making the weights failed ({type(self._error).__name__}: {self._error})")
+            if self._taken[k] < self._index:
+                self._taken[k], self._busy[k] = self._index, True
+                return self._index, self._data  # type: ignore[return-value]
+            return None
+
+    def leave(self, k: int) -> None:
+        with self._cv:
+            self._live.discard(k)
+            self._cv.notify_all()
+
+    def consume(self, k: int) -> Iterator[memoryview]:
+        """Consumer ``k``'s buckets as an iterator (for :func:`~rlhf.transport.weights.dataplane.send_buckets`)."""
+        while (item := self.take(k)) is not None:
+            yield item[1]
+
+
+def _produce(stream: StreamedWeights, fanout: _Fanout) -> None:
+    """The producer thread: pass 2 of ``stream``, one bucket at a time, while any consumer is left."""
+    buckets = stream.buckets()
+    error: BaseException | None = None
+    try:
+        while fanout.wait_idle():
+            data = next(buckets, None)
+            if data is None:
+                break
+            fanout.publish(data)
+    except BaseException as err:
+        error = err
+        raise
+    finally:
+        fanout.finish(error)
+        buckets.close()  # stopped early (no replica left): the source drains itself
+
+
+async def _encoded_stream(
+    header: weights_pb2.WeightHeader, fanout: _Fanout, k: int, chunk_bytes: int, executor: Executor
+) -> AsyncIterator[bytes]:
+    """Consumer ``k``'s ``UpdateWeights`` messages, pre-serialised (as :meth:`PackedWeights.encoded_updates`); each
+    chunk is a copy, so the bucket is free for the next as soon as its last chunk is out."""
+    loop = asyncio.get_running_loop()
+    yield weights_pb2.WeightUpdate(header=header).SerializeToString()
+    while (item := await loop.run_in_executor(executor, fanout.take, k)) is not None:
+        index, data = item
+        for off in range(0, len(data), chunk_bytes):
+            yield encode_chunk(index, off, data[off : off + chunk_bytes])
+
+
+async def push_weights_streamed(
+    targets: Iterable[str],
+    stream: StreamedWeights,
+    *,
+    token: str | None = None,
+    timeout: float | None = 600.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    tls: bool | str | Path | bytes | grpc.ChannelCredentials = False,
+    options: Sequence[tuple[str, Any]] = (),
+    server_names: Mapping[str, str] | None = None,
+    transport: str = "auto",
+    **collective: Any,
+) -> dict[str, weights_pb2.UpdateWeightsResponse | BaseException]:
+    """:func:`push_weights_many` of streamed weights: a sharded trainer's push, which never holds the whole model.
+
+    Seals ``stream`` (pass 1: every bucket made and hashed, for the header; its errors, such as non-finite
+    weights, raise here before any replica is contacted), opens every target, then makes each bucket once more
+    and hands it to every target's sender (pass 2): bucket i + 1 is made when every live sender has sent bucket i,
+    so the push holds one bucket at a time (plus one tensor). Per target the response or the exception; a failed
+    target drops out without stopping the others. ``transport`` and the other arguments are
+    :func:`push_weights`'s (``collective``: one broadcast to every target, :func:`push_collective`, whose keyword
+    arguments ``collective`` passes on). An error of pass 2's source (the trainer's gather) raises after every
+    target has stopped. ``timeout`` bounds the push after pass 1."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    targets = list(targets)
+    if not targets:
+        return {}
+    if not stream.sealed:
+        await asyncio.to_thread(stream.seal)
+    if transport == "collective":
+        return await push_collective(targets, stream, token=token, timeout=timeout, tls=tls, options=options,
+                                     server_names=server_names, **collective)  # fmt: skip
+    deadline = None if timeout is None else time.monotonic() + timeout
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    fanout = _Fanout(len(targets))
+    # Own threads, not asyncio's shared pool: every sender waits on the producer, so a pool smaller than the
+    # targets + 1 could run the senders and starve the producer they wait for.
+    pool = ThreadPoolExecutor(len(targets) + 1, thread_name_prefix="weights-push")
+    channels = [_channel(t, tls, options, (server_names or {}).get(t)) for t in targets]
+
+    async def one(k: int, target: str) -> weights_pb2.UpdateWeightsResponse:
+        try:
+            if transport != "grpc":
+                resp = await _push_over_data_plane(channels[k], target, stream.header, fanout.consume(k), deadline,
+                                                   metadata, required=transport == "tcp", executor=pool)  # fmt: skip
+                if resp is not None:
+                    return resp
+            call = channels[k].stream_unary(
+                UPDATE_WEIGHTS_METHOD,
+                request_serializer=None,
+                response_deserializer=weights_pb2.UpdateWeightsResponse.FromString,
+            )
+            messages = _encoded_stream(stream.header, fanout, k, chunk_bytes, pool)
+            return await call(messages, timeout=_left(deadline), metadata=metadata)
+        finally:
+            fanout.leave(k)
+
+    producer = asyncio.get_running_loop().run_in_executor(pool, _produce, stream, fanout)
+    try:
+        results = await asyncio.gather(*(one(k, t) for k, t in enumerate(targets)), return_exceptions=True)
+        await producer  # its error (the source failed mid-pass) is the push's
+        return dict(zip(targets, results, strict=True))
+    finally:
+        for k in range(len(targets)):
+            fanout.leave(k)  # cancelled: the producer stops making buckets and drains its source
+        pool.shutdown(wait=False)
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
