@@ -168,14 +168,10 @@ def all_finite(t: torch.Tensor) -> bool:
 # ------------------------------------------------------------------------------------------------------ packing
 
 
-@dataclass
-class PackedWeights:
-    """A state dict serialised once: the header and the safetensors buckets, ready to stream to many replicas.
-
-    Holds one serialised copy of the weights (about the state dict's size) in host memory."""
+class _HeaderFields:
+    """What a push reads off an update's header (``self.header``), packed or streamed alike."""
 
     header: weights_pb2.WeightHeader
-    buckets: list[bytes]
 
     @property
     def version(self) -> int:
@@ -188,6 +184,16 @@ class PackedWeights:
     @property
     def total_bytes(self) -> int:
         return self.header.total_bytes
+
+
+@dataclass
+class PackedWeights(_HeaderFields):
+    """A state dict serialised once: the header and the safetensors buckets, ready to stream to many replicas.
+
+    Holds one serialised copy of the weights (about the state dict's size) in host memory."""
+
+    header: weights_pb2.WeightHeader
+    buckets: list[bytes]
 
     def updates(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[weights_pb2.WeightUpdate]:
         """The ``UpdateWeights`` request stream: the header, then every bucket in chunks of ``chunk_bytes``."""
@@ -363,7 +369,7 @@ def _layout(specs: Sequence[TensorSpec]) -> _BucketLayout:
     return _BucketLayout(len(text).to_bytes(8, "little") + text, spans, base + at)
 
 
-class StreamedWeights:
+class StreamedWeights(_HeaderFields):
     """Weights serialised bucket by bucket from a source that yields them one tensor at a time (a sharded trainer
     gathering each parameter), never the whole state dict at once: what a trainer group pushes.
 
@@ -411,18 +417,6 @@ class StreamedWeights:
         self.header.total_bytes = sum(lay.nbytes for lay in self._layouts)
         self.buffer_bytes = max(lay.nbytes for lay in self._layouts)  # what a pass holds besides one tensor
         self.sealed = False
-
-    @property
-    def version(self) -> int:
-        return self.header.version
-
-    @property
-    def checksum(self) -> str:
-        return self.header.checksum
-
-    @property
-    def total_bytes(self) -> int:
-        return self.header.total_bytes
 
     def seal(self) -> weights_pb2.WeightHeader:
         """Pass 1 (blocking): serialise and hash every bucket, refusing non-finite values, and complete the header
