@@ -210,7 +210,9 @@ def test_kill_9_mid_broadcast_fails_the_push_in_time_and_the_next_push_reaches_t
             print(f"push with a member killed mid-broadcast failed after {took:.2f} s")
             monkeypatch.undo()
             assert all(isinstance(v, BaseException) for v in out.values()), out
-            assert took < 20, took  # a dead member fails the broadcast at once (closed sockets), never a hang
+            # A dead member usually fails the broadcast at once (its sockets close); when gloo has nothing pending
+            # towards it at that moment, the group timeout (20 s) ends the push: within a timeout, never a hang.
+            assert took < 20 + 10, took
             assert survivor.engine.served.version == 0 and survivor.engine.history == []
             assert not survivor.busy  # the trainer's abort freed the slot at once
             # the next push: the dead replica's Open fails, the group is the survivor alone
