@@ -208,7 +208,8 @@ class VllmEngine(EngineBase):
             self._async = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._features = await self._worker_features()
         self._mark_loaded()
-        log.info("vLLM engine (%s) ready: %s, max_model_len %d", self.mode, self.model_path, self.max_model_len)
+        log.info("vLLM engine (%s) ready: %s, max_model_len %d; weight loading: %s", self.mode, self.model_path,
+                 self.max_model_len, self._features)  # fmt: skip
 
     async def close(self) -> None:
         await super().close()
