@@ -27,6 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,9 +43,11 @@ from rlhf.models import (
     resolve_model_path,
     score_head_outputs,
 )
-from rlhf.transport.weights.format import DEFAULT_BUCKET_BYTES, StreamedWeights
 from rlhf.v1 import common_pb2, experience_pb2
 from services.trainer import checkpoint, optim
+
+if TYPE_CHECKING:
+    from rlhf.transport.weights.format import StreamedWeights
 
 log = logging.getLogger("rlhf.trainer")
 
@@ -776,14 +779,18 @@ class TrainerEngine:
             out[k] = v.to("cpu").contiguous()
         return out
 
-    def policy_stream(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> StreamedWeights:
+    def policy_stream(self, version: int, bucket_bytes: int | None = None) -> StreamedWeights:
         """Rank 0 of a group: the policy (as :meth:`policy_state_dict` gives it) as streamed weights, for a push that
         gathers it bucket by bucket and never holds the whole model (``push_weights_streamed``). The plan comes
         from the shards' metadata (a DTensor's shape is the global one); each of the stream's two passes is one
         gather command to the group. The weights must not change between the passes: the caller holds off steps,
         so in a group training waits for the push."""
+        # Imported here: rlhf.transport brings Redis, which the engine (and the TRL parity environment) does not need.
+        from rlhf.transport.weights.format import DEFAULT_BUCKET_BYTES, StreamedWeights
+
         if self.group is None or not self.group.is_driver:
             raise RuntimeError("policy_stream() is for rank 0 of a trainer group; at world size 1 pack the state dict")
+        bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
         dtype = torch.bfloat16 if self.cfg.training.bf16 else None
         specs = [
             (k, dtype if dtype is not None and v.is_floating_point() else v.dtype, tuple(v.shape))
