@@ -434,15 +434,17 @@ class VllmEngine(EngineBase):
             log.warning("the vLLM worker does not report its features (%s); loading through reload_weights", err)
             return {"weight_transfer": False, "engine_sessions": False, "reload_weights": True}
 
-    async def _session(self, updates: list[dict], finish: bool) -> None:
-        """start_weight_update, one update_weights per entry of ``updates``, then (``finish``) finish_weight_update
-        and a prefix-cache reset: on the engine thread in one call in-process, else call by call."""
+    async def _session(self, updates: list[dict], *, start: bool = True, finish: bool = True) -> None:
+        """(``start``) start_weight_update, one update_weights per entry of ``updates``, then (``finish``)
+        finish_weight_update and a prefix-cache reset: on the engine thread in one call in-process, else call by
+        call."""
         if self.mode == "inproc":
 
             def run(llm: Any) -> None:  # generation waits meanwhile
                 rpc = llm.collective_rpc
                 try:
-                    rpc("start_weight_update")
+                    if start:
+                        rpc("start_weight_update")
                 except RuntimeError as err:
                     if "already active" not in str(err):
                         raise
@@ -458,7 +460,8 @@ class VllmEngine(EngineBase):
             return
         rpc = self._async.collective_rpc
         try:
-            await rpc("start_weight_update")
+            if start:
+                await rpc("start_weight_update")
         except Exception as err:  # noqa: BLE001 - as above, across the engine-core process
             if "already active" not in str(err):
                 raise
@@ -519,22 +522,12 @@ class VllmEngine(EngineBase):
         # Installing rewrites the serving model's parameters in place (checkpoint loader, then the CPU backend's
         # repacking): it cannot run while the model generates, so it stays inside the gate.
         if getattr(staged, "in_engine", False):  # staged in the worker by receive_collective: install it
-            if self.mode == "inproc":
-
-                def _finish(llm: Any) -> Any:
-                    r = llm.collective_rpc("finish_weight_update")
-                    llm.reset_prefix_cache()
-                    return r
-
-                await self._call(_finish)
-            else:
-                await self._async.collective_rpc("finish_weight_update")
-                await self._async.reset_prefix_cache()
+            await self._session([], start=False)
             self.load_path = "weight_transfer"
             log.info("vLLM weights installed through the weight-transfer API (%d tensors)", len(staged))
             return
         if self._features.get("weight_transfer"):  # the whole update handed over in one session
-            await self._session([{"index": 0, "nbytes": 0, "sha256": "", "data": staged}], finish=True)
+            await self._session([{"index": 0, "nbytes": 0, "sha256": "", "data": staged}])
             self.load_path = "weight_transfer"
             log.info("vLLM weights loaded through the weight-transfer API")
             return

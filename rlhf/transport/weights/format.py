@@ -289,6 +289,17 @@ def _serialise_bucket(state_dict: Mapping[str, torch.Tensor], names: Sequence[st
     return st_save(tensors)
 
 
+def _parent_of(version: int, parent_version: int | None, bucket_bytes: int) -> int:
+    """An update's parent version (default ``version - 1``), after checking it and the bucket size."""
+    if parent_version is None:
+        parent_version = version - 1
+    if parent_version >= version:
+        raise ValueError(f"parent_version ({parent_version}) must be smaller than version ({version})")
+    if bucket_bytes <= 0:
+        raise ValueError("bucket_bytes must be positive")
+    return parent_version
+
+
 def pack_weights(
     state_dict: Mapping[str, torch.Tensor],
     version: int,
@@ -299,12 +310,7 @@ def pack_weights(
     """Serialise ``state_dict`` (any device; copied to host bucket by bucket) into safetensors buckets and the
     header. ``parent_version`` defaults to ``version - 1``. Tensors sharing memory (tied weights) are each sent
     in full. Do not modify the tensors while this runs (take it between optimizer steps)."""
-    if parent_version is None:
-        parent_version = version - 1
-    if parent_version >= version:
-        raise ValueError(f"parent_version ({parent_version}) must be smaller than version ({version})")
-    if bucket_bytes <= 0:
-        raise ValueError("bucket_bytes must be positive")
+    parent_version = _parent_of(version, parent_version, bucket_bytes)
     if not state_dict:
         raise ValueError("state_dict is empty")
     bad = next((name for name, t in state_dict.items() if not all_finite(t)), None)
@@ -393,12 +399,7 @@ class StreamedWeights(_HeaderFields):
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ):
-        if parent_version is None:
-            parent_version = version - 1
-        if parent_version >= version:
-            raise ValueError(f"parent_version ({parent_version}) must be smaller than version ({version})")
-        if bucket_bytes <= 0:
-            raise ValueError("bucket_bytes must be positive")
+        parent_version = _parent_of(version, parent_version, bucket_bytes)
         if not specs:
             raise ValueError("no tensors to stream")
         by_name = {name: (dtype, tuple(shape)) for name, dtype, shape in specs}
