@@ -165,6 +165,11 @@ class ActorRolloutConfig(Section):
     )  # fmt: skip
     tensor_model_parallel_size: int = _f(1, "vllm: devices the rollout engine shards the model over", ge=1, le=64)
     enforce_eager: bool = _f(True, "vllm: run eagerly (false: CUDA graphs / compile: faster decode, slower start)")
+    staged_weight_swap: bool | None = _f(
+        None, "vllm: load each weight update into a second copy of the model while generation goes on, then swap "
+        "the two between two steps (the pause is the swap, not the load; a second copy of the weights in memory); "
+        "null: on the CPU, true: on any device (needs enforce_eager), false: load inside the pause",
+    )  # fmt: skip
 
 
 class RefConfig(Section):
@@ -545,7 +550,7 @@ def _stage_notes(cfg: ExperimentConfig) -> list[str]:
 
 
 # rollout fields only the vllm engine reads: set explicitly with engine hf they would be ignored, so they are errors
-VLLM_ONLY_FIELDS = ("gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager")
+VLLM_ONLY_FIELDS = ("gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager", "staged_weight_swap")
 
 
 def _check_rollout(cfg: ExperimentConfig) -> None:
@@ -555,6 +560,10 @@ def _check_rollout(cfg: ExperimentConfig) -> None:
             if name in a.model_fields_set:
                 raise ValueError(f"actor_rollout_ref.actor_rollout.{name} is read by the vllm engine only; "
                                  "remove it or set engine: vllm")  # fmt: skip
+    if a.staged_weight_swap and not a.enforce_eager:
+        raise ValueError("actor_rollout_ref.actor_rollout.staged_weight_swap needs enforce_eager: true (CUDA graphs "
+                         "capture the live weights' addresses, so the swapped-in copy would not be used); set one "
+                         "of them to false")  # fmt: skip
     if a.max_model_len is not None and a.max_model_len < a.max_prompt_length + cfg.max_new_tokens:
         raise ValueError(
             f"actor_rollout_ref.actor_rollout.max_model_len {a.max_model_len} is shorter than max_prompt_length + "

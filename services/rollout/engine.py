@@ -640,6 +640,7 @@ def _build(kind: str, cfg: ExperimentConfig, path: Path, device: str | None, hoo
 
         kw.setdefault("max_model_len", cfg.actor.max_model_len)
         kw["engine_kwargs"] = {**vllm_engine_kwargs(cfg), **kw.get("engine_kwargs", {})}
+        kw.setdefault("staged_swap", cfg.actor.staged_weight_swap)
         return VllmEngine(path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, seed=cfg.training.seed,
                           hooks=hooks, **kw)  # fmt: skip
     if kind == "hf":

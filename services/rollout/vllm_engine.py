@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +135,7 @@ class VllmEngine(EngineBase):
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        staged_swap: bool | None = None,
     ):
         super().__init__(model_path, model_name, hooks)
         if max_model_len:
@@ -158,7 +159,12 @@ class VllmEngine(EngineBase):
         self._async: Any = None
         self._inflight = 0
         self._features: dict[str, bool] = {}  # what the worker offers (rlhf_features), asked at start
-        self.load_path = ""  # how the last update went in: "weight_transfer" or "reload" (logged, and for tests)
+        self.load_path = ""  # how the last update went in: "staged_swap", "weight_transfer" or "reload"
+        # Staged swaps (vllm_shadow.py): None = where the worker supports them, on the CPU; True = wherever the worker
+        # supports them (a second copy of the weights in device memory); False = never.
+        self.staged_swap_setting = staged_swap
+        self.staged_swap = False  # decided at start
+        self._stage_lock = asyncio.Lock()  # one update in the shadow at a time, from staging until its swap
 
     # ------------------------------------------------------------------------------------------------ start / close
 
@@ -207,9 +213,22 @@ class VllmEngine(EngineBase):
             args = self._engine_args(AsyncEngineArgs)
             self._async = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self._features = await self._worker_features()
+        self.staged_swap = self._decide_staged_swap()
         self._mark_loaded()
         log.info("vLLM engine (%s) ready: %s, max_model_len %d; weight loading: %s", self.mode, self.model_path,
                  self.max_model_len, self._features)  # fmt: skip
+
+    def _decide_staged_swap(self) -> bool:
+        want = self.staged_swap_setting
+        if want is False:
+            return False
+        if not self._features.get("staged_swap"):
+            why = self._features.get("staged_swap_unsupported") or "the worker extension is older"
+            if want:
+                raise ValueError(f"actor_rollout.staged_weight_swap is on but this vLLM worker cannot stage: {why}")
+            log.info("weight updates load inside the swap gate (no staged swap: %s)", why)
+            return False
+        return bool(want) or self.device_type == "cpu"
 
     async def close(self) -> None:
         await super().close()
@@ -508,7 +527,15 @@ class VllmEngine(EngineBase):
                                    "nothing was installed") from None  # fmt: skip
         return StagedInEngine.fromkeys(t.name for t in header.tensors), header.total_bytes
 
+    async def swap_weights(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.staged_swap:
+            return await super().swap_weights(*args, **kwargs)
+        async with self._stage_lock:  # the shadow holds one update: staging and swap of the next wait for this one
+            return await super().swap_weights(*args, **kwargs)
+
     async def _prepare_weights(self, tensors: dict[str, Any]) -> Any:
+        if self.staged_swap:
+            return await self._stage_in_shadow(tensors)
         if getattr(tensors, "in_engine", False):  # already in the worker (receive_collective)
             return tensors
         # Outside the gate, while the old weights still serve. The worker gets one safetensors blob (vLLM's RPC
@@ -518,7 +545,31 @@ class VllmEngine(EngineBase):
             return list(tensors.items())
         return await asyncio.to_thread(_safetensors_bytes, tensors)
 
+    async def _stage_in_shadow(self, tensors: Any) -> _Shadowed:
+        """Load the update into the worker's shadow model while the live one generates (vllm_shadow.py); wait until
+        it is loaded. A failure leaves the live model as it was."""
+        uid = uuid.uuid4().hex
+        in_engine = bool(getattr(tensors, "in_engine", False))
+        if in_engine:
+            await self._rpc("rlhf_shadow_stage_transfer", uid)
+        elif self.mode == "inproc":  # the tensors themselves: collective_rpc serialises nothing in-process
+            await self._rpc("rlhf_shadow_stage_tensors", uid, list(tensors.items()))
+        else:
+            await self._rpc("rlhf_shadow_stage", uid, await asyncio.to_thread(_safetensors_bytes, tensors))
+        while True:
+            state = await self._rpc("rlhf_shadow_poll")
+            if state["done"]:
+                break
+            await asyncio.sleep(0.005)
+        if state["error"] or state["staged"] != uid:
+            raise Internal(f"the update could not be staged beside the live weights ({state['error']}); "
+                           "nothing was installed")  # fmt: skip
+        return _Shadowed(uid, in_engine, float(state["seconds"]))
+
     async def _load_weights(self, staged: Any) -> None:
+        if isinstance(staged, _Shadowed):  # loaded beside the live model: swap the two between two steps
+            await self._swap_shadow(staged)
+            return
         # Installing rewrites the serving model's parameters in place (checkpoint loader, then the CPU backend's
         # repacking): it cannot run while the model generates, so it stays inside the gate.
         if getattr(staged, "in_engine", False):  # staged in the worker by receive_collective: install it
@@ -544,3 +595,32 @@ class VllmEngine(EngineBase):
             await self._async.reset_prefix_cache()
         self.load_path = "reload"
         log.info("vLLM weights reloaded: %s", info)
+
+    async def _swap_shadow(self, staged: _Shadowed) -> None:
+        if self.mode == "inproc":
+
+            def _swap(llm: Any) -> Any:
+                r = llm.collective_rpc("rlhf_shadow_swap", args=(staged.update_id,))
+                if staged.in_engine:  # end the collective session: its buckets went to the shadow, nothing to install
+                    llm.collective_rpc("finish_weight_update")
+                llm.reset_prefix_cache()
+                return r[0]
+
+            info = await self._call(_swap)
+        else:
+            info = (await self._async.collective_rpc("rlhf_shadow_swap", args=(staged.update_id,)))[0]
+            if staged.in_engine:
+                await self._async.collective_rpc("finish_weight_update")
+            await self._async.reset_prefix_cache()
+        self.load_path = "staged_swap"
+        log.info("vLLM weights swapped in (staged beside the live model in %.3fs, swap %.4fs)",
+                 staged.seconds, info["seconds"])  # fmt: skip
+
+
+@dataclass
+class _Shadowed:
+    """An update loaded into the worker's shadow model, waiting for its swap."""
+
+    update_id: str
+    in_engine: bool
+    seconds: float

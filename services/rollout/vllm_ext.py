@@ -65,6 +65,38 @@ class WorkerExtension:
         model.load_weights(iter(items))
         return "model.load_weights"
 
+    # ---- staged swaps (services/rollout/vllm_shadow.py): load beside the live model, swap between two steps
+
+    def _rlhf_shadow(self):
+        from services.rollout.vllm_shadow import ShadowSwap
+
+        if getattr(self, "_rlhf_shadow_swap", None) is None:
+            self._rlhf_shadow_swap = ShadowSwap(self)
+        return self._rlhf_shadow_swap
+
+    def rlhf_shadow_stage(self, update_id: str, blob: bytes) -> None:
+        """Start loading the safetensors ``blob`` (checkpoint format) into the shadow model; returns at once."""
+        from rlhf.transport.weights.format import load_safetensors
+
+        self._rlhf_shadow().stage(update_id, list(load_safetensors(blob).items()), keep=blob)
+
+    def rlhf_shadow_stage_tensors(self, update_id: str, items: list) -> None:
+        """As :meth:`rlhf_shadow_stage` with (name, tensor) pairs. In-process engines only."""
+        self._rlhf_shadow().stage(update_id, items)
+
+    def rlhf_shadow_stage_transfer(self, update_id: str) -> None:
+        """Stage what the weight-transfer engine received for the open session (a collective push) into the shadow;
+        the session is then ended with nothing left to install (see VllmEngine._load_weights)."""
+        engine = self.weight_transfer_engine
+        items, engine.staged = list(engine.staged.items()), {}
+        self._rlhf_shadow().stage(update_id, items)
+
+    def rlhf_shadow_poll(self) -> dict:
+        return self._rlhf_shadow().poll()
+
+    def rlhf_shadow_swap(self, update_id: str) -> dict:
+        return self._rlhf_shadow().swap(update_id)
+
     def rlhf_features(self) -> dict:
         """What this worker offers for loading weights (the rollout engine asks once at start): vLLM's weight-transfer
         API (the engine configured, ``update_weights`` present), whether its transfer engine runs the update session
@@ -76,10 +108,15 @@ class WorkerExtension:
             from services.rollout.vllm_transfer import engine_sessions
 
             sessions = engine_sessions()
+        from services.rollout.vllm_shadow import supported
+
+        staged, why = supported(self)
         return {
             "weight_transfer": transfer,
             "engine_sessions": sessions,
             "reload_weights": hasattr(self, "reload_weights"),
+            "staged_swap": staged,
+            "staged_swap_unsupported": why,
         }
 
     def rlhf_ping(self) -> str:

@@ -261,10 +261,12 @@ def test_vllm_loads_weights_through_the_weight_transfer_api(tiny_models, state, 
     async def main():
         for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
             os.environ.setdefault(k, v)  # read by the engine-core subprocess
-        eng = VllmEngine(tiny_models.policy, "tiny:policy", mode=mode)
+        eng = VllmEngine(tiny_models.policy, "tiny:policy", mode=mode, staged_swap=False)
         await eng.start()
         try:
-            assert eng._features == {"weight_transfer": True, "engine_sessions": True, "reload_weights": True}
+            assert eng._features == {"weight_transfer": True, "engine_sessions": True, "reload_weights": True,
+                                     "staged_swap": True, "staged_swap_unsupported": ""}  # fmt: skip
+            assert not eng.staged_swap
             o = SamplingOptions(n=2, max_tokens=8, seed=1)
             a = await eng.generate(PROMPTS, o)
             g = torch.Generator().manual_seed(0)
@@ -292,6 +294,76 @@ def test_vllm_loads_weights_through_the_weight_transfer_api(tiny_models, state, 
     assert flat(a) != flat(b) and flat(a) == flat(c)
     assert [s[0] for s in flat(d)] == [s[0] for s in flat(b)]  # the two loaders installed the same weights
     assert all(s.policy_version == 2 for r in c for s in r.samples)
+
+
+def test_vllm_staged_swap_serves_the_old_weights_while_the_update_loads(tiny_models, state, monkeypatch):
+    """A staged swap (the default on the CPU) loads the update into a second copy of the model while generation goes
+    on with the old weights, then swaps the two between steps: it installs exactly what the in-place reload
+    installs, a request made during the load is served (old version) before the swap ends, and a load that fails
+    changes nothing and leaves the replica serving."""
+    from rlhf.serving.errors import Internal
+    from services.rollout import vllm_shadow
+    from services.rollout.vllm_engine import VllmEngine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
+        monkeypatch.setenv(k, os.environ.get(k, v))
+    g = torch.Generator().manual_seed(0)
+    moved = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    o = SamplingOptions(n=2, max_tokens=8, seed=1)
+    load = vllm_shadow.ShadowSwap._load
+    slow = {"s": 0.0, "fail": False}
+
+    def paced_load(self, update_id, items, keep):  # the staging thread: held back (or failing) on demand
+        import time
+
+        time.sleep(slow["s"])
+        if slow["fail"]:
+            items = items[1:]  # one parameter short: refused, the shadow is reloaded whole next time
+        return load(self, update_id, items, keep)
+
+    monkeypatch.setattr(vllm_shadow.ShadowSwap, "_load", paced_load)
+
+    async def run(staged: bool):
+        eng = VllmEngine(tiny_models.policy, "tiny:policy", mode="inproc", staged_swap=staged)
+        await eng.start()
+        try:
+            outs, paths, during = [await eng.generate(PROMPTS, o)], [], None
+            for version, weights in ((1, moved), (2, state), (3, moved)):
+                if staged and version == 2:  # generate while the update loads: answered before the swap ends
+                    slow["s"] = 1.0
+                    swap = asyncio.ensure_future(eng.swap_weights(dict(weights), version, f"c{version}"))
+                    await asyncio.sleep(0.2)
+                    during = await eng.generate(PROMPTS, o)
+                    assert not swap.done()
+                    await swap
+                    slow["s"] = 0.0
+                else:
+                    await eng.swap_weights(dict(weights), version, f"c{version}")
+                paths.append(eng.load_path)
+                outs.append(await eng.generate(PROMPTS, o))
+            if staged:
+                slow["fail"] = True
+                with pytest.raises(Internal, match="could not be staged"):
+                    await eng.swap_weights(dict(state), 4, "c4")
+                slow["fail"] = False
+                assert eng.ready and eng.served.version == 3
+                outs.append(await eng.generate(PROMPTS, o))  # still version 3's weights
+            return outs, paths, during
+        finally:
+            await eng.close()
+
+    staged, staged_paths, during = asyncio.run(run(True))
+    reloaded, reload_paths, _ = asyncio.run(run(False))
+
+    def flat(rs):
+        return [(s.token_ids, s.logprobs) for r in rs for s in r.samples]
+
+    assert staged_paths == ["staged_swap"] * 3 and reload_paths == ["weight_transfer"] * 3
+    assert [flat(x) for x in staged[:4]] == [flat(x) for x in reloaded]  # the same weights, bit for bit
+    assert flat(staged[0]) != flat(staged[1]) and flat(staged[0]) == flat(staged[2])
+    assert all(s.policy_version == 1 for r in during for s in r.samples) and flat(during) == flat(staged[1])
+    assert flat(staged[4]) == flat(staged[3])
 
 
 def test_hf_swap_stages_outside_the_gate_and_installs_storage(tiny_models, state):

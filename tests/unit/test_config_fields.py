@@ -169,6 +169,10 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         DEVICES + "test_rollout_devices_become_replicas_of_the_tensor_parallel_size",
     ],  # fmt: skip
     "actor_rollout_ref.actor_rollout.enforce_eager": [ROLLOUT_SETTINGS + "test_settings_reach_vllm_engine_args"],
+    "actor_rollout_ref.actor_rollout.staged_weight_swap": [
+        ROLLOUT_SETTINGS + "test_staged_weight_swap_reaches_the_engine_and_is_decided_by_the_worker",
+        "tests/integration/test_engines.py::test_vllm_staged_swap_serves_the_old_weights_while_the_update_loads",
+    ],
     "actor_rollout_ref.ref.load": [
         "tests/integration/test_reference_service.py::test_logprobs_rest_match_transformers"
     ],

@@ -30,6 +30,23 @@ def test_settings_reach_vllm_engine_args(tiny_models):
     assert args.worker_extension_cls  # the project's own arguments are still there
 
 
+@pytest.mark.parametrize(
+    ("setting", "worker_can", "staged"),
+    [(None, True, True), (None, False, False), (False, True, False), (True, True, True), (True, False, "refused")],
+)
+def test_staged_weight_swap_reaches_the_engine_and_is_decided_by_the_worker(tiny_models, setting, worker_can, staged):
+    """null stages where the worker can (on this CPU), false never, true refuses to start on a worker that cannot."""
+    cfg = _cfg() if setting is None else _cfg(staged_weight_swap=setting)
+    engine = make_engine(cfg, kind="vllm")
+    assert engine.staged_swap_setting is setting
+    engine._features = {"staged_swap": worker_can, "staged_swap_unsupported": "" if worker_can else "no reload"}
+    if staged == "refused":
+        with pytest.raises(ValueError, match="staged_weight_swap is on but .* cannot stage: no reload"):
+            engine._decide_staged_swap()
+    else:
+        assert engine._decide_staged_swap() is staged
+
+
 def test_defaults_leave_vllm_defaults():
     kw = vllm_engine_kwargs(_cfg())
     assert kw == {"enforce_eager": True, "tensor_parallel_size": 1}  # gpu_memory_utilization: vLLM's default
@@ -48,6 +65,7 @@ def test_max_model_len_bounds_the_hf_engine(tiny_models):
         ({"tensor_model_parallel_size": 0}, "actor_rollout.tensor_model_parallel_size"),
         ({"max_model_len": 1}, "actor_rollout.max_model_len"),
         ({"max_model_len": 64}, "actor_rollout.max_model_len 64 is shorter"),  # < 32 prompt + 64 response
+        ({"staged_weight_swap": True, "enforce_eager": False}, "staged_weight_swap needs enforce_eager"),
     ],
 )
 def test_invalid_values_name_the_key(actor, key):
@@ -55,9 +73,12 @@ def test_invalid_values_name_the_key(actor, key):
         _cfg(**actor)
 
 
-@pytest.mark.parametrize("field", ["gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager"])
+@pytest.mark.parametrize(
+    "field", ["gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager", "staged_weight_swap"]
+)
 def test_vllm_only_fields_are_refused_with_the_hf_engine(field):
-    value = {"gpu_memory_utilization": 0.5, "tensor_model_parallel_size": 2, "enforce_eager": False}[field]
+    value = {"gpu_memory_utilization": 0.5, "tensor_model_parallel_size": 2, "enforce_eager": False,
+             "staged_weight_swap": True}[field]  # fmt: skip
     with pytest.raises(ConfigError, match=f"{field} is read by the vllm engine only"):
         _cfg("hf", **{field: value})
 

