@@ -384,14 +384,19 @@ async def main() -> None:
             "raw does only the two copies",
             "pause before: the engine re-serialised the update to one safetensors blob and reloaded it inside the "
             "swap gate (vLLM: ~30% re-serialising, ~15% parsing, ~55% reload_weights; 3.6 s = 0.98 of the transfer)",
-            "pause after: swap_weights stages outside the gate (hf: dtype/device conversion, none needed here; "
-            "vLLM in-process: nothing, the tensors go to the worker directly, no blob), then installs inside it. "
-            "hf installs by pointing each parameter at the staged tensor (param.data = staged, O(number of "
-            "tensors); tied weights stay tied). vLLM's reload_weights is all that is left in its pause and cannot "
-            "leave the gate: its layerwise reload first moves the serving layers to the meta device, then per layer "
-            "materialises fresh tensors, runs the checkpoint loader and the CPU backend's oneDNN repacking, and "
-            "copies the result into the kernel tensors. Building that on shadow layers outside the gate (vLLM 0.32 "
-            "has no API for it; a second copy of the weights in memory) would leave only the final copy inside",
+            "pause after: swap_weights stages outside the gate, then installs inside it. hf installs by pointing "
+            "each parameter at the staged tensor (param.data = staged, O(number of tensors); tied weights stay "
+            "tied). vLLM (issue 15 item 4; actor_rollout.staged_weight_swap, on by default on the CPU): vLLM's "
+            "in-place reload_weights cannot run beside generation (its layer-wise reload moves the serving layers "
+            "to the meta device, materialises fresh tensors, runs the checkpoint loader and the CPU backend's "
+            "oneDNN repacking), so the worker runs that same reload on a shadow model, a deep copy of the live one "
+            "with the KV-cache layers left in place (services/rollout/vllm_shadow.py), on a thread of its own "
+            "while the live model keeps decoding; inside the gate the two models trade places (the KV-cache "
+            "layers move over, the runner points at the shadow): O(layers), no tensor copied. Before it (last "
+            "run, load average 14): vLLM swap 0.332 s = 0.293 of the transfer; now "
+            f"{per['vllm']['seconds']['replica_swap']} s = {ratios['vllm']['pause_vs_transfer']} of the "
+            "transfer. The load itself moved into the push call (outside the pause) and costs a second copy of "
+            "the weights in the worker",
             "generation goes on during the transfer but slower (Generate calls during vs idle: "
             + ", ".join(f"{e} {per[e]['generate_calls_during_update_vs_idle']}" for e in ENGINES)
             + "): the client, the replica's receive and its sha256 threads share the 2 cores with decoding; the "
