@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHES = ("queue", "weight_sync", "serving", "engines", "padding_free", "pipeline", "trainer_scale")
+BENCHES = ("queue", "weight_sync", "serving", "engines", "padding_free", "critic_threads", "pipeline",
+           "trainer_scale")  # fmt: skip
 RESULTS = REPO / ".cache" / "bench" / "results"
 TITLES = {
     "queue": "Queue: experience records through rlhf.transport vs raw Redis",
@@ -33,6 +34,7 @@ TITLES = {
     "serving": "Serving: REST and gRPC vs the engine in-process",
     "engines": "Rollout engines: generated tokens/s, vllm vs hf",
     "padding_free": "Padding-free passes: the trainer's PPO step and the reference forward, padded vs packed",
+    "critic_threads": "Critic threads: the PPO step with the critic beside the actor on half the threads each",
     "pipeline": "Pipeline: training samples/s vs TRL 1.12 and vs the compute bound",
     "trainer_scale": "Trainer scale: per-rank training state and step time, FSDP2 world size 2 vs 1",
 }

@@ -20,7 +20,6 @@ import contextlib
 import itertools
 import logging
 import math
-import os
 import re
 import threading
 import time
@@ -487,17 +486,32 @@ class TrainerEngine:
     def _parallel_critic(self) -> bool:
         """Actor and critic are separate models with separate losses, so their passes can run side by side (as
         OpenRLHF and veRL run them on separate workers); the results are the same as one after the other. On a CPU
-        whose cores the intra-op threads already fill, a second thread would only oversubscribe them."""
+        the two sides split the intra-op threads (:meth:`_side_threads`), so it needs two of them."""
         if self.group is not None:  # two threads' collectives could interleave differently on each rank
             return False
-        if self.device.type != "cpu":
-            return True
-        return 2 * torch.get_num_threads() <= (os.cpu_count() or 1)
+        return self.device.type != "cpu" or torch.get_num_threads() >= 2
+
+    def _side_threads(self) -> tuple[int, int] | None:
+        """Intra-op threads of the actor's and the critic's side when they run side by side on a CPU (None: leave
+        them as they are). Half each: one OpenMP team per model on these matmuls scales worse than two teams of
+        half the size side by side (small model, 2 cores: actor and critic on one thread each, side by side, took
+        0.78x the time of both on two threads one after the other, bit-identical results; bench.pipeline)."""
+        n = torch.get_num_threads()
+        if self.device.type != "cpu" or n < 2:
+            return None
+        return n - n // 2, n // 2
 
     def _ppo(self, b: RolloutBatch) -> dict[str, float]:
         cfg, a, c, C = self.cfg, self.cfg.actor, self.cfg.critic, b.context_length
         B = b.responses.shape[0]
-        pool = ThreadPoolExecutor(1, thread_name_prefix="critic") if self._parallel_critic() else None
+        pool, split = None, None
+        if self._parallel_critic():
+            split = self._side_threads()
+            init = {} if split is None else {"initializer": torch.set_num_threads, "initargs": (split[1],)}
+            pool = ThreadPoolExecutor(1, thread_name_prefix="critic", **init)
+        before = torch.get_num_threads()
+        if split is not None:
+            torch.set_num_threads(split[0])  # this thread's intra-op threads (per thread in torch), restored below
         try:
             run = pool.submit if pool else lambda fn, *args: _Done(fn(*args))
             values_f = run(self._old_values, b.query_responses, C)
@@ -546,6 +560,7 @@ class TrainerEngine:
         finally:
             if pool:
                 pool.shutdown(wait=True)
+            torch.set_num_threads(before)
         mean_kl = algo.masked_mean(r.kl, r.response_mask, dim=1).mean().item()
         self.kl_ctrl.update(mean_kl, B)
         metrics.update({k: sum(v) / len(v) for k, v in stats.items()})

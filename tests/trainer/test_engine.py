@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 
@@ -130,7 +131,19 @@ def test_checkpoint_policy_loads_in_transformers(tiny_models, tmp_path):
 
 
 def test_critic_alongside_the_actor_matches_one_after_the_other(tiny_models, monkeypatch):
-    """The PPO step runs the critic's passes in a second thread; the update must be exactly the sequential one."""
+    """The PPO step runs the critic's passes in a second thread, each side on half of the intra-op threads on a CPU;
+    the update must be exactly the sequential one on all of them, and the caller's thread count comes back."""
+    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)  # restored after the test
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen = []
+    real_critic_updates = TrainerEngine._critic_updates
+
+    def critic_updates(self, *args):
+        seen.append((torch.get_num_threads(), threading.current_thread().name))
+        return real_critic_updates(self, *args)
+
+    monkeypatch.setattr(TrainerEngine, "_critic_updates", critic_updates)
     cfg = _config("ray_ppo")
     cfg.actor.ppo_mini_batch_size = cfg.critic.critic_mini_batch_size = 8  # several shuffled minibatches per epoch
     torch.manual_seed(0)
@@ -142,6 +155,11 @@ def test_critic_alongside_the_actor_matches_one_after_the_other(tiny_models, mon
         engine = TrainerEngine(cfg)
         metrics = [engine.step(b) for b in batches]
         results[parallel] = (metrics, engine)
+    after = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    assert after == 2
+    assert [n for n, _ in seen[:2]] == [1, 1] and all(name.startswith("critic") for _, name in seen[:2])
+    assert [n for n, _ in seen[2:]] == [2, 2]  # one after the other: the caller's threads
     (m_par, e_par), (m_seq, e_seq) = results[True], results[False]
     assert m_par[-1]["loss/value"] != m_par[0]["loss/value"]  # the critic did learn between the steps
     for a, b in zip(m_par, m_seq, strict=True):
