@@ -548,6 +548,7 @@ class VllmEngine(EngineBase):
     async def _stage_in_shadow(self, tensors: Any) -> _Shadowed:
         """Load the update into the worker's shadow model while the live one generates (vllm_shadow.py); wait until
         it is loaded. A failure leaves the live model as it was."""
+        await self._shadow_idle()  # a staging left running by a cancelled push ends first
         uid = uuid.uuid4().hex
         in_engine = bool(getattr(tensors, "in_engine", False))
         if in_engine:
@@ -556,15 +557,19 @@ class VllmEngine(EngineBase):
             await self._rpc("rlhf_shadow_stage_tensors", uid, list(tensors.items()))
         else:
             await self._rpc("rlhf_shadow_stage", uid, await asyncio.to_thread(_safetensors_bytes, tensors))
-        while True:
-            state = await self._rpc("rlhf_shadow_poll")
-            if state["done"]:
-                break
-            await asyncio.sleep(0.005)
+        state = await self._shadow_idle()
         if state["error"] or state["staged"] != uid:
             raise Internal(f"the update could not be staged beside the live weights ({state['error']}); "
                            "nothing was installed")  # fmt: skip
         return _Shadowed(uid, in_engine, float(state["seconds"]))
+
+    async def _shadow_idle(self) -> dict:
+        """Poll the worker (between engine steps) until no update is loading into its shadow; its last state."""
+        while True:
+            state = await self._rpc("rlhf_shadow_poll")
+            if state["done"]:
+                return state
+            await asyncio.sleep(0.005)
 
     async def _load_weights(self, staged: Any) -> None:
         if isinstance(staged, _Shadowed):  # loaded beside the live model: swap the two between two steps

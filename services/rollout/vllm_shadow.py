@@ -23,7 +23,7 @@ The cost is a second copy of the weights in the worker's memory. The swap change
 calls, so it needs eager execution (CUDA graphs capture the live tensors' addresses: ``enforce_eager: false`` is
 refused by the config) and no LoRA or speculative decoding (:func:`supported`).
 
-This module imports vLLM only inside functions: it is imported in vLLM's worker.
+Imported inside vLLM's worker (by the worker extension's methods), so vLLM itself is imported only in functions.
 """
 
 from __future__ import annotations
@@ -34,18 +34,15 @@ import time
 import types
 from typing import Any
 
+import torch
+
 
 class StagingError(RuntimeError):
     """An update could not be loaded into the shadow; the live model is unchanged."""
 
 
-def _vacant_module() -> Any:
-    import torch
-
-    class Vacant(torch.nn.Module):
-        """Stands in the shadow's tree for a KV-cache layer that stays with the live model."""
-
-    return Vacant()
+class _Vacant(torch.nn.Module):
+    """Stands in the shadow's tree for a KV-cache layer that stays with the live model until the swap."""
 
 
 def supported(worker: Any) -> tuple[bool, str]:
@@ -109,15 +106,18 @@ class ShadowSwap:
     # ------------------------------------------------------------------ making the shadow
 
     def _make_shadow(self, live: Any) -> Any:
-        import torch
+        from vllm.distributed import parallel_state
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
         from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
 
         cfg = self.worker.vllm_config
         kv_names = set(_kv_layer_names(live, cfg))
-        memo: dict[int, Any] = {id(cfg): cfg}  # configs are shared, never copied
+        memo: dict[int, Any] = {id(cfg): cfg}  # the config and the process groups are shared, never copied
+        for group in vars(parallel_state).values():
+            if isinstance(group, parallel_state.GroupCoordinator):
+                memo[id(group)] = group
         for name in kv_names:
-            memo[id(live.get_submodule(name))] = _vacant_module()
+            memo[id(live.get_submodule(name))] = _Vacant()
         with torch.no_grad():
             shadow = copy.deepcopy(live, memo)
         shadow_modules = dict(shadow.named_modules())
@@ -149,7 +149,6 @@ class ShadowSwap:
         self._thread.start()
 
     def _load(self, update_id: str, items: list, keep: Any) -> None:
-        import torch
         from vllm.model_executor.model_loader.reload.layerwise import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
