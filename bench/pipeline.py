@@ -478,11 +478,19 @@ NOTES = [
     "trainer has both during an update. bench.ring_threads (asynchronous small-model PPO ring, A/B/B/A, load "
     "average 8-16): 2.94 vs 1.11 samples/s, 2.65x over one thread per process; on a loaded machine part of that "
     "is more threads winning more CPU from other jobs, so the quiet-machine gain is smaller",
-    "rollout engine: hf, the faster here. The small model's generation is 0.31 s of a 2.8 s compute-bound step "
-    "(11%) and overlaps the update in the asynchronous ring; bench.engines measured vLLM 1.16-1.26x hf at batch "
-    "8-64 on the small model (worth < 0.05 s per step), while a vLLM replica stops generating for 0.2-0.68 of each "
-    "weight transfer (bench.weight_sync; issue 15 item 4) and takes ~1.7 GB. BENCH_ENGINE=vllm runs this ring "
-    "with vLLM",
+    "change 3, the critic beside the actor on half of the threads each (TrainerEngine._side_threads; in this ring's "
+    "trainer and in the bound, which run the same engine): before, on a CPU whose cores the intra-op threads filled, "
+    "the critic's passes ran after the actor's, each on every thread. The profile: the step is matmul-bound on "
+    "8-row minibatches of ~30 tokens (hidden 512), where one OpenMP team of 2 scales poorly (TRL's tiny PPO: 1.5-2.4 "
+    "s per step on 2 threads vs 0.5 s on one). Exact: the same operations, bit-identical losses and weights "
+    "(tests/trainer/test_engine.py::test_critic_alongside_the_actor_matches_one_after_the_other; bench.critic_threads "
+    "checks the losses too); its speed-up is bench.critic_threads' ratio",
+    "rollout engine: hf, the faster here for this ring. The small model's generation is 0.31 s of a 2.8 s "
+    "compute-bound step (11%) and overlaps the update in the asynchronous ring; bench.engines measured vLLM "
+    "1.16-1.26x hf at batch 8-64 on the small model (worth < 0.05 s per step), while a vLLM replica keeps its "
+    "serving default of one thread (hf: every core) and takes ~1.7 GB. Its weight-load pause, the other reason "
+    "before (0.2-0.68 of each transfer), is gone since issue 15 item 4 (the staged swap: bench.weight_sync). "
+    "BENCH_ENGINE=vllm runs this ring with vLLM",
     "why asynchronous PPO is not 1.5x TRL at equal cores (first run at equal cores, load average 11: 1.02x): the "
     "compute bound itself was only 1.08x TRL (the same model passes; TRL also runs them in one process) and the "
     "ring was within 1.06x of the bound in both modes. With every core given to each side there is no idle core "
