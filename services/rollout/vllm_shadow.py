@@ -100,7 +100,6 @@ class ShadowSwap:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._staged: str | None = None  # the id of the update the shadow holds, once fully loaded
-        self._staging: str | None = None
         self._seconds = 0.0
 
     # ------------------------------------------------------------------ making the shadow
@@ -143,7 +142,7 @@ class ShadowSwap:
         once. ``keep`` is held until loading ends (the buffer the tensors are views of)."""
         if self._thread is not None and self._thread.is_alive():
             raise StagingError("an update is already being staged")
-        self._error, self._staged, self._staging = None, None, update_id
+        self._error, self._staged = None, None
         self._thread = threading.Thread(target=self._load, args=(update_id, items, keep), name="rlhf-stage",
                                         daemon=True)  # fmt: skip
         self._thread.start()
@@ -173,7 +172,6 @@ class ShadowSwap:
         except BaseException as err:  # noqa: BLE001 - reported by poll(); the shadow is reloaded whole next time
             self._error = f"{type(err).__name__}: {err}"
         finally:
-            self._staging = None
             del items, keep
 
     def poll(self) -> dict:

@@ -771,10 +771,11 @@ class TrainerEngine:
         return metrics
 
     # ------------------------------------------------------------------ weights
-    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+    def policy_state_dict(self, copy: bool = False) -> dict[str, torch.Tensor]:
         """The actor's weights in Hugging Face names, contiguous, on the CPU (what weight sync ships; it refuses
         non-finite tensors). With ``training.bf16`` the fp32 master weights are cast to bf16 here, and only here:
-        rollout serves bf16 and the transfer is half the bytes."""
+        rollout serves bf16 and the transfer is half the bytes. ``copy``: tensors of their own, never the training
+        weights' memory (which the next step changes), as a snapshot to pack while training goes on."""
         if self.group is not None:
             with self._command_lock:
                 dist.broadcast_ints([_GATHER], 1, self.device)
@@ -789,9 +790,10 @@ class TrainerEngine:
             weights = self.actor.state_dict()
         for k, v in weights.items():
             v = v.detach()
-            if dtype is not None and v.is_floating_point():
+            converted = dtype is not None and v.is_floating_point()
+            if converted:
                 v = v.to(dtype)
-            out[k] = v.to("cpu").contiguous()
+            out[k] = v.to("cpu", copy=copy and not converted).contiguous()
         return out
 
     def policy_stream(self, version: int, bucket_bytes: int | None = None) -> StreamedWeights:

@@ -423,10 +423,11 @@ class Trainer:
         # admission only grows.
         await self._settle_push()
         if push and self.engine.group is None:
-            # Packing copies the weights, so the next step may change them while the copy is delivered: the push
-            # (transfer + the replicas' swap) overlaps the next step instead of stalling it.
-            packed = await self._pack()
-            self._push_task = asyncio.create_task(self._deliver(packed, jobs=len(batch)))
+            # A copy of the weights now (the next step changes them); packing it (serialising, sha256, the NaN check)
+            # and the push (transfer + the replicas' swap) then overlap the next step instead of stalling it.
+            version = self.engine.policy_version
+            weights = await asyncio.to_thread(self.engine.policy_state_dict, True)
+            self._push_task = asyncio.create_task(self._pack_and_deliver(weights, version, jobs=len(batch)))
         elif push:
             # A trainer group streams the push (never the whole policy on rank 0): the weights must stay as they are
             # until it is done, so the next step waits for it (this holds _state_lock).
@@ -471,6 +472,13 @@ class Trainer:
 
         version = self.engine.policy_version
         return await asyncio.to_thread(pack_weights, self.engine.policy_state_dict(), version, version - 1)
+
+    async def _pack_and_deliver(self, weights: dict, version: int, jobs: int) -> None:
+        from rlhf.transport import pack_weights
+
+        packed = await asyncio.to_thread(pack_weights, weights, version, version - 1)
+        del weights
+        await self._deliver(packed, jobs=jobs)
 
     async def _deliver(self, packed, jobs: int = 0) -> None:
         """Push ``packed`` to every replica, publish its version, then admit the ``jobs`` whose training it carries:

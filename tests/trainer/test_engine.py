@@ -215,3 +215,17 @@ def test_bf16_keeps_fp32_master_weights_that_learn_at_a_small_lr(tiny_models, tm
     path = save_checkpoint(tmp_path, engine, {})
     with safe_open(str(path / "policy" / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}  # noqa: SIM118 (safe_open is not iterable)
+
+
+def test_a_policy_snapshot_keeps_the_weights_the_next_step_changes(tiny_models):
+    """The trainer packs a snapshot of the policy while its next step trains: the snapshot must not share memory
+    with the training weights (the fp32 CPU state dict itself does)."""
+    engine = TrainerEngine(_config("ray_ppo"))
+    live, snap = engine.policy_state_dict(), engine.policy_state_dict(copy=True)
+    before = {k: v.clone() for k, v in live.items()}
+    with torch.no_grad():
+        for p in engine.actor.parameters():
+            p.add_(1.0)  # what an optimizer step does to the memory
+    assert any(not torch.equal(live[k], before[k]) for k in live)  # the plain state dict is the live weights
+    for k, v in snap.items():
+        assert torch.equal(v, before[k]), k
