@@ -491,13 +491,24 @@ NOTES = [
     "serving default of one thread (hf: every core) and takes ~1.7 GB. Its weight-load pause, the other reason "
     "before (0.2-0.68 of each transfer), is gone since issue 15 item 4 (the staged swap: bench.weight_sync). "
     "BENCH_ENGINE=vllm runs this ring with vLLM",
-    "why asynchronous PPO is not 1.5x TRL at equal cores (first run at equal cores, load average 11: 1.02x): the "
-    "compute bound itself was only 1.08x TRL (the same model passes; TRL also runs them in one process) and the "
-    "ring was within 1.06x of the bound in both modes. With every core given to each side there is no idle core "
-    "left for the asynchronous overlap to fill, so sync and async land together. The gap to 1.5x is model work, not "
-    "the service split: closing it needs less work per sample than TRL does (e.g. reusing the rollout's sampling "
-    "log-probs instead of recomputing the old log-probs, or bf16) or more cores; the 1.75x published before came "
-    "from TRL's single thread",
+    "change 4, the weight push packs a snapshot (services/trainer/loop.py): after an update the trainer copies the "
+    "policy (a memcpy) and packs that copy (safetensors buckets, sha256, the NaN check) while the next step trains, "
+    "where it packed the live weights before the next step could start. The profile: in the asynchronous ring the "
+    "trainer's iteration was 0.38-0.59 s longer than its update with no wait for experience; packing the small "
+    "policy (86 MB) takes 0.14-0.18 s alone, more beside rollout. Exact: the same bytes are pushed "
+    "(tests/trainer/test_engine.py::test_a_policy_snapshot_keeps_the_weights_the_next_step_changes, and every "
+    "weight-sync test). Asynchronous ring before / after, one quiet machine, minutes apart: 4.65 / 4.97 samples/s, "
+    "iteration - update 0.38-0.59 s / 0.01 s, step over the bound 1.16 / 1.09",
+    "why asynchronous PPO is still not 1.5x TRL at equal cores: the ring is within ~1.1x of its compute bound and "
+    "the bound (the same model passes in one process) is now 1.3-1.4x TRL, after change 3. Every pass the ring "
+    "runs is one TRL runs too (generation, reference, reward and value forwards, 2 x 2 actor and critic updates), "
+    "plus one TRL skips: the actor's old log-probs (TRL reuses the generation logits; the asynchronous ring must "
+    "recompute them at the trainer's current weights for samples one version old). With both cores busy in every "
+    "phase, the asynchronous overlap has no idle core left to fill. Tried and left out: rollout, reward and "
+    "reference on one thread each while the trainer keeps both (A/B/B/A, quiet machine: 5.32-5.44 vs 5.10-5.12 "
+    "samples/s, +5%, measured on 2 cores only, so `rlhf up` keeps every core per process). Beyond that, 1.5x "
+    "needs less work per sample than TRL does (bf16 on this AVX512-BF16 CPU, which TRL could use too) or more "
+    "cores",
     "tiny model: steps of 0.1-0.2 s, where the ring's fixed costs per step (queue, RPC, weight push) make it "
     "1.6-2.3x the bound; TRL's tiny PPO with 2 threads took 1.5-2.4 s per step (0.5 s with one thread before "
     "issue 15): OpenMP teams on tensors this small cost more than they give",
