@@ -500,9 +500,10 @@ NOTES = [
     "weight-sync test). Asynchronous ring before / after (quiet machine, separate runs, so the samples/s of the "
     "runs move with the machine: 4.65 before, 4.37-4.97 after): the trainer's iteration less its update 0.38-0.59 s "
     "/ 0.01-0.12 s, step time over the bound 1.16 / 1.09-1.14",
-    "why asynchronous PPO is still not 1.5x TRL at equal cores (1.11-1.20x in three runs today, 1.05x before this "
-    "round's changes 3 and 4): the ring is within ~1.1x of its compute bound and the bound (the same model passes "
-    "in one process) is 1.27-1.39x TRL after change 3 (1.08x before). Every pass the ring "
+    "why asynchronous PPO is still not 1.5x TRL at equal cores (this run: the table above; the four runs of this "
+    "round before it: 1.09-1.20x, 1.05x before changes 3 and 4): the ring is within ~1.15x of its compute bound and "
+    "the bound (the same model passes in one process) is 1.18-1.39x TRL after change 3 in this round's five runs "
+    "(1.08x before). Every pass the ring "
     "runs is one TRL runs too (generation, reference, reward and value forwards, 2 x 2 actor and critic updates), "
     "plus one TRL skips: the actor's old log-probs (TRL reuses the generation logits; the asynchronous ring must "
     "recompute them at the trainer's current weights for samples one version old). With both cores busy in every "
