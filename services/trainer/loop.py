@@ -649,7 +649,13 @@ class Trainer:
         return path
 
     async def status(self) -> trainer_pb2.StatusResponse:
-        stats = await queue_stats(self.redis, self.run_id)
+        try:
+            stats = await queue_stats(self.redis, self.run_id)
+        except TRANSIENT:
+            try:  # once more: after a Redis restart the pool may hand out a connection the old server closed
+                stats = await queue_stats(self.redis, self.run_id)
+            except TRANSIENT as err:
+                raise NotReady(f"Redis is unreachable ({type(err).__name__}); the queue depths are unknown") from None
         m = self.last_metrics
         return trainer_pb2.StatusResponse(
             run_id=self.run_id,

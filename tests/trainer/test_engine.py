@@ -133,7 +133,9 @@ def test_checkpoint_policy_loads_in_transformers(tiny_models, tmp_path):
 def test_critic_alongside_the_actor_matches_one_after_the_other(tiny_models, monkeypatch):
     """The PPO step runs the critic's passes in a second thread, each side on half of the intra-op threads on a CPU;
     the update must be exactly the sequential one on all of them, and the caller's thread count comes back."""
-    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)  # restored after the test
+    # torch's own setter: an in-process vLLM CPU worker earlier in the session replaces torch.set_num_threads with a
+    # no-op for the whole process (the trainer's process never runs one); restored after the test
+    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     seen = []
