@@ -495,7 +495,7 @@ class TrainerEngine:
         """Intra-op threads of the actor's and the critic's side when they run side by side on a CPU (None: leave
         them as they are). Half each: one OpenMP team per model on these matmuls scales worse than two teams of
         half the size side by side (small model, 2 cores: actor and critic on one thread each, side by side, took
-        0.78x the time of both on two threads one after the other, bit-identical results; bench.pipeline)."""
+        0.58-0.68x the time of both on two threads one after the other, bit-identical results; bench.critic_threads)."""
         n = torch.get_num_threads()
         if self.device.type != "cpu" or n < 2:
             return None
