@@ -205,9 +205,3 @@ class ShadowSwap:
                 engine._default_model = shadow
         self.shadow, self._staged = live, None
         return {"seconds": time.perf_counter() - t0, "staged_seconds": self._seconds}
-
-    def discard(self) -> None:
-        """Forget the staged update (the shadow is reloaded whole by the next one)."""
-        if self._thread is not None:
-            self._thread.join()
-        self._staged = None

@@ -467,18 +467,16 @@ class Trainer:
                 metrics["samples_per_s"],
             )
 
-    async def _pack(self):
+    async def _pack(self, weights: dict | None = None, version: int | None = None):
+        """Pack ``weights`` as ``version`` (default: the live policy at its version)."""
         from rlhf.transport import pack_weights
 
-        version = self.engine.policy_version
-        return await asyncio.to_thread(pack_weights, self.engine.policy_state_dict(), version, version - 1)
+        version = self.engine.policy_version if version is None else version
+        weights = self.engine.policy_state_dict() if weights is None else weights
+        return await asyncio.to_thread(pack_weights, weights, version, version - 1)
 
     async def _pack_and_deliver(self, weights: dict, version: int, jobs: int) -> None:
-        from rlhf.transport import pack_weights
-
-        packed = await asyncio.to_thread(pack_weights, weights, version, version - 1)
-        del weights
-        await self._deliver(packed, jobs=jobs)
+        await self._deliver(await self._pack(weights, version), jobs=jobs)
 
     async def _deliver(self, packed, jobs: int = 0) -> None:
         """Push ``packed`` to every replica, publish its version, then admit the ``jobs`` whose training it carries:
