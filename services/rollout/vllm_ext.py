@@ -55,9 +55,7 @@ class WorkerExtension:
         checkpoint-format ``load_weights`` (vllm-ascend 0.23's worker has no ``reload_weights``; its weights stay in
         the ND layout the loader writes because the image sets VLLM_ASCEND_ENABLE_NZ=0)."""
         if hasattr(self, "reload_weights"):
-            if not getattr(self, "_rlhf_quieted", False):
-                _quiet_derived_buffer_warnings(self.model_runner.get_model())
-                self._rlhf_quieted = True
+            self._rlhf_quiet()
             self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
             return "reload_weights"
         runner = self.model_runner
@@ -65,12 +63,24 @@ class WorkerExtension:
         model.load_weights(iter(items))
         return "model.load_weights"
 
+    def _rlhf_quiet(self) -> None:
+        """Once per worker, before any reload: every load path (in place, weight transfer, staged in the shadow) runs
+        vLLM's layerwise reload, which warns for layers a checkpoint cannot fill (see the function below)."""
+        if getattr(self, "_rlhf_quieted", False):
+            return
+        runner = getattr(self, "model_runner", None)
+        model = runner.get_model() if hasattr(runner, "get_model") else getattr(runner, "model", None)
+        if model is not None:
+            _quiet_derived_buffer_warnings(model)
+            self._rlhf_quieted = True
+
     # ---- staged swaps (services/rollout/vllm_shadow.py): load beside the live model, swap between two steps
 
     def _rlhf_shadow(self):
         from services.rollout.vllm_shadow import ShadowSwap
 
         if getattr(self, "_rlhf_shadow_swap", None) is None:
+            self._rlhf_quiet()
             self._rlhf_shadow_swap = ShadowSwap(self)
         return self._rlhf_shadow_swap
 
@@ -101,6 +111,7 @@ class WorkerExtension:
         """What this worker offers for loading weights (the rollout engine asks once at start): vLLM's weight-transfer
         API (the engine configured, ``update_weights`` present), whether its transfer engine runs the update session
         (``engine_sessions``: it can stage while the model generates) and ``reload_weights``."""
+        self._rlhf_quiet()  # asked once at start, before the first update whatever its path
         engine = getattr(self, "weight_transfer_engine", None)
         transfer = engine is not None and hasattr(self, "update_weights")
         sessions = False

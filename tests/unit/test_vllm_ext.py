@@ -114,6 +114,27 @@ def test_reload_warning_is_dropped_only_for_layers_a_checkpoint_cannot_fill():
     assert seen == ["Linear: Failed to load weights"] * 2
 
 
+def test_reload_warning_is_dropped_from_start_whatever_the_load_path():
+    """The staged swap and vLLM's weight-transfer path reload through vLLM itself, never through rlhf_reload_weights:
+    the filter goes in when the engine first asks the worker's features (compose-check found the rotary warning on
+    every staged swap when it went in only on the in-place path)."""
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    log.filters.clear()  # an earlier test's worker installed one
+    log.addHandler(handler)
+    try:
+        worker = WarningWorker()
+        worker.rlhf_features()
+        for layer in ("Rotary", "Linear"):  # as vLLM's reload of the shadow or a weight-transfer session logs
+            log.warning("%s: Failed to load weights", layer)
+    finally:
+        log.removeHandler(handler)
+        log.filters.clear()
+    assert seen == ["Linear: Failed to load weights"]
+
+
 class TransferWorker(VllmWorker):
     """vLLM's worker with the weight-transfer API configured (what rlhf_features looks for)."""
 
