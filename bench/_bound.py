@@ -15,7 +15,8 @@ Per step, with the same engine classes the services run (no process, queue, RPC 
 5. weights: the new actor weights copied into the generation engine's model (in place; the ring streams them).
 
 The process has every core (torch's default threads, ``OMP_NUM_THREADS`` = the cores it may run on). The answer
-holds each step's total and per-phase seconds.
+holds each step's total and per-phase seconds, and (``"roofline": true``) how close the update comes to this
+machine's matmul rate (:func:`roofline`).
 """
 
 from __future__ import annotations
@@ -97,7 +98,59 @@ async def run(c: dict) -> dict:
         ph = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
         steps.append({"total": marks[-1][1] - marks[0][1], **ph})
     await gen.close()
-    return {"steps": steps, "torch_threads": torch.get_num_threads()}
+    out = {"steps": steps, "torch_threads": torch.get_num_threads()}
+    if c.get("roofline"):
+        out["roofline"] = roofline(trainer, exps, sorted(s["update"] for s in steps[1:])[len(steps[1:]) // 2])
+    return out
+
+
+def _mm_rate(m: int, k: int, n: int, seconds: float = 1.0) -> float:
+    """FLOP/s of torch.mm on an (m, k) x (k, n) fp32 product with this process's threads, for about ``seconds``."""
+    import torch
+
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    for _ in range(3):
+        a @ b
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        reps += 1
+    return 2 * m * k * n * reps / (time.perf_counter() - t0)
+
+
+def roofline(trainer, exps: list, update_s: float) -> dict:
+    """The update's FLOPs over its measured seconds (median of the steady steps) against torch.mm's own rate here.
+
+    FLOPs: torch's flop counter over one more ``TrainerEngine.step`` on the last batch, with the critic's passes
+    after the actor's (the counter sees its own thread's operations; the operations are the same side by side).
+    Matmul rate: the update's commonest product (a minibatch's packed tokens x hidden, times hidden x intermediate)
+    and a large square one (2048^3) on every thread, and the first on one thread times the threads (the update's
+    actor and critic run one team each side by side). The update's rate over the best of them says how much a
+    faster schedule of the same fp32 work could still gain."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = trainer.actor.config
+    trainer._parallel_critic = lambda: False
+    with FlopCounterMode(display=False) as counter:
+        trainer.step(exps)
+    flops = counter.get_total_flops()
+    tokens = sum(len(e.prompt_ids) + len(s.response_ids) for e in exps for s in e.samples)
+    mini = trainer.cfg.actor.ppo_mini_batch_size
+    rows = max(1, round(tokens / sum(len(e.samples) for e in exps) * mini))
+    threads = torch.get_num_threads()
+    shape = f"{rows}x{cfg.hidden_size}x{cfg.intermediate_size}"
+    rates = {
+        shape: _mm_rate(rows, cfg.hidden_size, cfg.intermediate_size),
+        "2048x2048x2048": _mm_rate(2048, 2048, 2048),
+    }
+    torch.set_num_threads(1)  # the update's two sides run one team each: one thread's rate, times the threads
+    rates[f"{shape}, 1 thread x {threads}"] = threads * _mm_rate(rows, cfg.hidden_size, cfg.intermediate_size)
+    torch.set_num_threads(threads)
+    achieved = flops / update_s
+    return {"update_gflop": flops / 1e9, "update_s": update_s, "update_gflop_per_s": achieved / 1e9,
+            "mm_gflop_per_s": {k: round(v / 1e9, 1) for k, v in rates.items()},
+            "update_vs_mm_rate": achieved / max(rates.values()), "torch_threads": threads}  # fmt: skip
 
 
 def main() -> None:

@@ -20,7 +20,9 @@ The same model, prompts, batch, response length and epochs on every side, for th
   reward and reference forwards, the trainer's update, a weight copy into the generator) back to back in one
   process with every core, the same engine classes and configuration as the ring. The ring's step time over it is
   what the service split, queue, RPC, serialisation and idle waits cost (below 1: the asynchronous ring overlaps
-  rollout with the update, which one process doing the passes in turn cannot).
+  rollout with the update, which one process doing the passes in turn cannot). For PPO it also reports its
+  update's roofline (``bench._bound.roofline``): the update's FLOPs (torch's flop counter) over its seconds against
+  torch.mm's own fp32 rate on this machine, which says how much any schedule of the same work could still gain.
 
 Settings (every side): 16 prompts per update from the built-in arithmetic set (chat template, up to 48 tokens), up to
 16 new tokens (stop at EOS), temperature 1, lr 1e-5; PPO: GAE (gamma 1, lambda 0.95), 2 epochs over 2 minibatches
@@ -206,6 +208,8 @@ def _pool(acc: dict | None, res: dict) -> dict:
     if "phase_seconds_mean" in acc:
         out["phase_seconds_mean"] = {k: rnd((v * n_acc + res["phase_seconds_mean"][k] * n_res) / (n_acc + n_res))
                                      for k, v in acc["phase_seconds_mean"].items()}  # fmt: skip
+    if "roofline" in acc:
+        out["roofline"] = acc["roofline"] + res["roofline"]
     if "staleness_mean" in acc:
         out["staleness_mean"] = rnd((acc["staleness_mean"] * n_acc + res["staleness_mean"] * n_res) / (n_acc + n_res))
     return out
@@ -268,7 +272,8 @@ def run_bound(size: str, paths, algo: str, prompts: dict, work: Path, steps: int
     with open(work / f"bound-{size}-{algo}.log", "ab") as logf:
         proc = subprocess.run(
             [sys.executable, "-m", "bench._bound"], cwd=REPO, env=env, input=json.dumps(
-                {"config": cfg, "prompt_ids": prompts["ids"], "steps": steps + 1}).encode(),
+                {"config": cfg, "prompt_ids": prompts["ids"], "steps": steps + 1,
+                 "roofline": algo == "ppo"}).encode(),
             stdout=subprocess.PIPE, stderr=logf, timeout=900,
         )  # fmt: skip
     lines = [x for x in proc.stdout.decode().splitlines() if x.startswith("RESULT ")]
@@ -288,6 +293,11 @@ def run_bound(size: str, paths, algo: str, prompts: dict, work: Path, steps: int
         "first_step_s": rnd(res["steps"][0]["total"]),
         "phase_seconds_mean": phases,
         "torch_threads": res["torch_threads"],
+        **(
+            {"roofline": [{k: rnd(v) if isinstance(v, float) else v for k, v in res["roofline"].items()}]}
+            if "roofline" in res
+            else {}
+        ),  # fmt: skip
     }
 
 
@@ -381,6 +391,10 @@ def main() -> None:
                         ratio[f"{size}/{algo}/bound_vs_trl"] = rnd(
                             row["bound"]["samples_per_s"] / row["trl"]["samples_per_s"]
                         )
+                        if "roofline" in row["bound"]:  # the update's FLOP rate over torch.mm's, per run
+                            ratio[f"{size}/{algo}/bound_update_vs_mm_rate"] = rnd(
+                                max(r["update_vs_mm_rate"] for r in row["bound"]["roofline"])
+                            )
                         for mode in ("sync", "async"):
                             ratio[f"{size}/{algo}/{mode}_vs_trl"] = rnd(
                                 row[mode]["samples_per_s"] / row["trl"]["samples_per_s"]

@@ -133,8 +133,17 @@ def figures_md(name: str, r: dict) -> list[str]:
                     vs_bound = r["ratio"].get(f"{size}/{algo}/{which}_step_vs_bound")
                     rows.append([size, algo, labels[which], v["samples_per_s"], vs_trl, vs_bound, v["step_seconds"],
                                  v.get("staleness_mean"), v.get("torch_threads")])  # fmt: skip
-        return table(["model", "algorithm", "run", "samples/s", "vs TRL", "step time / bound", "measured step times s",
-                      "staleness", "torch threads"], rows)  # fmt: skip
+        out = table(["model", "algorithm", "run", "samples/s", "vs TRL", "step time / bound", "measured step times s",
+                     "staleness", "torch threads"], rows)  # fmt: skip
+        roof = [[size, algo, x["update_gflop"], x["update_s"], x["update_gflop_per_s"],
+                 "; ".join(f"{k}: {v}" for k, v in x["mm_gflop_per_s"].items()), x["update_vs_mm_rate"]]
+                for size, per in f["samples_per_s"].items() for algo, runs in per.items()
+                for x in runs.get("bound", {}).get("roofline", [])]  # fmt: skip
+        if roof:  # bench._bound.roofline: how near the fp32 matmul rate of this machine the update runs
+            out += ["", "The compute bound's update against this machine's matmul rate (one row per run):", ""]
+            out += table(["model", "algorithm", "update GFLOP", "update s (median)", "update GFLOP/s",
+                          "torch.mm GFLOP/s", "update / best mm rate"], roof)  # fmt: skip
+        return out
     return table(["figure", "value"], [[k, v] for k, v in flatten(f)])
 
 
