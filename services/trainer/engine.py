@@ -158,6 +158,12 @@ class TrainerEngine:
         k = cfg.algorithm.kl_ctrl
         self.kl_ctrl = algo.make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
         self.generator = torch.Generator().manual_seed(t.seed)
+        # PPO: the first minibatch of the first epoch trains at the weights the old log-probs and values are taken
+        # at, so its forward pass (with gradient) gives those rows' old values and the old pass covers only the
+        # other rows: half an actor and half a critic forward less per step with 2 minibatches (the same values
+        # within float32 rounding; TRL likewise takes old log-probs from a pass it already ran, the generation's).
+        # False: the old pass over every row (tests and bench.pipeline compare the two).
+        self.reuse_first_pass = True
         self.step_count = 0
         self.policy_version = 0
         # (first version, step count it was published at) of each stretch of versions that followed training steps
@@ -514,18 +520,32 @@ class TrainerEngine:
             torch.set_num_threads(split[0])  # this thread's intra-op threads (per thread in torch), restored below
         try:
             run = pool.submit if pool else lambda fn, *args: _Done(fn(*args))
-            values_f = run(self._old_values, b.query_responses, C)
+            # Minibatch orders are drawn first, actor's first, so the shared generator gives the same orders
+            # whether the critic runs alongside or after the actor and whether the first pass is reused.
+            actor_mbs = [list(self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch))
+                         for _ in range(a.ppo_epochs)]  # fmt: skip
+            critic_mbs = [list(self._minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch))
+                          for _ in range(c.critic_update_epochs)]  # fmt: skip
+            # OpenRLHF's freezing_actor_steps: the critic learns values of a fixed policy before the actor moves
+            frozen = self.step_count < a.freezing_actor_steps
+            first_a = first_c = None  # the rows whose old pass is their first update's forward (see __init__)
+            if self.reuse_first_pass and self.group is None and self.ref_model is None:
+                if not frozen and actor_mbs:
+                    first_a = next(optim.micro_batches(actor_mbs[0][0], a.micro_batch_size))
+                first_c = critic_mbs[0][0] if critic_mbs else None
+            values_f = run(self._old_values, b.query_responses, C, first_c)
             full_kl = None
-            with torch.no_grad():
-                if self.ref_model is not None:  # kl_penalty full: one process only (refused in a group)
+            held_logits = None
+            if self.ref_model is not None:  # kl_penalty full: one process only (refused in a group)
+                with torch.no_grad():
                     old_logits, old_logprobs = self._logits_and_logprobs(b.query_responses, b.responses, C)
                     with self._autocast():
                         ref_logits = causal_lm_logits(self.ref_model, b.query_responses, self.pad_id)[:, C - 1 : -1]
                     full_kl = algo.full_kl(old_logits, ref_logits, self.temperature)
                     del old_logits
-                else:
-                    old_logprobs, _ = self._actor_rows(b.query_responses, b.responses, C)
-            values = values_f.result()
+            else:
+                old_logprobs, held_logits = self._old_logprobs(b, C, first_a)
+            values, held_values = values_f.result()
             r = algo.ppo_rollout(
                 b.responses,
                 old_logprobs,
@@ -546,16 +566,8 @@ class TrainerEngine:
                 kl=full_kl,
             )
             metrics = algo.rollout_metrics(r)
-            # Minibatch orders are drawn here, actor's first, so the shared generator gives the same orders
-            # whether the critic runs alongside or after the actor.
-            actor_mbs = [list(self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch))
-                         for _ in range(a.ppo_epochs)]  # fmt: skip
-            critic_mbs = [list(self._minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch))
-                          for _ in range(c.critic_update_epochs)]  # fmt: skip
-            critic_f = run(self._critic_updates, b, r, critic_mbs)
-            # OpenRLHF's freezing_actor_steps: the critic learns values of a fixed policy before the actor moves
-            frozen = self.step_count < a.freezing_actor_steps
-            stats = {} if frozen else self._actor_updates(b, r, actor_mbs)
+            critic_f = run(self._critic_updates, b, r, critic_mbs, held_values)
+            stats = {} if frozen else self._actor_updates(b, r, actor_mbs, held_logits)
             stats.update(critic_f.result())
         finally:
             if pool:
@@ -568,19 +580,44 @@ class TrainerEngine:
         metrics["policy/frozen"] = float(frozen)
         return metrics
 
-    def _old_values(self, qr: torch.Tensor, C: int) -> torch.Tensor:
-        with torch.no_grad():  # grad mode is per thread: set here, where it runs
-            return self._critic_rows(qr, C)
+    def _old_values(self, qr: torch.Tensor, C: int, first: torch.Tensor | None):
+        """The critic's values of every row before the update, and (``first``: the critic's first minibatch) those
+        rows' values with their graph, which that minibatch's update uses as its forward pass."""
+        if first is None:
+            with torch.no_grad():  # grad mode is per thread: set here, where it runs
+                return self._critic_rows(qr, C), None
+        with torch.enable_grad():
+            held = self._critic_rows(qr[first], C)
+        return _with_rest(qr.shape[0], first, held.detach(), lambda rows: self._critic_rows(qr[rows], C)), held
 
-    def _actor_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]]) -> dict[str, list[float]]:
+    def _old_logprobs(self, b: RolloutBatch, C: int, first: torch.Tensor | None):
+        """The actor's log-probs of every row before the update, and (``first``: the actor's first micro-batch) those
+        rows' logits with their graph, which that micro-batch's loss uses as its forward pass."""
+        if first is None:
+            with torch.no_grad():
+                return self._actor_rows(b.query_responses, b.responses, C)[0], None
+        with torch.enable_grad():
+            held, lp = self._logits_and_logprobs(b.query_responses[first], b.responses[first], C)
+        rest = lambda rows: self._actor_rows(b.query_responses[rows], b.responses[rows], C)[0]  # noqa: E731
+        return _with_rest(b.responses.shape[0], first, lp.detach(), rest), held
+
+    def _actor_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]], held=None):
+        """The actor's PPO epochs. ``held``: the first micro-batch's logits, already computed (with their graph) at
+        these weights by the old pass (:meth:`_old_logprobs`)."""
         a, C = self.cfg.actor, b.context_length
         stats: dict[str, list[float]] = {}
         behavior = self._behavior(b, r.logprobs)
+        held = [held] if held is not None else []
 
         def micro_loss(mu: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
             # TRL's token mean over the minibatch = sum over micro-batches of (micro token mean x token share)
             weight = optim.micro_weight("tokens", r.response_mask[mu], r.response_mask[mb])
-            new_logprobs, entropies = self._actor_rows(b.query_responses[mu], r.responses[mu], C, entropy=True)
+            if held:
+                logits = held.pop()
+                new_logprobs = algo.logprobs_from_logits(logits, r.responses[mu], self.temperature)
+                entropies = self._entropies(logits, True)
+            else:
+                new_logprobs, entropies = self._actor_rows(b.query_responses[mu], r.responses[mu], C, entropy=True)
             mask = r.response_mask[mu]
             pg_loss, pg_stats = algo.ppo_policy_loss(
                 new_logprobs,
@@ -602,12 +639,16 @@ class TrainerEngine:
         self._actor_epochs(minibatches, a.micro_batch_size, micro_loss, stats)
         return stats
 
-    def _critic_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]]) -> dict[str, list[float]]:
+    def _critic_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]], held=None):
+        """The critic's epochs. ``held``: the first minibatch's values, already computed (with their graph) at these
+        weights by the old pass (:meth:`_old_values`)."""
         c, C = self.cfg.critic, b.context_length
         stats: dict[str, list[float]] = {}
+        held = [held] if held is not None else []
         for epoch in minibatches:
             for mb in epoch:
-                vpred = self._critic_rows(b.query_responses[mb], C).masked_fill(r.padding_mask_p1[mb], 0.0)
+                vpred = held.pop() if held else self._critic_rows(b.query_responses[mb], C)
+                vpred = vpred.masked_fill(r.padding_mask_p1[mb], 0.0)
                 vf_loss, vf_stats = algo.value_loss(
                     vpred, r.values[mb], r.returns[mb], r.value_mask[mb], cliprange_value=c.cliprange_value
                 )
@@ -865,6 +906,18 @@ _BATCH_FIELDS = (
     "query_responses", "sampling_logprobs", "ref_logprobs", "scores", "group", "policy_versions",
     "has_sampling_logprobs",
 )  # fmt: skip
+
+
+def _with_rest(n: int, first: torch.Tensor, held: torch.Tensor, forward) -> torch.Tensor:
+    """(n, ...) rows: ``held`` at the rows ``first``, ``forward(rows)`` without gradient at the others."""
+    out = held.new_empty((n, *held.shape[1:]))
+    out[first] = held
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[first] = False
+    if rest.any():
+        with torch.no_grad():
+            out[rest.nonzero().squeeze(1)] = forward(rest.nonzero().squeeze(1))
+    return out
 
 
 def _batch_tensors(b: RolloutBatch) -> list[torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import threading
 
 import torch
@@ -171,6 +172,54 @@ def test_critic_alongside_the_actor_matches_one_after_the_other(tiny_models, mon
     for model in ("actor", "critic"):
         for p, q in zip(getattr(e_par, model).parameters(), getattr(e_seq, model).parameters(), strict=True):
             assert torch.equal(p, q), model
+
+
+def test_reusing_the_first_minibatch_pass_matches_a_full_old_pass(tiny_models, monkeypatch):
+    """The old pass covers only the rows outside the first (micro-)batch, whose update forward gives their old
+    log-probs and values: the same metrics and weights as an old pass over every row, within float32 rounding, with
+    fewer rows through each model. Also with micro-batches, the critic one after the actor and a frozen actor."""
+    rows_seen: dict[str, int] = {}
+    real_logits, real_values = TrainerEngine._logits_and_logprobs, TrainerEngine._values
+
+    def logits(self, qr, *args, **kwargs):
+        rows_seen["actor"] = rows_seen.get("actor", 0) + qr.shape[0]
+        return real_logits(self, qr, *args, **kwargs)
+
+    def values(self, qr, *args):
+        rows_seen["critic"] = rows_seen.get("critic", 0) + qr.shape[0]
+        return real_values(self, qr, *args)
+
+    monkeypatch.setattr(TrainerEngine, "_logits_and_logprobs", logits)
+    monkeypatch.setattr(TrainerEngine, "_values", values)
+    torch.manual_seed(0)
+    probe = TrainerEngine(_config("ray_ppo"))
+    batches = [_rollout(probe, PROMPTS[:4], 4) for _ in range(3)]  # 16 rows each
+    for micro, parallel, freeze in ((None, True, 0), (4, False, 1)):
+        monkeypatch.setattr(TrainerEngine, "_parallel_critic", lambda self, p=parallel: p)
+        cfg = _config("ray_ppo")
+        cfg.actor.ppo_mini_batch_size = cfg.critic.critic_mini_batch_size = 8  # 2 minibatches x 2 epochs
+        cfg.actor.micro_batch_size, cfg.actor.freezing_actor_steps = micro, freeze
+        results = {}
+        for reuse in (True, False):
+            rows_seen.clear()
+            engine = TrainerEngine(cfg)
+            engine.reuse_first_pass = reuse
+            metrics = [engine.step(b) for b in batches]
+            results[reuse] = (metrics, engine, dict(rows_seen))
+        (m_new, e_new, seen_new), (m_old, e_old, seen_old) = results[True], results[False]
+        # per step, without reuse: 16 old + 4 updates x 8; with it, the first (micro-)batch's rows once less
+        first = micro or 8
+        assert seen_old == {"actor": 3 * 48 - 32 * freeze, "critic": 3 * 48}  # a frozen step: no actor update
+        assert seen_new == {"actor": 3 * (48 - first) - (32 - first) * freeze, "critic": 3 * (48 - 8)}
+        assert m_new[-1]["loss/value"] != m_new[0]["loss/value"]  # it learns: the comparison is not of constants
+        for a, b in zip(m_new, m_old, strict=True):
+            assert a.keys() == b.keys()
+            for k in a:
+                if not k.startswith("time/"):
+                    assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-5), (k, a[k], b[k])
+        for model in ("actor", "critic"):
+            for p, q in zip(getattr(e_new, model).parameters(), getattr(e_old, model).parameters(), strict=True):
+                torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=model)
 
 
 def _changed_fraction(batches, bf16: bool, pure_bf16: bool = False) -> tuple[float, TrainerEngine]:
