@@ -2,7 +2,7 @@
 
 ``python -m bench._bound`` reads one JSON command on stdin and answers one line ``RESULT {json}`` on stdout::
 
-    {"config": {...experiment...}, "prompt_ids": [[...], ...], "steps": 4}
+    {"config": {...experiment...}, "prompt_ids": [[...], ...], "prompt_texts": [...], "steps": 4}
 
 Per step, with the same engine classes the services run (no process, queue, RPC or serialisation between them):
 
@@ -59,7 +59,8 @@ async def run(c: dict) -> dict:
     prompts_all = c["prompt_ids"]
     steps: list[dict] = []
     for step in range(c["steps"]):
-        prompts = [prompts_all[(step * batch + i) % len(prompts_all)] for i in range(batch)]
+        picks = [(step * batch + i) % len(prompts_all) for i in range(batch)]
+        prompts = [prompts_all[k] for k in picks]
         marks = [("start", time.perf_counter())]
 
         def lap(name: str, marks: list = marks) -> None:
@@ -67,14 +68,16 @@ async def run(c: dict) -> dict:
 
         results = await gen.generate(prompts, opts)
         lap("generation")
-        flat = [(p, s) for p, r in zip(prompts, results, strict=True) for s in r.samples]
-        texts = [tok.decode(s.token_ids, skip_special_tokens=True) for _, s in flat]
-        ptexts = {id(p): tok.decode(p, skip_special_tokens=True) for p in prompts}
-        items = [Item(prompt=ptexts[id(p)], response=x, prompt_ids=list(p), response_ids=list(s.token_ids),
-                      finished=s.finish_reason == "stop") for (p, s), x in zip(flat, texts, strict=True)]  # fmt: skip
+        flat = [(k, p, s) for k, p, r in zip(picks, prompts, results, strict=True) for s in r.samples]
+        texts = [tok.decode(s.token_ids, skip_special_tokens=True) for _, _, s in flat]
+        # the reward model gets the user's text, as the ring's prompt jobs carry it (it renders its own template)
+        raw = c.get("prompt_texts")
+        items = [Item(prompt=raw[k] if raw else tok.decode(p, skip_special_tokens=True), response=x,
+                      prompt_ids=list(p), response_ids=list(s.token_ids), finished=s.finish_reason == "stop")
+                 for (k, p, s), x in zip(flat, texts, strict=True)]  # fmt: skip
         scores = await reward.score(items)
         lap("reward")
-        refs, _ = await ref.logprobs([LogProbsItem(list(p), list(s.token_ids)) for p, s in flat], ref_t)
+        refs, _ = await ref.logprobs([LogProbsItem(list(p), list(s.token_ids)) for _, p, s in flat], ref_t)
         lap("reference")
         exps, k = [], 0
         for j, (p, r) in enumerate(zip(prompts, results, strict=True)):

@@ -272,7 +272,7 @@ def run_bound(size: str, paths, algo: str, prompts: dict, work: Path, steps: int
     with open(work / f"bound-{size}-{algo}.log", "ab") as logf:
         proc = subprocess.run(
             [sys.executable, "-m", "bench._bound"], cwd=REPO, env=env, input=json.dumps(
-                {"config": cfg, "prompt_ids": prompts["ids"], "steps": steps + 1,
+                {"config": cfg, "prompt_ids": prompts["ids"], "prompt_texts": prompts["raw"], "steps": steps + 1,
                  "roofline": algo == "ppo"}).encode(),
             stdout=subprocess.PIPE, stderr=logf, timeout=900,
         )  # fmt: skip
@@ -339,7 +339,8 @@ def prompt_set(paths) -> dict:
     tok = load_tokenizer(paths.policy)
     records = load_prompts(cfg.data)
     ids = [encode_prompt(tok, r.prompt, PROMPT_TOKENS, True, None) for r in records[: BATCH * 8]]
-    return {"ids": ids, "texts": [tok.decode(i) for i in ids]}
+    # raw: the user's text, which the ring's prompt jobs carry to the reward model (it renders its own template)
+    return {"ids": ids, "texts": [tok.decode(i) for i in ids], "raw": [r.prompt for r in records[: BATCH * 8]]}
 
 
 def main() -> None:

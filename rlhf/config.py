@@ -63,7 +63,7 @@ class TrainingConfig(Section):
     padding_free: bool = _f(
         False,
         "pack each batch's sequences without padding (positions per sequence, attention within each sequence) for "
-        "the actor's, critic's and reference's passes; pays when lengths vary (rlhf.packing)",
+        "the actor's, critic's, reference's and reward model's passes; pays when lengths vary (rlhf.packing)",
     )
     activation_checkpointing: bool = _f(
         False, "recompute each decoder layer's activations in backward instead of keeping them (less memory, more time)"

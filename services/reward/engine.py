@@ -167,11 +167,18 @@ class ModelScorer(Scorer):
     type = "model"
 
     def __init__(
-        self, cfg: ScorerConfig, name: str, device: str, micro_batch_size: int, metrics: ServiceMetrics | None = None
+        self,
+        cfg: ScorerConfig,
+        name: str,
+        device: str,
+        micro_batch_size: int,
+        metrics: ServiceMetrics | None = None,
+        padding_free: bool = False,
     ):
         super().__init__(cfg, name)
         self.device_name = device
         self.micro_batch_size = micro_batch_size
+        self.padding_free = padding_free  # training.padding_free: the forward skips padding (rlhf.packing)
         self.model = None
         self.tokenizer = None
         self.max_len = 0
@@ -312,7 +319,7 @@ class ModelScorer(Scorer):
                 batch = torch.full((len(idx), width), pad, dtype=torch.long)
                 for r, k in enumerate(idx):
                     batch[r, : len(seqs[k])] = torch.tensor(seqs[k], dtype=torch.long)
-                values = score_head_outputs(self.model, batch.to(dev), pad).float().cpu()
+                values = score_head_outputs(self.model, batch.to(dev), pad, self.padding_free).float().cpu()
                 for r, k in enumerate(idx):
                     out[k] = float(values[r, len(seqs[k]) - 1])
         return out
@@ -453,7 +460,11 @@ class RewardEngine:
                 if sc.type == "rule":
                     self.scorers.append(RuleScorer(sc, name, count_tokens=self.count_policy_tokens))
                 elif sc.type == "model":
-                    self.scorers.append(ModelScorer(sc, name, self.device, cfg.reward.micro_batch_size, metrics))
+                    self.scorers.append(
+                        ModelScorer(
+                            sc, name, self.device, cfg.reward.micro_batch_size, metrics, cfg.training.padding_free
+                        )
+                    )
                 else:
                     self.scorers.append(RemoteScorer(sc, name))
             except ValueError as err:

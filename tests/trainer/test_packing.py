@@ -146,3 +146,24 @@ def test_reference_logprobs_with_padding_free_equal_padded(tiny_models):
     for a, b in zip(*out, strict=True):
         assert len(a) == len(b)
         assert b == pytest.approx(a, abs=ATOL)
+
+
+def test_reward_model_scores_with_padding_free_equal_padded(tiny_models):
+    """The reward model's forward packs its micro-batch too: the same scores within float32 rounding, for items of
+    different lengths (token ids) in one micro-batch."""
+    from services.reward.engine import Item, RewardEngine
+
+    rng = random.Random(6)
+    ids = lambda lo, hi: [rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))]  # noqa: E731
+    items = [Item(prompt="", response="", prompt_ids=ids(1, 9), response_ids=ids(1, 12)) for _ in range(7)]
+    out = []
+    for padding_free in (False, True):
+        cfg = {"training": {"device": "cpu", "padding_free": padding_free},
+               "reward": {"scorers": [{"type": "model", "load": "tiny:reward"}], "micro_batch_size": 8}}  # fmt: skip
+        eng = RewardEngine(parse_config(cfg), "cpu")
+        eng.load()
+        assert eng.scorers[0].padding_free is padding_free
+        out.append([o.score for o in asyncio.run(eng.score(items))])
+    assert len({len(it.prompt_ids) + len(it.response_ids) for it in items}) > 1  # padding in the padded pass
+    assert all(s is not None for s in out[0])
+    assert out[1] == pytest.approx(out[0], abs=ATOL)

@@ -66,6 +66,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "training.padding_free": [
         "tests/trainer/test_packing.py::test_update_with_padding_free_equals_padded",
         "tests/trainer/test_packing.py::test_reference_logprobs_with_padding_free_equal_padded",
+        "tests/trainer/test_packing.py::test_reward_model_scores_with_padding_free_equal_padded",
     ],  # fmt: skip
     "training.activation_checkpointing": ["tests/trainer/test_distributed.py::test_world_2_update_equals_world_1"],
     "training.collective_timeout_s": ["tests/trainer/test_distributed.py::test_a_hung_collective_times_out"],
