@@ -207,6 +207,22 @@ def test_streamed_buckets_parse_hash_alike_and_equal_the_source():
     assert src.passes == 2 and src.max_live == 1  # one tensor at a time, never the whole state dict
 
 
+def test_packed_and_streamed_weights_are_the_same_bytes():
+    """pack_weights and the streamed packer lay buckets out alike (one computed layout, each tensor copied once), so
+    one state dict gives one checksum whichever way a trainer pushes it, and a safetensors reader loads it."""
+    sd = _state_dict()
+    src = Source(sd)
+    stream = StreamedWeights(src.specs(), src, 3, bucket_bytes=8 << 10)
+    header = stream.seal()
+    packed = pack_weights(sd, 3, bucket_bytes=8 << 10)
+    assert packed.header == header and len(packed.buckets) >= 5
+    assert [bytes(b) for b in packed.buckets] == [bytes(b) for b in stream.buckets()]
+    got = {}
+    for b in packed.buckets:
+        got.update({k: v.clone() for k, v in load_safetensors(bytes(b)).items()})
+    _assert_bit_equal(got, {k: v.contiguous() for k, v in sd.items()})
+
+
 def test_the_streamed_packer_holds_one_bucket_where_pack_weights_holds_all():
     sd = {f"layer.{i}": torch.randn(64, 256) for i in range(16)}  # 64 KiB each, 1 MiB in all
     src = Source(sd)

@@ -7,8 +7,10 @@ Wire format (``RolloutService.UpdateWeights``, a client stream of ``WeightUpdate
    the buckets (index 0..n-1, nbytes, sha256 hex), ``checksum`` = sha256 hex of the bucket digests (hex, ASCII)
    concatenated in index order, ``total_bytes`` = sum of nbytes, ``format = "safetensors"``;
 2. then ``WeightChunk``s: bucket by bucket in index order, each bucket's bytes in order and without gaps
-   (``offset`` = bytes of that bucket sent before), every chunk non-empty. A bucket is the ``safetensors.torch.save``
-   of a group of whole tensors (at most ``bucket_bytes``, or one tensor alone when it is larger).
+   (``offset`` = bytes of that bucket sent before), every chunk non-empty. A bucket is a safetensors file of a group
+   of whole tensors (at most ``bucket_bytes``, or one tensor alone when it is larger), widest dtypes first so every
+   tensor is aligned; its layout is computed from the tensors' dtypes and shapes (:func:`_layout`), so packing
+   copies each tensor once and a packed and a streamed push of the same weights are the same bytes.
 
 The same header and buckets travel over the TCP data plane (:mod:`rlhf.transport.weights.dataplane`) and are what a
 collective transfer announces (:mod:`rlhf.transport.weights.collective`). Nothing is pickled: a received bucket's
@@ -27,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors.torch import save as st_save
 
 from rlhf.transport.weights.errors import CorruptUpdate
 from rlhf.v1 import weights_pb2
@@ -193,7 +194,7 @@ class PackedWeights(_HeaderFields):
     Holds one serialised copy of the weights (about the state dict's size) in host memory."""
 
     header: weights_pb2.WeightHeader
-    buckets: list[bytes]
+    buckets: list[bytes] | list[bytearray]
 
     def updates(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[weights_pb2.WeightUpdate]:
         """The ``UpdateWeights`` request stream: the header, then every bucket in chunks of ``chunk_bytes``."""
@@ -270,25 +271,6 @@ def _plan_sizes(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> list[lis
     return plan
 
 
-def _serialise_bucket(state_dict: Mapping[str, torch.Tensor], names: Sequence[str]) -> bytes:
-    tensors: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
-    for name in names:
-        t = state_dict[name].detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        if not t.is_contiguous():
-            t = t.contiguous()
-        if t.numel():
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in storages:  # tied or sliced weights: safetensors refuses tensors sharing memory in one file
-                t = t.clone()
-                ptr = t.untyped_storage().data_ptr()
-            storages.add(ptr)
-        tensors[name] = t
-    return st_save(tensors)
-
-
 def _parent_of(version: int, parent_version: int | None, bucket_bytes: int) -> int:
     """An update's parent version (default ``version - 1``), after checking it and the bucket size."""
     if parent_version is None:
@@ -317,13 +299,18 @@ def pack_weights(
     if bad is not None:  # a diverged update must never reach a replica (it would serve garbage, and stay ready)
         raise ValueError(f"refusing to pack weights: tensor {bad!r} has NaN or infinite values")
     header = weights_pb2.WeightHeader(version=version, parent_version=parent_version, format=FORMAT)
-    buckets: list[bytes] = []
+    buckets: list[bytearray] = []
     for index, names in enumerate(_plan_buckets(state_dict, bucket_bytes)):
-        data = _serialise_bucket(state_dict, names)
-        meta = safetensors_header(data)
+        # the layout computed from dtypes and shapes, each tensor copied once to its offset (no intermediate file
+        # image as safetensors.torch.save makes; tied tensors are each written in full)
+        lay = _layout([(name, state_dict[name].dtype, tuple(state_dict[name].shape)) for name in names])
+        data = bytearray(lay.nbytes)
+        view = memoryview(data)
+        view[: len(lay.prefix)] = lay.prefix
         for name in names:
-            entry = meta[name]
-            header.tensors.add(name=name, dtype=entry["dtype"], shape=entry["shape"], bucket=index)
+            t = state_dict[name]
+            _copy_into(view, t, *lay.spans[name])
+            header.tensors.add(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape), bucket=index)
         header.buckets.add(index=index, nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
         buckets.append(data)
     header.checksum = manifest_checksum([b.sha256 for b in header.buckets])
@@ -468,12 +455,17 @@ class StreamedWeights(_HeaderFields):
                              f"{dtype}{list(shape)}")  # fmt: skip
         if check_finite and not all_finite(t):  # a diverged update must never reach a replica
             raise ValueError(f"refusing to send weights: tensor {name!r} has NaN or infinite values")
-        if end > begin:
-            t = t.detach()
-            if t.device.type != "cpu":
-                t = t.to("cpu")
-            dst = torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=begin)
-            dst.copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        _copy_into(view, t, begin, end)
+
+
+def _copy_into(view: memoryview, t: torch.Tensor, begin: int, end: int) -> None:
+    """``t``'s bytes (any device, any strides) copied to ``view[begin:end]``."""
+    if end > begin:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        dst = torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=begin)
+        dst.copy_(t.contiguous().reshape(-1).view(torch.uint8))
 
 
 # ------------------------------------------------------------------------------------------------------ decoding
