@@ -7,8 +7,10 @@ arithmetic prompts + 16 response tokens), interleaved (A, B, B, A, ...), in this
 ``sequential``: the actor's passes, then the critic's, each with all threads (what the engine did on a CPU whose
 cores the intra-op threads fill); ``side_by_side``: the critic's passes in a second thread, the actor's on this one,
 each with half of the threads (``TrainerEngine._side_threads``). Figure: median seconds per step; ratio:
-sequential / side by side (> 1: side by side is faster). The losses of the two engines must be equal (the same
-operations; tests/trainer/test_engine.py asserts it bit for bit).
+sequential / side by side (> 1: side by side is faster). The losses of the two engines must agree within float32
+rounding: the same operations, run with 1 thread per side against 2 (tests/trainer/test_engine.py asserts it bit for
+bit on the tiny model; on the small model some kernel's result depends on the thread count on some CPUs: 0 on the
+AMD EPYC of earlier runs, ~1e-7 on an Intel Xeon with the old pass over every row as before change 5).
 """
 
 from __future__ import annotations
@@ -75,7 +77,9 @@ def main() -> None:
             "max_abs_diff_policy_plus_value_loss": diff,
         },
         ratio={"sequential_vs_side_by_side": rnd(seq / par)},
-        targets=[target("PPO step losses, side by side vs sequential (max abs difference)", diff, "== 0", diff == 0)],
+        targets=[
+            target("PPO step losses, side by side vs sequential (max abs difference)", diff, "<= 1e-5", diff <= 1e-5)
+        ],
         notes=[
             "why: one OpenMP team per model on these matmuls (8-row minibatches of ~30 tokens, hidden 512) scales "
             "worse than two teams of half the size side by side; the critic-after-actor rule before this change "

@@ -498,8 +498,10 @@ NOTES = [
     "the critic's passes ran after the actor's, each on every thread. The profile: the step is matmul-bound on "
     "8-row minibatches of ~30 tokens (hidden 512), where one OpenMP team of 2 scales poorly (TRL's tiny PPO: 1.5-2.4 "
     "s per step on 2 threads vs 0.5 s on one). Exact: the same operations, bit-identical losses and weights "
-    "(tests/trainer/test_engine.py::test_critic_alongside_the_actor_matches_one_after_the_other; bench.critic_threads "
-    "checks the losses too); its speed-up is bench.critic_threads' ratio",
+    "on the tiny model (tests/trainer/test_engine.py::test_critic_alongside_the_actor_matches_one_after_the_other); "
+    "bench.critic_threads checks the small model's losses: equal on the AMD EPYC of that round, within ~1e-7 on "
+    "this round's Intel Xeon, with or without change 5 (a kernel whose result depends on its thread count); its "
+    "speed-up is bench.critic_threads' ratio",
     "rollout engine: hf, the faster here for this ring. The small model's generation is 0.31 s of a 2.8 s "
     "compute-bound step (11%) and overlaps the update in the asynchronous ring; bench.engines measured vLLM "
     "1.16-1.26x hf at batch 8-64 on the small model (worth < 0.05 s per step), while a vLLM replica keeps its "

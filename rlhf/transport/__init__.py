@@ -57,6 +57,7 @@ from rlhf.transport.streams import (
 )
 
 _WEIGHTSYNC = {
+    "BufferPool",
     "CorruptUpdate",
     "IncompatibleUpdate",
     "IncompleteUpdate",
@@ -70,6 +71,7 @@ _WEIGHTSYNC = {
     "WeightSyncError",
     "manifest_checksum",
     "manifest_of",
+    "copy_weights",
     "pack_weights",
     "push_weights",
     "push_weights_many",

@@ -501,7 +501,9 @@ class TrainerEngine:
         """Intra-op threads of the actor's and the critic's side when they run side by side on a CPU (None: leave
         them as they are). Half each: one OpenMP team per model on these matmuls scales worse than two teams of
         half the size side by side (small model, 2 cores: actor and critic on one thread each, side by side, took
-        0.58-0.68x the time of both on two threads one after the other, bit-identical results; bench.critic_threads)."""
+        0.58-0.68x the time of both on two threads one after the other; bench.critic_threads). The results agree within
+        float32 rounding (bit for bit on the tiny test model; on the small one ~1e-7 on some CPUs, where a kernel's
+        result depends on its thread count)."""
         n = torch.get_num_threads()
         if self.device.type != "cpu" or n < 2:
             return None
@@ -812,11 +814,11 @@ class TrainerEngine:
         return metrics
 
     # ------------------------------------------------------------------ weights
-    def policy_state_dict(self, copy: bool = False) -> dict[str, torch.Tensor]:
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The actor's weights in Hugging Face names, contiguous, on the CPU (what weight sync ships; it refuses
         non-finite tensors). With ``training.bf16`` the fp32 master weights are cast to bf16 here, and only here:
-        rollout serves bf16 and the transfer is half the bytes. ``copy``: tensors of their own, never the training
-        weights' memory (which the next step changes), as a snapshot to pack while training goes on."""
+        rollout serves bf16 and the transfer is half the bytes. On the CPU in fp32 these are the training weights'
+        own memory, which the next step changes: copy them before it (the trainer's push: copy_weights)."""
         if self.group is not None:
             with self._command_lock:
                 dist.broadcast_ints([_GATHER], 1, self.device)
@@ -834,7 +836,7 @@ class TrainerEngine:
             converted = dtype is not None and v.is_floating_point()
             if converted:
                 v = v.to(dtype)
-            out[k] = v.to("cpu", copy=copy and not converted).contiguous()
+            out[k] = v.to("cpu").contiguous()
         return out
 
     def policy_stream(self, version: int, bucket_bytes: int | None = None) -> StreamedWeights:

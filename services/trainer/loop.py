@@ -36,6 +36,7 @@ from rlhf.serving.runner import client_credentials
 from rlhf.tracking import Tracker
 from rlhf.transport import (
     Admission,
+    BufferPool,
     ExperienceQueue,
     MalformedRecord,
     PromptQueue,
@@ -74,6 +75,9 @@ class Trainer:
         self.unacked: list[str] = []
         self.done = False
         self._push_task: asyncio.Task | None = None
+        # Bucket buffers of the per-step pushes, reused once a push no longer holds them: fresh memory costs a page
+        # fault per 4 KiB (an 86 MB policy: 0.04 s to copy into new memory, 0.009 s into a reused buffer).
+        self._push_buffers = BufferPool()
         # One writer of the trainer's state at a time: a step and a checkpoint (the loop's or an admin call's) never
         # interleave, so a checkpoint holds one step's weights with that step's ledger.
         self._state_lock = asyncio.Lock()
@@ -423,11 +427,12 @@ class Trainer:
         # admission only grows.
         await self._settle_push()
         if push and self.engine.group is None:
-            # A copy of the weights now (the next step changes them); packing it (serialising, sha256, the NaN check)
-            # and the push (transfer + the replicas' swap) then overlap the next step instead of stalling it.
+            # The weights copied into the push's buckets now (the next step changes them; the NaN check and one copy
+            # into buffers reused from an earlier push); hashing them and the push (transfer + the replicas' swap)
+            # then overlap the next step instead of stalling it.
             version = self.engine.policy_version
-            weights = await asyncio.to_thread(self.engine.policy_state_dict, True)
-            self._push_task = asyncio.create_task(self._pack_and_deliver(weights, version, jobs=len(batch)))
+            packed = await asyncio.to_thread(self._copy_policy, version)
+            self._push_task = asyncio.create_task(self._seal_and_deliver(packed, jobs=len(batch)))
         elif push:
             # A trainer group streams the push (never the whole policy on rank 0): the weights must stay as they are
             # until it is done, so the next step waits for it (this holds _state_lock).
@@ -475,8 +480,14 @@ class Trainer:
         weights = self.engine.policy_state_dict() if weights is None else weights
         return await asyncio.to_thread(pack_weights, weights, version, version - 1)
 
-    async def _pack_and_deliver(self, weights: dict, version: int, jobs: int) -> None:
-        await self._deliver(await self._pack(weights, version), jobs=jobs)
+    def _copy_policy(self, version: int):
+        """The live policy copied into push buckets as ``version`` (not yet hashed: :meth:`_seal_and_deliver`)."""
+        from rlhf.transport import copy_weights
+
+        return copy_weights(self.engine.policy_state_dict(), version, version - 1, pool=self._push_buffers)
+
+    async def _seal_and_deliver(self, packed, jobs: int) -> None:
+        await self._deliver(await asyncio.to_thread(packed.seal), jobs=jobs)
 
     async def _deliver(self, packed, jobs: int = 0) -> None:
         """Push ``packed`` to every replica, publish its version, then admit the ``jobs`` whose training it carries:

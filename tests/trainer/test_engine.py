@@ -268,15 +268,30 @@ def test_bf16_keeps_fp32_master_weights_that_learn_at_a_small_lr(tiny_models, tm
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}  # noqa: SIM118 (safe_open is not iterable)
 
 
-def test_a_policy_snapshot_keeps_the_weights_the_next_step_changes(tiny_models):
-    """The trainer packs a snapshot of the policy while its next step trains: the snapshot must not share memory
-    with the training weights (the fp32 CPU state dict itself does)."""
+def test_the_push_copy_keeps_the_weights_the_next_step_changes(tiny_models):
+    """The trainer copies the policy into push buckets (copy_weights) and hashes and sends them while its next step
+    trains: the buckets must hold the weights of the copy's moment, not share the training weights' memory (the fp32
+    CPU state dict does); buffers come back from the pool only once no push holds them."""
+    from rlhf.transport.weights.format import BufferPool, copy_weights, load_safetensors
+
     engine = TrainerEngine(_config("ray_ppo"))
-    live, snap = engine.policy_state_dict(), engine.policy_state_dict(copy=True)
+    live = engine.policy_state_dict()
     before = {k: v.clone() for k, v in live.items()}
+    pool = BufferPool()
+    packed = copy_weights(live, 1, pool=pool)
     with torch.no_grad():
         for p in engine.actor.parameters():
             p.add_(1.0)  # what an optimizer step does to the memory
     assert any(not torch.equal(live[k], before[k]) for k in live)  # the plain state dict is the live weights
-    for k, v in snap.items():
+    packed.seal()
+    assert packed.header.checksum and len(packed.header.buckets) == len(packed.buckets)
+    got = {k: v for data in packed.buckets for k, v in load_safetensors(bytes(data)).items()}
+    assert got.keys() == before.keys()
+    for k, v in got.items():
         assert torch.equal(v, before[k]), k
+    held = [id(b) for b in packed.buckets]
+    second = copy_weights(engine.policy_state_dict(), 2, pool=pool)
+    assert not {id(b) for b in second.buckets} & set(held)  # the first push still holds its buffers
+    del packed
+    third = copy_weights(engine.policy_state_dict(), 3, pool=pool)
+    assert [id(b) for b in third.buckets] == held  # free again: reused, no new memory

@@ -27,11 +27,11 @@ _NAMES = {
     ),
     "version": ("ServedVersion", "check_newer"),
     "format": (
-        "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES", "FORMAT", "PackedWeights", "RawChunk", "all_finite",
-        "decode_update", "dtype_name", "encode_chunk", "load_safetensors", "manifest_checksum", "manifest_of",
-        "pack_weights", "StreamedWeights", "weight_updates",
+        "BufferPool", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES", "FORMAT", "PackedWeights", "RawChunk",
+        "all_finite", "copy_weights", "decode_update", "dtype_name", "encode_chunk", "load_safetensors",
+        "manifest_checksum", "manifest_of", "pack_weights", "StreamedWeights", "weight_updates",
     ),
-    "receive": ("BufferPool", "StagedWeights", "WeightReceiver", "check_header", "receive_update"),
+    "receive": ("StagedWeights", "WeightReceiver", "check_header", "receive_update"),
     "dataplane": ("WeightDataServer", "send_buckets"),
     "send": ("TRANSPORTS", "push_weights", "push_weights_many", "push_weights_streamed"),
 }  # fmt: skip

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -169,6 +170,43 @@ def all_finite(t: torch.Tensor) -> bool:
 # ------------------------------------------------------------------------------------------------------ packing
 
 
+class BufferPool:
+    """Bucket buffers kept from one update to the next. Fresh memory costs a page fault per 4 KiB on first touch
+    (about 1 GB/s here, as slow as the transfer itself); a replica that receives an update every training step
+    reuses the buffers of an update whose tensors are gone (a double-buffering engine: the update before last).
+
+    A buffer is free when nothing but the pool refers to it: the staged tensors hold it through the memoryview
+    ``torch.frombuffer`` was given, so a buffer some served tensor still uses is never handed out."""
+
+    def __init__(self) -> None:
+        self._bufs: list[bytearray] = []
+
+    def take(self, nbytes: int) -> bytearray:
+        bufs = self._bufs
+        for i in range(len(bufs)):
+            # references: the list and getrefcount's argument; any tensor or memoryview adds one
+            if len(bufs[i]) == nbytes and sys.getrefcount(bufs[i]) == 2:
+                bufs.append(bufs.pop(i))  # most recently used last
+                return bufs[-1]
+        bufs.append(bytearray(nbytes))
+        return bufs[-1]
+
+    def trim(self, keep_bytes: int) -> None:
+        """Forget the least recently used free buffers beyond ``keep_bytes`` held in all."""
+        bufs = self._bufs
+        total = sum(len(b) for b in bufs)
+        i = 0
+        while total > keep_bytes and i < len(bufs):
+            if sys.getrefcount(bufs[i]) == 2:  # the list and the argument
+                total -= len(bufs.pop(i))
+            else:
+                i += 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(b) for b in self._bufs)
+
+
 class _HeaderFields:
     """What a push reads off an update's header (``self.header``), packed or streamed alike."""
 
@@ -195,6 +233,16 @@ class PackedWeights(_HeaderFields):
 
     header: weights_pb2.WeightHeader
     buckets: list[bytes] | list[bytearray]
+
+    def seal(self) -> PackedWeights:
+        """Hash every bucket into the header (digests, checksum, total bytes): what :func:`copy_weights` leaves
+        for later (a thread), so the copy alone stands between two training steps. Returns ``self``."""
+        del self.header.buckets[:]
+        for index, data in enumerate(self.buckets):
+            self.header.buckets.add(index=index, nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        self.header.checksum = manifest_checksum([b.sha256 for b in self.header.buckets])
+        self.header.total_bytes = sum(len(b) for b in self.buckets)
+        return self
 
     def updates(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[weights_pb2.WeightUpdate]:
         """The ``UpdateWeights`` request stream: the header, then every bucket in chunks of ``chunk_bytes``."""
@@ -292,6 +340,22 @@ def pack_weights(
     """Serialise ``state_dict`` (any device; copied to host bucket by bucket) into safetensors buckets and the
     header. ``parent_version`` defaults to ``version - 1``. Tensors sharing memory (tied weights) are each sent
     in full. Do not modify the tensors while this runs (take it between optimizer steps)."""
+    return copy_weights(state_dict, version, parent_version, bucket_bytes=bucket_bytes).seal()
+
+
+def copy_weights(
+    state_dict: Mapping[str, torch.Tensor],
+    version: int,
+    parent_version: int | None = None,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    pool: BufferPool | None = None,
+) -> PackedWeights:
+    """:func:`pack_weights` less the hashing: refuses non-finite values, then copies each tensor once into its
+    bucket (buffers from ``pool`` when given, reused from an earlier update nothing refers to any more). The
+    header has the manifest but no digests until :meth:`PackedWeights.seal`. A trainer takes this as its snapshot
+    of the weights between two steps (one copy, no allocation once the pool holds buffers) and seals it while
+    the next step trains."""
     parent_version = _parent_of(version, parent_version, bucket_bytes)
     if not state_dict:
         raise ValueError("state_dict is empty")
@@ -304,17 +368,15 @@ def pack_weights(
         # the layout computed from dtypes and shapes, each tensor copied once to its offset (no intermediate file
         # image as safetensors.torch.save makes; tied tensors are each written in full)
         lay = _layout([(name, state_dict[name].dtype, tuple(state_dict[name].shape)) for name in names])
-        data = bytearray(lay.nbytes)
+        data = pool.take(lay.nbytes) if pool is not None else bytearray(lay.nbytes)
         view = memoryview(data)
         view[: len(lay.prefix)] = lay.prefix
         for name in names:
             t = state_dict[name]
             _copy_into(view, t, *lay.spans[name])
             header.tensors.add(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape), bucket=index)
-        header.buckets.add(index=index, nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        del view  # a view held here would keep a pooled buffer from ever looking free again
         buckets.append(data)
-    header.checksum = manifest_checksum([b.sha256 for b in header.buckets])
-    header.total_bytes = sum(len(b) for b in buckets)
     return PackedWeights(header, buckets)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
-import sys
 import time
 from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +35,7 @@ from rlhf.transport.weights.errors import (
 from rlhf.transport.weights.format import (
     FORMAT,
     TORCH_DTYPES,
+    BufferPool,
     Manifest,
     RawChunk,
     all_finite,
@@ -152,43 +152,6 @@ def bucket_header_allowance(manifest: Manifest) -> int:
     up to 6 characters per character), dtype, shape and offsets; plus room for ``__metadata__`` and padding."""
     per_tensor = sum(6 * len(name) + 80 + 21 * (len(shape) + 2) for name, (_, shape) in manifest.items())
     return 64 * 1024 + per_tensor
-
-
-class BufferPool:
-    """Bucket buffers kept from one update to the next. Fresh memory costs a page fault per 4 KiB on first touch
-    (about 1 GB/s here, as slow as the transfer itself); a replica that receives an update every training step
-    reuses the buffers of an update whose tensors are gone (a double-buffering engine: the update before last).
-
-    A buffer is free when nothing but the pool refers to it: the staged tensors hold it through the memoryview
-    ``torch.frombuffer`` was given, so a buffer some served tensor still uses is never handed out."""
-
-    def __init__(self) -> None:
-        self._bufs: list[bytearray] = []
-
-    def take(self, nbytes: int) -> bytearray:
-        bufs = self._bufs
-        for i in range(len(bufs)):
-            # references: the list and getrefcount's argument; any tensor or memoryview adds one
-            if len(bufs[i]) == nbytes and sys.getrefcount(bufs[i]) == 2:
-                bufs.append(bufs.pop(i))  # most recently used last
-                return bufs[-1]
-        bufs.append(bytearray(nbytes))
-        return bufs[-1]
-
-    def trim(self, keep_bytes: int) -> None:
-        """Forget the least recently used free buffers beyond ``keep_bytes`` held in all."""
-        bufs = self._bufs
-        total = sum(len(b) for b in bufs)
-        i = 0
-        while total > keep_bytes and i < len(bufs):
-            if sys.getrefcount(bufs[i]) == 2:  # the list and the argument
-                total -= len(bufs.pop(i))
-            else:
-                i += 1
-
-    @property
-    def nbytes(self) -> int:
-        return sum(len(b) for b in self._bufs)
 
 
 def finish_bucket(index: int, data: bytearray, digest: str, sha256: str, manifest: Manifest) -> dict[str, torch.Tensor]:
