@@ -71,7 +71,10 @@ EPOCHS = 2
 NEW_TOKENS = 16
 PROMPT_TOKENS = 48
 LR = 1e-5
-STEPS = {"tiny": 3, "small": 3}  # measured steps per run (each side runs one warm-up step first)
+# Measured steps per run (each side runs one warm-up step first). The small ring's first steps after it still warm up
+# (the first pushes allocate the bucket buffers both ends then reuse, the replica double-buffers two versions): 6
+# steps weigh that as a run of hundreds would not, and halve the noise of a 3-step figure on this shared machine.
+STEPS = {"tiny": 3, "small": 6}
 # Runs per side: the small model's are repeated in mirrored order (TRL, sync, async, async, sync, TRL), so a load
 # that comes and goes on this shared machine weighs on every side alike; a side's figure pools its runs' steps.
 REPEATS = {"tiny": 1, "small": 2}
@@ -549,9 +552,20 @@ NOTES = [
     "push of the small policy on one thread (copy 0.03, NaN check 0.008, sha256 0.06-0.075). Exact: the receivers "
     "parse the same tensors bit for bit (every weight-sync test); packed and streamed pushes of one state dict are "
     "now the same bytes (tests/trainer/test_stream_push.py::test_packed_and_streamed_weights_are_the_same_bytes)",
-    "before / after changes 5-7 (bench.pipeline BENCH_SIZES=small, quiet machine, one run each): TRL 4.84-4.96 / "
-    "4.97-5.16 samples/s; bound 5.94-6.15 / 6.18-7.10 (1.23x / 1.31x TRL); asynchronous ring 5.46-6.01 / see the "
-    "table (1.17x / below)",
+    "change 8, the push's copy is its buckets (services/trainer/loop.py, copy_weights + PackedWeights.seal): "
+    "between two steps the trainer copies the policy straight into the push's bucket buffers, reused from an "
+    "earlier push (fresh memory costs a page fault per 4 KiB: 86 MB copied into new memory 0.04 s, into a reused "
+    "buffer 0.009 s), and hashes them while the next step trains; before it cloned the policy (a snapshot) and packed "
+    "the clone into new buffers. The profile: in the asynchronous ring the trainer's packing took 0.15-0.6 s of CPU "
+    "per step beside the update (0.14-0.16 s alone). One thread, small policy: 0.15 -> 0.09 s of CPU per push "
+    "(between the steps 0.035 -> 0.027 s). Exact: the same bytes "
+    "(tests/trainer/test_engine.py::test_the_push_copy_keeps_the_weights_the_next_step_changes and every weight-sync "
+    "test)",
+    "before / after (small model, samples/s; the machine moves 5-10% between runs, so each line is one run's "
+    "interleaved sides): before changes 5-8 (3 steps a run): TRL 4.84-4.96, bound 5.94-6.15 (1.23x TRL), "
+    "asynchronous ring 5.46-6.01 (1.17x); after 5-7 (3 steps): TRL 4.97-5.16, bound 6.18-7.10 (1.31x), asynchronous "
+    "5.71-5.92 (1.15x); `make bench` after 5-7: TRL 5.12-5.13, bound 7.09-7.16 (1.39x), asynchronous 6.11-6.16 "
+    "(1.20x, 1.16x its bound); after 5-8 with 6 measured steps a run: the table above",
     "tried and left out in this round (asynchronous small ring, runs of 7 steps, quiet machine): reward, reference "
     "and rollout at nice 10 so the trainer wins contended cores (6.16-6.28 vs 6.15-6.20 samples/s: the trainer "
     "then waits for experience, the work is the same); reward and reference on one thread, with or without rollout "
