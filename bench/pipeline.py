@@ -539,8 +539,9 @@ NOTES = [
     "pass runs on the other rows only: half an actor and half a critic forward less per step at 2 minibatches "
     "(update FLOPs 251 -> 238 G). Exact: the same metrics and weights within float32 rounding over 3 steps "
     "(tests/trainer/test_engine.py::test_reusing_the_first_minibatch_pass_matches_a_full_old_pass, rel 1e-4 at lr "
-    "5e-3; also with micro-batches, sequential critic and a frozen actor), the TRL parity tests unchanged. In-process "
-    "A/B (the same 5 batches, alternating): median update 1.514 -> 1.466 s (1.03x)",
+    "5e-3; also with micro-batches, sequential critic and a frozen actor), the TRL parity tests unchanged. "
+    "python -m bench.first_pass (the same batches, interleaved, 6 rounds): median step 1.47 -> 1.41 s (1.05x), "
+    "losses within 1.5e-7",
     "change 6, the reward model's forward is padding-free with training.padding_free (as the actor, critic and "
     "reference passes were since change 1); exact: tests/trainer/test_packing.py::"
     "test_reward_model_scores_with_padding_free_equal_padded. Reward forward on 16 rows of 29 tokens, 2 threads: "
