@@ -516,8 +516,9 @@ NOTES = [
     "where it packed the live weights before the next step could start. The profile: in the asynchronous ring the "
     "trainer's iteration was 0.38-0.59 s longer than its update with no wait for experience; packing the small "
     "policy (86 MB) takes 0.14-0.18 s alone, more beside rollout. Exact: the same bytes are pushed "
-    "(tests/trainer/test_engine.py::test_a_policy_snapshot_keeps_the_weights_the_next_step_changes, and every "
-    "weight-sync test). Asynchronous ring before / after (quiet machine, separate runs, so the samples/s of the "
+    "(then tests/trainer/test_engine.py::test_a_policy_snapshot_keeps_the_weights_the_next_step_changes, since "
+    "change 8 its test_the_push_copy_keeps_the_weights_the_next_step_changes, and every weight-sync test)"
+    ". Asynchronous ring before / after (quiet machine, separate runs, so the samples/s of the "
     "runs move with the machine: 4.65 before, 4.37-4.97 after): the trainer's iteration less its update 0.38-0.59 s "
     "/ 0.01-0.12 s, step time over the bound 1.16 / 1.09-1.14",
     "why asynchronous PPO was still not 1.5x TRL at equal cores after changes 1-4 (the four runs of that round: "
