@@ -15,10 +15,9 @@ AMD EPYC of earlier runs, ~1e-7 on an Intel Xeon with the old pass over every ro
 
 from __future__ import annotations
 
-import random
 import time
 
-from bench._common import CACHE, CORE_THREADS, QUICK, build_model, emit, log, median, rnd, side, target
+from bench._common import CORE_THREADS, QUICK, emit, median, rnd, side, target, trainer_step_ab
 
 ROUNDS = 2 if QUICK else 6
 BATCH = 16
@@ -26,34 +25,13 @@ BATCH = 16
 
 def main() -> None:
     started = time.monotonic()
-    import torch
 
-    from bench.padding_free import _experiences
-    from bench.pipeline import experiment, prompt_set
-    from rlhf.config import parse_config
-    from services.trainer.engine import TrainerEngine
+    def sequential(engine) -> None:
+        engine._parallel_critic = lambda: False
 
-    torch.set_num_threads(CORE_THREADS)
-    paths = build_model("small")
-    chat = prompt_set(paths)["ids"]
-    raw = experiment("small", paths, "ppo", 0, "critic-threads", CACHE / "critic_threads", 10)
-    raw["training"]["padding_free"] = True
-    cfg = parse_config(raw)
-    engines = {mode: TrainerEngine(cfg, device="cpu") for mode in ("sequential", "side_by_side")}
-    engines["sequential"]._parallel_critic = lambda: False
-    times: dict[str, list[float]] = {m: [] for m in engines}
-    losses: dict[str, list[float]] = {m: [] for m in engines}
-    rng = random.Random(0)
-    for r in range(ROUNDS + 1):  # round 0 warms up (and is not counted)
-        exps = _experiences(chat[:BATCH], [16] * BATCH, seed=rng.randrange(1 << 30))
-        for mode in ("sequential", "side_by_side") if r % 2 == 0 else ("side_by_side", "sequential"):
-            t0 = time.perf_counter()
-            m = engines[mode].step(exps)
-            dt = time.perf_counter() - t0
-            if r:
-                times[mode].append(dt)
-            losses[mode].append(m["loss/policy"] + m["loss/value"])
-        log(f"  round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items() if v))
+    times, losses = trainer_step_ab(
+        "critic_threads", {"sequential": sequential, "side_by_side": lambda engine: None}, ROUNDS, BATCH
+    )
     seq, par = median(times["sequential"]), median(times["side_by_side"])
     diff = max(abs(a - b) for a, b in zip(losses["sequential"], losses["side_by_side"], strict=True))
     half = (CORE_THREADS - CORE_THREADS // 2, CORE_THREADS // 2)

@@ -12,10 +12,9 @@ tests/trainer/test_engine.py::test_reusing_the_first_minibatch_pass_matches_a_fu
 
 from __future__ import annotations
 
-import random
 import time
 
-from bench._common import CACHE, CORE_THREADS, QUICK, build_model, emit, log, median, rnd, side, target
+from bench._common import CORE_THREADS, QUICK, emit, median, rnd, side, target, trainer_step_ab
 
 ROUNDS = 2 if QUICK else 6
 BATCH = 16
@@ -23,34 +22,13 @@ BATCH = 16
 
 def main() -> None:
     started = time.monotonic()
-    import torch
 
-    from bench.padding_free import _experiences
-    from bench.pipeline import experiment, prompt_set
-    from rlhf.config import parse_config
-    from services.trainer.engine import TrainerEngine
+    def full_old_pass(engine) -> None:
+        engine.reuse_first_pass = False
 
-    torch.set_num_threads(CORE_THREADS)
-    paths = build_model("small")
-    chat = prompt_set(paths)["ids"]
-    raw = experiment("small", paths, "ppo", 0, "first-pass", CACHE / "first_pass", 10)
-    raw["training"]["padding_free"] = True
-    cfg = parse_config(raw)
-    engines = {mode: TrainerEngine(cfg, device="cpu") for mode in ("reused", "full_old_pass")}
-    engines["full_old_pass"].reuse_first_pass = False
-    times: dict[str, list[float]] = {m: [] for m in engines}
-    losses: dict[str, list[float]] = {m: [] for m in engines}
-    rng = random.Random(0)
-    for r in range(ROUNDS + 1):  # round 0 warms up (and is not counted)
-        exps = _experiences(chat[:BATCH], [16] * BATCH, seed=rng.randrange(1 << 30))
-        for mode in ("reused", "full_old_pass") if r % 2 == 0 else ("full_old_pass", "reused"):
-            t0 = time.perf_counter()
-            m = engines[mode].step(exps)
-            dt = time.perf_counter() - t0
-            if r:
-                times[mode].append(dt)
-            losses[mode].append(m["loss/policy"] + m["loss/value"])
-        log(f"  round {r}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in times.items() if v))
+    times, losses = trainer_step_ab(
+        "first_pass", {"reused": lambda engine: None, "full_old_pass": full_old_pass}, ROUNDS, BATCH
+    )
     reused, full = median(times["reused"]), median(times["full_old_pass"])
     diff = max(abs(a - b) for a, b in zip(losses["reused"], losses["full_old_pass"], strict=True))
     emit(
@@ -60,7 +38,7 @@ def main() -> None:
             "step": f"TrainerEngine.step, PPO, {BATCH} samples of bench.pipeline's shape, 2 epochs x 2 minibatches of "
             "8, actor and critic side by side, padding-free",
             "rounds": ROUNDS,
-            "resources": {m: side(CORE_THREADS, "this process, one engine at a time") for m in engines},
+            "resources": {m: side(CORE_THREADS, "this process, one engine at a time") for m in times},
         },
         figures={
             "step_s": {"reused": rnd(reused), "full_old_pass": rnd(full)},
