@@ -914,11 +914,12 @@ def _with_rest(n: int, first: torch.Tensor, held: torch.Tensor, forward) -> torc
     """(n, ...) rows: ``held`` at the rows ``first``, ``forward(rows)`` without gradient at the others."""
     out = held.new_empty((n, *held.shape[1:]))
     out[first] = held
-    rest = torch.ones(n, dtype=torch.bool)
-    rest[first] = False
-    if rest.any():
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[first] = False
+    rest = mask.nonzero().squeeze(1)
+    if len(rest):
         with torch.no_grad():
-            out[rest.nonzero().squeeze(1)] = forward(rest.nonzero().squeeze(1))
+            out[rest] = forward(rest)
     return out
 
 

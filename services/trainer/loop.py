@@ -472,13 +472,12 @@ class Trainer:
                 metrics["samples_per_s"],
             )
 
-    async def _pack(self, weights: dict | None = None, version: int | None = None):
-        """Pack ``weights`` as ``version`` (default: the live policy at its version)."""
+    async def _pack(self):
+        """The live policy packed at its version."""
         from rlhf.transport import pack_weights
 
-        version = self.engine.policy_version if version is None else version
-        weights = self.engine.policy_state_dict() if weights is None else weights
-        return await asyncio.to_thread(pack_weights, weights, version, version - 1)
+        version = self.engine.policy_version
+        return await asyncio.to_thread(pack_weights, self.engine.policy_state_dict(), version, version - 1)
 
     def _copy_policy(self, version: int):
         """The live policy copied into push buckets as ``version`` (not yet hashed: :meth:`_seal_and_deliver`)."""
