@@ -147,7 +147,12 @@ class HFEngine(EngineBase):
         self.device = resolve_device(self.device_spec)
         self._tokenizer, self.model = await asyncio.to_thread(_load)
         self.pad_token_id = int(self._tokenizer.pad_token_id)
-        self._manifest = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        # Updates come in the checkpoint layout (what vLLM loads too): the manifest is the checkpoint's, and _stage
+        # maps it back onto the live module (a tie's alias is the same parameter; fused MoE experts are rebuilt).
+        from rlhf.layout import CheckpointLayout
+
+        self._layout = CheckpointLayout(self.model, self.model.state_dict())
+        self._manifest = {name: shape for name, _, shape in self._layout.specs()}
         self._queue = asyncio.Queue()
         self._worker = asyncio.create_task(self._batcher(), name="hf-batcher")
         self._mark_loaded()
@@ -421,10 +426,13 @@ class HFEngine(EngineBase):
     # ------------------------------------------------------------------------------------------------ weights
 
     def _stage(self, tensors: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(model tensor, new data) pairs: each new tensor on the model's device and dtype, contiguous. Tied weights
-        (one parameter under several names) get one entry, from the first name. Runs in a thread, outside the gate:
+        """(model tensor, new data) pairs: each new tensor on the model's device and dtype, contiguous. ``tensors``
+        are in the checkpoint layout (:mod:`rlhf.layout`); tied weights (one parameter under several names) get
+        one entry, from the name the checkpoint keeps. Runs in a thread, outside the gate:
         a tensor already right (the received float32 CPU buckets) is used as it is, no copy."""
         model = self.model
+        if not self._layout.identity:
+            tensors = self._layout.to_live(tensors, model.state_dict())
         named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
         seen: set[int] = set()
         pairs = []

@@ -129,14 +129,10 @@ def _save_policy(engine, directory: Path) -> None:
 
         directory.mkdir(parents=True, exist_ok=True)
         engine.actor.get_base_model().config.save_pretrained(directory)
-        merged = {k: v.contiguous() for k, v in merged_state_dict(engine.actor).items()}
-        # tied weights (embeddings = output head) are one tensor: written once, as save_pretrained does
-        seen, unique = set(), {}
-        for k, v in merged.items():
-            if v.data_ptr() not in seen:
-                seen.add(v.data_ptr())
-                unique[k] = v
-        save_file(unique, directory / "model.safetensors", metadata={"format": "pt"})
+        # in the checkpoint layout, as save_pretrained writes it: a tie's alias once, fused tensors split back
+        merged = engine.policy_layout.to_checkpoint(merged_state_dict(engine.actor))
+        save_file({k: v.contiguous() for k, v in merged.items()}, directory / "model.safetensors",
+                  metadata={"format": "pt"})  # fmt: skip
     else:
         engine.actor.save_pretrained(directory, safe_serialization=True)
     engine.tokenizer.save_pretrained(directory)
@@ -284,25 +280,32 @@ def _read_sharded(directory: Path, engine) -> None:
 
 def _load_full_weights(model: torch.nn.Module, directory: Path) -> None:
     """A Hugging Face folder into a model that may be sharded: every rank reads the full tensors and keeps its
-    shards. Tied weights are written once; they come back through the parameter they are tied to."""
+    shards. The folder is in the checkpoint layout (:func:`_live_weights`)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    weights = _live_weights(model, directory)
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _live_weights(model: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
+    """The safetensors of a save_pretrained folder under ``model``'s live names (:mod:`rlhf.layout`: a tie's alias is
+    written once and comes back through the parameter it is tied to; fused tensors are rebuilt from the checkpoint's
+    parts). Every checkpoint tensor of the model must be there, and nothing else: a tensor left out would silently
+    keep its initial weights."""
+    from rlhf.layout import CheckpointLayout
 
     weights: dict[str, torch.Tensor] = {}
     for f in sorted(directory.glob("*.safetensors")):
         weights.update(load_file(f))
     if not weights:
         raise ValueError(f"{directory} holds no weights (*.safetensors)")
-    names = set(model.state_dict())
-    missing = sorted(names - set(weights) - _tied_names(model))
-    unexpected = sorted(set(weights) - names)
+    live = model.state_dict()
+    layout = CheckpointLayout(model, live)
+    names = {name for name, _, _ in layout.specs()}
+    missing, unexpected = sorted(names - set(weights)), sorted(set(weights) - names)
     if missing or unexpected:
         raise ValueError(f"{directory} does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
-
-
-def _tied_names(model: torch.nn.Module) -> set[str]:
-    """Names under which a parameter appears a second time (``named_parameters`` lists each parameter once)."""
-    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    return layout.to_live(weights, live)
 
 
 def _set_full_optimizer(model, opt, name: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
@@ -326,19 +329,5 @@ def _set_full_optimizer(model, opt, name: str, tensors: dict[str, torch.Tensor],
 
 
 def _load_weights(model: torch.nn.Module, directory: Path) -> None:
-    """Load a save_pretrained folder into ``model``; every parameter must come from it, except the ones tied to a
-    parameter that does (save_pretrained writes tied weights once). Anything else missing would silently keep the
-    initial weights."""
-    weights: dict[str, torch.Tensor] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        weights.update(load_file(f))
-    if not weights:
-        raise ValueError(f"{directory} holds no weights (*.safetensors)")
-    result = model.load_state_dict(weights, strict=False)
-    state = model.state_dict()
-    loaded = {t.data_ptr() for name, t in state.items() if name in weights}
-    missing = [k for k in result.missing_keys if state[k].data_ptr() not in loaded]
-    if missing or result.unexpected_keys:
-        raise ValueError(
-            f"{directory} does not match the model: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}"
-        )
+    """Load a save_pretrained folder into ``model`` (see :func:`_live_weights`)."""
+    model.load_state_dict(_live_weights(model, directory), strict=False)

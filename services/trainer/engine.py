@@ -17,6 +17,7 @@ corrects samples made by an older policy version (asynchronous training) and eng
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -815,29 +816,43 @@ class TrainerEngine:
 
     # ------------------------------------------------------------------ weights
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """The actor's weights in Hugging Face names, contiguous, on the CPU (what weight sync ships; it refuses
-        non-finite tensors). With ``training.bf16`` the fp32 master weights are cast to bf16 here, and only here:
-        rollout serves bf16 and the transfer is half the bytes. On the CPU in fp32 these are the training weights'
-        own memory, which the next step changes: copy them before it (the trainer's push: copy_weights)."""
+        """The actor's weights in the checkpoint layout (:mod:`rlhf.layout`: Hugging Face names and shapes as
+        ``save_pretrained`` writes them, a tie's alias left out, fused tensors split back), contiguous, on the CPU:
+        what weight sync ships (it refuses non-finite tensors). With ``training.bf16`` the fp32 master weights are
+        cast to bf16 here, and only here: rollout serves bf16 and the transfer is half the bytes. On the CPU in fp32
+        these are the training weights' own memory, which the next step changes: copy them before it (the
+        trainer's push: copy_weights)."""
         if self.group is not None:
             with self._command_lock:
                 dist.broadcast_ints([_GATHER], 1, self.device)
                 return dict(self._gathered_policy(keep=True))
-        dtype = torch.bfloat16 if self.cfg.training.bf16 else None
-        out = {}
         if self.cfg.actor.lora_r:
             from rlhf.lora import merged_state_dict
 
             weights = merged_state_dict(self.actor)
         else:
             weights = self.actor.state_dict()
-        for k, v in weights.items():
-            v = v.detach()
-            converted = dtype is not None and v.is_floating_point()
-            if converted:
-                v = v.to(dtype)
-            out[k] = v.to("cpu").contiguous()
+        out = {}
+        for k, v in self.policy_layout.items(weights):
+            out[k] = self._push_tensor(v)
         return out
+
+    @functools.cached_property
+    def policy_layout(self):
+        """Which live tensor of the actor becomes which checkpoint tensor (worked out once, on meta tensors)."""
+        from rlhf.layout import CheckpointLayout
+
+        live = self.actor.state_dict()
+        if self.cfg.actor.lora_r:  # the merged weights carry the base model's names
+            live = {k.replace(".base_layer.", "."): v for k, v in live.items() if ".lora_" not in k}
+        return CheckpointLayout(self.actor, live)
+
+    def _push_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.bfloat16 if self.cfg.training.bf16 and dtype.is_floating_point else dtype
+
+    def _push_tensor(self, v: torch.Tensor) -> torch.Tensor:
+        v = v.detach()
+        return v.to(self._push_dtype(v.dtype)).to("cpu").contiguous()
 
     def policy_stream(self, version: int, bucket_bytes: int | None = None) -> StreamedWeights:
         """Rank 0 of a group: the policy (as :meth:`policy_state_dict` gives it) as streamed weights, for a push that
@@ -851,11 +866,7 @@ class TrainerEngine:
         if self.group is None or not self.group.is_driver:
             raise RuntimeError("policy_stream() is for rank 0 of a trainer group; at world size 1 pack the state dict")
         bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-        dtype = torch.bfloat16 if self.cfg.training.bf16 else None
-        specs = [
-            (k, dtype if dtype is not None and v.is_floating_point() else v.dtype, tuple(v.shape))
-            for k, v in self.actor.state_dict().items()
-        ]
+        specs = self.policy_layout.specs(self._push_dtype)
         return StreamedWeights(specs, self._policy_pass, version, version - 1, bucket_bytes=bucket_bytes)
 
     def _policy_pass(self):
@@ -875,17 +886,23 @@ class TrainerEngine:
                     pass
 
     def _gathered_policy(self, keep: bool):
-        """(name, full tensor) of the sharded actor, gathered one parameter at a time on every rank (the gather is
-        a collective); ranks that do not ``keep`` drop each tensor at once, so their extra memory is one tensor."""
-        dtype = torch.bfloat16 if self.cfg.training.bf16 else None
+        """(name, full tensor) of the sharded actor in the checkpoint layout, gathered one parameter at a time on
+        every rank (the gather is a collective); ranks that do not ``keep`` drop each tensor at once, so their extra
+        memory is one tensor. A tie's alias is gathered like any parameter (every rank runs the same collectives)
+        and yields nothing."""
+        layout = self.policy_layout if keep else None
         for k, v in self.actor.state_dict().items():
             v = dist.full_value(v.detach())
             if not keep:
                 yield k, None
                 continue
-            if dtype is not None and v.is_floating_point():
-                v = v.to(dtype)
-            yield k, v.to("cpu").contiguous()
+            parts = layout.convert(k, v)
+            del v  # the gathered full-precision tensor goes before its cast copies are yielded
+            while parts:
+                name, part = parts.pop(0)
+                out = self._push_tensor(part)
+                del part
+                yield name, out
 
 
 def _refuse_in_group(cfg: ExperimentConfig) -> None:
