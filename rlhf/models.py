@@ -7,6 +7,7 @@ left padding does not shift positions.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -112,6 +113,50 @@ def load_sequence_classifier(path: str | Path, device: str = "cpu", dtype: str |
     return model.to(resolve_device(device))
 
 
+def check_architecture(model_dir: str | Path, engine: str) -> str | None:
+    """Whether the model in ``model_dir`` can be built by ``engine`` (``hf`` or ``vllm``): None if so, else why not.
+
+    Reads config.json only (cheap: no weights), so ``rlhf up`` can refuse before any service starts. Refused: a model
+    that needs remote code (``auto_map``: every service loads without ``trust_remote_code``), an ``architectures``
+    class or ``model_type`` this transformers lacks, and for ``vllm`` an architecture vLLM's model registry lacks
+    (vllm is imported only then, a few seconds).
+    """
+    config = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, ValueError) as err:
+        return f"{config}: cannot be read ({err})"
+    archs = list(cfg.get("architectures") or [])
+    named = ", ".join(archs) or f"model_type {cfg.get('model_type')!r}"
+    if cfg.get("auto_map"):
+        return (
+            f"{model_dir}: architecture {named} needs remote code (config.json has auto_map), which no service runs "
+            "(no trust_remote_code): use a model transformers implements"
+        )
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    have = set(dir(transformers))  # the lazy module lists every class without importing its modeling code
+    unknown = [a for a in archs if a not in have]
+    if unknown or cfg.get("model_type") not in CONFIG_MAPPING_NAMES:
+        what = f"architecture {', '.join(unknown)}" if unknown else f"model_type {cfg.get('model_type')!r}"
+        return f"{model_dir}: {what} is unknown to transformers {transformers.__version__} (and remote code is off)"
+    if engine != "vllm":
+        return None
+    try:
+        import vllm
+        from vllm.model_executor.models import ModelRegistry
+    except Exception as err:  # noqa: BLE001 - a broken install fails in many ways (see reference/ENVIRONMENT.md)
+        return f"{model_dir}: the rollout engine is vllm, but vllm does not import here ({type(err).__name__}: {err})"
+    supported = set(ModelRegistry.get_supported_archs())
+    if not archs or not any(a in supported for a in archs):  # vLLM takes the first listed architecture it has
+        return (
+            f"{model_dir}: architecture {named} is not in vLLM {vllm.__version__}'s model registry: "
+            "use the hf rollout engine (engine: hf) or a model vLLM supports"
+        )
+    return None
+
+
 def _inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict[str, torch.Tensor]:
     attention_mask = query_responses != pad_token_id
     position_ids = attention_mask.cumsum(1) - attention_mask.long()
@@ -163,7 +208,8 @@ def resolve_model_path(spec: str) -> Path:
     """A model reference from the config -> a local directory.
 
     - ``tiny:policy`` / ``tiny:reward`` build (once) the models of ``rlhf.tiny`` under ``$RLHF_CACHE_DIR/tiny``
-      (default ``~/.cache/rlhf-pipeline``);
+      (default ``~/.cache/rlhf-pipeline``); ``tiny:<arch>[-bf16]/policy`` another architecture of it (and dtype),
+      under ``$RLHF_CACHE_DIR/tiny-<arch>[-bf16]`` (``tiny:qwen2-tied/policy``; the architectures: ``rlhf.tiny``);
     - a directory that exists is used as it is (it must hold a config.json);
     - anything else shaped like a Hugging Face id (``Qwen/Qwen2.5-0.5B-Instruct``) is looked up in the Hugging Face
       cache (``HF_HUB_CACHE`` / ``HF_HOME``); with ``HF_HUB_OFFLINE=1`` only the cache is used, else a model missing
@@ -171,13 +217,11 @@ def resolve_model_path(spec: str) -> Path:
     - else the path does not exist, and the error says so.
     """
     if spec.startswith("tiny:"):
-        from rlhf.tiny import build_tiny
+        from rlhf.tiny import build_tiny, parse_ref
 
-        which = spec.split(":", 1)[1]
-        if which not in ("policy", "reward"):
-            raise ValueError(f"unknown tiny model {spec!r}: use tiny:policy or tiny:reward")
+        tiny, which = parse_ref(spec.split(":", 1)[1])
         cache = Path(os.environ.get("RLHF_CACHE_DIR", Path.home() / ".cache" / "rlhf-pipeline"))
-        paths = build_tiny(cache / "tiny")
+        paths = build_tiny(cache / tiny.name, tiny)
         return paths.policy if which == "policy" else paths.reward
     path = Path(spec).expanduser()
     if path.exists():

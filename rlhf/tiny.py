@@ -1,18 +1,28 @@
-"""Build a tiny random Llama policy, a reward model and a byte-level BPE tokenizer, locally (no download).
+"""Build tiny random policies, a reward model and a byte-level BPE tokenizer, locally (no download).
 
-``python -m rlhf.tiny OUT_DIR`` writes ``OUT_DIR/policy`` (LlamaForCausalLM) and ``OUT_DIR/reward``
-(LlamaForSequenceClassification, one label), each a Hugging Face directory (safetensors weights plus the tokenizer)
-that transformers and vLLM load as is. The default shape keeps head_dim at 32, the smallest vLLM's CPU attention
-accepts. Building is deterministic for a seed and takes about a second.
+``python -m rlhf.tiny OUT_DIR [--arch ARCH] [--dtype bfloat16]`` writes ``OUT_DIR/policy`` (a causal LM of the
+architecture ``ARCH``, default ``llama``) and ``OUT_DIR/reward`` (always LlamaForSequenceClassification, one label,
+float32), each a Hugging Face directory (safetensors weights plus the tokenizer) that transformers and vLLM load as is.
+Every architecture shares the tokenizer and the shape; head_dim stays 32, the smallest vLLM's CPU attention accepts.
+Building is deterministic for a seed and takes about a second.
+
+Architectures (:data:`ARCHS`, one table): ``llama`` (untied, the default), ``llama-tied`` (as Llama-3.2-1B),
+``qwen2-tied`` (qkv bias), ``qwen3`` (q/k norm, tied as Qwen3-0.6B), ``mistral``, ``qwen3-moe`` (4 experts, 2 per
+token). ``--dtype bfloat16`` saves the policy in bf16 (config.json ``dtype``), so vLLM's ``dtype="auto"`` serves bf16.
+
+In experiment configs (:func:`rlhf.models.resolve_model_path`): ``tiny:policy`` / ``tiny:reward`` are the default
+(``$RLHF_CACHE_DIR/tiny``); ``tiny:<arch>[-bf16]/policy`` (and ``/reward``) another, built into
+``$RLHF_CACHE_DIR/tiny-<arch>[-bf16]``, e.g. ``tiny:qwen2-tied/policy``, ``tiny:qwen3-moe-bf16/policy``.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 PAD, EOS, BOS = "<pad>", "</s>", "<s>"
@@ -36,6 +46,33 @@ WORDS = (
 
 
 @dataclass(frozen=True)
+class Arch:
+    """A policy architecture: transformers config and model class names, and the config values it sets over the
+    common shape (:func:`_common`)."""
+
+    config_cls: str
+    model_cls: str
+    extra: dict
+
+
+ARCHS: dict[str, Arch] = {
+    "llama": Arch("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama-tied": Arch("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    # Qwen2's attention always has q/k/v biases (no config switch); they get random values below
+    "qwen2-tied": Arch("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": Arch("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True}),
+    # no sliding window, as Mistral-7B-v0.2+: the window would exceed the context anyway
+    "mistral": Arch("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen3-moe": Arch(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "norm_topk_prob": True},
+    ),
+}
+POLICY_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
 class TinySpec:
     vocab_size: int = 512
     hidden_size: int = 64
@@ -45,9 +82,46 @@ class TinySpec:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 512
     seed: int = 0
+    arch: str = "llama"  # a key of ARCHS
+    dtype: str = "float32"  # the policy's saved dtype: float32 or bfloat16
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown tiny architecture {self.arch!r}: one of {', '.join(ARCHS)}")
+        if self.dtype not in POLICY_DTYPES:
+            raise ValueError(f"tiny policy dtype must be one of {', '.join(POLICY_DTYPES)}, got {self.dtype!r}")
+
+    def _fields(self) -> dict:
+        # arch and dtype only when not the default: the default spec keeps the digest (and stamp) it had before them
+        d = asdict(self)
+        for f in fields(self):
+            if f.name in ("arch", "dtype") and d[f.name] == f.default:
+                del d[f.name]
+        return d
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps(self._fields(), sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def name(self) -> str:
+        """The folder (and ``tiny:`` prefix) name: ``tiny`` for the default, else ``tiny-<arch>[-bf16]``."""
+        if (self.arch, self.dtype) == ("llama", "float32"):
+            return "tiny"
+        return f"tiny-{self.arch}" + ("-bf16" if self.dtype == "bfloat16" else "")
+
+
+def parse_ref(ref: str) -> tuple[TinySpec, str]:
+    """``tiny:`` model reference (without the prefix) -> (spec, ``policy`` | ``reward``): ``policy``, ``reward``,
+    ``<arch>/policy``, ``<arch>-bf16/reward``..."""
+    name, _, which = ref.rpartition("/")
+    if which not in ("policy", "reward"):
+        raise ValueError(f"unknown tiny model tiny:{ref}: use tiny:policy, tiny:reward or tiny:<arch>[-bf16]/policy")
+    arch, dtype = name or "llama", "float32"
+    if arch.endswith("-bf16"):
+        arch, dtype = arch[: -len("-bf16")], "bfloat16"
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny architecture in tiny:{ref}: {arch!r}; one of {', '.join(ARCHS)}")
+    return TinySpec(arch=arch, dtype=dtype), which
 
 
 @dataclass(frozen=True)
@@ -89,40 +163,78 @@ def build_tokenizer(spec: TinySpec):
     return fast
 
 
-def _llama_config(spec: TinySpec, tokenizer, **extra):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
+def _common(spec: TinySpec, tokenizer) -> dict:
+    return dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
+        # explicit: some configs default to another (Qwen3: 128), and vLLM's CPU attention accepts only some
+        head_dim=spec.hidden_size // spec.num_attention_heads,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=False,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
-        **extra,
     )
 
 
-def build_tiny(out_dir: str | Path, spec: TinySpec | None = None, force: bool = False) -> TinyPaths:
-    """Write the tiny policy and reward model under ``out_dir``; reuse them when already built for the same spec."""
-    import torch
-    from transformers import GenerationConfig, LlamaForCausalLM, LlamaForSequenceClassification
+def _llama_config(spec: TinySpec, tokenizer, **extra):
+    from transformers import LlamaConfig
 
+    return LlamaConfig(**_common(spec, tokenizer), **extra)
+
+
+def _policy_model(spec: TinySpec, tokenizer):
+    import torch
+    import transformers
+
+    arch = ARCHS[spec.arch]
+    config = getattr(transformers, arch.config_cls)(**{**_common(spec, tokenizer), **arch.extra})
+    torch.manual_seed(spec.seed)
+    model = getattr(transformers, arch.model_cls)(config).eval()
+    # transformers initialises biases to zero, where a checkpoint's (Qwen2's qkv) are not: random ones make a loader
+    # that drops or misplaces them visible. Bias-free models (llama) draw nothing here, so they stay as they were.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, config.initializer_range)
+    return model.to(getattr(torch, spec.dtype))
+
+
+def build_tiny(out_dir: str | Path, spec: TinySpec | None = None, force: bool = False) -> TinyPaths:
+    """Write the tiny policy and reward model under ``out_dir``; reuse them when already built for the same spec.
+
+    Safe to call from several processes at once (services resolving the same ``tiny:`` model): one builds, under a
+    file lock next to ``out_dir``, and the others then find its stamp."""
     spec = spec or TinySpec()
     root = Path(out_dir)
     paths = TinyPaths(root=root, policy=root / "policy", reward=root / "reward")
     stamp = root / "tiny.json"
-    if not force and stamp.exists() and json.loads(stamp.read_text()).get("digest") == spec.digest():
+
+    def current() -> bool:
+        return not force and stamp.exists() and json.loads(stamp.read_text()).get("digest") == spec.digest()
+
+    if current():
         return paths
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{root.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if current():  # another process built it while this one waited
+            return paths
+        _build(spec, paths)
+        stamp.write_text(json.dumps({"digest": spec.digest(), "spec": spec._fields()}, indent=2))
+    return paths
+
+
+def _build(spec: TinySpec, paths: TinyPaths) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaForSequenceClassification
 
     tokenizer = build_tokenizer(spec)
-    torch.manual_seed(spec.seed)
-    policy = LlamaForCausalLM(_llama_config(spec, tokenizer)).eval()
+    policy = _policy_model(spec, tokenizer)
     policy.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id
     )
@@ -131,8 +243,6 @@ def build_tiny(out_dir: str | Path, spec: TinySpec | None = None, force: bool = 
     for model, path in ((policy, paths.policy), (reward, paths.reward)):
         model.save_pretrained(path, safe_serialization=True)
         tokenizer.save_pretrained(path)
-    stamp.write_text(json.dumps({"digest": spec.digest(), "spec": asdict(spec)}, indent=2))
-    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden-size", type=int, default=TinySpec.hidden_size)
     parser.add_argument("--layers", type=int, default=TinySpec.num_hidden_layers)
     parser.add_argument("--heads", type=int, default=TinySpec.num_attention_heads)
+    parser.add_argument("--arch", choices=list(ARCHS), default="llama", help="policy architecture (default llama)")
+    parser.add_argument("--dtype", choices=POLICY_DTYPES, default="float32", help="the policy's saved dtype")
     parser.add_argument("--force", action="store_true", help="rebuild even when the directory is current")
     args = parser.parse_args(argv)
     spec = TinySpec(
@@ -151,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         num_key_value_heads=args.heads,
         intermediate_size=2 * args.hidden_size,
         seed=args.seed,
+        arch=args.arch,
+        dtype=args.dtype,
     )
     paths = build_tiny(args.out_dir, spec, force=args.force)
     print(json.dumps({"policy": str(paths.policy), "reward": str(paths.reward)}))
