@@ -78,6 +78,17 @@ class TrainingConfig(Section):
     weight_sync_interval: int = _f(
         1, "push weights to rollout every N updates (rollout then lags up to N - 1: needs max_staleness >= N - 1)", gt=0
     )
+    max_mismatch_kl: float | None = _f(
+        0.01,
+        "the run stops (exit 3) when mismatch/kl, the k3 KL(rollout || trainer) of the log-probs of tokens sampled by "
+        "the weights the trainer holds (fp32: ~1e-13; bf16 LLMs: ~1e-3), is over this ... (null: never)",
+        gt=0,
+    )
+    mismatch_patience: int = _f(
+        3,
+        "... for this many steps in a row (with top_p/top_k it only warns: truncated log-probs differ by design)",
+        gt=0,
+    )
     log_interval: int = _f(1, "print progress every N steps", gt=0)
     log_completions_interval: int = _f(
         10,

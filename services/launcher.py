@@ -429,6 +429,17 @@ def _num_or_none(v: Any) -> float | None:
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
 
 
+def format_event(ev: Mapping[str, Any], total: int, names: Mapping[str, str]) -> str:
+    """A trainer event as a progress line; replica addresses get their service names (rollout-0)."""
+    step = f"step {int(ev.get('step', 0))}/{total}"
+    if ev.get("event") == "resumed":
+        return f"{step}  a replica serves the newest weights again; training goes on"
+    message = str(ev.get("message", ""))
+    for addr, name in names.items():
+        message = message.replace(f"for {addr} ", f"for {name} ({addr}) ")
+    return f"{step}  {message}"
+
+
 def format_progress(
     rec: Mapping[str, Any], total: int | None = None, elapsed: float | None = None, eta_s: float | None = None
 ) -> str:
@@ -440,6 +451,7 @@ def format_progress(
         ("kl", _pick(rec, "objective/kl", "kl/mean", "kl", contains="kl"), "{:.4f}"),
         ("samples/s", _pick(rec, "samples_per_s", "throughput/samples_per_s", contains="samples_per_s"), "{:.1f}"),
         ("staleness", _pick(rec, "staleness/mean", contains="staleness"), "{:.2f}"),
+        ("mismatch", _pick(rec, "mismatch/kl"), "{:.1e}"),  # trainer vs rollout log-probs: ~1e-13 fp32, ~1e-3 bf16
     ]
     for label, kv, fmt in fields:
         if kv is not None:
@@ -486,6 +498,7 @@ class Launcher:
         self.run_dir: Path | None = None
         self.restarts: dict[str, int] = {}
         self._tail: MetricsTail | None = None
+        self._addr_names: dict[str, str] = {}  # rollout gRPC address -> service name, for the trainer's events
 
     def say(self, msg: str) -> None:
         print(f"[rlhf up] {msg}", file=self.out, flush=True)
@@ -589,6 +602,23 @@ class Launcher:
         from rlhf import preflight
 
         report = preflight.check(cfg, os.environ.get("RLHF_REDIS_URL"))
+        # The policy's architecture under the rollout engine (the vllm check includes the transformers one the trainer
+        # needs). A tiny: name only has to be known: every tiny arch runs on both (tests/unit/test_tiny_archs.py).
+        from rlhf.tiny import parse_ref
+
+        load, engine = cfg.actor.load, os.environ.get("RLHF_ROLLOUT_ENGINE") or cfg.actor.engine
+        try:
+            if load.startswith("tiny:"):
+                parse_ref(load.split(":", 1)[1])
+            else:
+                from rlhf.models import check_architecture, resolve_model_path
+
+                if why := check_architecture(resolve_model_path(load), engine):
+                    report.problems.append(f"actor_rollout_ref.actor_rollout.load: {why}")
+        except ValueError as err:  # an unknown tiny: name
+            report.problems.append(f"actor_rollout_ref.actor_rollout.load: {err}")
+        except OSError:
+            pass  # a model that cannot be found: preflight.check has reported it
         if report.problems or report.warnings:
             print(f"rlhf up: {preflight.format_report(report, config_path)}", file=sys.stderr, flush=True)
         if report.problems:
@@ -651,6 +681,7 @@ class Launcher:
                 started = [(spec, self._start(spec, config_path)) for spec in stage]
                 self._wait_ready(started, may_finish=("trainer",))
             trainer = next(c for c in self.children if c.name == "trainer")
+            self._addr_names = {s.grpc_addr: s.name for s in specs if s.service == "rollout"}
             rc = self._follow(trainer, total, t_start)
             if rc == runlog.EXIT_STOPPED_BY_RULE:
                 stop = next((ln for ln in reversed(trainer.log_tail(200).splitlines()) if "stopping the run" in ln), "")
@@ -721,6 +752,9 @@ class Launcher:
         tail = self._tail or MetricsTail(self.run_dir / "metrics.jsonl", from_end=True)
         eta = Eta(total)
 
+        events = MetricsTail(self.run_dir / "events.jsonl", from_end=True)
+        names = self._addr_names
+
         def line(rec: Mapping[str, Any]) -> str:
             now = time.monotonic()
             return format_progress(rec, total, now - t_start, eta(rec, now))
@@ -729,6 +763,9 @@ class Launcher:
             for rec in tail.read():
                 if not self.opts.quiet:
                     print(line(rec), file=self.out, flush=True)
+            for ev in events.read():  # the ring's changes of state between steps (services/trainer/loop.py)
+                if not self.opts.quiet and ev.get("event") in ("waiting", "resumed"):
+                    print(format_event(ev, total, names), file=self.out, flush=True)
             rc = trainer.poll()
             if rc == 0:
                 for rec in tail.read():

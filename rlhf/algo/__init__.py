@@ -36,6 +36,7 @@ from rlhf.algo.kl import (
 from rlhf.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from rlhf.algo.losses import aggregate, dpo_loss, dpo_pairs, ppo_policy_loss, select_chosen_rejected, value_loss
 from rlhf.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlhf.algo.mismatch import logprob_mismatch
 from rlhf.algo.ppo import (
     PPORollout,
     first_true_indices,
@@ -76,6 +77,7 @@ __all__ = [
     "kl_estimate",
     "kl_penalized_rewards",
     "leave_one_out",
+    "logprob_mismatch",
     "logprobs_from_logits",
     "make_kl_controller",
     "masked_mean",

@@ -148,8 +148,11 @@ async def abort_grpc(context: grpc.aio.ServicerContext, err: BaseException) -> N
     """Abort a grpc.aio call with the code of ``err`` (never returns: ``context.abort`` raises)."""
     rerr = as_rlhf_error(err)
     code, _ = status_for(rerr)
+    # the error's class travels too, so a client can tell refusals no retry fixes from ones that may pass next time
+    meta = [("rlhf-error-type", type(rerr).__name__)]
     if rerr.field:
-        context.set_trailing_metadata((("rlhf-error-field", rerr.field),))
+        meta.append(("rlhf-error-field", rerr.field))
+    context.set_trailing_metadata(tuple(meta))
     await context.abort(code, grpc_details(rerr))
 
 

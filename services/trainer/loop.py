@@ -52,6 +52,7 @@ log = logging.getLogger("rlhf.trainer")
 LEDGER = "trained_jobs.jsonl"  # in the run folder: per checkpoint, the job ids trained since the one before
 KEEP_WINDOWS = 2  # checkpoint windows of trained job ids kept for the duplicate filter (see Trainer._checkpoint)
 CONSUMER = "trainer-0"
+EVENTS = "events.jsonl"  # in the run folder: the ring's changes of state (waiting for a replica, resumed, stopped)
 # Redis restarting or unreachable for a while: every call the trainer makes is retried (they are all idempotent:
 # job ids dedupe publishing, the trained counter is set absolutely, acks and version publishing can be repeated).
 TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
@@ -88,6 +89,11 @@ class Trainer:
         self._version_published: int | None = None
         self._admission_lock = asyncio.Lock()
         self._collective: dict = {}  # the collective push's backend and device (start)
+        # Replicas whose last push failed: address -> (version, the error). While none serves the newest version the
+        # ring waits (see _next_batch) instead of cycling jobs that the old weights would make too stale to train.
+        self._lagging: dict[str, tuple[int, str]] = {}
+        self._replicas: set[str] = set()  # every replica of the last push to all
+        self._waiting: str | None = None
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
@@ -288,7 +294,12 @@ class Trainer:
                         self._held.append((entry_id, exp))
             while self.paused.is_set():
                 await asyncio.sleep(0.1)
-            if self._drop_stale():  # their slots are free now: no step may come to free them (a sync ring would wait)
+            self._drop_stale()
+            if self._waiting is not None:  # the catch-up loop pushes again meanwhile; no new job is admitted
+                await asyncio.sleep(0.5)
+            elif self._trained_published < self.jobs_trained - self._unpushed_jobs:
+                # slots freed by stale drops: no step may come to free them (a sync ring would wait). While no replica
+                # serves the newest weights they stay closed: new jobs would only come back stale, in a loop.
                 await self._write_admission()
             if len(self._held) >= size:
                 break
@@ -317,7 +328,8 @@ class Trainer:
         self.unacked.extend(entry for entry, _ in stale)
         self.jobs_trained += len(stale)
         self.stale_dropped += len(stale)
-        log.info("dropped %d record(s) staler than max_staleness %d before step %d (%s steps behind)", len(stale),
+        say = log.debug if self._waiting else log.info  # while waiting, the waiting line says why; once
+        say("dropped %d record(s) staler than max_staleness %d before step %d (%s steps behind)", len(stale),
                  bound, self.engine.step_count + 1, max(behind))  # fmt: skip
         return len(stale)
 
@@ -341,6 +353,46 @@ class Trainer:
             log.error("stopping the run: more than %.0f%% of the samples failed scoring for %d steps in a row "
                       "(reward.max_failed_fraction, reward.failed_patience): %s", 100 * r.max_failed_fraction,
                       r.failed_patience, detail)  # fmt: skip
+            os._exit(runlog.EXIT_STOPPED_BY_RULE)
+
+    def _check_mismatch(self, metrics: dict[str, float]) -> None:
+        """Stop the run (exit ``runlog.EXIT_STOPPED_BY_RULE``) when ``mismatch/kl`` is over
+        ``training.max_mismatch_kl`` for ``training.mismatch_patience`` steps in a row. Samples made by the weights
+        their version names agree with the trainer's log-probs up to numerics; far more means they came from other
+        weights (a replica that acknowledged a push but still serves older weights) and are trained on as on-policy
+        when they are not. Called after the step's metrics are written, so they show what stopped it. With top-p or
+        top-k the sampling log-probs are of the truncated distribution and differ by design: then it only warns."""
+        t, a = self.cfg.training, self.cfg.actor
+        kl = metrics.get("mismatch/kl")
+        if t.max_mismatch_kl is None or kl is None:
+            return  # no on-policy token this step: no evidence either way
+        if kl <= t.max_mismatch_kl:
+            self._mismatch_steps = 0
+            return
+        self._mismatch_steps = getattr(self, "_mismatch_steps", 0) + 1
+        truncated = a.do_sample and (a.top_p < 1.0 or a.top_k > 0)
+        by_replica = "; ".join(
+            f"replica {r}: {m:.3g} over {n} tokens of version(s) {', '.join(map(str, vs))}"
+            for r, (m, n, vs) in sorted(self.engine.mismatch_by_replica.items(), key=lambda kv: -kv[1][0])
+        )
+        detail = (
+            f"mismatch/kl {kl:.3g} (max |log-prob difference| {metrics.get('mismatch/max_abs', float('nan')):.3g}, "
+            f"{int(metrics.get('mismatch/tokens', 0))} tokens) between the rollout's sampling log-probs and the "
+            f"trainer's at policy version {int(metrics['policy_version']) - 1}, over training.max_mismatch_kl "
+            f"{t.max_mismatch_kl:g}" + (f" ({by_replica})" if by_replica else "")
+        )
+        if truncated:
+            log.warning("%s; expected with top_p %g / top_k %d (the sampling log-probs are of the truncated "
+                        "distribution), so the run goes on", detail, a.top_p, a.top_k)  # fmt: skip
+            return
+        meaning = ("these samples were not drawn from the weights their version names: most likely a rollout replica "
+                   "acknowledged a weight push but serves other weights (a load that failed silently; restart it), "
+                   "or the engine computes another distribution than the trainer (dtype, kernels, sampling "
+                   "parameters)")  # fmt: skip
+        log.warning("%s (%d/%d steps in a row)", detail, self._mismatch_steps, t.mismatch_patience)
+        if self._mismatch_steps >= t.mismatch_patience:
+            log.error("stopping the run: trainer-inference mismatch over training.max_mismatch_kl for %d steps in a "
+                      "row (training.mismatch_patience): %s; %s", self._mismatch_steps, detail, meaning)  # fmt: skip
             os._exit(runlog.EXIT_STOPPED_BY_RULE)
 
     async def _dead_letter(self, entry_id: str, exp: experience_pb2.Experience, reason: str) -> None:
@@ -471,6 +523,7 @@ class Trainer:
                 metrics.get("objective/kl", float("nan")),
                 metrics["samples_per_s"],
             )
+        self._check_mismatch(metrics)
 
     async def _pack(self):
         """The live policy packed at its version."""
@@ -494,6 +547,7 @@ class Trainer:
         None: a trainer group streams the current weights (see :meth:`_push_to`; hold ``_state_lock``)."""
         addrs = await asyncio.to_thread(expand_targets, self.settings.rollout_addrs)
         if addrs:
+            self._replicas = set(addrs)
             version = await self._push_to(addrs, packed)
             await self._redis("publishing the policy version", self.admission.publish_policy_version, version)
             self._version_published = version
@@ -553,13 +607,16 @@ class Trainer:
                         await channel.close()
                     if served.version < published:
                         lagging.append((addr, served.version))
+                    elif addr in self._lagging:  # it loaded the newest weights itself (a restart from a checkpoint)
+                        self._note_push(served.version, {addr: served})
                 if not lagging:
                     continue
                 targets = [a for a, _ in lagging]
                 async with self._state_lock:  # between steps: the weights of one version
-                    for addr, served in lagging:
-                        log.info("replica %s serves version %d, the run is at %d: pushing version %d", addr, served,
-                                 published, self.engine.policy_version)  # fmt: skip
+                    for addr, served in lagging:  # once per replica falling behind; its retries are quiet
+                        say = log.debug if addr in self._lagging else log.info
+                        say("replica %s serves version %d, the run is at %d: pushing version %d", addr, served,
+                            published, self.engine.policy_version)  # fmt: skip
                     if self.engine.group is not None:  # streamed: the weights may not change until it is done
                         await self._push_to(targets, None)
                         continue
@@ -588,10 +645,59 @@ class Trainer:
             results = await push_weights_streamed(addrs, packed, **kw)
         else:
             results = await push_weights_many(addrs, packed, **kw)
+        self._note_push(packed.version, results)
+        return packed.version
+
+    def _note_push(self, version: int, results: dict) -> None:
+        """Record which replicas took ``version``. A refusal no retry can fix stops the run at once; a replica that
+        failed otherwise is retried by the catch-up loop, and while no replica serves the newest version the ring
+        says it is waiting (one log line and one event per change of state, not one per record)."""
+        from rlhf.transport.weights.errors import is_final_refusal
+
+        final = {a: r for a, r in results.items() if isinstance(r, BaseException) and is_final_refusal(r)}
+        if final:
+            addr, err = next(iter(final.items()))
+            self._stop_ring(
+                f"replica {addr} refused version {version} of the weights, and no retry can change that: "
+                f"{_error_text(err)}. The trainer pushes the policy in its checkpoint layout "
+                f"(actor_rollout.load: {self.cfg.actor.load}); the replica expects the tensors of the model it "
+                "serves: give rollout the same model as the trainer, and an architecture `rlhf up` accepts"
+            )
         for addr, res in results.items():
             if isinstance(res, BaseException):
-                log.warning("weight sync to %s failed: %s", addr, res)
-        return packed.version
+                before = self._lagging.get(addr)
+                self._lagging[addr] = (version, _error_text(res))
+                if before is None or before[1] != self._lagging[addr][1]:
+                    log.warning("weight sync to %s failed: %s", addr, res)
+            elif addr in self._lagging:
+                del self._lagging[addr]
+                log.info("replica %s now serves version %d", addr, version)
+        for addr in set(self._lagging) - self._replicas:  # gone since (scaled down, renamed)
+            del self._lagging[addr]
+        if not self._lagging or self._replicas - set(self._lagging):
+            self._set_waiting(None)
+        else:
+            addr, (v, err) = next(iter(self._lagging.items()))
+            self._set_waiting(f"waiting for {addr} to load version {v}: {err}")
+
+    def _set_waiting(self, message: str | None) -> None:
+        if message == self._waiting:
+            return
+        was, self._waiting = self._waiting, message
+        if message is not None:
+            log.warning("%s", message)
+            runlog.append(self.run_dir / EVENTS, {"event": "waiting", "step": self.engine.step_count,
+                                                  "message": message})  # fmt: skip
+        elif was is not None:
+            log.info("a replica serves the newest weights again; training goes on")
+            runlog.append(self.run_dir / EVENTS, {"event": "resumed", "step": self.engine.step_count})
+
+    def _stop_ring(self, message: str) -> None:
+        """Stop the run (exit ``runlog.EXIT_STOPPED_BY_RULE``: supervisors do not restart it) with ``message``."""
+        log.error("stopping the run: %s", message)
+        runlog.append(self.run_dir / EVENTS, {"event": "stopped", "step": self.engine.step_count, "message": message})
+        logging.shutdown()
+        os._exit(runlog.EXIT_STOPPED_BY_RULE)
 
     async def _settle_push(self) -> None:
         """Wait for the weight push in flight, if any (its failure ends training like any other)."""
@@ -694,6 +800,13 @@ def _completion_rows(experiences: list[experience_pb2.Experience], limit: int = 
             rows.append({"prompt": exp.prompt_text, "response": s.response_text, "reward": s.score if ok else None,
                          "policy_version": s.policy_version})  # fmt: skip
     return rows
+
+
+def _error_text(err: BaseException) -> str:
+    """A push failure in one line: a gRPC error's code and details (not its debug string)."""
+    if isinstance(err, grpc.aio.AioRpcError):
+        return f"{err.code().name}: {err.details()}"
+    return f"{type(err).__name__}: {err}"
 
 
 def _tls_names(addrs: list[str]) -> dict[str, str]:

@@ -323,11 +323,12 @@ def test_metrics_tail_of_a_resumed_run_skips_old_lines_and_follows_a_cut(tmp_pat
 def test_format_progress():
     line = launcher.format_progress(
         {"step": 3, "reward/mean": 0.25, "objective/kl": 0.0123, "samples_per_s": 41.5, "staleness/mean": 0.5,
-         "queue/prompts": 4, "queue/experience": 2, "loss/policy": 0.1},
+         "mismatch/kl": 2.5e-14, "queue/prompts": 4, "queue/experience": 2, "loss/policy": 0.1},
         total=40, elapsed=12.3,
     )  # fmt: skip
     assert line.startswith("step 3/40")
-    for part in ("reward +0.2500", "kl 0.0123", "samples/s 41.5", "staleness 0.50", "prompts=4", "experience=2"):
+    for part in ("reward +0.2500", "kl 0.0123", "samples/s 41.5", "staleness 0.50", "mismatch 2.5e-14", "prompts=4",
+                 "experience=2"):  # fmt: skip
         assert part in line
     assert launcher.format_progress({"step": 1}) == "step 1"
     line = launcher.format_progress({"step": 5, "time/iteration_s": 1.5, "reward/failed_fraction": 0.25}, 40,

@@ -36,6 +36,7 @@ def _config(tmp_path, train_iters: int, save_interval: int) -> dict:
             "device": "cpu",
             "max_staleness": 0,
             "save": str(tmp_path / "unused"),
+            "max_mismatch_kl": None,  # the fake replicas' sampling log-probs are constants, not the policy's
         },
         "actor_rollout_ref": {
             "actor_rollout": {

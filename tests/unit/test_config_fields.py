@@ -80,6 +80,15 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "training.load": ["tests/trainer/test_engine.py::test_checkpoint_resume_is_exact"],
     "training.max_staleness": ["tests/integration/test_transport_streams.py::test_admission_bounds_staleness"],
     "training.weight_sync_interval": [INTERVALS],
+    "training.max_mismatch_kl": [
+        "tests/trainer/test_mismatch.py::test_the_mismatch_check_stops_after_patience_steps_over_the_bound",
+        "tests/trainer/test_mismatch.py::test_the_mismatch_check_is_off_when_null_and_only_warns_with_top_p",
+        "tests/e2e/test_mismatch_ring.py::test_a_replica_that_skips_loading_pushed_weights_stops_the_run",
+    ],
+    "training.mismatch_patience": [
+        "tests/trainer/test_mismatch.py::test_the_mismatch_check_stops_after_patience_steps_over_the_bound",
+        "tests/e2e/test_mismatch_ring.py::test_a_replica_that_skips_loading_pushed_weights_stops_the_run",
+    ],
     "training.log_interval": [INTERVALS],
     "training.log_completions_interval": [TRAINER_SVC],
     "actor_rollout_ref.actor_rollout.load": ["tests/unit/test_models_resolve.py"],

@@ -49,3 +49,22 @@ class UpdateTooLarge(WeightSyncError, PayloadTooLarge):
 
 class CollectiveUnavailable(WeightSyncError, FailedPrecondition):
     """A collective push asks for a backend this replica cannot run (nccl without CUDA, hccl without torch_npu)."""
+
+
+# Refusals that say the update itself can never fit this replica (other tensors, or more bytes than it accepts): a
+# trainer that retries them would push the same weights forever while the ring trains on nothing.
+FINAL_REFUSALS = (IncompatibleUpdate, UpdateTooLarge)
+
+
+def is_final_refusal(err: BaseException) -> bool:
+    """``err`` (raised here, or a gRPC error carrying the replica's ``rlhf-error-type``) is a :data:`FINAL_REFUSALS`."""
+    if isinstance(err, FINAL_REFUSALS):
+        return True
+    trailing = getattr(err, "trailing_metadata", None)
+    if not callable(trailing):
+        return False
+    try:
+        meta = dict(trailing() or ())
+    except Exception:  # noqa: BLE001 - a call that never reached the server has no metadata
+        return False
+    return meta.get("rlhf-error-type") in {cls.__name__ for cls in FINAL_REFUSALS}
