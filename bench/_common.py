@@ -116,8 +116,10 @@ def emit(
     targets: Sequence[dict[str, Any]] = (),
     notes: Sequence[str] = (),
     started: float | None = None,
+    command: str | None = None,
 ) -> dict[str, Any]:
-    """Print the benchmark's one JSON line on stdout and return it."""
+    """Print the benchmark's one JSON line on stdout and return it. ``command``: how it was run (default
+    ``python -m bench.<name>``)."""
     out = {
         "name": name,
         "settings": settings,
@@ -126,7 +128,7 @@ def emit(
         "targets": list(targets),
         "notes": list(notes),
         "machine": machine(),
-        "command": f"python -m bench.{name}",
+        "command": command or f"python -m bench.{name}",
         "seconds": round(time.monotonic() - started, 1) if started is not None else None,
     }
     print(json.dumps(out, separators=(",", ":"), default=_default), file=_JSON_OUT, flush=True)

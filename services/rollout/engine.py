@@ -70,6 +70,10 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("rlhf.rollout")
 
 ENGINE_ENV_VAR = "RLHF_ROLLOUT_ENGINE"
+# Fault injection, for tests only: "1" makes every weight swap skip the install yet report success and advance the
+# served version, as a replica whose load failed silently would. The trainer must catch it by the trainer-inference
+# mismatch (training.max_mismatch_kl); tests/e2e/test_mismatch_ring.py does. Never set it in a deployment.
+SKIP_LOAD_FAULT_ENV_VAR = "RLHF_TEST_FAULT_SKIP_WEIGHT_LOAD"
 ENGINES = ("vllm", "hf")
 
 MAX_N = 256  # samples per prompt
@@ -317,8 +321,15 @@ class EngineBase:
         # The served version's one owner on this replica: the weight receiver and the data plane check updates
         # against it, the swap advances it, every sample and GetWeightsVersion report it.
         self.served = ServedVersion()
+        self._fault_skip_load = os.environ.get(SKIP_LOAD_FAULT_ENV_VAR) == "1"
+        if self._fault_skip_load:
+            log.warning("FAULT INJECTION (%s=1): this replica acknowledges weight updates without loading them",
+                        SKIP_LOAD_FAULT_ENV_VAR)  # fmt: skip
         self._ready = False
         self._not_ready_reason = "the model is still loading; retry when /readyz says ready"
+        # Not ready because an update installed as it arrived stopped half-way (install_streamed): the model holds a
+        # mix of versions, serves nothing, and takes the next complete update (the trainer's catch-up re-pushes)
+        self._awaiting_weights = False
         self._tokenizer: Any = None
         # sampling defaults for fields a request leaves unset (the service sets them from the experiment config)
         self.defaults: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 16, "stop": ()}
@@ -356,7 +367,8 @@ class EngineBase:
         """What a weight update must hold: name -> (dtype, shape) of every parameter, in the form
         ``rlhf.transport.WeightReceiver(expected=...)`` takes (dtype None: any, the engine converts it). It bounds
         the sizes an update header may announce before the receiver allocates anything."""
-        self.check_ready()  # known once the model is loaded
+        if not self._awaiting_weights:  # a replica waiting for a complete update must take one
+            self.check_ready()  # known once the model is loaded
         return {name: (None, shape) for name, shape in self._manifest.items()}
 
     def check_ready(self) -> None:
@@ -520,7 +532,8 @@ class EngineBase:
             t1 = time.perf_counter()
             self.served.check(version, parent)  # another swap may have won the race while we waited
             try:
-                await self._load_weights(staged)
+                if not self._fault_skip_load:
+                    await self._load_weights(staged)
             except BaseException as err:
                 # A reload that failed half-way may leave a mix of old and new weights: stop serving.
                 self._ready = False
@@ -528,10 +541,96 @@ class EngineBase:
                 raise Internal(f"the weight swap to version {version} failed ({type(err).__name__}); "
                                "this replica stopped serving and must be restarted") from err  # fmt: skip
             self.served.advance(version, parent, checksum)
+            self._serving_again()
             t2 = time.perf_counter()
         del staged
         return SwapResult(version=version, checksum=checksum, swapped=True, wait_seconds=t1 - t0, swap_seconds=t2 - t1,
                           prepare_seconds=t0 - tp)  # fmt: skip
+
+    def _serving_again(self) -> None:
+        """A complete update is installed: a replica that waited for one (a streamed install cut half-way) serves."""
+        if self._awaiting_weights:
+            self._awaiting_weights = False
+            self._ready = True
+            log.info("weights version %d installed whole: serving again", self.served.version)
+
+    # An update installed as it arrives (the large-update path): see install_streamed.
+
+    def streams_update(self, total_bytes: int) -> bool:
+        """Whether an update of ``total_bytes`` is installed bucket by bucket as it arrives
+        (:meth:`install_streamed`) rather than received whole and swapped (:meth:`swap_weights`)."""
+        return False
+
+    async def install_streamed(self, header: Any, buckets: Any) -> SwapResult:
+        """Install an update into the serving model bucket by bucket as its verified buckets arrive (``buckets``: a
+        :class:`~rlhf.transport.weights.receive.BucketFeed`), holding a bucket or two instead of a copy of the model.
+
+        Generation pauses from the first verified bucket until the last is installed (requests in flight finish on
+        the old version first). A transfer that fails before its first bucket is verified changes nothing. One that
+        fails later (cut, corrupt bucket, sender gone) has put part of the new version into the model: the replica
+        then stops serving (not ready, generation refused) and keeps reporting the old version, so the trainer's
+        catch-up loop pushes again, and the next complete update makes it serve. Raises the transfer's error."""
+        version, parent = header.version, header.parent_version
+        self.served.check(version, parent)
+        n = len(header.buckets)
+        tp = time.perf_counter()
+        feed = aiter(buckets)
+        bucket = await anext(feed)  # the receive's error, raised here, changed nothing
+        t0 = time.perf_counter()
+        loaded = 0
+        async with self.gate.exclusive():
+            t1 = time.perf_counter()
+            self.served.check(version, parent)  # another swap may have won the race while we waited
+            try:
+                await self._stream_begin(header)
+                while bucket is not None:
+                    await self._stream_bucket(bucket)
+                    loaded += 1
+                    bucket = None  # its buffer goes back to the receiver (once the engine holds no view of it)
+                    buckets.done()
+                    bucket = await anext(feed, None)
+                await self._stream_end()
+            except BaseException as err:
+                del bucket
+                await self._stream_failed(version, loaded, n, err)
+                raise
+            self.served.advance(version, parent, header.checksum)
+            self._serving_again()
+            t2 = time.perf_counter()
+        return SwapResult(version=version, checksum=header.checksum, swapped=True, wait_seconds=t1 - t0,
+                          swap_seconds=t2 - t1, prepare_seconds=t0 - tp)  # fmt: skip
+
+    async def _stream_failed(self, version: int, loaded: int, total: int, err: BaseException) -> None:
+        """An install as it arrived stopped after ``loaded`` of ``total`` buckets: stop serving the mix."""
+        self._ready = False
+        try:
+            await asyncio.shield(self._stream_abort())  # the model runnable again (a mix), so the next update loads
+        except BaseException as abort_err:  # noqa: BLE001 - the engine cannot even end the load: restart it
+            self._awaiting_weights = False
+            self._not_ready_reason = "a weight update failed half-way and could not be ended; restart this replica"
+            log.error("weight update %d: ending the partial load failed (%s: %s); this replica must be restarted",
+                      version, type(abort_err).__name__, abort_err)  # fmt: skip
+            return
+        self._awaiting_weights = True
+        self._not_ready_reason = (
+            f"a weight update (version {version}) stopped after {loaded} of {total} buckets had gone into the model "
+            f"({type(err).__name__}): it serves nothing until a complete update arrives (the trainer pushes again)"
+        )
+        log.error("weight update %d installed as it arrived stopped after %d of %d buckets (%s: %s); not serving "
+                  "until a complete update arrives", version, loaded, total, type(err).__name__, err)  # fmt: skip
+
+    async def _stream_begin(self, header: Any) -> None:
+        raise NotImplementedError
+
+    async def _stream_bucket(self, bucket: Any) -> None:
+        raise NotImplementedError
+
+    async def _stream_end(self) -> None:
+        raise NotImplementedError
+
+    async def _stream_abort(self) -> None:
+        """End a load that :meth:`_stream_begin` started and that will not complete, leaving the model runnable."""
+        raise NotImplementedError
 
     async def _prepare_weights(self, tensors: dict[str, torch.Tensor]) -> Any:
         """Stage ``tensors`` for :meth:`_load_weights` while the old weights still serve (outside the gate)."""
@@ -636,9 +735,10 @@ def make_engine(
 def _build(kind: str, cfg: ExperimentConfig, path: Path, device: str | None, hooks: EngineHooks | None,
            **kw: Any) -> EngineBase:  # fmt: skip
     if kind == "vllm":
-        from services.rollout.vllm_engine import VllmEngine
+        from services.rollout.vllm_engine import VllmEngine, inplace_load_bytes_from_env
 
         kw.setdefault("max_model_len", cfg.actor.max_model_len)
+        kw.setdefault("inplace_load_bytes", inplace_load_bytes_from_env())  # ValueError naming the variable
         kw["engine_kwargs"] = {**vllm_engine_kwargs(cfg), **kw.get("engine_kwargs", {})}
         kw.setdefault("staged_swap", cfg.actor.staged_weight_swap)
         return VllmEngine(path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, seed=cfg.training.seed,

@@ -12,7 +12,10 @@
   (:mod:`rlhf.transport.weights.dataplane`, on with ``RLHF_WEIGHTS_DATA_PORT`` and without TLS): Open checks the
   header and answers a ticket and the data port (port 0: no data plane, use ``UpdateWeights``), the client sends the
   buckets there, Commit waits for them, verifies and swaps as ``UpdateWeights`` does; ``AbortWeightsTransfer`` drops
-  an open transfer at once. Token-protected like it.
+  an open transfer at once. Token-protected like it. An update the engine takes as it arrives (``streams_update``:
+  vLLM, updates of at least ``RLHF_WEIGHTS_INPLACE_LOAD_BYTES``) goes into the model bucket by bucket from the data
+  connection (``EngineBase.install_streamed``); Commit then answers once the last bucket is in. ``UpdateWeights``
+  does the same from the stream.
 - ``GetWeightsVersion``: the version served now (the engine's :class:`~rlhf.transport.weights.ServedVersion`, the
   one owner), the parent version its update named, its checksum, when it was loaded, the model.
 """
@@ -123,8 +126,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def UpdateWeights(self, request_iterator, context) -> weights_pb2.UpdateWeightsResponse:  # noqa: N802
         require_grpc_token(context, self.settings)
         self._sync_receiver()
-        staged = await self.receiver.receive(request_iterator)  # raises: nothing staged, the old weights serve
+        # raises: nothing staged, the old weights serve (an update installed as it arrived: see install_streamed)
+        staged = await self.receiver.receive(request_iterator, install=self._installer)
         return await self._swap(staged)
+
+    def _installer(self, header: weights_pb2.WeightHeader) -> Any:
+        """The engine's installer when it takes this update bucket by bucket as it arrives (vLLM, updates of at least
+        RLHF_WEIGHTS_INPLACE_LOAD_BYTES: in place, a bucket or two of memory), else None (received whole, swapped)."""
+        streams = getattr(self.engine, "streams_update", None)
+        if streams is not None and streams(header.total_bytes):
+            return self.engine.install_streamed
+        return None
 
     @grpc_errors("OpenWeightsTransfer")
     async def OpenWeightsTransfer(self, request, context) -> weights_pb2.OpenWeightsTransferResponse:  # noqa: N802
@@ -148,7 +160,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
 
             check_backend(group.backend, self.engine.device_type)  # CollectiveUnavailable; nothing reserved yet
         receive = getattr(self.engine, "receive_collective", None) if group is not None else None
-        ticket, ttl = await self.data.open(request.header, group, receive)  # raises like UpdateWeights
+        stream = self._installer(request.header) if group is None else None
+        ticket, ttl = await self.data.open(request.header, group, receive, stream)  # raises like UpdateWeights
         port = self.data.port if group is None else 0
         return weights_pb2.OpenWeightsTransferResponse(ticket=ticket, data_port=port, ticket_ttl_seconds=ttl)
 
@@ -170,7 +183,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.receiver.expected = self.engine.weight_manifest()
 
     async def _swap(self, staged) -> weights_pb2.UpdateWeightsResponse:
-        result = await self.engine.swap_weights(staged.tensors, staged.version, staged.checksum, staged.parent_version)
+        result = staged.installed  # an update the engine installed as it arrived is serving already
+        if result is None:
+            result = await self.engine.swap_weights(staged.tensors, staged.version, staged.checksum,
+                                                    staged.parent_version)  # fmt: skip
         return weights_pb2.UpdateWeightsResponse(
             version=result.version,
             swapped=result.swapped,

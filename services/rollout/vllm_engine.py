@@ -16,10 +16,16 @@ temperature and top-k/top-p: the distribution sampled from; the default ``raw_lo
 a seed per request, and the engine settings of ``actor_rollout`` (``max_model_len``, ``gpu_memory_utilization``,
 ``tensor_model_parallel_size``, ``enforce_eager``: :func:`services.rollout.engine.vllm_engine_kwargs`).
 
-Weights: the state dict reaches the worker through the worker extension (:mod:`services.rollout.vllm_ext`): as the
-tensors themselves in-process, as safetensors bytes (serialised before the swap pauses generation) to the
-engine-core subprocess; it is loaded by the worker's ``reload_weights(..., is_checkpoint_format=True)``, and the
-prefix cache is reset afterwards (cached KV blocks belong to the old weights).
+Weights: the state dict reaches the worker in parts of at most ``load_bucket_bytes`` (128 MiB), one worker call each,
+never whole (vLLM's msgpack RPC stops a bytes object at 4 GiB, and the worker would hold a second copy): as the
+tensors themselves in-process, as one safetensors file per part for the engine-core subprocess. They go through
+vLLM's weight-transfer API (one ``update_weights`` per part, loaded at once in place inside the swap gate;
+:mod:`services.rollout.vllm_transfer`), into the shadow model of a staged swap (:mod:`services.rollout.vllm_shadow`),
+or on a worker without the API through the worker extension (:mod:`services.rollout.vllm_ext`); the prefix cache is
+reset afterwards (cached KV blocks belong to the old weights). Updates of at least ``inplace_load_bytes``
+(``RLHF_WEIGHTS_INPLACE_LOAD_BYTES``, 2 GiB by default) are installed as they arrive instead
+(:meth:`EngineBase.install_streamed`): each verified bucket goes into the serving model with one ``update_weights``,
+generation paused for the whole transfer, about two buckets of memory instead of a copy of the model.
 """
 
 from __future__ import annotations
@@ -104,6 +110,28 @@ _END_UNCOMMITTED = (
 )
 
 
+LOAD_BUCKET_BYTES = 128 << 20  # the most one worker call carries (rlhf.transport.weights' default bucket size)
+INPLACE_ENV = "RLHF_WEIGHTS_INPLACE_LOAD_BYTES"
+DEFAULT_INPLACE_LOAD_BYTES = 2 << 30
+
+
+def inplace_load_bytes_from_env(env: dict[str, str] | None = None) -> int | None:
+    """``RLHF_WEIGHTS_INPLACE_LOAD_BYTES``: updates of at least this many bytes are installed in place, bucket by
+    bucket as they arrive (:meth:`EngineBase.install_streamed`); default 2 GiB, ``0``: every update, ``off``: none."""
+    raw = (os.environ if env is None else env).get(INPLACE_ENV, "").strip().lower()
+    if not raw:
+        return DEFAULT_INPLACE_LOAD_BYTES
+    if raw in ("off", "never", "none"):
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{INPLACE_ENV}={raw!r}: give a byte count (0: every update) or off")
+    return value
+
+
 def _safetensors_bytes(tensors: dict[str, Any]) -> bytes:
     from safetensors.torch import save
 
@@ -112,6 +140,23 @@ def _safetensors_bytes(tensors: dict[str, Any]) -> bytes:
         return save(flat)
     except RuntimeError:  # tensors sharing storage (tied weights): give each its own copy
         return save({k: v.clone() for k, v in flat.items()})
+
+
+def _groups(tensors: dict[str, Any], limit: int) -> list[list[tuple[str, Any]]]:
+    """Whole tensors in order in groups of at most ``limit`` bytes (a larger tensor alone): what one worker call
+    carries, so no message holds the whole update (msgpack's bin32 stops at 4 GiB) and the worker loads it bucket
+    by bucket."""
+    groups: list[list[tuple[str, Any]]] = []
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if groups and size + n <= limit:
+            groups[-1].append((name, t))
+            size += n
+        else:
+            groups.append([(name, t)])
+            size = n
+    return groups
 
 
 def _top(position: dict[int, Any], k: int) -> list[tuple[int, float]]:
@@ -136,6 +181,8 @@ class VllmEngine(EngineBase):
         max_model_len: int | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         staged_swap: bool | None = None,
+        inplace_load_bytes: int | None = None,
+        load_bucket_bytes: int = LOAD_BUCKET_BYTES,
     ):
         super().__init__(model_path, model_name, hooks)
         if max_model_len:
@@ -165,6 +212,11 @@ class VllmEngine(EngineBase):
         self.staged_swap_setting = staged_swap
         self.staged_swap = False  # decided at start
         self._stage_lock = asyncio.Lock()  # one update in the shadow at a time, from staging until its swap
+        # Updates of at least this many bytes go into the serving model in place, bucket by bucket as they arrive
+        # (install_streamed: generation paused for the transfer, a bucket or two of memory); None: never.
+        # services.rollout.engine.make_engine sets it from RLHF_WEIGHTS_INPLACE_LOAD_BYTES.
+        self.inplace_load_bytes = inplace_load_bytes
+        self.load_bucket_bytes = load_bucket_bytes  # what one worker call carries of an update received whole
 
     # ------------------------------------------------------------------------------------------------ start / close
 
@@ -280,11 +332,11 @@ class VllmEngine(EngineBase):
                         cmds.append(self._cmds.get_nowait())
                     except queue.Empty:
                         break
-                for cmd in cmds:
-                    if cmd[0] == "stop":
+                while cmds:
+                    if cmds[0][0] == "stop":
                         self._fail_all(NotReady("the rollout service is shutting down"))
                         return
-                    self._command(llm, cmd)
+                    self._command(llm, cmds.pop(0))  # held by _command only (see its "call" branch)
                 if llm.has_unfinished_requests():
                     self.hooks.step(llm.get_num_unfinished_requests())
                     for out in llm.step():
@@ -316,10 +368,15 @@ class VllmEngine(EngineBase):
                 llm.abort_request(rids)
         elif kind == "call":
             _, fn, loop, fut = cmd
+            del cmd
             try:
-                self._resolve(loop, fut, fn(llm))
+                value, error = fn(llm), None
             except BaseException as err:  # noqa: BLE001
-                self._resolve(loop, fut, error=err)
+                value, error = None, err
+            # the call (a weight bucket's tensors, say) goes before its caller resumes: a buffer its caller then
+            # gives back is free at once
+            del fn
+            self._resolve(loop, fut, value, error)
 
     def _fail_all(self, err: BaseException) -> None:
         entries, self._futures = list(self._futures.values()), {}
@@ -538,25 +595,49 @@ class VllmEngine(EngineBase):
             return await self._stage_in_shadow(tensors)
         if getattr(tensors, "in_engine", False):  # already in the worker (receive_collective)
             return tensors
-        # Outside the gate, while the old weights still serve. The worker gets one safetensors blob (vLLM's RPC
-        # carries bytes intact, tensors nested in an update's fields it does not), except on the in-process reload
-        # path, where rlhf_load_tensors takes the tensors as they are.
-        if self.mode == "inproc" and not self._features.get("weight_transfer"):
-            return list(tensors.items())
-        return await asyncio.to_thread(_safetensors_bytes, tensors)
+        # Outside the gate, while the old weights still serve: the update in parts of at most load_bucket_bytes, one
+        # worker call each. In-process the parts are the tensors themselves (nothing crosses a process); the
+        # engine-core subprocess gets one safetensors file per part (vLLM's RPC carries bytes intact, tensors nested
+        # in an update's fields it does not).
+        groups = _groups(tensors, self.load_bucket_bytes)
+        if self.mode == "inproc":
+            return _Parts(groups)
+        return _Parts([await asyncio.to_thread(_safetensors_bytes, dict(g)) for g in groups])
+
+    def _part_info(self, index: int, part: Any) -> dict:
+        """One update_weights call of the rlhf_collective backend: a part the service holds, loaded at once."""
+        info: dict[str, Any] = {"index": index, "nbytes": 0, "sha256": ""}
+        if isinstance(part, list):
+            info["items"] = part
+        else:
+            info["data"] = part
+        return info
 
     async def _stage_in_shadow(self, tensors: Any) -> _Shadowed:
-        """Load the update into the worker's shadow model while the live one generates (vllm_shadow.py); wait until
-        it is loaded. A failure leaves the live model as it was."""
+        """Load the update into the worker's shadow model while the live one generates (vllm_shadow.py), one part
+        of at most load_bucket_bytes per call; wait until it is loaded. A failure leaves the live model as it was."""
         await self._shadow_idle()  # a staging left running by a cancelled push ends first
         uid = uuid.uuid4().hex
         in_engine = bool(getattr(tensors, "in_engine", False))
-        if in_engine:
+        state: dict = {}
+        if in_engine:  # what the worker received itself (a collective push): staged there in one go
             await self._rpc("rlhf_shadow_stage_transfer", uid)
-        elif self.mode == "inproc":  # the tensors themselves: collective_rpc serialises nothing in-process
-            await self._rpc("rlhf_shadow_stage_tensors", uid, list(tensors.items()))
         else:
-            await self._rpc("rlhf_shadow_stage", uid, await asyncio.to_thread(_safetensors_bytes, tensors))
+            steps: list[tuple[str, Any]] = [("rlhf_shadow_begin", None)]
+            steps += [("rlhf_shadow_add", g) for g in _groups(tensors, self.load_bucket_bytes)]
+            del tensors
+            for method, group in [*steps, ("rlhf_shadow_end", None)]:
+                args: tuple = (uid,)
+                if group is not None and self.mode == "inproc":  # the tensors themselves: nothing is serialised
+                    method, args = "rlhf_shadow_add_tensors", (uid, group)
+                elif group is not None:  # serialised one part at a time: one part's copy at most
+                    args = (uid, await asyncio.to_thread(_safetensors_bytes, dict(group)))
+                await self._rpc(method, *args)
+                del group, args
+                state = await self._shadow_idle()  # one part in the worker at a time
+                if state["error"]:
+                    break
+            steps.clear()
         state = await self._shadow_idle()
         if state["error"] or state["staged"] != uid:
             raise Internal(f"the update could not be staged beside the live weights ({state['error']}); "
@@ -582,24 +663,76 @@ class VllmEngine(EngineBase):
             self.load_path = "weight_transfer"
             log.info("vLLM weights installed through the weight-transfer API (%d tensors)", len(staged))
             return
-        if self._features.get("weight_transfer"):  # the whole update handed over in one session
-            await self._session([{"index": 0, "nbytes": 0, "sha256": "", "data": staged}])
+        parts = staged.parts
+        if self._features.get("weight_transfer"):  # one update_weights per part, loaded as it comes
+            await self._session([self._part_info(i, p) for i, p in enumerate(parts)])
             self.load_path = "weight_transfer"
-            log.info("vLLM weights loaded through the weight-transfer API")
+            log.info("vLLM weights loaded through the weight-transfer API (%d parts)", len(parts))
             return
+        # A worker without the API: the worker extension gathers the parts and reloads them in one reload_weights
         if self.mode == "inproc":
 
             def _reload(llm: Any) -> Any:
-                r = llm.collective_rpc("rlhf_load_tensors", args=(staged,))
+                rpc = llm.collective_rpc
+                rpc("rlhf_load_begin")
+                for p in parts:
+                    rpc("rlhf_load_part_tensors", args=(p,))
+                r = rpc("rlhf_load_end")
                 llm.reset_prefix_cache()
                 return r
 
             info = await self._call(_reload)
         else:
-            info = await self._async.collective_rpc("rlhf_reload_weights", args=(staged,))
+            rpc = self._async.collective_rpc
+            await rpc("rlhf_load_begin")
+            for p in parts:
+                await rpc("rlhf_load_part", args=(p,))
+            info = await rpc("rlhf_load_end")
             await self._async.reset_prefix_cache()
         self.load_path = "reload"
         log.info("vLLM weights reloaded: %s", info)
+
+    # ---- updates installed as they arrive (EngineBase.install_streamed): in place, one update_weights per bucket
+
+    def streams_update(self, total_bytes: int) -> bool:
+        return (
+            self.inplace_load_bytes is not None
+            and total_bytes >= self.inplace_load_bytes
+            and bool(self._features.get("weight_transfer"))  # incremental update_weights into the live model
+        )
+
+    async def install_streamed(self, header: Any, buckets: Any) -> Any:
+        if not self.staged_swap:
+            return await super().install_streamed(header, buckets)
+        async with self._stage_lock:  # after any update still loading into the shadow
+            return await super().install_streamed(header, buckets)
+
+    async def _stream_begin(self, header: Any) -> None:
+        log.info("weight update %d (%.2f GB, %d buckets, %s=%s): loading into the serving model bucket by bucket as "
+                 "it arrives; generation paused until it is complete", header.version, header.total_bytes / 1e9,
+                 len(header.buckets), INPLACE_ENV, self.inplace_load_bytes)  # fmt: skip
+        if self.staged_swap:  # its second copy of the weights is what this path avoids: give it back
+            await self._rpc("rlhf_shadow_drop")
+        await self._session([], finish=False)
+
+    async def _stream_bucket(self, bucket: Any) -> None:
+        if self.mode == "inproc":  # the verified bucket's tensors, views into the received buffer: no copy
+            info = {"index": bucket.index, "nbytes": 0, "sha256": "", "items": list(bucket.tensors.items())}
+        else:
+            info = {"index": bucket.index, "nbytes": 0, "sha256": "", "data": bucket.data}
+        await self._session([info], start=False, finish=False)
+
+    async def _stream_end(self) -> None:
+        await self._session([], start=False)
+        self.load_path = "inplace_streamed"
+
+    async def _stream_abort(self) -> None:
+        # finish_weight_update ends the layer-wise load (layers that got nothing get their old tensors back) so the
+        # model runs again; a worker whose update_weights raised has closed the session itself: open and end one
+        try:
+            await self._session([], start=False)
+        except Exception:  # noqa: BLE001 - "without a matching start_weight_update"
+            await self._session([])
 
     async def _swap_shadow(self, staged: _Shadowed) -> None:
         if self.mode == "inproc":
@@ -620,6 +753,14 @@ class VllmEngine(EngineBase):
         self.load_path = "staged_swap"
         log.info("vLLM weights swapped in (staged beside the live model in %.3fs, swap %.4fs)",
                  staged.seconds, info["seconds"])  # fmt: skip
+
+
+@dataclass
+class _Parts:
+    """An update received whole, in parts of at most load_bucket_bytes: (name, tensor) lists in-process, safetensors
+    bytes for the engine-core subprocess. Loaded one worker call per part inside the gate."""
+
+    parts: list
 
 
 @dataclass

@@ -11,10 +11,11 @@ a *shadow* model instead, outside the rollout service's swap gate:
   cache (the values of ``compilation_config.static_forward_context``: attention, mamba), which stay where they are
   and are stood in for by empty placeholders; vLLM's per-layer reload records are copied with it, bound to the
   shadow's layers;
-- :meth:`ShadowSwap.stage` loads an update (checkpoint format: Hugging Face names) into the shadow on a thread of
-  its own: vLLM's layer-wise reload (``initialize_layerwise_reload`` / ``load_weights`` / ``finalize``) on the
-  shadow's layers only, so the live model, its KV-cache layers and every in-flight request are untouched. An update
-  that does not cover every parameter is refused (the shadow holds an older version for whatever it misses);
+- :meth:`ShadowSwap.begin` / :meth:`~ShadowSwap.add` (per part of at most a bucket) / :meth:`~ShadowSwap.end` load
+  an update (checkpoint format: Hugging Face names) into the shadow on a thread of their own: vLLM's layer-wise
+  reload (``initialize_layerwise_reload`` / ``load_weights`` per part / ``finalize``) on the shadow's layers only,
+  so the live model, its KV-cache layers and every in-flight request are untouched. An update that does not cover
+  every parameter is refused (the shadow holds an older version for whatever it misses);
 - :meth:`ShadowSwap.swap` (on the engine's own thread, between two steps, inside the gate) moves the KV-cache layers
   into the shadow's tree, points the model runner (and the weight-transfer engine) at it and keeps the old live
   model as the next shadow: O(layers), no tensor is copied.
@@ -29,6 +30,9 @@ Imported inside vLLM's worker (by the worker extension's methods), so vLLM itsel
 from __future__ import annotations
 
 import copy
+import functools
+import gc
+import logging
 import threading
 import time
 import types
@@ -78,17 +82,42 @@ def _parent(model: Any, name: str) -> tuple[Any, str]:
 
 def _retarget(meta: Any, src: Any, dst: Any) -> Any:
     """A copy of a reload record's meta tensor whose weight-loader methods are bound to ``dst`` instead of ``src``
-    (vLLM binds them to its layer when it restores the layer, and the records are per layer)."""
+    (vLLM binds them to its layer when it restores the layer, and the records are per layer).
+
+    A layer that has been reloaded (in place, or as a shadow) keeps its record's loader wrapped in vLLM's
+    ``online_process_loader``, a closure over that layer and its reload state, which vLLM does not wrap again: left
+    in the copy, the copy's loads would go into ``src`` (the serving model). The copy gets the loader underneath."""
     from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 
     t = meta.data.to("meta")
     t.__class__ = meta.__class__
     attrs = dict(meta.__dict__)
     for key, value in attrs.items():
+        while callable(value) and getattr(value, "__name__", "") == "online_process_loader":
+            value = value.__wrapped__
         if isinstance(value, types.MethodType) and (value.__self__ is src or value.__self__ is layer_ref_sentinel):
-            attrs[key] = value.__func__.__get__(dst)
+            value = value.__func__.__get__(dst)
+        attrs[key] = value
     t.__dict__ = attrs
     return t
+
+
+def _copy_tensor_attrs(layer: Any, twin: Any) -> None:
+    """Give the twin's own parameters and buffers the attributes vLLM set on the live ones (``weight_loader``,
+    ``output_dim``...), methods of ``layer`` bound to ``twin``: deepcopy copies the tensors, not those attributes,
+    and a parameter without its ``weight_loader`` gets vLLM's default loader, which takes no shard id (Qwen2's fused
+    qkv bias: "TypeError: too many positional arguments" at the first load into the shadow)."""
+    for kind in ("_parameters", "_buffers"):
+        theirs = getattr(twin, kind)
+        for key, tensor in getattr(layer, kind).items():
+            copy_ = theirs.get(key)
+            if tensor is None or copy_ is None:
+                continue
+            for attr, value in vars(tensor).items():
+                if isinstance(value, types.MethodType) and value.__self__ is layer:
+                    value = value.__func__.__get__(twin)
+                if attr not in vars(copy_):
+                    setattr(copy_, attr, value)
 
 
 class ShadowSwap:
@@ -100,7 +129,10 @@ class ShadowSwap:
         self._thread: threading.Thread | None = None
         self._error: str | None = None
         self._staged: str | None = None  # the id of the update the shadow holds, once fully loaded
+        self._loading: str | None = None  # the id of the update going in (begin .. end)
+        self._loaded: set[str] = set()  # the shadow's parameters its parts have loaded so far
         self._seconds = 0.0
+        self._t0 = 0.0
 
     # ------------------------------------------------------------------ making the shadow
 
@@ -121,8 +153,10 @@ class ShadowSwap:
             shadow = copy.deepcopy(live, memo)
         shadow_modules = dict(shadow.named_modules())
         for name, layer in live.named_modules():
-            info = LAYERWISE_INFO.get(layer)
             twin = shadow_modules.get(name)
+            if twin is not None and name not in kv_names:
+                _copy_tensor_attrs(layer, twin)
+            info = LAYERWISE_INFO.get(layer)
             if info is None or twin is None or name in kv_names:
                 continue
             params, buffers = info.restore_metadata
@@ -136,43 +170,87 @@ class ShadowSwap:
         return shadow
 
     # ------------------------------------------------------------------ staging
+    #
+    # An update goes in as begin (vLLM's layer-wise reload opened on the shadow), add per part (the model's loader on
+    # that part: a layer is processed as soon as all its tensors are in) and end (the layers left, the check that
+    # every parameter was loaded). Each step runs on a thread of its own and returns at once; the engine polls
+    # (poll()) and sends the next part when the last is in, so the worker holds one part of the update at a time.
+    # A step that fails refuses the update: later steps of it do nothing, and the shadow is dropped (a fresh copy
+    # is made for the next update: no half-loaded layer-wise state is carried over).
+
+    def begin(self, update_id: str) -> None:
+        self._step(update_id, [self._begin], fresh=True)
+
+    def add(self, update_id: str, items: list, keep: Any = None) -> None:
+        """Load ``items`` ((name, tensor) pairs, checkpoint format) into the shadow. ``keep`` is held until they are
+        loaded (the buffer the tensors are views of)."""
+        self._step(update_id, [functools.partial(self._load_part, items, keep)])
+
+    def end(self, update_id: str) -> None:
+        self._step(update_id, [self._end])
 
     def stage(self, update_id: str, items: list, keep: Any = None) -> None:
-        """Start loading ``items`` ((name, tensor) pairs, checkpoint format) into the shadow on a thread; returns at
-        once. ``keep`` is held until loading ends (the buffer the tensors are views of)."""
+        """begin, add and end in one step (an update the worker holds already: a collective push's buckets)."""
+        self._step(update_id, [self._begin, functools.partial(self._load_part, items, keep), self._end], fresh=True)
+
+    def drop(self) -> None:
+        """Give the shadow's memory back (an update loaded in place instead); a fresh copy is made when needed."""
+        if self._thread is not None and self._thread.is_alive():
+            raise StagingError("an update is being staged")
+        self.shadow, self._staged, self._loading = None, None, None
+        gc.collect()  # the module tree holds reference cycles (weight loaders bound to their layers)
+
+    def _step(self, update_id: str, work: list, fresh: bool = False) -> None:
         if self._thread is not None and self._thread.is_alive():
             raise StagingError("an update is already being staged")
-        self._error, self._staged = None, None
-        self._thread = threading.Thread(target=self._load, args=(update_id, items, keep), name="rlhf-stage",
-                                        daemon=True)  # fmt: skip
+        if fresh:
+            self._error, self._staged, self._loading, self._loaded = None, None, update_id, set()
+            self._t0 = time.perf_counter()
+        elif self._loading != update_id:
+            raise StagingError(f"update {update_id!r} is not being staged (the shadow is on {self._loading!r})")
+        self._thread = threading.Thread(target=self._guard, args=(work,), name="rlhf-stage", daemon=True)
         self._thread.start()
 
-    def _load(self, update_id: str, items: list, keep: Any) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
-        t0 = time.perf_counter()
+    def _guard(self, work: list) -> None:
         try:
-            if self.shadow is None:
-                self.shadow = self._make_shadow(self.worker.model_runner.get_model())
-            shadow = self.shadow
-            expected = {name for name, _ in shadow.named_parameters()}
-            with torch.no_grad():
-                initialize_layerwise_reload(shadow)
-                loaded = shadow.load_weights(iter(items))
-                finalize_layerwise_reload(shadow, self.worker.vllm_config.model_config)
-            missing = expected - set(loaded or ())
-            if missing:
-                raise StagingError(f"the update does not cover {len(missing)} of the model's parameters "
-                                   f"(e.g. {sorted(missing)[:3]})")  # fmt: skip
-            self._seconds = time.perf_counter() - t0
-            self._staged = update_id
-        except BaseException as err:  # noqa: BLE001 - reported by poll(); the shadow is reloaded whole next time
+            while work and self._error is None:  # after a step of this update failed, it is refused already
+                work.pop(0)()  # each step's arguments (a part's tensors) go as soon as it is done
+        except BaseException as err:  # noqa: BLE001 - reported by poll()
+            logging.getLogger("rlhf.rollout.vllm").exception("staging an update in the shadow model failed")
             self._error = f"{type(err).__name__}: {err}"
+            self.shadow, self._loading = None, None
         finally:
-            del items, keep
+            work.clear()
+
+    def _begin(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        if self.shadow is None:
+            self.shadow = self._make_shadow(self.worker.model_runner.get_model())
+        with torch.no_grad():
+            initialize_layerwise_reload(self.shadow)
+
+    def _load_part(self, items: list, keep: Any) -> None:
+        with torch.no_grad():
+            loaded = self.shadow.load_weights(iter(items))
+        self._loaded |= set(loaded or ())
+        del items, keep
+
+    def _end(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        shadow = self.shadow
+        from services.rollout.vllm_ext import retie_shared_weights
+
+        with torch.no_grad():
+            finalize_layerwise_reload(shadow, self.worker.vllm_config.model_config)
+            retie_shared_weights(shadow)  # a tied head's packed copy (see there)
+        missing = {name for name, _ in shadow.named_parameters()} - self._loaded
+        if missing:
+            raise StagingError(f"the update does not cover {len(missing)} of the model's parameters "
+                               f"(e.g. {sorted(missing)[:3]})")  # fmt: skip
+        self._seconds = time.perf_counter() - self._t0
+        self._staged = self._loading
 
     def poll(self) -> dict:
         """{"done", "error", "seconds"} of the last :meth:`stage`."""

@@ -17,10 +17,15 @@ per-push group of :mod:`rlhf.transport.weights.collective` with the backend the 
   in-place ``reload_weights`` (checkpoint format: the CPU backend's repacked layers are rebuilt), then drop them.
 
 Weights the service already holds (the TCP data plane, the gRPC stream) take the same calls inside the swap gate,
-the update's bytes inline (``update_weights({"index": 0, ..., "data": <safetensors bytes>})``). vLLM 0.23's worker
-(vllm-ascend's version set) runs the session itself and hands each update's ``load_weights`` to the engine, which
-then loads at once (:func:`engine_sessions` tells the two apart; the service keeps every call of such a worker
-inside the gate).
+one ``update_weights`` per bucket with the bucket inline (``"data"``: its safetensors bytes, or in-process
+``"items"``: its (name, tensor) pairs): each is loaded into the model at once, in place, with vLLM's layer-wise
+reload (``initialize_layerwise_reload`` at the first, the model's ``load_weights`` per bucket, a layer processed as
+soon as all its tensors are in, ``finalize_layerwise_reload`` at ``finish_weight_update``: vLLM's own IPC engine
+does the same), so the worker never holds more than a bucket of the update besides the layers being loaded. An
+update received whole, and one installed as it arrives (``EngineBase.install_streamed``), go in this way. vLLM
+0.23's worker (vllm-ascend's version set) runs the session itself and hands each update's ``load_weights`` to the
+engine, which then loads at once (:func:`engine_sessions` tells the two apart; the service keeps every call of such
+a worker inside the gate).
 
 Why not vLLM's own ``nccl`` engine on CUDA: it broadcasts tensor by tensor straight into the model's load path, so
 a broadcast cut half-way leaves the model half updated, and it checks no digest; this path keeps the replica's
@@ -63,9 +68,11 @@ class CollectiveBucketInfo:
     sha256: str
     tensors: list = field(default_factory=list)  # [[name, safetensors dtype, shape], ...]
     discard: bool = False  # drop what is staged (an update that was never committed), so finish installs nothing
-    # Weights the rollout service already holds (received over the TCP data plane or the gRPC stream), handed over
-    # inside the swap gate instead of by broadcast, as one safetensors file (vLLM's RPC carries bytes intact).
+    # One bucket of weights the rollout service already holds (received over the TCP data plane or the gRPC stream),
+    # handed over inside the swap gate instead of by broadcast and loaded at once: a safetensors file (vLLM's RPC
+    # carries bytes intact), or in-process, where nothing is serialised, the (name, tensor) pairs themselves.
     data: bytes = b""
+    items: list = field(default_factory=list)
     update_kind: str = "dense"  # vLLM 0.23's worker reads it off every update info
 
 
@@ -86,6 +93,7 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         self.pg: Any = None
         self.spec: Any = None
         self.staged: dict[str, Any] = {}
+        self.inplace = False  # a layer-wise load into the model is open (buckets handed over inline)
 
     def init_transfer_engine(self, init_info: CollectiveInitInfo) -> None:
         from rlhf.transport.weights.collective import GroupSpec, join_group
@@ -96,10 +104,12 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         self.pg = join_group(self.spec, bytes.fromhex(init_info.ticket))
 
     def start_weight_update(self) -> None:
+        self._end_inplace()  # a load a failed session left open: end it, so the model runs and the next one starts
         self.staged = {}
 
     def receive_weights(self, info: CollectiveBucketInfo, load_weights: Any = None) -> None:
-        """Stage one bucket: broadcast from the push's group, or handed over whole (``data``).
+        """One bucket: broadcast from the push's group and staged (the model untouched until finish), or handed over
+        inline (``data`` / ``items``) and loaded into the model now (inside the service's swap gate).
 
         ``load_weights`` is passed by vLLM 0.23's worker, which runs its own layer-wise reload around the update
         (``start_weight_update`` / ``finish_weight_update`` never reach the engine there): the weights go straight
@@ -111,14 +121,18 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         if info.discard:
             self.staged = {}
             return
-        if info.data:
-            tensors = load_safetensors(info.data)
-        else:
-            if self.pg is None:
-                raise RuntimeError("rlhf_collective: init_weight_transfer_engine must join the push's group first")
-            manifest = {name: (dtype, tuple(int(d) for d in shape)) for name, dtype, shape in info.tensors}
-            device = None if self.spec.backend == "gloo" else getattr(self, "device", None)  # the worker's own device
-            tensors = receive_bucket(self.pg, int(info.index), int(info.nbytes), info.sha256, manifest, device)
+        if info.data or info.items:
+            items = list(info.items) or list(load_safetensors(info.data).items())
+            if load_weights is not None:
+                load_weights(items)
+            else:
+                self._load_inplace(items)
+            return
+        if self.pg is None:
+            raise RuntimeError("rlhf_collective: init_weight_transfer_engine must join the push's group first")
+        manifest = {name: (dtype, tuple(int(d) for d in shape)) for name, dtype, shape in info.tensors}
+        device = None if self.spec.backend == "gloo" else getattr(self, "device", None)  # the worker's own device
+        tensors = receive_bucket(self.pg, int(info.index), int(info.nbytes), info.sha256, manifest, device)
         if load_weights is not None:
             load_weights(list(tensors.items()))
             return
@@ -129,9 +143,46 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
 
         staged, self.staged = self.staged, {}
         self._close()  # one group per push
-        if not staged:  # a discarded update: nothing to install
+        from services.rollout.vllm_ext import retie_shared_weights
+
+        loaded_inplace = self.inplace
+        self._end_inplace()
+        if not staged:  # loaded as it came, or a discarded update: nothing to install
+            if loaded_inplace:
+                retie_shared_weights(self.model)
             return
         reload_weights(self.vllm_config, self.model, iter(staged.items()), None, True)
+        retie_shared_weights(self.model)  # a tied head's packed copy (services/rollout/vllm_ext.py)
+
+    def _load_inplace(self, items: list) -> None:
+        """Load one bucket into the model now (vLLM's layer-wise reload, opened at the session's first bucket)."""
+        import torch
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+
+        from rlhf.transport.weights.format import release_freed_memory
+
+        with torch.no_grad():
+            if not self.inplace:
+                initialize_layerwise_reload(self.model)
+                self.inplace = True
+            self.model.load_weights(iter(items))
+            _own_pending(self.model, items)
+        del items
+        release_freed_memory()  # the layers just processed freed their load-time copies: give them back now
+
+    def _end_inplace(self) -> None:
+        """Process the layers still waiting (and give layers that got nothing their tensors back): the model runs."""
+        if not self.inplace:
+            return
+        import torch
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        from rlhf.transport.weights.format import release_freed_memory
+
+        self.inplace = False
+        with torch.no_grad():
+            finalize_layerwise_reload(self.model, self.model_config)
+        release_freed_memory()
 
     def _close(self) -> None:
         from rlhf.transport.weights.collective import close_group
@@ -143,6 +194,29 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
     def shutdown(self) -> None:
         self._close()
         self.staged = {}
+
+
+def _own_pending(model: Any, items: list) -> None:
+    """Layers still waiting for tensors of a later bucket (vLLM's layer-wise reload buffers a layer's loader calls
+    until all its tensors are in) hold views of this bucket's buffer: give them copies, so the receiver can reuse
+    the buffer as soon as this bucket is installed (else a layer spanning two buckets keeps a third buffer alive on
+    the replica). Only the parts of unfinished layers are copied (a few tens of MB at most)."""
+    import torch
+
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for _, t in items if t.numel()]
+    if not spans:
+        return
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    try:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    except ImportError:  # pragma: no cover - a vLLM without layer-wise reload
+        return
+    for module in model.modules():
+        info = LAYERWISE_INFO.get(module)
+        for _, bound in getattr(info, "loaded_weights", None) or ():
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and not value.is_meta and lo <= value.data_ptr() < hi:
+                    bound.arguments[key] = value.clone()
 
 
 def engine_sessions() -> bool:

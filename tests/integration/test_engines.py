@@ -311,18 +311,18 @@ def test_vllm_staged_swap_serves_the_old_weights_while_the_update_loads(tiny_mod
     g = torch.Generator().manual_seed(0)
     moved = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
     o = SamplingOptions(n=2, max_tokens=8, seed=1)
-    load = vllm_shadow.ShadowSwap._load
+    load = vllm_shadow.ShadowSwap._load_part
     slow = {"s": 0.0, "fail": False}
 
-    def paced_load(self, update_id, items, keep):  # the staging thread: held back (or failing) on demand
+    def paced_load(self, items, keep):  # the staging thread: held back (or failing) on demand
         import time
 
         time.sleep(slow["s"])
         if slow["fail"]:
-            items = items[1:]  # one parameter short: refused, the shadow is reloaded whole next time
-        return load(self, update_id, items, keep)
+            items = items[1:]  # one parameter short: refused, a fresh shadow is made for the next update
+        return load(self, items, keep)
 
-    monkeypatch.setattr(vllm_shadow.ShadowSwap, "_load", paced_load)
+    monkeypatch.setattr(vllm_shadow.ShadowSwap, "_load_part", paced_load)
 
     async def run(staged: bool):
         eng = VllmEngine(tiny_models.policy, "tiny:policy", mode="inproc", staged_swap=staged)

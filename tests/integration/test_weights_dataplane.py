@@ -18,6 +18,7 @@ import torch
 from rlhf.serving import ServiceMetrics, ServiceSettings
 from rlhf.transport.weights import ServedVersion, manifest_of, pack_weights, push_weights
 from rlhf.transport.weights.dataplane import send_buckets
+from rlhf.transport.weights.errors import IncompleteUpdate
 from rlhf.v1 import rollout_pb2_grpc, weights_pb2
 from services.rollout.engine import SwapResult
 from services.rollout.grpc_servicer import RolloutServicer, add_to_server
@@ -466,5 +467,109 @@ def test_a_trickling_connection_is_cut_at_the_transfer_deadline():
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "not complete within" in details
             assert time.monotonic() - t0 < 3 and not r.servicer.receiver.busy
             s.close()
+
+    asyncio.run(main())
+
+
+# ------------------------------------------------------------------------------------------ installed as it arrives
+
+
+@dataclass
+class StreamingEngine(FakeEngine):
+    """An engine that installs every update bucket by bucket as it arrives (what vLLM does for large updates,
+    ``EngineBase.install_streamed``): slowly, so the data connection waits for its slots; it records how many
+    bucket buffers the data plane held at once and what it installed before a failure."""
+
+    pool: object = None  # the data plane's buffer pool for streamed transfers
+    buffers_max: int = 0
+    installed: list = field(default_factory=list)  # bucket indices of the last update, in order
+    failures: list = field(default_factory=list)
+
+    def streams_update(self, total_bytes: int) -> bool:
+        return True
+
+    async def install_streamed(self, header, feed) -> SwapResult:
+        self.served.check(header.version, header.parent_version)
+        self.installed, got = [], {}
+        try:
+            async for bucket in feed:
+                await asyncio.sleep(0.01)  # installing
+                self.buffers_max = max(self.buffers_max, len(self.pool._bufs))
+                got.update({k: v.clone() for k, v in bucket.tensors.items()})
+                self.installed.append(bucket.index)
+                del bucket  # before its slot is given back: its buffer is then free for the receiver
+                feed.done()
+        except Exception as err:
+            self.failures.append(err)
+            raise
+        self.served.advance(header.version, header.parent_version, header.checksum)
+        self.tensors = {t.name: got[t.name] for t in header.tensors}
+        self.swaps += 1
+        return SwapResult(header.version, header.checksum, True, wait_seconds=0.0, swap_seconds=0.5)
+
+
+def test_an_update_installed_as_it_arrives_holds_two_buckets_and_stops_on_any_failure():
+    """With an engine that takes updates as they arrive, the data connection hands over each verified bucket and
+    never holds more than two bucket buffers, whatever the update's size; Commit answers with the engine's swap.
+    A cut, a corrupt bucket or bytes after the last bucket stop the engine's install at the failing bucket (the
+    last bucket goes over only once the data's end is seen), and the replica is free for the next update. The
+    UpdateWeights stream hands buckets over the same way."""
+
+    async def main():
+        async with Replica() as r:
+            r.engine = StreamingEngine(served=r.engine.served, pool=r.servicer.data._stream_pool)
+            r.servicer.engine = r.engine
+            for version in (1, 2):
+                packed = pack(version, seed=version)
+                resp = await push_weights(r.addr, packed, token=TOKEN, transport="tcp")
+                assert resp.swapped and resp.version == version and resp.swap_seconds == 0.5
+                assert resp.bytes_received == packed.total_bytes
+                assert r.engine.installed == list(range(len(packed.buckets))) and len(packed.buckets) > 2
+                assert_bits(r.engine.tensors, state_dict(version))
+            assert 1 <= r.engine.buffers_max <= 2, r.engine.buffers_max
+            assert not r.servicer.receiver.busy and not r.engine.failures
+
+            packed = pack(3, seed=3)
+            data = payload(packed)
+            cut = sum(len(b) for b in packed.buckets[:2]) + 100
+            flipped = bytearray(data)
+            flipped[cut] ^= 0xFF  # in bucket 2
+            n = len(packed.buckets)
+            for sent, error, pattern, most in (
+                (data[:cut], "IncompleteUpdate", "cut", 2),  # buckets 0 and 1 complete (1 may not be handed over)
+                (bytes(flipped), "CorruptUpdate", "sha256", 2),
+                (data + b"\0", "CorruptUpdate", "after the last bucket", n - 1),
+            ):
+                opened = await r.open(packed)
+                await send_raw(r.port, opened.ticket + sent)
+                code, details = await refused(r.commit(opened.ticket))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and pattern in details, details
+                assert type(r.engine.failures[-1]).__name__ == error
+                got = r.engine.installed  # verified buckets, in order, never the failing one nor any after it
+                assert got == list(range(len(got))) and len(got) <= most and (most < n - 1 or len(got) == most)
+                assert r.engine.served.version == 2 and not r.servicer.receiver.busy
+            resp = await push_weights(r.addr, packed, token=TOKEN, transport="tcp")  # the next one goes through
+            assert resp.version == 3
+            assert_bits(r.engine.tensors, state_dict(3))
+
+            # the UpdateWeights stream: the same, bucket by bucket from the stream, two buffers of the receiver's pool
+            r.engine.pool, r.engine.buffers_max = r.servicer.receiver.pool, 0
+            packed = pack(4, seed=4)
+            resp = await push_weights(r.addr, packed, token=TOKEN, transport="grpc")
+            assert resp.swapped and resp.version == 4 and resp.swap_seconds == 0.5
+            assert r.engine.installed == list(range(len(packed.buckets)))
+            assert_bits(r.engine.tensors, state_dict(4))
+            assert 1 <= r.engine.buffers_max <= 2, r.engine.buffers_max
+            call = r.channel.stream_unary(
+                "/rlhf.v1.RolloutService/UpdateWeights",
+                request_serializer=weights_pb2.WeightUpdate.SerializeToString,
+                response_deserializer=weights_pb2.UpdateWeightsResponse.FromString,
+            )
+            packed = pack(5, seed=5)
+            messages = list(packed.updates(chunk_bytes=16 << 10))
+            code, details = await refused(call(iter(messages[: len(messages) // 2]), metadata=AUTH, timeout=30))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "cut" in details
+            assert isinstance(r.engine.failures[-1], IncompleteUpdate) and r.engine.served.version == 4
+            assert not r.servicer.receiver.busy
 
     asyncio.run(main())

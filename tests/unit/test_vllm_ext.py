@@ -56,20 +56,33 @@ def _new_weights():
     return {"proj.weight": torch.full((4, 4), 0.5), "proj.bias": torch.arange(4.0)}
 
 
+def _reload(worker, parts, tensors: bool = False) -> dict:
+    """What VllmEngine does on a worker without the weight-transfer API: the update in parts, one call each."""
+    worker.rlhf_load_begin()
+    for part in parts:
+        if tensors:  # in-process: the pairs themselves
+            worker.rlhf_load_part_tensors(list(part.items()))
+        else:  # the engine-core subprocess: safetensors bytes per part
+            worker.rlhf_load_part(save(part))
+    return worker.rlhf_load_end()
+
+
 def test_without_reload_weights_the_models_loader_writes_the_weights():
     worker = AscendLikeWorker()
-    info = worker.rlhf_reload_weights(save(_new_weights()))  # the engine-core subprocess path: safetensors bytes
+    w = _new_weights()
+    info = _reload(worker, [{"proj.weight": w["proj.weight"]}, {"proj.bias": w["proj.bias"]}])  # two parts
     assert info["path"] == "model.load_weights" and info["tensors"] == 2
     model = worker.model_runner.model
     assert torch.equal(model.proj.weight, torch.full((4, 4), 0.5)) and torch.equal(model.proj.bias, torch.arange(4.0))
-    info = worker.rlhf_load_tensors([("proj.bias", torch.zeros(4))])  # in-process path
+    info = _reload(worker, [{"proj.bias": torch.zeros(4)}], tensors=True)  # in-process path
     assert info["path"] == "model.load_weights" and torch.equal(model.proj.bias, torch.zeros(4))
 
 
 def test_reload_weights_is_used_where_the_worker_has_it():
     worker = VllmWorker()
     before = worker.model_runner.model.proj.weight.detach().clone()
-    info = worker.rlhf_reload_weights(save(_new_weights()))
+    w = _new_weights()
+    info = _reload(worker, [{"proj.weight": w["proj.weight"]}, {"proj.bias": w["proj.bias"]}])
     assert info["path"] == "reload_weights"
     ((weights, checkpoint_format),) = worker.reloaded
     assert checkpoint_format is True and set(weights) == {"proj.weight", "proj.bias"}
@@ -106,8 +119,8 @@ def test_reload_warning_is_dropped_only_for_layers_a_checkpoint_cannot_fill():
     log.addHandler(handler)
     try:
         worker = WarningWorker()
-        worker.rlhf_reload_weights(save(_new_weights()))
-        worker.rlhf_reload_weights(save(_new_weights()))
+        _reload(worker, [_new_weights()])
+        _reload(worker, [_new_weights()])
     finally:
         log.removeHandler(handler)
     # the rotary cache is given back unchanged by vLLM (nothing lost); a Linear loading nothing is a real problem
@@ -115,7 +128,7 @@ def test_reload_warning_is_dropped_only_for_layers_a_checkpoint_cannot_fill():
 
 
 def test_reload_warning_is_dropped_from_start_whatever_the_load_path():
-    """The staged swap and vLLM's weight-transfer path reload through vLLM itself, never through rlhf_reload_weights:
+    """The staged swap and vLLM's weight-transfer path reload through vLLM itself, never through rlhf_load_end:
     the filter goes in when the engine first asks the worker's features (compose-check found the rotary warning on
     every staged swap when it went in only on the in-place path)."""
     seen = []
@@ -170,19 +183,40 @@ def _engine():
     return RlhfCollectiveWeightTransferEngine(None, config, torch.device("cpu"), Model())
 
 
-def test_inline_updates_stage_until_finish_or_load_at_once_where_the_worker_hands_over_its_loader():
-    """update_weights with the update's bytes inline: staged (vLLM 0.32+, installed at finish) or, when the worker
-    passes its ``load_weights`` (vLLM 0.23's receive_weights(info, load_weights)), loaded at once."""
+def test_inline_buckets_load_into_the_model_at_once_in_one_layerwise_session(monkeypatch):
+    """update_weights with a bucket inline (bytes, or in-process the pairs themselves): loaded into the model at once,
+    inside one layer-wise reload that the session's first bucket opens and finish_weight_update closes (a start that
+    finds one left open by a failed session closes it first); nothing is staged. Where the worker passes its
+    ``load_weights`` (vLLM 0.23's receive_weights(info, load_weights)) the bucket goes to it."""
+    # Modules that bind these functions at import ("from .layerwise import ...") are imported before the patch: one
+    # first imported under it would keep the no-op stand-ins for the rest of the session (every later in-place
+    # reload in this process then skips vLLM's layer-wise set-up and fails).
+    import vllm.model_executor.model_loader.reload.inplace  # noqa: F401
+    from vllm.model_executor.model_loader.reload import layerwise
+
     from services.rollout.vllm_transfer import CollectiveBucketInfo
 
+    calls = []
+    monkeypatch.setattr(layerwise, "initialize_layerwise_reload", lambda model: calls.append("init"))
+    monkeypatch.setattr(layerwise, "finalize_layerwise_reload", lambda model, cfg: calls.append("finalize"))
     engine = _engine()
+    model = engine.model
+    w = _new_weights()
     engine.start_weight_update()
-    engine.receive_weights(CollectiveBucketInfo(index=0, nbytes=0, sha256="", data=save(_new_weights())))
-    assert set(engine.staged) == {"proj.weight", "proj.bias"}
-    assert torch.equal(engine.staged["proj.bias"], torch.arange(4.0))
-    engine.receive_weights(CollectiveBucketInfo(index=-1, nbytes=0, sha256="", discard=True))
-    assert engine.staged == {}
+    first = save({"proj.weight": w["proj.weight"]})
+    engine.receive_weights(CollectiveBucketInfo(index=0, nbytes=0, sha256="", data=first))
+    assert calls == ["init"] and torch.equal(model.proj.weight, w["proj.weight"]) and engine.staged == {}
+    engine.receive_weights(CollectiveBucketInfo(index=1, nbytes=0, sha256="", items=[("proj.bias", w["proj.bias"])]))
+    assert calls == ["init"] and torch.equal(model.proj.bias, w["proj.bias"])
+    engine.finish_weight_update()
+    assert calls == ["init", "finalize"] and not engine.inplace
+
+    engine.start_weight_update()
+    engine.receive_weights(CollectiveBucketInfo(index=0, nbytes=0, sha256="", items=[("proj.bias", torch.zeros(4))]))
+    engine.start_weight_update()  # the session above failed and was never finished: its load is closed first
+    assert calls == ["init", "finalize", "init", "finalize"] and not engine.inplace
 
     loaded = []
     engine.receive_weights(CollectiveBucketInfo(index=0, nbytes=0, sha256="", data=save(_new_weights())), loaded.extend)
     assert engine.staged == {} and sorted(name for name, _ in loaded) == ["proj.bias", "proj.weight"]
+    assert calls == ["init", "finalize", "init", "finalize"]

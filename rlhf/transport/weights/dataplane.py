@@ -16,6 +16,11 @@ outside it. The protocol (comments in proto/rlhf/v1/weights.proto):
    :class:`~rlhf.transport.weights.receive.StagedWeights` or raises the same errors (short data -> IncompleteUpdate,
    bytes after the last bucket or a digest/content mismatch -> CorruptUpdate); the servicer swaps them in.
 
+An update the engine installs as it arrives (Open's ``stream``: vLLM's large updates) reserves no buffer at Open:
+its connection receives and verifies bucket after bucket into two buffers and hands each verified bucket to the
+engine (:class:`~rlhf.transport.weights.receive.BucketFeed`), and Commit returns once the engine has installed the
+last; any failure stops both sides (see ``EngineBase.install_streamed`` for what the replica then serves).
+
 Who can hold the replica's one update slot: only an authenticated Open, and only for bounded times. A ticket not
 presented within ``ttl`` of Open, a data connection that sends no ticket within ``TICKET_WAIT_S`` or makes no
 progress for ``read_timeout``, a transfer that is not complete within its deadline (``ttl`` plus the time its
@@ -40,14 +45,25 @@ import logging
 import secrets
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from rlhf.serving.errors import RLHFError
 from rlhf.transport.weights.collective import GroupSpec, receive_buckets
 from rlhf.transport.weights.errors import CorruptUpdate, IncompleteUpdate
-from rlhf.transport.weights.receive import StagedInEngine, StagedWeights, WeightReceiver, finish_bucket
+from rlhf.transport.weights.format import BufferPool, release_freed_memory
+from rlhf.transport.weights.receive import (
+    STREAM_SLOTS,
+    BucketFeed,
+    StagedInEngine,
+    StagedWeights,
+    VerifiedBucket,
+    WeightReceiver,
+    finish_bucket,
+)
 from rlhf.v1 import weights_pb2
 
 log = logging.getLogger("rlhf.transport.weights.dataplane")
@@ -82,6 +98,9 @@ class _Transfer:
         self.timer: asyncio.TimerHandle | None = None
         self.ttl = ttl
         self.deadline_s = ttl
+        # The engine's installer when it takes this update bucket by bucket as it arrives (no buffers reserved: the
+        # data connection hands each verified bucket over, see _serve_streamed); None: received whole, then swapped
+        self.stream: Any = None
 
 
 class WeightDataServer:
@@ -117,6 +136,10 @@ class WeightDataServer:
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
         self._transfers: list[_Transfer] = []  # at most one open at a time (the receiver's slot), plus settled ones
+        # Bucket buffers of streamed transfers (taken in their receiving thread, kept for the next update); the lock:
+        # a dropped transfer's thread may still be winding down when the next one starts
+        self._stream_pool = BufferPool()
+        self._stream_lock = threading.Lock()
         self._conns: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
@@ -152,26 +175,38 @@ class WeightDataServer:
         return self._sock is not None
 
     async def open(
-        self, header: weights_pb2.WeightHeader, group: GroupSpec | None = None, receive: Any = None
+        self,
+        header: weights_pb2.WeightHeader,
+        group: GroupSpec | None = None,
+        receive: Any = None,
+        stream: Any = None,
     ) -> tuple[bytes, float]:
         """Check ``header`` as the stream path does, reserve the receiver and the bucket buffers; (ticket, ttl).
         With ``group`` the buckets come by collective broadcast (:mod:`rlhf.transport.weights.collective`): the
         replica joins the push's group at once, under the same deadline, abort and commit. ``receive``: the engine's
         own receiver, ``await receive(group, ticket, header, per_bucket) -> (tensors, nbytes)`` (default: this
-        process, :func:`~rlhf.transport.weights.collective.receive_buckets` in a thread)."""
+        process, :func:`~rlhf.transport.weights.collective.receive_buckets` in a thread).
+
+        ``stream`` (no ``group``): the engine installs this update bucket by bucket as it arrives,
+        ``await stream(header, feed) -> swap result`` over a :class:`~rlhf.transport.weights.receive.BucketFeed`;
+        no buffer is reserved for the whole update, the data connection holds at most ``STREAM_SLOTS`` buckets, and
+        the transfer's result carries the swap result (``StagedWeights.installed``)."""
         r = self.receiver
         r.reserve()  # UpdateInProgress
         try:
             per_bucket = r.check(header)
-            if group is None:
+            if group is None and stream is None:
                 r.pool.trim(2 * header.total_bytes)  # as receive_update: the update serving and this one
                 buffers = [r.pool.take(b.nbytes) for b in header.buckets]
+            elif group is None:  # streamed: the data connection takes its buffers from _stream_pool
+                buffers = []
             else:
                 buffers = []  # the collective receiver allocates its own (a thread cut off never writes into reuse)
         except BaseException:
             r.release()
             raise
         t = _Transfer(header, per_bucket, buffers, self.ttl)
+        t.stream = stream if group is None else None
         t.deadline_s = self.ttl + header.total_bytes / self.min_rate
         self._transfers.append(t)
         loop = asyncio.get_running_loop()
@@ -205,17 +240,20 @@ class WeightDataServer:
         self._settle(t, err)
 
     @staticmethod
-    def _staged(t: _Transfer, tensors: dict[str, Any], nbytes: int) -> StagedWeights:
+    def _staged(t: _Transfer, tensors: dict[str, Any], nbytes: int, installed: Any = None) -> StagedWeights:
         h = t.header
         manifest = {name: spec for m in t.per_bucket for name, spec in m.items()}
+        if installed is None and not isinstance(tensors, StagedInEngine):
+            tensors = {x.name: tensors[x.name] for x in h.tensors}
         return StagedWeights(
             version=h.version,
             parent_version=h.parent_version,
             checksum=h.checksum,
-            tensors=tensors if isinstance(tensors, StagedInEngine) else {x.name: tensors[x.name] for x in h.tensors},
+            tensors=tensors,
             nbytes=nbytes,
             seconds=time.perf_counter() - t.t0,
             manifest=manifest,
+            installed=installed,
         )
 
     def abort(self, ticket: bytes) -> bool:
@@ -358,6 +396,9 @@ class WeightDataServer:
             sec = int(self.read_timeout)
             usec = int((self.read_timeout - sec) * 1e6)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", sec, usec))
+            if t.stream is not None:
+                await self._serve_streamed(t, conn)
+                return
             assert t.buffers is not None
             try:
                 tensors, nbytes = await asyncio.to_thread(_receive_buckets, conn, t.header, t.per_bucket, t.buffers)
@@ -367,6 +408,150 @@ class WeightDataServer:
             finally:
                 t.sock = None
             self._settle(t, self._staged(t, tensors, nbytes))
+
+    async def _serve_streamed(self, t: _Transfer, conn: socket.socket) -> None:
+        """A transfer the engine installs as it arrives: this thread receives and verifies bucket after bucket into
+        at most STREAM_SLOTS buffers and hands each to the engine's installer (which pauses generation for the whole
+        load). Any failure cuts the connection and stops the other side; the installer decides what the model then
+        serves (``EngineBase.install_streamed``: nothing, until a complete update arrives)."""
+        loop = asyncio.get_running_loop()
+        feed = BucketFeed(loop, STREAM_SLOTS)
+        receiving = asyncio.ensure_future(
+            asyncio.to_thread(
+                _receive_streamed, conn, t.header, t.per_bucket, feed, self._stream_pool, self._stream_lock
+            )  # fmt: skip
+        )
+        try:
+            installed = await t.stream(t.header, feed)
+        except BaseException as err:
+            feed.close()  # the receiving thread stops at its next bucket, or now: the connection is cut
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            await asyncio.gather(receiving, return_exceptions=True)
+            t.sock = None
+            self._free_stream_buffers()
+            if not isinstance(err, Exception):
+                self._settle(t, IncompleteUpdate("the transfer was cancelled"))
+                raise
+            if isinstance(err, RLHFError):  # the receive's refusal as the engine re-raised it, or the engine's own
+                log.warning("weight transfer for version %d (installed as it arrived) failed: %s",
+                            t.header.version, err)  # fmt: skip
+                self._settle(t, err)
+            else:
+                self._refuse(t, err, "installing the update as it arrived failed", "weight transfer")
+            return
+        t.sock = None
+        nbytes = await receiving  # the feed ended: the thread has returned
+        self._free_stream_buffers()
+        self._settle(t, self._staged(t, StagedInEngine(), nbytes, installed))
+
+    def _free_stream_buffers(self) -> None:
+        """Once the engine has installed (or dropped) the last bucket: no bucket buffer is kept between updates (an
+        update every few minutes need not hold them meanwhile; the receiving thread cannot free the last two, the
+        engine holds them when it returns)."""
+        with self._stream_lock:
+            self._stream_pool.trim(0)
+        release_freed_memory()
+
+
+def _take_buffer(pool: BufferPool, lock: threading.Lock, size: int, slots: int) -> bytearray:
+    """A bucket buffer for a streamed transfer: once ``slots`` exist, wait briefly for one the engine gives back
+    (it drops its last references to an installed bucket just after freeing the slot) before making another."""
+    deadline = time.monotonic() + 0.05
+    while True:
+        with lock:
+            if pool.count < slots or pool.free(size) or time.monotonic() >= deadline:
+                return pool.take(size)
+        time.sleep(0.001)
+
+
+def _recv_slices(conn: socket.socket, view: memoryview, nbytes: int, on_slice: Any, where: str) -> None:
+    """``nbytes`` bytes into ``view``, SLICE_BYTES at a time (``on_slice(start, end)`` after each). Raises
+    IncompleteUpdate on a short read, a timeout or a reset (``where`` says how far the update got)."""
+    filled = 0
+    while filled < nbytes:
+        start, end = filled, min(filled + SLICE_BYTES, nbytes)
+        while filled < end:
+            try:
+                n = conn.recv_into(view[filled:end], end - filled, _RECV_FLAGS)
+            except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO passed without a byte
+                raise IncompleteUpdate("the data connection made no progress in time") from None
+            except OSError as err:
+                raise IncompleteUpdate(f"the data connection failed: {err}") from None
+            if n == 0:
+                raise IncompleteUpdate(f"data ended {where} at byte {filled}: the update was cut")
+            filled += n
+        on_slice(start, end)
+
+
+def _expect_eof(conn: socket.socket, total: int) -> None:
+    try:
+        extra = conn.recv(1)
+    except OSError:  # timeout or reset after every byte arrived: the data is complete, judge it
+        extra = b""
+    if extra:
+        raise CorruptUpdate(f"bytes after the last bucket ({total} bytes): the update is not the header's")
+
+
+def _receive_streamed(
+    conn: socket.socket,
+    h: weights_pb2.WeightHeader,
+    per_bucket: list,
+    feed: BucketFeed,
+    pool: BufferPool,
+    lock: threading.Lock,
+) -> int:
+    """In a thread: each bucket into a buffer of the largest bucket's size (from ``pool``, reused once nothing
+    refers to it), hashed as its slices arrive, checked (:func:`finish_bucket`) on a lane while the next bucket
+    arrives, then handed to the engine; a slot of ``feed`` is taken before each bucket, so at most ``feed.slots``
+    buckets are on the replica. The last bucket is handed over only after the sender's end of data (bytes after it
+    refuse the update). Ends the feed (with the error on failure); returns the bytes received."""
+    size = max(b.nbytes for b in h.buckets)
+    lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-verify") for _ in range(2)]
+    pending: list[tuple[int, memoryview, Future]] = []  # checked (or being checked), not handed over yet
+    received = 0
+
+    def hand_over(wait: bool) -> None:
+        while pending and (wait or pending[0][2].done()):
+            i, data, fut = pending.pop(0)
+            feed.put(VerifiedBucket(i, data, fut.result()))  # a refused bucket raises here
+
+    try:
+        for i, spec in enumerate(h.buckets):
+            if len(pending) >= feed.slots:  # every slot is held by a bucket the engine has not got yet
+                hand_over(wait=True)
+            while not feed.take_slot(timeout=0.02):  # the engine is installing: hand over what is checked meanwhile
+                hand_over(wait=False)
+            buf = _take_buffer(pool, lock, size, feed.slots)
+            data = memoryview(buf)[: spec.nbytes]
+            del buf  # only the views (and what the engine makes of them) keep it from being reused
+            worker, hasher = lanes[i % len(lanes)], hashlib.sha256()
+
+            def on_slice(start: int, end: int, data=data, hasher=hasher, worker=worker) -> None:
+                worker.submit(hasher.update, data[start:end])
+                hand_over(wait=False)  # the previous bucket, as soon as it is checked
+
+            _recv_slices(conn, data, spec.nbytes, on_slice, f"after {received} of {h.total_bytes} bytes (bucket {i})")
+            received += spec.nbytes
+            pending.append((i, data, worker.submit(_finish, i, data, hasher, spec.sha256, per_bucket[i])))
+            del data, on_slice
+        last = pending.pop() if pending else None
+        hand_over(wait=True)
+        _expect_eof(conn, h.total_bytes)
+        if last is not None:
+            i, data, fut = last
+            feed.put(VerifiedBucket(i, data, fut.result()))
+        feed.end()
+        return received
+    except BaseException as err:
+        feed.end(err)
+        raise
+    finally:
+        pending.clear()
+        for lane in lanes:
+            lane.shutdown(wait=True, cancel_futures=True)
+        with lock:  # what the engine has given back already (the rest: _free_stream_buffers)
+            pool.trim(0)
 
 
 def _receive_buckets(
@@ -385,27 +570,16 @@ def _receive_buckets(
             worker = lanes[i % len(lanes)]
             view = memoryview(buf)
             hasher = hashlib.sha256()
-            filled = 0
-            while filled < spec.nbytes:
-                start, end = filled, min(filled + SLICE_BYTES, spec.nbytes)
-                while filled < end:
-                    try:
-                        n = conn.recv_into(view[filled:end], end - filled, _RECV_FLAGS)
-                    except (TimeoutError, BlockingIOError):  # SO_RCVTIMEO passed without a byte
-                        raise IncompleteUpdate("the data connection made no progress in time") from None
-                    except OSError as err:
-                        raise IncompleteUpdate(f"the data connection failed: {err}") from None
-                    if n == 0:
-                        raise IncompleteUpdate(
-                            f"data ended after {received + filled} of {h.total_bytes} bytes (bucket {i} at byte "
-                            f"{filled}): the update was cut; nothing was staged"
-                        )
-                    filled += n
+
+            def on_slice(start: int, end: int, view=view, worker=worker, hasher=hasher) -> None:
                 worker.submit(hasher.update, view[start:end])
                 for f in finishing:  # refuse a corrupt bucket as soon as it is known
                     if f.done():
                         f.result()
-            received += filled
+
+            where = f"after {received} of {h.total_bytes} bytes (bucket {i})"
+            _recv_slices(conn, view, spec.nbytes, on_slice, where)
+            received += spec.nbytes
             finishing.append(worker.submit(_finish, i, buf, hasher, spec.sha256, per_bucket[i]))
         try:
             extra = conn.recv(1)

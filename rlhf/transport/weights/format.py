@@ -157,17 +157,49 @@ def load_safetensors(data: bytes | bytearray | memoryview) -> dict[str, torch.Te
     return out
 
 
+_FINITE_CHUNK = 1 << 20  # elements: torch's sum(dtype=float32) of a bf16/fp16 tensor makes a float32 copy of it first
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN or inf in ``t``. A float32 sum is finite exactly when every term is, unless finite terms overflow it
-    (only then is the exact, slower per-element check needed); one pass, no tensor-sized mask."""
+    (only then is the exact, slower per-element check needed); one pass, no tensor-sized mask. A large tensor of
+    another dtype is summed in chunks: its float32 copy would cost a replica installing an update as it arrives
+    (and a sender) the size of the largest tensor twice over."""
     if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
         return True
-    if math.isfinite(float(t.sum(dtype=torch.float32))):
+    if t.dtype == torch.float32 or t.numel() <= _FINITE_CHUNK or not t.is_contiguous():
+        parts = [t]
+    else:
+        flat = t.view(-1)
+        parts = [flat[i : i + _FINITE_CHUNK] for i in range(0, flat.numel(), _FINITE_CHUNK)]
+    if math.isfinite(sum(float(p.sum(dtype=torch.float32)) for p in parts)):
         return True
-    return bool(torch.isfinite(t).all())
+    return all(bool(torch.isfinite(p).all()) for p in parts)
 
 
 # ------------------------------------------------------------------------------------------------------ packing
+
+
+_LIBC: Any = None
+
+
+def release_freed_memory() -> None:
+    """Hand memory the process has freed back to the system (glibc's ``malloc_trim``; elsewhere nothing). glibc
+    keeps freed blocks below its mmap threshold (which grows to 32 MiB once such a block is freed) in its arenas:
+    loading a model layer by layer, as an update installed bucket by bucket does, otherwise leaves hundreds of MB
+    freed but resident."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018 - glibc only
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
 
 
 class BufferPool:
@@ -190,6 +222,15 @@ class BufferPool:
                 return bufs[-1]
         bufs.append(bytearray(nbytes))
         return bufs[-1]
+
+    def free(self, nbytes: int) -> int:
+        """How many buffers of ``nbytes`` nothing else refers to."""
+        return sum(1 for b in self._bufs if len(b) == nbytes and sys.getrefcount(b) == 3)  # list, b, argument
+
+    @property
+    def count(self) -> int:
+        """The buffers held (free or not)."""
+        return len(self._bufs)
 
     def trim(self, keep_bytes: int) -> None:
         """Forget the least recently used free buffers beyond ``keep_bytes`` held in all."""
