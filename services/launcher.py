@@ -603,18 +603,16 @@ class Launcher:
 
         report = preflight.check(cfg, os.environ.get("RLHF_REDIS_URL"))
         # The policy's architecture under the rollout engine (the vllm check includes the transformers one the trainer
-        # needs). A tiny: name only has to be known: every tiny arch runs on both (tests/unit/test_tiny_archs.py).
+        # needs). A tiny: model is built first (a second), so its architecture is checked like any other.
+        from rlhf.models import check_architecture, resolve_model_path
         from rlhf.tiny import parse_ref
 
         load, engine = cfg.actor.load, os.environ.get("RLHF_ROLLOUT_ENGINE") or cfg.actor.engine
         try:
             if load.startswith("tiny:"):
                 parse_ref(load.split(":", 1)[1])
-            else:
-                from rlhf.models import check_architecture, resolve_model_path
-
-                if why := check_architecture(resolve_model_path(load), engine):
-                    report.problems.append(f"actor_rollout_ref.actor_rollout.load: {why}")
+            if why := check_architecture(resolve_model_path(load), engine):
+                report.problems.append(f"actor_rollout_ref.actor_rollout.load: {why}")
         except ValueError as err:  # an unknown tiny: name
             report.problems.append(f"actor_rollout_ref.actor_rollout.load: {err}")
         except OSError:

