@@ -16,6 +16,9 @@ EXIT_STOPPED_BY_RULE = 3
 
 
 def append(path: str | Path, record: dict) -> None:
+    """One JSON line at the end of ``path``; its folder is made if needed (a trainer's first events can come before
+    its first checkpoint makes the run folder)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
 

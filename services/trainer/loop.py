@@ -93,6 +93,7 @@ class Trainer:
         # ring waits (see _next_batch) instead of cycling jobs that the old weights would make too stale to train.
         self._lagging: dict[str, tuple[int, str]] = {}
         self._replicas: set[str] = set()  # every replica of the last push to all
+        self._announced: set[tuple[str, int]] = set()  # (replica, version) catch-up pushes already logged
         self._waiting: str | None = None
 
     # ------------------------------------------------------------------ start-up
@@ -613,8 +614,10 @@ class Trainer:
                     continue
                 targets = [a for a, _ in lagging]
                 async with self._state_lock:  # between steps: the weights of one version
-                    for addr, served in lagging:  # once per replica falling behind; its retries are quiet
-                        say = log.debug if addr in self._lagging else log.info
+                    for addr, served in lagging:  # once per replica and version; the retries are quiet
+                        key = (addr, published)
+                        say = log.debug if key in self._announced else log.info
+                        self._announced.add(key)
                         say("replica %s serves version %d, the run is at %d: pushing version %d", addr, served,
                             published, self.engine.policy_version)  # fmt: skip
                     if self.engine.group is not None:  # streamed: the weights may not change until it is done
