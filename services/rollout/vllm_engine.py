@@ -159,6 +159,20 @@ def _groups(tensors: dict[str, Any], limit: int) -> list[list[tuple[str, Any]]]:
     return groups
 
 
+def reset_prefix_cache(llm: Any) -> None:
+    """Drop the prefix cache after new weights went in (its KV was computed with the old ones). vLLM returns False,
+    resetting nothing, while any block is still held (an aborted request's): then again with running requests reset
+    (the swap gate lets none run meanwhile); still False fails the swap rather than serve stale KV."""
+    if not llm.reset_prefix_cache() and not llm.reset_prefix_cache(reset_running_requests=True):
+        raise RuntimeError("vLLM could not reset its prefix cache after a weight update (blocks still held)")
+
+
+async def areset_prefix_cache(llm: Any) -> None:
+    """:func:`reset_prefix_cache` for ``AsyncLLM``."""
+    if not await llm.reset_prefix_cache() and not await llm.reset_prefix_cache(reset_running_requests=True):
+        raise RuntimeError("vLLM could not reset its prefix cache after a weight update (blocks still held)")
+
+
 def _top(position: dict[int, Any], k: int) -> list[tuple[int, float]]:
     """The k most probable tokens of one position of vLLM's log-probs (rank 1 first; -inf: masked by top-k/top-p)."""
     ranked = sorted((lp.rank, t, float(lp.logprob)) for t, lp in position.items() if lp.rank is not None)
@@ -530,7 +544,7 @@ class VllmEngine(EngineBase):
                     rpc("update_weights", args=(u,))
                 if finish:
                     rpc("finish_weight_update")
-                    llm.reset_prefix_cache()
+                    reset_prefix_cache(llm)
 
             await self._call(run)
             return
@@ -547,7 +561,7 @@ class VllmEngine(EngineBase):
             await rpc("update_weights", args=(u,))
         if finish:
             await rpc("finish_weight_update")
-            await self._async.reset_prefix_cache()
+            await areset_prefix_cache(self._async)
 
     @property
     def device_type(self) -> str:
@@ -555,6 +569,15 @@ class VllmEngine(EngineBase):
         from vllm.platforms import current_platform
 
         return str(current_platform.device_type)
+
+    @property
+    def device(self) -> Any:
+        """Where a collective push lands when it is received in this process (EngineBase.receive_collective, on a
+        worker without engine sessions: vLLM 0.23, vllm-ascend's set): vLLM's platform device. Without it an hccl push
+        raised AttributeError after the replica took its ticket, and the trainer waited out HCCL_CONNECT_TIMEOUT."""
+        import torch
+
+        return torch.device(self.device_type)
 
     async def receive_collective(self, group: Any, ticket: bytes, header: Any, per_bucket: list) -> tuple[Any, int]:
         """A collective push received by vLLM's worker through vLLM's weight-transfer API (backend
@@ -678,7 +701,7 @@ class VllmEngine(EngineBase):
                 for p in parts:
                     rpc("rlhf_load_part_tensors", args=(p,))
                 r = rpc("rlhf_load_end")
-                llm.reset_prefix_cache()
+                reset_prefix_cache(llm)
                 return r
 
             info = await self._call(_reload)
@@ -688,7 +711,7 @@ class VllmEngine(EngineBase):
             for p in parts:
                 await rpc("rlhf_load_part", args=(p,))
             info = await rpc("rlhf_load_end")
-            await self._async.reset_prefix_cache()
+            await areset_prefix_cache(self._async)
         self.load_path = "reload"
         log.info("vLLM weights reloaded: %s", info)
 
@@ -741,7 +764,7 @@ class VllmEngine(EngineBase):
                 r = llm.collective_rpc("rlhf_shadow_swap", args=(staged.update_id,))
                 if staged.in_engine:  # end the collective session: its buckets went to the shadow, nothing to install
                     llm.collective_rpc("finish_weight_update")
-                llm.reset_prefix_cache()
+                reset_prefix_cache(llm)
                 return r[0]
 
             info = await self._call(_swap)
@@ -749,7 +772,7 @@ class VllmEngine(EngineBase):
             info = (await self._async.collective_rpc("rlhf_shadow_swap", args=(staged.update_id,)))[0]
             if staged.in_engine:
                 await self._async.collective_rpc("finish_weight_update")
-            await self._async.reset_prefix_cache()
+            await areset_prefix_cache(self._async)
         self.load_path = "staged_swap"
         log.info("vLLM weights swapped in (staged beside the live model in %.3fs, swap %.4fs)",
                  staged.seconds, info["seconds"])  # fmt: skip

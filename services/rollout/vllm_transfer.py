@@ -87,6 +87,17 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
     update_info_cls = CollectiveBucketInfo
     supports_draft_weight_update = False
 
+    # The trainer side of vLLM's engines. vLLM 0.23's base (vllm-ascend's version set) declares both abstract, so a
+    # class without them cannot be built and the Ascend worker's load_model fails; this backend is sent by the rlhf
+    # trainer (rlhf.transport.weights.collective), never through vLLM's trainer API.
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        raise NotImplementedError("rlhf_collective is sent by the rlhf trainer (rlhf.transport.weights.collective)")
+
+    @staticmethod
+    def trainer_init(*args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("rlhf_collective is sent by the rlhf trainer (rlhf.transport.weights.collective)")
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # vLLM 0.32+: (config, vllm_config, device, model); 0.23: (config, parallel_config, model)
         super().__init__(*args, **kwargs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from safetensors.torch import save
 
@@ -220,3 +221,74 @@ def test_inline_buckets_load_into_the_model_at_once_in_one_layerwise_session(mon
     engine.receive_weights(CollectiveBucketInfo(index=0, nbytes=0, sha256="", data=save(_new_weights())), loaded.extend)
     assert engine.staged == {} and sorted(name for name, _ in loaded) == ["proj.bias", "proj.weight"]
     assert calls == ["init", "finalize", "init", "finalize"]
+
+
+def test_the_transfer_engine_can_be_built_on_vllm_023s_abstract_base():
+    """vLLM 0.23's WeightTransferEngine (vllm-ascend's version set) declares the trainer side abstract too
+    (``@staticmethod @abstractmethod trainer_send_weights``): the rlhf engine must still be instantiable there, or the
+    Ascend worker's load_model raises TypeError and the rollout never starts (ACCELERATOR-REVIEW F1)."""
+    import abc
+
+    from services.rollout.vllm_transfer import RlhfCollectiveWeightTransferEngine
+
+    class Base023(abc.ABC):  # the abstract set of vLLM 0.23's base, as its source declares it
+        def __init__(self, config, parallel_config, model):
+            self.config, self.parallel_config, self.model = config, parallel_config, model
+
+        @abc.abstractmethod
+        def init_transfer_engine(self, init_info): ...
+
+        @abc.abstractmethod
+        def receive_weights(self, update_info, load_weights): ...
+
+        @abc.abstractmethod
+        def shutdown(self): ...
+
+        @staticmethod
+        @abc.abstractmethod
+        def trainer_send_weights(iterator, trainer_args): ...
+
+    skip = ("__dict__", "__weakref__", "__init__")  # its __init__ calls super() of the real base
+    body = {k: v for k, v in vars(RlhfCollectiveWeightTransferEngine).items() if k not in skip}
+    engine = type("Engine023", (Base023,), body)(None, None, object())
+    assert not type(engine).__abstractmethods__
+    with pytest.raises(NotImplementedError, match="rlhf trainer"):
+        engine.trainer_send_weights(iter(()), None)
+
+
+def test_the_vllm_engine_names_the_device_a_collective_push_lands_on():
+    """On vLLM 0.23 (no engine sessions) a collective push is received in the service process, on ``self.device``
+    for nccl/hccl: the vLLM engine must have one, vLLM's platform device (ACCELERATOR-REVIEW F2)."""
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    from services.rollout.vllm_engine import VllmEngine
+
+    engine = VllmEngine.__new__(VllmEngine)  # nothing started: the device is the platform's, known without a model
+    assert engine.device == torch.device(current_platform.device_type)
+
+
+def test_a_prefix_cache_reset_that_vllm_refuses_is_retried_then_fails_the_swap():
+    """vLLM's reset_prefix_cache returns False and resets nothing while a block is held: KV of the old weights would
+    be reused after an update (ACCELERATOR-REVIEW D1). Retried with running requests reset; refused twice, the swap
+    fails instead of serving stale KV."""
+    pytest.importorskip("vllm")
+    from services.rollout.vllm_engine import reset_prefix_cache
+
+    class Engine:
+        def __init__(self, answers):
+            self.answers, self.calls = list(answers), []
+
+        def reset_prefix_cache(self, reset_running_requests=False):
+            self.calls.append(reset_running_requests)
+            return self.answers.pop(0)
+
+    ok = Engine([True])
+    reset_prefix_cache(ok)
+    assert ok.calls == [False]
+    busy = Engine([False, True])
+    reset_prefix_cache(busy)
+    assert busy.calls == [False, True]
+    stuck = Engine([False, False])
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        reset_prefix_cache(stuck)
