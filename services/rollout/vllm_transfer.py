@@ -154,7 +154,7 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
 
         staged, self.staged = self.staged, {}
         self._close()  # one group per push
-        from services.rollout.vllm_ext import retie_shared_weights
+        from services.rollout.vllm_ties import retie_shared_weights
 
         loaded_inplace = self.inplace
         self._end_inplace()
@@ -163,7 +163,7 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
                 retie_shared_weights(self.model)
             return
         reload_weights(self.vllm_config, self.model, iter(staged.items()), None, True)
-        retie_shared_weights(self.model)  # a tied head's packed copy (services/rollout/vllm_ext.py)
+        retie_shared_weights(self.model)  # a tied head's packed copy (services/rollout/vllm_ties.py)
 
     def _load_inplace(self, items: list) -> None:
         """Load one bucket into the model now (vLLM's layer-wise reload, opened at the session's first bucket)."""
