@@ -581,12 +581,7 @@ def _receive_buckets(
             _recv_slices(conn, view, spec.nbytes, on_slice, where)
             received += spec.nbytes
             finishing.append(worker.submit(_finish, i, buf, hasher, spec.sha256, per_bucket[i]))
-        try:
-            extra = conn.recv(1)
-        except OSError:  # timeout or reset after every byte arrived: the data is complete, judge it
-            extra = b""
-        if extra:
-            raise CorruptUpdate(f"bytes after the last bucket ({h.total_bytes} bytes): the update is not the header's")
+        _expect_eof(conn, h.total_bytes)
         tensors: dict[str, Any] = {}
         for f in finishing:
             tensors.update(f.result())
