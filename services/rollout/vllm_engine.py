@@ -143,20 +143,13 @@ def _safetensors_bytes(tensors: dict[str, Any]) -> bytes:
 
 
 def _groups(tensors: dict[str, Any], limit: int) -> list[list[tuple[str, Any]]]:
-    """Whole tensors in order in groups of at most ``limit`` bytes (a larger tensor alone): what one worker call
-    carries, so no message holds the whole update (msgpack's bin32 stops at 4 GiB) and the worker loads it bucket
-    by bucket."""
-    groups: list[list[tuple[str, Any]]] = []
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if groups and size + n <= limit:
-            groups[-1].append((name, t))
-            size += n
-        else:
-            groups.append([(name, t)])
-            size = n
-    return groups
+    """Whole tensors in order in groups of at most ``limit`` bytes (a larger tensor alone), planned as the push plans
+    its buckets: what one worker call carries, so no message holds the whole update (msgpack's bin32 stops at 4 GiB)
+    and the worker loads it bucket by bucket."""
+    from rlhf.transport.weights.format import plan_sizes
+
+    sizes = ((name, t.numel() * t.element_size()) for name, t in tensors.items())
+    return [[(name, tensors[name]) for name in names] for names in plan_sizes(sizes, limit)]
 
 
 def reset_prefix_cache(llm: Any) -> None:

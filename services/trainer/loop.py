@@ -351,10 +351,9 @@ class Trainer:
         log.warning("%.0f%% of this step's samples failed scoring (%d/%d steps in a row): %s", 100 * failed_fraction,
                     self._failed_steps, r.failed_patience, detail)  # fmt: skip
         if self._failed_steps >= r.failed_patience:
-            log.error("stopping the run: more than %.0f%% of the samples failed scoring for %d steps in a row "
-                      "(reward.max_failed_fraction, reward.failed_patience): %s", 100 * r.max_failed_fraction,
-                      r.failed_patience, detail)  # fmt: skip
-            os._exit(runlog.EXIT_STOPPED_BY_RULE)
+            self._stop_ring(f"more than {100 * r.max_failed_fraction:.0f}% of the samples failed scoring for "
+                            f"{r.failed_patience} steps in a row (reward.max_failed_fraction, reward.failed_patience): "
+                            f"{detail}")  # fmt: skip
 
     def _check_mismatch(self, metrics: dict[str, float]) -> None:
         """Stop the run (exit ``runlog.EXIT_STOPPED_BY_RULE``) when ``mismatch/kl`` is over
@@ -392,9 +391,8 @@ class Trainer:
                    "parameters)")  # fmt: skip
         log.warning("%s (%d/%d steps in a row)", detail, self._mismatch_steps, t.mismatch_patience)
         if self._mismatch_steps >= t.mismatch_patience:
-            log.error("stopping the run: trainer-inference mismatch over training.max_mismatch_kl for %d steps in a "
-                      "row (training.mismatch_patience): %s; %s", self._mismatch_steps, detail, meaning)  # fmt: skip
-            os._exit(runlog.EXIT_STOPPED_BY_RULE)
+            self._stop_ring(f"trainer-inference mismatch over training.max_mismatch_kl for {self._mismatch_steps} "
+                            f"steps in a row (training.mismatch_patience): {detail}; {meaning}")  # fmt: skip
 
     async def _dead_letter(self, entry_id: str, exp: experience_pb2.Experience, reason: str) -> None:
         """Move an experience record the trainer cannot use to the dead letters (acknowledged there; its job's
@@ -696,10 +694,10 @@ class Trainer:
             runlog.append(self.run_dir / EVENTS, {"event": "resumed", "step": self.engine.step_count})
 
     def _stop_ring(self, message: str) -> None:
-        """Stop the run (exit ``runlog.EXIT_STOPPED_BY_RULE``: supervisors do not restart it) with ``message``."""
+        """Stop the run (exit ``runlog.EXIT_STOPPED_BY_RULE``: supervisors do not restart it) with ``message``: the
+        one way every stopping rule ends a run (log line, ``stopped`` event)."""
         log.error("stopping the run: %s", message)
         runlog.append(self.run_dir / EVENTS, {"event": "stopped", "step": self.engine.step_count, "message": message})
-        logging.shutdown()
         os._exit(runlog.EXIT_STOPPED_BY_RULE)
 
     async def _settle_push(self) -> None:

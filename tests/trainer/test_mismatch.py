@@ -3,6 +3,7 @@ which replica made the samples that disagree."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -101,8 +102,9 @@ class _Exit(Exception):
     pass
 
 
-def _trainer(monkeypatch, **config):
-    """A Trainer with only what its mismatch check reads; os._exit raises _Exit(code) instead."""
+def _trainer(monkeypatch, tmp_path, **config):
+    """A Trainer with only what its mismatch check reads (and its stop writes: the run folder's events); os._exit
+    raises _Exit(code) instead."""
     from services.trainer import loop
 
     def fake_exit(code):
@@ -111,7 +113,9 @@ def _trainer(monkeypatch, **config):
     monkeypatch.setattr(loop.os, "_exit", fake_exit)
     t = loop.Trainer.__new__(loop.Trainer)
     t.cfg = parse_config(config)
-    t.engine = type("E", (), {"mismatch_by_replica": {"rollout-1": (0.3, 24, [4]), "rollout-0": (1e-14, 24, [4])}})()
+    t.engine = type("E", (), {"mismatch_by_replica": {"rollout-1": (0.3, 24, [4]), "rollout-0": (1e-14, 24, [4])},
+                              "step_count": 5})()  # fmt: skip
+    t.run_dir = tmp_path
     return t
 
 
@@ -122,8 +126,8 @@ def _step(t, kl: float | None) -> None:
     t._check_mismatch(m)
 
 
-def test_the_mismatch_check_stops_after_patience_steps_over_the_bound(monkeypatch, caplog):
-    t = _trainer(monkeypatch, training={"max_mismatch_kl": 0.01, "mismatch_patience": 2})
+def test_the_mismatch_check_stops_after_patience_steps_over_the_bound(monkeypatch, caplog, tmp_path):
+    t = _trainer(monkeypatch, tmp_path, training={"max_mismatch_kl": 0.01, "mismatch_patience": 2})
     _step(t, 0.5)
     _step(t, 1e-6)  # under the bound: the count starts again
     _step(t, 0.5)
@@ -136,13 +140,16 @@ def test_the_mismatch_check_stops_after_patience_steps_over_the_bound(monkeypatc
     assert "mismatch/kl 0.02" in err and "at policy version 4" in err and "serves other weights" in err
     # the worst replica first, with the versions its samples claimed
     assert err.index("replica rollout-1: 0.3 over 24 tokens of version(s) 4") < err.index("replica rollout-0")
+    (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert event["event"] == "stopped" and event["message"] == err.removeprefix("stopping the run: ")
 
 
-def test_the_mismatch_check_is_off_when_null_and_only_warns_with_top_p(monkeypatch, caplog):
-    off = _trainer(monkeypatch, training={"max_mismatch_kl": None, "mismatch_patience": 1})
+def test_the_mismatch_check_is_off_when_null_and_only_warns_with_top_p(monkeypatch, caplog, tmp_path):
+    off = _trainer(monkeypatch, tmp_path, training={"max_mismatch_kl": None, "mismatch_patience": 1})
     _step(off, 5.0)
     truncated = _trainer(
         monkeypatch,
+        tmp_path,
         training={"mismatch_patience": 1},
         actor_rollout_ref={"actor_rollout": {"top_p": 0.9}},
     )

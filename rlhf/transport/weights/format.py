@@ -343,10 +343,10 @@ def _plan_buckets(state_dict: Mapping[str, torch.Tensor], bucket_bytes: int) -> 
             raise TypeError(f"state_dict[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
         if t.layout != torch.strided:
             raise ValueError(f"state_dict[{name!r}] is not a dense tensor ({t.layout}); call .to_dense() first")
-    return _plan_sizes(((name, t.numel() * t.element_size()) for name, t in state_dict.items()), bucket_bytes)
+    return plan_sizes(((name, t.numel() * t.element_size()) for name, t in state_dict.items()), bucket_bytes)
 
 
-def _plan_sizes(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+def plan_sizes(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
     """Whole tensors in order into buckets of at most ``bucket_bytes`` (a larger tensor alone in its own)."""
     plan: list[list[str]] = []
     size = 0
@@ -497,7 +497,7 @@ class StreamedWeights(_HeaderFields):
             raise ValueError("a tensor name is listed twice")
         self._by_name = by_name
         self._source = source
-        plan = _plan_sizes(((n, math.prod(sh) * dt.itemsize) for n, (dt, sh) in by_name.items()), bucket_bytes)
+        plan = plan_sizes(((n, math.prod(sh) * dt.itemsize) for n, (dt, sh) in by_name.items()), bucket_bytes)
         self._plan = plan
         self._layouts = [_layout([(n, *by_name[n]) for n in names]) for names in plan]
         self.header = weights_pb2.WeightHeader(version=version, parent_version=parent_version, format=FORMAT)
