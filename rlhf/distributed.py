@@ -16,11 +16,14 @@ so the caller multiplies the loss by the world size before backward (:func:`back
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("rlhf.distributed")
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -193,6 +196,20 @@ def barrier() -> None:
         dist.barrier()
 
 
-def destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy(wait_for_peers: bool = False) -> None:
+    """Leave the group. With ``wait_for_peers`` (only where every rank calls it) first wait for the other ranks, so
+    none tears gloo down while a peer is still in a collective (bounded by the group's timeout; a peer that is gone
+    does not stop the teardown). Garbage that still holds collective work is freed while the interpreter is fully
+    alive: gloo work objects left to interpreter finalization can abort the process (pytorch#179291); a test group
+    died once in CI with "terminate called without an active exception"."""
+    if not dist.is_initialized():
+        return
+    import gc
+
+    if wait_for_peers:
+        try:
+            dist.barrier()
+        except RuntimeError as err:
+            log.warning("leaving the group without the other ranks: %s", err)
+    gc.collect()
+    dist.destroy_process_group()

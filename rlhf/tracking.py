@@ -72,7 +72,12 @@ class Tracker:
     def close(self) -> None:
         self.tb.close()
         if self.wandb is not None:
+            import wandb
+
             self.wandb.finish()
+            # finish() can return before wandb's service has written the run's records (offline: the .wandb file held
+            # only its header once); teardown waits for the service, so the run is on disk when the trainer exits.
+            wandb.teardown()
 
 
 def _number(v: Any) -> bool:

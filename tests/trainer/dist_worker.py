@@ -146,7 +146,7 @@ def main() -> None:
         return
     if "save" in raw or "load" in raw:
         resume(out, raw)
-        distributed.destroy()
+        distributed.destroy(wait_for_peers=True)
         return
     options = {k: v == "1" for k, v in raw.items()}
     stages = [s for s in RUNS if options.get(s, True)]
@@ -175,7 +175,7 @@ def main() -> None:
             tensors.update(pushed)
             save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"{stage}.safetensors")
             (out / f"{stage}.json").write_text(json.dumps(metrics))
-    distributed.destroy()
+    distributed.destroy(wait_for_peers=True)
 
 
 if __name__ == "__main__":
