@@ -67,6 +67,15 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}") from None
 
 
+def serving_dtype(bf16: bool, device: str | torch.device) -> torch.dtype:
+    """The dtype the reference and reward models serve in. bf16 on an accelerator when the trainer computes in bf16
+    (``training.bf16``): an fp32 reference beside a bf16 policy adds a precision bias to the KL term, and costs twice
+    the memory at the fp32 matmul rate (an H200: ~67 TFLOP/s fp32, ~990 bf16). fp32 on the CPU, whose bf16 matmuls
+    are slower than its fp32 ones. Log-softmax and scores are taken in fp32 either way (rlhf.algo.logprobs)."""
+    kind = device.type if isinstance(device, torch.device) else resolve_device(device).type
+    return torch.bfloat16 if bf16 and kind in ("cuda", "npu") else torch.float32
+
+
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 

@@ -80,11 +80,12 @@ class ReferenceEngine:
     # -- life cycle
 
     def load(self) -> None:
-        from rlhf.models import load_causal_lm, load_tokenizer, resolve_model_path
+        from rlhf.models import load_causal_lm, load_tokenizer, resolve_model_path, serving_dtype
 
         path = resolve_model_path(self.model_spec)
         tok = load_tokenizer(path)
-        model = load_causal_lm(path, device=self.device).eval()
+        dtype = serving_dtype(self.cfg.training.bf16, self.device)
+        model = load_causal_lm(path, device=self.device, dtype=dtype).eval()
         for p in model.parameters():
             p.requires_grad_(False)
         if not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
@@ -98,9 +99,10 @@ class ReferenceEngine:
         self.model = model
         self.ready = True
         log.info(
-            "reference model loaded from %s on %s (temperature %g, vocab %d, context %d)",
+            "reference model loaded from %s on %s in %s (temperature %g, vocab %d, context %d)",
             path,
             model.device,
+            model.dtype,
             self.temperature,
             self.vocab_size,
             self.max_len,

@@ -174,9 +174,11 @@ class ModelScorer(Scorer):
         micro_batch_size: int,
         metrics: ServiceMetrics | None = None,
         padding_free: bool = False,
+        bf16: bool = False,
     ):
         super().__init__(cfg, name)
         self.device_name = device
+        self.bf16 = bf16  # training.bf16: serve in bf16 on an accelerator (rlhf.models.serving_dtype)
         self.micro_batch_size = micro_batch_size
         self.padding_free = padding_free  # training.padding_free: the forward skips padding (rlhf.packing)
         self.model = None
@@ -195,15 +197,16 @@ class ModelScorer(Scorer):
         )
 
     def load(self) -> None:
-        from rlhf.models import load_sequence_classifier, load_tokenizer, resolve_model_path
+        from rlhf.models import load_sequence_classifier, load_tokenizer, resolve_model_path, serving_dtype
 
         path = resolve_model_path(self.cfg.load or "")
         self.tokenizer = load_tokenizer(path)
-        self.model = load_sequence_classifier(path, device=self.device_name).eval()
+        dtype = serving_dtype(self.bf16, self.device_name)
+        self.model = load_sequence_classifier(path, device=self.device_name, dtype=dtype).eval()
         self.max_len = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.vocab = int(self.model.config.vocab_size)
         self._backend = self._fast_backend()
-        log.info("reward model %s loaded from %s on %s", self.name, path, self.model.device)
+        log.info("reward model %s loaded from %s on %s in %s", self.name, path, self.model.device, self.model.dtype)
 
     def _fast_backend(self):
         """The Rust tokenizer under a fast HF tokenizer, when calling it directly gives the same ids: the HF wrapper
@@ -460,11 +463,11 @@ class RewardEngine:
                 if sc.type == "rule":
                     self.scorers.append(RuleScorer(sc, name, count_tokens=self.count_policy_tokens))
                 elif sc.type == "model":
-                    self.scorers.append(
-                        ModelScorer(
-                            sc, name, self.device, cfg.reward.micro_batch_size, metrics, cfg.training.padding_free
-                        )
+                    t = cfg.training
+                    scorer = ModelScorer(
+                        sc, name, self.device, cfg.reward.micro_batch_size, metrics, t.padding_free, t.bf16
                     )
+                    self.scorers.append(scorer)
                 else:
                     self.scorers.append(RemoteScorer(sc, name))
             except ValueError as err:
