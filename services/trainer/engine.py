@@ -888,13 +888,17 @@ class TrainerEngine:
         return metrics
 
     # ------------------------------------------------------------------ weights
-    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+    def policy_state_dict(self, on_device: bool = False) -> dict[str, torch.Tensor]:
         """The actor's weights in the checkpoint layout (:mod:`rlhf.layout`: Hugging Face names and shapes as
         ``save_pretrained`` writes them, a tie's alias left out, fused tensors split back), contiguous, on the CPU:
         what weight sync ships (it refuses non-finite tensors). With ``training.bf16`` the fp32 master weights are
         cast to bf16 here, and only here: rollout serves bf16 and the transfer is half the bytes. On the CPU in fp32
         these are the training weights' own memory, which the next step changes: copy them before it (the
-        trainer's push: copy_weights)."""
+        trainer's push: copy_weights).
+
+        ``on_device`` (one process only; a group gathers to the CPU one tensor at a time) leaves them on the
+        training device, for a caller that copies them into host buffers itself: copy_weights then moves each
+        tensor once, device to bucket, instead of to pageable host memory and again into the bucket."""
         if self.group is not None:
             with self._command_lock:
                 dist.broadcast_ints([_GATHER], 1, self.device)
@@ -907,7 +911,7 @@ class TrainerEngine:
             weights = self.actor.state_dict()
         out = {}
         for k, v in self.policy_layout.items(weights):
-            out[k] = self._push_tensor(v)
+            out[k] = self._push_tensor(v, on_device)
         return out
 
     @functools.cached_property
@@ -923,9 +927,9 @@ class TrainerEngine:
     def _push_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.bfloat16 if self.cfg.training.bf16 and dtype.is_floating_point else dtype
 
-    def _push_tensor(self, v: torch.Tensor) -> torch.Tensor:
-        v = v.detach()
-        return v.to(self._push_dtype(v.dtype)).to("cpu").contiguous()
+    def _push_tensor(self, v: torch.Tensor, on_device: bool = False) -> torch.Tensor:
+        v = v.detach().to(self._push_dtype(v.detach().dtype))
+        return (v if on_device else v.to("cpu")).contiguous()
 
     def policy_stream(self, version: int, bucket_bytes: int | None = None) -> StreamedWeights:
         """Rank 0 of a group: the policy (as :meth:`policy_state_dict` gives it) as streamed weights, for a push that

@@ -535,7 +535,8 @@ class Trainer:
         """The live policy copied into push buckets as ``version`` (not yet hashed: :meth:`_seal_and_deliver`)."""
         from rlhf.transport import copy_weights
 
-        return copy_weights(self.engine.policy_state_dict(), version, version - 1, pool=self._push_buffers)
+        weights = self.engine.policy_state_dict(on_device=True)  # one device-to-bucket copy per tensor
+        return copy_weights(weights, version, version - 1, pool=self._push_buffers)
 
     async def _seal_and_deliver(self, packed, jobs: int) -> None:
         await self._deliver(await asyncio.to_thread(packed.seal), jobs=jobs)

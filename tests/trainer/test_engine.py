@@ -295,3 +295,20 @@ def test_the_push_copy_keeps_the_weights_the_next_step_changes(tiny_models):
     del packed
     third = copy_weights(engine.policy_state_dict(), 3, pool=pool)
     assert [id(b) for b in third.buckets] == held  # free again: reused, no new memory
+
+
+def test_the_push_on_device_gives_the_same_tensors_as_the_host_copy(tiny_models):
+    """policy_state_dict(on_device=True), which the trainer's push copies into its buckets itself (one
+    device-to-bucket copy per tensor on an accelerator), holds what the host state dict holds: the push dtype
+    (bf16 under training.bf16, from the fp32 masters), the checkpoint layout, the same values, contiguous."""
+    from rlhf.transport.weights.format import copy_weights, load_safetensors
+
+    cfg = _config("ray_grpo", adv_estimator="grpo")
+    engine = TrainerEngine(cfg.model_copy(update={"training": cfg.training.model_copy(update={"bf16": True})}))
+    host, device = engine.policy_state_dict(), engine.policy_state_dict(on_device=True)
+    assert host.keys() == device.keys()
+    for k, v in device.items():
+        assert v.dtype == host[k].dtype == torch.bfloat16 and v.is_contiguous() and torch.equal(v, host[k]), k
+    packed = copy_weights(device, 1).seal()
+    got = {k: v for data in packed.buckets for k, v in load_safetensors(bytes(data)).items()}
+    assert all(torch.equal(got[k], host[k]) for k in host)

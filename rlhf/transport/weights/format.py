@@ -562,11 +562,10 @@ class StreamedWeights(_HeaderFields):
 
 
 def _copy_into(view: memoryview, t: torch.Tensor, begin: int, end: int) -> None:
-    """``t``'s bytes (any device, any strides) copied to ``view[begin:end]``."""
+    """``t``'s bytes (any device, any strides) copied to ``view[begin:end]``: from an accelerator, one
+    device-to-host copy straight into the bucket (not to a temporary host tensor first)."""
     if end > begin:
         t = t.detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
         dst = torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=begin)
         dst.copy_(t.contiguous().reshape(-1).view(torch.uint8))
 
