@@ -1,0 +1,235 @@
+"""The OpenAI / vLLM wire models of the rollout service's REST API (requests validated here, responses as OpenAI
+shapes them), kept apart from the routes (services.rollout.http_app) as vLLM keeps its protocol module apart."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+
+from rlhf.serving import InvalidArgument
+from rlhf.serving.http import Utf8Text
+from services.rollout.engine import (
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_SEED,
+    MAX_STOP,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    SamplingOptions,
+    resolve_options,
+)
+
+TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Sampling(_Model):
+    n: StrictInt = Field(1, ge=1, le=MAX_N, description="samples per prompt")
+    max_tokens: StrictInt | None = Field(None, ge=1, description="new tokens per sample (default: the service's)")
+    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, description="0: greedy (default: the service's)")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling (default: the service's)")
+    top_k: StrictInt | None = Field(None, ge=-1, description="-1 or 0: off (default: the service's)")
+    stop: Utf8Text | list[Utf8Text] | None = Field(None, description="stop string(s); not included in the text")
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP, description="token ids that end a sample")
+    seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="sample j uses seed + j: reproducible")
+    ignore_eos: StrictBool = Field(False, description="keep generating after EOS")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="minus penalty x the token's count so far")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="minus penalty once the token appeared")
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=MAX_REPETITION_PENALTY, description="vLLM's: > 1 discourages prompt and output tokens"
+    )
+
+    def options(self, defaults: dict[str, Any], *, n: int | None = None, max_tokens: int | None = None,
+                top_logprobs: int = 0) -> SamplingOptions:  # fmt: skip
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return resolve_options(defaults, n=n or self.n, temperature=self.temperature, top_p=self.top_p,
+                               top_k=self.top_k, max_tokens=max_tokens or self.max_tokens, stop=stop,
+                               stop_token_ids=self.stop_token_ids, seed=self.seed, ignore_eos=self.ignore_eos,
+                               repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
+                               presence_penalty=self.presence_penalty, top_logprobs=top_logprobs)  # fmt: skip
+
+
+class StreamOptions(_Model):
+    include_usage: StrictBool = Field(False, description="a last chunk with the usage of the whole request")
+
+
+class _OpenAIRequest(_Sampling):
+    model: str | None = Field(None, description="accepted for OpenAI compatibility; the served model answers")
+    stream: StrictBool = Field(False, description="Server-Sent Events (OpenAI chunks), ending with data: [DONE]")
+    stream_options: StreamOptions | None = Field(None, description="with stream: include_usage")
+    user: str | None = Field(None, description="accepted and ignored: OpenAI uses it for abuse monitoring")
+
+    def include_usage(self) -> bool:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidArgument("stream_options applies to streams only: set stream: true or drop it",
+                                  field="stream_options")  # fmt: skip
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: Utf8Text | list[Utf8Text] | list[StrictInt] | list[list[StrictInt]] = Field(
+        description="the prompt(s): " + PROMPT_SHAPES
+    )
+    logprobs: StrictInt | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="the sampled tokens' log-probs and this many alternatives each",
+    )
+    best_of: StrictInt | None = Field(
+        None, ge=1, le=MAX_N, description="samples generated per prompt; the n most probable are returned"
+    )
+    echo: StrictBool = Field(False, description="prepend the prompt to the text")
+    return_token_ids: StrictBool = Field(False, description="return prompt and completion token ids (vLLM)")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v:
+            if all(isinstance(x, str) for x in v) or all(is_int(x) for x in v):
+                return v
+            if all(isinstance(x, list) and all(is_int(t) for t in x) for x in v):
+                return v
+        if isinstance(v, list) and not v:
+            raise ValueError("the prompt list is empty: send at least one prompt")
+        raise ValueError(f"must be {PROMPT_SHAPES}")
+
+
+class TextPart(_Model):
+    type: Literal["text"] = Field(description="only text parts: the served models are text-only")
+    text: Utf8Text
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Utf8Text | list[TextPart] | None = Field(None, description="text, or a list of text parts")
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1, description="the conversation, rendered by the chat template")
+    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="new tokens per choice (OpenAI's newer "
+                                                    "name for max_tokens; wins when both are set)")  # fmt: skip
+    logprobs: StrictBool = Field(False, description="return the sampled tokens' log-probs")
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
+                                           description="alternatives per token (needs logprobs: true)")  # fmt: skip
+
+
+class GenerateRequest(_Sampling):
+    prompt_token_ids: list[list[TokenId]] = Field(min_length=1, description="one list of token ids per prompt")
+
+
+class LogprobsOut(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    text_offset: list[int]
+    top_logprobs: list[dict[str, float]] | None = Field(None, description="with logprobs > 0: alternatives per token")
+
+
+class ChoiceOut(BaseModel):
+    index: int
+    text: str
+    finish_reason: str
+    stop_reason: int | str | None = None
+    logprobs: LogprobsOut | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    policy_version: int
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobsOut(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoiceOut(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobsOut | None = None
+    finish_reason: str
+    stop_reason: int | str | None = None
+    policy_version: int
+
+
+class UsageOut(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[ChoiceOut]
+    usage: UsageOut
+    policy_version: int = Field(description="the weights version serving when the request finished")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoiceOut]
+    usage: UsageOut
+    policy_version: int = Field(description="the weights version serving when the request finished")
+
+
+class CompletionOut(BaseModel):
+    token_ids: list[int]
+    logprobs: list[float] = Field(description="log-prob of each generated token under the sampling distribution")
+    finish_reason: str = Field(description="stop (EOS, stop id or stop string) or length")
+    stop_reason: int | str | None = None
+    text: str
+    policy_version: int
+
+
+class PromptResultOut(BaseModel):
+    prompt_token_ids: list[int]
+    completions: list[CompletionOut]
+
+
+class GenerateResponse(BaseModel):
+    request_id: str
+    policy_version: int
+    results: list[PromptResultOut]
+
+
+class WeightsVersionOut(BaseModel):
+    version: int
+    checksum: str
+    loaded_at_unix_ms: int
+    model: str
+    engine: str
