@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import time
 
-from bench._common import CORE_THREADS, QUICK, emit, median, rnd, side, target, trainer_step_ab
+from bench._common import CORE_THREADS, QUICK, emit, median, rnd, side, target
+from bench._trainer_ab import trainer_step_ab
 
 ROUNDS = 2 if QUICK else 6
 BATCH = 16
