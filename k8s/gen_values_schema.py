@@ -217,6 +217,14 @@ trainer_props["torchrun"] = obj(
     "torchrun",
     required=["nnodes", "nprocPerNode"],
 )
+trainer_props["hostNetworkPorts"] = obj(
+    {
+        "grpc": s("integer", "trainer gRPC port on the node's network", minimum=1, maximum=65535),
+        "http": s("integer", "trainer HTTP port on the node's network", minimum=1, maximum=65535),
+    },
+    "the trainer's container ports with weightSync.hostNetwork",
+    required=["grpc", "http"],
+)
 trainer_props["checkpoints"] = obj(
     {
         "mountPath": s("string", "mount path of the checkpoint volume", pattern="^/"),
@@ -317,6 +325,10 @@ schema = {
                     "RLHF_WEIGHTS_COLLECTIVE_BACKEND of the trainer (transport collective)",
                     enum=["auto", "gloo", "nccl", "hccl"],
                 ),
+                "hostNetwork": s(
+                    "boolean",
+                    "trainer and rollout pods on their node's network (HCCL between pods of one node over HCCS)",
+                ),
             },
             "how the trainer pushes weights to the rollout replicas",
         ),
@@ -356,6 +368,38 @@ schema = {
         },
         "ascend": obj(
             {
+                "soc": s(
+                    "string",
+                    "Atlas generation: 910b (A2) or a3 (A3); picks the image flavour and the node affinity",
+                    enum=["910b", "a3"],
+                ),
+                "nodeAffinity": obj(
+                    {
+                        "enabled": s("boolean", "require nodes of ascend.soc for the Ascend components"),
+                        "key": s("string", "node label of the Ascend device plugin", minLength=1),
+                        "values": obj(
+                            {
+                                soc: {
+                                    "type": "array",
+                                    "description": f"label values of {soc} nodes",
+                                    "minItems": 1,
+                                    "items": {"type": "string", "minLength": 1},
+                                }
+                                for soc in ("910b", "a3")
+                            },
+                            "label values per soc",
+                            required=["910b", "a3"],
+                        ),
+                    },
+                    "node affinity by SoC",
+                ),
+                "roce": obj(
+                    {
+                        "enabled": s("boolean", "the NPUs' RoCE fabric is configured (hccn.conf on every node)"),
+                        "hccnConfPath": s("string", "the host's hccn.conf", pattern="^/"),
+                    },
+                    "RoCE fabric between the NPUs",
+                ),
                 "driverHostPaths": obj(
                     {
                         "enabled": s("boolean", "mount the host's Ascend driver files"),
@@ -457,6 +501,7 @@ schema = {
                 "clientsFrom": {"$ref": "#/definitions/peers"},
                 "metricsFrom": {"$ref": "#/definitions/peers"},
                 "adminFrom": {"$ref": "#/definitions/peers"},
+                "nodesFrom": {"$ref": "#/definitions/peers"},
                 "kedaFrom": {"$ref": "#/definitions/peers"},
             },
             "NetworkPolicies",

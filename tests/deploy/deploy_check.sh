@@ -9,6 +9,10 @@ DOCKER_COMPOSE=${DOCKER_COMPOSE:-docker-compose}
 CHART=k8s/rlhf-pipeline
 GPU=(-f k8s/examples/values-gpu.yaml --set-file experiment.configYaml=configs/llama32-1b-ppo.yaml)
 NPU=(-f k8s/examples/values-npu.yaml --set-file experiment.configYaml=configs/llama32-1b-ppo.yaml)
+# weights by one HCCL broadcast between pods: only on the node's network (or a declared RoCE fabric), issue 27.5
+NPU_HCCL=(--set weightSync.transport=collective --set weightSync.collectiveBackend=hccl)
+NPU_HOSTNET=(--set weightSync.hostNetwork=true --set rollout.replicas=1
+    --set-json 'networkPolicy.nodesFrom=[{"ipBlock": {"cidr": "10.0.0.0/16"}}]')
 export RLHF_API_TOKEN=deploy-check
 
 failed=()
@@ -43,6 +47,36 @@ validate() {  # helm template ... | kubernetes-validate --strict
 refuses() {  # helm template must fail (the schema or a guard rejects the values)
     ! "$HELM" template rlhf "$CHART" "$@"
 }
+refuses_saying() {  # refuses_saying MESSAGE ARGS...: helm template fails and its error contains MESSAGE
+    local message=$1 out
+    shift
+    if out=$("$HELM" template rlhf "$CHART" "$@" 2>&1); then
+        echo "accepted: $*"
+        return 1
+    fi
+    grep -qF -- "$message" <<<"$out" || { echo "$out"; echo "(expected: $message)"; return 1; }
+}
+soc_render() {  # soc_render SOC: every Ascend workload runs the -ascend-SOC image and only on SOC's node types
+    "$HELM" template rlhf "$CHART" "${NPU[@]}" --set "ascend.soc=$1" | "$PY" -c '
+import sys, yaml
+soc = sys.argv[1]
+types = {"910b": {"module-910b-8", "module-910b-16", "card-910b-2"}, "a3": {"module-a3-16", "module-a3-16-super-pod"}}
+n = 0
+for d in yaml.safe_load_all(sys.stdin):
+    if not d or d["kind"] not in ("Deployment", "Job"):
+        continue
+    spec = d["spec"]["template"]["spec"]
+    image = spec["containers"][0]["image"]
+    assert image.endswith("-ascend-" + soc), image
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    for term in terms:
+        (expr,) = [e for e in term["matchExpressions"] if e["key"] == "accelerator-type"]
+        assert expr["operator"] == "In" and set(expr["values"]) == types[soc], (d["metadata"]["name"], expr)
+    n += 1
+assert n == 4, n
+print(soc, "ok:", n, "workloads")
+' "$1"
+}
 
 echo "deploy-check: Dockerfile"
 check "hadolint docker/Dockerfile" "$TOOLS_BIN/hadolint" docker/Dockerfile
@@ -52,6 +86,10 @@ echo "deploy-check: docker compose ($($DOCKER_COMPOSE version --short 2>/dev/nul
 check "compose: docker-compose.yml" compose -f docker-compose.yml config -q
 check "compose: + compose.gpu.yaml" compose -f docker-compose.yml -f compose.gpu.yaml config -q
 check "compose: + compose.npu.yaml" compose -f docker-compose.yml -f compose.npu.yaml config -q
+check "compose: + compose.npu.yaml, RLHF_ASCEND_SOC=a3" env RLHF_ASCEND_SOC=a3 \
+    $DOCKER_COMPOSE -f docker-compose.yml -f compose.npu.yaml config -q
+check "compose: + compose.npu.yaml + compose.npu-hccl.yaml (host network)" \
+    compose -f docker-compose.yml -f compose.npu.yaml -f compose.npu-hccl.yaml config -q
 check "compose: refuses to run without RLHF_API_TOKEN" compose_needs_token
 
 echo "deploy-check: Helm chart ($("$HELM" version --short 2>/dev/null))"
@@ -61,6 +99,21 @@ check "helm lint --strict (values-npu.yaml)" "$HELM" lint --strict "$CHART" "${N
 check "helm template | kubernetes-validate --strict (default)" validate
 check "helm template | kubernetes-validate --strict (GPU)" validate "${GPU[@]}"
 check "helm template | kubernetes-validate --strict (NPU)" validate "${NPU[@]}"
+check "helm template | kubernetes-validate --strict (NPU, ascend.soc=a3)" validate "${NPU[@]}" --set ascend.soc=a3
+check "helm template | kubernetes-validate --strict (NPU, hccl on hostNetwork)" validate "${NPU[@]}" \
+    "${NPU_HCCL[@]}" "${NPU_HOSTNET[@]}"
+check "helm template | kubernetes-validate --strict (NPU, hccl over RoCE)" validate "${NPU[@]}" \
+    "${NPU_HCCL[@]}" --set ascend.roce.enabled=true
+check "helm lint --strict (NPU, hccl on hostNetwork)" "$HELM" lint --strict "$CHART" "${NPU[@]}" \
+    "${NPU_HCCL[@]}" "${NPU_HOSTNET[@]}"
+check "ascend.soc=910b: -ascend-910b images, A2 nodes only" soc_render 910b
+check "ascend.soc=a3: -ascend-a3 images, A3 nodes only" soc_render a3
+check "refuses an unknown ascend.soc" refuses_saying "value must be one of '910b', 'a3'" "${NPU[@]}" \
+    --set ascend.soc=a2
+check "refuses an unknown ascend.soc (schema skipped: the template says it)" \
+    refuses_saying "must be 910b (Atlas A2) or a3 (Atlas A3)" "${NPU[@]}" --set ascend.soc=a2 --skip-schema-validation
+check "refuses hccl collective between pods without hostNetwork or RoCE" \
+    refuses_saying "needs weightSync.hostNetwork=true or ascend.roce.enabled=true" "${NPU[@]}" "${NPU_HCCL[@]}"
 check "helm template | kubernetes-validate (external Redis, TLS)" validate --set redis.enabled=false \
     --set redis.external.url=redis://:pw@redis.example:6379/0 --set tls.enabled=true --set tls.existingSecret=rlhf-tls
 check "helm template | kubernetes-validate (external Sentinel, WAIT 1, KEDA)" validate --set redis.enabled=false \
@@ -79,8 +132,8 @@ check "values.schema.json rejects an unknown accelerator" refuses --set trainer.
 
 echo "deploy-check: yamllint"
 check "yamllint (compose files, chart values, examples, configs)" "$TOOLS_BIN/yamllint" --strict \
-    docker-compose.yml compose.gpu.yaml compose.npu.yaml .yamllint k8s configs/llama32-1b-ppo.yaml \
-    configs/llama32-1b-online-dpo.yaml
+    docker-compose.yml compose.gpu.yaml compose.npu.yaml compose.npu-hccl.yaml .yamllint k8s \
+    configs/llama32-1b-ppo.yaml configs/llama32-1b-online-dpo.yaml
 
 echo "deploy-check: tests/deploy"
 # shellcheck disable=SC2086

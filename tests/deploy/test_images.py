@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import http.server
+import os
 import re
+import subprocess
+import sys
 import threading
 import tomllib
 
@@ -68,7 +71,7 @@ def test_versions_are_pinned_as_the_project_pins_them():
     assert "https://download.pytorch.org/whl/cpu" in stages()["torch-cpu"]
     assert "pip uninstall -y torchvision torchaudio torchcodec" in stages()["vllm-cpu"]
     args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
-    for line in re.findall(r"^ARG \w+_IMAGE=(\S+)$", text, re.M):
+    for line in re.findall(r"^ARG \w+_IMAGE(?:_\w+)?=(\S+)$", text, re.M):
         line = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], line)  # tags built from the version sets
         assert re.search(r":[\w.-]+$", line) and not line.endswith(":latest"), f"unpinned base image {line}"
 
@@ -151,7 +154,8 @@ def test_version_sets_are_one_per_accelerator_and_the_readme_states_them():
             assert re.search(version, rows[accel]), f"README's {accel} row lacks {name}={args[name]}"
     # the base images are named by the sets, not by separate tags that could drift from them
     assert args["CUDA_VLLM_IMAGE"].endswith(":v${CUDA_VLLM_VERSION}")
-    assert args["ASCEND_VLLM_IMAGE"].endswith(":v${ASCEND_VLLM_ASCEND_VERSION}")
+    assert args["ASCEND_VLLM_IMAGE_910B"].endswith(":v${ASCEND_VLLM_ASCEND_VERSION}")
+    assert args["ASCEND_VLLM_IMAGE_A3"].endswith(":v${ASCEND_VLLM_ASCEND_VERSION}-a3")
     assert "${ASCEND_CANN_VERSION}" in args["ASCEND_CANN_IMAGE"]
     st = stages()
     assert '"torch==${CUDA_TORCH_VERSION}"' in st["torch-cuda"]
@@ -170,3 +174,62 @@ def test_project_transformers_range_admits_every_base():
     (req,) = [Requirement(d) for d in deps if d.startswith("transformers")]
     assert args["ASCEND_TRANSFORMERS_VERSION"] in req.specifier, (str(req), "the vllm-ascend image's")
     assert "5.20.2" in req.specifier, "vLLM 0.33.0 allows transformers <5.21; its image may carry 5.20.x"
+
+
+def _expand(args: dict[str, str], **overrides: str) -> dict[str, str]:
+    """The Dockerfile's global ARGs as a build with ``--build-arg`` overrides would see them."""
+    out: dict[str, str] = {}
+    for name, value in args.items():
+        value = overrides.get(name, value)
+        out[name] = re.sub(r"\$\{(\w+)\}", lambda m: out[m.group(1)], value)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("soc", "cann", "vllm_ascend", "soc_version"),
+    [
+        ("910b", "quay.io/ascend/cann:9.1.0-910b-ubuntu22.04-py3.11", "quay.io/ascend/vllm-ascend:v0.23.0",
+         "ascend910b1"),
+        ("a3", "quay.io/ascend/cann:9.1.0-a3-ubuntu22.04-py3.11", "quay.io/ascend/vllm-ascend:v0.23.0-a3",
+         "ascend910_9391"),
+    ],
+)  # fmt: skip
+def test_ascend_soc_picks_both_base_images(soc, cann, vllm_ascend, soc_version):
+    """Issue 27.6: ASCEND_SOC=910b|a3 selects the CANN base (its tag names the SoC) and the vllm-ascend base (A3: the
+    -a3 tag suffix), and the vllm-ascend stage refuses a base built for the other SoC (SOC_VERSION, as vllm-ascend's
+    Dockerfile and Dockerfile.a3 set it)."""
+    text = DOCKERFILE.read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+    assert args["ASCEND_SOC"] == "910b", "Atlas A2 stays the default"
+    built = _expand(args, ASCEND_SOC=soc)
+    assert built["ASCEND_CANN_IMAGE"] == cann
+    # the CANN base keeps the Python of the project's other images (python:3.11-slim)
+    assert built["ASCEND_CANN_IMAGE"].endswith("-py" + re.search(r"python:(\d+\.\d+)", args["PYTHON_IMAGE"])[1])
+    st = stages()
+    assert st["torch-ascend"].startswith("FROM ${ASCEND_CANN_IMAGE} ")
+    assert st["vllm-ascend"].startswith("FROM vllm-ascend-base-${ASCEND_SOC} ")
+    base = st[f"vllm-ascend-base-{soc}"]
+    (image_arg,) = re.findall(r"^FROM \$\{(\w+)\} AS ", base, re.M)
+    assert built[image_arg] == vllm_ascend
+    assert set(st) >= {"vllm-ascend-base-910b", "vllm-ascend-base-a3"}
+    assert re.search(r'check_versions\.py --ascend-soc "\$\{ASCEND_SOC\}"', st["vllm-ascend"])
+    assert re.search(r"^ARG ASCEND_SOC$", st["vllm-ascend"], re.M), "the stage must import the global ARG"
+    # what that check does inside a base of each generation
+    check = [sys.executable, str(ROOT / "docker" / "check_versions.py"), "--ascend-soc", soc]
+    ok = subprocess.run(check, env={**os.environ, "SOC_VERSION": soc_version}, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert f"ASCEND_SOC={soc}, SOC_VERSION={soc_version}" in ok.stdout
+    other = {"ascend910b1": "ascend910_9391", "ascend910_9391": "ascend910b1"}[soc_version]
+    bad = subprocess.run(check, env={**os.environ, "SOC_VERSION": other}, capture_output=True, text=True)
+    assert bad.returncode != 0 and f"built for SOC_VERSION={other}" in bad.stderr
+
+
+@pytest.mark.parametrize(("soc", "env", "message"), [
+    ("a2", {"SOC_VERSION": "ascend910b1"}, "must be one of 910b, a3"),
+    ("910b", {}, "sets no SOC_VERSION"),
+])  # fmt: skip
+def test_check_versions_refuses_an_unknown_soc_or_an_unmarked_base(soc, env, message):
+    base_env = {k: v for k, v in os.environ.items() if k != "SOC_VERSION"}
+    proc = subprocess.run([sys.executable, str(ROOT / "docker" / "check_versions.py"), "--ascend-soc", soc],
+                          env={**base_env, **env}, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr

@@ -189,12 +189,25 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- end }}
 
+{{/* ascend.soc, checked (the schema checks it too; this also holds under --skip-schema-validation) */}}
+{{- define "rlhf.ascendSoc" -}}
+{{- $soc := toString .Values.ascend.soc }}
+{{- if not (has $soc (list "910b" "a3")) }}
+{{- fail (printf "ascend.soc=%s: must be 910b (Atlas A2) or a3 (Atlas A3): the Ascend images are built per SoC (docker/Dockerfile --build-arg ASCEND_SOC) and run on that generation only" $soc) }}
+{{- end }}
+{{- $soc }}
+{{- end }}
+
 {{/* image reference; call with (dict "root" $ "values" .Values.rollout) */}}
 {{- define "rlhf.image" -}}
 {{- $img := .values.image }}
 {{- $registry := .root.Values.image.registry }}
 {{- $repo := ternary $img.repository (printf "%s/%s" $registry $img.repository) (empty $registry) }}
-{{- $tag := $img.tag | default .root.Values.image.tag | default (printf "%s-%s" .root.Chart.AppVersion (include "rlhf.imageFlavour" .values)) }}
+{{- $flavour := include "rlhf.imageFlavour" .values }}
+{{- if eq $flavour "ascend" }}
+{{- $flavour = printf "ascend-%s" (include "rlhf.ascendSoc" .root) }}
+{{- end }}
+{{- $tag := $img.tag | default .root.Values.image.tag | default (printf "%s-%s" .root.Chart.AppVersion $flavour) }}
 {{- if $img.digest }}
 {{- printf "%s@%s" $repo $img.digest }}
 {{- else }}
@@ -273,9 +286,9 @@ thread pool by the node's cores otherwise, and several pods on one node oversubs
 - name: RLHF_HOST
   value: "0.0.0.0"
 - name: RLHF_GRPC_PORT
-  value: {{ $v.ports.grpc | quote }}
+  value: {{ include "rlhf.listenPort" (dict "root" $root "component" .component "port" "grpc") | quote }}
 - name: RLHF_HTTP_PORT
-  value: {{ $v.ports.http | quote }}
+  value: {{ include "rlhf.listenPort" (dict "root" $root "component" .component "port" "http") | quote }}
 - name: RLHF_CONFIG
   value: /etc/rlhf/config.yaml
 - name: RLHF_RUN_ID
@@ -297,6 +310,12 @@ thread pool by the node's cores otherwise, and several pods on one node oversubs
 {{- if not (include "rlhf.envHas" (dict "env" .values.env "name" "OMP_NUM_THREADS")) }}
 - name: OMP_NUM_THREADS
   value: {{ include "rlhf.ompThreads" .values.resources | quote }}
+{{- end }}
+{{- if and (include "rlhf.onHostNetwork" .) (eq .values.accelerator.type "ascend") (not (include "rlhf.envHas" (dict "env" .values.env "name" "HCCL_HOST_SOCKET_PORT_RANGE"))) }}
+{{- /* on the node's network the trainer and a rollout pod share one port space: HCCL's host sockets would both take
+     its default range (60000-60015, by device index, 0 in each pod); let the OS assign them */}}
+- name: HCCL_HOST_SOCKET_PORT_RANGE
+  value: auto
 {{- end }}
 - name: RLHF_REPLICA_ID
   valueFrom:
@@ -397,6 +416,11 @@ thread pool by the node's cores otherwise, and several pods on one node oversubs
   readOnly: true
 {{- end }}
 {{- end }}
+{{- if and (eq .values.accelerator.type "ascend") $v.ascend.roce.enabled }}
+- name: hccn-conf
+  mountPath: {{ $v.ascend.roce.hccnConfPath }}
+  readOnly: true
+{{- end }}
 {{- with $v.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
@@ -431,6 +455,12 @@ thread pool by the node's cores otherwise, and several pods on one node oversubs
     path: {{ $path }}
 {{- end }}
 {{- end }}
+{{- if and (eq .values.accelerator.type "ascend") $v.ascend.roce.enabled }}
+- name: hccn-conf
+  hostPath:
+    path: {{ $v.ascend.roce.hccnConfPath }}
+    type: File
+{{- end }}
 {{- with $v.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
@@ -439,9 +469,14 @@ thread pool by the node's cores otherwise, and several pods on one node oversubs
 {{/* pod spec fields shared by every service pod (scheduling, security, pull secrets) */}}
 {{- define "rlhf.podCommon" -}}
 {{- $v := .root.Values }}
+{{- include "rlhf.hostNetworkGuard" .root }}
 serviceAccountName: {{ include "rlhf.serviceAccountName" .root }}
 automountServiceAccountToken: false
 enableServiceLinks: false
+{{- if include "rlhf.onHostNetwork" . }}
+hostNetwork: true
+dnsPolicy: ClusterFirstWithHostNet
+{{- end }}
 {{- with $v.image.pullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -465,9 +500,114 @@ nodeSelector:
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .values.affinity }}
+{{- with include "rlhf.affinity" . | trim }}
 affinity:
-  {{- toYaml . | nindent 2 }}
+  {{- . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The component's affinity: its own, plus (accelerator.type ascend, ascend.nodeAffinity.enabled) a required
+     `<key> In <values of ascend.soc>` in each of its required node-selector terms, plus, when the rollout must share
+     the trainer's node (rlhf.colocateRollout), a required pod affinity of the rollout to the trainer's pods and a
+     preferred one of the trainer to the rollout's. */}}
+{{- define "rlhf.affinity" -}}
+{{- $v := .root.Values }}
+{{- $aff := deepCopy (default (dict) .values.affinity) }}
+{{- if and (eq .values.accelerator.type "ascend") $v.ascend.nodeAffinity.enabled }}
+{{- $soc := include "rlhf.ascendSoc" .root }}
+{{- $types := index $v.ascend.nodeAffinity.values $soc }}
+{{- if not $types }}
+{{- fail (printf "ascend.nodeAffinity.values.%s is empty: list the %s label values of %s nodes" $soc $v.ascend.nodeAffinity.key $soc) }}
+{{- end }}
+{{- $expr := dict "key" $v.ascend.nodeAffinity.key "operator" "In" "values" $types }}
+{{- $node := default (dict) (get $aff "nodeAffinity") }}
+{{- $req := default (dict) (get $node "requiredDuringSchedulingIgnoredDuringExecution") }}
+{{- $terms := list }}
+{{- range (default (list) (get $req "nodeSelectorTerms")) }}
+{{- $term := deepCopy . }}
+{{- $_ := set $term "matchExpressions" (append (default (list) (get $term "matchExpressions")) $expr) }}
+{{- $terms = append $terms $term }}
+{{- end }}
+{{- if not $terms }}
+{{- $terms = list (dict "matchExpressions" (list $expr)) }}
+{{- end }}
+{{- $_ := set $req "nodeSelectorTerms" $terms }}
+{{- $_ := set $node "requiredDuringSchedulingIgnoredDuringExecution" $req }}
+{{- $_ := set $aff "nodeAffinity" $node }}
+{{- end }}
+{{- if and (eq .component "rollout") (include "rlhf.colocateRollout" .root) }}
+{{- $trainer := include "rlhf.selectorLabels" (dict "root" .root "component" "trainer") | fromYaml }}
+{{- $term := dict "labelSelector" (dict "matchLabels" $trainer) "topologyKey" "kubernetes.io/hostname" }}
+{{- $pod := default (dict) (get $aff "podAffinity") }}
+{{- $_ := set $pod "requiredDuringSchedulingIgnoredDuringExecution" (append (default (list) (get $pod "requiredDuringSchedulingIgnoredDuringExecution")) $term) }}
+{{- $_ := set $aff "podAffinity" $pod }}
+{{- end }}
+{{- if and (eq .component "trainer") (include "rlhf.colocateRollout" .root) }}
+{{- /* a replaced trainer pod goes back to the rollout's node (required both ways would deadlock the first placement) */}}
+{{- $rollout := include "rlhf.selectorLabels" (dict "root" .root "component" "rollout") | fromYaml }}
+{{- $term := dict "weight" 100 "podAffinityTerm" (dict "labelSelector" (dict "matchLabels" $rollout) "topologyKey" "kubernetes.io/hostname") }}
+{{- $pod := default (dict) (get $aff "podAffinity") }}
+{{- $_ := set $pod "preferredDuringSchedulingIgnoredDuringExecution" (append (default (list) (get $pod "preferredDuringSchedulingIgnoredDuringExecution")) $term) }}
+{{- $_ := set $aff "podAffinity" $pod }}
+{{- end }}
+{{- if $aff }}
+{{- toYaml $aff }}
+{{- end }}
+{{- end }}
+
+{{/* ------------------------------------------------------------------ host network (HCCL between pods of one node) */}}
+
+{{/* "true" when the trainer pushes weights by a collective over hccl: weightSync.collectiveBackend hccl, or auto
+     with an Ascend trainer (the trainer picks by its device) */}}
+{{- define "rlhf.hcclCollective" -}}
+{{- $w := .Values.weightSync }}
+{{- if eq $w.transport "collective" }}
+{{- if or (eq $w.collectiveBackend "hccl") (and (eq $w.collectiveBackend "auto") (eq .Values.trainer.accelerator.type "ascend")) }}true{{ end }}
+{{- end }}
+{{- end }}
+
+{{/* "true" for the trainer and rollout pods with weightSync.hostNetwork; (dict "root" $ "component" NAME) */}}
+{{- define "rlhf.onHostNetwork" -}}
+{{- if and .root.Values.weightSync.hostNetwork (has .component (list "rollout" "trainer")) }}true{{ end }}
+{{- end }}
+
+{{/* "true" when each rollout pod must run on the trainer's node: hccl collective on the node's network without a
+     RoCE fabric (HCCL reaches another node's NPUs over RoCE only) */}}
+{{- define "rlhf.colocateRollout" -}}
+{{- if and .Values.weightSync.hostNetwork (include "rlhf.hcclCollective" .) (not .Values.ascend.roce.enabled) }}true{{ end }}
+{{- end }}
+
+{{/* The gRPC or HTTP port a component listens on: ports.*, except the trainer's on the node's network
+     (trainer.hostNetworkPorts); (dict "root" $ "component" NAME "port" "grpc"|"http") */}}
+{{- define "rlhf.listenPort" -}}
+{{- if and (eq .component "trainer") (include "rlhf.onHostNetwork" .) }}
+{{- index .root.Values.trainer.hostNetworkPorts .port | int }}
+{{- else }}
+{{- index .root.Values.ports .port | int }}
+{{- end }}
+{{- end }}
+
+{{/* Values the HCCL / host-network settings refuse; renders nothing. */}}
+{{- define "rlhf.hostNetworkGuard" -}}
+{{- $v := .Values }}
+{{- if and (include "rlhf.hcclCollective" .) (not $v.weightSync.hostNetwork) (not $v.ascend.roce.enabled) }}
+{{- fail "weightSync.transport=collective over hccl needs weightSync.hostNetwork=true or ascend.roce.enabled=true: HCCL takes two pods with their own IPs for two servers, even on one node, and then needs RoCE links between their NPUs (vllm-ascend#14506). Put trainer and rollout on the node's network (weightSync.hostNetwork=true), declare a configured RoCE fabric with /etc/hccn.conf on the nodes (ascend.roce.enabled=true), or push over TCP (weightSync.transport=tcp)" }}
+{{- end }}
+{{- if include "rlhf.colocateRollout" . }}
+{{- if or (ne (int $v.rollout.replicas) 1) $v.rollout.autoscaling.keda.enabled }}
+{{- fail (printf "weightSync.hostNetwork with collective over hccl and no RoCE fabric: each rollout pod must share the trainer's node (HCCS) and its pods use the node's ports, so one fits: set rollout.replicas=1 and no KEDA (got replicas %d, keda %v), or ascend.roce.enabled=true where the NPUs' RoCE fabric is configured, or weightSync.transport=tcp" (int $v.rollout.replicas) $v.rollout.autoscaling.keda.enabled) }}
+{{- end }}
+{{- end }}
+{{- if $v.weightSync.hostNetwork }}
+{{- if and $v.networkPolicy.enabled (not $v.networkPolicy.nodesFrom) }}
+{{- fail "weightSync.hostNetwork: the trainer and rollout pods reach reward, reference and Redis from their node's address, which the NetworkPolicies' podSelectors do not match: list the nodes in networkPolicy.nodesFrom (e.g. [{ipBlock: {cidr: <node CIDR>}}]) or set networkPolicy.enabled=false" }}
+{{- end }}
+{{- $tp := $v.trainer.hostNetworkPorts }}
+{{- $taken := list (int $v.ports.grpc) (int $v.ports.http) }}
+{{- if $v.ports.weightsData }}{{ $taken = append $taken (int $v.ports.weightsData) }}{{ end }}
+{{- if or (has (int $tp.grpc) $taken) (has (int $tp.http) $taken) (eq (int $tp.grpc) (int $tp.http)) }}
+{{- fail (printf "weightSync.hostNetwork: trainer.hostNetworkPorts (grpc %d, http %d) must differ from each other and from the rollout's ports on the same node (ports.grpc %d, ports.http %d, ports.weightsData %d)" (int $tp.grpc) (int $tp.http) (int $v.ports.grpc) (int $v.ports.http) (int $v.ports.weightsData)) }}
+{{- end }}
 {{- end }}
 {{- end }}
 
@@ -673,15 +813,15 @@ template:
           - --config
           - /etc/rlhf/config.yaml
           - --grpc-port
-          - {{ $root.Values.ports.grpc | quote }}
+          - {{ include "rlhf.listenPort" (dict "root" $root "component" "trainer" "port" "grpc") | quote }}
           - --http-port
-          - {{ $root.Values.ports.http | quote }}
+          - {{ include "rlhf.listenPort" (dict "root" $root "component" "trainer" "port" "http") | quote }}
         ports:
           - name: grpc
-            containerPort: {{ $root.Values.ports.grpc }}
+            containerPort: {{ include "rlhf.listenPort" (dict "root" $root "component" "trainer" "port" "grpc") }}
             protocol: TCP
           - name: http
-            containerPort: {{ $root.Values.ports.http }}
+            containerPort: {{ include "rlhf.listenPort" (dict "root" $root "component" "trainer" "port" "http") }}
             protocol: TCP
           - name: rendezvous
             containerPort: {{ $tr.rdzvPort }}
