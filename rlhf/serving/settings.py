@@ -11,9 +11,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Literal
+from contextvars import ContextVar
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 log = logging.getLogger("rlhf.serving")
 
@@ -21,10 +23,26 @@ ENV_PREFIX = "RLHF_"
 MiB = 1024 * 1024
 
 
-class ServiceSettings(BaseModel):
+_ENV: ContextVar[Mapping[str, str] | None] = ContextVar("rlhf_settings_env", default=None)
+
+
+class _Environment(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping instead of ``os.environ`` (deployment checks
+    validate a compose file's or a chart's environment without exporting it)."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]):
+        self._env = env
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:  # the one hook the source reads its variables through
+        return {k.lower(): v for k, v in self._env.items()}  # as os.environ is read: names case-insensitive
+
+
+class ServiceSettings(BaseSettings):
     """Where and how one service process serves. Field ``x`` comes from ``RLHF_X``."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # CLI flags (init values) win over the environment; no .env file or secrets folder is read
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_assignment=True)
 
     host: str = Field("0.0.0.0", description="address both servers bind")
     grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC port (0: any free port)")
@@ -59,9 +77,10 @@ class ServiceSettings(BaseModel):
     run_id: str | None = Field(None, description="override the config's run_id (names the Redis keys)")
     reward_addr: str | None = Field(None, description="host:port of the reward service's gRPC server")
     reference_addr: str | None = Field(None, description="host:port of the reference service's gRPC server")
-    rollout_addrs: list[str] = Field([], description="host:port of each rollout replica's gRPC server (comma list)")
+    rollout_addrs: Annotated[list[str], NoDecode] = Field(
+        [], description="host:port of each rollout replica's gRPC server (comma list)"
+    )
     replica_id: str | None = Field(None, description="this replica's name (default: hostname-pid)")
-    run_dir: str | None = Field(None, description="run folder for checkpoints, metrics and plots (trainer)")
     weights_data_port: int | None = Field(
         None,
         ge=0,
@@ -82,6 +101,13 @@ class ServiceSettings(BaseModel):
         "push (a replica that cannot run it refuses): auto (by the trainer's device: gloo on cpu, nccl on cuda, hccl "
         "on npu), gloo (host memory, any device), nccl, hccl",
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ):
+        env = _ENV.get()  # from_env(env=...): that mapping instead of os.environ
+        return (init_settings, env_settings if env is None else _Environment(settings_cls, env))
 
     @field_validator("rollout_addrs", mode="before")
     @classmethod
@@ -148,15 +174,10 @@ class ServiceSettings(BaseModel):
 
         Raises ``ValueError`` naming the variable when a value is invalid.
         """
-        env = os.environ if env is None else env
-        data: dict[str, Any] = {}
-        for name in cls.model_fields:
-            key = ENV_PREFIX + name.upper()
-            if key in env:
-                data[name] = env[key]
-        data.update({k: v for k, v in overrides.items() if v is not None})
+        flags = {k: v for k, v in overrides.items() if v is not None}
+        token = _ENV.set(env)
         try:
-            settings = cls.model_validate(data)
+            settings = cls(**flags)
         except ValidationError as err:
             lines = []
             for e in err.errors():
@@ -164,6 +185,8 @@ class ServiceSettings(BaseModel):
                 src = "flag --" + name.replace("_", "-") if name in overrides else ENV_PREFIX + name.upper()
                 lines.append(f"{src}: {e['msg']}")
             raise ValueError("invalid service settings: " + "; ".join(lines)) from None
+        finally:
+            _ENV.reset(token)
         if bool(settings.tls_cert) != bool(settings.tls_key):
             raise ValueError("invalid service settings: set both RLHF_TLS_CERT and RLHF_TLS_KEY (or neither)")
         return settings

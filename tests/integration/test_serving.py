@@ -81,6 +81,20 @@ def test_settings_from_env_and_flags():
     assert unknown_env_vars({"RLHF_GRPC_PROT": "1", "RLHF_GRPC_PORT": "1", "PATH": "/"}) == ["RLHF_GRPC_PROT"]
 
 
+def test_settings_from_the_process_environment(monkeypatch):
+    """Without a mapping the process's environment is read (pydantic-settings' source); a flag still wins, and a
+    mapping given to another call does not leak into it."""
+    monkeypatch.setenv("RLHF_GRPC_PORT", "6100")
+    monkeypatch.setenv("RLHF_ROLLOUT_ADDRS", "r0:1,r1:2")
+    monkeypatch.setenv("RLHF_RUN_DIR", "/runs/a")
+    s = ServiceSettings.from_env(grpc_port=6200)
+    assert (s.grpc_port, s.rollout_addrs, s.run_dir) == (6200, ["r0:1", "r1:2"], "/runs/a")
+    assert ServiceSettings.from_env({"RLHF_HTTP_PORT": "7100"}).grpc_port == 50051  # the mapping alone
+    assert ServiceSettings.from_env().grpc_port == 6100
+    with pytest.raises(ValueError, match="RLHF_RUN_ID"):
+        ServiceSettings.from_env({"RLHF_RUN_ID": ["not", "text"]})
+
+
 # ---------------------------------------------------------------- toy service
 
 
