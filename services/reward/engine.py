@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.config import ExperimentConfig, ScorerConfig
+from rlhf.retry import retry
 from rlhf.serving import InvalidArgument, NotReady, ServiceMetrics
 from rlhf.serving.batching import MicroBatcher
 from services.reward import rules
@@ -376,36 +377,28 @@ class RemoteScorer(Scorer):
             "prompts": [it.prompt for it in items],
             "labels": [it.label for it in items],
         }
-        last: Failure | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                await asyncio.sleep(min(2.0, 0.1 * 2 ** (attempt - 1)))
+        attempts = 0
+        who = f"scorer {self.name!r}: {self.url}"
+
+        async def attempt() -> list[float | Failure]:
+            nonlocal attempts
+            attempts += 1
             try:
                 rewards = await self._call(body)
             except (TimeoutError, httpx.TimeoutException):
-                last = Failure(
-                    TIMEOUT,
-                    f"scorer {self.name!r}: {self.url} did not answer within {self.timeout}s "
-                    f"({attempt + 1} attempt(s))",
-                )
-                continue
+                raise _Failed(TIMEOUT, f"{who} did not answer within {self.timeout}s ({attempts} attempt(s))") from None
             except _HTTPStatus as err:
-                last = Failure(SCORER_ERROR, f"scorer {self.name!r}: {self.url} answered HTTP {err.status}: {err.text}")
-                if err.status < 500 and err.status != 429:
-                    break  # the request itself is wrong: retrying will not help
-                continue
+                # 4xx other than 429: the request itself is wrong, and retrying will not help
+                again = err.status >= 500 or err.status == 429
+                raise _Failed(SCORER_ERROR, f"{who} answered HTTP {err.status}: {err.text}", again) from None
             except (httpx.HTTPError, OSError) as err:
-                last = Failure(SCORER_ERROR, f"scorer {self.name!r}: cannot reach {self.url}: {type(err).__name__}")
-                continue
+                raise _Failed(
+                    SCORER_ERROR, f"scorer {self.name!r}: cannot reach {self.url}: {type(err).__name__}"
+                ) from None
             except ValueError as err:
-                last = Failure(SCORER_ERROR, f"scorer {self.name!r}: bad answer from {self.url}: {err}")
-                continue
+                raise _Failed(SCORER_ERROR, f"scorer {self.name!r}: bad answer from {self.url}: {err}") from None
             if len(rewards) != len(items):
-                last = Failure(
-                    SCORER_ERROR,
-                    f"scorer {self.name!r}: {self.url} returned {len(rewards)} rewards for {len(items)} items",
-                )
-                continue
+                raise _Failed(SCORER_ERROR, f"{who} returned {len(rewards)} rewards for {len(items)} items")
             out: list[float | Failure] = []
             for r in rewards:
                 try:
@@ -415,14 +408,35 @@ class RemoteScorer(Scorer):
                     continue
                 out.append(v if math.isfinite(v) else Failure(SCORER_ERROR, f"scorer {self.name!r}: reward {v}"))
             return out
-        assert last is not None
-        self.report_failure(last.message)
-        return [last] * len(items)
+
+        try:
+            return await retry(
+                attempt,
+                lambda err: isinstance(err, _Failed) and err.retry,
+                what=f"scorer {self.name!r}",
+                log=log,
+                attempts=self.retries + 1,
+                initial_s=0.1,
+                max_s=2.0,
+                level=logging.INFO,
+            )
+        except _Failed as err:
+            self.report_failure(err.failure.message)
+            return [err.failure] * len(items)
 
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+
+class _Failed(Exception):
+    """One failed attempt of a remote scorer: the Failure every item gets if it is the last, and whether another
+    attempt may succeed."""
+
+    def __init__(self, status: int, message: str, retry: bool = True):
+        super().__init__(message)
+        self.failure, self.retry = Failure(status, message), retry
 
 
 class _HTTPStatus(Exception):

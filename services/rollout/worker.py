@@ -55,6 +55,7 @@ import grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from rlhf.retry import retry
 from rlhf.serving.errors import InvalidArgument
 from rlhf.serving.runner import open_channel
 from rlhf.serving.settings import ServiceSettings, register_env_var
@@ -417,18 +418,14 @@ class RolloutWorker:
         restart, a Sentinel failover, ``wait_replicas`` not met yet), for up to the reclaim idle time: the work is
         kept instead of regenerated. A retry is safe: once a try went through, the job is no longer pending and the
         next writes nothing. Past that time the job is left pending, and reclaimed (re-issued) as any failed job."""
-        deadline = time.monotonic() + self.reclaim_idle_ms / 1000
-        delay = 0.2
-        while True:
-            try:
-                return await self._experience.publish_and_ack(exp, entry_id)
-            except (RedisConnectionError, RedisTimeoutError) as err:
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning("%s: writing the experience of job %s failed (%s: %s); retrying in %.1fs",
-                            self.replica_id, exp.job_id, type(err).__name__, err, delay)  # fmt: skip
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        return await retry(
+            lambda: self._experience.publish_and_ack(exp, entry_id),
+            lambda err: isinstance(err, (RedisConnectionError, RedisTimeoutError)),
+            what=f"{self.replica_id}: writing the experience of job {exp.job_id} failed",
+            log=log,
+            deadline=time.monotonic() + self.reclaim_idle_ms / 1000,
+            max_s=2.0,
+        )
 
     def sampling_options(self, p: common_pb2.SamplingParams) -> SamplingOptions:
         return options_from_proto(p, self.defaults)
@@ -513,22 +510,21 @@ class RolloutWorker:
 
     async def _call(self, what: str, method: Any, request: Any) -> Any:
         """One unary call with a deadline; UNAVAILABLE / DEADLINE_EXCEEDED are retried with backoff."""
-        delay = self.rpc_backoff_s
-        for attempt in range(self.rpc_retries + 1):
-            try:
-                return await method(request, timeout=self.rpc_timeout_s, wait_for_ready=False)
-            except grpc.aio.AioRpcError as err:
-                code = err.code()
-                if code in RETRYABLE and attempt < self.rpc_retries:
-                    log.info("%s: %s %s (attempt %d); retrying in %.2fs", self.replica_id, what, code.name,
-                             attempt + 1, delay)  # fmt: skip
-                    await asyncio.sleep(delay)
-                    delay *= 2
-                    continue
-                raise JobFailed(
-                    f"{what}_{code.name.lower()}", f"{what} call failed: {code.name}: {err.details()}"
-                ) from None
-        raise AssertionError("unreachable")  # pragma: no cover
+        try:
+            return await retry(
+                lambda: method(request, timeout=self.rpc_timeout_s, wait_for_ready=False),
+                lambda err: isinstance(err, grpc.aio.AioRpcError) and err.code() in RETRYABLE,
+                what=f"{self.replica_id}: {what} call failed",
+                log=log,
+                attempts=self.rpc_retries + 1,
+                initial_s=self.rpc_backoff_s,
+                level=logging.INFO,
+            )
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            raise JobFailed(
+                f"{what}_{code.name.lower()}", f"{what} call failed: {code.name}: {err.details()}"
+            ) from None
 
 
 def maybe_start_worker(
