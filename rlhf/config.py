@@ -175,7 +175,10 @@ class ActorRolloutConfig(Section):
         gt=0, le=1,
     )  # fmt: skip
     tensor_model_parallel_size: int = _f(1, "vllm: devices the rollout engine shards the model over", ge=1, le=64)
-    enforce_eager: bool = _f(True, "vllm: run eagerly (false: CUDA graphs / compile: faster decode, slower start)")
+    enforce_eager: bool | None = _f(
+        None, "vllm: run eagerly; null: eagerly except on CUDA without staged_weight_swap (vLLM's in-place reload "
+        "keeps captured CUDA graphs valid); false: CUDA graphs / compile (faster decode, slower start)",
+    )  # fmt: skip
     staged_weight_swap: bool | None = _f(
         None, "vllm: load each weight update into a second copy of the model while generation goes on, then swap "
         "the two between two steps (the pause is the swap, not the load; a second copy of the weights in memory); "
@@ -571,7 +574,7 @@ def _check_rollout(cfg: ExperimentConfig) -> None:
             if name in a.model_fields_set:
                 raise ValueError(f"actor_rollout_ref.actor_rollout.{name} is read by the vllm engine only; "
                                  "remove it or set engine: vllm")  # fmt: skip
-    if a.staged_weight_swap and not a.enforce_eager:
+    if a.staged_weight_swap and a.enforce_eager is False:
         raise ValueError("actor_rollout_ref.actor_rollout.staged_weight_swap needs enforce_eager: true (CUDA graphs "
                          "capture the live weights' addresses, so the swapped-in copy would not be used); set one "
                          "of them to false")  # fmt: skip

@@ -103,14 +103,16 @@ class CollectiveGroup(_message.Message):
     def __init__(self, address: _Optional[str] = ..., port: _Optional[int] = ..., key: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., backend: _Optional[str] = ...) -> None: ...
 
 class OpenWeightsTransferResponse(_message.Message):
-    __slots__ = ("ticket", "data_port", "ticket_ttl_seconds")
+    __slots__ = ("ticket", "data_port", "ticket_ttl_seconds", "ranks")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     TICKET_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     ticket: bytes
     data_port: int
     ticket_ttl_seconds: float
-    def __init__(self, ticket: _Optional[bytes] = ..., data_port: _Optional[int] = ..., ticket_ttl_seconds: _Optional[float] = ...) -> None: ...
+    ranks: int
+    def __init__(self, ticket: _Optional[bytes] = ..., data_port: _Optional[int] = ..., ticket_ttl_seconds: _Optional[float] = ..., ranks: _Optional[int] = ...) -> None: ...
 
 class CommitWeightsRequest(_message.Message):
     __slots__ = ("ticket",)

@@ -708,7 +708,9 @@ def apply_rollout_env(cfg: ExperimentConfig, env: Mapping[str, str] | None = Non
 def vllm_engine_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
     """vLLM engine arguments from ``actor_rollout`` (beyond model, dtype and seed): what the engine is built with."""
     a = cfg.actor
-    kw: dict[str, Any] = {"enforce_eager": a.enforce_eager, "tensor_parallel_size": a.tensor_model_parallel_size}
+    kw: dict[str, Any] = {"tensor_parallel_size": a.tensor_model_parallel_size}
+    if a.enforce_eager is not None:  # null: the engine decides by its device (VllmEngine.default_enforce_eager)
+        kw["enforce_eager"] = a.enforce_eager
     if a.gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = a.gpu_memory_utilization
     return kw

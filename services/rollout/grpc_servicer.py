@@ -161,9 +161,20 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             check_backend(group.backend, self.engine.device_type)  # CollectiveUnavailable; nothing reserved yet
         receive = getattr(self.engine, "receive_collective", None) if group is not None else None
         stream = self._installer(request.header) if group is None else None
+        # the processes this replica joins the push's group from (vLLM: one per worker under tensor parallelism)
+        ranks = self._collective_ranks() if group is not None else 0
         ticket, ttl = await self.data.open(request.header, group, receive, stream)  # raises like UpdateWeights
         port = self.data.port if group is None else 0
-        return weights_pb2.OpenWeightsTransferResponse(ticket=ticket, data_port=port, ticket_ttl_seconds=ttl)
+        return weights_pb2.OpenWeightsTransferResponse(ticket=ticket, data_port=port, ticket_ttl_seconds=ttl,
+                                                       ranks=ranks)  # fmt: skip
+
+    def _collective_ranks(self) -> int:
+        """How many ranks this replica takes in a collective push's group: the engine's ``collective_ranks`` (the
+        processes that receive the buckets), one by default (an engine that receives in this process)."""
+        ranks = int(getattr(self.engine, "collective_ranks", 1))
+        if ranks < 1:
+            raise FailedPrecondition(f"the engine reports {ranks} collective ranks", field="group")
+        return ranks
 
     @grpc_errors("CommitWeights")
     async def CommitWeights(self, request, context) -> weights_pb2.UpdateWeightsResponse:  # noqa: N802

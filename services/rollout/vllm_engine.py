@@ -237,7 +237,7 @@ class VllmEngine(EngineBase):
             tokenizer=str(self.model_path),
             dtype=self.dtype,
             seed=self.seed,
-            enforce_eager=True,
+            enforce_eager=self.default_enforce_eager(),  # actor_rollout.enforce_eager, when set, overrides it
             max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs,
             worker_extension_cls=EXTENSION,
@@ -276,6 +276,13 @@ class VllmEngine(EngineBase):
         self._mark_loaded()
         log.info("vLLM engine (%s) ready: %s, max_model_len %d; weight loading: %s", self.mode, self.model_path,
                  self.max_model_len, self._features)  # fmt: skip
+
+    def default_enforce_eager(self) -> bool:
+        """Eager unless on CUDA with the staged swap off: vLLM's in-place reload copies each update into the
+        tensors the captured CUDA graphs read, so graphs stay valid across pushes, while the staged swap installs
+        another copy of the model that no graph was captured on. The CPU stages by default, and Ascend's graph mode
+        has not been run with a reload here, so both stay eager."""
+        return self.device_type != "cuda" or bool(self.staged_swap_setting)
 
     def _decide_staged_swap(self) -> bool:
         want = self.staged_swap_setting
@@ -571,6 +578,20 @@ class VllmEngine(EngineBase):
         import torch
 
         return torch.device(self.device_type)
+
+    @property
+    def collective_ranks(self) -> int:
+        """How many ranks this replica joins a collective push's group with (reported at Open): one per vLLM worker
+        (tensor x pipeline parallel, as the workers report it) when the workers receive the buckets, else one (this
+        process receives, :meth:`receive_collective`)."""
+        features = getattr(self, "_features", None) or {}
+        if not features.get("engine_sessions"):
+            return 1
+        reported = features.get("parallel_world_size")
+        if reported:
+            return int(reported)
+        kw = self.engine_kwargs  # a worker extension that does not report it: what the engine was built with
+        return int(kw.get("tensor_parallel_size", 1) or 1) * int(kw.get("pipeline_parallel_size", 1) or 1)
 
     async def receive_collective(self, group: Any, ticket: bytes, header: Any, per_bucket: list) -> tuple[Any, int]:
         """A collective push received by vLLM's worker through vLLM's weight-transfer API (backend

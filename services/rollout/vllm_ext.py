@@ -157,6 +157,8 @@ class WorkerExtension:
             "reload_weights": hasattr(self, "reload_weights"),
             "staged_swap": staged,
             "staged_swap_unsupported": why,
+            # the workers of this engine (tensor x pipeline parallel): each joins a collective push's group
+            "parallel_world_size": int(getattr(getattr(self, "parallel_config", None), "world_size", 1) or 1),
         }
 
     def rlhf_ping(self) -> str:

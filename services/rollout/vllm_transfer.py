@@ -7,7 +7,9 @@ vLLM drives weight updates through ``init_weight_transfer_engine`` / ``start_wei
 per-push group of :mod:`rlhf.transport.weights.collective` with the backend the push names (gloo, nccl, hccl):
 
 - ``init_weight_transfer_engine({"address", "port", "key", "timeout_s", "ticket", "backend"})``: join the push's
-  group (the rank comes from the trainer's store, keyed by this replica's ticket); nccl/hccl on the worker's device;
+  group (the replica's first rank comes from the trainer's store, keyed by its ticket; every worker joins, each with
+  that rank plus its own ``parallel_config.rank``: the replica reported its world size at Open, see
+  ``VllmEngine.collective_ranks``); nccl/hccl on the worker's device;
 - ``start_weight_update()``: forget anything staged before; the model is not touched;
 - ``update_weights({"index", "nbytes", "sha256", "tensors": [[name, dtype, shape], ...]})`` per bucket: receive the
   bucket by broadcast (on the device for nccl/hccl, then copied to host memory) and check its sha256 and content
@@ -112,7 +114,12 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         self._close()  # a group left by an update that was never finished
         self.spec = GroupSpec(init_info.address, int(init_info.port), init_info.key, float(init_info.timeout_s),
                               init_info.backend)  # fmt: skip
-        self.pg = join_group(self.spec, bytes.fromhex(init_info.ticket))
+        self.pg = join_group(self.spec, bytes.fromhex(init_info.ticket), self._local_rank())
+
+    def _local_rank(self) -> int:
+        """This worker's index in its replica (tensor x pipeline parallel; vLLM's own NCCL engine offsets the
+        trainer group's rank by the same); 0 where the engine has no parallel config."""
+        return int(getattr(getattr(self, "parallel_config", None), "rank", 0) or 0)
 
     def start_weight_update(self) -> None:
         self._end_inplace()  # a load a failed session left open: end it, so the model runs and the next one starts

@@ -237,9 +237,9 @@ def test_a_hung_member_fails_the_push_within_the_group_timeout():
             targets = [survivor.addr, child_addr]
             real_admit = collective.TrainerGroup.admit
 
-            def admit_then_stop(self, tickets):
+            def admit_then_stop(self, tickets, ranks=None):
                 os.kill(child.pid, signal.SIGSTOP)  # it answered Open; now it hangs
-                return real_admit(self, tickets)
+                return real_admit(self, tickets, ranks)
 
             collective.TrainerGroup.admit = admit_then_stop
             try:

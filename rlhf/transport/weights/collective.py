@@ -9,8 +9,11 @@ succeeded, so replicas that join or leave between pushes are simply in the next 
 
 1. the trainer starts a ``TCPStore`` (its master) on a free port and sends Open to every replica;
 2. it writes, under the push's key, ``world_size`` and ``rank/<ticket hex>`` for each replica that answered a
-   ticket (ranks 1..n in that order): a replica learns its rank from its own ticket, so one that failed Open, or
-   does not exist, is never waited for;
+   ticket (ranks from 1 in that order): a replica learns its rank from its own ticket, so one that failed Open, or
+   does not exist, is never waited for. A replica that receives in several processes (a vLLM replica with tensor or
+   pipeline parallelism: one per worker) says so at Open (``OpenWeightsTransferResponse.ranks``); it is given that
+   many consecutive ranks (``ranks/<ticket hex>``) and each of its processes joins with the first plus its own
+   index (vLLM's ``parallel_config.rank``, as vLLM's own NCCL engine does), so the world is 1 + the sum;
 3. every member builds the push's process group on that store and the trainer broadcasts bucket by bucket.
 
 The backend travels in the group (``CollectiveGroup.backend``), so every member builds the same one: ``gloo`` (the
@@ -21,7 +24,13 @@ each bucket travels as a uint8 tensor on the device: the trainer copies it host 
 its device and copies it device -> host to check its sha256 and parse it (the install then copies it back).
 
 Failure: a member that dies mid-broadcast (kill -9 closes its sockets; a hung one trips the group's timeout) makes
-the broadcast raise on the trainer within ``timeout_s``, never hang; the trainer aborts every ticket of the push
+the broadcast raise on the trainer within ``timeout_s``, never hang. NCCL forms its communicator lazily, at the first
+broadcast, and no process-group timeout covers that (pytorch/pytorch#88103): a ticket holder that never joins would
+block rank 0 there for ever. So every step of the trainer's broadcast (forming the group, each bucket's broadcast)
+runs under a watchdog (:class:`TrainerGroup`): past ``timeout_s`` it aborts the group and the push fails with
+:class:`GroupTimeout`, even while the blocked call has not returned; the nccl groups are also non-blocking
+(``config.blocking = 0``, bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT``), so their init can time out and be
+aborted on every member. The trainer then aborts every ticket of the push
 (``AbortWeightsTransfer``), so the survivors free their slot at once and keep serving their version, and the next
 push forms a group of the survivors. Bytes a replica received are never installed unless every digest matches.
 
@@ -34,12 +43,19 @@ here. The bytes are not encrypted (like the data plane): off under TLS.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
+import math
+import os
 import secrets
 import socket
+import threading
+import time
+import traceback
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +71,18 @@ DEFAULT_TIMEOUT_S = 60.0
 BACKENDS = ("gloo", "nccl", "hccl")
 DEVICE_BACKEND = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}  # what a trainer on each device type picks
 _BACKEND_DEVICE = {"nccl": "cuda", "hccl": "npu"}  # gloo: any device (the buckets stay in host memory)
+# The trainer's watchdog fires this long after a step's ``timeout_s``: a backend that times out by itself (gloo, at
+# ``timeout_s``) reports its own, more precise error first; the watchdog is for what no backend timeout covers.
+WATCHDOG_GRACE_S = 2.0
+# NCCL's own per-collective timeout is this much later than the watchdog's: its watchdog tears the process down by
+# default (TORCH_NCCL_ASYNC_ERROR_HANDLING=3), ours aborts the group and fails the push.
+NCCL_TIMEOUT_GRACE_S = 30.0
+MAX_RANKS_PER_REPLICA = 1024
+
+
+class GroupTimeout(RuntimeError):
+    """A step of the trainer's broadcast (forming the push's group, a bucket's broadcast) did not end within the
+    group's timeout; the group was aborted."""
 
 
 def backend_for(device_type: str) -> str:
@@ -138,8 +166,19 @@ def _timeout(spec: GroupSpec) -> datetime.timedelta:
 def _process_group(store: Any, rank: int, world_size: int, spec: GroupSpec, host: str) -> Any:
     prefixed = dist.PrefixStore(spec.key + "/pg/", store)
     if spec.backend == "nccl":
+        # Non-blocking communicator: NCCL's init (lazy, at the first collective) is then bounded by
+        # TORCH_NCCL_NONBLOCKING_TIMEOUT (read once per process; default 30 min) and can be aborted
+        # (NVIDIA/nccl#1677; a blocking init waits for a missing rank for ever, pytorch/pytorch#88103). Only this
+        # group: the trainer's FSDP groups stay as they are. TORCH_NCCL_USE_COMM_NONBLOCKING=0 keeps it blocking
+        # (pytorch/pytorch#153960: NCCL 2.26 could hang in non-blocking mode); the trainer's watchdog still bounds
+        # the push.
+        os.environ.setdefault("TORCH_NCCL_NONBLOCKING_TIMEOUT", str(math.ceil(spec.timeout_s)))
         nccl = dist.ProcessGroupNCCL.Options()
-        nccl._timeout = _timeout(spec)
+        nccl._timeout = datetime.timedelta(seconds=spec.timeout_s + WATCHDOG_GRACE_S + NCCL_TIMEOUT_GRACE_S)
+        config = getattr(nccl, "config", None)
+        blocking = os.environ.get("TORCH_NCCL_USE_COMM_NONBLOCKING", "").strip().lower() in ("0", "false", "no")
+        if config is not None and hasattr(config, "blocking") and not blocking:
+            config.blocking = 0
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl)
     if spec.backend == "hccl":
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # registered by torch_npu (Ascend images only)
@@ -160,6 +199,17 @@ def close_group(pg: Any, spec: GroupSpec) -> None:
         pg.shutdown()
     except (RuntimeError, AttributeError) as err:  # a group that already failed; nothing more to free
         warnings.warn(f"closing the {spec.backend} weight group: {err}", RuntimeWarning, stacklevel=2)
+
+
+def abort_group(pg: Any) -> None:
+    """Abort ``pg`` (best effort, from any thread): NCCL/HCCL abort their communicators, which ends a collective or
+    a non-blocking init waiting on a missing member; gloo's abort does nothing (its own timeout ends its waits)."""
+    if pg is None:
+        return
+    try:
+        pg.abort()
+    except Exception as err:  # noqa: BLE001 - a group that cannot be aborted: its thread is left to its timeout
+        warnings.warn(f"aborting the weight group: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=2)
 
 
 def _sync(device: torch.device | None) -> None:
@@ -187,8 +237,60 @@ def local_address_towards(host: str) -> str:
             return "127.0.0.1"
 
 
+class _Watchdog:
+    """One deadline at a time (:meth:`arm` / :meth:`disarm`); when one passes, ``expire(what)`` is called once, in the
+    watchdog's thread, and the watchdog stops."""
+
+    def __init__(self, seconds: float, expire: Callable[[str], None]):
+        self.seconds = seconds
+        self._expire = expire
+        self._cv = threading.Condition()
+        self._what: str | None = None
+        self._deadline = 0.0
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="weights-group-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self, what: str) -> None:
+        with self._cv:
+            self._what, self._deadline = what, time.monotonic() + self.seconds
+            self._cv.notify()
+
+    def disarm(self) -> None:
+        with self._cv:
+            self._what = None
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+
+    def _run(self) -> None:
+        with self._cv:
+            while True:
+                if self._stopped:
+                    return
+                if self._what is None:
+                    self._cv.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cv.wait(left)
+                    continue
+                what, self._stopped = self._what, True
+                break
+        self._expire(what)
+
+
 class TrainerGroup:
-    """Rank 0 of one push: hosts the store, assigns ranks to the replicas that opened, broadcasts the buckets."""
+    """Rank 0 of one push: hosts the store, assigns ranks to the replicas that opened, broadcasts the buckets.
+
+    Every step of :meth:`broadcast` (forming the group; each bucket's broadcast, the first of which forms NCCL's
+    communicator) must end within ``timeout_s`` (+ :data:`WATCHDOG_GRACE_S`): else a watchdog aborts the group, and
+    the broadcast raises :class:`GroupTimeout`. :meth:`run` runs it in a thread of its own and fails its future at
+    that moment even when the blocked call does not return (a blocking communicator init ignores abort).
+    """
 
     def __init__(
         self,
@@ -208,42 +310,146 @@ class TrainerGroup:
                               backend)  # fmt: skip
         self._store = dist.PrefixStore(self.spec.key + "/", self.spec_store)
         self.pg: Any = None
+        self.world = 0
+        self.failure: GroupTimeout | None = None  # set by the watchdog
+        self._lock = threading.Lock()
+        self._watchdog: _Watchdog | None = None
+        self._future: Future | None = None
+        self._running = False  # run()'s thread is inside the broadcast
 
-    def admit(self, tickets: Sequence[bytes]) -> int:
-        """Give ranks 1..n to the replicas holding ``tickets`` (those whose Open succeeded); returns the world
-        size. Replicas wait for their rank on the store, so this releases them."""
-        world = len(tickets) + 1
+    def admit(self, tickets: Sequence[bytes], ranks: Sequence[int] | None = None) -> int:
+        """Give the replicas holding ``tickets`` (those whose Open succeeded) their ranks, from 1 in that order:
+        ``ranks[i]`` consecutive ones to the i-th (the processes it receives in, reported at Open; default one
+        each). Returns the world size, 1 + the sum. Replicas wait for their rank on the store, so this releases
+        them."""
+        counts = [1] * len(tickets) if ranks is None else [int(n) for n in ranks]
+        if len(counts) != len(tickets) or not all(1 <= n <= MAX_RANKS_PER_REPLICA for n in counts):
+            raise ValueError(f"admit: one rank count in 1..{MAX_RANKS_PER_REPLICA} per ticket, not {list(counts)}")
+        world = 1 + sum(counts)
         self._store.set("world_size", str(world))
-        for rank, ticket in enumerate(tickets, start=1):
-            self._store.set(f"rank/{ticket.hex()}", str(rank))
+        first = 1
+        for ticket, n in zip(tickets, counts, strict=True):
+            self._store.set(f"ranks/{ticket.hex()}", str(n))  # before the rank, which releases the replica
+            self._store.set(f"rank/{ticket.hex()}", str(first))
+            first += n
+        self.world = world
         return world
 
     def broadcast(self, world: int, buckets: Iterable[bytes | memoryview]) -> None:
         """Blocking: form the group (every admitted replica joins within the timeout) and send every bucket (they
-        may be made as they are asked for: a streamed push)."""
-        self.pg = _process_group(self.spec_store, 0, world, self.spec, self.spec.address)
-        for data in buckets:
+        may be made as they are asked for: a streamed push). Each step runs under the watchdog (the making of a
+        bucket does not: it is the trainer's own work); one that overruns raises :class:`GroupTimeout`."""
+        self.world = world
+        with self._step("forming the group"):
+            self.pg = _process_group(self.spec_store, 0, world, self.spec, self.spec.address)
+        for i, data in enumerate(buckets):
             with warnings.catch_warnings():  # read-only bytes: broadcast reads them on rank 0, never writes
                 warnings.simplefilter("ignore", UserWarning)
                 t = torch.frombuffer(memoryview(data), dtype=torch.uint8)
-            if self.device is not None:
-                t = t.to(self.device)  # host -> device, one bucket at a time
-            _broadcast(self.pg, t)
-            _sync(self.device)
+            # the first collective forms NCCL's communicator: every admitted rank must have joined by then
+            with self._step("forming the communicator and broadcasting bucket 0" if i == 0 else f"bucket {i}"):
+                if self.device is not None:
+                    t = t.to(self.device)  # host -> device, one bucket at a time
+                _broadcast(self.pg, t)
+                _sync(self.device)
+
+    @contextlib.contextmanager
+    def _step(self, what: str) -> Iterator[None]:
+        # a fresh exception each time: a raised one holds this frame (and the group, and its sockets) in its traceback
+        if self.failure is not None:
+            raise GroupTimeout(str(self.failure))
+        if self._watchdog is None:
+            self._watchdog = _Watchdog(self.spec.timeout_s + WATCHDOG_GRACE_S, self._expire)
+        self._watchdog.arm(what)
+        try:
+            yield
+        except GROUP_ERRORS as err:
+            if self.failure is not None:  # the abort ended the blocked call: report why
+                raise GroupTimeout(str(self.failure)) from err
+            raise
+        finally:
+            self._watchdog.disarm()
+        if self.failure is not None:
+            raise GroupTimeout(str(self.failure))
+
+    def _expire(self, what: str) -> None:
+        """The watchdog: ``what`` overran. Record why, fail :meth:`run`'s future at once, abort the group."""
+        self.failure = GroupTimeout(
+            f"the {self.spec.backend} weight group (world {self.world}) did not finish {what} within "
+            f"{self.spec.timeout_s:g} s (the push's group timeout): a replica that took a ticket never joined the "
+            "group, or stopped receiving; the group was aborted"
+        )
+        self._settle(GroupTimeout(str(self.failure)))  # the failure itself is never raised: it holds no frames
+        abort_group(self.pg)
+
+    def _settle(self, error: BaseException | None) -> None:
+        with self._lock:
+            fut = self._future
+            if fut is not None and not fut.done():
+                if error is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(error)
+
+    def run(self, work: Callable[[], None]) -> Future:
+        """Run ``work`` (which calls :meth:`broadcast`) in a thread of its own. The future ends with it, or with
+        :class:`GroupTimeout` as soon as the watchdog fires: a blocked call that the abort does not end (a blocking
+        NCCL init) is left behind in its thread, and the push fails on time."""
+        fut: Future = Future()
+        self._future = fut
+
+        def target() -> None:
+            error: BaseException | None = None
+            try:
+                work()
+            except BaseException as err:  # noqa: BLE001 - handed to the future
+                # The broadcast's frames hold the group: without their locals, the group is freed at close() and
+                # its gloo sockets close at once, so the members still receiving fail now, not at their timeout.
+                traceback.clear_frames(err.__traceback__)
+                error = err
+            finally:
+                self._running = False
+            self._settle(GroupTimeout(str(self.failure)) if self.failure is not None else error)
+            del error  # the future holds it (and its traceback) until close()
+
+        self._running = True
+        threading.Thread(target=target, name="weights-broadcast", daemon=True).start()
+        return fut
 
     def close(self) -> None:
-        close_group(self.pg, self.spec)
+        """Free the group (abort it while the broadcast is still blocked) and the store. The future's error holds
+        the broadcast's frames (the group's sockets among them) in its traceback: it is dropped here, so a failed
+        group's sockets close now, and its surviving members' receives fail at once instead of at their timeout."""
+        self._future = None
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if self._running:  # the broadcast is still blocked (timed out, or the push was cancelled): end it
+            abort_group(self.pg)  # shutting the group down could block as long as the broadcast
+        else:
+            close_group(self.pg, self.spec)
         self.pg = None
         self.spec_store = None
 
 
-def join_group(spec: GroupSpec, ticket: bytes) -> Any:
-    """Blocking: wait for the rank the trainer gave ``ticket`` on the push's store and join the group."""
+def join_group(spec: GroupSpec, ticket: bytes, local_rank: int = 0) -> Any:
+    """Blocking: wait for the rank the trainer gave ``ticket`` on the push's store and join the group. A replica that
+    receives in several processes (vLLM workers under tensor/pipeline parallelism: it reported how many at Open)
+    joins from each with ``local_rank`` = the process's index (vLLM's ``parallel_config.rank``), taking the
+    trainer's first rank for the ticket plus it."""
     client = dist.TCPStore(spec.address, spec.port, is_master=False, timeout=_timeout(spec))
     store = dist.PrefixStore(spec.key + "/", client)
-    rank = int(store.get(f"rank/{ticket.hex()}"))
+    first = int(store.get(f"rank/{ticket.hex()}"))
     world = int(store.get("world_size"))
-    return _process_group(client, rank, world, spec, local_address_towards(spec.address))
+    if local_rank:
+        key = f"ranks/{ticket.hex()}"  # written before rank/: present unless the trainer predates it (one rank)
+        admitted = int(store.get(key)) if store.check([key]) else 1
+        if not 0 < local_rank < admitted:
+            raise ValueError(
+                f"this process is rank {local_rank} of its replica and the trainer admitted {admitted} rank(s) for "
+                "the replica's ticket: the replica's Open reported fewer processes than join, or the trainer "
+                "predates multi-rank replicas (OpenWeightsTransferResponse.ranks)"
+            )
+    return _process_group(client, first + local_rank, world, spec, local_address_towards(spec.address))
 
 
 def receive_bucket(

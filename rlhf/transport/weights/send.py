@@ -287,14 +287,17 @@ async def push_collective(
 ) -> dict[str, weights_pb2.UpdateWeightsResponse | BaseException]:
     """One update to every replica at once by collective broadcast (:mod:`rlhf.transport.weights.collective`);
     per target its response or exception. Open goes to every target; those that answer a ticket form this push's
-    group with the trainer as rank 0; the buckets are broadcast; each is committed. When the broadcast fails (a
-    member died or hung: within ``group_timeout_s``), every ticket is aborted, so the survivors keep serving their
-    version and free their slot at once, and every member's entry is the error; the next push forms a new group.
+    group with the trainer as rank 0 (a replica that receives in several processes, vLLM's workers under tensor
+    parallelism, says how many at Open and gets as many ranks); the buckets are broadcast; each is committed. When
+    the broadcast fails (a member died or hung, or never joined: each step of the broadcast is bounded by
+    ``group_timeout_s``, the group's formation included, whatever the backend), every ticket is aborted, so the
+    survivors keep serving their version and free their slot at once, and every member's entry is the error; the
+    next push forms a new group.
     ``group_address``: where replicas reach this process (default: the local address on the route to the first).
     ``backend``/``device``: the group's backend and where the buckets go before the broadcast
     (:func:`~rlhf.transport.weights.collective.trainer_backend`); a replica that cannot run it refuses Open.
     Streamed weights must be sealed; the broadcast makes each bucket as it goes (one consumer, the group)."""
-    from rlhf.transport.weights.collective import TrainerGroup, local_address_towards
+    from rlhf.transport.weights.collective import MAX_RANKS_PER_REPLICA, TrainerGroup, local_address_towards
 
     targets = list(targets)
     out: dict[str, weights_pb2.UpdateWeightsResponse | BaseException] = {}
@@ -318,14 +321,20 @@ async def push_collective(
 
         opened = await asyncio.gather(*(open_one(t) for t in targets), return_exceptions=True)
         members = []
+        ranks: list[int] = []
         for target, res in zip(targets, opened, strict=True):
             if isinstance(res, BaseException):
                 out[target] = res  # refused (stale, busy, down): not in this push's group
+            elif res.ranks > MAX_RANKS_PER_REPLICA:
+                out[target] = RuntimeError(f"{target} would join the weight group with {res.ranks} ranks (at most "
+                                           f"{MAX_RANKS_PER_REPLICA}); left out of this push")  # fmt: skip
+                await _abort(channels[target], res.ticket, metadata)
             else:
                 members.append((target, res.ticket))
+                ranks.append(max(1, res.ranks))  # 0: a replica from before the field, one rank
         if not members:
             return out
-        world = group.admit([ticket for _, ticket in members])
+        world = group.admit([ticket for _, ticket in members], ranks)
 
         async def commit_one(target: str, ticket: bytes) -> weights_pb2.UpdateWeightsResponse:
             call = channels[target].unary_unary(
@@ -339,7 +348,9 @@ async def push_collective(
         # the commits wait on the replicas until their data is verified and swapped: sent with the data
         commits = [asyncio.ensure_future(commit_one(t, k)) for t, k in members]
         try:
-            await asyncio.to_thread(_broadcast, group, world, packed)
+            # in a thread of the group's own, under its watchdog: the future fails when a step overruns the group
+            # timeout even if the blocked call never returns (NCCL's lazy communicator init, pytorch#88103)
+            await asyncio.wrap_future(group.run(functools.partial(_broadcast, group, world, packed)))
         except BaseException as err:
             await asyncio.shield(asyncio.gather(*(_abort(channels[t], k, metadata) for t, k in members)))
             for c in commits:
