@@ -1,7 +1,7 @@
 # rlhf-pipeline developer entry points. `make test` is the one command CI and users run:
 # it builds the environments it needs (idempotent; a no-op when they are current) and runs the suite.
 SHELL := /bin/bash
-PYTHON ?= python3.11
+PYTHON ?= python3.11  # the CPU torch wheel here is for 3.11; the GPU host has its own (DEVICE_PYTHON below)
 VENV := .venv
 PARITY_VENV := .venv-parity
 PY := $(VENV)/bin/python
@@ -15,7 +15,7 @@ PARITY_PKGS := trl==1.12.0 transformers==5.24.0 accelerate==1.15.0 datasets==5.2
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-unit test-parity lint proto clean help demo chaos device-check
+.PHONY: setup test test-unit test-parity lint proto clean help demo chaos device-check device-bundle
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -55,18 +55,17 @@ CHAOS_ROUNDS ?= 3
 chaos: $(VENV)/.stamp  ## a ring under scripted faults (kill -9 of each service, Redis restart, poison...): one JSON line
 	$(PY) tests/e2e/chaos.py --rounds $(CHAOS_ROUNDS) --out .cache/chaos.json $(CHAOS_ARGS)
 
-# The CUDA check's own environment: the CUDA version set of docker/Dockerfile (vLLM 0.33.0, which brings torch 2.14.0).
-CUDA_VENV := .venv-cuda
-CUDA_VLLM := vllm==0.33.0
+# The CUDA device check (docs/device-check.md). It runs on a GPU host's own python3 and torch, from the tree (the
+# project is not installed there: that would replace its torch); what that host lacks travels in .whl/ (git-ignored;
+# name it in the device tool's `carry`), made here by device-bundle: wheels for Python 3.12 and Debian's redis-server.
+DEVICE_PYTHON ?= python3
+DEVICE_CHECK_OUT ?= .cache/device-check
 
-$(CUDA_VENV)/.stamp:
-	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
-	$(CUDA_VENV)/bin/pip install -q $(CUDA_VLLM)
-	$(CUDA_VENV)/bin/pip install -q -e .
-	touch $@
+device-bundle:  ## download what the device check carries to a GPU host without a registry into .whl/ (< 64 MiB)
+	PYTHON=$(PYTHON) bash bench/device_bundle.sh
 
-device-check: $(CUDA_VENV)/.stamp  ## on one CUDA GPU: 1.5B model, vLLM vs the rollout engine, NCCL weight transfer, bf16 ring (one JSON line)
-	HF_HUB_OFFLINE=1 $(CUDA_VENV)/bin/python -m bench.device_check $(DEVICE_CHECK_ARGS)
+device-check:  ## on a CUDA machine: bench/device_check.sh (about 8 min; .whl/ from device-bundle) -> .cache/device-check/
+	PYTHON=$(DEVICE_PYTHON) bash bench/device_check.sh $(DEVICE_CHECK_OUT) $(DEVICE_CHECK_ARGS)
 
 demo: $(VENV)/.stamp  ## the tiny CPU PPO demo: `rlhf up --config configs/demo.yaml` (a few minutes; plots in runs/)
 	$(VENV)/bin/rlhf up --config configs/demo.yaml $(DEMO_ARGS)
