@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -15,8 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rlhf.local_redis import LocalRedis, free_port
-from services.launcher import http_ready
+from rlhf import procs
+from rlhf.procs import LocalRedis
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = bool(os.environ.get("BENCH_QUICK"))  # smoke-test the scripts: a fraction of the work, figures meaningless
@@ -174,83 +172,13 @@ class RedisServer(LocalRedis):
     """A private redis-server on a free loopback port, AOF on (everysec) as compose and Helm run it."""
 
 
-class ServiceProc:
-    """``python -m services.cli serve NAME --config FILE`` on free loopback ports; ready when /readyz answers 200."""
+class ServiceProc(procs.ServiceProc):
+    """``python -m services.cli serve NAME --config FILE`` on free loopback ports (rlhf.procs), with the benchmarks'
+    limits: 180 s to get ready (larger models than the tests', vLLM), 30 s to stop after SIGTERM."""
 
-    def __init__(self, name: str, config: Path, log_dir: Path, env: dict[str, str | None] | None = None):
-        self.name = name
-        self.config = Path(config)
-        self.grpc_port = free_port()
-        self.http_port = free_port()
-        self.log_path = Path(log_dir) / f"{name}-{self.http_port}.log"
-        self.env = dict(os.environ)
-        self.env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-        self.env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), self.env.get("PYTHONPATH")]))
-        for k, v in (env or {}).items():  # None: unset
-            if v is None:
-                self.env.pop(k, None)
-            else:
-                self.env[k] = v
-        self.proc: subprocess.Popen | None = None
-        self._log: Any = None
-
-    @property
-    def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def grpc_addr(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
-
-    def __enter__(self) -> ServiceProc:
-        return self.start()
-
-    def start(self, wait_ready: bool = True) -> ServiceProc:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in __exit__
-        argv = [sys.executable, "-m", "services.cli", "serve", self.name, "--config", str(self.config),
-                "--host", "127.0.0.1", "--grpc-port", str(self.grpc_port),
-                "--http-port", str(self.http_port)]  # fmt: skip
-        self.proc = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
-        if wait_ready:
-            try:
-                self.wait_ready()
-            except BaseException:
-                self.__exit__()
-                raise
-        return self
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if http_ready(self.http_url, timeout=1):
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"{self.name} not ready after {timeout}s:\n{self.log_tail()}")
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    def stop(self, kill: bool = False) -> None:
-        """SIGTERM and wait (SIGKILL after 30 s); ``kill``: SIGKILL at once (its state does not matter)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+    ready_timeout = 180.0
+    stop_timeout = 30.0
+    tail_lines = 30
 
 
 # ------------------------------------------------------------------------------------------------- models

@@ -153,7 +153,7 @@ async def ring_ours(redis, jobs, exps, absolute: bool = False) -> float:
 
 async def replicated_rounds(tmp: Path, jobs, exps, log_prefix: str) -> tuple[list[float], list[float]]:
     """The ring on a master with one replica (loopback), without WAIT and with ``wait_replicas=1``, interleaved."""
-    from rlhf.local_redis import LocalRedis
+    from rlhf.procs import LocalRedis
     from rlhf.transport import connect
 
     fast = ["--repl-diskless-sync-delay", "0"]

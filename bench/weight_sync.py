@@ -64,7 +64,6 @@ from bench._common import (
     ServiceProc,
     build_model,
     emit,
-    free_port,
     log,
     median,
     param_count,
@@ -74,6 +73,7 @@ from bench._common import (
     target,
     write_yaml,
 )
+from rlhf.procs import free_port
 
 ENGINES = ("hf", "vllm")
 ROUNDS = 3

@@ -1,9 +1,6 @@
-"""A private ``redis-server`` process on a free loopback port: what tests, benchmarks and examples run against;
-and the two highly available shapes built from such processes: :class:`LocalSentinelGroup` (a master, replicas,
-sentinels) and :class:`LocalCluster` (a Redis Cluster of masters, made with ``redis-cli --cluster create``).
-
-AOF is on (``appendfsync everysec``) as compose and the Helm chart run Redis, so a server restarted on the same
-directory and port comes back with its data. ``rlhf up`` has its own variant with a log file (services.launcher).
+"""The two highly available Redis shapes built from private ``redis-server`` processes (:class:`rlhf.procs.LocalRedis`,
+what tests, benchmarks and examples run against): :class:`LocalSentinelGroup` (a master, replicas, sentinels) and
+:class:`LocalCluster` (a Redis Cluster of masters, made with ``redis-cli --cluster create``).
 """
 
 from __future__ import annotations
@@ -15,79 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def redis_answers(port: int, timeout: float = 0.2) -> bool:
-    """True when a Redis server on 127.0.0.1:port answers PING (a server still loading its AOF answers LOADING)."""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-class LocalRedis:
-    """``LocalRedis(dir).start()`` ... ``.stop()``, or ``with LocalRedis(dir) as r:``. ``stop(kill=True)`` is kill -9;
-    ``start()`` again on the same object reuses the directory and port."""
-
-    def __init__(
-        self, directory: str | Path, port: int | None = None, aof: bool = True, extra_args: list[str] | None = None
-    ):
-        self.directory = Path(directory)
-        self.port = port or free_port()
-        self.aof = aof
-        self.extra_args = list(extra_args or [])  # e.g. ["--replicaof", "127.0.0.1", "6379"]
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 15.0) -> LocalRedis:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise RuntimeError("redis-server is not on PATH (apt-get install -y redis-server)")
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-             "--appendonly", "yes" if self.aof else "no", "--appendfsync", "everysec", "--save", "",
-             "--daemonize", "no", *self.extra_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if redis_answers(self.port):
-                return self
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        self.stop(kill=True)
-        raise RuntimeError(f"redis-server did not answer on port {self.port}")
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            if kill:
-                self.proc.kill()
-            else:
-                self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-    def __enter__(self) -> LocalRedis:
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+from rlhf.procs import Child, LocalRedis, free_port
 
 
 def _cli(port: int, *args: str, timeout: float = 5.0) -> str:
@@ -131,7 +56,7 @@ class LocalSentinelGroup:
             for i in range(replicas)
         ]
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
-        self.sentinel_procs: list[subprocess.Popen | None] = [None] * sentinels
+        self.sentinel_procs: list[Child | None] = [None] * sentinels
 
     @property
     def url(self) -> str:
@@ -158,8 +83,7 @@ class LocalSentinelGroup:
             s.start()
         exe = shutil.which("redis-server")
         for i in range(len(self.sentinel_ports)):
-            self.sentinel_procs[i] = subprocess.Popen([exe, str(self._sentinel_conf(i)), "--sentinel"],
-                                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            self.sentinel_procs[i] = Child(f"sentinel-{i}", [exe, str(self._sentinel_conf(i)), "--sentinel"]).start()
         # Ready when the replicas are in sync and every sentinel knows them and its peers: only then can a failover be
         # agreed on.
         deadline = time.monotonic() + timeout
@@ -211,9 +135,8 @@ class LocalSentinelGroup:
 
     def stop(self) -> None:
         for p in self.sentinel_procs:
-            if p is not None and p.poll() is None:
-                p.terminate()
-                p.wait(timeout=10)
+            if p is not None:
+                p.stop(10)
         for s in self.servers:
             s.stop()
 

@@ -20,48 +20,39 @@ The run folder (default ``runs/<run_id>-<YYYYmmdd-HHMMSS>``) holds ``config.yaml
 the plots (``services.report.PLOTS``), the trainer's checkpoints (it is told the folder via ``RLHF_RUN_DIR``),
 ``logs/<service>.log`` and ``redis/`` (the private Redis data).
 
-Every child runs in its own session (process group): the terminal's Ctrl-C reaches only the launcher, which stops
-the children in order, and stopping a child signals its whole group, so helper processes it spawned (vLLM workers)
-go too. On Linux each child also gets SIGTERM if the launcher itself dies (``PR_SET_PDEATHSIG``).
+Every child runs in its own session (process group, ``rlhf.procs``): the terminal's Ctrl-C reaches only the
+launcher, which stops the children in order, and stopping a child signals its whole group, so helper processes it
+spawned (vLLM workers) go too. On Linux each child also gets SIGTERM if the launcher itself dies
+(``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from rlhf import runlog
+from rlhf.procs import HOST, Child, LaunchError, LocalRedis, free_ports, http_ready, serve_args, stop_children
 from services.report import parse_record
 
 if TYPE_CHECKING:
     from services.devices import DevicePlan
 
 REPO = Path(__file__).resolve().parents[1]
-HOST = "127.0.0.1"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "rlhf-pipeline"
 
 
 _BUILD_TINY = "import sys; from rlhf.tiny import build_tiny; build_tiny(sys.argv[1])"
-
-
-class LaunchError(RuntimeError):
-    """A process did not start, or died before its time; the message includes the end of its log."""
 
 
 class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -70,21 +61,7 @@ class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an erro
         self.signum = signum
 
 
-# ------------------------------------------------------------ ports and environment
-
-
-def free_ports(n: int, host: str = HOST) -> list[int]:
-    """``n`` distinct TCP ports free on ``host`` right now (all sockets held open until all are chosen)."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+# ------------------------------------------------------------ services and environment
 
 
 @dataclass
@@ -109,8 +86,7 @@ class ServiceSpec:
         return f"{'https' if self.tls else 'http'}://{HOST}:{self.http_port}"
 
     def argv(self, config: str | Path, python: str = sys.executable) -> list[str]:
-        serve = ["-m", "services.cli", "serve", self.service, "--config", str(config), "--host", HOST,
-                 "--grpc-port", str(self.grpc_port), "--http-port", str(self.http_port)]  # fmt: skip
+        serve = serve_args(self.service, config, self.grpc_port, self.http_port)
         if self.procs > 1:  # rank 0 serves the ports; torchrun ends the whole group when any process dies
             return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.procs}", *serve]
         return [python, *serve]
@@ -198,170 +174,23 @@ def default_run_dir(run_id: str, root: str | Path = "runs", now: float | None = 
     return Path(root) / f"{run_id}-{stamp}"
 
 
-# ------------------------------------------------------------ child processes
-
-
-def _pdeathsig() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Child:
-    """A child process in its own process group, its output appended to ``log_path``."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: Mapping[str, str] | None = None, cwd=None):
-        self.name = name
-        self.argv = argv
-        self.log_path = Path(log_path)
-        self.env = dict(env) if env is not None else None
-        self.cwd = cwd
-        self.proc: subprocess.Popen | None = None
-        self._log: IO[bytes] | None = None
-
-    def start(self) -> Child:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            self.argv,
-            env=self.env,
-            cwd=self.cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
-        )
-        return self
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def poll(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal_group(self, sig: int) -> None:
-        """Send ``sig`` to the child's process group (the child and whatever it spawned)."""
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
-
-    def close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def log_tail(self, lines: int = 40) -> str:
-        return log_tail(self.log_path, lines)
-
-
-def log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def stop_children(
-    children: Iterable[Child],
-    grace_s: float = 20.0,
-    force: Callable[[], bool] = lambda: False,
-    say: Callable[[str], None] = lambda s: None,
-) -> None:
-    """Stop ``children`` one by one in the given order: SIGTERM to the group, wait up to ``grace_s`` (cut short when
-    ``force()`` turns true), then SIGKILL. Also kills what is left of each group after its leader exited."""
-    for child in children:
-        if child.proc is None:
-            continue
-        if child.running:
-            say(f"stopping {child.name} (pid {child.pid})")
-            child.signal_group(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while child.running and time.monotonic() < deadline and not force():
-                time.sleep(0.05)
-            if child.running:
-                say(f"{child.name} did not stop within {grace_s:.0f}s: killing it")
-        child.signal_group(signal.SIGKILL)  # the leader if still alive, and any stragglers of its group
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            child.proc.wait(timeout=10)
-        child.close_log()
-
-
 # ------------------------------------------------------------ redis
 
 
-def _redis_ping(port: int, host: str = HOST) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-class RedisChild(Child):
-    """A private redis-server: own port, own directory, AOF on, bound to loopback."""
+class RedisChild(LocalRedis):
+    """``rlhf up``'s private redis-server: its log in the run folder, protected mode on; refused at once when
+    redis-server is not installed, with the way around it."""
 
     def __init__(self, directory: Path, log_path: Path, port: int | None = None, exe: str | None = None):
-        self.directory = Path(directory)
-        self.port = port or free_ports(1)[0]
         exe = exe or shutil.which("redis-server")
         if exe is None:
             raise LaunchError(
                 "redis-server is not on PATH: install it (apt-get install redis-server) or set RLHF_REDIS_URL"
             )
-        argv = [exe, "--port", str(self.port), "--bind", HOST, "--dir", str(self.directory),
-                "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
-                "--protected-mode", "yes"]  # fmt: skip
-        super().__init__("redis", argv, log_path)
-
-    @property
-    def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
-
-    def start(self) -> RedisChild:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        super().start()
-        return self
-
-    def wait_ready(self, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self.running:
-                raise LaunchError(f"redis-server exited with {self.poll()}:\n{self.log_tail()}")
-            if _redis_ping(self.port):
-                return
-            time.sleep(0.05)
-        raise LaunchError(f"redis-server did not answer on port {self.port} within {timeout:.0f}s:\n{self.log_tail()}")
+        super().__init__(directory, port, extra_args=["--protected-mode", "yes"], log_path=log_path, exe=exe)
 
 
-# ------------------------------------------------------------ readiness and progress
-
-
-def http_ready(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> bool:
-    """``GET /readyz`` answers 200 (``context``: TLS settings for an ``https://`` URL). A certificate that does not
-    verify raises LaunchError at once: retrying cannot fix it."""
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/readyz", timeout=timeout, context=context) as r:
-            return r.status == 200
-    except urllib.error.URLError as err:
-        if isinstance(err.reason, ssl.SSLCertVerificationError):
-            raise LaunchError(
-                f"cannot verify the certificate of {url}: {err.reason.verify_message}; set RLHF_TLS_CA to the CA "
-                "bundle that signed RLHF_TLS_CERT (and make the certificate name 127.0.0.1)"
-            ) from None
-        return False
-    except (ConnectionError, TimeoutError, OSError, ValueError):
-        return False
+# ------------------------------------------------------------ progress
 
 
 class MetricsTail:
@@ -576,9 +405,7 @@ class Launcher:
         child.signal_group(signal.SIGKILL)  # what is left of its process group
         child.close_log()
         time.sleep(min(0.5 * 2**n, 8.0))
-        child.start()
-        if isinstance(child, RedisChild):
-            child.wait_ready()
+        child.start()  # a redis-server waits until it answers
         self.say(f"restarted {child.name} (pid {child.pid})")
 
     # main ------------------------------------------------------------
@@ -651,10 +478,8 @@ class Launcher:
             if redis_url:
                 self.say("using Redis from RLHF_REDIS_URL")
             else:
-                redis = RedisChild(self.run_dir / "redis", self.run_dir / "logs" / "redis.log")
-                redis.start()
+                redis = RedisChild(self.run_dir / "redis", self.run_dir / "logs" / "redis.log").start()
                 self.children.append(redis)
-                redis.wait_ready()
                 redis_url = redis.url
                 self.say(f"redis-server ready on port {redis.port} (pid {redis.pid}, AOF in {redis.directory})")
             token = os.environ.get("RLHF_API_TOKEN") or secrets.token_urlsafe(24)

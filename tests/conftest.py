@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.local_redis import LocalRedis
+from rlhf.procs import LocalRedis
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -31,7 +31,7 @@ import pytest
 import yaml
 from deploy_support import ROOT, SERVICES
 
-from services.launcher import Child, free_ports, stop_children
+from rlhf.procs import Child, free_ports, stop_children
 
 pytestmark = pytest.mark.slow
 

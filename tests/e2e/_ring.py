@@ -24,7 +24,7 @@ from typing import Any
 
 from _procs import ServiceProc, write_config
 
-from rlhf.local_redis import LocalRedis
+from rlhf.procs import LocalRedis
 from rlhf.transport import connect, queue_stats
 from rlhf.transport.keys import RunKeys
 

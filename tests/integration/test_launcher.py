@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlhf import procs
 from services import launcher, report
 from services.cli import main as cli_main
 
@@ -154,7 +155,7 @@ def test_private_redis_start_and_stop(tmp_path):
         launcher.stop_children([redis], grace_s=10)
     assert not redis.running
     assert redis.poll() == 0  # a clean shutdown on SIGTERM
-    assert not launcher._redis_ping(redis.port)
+    assert not procs.redis_answers(redis.port)
     assert any((tmp_path / "redis").iterdir())  # AOF files
 
 
@@ -450,7 +451,7 @@ def test_rlhf_up_end_to_end(tmp_path, tiny_models):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
-    logs = "\n".join(f"--- {p.name}\n{launcher.log_tail(p, 30)}" for p in sorted((run_dir / "logs").glob("*.log")))
+    logs = "\n".join(f"--- {p.name}\n{procs.log_tail(p, 30)}" for p in sorted((run_dir / "logs").glob("*.log")))
     assert proc.returncode == 0, out + logs
 
     records = report.load_metrics(run_dir / "metrics.jsonl")
@@ -548,7 +549,7 @@ def test_ctrl_c_checkpoints_and_resume_continues_without_duplicate_steps(tmp_pat
     second = subprocess.run([sys.executable, "-m", "services.cli", "up", "--resume", str(run_dir)], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=400)  # fmt: skip
     out = second.stdout + second.stderr
-    assert second.returncode == 0, out + launcher.log_tail(run_dir / "logs" / "trainer.log", 40)
+    assert second.returncode == 0, out + procs.log_tail(run_dir / "logs" / "trainer.log", 40)
     shown = [int(m) for m in re.findall(r"step (\d+)/12", out)]
     assert shown and shown[0] == stopped_at + 1 and shown[-1] == 12, shown  # progress continues, no replay
     steps = [r["step"] for r in report.load_metrics(run_dir / "metrics.jsonl")]
@@ -640,7 +641,7 @@ def test_rlhf_up_tls_ring(tmp_path, tiny_models):
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     logs = {p.stem: p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log")}
-    assert proc.returncode == 0, out + "\n".join(f"--- {k}\n{launcher.log_tail(run_dir / 'logs' / (k + '.log'))}"
+    assert proc.returncode == 0, out + "\n".join(f"--- {k}\n{procs.log_tail(run_dir / 'logs' / (k + '.log'))}"
                                                  for k in logs)  # fmt: skip
     assert "TLS on" in out and re.search(r"\[rlhf up\] \S+ ready", out), out
     for name in ("reward", "reference", "rollout", "trainer"):  # each served gRPC and HTTP with TLS

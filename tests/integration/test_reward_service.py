@@ -21,7 +21,8 @@ from services.reward import rules
 from services.reward.engine import Item, RewardEngine
 
 # configs/reward-tiny-model.yaml: the tiny reward model (weight 1.0) + math_answer (weight 0.5); shared with the
-# README examples (tests/integration/conftest.py SHARED_SERVICES), with a 300000-byte body limit and 1 MiB messages.
+# docs/services.md examples (tests/integration/conftest.py SHARED_SERVICES), with a 300000-byte body limit and 1 MiB
+# messages.
 CONFIG = "configs/reward-tiny-model.yaml"
 MODEL_WEIGHT, MATH_WEIGHT = 1.0, 0.5
 
@@ -294,7 +295,7 @@ def test_remote_scorer_retry_recovers(remote):
 
 
 def test_remote_scorer_unreachable(remote):
-    from _procs import _free_port
+    from rlhf.procs import free_port as _free_port
 
     out = _score(_engine(f"http://127.0.0.1:{_free_port()}/x", retries=0), ITEMS2)
     assert all(o.status == "scorer_error" and "cannot reach" in o.error for o in out)

@@ -233,7 +233,7 @@ def test_jobs_in_experience_out(engine, services, redis_server):
 
 
 def test_reward_down_leaves_jobs_pending_until_it_is_back(engine, services, redis_server):
-    from _procs import _free_port
+    from rlhf.procs import free_port as _free_port
 
     async def body():
         await engine.start()

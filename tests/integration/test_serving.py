@@ -488,8 +488,7 @@ def test_port_in_use_is_a_clear_error():
 
 
 def test_cli_help_and_client_errors(capsys, tmp_path):
-    from _procs import _free_port
-
+    from rlhf.procs import free_port as _free_port
     from services import cli
 
     for argv in (["--help"], ["serve", "--help"], ["score", "--help"], ["logprobs", "--help"], ["generate", "--help"]):

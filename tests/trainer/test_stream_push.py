@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from rlhf.local_redis import free_port
+from rlhf.procs import free_port
 from rlhf.serving import ServiceMetrics, ServiceSettings
 from rlhf.transport.weights import (
     ServedVersion,

@@ -98,7 +98,7 @@ def test_preflight_reaches_any_address_of_each_shape_and_never_prints_the_passwo
 
     from rlhf import preflight
     from rlhf.config import parse_config
-    from rlhf.local_redis import free_port
+    from rlhf.procs import free_port
 
     cfg = parse_config({"actor_rollout_ref": {"actor_rollout": {"load": str(tmp_path / "nope")}},
                         "reward": {"scorers": [{"type": "rule", "name": "char_fraction"}]}})  # fmt: skip
