@@ -156,3 +156,13 @@ resolve-check:  ## check that each image variant's Python dependencies resolve o
 
 bench: $(VENV)/.stamp $(PARITY_VENV)/.stamp  ## run the side-by-side benchmarks and write docs/benchmarks.md
 	$(PY) -m bench.report --run $(if $(BENCH),--only $(BENCH))
+
+# ---------------------------------------------------------------- documentation (docs/ -> site/, git-ignored)
+# docs/configuration.md's field tables are generated from rlhf/config.py by tools/gen_config_docs.py (rewrite them with
+# `.venv/bin/python tools/gen_config_docs.py`); this target fails when the checked-in tables are stale, then builds the
+# pages with mkdocs (mkdocs.yml, strict: a broken link or anchor, or a page missing from nav, fails the build).
+.PHONY: docs
+
+docs: $(VENV)/.stamp  ## check docs/configuration.md against rlhf/config.py, then build docs/ with mkdocs (strict) into site/
+	$(PY) tools/gen_config_docs.py --check
+	$(VENV)/bin/mkdocs build --strict --clean

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make compose-check`: build the four CPU images from docker/Dockerfile and run docker-compose.yml, unchanged, on a
 # real Docker engine; then check what a user relies on:
-#   1. every service healthy in dependency order; /readyz on each published port; the README's REST calls
+#   1. every service healthy in dependency order; /readyz on each published port; the REST calls of docs/services.md
 #   2. fault: the rollout container's process is SIGKILLed mid-run; Docker's restart policy brings it back
 #   3. `docker compose down` mid-run, then `up`: the trainer resumes from its checkpoint in the `runs` volume and
 #      publishes under a higher weights version than the replicas served before

@@ -7,7 +7,7 @@ Each subcommand prints what it found and exits 1 with the reason when a check fa
   order EVENTS              `docker events` JSON lines: every service healthy (or, for `models`, exited 0) before
                             any service that depends on it started
   ready PORT...             GET /readyz answers 200 on each published port
-  rest ROLLOUT REWARD REF   the README's REST calls (generate, completions with logprobs, score, logprobs)
+  rest ROLLOUT REWARD REF   the REST calls of docs/services.md (generate, completions with logprobs, score, logprobs)
   status TRAINER            the trainer's GET /v1/status as JSON (step, policy_version)
   version ROLLOUT           the rollout's served weights version
   ledger RUN_DIR CONFIG     (in the trainer image) metrics.jsonl, checkpoints and the ledger: every issued job
@@ -106,7 +106,7 @@ def _expect(cond: bool, what: str, body) -> None:
 
 
 def cmd_rest(rollout: str, reward: str, reference: str) -> None:
-    """The calls of the README's Rollout, Reward and Reference sections, through the published ports."""
+    """The calls of the Rollout, Reward and Reference sections of docs/services.md, through the published ports."""
     base = "http://127.0.0.1:"
     status, body = http("POST", base + rollout + "/v1/completions", {
         "model": "tiny:policy", "prompt": "User: what is 1 plus 2?\nAssistant:", "max_tokens": 8, "seed": 3,

@@ -22,7 +22,8 @@ EXAMPLES = ROOT / "k8s" / "examples"
 COMPOSE_FILES = ("docker-compose.yml", "compose.gpu.yaml", "compose.npu.yaml", "compose.npu-hccl.yaml")
 SERVICES = ("rollout", "reward", "reference", "trainer")
 
-# The values each example is installed with (README "Deploy"): the example file plus the Llama-3.2-1B PPO config.
+# The values each example is installed with (docs/deploy.md, "Kubernetes (Helm)"): the example file plus the
+# Llama-3.2-1B PPO config.
 RENDERS: dict[str, list[str]] = {
     "default": [],
     "gpu": [

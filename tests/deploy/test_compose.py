@@ -292,7 +292,7 @@ def test_hccl_override_puts_trainer_and_rollout_on_the_host_network_and_wires_th
     assert not listening["rollout"] & listening["trainer"], listening
     assert not (listening["rollout"] | listening["trainer"]) & set(host_ports.values())
     assert settings["trainer"].rollout_addrs == [f"127.0.0.1:{settings['rollout'].grpc_port}"]
-    # the HTTP ports stay the ones docker-compose.yml publishes for them (README: rollout 8000, trainer 8003)
+    # the HTTP ports stay the ones docker-compose.yml publishes for them (docs/deploy.md: rollout 8000, trainer 8003)
     base = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     for name, default in (("rollout", 8000), ("trainer", 8003)):
         assert settings[name].http_port == default

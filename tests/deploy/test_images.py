@@ -131,8 +131,8 @@ def test_accelerator_images_spawn_vllm_workers_and_ascend_installs_use_pypi():
 
 
 def _readme_version_sets() -> dict[str, str]:
-    """README "Version sets" table: accelerator -> its row's text."""
-    text = (ROOT / "README.md").read_text()
+    """docs/deploy.md "Version sets" table (once the README's): accelerator -> its row's text."""
+    text = (ROOT / "docs" / "deploy.md").read_text()
     section = text[text.index("#### Version sets") :]
     rows = re.findall(r"^\| `(cpu|cuda|ascend)` \|(.+)$", section, re.M)
     return {accel: row for accel, row in rows}
@@ -151,7 +151,7 @@ def test_version_sets_are_one_per_accelerator_and_the_readme_states_them():
     for accel, names in expected.items():
         for name in names:
             version = rf"(?<![\w.]){re.escape(args[name])}(?![\w.]*\d)"  # 2.10.0 is not 2.10.0.post4
-            assert re.search(version, rows[accel]), f"README's {accel} row lacks {name}={args[name]}"
+            assert re.search(version, rows[accel]), f"docs/deploy.md's {accel} row lacks {name}={args[name]}"
     # the base images are named by the sets, not by separate tags that could drift from them
     assert args["CUDA_VLLM_IMAGE"].endswith(":v${CUDA_VLLM_VERSION}")
     assert args["ASCEND_VLLM_IMAGE_910B"].endswith(":v${ASCEND_VLLM_ASCEND_VERSION}")

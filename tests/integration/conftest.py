@@ -11,14 +11,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _procs import REPO, ServiceProc, write_config  # noqa: E402
 
-# Services several test modules (and the README examples) use with the same config: started once per session, all
-# together on first use (their start-up is mostly imports, which overlap well), stopped at the end of the session.
+# Services several test modules (and the docs/services.md examples) use with the same config: started once per
+# session, all together on first use (their start-up is mostly imports, which overlap well), stopped at the end of the
+# session.
 SHARED_SERVICES = (
     ("reward", "configs/demo.yaml"),
     ("reward", "configs/reward-tiny-model.yaml"),
     ("reference", "configs/demo.yaml"),
 )
-# Small limits so the oversize tests stay cheap; the README examples are far below them.
+# Small limits so the oversize tests stay cheap; the docs/services.md examples are far below them.
 SHARED_ENV = {"RLHF_MAX_BODY_BYTES": "300000", "RLHF_MAX_MESSAGE_BYTES": str(1 << 20)}
 
 

@@ -1,6 +1,7 @@
-"""The README's Services examples (Reward and Reference subsections) run as written against live services.
+"""The Services examples of docs/services.md (Reward and Reference subsections) run as written against live services
+(they were the README's until it became an overview).
 
-Every ``rlhf serve`` line starts that service (on free ports: ``localhost:<README port>`` is rewritten to the real
+Every ``rlhf serve`` line starts that service (on free ports: ``localhost:<page port>`` is rewritten to the real
 one); every ``curl`` / ``rlhf score|logprobs`` command and every Python block then runs, must succeed and print JSON
 (or protobuf text); a ``# -> ...`` line after a command is the documented answer: an error when it shows one, the
 same numbers when it is complete JSON.
@@ -19,6 +20,7 @@ import pytest
 from _procs import REPO, ServiceProc
 
 SUBSECTIONS = ("Reward", "Reference")
+PAGE = REPO / "docs" / "services.md"  # where the examples are
 
 
 @dataclass
@@ -36,7 +38,7 @@ class Example:
 
 def services_section(readme: str) -> str:
     m = re.search(r"^## Services\n(.*?)(?=^## )", readme, re.S | re.M)
-    assert m, "README.md has no '## Services' section"
+    assert m, "docs/services.md has no '## Services' section"
     return m.group(1)
 
 
@@ -45,7 +47,7 @@ def parse(readme: str) -> Example:
     ex = Example()
     for sub in SUBSECTIONS:
         m = re.search(rf"^### {sub}\n(.*?)(?=^### |\Z)", section, re.S | re.M)
-        assert m, f"README Services has no '### {sub}' subsection"
+        assert m, f"docs/services.md Services has no '### {sub}' subsection"
         for lang, block in re.findall(r"```(bash|python)\n(.*?)```", m.group(1), re.S):
             if lang == "python":
                 ex.commands.append(Command("python", block))
@@ -60,12 +62,12 @@ def parse(readme: str) -> Example:
                     ex.commands[-1].expected = line[4:].strip()
                 elif line.startswith("rlhf serve "):
                     s = re.fullmatch(r"rlhf serve (\w+) --config (\S+) --http-port (\d+) --grpc-port (\d+) &", line)
-                    assert s, f"unexpected serve line in README: {line}"
+                    assert s, f"unexpected serve line in docs/services.md: {line}"
                     ex.serves.append((s[1], s[2], int(s[3]), int(s[4])))
                 elif line.startswith(("curl ", "rlhf ")):
                     ex.commands.append(Command("bash", line))
                 elif not line.startswith("#"):
-                    pytest.fail(f"README Services: a command the test does not know how to run: {line}")
+                    pytest.fail(f"docs/services.md Services: a command the test does not know how to run: {line}")
     return ex
 
 
@@ -80,18 +82,18 @@ def close(a, b) -> bool:
 
 
 def test_readme_parses():
-    ex = parse((REPO / "README.md").read_text())
+    ex = parse(PAGE.read_text())
     assert {s[0] for s in ex.serves} == {"reward", "reference"}
     assert sum(c.kind == "bash" and c.text.startswith("curl ") for c in ex.commands) >= 4
     assert any(c.kind == "python" for c in ex.commands)
 
 
 def test_readme_service_examples_work(shared_services, tmp_path):
-    ex = parse((REPO / "README.md").read_text())
+    ex = parse(PAGE.read_text())
     own, ports = [], {}
     try:
         for service, config, http, grpc_port in ex.serves:
-            assert (REPO / config).is_file(), f"README names a config that does not exist: {config}"
+            assert (REPO / config).is_file(), f"docs/services.md names a config that does not exist: {config}"
             if (service, config) in shared_services.shared:
                 p = shared_services.get(service, config)
             else:  # not shared with other tests: a private process
@@ -134,5 +136,5 @@ def test_readme_service_examples_work(shared_services, tmp_path):
 def test_every_readme_config_is_valid():
     from rlhf.config import load_config
 
-    for _, config, _, _ in parse((REPO / "README.md").read_text()).serves:
+    for _, config, _, _ in parse(PAGE.read_text()).serves:
         load_config(Path(REPO / config))

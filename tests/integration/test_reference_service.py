@@ -10,7 +10,7 @@ import torch
 
 from rlhf.v1 import reference_pb2, reference_pb2_grpc
 
-# configs/demo.yaml (rollout temperature 1.0, ref micro_batch_size 32), shared with the README examples
+# configs/demo.yaml (rollout temperature 1.0, ref micro_batch_size 32), shared with the docs/services.md examples
 # (tests/integration/conftest.py SHARED_SERVICES), with a 300000-byte body limit and 1 MiB messages.
 CONFIG = "configs/demo.yaml"
 TEMPERATURE = 1.0

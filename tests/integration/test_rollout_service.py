@@ -4,7 +4,7 @@ requests batched together, the cross-engine check of sampling log-probs (vLLM se
 forward), weight sync (perturbed weights change the outputs; the original weights give identical tokens and
 log-probs again; cut, corrupt, stale, unauthenticated or mismatched updates are refused and the old weights keep
 serving; a swap waits for requests in flight), readiness only after the model is loaded, the same service on the hf
-engine (``RLHF_ROLLOUT_ENGINE=hf``), and the README's Rollout examples.
+engine (``RLHF_ROLLOUT_ENGINE=hf``), and the Rollout examples of docs/services.md.
 
 Two service processes for the whole module, started together (vLLM start-up is the expensive part).
 """
@@ -28,7 +28,7 @@ from _procs import REPO, ServiceProc
 
 from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
 
-CONFIG = "configs/demo.yaml"  # engine vllm, temperature 1.0, max_new_tokens 16 (also what the README uses)
+CONFIG = "configs/demo.yaml"  # engine vllm, temperature 1.0, max_new_tokens 16 (also what docs/services.md uses)
 TOKEN = "rollout-test-token"
 PROMPTS = [[2, 5, 6, 7], [2, 40, 41], [2, 100, 101, 102, 103, 104, 105, 106]]
 # Cross-engine tolerance on per-token log-probs (float32 on CPU; values around -6). ENVIRONMENT.md saw 6e-6 for vLLM
@@ -691,9 +691,9 @@ def test_data_plane_is_offered_only_when_configured_and_a_cut_transfer_is_refuse
 
 
 def _readme_rollout_commands() -> tuple[list[tuple[str, int, int]], list[tuple[str, str, str | None]]]:
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "services.md").read_text()  # the README's Rollout examples moved there
     m = re.search(r"^### Rollout\n(.*?)(?=^##)", readme, re.S | re.M)
-    assert m, "README.md has no '### Rollout' subsection"
+    assert m, "docs/services.md has no '### Rollout' subsection"
     serves, commands = [], []
     for lang, block in re.findall(r"```(bash|python|py)\n(.*?)```", m.group(1), re.S):
         if lang in ("python", "py"):  # py: needs the API token (run here with the service's token)
@@ -710,7 +710,7 @@ def _readme_rollout_commands() -> tuple[list[tuple[str, int, int]], list[tuple[s
             elif line.startswith(("curl ", "rlhf ")):
                 commands.append(("bash", line, None))
             elif line and not line.startswith("#"):
-                pytest.fail(f"README Rollout: a command the test does not know how to run: {line}")
+                pytest.fail(f"docs/services.md Rollout: a command the test does not know how to run: {line}")
     return serves, commands
 
 
