@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="rlhf",
         description="RLHF as microservices: run a service, or call a running one over REST.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Service settings also come from RLHF_* environment variables (flags win); see README 'Services'.",
+        epilog="Service settings also come from RLHF_* environment variables (flags win); see docs/services.md.",
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
