@@ -72,7 +72,7 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
     """Write step_<N> for the current step; ``extra`` (data cursor, trained job ids, ...) goes in state.json."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{engine.step_count}"
+    final = root / f"step_{engine.state.step}"
     tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=root))
     if engine.group is not None:  # every rank writes its shards (the folder must be on storage they all see)
         engine.save_group(tmp)
@@ -93,10 +93,7 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
     tensors["rng.generator"] = engine.generator.get_state()
     save_file(tensors, tmp / "optim.safetensors")
     state = {
-        "step": engine.step_count,
-        "policy_version": engine.policy_version,
-        "kl_coef": engine.kl_ctrl.value,
-        "version_segments": engine.version_segments,
+        **engine.state.to_checkpoint(),  # step, policy_version, kl_coef, version_segments
         "stage": engine.stage,
         "optimizers": optim_meta,
         "reward_moments": None if engine.reward_moments is None else engine.reward_moments.state(),
@@ -104,7 +101,7 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
     }
     (tmp / "state.json").write_text(json.dumps(state))
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    (tmp / MANIFEST).write_text(json.dumps({"step": engine.step_count, "files": files}))
+    (tmp / MANIFEST).write_text(json.dumps({"step": engine.state.step, "files": files}))
     _fsync_tree(tmp)
     if final.exists():  # a second checkpoint of the same step: move the old one aside, never delete it first
         old = Path(tempfile.mkdtemp(prefix=f"{final.name}.old-", dir=root))
@@ -130,7 +127,7 @@ def _save_policy(engine, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         engine.actor.get_base_model().config.save_pretrained(directory)
         # in the checkpoint layout, as save_pretrained writes it: a tie's alias once, fused tensors split back
-        merged = engine.policy_layout.to_checkpoint(merged_state_dict(engine.actor))
+        merged = engine.export.layout.to_checkpoint(merged_state_dict(engine.actor))
         save_file({k: v.contiguous() for k, v in merged.items()}, directory / "model.safetensors",
                   metadata={"format": "pt"})  # fmt: skip
     else:
@@ -213,20 +210,13 @@ def restore(path: Path, engine) -> None:
             if engine.critic is not None:
                 _load_full_weights(engine.critic, path / "critic")
                 _set_full_optimizer(engine.critic, engine.critic_opt, "critic", tensors, state["optimizers"]["critic"])
-    _restore_counters(engine, state, tensors)
-
-
-def _restore_counters(engine, state: dict, tensors: dict[str, torch.Tensor]) -> None:
-    if not engine.cfg.training.no_load_rng:
+    if not t.no_load_rng:
         torch.set_rng_state(tensors["rng.torch"])
         engine.generator.set_state(tensors["rng.generator"])
     moments = state.get("reward_moments")
     if engine.reward_moments is not None and moments:
         engine.reward_moments = type(engine.reward_moments)(**moments)
-    engine.step_count = state["step"]
-    engine.policy_version = state["policy_version"]
-    engine.kl_ctrl.value = state["kl_coef"]
-    engine.version_segments = [tuple(x) for x in state.get("version_segments", [(0, 0)])]
+    engine.state.restore(state)
 
 
 # ------------------------------------------------------------------ the multi-process (FSDP2) format

@@ -1,4 +1,5 @@
-"""The trainer's state and its update step: the actor, the critic (PPO), the optimizers and the KL controller.
+"""The trainer's update step: the actor, the critic (PPO), their optimizers and forward passes, and the three
+training stages.
 
 ``TrainerEngine.step(experiences)`` turns experience records (from the Redis experience stream) into one policy
 update with the algorithm named by ``training.stage``:
@@ -15,22 +16,23 @@ corrects samples made by an older policy version (asynchronous training) and eng
 
 Each stage also measures that mismatch where it has the current weights' log-probs of the batch anyway (PPO's and
 the critic-free stages' old pass, online DPO's first minibatch): ``mismatch/kl`` and ``mismatch/max_abs`` over the
-samples the current weights made (:meth:`TrainerEngine.same_weights`), which the trainer's loop checks against
+samples the current weights made (:meth:`TrainerState.same_weights`), which the trainer's loop checks against
 ``training.max_mismatch_kl``.
+
+Around it, each in its own module: records to tensors (``batch``), the models as loaded (``models``), the step
+count, policy version and KL coefficient (``state``), rank 0's commands to a torchrun group (``group``) and the
+weights as they leave the trainer (``export``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import math
-import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,93 +41,18 @@ import torch
 from rlhf import algo
 from rlhf import distributed as dist
 from rlhf.config import ExperimentConfig
-from rlhf.models import (
-    causal_lm_logits,
-    load_causal_lm,
-    load_sequence_classifier,
-    load_tokenizer,
-    resolve_device,
-    resolve_model_path,
-    score_head_outputs,
-)
-from rlhf.v1 import common_pb2, experience_pb2
-from services.trainer import checkpoint, optim
+from rlhf.models import causal_lm_logits, load_tokenizer, resolve_device, resolve_model_path, score_head_outputs
+from rlhf.v1 import experience_pb2
+from services.trainer import checkpoint, models, optim
+from services.trainer.batch import RolloutBatch, collate, mismatch_by_replica, score_stats
+from services.trainer.export import PolicyExport
+from services.trainer.group import LOAD, NOOP, SAVE, STEP, STOP, Commands
+from services.trainer.state import TrainerState
 
 if TYPE_CHECKING:
     from rlhf.transport.weights.format import StreamedWeights
 
 log = logging.getLogger("rlhf.trainer")
-
-
-class NoUsableSamples(ValueError):
-    """Every sample of a batch failed scoring (or is empty): the scorers' fault, not the records'."""
-
-
-_SCORER_NAME = re.compile(r"scorer '([^']+)'")
-
-
-def score_stats(experiences: list[experience_pb2.Experience]) -> dict[str, float]:
-    """``reward/failed_fraction`` (samples whose score failed) and ``reward/<scorer>`` (each scorer's mean component
-    over the samples scored OK) of a batch."""
-    total = failed = 0
-    sums: dict[str, list[float]] = {}
-    for exp in experiences:
-        for s in exp.samples:
-            total += 1
-            if s.score_status != common_pb2.ITEM_STATUS_OK:
-                failed += 1
-                continue
-            for name, v in s.score_components.items():
-                sums.setdefault(name, []).append(v)
-    out = {"reward/failed_fraction": failed / total if total else 0.0}
-    for name, vs in sums.items():
-        key = f"reward/{name}" if name not in ("mean", "std", "failed_fraction") else f"reward/scorer_{name}"
-        out[key] = sum(vs) / len(vs)
-    return out
-
-
-def score_failures(experiences: list[experience_pb2.Experience]) -> str:
-    """Which scorers failed on a batch's samples, most often first, with one error of each: for a message."""
-    by_scorer: dict[str, list[str]] = {}
-    for exp in experiences:
-        for s in exp.samples:
-            if s.score_status != common_pb2.ITEM_STATUS_OK:
-                m = _SCORER_NAME.search(s.score_error)
-                by_scorer.setdefault(m.group(1) if m else "?", []).append(s.score_error or "no error text")
-    ranked = sorted(by_scorer.items(), key=lambda kv: -len(kv[1]))
-    return "; ".join(f"scorer {name!r} failed {len(errs)} time(s), e.g. {errs[0]}" for name, errs in ranked[:3])
-
-
-def _mismatch_by_replica(
-    experiences: list[experience_pb2.Experience], rows: tuple[torch.Tensor, ...] | None
-) -> dict[str, tuple[float, int, list[int]]]:
-    """Replica id -> (mean k3, tokens, versions) of a step's mismatch (``TrainerEngine._mismatch_rows``): which
-    replica made the samples that disagree with the trainer, for a message that names it."""
-    if rows is None:
-        return {}
-    acc: dict[str, list] = {}
-    for g, v, kl_sum, n in zip(*(t.tolist() for t in rows), strict=True):
-        if n:
-            a = acc.setdefault(experiences[g].replica_id or "?", [0.0, 0, set()])
-            a[0] += kl_sum
-            a[1] += int(n)
-            a[2].add(v)
-    return {r: (s / n, n, sorted(vs)) for r, (s, n, vs) in acc.items()}
-
-
-@dataclass
-class RolloutBatch:
-    """Experience records collated into padded tensors. B rows = samples; C prompt width; L response width."""
-
-    query_responses: torch.Tensor  # (B, C + L) left-padded prompt, right-padded response
-    responses: torch.Tensor  # (B, L)
-    sampling_logprobs: torch.Tensor  # (B, L) 0 on padding
-    ref_logprobs: torch.Tensor  # (B, L)
-    scores: torch.Tensor  # (B,)
-    group: torch.Tensor  # (B,) index of the experience record (prompt) of each row
-    policy_versions: torch.Tensor  # (B,)
-    has_sampling_logprobs: torch.Tensor  # (B,) bool: the engine reported sampling log-probs for this row
-    context_length: int
 
 
 class TrainerEngine:
@@ -136,50 +63,28 @@ class TrainerEngine:
         # None at world size 1: no process group, and every method below runs its single-process code unchanged.
         self.group = dist.init_from_env(self.device, cfg.training.collective_timeout_s)
         if self.group is not None:
-            _refuse_in_group(cfg)
+            models.refuse_in_group(cfg)
         torch.manual_seed(cfg.training.seed)
         actor_path = resolve_model_path(cfg.actor.load)
         self.tokenizer = load_tokenizer(cfg.training.tokenizer_name_or_path or actor_path)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        # Parameters and AdamW state stay fp32 even with bf16 (master weights): at the configs' lr 5e-7 an update is
-        # far below a bf16 weight's resolution, so pure-bf16 weights would hardly move. bf16 is the compute dtype
-        # (autocast in every forward) and the dtype pushed to rollout; checkpoints keep fp32.
-        self.actor = load_causal_lm(actor_path, self.device, "float32")
-        self.actor.train()
-        _disable_dropout(self.actor)
-        if cfg.actor.lora_r:  # only the adapters train; rollout and checkpoints get the merged weights
-            from rlhf.lora import wrap_lora
-
-            a = cfg.actor
-            self.actor = wrap_lora(self.actor, a.lora_r, a.lora_alpha, a.lora_target_modules)
-        self._prepare(self.actor)
+        self.actor = models.load_actor(cfg, actor_path, self.device, self.group)
         t = cfg.training
         # fused AdamW, TRL's default ("adamw_torch_fused"): 4-6x faster optimizer steps than the per-tensor loop (CPU)
         fused = self.device.type in ("cpu", "cuda")
         self.actor_optim = optim.actor_optim(cfg)
-        self.actor_opt = _adamw(self.actor, self.actor_optim, fused)
+        self.actor_opt = optim.adamw(self.actor, self.actor_optim, fused)
         self.critic = None
         self.critic_opt = None
         self.critic_optim = optim.critic_optim(cfg)
         if self.stage == "ray_ppo":
-            critic_src = cfg.critic.load or _first_model_scorer(cfg) or "tiny:reward"
-            self.critic = load_sequence_classifier(resolve_model_path(critic_src), self.device)
-            self.critic.train()
-            _disable_dropout(self.critic)
-            self._prepare(self.critic)
-            self.critic_opt = _adamw(self.critic, self.critic_optim, fused)
-        # kl_penalty full (TRL): the whole-vocabulary KL needs the reference's logits, which the reference service
-        # does not send (it returns the sampled tokens' log-probs), so the trainer holds a frozen reference copy
-        self.ref_model = None
-        if cfg.algorithm.kl_penalty == "full":
-            ref_src = cfg.actor_rollout_ref.ref.load or cfg.actor.load
-            self.ref_model = load_causal_lm(resolve_model_path(ref_src), self.device, "float32").eval()
-            self.ref_model.requires_grad_(False)
+            self.critic = models.load_critic(cfg, self.device, self.group)
+            self.critic_opt = optim.adamw(self.critic, self.critic_optim, fused)
+        self.ref_model = models.load_reference(cfg, self.device) if cfg.algorithm.kl_penalty == "full" else None
         # reward normalisation: running statistics of every score seen (checkpointed with the optimizers)
         self.reward_moments = algo.RunningMoments() if cfg.algorithm.normalize_reward else None
-        self.ptx = _PtxData(cfg, self.tokenizer) if cfg.actor.ptx_coef > 0 else None
-        k = cfg.algorithm.kl_ctrl
-        self.kl_ctrl = algo.make_kl_controller(k.type, k.kl_coef, k.target_kl, k.horizon)
+        self.ptx = models.PtxData(cfg, self.tokenizer) if cfg.actor.ptx_coef > 0 else None
+        self.state = TrainerState.from_config(cfg)  # step, policy version, version segments, KL coefficient
         self.generator = torch.Generator().manual_seed(t.seed)
         # PPO: the first minibatch of the first epoch trains at the weights the old log-probs and values are taken
         # at, so its forward pass (with gradient) gives those rows' old values and the old pass covers only the
@@ -187,12 +92,6 @@ class TrainerEngine:
         # within float32 rounding; TRL likewise takes old log-probs from a pass it already ran, the generation's).
         # False: the old pass over every row (tests and bench.pipeline compare the two).
         self.reuse_first_pass = True
-        self.step_count = 0
-        self.policy_version = 0
-        # (first version, step count it was published at) of each stretch of versions that followed training steps
-        # one for one. A restart publishes its restored weights under a new version without a step, so staleness is
-        # counted in steps through these, not as a difference of versions.
-        self.version_segments: list[tuple[int, int]] = [(0, 0)]
         # Optimizer steps skipped for a non-finite loss or gradient, this step and in all (the critic's thread too).
         self._skipped_lock = threading.Lock()
         self.skipped_updates = 0
@@ -202,17 +101,38 @@ class TrainerEngine:
         # stage's per-row part of it (batch rows' records, versions, k3 sums, tokens), or None.
         self.mismatch_by_replica: dict[str, tuple[float, int, list[int]]] = {}
         self._mismatch_rows: tuple[torch.Tensor, ...] | None = None
-        # Rank 0's commands to the group (step, gather, heartbeat) go one at a time, each with its collectives.
-        self._command_lock = threading.Lock()
+        self.commands = Commands(self.device)  # a group's: rank 0 leads, the other ranks follow
+        self.export = PolicyExport(cfg, self.actor, self.group, self.commands)
 
-    def _prepare(self, model: torch.nn.Module) -> None:
-        """Activation checkpointing if asked, then FSDP2 sharding in a group (before its optimizer is built, so the
-        AdamW state is sharded too)."""
-        if self.cfg.training.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.group is not None:
-            dist.shard(model, self.cfg.training.bf16, self.device)
+    # ------------------------------------------------------------------ the state, read
+    # Assignable for tests that stage a trainer's history; the trainer itself moves them only through TrainerState.
+    @property
+    def step_count(self) -> int:
+        return self.state.step
 
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.state.step = value
+
+    @property
+    def policy_version(self) -> int:
+        return self.state.policy_version
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        self.state.policy_version = value
+
+    @property
+    def version_segments(self) -> list[tuple[int, int]]:
+        return self.state.version_segments
+
+    def steps_behind(self, versions: torch.Tensor, step: int) -> torch.Tensor:
+        return self.state.steps_behind(versions, step)
+
+    def same_weights(self, versions: torch.Tensor, step: int) -> torch.Tensor:
+        return self.state.same_weights(versions, step)
+
+    # ------------------------------------------------------------------ records
     @property
     def vocab_size(self) -> int:
         """Token ids a record may carry: rows of the input embedding that the output head also scores."""
@@ -227,52 +147,9 @@ class TrainerEngine:
 
         check_token_ids(exp, self.vocab_size)
 
-    # ------------------------------------------------------------------ collation
     def collate(self, experiences: list[experience_pb2.Experience]) -> RolloutBatch:
-        """Rows for every sample whose score is OK; samples with a failed score are dropped (never scored 0)."""
-        rows = []
-        for g, exp in enumerate(experiences):
-            for s in exp.samples:
-                if s.score_status != common_pb2.ITEM_STATUS_OK or len(s.response_ids) == 0:
-                    continue
-                rows.append((g, list(exp.prompt_ids), s))
-        if not rows:
-            errors = sorted({s.score_error for exp in experiences for s in exp.samples if s.score_error})
-            raise NoUsableSamples(
-                "no usable sample in this batch (all scores failed or responses empty)"
-                + (f"; score errors: {'; '.join(errors[:3])}" if errors else "")
-            )
-        C = max(len(p) for _, p, _ in rows)
-        L = max(len(s.response_ids) for _, _, s in rows)
-        B = len(rows)
-        qr = torch.full((B, C + L), self.pad_id, dtype=torch.long)
-        samp = torch.zeros(B, L)
-        has_samp = torch.zeros(B, dtype=torch.bool)
-        ref = torch.zeros(B, L)
-        for i, (_, prompt, s) in enumerate(rows):
-            n = len(s.response_ids)
-            qr[i, C - len(prompt) : C] = torch.tensor(prompt)
-            qr[i, C : C + n] = torch.tensor(list(s.response_ids))
-            if len(s.sampling_logprobs) == n:
-                samp[i, :n] = torch.tensor(list(s.sampling_logprobs))
-                has_samp[i] = True
-            if len(s.ref_logprobs) != n:
-                raise ValueError(
-                    f"job {experiences[rows[i][0]].job_id}: ref_logprobs has {len(s.ref_logprobs)} "
-                    f"entries for {n} response tokens"
-                )
-            ref[i, :n] = torch.tensor(list(s.ref_logprobs))
-        return RolloutBatch(
-            query_responses=qr.to(self.device),
-            responses=qr[:, C:].to(self.device),
-            sampling_logprobs=samp.to(self.device),
-            ref_logprobs=ref.to(self.device),
-            scores=torch.tensor([s.score for _, _, s in rows], device=self.device),
-            group=torch.tensor([g for g, _, _ in rows], device=self.device),
-            policy_versions=torch.tensor([s.policy_version for _, _, s in rows]),
-            has_sampling_logprobs=has_samp.to(self.device),
-            context_length=C,
-        )
+        """Rows for every sample whose score is OK, on this engine's device (:func:`batch.collate`)."""
+        return collate(experiences, self.pad_id, self.device)
 
     # ------------------------------------------------------------------ forward helpers
     @property
@@ -372,7 +249,7 @@ class TrainerEngine:
                 break
             (loss * dist.backward_scale(self.group) if self.group is not None else loss).backward()
         if finite:
-            norm = _clip(model, self.cfg.training.clip_grad if clip_grad is None else clip_grad)
+            norm = optim.clip(model, self.cfg.training.clip_grad if clip_grad is None else clip_grad)
             if math.isfinite(norm):
                 opt.step()
                 return norm
@@ -380,30 +257,10 @@ class TrainerEngine:
         with self._skipped_lock:
             self.skipped_updates += 1
             self._skipped_this_step += 1
-        log.warning("step %d: %s update skipped: non-finite loss or gradient", self.step_count + 1, role)
+        log.warning("step %d: %s update skipped: non-finite loss or gradient", self.state.step + 1, role)
         return float("nan")
 
     # ------------------------------------------------------------------ the update
-    def steps_behind(self, versions: torch.Tensor, step: int) -> torch.Tensor:
-        """Training steps between the weights that generated samples of ``versions`` and the weights at ``step``.
-        Samples from weights a crash discarded (trained past the restored checkpoint) count as 0."""
-        starts = torch.tensor([v for v, _ in self.version_segments])
-        seg = (torch.searchsorted(starts, versions, right=True) - 1).clamp(min=0)
-        steps_at = torch.tensor([st for _, st in self.version_segments])[seg] + (versions - starts[seg])
-        return (step - steps_at).clamp(min=0).float()
-
-    def same_weights(self, versions: torch.Tensor, step: int) -> torch.Tensor:
-        """(B,) bool: samples of ``versions`` generated by the weights at ``step`` exactly. Unlike
-        :meth:`steps_behind` (which counts them as 0 behind), samples of weights a crash discarded (versions past the
-        step the next segment restarted at) are not: those weights are gone, whatever step their version maps to."""
-        starts = torch.tensor([v for v, _ in self.version_segments])
-        steps = torch.tensor([st for _, st in self.version_segments])
-        versions = versions.cpu()
-        seg = (torch.searchsorted(starts, versions, right=True) - 1).clamp(min=0)
-        steps_at = steps[seg] + (versions - starts[seg])
-        ends = torch.cat([steps[1:], torch.tensor([torch.iinfo(steps.dtype).max])])  # a segment's last live step
-        return (steps_at == step) & (steps_at <= ends[seg])
-
     def _mismatch(self, b: RolloutBatch, logprobs: torch.Tensor, mask: torch.Tensor, rows=None) -> dict[str, float]:
         """``mismatch/*`` metrics (:func:`rlhf.algo.logprob_mismatch`): the rollout's sampling log-probs against
         ``logprobs``, the trainer's under the current weights at the sampling temperature, over the response tokens
@@ -413,7 +270,7 @@ class TrainerEngine:
         rows = torch.arange(b.responses.shape[0]) if rows is None else rows.cpu()
         versions = b.policy_versions.cpu()[rows]
         dev = b.sampling_logprobs.device
-        on_policy = self.same_weights(versions, self.step_count).to(dev) & b.has_sampling_logprobs[rows.to(dev)]
+        on_policy = self.state.same_weights(versions, self.state.step).to(dev) & b.has_sampling_logprobs[rows.to(dev)]
         m = algo.logprob_mismatch(logprobs.detach(), b.sampling_logprobs[rows.to(dev)], mask, on_policy)
         self._mismatch_rows = (b.group.cpu()[rows], versions, m["row_kl_sum"].cpu(), m["row_tokens"].cpu())
         out = {"mismatch/tokens": m["tokens"].item()}
@@ -442,18 +299,16 @@ class TrainerEngine:
         if self.reward_moments is not None or alg.reward_clip_range is not None:
             batch.scores = algo.normalize_and_clip(raw_scores, self.reward_moments, alg.reward_clip_range)
         if self.group is not None:
-            with self._command_lock:
-                dist.broadcast_ints([_STEP], 1, self.device)
-                self._send_batch(batch)
+            with self.commands.lead(STEP, batch=batch):
                 metrics = self._update(batch)
         else:
             metrics = self._update(batch)
-        staleness = self.steps_behind(batch.policy_versions, self.step_count - 1)
+        staleness = self.state.steps_behind(batch.policy_versions, self.state.step - 1)
         metrics.update(score_stats(experiences))
         metrics.update(
             {
-                "step": self.step_count,
-                "policy_version": self.policy_version,
+                "step": self.state.step,
+                "policy_version": self.state.policy_version,
                 "samples": int(batch.responses.shape[0]),
                 "reward/mean": raw_scores.mean().item(),
                 "reward/std": raw_scores.std().item() if raw_scores.numel() > 1 else 0.0,
@@ -461,14 +316,14 @@ class TrainerEngine:
                 "response_length/mean": (batch.responses != self.pad_id).sum(1).float().mean().item(),
                 "staleness/mean": staleness.mean().item(),
                 "staleness/max": staleness.max().item(),
-                "kl_coef": self.kl_ctrl.value,
+                "kl_coef": self.state.kl_coef,
                 "nonfinite/skipped_updates": float(self._skipped_this_step),
                 "time/step_s": time.perf_counter() - t0,
             }
         )
         if batch.scores is not raw_scores:
             metrics["reward/normalized_mean"] = batch.scores.mean().item()
-        self.mismatch_by_replica = _mismatch_by_replica(experiences, self._mismatch_rows)
+        self.mismatch_by_replica = mismatch_by_replica(experiences, self._mismatch_rows)
         if self._ptx_losses:
             metrics["loss/ptx"] = sum(self._ptx_losses) / len(self._ptx_losses)
         return metrics
@@ -479,75 +334,59 @@ class TrainerEngine:
         self._ptx_losses: list[float] = []
         self._mismatch_rows = None
         total = self.cfg.training.train_iters
-        self._lr = optim.set_lr(self.actor_opt, self.actor_optim, self.step_count, total)
+        self._lr = optim.set_lr(self.actor_opt, self.actor_optim, self.state.step, total)
         if self.critic_opt is not None:
-            optim.set_lr(self.critic_opt, self.critic_optim, self.step_count, total)
+            optim.set_lr(self.critic_opt, self.critic_optim, self.state.step, total)
         if self.stage == "ray_ppo":
             metrics = self._ppo(batch)
         elif self.stage == "ray_online_dpo":
             metrics = self._online_dpo(batch)
         else:
             metrics = self._group(batch)
-        self.step_count += 1
-        self.policy_version += 1
+        self.state.advance()
         return metrics
 
     # ------------------------------------------------------------------ the group: rank 0 leads, the others follow
-    def _send_batch(self, b: RolloutBatch) -> None:
-        dist.broadcast_ints([b.context_length], 1, self.device)
-        dist.broadcast_tensors(_batch_tensors(b), len(_BATCH_FIELDS), self.device)
-
-    def _receive_batch(self) -> RolloutBatch:
-        (C,) = dist.broadcast_ints(None, 1, self.device)
-        t = dict(zip(_BATCH_FIELDS, dist.broadcast_tensors(None, len(_BATCH_FIELDS), self.device), strict=True))
-        return RolloutBatch(responses=t["query_responses"][:, C:], context_length=C, **t)
-
     def follow(self) -> None:
-        """Ranks other than 0: take part in what rank 0 does (steps, weight gathers), collective for collective,
-        until it calls :meth:`stop_followers`. Commands and batches arrive as tensors (no pickle)."""
+        """Ranks other than 0: take part in what rank 0 does (steps, weight gathers, checkpoints), collective for
+        collective, until it calls :meth:`stop_followers`."""
         if self.group is None or self.group.is_driver:
             raise RuntimeError("follow() is for ranks other than 0 of a trainer group")
-        while True:
-            (cmd,) = dist.broadcast_ints(None, 1, self.device)
-            if cmd == _STOP:
-                return
-            if cmd == _STEP:
-                self._update(self._receive_batch())
-            elif cmd == _GATHER:
-                for _ in self._gathered_policy(keep=False):
-                    pass
-            elif cmd in (_SAVE, _LOAD):
-                path = Path(dist.broadcast_text(None, self.device))
-                (checkpoint.write_sharded if cmd == _SAVE else checkpoint.restore)(path, self)
-            elif cmd != _NOOP:
-                raise RuntimeError(f"trainer group: unknown command {cmd} from rank 0")
+
+        def gather() -> None:
+            for _ in self.export.gather(keep=False):
+                pass
+
+        self.commands.follow(
+            step=self._update,
+            gather=gather,
+            save=lambda path: checkpoint.write_sharded(path, self),
+            load=lambda path: checkpoint.restore(path, self),
+        )
 
     def save_group(self, path: Path) -> None:
         """Rank 0 (checkpoint.save_checkpoint): every rank writes its part of the checkpoint into ``path``."""
-        with self._command_lock:
-            dist.broadcast_ints([_SAVE], 1, self.device)
-            dist.broadcast_text(str(path), self.device)
+        with self.commands.lead(SAVE, path=path):
             checkpoint.write_sharded(path, self)
 
     def load_group(self, path: Path) -> None:
         """Rank 0 (checkpoint.load_checkpoint): every rank restores its part of the checkpoint at ``path``."""
-        with self._command_lock:
-            dist.broadcast_ints([_LOAD], 1, self.device)
-            dist.broadcast_text(str(path), self.device)
+        with self.commands.lead(LOAD, path=path):
             checkpoint.restore(path, self)
 
     def heartbeat(self) -> None:
         """Rank 0, idle: a no-op command, so followers waiting for the next one do not reach the collective
         timeout while the ring waits for experience."""
         if self.group is not None:
-            with self._command_lock:
-                dist.broadcast_ints([_NOOP], 1, self.device)
+            with self.commands.lead(NOOP):
+                pass
 
     def stop_followers(self) -> None:
         if self.group is not None and self.group.is_driver:
-            with self._command_lock:
-                dist.broadcast_ints([_STOP], 1, self.device)
+            with self.commands.lead(STOP):
+                pass
 
+    # ------------------------------------------------------------------ the stages
     def _parallel_critic(self) -> bool:
         """Actor and critic are separate models with separate losses, so their passes can run side by side (as
         OpenRLHF and veRL run them on separate workers); the results are the same as one after the other. On a CPU
@@ -588,7 +427,7 @@ class TrainerEngine:
             critic_mbs = [list(self._minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch))
                           for _ in range(c.critic_update_epochs)]  # fmt: skip
             # OpenRLHF's freezing_actor_steps: the critic learns values of a fixed policy before the actor moves
-            frozen = self.step_count < a.freezing_actor_steps
+            frozen = self.state.step < a.freezing_actor_steps
             first_a = first_c = None  # the rows whose old pass is their first update's forward (see __init__)
             if self.reuse_first_pass and self.group is None and self.ref_model is None:
                 if not frozen and actor_mbs:
@@ -616,7 +455,7 @@ class TrainerEngine:
                 pad_token_id=self.pad_id,
                 eos_token_id=self.eos_id,
                 stop_token_id=self.eos_id,
-                kl_coef=self.kl_ctrl.value,
+                kl_coef=self.state.kl_coef,
                 kl_estimator=cfg.algorithm.kl_penalty,
                 gamma=cfg.algorithm.gamma,
                 lam=cfg.algorithm.lam,
@@ -636,7 +475,7 @@ class TrainerEngine:
                 pool.shutdown(wait=True)
             torch.set_num_threads(before)
         mean_kl = algo.masked_mean(r.kl, r.response_mask, dim=1).mean().item()
-        self.kl_ctrl.update(mean_kl, B)
+        self.state.update_kl(mean_kl, B)
         metrics.update({k: sum(v) / len(v) for k, v in stats.items()})
         metrics["objective/advantages_mean"] = algo.masked_mean(r.advantages, r.response_mask).item()
         metrics["policy/frozen"] = float(frozen)
@@ -736,7 +575,7 @@ class TrainerEngine:
         estimator = cfg.critic_free_estimator
         trl_rloo = estimator == "rloo" and alg.rloo_convention == "trl"
         kl_in_loss = estimator in ("grpo", "dr_grpo")
-        beta = self.kl_ctrl.value
+        beta = self.state.kl_coef
         responses, mask, contains_eos = algo.completion_mask(
             b.responses, self.eos_id, self.pad_id, alg.mask_truncated_completions
         )
@@ -889,119 +728,12 @@ class TrainerEngine:
 
     # ------------------------------------------------------------------ weights
     def policy_state_dict(self, on_device: bool = False) -> dict[str, torch.Tensor]:
-        """The actor's weights in the checkpoint layout (:mod:`rlhf.layout`: Hugging Face names and shapes as
-        ``save_pretrained`` writes them, a tie's alias left out, fused tensors split back), contiguous, on the CPU:
-        what weight sync ships (it refuses non-finite tensors). With ``training.bf16`` the fp32 master weights are
-        cast to bf16 here, and only here: rollout serves bf16 and the transfer is half the bytes. On the CPU in fp32
-        these are the training weights' own memory, which the next step changes: copy them before it (the
-        trainer's push: copy_weights).
-
-        ``on_device`` (one process only; a group gathers to the CPU one tensor at a time) leaves them on the
-        training device, for a caller that copies them into host buffers itself: copy_weights then moves each
-        tensor once, device to bucket, instead of to pageable host memory and again into the bucket."""
-        if self.group is not None:
-            with self._command_lock:
-                dist.broadcast_ints([_GATHER], 1, self.device)
-                return dict(self._gathered_policy(keep=True))
-        if self.cfg.actor.lora_r:
-            from rlhf.lora import merged_state_dict
-
-            weights = merged_state_dict(self.actor)
-        else:
-            weights = self.actor.state_dict()
-        out = {}
-        for k, v in self.policy_layout.items(weights):
-            out[k] = self._push_tensor(v, on_device)
-        return out
-
-    @functools.cached_property
-    def policy_layout(self):
-        """Which live tensor of the actor becomes which checkpoint tensor (worked out once, on meta tensors)."""
-        from rlhf.layout import CheckpointLayout
-
-        live = self.actor.state_dict()
-        if self.cfg.actor.lora_r:  # the merged weights carry the base model's names
-            live = {k.replace(".base_layer.", "."): v for k, v in live.items() if ".lora_" not in k}
-        return CheckpointLayout(self.actor, live)
-
-    def _push_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return torch.bfloat16 if self.cfg.training.bf16 and dtype.is_floating_point else dtype
-
-    def _push_tensor(self, v: torch.Tensor, on_device: bool = False) -> torch.Tensor:
-        v = v.detach().to(self._push_dtype(v.detach().dtype))
-        return (v if on_device else v.to("cpu")).contiguous()
+        """The actor's weights in the checkpoint layout, as weight sync ships them (:meth:`PolicyExport.state_dict`)."""
+        return self.export.state_dict(on_device)
 
     def policy_stream(self, version: int, bucket_bytes: int | None = None) -> StreamedWeights:
-        """Rank 0 of a group: the policy (as :meth:`policy_state_dict` gives it) as streamed weights, for a push that
-        gathers it bucket by bucket and never holds the whole model (``push_weights_streamed``). The plan comes
-        from the shards' metadata (a DTensor's shape is the global one); each of the stream's two passes is one
-        gather command to the group. The weights must not change between the passes: the caller holds off steps,
-        so in a group training waits for the push."""
-        # Imported here: rlhf.transport brings Redis, which the engine (and the TRL parity environment) does not need.
-        from rlhf.transport.weights.format import DEFAULT_BUCKET_BYTES, StreamedWeights
-
-        if self.group is None or not self.group.is_driver:
-            raise RuntimeError("policy_stream() is for rank 0 of a trainer group; at world size 1 pack the state dict")
-        bucket_bytes = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-        specs = self.policy_layout.specs(self._push_dtype)
-        return StreamedWeights(specs, self._policy_pass, version, version - 1, bucket_bytes=bucket_bytes)
-
-    def _policy_pass(self):
-        """One gather of the whole policy, tensor by tensor: the command goes to the followers, which gather every
-        parameter with rank 0. Closed early (a push that stopped), rank 0 still gathers the rest, or the followers
-        would wait in a collective that never comes. The command lock is held for the pass, in the thread that runs
-        it, so no other command can come between its gathers."""
-        with self._command_lock:
-            dist.broadcast_ints([_GATHER], 1, self.device)
-            gathered = self._gathered_policy(keep=True)
-            try:
-                for item in gathered:  # not ``yield from``: that would close ``gathered`` undrained on close()
-                    yield item
-                    del item  # the tensor goes before the next gather, not after it
-            finally:
-                for _ in gathered:
-                    pass
-
-    def _gathered_policy(self, keep: bool):
-        """(name, full tensor) of the sharded actor in the checkpoint layout, gathered one parameter at a time on
-        every rank (the gather is a collective); ranks that do not ``keep`` drop each tensor at once, so their extra
-        memory is one tensor. A tie's alias is gathered like any parameter (every rank runs the same collectives)
-        and yields nothing."""
-        layout = self.policy_layout if keep else None
-        for k, v in self.actor.state_dict().items():
-            v = dist.full_value(v.detach())
-            if not keep:
-                yield k, None
-                continue
-            parts = layout.convert(k, v)
-            del v  # the gathered full-precision tensor goes before its cast copies are yielded
-            while parts:
-                name, part = parts.pop(0)
-                out = self._push_tensor(part)
-                del part
-                yield name, out
-
-
-def _refuse_in_group(cfg: ExperimentConfig) -> None:
-    """Options built for one trainer process only: refused in a torchrun group rather than silently wrong (each
-    would run the same extra pass on every rank, or hold an unsharded model beside the sharded ones)."""
-    one_process = {
-        "actor_rollout.lora_r": cfg.actor.lora_r,
-        "algorithm.kl_penalty: full": cfg.algorithm.kl_penalty == "full",
-        "actor_rollout.ptx_coef": cfg.actor.ptx_coef > 0,
-        "critic.save": cfg.critic.save is not None,
-    }
-    used = [k for k, v in one_process.items() if v]
-    if used:
-        raise ValueError(f"{', '.join(used)}: built for a one-process trainer; run without torchrun (or "
-                         "--trainer-procs 1), or turn these off")  # fmt: skip
-
-
-_NOOP, _STEP, _GATHER, _STOP, _SAVE, _LOAD = 0, 1, 2, 3, 4, 5
-_BATCH_FIELDS = (
-    "query_responses", "sampling_logprobs", "ref_logprobs", "scores", "group", "policy_versions",
-    "has_sampling_logprobs",
-)  # fmt: skip
+        """Rank 0 of a group: the policy streamed bucket by bucket (:meth:`PolicyExport.stream`)."""
+        return self.export.stream(version, bucket_bytes)
 
 
 def _with_rest(n: int, first: torch.Tensor, held: torch.Tensor, forward) -> torch.Tensor:
@@ -1015,62 +747,6 @@ def _with_rest(n: int, first: torch.Tensor, held: torch.Tensor, forward) -> torc
         with torch.no_grad():
             out[rest] = forward(rest)
     return out
-
-
-def _batch_tensors(b: RolloutBatch) -> list[torch.Tensor]:
-    return [getattr(b, name) for name in _BATCH_FIELDS]
-
-
-def _adamw(model: torch.nn.Module, role: optim.RoleOptim, fused: bool) -> torch.optim.AdamW:
-    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
-    return torch.optim.AdamW(params, lr=role.lr, betas=role.betas, weight_decay=role.weight_decay, fused=fused)
-
-
-class _PtxData:
-    """PPO-ptx texts (data.pretrain_data), tokenized once, served in a fixed cycling order: a batch is a (rows, T)
-    tensor right-padded with the pad id."""
-
-    def __init__(self, cfg: ExperimentConfig, tokenizer):
-        from rlhf.data import load_texts
-
-        self.pad_id = tokenizer.pad_token_id
-        limit = cfg.training.seq_length
-        self.rows = [tokenizer(t, add_special_tokens=True)["input_ids"][:limit] for t in load_texts(cfg.data)]
-        self.rows = [r for r in self.rows if len(r) >= 2]
-        if not self.rows:
-            raise ValueError(f"data.pretrain_data {cfg.data.pretrain_data}: no text of two tokens or more")
-        self.offset = 0
-
-    def next_batch(self, n: int) -> torch.Tensor:
-        picked = [self.rows[(self.offset + i) % len(self.rows)] for i in range(n)]
-        self.offset = (self.offset + n) % len(self.rows)
-        out = torch.full((n, max(len(r) for r in picked)), self.pad_id, dtype=torch.long)
-        for i, r in enumerate(picked):
-            out[i, : len(r)] = torch.tensor(r)
-        return out
-
-
-def _first_model_scorer(cfg: ExperimentConfig) -> str | None:
-    return next((s.load for s in cfg.reward.scorers if s.type == "model"), None)
-
-
-def _disable_dropout(model: torch.nn.Module) -> None:
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-
-
-def _clip(model: torch.nn.Module, max_norm: float) -> float:
-    if max_norm and max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    else:
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        if grads and hasattr(grads[0], "full_tensor"):  # sharded (FSDP2): the norm over every rank's shards
-            norm = torch.nn.utils.get_total_norm(grads)
-        else:
-            norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
-    value = float(dist.full_value(norm))
-    return value if math.isfinite(value) else float("nan")
 
 
 class _Done:

@@ -1,61 +1,42 @@
-"""The trainer's ring driver: the ``Trainer`` object that owns the run's state.
+"""The trainer's ring driver: the ``Trainer`` object that owns the run.
 
-It publishes prompt jobs (bounded by admission: ``training.max_staleness``), consumes experience, runs one update per
-``global_batch_size`` experience records, pushes the new weights to every rollout replica (versioned), writes
-``metrics.jsonl`` and checkpoints, and acknowledges experience only once a checkpoint covers the step it fed: a
-trainer killed at any moment loses nothing, and after a restart it skips the job ids its checkpoint says were trained.
-It stops (exit 0) after ``training.train_iters`` steps. The servers around it are in ``grpc_servicer``, ``http_app``
-and ``main``.
+It consumes experience, runs one update per ``global_batch_size`` experience records (dropping records staler than
+``training.max_staleness`` and dead-lettering records that make a step fail), writes ``metrics.jsonl`` and
+checkpoints, and acknowledges experience only once a checkpoint covers the step it fed: a trainer killed at any moment
+loses nothing, and after a restart it skips the job ids its checkpoint says were trained. It stops (exit 0) after
+``training.train_iters`` steps, or earlier by a stopping rule (scoring failures, trainer-inference mismatch).
+
+Its parts: the prompt jobs and the admission state (``publisher``), the rollout replicas and the weight pushes
+(``fleet``), the trained job ids (``ledger``), the update step (``engine``). The servers around it are in
+``grpc_servicer``, ``http_app`` and ``main``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
-import socket
 import time
 from pathlib import Path
 
-import grpc
 import torch
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlhf import runlog
 from rlhf.config import ExperimentConfig
-from rlhf.data import PromptCursor, encode_prompt, load_prompts
-from rlhf.serving import (
-    NotReady,
-    ServiceRunner,
-    ServiceSettings,
-    open_channel,
-)
-from rlhf.serving.runner import client_credentials
+from rlhf.serving import NotReady, ServiceRunner, ServiceSettings
 from rlhf.tracking import Tracker
-from rlhf.transport import (
-    Admission,
-    BufferPool,
-    ExperienceQueue,
-    MalformedRecord,
-    PromptQueue,
-    connect,
-    drop_trained,
-    queue_stats,
-)
+from rlhf.transport import ExperienceQueue, MalformedRecord, connect, drop_trained, queue_stats
 from rlhf.v1 import common_pb2, experience_pb2, trainer_pb2
+from services.trainer.batch import NoUsableSamples, score_failures
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from services.trainer.engine import NoUsableSamples, TrainerEngine, score_failures
+from services.trainer.engine import TrainerEngine
+from services.trainer.fleet import Fleet, collective_backend
+from services.trainer.ledger import Ledger
+from services.trainer.publisher import TRANSIENT, Publisher, retrying
 
 log = logging.getLogger("rlhf.trainer")
-LEDGER = "trained_jobs.jsonl"  # in the run folder: per checkpoint, the job ids trained since the one before
-KEEP_WINDOWS = 2  # checkpoint windows of trained job ids kept for the duplicate filter (see Trainer._checkpoint)
 CONSUMER = "trainer-0"
 EVENTS = "events.jsonl"  # in the run folder: the ring's changes of state (waiting for a replica, resumed, stopped)
-# Redis restarting or unreachable for a while: every call the trainer makes is retried (they are all idempotent:
-# job ids dedupe publishing, the trained counter is set absolutely, acks and version publishing can be repeated).
-TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutError)
 
 
 class Trainer:
@@ -65,83 +46,44 @@ class Trainer:
         self.run_dir = Path(settings.run_dir or Path(cfg.training.save).parent)
         self.ckpt_dir = self.run_dir / "checkpoints" if settings.run_dir else Path(cfg.training.save)
         self.engine: TrainerEngine | None = None
+        self.publisher: Publisher | None = None
+        self.fleet: Fleet | None = None
+        self.ledger = Ledger(self.run_dir)
         self.paused = asyncio.Event()
         self.last_metrics: dict[str, float] = {}
-        self.trained_job_ids: set[str] = set()  # the duplicate filter: the jobs of the last few checkpoint windows
-        self._window: set[str] = set()  # trained (or dropped as stale) since the last checkpoint
-        self._window_stale: set[str] = set()  # of those, dropped as stale
         self.stale_dropped = 0
-        self._windows: collections.deque[tuple[int, set[str]]] = collections.deque()  # (checkpoint step, job ids)
         self.samples_trained = 0
-        self.unacked: list[str] = []
         self.done = False
-        self._push_task: asyncio.Task | None = None
-        # Bucket buffers of the per-step pushes, reused once a push no longer holds them: fresh memory costs a page
-        # fault per 4 KiB (an 86 MB policy: 0.04 s to copy into new memory, 0.009 s into a reused buffer).
-        self._push_buffers = BufferPool()
         # One writer of the trainer's state at a time: a step and a checkpoint (the loop's or an admin call's) never
         # interleave, so a checkpoint holds one step's weights with that step's ledger.
         self._state_lock = asyncio.Lock()
         self.dead_lettered = 0
         self._held: list[tuple[str, experience_pb2.Experience]] = []  # read, not yet trained (see _next_batch)
-        self._trained_published = 0  # the trained count and policy version last written (see _reassert_loop)
-        self._unpushed_jobs = 0  # jobs trained into weights whose push has not landed yet
-        self._version_published: int | None = None
-        self._admission_lock = asyncio.Lock()
-        self._collective: dict = {}  # the collective push's backend and device (start)
-        # Replicas whose last push failed: address -> (version, the error). While none serves the newest version the
-        # ring waits (see _next_batch) instead of cycling jobs that the old weights would make too stale to train.
-        self._lagging: dict[str, tuple[int, str]] = {}
-        self._replicas: set[str] = set()  # every replica of the last push to all
-        self._announced: set[tuple[str, int]] = set()  # (replica, version) catch-up pushes already logged
-        self._waiting: str | None = None
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
         self.engine = await asyncio.to_thread(TrainerEngine, self.cfg, self.settings.device)
-        if self.settings.weights_transport == "collective":  # a backend this trainer cannot run: refused at start
-            from rlhf.transport.weights.collective import trainer_backend
-
-            backend, device = trainer_backend(self.settings.weights_collective_backend, self.engine.device)
-            self._collective = {"backend": backend, "device": device}
+        # a collective backend this trainer cannot run: refused at start
+        collective = collective_backend(self.settings, self.engine.device)
         self.redis = connect(self.settings.redis_url)
-        self.prompts = PromptQueue(self.redis, self.run_id)
         self.experience = ExperienceQueue(self.redis, self.run_id)
-        self.admission = Admission(
-            self.redis, self.run_id, self.cfg.training.max_staleness, self.cfg.training.global_batch_size
-        )
-        a = self.cfg.actor
-        records = load_prompts(self.cfg.data)
-        self.cursor = PromptCursor(records, self.cfg.training.seed, self.cfg.data.shuffle)
-        self.prompt_ids = {}
-        tok = self.engine.tokenizer
-        for r in records:
-            self.prompt_ids[r.index] = encode_prompt(
-                tok, r.prompt, a.max_prompt_length, a.apply_chat_template, self.cfg.data.system
-            )
-        self.records = {r.index: r for r in records}
+        self.publisher = Publisher(self.cfg, self.run_id, self.redis, self.engine.tokenizer, self.paused)
+        self.fleet = Fleet(self.settings, self.engine, self.publisher, self._state_lock, self.run_dir / EVENTS,
+                           self._stop_ring, collective)  # fmt: skip
         ckpt = self.cfg.training.load or latest_checkpoint(self.ckpt_dir)
-        trained = 0
+        trained, data = 0, None
         if ckpt:
             state = await asyncio.to_thread(load_checkpoint, ckpt, self.engine)
-            windows = state.get("trained_job_windows") or [[state["step"], state.get("trained_job_ids", [])]]
-            self._windows = collections.deque((int(st), set(ids)) for st, ids in windows)
-            self.trained_job_ids = set().union(*(ids for _, ids in self._windows))
+            self.ledger.restore(state)
             self.samples_trained = state.get("samples_trained", 0)
-            self.cursor.epoch, self.cursor.offset = state["data"]["epoch"], state["data"]["offset"]
-            self.cursor._order = self.cursor._make_order()
+            data = state["data"]
             trained = state["admission_trained"]
-        # The trained counter goes back with the weights: to the checkpoint's total, or to 0 when a trainer died
-        # before its first checkpoint (its steps are lost with it; their experience was never acknowledged and comes
-        # back). Versions never go backwards: weights that differ from what the replicas serve are published under
-        # a new, higher version.
-        await self.admission.restore(trained)
-        self._trained_published = trained
-        published = await self.admission.policy_version()
+        published = await self.publisher.restore(trained, data)
+        # Versions never go backwards: weights that differ from what the replicas serve are published under a new,
+        # higher version.
         if ckpt or published is not None:
-            self.engine.policy_version = max(self.engine.policy_version, published or 0) + 1
-            self.engine.version_segments.append((self.engine.policy_version, self.engine.step_count))
-            await self._push_weights()
+            self.engine.state.republish(published)
+            await self.fleet.push_current()
         if ckpt:
             log.info(
                 "resumed from %s at step %d, publishing as version %d",
@@ -157,42 +99,30 @@ class Trainer:
                 published,
                 self.engine.policy_version,
             )
-        # The trained-jobs total is kept here and set absolutely (a retried increment would count twice).
-        self.jobs_trained = (await self.admission.state()).trained
+        await self.publisher.read_trained()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Steps after the checkpoint are trained again: each step stays in metrics.jsonl once.
-        runlog.truncate_after(self.run_dir / LEDGER, self.engine.step_count)
+        self.ledger.truncate_after(self.engine.step_count)
         cut = runlog.truncate_after(self.run_dir / "metrics.jsonl", self.engine.step_count)
         if cut:
             log.info("metrics.jsonl cut back to step %d (%d later line(s) removed)", self.engine.step_count, cut)
         self.tracker = Tracker(self.run_dir, self.run_id, self.cfg.model_dump(), resume_step=self.engine.step_count)
         self._saved_step = self.engine.step_count if ckpt else None
+        finished = lambda: self.done
         self.tasks = [
-            asyncio.create_task(self._publish_loop()),
+            asyncio.create_task(self.publisher.publish_loop(finished, lambda: self.engine.policy_version)),
             asyncio.create_task(self._train_loop()),
-            asyncio.create_task(self._catch_up_loop()),
-            asyncio.create_task(self._reassert_loop()),
+            asyncio.create_task(self.fleet.catch_up_loop(finished)),
+            asyncio.create_task(self.publisher.reassert_loop(finished)),
         ]
         if self.engine.group is not None:
             self.tasks.append(asyncio.create_task(self._heartbeat_loop()))
-
-    async def _redis(self, what: str, fn, *args, **kwargs):
-        """``await fn(*args, **kwargs)``, retried with backoff while Redis is unreachable (a restart must not end
-        the run)."""
-        delay = 0.2
-        while True:
-            try:
-                return await fn(*args, **kwargs)
-            except TRANSIENT as err:
-                log.warning("redis unavailable (%s: %s: %s); retrying in %.1fs", what, type(err).__name__, err, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     async def stop(self) -> None:
         """SIGTERM (Ctrl-C under ``rlhf up``, a pod or container stop): finish the step in progress, checkpoint
         what was trained since the last checkpoint, then stop. Killed before it is done, the previous checkpoint
         stands (checkpoints are atomic)."""
-        tasks = [*getattr(self, "tasks", []), self._push_task]
+        tasks = [*getattr(self, "tasks", []), self.fleet.push_task if self.fleet is not None else None]
         unsaved = self.engine is not None and hasattr(self, "tasks") and not self.done
         if unsaved and self.engine.step_count not in (0, getattr(self, "_saved_step", None)):
             async with self._state_lock:  # waits for a step in progress; none starts after it
@@ -225,51 +155,6 @@ class Trainer:
             await asyncio.sleep(interval)
             await asyncio.to_thread(self.engine.heartbeat)
 
-    # ------------------------------------------------------------------ publishing prompt jobs
-    def _job(self) -> experience_pb2.PromptJob:
-        epoch, record = self.cursor.next()
-        a = self.cfg.actor
-        params = common_pb2.SamplingParams(
-            n=a.n_samples_per_prompt if self.cfg.training.stage != "ray_online_dpo" else 2,
-            temperature=a.temperature if a.do_sample else 0.0,
-            top_p=a.top_p,
-            top_k=a.top_k,
-            max_tokens=self.cfg.max_new_tokens,
-            stop=a.stop,
-        )
-        job = experience_pb2.PromptJob(
-            job_id=f"{self.run_id}-e{epoch}-i{record.index}",
-            run_id=self.run_id,
-            data_index=record.index,
-            epoch=epoch,
-            prompt_ids=self.prompt_ids[record.index],
-            prompt_text=record.prompt,
-            params=params,
-            issued_policy_version=self.engine.policy_version,
-            issued_at_unix_ms=int(time.time() * 1000),
-        )
-        if record.label is not None:
-            job.label = record.label
-        return job
-
-    async def _publish_loop(self) -> None:
-        backlog: list[experience_pb2.PromptJob] = []
-        while not self.done:
-            if self.paused.is_set():
-                await asyncio.sleep(0.1)
-                continue
-            free = await self._redis("admission", self.admission.wait_free, 1)
-            while len(backlog) < free:
-                backlog.append(self._job())
-            results = await self._redis(
-                "publishing prompt jobs", self.prompts.publish_many, backlog[:free], self.admission
-            )
-            # "duplicate" is a job issued before a restart: it is in the streams already, so it is done here too.
-            backlog = [job for job, r in zip(backlog[:free], results, strict=True) if r.status == "full"] + backlog[
-                free:
-            ]
-            await asyncio.sleep(0.01)
-
     # ------------------------------------------------------------------ training
     async def _next_batch(self) -> list[tuple[str, experience_pb2.Experience]]:
         """The next ``global_batch_size`` records, stalest first. Replicas finish jobs in any order, so the trainer
@@ -283,9 +168,9 @@ class Trainer:
             if len(self._held) < ahead:
                 block = 500 if len(self._held) < size else None  # a full batch in hand: take only what is there
                 want = ahead - len(self._held)
-                records = await self._redis("reading experience", self.experience.read, CONSUMER, want, block)
-                split = drop_trained(records, self.trained_job_ids | {e.job_id for _, e in self._held})
-                self.unacked.extend(split.duplicate_ids)
+                records = await retrying("reading experience", self.experience.read, CONSUMER, want, block)
+                split = drop_trained(records, self.ledger.trained_job_ids | {e.job_id for _, e in self._held})
+                self.ledger.duplicates(split.duplicate_ids)
                 for entry_id, exp in split.fresh:
                     try:
                         self.engine.check_record(exp)
@@ -296,12 +181,12 @@ class Trainer:
             while self.paused.is_set():
                 await asyncio.sleep(0.1)
             self._drop_stale()
-            if self._waiting is not None:  # the catch-up loop pushes again meanwhile; no new job is admitted
+            if self.fleet.waiting is not None:  # the catch-up loop pushes again meanwhile; no new job is admitted
                 await asyncio.sleep(0.5)
-            elif self._trained_published < self.jobs_trained - self._unpushed_jobs:
+            elif self.publisher.behind:
                 # slots freed by stale drops: no step may come to free them (a sync ring would wait). While no replica
                 # serves the newest weights they stay closed: new jobs would only come back stale, in a loop.
-                await self._write_admission()
+                await self.publisher.write_admission()
             if len(self._held) >= size:
                 break
         self._held.sort(key=lambda r: min((s.policy_version for s in r[1].samples), default=0))
@@ -316,27 +201,20 @@ class Trainer:
         if not self._held:
             return 0
         versions = [min((s.policy_version for s in e.samples), default=0) for _, e in self._held]
-        behind = self.engine.steps_behind(torch.tensor(versions), self.engine.step_count).tolist()
+        state = self.engine.state
+        behind = state.steps_behind(torch.tensor(versions), state.step).tolist()
         bound = self.cfg.training.max_staleness
         stale = [r for r, b in zip(self._held, behind, strict=True) if b > bound]
         if not stale:
             return 0
         self._held = [r for r, b in zip(self._held, behind, strict=True) if b <= bound]
-        ids = [e.job_id for _, e in stale]
-        self.trained_job_ids.update(ids)  # consumed: a duplicate record of one is dropped too
-        self._window.update(ids)
-        self._window_stale.update(ids)
-        self.unacked.extend(entry for entry, _ in stale)
-        self.jobs_trained += len(stale)
+        self.ledger.consumed(stale, stale=True)  # a duplicate record of one is dropped too
+        self.publisher.consumed(len(stale))
         self.stale_dropped += len(stale)
-        say = log.debug if self._waiting else log.info  # while waiting, the waiting line says why; once
+        say = log.debug if self.fleet.waiting else log.info  # while waiting, the waiting line says why; once
         say("dropped %d record(s) staler than max_staleness %d before step %d (%s steps behind)", len(stale),
                  bound, self.engine.step_count + 1, max(behind))  # fmt: skip
         return len(stale)
-
-    def _trained(self, job_ids: list[str]) -> None:
-        self.trained_job_ids.update(job_ids)
-        self._window.update(job_ids)
 
     def _check_scoring(self, experiences: list[experience_pb2.Experience], failed_fraction: float) -> None:
         """Stop the run (exit ``runlog.EXIT_STOPPED_BY_RULE``, which supervisors should not restart) when more than
@@ -399,7 +277,7 @@ class Trainer:
         admission slot is released if this run issued it), so no restart meets it again."""
         reason = f"trainer: {reason}"
         payload = exp.SerializeToString()
-        moved = await self._redis(
+        moved = await retrying(
             "dead-lettering", self.experience.dead_letter, [(entry_id, payload, reason, exp.job_id)], CONSUMER
         )
         self.dead_lettered += moved
@@ -458,44 +336,31 @@ class Trainer:
         except NoUsableSamples:
             metrics = None  # no sample scored: no update, and the records are consumed (a retry scores nothing)
             self._check_scoring([e for _, e in batch], 1.0)
-            self._trained([e.job_id for _, e in batch])
-            self.unacked.extend(entry for entry, _ in batch)
-            self.jobs_trained += len(batch)
-            await self._write_admission()
+            self.ledger.consumed(batch)
+            self.publisher.consumed(len(batch))
+            await self.publisher.write_admission()
             return
         if metrics is None:
             return  # every record was dead-lettered: read another batch
         self._check_scoring([e for _, e in batch], metrics["reward/failed_fraction"])
-        self._trained([e.job_id for _, e in batch])
-        self.unacked.extend(entry for entry, _ in batch)
+        self.ledger.consumed(batch)
         self.samples_trained += int(metrics["samples"])
         push = self.engine.step_count % t.weight_sync_interval == 0
-        # Counted at once (and together: no await in between), admitted only once the weights they trained are out.
-        self.jobs_trained += len(batch)
-        if push:
-            self._unpushed_jobs += len(batch)
+        # Counted at once, admitted only once the weights they trained are out.
+        self.publisher.consumed(len(batch), pushed_later=push)
         # The previous update must be out first: versions reach replicas in order, and the trained count that frees
         # admission only grows.
-        await self._settle_push()
-        if push and self.engine.group is None:
-            # The weights copied into the push's buckets now (the next step changes them; the NaN check and one copy
-            # into buffers reused from an earlier push); hashing them and the push (transfer + the replicas' swap)
-            # then overlap the next step instead of stalling it.
-            version = self.engine.policy_version
-            packed = await asyncio.to_thread(self._copy_policy, version)
-            self._push_task = asyncio.create_task(self._seal_and_deliver(packed, jobs=len(batch)))
-        elif push:
-            # A trainer group streams the push (never the whole policy on rank 0): the weights must stay as they are
-            # until it is done, so the next step waits for it (this holds _state_lock).
-            await self._deliver(None, jobs=len(batch))
+        await self.fleet.settle()
+        if push:
+            await self.fleet.push_step(jobs=len(batch))  # one process: overlaps the next step; a group: waits
         else:
-            await self._write_admission()
+            await self.publisher.write_admission()
         if self.engine.step_count >= t.train_iters:
-            await self._settle_push()
+            await self.fleet.settle()
         if self.engine.step_count % t.save_interval == 0 or self.engine.step_count >= t.train_iters:
             await self._checkpoint()
         elapsed = time.perf_counter() - t0
-        stats = await self._redis("queue stats", queue_stats, self.redis, self.run_id)
+        stats = await retrying("queue stats", queue_stats, self.redis, self.run_id)
         metrics.update(
             {
                 "time/wait_experience_s": wait_s,
@@ -524,197 +389,12 @@ class Trainer:
             )
         self._check_mismatch(metrics)
 
-    async def _pack(self):
-        """The live policy packed at its version."""
-        from rlhf.transport import pack_weights
-
-        version = self.engine.policy_version
-        return await asyncio.to_thread(pack_weights, self.engine.policy_state_dict(), version, version - 1)
-
-    def _copy_policy(self, version: int):
-        """The live policy copied into push buckets as ``version`` (not yet hashed: :meth:`_seal_and_deliver`)."""
-        from rlhf.transport import copy_weights
-
-        weights = self.engine.policy_state_dict(on_device=True)  # one device-to-bucket copy per tensor
-        return copy_weights(weights, version, version - 1, pool=self._push_buffers)
-
-    async def _seal_and_deliver(self, packed, jobs: int) -> None:
-        await self._deliver(await asyncio.to_thread(packed.seal), jobs=jobs)
-
-    async def _deliver(self, packed, jobs: int = 0) -> None:
-        """Push ``packed`` to every replica, publish its version, then admit the ``jobs`` whose training it carries:
-        admission frees the next jobs only once the new weights are out, which is what bounds staleness. ``packed``
-        None: a trainer group streams the current weights (see :meth:`_push_to`; hold ``_state_lock``)."""
-        addrs = await asyncio.to_thread(expand_targets, self.settings.rollout_addrs)
-        if addrs:
-            self._replicas = set(addrs)
-            version = await self._push_to(addrs, packed)
-            await self._redis("publishing the policy version", self.admission.publish_policy_version, version)
-            self._version_published = version
-        if jobs:
-            self._unpushed_jobs -= jobs
-            await self._write_admission()
-
-    async def _write_admission(self) -> None:
-        """Write the jobs consumed (trained or dropped as stale), less those trained into weights not out yet. Both
-        terms change together, so the value only grows."""
-        async with self._admission_lock:  # never overtaken by an older value re-asserted
-            total = self.jobs_trained - self._unpushed_jobs
-            await self._redis("admission", self.admission.set_trained, total)
-            self._trained_published = total
-
-    async def _reassert_loop(self, interval_s: float = 2.0) -> None:
-        """Write the admission counter and the policy version again every few seconds. Redis acknowledges a write
-        before its AOF is on disk (everysec), so a machine crash can take back the last second: a trained count
-        rolled back would keep a synchronous ring waiting forever (no slot free, so no job, so no step to write it
-        again). Both writes are absolute and monotonic where it matters, so repeating them is harmless."""
-        while not self.done:
-            await asyncio.sleep(interval_s)
-            try:
-                async with self._admission_lock:
-                    await self.admission.set_trained(self._trained_published)
-                version = self._version_published
-                if version is not None:
-                    await self.admission.publish_policy_version(version)
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # noqa: BLE001 - Redis restarting: the next round writes them
-                log.debug("re-asserting the admission state failed: %s", err)
-
-    async def _catch_up_loop(self, interval_s: float = 2.0) -> None:
-        """Bring replicas that serve an older version than the run's published one up to date: a replica that
-        started or restarted after a push (a crash, a scale-up) waits for this before it takes a job (see the
-        rollout worker), so it never generates samples from weights many versions old."""
-        from rlhf.v1 import rollout_pb2_grpc, weights_pb2
-
-        while not self.done:
-            await asyncio.sleep(interval_s)
-            try:
-                published = await self.admission.policy_version()
-                addrs = await asyncio.to_thread(expand_targets, self.settings.rollout_addrs)
-                if published is None or not addrs or (self._push_task is not None and not self._push_task.done()):
-                    continue
-                lagging = []
-                names = await asyncio.to_thread(_tls_names, self.settings.rollout_addrs)
-                for addr in addrs:
-                    channel = open_channel(addr, self.settings, server_name=names.get(addr))
-                    try:
-                        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-                        served = await stub.GetWeightsVersion(weights_pb2.GetWeightsVersionRequest(), timeout=5)
-                    except grpc.aio.AioRpcError:
-                        continue  # down or starting: asked again next time
-                    finally:
-                        await channel.close()
-                    if served.version < published:
-                        lagging.append((addr, served.version))
-                    elif addr in self._lagging:  # it loaded the newest weights itself (a restart from a checkpoint)
-                        self._note_push(served.version, {addr: served})
-                if not lagging:
-                    continue
-                targets = [a for a, _ in lagging]
-                async with self._state_lock:  # between steps: the weights of one version
-                    for addr, served in lagging:  # once per replica and version; the retries are quiet
-                        key = (addr, published)
-                        say = log.debug if key in self._announced else log.info
-                        self._announced.add(key)
-                        say("replica %s serves version %d, the run is at %d: pushing version %d", addr, served,
-                            published, self.engine.policy_version)  # fmt: skip
-                    if self.engine.group is not None:  # streamed: the weights may not change until it is done
-                        await self._push_to(targets, None)
-                        continue
-                    packed = await self._pack()
-                await self._push_to(targets, packed)
-            except asyncio.CancelledError:
-                raise
-            except Exception as err:  # noqa: BLE001 - Redis restarting, a replica going away: try again later
-                log.warning("catching up lagging replicas failed (%s: %s); retrying", type(err).__name__, err)
-
-    async def _push_to(self, addrs: list[str], packed) -> int:
-        """Push ``packed`` to ``addrs``, or with ``packed`` None (a trainer group; hold ``_state_lock``) stream the
-        engine's current weights: gathered bucket by bucket, twice (the digests, then the bytes), so rank 0 holds
-        one bucket, never the whole policy, and training waits for the push. Returns the version pushed."""
-        from rlhf.transport import push_weights_many, push_weights_streamed
-
-        tls: dict = {}
-        creds = client_credentials(self.settings)
-        if creds is not None:  # TLS ring: verify each replica against its service's name, not its pod address
-            names = await asyncio.to_thread(_tls_names, self.settings.rollout_addrs)
-            tls = {"tls": creds, "server_names": names}
-        kw = {"token": self.settings.api_token, "timeout": 120.0, "transport": self.settings.weights_transport,
-              **tls, **self._collective}  # fmt: skip
-        if packed is None:
-            packed = self.engine.policy_stream(self.engine.policy_version)
-            results = await push_weights_streamed(addrs, packed, **kw)
-        else:
-            results = await push_weights_many(addrs, packed, **kw)
-        self._note_push(packed.version, results)
-        return packed.version
-
-    def _note_push(self, version: int, results: dict) -> None:
-        """Record which replicas took ``version``. A refusal no retry can fix stops the run at once; a replica that
-        failed otherwise is retried by the catch-up loop, and while no replica serves the newest version the ring
-        says it is waiting (one log line and one event per change of state, not one per record)."""
-        from rlhf.transport.weights.errors import is_final_refusal
-
-        final = {a: r for a, r in results.items() if isinstance(r, BaseException) and is_final_refusal(r)}
-        if final:
-            addr, err = next(iter(final.items()))
-            self._stop_ring(
-                f"replica {addr} refused version {version} of the weights, and no retry can change that: "
-                f"{_error_text(err)}. The trainer pushes the policy in its checkpoint layout "
-                f"(actor_rollout.load: {self.cfg.actor.load}); the replica expects the tensors of the model it "
-                "serves: give rollout the same model as the trainer, and an architecture `rlhf up` accepts"
-            )
-        for addr, res in results.items():
-            if isinstance(res, BaseException):
-                before = self._lagging.get(addr)
-                self._lagging[addr] = (version, _error_text(res))
-                if before is None or before[1] != self._lagging[addr][1]:
-                    log.warning("weight sync to %s failed: %s", addr, res)
-            elif addr in self._lagging:
-                del self._lagging[addr]
-                log.info("replica %s now serves version %d", addr, version)
-        for addr in set(self._lagging) - self._replicas:  # gone since (scaled down, renamed)
-            del self._lagging[addr]
-        if not self._lagging or self._replicas - set(self._lagging):
-            self._set_waiting(None)
-        else:
-            addr, (v, err) = next(iter(self._lagging.items()))
-            self._set_waiting(f"waiting for {addr} to load version {v}: {err}")
-
-    def _set_waiting(self, message: str | None) -> None:
-        if message == self._waiting:
-            return
-        was, self._waiting = self._waiting, message
-        if message is not None:
-            log.warning("%s", message)
-            runlog.append(self.run_dir / EVENTS, {"event": "waiting", "step": self.engine.step_count,
-                                                  "message": message})  # fmt: skip
-        elif was is not None:
-            log.info("a replica serves the newest weights again; training goes on")
-            runlog.append(self.run_dir / EVENTS, {"event": "resumed", "step": self.engine.step_count})
-
     def _stop_ring(self, message: str) -> None:
         """Stop the run (exit ``runlog.EXIT_STOPPED_BY_RULE``: supervisors do not restart it) with ``message``: the
         one way every stopping rule ends a run (log line, ``stopped`` event)."""
         log.error("stopping the run: %s", message)
         runlog.append(self.run_dir / EVENTS, {"event": "stopped", "step": self.engine.step_count, "message": message})
         os._exit(runlog.EXIT_STOPPED_BY_RULE)
-
-    async def _settle_push(self) -> None:
-        """Wait for the weight push in flight, if any (its failure ends training like any other)."""
-        task, self._push_task = self._push_task, None
-        if task is not None:
-            await task
-
-    async def _push_weights(self) -> None:
-        if not await asyncio.to_thread(expand_targets, self.settings.rollout_addrs):
-            return
-        if self.engine.group is None:
-            await self._deliver(await self._pack())
-            return
-        async with self._state_lock:
-            await self._deliver(None)
 
     async def checkpoint(self) -> Path:
         """Save now (an admin call): waits for a step in progress, so the checkpoint holds whole steps only."""
@@ -726,42 +406,25 @@ class Trainer:
     async def _checkpoint(self) -> Path:
         """Save, then acknowledge the experience the saved steps consumed. Hold ``_state_lock``.
 
-        The job ids trained since the previous checkpoint close a window: they go to the run's ledger
-        (``trained_jobs.jsonl``, written before the checkpoint so a checkpoint never covers jobs the ledger lacks) and
-        stay in the duplicate filter for ``KEEP_WINDOWS`` checkpoints. Older ones are forgotten there and in the issued
-        ids: their experience was acknowledged before the next checkpoint began, so no record of them can come back,
-        and the trainer's memory, its checkpoints and Redis stay bounded however long the run is."""
-        step = self.engine.step_count
-        dropped: set[str] = set()
-        if self._window:
-            line = {"step": step, "job_ids": sorted(self._window - self._window_stale)}
-            if self._window_stale:
-                line["dropped_stale"] = sorted(self._window_stale)
-            runlog.append(self.run_dir / LEDGER, line)
-            if self._windows and self._windows[-1][0] == step:
-                self._windows[-1][1].update(self._window)
-            else:
-                self._windows.append((step, self._window))
-            self._window, self._window_stale = set(), set()
-            while len(self._windows) > KEEP_WINDOWS:
-                dropped |= self._windows.popleft()[1]
-            self.trained_job_ids -= dropped
+        The job ids consumed since the previous checkpoint close a window in the ledger (written before the
+        checkpoint, so a checkpoint never covers jobs the ledger lacks); the ids it forgets leave the issued ids too
+        (:mod:`services.trainer.ledger`)."""
+        dropped = self.ledger.close_window(self.engine.step_count)
         extra = {
-            "trained_job_ids": sorted(self.trained_job_ids),
-            "trained_job_windows": [[st, sorted(ids)] for st, ids in self._windows],
+            **self.ledger.checkpoint_fields(),  # trained_job_ids, trained_job_windows
             "samples_trained": self.samples_trained,
-            "data": self.cursor.state(),
-            "admission_trained": self.jobs_trained,
+            "data": self.publisher.cursor.state(),
+            "admission_trained": self.publisher.jobs_trained,
             "run_id": self.run_id,
         }
         path = await asyncio.to_thread(save_checkpoint, self.ckpt_dir, self.engine, extra)
         self._saved_step = self.engine.step_count
-        if self.unacked:
-            unacked = list(self.unacked)
-            await self._redis("acknowledging experience", self.experience.ack, unacked)
-            self.unacked = self.unacked[len(unacked) :]
+        if self.ledger.unacked:
+            unacked = list(self.ledger.unacked)
+            await retrying("acknowledging experience", self.experience.ack, unacked)
+            self.ledger.acked(len(unacked))
         if dropped:
-            await self._redis("forgetting trained job ids", self.prompts.forget_jobs, sorted(dropped))
+            await retrying("forgetting trained job ids", self.publisher.prompts.forget_jobs, sorted(dropped))
         return path
 
     async def status(self) -> trainer_pb2.StatusResponse:
@@ -802,34 +465,3 @@ def _completion_rows(experiences: list[experience_pb2.Experience], limit: int = 
             rows.append({"prompt": exp.prompt_text, "response": s.response_text, "reward": s.score if ok else None,
                          "policy_version": s.policy_version})  # fmt: skip
     return rows
-
-
-def _error_text(err: BaseException) -> str:
-    """A push failure in one line: a gRPC error's code and details (not its debug string)."""
-    if isinstance(err, grpc.aio.AioRpcError):
-        return f"{err.code().name}: {err.details()}"
-    return f"{type(err).__name__}: {err}"
-
-
-def _tls_names(addrs: list[str]) -> dict[str, str]:
-    """Expanded target -> the host name it was resolved from (for TLS name checks)."""
-    return {t: a.rpartition(":")[0].strip("[]") for a in addrs for t in expand_targets([a]) if t != a}
-
-
-def expand_targets(addrs: list[str]) -> list[str]:
-    """Every replica behind each ``host:port``: a compose service name or a Kubernetes headless Service resolves to
-    one address per replica, and each must get the weights (one gRPC connection would reach only one of them).
-    Resolved before every push, since replicas come and go."""
-    out: list[str] = []
-    for addr in addrs:
-        host, _, port = addr.rpartition(":")
-        try:
-            infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
-        except (OSError, ValueError):
-            out.append(addr)  # unresolvable now: try as given, the push reports the failure
-            continue
-        for ip in dict.fromkeys(info[4][0] for info in infos):
-            target = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-            if target not in out:
-                out.append(target)
-    return out

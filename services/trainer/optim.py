@@ -1,17 +1,21 @@
-"""The trainer's optimizer settings per role, the learning-rate schedule and micro-batch splitting.
+"""The trainer's optimizers: AdamW settings per role, the learning-rate schedule, gradient clipping and
+micro-batch splitting.
 
 Kept apart from the update step (engine.py) so the step reads as the algorithm: which AdamW settings a role gets,
-what its learning rate is at a step, and how a minibatch splits into micro-batches whose weighted losses add up to
-the minibatch's loss (so k micro-batches give the gradient of one pass over the whole minibatch).
+what its learning rate is at a step, what a gradient's norm is (over every rank's shards), and how a minibatch splits
+into micro-batches whose weighted losses add up to the minibatch's loss (so k micro-batches give the gradient of one
+pass over the whole minibatch).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from rlhf import distributed as dist
 from rlhf.algo.schedule import lr_at
 from rlhf.config import ExperimentConfig
 
@@ -61,6 +65,11 @@ def critic_optim(cfg: ExperimentConfig) -> RoleOptim:
     )
 
 
+def adamw(model: torch.nn.Module, role: RoleOptim, fused: bool) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    return torch.optim.AdamW(params, lr=role.lr, betas=role.betas, weight_decay=role.weight_decay, fused=fused)
+
+
 def set_lr(opt: torch.optim.Optimizer, role: RoleOptim, step: int, total_steps: int) -> float:
     """Set every parameter group of ``opt`` to the scheduled rate of training step ``step`` (0-based); returns it.
     Stateless (a function of the step), so a resumed run continues the schedule from its step count."""
@@ -95,3 +104,18 @@ def micro_weight(kind: str, micro: torch.Tensor, whole: torch.Tensor) -> float:
         total = float(whole.sum())
         return float(micro.sum()) / total if total > 0 else micro.shape[0] / whole.shape[0]
     raise ValueError(f"unknown micro-batch weighting {kind!r}")
+
+
+def clip(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip ``model``'s gradient to ``max_norm`` (0 or None: only measure it); returns the norm before clipping, NaN
+    when it is not finite."""
+    if max_norm and max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    else:
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if grads and hasattr(grads[0], "full_tensor"):  # sharded (FSDP2): the norm over every rank's shards
+            norm = torch.nn.utils.get_total_norm(grads)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    value = float(dist.full_value(norm))
+    return value if math.isfinite(value) else float("nan")

@@ -12,8 +12,9 @@ import torch
 from test_engine import PROMPTS, _config, _rollout
 
 from rlhf.transport import MalformedRecord, pack_weights
+from services.trainer.batch import NoUsableSamples
 from services.trainer.checkpoint import incomplete_reason, latest_checkpoint, load_checkpoint, save_checkpoint
-from services.trainer.engine import NoUsableSamples, TrainerEngine
+from services.trainer.engine import TrainerEngine
 
 
 def _params(model) -> list[torch.Tensor]:

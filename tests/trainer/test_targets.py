@@ -1,6 +1,6 @@
 """Weight-sync targets: a service name stands for every replica behind it."""
 
-from services.trainer.loop import expand_targets
+from services.trainer.fleet import expand_targets
 
 
 def test_names_resolve_to_every_address_and_literals_pass_through():

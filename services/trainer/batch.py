@@ -1,0 +1,149 @@
+"""Experience records as one update takes them: the padded tensors of a batch (:func:`collate` -> ``RolloutBatch``)
+and what a batch's records say about their scoring and their replicas (for metrics and stop messages).
+
+No model here: collation needs only the pad id and a device, so a batch can be built, checked and sent to the other
+ranks of a trainer group before any forward pass.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from rlhf.v1 import common_pb2, experience_pb2
+
+
+class NoUsableSamples(ValueError):
+    """Every sample of a batch failed scoring (or is empty): the scorers' fault, not the records'."""
+
+
+@dataclass
+class RolloutBatch:
+    """Experience records collated into padded tensors. B rows = samples; C prompt width; L response width."""
+
+    query_responses: torch.Tensor  # (B, C + L) left-padded prompt, right-padded response
+    responses: torch.Tensor  # (B, L)
+    sampling_logprobs: torch.Tensor  # (B, L) 0 on padding
+    ref_logprobs: torch.Tensor  # (B, L)
+    scores: torch.Tensor  # (B,)
+    group: torch.Tensor  # (B,) index of the experience record (prompt) of each row
+    policy_versions: torch.Tensor  # (B,)
+    has_sampling_logprobs: torch.Tensor  # (B,) bool: the engine reported sampling log-probs for this row
+    context_length: int
+
+    # What crosses to the other ranks of a group (group.py): ``responses`` is a view of ``query_responses``.
+    WIRE_FIELDS = (
+        "query_responses", "sampling_logprobs", "ref_logprobs", "scores", "group", "policy_versions",
+        "has_sampling_logprobs",
+    )  # fmt: skip
+
+    def wire_tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, name) for name in self.WIRE_FIELDS]
+
+    @classmethod
+    def from_wire(cls, context_length: int, tensors: list[torch.Tensor]) -> RolloutBatch:
+        t = dict(zip(cls.WIRE_FIELDS, tensors, strict=True))
+        return cls(responses=t["query_responses"][:, context_length:], context_length=context_length, **t)
+
+
+def collate(experiences: list[experience_pb2.Experience], pad_id: int, device: torch.device) -> RolloutBatch:
+    """Rows for every sample whose score is OK; samples with a failed score are dropped (never scored 0)."""
+    rows = []
+    for g, exp in enumerate(experiences):
+        for s in exp.samples:
+            if s.score_status != common_pb2.ITEM_STATUS_OK or len(s.response_ids) == 0:
+                continue
+            rows.append((g, list(exp.prompt_ids), s))
+    if not rows:
+        errors = sorted({s.score_error for exp in experiences for s in exp.samples if s.score_error})
+        raise NoUsableSamples(
+            "no usable sample in this batch (all scores failed or responses empty)"
+            + (f"; score errors: {'; '.join(errors[:3])}" if errors else "")
+        )
+    C = max(len(p) for _, p, _ in rows)
+    L = max(len(s.response_ids) for _, _, s in rows)
+    B = len(rows)
+    qr = torch.full((B, C + L), pad_id, dtype=torch.long)
+    samp = torch.zeros(B, L)
+    has_samp = torch.zeros(B, dtype=torch.bool)
+    ref = torch.zeros(B, L)
+    for i, (_, prompt, s) in enumerate(rows):
+        n = len(s.response_ids)
+        qr[i, C - len(prompt) : C] = torch.tensor(prompt)
+        qr[i, C : C + n] = torch.tensor(list(s.response_ids))
+        if len(s.sampling_logprobs) == n:
+            samp[i, :n] = torch.tensor(list(s.sampling_logprobs))
+            has_samp[i] = True
+        if len(s.ref_logprobs) != n:
+            raise ValueError(
+                f"job {experiences[rows[i][0]].job_id}: ref_logprobs has {len(s.ref_logprobs)} "
+                f"entries for {n} response tokens"
+            )
+        ref[i, :n] = torch.tensor(list(s.ref_logprobs))
+    return RolloutBatch(
+        query_responses=qr.to(device),
+        responses=qr[:, C:].to(device),
+        sampling_logprobs=samp.to(device),
+        ref_logprobs=ref.to(device),
+        scores=torch.tensor([s.score for _, _, s in rows], device=device),
+        group=torch.tensor([g for g, _, _ in rows], device=device),
+        policy_versions=torch.tensor([s.policy_version for _, _, s in rows]),
+        has_sampling_logprobs=has_samp.to(device),
+        context_length=C,
+    )
+
+
+# ------------------------------------------------------------------ what the records say
+_SCORER_NAME = re.compile(r"scorer '([^']+)'")
+
+
+def score_stats(experiences: list[experience_pb2.Experience]) -> dict[str, float]:
+    """``reward/failed_fraction`` (samples whose score failed) and ``reward/<scorer>`` (each scorer's mean component
+    over the samples scored OK) of a batch."""
+    total = failed = 0
+    sums: dict[str, list[float]] = {}
+    for exp in experiences:
+        for s in exp.samples:
+            total += 1
+            if s.score_status != common_pb2.ITEM_STATUS_OK:
+                failed += 1
+                continue
+            for name, v in s.score_components.items():
+                sums.setdefault(name, []).append(v)
+    out = {"reward/failed_fraction": failed / total if total else 0.0}
+    for name, vs in sums.items():
+        key = f"reward/{name}" if name not in ("mean", "std", "failed_fraction") else f"reward/scorer_{name}"
+        out[key] = sum(vs) / len(vs)
+    return out
+
+
+def score_failures(experiences: list[experience_pb2.Experience]) -> str:
+    """Which scorers failed on a batch's samples, most often first, with one error of each: for a message."""
+    by_scorer: dict[str, list[str]] = {}
+    for exp in experiences:
+        for s in exp.samples:
+            if s.score_status != common_pb2.ITEM_STATUS_OK:
+                m = _SCORER_NAME.search(s.score_error)
+                by_scorer.setdefault(m.group(1) if m else "?", []).append(s.score_error or "no error text")
+    ranked = sorted(by_scorer.items(), key=lambda kv: -len(kv[1]))
+    return "; ".join(f"scorer {name!r} failed {len(errs)} time(s), e.g. {errs[0]}" for name, errs in ranked[:3])
+
+
+def mismatch_by_replica(
+    experiences: list[experience_pb2.Experience], rows: tuple[torch.Tensor, ...] | None
+) -> dict[str, tuple[float, int, list[int]]]:
+    """Replica id -> (mean k3, tokens, versions) of a step's mismatch (the engine's per-row part of it: batch rows'
+    records, versions, k3 sums, tokens): which replica made the samples that disagree with the trainer, for a
+    message that names it."""
+    if rows is None:
+        return {}
+    acc: dict[str, list] = {}
+    for g, v, kl_sum, n in zip(*(t.tolist() for t in rows), strict=True):
+        if n:
+            a = acc.setdefault(experiences[g].replica_id or "?", [0.0, 0, set()])
+            a[0] += kl_sum
+            a[1] += int(n)
+            a[2].add(v)
+    return {r: (s / n, n, sorted(vs)) for r, (s, n, vs) in acc.items()}

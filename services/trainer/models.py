@@ -1,0 +1,103 @@
+"""The trainer's models as it trains them: the actor (LoRA-wrapped when asked), the PPO critic, the frozen reference
+of ``kl_penalty: full``, and the PPO-ptx texts; dropout off, activation checkpointing and FSDP2 sharding applied.
+
+Also the options built for one trainer process only, refused in a torchrun group (:func:`refuse_in_group`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf import distributed as dist
+from rlhf.config import ExperimentConfig
+from rlhf.models import load_causal_lm, load_sequence_classifier, resolve_model_path
+
+
+def refuse_in_group(cfg: ExperimentConfig) -> None:
+    """Options built for one trainer process only: refused in a torchrun group rather than silently wrong (each
+    would run the same extra pass on every rank, or hold an unsharded model beside the sharded ones)."""
+    one_process = {
+        "actor_rollout.lora_r": cfg.actor.lora_r,
+        "algorithm.kl_penalty: full": cfg.algorithm.kl_penalty == "full",
+        "actor_rollout.ptx_coef": cfg.actor.ptx_coef > 0,
+        "critic.save": cfg.critic.save is not None,
+    }
+    used = [k for k, v in one_process.items() if v]
+    if used:
+        raise ValueError(f"{', '.join(used)}: built for a one-process trainer; run without torchrun (or "
+                         "--trainer-procs 1), or turn these off")  # fmt: skip
+
+
+def load_actor(cfg: ExperimentConfig, path: str, device: torch.device, group: dist.Group | None) -> torch.nn.Module:
+    # Parameters and AdamW state stay fp32 even with bf16 (master weights): at the configs' lr 5e-7 an update is
+    # far below a bf16 weight's resolution, so pure-bf16 weights would hardly move. bf16 is the compute dtype
+    # (autocast in every forward) and the dtype pushed to rollout; checkpoints keep fp32.
+    actor = load_causal_lm(path, device, "float32")
+    actor.train()
+    _disable_dropout(actor)
+    if cfg.actor.lora_r:  # only the adapters train; rollout and checkpoints get the merged weights
+        from rlhf.lora import wrap_lora
+
+        a = cfg.actor
+        actor = wrap_lora(actor, a.lora_r, a.lora_alpha, a.lora_target_modules)
+    _prepare(actor, cfg, device, group)
+    return actor
+
+
+def load_critic(cfg: ExperimentConfig, device: torch.device, group: dist.Group | None) -> torch.nn.Module:
+    """The PPO critic: ``critic.load``, else the first reward model scorer's model (a value head that starts from the
+    reward model, as TRL's PPO examples do)."""
+    src = cfg.critic.load or next((s.load for s in cfg.reward.scorers if s.type == "model"), None) or "tiny:reward"
+    critic = load_sequence_classifier(resolve_model_path(src), device)
+    critic.train()
+    _disable_dropout(critic)
+    _prepare(critic, cfg, device, group)
+    return critic
+
+
+def load_reference(cfg: ExperimentConfig, device: torch.device) -> torch.nn.Module:
+    """A frozen reference copy for ``kl_penalty: full`` (TRL): the whole-vocabulary KL needs the reference's logits,
+    which the reference service does not send (it returns the sampled tokens' log-probs)."""
+    src = cfg.actor_rollout_ref.ref.load or cfg.actor.load
+    ref = load_causal_lm(resolve_model_path(src), device, "float32").eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+def _prepare(model: torch.nn.Module, cfg: ExperimentConfig, device: torch.device, group: dist.Group | None) -> None:
+    """Activation checkpointing if asked, then FSDP2 sharding in a group (before its optimizer is built, so the
+    AdamW state is sharded too)."""
+    if cfg.training.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if group is not None:
+        dist.shard(model, cfg.training.bf16, device)
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+
+
+class PtxData:
+    """PPO-ptx texts (data.pretrain_data), tokenized once, served in a fixed cycling order: a batch is a (rows, T)
+    tensor right-padded with the pad id."""
+
+    def __init__(self, cfg: ExperimentConfig, tokenizer):
+        from rlhf.data import load_texts
+
+        self.pad_id = tokenizer.pad_token_id
+        limit = cfg.training.seq_length
+        self.rows = [tokenizer(t, add_special_tokens=True)["input_ids"][:limit] for t in load_texts(cfg.data)]
+        self.rows = [r for r in self.rows if len(r) >= 2]
+        if not self.rows:
+            raise ValueError(f"data.pretrain_data {cfg.data.pretrain_data}: no text of two tokens or more")
+        self.offset = 0
+
+    def next_batch(self, n: int) -> torch.Tensor:
+        picked = [self.rows[(self.offset + i) % len(self.rows)] for i in range(n)]
+        self.offset = (self.offset + n) % len(self.rows)
+        out = torch.full((n, max(len(r) for r in picked)), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(picked):
+            out[i, : len(r)] = torch.tensor(r)
+        return out
