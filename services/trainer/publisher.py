@@ -20,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlhf.config import ExperimentConfig
 from rlhf.data import PromptCursor, encode_prompt, load_prompts
+from rlhf.retry import retry
 from rlhf.transport import Admission, PromptQueue
 from rlhf.v1 import common_pb2, experience_pb2
 
@@ -30,16 +31,11 @@ TRANSIENT = (RedisConnectionError, RedisTimeoutError, ConnectionError, TimeoutEr
 
 
 async def retrying(what: str, fn, *args, **kwargs):
-    """``await fn(*args, **kwargs)``, retried with backoff while Redis is unreachable (a restart must not end the
-    run)."""
-    delay = 0.2
-    while True:
-        try:
-            return await fn(*args, **kwargs)
-        except TRANSIENT as err:
-            log.warning("redis unavailable (%s: %s: %s); retrying in %.1fs", what, type(err).__name__, err, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+    """``await fn(*args, **kwargs)``, retried with backoff while Redis is unreachable, for as long as it takes (a
+    restart must not end the run)."""
+    return await retry(
+        lambda: fn(*args, **kwargs), lambda err: isinstance(err, TRANSIENT), what=f"redis unavailable ({what})", log=log
+    )
 
 
 class Publisher:
