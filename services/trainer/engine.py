@@ -110,17 +110,9 @@ class TrainerEngine:
     def step_count(self) -> int:
         return self.state.step
 
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.state.step = value
-
     @property
     def policy_version(self) -> int:
         return self.state.policy_version
-
-    @policy_version.setter
-    def policy_version(self, value: int) -> None:
-        self.state.policy_version = value
 
     @property
     def version_segments(self) -> list[tuple[int, int]]:

@@ -132,13 +132,13 @@ def test_weights_that_do_not_cover_the_model_are_refused(tiny_models, tmp_path):
 def test_staleness_counts_training_steps_across_a_restart(tiny_models, tmp_path):
     """A restart publishes the restored weights under a new version without a step: staleness must not jump."""
     engine = TrainerEngine(_config("ray_grpo", adv_estimator="grpo"))
-    engine.step_count = engine.policy_version = 114  # steps 1-114, version = step
+    engine.state.step = engine.state.policy_version = 114  # steps 1-114, version = step
     save_checkpoint(tmp_path, engine, {})
     resumed = TrainerEngine(_config("ray_grpo", adv_estimator="grpo"))
     load_checkpoint(latest_checkpoint(tmp_path), resumed)
     # The lost life had published 115; the restart publishes the step-114 weights as 116 (what the trainer does).
-    resumed.policy_version = 116
-    resumed.version_segments.append((116, 114))
+    resumed.state.republish(115)
+    assert (resumed.policy_version, resumed.version_segments[-1]) == (116, (116, 114))
     versions = torch.tensor([112, 113, 115, 116, 117])
     assert resumed.steps_behind(versions, 114).tolist() == [2, 1, 0, 0, 0]  # 115: weights the crash discarded
     assert resumed.steps_behind(versions, 116).tolist() == [4, 3, 1, 2, 1]
