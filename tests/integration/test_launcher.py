@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from rlhf import procs
-from services import launcher, report
+from services import launcher, progress, report
 from services.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -296,7 +296,7 @@ def test_config_rules_that_cannot_learn_are_reported_together(tmp_path, capsys):
 
 def test_metrics_tail_reads_only_complete_lines(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    tail = launcher.MetricsTail(path)
+    tail = progress.MetricsTail(path)
     assert tail.read() == []
     with open(path, "w") as f:
         f.write('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "rew')
@@ -313,7 +313,7 @@ def test_metrics_tail_of_a_resumed_run_skips_old_lines_and_follows_a_cut(tmp_pat
     path = tmp_path / "metrics.jsonl"
     for step in range(1, 6):
         runlog.append(path, {"step": step})
-    tail = launcher.MetricsTail(path, from_end=True)
+    tail = progress.MetricsTail(path, from_end=True)
     assert tail.read() == []  # the earlier life's lines are not shown again
     runlog.truncate_after(path, 3)  # the resumed trainer cuts back to its checkpoint
     assert tail.read() == []
@@ -322,7 +322,7 @@ def test_metrics_tail_of_a_resumed_run_skips_old_lines_and_follows_a_cut(tmp_pat
 
 
 def test_format_progress():
-    line = launcher.format_progress(
+    line = progress.format_progress(
         {"step": 3, "reward/mean": 0.25, "objective/kl": 0.0123, "samples_per_s": 41.5, "staleness/mean": 0.5,
          "mismatch/kl": 2.5e-14, "queue/prompts": 4, "queue/experience": 2, "loss/policy": 0.1},
         total=40, elapsed=12.3,
@@ -331,11 +331,11 @@ def test_format_progress():
     for part in ("reward +0.2500", "kl 0.0123", "samples/s 41.5", "staleness 0.50", "mismatch 2.5e-14", "prompts=4",
                  "experience=2"):  # fmt: skip
         assert part in line
-    assert launcher.format_progress({"step": 1}) == "step 1"
-    line = launcher.format_progress({"step": 5, "time/iteration_s": 1.5, "reward/failed_fraction": 0.25}, 40,
+    assert progress.format_progress({"step": 1}) == "step 1"
+    line = progress.format_progress({"step": 5, "time/iteration_s": 1.5, "reward/failed_fraction": 0.25}, 40,
                                     elapsed=75, eta_s=3725)  # fmt: skip
     assert line == "step 5/40  score failed 25%  1.50 s/step  [1m15s, ETA 1h02m]", line
-    eta = launcher.Eta(total=12)
+    eta = progress.Eta(total=12)
     assert eta({"step": 4}, now=100.0) is None  # the first step seen only starts the clock (a resumed run)
     assert eta({"step": 6}, now=104.0) == 12.0  # 2 s/step, 6 steps left
 
