@@ -343,6 +343,12 @@ class DataConfig(Section):
     max_samples: int | None = _f(None, "use only the first N prompts", gt=0)
 
 
+def logits_temperature(sampled: float) -> float:
+    """What log-probs of tokens sampled at temperature ``sampled`` divide the logits by: ``sampled``, or 1 for greedy
+    sampling (0)."""
+    return sampled if sampled > 0 else 1.0
+
+
 class ExperimentConfig(Section):
     run_id: str = _f("default", "names the Redis keys and the run directory", pattern=r"^[A-Za-z0-9_.-]+$")
     training: TrainingConfig = _f(TrainingConfig(), "options common to all roles")
@@ -367,6 +373,25 @@ class ExperimentConfig(Section):
     def max_new_tokens(self) -> int:
         a = self.actor
         return a.max_new_tokens or max(1, self.training.seq_length - a.max_prompt_length)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """``actor_rollout`` as sampling values, decided here only: the prompt jobs the trainer publishes carry them,
+        and the rollout service fills the fields a request leaves unset with them. Temperature 0 is greedy
+        (``do_sample: false``)."""
+        a = self.actor
+        return {
+            "temperature": a.temperature if a.do_sample else 0.0,
+            "top_p": a.top_p,
+            "top_k": a.top_k,
+            "max_tokens": self.max_new_tokens,
+            "stop": tuple(a.stop),
+        }
+
+    @property
+    def sample_temperature(self) -> float:
+        """The temperature of the distribution the rollout samples from, as log-probs divide the logits by it: the
+        sampling temperature, 1 for greedy samples. The trainer's log-probs and the reference service's default."""
+        return logits_temperature(self.sampling_defaults()["temperature"])
 
     @property
     def logprob_temperature(self) -> float | None:

@@ -59,7 +59,7 @@ class ReferenceEngine:
         self.cfg = cfg
         ref = cfg.actor_rollout_ref.ref
         self.model_spec = ref.load or cfg.actor.load
-        self.temperature = float(ref.temperature if ref.temperature is not None else cfg.actor.temperature)
+        self.temperature = float(ref.temperature if ref.temperature is not None else cfg.sample_temperature)
         self.micro_batch_size = ref.micro_batch_size
         self.device = device or "auto"
         self.metrics = metrics

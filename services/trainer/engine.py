@@ -146,7 +146,7 @@ class TrainerEngine:
     # ------------------------------------------------------------------ forward helpers
     @property
     def temperature(self) -> float:
-        return self.cfg.actor.temperature if self.cfg.actor.do_sample else 1.0
+        return self.cfg.sample_temperature
 
     def _autocast(self):
         """bf16 compute over the fp32 weights when ``training.bf16`` is on. Autocast state is per thread, so each

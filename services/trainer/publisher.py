@@ -77,14 +77,14 @@ class Publisher:
     # ------------------------------------------------------------------ prompt jobs
     def _job(self, policy_version: int) -> experience_pb2.PromptJob:
         epoch, record = self.cursor.next()
-        a = self.cfg.actor
+        d = self.cfg.sampling_defaults()
         params = common_pb2.SamplingParams(
-            n=a.n_samples_per_prompt if self.cfg.training.stage != "ray_online_dpo" else 2,
-            temperature=a.temperature if a.do_sample else 0.0,
-            top_p=a.top_p,
-            top_k=a.top_k,
-            max_tokens=self.cfg.max_new_tokens,
-            stop=a.stop,
+            n=self.cfg.actor.n_samples_per_prompt if self.cfg.training.stage != "ray_online_dpo" else 2,
+            temperature=d["temperature"],
+            top_p=d["top_p"],
+            top_k=d["top_k"],
+            max_tokens=d["max_tokens"],
+            stop=d["stop"],
         )
         job = experience_pb2.PromptJob(
             job_id=f"{self.run_id}-e{epoch}-i{record.index}",
