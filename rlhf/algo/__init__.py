@@ -48,8 +48,10 @@ from rlhf.algo.ppo import (
 from rlhf.algo.reward_norm import RunningMoments, normalize_and_clip
 from rlhf.algo.schedule import lr_at
 from rlhf.algo.sft import sft_loss
+from rlhf.algo.shaping import penalize_missing_eos
 
 __all__ = [
+    "penalize_missing_eos",
     "RunningMoments",
     "full_kl",
     "lr_at",

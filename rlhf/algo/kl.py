@@ -8,6 +8,8 @@ from typing import Literal
 
 import torch
 
+from rlhf.algo.shaping import penalize_missing_eos
+
 # Names users know from TRL (k1/k3), veRL/MindSpeed-LLM (kl, abs, mse, low_var_kl) and Schulman's note (k1, k2, k3).
 KL_ESTIMATORS = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3", "abs": "abs"}
 
@@ -84,7 +86,7 @@ def kl_penalized_rewards(
     if missing_eos_penalty:
         if contains_eos is None:
             raise ValueError("missing_eos_penalty needs contains_eos")
-        scores = scores - missing_eos_penalty * (~contains_eos.bool()).to(scores.dtype)
+        scores = penalize_missing_eos(scores, contains_eos, missing_eos_penalty)
     if score_position == "trl":
         end = torch.where(sequence_lengths + 1 < L, sequence_lengths + 1, sequence_lengths)
     elif score_position == "last_token":

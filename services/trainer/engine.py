@@ -571,7 +571,7 @@ class TrainerEngine:
         responses, mask, contains_eos = algo.completion_mask(
             b.responses, self.eos_id, self.pad_id, alg.mask_truncated_completions
         )
-        scores = b.scores - alg.missing_eos_penalty * (~contains_eos).float()
+        scores = algo.penalize_missing_eos(b.scores, contains_eos, alg.missing_eos_penalty)
         zero = torch.zeros((), device=responses.device)
         ref = torch.where(mask, b.ref_logprobs, zero)
         with torch.no_grad():
@@ -666,7 +666,7 @@ class TrainerEngine:
         responses = algo.truncate_at_stop(b.responses[idx], self.eos_id, self.pad_id)
         mask = responses != self.pad_id
         contains_eos = (responses == self.eos_id).any(1)
-        scores = b.scores[idx] - cfg.algorithm.missing_eos_penalty * (~contains_eos).float()
+        scores = algo.penalize_missing_eos(b.scores[idx], contains_eos, cfg.algorithm.missing_eos_penalty)
         chosen, rejected = algo.select_chosen_rejected(scores, P)
         ref_logprobs = b.ref_logprobs[idx]
         ref_sums = algo.masked_sum(ref_logprobs, mask, dim=1)
