@@ -5,7 +5,8 @@ What every service uses (see ``services/reward`` for a complete example):
 - settings: :class:`ServiceSettings` (``ServiceSettings.from_env(**cli_overrides)``), ``KNOWN_ENV_VARS``,
   :func:`warn_unknown_env_vars`, :func:`configure_logging`;
 - errors: :class:`RLHFError` and subclasses, ``ERROR_TABLE`` (error -> gRPC code, HTTP status), :func:`grpc_errors`
-  (decorator for async servicer methods), :func:`abort_grpc`, :func:`install_http_errors`;
+  (decorator for async servicer methods), :func:`abort_grpc`, :func:`install_http_errors`, :class:`ErrorBody` and
+  :func:`http_error_responses` (the error answers in OpenAPI);
 - HTTP: :func:`create_app` (FastAPI with ``/healthz``, ``/readyz``, ``/metrics``, error handlers, body-size limit),
   :func:`json_response` (hot routes: render plain data once, no response_model pass);
 - auth: :func:`require_token`, :func:`require_grpc_token`, :func:`http_token_dependency`, :func:`grpc_auth_metadata`;
@@ -30,9 +31,11 @@ from rlhf.serving.errors import (
     ERROR_TABLE,
     ClientDisconnected,
     DeadlineExceeded,
+    ErrorBody,
     FailedPrecondition,
     Internal,
     InvalidArgument,
+    MethodNotAllowed,
     NotFound,
     NotReady,
     PayloadTooLarge,
@@ -45,6 +48,7 @@ from rlhf.serving.errors import (
     error_body,
     grpc_errors,
     http_error_response,
+    http_error_responses,
     install_http_errors,
     status_for,
 )
@@ -65,9 +69,11 @@ __all__ = [
     "KNOWN_ENV_VARS",
     "ClientDisconnected",
     "DeadlineExceeded",
+    "ErrorBody",
     "FailedPrecondition",
     "Internal",
     "InvalidArgument",
+    "MethodNotAllowed",
     "NotFound",
     "NotReady",
     "PayloadTooLarge",
@@ -91,6 +97,7 @@ __all__ = [
     "grpc_errors",
     "grpc_options",
     "http_error_response",
+    "http_error_responses",
     "http_token_dependency",
     "install_http_errors",
     "json_response",

@@ -63,13 +63,25 @@ def require_grpc_token(context: grpc.aio.ServicerContext, settings: ServiceSetti
 
 
 def http_token_dependency(settings: ServiceSettings | str | None) -> Any:
-    """A FastAPI dependency: ``@app.post("/admin", dependencies=[Depends(http_token_dependency(settings))])``."""
-    from fastapi import Request
+    """A FastAPI dependency: ``@app.post("/admin", dependencies=[Depends(http_token_dependency(settings))])``.
 
-    async def _check(request) -> None:
+    The route's OpenAPI operation then names the bearer scheme (``security``) and, through
+    :class:`rlhf.serving.http.ContractRoute`, its 401 and 403 answers."""
+    from fastapi import Request, Security
+    from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+    scheme = HTTPBearer(
+        auto_error=False,  # the check below decides (and says what is wrong)
+        scheme_name="bearer",
+        description="the server's RLHF_API_TOKEN, as 'Authorization: Bearer <token>'",
+    )
+
+    async def _check(request, declared=Security(scheme)) -> None:  # noqa: B008 - FastAPI's way to declare it
         require_token(settings, parse_bearer(request.headers.get("authorization")))
 
-    _check.__annotations__ = {"request": Request, "return": None}  # real class: this module uses string annotations
+    # real classes: this module uses string annotations
+    _check.__annotations__ = {"request": Request, "declared": HTTPAuthorizationCredentials | None, "return": None}
+    _check.rlhf_requires_token = True  # type: ignore[attr-defined]
     return _check
 
 

@@ -11,6 +11,7 @@ details go to the log, not to the client.
 from __future__ import annotations
 
 import functools
+import http
 import inspect
 import logging
 import re
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from pydantic import BaseModel, Field
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastapi import FastAPI
@@ -51,6 +53,10 @@ class InvalidArgument(RLHFError):
 
 class RequestValidationFailed(InvalidArgument):
     """An HTTP body that does not match the schema (pydantic): 422, as FastAPI users expect."""
+
+
+class MethodNotAllowed(InvalidArgument):
+    """An HTTP method the path does not serve (405, with an ``Allow`` header naming the ones it does)."""
 
 
 class ResourceExhausted(RLHFError):
@@ -99,6 +105,7 @@ ERROR_TABLE: dict[type[RLHFError], tuple[grpc.StatusCode, int]] = {
     RLHFError: (grpc.StatusCode.INTERNAL, 500),
     InvalidArgument: (grpc.StatusCode.INVALID_ARGUMENT, 400),
     RequestValidationFailed: (grpc.StatusCode.INVALID_ARGUMENT, 422),
+    MethodNotAllowed: (grpc.StatusCode.UNIMPLEMENTED, 405),
     ResourceExhausted: (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
     PayloadTooLarge: (grpc.StatusCode.RESOURCE_EXHAUSTED, 413),
     Unauthenticated: (grpc.StatusCode.UNAUTHENTICATED, 401),
@@ -134,6 +141,43 @@ def error_body(err: RLHFError) -> dict[str, Any]:
     _, http_status = status_for(err)
     return {
         "error": {"type": err.kind, "message": err.message, "param": err.field, "field": err.field, "code": http_status}
+    }
+
+
+class ErrorDetail(BaseModel):
+    type: str = Field(description="the error's kind, snake_case: invalid_argument, request_validation_failed, ...")
+    message: str = Field(description="what is wrong and what to change")
+    param: str | None = Field(description="the request field at fault (OpenAI's name for it), when there is one")
+    field: str | None = Field(description="the same as param")
+    code: int = Field(description="the HTTP status")
+
+
+class ErrorBody(BaseModel):
+    """Every error answer of every service (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+def _http_descriptions() -> dict[int, str]:
+    """HTTP status -> what it means here: the docstrings of the error classes that map to it, from ERROR_TABLE."""
+    out: dict[int, list[str]] = {}
+    for cls, (_, http_status) in ERROR_TABLE.items():
+        if cls is not RLHFError and cls.__doc__:
+            out.setdefault(http_status, []).append(" ".join(cls.__doc__.split()))
+    return {s: " ".join(docs) for s, docs in out.items()}
+
+
+def http_error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """FastAPI ``responses=`` entries for error statuses: the :class:`ErrorBody` schema and what the status means.
+
+    ``create_app``'s routes list the statuses every route of their kind can answer with on their own (500; 413 with a
+    body; 400 and 422 with input; 401 and 403 behind the token); a route adds the ones particular to it::
+
+        @app.post("/v1/score", responses={200: {...}, **http_error_responses(503)})
+    """
+    descriptions = _http_descriptions()
+    return {
+        s: {"model": ErrorBody, "description": descriptions.get(s, http.HTTPStatus(s).phrase)} for s in sorted(statuses)
     }
 
 
@@ -358,21 +402,26 @@ def install_http_errors(app: FastAPI, metrics: ServiceMetrics | None = None) -> 
         return http_error_response(err)
 
     async def on_http(request, exc: StarletteHTTPException):
-        by_status = {cls_status: cls for cls, (_, cls_status) in ERROR_TABLE.items() if cls is not RLHFError}
-        cls = by_status.get(exc.status_code)
+        """Starlette's and FastAPI's own refusals (404 unknown path, 405 method, a body that is not UTF-8) in the same
+        body; their headers are kept (405 carries ``Allow``)."""
         if exc.status_code == 405:
-            err: RLHFError = InvalidArgument(f"method {request.method} is not allowed on {request.url.path}")
-            body = error_body(err)
-            body["error"]["code"] = 405
-            from fastapi.responses import JSONResponse
+            message = f"method {request.method} is not allowed on {request.url.path}"
+            allow = (exc.headers or {}).get("Allow")
+            err: RLHFError = MethodNotAllowed(message + (f"; use {allow}" if allow else ""))
+        elif exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI: not UTF-8
+            err = RequestValidationFailed(
+                "body: the body is not valid JSON (not UTF-8 text); send a JSON object", "body"
+            )
+            return http_error_response(err)  # 422, as for any other body that is not JSON
+        else:
+            by_status = {cls_status: cls for cls, (_, cls_status) in ERROR_TABLE.items() if cls is not RLHFError}
+            cls = by_status.get(exc.status_code) or (InvalidArgument if exc.status_code < 500 else Internal)
+            err = cls(str(exc.detail))
+        from fastapi.responses import JSONResponse
 
-            return JSONResponse(body, status_code=405)
-        if cls is None:
-            cls = InvalidArgument if exc.status_code < 500 else Internal
-        err = cls(str(exc.detail))
-        resp = http_error_response(err)
-        resp.status_code = exc.status_code
-        return resp
+        body = error_body(err)
+        body["error"]["code"] = exc.status_code
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     async def on_other(request, exc: Exception):
         err = as_rlhf_error(exc)

@@ -14,6 +14,12 @@ a ``response_model`` that pydantic would validate and serialise again; they keep
 
 Readiness comes from ``app.state.readiness`` (a callable returning bool); :class:`ServiceRunner.set_http_app`
 points it at the runner.
+
+The OpenAPI document (``/openapi.json``) is the contract: every route's error statuses are listed with the error body
+(:class:`ContractRoute` adds the ones a route's kind can answer with; a route adds its own through
+``responses=http_error_responses(...)``), and request models state the constraints the code checks. Where a
+constraint is checked by the engine (a 400 naming the field) rather than by the model (422), :class:`Declared` states
+it in the schema.
 """
 
 from __future__ import annotations
@@ -28,10 +34,20 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import FastAPI, Request, Response
+from fastapi.dependencies.models import Dependant
+from fastapi.dependencies.utils import get_flat_params
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator
+from fastapi.routing import APIRoute
+from fastapi.utils import create_model_field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, StrictInt
 
-from rlhf.serving.errors import ClientDisconnected, PayloadTooLarge, error_body, install_http_errors
+from rlhf.serving.errors import (
+    ClientDisconnected,
+    PayloadTooLarge,
+    error_body,
+    http_error_responses,
+    install_http_errors,
+)
 from rlhf.serving.metrics import ServiceMetrics
 from rlhf.serving.settings import ServiceSettings
 
@@ -166,6 +182,84 @@ def _utf8(v: str) -> str:
 Utf8Text = Annotated[str, AfterValidator(_utf8)]
 
 
+def _integral(v: Any) -> Any:
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def json_int(**bounds: int) -> Any:
+    """An integer as JSON Schema (and so OpenAPI 3.1) means one: any number without a fractional part, so 7.0 is 7;
+    a string ("7"), a boolean or 7.5 is refused with 422. ``bounds``: ``ge``, ``gt``, ``le``, ``lt``.
+
+    Bounds go here rather than in the field's ``Field()``: on a union (``json_int() | None``) pydantic would
+    publish them as ``ge``/``le``, which JSON Schema does not know, instead of ``minimum``/``maximum``."""
+    if bounds:
+        return Annotated[StrictInt, Field(**bounds), BeforeValidator(_integral)]
+    return Annotated[StrictInt, BeforeValidator(_integral)]
+
+
+JsonInt = json_int()
+TokenId = json_int(ge=0, le=2**31 - 1)
+
+
+class Declared:
+    """JSON Schema keywords for a constraint the code checks itself (the engine's 400 naming the field) rather than
+    the request model (422): ``Annotated[str, Declared(minLength=1)]``. The published schema then says what is
+    refused, and the status stays what clients were told."""
+
+    def __init__(self, **keywords: Any):
+        self.keywords = keywords
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict[str, Any]:
+        schema = handler(core_schema)
+        schema.update(self.keywords)
+        return schema
+
+    def __repr__(self) -> str:
+        return f"Declared({self.keywords})"
+
+
+def _requires_token(dependant: Dependant) -> bool:
+    return any(getattr(d.call, "rlhf_requires_token", False) or _requires_token(d) for d in dependant.dependencies)
+
+
+class ContractRoute(APIRoute):
+    """A route whose OpenAPI responses list the errors its kind answers with, in :class:`ErrorBody`'s schema: 500
+    (any route: an internal error); 413 (a method with a body: over ``max_body_bytes``); 422 (input: a body, query or
+    header that does not match the schema; FastAPI's own 422 schema is not what this service sends); 400 (a body:
+    values valid by the schema that the service refuses); 401 and 403 (behind :func:`http_token_dependency`).
+    A route's own ``responses`` come first."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any):
+        super().__init__(path, endpoint, **kwargs)
+        statuses = {500}
+        if self.methods - {"GET", "HEAD", "OPTIONS"}:
+            statuses.add(413)
+        if self.body_field is not None:
+            statuses |= {400, 422}
+        elif get_flat_params(self.dependant):
+            statuses.add(422)
+        if _requires_token(self.dependant):
+            statuses |= {401, 403}
+        declared = {str(k) for k in self.responses}
+        added = {k: v for k, v in http_error_responses(*statuses).items() if str(k) not in declared}
+        self.responses = {**self.responses, **added}
+        for status, response in added.items():
+            self.response_fields[status] = create_model_field(
+                name=f"Response_{status}_{self.unique_id}", type_=response["model"], mode="serialization"
+            )
+
+
+class HealthOut(BaseModel):
+    status: str = Field(description="alive")
+    service: str
+
+
+class ReadinessOut(BaseModel):
+    status: str = Field(description="ready, or not ready")
+    service: str
+    reason: str | None = Field(None, description="why not ready: starting, loading, shutting down")
+
+
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await ``work`` (an engine call) unless the HTTP client disconnects first: then ``work`` is cancelled, so the
     engine stops generating for nobody, and :class:`ClientDisconnected` is raised (its 499 reaches no one).
@@ -240,6 +334,7 @@ def create_app(
     """A FastAPI app with health, readiness, metrics, error mapping and the body-size limit."""
     metrics = metrics or ServiceMetrics(name)
     app = FastAPI(title=title or f"rlhf {name}", description=description, version=version)
+    app.router.route_class = ContractRoute  # every route documents the errors it can answer with
     app.state.service_name = name
     app.state.settings = settings
     app.state.metrics = metrics
@@ -250,7 +345,7 @@ def create_app(
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, metrics=metrics)
 
-    @app.get("/healthz", tags=["health"], summary="liveness: 200 while the process runs")
+    @app.get("/healthz", tags=["health"], summary="liveness: 200 while the process runs", response_model=HealthOut)
     async def healthz() -> dict[str, str]:
         return {"status": "alive", "service": name}
 
@@ -258,7 +353,9 @@ def create_app(
         "/readyz",
         tags=["health"],
         summary="readiness: 200 when ready to serve, else 503",
-        responses={503: {"description": "not ready (starting, loading, or shutting down)"}},
+        response_model=ReadinessOut,
+        response_model_exclude_none=True,
+        responses={503: {"model": ReadinessOut, "description": "not ready (starting, loading, or shutting down)"}},
     )
     async def readyz():
         if await _call_readiness(app.state.readiness):
@@ -266,7 +363,13 @@ def create_app(
         reason = getattr(app.state, "not_ready_reason", "") or "not ready"
         return JSONResponse({"status": "not ready", "service": name, "reason": reason}, status_code=503)
 
-    @app.get("/metrics", tags=["health"], summary="Prometheus metrics (text format)", response_class=Response)
+    @app.get(
+        "/metrics",
+        tags=["health"],
+        summary="Prometheus metrics (text format)",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text"}},
+    )
     async def prometheus_metrics() -> Response:
         body, ctype = metrics.render()
         return Response(content=body, media_type=ctype)

@@ -25,7 +25,8 @@ _408 = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
 )
 _408_BODY = (
-    b'{"error":{"type":"request_timeout","message":"the request was not received in time","field":null,"code":408}}'
+    b'{"error":{"type":"request_timeout","message":"the request was not received in time","param":null,"field":null,'
+    b'"code":408}}'
 )
 
 

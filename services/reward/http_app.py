@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic.json_schema import SkipJsonSchema
 
 from rlhf.serving import (
     DeadlineExceeded,
@@ -14,13 +15,27 @@ from rlhf.serving import (
     ServiceMetrics,
     ServiceSettings,
     create_app,
+    http_error_responses,
     json_response,
 )
-from rlhf.serving.http import Utf8Text
-from services.reward.engine import INVALID_INPUT, MAX_ITEMS, OK, STATUSES, TIMEOUT, Item, RewardEngine
+from rlhf.serving.http import Declared, TokenId, Utf8Text
+from services.reward.engine import (
+    INVALID_INPUT,
+    MAX_IDS,
+    MAX_ITEMS,
+    MAX_TEXT_CHARS,
+    OK,
+    STATUSES,
+    TIMEOUT,
+    Item,
+    RewardEngine,
+)
 
-Text = Utf8Text
-TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
+# The engine's limits (a 400 naming the field), stated in the schema. Token ids must also be ids of a reward model's
+# vocabulary, and prompt + response must fit its context: those depend on the configured models (400 otherwise).
+Text = Annotated[Utf8Text, Declared(maxLength=MAX_TEXT_CHARS)]
+NonEmptyText = Annotated[Utf8Text, Declared(minLength=1, maxLength=MAX_TEXT_CHARS)]
+TokenIds = Annotated[list[TokenId], Declared(maxItems=MAX_IDS)]
 
 
 class _Model(BaseModel):
@@ -28,15 +43,31 @@ class _Model(BaseModel):
 
 
 class ScoreItemIn(_Model):
+    # the prompt may be empty only when prompt_ids are given (checked by the engine: 400)
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "anyOf": [
+                {"properties": {"prompt": {"minLength": 1}}},
+                {"properties": {"prompt_ids": {"minItems": 1}}, "required": ["prompt_ids"]},
+            ]
+        },
+    )
+
     prompt: Text = Field(description="prompt text (may be empty only when prompt_ids are given)")
     response: Text = Field(description="response text to score")
     label: Text | None = Field(None, description="reference answer for rule scorers (math_answer, exact_match)")
-    prompt_ids: list[TokenId] = Field([], description="optional prompt token ids")
-    response_ids: list[TokenId] = Field([], description="optional response token ids (length rule counts them)")
+    prompt_ids: TokenIds = Field([], description="optional prompt token ids")
+    response_ids: TokenIds = Field([], description="optional response token ids (length rule counts them)")
     finished: StrictBool = Field(True, description="the response ended with EOS or a stop string")
 
 
 class ScoreRequestIn(_Model):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"items": [{"prompt": "What is 1 plus 2?", "response": "3", "label": "3"}]}]},
+    )
+
     items: list[ScoreItemIn] = Field(min_length=1, max_length=MAX_ITEMS, description="items to score")
 
 
@@ -58,9 +89,23 @@ class ScoreResponseOut(BaseModel):
     scorers: list[ScorerInfo]
 
 
+def _get_reward_schema(schema: dict[str, Any]) -> None:
+    # prompts: required (refused with a 400 that says what OpenRLHF sends, rather than pydantic's 422)
+    schema["required"] = [*schema.get("required", []), "prompts"]
+    schema["properties"]["prompts"].pop("default", None)
+    schema["examples"] = [{"query": ["What is 1 plus 2? 3"], "prompts": ["What is 1 plus 2? "], "labels": ["3"]}]
+
+
 class GetRewardIn(_Model):
-    query: list[Text] = Field(min_length=1, max_length=MAX_ITEMS, description="prompt + response texts")
-    prompts: list[Text] | None = Field(None, description="the prompt of each query (a prefix of it); required")
+    """One query per item; ``prompts`` and ``labels`` (when given) have one entry per query, and each query starts
+    with its prompt (400 otherwise: JSON Schema cannot say so)."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_get_reward_schema)
+
+    query: list[NonEmptyText] = Field(min_length=1, max_length=MAX_ITEMS, description="prompt + response texts")
+    prompts: Annotated[list[NonEmptyText], Declared(minItems=1, maxItems=MAX_ITEMS)] | SkipJsonSchema[None] = Field(
+        None, description="the prompt of each query (a prefix of it)"
+    )
     labels: list[Text | None] | None = Field(None, description="reference answers, one per query")
 
 
@@ -82,6 +127,8 @@ def _items_from_get_reward(body: GetRewardIn) -> list[Item]:
         )
     items = []
     for i, (q, p) in enumerate(zip(body.query, body.prompts, strict=True)):
+        if not p:
+            raise InvalidArgument(f"prompts[{i}] is empty: send the prompt of query[{i}]", f"prompts[{i}]")
         if not q.startswith(p):
             raise InvalidArgument(
                 f"query[{i}] does not start with prompts[{i}]: send query = prompt + response", f"query[{i}]"
@@ -105,7 +152,10 @@ def build_app(engine: RewardEngine, settings: ServiceSettings, metrics: ServiceM
     @app.post(
         "/v1/score",
         response_model=None,
-        responses={200: {"model": ScoreResponseOut, "description": "one result per item, in request order"}},
+        responses={
+            200: {"model": ScoreResponseOut, "description": "one result per item, in request order"},
+            **http_error_responses(503),
+        },
         tags=["reward"],
         summary="score a batch; every item gets a score or an error status",
     )
@@ -124,7 +174,10 @@ def build_app(engine: RewardEngine, settings: ServiceSettings, metrics: ServiceM
     @app.post(
         "/get_reward",
         response_model=None,
-        responses={200: {"model": GetRewardOut, "description": "one reward per query"}},
+        responses={
+            200: {"model": GetRewardOut, "description": "one reward per query"},
+            **http_error_responses(503, 504),  # 504: a scorer timed out; 500: a scorer failed (never a 0 reward)
+        },
         tags=["reward"],
         summary="OpenRLHF remote reward: {query, prompts, labels} -> {rewards}",
     )

@@ -81,9 +81,15 @@ MAX_ROWS = 4096  # prompts x n per request
 MAX_STOP = 16  # stop strings (and stop ids) per request
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_TEMPERATURE = 2.0  # vLLM 0.32 refuses more
-MAX_SEED = 2**63 - 1 - MAX_N  # sample j uses seed + j
+# sample j uses seed + j (j < MAX_N), an int64. The bound is a round decimal that is also a float64 exactly, so clients
+# and tools that read JSON numbers as doubles (JavaScript, JSON Schema validators) agree on it: 2**63 - 1 - MAX_N
+# reads as 2**63, and a near-2**63 double prints as a rounded decimal above it.
+MAX_SEED = 9_200_000_000_000_000_000
 MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_REPETITION_PENALTY = 10.0
+# and at least its inverse: positive logits are divided by it, and a tiny penalty (5e-324 is 0 in float32) makes them
+# infinite, the distribution NaN and every log-prob NaN
+MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY
 GREEDY_EPS = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
 # Prompt texts longer than this (in all) are tokenised in a worker thread: a 7 MB prompt took seconds on the event
 # loop, and health checks waited (the tokenizer releases the GIL, so the loop keeps answering meanwhile).
@@ -442,9 +448,9 @@ class EngineBase:
                 raise InvalidArgument(
                     f"stop token id {t} is outside the vocabulary [0, {self.vocab_size})", field=f"stop_token_ids[{i}]"
                 )
-        if not (0.0 < params.repetition_penalty <= MAX_REPETITION_PENALTY):
+        if not (MIN_REPETITION_PENALTY <= params.repetition_penalty <= MAX_REPETITION_PENALTY):
             raise InvalidArgument(
-                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1: off), "
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1: off), "
                 f"got {params.repetition_penalty}",
                 field="repetition_penalty",
             )

@@ -53,6 +53,7 @@ from rlhf.serving import (
     ServiceSettings,
     cancel_on_disconnect,
     create_app,
+    http_error_responses,
     json_response,
 )
 from rlhf.serving.errors import as_rlhf_error, error_body
@@ -257,7 +258,8 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
     @app.post("/v1/completions", response_model=CompletionResponse, tags=["rollout"],
               summary="OpenAI-style completions with token ids, sampling log-probs, policy version",
               responses={200: {"content": {"text/event-stream": {}},
-                               "description": "JSON, or SSE chunks with stream: true"}})  # fmt: skip
+                               "description": "JSON, or SSE chunks with stream: true"},
+                         **http_error_responses(503)})  # fmt: skip
     async def completions(body: CompletionRequest, request: Request) -> Any:
         body.include_usage()  # refuses stream_options without stream
         prompts = await encode_prompts(body.prompt)
@@ -327,7 +329,8 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["rollout"],
               summary="OpenAI-style chat completions (the served tokenizer's chat template)",
               responses={200: {"content": {"text/event-stream": {}},
-                               "description": "JSON, or SSE chunks with stream: true"}})  # fmt: skip
+                               "description": "JSON, or SSE chunks with stream: true"},
+                         **http_error_responses(503)})  # fmt: skip
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         body.include_usage()  # refuses stream_options without stream
         if body.top_logprobs and not body.logprobs:
@@ -382,7 +385,8 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
     # The training clients' hot path: the engine's results are typed already, so they are rendered once
     # (json_response) instead of being validated again through a response_model; OpenAPI keeps the schema.
     @app.post("/v1/generate", response_model=None, tags=["rollout"],
-              responses={200: {"model": GenerateResponse, "description": "one result per prompt, in order"}},
+              responses={200: {"model": GenerateResponse, "description": "one result per prompt, in order"},
+                         **http_error_responses(503)},
               summary="token ids in; token ids, sampling log-probs and finish reasons out")  # fmt: skip
     async def generate(body: GenerateRequest, request: Request) -> Response:
         opts = body.options(engine.defaults)

@@ -5,27 +5,45 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, field_validator
 
 from rlhf.serving import InvalidArgument
-from rlhf.serving.http import Utf8Text
+from rlhf.serving.http import Declared, JsonInt, TokenId, Utf8Text, json_int
 from services.rollout.engine import (
     MAX_N,
     MAX_REPETITION_PENALTY,
+    MAX_ROWS,
     MAX_SEED,
     MAX_STOP,
+    MAX_STOP_LEN,
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
     SamplingOptions,
     resolve_options,
 )
 
-TokenId = Annotated[StrictInt, Field(ge=0, le=2**31 - 1)]
 PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of lists of token ids"
+SampleCount = json_int(ge=1, le=MAX_N)
+TopLogprobs = json_int(ge=0, le=MAX_TOP_LOGPROBS)
+
+# What the engine refuses with a 400 naming the field, stated in the schema. Token ids must also be below the served
+# model's vocabulary size, a prompt must leave room in its context for one new token, and max_tokens must be below
+# its context length: those depend on the model (400 otherwise).
+PromptText = Annotated[Utf8Text, Declared(minLength=1)]
+PromptIds = Annotated[list[Annotated[JsonInt, Declared(minimum=0)]], Declared(minItems=1)]
+StopText = Annotated[Utf8Text, Declared(minLength=1, maxLength=MAX_STOP_LEN)]
+Prompts = Annotated[list[PromptText], Declared(minItems=1, maxItems=MAX_ROWS)]
+TokenPrompts = Annotated[list[PromptIds], Declared(minItems=1, maxItems=MAX_ROWS)]
 
 
 def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _integral(x: Any) -> Any:
+    """7.0 -> 7 (a JSON Schema integer), anything else as it is."""
+    return int(x) if isinstance(x, float) and x.is_integer() else x
 
 
 class _Model(BaseModel):
@@ -33,19 +51,32 @@ class _Model(BaseModel):
 
 
 class _Sampling(_Model):
-    n: StrictInt = Field(1, ge=1, le=MAX_N, description="samples per prompt")
-    max_tokens: StrictInt | None = Field(None, ge=1, description="new tokens per sample (default: the service's)")
-    temperature: float | None = Field(None, ge=0, le=MAX_TEMPERATURE, description="0: greedy (default: the service's)")
-    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling (default: the service's)")
-    top_k: StrictInt | None = Field(None, ge=-1, description="-1 or 0: off (default: the service's)")
-    stop: Utf8Text | list[Utf8Text] | None = Field(None, description="stop string(s); not included in the text")
-    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP, description="token ids that end a sample")
-    seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED, description="sample j uses seed + j: reproducible")
+    n: SampleCount = Field(1, description=f"samples per prompt (prompts x n at most {MAX_ROWS})")
+    max_tokens: json_int(ge=1) | None = Field(
+        None, description="new tokens per sample, below the model's context length (default: the service's)"
+    )
+    temperature: StrictFloat | None = Field(
+        None, ge=0, le=MAX_TEMPERATURE, description="0: greedy (default: the service's)"
+    )
+    top_p: StrictFloat | None = Field(None, gt=0, le=1, description="nucleus sampling (default: the service's)")
+    top_k: json_int(ge=-1) | None = Field(None, description="-1 or 0: off (default: the service's)")
+    stop: StopText | Annotated[list[StopText], Declared(maxItems=MAX_STOP)] | None = Field(
+        None, description="stop string(s); not included in the text"
+    )
+    stop_token_ids: list[TokenId] | None = Field(
+        None, max_length=MAX_STOP, description="token ids that end a sample (below the model's vocabulary size)"
+    )
+    seed: json_int(ge=0, le=MAX_SEED) | None = Field(None, description="sample j uses seed + j: reproducible")
     ignore_eos: StrictBool = Field(False, description="keep generating after EOS")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="minus penalty x the token's count so far")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="minus penalty once the token appeared")
-    repetition_penalty: float | None = Field(
-        None, gt=0, le=MAX_REPETITION_PENALTY, description="vLLM's: > 1 discourages prompt and output tokens"
+    frequency_penalty: StrictFloat | None = Field(
+        None, ge=-2, le=2, description="minus penalty x the token's count so far"
+    )
+    presence_penalty: StrictFloat | None = Field(None, ge=-2, le=2, description="minus penalty once the token appeared")
+    repetition_penalty: StrictFloat | None = Field(
+        None,
+        ge=MIN_REPETITION_PENALTY,
+        le=MAX_REPETITION_PENALTY,
+        description="vLLM's: > 1 discourages prompt and output tokens, < 1 encourages them",
     )
 
     def options(self, defaults: dict[str, Any], *, n: int | None = None, max_tokens: int | None = None,
@@ -76,17 +107,22 @@ class _OpenAIRequest(_Sampling):
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: Utf8Text | list[Utf8Text] | list[StrictInt] | list[list[StrictInt]] = Field(
-        description="the prompt(s): " + PROMPT_SHAPES
+    """Text prompts are tokenized as given (no chat template); token ids must be below the model's vocabulary size
+    and a prompt must leave room in its context for one new token (400 otherwise). ``best_of`` is at least ``n``
+    and not streamed with ``best_of > n``; ``echo`` and ``logprobs`` do not go together; ``stream_options`` needs
+    ``stream`` (400 otherwise)."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"prompt": "User: what is 1 plus 2?\nAssistant:", "max_tokens": 8, "seed": 1}]},
     )
-    logprobs: StrictInt | None = Field(
-        None,
-        ge=0,
-        le=MAX_TOP_LOGPROBS,
-        description="the sampled tokens' log-probs and this many alternatives each",
+
+    prompt: PromptText | Prompts | PromptIds | TokenPrompts = Field(description="the prompt(s): " + PROMPT_SHAPES)
+    logprobs: TopLogprobs | None = Field(
+        None, description="the sampled tokens' log-probs and this many alternatives each"
     )
-    best_of: StrictInt | None = Field(
-        None, ge=1, le=MAX_N, description="samples generated per prompt; the n most probable are returned"
+    best_of: SampleCount | None = Field(
+        None, description="samples generated per prompt; the n most probable are returned"
     )
     echo: StrictBool = Field(False, description="prepend the prompt to the text")
     return_token_ids: StrictBool = Field(False, description="return prompt and completion token ids (vLLM)")
@@ -96,6 +132,8 @@ class CompletionRequest(_OpenAIRequest):
     def _prompt_shape(cls, v: Any) -> Any:
         if isinstance(v, str):
             return v
+        if isinstance(v, list):
+            v = [[_integral(t) for t in x] if isinstance(x, list) else _integral(x) for x in v]
         if isinstance(v, list) and v:
             if all(isinstance(x, str) for x in v) or all(is_int(x) for x in v):
                 return v
@@ -123,16 +161,34 @@ class ChatMessage(_Model):
 
 
 class ChatCompletionRequest(_OpenAIRequest):
+    """The messages are rendered by the served tokenizer's chat template, which may refuse them (400), as
+    ``top_logprobs`` without ``logprobs`` and ``stream_options`` without ``stream`` are."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [{"messages": [{"role": "user", "content": "what is 1 plus 2?"}], "max_completion_tokens": 8}]
+        },
+    )
+
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation, rendered by the chat template")
-    max_completion_tokens: StrictInt | None = Field(None, ge=1, description="new tokens per choice (OpenAI's newer "
-                                                    "name for max_tokens; wins when both are set)")  # fmt: skip
+    max_completion_tokens: json_int(ge=1) | None = Field(None, description="new tokens per choice (OpenAI's newer "
+                                                         "name for max_tokens; wins when both are set)")  # fmt: skip
     logprobs: StrictBool = Field(False, description="return the sampled tokens' log-probs")
-    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS,
-                                           description="alternatives per token (needs logprobs: true)")  # fmt: skip
+    top_logprobs: TopLogprobs | None = Field(None, description="alternatives per token (needs logprobs: true)")
 
 
 class GenerateRequest(_Sampling):
-    prompt_token_ids: list[list[TokenId]] = Field(min_length=1, description="one list of token ids per prompt")
+    """Token ids below the model's vocabulary size; each prompt leaves room in its context for one new token (400
+    otherwise, naming the prompt)."""
+
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"examples": [{"prompt_token_ids": [[2, 5, 6]], "max_tokens": 8, "seed": 1}]}
+    )
+
+    prompt_token_ids: Annotated[list[Annotated[list[TokenId], Declared(minItems=1)]], Declared(maxItems=MAX_ROWS)] = (
+        Field(min_length=1, description="one list of token ids per prompt")
+    )
 
 
 class LogprobsOut(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import Depends
 
-from rlhf.serving import ServiceMetrics, ServiceSettings, create_app, http_token_dependency
+from rlhf.serving import ServiceMetrics, ServiceSettings, create_app, http_error_responses, http_token_dependency
 from services.trainer.loop import Trainer
 
 
@@ -14,11 +14,14 @@ def build_app(trainer: Trainer, settings: ServiceSettings, metrics: ServiceMetri
     app = create_app("trainer", settings, metrics, description="RLHF trainer: status and admin calls")
     admin = [Depends(http_token_dependency(settings))]
 
-    @app.get("/v1/status", summary="step, policy version, queue depths, staleness and the last step's metrics")
+    # 503: Redis unreachable (status) or the trainer still starting (checkpoint); 401/403 come with the token check
+    @app.get("/v1/status", summary="step, policy version, queue depths, staleness and the last step's metrics",
+             responses=http_error_responses(503))  # fmt: skip
     async def status() -> dict:
         return MessageToDict(await trainer.status(), preserving_proto_field_name=True)
 
-    @app.post("/v1/checkpoint", dependencies=admin, summary="write a checkpoint now (token required)")
+    @app.post("/v1/checkpoint", dependencies=admin, summary="write a checkpoint now (token required)",
+              responses=http_error_responses(503))  # fmt: skip
     async def checkpoint() -> dict:
         path = await trainer.checkpoint()
         return {"path": str(path), "step": trainer.engine.step_count}
