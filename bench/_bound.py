@@ -39,8 +39,8 @@ async def run(c: dict) -> dict:
     from rlhf.v1 import common_pb2, experience_pb2
     from services.reference.engine import LogProbsItem, ReferenceEngine
     from services.reward.engine import Item, RewardEngine
-    from services.rollout.engine import SamplingOptions
     from services.rollout.hf_engine import HFEngine
+    from services.rollout.options import SamplingOptions
     from services.trainer.engine import TrainerEngine
 
     cfg = parse_config(c["config"])

@@ -276,8 +276,8 @@ def phase_rollout(p: dict[str, Any], rec: Record) -> None:
 
     import torch
 
-    from services.rollout.engine import SamplingOptions
     from services.rollout.hf_engine import HFEngine
+    from services.rollout.options import SamplingOptions
 
     policy, _ = _model_paths(p)
     r = p["rollout"]
@@ -781,7 +781,7 @@ async def _bare_vllm(path: str, v: dict[str, Any], dtype: str, mode: str) -> flo
 
 
 async def _service_engine(path: str, v: dict[str, Any], dtype: str, mode: str) -> float:
-    from services.rollout.engine import SamplingOptions
+    from services.rollout.options import SamplingOptions
     from services.rollout.vllm_engine import VllmEngine
 
     eng = VllmEngine(path, "device-check", dtype=dtype, mode=mode, max_model_len=512,
@@ -889,8 +889,8 @@ def _vllm_collective(p: dict[str, Any], path: str, backend: str) -> dict[str, An
     from rlhf.serving import ServiceMetrics, ServiceSettings
     from rlhf.transport.weights import pack_weights
     from rlhf.transport.weights.send import push_collective
-    from services.rollout.engine import SamplingOptions
     from services.rollout.grpc_servicer import RolloutServicer, add_to_server
+    from services.rollout.options import SamplingOptions
     from services.rollout.vllm_engine import VllmEngine
 
     v = p["vllm"]

@@ -1,6 +1,6 @@
 """bench.engines: generated tokens/s of the ``vllm`` and ``hf`` rollout engines, two model sizes, batch 1, 8, 64.
 
-Both engines run in this process (``services.rollout.engine.make_engine``), on the CPU, float32, with the same
+Both engines run in this process (``services.rollout.factory.make_engine``), on the CPU, float32, with the same
 request: ``batch`` prompts of 24 tokens in one ``generate`` call, one sample each, 32 new tokens (``ignore_eos``, so
 every row generates all of them), temperature 1 (sampling with per-token log-probs, as in training). For each model
 and batch size the two engines alternate (vllm, hf, hf, vllm), and the figure is the median of the two runs:
@@ -24,7 +24,8 @@ REPEATS = 2
 async def main() -> None:
     started = time.monotonic()
     from rlhf.config import parse_config
-    from services.rollout.engine import SamplingOptions, make_engine
+    from services.rollout.factory import make_engine
+    from services.rollout.options import SamplingOptions
     from services.rollout.vllm_engine import set_vllm_env_defaults
 
     set_vllm_env_defaults("cpu")

@@ -118,7 +118,8 @@ async def main() -> None:
     from rlhf.v1 import reference_pb2_grpc, reward_pb2_grpc, rollout_pb2_grpc
     from services.reference.engine import LogProbsItem, ReferenceEngine
     from services.reward.engine import Item, RewardEngine
-    from services.rollout.engine import SamplingOptions, make_engine
+    from services.rollout.factory import make_engine
+    from services.rollout.options import SamplingOptions
     from services.rollout.vllm_engine import set_vllm_env_defaults
 
     set_vllm_env_defaults("cpu")

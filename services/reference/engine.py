@@ -33,7 +33,7 @@ MERGE_MAX_TOKENS = 1 << 17
 # Requests with more ids than this are validated in a worker thread, not on the event loop.
 OFFLOAD_IDS = 1 << 16
 # Logits are divided by the temperature in float32: 1e-300 is 0 there and gave NaN / -inf "log-probs". Below the
-# rollout's greedy threshold (services.rollout.engine.GREEDY_EPS) no sampled policy matches anyway.
+# rollout's greedy threshold (services.rollout.options.GREEDY_EPS) no sampled policy matches anyway.
 MIN_TEMPERATURE = 1e-5
 MAX_TEMPERATURE = 1e6
 

@@ -54,78 +54,40 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from rlhf.serving.errors import Internal, InvalidArgument, NotReady
 from rlhf.transport.weights.version import ServedVersion
+from services.rollout.options import (
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_ROWS,
+    MAX_SEED,
+    MAX_STOP,
+    MAX_STOP_LEN,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    MIN_REPETITION_PENALTY,
+    OFFLOAD_CHARS,
+    SamplingOptions,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from rlhf.config import ExperimentConfig
 
 log = logging.getLogger("rlhf.rollout")
 
-ENGINE_ENV_VAR = "RLHF_ROLLOUT_ENGINE"
 # Fault injection, for tests only: "1" makes every weight swap skip the install yet report success and advance the
 # served version, as a replica whose load failed silently would. The trainer must catch it by the trainer-inference
 # mismatch (training.max_mismatch_kl); tests/e2e/test_mismatch_ring.py does. Never set it in a deployment.
 SKIP_LOAD_FAULT_ENV_VAR = "RLHF_TEST_FAULT_SKIP_WEIGHT_LOAD"
-ENGINES = ("vllm", "hf")
 
-MAX_N = 256  # samples per prompt
-MAX_ROWS = 4096  # prompts x n per request
-MAX_STOP = 16  # stop strings (and stop ids) per request
-MAX_STOP_LEN = 256  # characters per stop string
-MAX_TEMPERATURE = 2.0  # vLLM 0.32 refuses more
-# sample j uses seed + j (j < MAX_N), an int64. The bound is a round decimal that is also a float64 exactly, so clients
-# and tools that read JSON numbers as doubles (JavaScript, JSON Schema validators) agree on it: 2**63 - 1 - MAX_N
-# reads as 2**63, and a near-2**63 double prints as a rounded decimal above it.
-MAX_SEED = 9_200_000_000_000_000_000
-MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs
-MAX_REPETITION_PENALTY = 10.0
-# and at least its inverse: positive logits are divided by it, and a tiny penalty (5e-324 is 0 in float32) makes them
-# infinite, the distribution NaN and every log-prob NaN
-MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY
-GREEDY_EPS = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
-# Prompt texts longer than this (in all) are tokenised in a worker thread: a 7 MB prompt took seconds on the event
-# loop, and health checks waited (the tokenizer releases the GIL, so the loop keeps answering meanwhile).
-OFFLOAD_CHARS = 1 << 16
 
 FinishReason = Literal["stop", "length", "abort"]
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """Sampling parameters of one request, resolved (no ``None`` left except ``seed``)."""
-
-    n: int = 1
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = -1  # <= 0: off
-    max_tokens: int = 16
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    seed: int | None = None
-    ignore_eos: bool = False
-    # vLLM's penalties: repetition (> 1 discourages tokens of the prompt and the output so far: positive logits
-    # divided by it, negative ones multiplied), then OpenAI's frequency (minus penalty x count in the output so far)
-    # and presence (minus penalty once a token is in the output)
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    top_logprobs: int = 0  # alternatives per generated token (the most probable of the distribution sampled from)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 @dataclass
@@ -674,197 +636,18 @@ def decode_text(tokenizer: Any, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
-def engine_kind(cfg: ExperimentConfig, env: dict[str, str] | None = None) -> str:
-    """The engine to run: ``RLHF_ROLLOUT_ENGINE`` when set, else ``actor_rollout_ref.actor_rollout.engine``."""
-    env = os.environ if env is None else env
-    kind = (env.get(ENGINE_ENV_VAR) or "").strip().lower() or cfg.actor.engine
-    if kind not in ENGINES:
-        raise ValueError(f"{ENGINE_ENV_VAR}={kind!r}: the rollout engine must be one of {', '.join(ENGINES)}")
-    return kind
-
-
-# Deployment overrides of rollout config fields: a rollout that shares its GPU is a property of the deployment, not
-# of the experiment (compose.gpu.yaml sets these), so the same config file serves both.
-ROLLOUT_ENV_OVERRIDES = {
-    "RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION": "gpu_memory_utilization",
-    "RLHF_ROLLOUT_MAX_MODEL_LEN": "max_model_len",
-}
-
-
-def apply_rollout_env(cfg: ExperimentConfig, env: Mapping[str, str] | None = None) -> ExperimentConfig:
-    """Set the rollout fields named in :data:`ROLLOUT_ENV_OVERRIDES` from ``env`` (empty = unset), validated as the
-    config's own fields are (ConfigError naming the variable and the field). Returns a new config."""
-    from rlhf.config import parse_config
-
-    env = os.environ if env is None else env
-    data = cfg.model_dump(exclude_unset=True)
-    actor = data.setdefault("actor_rollout_ref", {}).setdefault("actor_rollout", {})
-    changed = {}
-    for var, field in ROLLOUT_ENV_OVERRIDES.items():
-        value = (env.get(var) or "").strip()
-        if value:
-            actor[field] = value
-            changed[var] = value
-    if not changed:
-        return cfg
-    # a bad value raises ConfigError naming the field and, through the source, the variable that set it
-    return parse_config(data, source=f"(with {', '.join(f'{k}={v}' for k, v in changed.items())})")
-
-
-def vllm_engine_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
-    """vLLM engine arguments from ``actor_rollout`` (beyond model, dtype and seed): what the engine is built with."""
-    a = cfg.actor
-    kw: dict[str, Any] = {"tensor_parallel_size": a.tensor_model_parallel_size}
-    if a.enforce_eager is not None:  # null: the engine decides by its device (VllmEngine.default_enforce_eager)
-        kw["enforce_eager"] = a.enforce_eager
-    if a.gpu_memory_utilization is not None:
-        kw["gpu_memory_utilization"] = a.gpu_memory_utilization
-    return kw
-
-
-def make_engine(
-    cfg: ExperimentConfig,
-    *,
-    kind: str | None = None,
-    device: str | None = None,
-    hooks: EngineHooks | None = None,
-    **kw: Any,
-) -> EngineBase:
-    """Build (not start) the engine the config asks for."""
-    from rlhf.models import resolve_model_path
-
-    kind = kind or engine_kind(cfg)
-    path = resolve_model_path(cfg.actor.load)
-    engine = _build(kind, cfg, path, device, hooks, **kw)
-    engine.defaults = default_options(cfg)
-    return engine
-
-
-def _build(kind: str, cfg: ExperimentConfig, path: Path, device: str | None, hooks: EngineHooks | None,
-           **kw: Any) -> EngineBase:  # fmt: skip
-    if kind == "vllm":
-        from services.rollout.vllm_engine import VllmEngine, inplace_load_bytes_from_env
-
-        kw.setdefault("max_model_len", cfg.actor.max_model_len)
-        kw.setdefault("inplace_load_bytes", inplace_load_bytes_from_env())  # ValueError naming the variable
-        kw["engine_kwargs"] = {**vllm_engine_kwargs(cfg), **kw.get("engine_kwargs", {})}
-        kw.setdefault("staged_swap", cfg.actor.staged_weight_swap)
-        return VllmEngine(path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, seed=cfg.training.seed,
-                          hooks=hooks, **kw)  # fmt: skip
-    if kind == "hf":
-        from rlhf.config import VLLM_ONLY_FIELDS
-        from services.rollout.hf_engine import HFEngine
-
-        kw.setdefault("max_model_len", cfg.actor.max_model_len)
-        ignored = sorted(f for f in VLLM_ONLY_FIELDS if f in cfg.actor.model_fields_set)
-        if ignored:  # the config refuses these with engine hf; here RLHF_ROLLOUT_ENGINE=hf overrode engine: vllm
-            log.warning("rollout: %s=hf: actor_rollout %s apply to the vllm engine only and are not used",
-                        ENGINE_ENV_VAR, ", ".join(ignored))  # fmt: skip
-        return HFEngine(path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, device=device or "auto",
-                        hooks=hooks, **kw)  # fmt: skip
-    raise ValueError(f"unknown rollout engine {kind!r}: use one of {', '.join(ENGINES)}")
-
-
-def resolve_options(
-    defaults: dict[str, Any],
-    *,
-    n: int | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    max_tokens: int | None = None,
-    stop: list[str] | tuple[str, ...] | None = None,
-    stop_token_ids: list[int] | tuple[int, ...] | None = None,
-    seed: int | None = None,
-    ignore_eos: bool = False,
-    repetition_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    top_logprobs: int | None = None,
-) -> SamplingOptions:
-    """Request values (``None``: unset) over the service's defaults -> SamplingOptions (not yet validated)."""
-
-    def pick(value: Any, key: str, fallback: Any) -> Any:
-        return value if value is not None else defaults.get(key, fallback)
-
-    return SamplingOptions(
-        n=1 if n is None else n,
-        temperature=float(pick(temperature, "temperature", 1.0)),
-        top_p=float(pick(top_p, "top_p", 1.0)),
-        top_k=int(pick(top_k, "top_k", -1)),
-        max_tokens=int(pick(max_tokens, "max_tokens", 16)),
-        stop=tuple(pick(stop, "stop", ())),
-        stop_token_ids=tuple(stop_token_ids or ()),
-        seed=seed,
-        ignore_eos=bool(ignore_eos),
-        repetition_penalty=1.0 if repetition_penalty is None else float(repetition_penalty),
-        frequency_penalty=0.0 if frequency_penalty is None else float(frequency_penalty),
-        presence_penalty=0.0 if presence_penalty is None else float(presence_penalty),
-        top_logprobs=int(top_logprobs or 0),
-    )
-
-
-def options_from_proto(p: Any, defaults: Mapping[str, Any]) -> SamplingOptions:
-    """``rlhf.v1.SamplingParams`` (a gRPC request's or a prompt job's; 0 / unset: the default) -> SamplingOptions.
-    The one conversion: the gRPC servicer and the queue worker both call it (the HTTP app resolves its JSON body
-    through :func:`resolve_options` the same way)."""
-    return resolve_options(
-        dict(defaults),
-        n=p.n or 1,
-        temperature=p.temperature if p.HasField("temperature") else None,
-        top_p=p.top_p if p.HasField("top_p") else None,
-        top_k=(p.top_k if p.top_k > 0 else -1) if p.HasField("top_k") else None,
-        max_tokens=p.max_tokens or None,
-        stop=list(p.stop) or None,
-        stop_token_ids=list(p.stop_token_ids),
-        seed=p.seed if p.HasField("seed") else None,
-        ignore_eos=p.ignore_eos,
-    )
-
-
-def finish_reason_proto(reason: str) -> int:
-    """A sample's finish reason (``stop`` | ``length`` | ``abort``, what the HTTP app returns as is) -> the
-    ``rlhf.v1.FinishReason`` the gRPC servicer and the experience records carry."""
-    from rlhf.v1 import common_pb2
-
-    return {
-        "stop": common_pb2.FINISH_REASON_STOP,
-        "length": common_pb2.FINISH_REASON_LENGTH,
-        "abort": common_pb2.FINISH_REASON_ABORT,
-    }.get(reason, common_pb2.FINISH_REASON_UNSPECIFIED)
-
-
-def default_options(cfg: ExperimentConfig) -> dict[str, Any]:
-    """Sampling defaults of this service (from the experiment config) for fields a request leaves unset."""
-    a = cfg.actor
-    return {
-        "temperature": a.temperature if a.do_sample else 0.0,
-        "top_p": a.top_p,
-        "top_k": a.top_k,
-        "max_tokens": cfg.max_new_tokens,
-        "stop": tuple(a.stop),
-    }
-
-
 __all__ = [
-    "ENGINES",
-    "ENGINE_ENV_VAR",
     "EngineBase",
     "EngineHooks",
+    "FinishReason",
     "PromptResult",
     "RolloutEngine",
     "Sample",
-    "SamplingOptions",
+    "SKIP_LOAD_FAULT_ENV_VAR",
     "StreamEvent",
     "SwapGate",
     "SwapResult",
     "check_state_dict",
     "decode_text",
-    "default_options",
-    "engine_kind",
-    "finish_reason_proto",
-    "make_engine",
-    "options_from_proto",
     "read_checkpoint_manifest",
-    "resolve_options",
 ]

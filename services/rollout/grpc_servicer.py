@@ -34,7 +34,8 @@ from rlhf.serving import (
     require_grpc_token,
 )
 from rlhf.v1 import rollout_pb2, rollout_pb2_grpc, weights_pb2
-from services.rollout.engine import EngineBase, finish_reason_proto, options_from_proto
+from services.rollout.engine import EngineBase
+from services.rollout.options import finish_reason_proto, options_from_proto
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 

@@ -38,15 +38,8 @@ from typing import Any
 import torch
 
 from rlhf.algo import logprobs_from_logits
-from services.rollout.engine import (
-    EngineBase,
-    EngineHooks,
-    PromptResult,
-    Sample,
-    SamplingOptions,
-    StreamEvent,
-    decode_text,
-)
+from services.rollout.engine import EngineBase, EngineHooks, PromptResult, Sample, StreamEvent, decode_text
+from services.rollout.options import SamplingOptions
 
 log = logging.getLogger("rlhf.rollout.hf")
 

@@ -57,14 +57,7 @@ from rlhf.serving import (
     json_response,
 )
 from rlhf.serving.errors import as_rlhf_error, error_body
-from services.rollout.engine import (
-    OFFLOAD_CHARS,
-    EngineBase,
-    PromptResult,
-    Sample,
-    SamplingOptions,
-    decode_text,
-)
+from services.rollout.engine import EngineBase, PromptResult, Sample, decode_text
 from services.rollout.openai_protocol import (
     ChatChoiceOut,
     ChatCompletionRequest,
@@ -83,6 +76,7 @@ from services.rollout.openai_protocol import (
     WeightsVersionOut,
     is_int,
 )
+from services.rollout.options import OFFLOAD_CHARS, SamplingOptions
 
 
 def _usage(results: list[PromptResult]) -> UsageOut:

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, fiel
 
 from rlhf.serving import InvalidArgument
 from rlhf.serving.http import Declared, JsonInt, TokenId, Utf8Text, json_int
-from services.rollout.engine import (
+from services.rollout.options import (
     MAX_N,
     MAX_REPETITION_PENALTY,
     MAX_ROWS,

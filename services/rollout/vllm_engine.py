@@ -14,7 +14,7 @@ Both use ``RequestOutputKind.FINAL_ONLY`` (one output per request: per-token str
 ``logprobs=0`` (the sampled token's log-prob only) and ``logprobs_mode="processed_logprobs"`` (log-probs after
 temperature and top-k/top-p: the distribution sampled from; the default ``raw_logprobs`` ignores the temperature),
 a seed per request, and the engine settings of ``actor_rollout`` (``max_model_len``, ``gpu_memory_utilization``,
-``tensor_model_parallel_size``, ``enforce_eager``: :func:`services.rollout.engine.vllm_engine_kwargs`).
+``tensor_model_parallel_size``, ``enforce_eager``: :func:`services.rollout.factory.vllm_engine_kwargs`).
 
 Weights: the state dict reaches the worker in parts of at most ``load_bucket_bytes`` (128 MiB), one worker call each,
 never whole (vLLM's msgpack RPC stops a bytes object at 4 GiB, and the worker would hold a second copy): as the
@@ -46,14 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.serving.errors import Internal, NotReady
-from services.rollout.engine import (
-    EngineBase,
-    EngineHooks,
-    PromptResult,
-    Sample,
-    SamplingOptions,
-    read_checkpoint_manifest,
-)
+from services.rollout.engine import EngineBase, EngineHooks, PromptResult, Sample, read_checkpoint_manifest
+from services.rollout.options import SamplingOptions
 
 log = logging.getLogger("rlhf.rollout.vllm")
 
@@ -221,7 +215,7 @@ class VllmEngine(EngineBase):
         self._stage_lock = asyncio.Lock()  # one update in the shadow at a time, from staging until its swap
         # Updates of at least this many bytes go into the serving model in place, bucket by bucket as they arrive
         # (install_streamed: generation paused for the transfer, a bucket or two of memory); None: never.
-        # services.rollout.engine.make_engine sets it from RLHF_WEIGHTS_INPLACE_LOAD_BYTES.
+        # services.rollout.factory.make_engine sets it from RLHF_WEIGHTS_INPLACE_LOAD_BYTES.
         self.inplace_load_bytes = inplace_load_bytes
         self.load_bucket_bytes = load_bucket_bytes  # what one worker call carries of an update received whole
 

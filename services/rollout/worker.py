@@ -68,7 +68,7 @@ from rlhf.v1 import (
     reward_pb2,
     reward_pb2_grpc,
 )
-from services.rollout.engine import SamplingOptions, finish_reason_proto, options_from_proto
+from services.rollout.options import SamplingOptions, finish_reason_proto, options_from_proto
 
 if TYPE_CHECKING:  # pragma: no cover
     from rlhf.config import ExperimentConfig
@@ -199,7 +199,7 @@ class RolloutWorker:
             raise ValueError("rollout worker mode needs a run id: RLHF_RUN_ID or the config's run_id")
         defaults: dict[str, Any] = {}
         if cfg is not None:
-            from services.rollout.engine import default_options
+            from services.rollout.options import default_options
 
             defaults = default_options(cfg)
         opts: dict[str, Any] = {

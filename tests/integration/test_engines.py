@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from rlhf.serving.errors import FailedPrecondition, InvalidArgument
-from services.rollout.engine import EngineHooks, SamplingOptions, SwapGate, engine_kind
+from services.rollout.engine import EngineHooks, SwapGate
+from services.rollout.factory import engine_kind
+from services.rollout.options import SamplingOptions
 
 PROMPTS = [[2, 5, 6, 7], [2, 40, 41], [2, 100, 101, 102, 103, 104, 105, 106]]
 
@@ -264,8 +266,8 @@ def test_vllm_loads_weights_through_the_weight_transfer_api(tiny_models, state, 
         eng = VllmEngine(tiny_models.policy, "tiny:policy", mode=mode, staged_swap=False)
         await eng.start()
         try:
-            assert eng._features == {"weight_transfer": True, "engine_sessions": True, "reload_weights": True,
-                                     "staged_swap": True, "staged_swap_unsupported": ""}  # fmt: skip
+            features = {"weight_transfer": True, "engine_sessions": True, "reload_weights": True, "staged_swap": True}
+            assert eng._features == {**features, "staged_swap_unsupported": "", "parallel_world_size": 1}
             assert not eng.staged_swap
             o = SamplingOptions(n=2, max_tokens=8, seed=1)
             a = await eng.generate(PROMPTS, o)
@@ -403,7 +405,7 @@ def test_vllm_engine_runs_with_the_configured_max_model_len(tiny_models, monkeyp
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from rlhf.config import parse_config
-    from services.rollout.engine import make_engine
+    from services.rollout.factory import make_engine
 
     for k, v in (
         ("VLLM_CPU_KVCACHE_SPACE", "1"),

@@ -139,7 +139,7 @@ def _settings() -> ServiceSettings:
 
 
 def _rollout_app():
-    from services.rollout.engine import make_engine
+    from services.rollout.factory import make_engine
     from services.rollout.http_app import build_app
 
     metrics = ServiceMetrics("rollout")

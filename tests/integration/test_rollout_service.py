@@ -425,7 +425,7 @@ def test_cross_engine_sampling_logprobs_agree(svc, hf_engine, full_forward, temp
     """Same weights, same tokens (sampled by the vLLM service): vLLM's sampling log-probs, the hf engine's (its
     sampling functions over a forward of its model) and a full forward with causal_lm_logits + logprobs_from_logits
     agree."""
-    from services.rollout.engine import SamplingOptions
+    from services.rollout.options import SamplingOptions
 
     _, eng = hf_engine
     body = generate(svc, n=4, max_tokens=16, seed=5, temperature=temperature, ignore_eos=True)
@@ -449,7 +449,7 @@ def test_cross_engine_sampling_logprobs_agree(svc, hf_engine, full_forward, temp
 def test_cross_engine_truncated_sampling_logprobs(svc, hf_engine, full_forward):
     """With top-k/top-p both engines report the renormalised truncated distribution (the one sampled from), equal to
     each other and never below the untruncated log-softmax the trainer recomputes."""
-    from services.rollout.engine import SamplingOptions
+    from services.rollout.options import SamplingOptions
 
     _, eng = hf_engine
     T, k, p = 0.8, 40, 0.9
@@ -471,7 +471,7 @@ def test_cross_engine_penalties(svc, hf_engine, full_forward):
     """frequency / presence / repetition penalties: vLLM's sampling log-probs (its SamplingParams) and the hf engine's
     (its own penalties and step distribution, on vLLM's tokens) agree, and differ from the
     unpenalized log-softmax."""
-    from services.rollout.engine import SamplingOptions
+    from services.rollout.options import SamplingOptions
 
     _, eng = hf_engine
     pen = {"frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.3}

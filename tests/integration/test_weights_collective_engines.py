@@ -13,8 +13,8 @@ import torch
 
 from rlhf.serving import ServiceMetrics, ServiceSettings
 from rlhf.transport.weights import pack_weights, push_weights_many
-from services.rollout.engine import SamplingOptions
 from services.rollout.grpc_servicer import RolloutServicer, add_to_server
+from services.rollout.options import SamplingOptions
 
 pytestmark = pytest.mark.slow
 TOKEN = "collective-engines"

@@ -18,8 +18,8 @@ from rlhf.serving import ServiceMetrics, ServiceSettings
 from rlhf.serving.errors import NotReady
 from rlhf.transport.weights import pack_weights, push_weights
 from rlhf.v1 import rollout_pb2_grpc, weights_pb2
-from services.rollout.engine import SamplingOptions
 from services.rollout.grpc_servicer import RolloutServicer, add_to_server
+from services.rollout.options import SamplingOptions
 
 TOKEN = "large-updates"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from rlhf.config import ConfigError, parse_config
-from services.rollout.engine import apply_rollout_env, make_engine, vllm_engine_kwargs
+from services.rollout.factory import apply_rollout_env, make_engine, vllm_engine_kwargs
 
 
 def _cfg(engine: str = "vllm", **actor):

@@ -11,7 +11,7 @@ from rlhf.config import parse_config
 @pytest.mark.parametrize(("do_sample", "sampled", "logits"), [(True, 0.7, 0.7), (False, 0.0, 1.0)])
 def test_sampling_values_and_the_logprob_temperature(tiny_models, do_sample, sampled, logits):
     from services.reference.engine import ReferenceEngine
-    from services.rollout.engine import default_options
+    from services.rollout.options import default_options
     from services.trainer.engine import TrainerEngine
 
     cfg = parse_config(

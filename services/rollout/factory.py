@@ -1,0 +1,113 @@
+"""Which rollout engine runs and how it is built: ``actor_rollout_ref.actor_rollout.engine`` (``vllm`` | ``hf``),
+overridden by ``RLHF_ROLLOUT_ENGINE``; the deployment's overrides of rollout fields; the vLLM engine's arguments.
+Apart from :mod:`services.rollout.engine`, which both engines import, so that nothing imports in a circle."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.rollout.engine import EngineBase, EngineHooks
+from services.rollout.options import default_options
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlhf.config import ExperimentConfig
+
+log = logging.getLogger("rlhf.rollout")
+
+ENGINE_ENV_VAR = "RLHF_ROLLOUT_ENGINE"
+ENGINES = ("vllm", "hf")
+
+
+def engine_kind(cfg: ExperimentConfig, env: dict[str, str] | None = None) -> str:
+    """The engine to run: ``RLHF_ROLLOUT_ENGINE`` when set, else ``actor_rollout_ref.actor_rollout.engine``."""
+    env = os.environ if env is None else env
+    kind = (env.get(ENGINE_ENV_VAR) or "").strip().lower() or cfg.actor.engine
+    if kind not in ENGINES:
+        raise ValueError(f"{ENGINE_ENV_VAR}={kind!r}: the rollout engine must be one of {', '.join(ENGINES)}")
+    return kind
+
+
+# Deployment overrides of rollout config fields: a rollout that shares its GPU is a property of the deployment, not
+# of the experiment (compose.gpu.yaml sets these), so the same config file serves both.
+ROLLOUT_ENV_OVERRIDES = {
+    "RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION": "gpu_memory_utilization",
+    "RLHF_ROLLOUT_MAX_MODEL_LEN": "max_model_len",
+}
+
+
+def apply_rollout_env(cfg: ExperimentConfig, env: Mapping[str, str] | None = None) -> ExperimentConfig:
+    """Set the rollout fields named in :data:`ROLLOUT_ENV_OVERRIDES` from ``env`` (empty = unset), validated as the
+    config's own fields are (ConfigError naming the variable and the field). Returns a new config."""
+    from rlhf.config import parse_config
+
+    env = os.environ if env is None else env
+    data = cfg.model_dump(exclude_unset=True)
+    actor = data.setdefault("actor_rollout_ref", {}).setdefault("actor_rollout", {})
+    changed = {}
+    for var, field in ROLLOUT_ENV_OVERRIDES.items():
+        value = (env.get(var) or "").strip()
+        if value:
+            actor[field] = value
+            changed[var] = value
+    if not changed:
+        return cfg
+    # a bad value raises ConfigError naming the field and, through the source, the variable that set it
+    return parse_config(data, source=f"(with {', '.join(f'{k}={v}' for k, v in changed.items())})")
+
+
+def vllm_engine_kwargs(cfg: ExperimentConfig) -> dict[str, Any]:
+    """vLLM engine arguments from ``actor_rollout`` (beyond model, dtype and seed): what the engine is built with."""
+    a = cfg.actor
+    kw: dict[str, Any] = {"tensor_parallel_size": a.tensor_model_parallel_size}
+    if a.enforce_eager is not None:  # null: the engine decides by its device (VllmEngine.default_enforce_eager)
+        kw["enforce_eager"] = a.enforce_eager
+    if a.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = a.gpu_memory_utilization
+    return kw
+
+
+def make_engine(
+    cfg: ExperimentConfig,
+    *,
+    kind: str | None = None,
+    device: str | None = None,
+    hooks: EngineHooks | None = None,
+    **kw: Any,
+) -> EngineBase:
+    """Build (not start) the engine the config asks for."""
+    from rlhf.models import resolve_model_path
+
+    kind = kind or engine_kind(cfg)
+    path = resolve_model_path(cfg.actor.load)
+    engine = _build(kind, cfg, path, device, hooks, **kw)
+    engine.defaults = default_options(cfg)
+    return engine
+
+
+def _build(kind: str, cfg: ExperimentConfig, path: Path, device: str | None, hooks: EngineHooks | None,
+           **kw: Any) -> EngineBase:  # fmt: skip
+    if kind == "vllm":
+        from services.rollout.vllm_engine import VllmEngine, inplace_load_bytes_from_env
+
+        kw.setdefault("max_model_len", cfg.actor.max_model_len)
+        kw.setdefault("inplace_load_bytes", inplace_load_bytes_from_env())  # ValueError naming the variable
+        kw["engine_kwargs"] = {**vllm_engine_kwargs(cfg), **kw.get("engine_kwargs", {})}
+        kw.setdefault("staged_swap", cfg.actor.staged_weight_swap)
+        return VllmEngine(path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, seed=cfg.training.seed,
+                          hooks=hooks, **kw)  # fmt: skip
+    if kind == "hf":
+        from rlhf.config import VLLM_ONLY_FIELDS
+        from services.rollout.hf_engine import HFEngine
+
+        kw.setdefault("max_model_len", cfg.actor.max_model_len)
+        ignored = sorted(f for f in VLLM_ONLY_FIELDS if f in cfg.actor.model_fields_set)
+        if ignored:  # the config refuses these with engine hf; here RLHF_ROLLOUT_ENGINE=hf overrode engine: vllm
+            log.warning("rollout: %s=hf: actor_rollout %s apply to the vllm engine only and are not used",
+                        ENGINE_ENV_VAR, ", ".join(ignored))  # fmt: skip
+        return HFEngine(path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, device=device or "auto",
+                        hooks=hooks, **kw)  # fmt: skip
+    raise ValueError(f"unknown rollout engine {kind!r}: use one of {', '.join(ENGINES)}")
