@@ -72,9 +72,16 @@ async def run(c: dict) -> dict:
         texts = [tok.decode(s.token_ids, skip_special_tokens=True) for _, _, s in flat]
         # the reward model gets the user's text, as the ring's prompt jobs carry it (it renders its own template)
         raw = c.get("prompt_texts")
-        items = [Item(prompt=raw[k] if raw else tok.decode(p, skip_special_tokens=True), response=x,
-                      prompt_ids=list(p), response_ids=list(s.token_ids), finished=s.finish_reason == "stop")
-                 for (k, p, s), x in zip(flat, texts, strict=True)]  # fmt: skip
+        items = [
+            Item(
+                prompt=raw[k] if raw else tok.decode(p, skip_special_tokens=True),
+                response=x,
+                prompt_ids=list(p),
+                response_ids=list(s.token_ids),
+                finished=s.finish_reason == "stop",
+            )
+            for (k, p, s), x in zip(flat, texts, strict=True)
+        ]
         scores = await reward.score(items)
         lap("reward")
         refs, _ = await ref.logprobs([LogProbsItem(list(p), list(s.token_ids)) for _, p, s in flat], ref_t)
@@ -84,11 +91,18 @@ async def run(c: dict) -> dict:
             exp = experience_pb2.Experience(job_id=f"b{step}-{j}", run_id="bound", prompt_ids=p)
             for s in r.samples:
                 sc = scores[k]
-                exp.samples.append(experience_pb2.Sample(
-                    response_ids=s.token_ids, sampling_logprobs=s.logprobs, ref_logprobs=refs[k],
-                    score=sc.score or 0.0, score_status=common_pb2.ITEM_STATUS_OK if sc.score is not None
-                    else common_pb2.ITEM_STATUS_UNSPECIFIED, policy_version=trainer.policy_version,
-                ))  # fmt: skip
+                exp.samples.append(
+                    experience_pb2.Sample(
+                        response_ids=s.token_ids,
+                        sampling_logprobs=s.logprobs,
+                        ref_logprobs=refs[k],
+                        score=sc.score or 0.0,
+                        score_status=common_pb2.ITEM_STATUS_OK
+                        if sc.score is not None
+                        else common_pb2.ITEM_STATUS_UNSPECIFIED,
+                        policy_version=trainer.policy_version,
+                    )
+                )
                 k += 1
             exps.append(exp)
         trainer.step(exps)
@@ -151,9 +165,14 @@ def roofline(trainer, exps: list, update_s: float) -> dict:
     rates[f"{shape}, 1 thread x {threads}"] = threads * _mm_rate(rows, cfg.hidden_size, cfg.intermediate_size)
     torch.set_num_threads(threads)
     achieved = flops / update_s
-    return {"update_gflop": flops / 1e9, "update_s": update_s, "update_gflop_per_s": achieved / 1e9,
-            "mm_gflop_per_s": {k: round(v / 1e9, 1) for k, v in rates.items()},
-            "update_vs_mm_rate": achieved / max(rates.values()), "torch_threads": threads}  # fmt: skip
+    return {
+        "update_gflop": flops / 1e9,
+        "update_s": update_s,
+        "update_gflop_per_s": achieved / 1e9,
+        "mm_gflop_per_s": {k: round(v / 1e9, 1) for k, v in rates.items()},
+        "update_vs_mm_rate": achieved / max(rates.values()),
+        "torch_threads": threads,
+    }
 
 
 def main() -> None:

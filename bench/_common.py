@@ -188,12 +188,14 @@ MODEL_SPECS: dict[str, dict[str, int]] = {
     # the test model: ~0.1M parameters
     "tiny": {},
     # "small": tens of millions of parameters (~21M policy, the same again for the critic/reward model)
-    "small": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=8),
+    "small": dict(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8
+    ),
     # weight sync: >= 100M parameters (~103M)
-    "large": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-                  num_key_value_heads=16),
-}  # fmt: skip
+    "large": dict(
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=16
+    ),
+}
 
 
 @contextmanager

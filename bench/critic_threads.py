@@ -47,7 +47,7 @@ def main() -> None:
                 "sequential": side(CORE_THREADS, "this process: actor then critic, each with every thread"),
                 "side_by_side": side(
                     {"actor": half[0], "critic": half[1]}, "the same process: actor and critic in two threads at once"
-                ),  # fmt: skip
+                ),
             },
         },
         figures={

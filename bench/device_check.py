@@ -58,17 +58,37 @@ PHASES = ("model", "trainer", "rollout", "push", "checkpoint", "ring", "vllm")
 NEEDS_MODEL = {"trainer", "rollout", "push", "checkpoint", "vllm"}
 # rlhf.tiny TinySpec fields. GPU: about 270M parameters per model (the 512-token tiny vocabulary, so the rollout
 # service's tokenizer fits); head_dim 64.
-GPU_SPEC = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 16, "num_attention_heads": 16,
-            "num_key_value_heads": 16, "arch": "llama-tied"}  # fmt: skip
+GPU_SPEC = {
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "arch": "llama-tied",
+}
 CPU_SPEC = {"arch": "llama-tied"}  # the tiny shape: hidden 64, 2 layers
 # Per phase: (time limit, least time worth starting it with), seconds. The limits add up to more than the deadline:
 # they stop a phase that hangs, the deadline bounds the whole run.
 LIMITS = {
-    "cuda": {"model": (90, 20), "trainer": (120, 30), "rollout": (90, 20), "push": (180, 40),
-             "checkpoint": (150, 40), "ring": (270, 90), "vllm": (300, 120)},
-    "cpu": {"model": (90, 10), "trainer": (120, 15), "rollout": (90, 10), "push": (150, 20),
-            "checkpoint": (150, 20), "ring": (300, 60), "vllm": (420, 120)},
-}  # fmt: skip
+    "cuda": {
+        "model": (90, 20),
+        "trainer": (120, 30),
+        "rollout": (90, 20),
+        "push": (180, 40),
+        "checkpoint": (150, 40),
+        "ring": (270, 90),
+        "vllm": (300, 120),
+    },
+    "cpu": {
+        "model": (90, 10),
+        "trainer": (120, 15),
+        "rollout": (90, 10),
+        "push": (150, 20),
+        "checkpoint": (150, 20),
+        "ring": (300, 60),
+        "vllm": (420, 120),
+    },
+}
 GPU_SIZES = {
     "trainer": {"prompts": 16, "n": 4, "prompt_len": 64, "response_len": 192, "mini_batch": 16, "steps": 3},
     "rollout": {"prompts": 64, "n": 4, "prompt_len": 64, "new_tokens": 128, "requests": 8},
@@ -172,8 +192,13 @@ def phase_model(p: dict[str, Any], rec: Record) -> None:
             keys[role] = list(f.keys())
             counts[role] = sum(_numel(f.get_slice(k).get_shape()) for k in keys[role])
     config = json.loads((paths.policy / "config.json").read_text())
-    rec.put(policy=str(paths.policy), reward=str(paths.reward), arch=spec.arch, parameters=counts,
-            build_seconds=round(time.perf_counter() - t0, 1))  # fmt: skip
+    rec.put(
+        policy=str(paths.policy),
+        reward=str(paths.reward),
+        arch=spec.arch,
+        parameters=counts,
+        build_seconds=round(time.perf_counter() - t0, 1),
+    )
     rec.check("tied_embeddings", config.get("tie_word_embeddings") is True)
     rec.check("tie_alias_not_saved", "lm_head.weight" not in keys["policy"])
 
@@ -192,16 +217,29 @@ def _trainer_config(p: dict[str, Any]):
     t = p["trainer"]
     return parse_config(
         {
-            "training": {"stage": "ray_ppo", "device": p["device"], "lr": 1e-4, "seed": 7, "clip_grad": 1.0,
-                         "bf16": True, "collective_timeout_s": 120},
+            "training": {
+                "stage": "ray_ppo",
+                "device": p["device"],
+                "lr": 1e-4,
+                "seed": 7,
+                "clip_grad": 1.0,
+                "bf16": True,
+                "collective_timeout_s": 120,
+            },
             "actor_rollout_ref": {
-                "actor_rollout": {"load": policy, "engine": "hf", "n_samples_per_prompt": t["n"],
-                                  "ppo_mini_batch_size": t["mini_batch"], "ppo_epochs": 1, "entropy_coeff": 0.01},
+                "actor_rollout": {
+                    "load": policy,
+                    "engine": "hf",
+                    "n_samples_per_prompt": t["n"],
+                    "ppo_mini_batch_size": t["mini_batch"],
+                    "ppo_epochs": 1,
+                    "entropy_coeff": 0.01,
+                },
             },
             "critic": {"load": reward, "critic_mini_batch_size": t["mini_batch"], "critic_update_epochs": 1},
             "algorithm": {"kl_ctrl": {"kl_coef": 0.05}},
         }
-    )  # fmt: skip
+    )
 
 
 def _experiences(t: dict[str, Any], seed: int) -> list:
@@ -252,9 +290,13 @@ def phase_trainer(p: dict[str, Any], rec: Record) -> None:
         seconds.append(round(time.perf_counter() - t0, 3))
         rec.put(step_seconds=seconds)
     tokens = sum(len(e.prompt_ids) + len(s.response_ids) for e in batch for s in e.samples)
-    rec.put(rows_per_step=t["prompts"] * t["n"], tokens_per_step=tokens,
-            tokens_per_s=round(tokens / seconds[-1], 1), peak_memory_gib=_peak_gib(p),
-            metrics={k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()})  # fmt: skip
+    rec.put(
+        rows_per_step=t["prompts"] * t["n"],
+        tokens_per_step=tokens,
+        tokens_per_s=round(tokens / seconds[-1], 1),
+        peak_memory_gib=_peak_gib(p),
+        metrics={k: round(v, 5) if isinstance(v, float) else v for k, v in metrics.items()},
+    )
     rec.check("finite_metrics", all(math.isfinite(v) for v in metrics.values() if isinstance(v, (int, float))))
     rec.check("master_weights_fp32", all(q.dtype == torch.float32 for q in engine.actor.parameters()))
     rec.check("weights_moved", not torch.equal(before, emb.detach()))
@@ -291,8 +333,10 @@ def phase_rollout(p: dict[str, Any], rec: Record) -> None:
             prompts = _prompts(r["prompts"], r["prompt_len"])
             per = max(1, len(prompts) // r["requests"])
             chunks = [prompts[i : i + per] for i in range(0, len(prompts), per)]
-            opts = [SamplingOptions(n=r["n"], max_tokens=r["new_tokens"], temperature=1.0, seed=i, ignore_eos=True)
-                    for i in range(len(chunks))]  # fmt: skip
+            opts = [
+                SamplingOptions(n=r["n"], max_tokens=r["new_tokens"], temperature=1.0, seed=i, ignore_eos=True)
+                for i in range(len(chunks))
+            ]
             await eng.generate(chunks[0][:2], SamplingOptions(max_tokens=4, temperature=1.0, seed=0))  # warm-up
             _sync(p)
             t0 = time.perf_counter()
@@ -302,9 +346,15 @@ def phase_rollout(p: dict[str, Any], rec: Record) -> None:
             samples = [s for res in results for pr in res for s in pr.samples]
             n_tokens = sum(len(s.token_ids) for s in samples)
             lps = [lp for s in samples for lp in s.logprobs]
-            rec.put(requests=len(chunks), samples=len(samples), tokens=n_tokens, seconds=round(seconds, 3),
-                    tokens_per_s=round(n_tokens / seconds, 1), mean_logprob=round(statistics.mean(lps), 4),
-                    peak_memory_gib=_peak_gib(p))  # fmt: skip
+            rec.put(
+                requests=len(chunks),
+                samples=len(samples),
+                tokens=n_tokens,
+                seconds=round(seconds, 3),
+                tokens_per_s=round(n_tokens / seconds, 1),
+                mean_logprob=round(statistics.mean(lps), 4),
+                peak_memory_gib=_peak_gib(p),
+            )
             rec.check("all_tokens", all(len(s.token_ids) == r["new_tokens"] for s in samples))
             rec.check("logprob_per_token", all(len(s.logprobs) == len(s.token_ids) for s in samples))
             rec.check("logprobs_valid", all(math.isfinite(x) and x <= 1e-4 for x in lps))
@@ -365,8 +415,19 @@ async def _replica_main(model: str, device: str, dtype: str, token: str) -> None
 
 def _start_replica(p: dict[str, Any], policy: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
     logf = open(Path(p["work"]) / "logs" / "push-replica.log", "wb")  # noqa: SIM115 - the child holds it
-    cmd = [sys.executable, "-m", "bench.device_check", "--replica", policy, "--device", p["device"], "--dtype",
-           p["serve_dtype"], "--token", TOKEN]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.device_check",
+        "--replica",
+        policy,
+        "--device",
+        p["device"],
+        "--dtype",
+        p["serve_dtype"],
+        "--token",
+        TOKEN,
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=logf, text=True)
     logf.close()
     import selectors
@@ -402,8 +463,9 @@ def _push_weights(p: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return state, moved
 
 
-async def _transport_row(addr: str, transport: str, version: int, before: list[list[int]], state: dict[str, Any],
-                         moved: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+async def _transport_row(
+    addr: str, transport: str, version: int, before: list[list[int]], state: dict[str, Any], moved: dict[str, Any]
+) -> dict[str, Any]:
     """Push ``moved`` as ``version + 1`` then ``state`` as ``version + 2`` over ``transport`` to the replica at
     ``addr``: each must be served (version and checksum), the first must change its greedy tokens and the second
     bring back ``before``. Returns the row (an ``error`` in it when a step failed)."""
@@ -425,8 +487,9 @@ async def _transport_row(addr: str, transport: str, version: int, before: list[l
         backend = transport.split("/")[1]
         device = torch.device("cuda") if backend == "nccl" else None
         group_timeout = 30.0 if backend == "nccl" else 120.0
-        sent = push_collective([addr], packed, token=TOKEN, backend=backend, device=device,
-                               group_timeout_s=group_timeout, timeout=300)  # fmt: skip
+        sent = push_collective(
+            [addr], packed, token=TOKEN, backend=backend, device=device, group_timeout_s=group_timeout, timeout=300
+        )
         out = await asyncio.wait_for(sent, timeout=group_timeout * 3)
         if isinstance(out[addr], BaseException):
             raise out[addr]
@@ -441,16 +504,21 @@ async def _transport_row(addr: str, transport: str, version: int, before: list[l
             resp = await push(packed)
             seconds.append(time.perf_counter() - t0)
             served = await stub.GetWeightsVersion(weights_pb2.GetWeightsVersionRequest(), metadata=metadata, timeout=30)
-            ok = (resp.version == served.version == version and resp.swapped
-                  and resp.checksum == served.checksum == packed.header.checksum)  # fmt: skip
+            ok = (
+                resp.version == served.version == version
+                and resp.swapped
+                and resp.checksum == served.checksum == packed.header.checksum
+            )
             tokens = await _greedy_grpc(stub, metadata)
             if changed:
                 row.update(served=ok, landed=tokens != before)
             else:
                 row.update(served=row["served"] and ok, restored=tokens == before)
             row["bytes"] = packed.total_bytes
-        row.update(push_seconds=[round(x, 3) for x in seconds],
-                   GB_per_s=round(row["bytes"] / statistics.median(seconds) / 1e9, 3))  # fmt: skip
+        row.update(
+            push_seconds=[round(x, 3) for x in seconds],
+            GB_per_s=round(row["bytes"] / statistics.median(seconds) / 1e9, 3),
+        )
     except Exception as err:  # noqa: BLE001 - this transport's row; the next one still runs
         row["error"] = f"{type(err).__name__}: {err}"[:1500]
     finally:
@@ -496,13 +564,17 @@ def phase_push(p: dict[str, Any], rec: Record) -> None:
     state, moved = _push_weights(p)
     t0 = time.perf_counter()
     proc, addr = _start_replica(p, policy, 120.0)
-    rec.put(replica_start_seconds=round(time.perf_counter() - t0, 1), pushed_tensors=len(state),
-            lm_head_in_push="lm_head.weight" in state)  # fmt: skip
+    rec.put(
+        replica_start_seconds=round(time.perf_counter() - t0, 1),
+        pushed_tensors=len(state),
+        lm_head_in_push="lm_head.weight" in state,
+    )
 
     async def reference() -> list[list[int]]:
         async with grpc.aio.insecure_channel(addr) as channel:
-            return await _greedy_grpc(rollout_pb2_grpc.RolloutServiceStub(channel),
-                                      (("authorization", f"Bearer {TOKEN}"),))  # fmt: skip
+            return await _greedy_grpc(
+                rollout_pb2_grpc.RolloutServiceStub(channel), (("authorization", f"Bearer {TOKEN}"),)
+            )
 
     def passed(row: dict[str, Any]) -> bool:
         return bool(row.get("served") and row.get("landed") and row.get("restored"))
@@ -513,14 +585,30 @@ def phase_push(p: dict[str, Any], rec: Record) -> None:
         for i, transport in enumerate(p["push"]["transports"]):
             version = 2 * i
             if transport == "collective/nccl":  # in a process of its own, bounded: see push_row_main
-                cmd = [sys.executable, "-m", "bench.device_check", "--push-row", transport, "--work", p["work"],
-                       "--addr", addr, "--version", str(version), "--before", json.dumps(before)]  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "bench.device_check",
+                    "--push-row",
+                    transport,
+                    "--work",
+                    p["work"],
+                    "--addr",
+                    addr,
+                    "--version",
+                    str(version),
+                    "--before",
+                    json.dumps(before),
+                ]
                 bound = min(150.0, p["budget_s"] - (time.monotonic() - p["t0"]) - 20)  # inside the phase's limit
                 try:
                     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(bound, 5))
                     lines = done.stdout.strip().splitlines()
-                    row = json.loads(lines[-1]) if done.returncode == 0 and lines else {
-                        "error": f"exit {done.returncode}: {done.stderr[-1200:]}"}  # fmt: skip
+                    row = (
+                        json.loads(lines[-1])
+                        if done.returncode == 0 and lines
+                        else {"error": f"exit {done.returncode}: {done.stderr[-1200:]}"}
+                    )
                 except subprocess.TimeoutExpired:
                     row = {"error": f"timeout: the nccl push did not finish within {max(bound, 5):.0f}s"}
             else:
@@ -628,9 +716,12 @@ def phase_checkpoint(p: dict[str, Any], rec: Record) -> None:
         _sync(p)
         t0 = time.perf_counter()
         path = save_checkpoint(root, engine, {"trained_job_ids": ["device-check"]})
-        rec.put(save_seconds=round(time.perf_counter() - t0, 2), path=str(path),
-                bytes=sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
-                tensors=len(saved))  # fmt: skip
+        rec.put(
+            save_seconds=round(time.perf_counter() - t0, 2),
+            path=str(path),
+            bytes=sum(f.stat().st_size for f in path.rglob("*") if f.is_file()),
+            tensors=len(saved),
+        )
         rec.check("dcp_written", (path / "sharded").is_dir())
         engine.stop_followers()
         del engine
@@ -675,8 +766,9 @@ def phase_ring(p: dict[str, Any], rec: Record) -> None:
     redis = shutil.which("redis-server")
     rec.put(redis_server=redis, redis_url=bool(redis_url))
     if not redis and not redis_url:
-        raise RuntimeError("redis-server is not on PATH (bench/device_check.sh puts the bundle's there) and "
-                           "RLHF_REDIS_URL is unset")  # fmt: skip
+        raise RuntimeError(
+            "redis-server is not on PATH (bench/device_check.sh puts the bundle's there) and RLHF_REDIS_URL is unset"
+        )
     r = p["ring"]
     work = Path(p["work"]) / "ring"
     shutil.rmtree(work, ignore_errors=True)
@@ -684,8 +776,9 @@ def phase_ring(p: dict[str, Any], rec: Record) -> None:
     cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     cfg["run_id"] = "device-check"
     cfg.pop("resource_pool", None)  # every service on the one device (GPU 0): no per-service device plan
-    cfg["training"].update(train_iters=r["steps"], save_interval=r["steps"], device=p["device"],
-                           save=str(work / "checkpoints"))  # fmt: skip
+    cfg["training"].update(
+        train_iters=r["steps"], save_interval=r["steps"], device=p["device"], save=str(work / "checkpoints")
+    )
     cfg["actor_rollout_ref"]["actor_rollout"]["engine"] = "hf"
     if p["device"] == "cuda":
         cfg["training"]["bf16"] = True
@@ -696,8 +789,12 @@ def phase_ring(p: dict[str, Any], rec: Record) -> None:
     rec.put(config={"steps": r["steps"], "device": p["device"], "engine": "hf", "bf16": cfg["training"].get("bf16")})
     t0 = time.perf_counter()
     with open(Path(p["work"]) / "logs" / "ring-up.log", "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir",
-                                 str(run_dir), "--quiet"], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir), "--quiet"],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
         try:
             rc = proc.wait(timeout=max(budget, 10))
         except subprocess.TimeoutExpired:
@@ -715,9 +812,11 @@ def phase_ring(p: dict[str, Any], rec: Record) -> None:
     rewards = [m["reward/mean"] for m in metrics if "reward/mean" in m]
     rec.put(exit=rc, steps=len(rewards), seconds=round(seconds, 1), rewards=[round(x, 4) for x in rewards])
     if metrics:  # per iteration (rollout wait included) and per optimizer step; the trainer-rollout mismatch (bf16)
-        rec.put(iteration_s=round(statistics.median(m.get("time/iteration_s", 0.0) for m in metrics), 3),
-                step_s=round(statistics.median(m.get("time/step_s", 0.0) for m in metrics), 3),
-                mismatch_kl_max=max(m.get("mismatch/kl", 0.0) for m in metrics))  # fmt: skip
+        rec.put(
+            iteration_s=round(statistics.median(m.get("time/iteration_s", 0.0) for m in metrics), 3),
+            step_s=round(statistics.median(m.get("time/step_s", 0.0) for m in metrics), 3),
+            mismatch_kl_max=max(m.get("mismatch/kl", 0.0) for m in metrics),
+        )
     k = min(5, len(rewards) // 2)
     if k:
         first, last = statistics.mean(rewards[:k]), statistics.mean(rewards[-k:])
@@ -734,11 +833,21 @@ async def _bare_vllm(path: str, v: dict[str, Any], dtype: str, mode: str) -> flo
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    kw = dict(model=path, dtype=dtype, enforce_eager=mode == "inproc", max_model_len=512, gpu_memory_utilization=0.4,
-              seed=0)  # fmt: skip
+    kw = dict(
+        model=path, dtype=dtype, enforce_eager=mode == "inproc", max_model_len=512, gpu_memory_utilization=0.4, seed=0
+    )
     batch = _prompts(v["prompts"], v["prompt_len"])
-    params = [SamplingParams(max_tokens=v["new_tokens"], temperature=1.0, seed=i, ignore_eos=True, logprobs=0,
-                             output_kind=RequestOutputKind.FINAL_ONLY) for i in range(len(batch))]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=v["new_tokens"],
+            temperature=1.0,
+            seed=i,
+            ignore_eos=True,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        for i in range(len(batch))
+    ]
     if mode == "inproc":  # the CPU build: LLMEngine stepped here, as the rollout engine's in-process driver does
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -784,13 +893,21 @@ async def _service_engine(path: str, v: dict[str, Any], dtype: str, mode: str) -
     from services.rollout.options import SamplingOptions
     from services.rollout.vllm_engine import VllmEngine
 
-    eng = VllmEngine(path, "device-check", dtype=dtype, mode=mode, max_model_len=512,
-                     engine_kwargs={"gpu_memory_utilization": 0.4, "enforce_eager": mode == "inproc"})  # fmt: skip
+    eng = VllmEngine(
+        path,
+        "device-check",
+        dtype=dtype,
+        mode=mode,
+        max_model_len=512,
+        engine_kwargs={"gpu_memory_utilization": 0.4, "enforce_eager": mode == "inproc"},
+    )
     await eng.start()
     try:
         batch = _prompts(v["prompts"], v["prompt_len"])
-        opts = [SamplingOptions(max_tokens=v["new_tokens"], temperature=1.0, seed=i, ignore_eos=True)
-                for i in range(len(batch))]  # fmt: skip
+        opts = [
+            SamplingOptions(max_tokens=v["new_tokens"], temperature=1.0, seed=i, ignore_eos=True)
+            for i in range(len(batch))
+        ]
         await asyncio.gather(*(eng.generate([batch[i]], opts[i]) for i in range(min(8, len(batch)))))
         t0 = time.perf_counter()
         results = await asyncio.gather(*(eng.generate([b], o) for b, o in zip(batch, opts, strict=True)))
@@ -826,9 +943,23 @@ def _vllm_transfer(p: dict[str, Any], path: str, backend: str) -> dict[str, Any]
     v, dtype = p["vllm"], p["serve_dtype"]
     port = _free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", path, "--port", str(port), "--dtype", dtype,
-           "--gpu-memory-utilization", "0.3", "--max-model-len", "512", "--weight-transfer-config",
-           json.dumps({"backend": backend})]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        path,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--gpu-memory-utilization",
+        "0.3",
+        "--max-model-len",
+        "512",
+        "--weight-transfer-config",
+        json.dumps({"backend": backend}),
+    ]
     with open(Path(p["work"]) / "logs" / f"vllm-serve-{backend}.log", "w") as server_log:
         server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=server_log)
     url = f"http://127.0.0.1:{port}"
@@ -871,8 +1002,14 @@ def _vllm_transfer(p: dict[str, Any], path: str, backend: str) -> dict[str, Any]
         restored = _greedy_http(url, ids)
         nbytes = sum(t.numel() * t.element_size() for t in model.parameters())
         push_s = statistics.median(seconds)
-        return {"backend": backend, "push_seconds": round(push_s, 3), "GB_per_s": round(nbytes / push_s / 1e9, 2),
-                "bytes": nbytes, "landed": changed != before, "restored_exactly": restored == before}  # fmt: skip
+        return {
+            "backend": backend,
+            "push_seconds": round(push_s, 3),
+            "GB_per_s": round(nbytes / push_s / 1e9, 2),
+            "bytes": nbytes,
+            "landed": changed != before,
+            "restored_exactly": restored == before,
+        }
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -898,11 +1035,20 @@ def _vllm_collective(p: dict[str, Any], path: str, backend: str) -> dict[str, An
     gpu = p["device"] == "cuda"
 
     async def main() -> dict[str, Any]:
-        eng = VllmEngine(path, "device-check", dtype=p["serve_dtype"], mode="async" if gpu else "inproc",
-                         max_model_len=512, engine_kwargs={"gpu_memory_utilization": 0.3} if gpu else None)  # fmt: skip
+        eng = VllmEngine(
+            path,
+            "device-check",
+            dtype=p["serve_dtype"],
+            mode="async" if gpu else "inproc",
+            max_model_len=512,
+            engine_kwargs={"gpu_memory_utilization": 0.3} if gpu else None,
+        )
         await eng.start()
-        group = {"backend": backend, "device": torch.device("cuda") if backend == "nccl" else None,
-                 "group_timeout_s": 60.0}  # fmt: skip
+        group = {
+            "backend": backend,
+            "device": torch.device("cuda") if backend == "nccl" else None,
+            "group_timeout_s": 60.0,
+        }
         servicer = RolloutServicer(eng, ServiceSettings(api_token=TOKEN), ServiceMetrics("rollout"))
         server = grpc.aio.server()
         add_to_server(servicer, server)
@@ -930,9 +1076,14 @@ def _vllm_collective(p: dict[str, Any], path: str, backend: str) -> dict[str, An
             await push(pack_weights(state, v["pushes"] + 1))
             restored = [s.token_ids for r in await eng.generate(ids, greedy) for s in r.samples]
             push_s = statistics.median(seconds)
-            return {"backend": f"rlhf_collective/{backend}", "push_seconds": round(push_s, 3),
-                    "GB_per_s": round(packed.total_bytes / push_s / 1e9, 3), "bytes": packed.total_bytes,
-                    "landed": changed != before, "restored_exactly": restored == before}  # fmt: skip
+            return {
+                "backend": f"rlhf_collective/{backend}",
+                "push_seconds": round(push_s, 3),
+                "GB_per_s": round(packed.total_bytes / push_s / 1e9, 3),
+                "bytes": packed.total_bytes,
+                "landed": changed != before,
+                "restored_exactly": restored == before,
+            }
         finally:
             await servicer.close_data_plane()
             await server.stop(None)
@@ -946,8 +1097,11 @@ def phase_vllm(p: dict[str, Any], rec: Record) -> None:
     gpu = p["device"] == "cuda"
     mode = "async" if gpu else "inproc"
     if not gpu:  # vLLM's CPU build: one process, a small KV cache, no compile
-        for k, val in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
-                       ("TORCH_COMPILE_DISABLE", "1")):  # fmt: skip
+        for k, val in (
+            ("VLLM_CPU_KVCACHE_SPACE", "1"),
+            ("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+            ("TORCH_COMPILE_DISABLE", "1"),
+        ):
             os.environ.setdefault(k, val)
 
     def part(name: str, fn, *a: Any) -> dict[str, Any] | None:
@@ -963,8 +1117,12 @@ def phase_vllm(p: dict[str, Any], rec: Record) -> None:
     def throughput() -> dict[str, Any]:
         bare = asyncio.run(_bare_vllm(policy, p["vllm"], p["serve_dtype"], mode))
         ours = asyncio.run(_service_engine(policy, p["vllm"], p["serve_dtype"], mode))
-        return {"bare_vllm_tokens_per_s": round(bare, 1), "rollout_engine_tokens_per_s": round(ours, 1),
-                "ratio": round(ours / bare, 3), "driver": mode}  # fmt: skip
+        return {
+            "bare_vllm_tokens_per_s": round(bare, 1),
+            "rollout_engine_tokens_per_s": round(ours, 1),
+            "ratio": round(ours / bare, 3),
+            "driver": mode,
+        }
 
     rec.check("throughput", part("throughput", throughput) is not None)
     landed = []
@@ -979,18 +1137,33 @@ def phase_vllm(p: dict[str, Any], rec: Record) -> None:
     rec.check("a_push_lands", any(x and x["landed"] and x["restored_exactly"] for x in landed))
 
 
-PHASE_FNS = {"model": phase_model, "trainer": phase_trainer, "rollout": phase_rollout, "push": phase_push,
-             "checkpoint": phase_checkpoint, "ring": phase_ring, "vllm": phase_vllm}  # fmt: skip
+PHASE_FNS = {
+    "model": phase_model,
+    "trainer": phase_trainer,
+    "rollout": phase_rollout,
+    "push": phase_push,
+    "checkpoint": phase_checkpoint,
+    "ring": phase_ring,
+    "vllm": phase_vllm,
+}
 IMPORTS = {
     "model": ["torch", "transformers", "safetensors", "rlhf.tiny"],
     "trainer": ["rlhf.config", "services.trainer.engine"],
     "rollout": ["services.rollout.hf_engine"],
     "push": ["grpc", "rlhf.serving", "services.rollout.grpc_servicer", "rlhf.transport.weights.send"],
     "checkpoint": ["torch.distributed.checkpoint", "torch.distributed.fsdp", "services.trainer.checkpoint"],
-    "ring": ["yaml", "redis", "fastapi", "uvicorn", "grpc_health.v1.health", "services.launcher",
-             "services.rollout.main", "services.trainer.main"],
+    "ring": [
+        "yaml",
+        "redis",
+        "fastapi",
+        "uvicorn",
+        "grpc_health.v1.health",
+        "services.launcher",
+        "services.rollout.main",
+        "services.trainer.main",
+    ],
     "vllm": ["vllm", "services.rollout.vllm_engine", "services.rollout.vllm_transfer"],
-}  # fmt: skip
+}
 
 
 def worker(phase: str, work: Path, budget_s: float) -> int:
@@ -1043,8 +1216,9 @@ print(json.dumps(out))
 
 def probe_env(timeout_s: float = 90) -> dict[str, Any]:
     try:
-        done = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True,
-                              timeout=timeout_s)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", PROBE], cwd=REPO, capture_output=True, text=True, timeout=timeout_s
+        )
     except subprocess.TimeoutExpired:
         return {"error": f"the environment probe took over {timeout_s:.0f}s"}
     if done.returncode != 0:
@@ -1129,13 +1303,23 @@ class Driver:
         result_file = self.work / "results" / f"{name}.json"
         result_file.unlink(missing_ok=True)
         log_path = self.work / "logs" / f"{name}.log"
-        cmd = [sys.executable, "-m", "bench.device_check", "--worker", name, "--work", str(self.work), "--budget-s",
-               str(round(budget, 1))]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.device_check",
+            "--worker",
+            name,
+            "--work",
+            str(self.work),
+            "--budget-s",
+            str(round(budget, 1)),
+        ]
         self.say(f"{name}: started (limit {budget:.0f}s{', cut by the deadline' if budget < limit else ''})")
         t0 = time.monotonic()
         with open(log_path, "wb") as logf:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=self.env(), stdout=logf, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                cmd, cwd=REPO, env=self.env(), stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+            )
             timed_out = False
             try:
                 rc = proc.wait(timeout=budget)
@@ -1155,8 +1339,10 @@ class Driver:
         res["seconds"] = round(time.monotonic() - t0, 1)
         if res["status"] != "ok":
             res["log_tail"] = _tail(log_path, 30)
-        self.say(f"{name}: {res['status']} in {res['seconds']}s"
-                 + (f" ({res.get('error') or res.get('failed_checks')})" if res["status"] != "ok" else ""))  # fmt: skip
+        self.say(
+            f"{name}: {res['status']} in {res['seconds']}s"
+            + (f" ({res.get('error') or res.get('failed_checks')})" if res["status"] != "ok" else "")
+        )
         return res
 
     def run(self) -> tuple[dict[str, Any], int]:
@@ -1164,10 +1350,17 @@ class Driver:
             shutil.rmtree(self.work / d, ignore_errors=True)
             (self.work / d).mkdir(parents=True)
         (self.work / "plan.json").write_text(json.dumps(self.p))
-        result: dict[str, Any] = {"name": "device_check", "mode": self.p["device"], "deadline_s": self.deadline_s,
-                                  "selected": self.selected, "plan": self.p}  # fmt: skip
-        self.say(f"mode {self.p['device']}, phases {','.join(self.selected)}, deadline {self.deadline_s:.0f}s; "
-                 f"work in {self.work}")  # fmt: skip
+        result: dict[str, Any] = {
+            "name": "device_check",
+            "mode": self.p["device"],
+            "deadline_s": self.deadline_s,
+            "selected": self.selected,
+            "plan": self.p,
+        }
+        self.say(
+            f"mode {self.p['device']}, phases {','.join(self.selected)}, deadline {self.deadline_s:.0f}s; "
+            f"work in {self.work}"
+        )
         result["env"] = probe_env()
         self.say(f"environment: {json.dumps(result['env'])}")
         phases: dict[str, Any] = {}
@@ -1183,9 +1376,11 @@ class Driver:
             phases[name] = self.run_phase(name)
             self.write(result)
         result["seconds"] = round(time.monotonic() - self.started, 1)
-        summary = {"ok": [n for n, r in phases.items() if r["status"] == "ok"],
-                   "failed": [n for n, r in phases.items() if r["status"] == "failed"],
-                   "skipped": {n: r["reason"] for n, r in phases.items() if r["status"] == "skipped"}}  # fmt: skip
+        summary = {
+            "ok": [n for n, r in phases.items() if r["status"] == "ok"],
+            "failed": [n for n, r in phases.items() if r["status"] == "failed"],
+            "skipped": {n: r["reason"] for n, r in phases.items() if r["status"] == "skipped"},
+        }
         result["summary"] = summary
         self.write(result)
         # after the driver's lines, the end of each log: the phases', the push replica's, rlhf up's, and when the
@@ -1245,10 +1440,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu", action="store_true", help="run every phase that can run on the CPU, at a small scale")
     ap.add_argument("--only", help=f"comma-separated phases to run ({','.join(PHASES)}); the rest are skipped")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and import what each phase needs")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/rlhf-device-check")),
-                    help="where device_check.json and device_check.log go (default $OUT)")  # fmt: skip
-    ap.add_argument("--work", type=Path, default=Path("/tmp/rlhf-device-check"),
-                    help="models, checkpoints, the ring's run and the phases' logs")  # fmt: skip
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ.get("OUT", "/tmp/rlhf-device-check")),
+        help="where device_check.json and device_check.log go (default $OUT)",
+    )
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/rlhf-device-check"),
+        help="models, checkpoints, the ring's run and the phases' logs",
+    )
     ap.add_argument("--deadline-s", type=float, help="no phase starts after this many seconds (default 450, --cpu 900)")
     ap.add_argument("--worker", choices=PHASES, help=argparse.SUPPRESS)
     ap.add_argument("--budget-s", type=float, default=600, help=argparse.SUPPRESS)

@@ -29,8 +29,13 @@ def _experiences(prompts: list[list[int]], lengths: list[int], seed: int):
     for j, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         exp = experience_pb2.Experience(job_id=f"j{j}", prompt_ids=p)
         resp = [rng.randrange(3, 500) for _ in range(n)]
-        exp.samples.add(response_ids=resp, sampling_logprobs=[-6.0] * n, ref_logprobs=[-6.1] * n,
-                        score=rng.random(), score_status=common_pb2.ITEM_STATUS_OK)  # fmt: skip
+        exp.samples.add(
+            response_ids=resp,
+            sampling_logprobs=[-6.0] * n,
+            ref_logprobs=[-6.1] * n,
+            score=rng.random(),
+            score_status=common_pb2.ITEM_STATUS_OK,
+        )
         out.append(exp)
     return out
 
@@ -49,9 +54,11 @@ def main() -> None:
     rng = random.Random(0)
     shapes = {
         "pipeline": (chat[:BATCH], [16] * BATCH),
-        "varied": ([[rng.randrange(3, 500) for _ in range(rng.randint(8, 48))] for _ in range(BATCH)],
-                   [rng.randint(2, 16) for _ in range(BATCH)]),
-    }  # fmt: skip
+        "varied": (
+            [[rng.randrange(3, 500) for _ in range(rng.randint(8, 48))] for _ in range(BATCH)],
+            [rng.randint(2, 16) for _ in range(BATCH)],
+        ),
+    }
     engines, refs = {}, {}
     for pf in (False, True):
         raw = experiment("small", paths, "ppo", 0, "padding-free", CACHE / "padding_free", 10)
@@ -70,8 +77,10 @@ def main() -> None:
         t_step: dict[bool, list[float]] = {False: [], True: []}
         t_ref: dict[bool, list[float]] = {False: [], True: []}
         loss: dict[bool, list[float]] = {False: [], True: []}
-        items = [LogProbsItem(p, [5 + (i * 7 + j) % 400 for j in range(n)])
-                 for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))]  # fmt: skip
+        items = [
+            LogProbsItem(p, [5 + (i * 7 + j) % 400 for j in range(n)])
+            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+        ]
         for rnd_i in range(ROUNDS + 1):  # round 0 warms up (and is not counted)
             exps = _experiences(prompts, lengths, seed=rnd_i)
             for pf in (False, True) if rnd_i % 2 == 0 else (True, False):
@@ -103,7 +112,7 @@ def main() -> None:
             "shapes": {
                 "pipeline": "bench.pipeline's prompts (11-12 tokens) + 16 response tokens",
                 "varied": "prompts of 8-48 tokens, responses of 2-16",
-            },  # fmt: skip
+            },
             "rounds": ROUNDS,
             "resources": {
                 "padded": side(RING_THREADS, "in this process, a trainer service's threads"),

@@ -107,9 +107,14 @@ class TRLWorker:
         # cores; the ring's four processes get RING_THREADS each, as `rlhf up` gives them)
         env["OMP_NUM_THREADS"] = str(CORE_THREADS)
         self.proc = subprocess.Popen(
-            [str(PARITY_PY), "-m", "bench._trl_worker"], cwd=REPO, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-        )  # fmt: skip
+            [str(PARITY_PY), "-m", "bench._trl_worker"],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
         self.ready = None
 
     def _answer(self) -> dict:
@@ -204,13 +209,20 @@ def _pool(acc: dict | None, res: dict) -> dict:
     if acc is None:
         return {**res, "runs": 1}
     n_acc, n_res = acc["steps_measured"], res["steps_measured"]
-    out = {**acc, "runs": acc["runs"] + 1, "samples": acc["samples"] + res["samples"],
-           "seconds": acc["seconds"] + res["seconds"], "step_seconds": acc["step_seconds"] + res["step_seconds"],
-           "steps_measured": n_acc + n_res}  # fmt: skip
+    out = {
+        **acc,
+        "runs": acc["runs"] + 1,
+        "samples": acc["samples"] + res["samples"],
+        "seconds": acc["seconds"] + res["seconds"],
+        "step_seconds": acc["step_seconds"] + res["step_seconds"],
+        "steps_measured": n_acc + n_res,
+    }
     out["samples_per_s"] = out["samples"] / out["seconds"]
     if "phase_seconds_mean" in acc:
-        out["phase_seconds_mean"] = {k: rnd((v * n_acc + res["phase_seconds_mean"][k] * n_res) / (n_acc + n_res))
-                                     for k, v in acc["phase_seconds_mean"].items()}  # fmt: skip
+        out["phase_seconds_mean"] = {
+            k: rnd((v * n_acc + res["phase_seconds_mean"][k] * n_res) / (n_acc + n_res))
+            for k, v in acc["phase_seconds_mean"].items()
+        }
     if "roofline" in acc:
         out["roofline"] = acc["roofline"] + res["roofline"]
     if "staleness_mean" in acc:
@@ -227,15 +239,26 @@ def run_ours(size, paths, algo, staleness, redis_url, reward, reference, work: P
     cfg = write_yaml(run_dir / "config.yaml", experiment(size, paths, algo, staleness, run_id, run_dir, steps + 5))
     common = {"RLHF_REDIS_URL": redis_url, "RLHF_RUN_ID": run_id, "RLHF_API_TOKEN": TOKEN}
     rollout = ServiceProc(
-        "rollout", cfg, run_dir / "logs",
-        env={**common, "RLHF_REWARD_ADDR": reward.grpc_addr, "RLHF_REFERENCE_ADDR": reference.grpc_addr,
-             "RLHF_REPLICA_ID": f"{run_id}-rollout-0", "RLHF_ROLLOUT_ENGINE": ENGINE, "RLHF_WEIGHTS_DATA_PORT": "0",
-             "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": str(BATCH), "OMP_NUM_THREADS": str(rollout_threads(ENGINE))},
-    )  # fmt: skip
+        "rollout",
+        cfg,
+        run_dir / "logs",
+        env={
+            **common,
+            "RLHF_REWARD_ADDR": reward.grpc_addr,
+            "RLHF_REFERENCE_ADDR": reference.grpc_addr,
+            "RLHF_REPLICA_ID": f"{run_id}-rollout-0",
+            "RLHF_ROLLOUT_ENGINE": ENGINE,
+            "RLHF_WEIGHTS_DATA_PORT": "0",
+            "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": str(BATCH),
+            "OMP_NUM_THREADS": str(rollout_threads(ENGINE)),
+        },
+    )
     trainer = ServiceProc(
-        "trainer", cfg, run_dir / "logs",
+        "trainer",
+        cfg,
+        run_dir / "logs",
         env={**common, "RLHF_ROLLOUT_ADDRS": rollout.grpc_addr, "RLHF_RUN_DIR": str(run_dir)},
-    )  # fmt: skip
+    )
     metrics = run_dir / "metrics.jsonl"
     t0 = time.monotonic()
     try:
@@ -274,11 +297,22 @@ def run_bound(size: str, paths, algo: str, prompts: dict, work: Path, steps: int
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(CORE_THREADS)}
     with open(work / f"bound-{size}-{algo}.log", "ab") as logf:
         proc = subprocess.run(
-            [sys.executable, "-m", "bench._bound"], cwd=REPO, env=env, input=json.dumps(
-                {"config": cfg, "prompt_ids": prompts["ids"], "prompt_texts": prompts["raw"], "steps": steps + 1,
-                 "roofline": algo == "ppo"}).encode(),
-            stdout=subprocess.PIPE, stderr=logf, timeout=900,
-        )  # fmt: skip
+            [sys.executable, "-m", "bench._bound"],
+            cwd=REPO,
+            env=env,
+            input=json.dumps(
+                {
+                    "config": cfg,
+                    "prompt_ids": prompts["ids"],
+                    "prompt_texts": prompts["raw"],
+                    "steps": steps + 1,
+                    "roofline": algo == "ppo",
+                }
+            ).encode(),
+            stdout=subprocess.PIPE,
+            stderr=logf,
+            timeout=900,
+        )
     lines = [x for x in proc.stdout.decode().splitlines() if x.startswith("RESULT ")]
     res = json.loads(lines[-1][len("RESULT ") :]) if lines else {"error": f"exit {proc.returncode}"}
     if "error" in res:
@@ -300,7 +334,7 @@ def run_bound(size: str, paths, algo: str, prompts: dict, work: Path, steps: int
             {"roofline": [{k: rnd(v) if isinstance(v, float) else v for k, v in res["roofline"].items()}]}
             if "roofline" in res
             else {}
-        ),  # fmt: skip
+        ),
     }
 
 
@@ -384,10 +418,11 @@ def main() -> None:
                                 res = run_bound(size, paths, algo, prompts, work, steps)
                             else:
                                 staleness = 0 if which == "sync" else 1
-                                res = run_ours(size, paths, algo, staleness, redis.url, reward, reference,
-                                               work, steps)  # fmt: skip
-                            log(f"  {size} {algo} {which}: {res['samples_per_s']:.2f} samples/s "
-                                f"(steps {res['step_seconds']})")  # fmt: skip
+                                res = run_ours(size, paths, algo, staleness, redis.url, reward, reference, work, steps)
+                            log(
+                                f"  {size} {algo} {which}: {res['samples_per_s']:.2f} samples/s "
+                                f"(steps {res['step_seconds']})"
+                            )
                             row[which] = _pool(row.get(which), res)
                         for which in row:
                             row[which]["samples_per_s"] = rnd(row[which]["samples_per_s"])
@@ -412,15 +447,20 @@ def main() -> None:
 
     key = "small/ppo/async_vs_trl"
     bkey = "small/ppo/async_step_vs_bound"
-    ring_threads = {"trainer": RING_THREADS, "rollout": rollout_threads(ENGINE), "reward": RING_THREADS,
-                    "reference": RING_THREADS, "redis-server": 1}  # fmt: skip
+    ring_threads = {
+        "trainer": RING_THREADS,
+        "rollout": rollout_threads(ENGINE),
+        "reward": RING_THREADS,
+        "reference": RING_THREADS,
+        "redis-server": 1,
+    }
     emit(
         "pipeline",
         settings={
             "models": {
                 k: f"{v / 1e6:.2f}M parameters (policy; the reward/critic model is the same size)"
                 for k, v in params.items()
-            },  # fmt: skip
+            },
             "batch_prompts": BATCH,
             "new_tokens": NEW_TOKENS,
             "prompt_tokens_max": PROMPT_TOKENS,
@@ -443,7 +483,7 @@ def main() -> None:
                 ),
                 "trl": side(CORE_THREADS, "one process, torch's default threads (one per core)"),
                 "bound": side(CORE_THREADS, "one process, torch's default threads (one per core)"),
-            },  # fmt: skip
+            },
             "measured_steps": STEPS,
             "runs_per_side": REPEATS,
             "algorithms": {k: list(v) for k, v in ALGOS.items()},
@@ -463,7 +503,7 @@ def main() -> None:
                 "<= 1.15",
                 ratio.get(bkey) is not None and ratio[bkey] <= 1.15,
             ),
-        ],  # fmt: skip
+        ],
         notes=NOTES,
         started=started,
     )

@@ -172,8 +172,10 @@ async def replicated_rounds(tmp: Path, jobs, exps, log_prefix: str) -> tuple[lis
         for r in range(ROUNDS):
             for k in [0, 1] if r % 2 == 0 else [1, 0]:
                 (no_wait if k == 0 else wait1).append(await ring_ours(plain if k == 0 else waiting, jobs, exps, True))
-            log(f"  {log_prefix} round {r + 1}/{ROUNDS}: ring no WAIT {len(jobs) / no_wait[-1]:.0f}/s, "
-                f"WAIT 1 {len(jobs) / wait1[-1]:.0f}/s")  # fmt: skip
+            log(
+                f"  {log_prefix} round {r + 1}/{ROUNDS}: ring no WAIT {len(jobs) / no_wait[-1]:.0f}/s, "
+                f"WAIT 1 {len(jobs) / wait1[-1]:.0f}/s"
+            )
         await plain.aclose()
         await waiting.aclose()
     return no_wait, wait1
@@ -223,18 +225,33 @@ def make_trainer(policy: Path, critic: Path):
     cfg = parse_config(
         {
             "run_id": RUN,
-            "training": {"stage": "ray_ppo", "global_batch_size": BATCH, "seq_length": 1024, "lr": 1e-5,
-                         "device": "cpu", "seed": 1},
+            "training": {
+                "stage": "ray_ppo",
+                "global_batch_size": BATCH,
+                "seq_length": 1024,
+                "lr": 1e-5,
+                "device": "cpu",
+                "seed": 1,
+            },
             "actor_rollout_ref": {
-                "actor_rollout": {"load": str(policy), "max_prompt_length": PROMPT_TOKENS,
-                                  "max_new_tokens": RESPONSE_TOKENS, "ppo_mini_batch_size": 8, "ppo_epochs": 1,
-                                  "shuffle_minibatch": True},
+                "actor_rollout": {
+                    "load": str(policy),
+                    "max_prompt_length": PROMPT_TOKENS,
+                    "max_new_tokens": RESPONSE_TOKENS,
+                    "ppo_mini_batch_size": 8,
+                    "ppo_epochs": 1,
+                    "shuffle_minibatch": True,
+                },
             },
             "critic": {"load": str(critic), "critic_mini_batch_size": 8, "critic_update_epochs": 1},
-            "algorithm": {"adv_estimator": "gae", "gamma": 1.0, "lam": 0.95, "kl_ctrl": {"type": "fixed",
-                                                                                        "kl_coef": 0.01}},
+            "algorithm": {
+                "adv_estimator": "gae",
+                "gamma": 1.0,
+                "lam": 0.95,
+                "kl_ctrl": {"type": "fixed", "kl_coef": 0.01},
+            },
         }
-    )  # fmt: skip
+    )
     return TrainerEngine(cfg, "cpu")
 
 
@@ -277,9 +294,11 @@ async def main() -> None:
                 t0 = time.perf_counter()
                 trainer.step(exps[:BATCH])
                 t_step.append(time.perf_counter() - t0)
-            log(f"  round {r + 1}/{ROUNDS}: experience ours {EXP_RECORDS / t_exp_ours[-1]:.0f}/s "
+            log(
+                f"  round {r + 1}/{ROUNDS}: experience ours {EXP_RECORDS / t_exp_ours[-1]:.0f}/s "
                 f"raw {EXP_RECORDS / t_exp_raw[-1]:.0f}/s; ring ours {n_ring / t_ring_ours[-1]:.0f}/s "
-                f"raw {n_ring / t_ring_raw[-1]:.0f}/s")  # fmt: skip
+                f"raw {n_ring / t_ring_raw[-1]:.0f}/s"
+            )
         await redis.aclose()
         t_no_wait, t_wait1 = await replicated_rounds(Path(tmp), jobs[:n_ring], exps[:n_ring], "master+replica")
 
@@ -353,7 +372,7 @@ async def main() -> None:
                 "< 1 %",
                 per_step_extra / step_s < 0.01,
             ),
-        ],  # fmt: skip
+        ],
         notes=[
             "profile (cProfile): most of the per-record cost over raw is the record checks on publish and on read "
             "(min over the token ids, sum over the log-probs of the protobuf repeated fields: ~160 us per 1,000-token "

@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHES = ("queue", "weight_sync", "serving", "engines", "padding_free", "critic_threads", "pipeline",
-           "trainer_scale")  # fmt: skip
+BENCHES = ("queue", "weight_sync", "serving", "engines", "padding_free", "critic_threads", "pipeline", "trainer_scale")
 RESULTS = REPO / ".cache" / "bench" / "results"
 TITLES = {
     "queue": "Queue: experience records through rlhf.transport vs raw Redis",
@@ -105,12 +104,35 @@ def figures_md(name: str, r: dict) -> list[str]:
         for svc, per in f.items():
             for conc, ways in per.items():
                 for way, v in ways.items():
-                    rows.append([svc, conc[1:], way, v["p50_ms"], v["p99_ms"], v["req_per_s"],
-                                 v.get("p50_overhead_ms"), v.get("caller_cpu_ms_per_req"),
-                                 v.get("service_cpu_ms_per_req"), v.get("cpu_over_in_process_ms_per_req")])  # fmt: skip
-        return table(["service", "concurrency", "way in", "p50 ms", "p99 ms", "requests/s", "p50 over in-process ms",
-                      "caller CPU ms/request", "service CPU ms/request", "CPU over in-process ms/request"],
-                     rows)  # fmt: skip
+                    rows.append(
+                        [
+                            svc,
+                            conc[1:],
+                            way,
+                            v["p50_ms"],
+                            v["p99_ms"],
+                            v["req_per_s"],
+                            v.get("p50_overhead_ms"),
+                            v.get("caller_cpu_ms_per_req"),
+                            v.get("service_cpu_ms_per_req"),
+                            v.get("cpu_over_in_process_ms_per_req"),
+                        ]
+                    )
+        return table(
+            [
+                "service",
+                "concurrency",
+                "way in",
+                "p50 ms",
+                "p99 ms",
+                "requests/s",
+                "p50 over in-process ms",
+                "caller CPU ms/request",
+                "service CPU ms/request",
+                "CPU over in-process ms/request",
+            ],
+            rows,
+        )
     if name == "engines":
         rows = []
         for size, per in f["generated_tokens_per_s"].items():
@@ -121,8 +143,12 @@ def figures_md(name: str, r: dict) -> list[str]:
         return table(["model", "batch", "vllm tokens/s", "hf tokens/s", "vllm / hf"], rows)
     if name == "pipeline":
         rows = []
-        labels = {"trl": "TRL 1.12", "bound": "compute bound (one process)", "sync": "ours, max_staleness 0",
-                  "async": "ours, max_staleness 1"}  # fmt: skip
+        labels = {
+            "trl": "TRL 1.12",
+            "bound": "compute bound (one process)",
+            "sync": "ours, max_staleness 0",
+            "async": "ours, max_staleness 1",
+        }
         for size, per in f["samples_per_s"].items():
             for algo, runs in per.items():
                 for which in ("trl", "bound", "sync", "async"):
@@ -131,18 +157,61 @@ def figures_md(name: str, r: dict) -> list[str]:
                         continue
                     vs_trl = 1.0 if which == "trl" else r["ratio"].get(f"{size}/{algo}/{which}_vs_trl")
                     vs_bound = r["ratio"].get(f"{size}/{algo}/{which}_step_vs_bound")
-                    rows.append([size, algo, labels[which], v["samples_per_s"], vs_trl, vs_bound, v["step_seconds"],
-                                 v.get("staleness_mean"), v.get("torch_threads")])  # fmt: skip
-        out = table(["model", "algorithm", "run", "samples/s", "vs TRL", "step time / bound", "measured step times s",
-                     "staleness", "torch threads"], rows)  # fmt: skip
-        roof = [[size, algo, x["update_gflop"], x["update_s"], x["update_gflop_per_s"],
-                 "; ".join(f"{k}: {v}" for k, v in x["mm_gflop_per_s"].items()), x["update_vs_mm_rate"]]
-                for size, per in f["samples_per_s"].items() for algo, runs in per.items()
-                for x in runs.get("bound", {}).get("roofline", [])]  # fmt: skip
+                    rows.append(
+                        [
+                            size,
+                            algo,
+                            labels[which],
+                            v["samples_per_s"],
+                            vs_trl,
+                            vs_bound,
+                            v["step_seconds"],
+                            v.get("staleness_mean"),
+                            v.get("torch_threads"),
+                        ]
+                    )
+        out = table(
+            [
+                "model",
+                "algorithm",
+                "run",
+                "samples/s",
+                "vs TRL",
+                "step time / bound",
+                "measured step times s",
+                "staleness",
+                "torch threads",
+            ],
+            rows,
+        )
+        roof = [
+            [
+                size,
+                algo,
+                x["update_gflop"],
+                x["update_s"],
+                x["update_gflop_per_s"],
+                "; ".join(f"{k}: {v}" for k, v in x["mm_gflop_per_s"].items()),
+                x["update_vs_mm_rate"],
+            ]
+            for size, per in f["samples_per_s"].items()
+            for algo, runs in per.items()
+            for x in runs.get("bound", {}).get("roofline", [])
+        ]
         if roof:  # bench._bound.roofline: how near the fp32 matmul rate of this machine the update runs
             out += ["", "The compute bound's update against this machine's matmul rate (one row per run):", ""]
-            out += table(["model", "algorithm", "update GFLOP", "update s (median)", "update GFLOP/s",
-                          "torch.mm GFLOP/s", "update / best mm rate"], roof)  # fmt: skip
+            out += table(
+                [
+                    "model",
+                    "algorithm",
+                    "update GFLOP",
+                    "update s (median)",
+                    "update GFLOP/s",
+                    "torch.mm GFLOP/s",
+                    "update / best mm rate",
+                ],
+                roof,
+            )
         return out
     return table(["figure", "value"], [[k, v] for k, v in flatten(f)])
 
@@ -189,8 +258,11 @@ def render(results: dict[str, dict | None], runs: dict[str, Any] | None, names: 
         lines += ["", f"## {TITLES.get(name, name)}", ""]
         run_info = (runs or {}).get(name)
         if r is None:
-            lines.append(f"`python -m bench.{name}` produced no result"
-                         + (f" (exit {run_info['exit']})" if run_info else "") + ".")  # fmt: skip
+            lines.append(
+                f"`python -m bench.{name}` produced no result"
+                + (f" (exit {run_info['exit']})" if run_info else "")
+                + "."
+            )
             log = RESULTS / f"{name}.log"
             if log.exists():
                 tail = log.read_text(errors="replace").splitlines()[-15:]
@@ -211,8 +283,10 @@ def render(results: dict[str, dict | None], runs: dict[str, Any] | None, names: 
         if name not in ("pipeline", "engines", "serving"):
             lines += ["Ratios: " + "; ".join(f"{k} {fmt(v)}" for k, v in flatten(r["ratio"])), ""]
         for t in r["targets"]:
-            lines.append(f"- target: {t['figure']}: {fmt(t['value'])} (target {t['target']}): "
-                         f"{'met' if t['met'] else '**missed**'}")  # fmt: skip
+            lines.append(
+                f"- target: {t['figure']}: {fmt(t['value'])} (target {t['target']}): "
+                f"{'met' if t['met'] else '**missed**'}"
+            )
         lines += [f"- note: {n}" for n in r["notes"]]
     return "\n".join(lines) + "\n"
 

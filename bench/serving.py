@@ -213,10 +213,14 @@ async def main() -> None:
                         row[w]["cpu_over_in_process_ms_per_req"] = rnd((sum(cpu[w]) / len(lat[w]) - base_cpu) * 1e3)
                         worst_over[conc] = max(worst_over[conc], over)
                     per[f"c{conc}"] = row
-                    log(f"  {name} c={conc}: " + "; ".join(
-                        f"{w} p50 {row[w]['p50_ms']} ms p99 {row[w]['p99_ms']} ms {row[w]['req_per_s']}/s "
-                        f"cpu/req {row[w]['caller_cpu_ms_per_req']}+{row[w]['service_cpu_ms_per_req']} ms"
-                        for w in ways))  # fmt: skip
+                    log(
+                        f"  {name} c={conc}: "
+                        + "; ".join(
+                            f"{w} p50 {row[w]['p50_ms']} ms p99 {row[w]['p99_ms']} ms {row[w]['req_per_s']}/s "
+                            f"cpu/req {row[w]['caller_cpu_ms_per_req']}+{row[w]['service_cpu_ms_per_req']} ms"
+                            for w in ways
+                        )
+                    )
                 results[name] = per
             await channel.close()
         await engine.close()
@@ -242,7 +246,7 @@ async def main() -> None:
                     {"callers": RING_THREADS, "service": RING_THREADS},
                     "callers in this process, the service in its own",
                 ),
-            },  # fmt: skip
+            },
             "model": "tiny (rlhf.tiny, 0.1M parameters): the serving layer's cost is as visible as it can be",
             "reward": f"Score, {ITEMS} items, tiny reward model",
             "reference": f"LogProbs, {ITEMS} items of 16 + 16 tokens",
@@ -263,7 +267,7 @@ async def main() -> None:
                 worst_over[c] <= 2.0,
             )
             for c in CONCURRENCY
-        ],  # fmt: skip
+        ],
         notes=[
             f"over 2 ms: {', '.join(f'{k} {v} ms' for k, v in misses.items())}" if misses else "all within 2 ms",
             "REST client: aiohttp; httpx added ~2.4 ms per call (reference, concurrency 1: 9.3 vs 6.9 ms p50)",

@@ -78,8 +78,13 @@ def _push_peak(engine) -> dict:
         total, buckets, largest = stream.total_bytes, len(stream.header.buckets), stream.buffer_bytes
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return {"peak_bytes": peak, "total_bytes": total, "buckets": buckets, "largest_bucket_bytes": largest,
-            "seconds": time.perf_counter() - t0}  # fmt: skip
+    return {
+        "peak_bytes": peak,
+        "total_bytes": total,
+        "buckets": buckets,
+        "largest_bucket_bytes": largest,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def worker(out: Path, steps: int) -> None:
@@ -94,11 +99,17 @@ def worker(out: Path, steps: int) -> None:
     cfg = parse_config(
         {
             "training": {"stage": "ray_ppo", "device": "cpu", "lr": 1e-5, "seed": 1, "collective_timeout_s": 300},
-            "actor_rollout_ref": {"actor_rollout": {"load": str(paths.policy), "n_samples_per_prompt": SAMPLES,
-                                                    "ppo_mini_batch_size": 16, "ppo_epochs": 1}},
+            "actor_rollout_ref": {
+                "actor_rollout": {
+                    "load": str(paths.policy),
+                    "n_samples_per_prompt": SAMPLES,
+                    "ppo_mini_batch_size": 16,
+                    "ppo_epochs": 1,
+                }
+            },
             "critic": {"load": str(paths.reward), "critic_mini_batch_size": 16, "critic_update_epochs": 1},
         }
-    )  # fmt: skip
+    )
     engine = TrainerEngine(cfg)
     g = torch.Generator().manual_seed(0)
     batch = []
@@ -107,9 +118,10 @@ def worker(out: Path, steps: int) -> None:
         for _ in range(SAMPLES):
             exp.samples.add(
                 response_ids=torch.randint(3, 500, (RESPONSE,), generator=g).tolist(),
-                ref_logprobs=[-6.0] * RESPONSE, score=float(torch.rand((), generator=g)),
+                ref_logprobs=[-6.0] * RESPONSE,
+                score=float(torch.rand((), generator=g)),
                 score_status=common_pb2.ITEM_STATUS_OK,
-            )  # fmt: skip
+            )
         batch.append(exp)
     if engine.group is not None and not engine.group.is_driver:
         engine.follow()
@@ -163,39 +175,60 @@ def main() -> None:
     push_ratio = push[2]["peak_bytes"] / push[1]["peak_bytes"]
     emit(
         "trainer_scale",
-        settings={"stage": "ray_ppo", "model": "small (actor + critic, ~21M parameters each)",
-                  "batch": f"{BATCH_PROMPTS} prompts x {SAMPLES} samples, 16 + {RESPONSE} tokens",
-                  "minibatch": 16, "epochs": 1, "timed_steps": steps, "backend": "gloo (CPU)",
-                  "resources": "world 1: 1 process x 2 threads; world 2: 2 processes x 1 thread (2 cores each)",
-                  "push_bucket_bytes": PUSH_BUCKET_BYTES},
-        figures={f"world_{w}": {"state_mib_per_rank": rnd(mem[w] / 2**20),
-                                **{f"{k}_mib": rnd(v / 2**20) for k, v in results[w]["state"].items()},
-                                "step_s": rnd(step[w]), "step_s_all": [rnd(t) for t in results[w]["step_s"]],
-                                "push_peak_mib": rnd(push[w]["peak_bytes"] / 2**20),
-                                "push_total_mib": rnd(push[w]["total_bytes"] / 2**20),
-                                "push_largest_bucket_mib": rnd(push[w]["largest_bucket_bytes"] / 2**20),
-                                "push_buckets": push[w]["buckets"], "push_make_s": rnd(push[w]["seconds"])}
-                 for w in (1, 2)},
-        ratio={"state_per_rank_world2_over_world1": rnd(mem_ratio),
-               "step_time_world2_over_world1": rnd(step[2] / step[1]),
-               "push_peak_world2_over_world1": rnd(push_ratio)},
-        targets=[target("per-rank training state, world 2 / world 1", rnd(mem_ratio), "<= 0.6", mem_ratio <= 0.6),
-                 target("push peak on rank 0, world 2 (MiB): one bucket buffer + one gathered tensor",
-                        rnd(push[2]["peak_bytes"] / 2**20), "<= 2x the largest bucket",
-                        push[2]["peak_bytes"] <= 2 * push[2]["largest_bucket_bytes"] + (1 << 20))],
-        notes=["Step time on 2 shared cores: the two ranks split the forward/backward rows but add gloo "
-               "all-gathers of parameters and reduce-scatters of gradients over loopback TCP, on the same 2 cores, so "
-               "world 2 is not expected to be faster here (about 1.2x world 1's step on a quiet machine). Under load "
-               "world 1's two threads stall whenever one is descheduled, which can invert the ratio (a run at load "
-               "6-10 measured 64 s vs 13 s): the step-time ratio measures core contention, not sharding.",
-               "Training state is exact (tensor bytes), so its ratio does not move with the load: 0.5 means every "
-               "parameter, gradient and AdamW moment is sharded, nothing replicated.",
-               "Push peak: world 1 holds every serialised bucket (the whole policy) until the push is done; the "
-               "group's streamed push holds one bucket buffer and the gather's transient copy of one tensor, "
-               "and makes every bucket twice (digests first, then the bytes), each tensor gathered across the group "
-               "(gloo over loopback here): push_make_s is several times world 1's (quick run: 1.07 s vs 0.14 s)."],
+        settings={
+            "stage": "ray_ppo",
+            "model": "small (actor + critic, ~21M parameters each)",
+            "batch": f"{BATCH_PROMPTS} prompts x {SAMPLES} samples, 16 + {RESPONSE} tokens",
+            "minibatch": 16,
+            "epochs": 1,
+            "timed_steps": steps,
+            "backend": "gloo (CPU)",
+            "resources": "world 1: 1 process x 2 threads; world 2: 2 processes x 1 thread (2 cores each)",
+            "push_bucket_bytes": PUSH_BUCKET_BYTES,
+        },
+        figures={
+            f"world_{w}": {
+                "state_mib_per_rank": rnd(mem[w] / 2**20),
+                **{f"{k}_mib": rnd(v / 2**20) for k, v in results[w]["state"].items()},
+                "step_s": rnd(step[w]),
+                "step_s_all": [rnd(t) for t in results[w]["step_s"]],
+                "push_peak_mib": rnd(push[w]["peak_bytes"] / 2**20),
+                "push_total_mib": rnd(push[w]["total_bytes"] / 2**20),
+                "push_largest_bucket_mib": rnd(push[w]["largest_bucket_bytes"] / 2**20),
+                "push_buckets": push[w]["buckets"],
+                "push_make_s": rnd(push[w]["seconds"]),
+            }
+            for w in (1, 2)
+        },
+        ratio={
+            "state_per_rank_world2_over_world1": rnd(mem_ratio),
+            "step_time_world2_over_world1": rnd(step[2] / step[1]),
+            "push_peak_world2_over_world1": rnd(push_ratio),
+        },
+        targets=[
+            target("per-rank training state, world 2 / world 1", rnd(mem_ratio), "<= 0.6", mem_ratio <= 0.6),
+            target(
+                "push peak on rank 0, world 2 (MiB): one bucket buffer + one gathered tensor",
+                rnd(push[2]["peak_bytes"] / 2**20),
+                "<= 2x the largest bucket",
+                push[2]["peak_bytes"] <= 2 * push[2]["largest_bucket_bytes"] + (1 << 20),
+            ),
+        ],
+        notes=[
+            "Step time on 2 shared cores: the two ranks split the forward/backward rows but add gloo "
+            "all-gathers of parameters and reduce-scatters of gradients over loopback TCP, on the same 2 cores, so "
+            "world 2 is not expected to be faster here (about 1.2x world 1's step on a quiet machine). Under load "
+            "world 1's two threads stall whenever one is descheduled, which can invert the ratio (a run at load "
+            "6-10 measured 64 s vs 13 s): the step-time ratio measures core contention, not sharding.",
+            "Training state is exact (tensor bytes), so its ratio does not move with the load: 0.5 means every "
+            "parameter, gradient and AdamW moment is sharded, nothing replicated.",
+            "Push peak: world 1 holds every serialised bucket (the whole policy) until the push is done; the "
+            "group's streamed push holds one bucket buffer and the gather's transient copy of one tensor, "
+            "and makes every bucket twice (digests first, then the bytes), each tensor gathered across the group "
+            "(gloo over loopback here): push_make_s is several times world 1's (quick run: 1.07 s vs 0.14 s).",
+        ],
         started=started,
-    )  # fmt: skip
+    )
 
 
 if __name__ == "__main__":

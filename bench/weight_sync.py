@@ -98,8 +98,10 @@ def start_sink(raw_port: int, grpc_port: int, log_path: Path) -> subprocess.Pope
     logf = open(log_path, "wb")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench._sink", "--raw-port", str(raw_port), "--grpc-port", str(grpc_port)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=logf,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=logf,
+    )
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.strip() == b"READY":
@@ -120,12 +122,15 @@ class Load:
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
         self.requests = [
             rollout_pb2.GenerateRequest(
-                prompts=[common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=[(11 * k + j) % (vocab - 3) + 3
-                                                                               for j in range(16)]))],
+                prompts=[
+                    common_pb2.Prompt(
+                        token_ids=common_pb2.TokenIds(ids=[(11 * k + j) % (vocab - 3) + 3 for j in range(16)])
+                    )
+                ],
                 params=common_pb2.SamplingParams(n=1, temperature=1.0, max_tokens=2, ignore_eos=True),
             )
             for k in range(threads)
-        ]  # fmt: skip
+        ]
         self.done: list[float] = []
         self.errors = 0
         self.lock = threading.Lock()
@@ -178,8 +183,13 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
         },
     )
     log(f"bench.weight_sync: starting the rollout service ({engine} engine)")
-    env = {"RLHF_API_TOKEN": TOKEN, "RLHF_REDIS_URL": None, "RLHF_ROLLOUT_ENGINE": engine,
-           "RLHF_WEIGHTS_DATA_PORT": "0", "OMP_NUM_THREADS": str(rollout_threads(engine))}  # fmt: skip
+    env = {
+        "RLHF_API_TOKEN": TOKEN,
+        "RLHF_REDIS_URL": None,
+        "RLHF_ROLLOUT_ENGINE": engine,
+        "RLHF_WEIGHTS_DATA_PORT": "0",
+        "OMP_NUM_THREADS": str(rollout_threads(engine)),
+    }
     keys = ("pack", "push", "raw", "sink", "swap", "stage", "pause", "base_gap", "rate", "gpush", "gstage", "gswap")
     t: dict[str, list[float]] = {k: [] for k in (*keys, "cpush", "cstage", "cswap")}
     total = 0
@@ -204,8 +214,9 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
                 header.version = other
                 header.parent_version = header.version - 1
                 t0 = time.perf_counter()
-                gresp = await push_weights(svc.grpc_addr, PackedWeights(header, packed.buckets), token=TOKEN,
-                                           transport="grpc")  # fmt: skip
+                gresp = await push_weights(
+                    svc.grpc_addr, PackedWeights(header, packed.buckets), token=TOKEN, transport="grpc"
+                )
                 return raw_s, sink_s, time.perf_counter() - t0, gresp
 
             if raw_first:
@@ -231,15 +242,29 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
             if not gresp.swapped:
                 raise RuntimeError(f"gRPC-stream update not served: {gresp}")
             del packed
-            log(f"  {engine} round {r}{' (warm-up)' if r == 0 else ''}: pack {pack_s:.2f}s, push {push_s:.2f}s "
+            log(
+                f"  {engine} round {r}{' (warm-up)' if r == 0 else ''}: pack {pack_s:.2f}s, push {push_s:.2f}s "
                 f"(replica: stage {resp.stage_seconds:.2f}s, swap {resp.swap_seconds:.3f}s), gRPC stream push "
                 f"{gpush_s:.2f}s (stage {gresp.stage_seconds:.2f}s), raw {raw_s:.2f}s, gRPC sink {sink_s:.2f}s; "
-                f"pause {pause * 1e3:.0f} ms; calls/s {rate_idle:.1f} idle, {rate_during:.1f} during")  # fmt: skip
+                f"pause {pause * 1e3:.0f} ms; calls/s {rate_idle:.1f} idle, {rate_during:.1f} during"
+            )
             if r == 0:
                 continue
             rate = rate_during / rate_idle if rate_idle else float("nan")
-            values = (pack_s, push_s, raw_s, sink_s, resp.swap_seconds, resp.stage_seconds, pause, base_gap, rate,
-                      gpush_s, gresp.stage_seconds, gresp.swap_seconds)  # fmt: skip
+            values = (
+                pack_s,
+                push_s,
+                raw_s,
+                sink_s,
+                resp.swap_seconds,
+                resp.stage_seconds,
+                pause,
+                base_gap,
+                rate,
+                gpush_s,
+                gresp.stage_seconds,
+                gresp.swap_seconds,
+            )
             for k, v in zip(keys, values, strict=True):
                 t[k].append(v)
         for r in range(ROUNDS):  # the collective path, same replica, versions after the rounds'
@@ -250,8 +275,10 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
             cresp = out[svc.grpc_addr]
             if isinstance(cresp, BaseException) or not cresp.swapped:
                 raise RuntimeError(f"collective update not served: {cresp}")
-            log(f"  {engine} collective {r}: push {cpush_s:.2f}s (replica: stage {cresp.stage_seconds:.2f}s, swap "
-                f"{cresp.swap_seconds:.3f}s)")  # fmt: skip
+            log(
+                f"  {engine} collective {r}: push {cpush_s:.2f}s (replica: stage {cresp.stage_seconds:.2f}s, swap "
+                f"{cresp.swap_seconds:.3f}s)"
+            )
             t["cpush"].append(cpush_s)
             t["cstage"].append(cresp.stage_seconds)
             t["cswap"].append(cresp.swap_seconds)
@@ -349,7 +376,7 @@ async def main() -> None:
                     "this process sends (torch 1 thread: it only packs and sends); the replica's process",
                 ),
                 "raw": side({"sender": 1, "receiver (bench._sink)": 1}, "plain sockets, no torch work"),
-            },  # fmt: skip
+            },
             "policy_parameters": n_params,
             "bytes": per[ENGINES[0]]["bytes"],
             "dtype": "float32",
@@ -430,8 +457,15 @@ async def main() -> None:
 # A multi-GB update into a real vLLM replica: it must arrive (no 4 GiB cap, no message holding the whole update)
 # and cost each side about two buckets of memory, measured as resident memory of both processes.
 
-LARGE_SPEC = dict(hidden_size=2560, intermediate_size=6912, num_hidden_layers=32, num_attention_heads=20,
-                  num_key_value_heads=20, vocab_size=512, max_position_embeddings=512)  # fmt: skip
+LARGE_SPEC = dict(
+    hidden_size=2560,
+    intermediate_size=6912,
+    num_hidden_layers=32,
+    num_attention_heads=20,
+    num_key_value_heads=20,
+    vocab_size=512,
+    max_position_embeddings=512,
+)
 LARGE_ROUNDS = 2
 LAYERS_PER_SHARD = 4
 
@@ -539,8 +573,11 @@ class RssMonitor:
             for name, pid in self.pids.items():
                 peak = max(self._peak.get(name, 0), _status_kib(pid, "VmHWM"), _status_kib(pid, "VmRSS"))
                 before = self._before[name]
-                out[name] = {"before_MB": rnd(before / 1024), "peak_MB": rnd(peak / 1024),
-                             "extra_MB": rnd((peak - before) / 1024)}  # fmt: skip
+                out[name] = {
+                    "before_MB": rnd(before / 1024),
+                    "peak_MB": rnd(peak / 1024),
+                    "extra_MB": rnd((peak - before) / 1024),
+                }
         return out
 
     def close(self) -> None:
@@ -576,10 +613,11 @@ def _generate(addr: str, vocab: int) -> list[int]:
 
     with grpc.insecure_channel(addr) as channel:
         req = rollout_pb2.GenerateRequest(
-            prompts=[common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=[(7 * j) % (vocab - 3) + 3
-                                                                          for j in range(16)]))],
+            prompts=[
+                common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=[(7 * j) % (vocab - 3) + 3 for j in range(16)]))
+            ],
             params=common_pb2.SamplingParams(n=1, temperature=0.0, max_tokens=4, ignore_eos=True),
-        )  # fmt: skip
+        )
         resp = rollout_pb2_grpc.RolloutServiceStub(channel).Generate(req, timeout=600)
     return list(resp.results[0].completions[0].token_ids)
 
@@ -602,22 +640,40 @@ async def large() -> None:
         {
             "run_id": "bench-ws-large",
             "training": {"device": "cpu", "seq_length": 128},
-            "actor_rollout_ref": {"actor_rollout": {"load": str(policy), "engine": "vllm", "dtype": "bfloat16",
-                                                    "max_new_tokens": 4}},
+            "actor_rollout_ref": {
+                "actor_rollout": {"load": str(policy), "engine": "vllm", "dtype": "bfloat16", "max_new_tokens": 4}
+            },
         },
-    )  # fmt: skip
+    )
     raw_port, sink_grpc = free_port(), free_port()
     sink = subprocess.Popen(
-        [sys.executable, "-m", "bench._sink", "--raw-port", str(raw_port), "--grpc-port", str(sink_grpc),
-         "--raw-buffer-bytes", str(DEFAULT_BUCKET_BYTES)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench._sink",
+            "--raw-port",
+            str(raw_port),
+            "--grpc-port",
+            str(sink_grpc),
+            "--raw-buffer-bytes",
+            str(DEFAULT_BUCKET_BYTES),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     assert sink.stdout is not None
     if sink.stdout.readline().strip() != b"READY":
         raise RuntimeError("bench._sink did not start")
-    env = {"RLHF_API_TOKEN": TOKEN, "RLHF_REDIS_URL": None, "RLHF_ROLLOUT_ENGINE": "vllm",
-           "RLHF_WEIGHTS_DATA_PORT": "0", "OMP_NUM_THREADS": str(rollout_threads("vllm")),
-           "VLLM_CPU_KVCACHE_SPACE": "1", "RLHF_WEIGHTS_INPLACE_LOAD_BYTES": None}  # fmt: skip
+    env = {
+        "RLHF_API_TOKEN": TOKEN,
+        "RLHF_REDIS_URL": None,
+        "RLHF_ROLLOUT_ENGINE": "vllm",
+        "RLHF_WEIGHTS_DATA_PORT": "0",
+        "OMP_NUM_THREADS": str(rollout_threads("vllm")),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "RLHF_WEIGHTS_INPLACE_LOAD_BYTES": None,
+    }
     log(f"bench.weight_sync --large: policy {n_params / 1e9:.2f}B parameters (bf16); starting the vLLM replica")
     rounds: list[dict] = []
     svc = ServiceProc("rollout", cfg, log_dir, env=env)
@@ -646,8 +702,7 @@ async def large() -> None:
                 await asyncio.to_thread(stream.seal)  # pass 1: every bucket made and hashed, for the header
                 seal_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                out = await push_weights_streamed([svc.grpc_addr], stream, token=TOKEN, transport="tcp",
-                                                  timeout=1800)  # fmt: skip
+                out = await push_weights_streamed([svc.grpc_addr], stream, token=TOKEN, transport="tcp", timeout=1800)
                 push_s = time.perf_counter() - t0
                 rss = monitor.window()
                 await asyncio.sleep(1.0)
@@ -659,13 +714,25 @@ async def large() -> None:
                 if resp.version != version or not resp.swapped:
                     raise RuntimeError(f"update {version} not served: {resp}")
                 tokens = await asyncio.to_thread(_generate, svc.grpc_addr, vocab)
-                rounds.append({"raw_s": raw_s, "seal_s": seal_s, "push_s": push_s, "stage_s": resp.stage_seconds,
-                               "swap_s": resp.swap_seconds, "rss": rss, "tokens": tokens,
-                               "buckets": len(stream.header.buckets), "bytes": total})  # fmt: skip
-                log(f"  round {r}: raw {raw_s:.2f}s, seal {seal_s:.2f}s, push {push_s:.2f}s (replica: transfer + "
+                rounds.append(
+                    {
+                        "raw_s": raw_s,
+                        "seal_s": seal_s,
+                        "push_s": push_s,
+                        "stage_s": resp.stage_seconds,
+                        "swap_s": resp.swap_seconds,
+                        "rss": rss,
+                        "tokens": tokens,
+                        "buckets": len(stream.header.buckets),
+                        "bytes": total,
+                    }
+                )
+                log(
+                    f"  round {r}: raw {raw_s:.2f}s, seal {seal_s:.2f}s, push {push_s:.2f}s (replica: transfer + "
                     f"install {resp.stage_seconds:.2f}s, generation paused {resp.swap_seconds:.2f}s); extra RSS "
                     f"sender {rss['sender']['extra_MB']} MB, replica {rss['replica']['extra_MB']} MB; tokens "
-                    f"{tokens} (before {first})")  # fmt: skip
+                    f"{tokens} (before {first})"
+                )
                 del stream
         finally:
             monitor.close()
@@ -689,13 +756,25 @@ async def large() -> None:
     # odd versions carry the negated lm_head, even ones the start's weights
     served = all((x["tokens"] == first) == (i % 2 == 1) for i, x in enumerate([warm, *rounds]))
     targets = [
-        target("replica: extra resident memory during a push / bucket size", in_buckets["replica"], "<= ~2",
-               in_buckets["replica"] <= 2.5),
-        target("sender: extra resident memory during seal + push / bucket size", in_buckets["sender"], "<= ~2",
-               in_buckets["sender"] <= 2.5),
-        target("each push serves (greedy tokens flip with the negated lm_head, and come back exactly)", served,
-               "true", served),
-    ]  # fmt: skip
+        target(
+            "replica: extra resident memory during a push / bucket size",
+            in_buckets["replica"],
+            "<= ~2",
+            in_buckets["replica"] <= 2.5,
+        ),
+        target(
+            "sender: extra resident memory during seal + push / bucket size",
+            in_buckets["sender"],
+            "<= ~2",
+            in_buckets["sender"] <= 2.5,
+        ),
+        target(
+            "each push serves (greedy tokens flip with the negated lm_head, and come back exactly)",
+            served,
+            "true",
+            served,
+        ),
+    ]
     emit(
         "weight_sync",
         command="python -m bench.weight_sync --large",
@@ -716,7 +795,7 @@ async def large() -> None:
                     {"sender (this process)": 1, "receiver (bench._sink)": 1},
                     "plain sockets: sendall from the sender's tensors, recv_into a reused 128 MiB buffer",
                 ),
-            },  # fmt: skip
+            },
             "policy": str(policy),
             "policy_parameters": n_params,
             "policy_config": {**LARGE_SPEC, "dtype": "bfloat16", "random": "normal(0, 0.02), never trained"},
@@ -751,12 +830,12 @@ async def large() -> None:
             "first_push_seconds": {"seal": rnd(warm["seal_s"]), "push_call": rnd(warm["push_s"])},
             "replica_logged_inplace_path": inplace_logged,
             "greedy_tokens": {"start": first, "after_each_push": [x["tokens"] for x in [warm, *rounds]]},
-        },  # fmt: skip
+        },
         ratio={
             "push_vs_raw": rnd(raw_s / push_s),
             "replica_extra_rss_vs_bucket": in_buckets["replica"],
             "sender_extra_rss_vs_bucket": in_buckets["sender"],
-        },  # fmt: skip
+        },
         targets=targets,
         notes=[
             "the replica installs the update in place as it arrives (RLHF_WEIGHTS_INPLACE_LOAD_BYTES, default 2 GiB): "
@@ -784,7 +863,11 @@ if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="weight-sync benchmarks (one JSON line on stdout)")
-    parser.add_argument("--large", action="store_true", help="a ~2.5B-parameter bf16 policy into a vLLM replica "
-                        "(memory per side, bandwidth vs raw loopback); needs ~14 GB of free memory")  # fmt: skip
+    parser.add_argument(
+        "--large",
+        action="store_true",
+        help="a ~2.5B-parameter bf16 policy into a vLLM replica "
+        "(memory per side, bandwidth vs raw loopback); needs ~14 GB of free memory",
+    )
     args = parser.parse_args()
     asyncio.run(large() if args.large else main())

@@ -116,9 +116,11 @@ class ActorRolloutConfig(Section):
         1, "samples per actor optimizer step (online DPO: 2 samples = 1 pair, so pairs = this / 2, at least 1)", gt=0
     )
     micro_batch_size: int | None = _f(
-        None, "samples per forward/backward; a minibatch's gradients accumulate over its micro-batches before the "
-        "step (default: the whole minibatch at once)", gt=0,
-    )  # fmt: skip
+        None,
+        "samples per forward/backward; a minibatch's gradients accumulate over its micro-batches before the "
+        "step (default: the whole minibatch at once)",
+        gt=0,
+    )
     ppo_epochs: int = _f(1, "passes of the actor over each rollout batch", gt=0)
     clip_ratio: float = _f(0.2, "PPO clip epsilon", ge=0, lt=1)
     clip_ratio_high: float | None = _f(None, "upper clip epsilon (DAPO clip-higher); default clip_ratio")
@@ -159,9 +161,11 @@ class ActorRolloutConfig(Section):
     lr_warmup_fraction: float | None = _f(None, "actor warm-up (default training.lr_warmup_fraction)", ge=0, lt=1)
     min_lr: float | None = _f(None, "actor final learning rate (default training.min_lr)", ge=0)
     num_gpus_for_train: int | None = _f(
-        None, "rlhf up: trainer processes, one per device (an FSDP2 group under torchrun when > 1; the "
-        "--trainer-procs default)", ge=1,
-    )  # fmt: skip
+        None,
+        "rlhf up: trainer processes, one per device (an FSDP2 group under torchrun when > 1; the "
+        "--trainer-procs default)",
+        ge=1,
+    )
     num_gpus_for_infer: int | None = _f(
         None, "rlhf up: accelerators for rollout: replicas = this / tensor_model_parallel_size", ge=1
     )
@@ -171,19 +175,23 @@ class ActorRolloutConfig(Section):
         None, "rollout context length (prompt + response tokens); default the model's; vllm and hf engines", gt=1
     )
     gpu_memory_utilization: float | None = _f(
-        None, "vllm: fraction of the device's memory vLLM may take (default vLLM's 0.9); lower it to share a GPU",
-        gt=0, le=1,
-    )  # fmt: skip
+        None,
+        "vllm: fraction of the device's memory vLLM may take (default vLLM's 0.9); lower it to share a GPU",
+        gt=0,
+        le=1,
+    )
     tensor_model_parallel_size: int = _f(1, "vllm: devices the rollout engine shards the model over", ge=1, le=64)
     enforce_eager: bool | None = _f(
-        None, "vllm: run eagerly; null: eagerly except on CUDA without staged_weight_swap (vLLM's in-place reload "
+        None,
+        "vllm: run eagerly; null: eagerly except on CUDA without staged_weight_swap (vLLM's in-place reload "
         "keeps captured CUDA graphs valid); false: CUDA graphs / compile (faster decode, slower start)",
-    )  # fmt: skip
+    )
     staged_weight_swap: bool | None = _f(
-        None, "vllm: load each weight update into a second copy of the model while generation goes on, then swap "
+        None,
+        "vllm: load each weight update into a second copy of the model while generation goes on, then swap "
         "the two between two steps (the pause is the swap, not the load; a second copy of the weights in memory); "
         "null: on the CPU, true: on any device (needs enforce_eager), false: load inside the pause",
-    )  # fmt: skip
+    )
 
 
 class RefConfig(Section):
@@ -265,9 +273,10 @@ class AlgorithmConfig(Section):
         0.0, "subtracted from the score of responses without EOS (MindSpeed also accepts it under actor_rollout)", ge=0
     )
     normalize_reward: bool = _f(
-        False, "scores become (score - running mean) / running std over every score seen so far, this batch "
+        False,
+        "scores become (score - running mean) / running std over every score seen so far, this batch "
         "included (OpenRLHF's reward normalisation; the statistics are checkpointed)",
-    )  # fmt: skip
+    )
     reward_clip_range: tuple[float, float] | None = _f(
         None, "clip scores (after normalisation) to [low, high] (OpenRLHF's reward_clip_range); null: no clipping"
     )
@@ -328,9 +337,9 @@ class ResourcePoolConfig(Section):
 
 class DataConfig(Section):
     path: str = _f(
-        "builtin:arithmetic", "prompt data set: a .jsonl, .json (a list of records) or .parquet file, or "
         "builtin:arithmetic",
-    )  # fmt: skip
+        "prompt data set: a .jsonl, .json (a list of records) or .parquet file, or builtin:arithmetic",
+    )
     map_keys: dict[str, str] = _f(
         {"prompt": "prompt", "label": "label", "text": "text"},
         "our key -> column in the file (prompt, label; text: the pretrain_data column)",
@@ -496,8 +505,10 @@ def _optimization_problems(cfg: ExperimentConfig) -> list[str]:
         if stage != "ray_ppo":
             problems.append("actor_rollout.freezing_actor_steps lets the critic warm up: only ray_ppo has a critic")
         elif a.freezing_actor_steps >= t.train_iters:
-            problems.append(f"actor_rollout.freezing_actor_steps {a.freezing_actor_steps} >= training.train_iters "
-                            f"{t.train_iters}: the actor would never train")  # fmt: skip
+            problems.append(
+                f"actor_rollout.freezing_actor_steps {a.freezing_actor_steps} >= training.train_iters "
+                f"{t.train_iters}: the actor would never train"
+            )
     if a.lora_dropout > 0:
         problems.append(
             "actor_rollout.lora_dropout must be 0: dropout makes the new and old log-probs of the same tokens differ, "
@@ -510,8 +521,9 @@ def _optimization_problems(cfg: ExperimentConfig) -> list[str]:
     if a.ptx_coef == 0 and cfg.data.pretrain_data is not None:
         problems.append("data.pretrain_data is only read for PPO-ptx: set actor_rollout.ptx_coef > 0 or remove it")
     if a.ptx_coef > 0 and stage == "ray_online_dpo":
-        problems.append("actor_rollout.ptx_coef: PPO-ptx mixes the SFT loss into a policy-gradient stage, not "
-                        "ray_online_dpo")  # fmt: skip
+        problems.append(
+            "actor_rollout.ptx_coef: PPO-ptx mixes the SFT loss into a policy-gradient stage, not ray_online_dpo"
+        )
     clip = cfg.algorithm.reward_clip_range
     if clip is not None and not clip[0] < clip[1]:
         problems.append(f"algorithm.reward_clip_range {list(clip)} must be [low, high] with low < high")
@@ -536,8 +548,10 @@ def _optimization_problems(cfg: ExperimentConfig) -> list[str]:
         and "actor_rollout" in rp.model_fields_set
         and rp.actor_rollout[0] != a.num_gpus_for_train + a.num_gpus_for_infer
     ):
-        problems.append(f"resource_pool.actor_rollout {rp.actor_rollout} is not num_gpus_for_train + "
-                        f"num_gpus_for_infer ({a.num_gpus_for_train} + {a.num_gpus_for_infer})")  # fmt: skip
+        problems.append(
+            f"resource_pool.actor_rollout {rp.actor_rollout} is not num_gpus_for_train + "
+            f"num_gpus_for_infer ({a.num_gpus_for_train} + {a.num_gpus_for_infer})"
+        )
     return problems
 
 
@@ -554,15 +568,13 @@ _NOT_READ_BY = {
             "whiten_rewards",
             "whiten_advantages",
             "score_position",
-        ),  # fmt: skip
+        ),
         "critic": tuple(CriticConfig.model_fields),
     },
     "ray_ppo": {"algorithm": ("dpo_beta", "dpo_loss_type")},
     "ray_grpo": {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
     "ray_rloo": {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
-    "ray_reinforce_plus_plus": {
-        "algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")
-    },  # fmt: skip
+    "ray_reinforce_plus_plus": {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
 }
 for _stage in _CRITIC_FREE:
     _NOT_READ_BY[_stage]["critic"] = tuple(CriticConfig.model_fields)
@@ -581,8 +593,10 @@ def _stage_notes(cfg: ExperimentConfig) -> list[str]:
         for name in names:
             if name in explicit:
                 why = _NOT_READ_WHY.get(stage, "a critic-free stage has no critic, GAE or DPO loss")
-                notes.append(f"{'actor_rollout_ref.' if section == 'actor_rollout' else ''}{section}.{name}: "
-                             f"not read by {stage} ({why})")  # fmt: skip
+                notes.append(
+                    f"{'actor_rollout_ref.' if section == 'actor_rollout' else ''}{section}.{name}: "
+                    f"not read by {stage} ({why})"
+                )
     if "critic" in cfg.resource_pool.model_fields_set and cfg.resource_pool.critic[0] > 0:
         notes.append("resource_pool.critic: the critic trains inside the trainer process on the trainer's device")
     return notes
@@ -597,12 +611,16 @@ def _check_rollout(cfg: ExperimentConfig) -> None:
     if a.engine == "hf":
         for name in VLLM_ONLY_FIELDS:
             if name in a.model_fields_set:
-                raise ValueError(f"actor_rollout_ref.actor_rollout.{name} is read by the vllm engine only; "
-                                 "remove it or set engine: vllm")  # fmt: skip
+                raise ValueError(
+                    f"actor_rollout_ref.actor_rollout.{name} is read by the vllm engine only; "
+                    "remove it or set engine: vllm"
+                )
     if a.staged_weight_swap and a.enforce_eager is False:
-        raise ValueError("actor_rollout_ref.actor_rollout.staged_weight_swap needs enforce_eager: true (CUDA graphs "
-                         "capture the live weights' addresses, so the swapped-in copy would not be used); set one "
-                         "of them to false")  # fmt: skip
+        raise ValueError(
+            "actor_rollout_ref.actor_rollout.staged_weight_swap needs enforce_eager: true (CUDA graphs "
+            "capture the live weights' addresses, so the swapped-in copy would not be used); set one "
+            "of them to false"
+        )
     if a.max_model_len is not None and a.max_model_len < a.max_prompt_length + cfg.max_new_tokens:
         raise ValueError(
             f"actor_rollout_ref.actor_rollout.max_model_len {a.max_model_len} is shorter than max_prompt_length + "

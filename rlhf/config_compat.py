@@ -41,8 +41,10 @@ _MEGATRON_ONLY = {
 }
 # Role sections whose tensor parallelism has no equivalent here (the actor's maps to the rollout engine's).
 _NO_TP_ROLES = ("ref", "reward", "critic", "training")
-_TP_REASON = "{role} runs in one transformers process (no tensor parallelism; the rollout engine's is " \
-    "actor_rollout.tensor_model_parallel_size)"  # fmt: skip
+_TP_REASON = (
+    "{role} runs in one transformers process (no tensor parallelism; the rollout engine's is "
+    "actor_rollout.tensor_model_parallel_size)"
+)
 
 # Same concept, another section: (section, key) -> (target section, key)
 _RENAMES = {
@@ -88,8 +90,10 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     notes: list[str] = []
     if "defaults" in data:
         data.pop("defaults")
-        notes.append("defaults: MindSpeed's hydra list of model-structure files; each model's structure is read "
-                     "from its load folder's config.json")  # fmt: skip
+        notes.append(
+            "defaults: MindSpeed's hydra list of model-structure files; each model's structure is read "
+            "from its load folder's config.json"
+        )
     for section, body in _sections(data).items():
         where = _path(section)
         for key in list(body):
@@ -102,8 +106,10 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             elif key == "tokenizer_type" and section == "training":
                 value = body.pop(key)
                 if value != "PretrainedFromHF":
-                    raise ValueError(f"training.tokenizer_type {value!r}: only PretrainedFromHF (a Hugging Face "
-                                     "tokenizer folder, training.tokenizer_name_or_path) is supported")  # fmt: skip
+                    raise ValueError(
+                        f"training.tokenizer_type {value!r}: only PretrainedFromHF (a Hugging Face "
+                        "tokenizer folder, training.tokenizer_name_or_path) is supported"
+                    )
             elif (section, key) in _RENAMES:
                 target, tkey = _RENAMES[(section, key)]
                 _put(data, target, tkey, body.pop(key), f"{where}.{key}")

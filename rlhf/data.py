@@ -64,8 +64,9 @@ def _read_rows(path: str, key: str = "data.path") -> list[dict]:
                     try:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as err:
-                        raise ConfigError(f"{key}: {path} is neither a JSON array nor JSON lines (line {n}: "
-                                          f"{err.msg})") from None  # fmt: skip
+                        raise ConfigError(
+                            f"{key}: {path} is neither a JSON array nor JSON lines (line {n}: {err.msg})"
+                        ) from None
         elif isinstance(rows, dict):
             rows = [rows]
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):

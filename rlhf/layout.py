@@ -59,8 +59,10 @@ class CheckpointLayout:
                 self.converted.add(name)
         names = [n for specs in self.plan.values() for n, _, _ in specs]
         if len(names) != len(set(names)):
-            raise ValueError("two live tensors convert to the same checkpoint tensor: this model's weight conversion "
-                             "needs several live tensors at once, which weight sync does not support")  # fmt: skip
+            raise ValueError(
+                "two live tensors convert to the same checkpoint tensor: this model's weight conversion "
+                "needs several live tensors at once, which weight sync does not support"
+            )
 
     @property
     def identity(self) -> bool:
@@ -115,8 +117,10 @@ class CheckpointLayout:
             parts = self._revert(self.model, {name: ids})
             seen = torch.cat([p.reshape(-1) for p in parts.values()]).sort().values
             if seen.numel() != n or not torch.equal(seen, torch.arange(n)):
-                raise ValueError(f"the checkpoint conversion of {name!r} is not a re-layout of its elements; "
-                                 "the hf engine cannot load this architecture's checkpoint tensors")  # fmt: skip
+                raise ValueError(
+                    f"the checkpoint conversion of {name!r} is not a re-layout of its elements; "
+                    "the hf engine cannot load this architecture's checkpoint tensors"
+                )
             cache[name] = parts
         return cache[name]
 

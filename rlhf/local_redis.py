@@ -19,8 +19,9 @@ def _cli(port: int, *args: str, timeout: float = 5.0) -> str:
     exe = shutil.which("redis-cli")
     if exe is None:
         raise RuntimeError("redis-cli is not on PATH (apt-get install -y redis-tools)")
-    out = subprocess.run([exe, "-h", "127.0.0.1", "-p", str(port), *args], capture_output=True, text=True,
-                         timeout=timeout)  # fmt: skip
+    out = subprocess.run(
+        [exe, "-h", "127.0.0.1", "-p", str(port), *args], capture_output=True, text=True, timeout=timeout
+    )
     return out.stdout
 
 
@@ -52,7 +53,7 @@ class LocalSentinelGroup:
         self.servers = [master] + [
             LocalRedis(
                 self.directory / f"redis-{i + 1}", extra_args=[*fast_sync, "--replicaof", "127.0.0.1", str(master.port)]
-            )  # fmt: skip
+            )
             for i in range(replicas)
         ]
         self.sentinel_ports = [free_port() for _ in range(sentinels)]
@@ -180,7 +181,7 @@ class LocalCluster:
                     "--cluster-node-timeout",
                     "2000",
                 ],
-            )  # fmt: skip
+            )
             for i in range(masters)
         ]
 
@@ -192,10 +193,19 @@ class LocalCluster:
         for n in self.nodes:
             n.start()
         out = subprocess.run(
-            [shutil.which("redis-cli") or "redis-cli", "--cluster", "create",
-             *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-replicas", "0", "--cluster-yes"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            [
+                shutil.which("redis-cli") or "redis-cli",
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         if out.returncode != 0:
             self.stop()
             raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")

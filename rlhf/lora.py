@@ -21,8 +21,9 @@ def wrap_lora(model: torch.nn.Module, r: int, alpha: float, target_modules: list
     unknown = sorted(set(target_modules) - present)
     if unknown:
         raise ValueError(f"actor_rollout.lora_target_modules {unknown} name no module of the actor")
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(target_modules), bias="none",
-                        task_type="CAUSAL_LM")  # fmt: skip
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(target_modules), bias="none", task_type="CAUSAL_LM"
+    )
     return get_peft_model(model, config)
 
 

@@ -86,10 +86,13 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
             if own is None or own == tok.eos_token_id:
                 report.warnings.append(
                     f"tokenizer {tok_spec} has no pad token of its own"
-                    + (" (it uses its EOS token as padding, which would mask the EOS that ends a response)"
-                       if own is not None else "")
+                    + (
+                        " (it uses its EOS token as padding, which would mask the EOS that ends a response)"
+                        if own is not None
+                        else ""
+                    )
                     + f": padding with {tok.pad_token!r} (id {tok.pad_token_id}) instead"
-                )  # fmt: skip
+                )
 
     for i, s in enumerate(cfg.reward.scorers):
         if s.type == "rule" and s.name and ":" in s.name:

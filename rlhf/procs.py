@@ -294,8 +294,20 @@ def service_env(overrides: Mapping[str, str | None] | None = None) -> dict[str, 
 
 def serve_args(service: str, config: str | Path, grpc_port: int, http_port: int, host: str = HOST) -> list[str]:
     """The arguments after the Python interpreter that start a service: ``-m services.cli serve NAME ...``."""
-    return ["-m", "services.cli", "serve", service, "--config", str(config), "--host", host,
-            "--grpc-port", str(grpc_port), "--http-port", str(http_port)]  # fmt: skip
+    return [
+        "-m",
+        "services.cli",
+        "serve",
+        service,
+        "--config",
+        str(config),
+        "--host",
+        host,
+        "--grpc-port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+    ]
 
 
 class ServiceProc(Child):
@@ -323,8 +335,13 @@ class ServiceProc(Child):
         self.grpc_port = grpc_port or free_port()
         self.http_port = http_port or free_port()
         self.extra_args = list(extra_args or [])
-        super().__init__(name, log_path=Path(log_dir) / f"{name}-{self.http_port}.log", env=service_env(env),
-                         cwd=Path(cwd) if cwd is not None else REPO, append=False)  # fmt: skip
+        super().__init__(
+            name,
+            log_path=Path(log_dir) / f"{name}-{self.http_port}.log",
+            env=service_env(env),
+            cwd=Path(cwd) if cwd is not None else REPO,
+            append=False,
+        )
 
     @property
     def http_url(self) -> str:
@@ -399,9 +416,24 @@ class LocalRedis(Child):
         exe = self.exe or shutil.which("redis-server")
         if exe is None:
             raise LaunchError("redis-server is not on PATH (apt-get install -y redis-server)")
-        return [exe, "--port", str(self.port), "--bind", HOST, "--dir", str(self.directory),
-                "--appendonly", "yes" if self.aof else "no", "--appendfsync", "everysec", "--save", "",
-                "--daemonize", "no", *self.extra_args]  # fmt: skip
+        return [
+            exe,
+            "--port",
+            str(self.port),
+            "--bind",
+            HOST,
+            "--dir",
+            str(self.directory),
+            "--appendonly",
+            "yes" if self.aof else "no",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            *self.extra_args,
+        ]
 
     def start(self, timeout: float = 15.0) -> LocalRedis:
         self.directory.mkdir(parents=True, exist_ok=True)

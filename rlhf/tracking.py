@@ -37,8 +37,14 @@ class Tracker:
             except ImportError:
                 log.warning("WANDB_PROJECT is set but the wandb package is not installed: logging to TensorBoard only")
             else:
-                self.wandb = wandb.init(project=os.environ["WANDB_PROJECT"], name=run_id, id=run_id, resume="allow",
-                                        config=dict(config), dir=str(self.run_dir))  # fmt: skip
+                self.wandb = wandb.init(
+                    project=os.environ["WANDB_PROJECT"],
+                    name=run_id,
+                    id=run_id,
+                    resume="allow",
+                    config=dict(config),
+                    dir=str(self.run_dir),
+                )
         self._completions = self.run_dir / "completions.jsonl"
         if resume_step:
             _cut_completions(self._completions, resume_step)
@@ -66,8 +72,9 @@ class Tracker:
         if self.wandb is not None:
             import wandb
 
-            self.wandb.log({"completions": wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])},
-                           step=step)  # fmt: skip
+            self.wandb.log(
+                {"completions": wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])}, step=step
+            )
 
     def close(self) -> None:
         self.tb.close()

@@ -34,8 +34,10 @@ class DevicePlan:
 
     def describe(self) -> str:
         rollout = " ".join(f"[{','.join(r)}]" for r in self.rollouts)
-        return (f"devices: trainer [{','.join(self.trainer)}], rollout {rollout}, reference "
-                f"[{','.join(self.reference)}], reward [{','.join(self.reward)}]")  # fmt: skip
+        return (
+            f"devices: trainer [{','.join(self.trainer)}], rollout {rollout}, reference "
+            f"[{','.join(self.reference)}], reward [{','.join(self.reward)}]"
+        )
 
 
 def infer_devices(cfg: ExperimentConfig) -> int | None:
@@ -74,8 +76,10 @@ def rollout_replicas(cfg: ExperimentConfig, flag: int | None) -> int:
         )
     replicas = infer // tp
     if flag is not None and flag != replicas:
-        raise ValueError(f"--rollout-replicas {flag} contradicts the config's {infer} rollout device(s) / "
-                         f"tensor_model_parallel_size {tp} = {replicas} replica(s); give one of them")  # fmt: skip
+        raise ValueError(
+            f"--rollout-replicas {flag} contradicts the config's {infer} rollout device(s) / "
+            f"tensor_model_parallel_size {tp} = {replicas} replica(s); give one of them"
+        )
     return replicas
 
 
@@ -95,8 +99,10 @@ def plan_devices(cfg: ExperimentConfig, visible: list[str], replicas: int, env_v
     total = sum(wanted.values())
     if total > len(visible):
         parts = ", ".join(f"{k} {v}" for k, v in wanted.items())
-        raise ValueError(f"the config asks for {total} devices ({parts}; resource_pool and "
-                         f"actor_rollout.num_gpus_for_*), this machine shows {len(visible)}")  # fmt: skip
+        raise ValueError(
+            f"the config asks for {total} devices ({parts}; resource_pool and "
+            f"actor_rollout.num_gpus_for_*), this machine shows {len(visible)}"
+        )
     it = iter(visible)
     take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
     plan = DevicePlan(env_var, trainer=take(train))

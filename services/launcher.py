@@ -256,8 +256,9 @@ class Launcher:
                     if rc == 0 and spec.name in may_finish:
                         pending.remove((spec, child))
                         continue
-                    raise LaunchError(f"{spec.name} exited with {rc} during start-up; end of {child.log_path}:\n"
-                                      f"{child.log_tail()}")  # fmt: skip
+                    raise LaunchError(
+                        f"{spec.name} exited with {rc} during start-up; end of {child.log_path}:\n{child.log_tail()}"
+                    )
                 if http_ready(spec.http_url, context=self.ssl_context):
                     self.say(f"{spec.name} ready ({time.monotonic() - t0:.1f}s)")
                     pending.remove((spec, child))
@@ -288,8 +289,10 @@ class Launcher:
         then give up with its log's tail."""
         n = self.restarts.get(child.name, 0)
         if n >= self.opts.max_restarts:
-            raise LaunchError(f"{child.name} exited with {rc} after {n} restart(s) (--max-restarts "
-                              f"{self.opts.max_restarts}); end of {child.log_path}:\n{child.log_tail()}")  # fmt: skip
+            raise LaunchError(
+                f"{child.name} exited with {rc} after {n} restart(s) (--max-restarts "
+                f"{self.opts.max_restarts}); end of {child.log_path}:\n{child.log_tail()}"
+            )
         self.restarts[child.name] = n + 1
         self.say(f"{child.name} exited with {rc}; restarting it ({n + 1}/{self.opts.max_restarts})")
         child.signal_group(signal.SIGKILL)  # what is left of its process group
@@ -373,9 +376,16 @@ class Launcher:
                 redis_url = redis.url
                 self.say(f"redis-server ready on port {redis.port} (pid {redis.pid}, AOF in {redis.directory})")
             token = os.environ.get("RLHF_API_TOKEN") or secrets.token_urlsafe(24)
-            specs = plan_services(redis_url=redis_url, run_id=run_id, api_token=token, run_dir=self.run_dir,
-                                  rollout_replicas=replicas, tls=settings.tls, devices=devices,
-                                  trainer_procs=procs)  # fmt: skip
+            specs = plan_services(
+                redis_url=redis_url,
+                run_id=run_id,
+                api_token=token,
+                run_dir=self.run_dir,
+                rollout_replicas=replicas,
+                tls=settings.tls,
+                devices=devices,
+                trainer_procs=procs,
+            )
             if settings.tls:
                 self.say("TLS on: every service serves gRPC and HTTPS, every client verifies its peer")
             if (os.environ.get("RLHF_ROLLOUT_ENGINE") or cfg.actor.engine) == "vllm":
@@ -398,8 +408,10 @@ class Launcher:
             rc = self._follow(trainer, total, t_start)
             if rc == runlog.EXIT_STOPPED_BY_RULE:
                 stop = next((ln for ln in reversed(trainer.log_tail(200).splitlines()) if "stopping the run" in ln), "")
-                raise LaunchError(f"the trainer stopped the run: {stop.split('stopping the run: ', 1)[-1]}\n"
-                                  f"end of {trainer.log_path}:\n{trainer.log_tail(10)}")  # fmt: skip
+                raise LaunchError(
+                    f"the trainer stopped the run: {stop.split('stopping the run: ', 1)[-1]}\n"
+                    f"end of {trainer.log_path}:\n{trainer.log_tail(10)}"
+                )
             if rc != 0:
                 raise LaunchError(f"trainer exited with {rc}; end of {trainer.log_path}:\n{trainer.log_tail()}")
             self.say(f"training done in {time.monotonic() - t_start:.0f}s; stopping the services")
@@ -447,8 +459,9 @@ class Launcher:
         assert self.run_dir is not None
         env = child_env({})
         target = Path(env["RLHF_CACHE_DIR"]) / "tiny"
-        child = Child("tiny", [self.opts.python, "-c", _BUILD_TINY, str(target)], self.run_dir / "logs" / "tiny.log",
-                      env=env)  # fmt: skip
+        child = Child(
+            "tiny", [self.opts.python, "-c", _BUILD_TINY, str(target)], self.run_dir / "logs" / "tiny.log", env=env
+        )
         child.start()
         self.children.append(child)
         try:
@@ -527,20 +540,34 @@ class Launcher:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="experiment config YAML (required unless --resume)")
     p.add_argument("--run-dir", help="run folder (default runs/<run_id>-<timestamp>)")
-    p.add_argument("--resume", metavar="RUN_DIR",
-                   help="continue a stopped run: its folder's config (unless --config), Redis data, checkpoints and "
-                        "metrics; training goes on from the last checkpoint")  # fmt: skip
-    p.add_argument("--rollout-replicas", type=int, default=None,
-                   help="rollout processes (default: the config's rollout devices / tensor parallel size, "
-                        "else 1)")  # fmt: skip
-    p.add_argument("--trainer-procs", type=int, default=None,
-                   help="trainer processes: > 1 runs an FSDP2 trainer group under torch.distributed.run (gloo on "
-                        "the CPU) (default: actor_rollout.num_gpus_for_train, else 1)")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a stopped run: its folder's config (unless --config), Redis data, checkpoints and "
+        "metrics; training goes on from the last checkpoint",
+    )
+    p.add_argument(
+        "--rollout-replicas",
+        type=int,
+        default=None,
+        help="rollout processes (default: the config's rollout devices / tensor parallel size, else 1)",
+    )
+    p.add_argument(
+        "--trainer-procs",
+        type=int,
+        default=None,
+        help="trainer processes: > 1 runs an FSDP2 trainer group under torch.distributed.run (gloo on "
+        "the CPU) (default: actor_rollout.num_gpus_for_train, else 1)",
+    )
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds each stage may take to get ready")
     p.add_argument("--stop-grace", type=float, default=20.0, help="seconds a service gets after SIGTERM")
     p.add_argument("--quiet", action="store_true", help="no per-step progress lines")
-    p.add_argument("--max-restarts", type=int, default=3,
-                   help="times each service is restarted after it dies mid-run (default %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="times each service is restarted after it dies mid-run (default %(default)s)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -170,8 +170,13 @@ def draw(run_dir: str | Path, records: Sequence[Mapping[str, Any]] | None = None
                     x = _num(r.get("step"))
                     band.append((x if x is not None else float(i), y, sd))
             if band:
-                ax.fill_between([b[0] for b in band], [b[1] - b[2] for b in band], [b[1] + b[2] for b in band],
-                                alpha=0.2, label=f"± {std_key}")  # fmt: skip
+                ax.fill_between(
+                    [b[0] for b in band],
+                    [b[1] - b[2] for b in band],
+                    [b[1] + b[2] for b in band],
+                    alpha=0.2,
+                    label=f"± {std_key}",
+                )
         drawn = bool(xs)
     groups = plot_keys(records)
     for k in groups.pop("reward.png"):
@@ -181,8 +186,13 @@ def draw(run_dir: str | Path, records: Sequence[Mapping[str, Any]] | None = None
             drawn = drawn or bool(xs)
     out.append(_save(fig, ax, run_dir / "reward.png", drawn))
 
-    titles = {"kl.png": "KL divergence to the reference", "losses.png": "losses", "lengths.png": "response length",
-              "throughput.png": "throughput and time", DPO_PLOT: "DPO implicit rewards"}  # fmt: skip
+    titles = {
+        "kl.png": "KL divergence to the reference",
+        "losses.png": "losses",
+        "lengths.png": "response length",
+        "throughput.png": "throughput and time",
+        DPO_PLOT: "DPO implicit rewards",
+    }
     for name, chosen in groups.items():
         if name == DPO_PLOT and not chosen:
             continue
@@ -208,8 +218,9 @@ def summary(records: Sequence[Mapping[str, Any]]) -> str:
             k = max(1, min(5, len(ys) // 4))
             first, last = sum(ys[:k]) / k, sum(ys[-k:]) / k
             lines.append(f"{rk}: first {ys[0]:+.4f}, last {ys[-1]:+.4f}")
-            lines.append(f"{rk} averaged over the first/last {k} step(s): {first:+.4f} -> {last:+.4f} "
-                         f"({last - first:+.4f})")  # fmt: skip
+            lines.append(
+                f"{rk} averaged over the first/last {k} step(s): {first:+.4f} -> {last:+.4f} ({last - first:+.4f})"
+            )
     for key in ("objective/kl",) + tuple(k for k in numeric_keys(records) if family(k) == "kl.png"):
         _, ys = series(records, key)
         if ys:

@@ -144,8 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     rel = PAGE.relative_to(ROOT)
     if args.check:
         if fresh != page:
-            print(f"{rel} is stale: its field tables differ from rlhf/config.py; run "
-                  f"`.venv/bin/python tools/gen_config_docs.py` and commit the result", file=sys.stderr)  # fmt: skip
+            print(
+                f"{rel} is stale: its field tables differ from rlhf/config.py; run "
+                f"`.venv/bin/python tools/gen_config_docs.py` and commit the result",
+                file=sys.stderr,
+            )
             return 1
         print(f"{rel}: the field tables match rlhf/config.py")
         return 0

@@ -289,8 +289,11 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
         code, _ = status_for(InvalidArgument(""))
 
         async def refuse(context: grpc.aio.ServicerContext, bad: _Undecodable) -> None:
-            await context.abort(code, f"the request to {method} is not a valid protobuf message ({bad.reason}); "
-                                      "send the message type its .proto file declares")  # fmt: skip
+            await context.abort(
+                code,
+                f"the request to {method} is not a valid protobuf message ({bad.reason}); "
+                "send the message type its .proto file declares",
+            )
 
         def unary(inner: Callable) -> Callable:
             if inspect.isasyncgenfunction(inner):

@@ -90,8 +90,11 @@ class BodyLimitMiddleware:
                 seen += len(msg.get("body", b""))
                 more = msg.get("more_body", False)
         body = json.dumps(error_body(err)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]  # fmt: skip
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 

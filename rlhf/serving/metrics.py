@@ -46,13 +46,19 @@ class ServiceMetrics:
             "rlhf_batch_size", "items per request", ["service", "method"], buckets=BATCH_BUCKETS, registry=r
         )
         self.merged_requests = Histogram(
-            "rlhf_merged_requests", "requests merged into one engine call", ["service", "method"],
-            buckets=BATCH_BUCKETS, registry=r,
-        )  # fmt: skip
+            "rlhf_merged_requests",
+            "requests merged into one engine call",
+            ["service", "method"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
         self.merged_rows = Histogram(
-            "rlhf_merged_rows", "rows (items) of one merged engine call", ["service", "method"],
-            buckets=BATCH_BUCKETS, registry=r,
-        )  # fmt: skip
+            "rlhf_merged_rows",
+            "rows (items) of one merged engine call",
+            ["service", "method"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
         self.tokens = Counter("rlhf_tokens", "tokens processed", ["service", "kind"], registry=r)
         self.errors = Counter("rlhf_errors", "errors by kind", ["service", "kind"], registry=r)
         self.ready = Gauge("rlhf_ready", "1 when the service is ready", ["service"], registry=r)

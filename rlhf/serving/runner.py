@@ -231,8 +231,11 @@ class ServiceRunner:
         # so_reuseport 0: a second process on the same port is an error, not a silent load-balancing partner
         # min_recv_ping_interval: accept the 60 s keepalive pings of open_channel() clients (the default 5 min
         # would answer them with GOAWAY "too_many_pings")
-        server_options = [*grpc_options(s), ("grpc.so_reuseport", 0),
-                          ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000)]  # fmt: skip
+        server_options = [
+            *grpc_options(s),
+            ("grpc.so_reuseport", 0),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000),
+        ]
         server = grpc.aio.server(options=server_options, interceptors=[DecodeErrorInterceptor()])
         for add_fn, servicer in self._grpc_adders:
             if servicer is not None:

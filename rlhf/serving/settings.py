@@ -152,11 +152,15 @@ class ServiceSettings(BaseSettings):
     @model_validator(mode="after")
     def _plaintext_transport_needs_no_tls(self) -> ServiceSettings:
         if self.weights_transport in ("tcp", "collective") and self.tls:
-            raise ValueError(f"RLHF_WEIGHTS_TRANSPORT={self.weights_transport} sends weights in plaintext and this "
-                             "service serves TLS: use auto or grpc")  # fmt: skip
+            raise ValueError(
+                f"RLHF_WEIGHTS_TRANSPORT={self.weights_transport} sends weights in plaintext and this "
+                "service serves TLS: use auto or grpc"
+            )
         if self.weights_collective_backend != "auto" and self.weights_transport != "collective":
-            raise ValueError(f"RLHF_WEIGHTS_COLLECTIVE_BACKEND={self.weights_collective_backend} only applies with "
-                             f"RLHF_WEIGHTS_TRANSPORT=collective (it is {self.weights_transport})")  # fmt: skip
+            raise ValueError(
+                f"RLHF_WEIGHTS_COLLECTIVE_BACKEND={self.weights_collective_backend} only applies with "
+                f"RLHF_WEIGHTS_TRANSPORT=collective (it is {self.weights_transport})"
+            )
         return self
 
     @property

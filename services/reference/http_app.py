@@ -81,8 +81,12 @@ def build_app(engine: ReferenceEngine, settings: ServiceSettings, metrics: Servi
         results, t = await engine.logprobs(items, body.temperature)
         return json_response({"results": [{"logprobs": lp} for lp in results], "temperature": t})
 
-    @app.get("/v1/info", tags=["reference"], summary="model, temperature, vocabulary size and context length",
-             response_model=InfoOut)  # fmt: skip
+    @app.get(
+        "/v1/info",
+        tags=["reference"],
+        summary="model, temperature, vocabulary size and context length",
+        response_model=InfoOut,
+    )
     async def info() -> dict:
         return engine.info()
 

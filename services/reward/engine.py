@@ -238,8 +238,9 @@ class ModelScorer(Scorer):
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             return None
-        convs = [[{"role": "user", "content": it.prompt}, {"role": "assistant", "content": it.response}]
-                 for it in items]  # fmt: skip
+        convs = [
+            [{"role": "user", "content": it.prompt}, {"role": "assistant", "content": it.response}] for it in items
+        ]
         return list(tok.apply_chat_template(convs, tokenize=False))
 
     def _text(self, it: Item) -> str | None:

@@ -291,8 +291,10 @@ class EngineBase:
         self.served = ServedVersion()
         self._fault_skip_load = os.environ.get(SKIP_LOAD_FAULT_ENV_VAR) == "1"
         if self._fault_skip_load:
-            log.warning("FAULT INJECTION (%s=1): this replica acknowledges weight updates without loading them",
-                        SKIP_LOAD_FAULT_ENV_VAR)  # fmt: skip
+            log.warning(
+                "FAULT INJECTION (%s=1): this replica acknowledges weight updates without loading them",
+                SKIP_LOAD_FAULT_ENV_VAR,
+            )
         self._ready = False
         self._not_ready_reason = "the model is still loading; retry when /readyz says ready"
         # Not ready because an update installed as it arrived stopped half-way (install_streamed): the model holds a
@@ -506,14 +508,22 @@ class EngineBase:
                 # A reload that failed half-way may leave a mix of old and new weights: stop serving.
                 self._ready = False
                 self._not_ready_reason = "a weight swap failed half-way; restart this replica"
-                raise Internal(f"the weight swap to version {version} failed ({type(err).__name__}); "
-                               "this replica stopped serving and must be restarted") from err  # fmt: skip
+                raise Internal(
+                    f"the weight swap to version {version} failed ({type(err).__name__}); "
+                    "this replica stopped serving and must be restarted"
+                ) from err
             self.served.advance(version, parent, checksum)
             self._serving_again()
             t2 = time.perf_counter()
         del staged
-        return SwapResult(version=version, checksum=checksum, swapped=True, wait_seconds=t1 - t0, swap_seconds=t2 - t1,
-                          prepare_seconds=t0 - tp)  # fmt: skip
+        return SwapResult(
+            version=version,
+            checksum=checksum,
+            swapped=True,
+            wait_seconds=t1 - t0,
+            swap_seconds=t2 - t1,
+            prepare_seconds=t0 - tp,
+        )
 
     def _serving_again(self) -> None:
         """A complete update is installed: a replica that waited for one (a streamed install cut half-way) serves."""
@@ -565,8 +575,14 @@ class EngineBase:
             self.served.advance(version, parent, header.checksum)
             self._serving_again()
             t2 = time.perf_counter()
-        return SwapResult(version=version, checksum=header.checksum, swapped=True, wait_seconds=t1 - t0,
-                          swap_seconds=t2 - t1, prepare_seconds=t0 - tp)  # fmt: skip
+        return SwapResult(
+            version=version,
+            checksum=header.checksum,
+            swapped=True,
+            wait_seconds=t1 - t0,
+            swap_seconds=t2 - t1,
+            prepare_seconds=t0 - tp,
+        )
 
     async def _stream_failed(self, version: int, loaded: int, total: int, err: BaseException) -> None:
         """An install as it arrived stopped after ``loaded`` of ``total`` buckets: stop serving the mix."""
@@ -576,16 +592,27 @@ class EngineBase:
         except BaseException as abort_err:  # noqa: BLE001 - the engine cannot even end the load: restart it
             self._awaiting_weights = False
             self._not_ready_reason = "a weight update failed half-way and could not be ended; restart this replica"
-            log.error("weight update %d: ending the partial load failed (%s: %s); this replica must be restarted",
-                      version, type(abort_err).__name__, abort_err)  # fmt: skip
+            log.error(
+                "weight update %d: ending the partial load failed (%s: %s); this replica must be restarted",
+                version,
+                type(abort_err).__name__,
+                abort_err,
+            )
             return
         self._awaiting_weights = True
         self._not_ready_reason = (
             f"a weight update (version {version}) stopped after {loaded} of {total} buckets had gone into the model "
             f"({type(err).__name__}): it serves nothing until a complete update arrives (the trainer pushes again)"
         )
-        log.error("weight update %d installed as it arrived stopped after %d of %d buckets (%s: %s); not serving "
-                  "until a complete update arrives", version, loaded, total, type(err).__name__, err)  # fmt: skip
+        log.error(
+            "weight update %d installed as it arrived stopped after %d of %d buckets (%s: %s); not serving "
+            "until a complete update arrives",
+            version,
+            loaded,
+            total,
+            type(err).__name__,
+            err,
+        )
 
     async def _stream_begin(self, header: Any) -> None:
         raise NotImplementedError

@@ -88,8 +88,9 @@ def make_engine(
     return engine
 
 
-def _build(kind: str, cfg: ExperimentConfig, path: Path, device: str | None, hooks: EngineHooks | None,
-           **kw: Any) -> EngineBase:  # fmt: skip
+def _build(
+    kind: str, cfg: ExperimentConfig, path: Path, device: str | None, hooks: EngineHooks | None, **kw: Any
+) -> EngineBase:
     if kind == "vllm":
         from services.rollout.vllm_engine import VllmEngine, inplace_load_bytes_from_env
 
@@ -97,8 +98,9 @@ def _build(kind: str, cfg: ExperimentConfig, path: Path, device: str | None, hoo
         kw.setdefault("inplace_load_bytes", inplace_load_bytes_from_env())  # ValueError naming the variable
         kw["engine_kwargs"] = {**vllm_engine_kwargs(cfg), **kw.get("engine_kwargs", {})}
         kw.setdefault("staged_swap", cfg.actor.staged_weight_swap)
-        return VllmEngine(path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, seed=cfg.training.seed,
-                          hooks=hooks, **kw)  # fmt: skip
+        return VllmEngine(
+            path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, seed=cfg.training.seed, hooks=hooks, **kw
+        )
     if kind == "hf":
         from rlhf.config import VLLM_ONLY_FIELDS
         from services.rollout.hf_engine import HFEngine
@@ -106,8 +108,12 @@ def _build(kind: str, cfg: ExperimentConfig, path: Path, device: str | None, hoo
         kw.setdefault("max_model_len", cfg.actor.max_model_len)
         ignored = sorted(f for f in VLLM_ONLY_FIELDS if f in cfg.actor.model_fields_set)
         if ignored:  # the config refuses these with engine hf; here RLHF_ROLLOUT_ENGINE=hf overrode engine: vllm
-            log.warning("rollout: %s=hf: actor_rollout %s apply to the vllm engine only and are not used",
-                        ENGINE_ENV_VAR, ", ".join(ignored))  # fmt: skip
-        return HFEngine(path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, device=device or "auto",
-                        hooks=hooks, **kw)  # fmt: skip
+            log.warning(
+                "rollout: %s=hf: actor_rollout %s apply to the vllm engine only and are not used",
+                ENGINE_ENV_VAR,
+                ", ".join(ignored),
+            )
+        return HFEngine(
+            path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, device=device or "auto", hooks=hooks, **kw
+        )
     raise ValueError(f"unknown rollout engine {kind!r}: use one of {', '.join(ENGINES)}")

@@ -145,8 +145,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         group = None
         if request.HasField("group"):
             if self.settings.tls:
-                raise FailedPrecondition("collective weight transfer is plaintext and this replica serves TLS; push "
-                                         "over UpdateWeights (RLHF_WEIGHTS_TRANSPORT=grpc)", field="group")  # fmt: skip
+                raise FailedPrecondition(
+                    "collective weight transfer is plaintext and this replica serves TLS; push "
+                    "over UpdateWeights (RLHF_WEIGHTS_TRANSPORT=grpc)",
+                    field="group",
+                )
             from rlhf.transport.weights.collective import GroupSpec  # torch: not at module import (main.py)
 
             try:
@@ -166,8 +169,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         ranks = self._collective_ranks() if group is not None else 0
         ticket, ttl = await self.data.open(request.header, group, receive, stream)  # raises like UpdateWeights
         port = self.data.port if group is None else 0
-        return weights_pb2.OpenWeightsTransferResponse(ticket=ticket, data_port=port, ticket_ttl_seconds=ttl,
-                                                       ranks=ranks)  # fmt: skip
+        return weights_pb2.OpenWeightsTransferResponse(
+            ticket=ticket, data_port=port, ticket_ttl_seconds=ttl, ranks=ranks
+        )
 
     def _collective_ranks(self) -> int:
         """How many ranks this replica takes in a collective push's group: the engine's ``collective_ranks`` (the
@@ -197,8 +201,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def _swap(self, staged) -> weights_pb2.UpdateWeightsResponse:
         result = staged.installed  # an update the engine installed as it arrived is serving already
         if result is None:
-            result = await self.engine.swap_weights(staged.tensors, staged.version, staged.checksum,
-                                                    staged.parent_version)  # fmt: skip
+            result = await self.engine.swap_weights(
+                staged.tensors, staged.version, staged.checksum, staged.parent_version
+            )
         return weights_pb2.UpdateWeightsResponse(
             version=result.version,
             swapped=result.swapped,

@@ -62,8 +62,14 @@ class _Row:
     on_token: Any = None
 
 
-def apply_penalties(logits: torch.Tensor, in_prompt: torch.Tensor, counts: torch.Tensor, rep: torch.Tensor,
-                    freq: torch.Tensor, pres: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def apply_penalties(
+    logits: torch.Tensor,
+    in_prompt: torch.Tensor,
+    counts: torch.Tensor,
+    rep: torch.Tensor,
+    freq: torch.Tensor,
+    pres: torch.Tensor,
+) -> torch.Tensor:
     """vLLM's penalties on (B, V) logits: repetition (tokens seen in the prompt or the output: positive logits divided
     by it, negative ones multiplied), then frequency (``- freq x count``) and presence (``- pres`` once seen) over the
     output's token ``counts``. ``rep`` / ``freq`` / ``pres``: (B,); 1, 0, 0 leave a row unchanged."""
@@ -90,8 +96,9 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Ten
     return torch.empty_like(logits).scatter_(-1, logits_idx, logits_sort)
 
 
-def step_distribution(logits: torch.Tensor, temps: torch.Tensor, k: torch.Tensor | None,
-                      p: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def step_distribution(
+    logits: torch.Tensor, temps: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None
+) -> torch.Tensor:
     """(B, V) float32 logits (penalties applied) -> the logits of the distribution each row samples from:
     divided by the row's temperature, then top-k / top-p masked (-inf). Its ``log_softmax`` at a token is the
     sampling log-prob the engine reports (one code path for the decode loop and anything that checks it)."""
@@ -214,8 +221,14 @@ class HFEngine(EngineBase):
             prow = []
             for j in range(params.n):
                 seed = base + j if base is not None else self._rng.randrange(2**63 - 1)
-                row = _Row(prompt=list(p), opts=params, seed=seed, future=loop.create_future(), loop=loop,
-                           on_token=on_token(i, j) if on_token is not None else None)  # fmt: skip
+                row = _Row(
+                    prompt=list(p),
+                    opts=params,
+                    seed=seed,
+                    future=loop.create_future(),
+                    loop=loop,
+                    on_token=on_token(i, j) if on_token is not None else None,
+                )
                 prow.append(row)
                 self._queue.put_nowait(row)
             rows.append(prow)
@@ -223,8 +236,15 @@ class HFEngine(EngineBase):
 
     @staticmethod
     def _sample(r: _Row, version: int) -> Sample:
-        return Sample(token_ids=r.tokens, logprobs=r.logprobs, finish_reason=r.finish or "length", text=r.text or "",
-                      policy_version=version, stop_reason=r.stop_reason, top_logprobs=r.top)  # fmt: skip
+        return Sample(
+            token_ids=r.tokens,
+            logprobs=r.logprobs,
+            finish_reason=r.finish or "length",
+            text=r.text or "",
+            policy_version=version,
+            stop_reason=r.stop_reason,
+            top_logprobs=r.top,
+        )
 
     async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
         rows = self._enqueue(prompts, params)
@@ -313,8 +333,11 @@ class HFEngine(EngineBase):
             g = torch.Generator(device=dev)
             g.manual_seed(r.seed)
             gens.append(g)
-        stop_ids = [set(r.opts.stop_token_ids) | (set() if r.opts.ignore_eos or self.eos_token_id is None
-                                                  else {self.eos_token_id}) for r in rows]  # fmt: skip
+        stop_ids = [
+            set(r.opts.stop_token_ids)
+            | (set() if r.opts.ignore_eos or self.eos_token_id is None else {self.eos_token_id})
+            for r in rows
+        ]
         budgets = [min(r.opts.max_tokens, self.max_model_len - len(r.prompt)) for r in rows]
         penalized = any(r.opts.penalized for r in rows)
         if penalized:
@@ -343,8 +366,14 @@ class HFEngine(EngineBase):
                     r.finish = "abort"
             if not any(active):
                 break
-            out = self.model(input_ids=inp, attention_mask=mask, position_ids=inp_pos, past_key_values=past,
-                             use_cache=True, return_dict=True)  # fmt: skip
+            out = self.model(
+                input_ids=inp,
+                attention_mask=mask,
+                position_ids=inp_pos,
+                past_key_values=past,
+                use_cache=True,
+                return_dict=True,
+            )
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
             if penalized:  # before temperature and top-k/top-p, as in vLLM; greedy rows take the penalized argmax

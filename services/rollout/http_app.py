@@ -89,8 +89,13 @@ def _piece(engine: EngineBase, token_id: int) -> str:
     return engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _logprobs(engine: EngineBase, token_ids: list[int], logprobs: list[float],
-              top: list[list[tuple[int, float]]] | None, offset: int = 0) -> LogprobsOut:  # fmt: skip
+def _logprobs(
+    engine: EngineBase,
+    token_ids: list[int],
+    logprobs: list[float],
+    top: list[list[tuple[int, float]]] | None,
+    offset: int = 0,
+) -> LogprobsOut:
     """The completions log-probs of some tokens; ``offset``: where their text starts in the choice's text."""
     pieces = [_piece(engine, t) for t in token_ids]
     offsets, at = [], offset
@@ -101,15 +106,20 @@ def _logprobs(engine: EngineBase, token_ids: list[int], logprobs: list[float],
     return LogprobsOut(tokens=pieces, token_logprobs=logprobs, text_offset=offsets, top_logprobs=alts)
 
 
-def _chat_logprobs(engine: EngineBase, token_ids: list[int], logprobs: list[float],
-                   top: list[list[tuple[int, float]]] | None) -> ChatLogprobsOut:  # fmt: skip
+def _chat_logprobs(
+    engine: EngineBase, token_ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]] | None
+) -> ChatLogprobsOut:
     def entry(t: int, v: float) -> dict[str, Any]:
         piece = _piece(engine, t)
         return {"token": piece, "logprob": v, "bytes": list(piece.encode("utf-8"))}
 
     tops = top if top is not None else [[] for _ in token_ids]
-    return ChatLogprobsOut(content=[ChatTokenLogprob(**entry(t, v), top_logprobs=[entry(a, av) for a, av in alts])
-                                    for t, v, alts in zip(token_ids, logprobs, tops, strict=True)])  # fmt: skip
+    return ChatLogprobsOut(
+        content=[
+            ChatTokenLogprob(**entry(t, v), top_logprobs=[entry(a, av) for a, av in alts])
+            for t, v, alts in zip(token_ids, logprobs, tops, strict=True)
+        ]
+    )
 
 
 def _best(samples: list[Sample], n: int) -> list[Sample]:
@@ -125,8 +135,10 @@ def _n_and_best_of(n: int, best_of: int | None, stream: bool) -> int:
     if best_of < n:
         raise InvalidArgument(f"best_of ({best_of}) must be at least n ({n})", field="best_of")
     if stream and best_of > n:
-        raise InvalidArgument("best_of > n cannot be streamed: the best samples are known only at the end; "
-                              "drop stream or best_of", field="best_of")  # fmt: skip
+        raise InvalidArgument(
+            "best_of > n cannot be streamed: the best samples are known only at the end; drop stream or best_of",
+            field="best_of",
+        )
     return best_of
 
 
@@ -193,8 +205,10 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
         engine.check_ready()
         tok = engine.tokenizer
         if not getattr(tok, "chat_template", None):
-            raise InvalidArgument("the served model's tokenizer has no chat template: use /v1/completions with the "
-                                  "prompt as text", field="messages")  # fmt: skip
+            raise InvalidArgument(
+                "the served model's tokenizer has no chat template: use /v1/completions with the prompt as text",
+                field="messages",
+            )
         conv = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
 
         def render() -> list[int]:
@@ -208,9 +222,15 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
             return await asyncio.to_thread(render)
         return render()
 
-    def stream_response(kind: str, prompts: list[list[int]], opts: SamplingOptions, n: int, include_usage: bool,
-                        chunk: Callable[[int, str, list[int], list[float], Any, Sample | None], dict[str, Any] | None],
-                        first: Callable[[int], dict[str, Any] | None]) -> StreamingResponse:  # fmt: skip
+    def stream_response(
+        kind: str,
+        prompts: list[list[int]],
+        opts: SamplingOptions,
+        n: int,
+        include_usage: bool,
+        chunk: Callable[[int, str, list[int], list[float], Any, Sample | None], dict[str, Any] | None],
+        first: Callable[[int], dict[str, Any] | None],
+    ) -> StreamingResponse:
         """SSE over ``engine.generate_stream``: ``first(index)`` opens each choice (chat: the role; echo: the
         prompt), ``chunk(index, text, token_ids, logprobs, top, sample)`` renders each piece (None: nothing to
         send). Errors after the first byte are sent as an ``error`` event (the status is already 200), then
@@ -249,23 +269,31 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
 
     # The engine call runs under cancel_on_disconnect: a client that hangs up cancels its generation (streams: the
     # server cancels the response, which closes the engine's event iterator).
-    @app.post("/v1/completions", response_model=CompletionResponse, tags=["rollout"],
-              summary="OpenAI-style completions with token ids, sampling log-probs, policy version",
-              responses={200: {"content": {"text/event-stream": {}},
-                               "description": "JSON, or SSE chunks with stream: true"},
-                         **http_error_responses(503)})  # fmt: skip
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        tags=["rollout"],
+        summary="OpenAI-style completions with token ids, sampling log-probs, policy version",
+        responses={
+            200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks with stream: true"},
+            **http_error_responses(503),
+        },
+    )
     async def completions(body: CompletionRequest, request: Request) -> Any:
         body.include_usage()  # refuses stream_options without stream
         prompts = await encode_prompts(body.prompt)
         n = body.n
         best_of = _n_and_best_of(n, body.best_of, body.stream)
         if body.echo and body.logprobs is not None:
-            raise InvalidArgument("echo with logprobs would need the prompt's log-probs, which are not computed: "
-                                  "ask for one of them", field="echo")  # fmt: skip
+            raise InvalidArgument(
+                "echo with logprobs would need the prompt's log-probs, which are not computed: ask for one of them",
+                field="echo",
+            )
         opts = body.options(engine.defaults, n=best_of, top_logprobs=body.logprobs or 0)
         raw = [body.prompt] if isinstance(body.prompt, str) or is_int(body.prompt[0]) else body.prompt
-        echoes = [(p if isinstance(p, str) else decode_text(engine.tokenizer, list(p))) if body.echo else ""
-                  for p in raw]  # fmt: skip
+        echoes = [
+            (p if isinstance(p, str) else decode_text(engine.tokenizer, list(p))) if body.echo else "" for p in raw
+        ]
         metrics.observe_batch("/v1/completions", len(prompts) * opts.n)
         want_lp = body.logprobs is not None
 
@@ -286,8 +314,9 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
                     return None  # tokens whose text is held back, nothing else to say
                 c = {"index": index, "text": text, "logprobs": lp, "finish_reason": None}
                 if smp is not None:
-                    c.update(finish_reason=smp.finish_reason, stop_reason=smp.stop_reason,
-                             policy_version=smp.policy_version)  # fmt: skip
+                    c.update(
+                        finish_reason=smp.finish_reason, stop_reason=smp.stop_reason, policy_version=smp.policy_version
+                    )
                 return c
 
             include_usage = body.include_usage()
@@ -320,11 +349,16 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
             policy_version=engine.weights_version,
         )
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, tags=["rollout"],
-              summary="OpenAI-style chat completions (the served tokenizer's chat template)",
-              responses={200: {"content": {"text/event-stream": {}},
-                               "description": "JSON, or SSE chunks with stream: true"},
-                         **http_error_responses(503)})  # fmt: skip
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        tags=["rollout"],
+        summary="OpenAI-style chat completions (the served tokenizer's chat template)",
+        responses={
+            200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks with stream: true"},
+            **http_error_responses(503),
+        },
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         body.include_usage()  # refuses stream_options without stream
         if body.top_logprobs and not body.logprobs:
@@ -339,8 +373,12 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
             engine.validate([prompt], opts, field="messages")
 
             def first(index: int) -> dict[str, Any]:
-                return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}  # fmt: skip
+                return {
+                    "index": index,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
 
             def chunk(index, text, ids, lps, top, smp):  # noqa: ANN001
                 lp = _chat_logprobs(engine, ids, lps, top).model_dump() if body.logprobs and ids else None
@@ -348,8 +386,9 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
                     return None
                 c = {"index": index, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": None}
                 if smp is not None:
-                    c.update(finish_reason=smp.finish_reason, stop_reason=smp.stop_reason,
-                             policy_version=smp.policy_version)  # fmt: skip
+                    c.update(
+                        finish_reason=smp.finish_reason, stop_reason=smp.stop_reason, policy_version=smp.policy_version
+                    )
                 return c
 
             include_usage = body.include_usage()
@@ -378,10 +417,16 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
 
     # The training clients' hot path: the engine's results are typed already, so they are rendered once
     # (json_response) instead of being validated again through a response_model; OpenAPI keeps the schema.
-    @app.post("/v1/generate", response_model=None, tags=["rollout"],
-              responses={200: {"model": GenerateResponse, "description": "one result per prompt, in order"},
-                         **http_error_responses(503)},
-              summary="token ids in; token ids, sampling log-probs and finish reasons out")  # fmt: skip
+    @app.post(
+        "/v1/generate",
+        response_model=None,
+        tags=["rollout"],
+        responses={
+            200: {"model": GenerateResponse, "description": "one result per prompt, in order"},
+            **http_error_responses(503),
+        },
+        summary="token ids in; token ids, sampling log-probs and finish reasons out",
+    )
     async def generate(body: GenerateRequest, request: Request) -> Response:
         opts = body.options(engine.defaults)
         metrics.observe_batch("/v1/generate", len(body.prompt_token_ids) * opts.n)
@@ -411,8 +456,12 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
             }
         )
 
-    @app.get("/v1/weights/version", response_model=WeightsVersionOut, tags=["rollout"],
-             summary="the weights version served now")  # fmt: skip
+    @app.get(
+        "/v1/weights/version",
+        response_model=WeightsVersionOut,
+        tags=["rollout"],
+        summary="the weights version served now",
+    )
     async def weights_version() -> WeightsVersionOut:
         return WeightsVersionOut(
             version=engine.weights_version,

@@ -48,6 +48,7 @@ async def load_latest_checkpoint(
     tensors = await asyncio.to_thread(load_policy, policy, tied)
     # the same swap as a push: checked against the model, staged while nothing serves yet, versioned
     await engine.swap_weights(tensors, policy.version, policy.checksum, policy.version - 1)
-    log.info("rollout: loaded checkpoint %s (step %d) as weights version %d", policy.path.parent, policy.step,
-             policy.version)  # fmt: skip
+    log.info(
+        "rollout: loaded checkpoint %s (step %d) as weights version %d", policy.path.parent, policy.step, policy.version
+    )
     return policy

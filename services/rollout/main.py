@@ -72,8 +72,9 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
         await engine.start()
         if settings.redis_url:  # a replica of a run: start from the run's newest checkpoint, if any (late_join.py)
             await load_latest_checkpoint(engine, cfg, settings)
-        log.info("rollout: %s engine serving %s (weights version %d)", engine.kind, engine.model_name,
-                 engine.weights_version)  # fmt: skip
+        log.info(
+            "rollout: %s engine serving %s (weights version %d)", engine.kind, engine.model_name, engine.weights_version
+        )
         worker = maybe_start_worker(engine, settings, cfg, metrics=metrics)
 
     async def shutdown() -> None:

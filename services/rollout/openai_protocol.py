@@ -79,14 +79,26 @@ class _Sampling(_Model):
         description="vLLM's: > 1 discourages prompt and output tokens, < 1 encourages them",
     )
 
-    def options(self, defaults: dict[str, Any], *, n: int | None = None, max_tokens: int | None = None,
-                top_logprobs: int = 0) -> SamplingOptions:  # fmt: skip
+    def options(
+        self, defaults: dict[str, Any], *, n: int | None = None, max_tokens: int | None = None, top_logprobs: int = 0
+    ) -> SamplingOptions:
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return resolve_options(defaults, n=n or self.n, temperature=self.temperature, top_p=self.top_p,
-                               top_k=self.top_k, max_tokens=max_tokens or self.max_tokens, stop=stop,
-                               stop_token_ids=self.stop_token_ids, seed=self.seed, ignore_eos=self.ignore_eos,
-                               repetition_penalty=self.repetition_penalty, frequency_penalty=self.frequency_penalty,
-                               presence_penalty=self.presence_penalty, top_logprobs=top_logprobs)  # fmt: skip
+        return resolve_options(
+            defaults,
+            n=n or self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=max_tokens or self.max_tokens,
+            stop=stop,
+            stop_token_ids=self.stop_token_ids,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            top_logprobs=top_logprobs,
+        )
 
 
 class StreamOptions(_Model):
@@ -101,8 +113,9 @@ class _OpenAIRequest(_Sampling):
 
     def include_usage(self) -> bool:
         if self.stream_options is not None and not self.stream:
-            raise InvalidArgument("stream_options applies to streams only: set stream: true or drop it",
-                                  field="stream_options")  # fmt: skip
+            raise InvalidArgument(
+                "stream_options applies to streams only: set stream: true or drop it", field="stream_options"
+            )
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
@@ -172,8 +185,9 @@ class ChatCompletionRequest(_OpenAIRequest):
     )
 
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation, rendered by the chat template")
-    max_completion_tokens: json_int(ge=1) | None = Field(None, description="new tokens per choice (OpenAI's newer "
-                                                         "name for max_tokens; wins when both are set)")  # fmt: skip
+    max_completion_tokens: json_int(ge=1) | None = Field(
+        None, description="new tokens per choice (OpenAI's newer name for max_tokens; wins when both are set)"
+    )
     logprobs: StrictBool = Field(False, description="return the sampled tokens' log-probs")
     top_logprobs: TopLogprobs | None = Field(None, description="alternatives per token (needs logprobs: true)")
 

@@ -70,8 +70,10 @@ def set_vllm_env_defaults(device: str | None = None) -> None:
     """
     if "OMP_NUM_THREADS" not in os.environ:
         if "torch" in sys.modules:
-            log.warning("OMP_NUM_THREADS is not set and torch is already imported: vLLM's CPU kernels may use "
-                        "every core per step; set OMP_NUM_THREADS=1 in the environment")  # fmt: skip
+            log.warning(
+                "OMP_NUM_THREADS is not set and torch is already imported: vLLM's CPU kernels may use "
+                "every core per step; set OMP_NUM_THREADS=1 in the environment"
+            )
         os.environ["OMP_NUM_THREADS"] = "1"
     cpu = device == "cpu" or (device in (None, "auto") and not _has_accelerator())
     if not cpu:
@@ -268,8 +270,13 @@ class VllmEngine(EngineBase):
         self._features = await self._worker_features()
         self.staged_swap = self._decide_staged_swap()
         self._mark_loaded()
-        log.info("vLLM engine (%s) ready: %s, max_model_len %d; weight loading: %s", self.mode, self.model_path,
-                 self.max_model_len, self._features)  # fmt: skip
+        log.info(
+            "vLLM engine (%s) ready: %s, max_model_len %d; weight loading: %s",
+            self.mode,
+            self.model_path,
+            self.max_model_len,
+            self._features,
+        )
 
     def default_enforce_eager(self) -> bool:
         """Eager unless on CUDA with the staged swap off: vLLM's in-place reload copies each update into the
@@ -305,8 +312,9 @@ class VllmEngine(EngineBase):
     # ------------------------------------------------------------------------------------------------ inproc driver
 
     @staticmethod
-    def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any = None,
-                 error: BaseException | None = None) -> None:  # fmt: skip
+    def _resolve(
+        loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any = None, error: BaseException | None = None
+    ) -> None:
         def _set() -> None:
             if fut.done():
                 return
@@ -492,9 +500,17 @@ class VllmEngine(EngineBase):
                 if params.top_logprobs:  # each position's dict holds the sampled token and the top k by rank
                     top = [_top(d, params.top_logprobs) for d in (c.logprobs or [])]
                 reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "length"
-                samples.append(Sample(token_ids=ids, logprobs=lps, finish_reason=reason, text=c.text,
-                                      policy_version=version, stop_reason=c.stop_reason,
-                                      top_logprobs=top))  # fmt: skip
+                samples.append(
+                    Sample(
+                        token_ids=ids,
+                        logprobs=lps,
+                        finish_reason=reason,
+                        text=c.text,
+                        policy_version=version,
+                        stop_reason=c.stop_reason,
+                        top_logprobs=top,
+                    )
+                )
             results.append(PromptResult(prompt_token_ids=list(prompt), samples=samples))
         return results
 
@@ -600,19 +616,30 @@ class VllmEngine(EngineBase):
 
         if not self._features.get("engine_sessions"):
             return await super().receive_collective(group, ticket, header, per_bucket)
-        init = {"address": group.address, "port": group.port, "key": group.key, "timeout_s": group.timeout_s,
-                "ticket": ticket.hex(), "backend": group.backend}  # fmt: skip
+        init = {
+            "address": group.address,
+            "port": group.port,
+            "key": group.key,
+            "timeout_s": group.timeout_s,
+            "ticket": ticket.hex(),
+            "backend": group.backend,
+        }
         buckets = [
-            {"index": i, "nbytes": b.nbytes, "sha256": b.sha256,
-             "tensors": [[name, dt, list(shape)] for name, (dt, shape) in per_bucket[i].items()]}
+            {
+                "index": i,
+                "nbytes": b.nbytes,
+                "sha256": b.sha256,
+                "tensors": [[name, dt, list(shape)] for name, (dt, shape) in per_bucket[i].items()],
+            }
             for i, b in enumerate(header.buckets)
-        ]  # fmt: skip
+        ]
         try:
             await self._rpc("init_weight_transfer_engine", init)
             await self._session(buckets, finish=False)
         except GROUP_ERRORS as err:
-            raise IncompleteUpdate(f"the collective transfer into vLLM failed ({type(err).__name__}: {err}); "
-                                   "nothing was installed") from None  # fmt: skip
+            raise IncompleteUpdate(
+                f"the collective transfer into vLLM failed ({type(err).__name__}: {err}); nothing was installed"
+            ) from None
         return StagedInEngine.fromkeys(t.name for t in header.tensors), header.total_bytes
 
     async def swap_weights(self, *args: Any, **kwargs: Any) -> Any:
@@ -671,8 +698,9 @@ class VllmEngine(EngineBase):
             steps.clear()
         state = await self._shadow_idle()
         if state["error"] or state["staged"] != uid:
-            raise Internal(f"the update could not be staged beside the live weights ({state['error']}); "
-                           "nothing was installed")  # fmt: skip
+            raise Internal(
+                f"the update could not be staged beside the live weights ({state['error']}); nothing was installed"
+            )
         return _Shadowed(uid, in_engine, float(state["seconds"]))
 
     async def _shadow_idle(self) -> dict:
@@ -739,9 +767,15 @@ class VllmEngine(EngineBase):
             return await super().install_streamed(header, buckets)
 
     async def _stream_begin(self, header: Any) -> None:
-        log.info("weight update %d (%.2f GB, %d buckets, %s=%s): loading into the serving model bucket by bucket as "
-                 "it arrives; generation paused until it is complete", header.version, header.total_bytes / 1e9,
-                 len(header.buckets), INPLACE_ENV, self.inplace_load_bytes)  # fmt: skip
+        log.info(
+            "weight update %d (%.2f GB, %d buckets, %s=%s): loading into the serving model bucket by bucket as "
+            "it arrives; generation paused until it is complete",
+            header.version,
+            header.total_bytes / 1e9,
+            len(header.buckets),
+            INPLACE_ENV,
+            self.inplace_load_bytes,
+        )
         if self.staged_swap:  # its second copy of the weights is what this path avoids: give it back
             await self._rpc("rlhf_shadow_drop")
         await self._session([], finish=False)
@@ -782,8 +816,11 @@ class VllmEngine(EngineBase):
                 await self._async.collective_rpc("finish_weight_update")
             await areset_prefix_cache(self._async)
         self.load_path = "staged_swap"
-        log.info("vLLM weights swapped in (staged beside the live model in %.3fs, swap %.4fs)",
-                 staged.seconds, info["seconds"])  # fmt: skip
+        log.info(
+            "vLLM weights swapped in (staged beside the live model in %.3fs, swap %.4fs)",
+            staged.seconds,
+            info["seconds"],
+        )
 
 
 @dataclass

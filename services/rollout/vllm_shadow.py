@@ -247,16 +247,21 @@ class ShadowSwap:
             retie_shared_weights(shadow)  # a tied head's packed copy (see there)
         missing = {name for name, _ in shadow.named_parameters()} - self._loaded
         if missing:
-            raise StagingError(f"the update does not cover {len(missing)} of the model's parameters "
-                               f"(e.g. {sorted(missing)[:3]})")  # fmt: skip
+            raise StagingError(
+                f"the update does not cover {len(missing)} of the model's parameters (e.g. {sorted(missing)[:3]})"
+            )
         self._seconds = time.perf_counter() - self._t0
         self._staged = self._loading
 
     def poll(self) -> dict:
         """{"done", "error", "seconds"} of the last :meth:`stage`."""
         busy = self._thread is not None and self._thread.is_alive()
-        return {"done": not busy, "error": None if busy else self._error, "seconds": self._seconds,
-                "staged": self._staged}  # fmt: skip
+        return {
+            "done": not busy,
+            "error": None if busy else self._error,
+            "seconds": self._seconds,
+            "staged": self._staged,
+        }
 
     # ------------------------------------------------------------------ swapping
 

@@ -112,8 +112,9 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         from rlhf.transport.weights.collective import GroupSpec, join_group
 
         self._close()  # a group left by an update that was never finished
-        self.spec = GroupSpec(init_info.address, int(init_info.port), init_info.key, float(init_info.timeout_s),
-                              init_info.backend)  # fmt: skip
+        self.spec = GroupSpec(
+            init_info.address, int(init_info.port), init_info.key, float(init_info.timeout_s), init_info.backend
+        )
         self.pg = join_group(self.spec, bytes.fromhex(init_info.ticket), self._local_rank())
 
     def _local_rank(self) -> int:

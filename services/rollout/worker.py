@@ -190,8 +190,15 @@ class RolloutWorker:
     ) -> RolloutWorker:
         """Build from ServiceSettings (``RLHF_REDIS_URL`` etc.) and the ``RLHF_ROLLOUT_*`` variables."""
         env = os.environ if env is None else env
-        missing = [n for n, v in (("RLHF_REDIS_URL", settings.redis_url), ("RLHF_REWARD_ADDR", settings.reward_addr),
-                                  ("RLHF_REFERENCE_ADDR", settings.reference_addr)) if not v]  # fmt: skip
+        missing = [
+            n
+            for n, v in (
+                ("RLHF_REDIS_URL", settings.redis_url),
+                ("RLHF_REWARD_ADDR", settings.reward_addr),
+                ("RLHF_REFERENCE_ADDR", settings.reference_addr),
+            )
+            if not v
+        ]
         if missing:
             raise ValueError(f"rollout worker mode needs {', '.join(missing)}")
         run_id = settings.run_id or (cfg.run_id if cfg is not None else None)
@@ -212,9 +219,17 @@ class RolloutWorker:
             "ref_temperature": cfg.logprob_temperature if cfg is not None else None,
         }
         opts.update(kw)
-        return cls(engine, redis_url=settings.redis_url, run_id=run_id, reward_addr=settings.reward_addr,
-                   reference_addr=settings.reference_addr, replica_id=settings.replica_id, settings=settings,
-                   metrics=metrics, **opts)  # fmt: skip
+        return cls(
+            engine,
+            redis_url=settings.redis_url,
+            run_id=run_id,
+            reward_addr=settings.reward_addr,
+            reference_addr=settings.reference_addr,
+            replica_id=settings.replica_id,
+            settings=settings,
+            metrics=metrics,
+            **opts,
+        )
 
     # ------------------------------------------------------------------------------------------------ life cycle
 
@@ -253,8 +268,14 @@ class RolloutWorker:
         self._ref_ch = open_channel(self.reference_addr, self.settings)
         self._reward = reward_pb2_grpc.RewardServiceStub(self._reward_ch)
         self._ref = reference_pb2_grpc.ReferenceServiceStub(self._ref_ch)
-        log.info("rollout worker %s: run %s, reward %s, reference %s, up to %d jobs at once", self.replica_id,
-                 self.run_id, self.reward_addr, self.reference_addr, self.max_inflight_jobs)  # fmt: skip
+        log.info(
+            "rollout worker %s: run %s, reward %s, reference %s, up to %d jobs at once",
+            self.replica_id,
+            self.run_id,
+            self.reward_addr,
+            self.reference_addr,
+            self.max_inflight_jobs,
+        )
         try:
             while not self.engine.ready and not self._stop.is_set():
                 await asyncio.sleep(0.1)
@@ -284,9 +305,13 @@ class RolloutWorker:
             self._behind_since = now
         if now - self._behind_since >= self.catch_up_wait_s:
             if not self._gave_up:
-                log.warning("%s: no weights push within %.0f s (the run is at version %d): taking jobs with version "
-                            "%d", self.replica_id, self.catch_up_wait_s, self._published,
-                            self.engine.weights_version)  # fmt: skip
+                log.warning(
+                    "%s: no weights push within %.0f s (the run is at version %d): taking jobs with version %d",
+                    self.replica_id,
+                    self.catch_up_wait_s,
+                    self._published,
+                    self.engine.weights_version,
+                )
             self._gave_up = True
             return None
         self._gave_up = False
@@ -310,9 +335,13 @@ class RolloutWorker:
                     behind = await self._behind()
                     if behind is not None:
                         if not waiting:
-                            log.info("%s: serving weights version %d, the run is at %d: waiting for the trainer's "
-                                     "push before taking jobs", self.replica_id, self.engine.weights_version,
-                                     behind)  # fmt: skip
+                            log.info(
+                                "%s: serving weights version %d, the run is at %d: waiting for the trainer's "
+                                "push before taking jobs",
+                                self.replica_id,
+                                self.engine.weights_version,
+                                behind,
+                            )
                         waiting = True
                         await asyncio.wait({stop_wait}, timeout=0.2)
                         continue
@@ -339,15 +368,24 @@ class RolloutWorker:
                     error_backoff = 0.2
                 except Exception as err:  # redis down or restarting: keep trying, jobs stay safe in Redis
                     self._count_failure("redis")
-                    log.warning("%s: queue error (%s: %s); retrying in %.1fs", self.replica_id,
-                                type(err).__name__, err, error_backoff)  # fmt: skip
+                    log.warning(
+                        "%s: queue error (%s: %s); retrying in %.1fs",
+                        self.replica_id,
+                        type(err).__name__,
+                        err,
+                        error_backoff,
+                    )
                     await asyncio.sleep(error_backoff)
                     error_backoff = min(error_backoff * 2, 5.0)
                     continue
                 if records and not self._first_logged:  # what a late joiner starts with (tests/e2e/test_late_replica)
                     self._first_logged = True
-                    log.info("%s: first job with weights version %d (the run published %s)", self.replica_id,
-                             self.engine.weights_version, self._published)  # fmt: skip
+                    log.info(
+                        "%s: first job with weights version %d (the run published %s)",
+                        self.replica_id,
+                        self.engine.weights_version,
+                        self._published,
+                    )
                 for entry_id, job in records:
                     task = asyncio.create_task(self._run_job(entry_id, job), name=f"rollout-job-{job.job_id}")
                     self._inflight[entry_id] = task
@@ -452,7 +490,7 @@ class RolloutWorker:
                     prompt_ids=prompt_ids,
                     response_ids=s.token_ids,
                     finished=s.finish_reason == "stop",
-                )  # fmt: skip
+                )
                 for s, text in zip(samples, texts, strict=True)
             ]
         )
@@ -470,8 +508,10 @@ class RolloutWorker:
             self._call("reference", self._ref.LogProbs, ref_req),
         )
         if len(scores.results) != len(samples) or len(refs.results) != len(samples):
-            raise JobFailed("bad_response", f"{len(samples)} samples, {len(scores.results)} scores, "
-                                            f"{len(refs.results)} reference results")  # fmt: skip
+            raise JobFailed(
+                "bad_response",
+                f"{len(samples)} samples, {len(scores.results)} scores, {len(refs.results)} reference results",
+            )
 
         exp = experience_pb2.Experience(
             job_id=job.job_id,
@@ -488,8 +528,10 @@ class RolloutWorker:
             exp.label = label
         for s, text, sc, ref in zip(samples, texts, scores.results, refs.results, strict=True):
             if len(ref.logprobs) != len(s.token_ids):
-                raise JobFailed("bad_response", f"reference gave {len(ref.logprobs)} log-probs for "
-                                                f"{len(s.token_ids)} response tokens")  # fmt: skip
+                raise JobFailed(
+                    "bad_response",
+                    f"reference gave {len(ref.logprobs)} log-probs for {len(s.token_ids)} response tokens",
+                )
             exp.samples.append(
                 experience_pb2.Sample(
                     response_ids=s.token_ids,

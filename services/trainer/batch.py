@@ -35,9 +35,14 @@ class RolloutBatch:
 
     # What crosses to the other ranks of a group (group.py): ``responses`` is a view of ``query_responses``.
     WIRE_FIELDS = (
-        "query_responses", "sampling_logprobs", "ref_logprobs", "scores", "group", "policy_versions",
+        "query_responses",
+        "sampling_logprobs",
+        "ref_logprobs",
+        "scores",
+        "group",
+        "policy_versions",
         "has_sampling_logprobs",
-    )  # fmt: skip
+    )
 
     def wire_tensors(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.WIRE_FIELDS]

@@ -128,8 +128,9 @@ def _save_policy(engine, directory: Path) -> None:
         engine.actor.get_base_model().config.save_pretrained(directory)
         # in the checkpoint layout, as save_pretrained writes it: a tie's alias once, fused tensors split back
         merged = engine.export.layout.to_checkpoint(merged_state_dict(engine.actor))
-        save_file({k: v.contiguous() for k, v in merged.items()}, directory / "model.safetensors",
-                  metadata={"format": "pt"})  # fmt: skip
+        save_file(
+            {k: v.contiguous() for k, v in merged.items()}, directory / "model.safetensors", metadata={"format": "pt"}
+        )
     else:
         engine.actor.save_pretrained(directory, safe_serialization=True)
     engine.tokenizer.save_pretrained(directory)
@@ -237,8 +238,10 @@ def _load_adapter(model: torch.nn.Module, file: Path) -> None:
     weights = load_file(file)
     wanted = {k for k in model.state_dict() if ".lora_" in k}
     if set(weights) != wanted:
-        raise ValueError(f"{file} does not match the adapters: missing {sorted(wanted - set(weights))[:5]}, "
-                         f"unexpected {sorted(set(weights) - wanted)[:5]}")  # fmt: skip
+        raise ValueError(
+            f"{file} does not match the adapters: missing {sorted(wanted - set(weights))[:5]}, "
+            f"unexpected {sorted(set(weights) - wanted)[:5]}"
+        )
     model.load_state_dict(weights, strict=False)
 
 

@@ -414,10 +414,13 @@ class TrainerEngine:
             run = pool.submit if pool else lambda fn, *args: _Done(fn(*args))
             # Minibatch orders are drawn first, actor's first, so the shared generator gives the same orders
             # whether the critic runs alongside or after the actor and whether the first pass is reused.
-            actor_mbs = [list(self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch))
-                         for _ in range(a.ppo_epochs)]  # fmt: skip
-            critic_mbs = [list(self._minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch))
-                          for _ in range(c.critic_update_epochs)]  # fmt: skip
+            actor_mbs = [
+                list(self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch)) for _ in range(a.ppo_epochs)
+            ]
+            critic_mbs = [
+                list(self._minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch))
+                for _ in range(c.critic_update_epochs)
+            ]
             # OpenRLHF's freezing_actor_steps: the critic learns values of a fixed policy before the actor moves
             frozen = self.state.step < a.freezing_actor_steps
             first_a = first_c = None  # the rows whose old pass is their first update's forward (see __init__)
@@ -525,8 +528,14 @@ class TrainerEngine:
             )
             entropy = algo.masked_mean(entropies, mask)
             loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
-            _append(stats, {"loss/policy": pg_loss.item(), "policy/entropy": entropy.item(),
-                            **{f"policy/{k}": v.item() for k, v in pg_stats.items()}})  # fmt: skip
+            _append(
+                stats,
+                {
+                    "loss/policy": pg_loss.item(),
+                    "policy/entropy": entropy.item(),
+                    **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
+                },
+            )
             return weight * loss
 
         self._actor_epochs(minibatches, a.micro_batch_size, micro_loss, stats)
@@ -580,10 +589,19 @@ class TrainerEngine:
         mismatch = self._mismatch(b, old_logprobs, algo.completion_mask(b.responses, self.eos_id, self.pad_id)[1])
         old_logprobs = torch.where(mask, old_logprobs, zero)
         advantages, kl = algo.critic_free_advantages(
-            estimator, scores, b.group, old_logprobs, ref, mask, rloo_convention=alg.rloo_convention,
-            kl_estimator=alg.kl_penalty, beta=beta, scale_rewards=alg.scale_rewards, whiten=alg.whiten_advantages,
+            estimator,
+            scores,
+            b.group,
+            old_logprobs,
+            ref,
+            mask,
+            rloo_convention=alg.rloo_convention,
+            kl_estimator=alg.kl_penalty,
+            beta=beta,
+            scale_rewards=alg.scale_rewards,
+            whiten=alg.whiten_advantages,
             gamma=alg.gamma,
-        )  # fmt: skip
+        )
         behavior = self._behavior(b, old_logprobs)
         if trl_rloo:
             old_seq = algo.masked_sum(old_logprobs, mask, dim=1)
@@ -611,20 +629,36 @@ class TrainerEngine:
                 entropy_mask = algo.top_entropy_mask(entropies, mask[mb], alg.top_entropy_quantile)
             if trl_rloo:
                 pg_loss, pg_stats = algo.rloo_trl_loss(
-                    new_logprobs, old_seq[mb], advantages[mb], mask[mb], epsilon=a.clip_ratio,
-                    epsilon_high=a.clip_ratio_high, tis_cap=a.tis_cap,
+                    new_logprobs,
+                    old_seq[mb],
+                    advantages[mb],
+                    mask[mb],
+                    epsilon=a.clip_ratio,
+                    epsilon_high=a.clip_ratio_high,
+                    tis_cap=a.tis_cap,
                     behavior_sequence_logprobs=None if behavior is None else behavior_seq[mb],
-                )  # fmt: skip
+                )
             else:
                 pg_loss, pg_stats = algo.grpo_loss(
-                    new_logprobs, old_logprobs[mb], advantages[mb], mask[mb], loss_type=alg.loss_type,
-                    epsilon=a.clip_ratio, epsilon_high=a.clip_ratio_high,
-                    importance_sampling_level=alg.importance_sampling_level, ref_logprobs=ref[mb],
-                    beta=beta if kl_in_loss else 0.0, kl_estimator=alg.kl_penalty,
-                    use_bias_correction_kl=alg.use_bias_correction_kl, entropy_mask=entropy_mask,
-                    max_completion_length=cfg.max_new_tokens, num_items=num_items, dual_clip=a.dual_clip,
-                    behavior_logprobs=None if behavior is None else behavior[mb], tis_cap=a.tis_cap,
-                )  # fmt: skip
+                    new_logprobs,
+                    old_logprobs[mb],
+                    advantages[mb],
+                    mask[mb],
+                    loss_type=alg.loss_type,
+                    epsilon=a.clip_ratio,
+                    epsilon_high=a.clip_ratio_high,
+                    importance_sampling_level=alg.importance_sampling_level,
+                    ref_logprobs=ref[mb],
+                    beta=beta if kl_in_loss else 0.0,
+                    kl_estimator=alg.kl_penalty,
+                    use_bias_correction_kl=alg.use_bias_correction_kl,
+                    entropy_mask=entropy_mask,
+                    max_completion_length=cfg.max_new_tokens,
+                    num_items=num_items,
+                    dual_clip=a.dual_clip,
+                    behavior_logprobs=None if behavior is None else behavior[mb],
+                    tis_cap=a.tis_cap,
+                )
             kept = mask[mb] if entropy_mask is None else entropy_mask
             weight = optim.micro_weight(kind, mask[mb], mask[whole])
             loss = weight * pg_loss
@@ -691,25 +725,38 @@ class TrainerEngine:
             sums = algo.masked_sum(logprobs, mask[rows], dim=1)
             n = len(pairs)
             loss, dpo_stats = algo.dpo_loss(
-                sums[:n], sums[n:], ref_sums[chosen[pairs]], ref_sums[rejected[pairs]],
-                beta=cfg.algorithm.dpo_beta, loss_type=cfg.algorithm.dpo_loss_type,
-            )  # fmt: skip
+                sums[:n],
+                sums[n:],
+                ref_sums[chosen[pairs]],
+                ref_sums[rejected[pairs]],
+                beta=cfg.algorithm.dpo_beta,
+                loss_type=cfg.algorithm.dpo_loss_type,
+            )
             total = optim.micro_weight("rows", pairs, whole) * loss
             entropy = algo.masked_mean(entropies, mask[rows])
             if a.entropy_coeff:  # the seeds' entropy bonus, a token mean over both answers of the minibatch's pairs
                 whole_rows = torch.cat([chosen[whole], rejected[whole]])
                 total = total - a.entropy_coeff * optim.micro_weight("tokens", mask[rows], mask[whole_rows]) * entropy
             kl = algo.masked_sum(logprobs.detach() - ref_logprobs[rows], mask[rows], dim=1).mean()
-            _append(stats, {"loss/dpo": loss.item(), "policy/entropy": entropy.item(), "objective/kl": kl.item(),
-                            **{k: v.item() for k, v in dpo_stats.items()}})  # fmt: skip
+            _append(
+                stats,
+                {
+                    "loss/dpo": loss.item(),
+                    "policy/entropy": entropy.item(),
+                    "objective/kl": kl.item(),
+                    **{k: v.item() for k, v in dpo_stats.items()},
+                },
+            )
             return total
 
         # ppo_mini_batch_size and micro_batch_size count samples: a pair is two
         pairs_per_step = max(1, a.ppo_mini_batch_size // 2)
         micro_pairs = None if a.micro_batch_size is None else max(1, a.micro_batch_size // 2)
         dev = b.responses.device
-        epochs = ((mb.to(dev) for mb in self._minibatches(P, pairs_per_step, a.shuffle_minibatch))
-                  for _ in range(a.ppo_epochs))  # fmt: skip
+        epochs = (
+            (mb.to(dev) for mb in self._minibatches(P, pairs_per_step, a.shuffle_minibatch))
+            for _ in range(a.ppo_epochs)
+        )
         self._actor_epochs(epochs, micro_pairs, micro_loss, stats)
         metrics = {k: sum(v) / len(v) for k, v in stats.items()}
         metrics["objective/scores_margin"] = (scores[chosen] - scores[rejected]).mean().item()

@@ -143,8 +143,13 @@ class Fleet:
         if creds is not None:  # TLS ring: verify each replica against its service's name, not its pod address
             names = await asyncio.to_thread(_tls_names, self.settings.rollout_addrs)
             tls = {"tls": creds, "server_names": names}
-        kw = {"token": self.settings.api_token, "timeout": 120.0, "transport": self.settings.weights_transport,
-              **tls, **self._collective}  # fmt: skip
+        kw = {
+            "token": self.settings.api_token,
+            "timeout": 120.0,
+            "transport": self.settings.weights_transport,
+            **tls,
+            **self._collective,
+        }
         if packed is None:
             packed = self.engine.policy_stream(self.engine.policy_version)
             results = await push_weights_streamed(addrs, packed, **kw)
@@ -190,8 +195,13 @@ class Fleet:
                         key = (addr, published)
                         say = log.debug if key in self._announced else log.info
                         self._announced.add(key)
-                        say("replica %s serves version %d, the run is at %d: pushing version %d", addr, served,
-                            published, self.engine.policy_version)  # fmt: skip
+                        say(
+                            "replica %s serves version %d, the run is at %d: pushing version %d",
+                            addr,
+                            served,
+                            published,
+                            self.engine.policy_version,
+                        )
                     if self.engine.group is not None:  # streamed: the weights may not change until it is done
                         await self._push_to(targets, None)
                         continue

@@ -15,13 +15,20 @@ def build_app(trainer: Trainer, settings: ServiceSettings, metrics: ServiceMetri
     admin = [Depends(http_token_dependency(settings))]
 
     # 503: Redis unreachable (status) or the trainer still starting (checkpoint); 401/403 come with the token check
-    @app.get("/v1/status", summary="step, policy version, queue depths, staleness and the last step's metrics",
-             responses=http_error_responses(503))  # fmt: skip
+    @app.get(
+        "/v1/status",
+        summary="step, policy version, queue depths, staleness and the last step's metrics",
+        responses=http_error_responses(503),
+    )
     async def status() -> dict:
         return MessageToDict(await trainer.status(), preserving_proto_field_name=True)
 
-    @app.post("/v1/checkpoint", dependencies=admin, summary="write a checkpoint now (token required)",
-              responses=http_error_responses(503))  # fmt: skip
+    @app.post(
+        "/v1/checkpoint",
+        dependencies=admin,
+        summary="write a checkpoint now (token required)",
+        responses=http_error_responses(503),
+    )
     async def checkpoint() -> dict:
         path = await trainer.checkpoint()
         return {"path": str(path), "step": trainer.engine.step_count}

@@ -68,8 +68,15 @@ class Trainer:
         self.redis = connect(self.settings.redis_url)
         self.experience = ExperienceQueue(self.redis, self.run_id)
         self.publisher = Publisher(self.cfg, self.run_id, self.redis, self.engine.tokenizer, self.paused)
-        self.fleet = Fleet(self.settings, self.engine, self.publisher, self._state_lock, self.run_dir / EVENTS,
-                           self._stop_ring, collective)  # fmt: skip
+        self.fleet = Fleet(
+            self.settings,
+            self.engine,
+            self.publisher,
+            self._state_lock,
+            self.run_dir / EVENTS,
+            self._stop_ring,
+            collective,
+        )
         ckpt = self.cfg.training.load or latest_checkpoint(self.ckpt_dir)
         trained, data = 0, None
         if ckpt:
@@ -212,8 +219,13 @@ class Trainer:
         self.publisher.consumed(len(stale))
         self.stale_dropped += len(stale)
         say = log.debug if self.fleet.waiting else log.info  # while waiting, the waiting line says why; once
-        say("dropped %d record(s) staler than max_staleness %d before step %d (%s steps behind)", len(stale),
-                 bound, self.engine.step_count + 1, max(behind))  # fmt: skip
+        say(
+            "dropped %d record(s) staler than max_staleness %d before step %d (%s steps behind)",
+            len(stale),
+            bound,
+            self.engine.step_count + 1,
+            max(behind),
+        )
         return len(stale)
 
     def _check_scoring(self, experiences: list[experience_pb2.Experience], failed_fraction: float) -> None:
@@ -226,12 +238,19 @@ class Trainer:
             return
         self._failed_steps = getattr(self, "_failed_steps", 0) + 1
         detail = score_failures(experiences)
-        log.warning("%.0f%% of this step's samples failed scoring (%d/%d steps in a row): %s", 100 * failed_fraction,
-                    self._failed_steps, r.failed_patience, detail)  # fmt: skip
+        log.warning(
+            "%.0f%% of this step's samples failed scoring (%d/%d steps in a row): %s",
+            100 * failed_fraction,
+            self._failed_steps,
+            r.failed_patience,
+            detail,
+        )
         if self._failed_steps >= r.failed_patience:
-            self._stop_ring(f"more than {100 * r.max_failed_fraction:.0f}% of the samples failed scoring for "
-                            f"{r.failed_patience} steps in a row (reward.max_failed_fraction, reward.failed_patience): "
-                            f"{detail}")  # fmt: skip
+            self._stop_ring(
+                f"more than {100 * r.max_failed_fraction:.0f}% of the samples failed scoring for "
+                f"{r.failed_patience} steps in a row (reward.max_failed_fraction, reward.failed_patience): "
+                f"{detail}"
+            )
 
     def _check_mismatch(self, metrics: dict[str, float]) -> None:
         """Stop the run (exit ``runlog.EXIT_STOPPED_BY_RULE``) when ``mismatch/kl`` is over
@@ -260,17 +279,26 @@ class Trainer:
             f"{t.max_mismatch_kl:g}" + (f" ({by_replica})" if by_replica else "")
         )
         if truncated:
-            log.warning("%s; expected with top_p %g / top_k %d (the sampling log-probs are of the truncated "
-                        "distribution), so the run goes on", detail, a.top_p, a.top_k)  # fmt: skip
+            log.warning(
+                "%s; expected with top_p %g / top_k %d (the sampling log-probs are of the truncated "
+                "distribution), so the run goes on",
+                detail,
+                a.top_p,
+                a.top_k,
+            )
             return
-        meaning = ("these samples were not drawn from the weights their version names: most likely a rollout replica "
-                   "acknowledged a weight push but serves other weights (a load that failed silently; restart it), "
-                   "or the engine computes another distribution than the trainer (dtype, kernels, sampling "
-                   "parameters)")  # fmt: skip
+        meaning = (
+            "these samples were not drawn from the weights their version names: most likely a rollout replica "
+            "acknowledged a weight push but serves other weights (a load that failed silently; restart it), "
+            "or the engine computes another distribution than the trainer (dtype, kernels, sampling "
+            "parameters)"
+        )
         log.warning("%s (%d/%d steps in a row)", detail, self._mismatch_steps, t.mismatch_patience)
         if self._mismatch_steps >= t.mismatch_patience:
-            self._stop_ring(f"trainer-inference mismatch over training.max_mismatch_kl for {self._mismatch_steps} "
-                            f"steps in a row (training.mismatch_patience): {detail}; {meaning}")  # fmt: skip
+            self._stop_ring(
+                f"trainer-inference mismatch over training.max_mismatch_kl for {self._mismatch_steps} "
+                f"steps in a row (training.mismatch_patience): {detail}; {meaning}"
+            )
 
     async def _dead_letter(self, entry_id: str, exp: experience_pb2.Experience, reason: str) -> None:
         """Move an experience record the trainer cannot use to the dead letters (acknowledged there; its job's
@@ -302,8 +330,13 @@ class Trainer:
                         culprits.append((entry_id, exp, f"{type(own).__name__}: {own}"))
                 if not culprits:
                     raise
-                log.warning("step %d failed (%s: %s); retrying without %d record(s)",
-                            self.engine.step_count + 1, type(err).__name__, err, len(culprits))  # fmt: skip
+                log.warning(
+                    "step %d failed (%s: %s); retrying without %d record(s)",
+                    self.engine.step_count + 1,
+                    type(err).__name__,
+                    err,
+                    len(culprits),
+                )
                 for entry_id, exp, reason in culprits:
                     await self._dead_letter(entry_id, exp, f"the update step failed on this record: {reason}")
                 bad = {entry_id for entry_id, _, _ in culprits}
@@ -462,6 +495,12 @@ def _completion_rows(experiences: list[experience_pb2.Experience], limit: int = 
         if exp.samples:
             s = exp.samples[0]
             ok = s.score_status == common_pb2.ITEM_STATUS_OK
-            rows.append({"prompt": exp.prompt_text, "response": s.response_text, "reward": s.score if ok else None,
-                         "policy_version": s.policy_version})  # fmt: skip
+            rows.append(
+                {
+                    "prompt": exp.prompt_text,
+                    "response": s.response_text,
+                    "reward": s.score if ok else None,
+                    "policy_version": s.policy_version,
+                }
+            )
     return rows

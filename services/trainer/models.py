@@ -24,8 +24,10 @@ def refuse_in_group(cfg: ExperimentConfig) -> None:
     }
     used = [k for k, v in one_process.items() if v]
     if used:
-        raise ValueError(f"{', '.join(used)}: built for a one-process trainer; run without torchrun (or "
-                         "--trainer-procs 1), or turn these off")  # fmt: skip
+        raise ValueError(
+            f"{', '.join(used)}: built for a one-process trainer; run without torchrun (or "
+            "--trainer-procs 1), or turn these off"
+        )
 
 
 def load_actor(cfg: ExperimentConfig, path: str, device: torch.device, group: dist.Group | None) -> torch.nn.Module:

@@ -73,8 +73,14 @@ def adamw(model: torch.nn.Module, role: RoleOptim, fused: bool) -> torch.optim.A
 def set_lr(opt: torch.optim.Optimizer, role: RoleOptim, step: int, total_steps: int) -> float:
     """Set every parameter group of ``opt`` to the scheduled rate of training step ``step`` (0-based); returns it.
     Stateless (a function of the step), so a resumed run continues the schedule from its step count."""
-    value = lr_at(step, lr=role.lr, min_lr=role.min_lr, total_steps=total_steps,
-                  warmup_fraction=role.warmup_fraction, style=role.decay_style)  # fmt: skip
+    value = lr_at(
+        step,
+        lr=role.lr,
+        min_lr=role.min_lr,
+        total_steps=total_steps,
+        warmup_fraction=role.warmup_fraction,
+        style=role.decay_style,
+    )
     for group in opt.param_groups:
         group["lr"] = value
     return value

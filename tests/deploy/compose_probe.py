@@ -108,29 +108,51 @@ def _expect(cond: bool, what: str, body) -> None:
 def cmd_rest(rollout: str, reward: str, reference: str) -> None:
     """The calls of the Rollout, Reward and Reference sections of docs/services.md, through the published ports."""
     base = "http://127.0.0.1:"
-    status, body = http("POST", base + rollout + "/v1/completions", {
-        "model": "tiny:policy", "prompt": "User: what is 1 plus 2?\nAssistant:", "max_tokens": 8, "seed": 3,
-        "logprobs": 1, "return_token_ids": True})  # fmt: skip
+    status, body = http(
+        "POST",
+        base + rollout + "/v1/completions",
+        {
+            "model": "tiny:policy",
+            "prompt": "User: what is 1 plus 2?\nAssistant:",
+            "max_tokens": 8,
+            "seed": 3,
+            "logprobs": 1,
+            "return_token_ids": True,
+        },
+    )
     choice = body.get("choices", [{}])[0] if isinstance(body, dict) else {}
     _expect(status == 200 and len(choice.get("token_ids", [])) >= 1, "rollout /v1/completions", body)
     _expect(len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"]), "completions logprobs", body)
-    status, body = http("POST", base + rollout + "/v1/generate",
-                        {"prompt_token_ids": [[2, 5, 6, 7]], "n": 2, "max_tokens": 4, "seed": 1})  # fmt: skip
+    status, body = http(
+        "POST",
+        base + rollout + "/v1/generate",
+        {"prompt_token_ids": [[2, 5, 6, 7]], "n": 2, "max_tokens": 4, "seed": 1},
+    )
     ok = status == 200 and len(body["results"][0]["completions"]) == 2
-    _expect(ok and all(len(c["logprobs"]) == len(c["token_ids"]) > 0 for c in body["results"][0]["completions"]),
-            "rollout /v1/generate", body)  # fmt: skip
+    _expect(
+        ok and all(len(c["logprobs"]) == len(c["token_ids"]) > 0 for c in body["results"][0]["completions"]),
+        "rollout /v1/generate",
+        body,
+    )
     status, body = http("POST", base + rollout + "/v1/completions", {"prompt": [2, 5, 600]})
     _expect(status == 400 and body["error"]["type"] == "invalid_argument", "rollout rejects id 600 with 400", body)
-    status, body = http("POST", base + reward + "/v1/score",
-                        {"items": [{"prompt": "what is 1 plus 2?", "response": " 3"}]})  # fmt: skip
-    _expect(status == 200 and body["results"][0] == {"score": 1.0, "status": "ok", "error": None,
-            "components": {"char_fraction": 1.0}}, "reward /v1/score", body)  # fmt: skip
-    status, body = http("POST", base + reference + "/v1/logprobs",
-                        {"items": [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9]}]})  # fmt: skip
+    status, body = http(
+        "POST", base + reward + "/v1/score", {"items": [{"prompt": "what is 1 plus 2?", "response": " 3"}]}
+    )
+    _expect(
+        status == 200
+        and body["results"][0] == {"score": 1.0, "status": "ok", "error": None, "components": {"char_fraction": 1.0}},
+        "reward /v1/score",
+        body,
+    )
+    status, body = http(
+        "POST", base + reference + "/v1/logprobs", {"items": [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9]}]}
+    )
     lps = body["results"][0]["logprobs"] if status == 200 else []
     _expect(len(lps) == 2 and all(lp < 0 for lp in lps), "reference /v1/logprobs", body)
-    status, body = http("POST", base + reference + "/v1/logprobs",
-                        {"items": [{"prompt_ids": [5, 6, 7], "response_ids": [8, 600]}]})  # fmt: skip
+    status, body = http(
+        "POST", base + reference + "/v1/logprobs", {"items": [{"prompt_ids": [5, 6, 7], "response_ids": [8, 600]}]}
+    )
     _expect(status == 400, "reference rejects id 600 with 400", body)
     print("REST ok: rollout completions/generate (+400 on a bad id), reward score, reference logprobs (+400)")
 
@@ -139,8 +161,14 @@ def cmd_status(trainer: str) -> None:
     status, body = http("GET", f"http://127.0.0.1:{trainer}/v1/status", timeout=10)
     if status != 200:
         fail(f"trainer /v1/status answered {status}: {body}")
-    print(json.dumps({"step": int(body.get("step", 0)), "policy_version": int(body.get("policyVersion", body.get(
-        "policy_version", 0)))}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "step": int(body.get("step", 0)),
+                "policy_version": int(body.get("policyVersion", body.get("policy_version", 0))),
+            }
+        )
+    )
 
 
 def cmd_version(rollout: str) -> None:
@@ -201,16 +229,33 @@ def cmd_ledger(run_dir: str, config: str) -> None:
         fail(f"{len(untrained)} issued job(s) never trained, not only the last {window} in flight: {untrained[:3]}")
     if len(trained) != iters * batch:
         fail(f"{len(trained)} jobs trained in {iters} steps of {batch}")
-    print(json.dumps({
-        "steps": len(steps), "checkpoints": saved, "last": ckpt.name, "policy_version": state["policy_version"],
-        "jobs_issued": len(issued), "jobs_trained": len(trained), "jobs_trained_twice": twice,
-        "jobs_dropped_stale": len(dropped), "jobs_in_flight_at_end": len(untrained),
-        "final_reward_mean": metrics[-1].get("reward/mean")}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "steps": len(steps),
+                "checkpoints": saved,
+                "last": ckpt.name,
+                "policy_version": state["policy_version"],
+                "jobs_issued": len(issued),
+                "jobs_trained": len(trained),
+                "jobs_trained_twice": twice,
+                "jobs_dropped_stale": len(dropped),
+                "jobs_in_flight_at_end": len(untrained),
+                "final_reward_mean": metrics[-1].get("reward/mean"),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
-    commands = {"order": cmd_order, "ready": cmd_ready, "rest": cmd_rest, "status": cmd_status,
-                "version": cmd_version, "ledger": cmd_ledger}  # fmt: skip
+    commands = {
+        "order": cmd_order,
+        "ready": cmd_ready,
+        "rest": cmd_rest,
+        "status": cmd_status,
+        "version": cmd_version,
+        "ledger": cmd_ledger,
+    }
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         print(__doc__, file=sys.stderr)
         sys.exit(2)

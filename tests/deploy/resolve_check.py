@@ -114,9 +114,26 @@ def resolve(v: Variant, requirements: list[str]) -> tuple[bool, str, float]:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-               "--target", str(Path(tmp) / "target"), "--report", str(report), "--only-binary=:all:",
-               "--python-version", v.python, "--implementation", "cp", "--progress-bar", "off"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--target",
+            str(Path(tmp) / "target"),
+            "--report",
+            str(report),
+            "--only-binary=:all:",
+            "--python-version",
+            v.python,
+            "--implementation",
+            "cp",
+            "--progress-bar",
+            "off",
+        ]
         for p in platforms(v.arch, v.glibc):
             cmd += ["--platform", p]
         proc = subprocess.run([*cmd, *v.base, *requirements], capture_output=True, text=True)

@@ -126,9 +126,16 @@ def _torchrun_args(container: dict):
 def test_multi_node_trainer_renders_two_nodes_by_two_processes(helm):
     """2 nodes x 2 GPUs: one pod per node, torchrun's own parser reads a c10d rendezvous on pod 0's stable name."""
     r = render(
-        helm, "-f", "k8s/examples/values-gpu.yaml", "--set", "trainer.torchrun.nnodes=2",
-        "--set", "trainer.torchrun.nprocPerNode=2", "--set", "trainer.accelerator.count=2",
-    )  # fmt: skip
+        helm,
+        "-f",
+        "k8s/examples/values-gpu.yaml",
+        "--set",
+        "trainer.torchrun.nnodes=2",
+        "--set",
+        "trainer.torchrun.nprocPerNode=2",
+        "--set",
+        "trainer.accelerator.count=2",
+    )
     workload = r.component("Job", "trainer")
     name = workload["metadata"]["name"]
     assert workload["spec"]["completions"] == workload["spec"]["parallelism"] == 2
@@ -145,8 +152,9 @@ def test_multi_node_trainer_renders_two_nodes_by_two_processes(helm):
 
 
 def test_trainer_needs_one_device_per_process(helm):
-    proc = helm_template(helm, "-f", "k8s/examples/values-gpu.yaml", "--set", "trainer.torchrun.nprocPerNode=2",
-                         check=False)  # fmt: skip
+    proc = helm_template(
+        helm, "-f", "k8s/examples/values-gpu.yaml", "--set", "trainer.torchrun.nprocPerNode=2", check=False
+    )
     assert proc.returncode != 0 and "must equal trainer.torchrun.nprocPerNode" in proc.stderr
 
 
@@ -179,8 +187,15 @@ def test_omp_threads_follow_each_containers_cpu(helm, rendered):
         cpu = str(res.get("limits", {}).get("cpu") or res.get("requests", {}).get("cpu") or "1")
         want = max(1, int(cpu[:-1]) // 1000) if cpu.endswith("m") else max(1, int(float(cpu)))
         assert env_of(c)["OMP_NUM_THREADS"]["value"] == str(want), comp
-    r = render(helm, "--set", "trainer.resources.limits.cpu=3500m", "--set", "reward.resources.requests.cpu=250m",
-               "--set-json", 'reference.env=[{"name": "OMP_NUM_THREADS", "value": "5"}]')  # fmt: skip
+    r = render(
+        helm,
+        "--set",
+        "trainer.resources.limits.cpu=3500m",
+        "--set",
+        "reward.resources.requests.cpu=250m",
+        "--set-json",
+        'reference.env=[{"name": "OMP_NUM_THREADS", "value": "5"}]',
+    )
     envs = {comp: containers(w)[0]["env"] for comp, w in r.service_workloads().items()}
     assert env_of({"env": envs["trainer"]})["OMP_NUM_THREADS"]["value"] == "3"
     assert env_of({"env": envs["reward"]})["OMP_NUM_THREADS"]["value"] == "1"
@@ -250,8 +265,16 @@ SENTINEL = (
     "--set",
     "rollout.autoscaling.keda.enabled=true",
 )
-CLUSTER = ("--set", "redis.enabled=false", "--set", "redis.external.cluster.addresses={n1.redis:6379}",
-           "--set", "redis.external.tls=true", "--set", "rollout.autoscaling.keda.enabled=true")  # fmt: skip
+CLUSTER = (
+    "--set",
+    "redis.enabled=false",
+    "--set",
+    "redis.external.cluster.addresses={n1.redis:6379}",
+    "--set",
+    "redis.external.tls=true",
+    "--set",
+    "rollout.autoscaling.keda.enabled=true",
+)
 
 
 def _redis_env(r) -> dict:
@@ -301,14 +324,25 @@ def test_external_cluster_builds_the_url_the_services_parse(helm):
     ("extra", "message"),
     [
         (("--set", "redis.external.url=redis://h:6379/0"), "set one of url/existingSecret, sentinel.addresses"),
-        (("--set", "redis.external.url=redis://h:6379/0", "--set", "redis.external.cluster.addresses={n1:6379}"),
-         "(got url, sentinel, cluster)"),
-        (("--set", "redis.external.waitReplicas=1", "--set", "redis.external.sentinel.addresses=null",
-          "--set", "redis.external.url=redis://h:6379/0"), "put wait_replicas=N in the URL"),
+        (
+            ("--set", "redis.external.url=redis://h:6379/0", "--set", "redis.external.cluster.addresses={n1:6379}"),
+            "(got url, sentinel, cluster)",
+        ),
+        (
+            (
+                "--set",
+                "redis.external.waitReplicas=1",
+                "--set",
+                "redis.external.sentinel.addresses=null",
+                "--set",
+                "redis.external.url=redis://h:6379/0",
+            ),
+            "put wait_replicas=N in the URL",
+        ),
         (("--set", "redis.enabled=true"), "apply with redis.enabled=false"),
         (("--set", "redis.external.sentinel.addresses={s1}"), "values don't meet the specifications of the schema"),
     ],
-)  # fmt: skip
+)
 def test_external_redis_values_that_would_be_ignored_are_refused(helm, extra, message):
     proc = helm_template(helm, *SENTINEL, *extra, check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-600:]
@@ -402,8 +436,12 @@ def test_tls_gives_the_clients_the_ca(rendered, helm):
         (c,) = containers(rendered["default"].component(kind, comp))
         assert "RLHF_TLS_CA" not in env_of(c)
     tls = render(helm, "--set", "tls.enabled=true", "--set", "tls.existingSecret=t", "--set", "tls.caKey=root.pem")
-    for comp, kind in (("rollout", "Deployment"), ("trainer", "Job"), ("reward", "Deployment"),
-                       ("reference", "Deployment")):  # fmt: skip
+    for comp, kind in (
+        ("rollout", "Deployment"),
+        ("trainer", "Job"),
+        ("reward", "Deployment"),
+        ("reference", "Deployment"),
+    ):
         (c,) = containers(tls.component(kind, comp))
         env = env_of(c)
         assert env["RLHF_TLS_CERT"]["value"] == "/etc/rlhf-tls/tls.crt"
@@ -639,11 +677,20 @@ def test_weight_sync_transport_per_accelerator(rendered, example, backend):
     ("extra", "message"),
     [
         (("--set", "weightSync.collectiveBackend=nccl"), "applies with weightSync.transport=collective only"),
-        (("--set", "weightSync.transport=collective", "--set", "tls.enabled=true", "--set",
-          "tls.existingSecret=rlhf-tls"), "sends weights in plaintext"),
+        (
+            (
+                "--set",
+                "weightSync.transport=collective",
+                "--set",
+                "tls.enabled=true",
+                "--set",
+                "tls.existingSecret=rlhf-tls",
+            ),
+            "sends weights in plaintext",
+        ),
         (("--set", "weightSync.transport=nccl"), "values don't meet the specifications of the schema"),
     ],
-)  # fmt: skip
+)
 def test_weight_sync_values_that_would_be_ignored_or_refused_fail_the_render(helm, extra, message):
     proc = helm_template(helm, *extra, check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-600:]
@@ -714,8 +761,14 @@ def test_invalid_ascend_soc_fails_the_render(helm, soc):
 
 
 HCCL = ("--set", "weightSync.transport=collective", "--set", "weightSync.collectiveBackend=hccl")
-HOSTNET = ("--set", "weightSync.hostNetwork=true", "--set", "rollout.replicas=1",
-           "--set-json", 'networkPolicy.nodesFrom=[{"ipBlock": {"cidr": "10.0.0.0/16"}}]')  # fmt: skip
+HOSTNET = (
+    "--set",
+    "weightSync.hostNetwork=true",
+    "--set",
+    "rollout.replicas=1",
+    "--set-json",
+    'networkPolicy.nodesFrom=[{"ipBlock": {"cidr": "10.0.0.0/16"}}]',
+)
 HCCL_REFUSED = "weightSync.transport=collective over hccl needs weightSync.hostNetwork=true or ascend.roce.enabled"
 
 
@@ -733,8 +786,15 @@ def test_hccl_collective_between_pods_needs_host_network_or_roce(helm, extra):
     """Issue 27.5: HCCL between two pods with their own IPs sees two servers and needs RoCE (vllm-ascend#14506)."""
     proc = helm_template(helm, *NPU, *extra, check=False)
     assert proc.returncode != 0 and HCCL_REFUSED in proc.stderr, proc.stderr[-600:]
-    proc = helm_template(helm, *NPU, "--set", "weightSync.transport=collective", "--set",
-                         "weightSync.collectiveBackend=gloo", check=False)  # fmt: skip
+    proc = helm_template(
+        helm,
+        *NPU,
+        "--set",
+        "weightSync.transport=collective",
+        "--set",
+        "weightSync.collectiveBackend=gloo",
+        check=False,
+    )
     assert proc.returncode == 0, "gloo (host memory) is not HCCL: no network requirement"
 
 

@@ -177,12 +177,15 @@ class _OneReplyRedis(socketserver.StreamRequestHandler):
     "auth_reply, reply, healthy",
     [
         (b"+OK\r\n", b"+PONG\r\n", True),
-        (b"-WRONGPASS invalid username-password pair or user is disabled.\r\n", b"-NOAUTH Authentication required.\r\n",
-         False),
+        (
+            b"-WRONGPASS invalid username-password pair or user is disabled.\r\n",
+            b"-NOAUTH Authentication required.\r\n",
+            False,
+        ),
         (b"+OK\r\n", b"-LOADING Redis is loading the dataset in memory\r\n", False),
     ],
     ids=["pong", "noauth", "loading"],
-)  # fmt: skip
+)
 def test_redis_healthcheck_passes_on_pong_only(compose_files, auth_reply, reply, healthy):
     """redis-cli exits 0 on an error reply: the health check must read the reply (compose and the chart's probes)."""
     if shutil.which("redis-cli") is None:
@@ -217,9 +220,12 @@ def test_rollout_may_bind_numa_memory_and_threads_are_bounded(compose_files):
 
 @pytest.mark.parametrize(
     ("override", "transport", "backend"),
-    [("compose.gpu.yaml", "collective", "nccl"), ("compose.npu.yaml", "tcp", "auto"),
-     ("compose.npu-hccl.yaml", "collective", "hccl")],
-)  # fmt: skip
+    [
+        ("compose.gpu.yaml", "collective", "nccl"),
+        ("compose.npu.yaml", "tcp", "auto"),
+        ("compose.npu-hccl.yaml", "collective", "hccl"),
+    ],
+)
 def test_accelerator_overrides_choose_the_weight_transport_and_cpu_keeps_auto(
     compose_files, override, transport, backend
 ):

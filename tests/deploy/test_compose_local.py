@@ -147,8 +147,10 @@ def local_adaptations(compose: dict[str, Any], tmp: Path) -> dict[str, LocalServ
     own variable, to a copy of configs/demo.yaml with train_iters 2.)
     """
     services: dict[str, Any] = compose["services"]
-    image_files = {"/opt/rlhf/healthcheck.py": ROOT / "docker" / "healthcheck.py",
-                   "/opt/rlhf/entrypoint.sh": ROOT / "docker" / "entrypoint.sh"}  # fmt: skip
+    image_files = {
+        "/opt/rlhf/healthcheck.py": ROOT / "docker" / "healthcheck.py",
+        "/opt/rlhf/entrypoint.sh": ROOT / "docker" / "entrypoint.sh",
+    }
     image_entrypoint = ["bash", "/opt/rlhf/entrypoint.sh"]
     executables = {
         "rlhf": _rlhf_executable(),
@@ -265,8 +267,9 @@ def _depends(value: Any) -> dict[str, str]:
 def _healthy(svc: LocalService) -> tuple[bool, str]:
     assert svc.healthcheck is not None
     try:
-        proc = subprocess.run(svc.healthcheck, env=svc.env, cwd=svc.cwd, capture_output=True, text=True,
-                              timeout=svc.health_timeout_s)  # fmt: skip
+        proc = subprocess.run(
+            svc.healthcheck, env=svc.env, cwd=svc.cwd, capture_output=True, text=True, timeout=svc.health_timeout_s
+        )
     except subprocess.TimeoutExpired:
         return False, "timed out"
     return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
@@ -368,5 +371,7 @@ def test_compose_services_run_as_local_processes(tmp_path):
             grace_s=max((local[n].stop_grace_s for n in children), default=10.0),
         )
     first_healthy = ", ".join(f"{n} {t:.0f}s" for n, t in healthy.items())
-    print(f"\ncompose as local processes: start order {order}; healthy: {first_healthy}; "
-          f"trainer exited 0 after {time.monotonic() - t0:.0f}s")  # fmt: skip
+    print(
+        f"\ncompose as local processes: start order {order}; healthy: {first_healthy}; "
+        f"trainer exited 0 after {time.monotonic() - t0:.0f}s"
+    )

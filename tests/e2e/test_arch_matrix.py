@@ -36,8 +36,9 @@ STEPS = 3
 MISMATCH_KL = {False: 1e-9, True: 1e-5}
 
 
-@pytest.mark.parametrize(("arch", "engine", "stage", "transport", "bf16"), CASES,
-                         ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    ("arch", "engine", "stage", "transport", "bf16"), CASES, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in CASES]
+)
 def test_every_architecture_trains_with_every_push_served(scorers, tmp_path, arch, engine, stage, transport, bf16):
     redis = Redis(tmp_path / "redis").start()
     reward, _ = scorers.get()
@@ -46,9 +47,18 @@ def test_every_architecture_trains_with_every_push_served(scorers, tmp_path, arc
     ref_cfg = _config(arch, bf16, stage, engine)
     ref_path = write_config(tmp_path / "reference.yaml", ref_cfg)
     reference = ServiceProc("reference", ref_path, tmp_path / "logs", env=dict(CHILD_ENV)).start(timeout=240)
-    ring = Ring(f"e2e-{arch}-{engine}", cfg_dir, redis, reward.grpc_addr, reference.grpc_addr, stage=stage,
-                engine=engine, train_iters=STEPS, n=2 if stage == "ray_grpo" else 1,
-                rollout_env={"RLHF_WEIGHTS_DATA_PORT": "0"} if transport == "tcp" else None)  # fmt: skip
+    ring = Ring(
+        f"e2e-{arch}-{engine}",
+        cfg_dir,
+        redis,
+        reward.grpc_addr,
+        reference.grpc_addr,
+        stage=stage,
+        engine=engine,
+        train_iters=STEPS,
+        n=2 if stage == "ray_grpo" else 1,
+        rollout_env={"RLHF_WEIGHTS_DATA_PORT": "0"} if transport == "tcp" else None,
+    )
     ring.cfg = _config(arch, bf16, stage, engine, base=ring.cfg)
     write_config(ring.config_path, ring.cfg)
     ring.trainer_env["RLHF_WEIGHTS_TRANSPORT"] = transport
@@ -61,9 +71,19 @@ def test_every_architecture_trains_with_every_push_served(scorers, tmp_path, arc
         assert ring.served_version() == STEPS
         kl = [m["mismatch/kl"] for m in metrics]
         assert all(0 <= v <= MISMATCH_KL[bf16] for v in kl), kl
-        print(json.dumps({"arch": arch, "engine": engine, "transport": transport, "stage": stage,
-                          "reward": [round(m["reward/mean"], 4) for m in metrics], "mismatch_kl_max": max(kl),
-                          "mismatch_max_abs": max(m["mismatch/max_abs"] for m in metrics)}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "arch": arch,
+                    "engine": engine,
+                    "transport": transport,
+                    "stage": stage,
+                    "reward": [round(m["reward/mean"], 4) for m in metrics],
+                    "mismatch_kl_max": max(kl),
+                    "mismatch_max_abs": max(m["mismatch/max_abs"] for m in metrics),
+                }
+            )
+        )
     finally:
         ring.stop()
         reference.stop()
@@ -93,8 +113,12 @@ def test_rlhf_up_refuses_a_mixture_of_experts_under_vllm_on_the_cpu(tmp_path):
 
     cfg = _config("qwen3-moe", False, "ray_ppo", "vllm", base=base_config("e2e-moe-vllm", engine="vllm"))
     path = write_config(tmp_path / "moe.yaml", cfg)
-    out = subprocess.run([sys.executable, "-m", "services.cli", "up", "--config", str(path), "--run-dir",
-                          str(tmp_path / "run")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--config", str(path), "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "Qwen3MoeForCausalLM" in out.stderr and "mixture of experts" in out.stderr and "engine: hf" in out.stderr
     assert not (tmp_path / "run" / "logs").exists() or not any((tmp_path / "run" / "logs").iterdir())
@@ -112,9 +136,22 @@ def test_tied_and_moe_policies_learn(scorers, tmp_path, arch, engine):
     reward, _ = scorers.get()
     ref_path = write_config(tmp_path / "reference.yaml", _config(arch, False, "ray_grpo", engine))
     reference = ServiceProc("reference", ref_path, tmp_path / "logs", env=dict(CHILD_ENV)).start(timeout=240)
-    ring = Ring(f"e2e-learn-{arch}", tmp_path / "ring", redis, reward.grpc_addr, reference.grpc_addr, stage="ray_grpo",
-                engine=engine, train_iters=LEARN_STEPS, n=4, batch=8, lr=5e-3, max_new_tokens=8, save_interval=50,
-                rollout_env={"RLHF_WEIGHTS_DATA_PORT": "0"})  # fmt: skip
+    ring = Ring(
+        f"e2e-learn-{arch}",
+        tmp_path / "ring",
+        redis,
+        reward.grpc_addr,
+        reference.grpc_addr,
+        stage="ray_grpo",
+        engine=engine,
+        train_iters=LEARN_STEPS,
+        n=4,
+        batch=8,
+        lr=5e-3,
+        max_new_tokens=8,
+        save_interval=50,
+        rollout_env={"RLHF_WEIGHTS_DATA_PORT": "0"},
+    )
     ring.cfg = _config(arch, False, "ray_grpo", engine, base=ring.cfg)
     write_config(ring.config_path, ring.cfg)
     try:
@@ -122,8 +159,17 @@ def test_tied_and_moe_policies_learn(scorers, tmp_path, arch, engine):
         ring.wait_trained(timeout=420)
         rewards = [m["reward/mean"] for m in ring.metrics()]
         first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-        print(json.dumps({"arch": arch, "engine": engine, "reward_first4": round(first, 4),
-                          "reward_last4": round(last, 4), "rewards": [round(r, 3) for r in rewards]}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "arch": arch,
+                    "engine": engine,
+                    "reward_first4": round(first, 4),
+                    "reward_last4": round(last, 4),
+                    "rewards": [round(r, 3) for r in rewards],
+                }
+            )
+        )
         assert last > first + 0.1, rewards
     finally:
         ring.stop()

@@ -13,8 +13,17 @@ pytestmark = pytest.mark.slow
 def test_collective_pushes_reach_an_hf_and_a_vllm_replica(scorers, tmp_path):
     redis = Redis(tmp_path / "redis").start()
     reward, reference = scorers.get()
-    ring = Ring("e2e-coll", tmp_path / "ring", redis, reward.grpc_addr, reference.grpc_addr, stage="ray_grpo", n=2,
-                train_iters=4, replicas=2)  # fmt: skip
+    ring = Ring(
+        "e2e-coll",
+        tmp_path / "ring",
+        redis,
+        reward.grpc_addr,
+        reference.grpc_addr,
+        stage="ray_grpo",
+        n=2,
+        train_iters=4,
+        replicas=2,
+    )
     ring.trainer_env["RLHF_WEIGHTS_TRANSPORT"] = "collective"
     ring.rollouts[1].env["RLHF_ROLLOUT_ENGINE"] = "vllm"
     try:

@@ -26,8 +26,11 @@ def test_rlhf_up_demo_ppo_reward_rises(tmp_path, tiny_models):
     run_dir = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir), "--quiet"],
-        cwd=REPO, capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rewards = [json.loads(line)["reward/mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rewards) == STEPS

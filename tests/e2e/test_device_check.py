@@ -18,8 +18,14 @@ PHASES = ["model", "trainer", "rollout", "push", "checkpoint", "ring", "vllm"]
 
 
 def run(*args: str, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.device_check", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "bench.device_check", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def test_dry_run_plans_every_phase_and_imports_what_each_needs(tmp_path):
@@ -39,8 +45,17 @@ def test_dry_run_plans_every_phase_and_imports_what_each_needs(tmp_path):
 def test_only_and_the_deadline_skip_phases_without_running_them(tmp_path):
     """``--only trainer`` brings in the model phase it needs; with no time left neither starts: the model phase is
     skipped for the deadline, the trainer for want of a model, the rest as not selected; exit 3 (cut, not failed)."""
-    out = run("--cpu", "--only", "trainer", "--deadline-s", "0", "--out", str(tmp_path / "out"), "--work",
-              str(tmp_path / "work"))  # fmt: skip
+    out = run(
+        "--cpu",
+        "--only",
+        "trainer",
+        "--deadline-s",
+        "0",
+        "--out",
+        str(tmp_path / "out"),
+        "--work",
+        str(tmp_path / "work"),
+    )
     assert out.returncode == 3, out.stdout + out.stderr[-3000:]
     result = json.loads((tmp_path / "out" / "device_check.json").read_text())
     assert result["selected"] == ["model", "trainer"]
@@ -59,8 +74,14 @@ def test_cpu_run_through_the_entry_script_passes_every_cpu_phase(tmp_path):
     redis-server from ``make device-bundle`` is used when .whl/deb holds one, else the one on PATH."""
     out_dir, work = tmp_path / "out", tmp_path / "work"
     env = {**os.environ, "PYTHON": sys.executable, "DEVICE_CHECK_WORK": str(work)}
-    out = subprocess.run(["bash", "bench/device_check.sh", str(out_dir), "--cpu"], cwd=REPO, capture_output=True,
-                         text=True, timeout=400, env=env)  # fmt: skip
+    out = subprocess.run(
+        ["bash", "bench/device_check.sh", str(out_dir), "--cpu"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+    )
     result = json.loads((out_dir / "device_check.json").read_text())
     assert out.returncode == 0, json.dumps(result["phases"], indent=1)[-6000:] + out.stderr[-2000:]
     assert result["summary"]["ok"] == PHASES[:-1], result["summary"]

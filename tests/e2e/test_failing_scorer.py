@@ -17,13 +17,22 @@ def test_a_ring_whose_scorer_always_raises_stops_naming_it(scorers, tmp_path):
     (tmp_path / "myreward.py").write_text("def score(prompt, response, label, **kw):\n    return len(response) / 0\n")
     cfg = base_config("e2e-badscorer")
     cfg["reward"] = {"scorers": [{"type": "rule", "name": "myreward:score"}]}
-    reward = ServiceProc("reward", write_config(tmp_path / "reward.yaml", cfg), tmp_path / "logs",
-                         env=dict(CHILD_ENV), cwd=tmp_path)  # fmt: skip  # imports the module from its folder
+    reward = ServiceProc(
+        "reward", write_config(tmp_path / "reward.yaml", cfg), tmp_path / "logs", env=dict(CHILD_ENV), cwd=tmp_path
+    )  # imports the module from its folder
     reward.start(wait_ready=False)
     _, reference = scorers.get()
     redis = Redis(tmp_path / "redis").start()
-    ring = Ring("e2e-badscorer", tmp_path / "ring", redis, reward.grpc_addr, reference.grpc_addr, stage="ray_grpo",
-                n=2, train_iters=10)  # fmt: skip
+    ring = Ring(
+        "e2e-badscorer",
+        tmp_path / "ring",
+        redis,
+        reward.grpc_addr,
+        reference.grpc_addr,
+        stage="ray_grpo",
+        n=2,
+        train_iters=10,
+    )
     ring.cfg["reward"]["failed_patience"] = 2
     write_config(ring.config_path, ring.cfg)
     try:

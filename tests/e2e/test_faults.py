@@ -26,11 +26,16 @@ pytestmark = pytest.mark.slow
 RINGS = {
     "kill-trainer": {"stage": "ray_grpo", "n": 2, "train_iters": 5, "save_interval": 2},
     # Longer responses and two jobs at a time keep replica 0 busy generating when it is killed.
-    "kill-rollout": {"stage": "ray_ppo", "replicas": 2, "train_iters": 4, "max_new_tokens": 48,
-                     "rollout_env": {"RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": "2"}},
+    "kill-rollout": {
+        "stage": "ray_ppo",
+        "replicas": 2,
+        "train_iters": 4,
+        "max_new_tokens": 48,
+        "rollout_env": {"RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": "2"},
+    },
     "redis-restart": {"stage": "ray_grpo", "n": 2, "train_iters": 12},
     "reward-down": {"stage": "ray_grpo", "n": 2, "train_iters": 6},
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +47,14 @@ def rings(scorers, tmp_path_factory):
     own_reward_cfg = base / "reward-down-reward.yaml"
     out: dict = {"redis": own_redis}
     for name, opts in RINGS.items():
-        ring = Ring(f"e2e-{name}", base / name, own_redis if name == "redis-restart" else shared, reward.grpc_addr,
-                    reference.grpc_addr, **opts)  # fmt: skip
+        ring = Ring(
+            f"e2e-{name}",
+            base / name,
+            own_redis if name == "redis-restart" else shared,
+            reward.grpc_addr,
+            reference.grpc_addr,
+            **opts,
+        )
         out[name] = ring
     own_reward_cfg.write_text(out["reward-down"].config_path.read_text())
     out["reward"] = start_reward(own_reward_cfg, base / "logs", wait=False)  # the one reward-down stops
@@ -143,8 +154,14 @@ def test_reward_down_for_a_while_samples_wait_and_no_score_is_invented(rings):
     ring.wait_steps(1)
     reward.stop()  # SIGTERM: gone until restarted
     time.sleep(4.0)
-    reward = ServiceProc("reward", reward.config, reward.log_path.parent, env=reward.env, grpc_port=reward.grpc_port,
-                         http_port=reward.http_port).start(timeout=120)  # fmt: skip
+    reward = ServiceProc(
+        "reward",
+        reward.config,
+        reward.log_path.parent,
+        env=reward.env,
+        grpc_port=reward.grpc_port,
+        http_port=reward.http_port,
+    ).start(timeout=120)
     rings["reward"] = reward
     back_at = len(ring.metrics())
     ring.wait_trained(timeout=180)

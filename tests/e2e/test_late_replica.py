@@ -22,14 +22,23 @@ pytestmark = pytest.mark.slow
 def test_late_replica_waits_for_the_catch_up_push(scorers, tmp_path):
     redis = Redis(tmp_path / "redis").start()
     reward, reference = scorers.get()
-    ring = Ring("e2e-late", tmp_path / "ring", redis, reward.grpc_addr, reference.grpc_addr, stage="ray_grpo", n=2,
-                train_iters=3)  # fmt: skip
+    ring = Ring(
+        "e2e-late",
+        tmp_path / "ring",
+        redis,
+        reward.grpc_addr,
+        reference.grpc_addr,
+        stage="ray_grpo",
+        n=2,
+        train_iters=3,
+    )
     try:
         # An earlier life of the run had published version 3 (and left no checkpoint).
         ring.redis_call(lambda r: publish_policy_version(r, ring.run_id, 3))
         trainer = ring.start_trainer()  # pushes its weights as version 4 to a replica that is not there yet
-        ring.wait_for(lambda: "starting over from the initial weights as version 4" in trainer.log_text(), 60,
-                      "trainer start")  # fmt: skip
+        ring.wait_for(
+            lambda: "starting over from the initial weights as version 4" in trainer.log_text(), 60, "trainer start"
+        )
         ring.start(trainer=False)
         ring.wait_trained(timeout=240)
         replica_log = ring.rollouts[0].log_text()
@@ -50,12 +59,23 @@ def test_a_replica_added_to_a_running_ring_starts_at_the_current_version(scorers
     until it serves the published version (the trainer's catch-up push), and the staleness bound holds."""
     redis = Redis(tmp_path / "redis").start()
     reward, reference = scorers.get()
-    ring = Ring("e2e-scale", tmp_path / "ring", redis, reward.grpc_addr, reference.grpc_addr, stage="ray_grpo", n=2,
-                train_iters=30, replicas=2, max_staleness=1)  # fmt: skip
+    ring = Ring(
+        "e2e-scale",
+        tmp_path / "ring",
+        redis,
+        reward.grpc_addr,
+        reference.grpc_addr,
+        stage="ray_grpo",
+        n=2,
+        train_iters=30,
+        replicas=2,
+        max_staleness=1,
+    )
 
     def admin(what: str) -> None:
-        req = urllib.request.Request(f"{ring.trainer.http_url}/v1/{what}", method="POST",
-                                     headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+        req = urllib.request.Request(
+            f"{ring.trainer.http_url}/v1/{what}", method="POST", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
         urllib.request.urlopen(req, timeout=10).read()
 
     first_job = re.compile(r"first job with weights version (\d+) \(the run published (\d+)\)")
@@ -86,8 +106,18 @@ def test_with_the_trainer_down_a_new_replica_serves_the_newest_checkpoint(scorer
     checkpoint, the weights a trainer resumes from, and reports that version."""
     redis = Redis(tmp_path / "redis").start()
     reward, reference = scorers.get()
-    ring = Ring("e2e-down", tmp_path / "ring", redis, reward.grpc_addr, reference.grpc_addr, stage="ray_grpo", n=2,
-                train_iters=3, replicas=2, rollout_env={"RLHF_ROLLOUT_CATCH_UP_WAIT_S": "1"})  # fmt: skip
+    ring = Ring(
+        "e2e-down",
+        tmp_path / "ring",
+        redis,
+        reward.grpc_addr,
+        reference.grpc_addr,
+        stage="ray_grpo",
+        n=2,
+        train_iters=3,
+        replicas=2,
+        rollout_env={"RLHF_ROLLOUT_CATCH_UP_WAIT_S": "1"},
+    )
     try:
         ring.start(replicas=1)
         ring.wait_trained(timeout=240)

@@ -31,8 +31,7 @@ RING = {"stage": "ray_grpo", "n": 2}
 def test_sentinel_failover_mid_run_loses_nothing_and_trains_nothing_twice(scorers, tmp_path):
     group = LocalSentinelGroup(tmp_path / "redis", query="wait_replicas=1&wait_timeout_ms=500").start()
     reward, reference = scorers.get()
-    ring = Ring("e2e-sentinel", tmp_path / "ring", group, reward.grpc_addr, reference.grpc_addr, train_iters=6,
-                **RING)  # fmt: skip
+    ring = Ring("e2e-sentinel", tmp_path / "ring", group, reward.grpc_addr, reference.grpc_addr, train_iters=6, **RING)
     try:
         ring.start()
         ring.wait_steps(2)
@@ -96,8 +95,9 @@ def test_two_runs_at_once_on_a_redis_cluster(scorers, tmp_path):
     cluster = LocalCluster(tmp_path / "cluster").start()
     reward, reference = scorers.get()
     runs = _runs_on_two_nodes()
-    rings = [Ring(run, tmp_path / run, cluster, reward.grpc_addr, reference.grpc_addr, train_iters=3, **RING)
-             for run in runs]  # fmt: skip
+    rings = [
+        Ring(run, tmp_path / run, cluster, reward.grpc_addr, reference.grpc_addr, train_iters=3, **RING) for run in runs
+    ]
     try:
         for ring in rings:
             ring.start(trainer=False)  # both replicas start together

@@ -65,8 +65,9 @@ def test_a_ring_without_a_current_replica_waits_idle_and_resumes(scorers, tmp_pa
     redis = Redis(tmp_path / "redis").start()
     reward, reference = scorers.get()
     # no checkpoint until the end: a restarted replica starts from the initial weights and needs the trainer's push
-    ring = Ring("e2e-waits", tmp_path / "ring", redis, reward.grpc_addr, reference.grpc_addr, train_iters=4,
-                save_interval=50)  # fmt: skip
+    ring = Ring(
+        "e2e-waits", tmp_path / "ring", redis, reward.grpc_addr, reference.grpc_addr, train_iters=4, save_interval=50
+    )
     replica = ring.rollouts[0]
     try:
         ring.start()

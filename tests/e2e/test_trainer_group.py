@@ -56,10 +56,24 @@ def test_two_trainer_procs_learn_and_survive_kill_of_rank_1(tmp_path, tiny_model
     log = (tmp_path / "up.log").open("w")
     env = {**os.environ, "RLHF_RUN_ID": run_id}
     up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir), "--quiet",
-         "--trainer-procs", "2"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "up",
+            "--config",
+            str(config),
+            "--run-dir",
+            str(run_dir),
+            "--quiet",
+            "--trainer-procs",
+            "2",
+        ],
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 480
         while len(_steps(run_dir / "metrics.jsonl")) < KILL_AFTER:
@@ -80,8 +94,12 @@ def test_two_trainer_procs_learn_and_survive_kill_of_rank_1(tmp_path, tiny_model
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     assert "resumed from" in trainer_log and "step_10" in trainer_log
     # every job trained exactly once: STEPS batches of distinct job ids, none twice across the restart
-    ids = [j for line in (run_dir / "trained_jobs.jsonl").read_text().splitlines() if line.strip()
-           for j in json.loads(line).get("job_ids", [])]  # fmt: skip
+    ids = [
+        j
+        for line in (run_dir / "trained_jobs.jsonl").read_text().splitlines()
+        if line.strip()
+        for j in json.loads(line).get("job_ids", [])
+    ]
     assert len(ids) == len(set(ids)) == STEPS * cfg["training"]["global_batch_size"], (len(ids), len(set(ids)))
     rewards = [m["reward/mean"] for m in _steps(run_dir / "metrics.jsonl")]
     assert len(rewards) == STEPS

@@ -31,8 +31,13 @@ def fuzz_openapi(base_url: str, max_examples: int = 30, skip: tuple[str, ...] = 
         for mode in modes:
 
             @given(case=op.as_strategy(generation_mode=mode))
-            @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))  # fmt: skip
+            @settings(
+                max_examples=max_examples,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+            )
             def run(case):
                 nonlocal sent
                 sent += 1

@@ -106,9 +106,16 @@ def test_reference_bad_request_does_not_affect_others(ref_engine):
 
 def test_reward_model_merged_equals_alone(tiny_models):
     cfg = parse_config(
-        {"reward": {"micro_batch_size": 4, "scorers": [{"type": "model", "load": "tiny:reward"},
-                                                        {"type": "rule", "name": "math_answer", "weight": 0.5}]}}
-    )  # fmt: skip
+        {
+            "reward": {
+                "micro_batch_size": 4,
+                "scorers": [
+                    {"type": "model", "load": "tiny:reward"},
+                    {"type": "rule", "name": "math_answer", "weight": 0.5},
+                ],
+            }
+        }
+    )
     metrics = ServiceMetrics("reward")
     eng = RewardEngine(cfg, device="cpu", metrics=metrics)
     eng.load()

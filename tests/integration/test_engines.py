@@ -425,7 +425,7 @@ def test_vllm_engine_runs_with_the_configured_max_model_len(tiny_models, monkeyp
         {
             "training": {"seq_length": 96},
             "actor_rollout_ref": {"actor_rollout": {"max_prompt_length": 32, "max_model_len": 100}},
-        }  # fmt: skip
+        }
     )
 
     async def main():

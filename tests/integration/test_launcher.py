@@ -264,16 +264,25 @@ def test_up_reports_every_problem_at_once_before_starting_anything(tmp_path, cap
     cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     cfg["data"] = {"path": str(tmp_path / "missing.jsonl")}
     cfg["critic"]["load"] = str(tmp_path / "no-such-model")
-    cfg["reward"]["scorers"] = [{"type": "rule", "name": "myrewards:score"}, {"type": "rule", "name": "nosuchmod:f"},
-                                {"type": "rule", "name": "myrewards:missing"}]  # fmt: skip
+    cfg["reward"]["scorers"] = [
+        {"type": "rule", "name": "myrewards:score"},
+        {"type": "rule", "name": "nosuchmod:f"},
+        {"type": "rule", "name": "myrewards:missing"},
+    ]
     path = tmp_path / "many.yaml"
     path.write_text(yaml.safe_dump(cfg))
     monkeypatch.setenv("RLHF_REDIS_URL", "redis://127.0.0.1:1/0")  # nothing listens there
     assert cli_main(["up", "--config", str(path), "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert "5 problem(s)" in err and "nothing was started" in err, err
-    for expected in ("missing.jsonl does not exist", "critic.load", "no-such-model", "'nosuchmod' does not import",
-                     "has no function 'missing'", "RLHF_REDIS_URL redis://127.0.0.1:1/0: cannot connect"):  # fmt: skip
+    for expected in (
+        "missing.jsonl does not exist",
+        "critic.load",
+        "no-such-model",
+        "'nosuchmod' does not import",
+        "has no function 'missing'",
+        "RLHF_REDIS_URL redis://127.0.0.1:1/0: cannot connect",
+    ):
         assert expected in err, (expected, err)
     assert "myrewards:score" not in err  # the module in the working directory imports
     assert not (tmp_path / "run").exists()  # no run folder, no redis-server, no service
@@ -323,17 +332,35 @@ def test_metrics_tail_of_a_resumed_run_skips_old_lines_and_follows_a_cut(tmp_pat
 
 def test_format_progress():
     line = progress.format_progress(
-        {"step": 3, "reward/mean": 0.25, "objective/kl": 0.0123, "samples_per_s": 41.5, "staleness/mean": 0.5,
-         "mismatch/kl": 2.5e-14, "queue/prompts": 4, "queue/experience": 2, "loss/policy": 0.1},
-        total=40, elapsed=12.3,
-    )  # fmt: skip
+        {
+            "step": 3,
+            "reward/mean": 0.25,
+            "objective/kl": 0.0123,
+            "samples_per_s": 41.5,
+            "staleness/mean": 0.5,
+            "mismatch/kl": 2.5e-14,
+            "queue/prompts": 4,
+            "queue/experience": 2,
+            "loss/policy": 0.1,
+        },
+        total=40,
+        elapsed=12.3,
+    )
     assert line.startswith("step 3/40")
-    for part in ("reward +0.2500", "kl 0.0123", "samples/s 41.5", "staleness 0.50", "mismatch 2.5e-14", "prompts=4",
-                 "experience=2"):  # fmt: skip
+    for part in (
+        "reward +0.2500",
+        "kl 0.0123",
+        "samples/s 41.5",
+        "staleness 0.50",
+        "mismatch 2.5e-14",
+        "prompts=4",
+        "experience=2",
+    ):
         assert part in line
     assert progress.format_progress({"step": 1}) == "step 1"
-    line = progress.format_progress({"step": 5, "time/iteration_s": 1.5, "reward/failed_fraction": 0.25}, 40,
-                                    elapsed=75, eta_s=3725)  # fmt: skip
+    line = progress.format_progress(
+        {"step": 5, "time/iteration_s": 1.5, "reward/failed_fraction": 0.25}, 40, elapsed=75, eta_s=3725
+    )
     assert line == "step 5/40  score failed 25%  1.50 s/step  [1m15s, ETA 1h02m]", line
     eta = progress.Eta(total=12)
     assert eta({"step": 4}, now=100.0) is None  # the first step seen only starts the clock (a resumed run)
@@ -346,9 +373,19 @@ def test_format_progress():
 def _synthetic_metrics(path: Path, steps: int = 12) -> None:
     with open(path, "w") as f:
         for s in range(1, steps + 1):
-            rec = {"step": s, "reward/mean": -1 + 0.1 * s, "reward/std": 0.2, "objective/kl": 0.001 * s,
-                   "kl_coef": 0.01, "loss/policy": 0.5 / s, "loss/value": 1.0 / s, "samples_per_s": 10.0,
-                   "staleness/mean": 0.0, "queue/prompts": 2, "note": "text is ignored"}  # fmt: skip
+            rec = {
+                "step": s,
+                "reward/mean": -1 + 0.1 * s,
+                "reward/std": 0.2,
+                "objective/kl": 0.001 * s,
+                "kl_coef": 0.01,
+                "loss/policy": 0.5 / s,
+                "loss/value": 1.0 / s,
+                "samples_per_s": 10.0,
+                "staleness/mean": 0.0,
+                "queue/prompts": 2,
+                "note": "text is ignored",
+            }
             f.write(json.dumps(rec) + "\n")
         f.write('{"step": 13, "reward/me')  # a truncated last line
 
@@ -386,10 +423,25 @@ def test_report_summary_and_keys(tmp_path):
 
 
 def test_each_plot_shows_its_quantity_family():
-    rec = {"step": 1, "reward/mean": 0.5, "reward/std": 0.1, "reward/char_fraction": 0.4, "objective/scores": 0.5,
-           "objective/kl": 0.01, "kl_coef": 0.05, "policy/approxkl": 0.001, "loss/policy": 0.1, "loss/kl": 0.2,
-           "queue/prompts_backlog": 3.0, "queue/experience_backlog": 1.0, "response_length/mean": 6.0,
-           "samples_per_s": 9.0, "time/step_s": 0.4, "rewards/chosen": 2.0, "rewards/margins": 1.0}  # fmt: skip
+    rec = {
+        "step": 1,
+        "reward/mean": 0.5,
+        "reward/std": 0.1,
+        "reward/char_fraction": 0.4,
+        "objective/scores": 0.5,
+        "objective/kl": 0.01,
+        "kl_coef": 0.05,
+        "policy/approxkl": 0.001,
+        "loss/policy": 0.1,
+        "loss/kl": 0.2,
+        "queue/prompts_backlog": 3.0,
+        "queue/experience_backlog": 1.0,
+        "response_length/mean": 6.0,
+        "samples_per_s": 9.0,
+        "time/step_s": 0.4,
+        "rewards/chosen": 2.0,
+        "rewards/margins": 1.0,
+    }
     keys = {name: sorted(ks) for name, ks in report.plot_keys([rec]).items()}
     assert keys["kl.png"] == ["kl_coef", "objective/kl", "policy/approxkl"]  # not the backlogs, not loss/kl
     assert keys["losses.png"] == ["loss/kl", "loss/policy"]
@@ -448,8 +500,12 @@ def test_rlhf_up_end_to_end(tmp_path, tiny_models):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     out = proc.stdout + proc.stderr
     logs = "\n".join(f"--- {p.name}\n{procs.log_tail(p, 30)}" for p in sorted((run_dir / "logs").glob("*.log")))
     assert proc.returncode == 0, out + logs
@@ -484,10 +540,21 @@ def test_rlhf_up_ctrl_c_stops_every_process(tmp_path, tiny_models):
     out_path = tmp_path / "up.out"
     with open(out_path, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--config", str(REPO / "configs" / "demo.yaml"),
-             "--run-dir", str(run_dir)],
-            cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "up",
+                "--config",
+                str(REPO / "configs" / "demo.yaml"),
+                "--run-dir",
+                str(run_dir),
+            ],
+            cwd=tmp_path,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + 120
             while "started reference" not in out_path.read_text() and time.monotonic() < deadline:
@@ -546,8 +613,14 @@ def test_ctrl_c_checkpoints_and_resume_continues_without_duplicate_steps(tmp_pat
     assert 3 <= stopped_at < 12, stopped_at
     assert "stopping: checkpointing step" in (run_dir / "logs" / "trainer.log").read_text()
 
-    second = subprocess.run([sys.executable, "-m", "services.cli", "up", "--resume", str(run_dir)], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=400)  # fmt: skip
+    second = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--resume", str(run_dir)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     out = second.stdout + second.stderr
     assert second.returncode == 0, out + procs.log_tail(run_dir / "logs" / "trainer.log", 40)
     shown = [int(m) for m in re.findall(r"step (\d+)/12", out)]
@@ -570,11 +643,16 @@ def _certificates(d: Path) -> dict[str, str]:
     now = datetime.datetime.now(datetime.UTC)
 
     def cert(subject: str, key, issuer: str, issuer_key, ca: bool) -> x509.Certificate:
-        b = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-             .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)])).public_key(key.public_key())
-             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-             .not_valid_after(now + datetime.timedelta(days=1))
-             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))  # fmt: skip
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         if not ca:
             names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
             b = b.add_extension(x509.SubjectAlternativeName(names), critical=False)
@@ -586,8 +664,9 @@ def _certificates(d: Path) -> dict[str, str]:
     paths = {"RLHF_TLS_CA": d / "ca.pem", "RLHF_TLS_CERT": d / "cert.pem", "RLHF_TLS_KEY": d / "key.pem"}
     paths["RLHF_TLS_CA"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     paths["RLHF_TLS_CERT"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
-    paths["RLHF_TLS_KEY"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                        serialization.NoEncryption()))  # fmt: skip
+    paths["RLHF_TLS_KEY"].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return {k: str(v) for k, v in paths.items()}
 
 
@@ -624,8 +703,9 @@ def test_rlhf_up_tls_ring(tmp_path, tiny_models):
     cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     run_dir = tmp_path / "run"
     cfg["run_id"] = "tls"
-    cfg["training"].update(train_iters=2, global_batch_size=2, save_interval=2, save=str(run_dir / "checkpoints"),
-                           log_interval=1)  # fmt: skip
+    cfg["training"].update(
+        train_iters=2, global_batch_size=2, save_interval=2, save=str(run_dir / "checkpoints"), log_interval=1
+    )
     cfg["actor_rollout_ref"]["actor_rollout"].update(max_new_tokens=4, ppo_mini_batch_size=2, ppo_epochs=1)
     cfg["critic"].update(critic_mini_batch_size=2, critic_update_epochs=1)
     config = tmp_path / "tls.yaml"
@@ -637,12 +717,17 @@ def test_rlhf_up_tls_ring(tmp_path, tiny_models):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir), "--quiet"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     out = proc.stdout + proc.stderr
     logs = {p.stem: p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log")}
-    assert proc.returncode == 0, out + "\n".join(f"--- {k}\n{procs.log_tail(run_dir / 'logs' / (k + '.log'))}"
-                                                 for k in logs)  # fmt: skip
+    assert proc.returncode == 0, out + "\n".join(
+        f"--- {k}\n{procs.log_tail(run_dir / 'logs' / (k + '.log'))}" for k in logs
+    )
     assert "TLS on" in out and re.search(r"\[rlhf up\] \S+ ready", out), out
     for name in ("reward", "reference", "rollout", "trainer"):  # each served gRPC and HTTP with TLS
         assert re.search(r"gRPC on \S+, HTTP on \S+ \(TLS\)", logs[name]), (name, logs[name][-2000:])

@@ -330,8 +330,13 @@ def test_405_names_the_allowed_methods_and_protected_routes_document_401_and_403
     with TestClient(app) as client:
         r = client.get("/admin")
         assert r.status_code == 405 and r.headers["allow"] == "POST", r.headers
-        assert r.json()["error"] == {"type": "method_not_allowed", "code": 405, "param": None, "field": None,
-                                     "message": "method GET is not allowed on /admin; use POST"}  # fmt: skip
+        assert r.json()["error"] == {
+            "type": "method_not_allowed",
+            "code": 405,
+            "param": None,
+            "field": None,
+            "message": "method GET is not allowed on /admin; use POST",
+        }
         assert client.request("TRACE", "/healthz").headers["allow"] == "GET"
         r = client.post("/admin")
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"

@@ -106,8 +106,9 @@ def test_readme_service_examples_work(shared_services, tmp_path):
 
         for cmd in ex.commands:
             if cmd.kind == "python":
-                run = subprocess.run([sys.executable, "-c", localize(cmd.text)], cwd=REPO, capture_output=True,
-                                     text=True, timeout=60)  # fmt: skip
+                run = subprocess.run(
+                    [sys.executable, "-c", localize(cmd.text)], cwd=REPO, capture_output=True, text=True, timeout=60
+                )
                 assert run.returncode == 0, f"README python block failed:\n{cmd.text}\n{run.stderr}"
                 assert "results" in run.stdout
                 continue

@@ -16,14 +16,20 @@ RUN = "types"
 
 
 def job(i: int) -> experience_pb2.PromptJob:
-    return experience_pb2.PromptJob(job_id=f"job-{i}", run_id=RUN, prompt_ids=[1, 2, 3],
-                                    params=common_pb2.SamplingParams(n=2, stop=["x"]), label="4")  # fmt: skip
+    return experience_pb2.PromptJob(
+        job_id=f"job-{i}",
+        run_id=RUN,
+        prompt_ids=[1, 2, 3],
+        params=common_pb2.SamplingParams(n=2, stop=["x"]),
+        label="4",
+    )
 
 
 def experience(i: int) -> experience_pb2.Experience:
     sample = experience_pb2.Sample(response_ids=[7, 8], sampling_logprobs=[-0.5, -1.0], score=1.0)
-    return experience_pb2.Experience(job_id=f"job-{i}", run_id=RUN, prompt_ids=[1, 2, 3], samples=[sample],
-                                     replica_id="r1", issued_policy_version=2)  # fmt: skip
+    return experience_pb2.Experience(
+        job_id=f"job-{i}", run_id=RUN, prompt_ids=[1, 2, 3], samples=[sample], replica_id="r1", issued_policy_version=2
+    )
 
 
 def test_codec_refuses_the_other_record_type_and_reads_untagged_records():

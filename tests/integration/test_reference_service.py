@@ -142,19 +142,37 @@ def test_bad_input_grpc(stub):
     it = reference_pb2.LogProbsItem
     cases = [
         (reference_pb2.LogProbsRequest(), grpc.StatusCode.INVALID_ARGUMENT, "items"),
-        (reference_pb2.LogProbsRequest(items=[it(prompt_ids=[5])]), grpc.StatusCode.INVALID_ARGUMENT,
-         "items[0].response_ids"),
-        (reference_pb2.LogProbsRequest(items=[it(response_ids=[5])]), grpc.StatusCode.INVALID_ARGUMENT,
-         "items[0].prompt_ids"),
-        (reference_pb2.LogProbsRequest(items=[it(prompt_ids=[5], response_ids=[6, -2])]),
-         grpc.StatusCode.INVALID_ARGUMENT, "items[0].response_ids[1]"),
-        (reference_pb2.LogProbsRequest(items=[it(prompt_ids=[5] * 600, response_ids=[6])]),
-         grpc.StatusCode.INVALID_ARGUMENT, "items[0].response_ids"),
-        (reference_pb2.LogProbsRequest(items=[it(prompt_ids=[5], response_ids=[6])], temperature=0.0),
-         grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-        (reference_pb2.LogProbsRequest(items=[it(prompt_ids=[5] * 1_200_000, response_ids=[6])]),
-         grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
-    ]  # fmt: skip
+        (
+            reference_pb2.LogProbsRequest(items=[it(prompt_ids=[5])]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "items[0].response_ids",
+        ),
+        (
+            reference_pb2.LogProbsRequest(items=[it(response_ids=[5])]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "items[0].prompt_ids",
+        ),
+        (
+            reference_pb2.LogProbsRequest(items=[it(prompt_ids=[5], response_ids=[6, -2])]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "items[0].response_ids[1]",
+        ),
+        (
+            reference_pb2.LogProbsRequest(items=[it(prompt_ids=[5] * 600, response_ids=[6])]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "items[0].response_ids",
+        ),
+        (
+            reference_pb2.LogProbsRequest(items=[it(prompt_ids=[5], response_ids=[6])], temperature=0.0),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "temperature",
+        ),
+        (
+            reference_pb2.LogProbsRequest(items=[it(prompt_ids=[5] * 1_200_000, response_ids=[6])]),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "",
+        ),
+    ]
     for req, code, field in cases:
         with pytest.raises(grpc.RpcError) as e:
             stub.LogProbs(req, timeout=30)
@@ -223,8 +241,7 @@ def test_non_finite_log_probs_are_an_error_not_a_result(tiny_models, start_servi
 
 def test_undecodable_request_is_invalid_argument(ref_svc):
     with grpc.insecure_channel(ref_svc.grpc_addr) as ch:
-        raw = ch.unary_unary("/rlhf.v1.ReferenceService/LogProbs", request_serializer=None,
-                             response_deserializer=None)  # fmt: skip
+        raw = ch.unary_unary("/rlhf.v1.ReferenceService/LogProbs", request_serializer=None, response_deserializer=None)
         with pytest.raises(grpc.RpcError) as e:
             raw(b"\x0a\xff\xff\xff\xff\x0f")
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

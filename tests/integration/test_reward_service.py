@@ -52,8 +52,9 @@ def direct_model_score(tiny_models, prompt: str, response: str) -> float:
 
     tok = AutoTokenizer.from_pretrained(tiny_models.reward)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_models.reward).eval()
-    text = tok.apply_chat_template([{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
-                                   tokenize=False)  # fmt: skip
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], tokenize=False
+    )
     ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         return float(model(input_ids=ids).logits[0, 0])
@@ -94,8 +95,11 @@ def test_score_grpc_agrees_with_rest(reward_svc, stub):
 
 def test_get_reward_openrlhf_format(reward_svc):
     prompts = [it["prompt"] for it in ITEMS[:2]]
-    body = {"query": [it["prompt"] + it["response"] for it in ITEMS[:2]], "prompts": prompts,
-            "labels": [it["label"] for it in ITEMS[:2]]}  # fmt: skip
+    body = {
+        "query": [it["prompt"] + it["response"] for it in ITEMS[:2]],
+        "prompts": prompts,
+        "labels": [it["label"] for it in ITEMS[:2]],
+    }
     r = httpx.post(reward_svc.http_url + "/get_reward", json=body)
     assert r.status_code == 200, r.text
     scores = [
@@ -149,15 +153,27 @@ def test_oversize_body_413_and_still_serving(reward_svc):
 def test_bad_input_grpc(stub):
     cases = [
         (reward_pb2.ScoreRequest(), grpc.StatusCode.INVALID_ARGUMENT, "items"),
-        (reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(response="x")]), grpc.StatusCode.INVALID_ARGUMENT,
-         "items[0].prompt"),
-        (reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="p", response="seven " * 600)]),
-         grpc.StatusCode.INVALID_ARGUMENT, "items[0].response"),
-        (reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="p", response="r", response_ids=[-3])]),
-         grpc.StatusCode.INVALID_ARGUMENT, "items[0].response_ids"),
-        (reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="x" * (2 << 20), response="r")]),
-         grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
-    ]  # fmt: skip
+        (
+            reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(response="x")]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "items[0].prompt",
+        ),
+        (
+            reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="p", response="seven " * 600)]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "items[0].response",
+        ),
+        (
+            reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="p", response="r", response_ids=[-3])]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "items[0].response_ids",
+        ),
+        (
+            reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="x" * (2 << 20), response="r")]),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "",
+        ),
+    ]
     for req, code, field in cases:
         with pytest.raises(grpc.RpcError) as e:
             stub.Score(req, timeout=30)
@@ -302,8 +318,13 @@ def test_remote_scorer_unreachable(remote):
 
 
 def test_remote_failures_through_the_service(remote, start_service):
-    cfg = {"reward": {"scorers": [{"type": "remote", "url": f"http://127.0.0.1:{remote.server_port}/slow",
-                                   "timeout_s": 0.3, "retries": 0}]}}  # fmt: skip
+    cfg = {
+        "reward": {
+            "scorers": [
+                {"type": "remote", "url": f"http://127.0.0.1:{remote.server_port}/slow", "timeout_s": 0.3, "retries": 0}
+            ]
+        }
+    }
     svc = start_service("reward", cfg)
     r = httpx.post(svc.http_url + "/v1/score", json={"items": [GOOD]})
     res = r.json()["results"][0]
@@ -349,8 +370,14 @@ def test_user_rule_and_bad_rule_config(tmp_path, monkeypatch):
         "def broken(prompt, response, label):\n    raise KeyError('oops')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = {"reward": {"scorers": [{"type": "rule", "name": "my_rules:longer", "kwargs": {"bonus": 1}},
-                                  {"type": "rule", "name": "my_rules:broken", "weight": 0}]}}  # fmt: skip
+    cfg = {
+        "reward": {
+            "scorers": [
+                {"type": "rule", "name": "my_rules:longer", "kwargs": {"bonus": 1}},
+                {"type": "rule", "name": "my_rules:broken", "weight": 0},
+            ]
+        }
+    }
     eng = RewardEngine(parse_config(cfg))
     eng.load()
     out = _score(eng, [Item("p", "abc")])
@@ -379,12 +406,22 @@ def test_regex_pattern_comes_from_the_config_only():
     # without a pattern the label used to be compiled as one: now the scorer is refused at start-up
     with pytest.raises(ConfigError, match=r"needs kwargs \['pattern'\]"):
         RewardEngine(parse_config({"reward": {"scorers": [{"type": "rule", "name": "regex"}]}}))
-    for kwargs, msg in [({"pattern": "("}, "does not compile"), ({"pattern": "a", "flags": "x"}, "unknown flags"),
-                        ({"pattern": "a", "mode": "find"}, "mode must be")]:  # fmt: skip
+    for kwargs, msg in [
+        ({"pattern": "("}, "does not compile"),
+        ({"pattern": "a", "flags": "x"}, "unknown flags"),
+        ({"pattern": "a", "mode": "find"}, "mode must be"),
+    ]:
         with pytest.raises(ConfigError, match=msg):
             RewardEngine(parse_config({"reward": {"scorers": [{"type": "rule", "name": "regex", "kwargs": kwargs}]}}))
-    eng = RewardEngine(parse_config({"reward": {"scorers": [
-        {"type": "rule", "name": "regex", "kwargs": {"pattern": r"answer: \d+", "flags": "i"}}]}}))  # fmt: skip
+    eng = RewardEngine(
+        parse_config(
+            {
+                "reward": {
+                    "scorers": [{"type": "rule", "name": "regex", "kwargs": {"pattern": r"answer: \d+", "flags": "i"}}]
+                }
+            }
+        )
+    )
     eng.load()
     assert isinstance(eng.scorers[0].kwargs["pattern"], __import__("re").Pattern)  # compiled once, at load
     t0 = time.perf_counter()

@@ -71,8 +71,9 @@ def test_disconnected_client_cancels_its_generation(hf_svc):
 def test_lone_surrogate_is_422_not_500(hf_svc):
     bodies = ('{"prompt": "hi \\ud800 there"}', '{"prompt": ["ok", "\\udfff"]}', '{"prompt": "a", "stop": "\\ud800"}')
     for body in bodies:
-        r = httpx.post(hf_svc.http_url + "/v1/completions", content=body,
-                       headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+        r = httpx.post(
+            hf_svc.http_url + "/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=30
+        )
         assert r.status_code == 422, (body, r.status_code, r.text)
         assert "surrogate" in r.text
 
@@ -82,8 +83,9 @@ def test_big_prompt_is_tokenised_off_the_event_loop(hf_svc):
     result: dict = {}
 
     def big():
-        r = httpx.post(hf_svc.http_url + "/v1/completions", json={"prompt": "what is 1 plus 2? " * 390_000},
-                       timeout=120)  # fmt: skip
+        r = httpx.post(
+            hf_svc.http_url + "/v1/completions", json={"prompt": "what is 1 plus 2? " * 390_000}, timeout=120
+        )
         result["status"] = r.status_code
 
     t = threading.Thread(target=big)
@@ -102,8 +104,9 @@ def test_big_prompt_is_tokenised_off_the_event_loop(hf_svc):
 def test_update_weights_refuses_garbage_and_absurd_sizes_before_allocating(hf_svc):
     meta = (("authorization", f"Bearer {TOKEN}"),)
     with grpc.insecure_channel(hf_svc.grpc_addr) as ch:
-        raw = ch.stream_unary("/rlhf.v1.RolloutService/UpdateWeights", request_serializer=None,
-                              response_deserializer=None)  # fmt: skip
+        raw = ch.stream_unary(
+            "/rlhf.v1.RolloutService/UpdateWeights", request_serializer=None, response_deserializer=None
+        )
         with pytest.raises(grpc.RpcError) as e:
             raw(iter([b"\x0a\xff\xff\xff\xff\x0f"]), metadata=meta, timeout=30)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value

@@ -58,8 +58,9 @@ def test_completions_echo_logprobs_and_seed(client):
 
 
 def test_chat_uses_the_chat_template(client, tokenizer):
-    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, seed=5, logprobs=True,
-                                          top_logprobs=2)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=8, seed=5, logprobs=True, top_logprobs=2
+    )
     (choice,) = chat.choices
     assert chat.object == "chat.completion" and choice.message.role == "assistant"
     # the same sample as a completion of the rendered conversation (same seed): the template was applied
@@ -187,13 +188,17 @@ def test_a_stream_closed_early_stops_its_generation(svc, client):
     stop counting them), and the service keeps serving."""
 
     def engine_rows() -> float:  # sequences per engine step, summed
-        m = re.search(r'^rlhf_batch_size_sum\{[^}]*method="engine_step"[^}]*\} (\S+)$',
-                      httpx.get(svc.http_url + "/metrics").text, re.M)  # fmt: skip
+        m = re.search(
+            r'^rlhf_batch_size_sum\{[^}]*method="engine_step"[^}]*\} (\S+)$',
+            httpx.get(svc.http_url + "/metrics").text,
+            re.M,
+        )
         return float(m.group(1)) if m else 0.0
 
     before = engine_rows()
-    stream = client.completions.create(model=MODEL, prompt="hi", n=16, max_tokens=400, stream=True,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.completions.create(
+        model=MODEL, prompt="hi", n=16, max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+    )
     first = next(iter(stream))
     assert first.choices and first.object == "text_completion"
     stream.close()

@@ -141,8 +141,11 @@ def same_samples(a: dict, b: dict, tol: float = 1e-5) -> bool:
 
 def test_completions_text_and_token_prompts(svc, tokenizer):
     text = "User: what is 1 plus 2?\nAssistant:"
-    body = post(svc, "/v1/completions", {"model": "tiny:policy", "prompt": text, "max_tokens": 8, "logprobs": 1,
-                                         "return_token_ids": True, "seed": 7})  # fmt: skip
+    body = post(
+        svc,
+        "/v1/completions",
+        {"model": "tiny:policy", "prompt": text, "max_tokens": 8, "logprobs": 1, "return_token_ids": True, "seed": 7},
+    )
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == "tiny:policy"
     (choice,) = body["choices"]
     assert choice["prompt_token_ids"] == tokenizer.encode(text)
@@ -315,10 +318,20 @@ def test_32_concurrent_requests_are_batched(svc):
         async with httpx.AsyncClient(base_url=svc.http_url, timeout=120) as client:
             t0 = time.perf_counter()
             rs = await asyncio.gather(
-                *(client.post("/v1/completions", json={"prompt": [2, 5 + i, 6], "max_tokens": 16, "seed": i,
-                                                      "ignore_eos": True, "return_token_ids": True})
-                  for i in range(32))
-            )  # fmt: skip
+                *(
+                    client.post(
+                        "/v1/completions",
+                        json={
+                            "prompt": [2, 5 + i, 6],
+                            "max_tokens": 16,
+                            "seed": i,
+                            "ignore_eos": True,
+                            "return_token_ids": True,
+                        },
+                    )
+                    for i in range(32)
+                )
+            )
             return rs, time.perf_counter() - t0
 
     before = _metric_buckets(httpx.get(svc.http_url + "/metrics").text, "rlhf_batch_size", 'method="engine_step"')
@@ -330,12 +343,16 @@ def test_32_concurrent_requests_are_batched(svc):
     single = after[1.0] - before.get(1.0, 0)
     biggest = min(le for le in after if after[le] - before.get(le, 0) == steps)
     rate = 32 * 16 / seconds
-    print(f"\n32 concurrent REST requests x 16 tokens: {rate:.0f} generated tokens/s end to end ({seconds:.2f} s); "
-          f"{steps:.0f} engine steps, {single:.0f} with one sequence, largest <= {biggest:g}")  # fmt: skip
+    print(
+        f"\n32 concurrent REST requests x 16 tokens: {rate:.0f} generated tokens/s end to end ({seconds:.2f} s); "
+        f"{steps:.0f} engine steps, {single:.0f} with one sequence, largest <= {biggest:g}"
+    )
     assert steps > single, "no engine step decoded more than one sequence: concurrent requests were not batched"
     assert biggest >= 8
-    tokens = re.search(r'rlhf_tokens_total\{kind="generated",service="rollout"\} ([0-9.e+]+)',
-                       httpx.get(svc.http_url + "/metrics").text)  # fmt: skip
+    tokens = re.search(
+        r'rlhf_tokens_total\{kind="generated",service="rollout"\} ([0-9.e+]+)',
+        httpx.get(svc.http_url + "/metrics").text,
+    )
     assert tokens and float(tokens.group(1)) >= 32 * 16
 
 
@@ -407,8 +424,9 @@ def hf_sampling_logprobs(eng, prompt: list[int], tokens: list[int], o) -> list[f
     for t, tok in enumerate(tokens):
         row = logits[len(prompt) - 1 + t].unsqueeze(0)
         if o.penalized:
-            row = apply_penalties(row, in_prompt, counts, one(o.repetition_penalty), one(o.frequency_penalty),
-                                  one(o.presence_penalty))  # fmt: skip
+            row = apply_penalties(
+                row, in_prompt, counts, one(o.repetition_penalty), one(o.frequency_penalty), one(o.presence_penalty)
+            )
         masked = step_distribution(row, one(o.temperature), k, p)
         out.append(float(logprobs_from_logits(masked, torch.tensor([tok]), 1.0)[0]))
         counts[0, tok] += 1
@@ -441,8 +459,10 @@ def test_cross_engine_sampling_logprobs_agree(svc, hf_engine, full_forward, temp
             vllm_vs_hf = max(vllm_vs_hf, _maxdiff(vllm_lp, hf))
             hf_vs_full = max(hf_vs_full, _maxdiff(hf, full))
             n += len(tokens)
-    print(f"\nT={temperature}: {n} tokens; max |logprob diff| vLLM vs full forward {vllm_vs_full:.2e}, "
-          f"vLLM vs hf {vllm_vs_hf:.2e}, hf vs full forward {hf_vs_full:.2e}")  # fmt: skip
+    print(
+        f"\nT={temperature}: {n} tokens; max |logprob diff| vLLM vs full forward {vllm_vs_full:.2e}, "
+        f"vLLM vs hf {vllm_vs_hf:.2e}, hf vs full forward {hf_vs_full:.2e}"
+    )
     assert max(vllm_vs_full, vllm_vs_hf, hf_vs_full) < LOGPROB_TOL
 
 
@@ -494,15 +514,19 @@ def test_openai_client_on_vllm(svc):
 
     client = openai.OpenAI(base_url=svc.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     msgs = [{"role": "user", "content": "what is 1 plus 2?"}]
-    chat = client.chat.completions.create(model="tiny:policy", messages=msgs, max_tokens=6, seed=4, logprobs=True,
-                                          top_logprobs=3)  # fmt: skip
+    chat = client.chat.completions.create(
+        model="tiny:policy", messages=msgs, max_tokens=6, seed=4, logprobs=True, top_logprobs=3
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     for tok in content:
         alts = [a.logprob for a in tok.top_logprobs]
         assert len(alts) == 3 and alts == sorted(alts, reverse=True) and alts[0] >= tok.logprob - 1e-5
-    streamed = "".join(ev.choices[0].delta.content or "" for ev in client.chat.completions.create(
-        model="tiny:policy", messages=msgs, max_tokens=6, seed=4, stream=True) if ev.choices)  # fmt: skip
+    streamed = "".join(
+        ev.choices[0].delta.content or ""
+        for ev in client.chat.completions.create(model="tiny:policy", messages=msgs, max_tokens=6, seed=4, stream=True)
+        if ev.choices
+    )
     assert streamed == chat.choices[0].message.content
     texts = ["", ""]
     for ev in client.completions.create(model="tiny:policy", prompt="hi", max_tokens=5, seed=1, n=2, stream=True):
@@ -539,8 +563,10 @@ def test_weight_swap_changes_outputs_and_original_weights_restore_them(svc, poli
     assert changed["policy_version"] == v0 + 1
     assert all(c["policy_version"] == v0 + 1 for r in changed["results"] for c in r["completions"])
     assert samples_of(changed) != samples_of(before)
-    diff = max(_maxdiff(a[1][: len(b[1])], b[1][: len(a[1])]) for a, b in zip(samples_of(before),
-               samples_of(changed), strict=True))  # fmt: skip
+    diff = max(
+        _maxdiff(a[1][: len(b[1])], b[1][: len(a[1])])
+        for a, b in zip(samples_of(before), samples_of(changed), strict=True)
+    )
     assert diff > 1e-3, "perturbed weights did not change the log-probs"
 
     resp = _push(svc, policy_state, v0 + 2)
@@ -594,8 +620,10 @@ def test_refused_updates_leave_the_old_weights_serving(svc, stub, policy_state):
 
 
 def _inflight_http(svc) -> float:
-    m = re.search(r'rlhf_inflight_requests\{protocol="http",service="rollout"\} ([0-9.e+-]+)',
-                  httpx.get(svc.http_url + "/metrics").text)  # fmt: skip
+    m = re.search(
+        r'rlhf_inflight_requests\{protocol="http",service="rollout"\} ([0-9.e+-]+)',
+        httpx.get(svc.http_url + "/metrics").text,
+    )
     return float(m.group(1)) if m else 0.0
 
 
@@ -727,8 +755,9 @@ def test_readme_rollout_examples_work(svc):
     for kind, text, expected in commands:
         if kind in ("python", "py"):
             env = {**os.environ, "RLHF_API_TOKEN": TOKEN}
-            run = subprocess.run([sys.executable, "-c", localize(text)], cwd=REPO, capture_output=True, text=True,
-                                 timeout=120, env=env)  # fmt: skip
+            run = subprocess.run(
+                [sys.executable, "-c", localize(text)], cwd=REPO, capture_output=True, text=True, timeout=120, env=env
+            )
             assert run.returncode == 0, f"README python block failed:\n{text}\n{run.stderr}"
             assert "results" in run.stdout or "version" in run.stdout, run.stdout
             continue
@@ -750,8 +779,11 @@ def test_disconnected_client_aborts_its_vllm_requests(svc):
     (the engine's steps stop counting its sequences)."""
 
     def engine_rows() -> float:  # sequences per engine step, summed (rlhf_batch_size{method="engine_step"})
-        m = re.search(r'^rlhf_batch_size_sum\{[^}]*method="engine_step"[^}]*\} (\S+)$',
-                      httpx.get(svc.http_url + "/metrics").text, re.M)  # fmt: skip
+        m = re.search(
+            r'^rlhf_batch_size_sum\{[^}]*method="engine_step"[^}]*\} (\S+)$',
+            httpx.get(svc.http_url + "/metrics").text,
+            re.M,
+        )
         return float(m.group(1)) if m else 0.0
 
     body = {"prompt_token_ids": [[2, 5, 6]] * 8, "n": 64, "max_tokens": 500, "ignore_eos": True, "seed": 3}

@@ -119,12 +119,19 @@ def services(tiny_models, tmp_path_factory):
     from _procs import ServiceProc, write_config
 
     d = tmp_path_factory.mktemp("worker-services")
-    cfg = write_config(d / "cfg.yaml", {
-        "run_id": RUN,
-        "actor_rollout_ref": {"actor_rollout": {"load": "tiny:policy", "engine": "hf"}},
-        "reward": {"scorers": [{"type": "rule", "name": "length", "kwargs": {"target": 4}},
-                               {"type": "rule", "name": "exact_match", "weight": 0.0}]},  # needs a label
-    })  # fmt: skip
+    cfg = write_config(
+        d / "cfg.yaml",
+        {
+            "run_id": RUN,
+            "actor_rollout_ref": {"actor_rollout": {"load": "tiny:policy", "engine": "hf"}},
+            "reward": {
+                "scorers": [
+                    {"type": "rule", "name": "length", "kwargs": {"target": 4}},
+                    {"type": "rule", "name": "exact_match", "weight": 0.0},
+                ]
+            },  # needs a label
+        },
+    )
     env = {"RLHF_CACHE_DIR": os.environ["RLHF_CACHE_DIR"], "RLHF_DEVICE": "cpu"}
     procs = [ServiceProc(n, cfg, d / "logs", env=env) for n in ("reward", "reference")]
     for p in procs:
@@ -148,8 +155,9 @@ def _jobs(n: int, tok, prefix: str = "j") -> list[experience_pb2.PromptJob]:
     jobs = []
     for i in range(n):
         text = f"What is {i} plus {i + 1}?"
-        job = experience_pb2.PromptJob(job_id=f"{prefix}{i}", run_id=RUN, data_index=i, epoch=1,
-                                       issued_policy_version=0, label=str(2 * i + 1))  # fmt: skip
+        job = experience_pb2.PromptJob(
+            job_id=f"{prefix}{i}", run_id=RUN, data_index=i, epoch=1, issued_policy_version=0, label=str(2 * i + 1)
+        )
         job.params.CopyFrom(common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=100 + i))
         if i % 3 == 2:
             job.prompt_text = text  # text only: the worker tokenizes
@@ -162,8 +170,9 @@ def _jobs(n: int, tok, prefix: str = "j") -> list[experience_pb2.PromptJob]:
 def _worker(engine, redis_server, services, replica="r0", **kw) -> RolloutWorker:
     kw.setdefault("reward_addr", services["reward"].grpc_addr)
     kw.setdefault("reference_addr", services["reference"].grpc_addr)
-    return RolloutWorker(engine, redis_url=redis_server.url, run_id=RUN, replica_id=replica,
-                         **{"block_ms": 100, "drain_s": 5.0, **kw})  # fmt: skip
+    return RolloutWorker(
+        engine, redis_url=redis_server.url, run_id=RUN, replica_id=replica, **{"block_ms": 100, "drain_s": 5.0, **kw}
+    )
 
 
 async def _read_experience(eq: ExperienceQueue, n: int, timeout: float) -> list[tuple[str, experience_pb2.Experience]]:
@@ -241,8 +250,16 @@ def test_reward_down_leaves_jobs_pending_until_it_is_back(engine, services, redi
         redis = connect(redis_server.url)
         pq = PromptQueue(redis, RUN)
         await pq.publish_many(_jobs(3, engine.tokenizer))
-        worker = _worker(engine, redis_server, services, reward_addr=f"127.0.0.1:{_free_port()}", rpc_retries=2,
-                         rpc_backoff_s=0.05, rpc_timeout_s=2.0, reclaim_idle_s=600)  # fmt: skip
+        worker = _worker(
+            engine,
+            redis_server,
+            services,
+            reward_addr=f"127.0.0.1:{_free_port()}",
+            rpc_retries=2,
+            rpc_backoff_s=0.05,
+            rpc_timeout_s=2.0,
+            reclaim_idle_s=600,
+        )
         task = asyncio.create_task(worker.run())
         deadline = time.monotonic() + 30
         while sum(worker.stats.failed.values()) < 3 and time.monotonic() < deadline:
@@ -283,8 +300,7 @@ def test_dead_worker_job_is_reclaimed_and_written_once(engine, services, redis_s
         assert (await queue_stats(redis, RUN)).prompts_pending == 1
 
         t0 = time.monotonic()
-        worker = _worker(engine, redis_server, services, replica="survivor", reclaim_idle_s=1.0,
-                         reclaim_interval_s=0.2)  # fmt: skip
+        worker = _worker(engine, redis_server, services, replica="survivor", reclaim_idle_s=1.0, reclaim_interval_s=0.2)
         task = asyncio.create_task(worker.run())
         records = await _read_experience(eq, 1, 20)
         took = time.monotonic() - t0
@@ -315,9 +331,13 @@ def test_service_hook_scorer_errors_kept_and_invalid_jobs_dead_lettered(engine, 
         too_long.params.max_tokens = 10**6
         await pq.publish_many([no_label, too_long, ok])
         assert maybe_start_worker(engine, ServiceSettings()) is None  # no RLHF_REDIS_URL: no worker mode
-        settings = ServiceSettings(redis_url=redis_server.url, run_id=RUN, replica_id="hooked",
-                                   reward_addr=services["reward"].grpc_addr,
-                                   reference_addr=services["reference"].grpc_addr)  # fmt: skip
+        settings = ServiceSettings(
+            redis_url=redis_server.url,
+            run_id=RUN,
+            replica_id="hooked",
+            reward_addr=services["reward"].grpc_addr,
+            reference_addr=services["reference"].grpc_addr,
+        )
         metrics = ServiceMetrics("rollout")
         worker = maybe_start_worker(engine, settings, metrics=metrics, env={"RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": "2"})
         assert worker is not None and worker.max_inflight_jobs == 2 and worker.replica_id == "hooked"
@@ -351,12 +371,20 @@ def test_rollout_service_in_worker_mode(services, redis_server, tmp_path, tiny_m
     from rlhf.models import load_tokenizer
 
     tok = load_tokenizer(Path(os.environ["RLHF_CACHE_DIR"]) / "tiny" / "policy")
-    cfg = write_config(tmp_path / "rollout.yaml", {"run_id": RUN, "actor_rollout_ref": {"actor_rollout": {
-        "load": "tiny:policy", "engine": "hf"}}})  # fmt: skip
-    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_REPLICA_ID": "svc-0", "RLHF_DEVICE": "cpu",
-           "RLHF_REWARD_ADDR": services["reward"].grpc_addr, "RLHF_REFERENCE_ADDR": services["reference"].grpc_addr,
-           "RLHF_ROLLOUT_ENGINE": "hf", "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": "4",
-           "RLHF_SHUTDOWN_GRACE_S": "5"}  # fmt: skip
+    cfg = write_config(
+        tmp_path / "rollout.yaml",
+        {"run_id": RUN, "actor_rollout_ref": {"actor_rollout": {"load": "tiny:policy", "engine": "hf"}}},
+    )
+    env = {
+        "RLHF_REDIS_URL": redis_server.url,
+        "RLHF_REPLICA_ID": "svc-0",
+        "RLHF_DEVICE": "cpu",
+        "RLHF_REWARD_ADDR": services["reward"].grpc_addr,
+        "RLHF_REFERENCE_ADDR": services["reference"].grpc_addr,
+        "RLHF_ROLLOUT_ENGINE": "hf",
+        "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": "4",
+        "RLHF_SHUTDOWN_GRACE_S": "5",
+    }
     svc = ServiceProc("rollout", cfg, tmp_path / "logs", env=env).start(timeout=120)
     try:
 

@@ -69,7 +69,12 @@ def test_settings_from_env_and_flags():
     assert TOKEN not in repr(s)  # secrets stay out of logs
     d = ServiceSettings.from_env({})
     assert (d.grpc_port, d.http_port, d.max_message_bytes, d.max_body_bytes, d.shutdown_grace_s) == (
-        50051, 8000, 64 << 20, 8 << 20, 10.0)  # fmt: skip
+        50051,
+        8000,
+        64 << 20,
+        8 << 20,
+        10.0,
+    )
     with pytest.raises(ValueError, match="RLHF_GRPC_PORT"):
         ServiceSettings.from_env({"RLHF_GRPC_PORT": "http"})
     with pytest.raises(ValueError, match="--http-port"):
@@ -117,8 +122,9 @@ class ToyServicer(reward_pb2_grpc.RewardServiceServicer):
 
 
 def toy_runner(**overrides) -> ServiceRunner:
-    base = dict(host="127.0.0.1", grpc_port=0, http_port=0, shutdown_grace_s=3, max_body_bytes=1000,
-                max_message_bytes=4096)  # fmt: skip
+    base = dict(
+        host="127.0.0.1", grpc_port=0, http_port=0, shutdown_grace_s=3, max_body_bytes=1000, max_message_bytes=4096
+    )
     base.update(overrides)
     settings = ServiceSettings.from_env({}, **base)
     metrics = ServiceMetrics("toy")
@@ -142,8 +148,9 @@ def toy_runner(**overrides) -> ServiceRunner:
         return {"ok": True}
 
     runner = ServiceRunner("toy", settings, metrics)
-    runner.add_grpc(reward_pb2_grpc.add_RewardServiceServicer_to_server, ["rlhf.v1.RewardService"],
-                    ToyServicer(settings, metrics))  # fmt: skip
+    runner.add_grpc(
+        reward_pb2_grpc.add_RewardServiceServicer_to_server, ["rlhf.v1.RewardService"], ToyServicer(settings, metrics)
+    )
     runner.set_http_app(app)
     return runner
 
@@ -254,8 +261,9 @@ def test_body_limit_413_before_reading():
         # a huge declared length is answered at once, without waiting for (or reading) the body
         t0 = time.perf_counter()
         reader, writer = await asyncio.open_connection("127.0.0.1", runner.http_port)
-        writer.write(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100000000000\r\n\r\n{")  # fmt: skip
+        writer.write(
+            b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000000000\r\n\r\n{"
+        )
         await writer.drain()
         head = await asyncio.wait_for(reader.readline(), 5)
         writer.close()
@@ -327,13 +335,14 @@ def test_tls_for_grpc_and_http(tmp_path):
     subj = ["-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"]
     key_args = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     cmd = ["openssl", "req", "-x509", *key_args, "-keyout", str(key), "-out", str(cert), "-days", "1", *subj]
-    subprocess.run(cmd, check=True, capture_output=True)  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True)
 
     async def body(runner, http):
         assert (await http.get("/healthz")).status_code == 200
         creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
-        async with grpc.aio.secure_channel(f"127.0.0.1:{runner.grpc_port}", creds,
-                                           options=[("grpc.ssl_target_name_override", "localhost")]) as ch:  # fmt: skip
+        async with grpc.aio.secure_channel(
+            f"127.0.0.1:{runner.grpc_port}", creds, options=[("grpc.ssl_target_name_override", "localhost")]
+        ) as ch:
             resp = await reward_pb2_grpc.RewardServiceStub(ch).Score(
                 reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="p")])
             )
@@ -446,8 +455,11 @@ def test_sigterm_graceful_shutdown_of_a_real_service(start_service, tmp_path):
     )
     import os
 
-    env = {"PYTHONPATH": os.pathsep.join([str(rule_dir), os.environ.get("PYTHONPATH", "")]), "RLHF_BOGUS_SETTING": "1",
-           "RLHF_SHUTDOWN_GRACE_S": "5"}  # fmt: skip
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(rule_dir), os.environ.get("PYTHONPATH", "")]),
+        "RLHF_BOGUS_SETTING": "1",
+        "RLHF_SHUTDOWN_GRACE_S": "5",
+    }
     svc = start_service("reward", SLOW_RULE_CONFIG, env=env)
     result: dict = {}
 
@@ -464,7 +476,11 @@ def test_sigterm_graceful_shutdown_of_a_real_service(start_service, tmp_path):
     code = svc.wait(10)
     elapsed = time.monotonic() - t0
     assert result["status"] == 200 and result["body"]["results"][0] == {
-        "score": 1.0, "status": "ok", "error": None, "components": {"slow": 1.0}}  # fmt: skip
+        "score": 1.0,
+        "status": "ok",
+        "error": None,
+        "components": {"slow": 1.0},
+    }
     assert code == 0, svc.log_tail()
     assert elapsed < 5, elapsed
     log = svc.log_text()

@@ -221,8 +221,13 @@ def test_poison_records_are_dead_lettered_and_the_run_goes_on(redis_server, star
         try:
             for i in range(5):
                 foreign = experience_pb2.Experience(job_id=f"foreign-{i}", run_id="ring", prompt_ids=[1, 2])
-                foreign.samples.add(response_ids=[9999], sampling_logprobs=[-1.0], ref_logprobs=[-1.0], score=1.0,
-                                    score_status=common_pb2.ITEM_STATUS_OK)  # fmt: skip
+                foreign.samples.add(
+                    response_ids=[9999],
+                    sampling_logprobs=[-1.0],
+                    ref_logprobs=[-1.0],
+                    score=1.0,
+                    score_status=common_pb2.ITEM_STATUS_OK,
+                )
                 await redis.xadd(RunKeys("ring").experience, {PAYLOAD_FIELD: foreign.SerializeToString()})
         finally:
             await redis.aclose()
@@ -260,8 +265,12 @@ def test_poison_records_are_dead_lettered_and_the_run_goes_on(redis_server, star
 def test_trainer_killed_before_its_first_checkpoint_starts_over(redis_server, start_service, tmp_path):
     run_dir = tmp_path / "run"
     # A replica address that refuses connections: each push fails at once, and the version is published anyway.
-    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN,
-           "RLHF_ROLLOUT_ADDRS": "127.0.0.1:1"}  # fmt: skip
+    env = {
+        "RLHF_REDIS_URL": redis_server.url,
+        "RLHF_RUN_DIR": str(run_dir),
+        "RLHF_API_TOKEN": TOKEN,
+        "RLHF_ROLLOUT_ADDRS": "127.0.0.1:1",
+    }
     cfg = _config(tmp_path, train_iters=4, save_interval=100)
     trainer = start_service("trainer", cfg, env=env)
     _run_with_replicas(redis_server.url, lambda: len(_metrics(run_dir)) >= 2, limit=8)
@@ -292,8 +301,9 @@ def test_concurrent_checkpoint_calls_write_whole_checkpoints(redis_server, start
         async with httpx.AsyncClient(timeout=60) as client:
             headers = {"Authorization": f"Bearer {TOKEN}"}
             while len(_metrics(run_dir)) < 2:  # concurrent calls while steps run
-                rs = await asyncio.gather(*[client.post(trainer.http_url + "/v1/checkpoint", headers=headers)
-                                            for _ in range(8)])  # fmt: skip
+                rs = await asyncio.gather(
+                    *[client.post(trainer.http_url + "/v1/checkpoint", headers=headers) for _ in range(8)]
+                )
                 codes.extend(r.status_code for r in rs)
                 await asyncio.sleep(0.05)
 
@@ -346,8 +356,9 @@ def test_admission_writes_lost_with_the_last_second_of_aof_heal(redis_server, st
     env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
     trainer = start_service("trainer", _config(tmp_path, train_iters=4, save_interval=100), env=env)
     k, r = RunKeys("ring"), sync_redis.Redis.from_url(redis_server.url)
-    _run_with_replicas(redis_server.url, lambda: len(_metrics(run_dir)) >= 2 and int(r.get(k.issued) or 0) == 12,
-                       limit=8)  # fmt: skip
+    _run_with_replicas(
+        redis_server.url, lambda: len(_metrics(run_dir)) >= 2 and int(r.get(k.issued) or 0) == 12, limit=8
+    )
     # The lost second: trained 8 -> 4, and the jobs issued after it (prompt entries, ids, count) never happened.
     newest = r.xrevrange(k.prompts, count=4)
     lost_ids = []
@@ -407,8 +418,11 @@ def test_records_staler_than_the_bound_are_dropped_not_trained(redis_server, sta
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
     assert all(m["staleness/max"] == 0 for m in steps)  # max_staleness: 0 held
     assert steps[-1]["staleness/dropped_records_total"] == 2
-    dropped = [j for line in (run_dir / "trained_jobs.jsonl").read_text().splitlines()
-               for j in json.loads(line).get("dropped_stale", [])]  # fmt: skip
+    dropped = [
+        j
+        for line in (run_dir / "trained_jobs.jsonl").read_text().splitlines()
+        for j in json.loads(line).get("dropped_stale", [])
+    ]
     assert sorted(dropped) == sorted(answered[8:10])
     assert not set(dropped) & set(_ledger(run_dir)) and len(_ledger(run_dir)) == 16
 
@@ -420,8 +434,13 @@ def test_weight_sync_and_log_intervals_skip_pushes_and_progress_lines(redis_serv
     cfg = _config(tmp_path, train_iters=4, save_interval=4)
     cfg["training"].update(weight_sync_interval=2, log_interval=2, max_staleness=1)  # interval 2 needs staleness 1
     rollout = start_service("rollout", cfg, env={"RLHF_API_TOKEN": TOKEN})  # serves weights; takes no jobs
-    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN,
-           "RLHF_ROLLOUT_ADDRS": rollout.grpc_addr, "RLHF_WEIGHTS_TRANSPORT": "grpc"}  # fmt: skip
+    env = {
+        "RLHF_REDIS_URL": redis_server.url,
+        "RLHF_RUN_DIR": str(run_dir),
+        "RLHF_API_TOKEN": TOKEN,
+        "RLHF_ROLLOUT_ADDRS": rollout.grpc_addr,
+        "RLHF_WEIGHTS_TRANSPORT": "grpc",
+    }
     trainer = start_service("trainer", cfg, env=env)
     _run_with_replicas(redis_server.url, lambda: trainer.proc.poll() is not None)
     assert trainer.wait(timeout=30) == 0, trainer.log_tail()

@@ -39,9 +39,13 @@ def make_exp(job: experience_pb2.PromptJob, replica: str = "r1", version: int = 
         response_ids=[7, 8], sampling_logprobs=[-0.5, -1.0], policy_version=version, score=1.0
     )
     return experience_pb2.Experience(
-        job_id=job.job_id, run_id=job.run_id, data_index=job.data_index, prompt_ids=job.prompt_ids,
-        samples=[sample, sample], replica_id=replica,
-    )  # fmt: skip
+        job_id=job.job_id,
+        run_id=job.run_id,
+        data_index=job.data_index,
+        prompt_ids=job.prompt_ids,
+        samples=[sample, sample],
+        replica_id=replica,
+    )
 
 
 @contextlib.asynccontextmanager

@@ -93,8 +93,9 @@ class TensorParallelEngine(FakeEngine):
             parallel = SimpleNamespace(rank=rank, world_size=self.collective_ranks, data_parallel_index=0)
             vllm_config = SimpleNamespace(parallel_config=parallel, model_config=None)
             engine = RlhfCollectiveWeightTransferEngine(None, vllm_config, torch.device("cpu"), None)
-            engine.init_transfer_engine(CollectiveInitInfo(group.address, group.port, group.key, ticket.hex(),
-                                                           group.timeout_s, group.backend))  # fmt: skip
+            engine.init_transfer_engine(
+                CollectiveInitInfo(group.address, group.port, group.key, ticket.hex(), group.timeout_s, group.backend)
+            )
             try:
                 engine.start_weight_update()
                 for i, b in enumerate(header.buckets):
@@ -153,8 +154,10 @@ def test_a_ticket_admitted_with_two_ranks_is_joined_by_two_processes_and_each_re
     ticket_a, ticket_b = b"a" * 32, b"b" * 32
     world = group.admit([ticket_a, ticket_b], [2, 1])
     assert world == 4
-    manifests = [{t.name: (t.dtype, tuple(t.shape)) for t in packed.header.tensors if t.bucket == i}
-                 for i in range(len(packed.header.buckets))]  # fmt: skip
+    manifests = [
+        {t.name: (t.dtype, tuple(t.shape)) for t in packed.header.tensors if t.bucket == i}
+        for i in range(len(packed.header.buckets))
+    ]
     got: dict[tuple[bytes, int], dict] = {}
     errors: list[BaseException] = []
     ranks: dict[tuple[bytes, int], int] = {}
@@ -170,8 +173,9 @@ def test_a_ticket_admitted_with_two_ranks_is_joined_by_two_processes_and_each_re
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
 
-    threads = [threading.Thread(target=receiver, args=a, daemon=True)
-               for a in ((ticket_a, 0), (ticket_a, 1), (ticket_b, 0))]  # fmt: skip
+    threads = [
+        threading.Thread(target=receiver, args=a, daemon=True) for a in ((ticket_a, 0), (ticket_a, 1), (ticket_b, 0))
+    ]
     for t in threads:
         t.start()
     try:

@@ -153,8 +153,9 @@ async def refused(coro) -> tuple[grpc.StatusCode, str]:
 def assert_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert list(got) == list(want)
     for k in want:
-        assert got[k].dtype == want[k].dtype and torch.equal(got[k].view(-1).view(torch.uint8),
-                                                            want[k].reshape(-1).view(torch.uint8)), k  # fmt: skip
+        assert got[k].dtype == want[k].dtype and torch.equal(
+            got[k].view(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)
+        ), k
 
 
 # ------------------------------------------------------------------------------------------------------ round trips

@@ -246,8 +246,14 @@ def test_a_cut_update_installed_as_it_arrives_never_serves_a_mix(tiny_models, st
     moved = perturbed(state, 9)
 
     async def main():
-        eng = VllmEngine(tiny_models.policy, "tiny:policy", mode="inproc", max_model_len=256, inplace_load_bytes=0,
-                         load_bucket_bytes=BUCKET)  # fmt: skip
+        eng = VllmEngine(
+            tiny_models.policy,
+            "tiny:policy",
+            mode="inproc",
+            max_model_len=256,
+            inplace_load_bytes=0,
+            load_bucket_bytes=BUCKET,
+        )
         await eng.start()
         server, addr, servicer = await serve(eng)
         channel = grpc.aio.insecure_channel(addr)

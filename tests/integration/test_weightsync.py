@@ -92,9 +92,12 @@ class Servicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.weights = staged.tensors  # the swap
         self.receiver.commit(staged)
         return weights_pb2.UpdateWeightsResponse(
-            version=staged.version, swapped=True, bytes_received=staged.bytes, checksum=staged.checksum,
+            version=staged.version,
+            swapped=True,
+            bytes_received=staged.bytes,
+            checksum=staged.checksum,
             stage_seconds=staged.seconds,
-        )  # fmt: skip
+        )
 
     async def GetWeightsVersion(self, request, context):
         return weights_pb2.WeightsVersion(version=self.receiver.current_version, checksum=self.receiver.checksum)
@@ -519,7 +522,7 @@ def _bucket_with_header(meta: dict, data: bytes) -> bytes:
                 "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
             },
             "overlap",
-        ),  # fmt: skip
+        ),
         ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, "expected 0"),
         ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, "do not fit"),
         ({"a": {"dtype": "F32", "shape": [6], "data_offsets": [0, 24]}}, "do not fit"),  # past the end

@@ -271,8 +271,13 @@ def experiences(prompts: list[list[int]], completions: list[list[int]], scores: 
     for j, prompt in enumerate(prompts):
         exp = experience_pb2.Experience(job_id=f"job{j}", prompt_ids=prompt)
         for i in range(j * n, (j + 1) * n):
-            exp.samples.add(response_ids=completions[i], ref_logprobs=refs[i], score=scores[i],
-                            score_status=common_pb2.ITEM_STATUS_OK, policy_version=0)  # fmt: skip
+            exp.samples.add(
+                response_ids=completions[i],
+                ref_logprobs=refs[i],
+                score=scores[i],
+                score_status=common_pb2.ITEM_STATUS_OK,
+                policy_version=0,
+            )
         out.append(exp)
     return out
 
@@ -290,8 +295,9 @@ def capture_optimizer_grads(engine) -> list[dict[str, torch.Tensor]]:
     return grads
 
 
-def worst_grad(cmp: Comparison, tag: str, ours: dict[str, torch.Tensor], trl: dict[str, torch.Tensor],
-               atol: float, rtol: float) -> None:  # fmt: skip
+def worst_grad(
+    cmp: Comparison, tag: str, ours: dict[str, torch.Tensor], trl: dict[str, torch.Tensor], atol: float, rtol: float
+) -> None:
     """Compare the parameter whose gradient differs most (by name: both are the same LlamaForCausalLM)."""
     assert set(ours) == set(trl), set(ours) ^ set(trl)
     worst = max(trl, key=lambda n: float(((ours[n] - trl[n]).abs() - rtol * trl[n].abs()).max()))

@@ -52,13 +52,47 @@ class Setting:
 
 
 SETTINGS = [
-    Setting("reinforce_pp_g4", "ray_reinforce_plus_plus", "reinforce", group=4, prompts=3, minibatch=6, epochs=2,
-            kl_coef=0.01, epsilon=0.2, epsilon_high=None, temperature=1.0, gamma=0.95),
-    Setting("reinforce_pp_baseline_g8_asym", "ray_reinforce_plus_plus", "reinforce_baseline", group=8, prompts=2,
-            minibatch=8, epochs=2, kl_coef=0.05, epsilon=0.2, epsilon_high=0.28, temperature=0.8),
-    Setting("rloo_openrlhf_g4", "ray_rloo", "rloo", group=4, prompts=2, minibatch=4, epochs=2, kl_coef=0.05,
-            epsilon=0.2, epsilon_high=None, temperature=1.2),
-]  # fmt: skip
+    Setting(
+        "reinforce_pp_g4",
+        "ray_reinforce_plus_plus",
+        "reinforce",
+        group=4,
+        prompts=3,
+        minibatch=6,
+        epochs=2,
+        kl_coef=0.01,
+        epsilon=0.2,
+        epsilon_high=None,
+        temperature=1.0,
+        gamma=0.95,
+    ),
+    Setting(
+        "reinforce_pp_baseline_g8_asym",
+        "ray_reinforce_plus_plus",
+        "reinforce_baseline",
+        group=8,
+        prompts=2,
+        minibatch=8,
+        epochs=2,
+        kl_coef=0.05,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        temperature=0.8,
+    ),
+    Setting(
+        "rloo_openrlhf_g4",
+        "ray_rloo",
+        "rloo",
+        group=4,
+        prompts=2,
+        minibatch=4,
+        epochs=2,
+        kl_coef=0.05,
+        epsilon=0.2,
+        epsilon_high=None,
+        temperature=1.2,
+    ),
+]
 
 TENSOR_TOL = 1e-5
 WHITENED_TOL = 1e-4  # abs, plus 1e-4 relative
@@ -140,13 +174,20 @@ def run_engine(s: Setting, model_dir: str, prompts, completions, scores, refs, m
         {
             "training": {"stage": s.stage, "device": "cpu", "lr": s.lr, "seed": 0, "clip_grad": 0.0},
             "actor_rollout_ref": {
-                "actor_rollout": {"load": model_dir, "do_sample": True, "temperature": s.temperature,
-                                  "n_samples_per_prompt": s.group, "ppo_mini_batch_size": s.minibatch,
-                                  "ppo_epochs": s.epochs, "clip_ratio": s.epsilon, "clip_ratio_high": s.epsilon_high}
+                "actor_rollout": {
+                    "load": model_dir,
+                    "do_sample": True,
+                    "temperature": s.temperature,
+                    "n_samples_per_prompt": s.group,
+                    "ppo_mini_batch_size": s.minibatch,
+                    "ppo_epochs": s.epochs,
+                    "clip_ratio": s.epsilon,
+                    "clip_ratio_high": s.epsilon_high,
+                }
             },
             "algorithm": algorithm,
         }
-    )  # fmt: skip
+    )
     assert cfg.algorithm.loss_type == "bnpo" and cfg.algorithm.kl_penalty == "kl"  # OpenRLHF's token mean, k1
     engine = TrainerEngine(cfg, device="cpu")
     grads = capture_optimizer_grads(engine)
@@ -183,7 +224,7 @@ def test_engine_matches_openrlhf(setting: Setting, seed: int, tmp_path, monkeypa
     scores = torch.randn(B, generator=gen).tolist()
     refs = [
         reference_logprobs(models.behaviour, prompts[i // s.group], c, s.temperature) for i, c in enumerate(completions)
-    ]  # fmt: skip  (a reference != the policy: the KL is not ~0)
+    ]  # a reference != the policy: the KL is not ~0
     model_dir = save_pretrained(models.fresh().policy, tmp_path / "policy")
     oracle = openrlhf_run(s, models.fresh().policy.train(), prompts, completions, scores, refs)
     ours = run_engine(s, model_dir, prompts, completions, scores, refs, monkeypatch)
@@ -194,8 +235,14 @@ def test_engine_matches_openrlhf(setting: Setting, seed: int, tmp_path, monkeypa
     first_mb = slice(0, s.minibatch)
     cmp.add("old_logprobs (first minibatch)", ours["old"], oracle["old"][first_mb], TENSOR_TOL, mask=mask[first_mb])
     whitened = s.estimator != "rloo"
-    cmp.add("advantages" + (" (whitened)" if whitened else ""), ours["advantages"], oracle["advantages"],
-            WHITENED_TOL if whitened else TENSOR_TOL, rtol=1e-4 if whitened else 0.0, mask=mask)  # fmt: skip
+    cmp.add(
+        "advantages" + (" (whitened)" if whitened else ""),
+        ours["advantages"],
+        oracle["advantages"],
+        WHITENED_TOL if whitened else TENSOR_TOL,
+        rtol=1e-4 if whitened else 0.0,
+        mask=mask,
+    )
     assert len(ours["losses"]) == len(oracle["losses"]) == s.epochs * (B // s.minibatch)
     # The gradient of the first step only: the oracle's forward rounds differently from the engine's (log_softmax then
     # gather, ~5e-7 per log-prob), and AdamW turns the resulting 1e-9 differences in near-zero gradient entries into

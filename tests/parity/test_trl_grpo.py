@@ -67,20 +67,87 @@ class GRPOSetting:
 
 
 SETTINGS = [
-    GRPOSetting("dapo_g4_beta0", "dapo", group=4, prompts=3, minibatch=6, iterations=2, beta=0.0, epsilon=0.2,
-                epsilon_high=None, temperature=1.0),
-    GRPOSetting("grpo_g8_asym_kl_T0.7", "grpo", group=8, prompts=2, minibatch=8, iterations=2, beta=0.04,
-                epsilon=0.2, epsilon_high=0.28, temperature=0.7, equal_reward=1000.1),
-    GRPOSetting("bnpo_g4_batch_scale_plain_kl", "bnpo", group=4, prompts=2, minibatch=4, iterations=2, beta=0.1,
-                epsilon=0.1, epsilon_high=0.3, temperature=1.3, scale_rewards="batch", bias_correction_kl=False),
-    GRPOSetting("dr_grpo_g8_mask_truncated", "dr_grpo", group=8, prompts=2, minibatch=16, iterations=3, beta=0.02,
-                epsilon=0.2, epsilon_high=0.28, temperature=0.9, scale_rewards="none", mask_truncated=True,
-                max_completion_length=8),
-    GRPOSetting("dapo_g8_top_entropy_kl", "dapo", group=8, prompts=2, minibatch=8, iterations=2, beta=0.05,
-                epsilon=0.2, epsilon_high=0.28, temperature=0.8, top_entropy_quantile=0.5),
-    GRPOSetting("gspo_grpo_g4_sequence", "grpo", group=4, prompts=3, minibatch=4, iterations=2, beta=0.03,
-                epsilon=3e-4, epsilon_high=4e-4, temperature=1.0, importance_sampling_level="sequence"),
-]  # fmt: skip
+    GRPOSetting(
+        "dapo_g4_beta0",
+        "dapo",
+        group=4,
+        prompts=3,
+        minibatch=6,
+        iterations=2,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=None,
+        temperature=1.0,
+    ),
+    GRPOSetting(
+        "grpo_g8_asym_kl_T0.7",
+        "grpo",
+        group=8,
+        prompts=2,
+        minibatch=8,
+        iterations=2,
+        beta=0.04,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        temperature=0.7,
+        equal_reward=1000.1,
+    ),
+    GRPOSetting(
+        "bnpo_g4_batch_scale_plain_kl",
+        "bnpo",
+        group=4,
+        prompts=2,
+        minibatch=4,
+        iterations=2,
+        beta=0.1,
+        epsilon=0.1,
+        epsilon_high=0.3,
+        temperature=1.3,
+        scale_rewards="batch",
+        bias_correction_kl=False,
+    ),
+    GRPOSetting(
+        "dr_grpo_g8_mask_truncated",
+        "dr_grpo",
+        group=8,
+        prompts=2,
+        minibatch=16,
+        iterations=3,
+        beta=0.02,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        temperature=0.9,
+        scale_rewards="none",
+        mask_truncated=True,
+        max_completion_length=8,
+    ),
+    GRPOSetting(
+        "dapo_g8_top_entropy_kl",
+        "dapo",
+        group=8,
+        prompts=2,
+        minibatch=8,
+        iterations=2,
+        beta=0.05,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        temperature=0.8,
+        top_entropy_quantile=0.5,
+    ),
+    GRPOSetting(
+        "gspo_grpo_g4_sequence",
+        "grpo",
+        group=4,
+        prompts=3,
+        minibatch=4,
+        iterations=2,
+        beta=0.03,
+        epsilon=3e-4,
+        epsilon_high=4e-4,
+        temperature=1.0,
+        importance_sampling_level="sequence",
+    ),
+]
 
 LOGPROB_TOL = 1e-5
 ADV_TOL, ADV_RTOL = 1e-4, 1e-4  # dividing by std + 1e-4 amplifies rounding (section 6.4, whitened advantages)
@@ -192,8 +259,9 @@ def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
 
     gen = trainer._generate_and_score_completions([{"prompt": texts[i // s.group]} for i in range(B)])
     cap["gen"] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in gen.items()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                                  fused=True)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True
+    )
     for _ in range(s.iterations):
         for k in range(S):
             rows = slice(k * s.minibatch, (k + 1) * s.minibatch)
@@ -326,8 +394,9 @@ def compare(case: Case, trl: dict, ours: dict, report: dict) -> Comparison:
     if "old_per_token_logps" in g:  # TRL computes them when num_iterations > 1
         cmp.add("old_logprobs", old, g["old_per_token_logps"], LOGPROB_TOL, mask=mask)
     if s.beta != 0.0:  # the reference service's math against TRL's reference forward
-        cmp.add("ref_logprobs (reference service)", _pad(ours["refs"], W), g["ref_per_token_logps"], LOGPROB_TOL,
-                mask=mask)  # fmt: skip
+        cmp.add(
+            "ref_logprobs (reference service)", _pad(ours["refs"], W), g["ref_per_token_logps"], LOGPROB_TOL, mask=mask
+        )
 
     m = trl["metrics"]
     assert len(calls) == len(trl["losses"]) == len(trl["logps"]) == s.iterations * S
@@ -348,8 +417,12 @@ def compare(case: Case, trl: dict, ours: dict, report: dict) -> Comparison:
         for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
             cmp.add(f"{name}{tag}", st[name], m[name][step], STAT_TOL)
         worst_grad(cmp, tag, o_grads, t_grads, GRAD_ATOL, GRAD_RTOL)
-    cmp.add("entropy (mean over minibatches)", ours["metrics"]["policy/entropy"],
-            sum(m["entropy"]) / len(m["entropy"]), STAT_TOL)  # fmt: skip
+    cmp.add(
+        "entropy (mean over minibatches)",
+        ours["metrics"]["policy/entropy"],
+        sum(m["entropy"]) / len(m["entropy"]),
+        STAT_TOL,
+    )
     return cmp
 
 
@@ -374,24 +447,43 @@ def test_very_negative_padded_logprobs_never_make_nan(tmp_path):
 
     models = build_models(0)
     model_dir = save_pretrained(models.fresh().policy, tmp_path / "policy")
-    s = GRPOSetting("low_T", "bnpo", group=4, prompts=2, minibatch=8, iterations=1, beta=0.1, epsilon=0.2,
-                    epsilon_high=None, temperature=1e-3)  # fmt: skip
+    s = GRPOSetting(
+        "low_T",
+        "bnpo",
+        group=4,
+        prompts=2,
+        minibatch=8,
+        iterations=1,
+        beta=0.1,
+        epsilon=0.2,
+        epsilon_high=None,
+        temperature=1e-3,
+    )
     case = make_case(s, 0)
-    refs = [reference_logprobs(models.ref, case.prompts[i // s.group], c, s.temperature)
-            for i, c in enumerate(case.completions)]  # fmt: skip
+    refs = [
+        reference_logprobs(models.ref, case.prompts[i // s.group], c, s.temperature)
+        for i, c in enumerate(case.completions)
+    ]
     cfg = parse_config(
         {
             "training": {"stage": "ray_grpo", "device": "cpu", "lr": 1e-3, "seed": 0},
-            "actor_rollout_ref": {"actor_rollout": {"load": model_dir, "temperature": s.temperature,
-                                                    "n_samples_per_prompt": s.group, "ppo_mini_batch_size": 8}},
+            "actor_rollout_ref": {
+                "actor_rollout": {
+                    "load": model_dir,
+                    "temperature": s.temperature,
+                    "n_samples_per_prompt": s.group,
+                    "ppo_mini_batch_size": 8,
+                }
+            },
             "algorithm": {"kl_ctrl": {"kl_coef": s.beta}},
         }
-    )  # fmt: skip
+    )
     engine = TrainerEngine(cfg, device="cpu")
     with torch.no_grad():  # the premise: padded positions carry log-probs far below 0
         ids = torch.tensor([case.prompts[0] + case.completions[2] + [PAD] * 3])
-        pad_lp = rlhf.algo.logprobs_from_logits(rlhf.models.causal_lm_logits(engine.actor, ids, PAD)[:, -4:-1],
-                                                ids[:, -3:], s.temperature)  # fmt: skip
+        pad_lp = rlhf.algo.logprobs_from_logits(
+            rlhf.models.causal_lm_logits(engine.actor, ids, PAD)[:, -4:-1], ids[:, -3:], s.temperature
+        )
     assert pad_lp.min() < -100, pad_lp
     metrics = engine.step(experiences(case.prompts, case.completions, case.scores, refs))
     assert all(v == v for v in metrics.values()), metrics  # no NaN

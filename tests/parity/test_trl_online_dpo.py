@@ -59,11 +59,19 @@ class ODPOSetting:
 
 
 SETTINGS = [
-    ODPOSetting("sigmoid_eos_penalty", num_prompts=4, prompt_length=4, completion_length=6, beta=0.1,
-                loss_type="sigmoid", missing_eos_penalty=1.0),
-    ODPOSetting("ipo", num_prompts=6, prompt_length=3, completion_length=7, beta=0.5, loss_type="ipo",
-                missing_eos_penalty=None),
-]  # fmt: skip
+    ODPOSetting(
+        "sigmoid_eos_penalty",
+        num_prompts=4,
+        prompt_length=4,
+        completion_length=6,
+        beta=0.1,
+        loss_type="sigmoid",
+        missing_eos_penalty=1.0,
+    ),
+    ODPOSetting(
+        "ipo", num_prompts=6, prompt_length=3, completion_length=7, beta=0.5, loss_type="ipo", missing_eos_penalty=None
+    ),
+]
 
 LOGPROB_TOL = 1e-5
 SUM_TOL = 1e-4  # per-sequence sums over tokens
@@ -321,13 +329,22 @@ def run_engine(case: Case, model_dir: str, trl_ref: torch.Tensor) -> dict:
     cfg = parse_config(
         {
             "training": {"stage": "ray_online_dpo", "device": "cpu", "lr": 1e-3, "seed": case.seed, "clip_grad": 0.0},
-            "actor_rollout_ref": {"actor_rollout": {"load": model_dir, "do_sample": True,
-                                                    "temperature": ENGINE_TEMPERATURE, "n_samples_per_prompt": 2,
-                                                    "ppo_mini_batch_size": 2 * B}},  # TRL: one step on every pair
-            "algorithm": {"dpo_beta": s.beta, "dpo_loss_type": s.loss_type,
-                          "missing_eos_penalty": s.missing_eos_penalty or 0.0},
+            "actor_rollout_ref": {
+                "actor_rollout": {
+                    "load": model_dir,
+                    "do_sample": True,
+                    "temperature": ENGINE_TEMPERATURE,
+                    "n_samples_per_prompt": 2,
+                    "ppo_mini_batch_size": 2 * B,
+                }
+            },  # TRL: one step on every pair
+            "algorithm": {
+                "dpo_beta": s.beta,
+                "dpo_loss_type": s.loss_type,
+                "missing_eos_penalty": s.missing_eos_penalty or 0.0,
+            },
         }
-    )  # fmt: skip
+    )
     engine = TrainerEngine(cfg, device="cpu")
     assert engine.temperature == ENGINE_TEMPERATURE
     grads = capture_optimizer_grads(engine)
@@ -356,9 +373,15 @@ def test_online_dpo_engine_matches_trl(setting: ODPOSetting, seed: int, tmp_path
     # scale with 2|x - 1/(2 beta)|) get an absolute 1e-5 there; the sigmoid loss keeps section 6.4's 1e-6.
     ipo = setting.loss_type == "ipo"
     cmp.add("loss", m["loss/dpo"], t["loss"], 1e-5 if ipo else LOSS_TOL)
-    for name, tol in (("rewards/chosen", STAT_TOL), ("rewards/rejected", STAT_TOL), ("rewards/margins", STAT_TOL),
-                      ("rewards/accuracies", 0.0), ("logps/chosen", SUM_TOL), ("logps/rejected", SUM_TOL),
-                      ("objective/scores_margin", STAT_TOL)):  # fmt: skip
+    for name, tol in (
+        ("rewards/chosen", STAT_TOL),
+        ("rewards/rejected", STAT_TOL),
+        ("rewards/margins", STAT_TOL),
+        ("rewards/accuracies", 0.0),
+        ("logps/chosen", SUM_TOL),
+        ("logps/rejected", SUM_TOL),
+        ("objective/scores_margin", STAT_TOL),
+    ):
         cmp.add(name, m[name], t[name], tol)
     worst_grad(cmp, "", ours["grads"], trl["grads"], 1e-5 if ipo else GRAD_ATOL, GRAD_RTOL)
     cmp.check()

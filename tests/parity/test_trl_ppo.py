@@ -69,22 +69,73 @@ class PPOSetting:
 
 SETTINGS = [
     # 4 minibatches of 2 rows x 2 epochs = 8 optimizer steps; TRL's default-ish coefficients.
-    PPOSetting("k1_4mb_2ep", batch=8, response_length=6, num_mini_batches=4, epochs=2, kl_estimator="k1",
-               whiten_rewards=False, missing_eos_penalty=1.0, temperature=0.7, kl_coef=0.05, cliprange=0.2,
-               cliprange_value=0.2, vf_coef=0.1, gamma=1.0, lam=0.95, lr=1e-3),
+    PPOSetting(
+        "k1_4mb_2ep",
+        batch=8,
+        response_length=6,
+        num_mini_batches=4,
+        epochs=2,
+        kl_estimator="k1",
+        whiten_rewards=False,
+        missing_eos_penalty=1.0,
+        temperature=0.7,
+        kl_coef=0.05,
+        cliprange=0.2,
+        cliprange_value=0.2,
+        vf_coef=0.1,
+        gamma=1.0,
+        lam=0.95,
+        lr=1e-3,
+    ),
     # reward whitening needs local_mini_batch_size >= 8 (TRL asserts it): 16 rows in 2 minibatches, 3 epochs.
-    PPOSetting("k3_whiten_2mb_3ep", batch=16, response_length=7, num_mini_batches=2, epochs=3, kl_estimator="k3",
-               whiten_rewards=True, missing_eos_penalty=0.5, temperature=1.0, kl_coef=0.2, cliprange=0.1,
-               cliprange_value=0.15, vf_coef=0.5, gamma=0.99, lam=0.9, lr=5e-4),
-]  # fmt: skip
+    PPOSetting(
+        "k3_whiten_2mb_3ep",
+        batch=16,
+        response_length=7,
+        num_mini_batches=2,
+        epochs=3,
+        kl_estimator="k3",
+        whiten_rewards=True,
+        missing_eos_penalty=0.5,
+        temperature=1.0,
+        kl_coef=0.2,
+        cliprange=0.1,
+        cliprange_value=0.15,
+        vf_coef=0.5,
+        gamma=0.99,
+        lam=0.9,
+        lr=5e-4,
+    ),
+]
 
 # train() locals read when it logs (after the rollout and the update loop, before it deletes them).
 TRAIN_LOCALS = (
-    "query_responses", "responses", "postprocessed_responses", "logprobs", "ref_logprobs", "values", "scores",
-    "sequence_lengths", "contain_eos_token", "padding_mask", "padding_mask_p1", "kl", "non_score_reward", "rewards",
-    "actual_end", "advantages", "returns", "context_length", "approxkl_stats", "pg_clipfrac_stats", "pg_loss_stats",
-    "vf_loss_stats", "vf_clipfrac_stats", "entropy_stats", "ratio_stats",
-)  # fmt: skip
+    "query_responses",
+    "responses",
+    "postprocessed_responses",
+    "logprobs",
+    "ref_logprobs",
+    "values",
+    "scores",
+    "sequence_lengths",
+    "contain_eos_token",
+    "padding_mask",
+    "padding_mask_p1",
+    "kl",
+    "non_score_reward",
+    "rewards",
+    "actual_end",
+    "advantages",
+    "returns",
+    "context_length",
+    "approxkl_stats",
+    "pg_clipfrac_stats",
+    "pg_loss_stats",
+    "vf_loss_stats",
+    "vf_clipfrac_stats",
+    "entropy_stats",
+    "ratio_stats",
+)
 
 
 @dataclass
@@ -238,8 +289,9 @@ def run_trl(case: Case, models, tmp_path, monkeypatch, peft_config=None) -> dict
     )
     trainer.log = log_hook
     if peft_config is not None:  # the adapters as TRL initialised them (lora_A random), for path B to start from
-        cap["initial_adapter"] = {k: v.detach().clone() for k, v in trainer.policy_model.state_dict().items()
-                                  if ".lora_" in k}  # fmt: skip
+        cap["initial_adapter"] = {
+            k: v.detach().clone() for k, v in trainer.policy_model.state_dict().items() if ".lora_" in k
+        }
         cap["policy_model"] = trainer.policy_model
     trainer.train()
     assert next(perm_iter, None) is None, "TRL did not draw one permutation per epoch"

@@ -32,8 +32,9 @@ def test_lora_ppo_matches_trl(setting, seed: int, tmp_path, monkeypatch, parity_
 
     case = make_case(setting, seed)
     models = build_models(seed)
-    peft_config = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS, bias="none",
-                             task_type="CAUSAL_LM")  # fmt: skip
+    peft_config = LoraConfig(
+        r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS, bias="none", task_type="CAUSAL_LM"
+    )
     trl = run_trl(case, models, tmp_path, monkeypatch, peft_config=peft_config)
     queries = left_pad([case.prompts[i] for i in order_of(case.prompts, trl["queries"])])
     assert torch.equal(queries, trl["queries"])
@@ -50,8 +51,11 @@ def test_lora_ppo_matches_trl(setting, seed: int, tmp_path, monkeypatch, parity_
         cmp.add(f"merged weight {name}", mine[name], value, WEIGHT_TOL)
     # only the adapters trained: every base weight is still the initial policy's
     initial = models.fresh().policy.state_dict()
-    base = {k.replace(".base_layer.", "."): v for k, v in ours["policy"].get_base_model().state_dict().items()
-            if ".lora_" not in k}  # fmt: skip
+    base = {
+        k.replace(".base_layer.", "."): v
+        for k, v in ours["policy"].get_base_model().state_dict().items()
+        if ".lora_" not in k
+    }
     assert all(torch.equal(base[k], initial[k]) for k in initial)
     assert any(not torch.equal(mine[k], initial[k]) for k in initial if "q_proj" in k)
     cmp.check()

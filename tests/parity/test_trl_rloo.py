@@ -53,13 +53,42 @@ class RLOOSetting:
 
 
 SETTINGS = [
-    RLOOSetting("g4_beta0.05_T0.8", group=4, prompts=3, minibatch=6, iterations=2, beta=0.05, epsilon=0.2,
-                epsilon_high=None, temperature=0.8),
-    RLOOSetting("g8_normalized_asym_mask_truncated", group=8, prompts=2, minibatch=8, iterations=2, beta=0.1,
-                epsilon=0.2, epsilon_high=0.28, temperature=1.0, normalize_advantages=True, mask_truncated=True),
-    RLOOSetting("g4_beta0", group=4, prompts=2, minibatch=8, iterations=3, beta=0.0, epsilon=0.1, epsilon_high=0.3,
-                temperature=1.2),
-]  # fmt: skip
+    RLOOSetting(
+        "g4_beta0.05_T0.8",
+        group=4,
+        prompts=3,
+        minibatch=6,
+        iterations=2,
+        beta=0.05,
+        epsilon=0.2,
+        epsilon_high=None,
+        temperature=0.8,
+    ),
+    RLOOSetting(
+        "g8_normalized_asym_mask_truncated",
+        group=8,
+        prompts=2,
+        minibatch=8,
+        iterations=2,
+        beta=0.1,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        temperature=1.0,
+        normalize_advantages=True,
+        mask_truncated=True,
+    ),
+    RLOOSetting(
+        "g4_beta0",
+        group=4,
+        prompts=2,
+        minibatch=8,
+        iterations=3,
+        beta=0.0,
+        epsilon=0.1,
+        epsilon_high=0.3,
+        temperature=1.2,
+    ),
+]
 
 LOGPROB_TOL = 1e-5
 SUM_TOL = 1e-4  # per-sequence sums over tokens
@@ -153,8 +182,9 @@ def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
     cap["old_per_token"] = cap["logps"][0]
     cap["ref_per_token"] = cap["logps"][1] if s.beta != 0.0 else None
     cap["logps"] = []
-    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                                  fused=True)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True
+    )
     for _ in range(s.iterations):
         for k in range(S):
             rows = slice(k * s.minibatch, (k + 1) * s.minibatch)
@@ -213,15 +243,23 @@ def run_ours(case: Case, models, model_dir: str, monkeypatch, trl_ref: torch.Ten
 
     def loss_spy(logprobs, old_sequence_logprobs, advantages, mask, **k):
         loss, stats = orig_loss(logprobs, old_sequence_logprobs, advantages, mask, **k)
-        cap["loss_calls"].append({"logprobs": logprobs.detach().clone(), "old": old_sequence_logprobs.clone(),
-                                  "mask": mask.clone(), "loss": loss.detach().clone(),
-                                  "stats": {n: v.clone() for n, v in stats.items()}})  # fmt: skip
+        cap["loss_calls"].append(
+            {
+                "logprobs": logprobs.detach().clone(),
+                "old": old_sequence_logprobs.clone(),
+                "mask": mask.clone(),
+                "loss": loss.detach().clone(),
+                "stats": {n: v.clone() for n, v in stats.items()},
+            }
+        )
         return loss, stats
 
     monkeypatch.setattr(rlhf.algo.critic_free, "rloo_trl_advantages", adv_spy)  # called by critic_free_advantages
     monkeypatch.setattr(rlhf.algo, "rloo_trl_loss", loss_spy)
-    refs = [reference_logprobs(models.ref, case.prompts[i // s.group], c, s.temperature)
-            for i, c in enumerate(case.completions)]  # fmt: skip
+    refs = [
+        reference_logprobs(models.ref, case.prompts[i // s.group], c, s.temperature)
+        for i, c in enumerate(case.completions)
+    ]
     fed = refs if trl_ref is None else [trl_ref[i, : len(c)].tolist() for i, c in enumerate(case.completions)]
     cap["metrics"] = engine.step(experiences(case.prompts, case.completions, case.scores, fed))
     cap.update(grads=grads, refs=refs)
@@ -259,9 +297,12 @@ def compare(case: Case, trl: dict, ours: dict, report: dict) -> Comparison:
         for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
             cmp.add(f"{name}{tag}", call["stats"][name], m[name][step], STAT_TOL)
         worst_grad(cmp, tag, o_grads, t_grads, GRAD_ATOL, GRAD_RTOL)
-    cmp.add("objective/kl (sum over tokens, mean over rows)", ours["metrics"]["objective/kl"],
-            ((trl["old_per_token"] - trl["ref_per_token"]) * mask).sum(1).mean() if s.beta else 0.0,
-            STAT_TOL if s.beta else 1.0)  # fmt: skip
+    cmp.add(
+        "objective/kl (sum over tokens, mean over rows)",
+        ours["metrics"]["objective/kl"],
+        ((trl["old_per_token"] - trl["ref_per_token"]) * mask).sum(1).mean() if s.beta else 0.0,
+        STAT_TOL if s.beta else 1.0,
+    )
     return cmp
 
 

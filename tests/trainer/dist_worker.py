@@ -35,20 +35,28 @@ def config(stage: str, options: dict) -> object:
     return parse_config(
         {
             "training": {
-                "stage": stage, "device": "cpu", "lr": 5e-3, "seed": 7, "clip_grad": 1.0,
+                "stage": stage,
+                "device": "cpu",
+                "lr": 5e-3,
+                "seed": 7,
+                "clip_grad": 1.0,
                 "bf16": options.get("bf16", False),
                 "activation_checkpointing": options.get("activation_checkpointing", False),
                 "collective_timeout_s": 60,
             },
             "actor_rollout_ref": {
                 # 6 does not divide the batch: uneven minibatches and uneven shares across ranks
-                "actor_rollout": {"n_samples_per_prompt": n, "ppo_mini_batch_size": 6, "ppo_epochs": 2,
-                                  "entropy_coeff": 0.01},
+                "actor_rollout": {
+                    "n_samples_per_prompt": n,
+                    "ppo_mini_batch_size": 6,
+                    "ppo_epochs": 2,
+                    "entropy_coeff": 0.01,
+                },
             },
             "critic": {"critic_mini_batch_size": 6, "critic_update_epochs": 2},
             "algorithm": {"kl_ctrl": {"kl_coef": 0.05}, **RUNS[stage]},
         }
-    )  # fmt: skip
+    )
 
 
 def batch(n: int, prompts: int = 4, vocab: int = 512, seed: int = 3) -> list[experience_pb2.Experience]:
@@ -63,9 +71,11 @@ def batch(n: int, prompts: int = 4, vocab: int = 512, seed: int = 3) -> list[exp
             if (i + j) % 2:
                 ids[-1] = 1  # EOS on some responses
             exp.samples.add(
-                response_ids=ids, ref_logprobs=(-5 - torch.rand(length, generator=g)).tolist(),
-                score=float(torch.rand((), generator=g)), score_status=common_pb2.ITEM_STATUS_OK,
-            )  # fmt: skip
+                response_ids=ids,
+                ref_logprobs=(-5 - torch.rand(length, generator=g)).tolist(),
+                score=float(torch.rand((), generator=g)),
+                score_status=common_pb2.ITEM_STATUS_OK,
+            )
         out.append(exp)
     return out
 

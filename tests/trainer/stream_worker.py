@@ -85,13 +85,20 @@ def measure(engine: TrainerEngine, bucket: int, out: Path) -> dict:
         tracemalloc.stop()
         sizes = {k: v.numel() * v.element_size() for k, v in engine.actor.state_dict().items()}
         return {
-            "buckets": len(header.buckets), "total_bytes": header.total_bytes, "buffer_bytes": stream.buffer_bytes,
-            "largest_bucket": max(b.nbytes for b in header.buckets), "largest_gathered": max(sizes.values()),
-            "gathered_total": sum(sizes.values()), "stream_max_live_gathered": stream_live,
-            "stream_heap_peak": stream_heap, "pack_heap_peak": pack_heap,
-            "pack_total_bytes": packed.total_bytes, "gathers_per_pass": gathers_per_pass, "tensors": len(sizes),
+            "buckets": len(header.buckets),
+            "total_bytes": header.total_bytes,
+            "buffer_bytes": stream.buffer_bytes,
+            "largest_bucket": max(b.nbytes for b in header.buckets),
+            "largest_gathered": max(sizes.values()),
+            "gathered_total": sum(sizes.values()),
+            "stream_max_live_gathered": stream_live,
+            "stream_heap_peak": stream_heap,
+            "pack_heap_peak": pack_heap,
+            "pack_total_bytes": packed.total_bytes,
+            "gathers_per_pass": gathers_per_pass,
+            "tensors": len(sizes),
             "digests_equal": digests == [b.sha256 for b in header.buckets],
-        }  # fmt: skip
+        }
     finally:
         distributed.full_value = _full_value
 
@@ -118,8 +125,12 @@ def push(engine: TrainerEngine, opts: dict, report: dict) -> None:
                 gathers.on_call = lambda c: c == n + n // 2 and os.kill(int(opts["victim_pid"]), signal.SIGKILL)
             results = asyncio.run(push_weights_streamed(targets, stream, token=token, timeout=60, transport=transport))
             gathers.on_call = None
-            report[transport] = {"version": version, "checksum": stream.checksum, "gathers": gathers.calls,
-                                 "results": {t: outcome(r) for t, r in results.items()}}  # fmt: skip
+            report[transport] = {
+                "version": version,
+                "checksum": stream.checksum,
+                "gathers": gathers.calls,
+                "results": {t: outcome(r) for t, r in results.items()},
+            }
     finally:
         distributed.full_value = _full_value
 

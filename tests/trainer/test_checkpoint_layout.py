@@ -11,8 +11,15 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3Moe
 
 from services.trainer.checkpoint import _load_weights
 
-SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+SMALL = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def _moe(seed: int):

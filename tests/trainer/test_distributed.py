@@ -37,8 +37,16 @@ def _run(out: Path, procs: int, *options: str) -> None:
     if procs == 1:
         cmd = [sys.executable, str(WORKER), str(out), *options]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}",
-               str(WORKER), str(out), *options]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={procs}",
+            str(WORKER),
+            str(out),
+            *options,
+        ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

@@ -46,16 +46,25 @@ def _rollout(engine: TrainerEngine, prompts: list[list[int]], n: int, new_tokens
             exp = experience_pb2.Experience(job_id=f"j{j}", prompt_ids=prompt)
             ids = torch.tensor([prompt] * n)
             out = engine.actor.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens, top_k=0, pad_token_id=engine.pad_id, eos_token_id=None,
-            )  # fmt: skip
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=True,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                top_k=0,
+                pad_token_id=engine.pad_id,
+                eos_token_id=None,
+            )
             logits = causal_lm_logits(ref, out, engine.pad_id)[:, len(prompt) - 1 : -1]
             ref_lp = logprobs_from_logits(logits, out[:, len(prompt) :])
             for row, row_ref in zip(out[:, len(prompt) :].tolist(), ref_lp.tolist(), strict=True):
                 exp.samples.add(
-                    response_ids=row, ref_logprobs=row_ref, score=_even_fraction(row),
-                    score_status=common_pb2.ITEM_STATUS_OK, policy_version=engine.policy_version,
-                )  # fmt: skip
+                    response_ids=row,
+                    ref_logprobs=row_ref,
+                    score=_even_fraction(row),
+                    score_status=common_pb2.ITEM_STATUS_OK,
+                    policy_version=engine.policy_version,
+                )
             experiences.append(exp)
     return experiences
 

@@ -47,9 +47,14 @@ def _records(engine: TrainerEngine, n: int, temperature: float = 1.0, shift: flo
                 ids = torch.tensor([prompt + resp])
                 logits = causal_lm_logits(engine.actor, ids, engine.pad_id)[:, len(prompt) - 1 : -1]
                 samp = logprobs_from_logits(logits, ids[:, len(prompt) :], temperature)[0] + shift
-                exp.samples.add(response_ids=resp, sampling_logprobs=samp.tolist(), ref_logprobs=[-1.0] * length,
-                                score=float(k), score_status=common_pb2.ITEM_STATUS_OK,
-                                policy_version=version)  # fmt: skip
+                exp.samples.add(
+                    response_ids=resp,
+                    sampling_logprobs=samp.tolist(),
+                    ref_logprobs=[-1.0] * length,
+                    score=float(k),
+                    score_status=common_pb2.ITEM_STATUS_OK,
+                    policy_version=version,
+                )
             out.append(exp)
     return out
 
@@ -113,8 +118,9 @@ def _trainer(monkeypatch, tmp_path, **config):
     monkeypatch.setattr(loop.os, "_exit", fake_exit)
     t = loop.Trainer.__new__(loop.Trainer)
     t.cfg = parse_config(config)
-    t.engine = type("E", (), {"mismatch_by_replica": {"rollout-1": (0.3, 24, [4]), "rollout-0": (1e-14, 24, [4])},
-                              "step_count": 5})()  # fmt: skip
+    t.engine = type(
+        "E", (), {"mismatch_by_replica": {"rollout-1": (0.3, 24, [4]), "rollout-0": (1e-14, 24, [4])}, "step_count": 5}
+    )()
     t.run_dir = tmp_path
     return t
 

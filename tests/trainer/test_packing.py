@@ -87,10 +87,12 @@ def _experiences(n: int, seed: int) -> list[experience_pb2.Experience]:
             if rng.random() < 0.5:
                 resp[-1] = 1  # EOS: a finished sample
             exp.samples.add(
-                response_ids=resp, sampling_logprobs=[-6.0 + rng.random() for _ in resp],
-                ref_logprobs=[-6.2 + rng.random() for _ in resp], score=rng.random(),
+                response_ids=resp,
+                sampling_logprobs=[-6.0 + rng.random() for _ in resp],
+                ref_logprobs=[-6.2 + rng.random() for _ in resp],
+                score=rng.random(),
                 score_status=common_pb2.ITEM_STATUS_OK,
-            )  # fmt: skip
+            )
         out.append(exp)
     return out
 
@@ -113,7 +115,7 @@ def test_update_with_padding_free_equals_padded(tiny_models, stage, extra):
                         "ppo_epochs": 2,
                         "tis_cap": 2.0,
                         "entropy_coeff": 0.01,
-                    }  # fmt: skip
+                    }
                 },
                 "critic": {"critic_mini_batch_size": 6, "critic_update_epochs": 2},
                 "algorithm": extra,
@@ -136,8 +138,13 @@ def test_reference_logprobs_with_padding_free_equal_padded(tiny_models):
     from services.reference.engine import LogProbsItem, ReferenceEngine
 
     rng = random.Random(5)
-    items = [LogProbsItem([rng.randrange(3, 500) for _ in range(rng.randint(1, 9))],
-                          [rng.randrange(3, 500) for _ in range(rng.randint(1, 9))]) for _ in range(7)]  # fmt: skip
+    items = [
+        LogProbsItem(
+            [rng.randrange(3, 500) for _ in range(rng.randint(1, 9))],
+            [rng.randrange(3, 500) for _ in range(rng.randint(1, 9))],
+        )
+        for _ in range(7)
+    ]
     out = []
     for padding_free in (False, True):
         eng = ReferenceEngine(parse_config({"training": {"device": "cpu", "padding_free": padding_free}}), "cpu")
@@ -158,8 +165,10 @@ def test_reward_model_scores_with_padding_free_equal_padded(tiny_models):
     items = [Item(prompt="", response="", prompt_ids=ids(1, 9), response_ids=ids(1, 12)) for _ in range(7)]
     out = []
     for padding_free in (False, True):
-        cfg = {"training": {"device": "cpu", "padding_free": padding_free},
-               "reward": {"scorers": [{"type": "model", "load": "tiny:reward"}], "micro_batch_size": 8}}  # fmt: skip
+        cfg = {
+            "training": {"device": "cpu", "padding_free": padding_free},
+            "reward": {"scorers": [{"type": "model", "load": "tiny:reward"}], "micro_batch_size": 8},
+        }
         eng = RewardEngine(parse_config(cfg), "cpu")
         eng.load()
         assert eng.scorers[0].padding_free is padding_free

@@ -62,8 +62,12 @@ def _assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
 
 def _start_replica(model: Path, dump: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(HERE / "_hf_replica.py"), str(model), TOKEN, str(dump)], env=env,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "_hf_replica.py"), str(model), TOKEN, str(dump)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     line = proc.stdout.readline()
     assert line.startswith("ready "), line
     return proc, line.split()[1]
@@ -87,8 +91,17 @@ def group_run(tiny_models, tmp_path_factory):
     replica, addr = _start_replica(tiny_models.policy, out / "replica.safetensors")
     victim, victim_addr = _start_replica(tiny_models.policy, out / "victim.safetensors")
     try:
-        _run_worker(out, 2, "bf16=1", f"bucket={BUCKET}", f"token={TOKEN}", f"replica={addr}",
-                    f"victim={victim_addr}", f"victim_pid={victim.pid}", f"dead=127.0.0.1:{free_port()}")  # fmt: skip
+        _run_worker(
+            out,
+            2,
+            "bf16=1",
+            f"bucket={BUCKET}",
+            f"token={TOKEN}",
+            f"replica={addr}",
+            f"victim={victim_addr}",
+            f"victim_pid={victim.pid}",
+            f"dead=127.0.0.1:{free_port()}",
+        )
         replica.terminate()  # it writes what it serves
         assert replica.wait(60) == 0
     finally:
@@ -296,8 +309,9 @@ def test_one_producer_feeds_every_replica_and_a_dead_one_holds_no_one_back(trans
             targets = [replicas[0][3], dead, replicas[1][3]]
             src = Source(sd)
             stream = StreamedWeights(src.specs(), src, 1, bucket_bytes=8 << 10)
-            out = await push_weights_streamed(targets, stream, token=TOKEN, timeout=30, transport=transport,
-                                              chunk_bytes=4096)  # fmt: skip
+            out = await push_weights_streamed(
+                targets, stream, token=TOKEN, timeout=30, transport=transport, chunk_bytes=4096
+            )
             assert isinstance(out[dead], grpc.aio.AioRpcError)
             for engine, *_ in replicas:
                 assert engine.served.version == 1 and engine.served.checksum == stream.checksum

@@ -17,15 +17,25 @@ from services.trainer.engine import TrainerEngine
 
 def _config(stage: str = "ray_ppo", actor=None, training=None, algorithm=None, data=None, critic=None):
     n = 2 if stage == "ray_online_dpo" else 4
-    return parse_config({
-        "training": {"stage": stage, "device": "cpu", "lr": 1e-3, "seed": 3, "clip_grad": 0.0, "train_iters": 10,
-                     **(training or {})},
-        "actor_rollout_ref": {"actor_rollout": {"n_samples_per_prompt": n, "ppo_mini_batch_size": 8,
-                                                **(actor or {})}},
-        "critic": {"critic_mini_batch_size": 8, **(critic or {})},
-        "algorithm": {"kl_ctrl": {"kl_coef": 0.01}, **(algorithm or {})},
-        "data": data or {},
-    })  # fmt: skip
+    return parse_config(
+        {
+            "training": {
+                "stage": stage,
+                "device": "cpu",
+                "lr": 1e-3,
+                "seed": 3,
+                "clip_grad": 0.0,
+                "train_iters": 10,
+                **(training or {}),
+            },
+            "actor_rollout_ref": {
+                "actor_rollout": {"n_samples_per_prompt": n, "ppo_mini_batch_size": 8, **(actor or {})}
+            },
+            "critic": {"critic_mini_batch_size": 8, **(critic or {})},
+            "algorithm": {"kl_ctrl": {"kl_coef": 0.01}, **(algorithm or {})},
+            "data": data or {},
+        }
+    )
 
 
 def _batch(engine: TrainerEngine, prompts: int = 2, seed: int = 0) -> list[experience_pb2.Experience]:
@@ -41,10 +51,15 @@ def _batch(engine: TrainerEngine, prompts: int = 2, seed: int = 0) -> list[exper
                 length = int(torch.randint(3, 7, (1,), generator=g))
                 resp = torch.randint(3, 500, (length,), generator=g).tolist()
                 qr = torch.tensor([prompt + resp])
-                ref = algo.logprobs_from_logits(causal_lm_logits(engine.actor, qr, engine.pad_id)[:, 2:-1],
-                                                qr[:, 3:])[0].tolist()  # fmt: skip
-                exp.samples.add(response_ids=resp, ref_logprobs=ref, score=float(torch.rand(1, generator=g)) * 4 - 1,
-                                score_status=common_pb2.ITEM_STATUS_OK)  # fmt: skip
+                ref = algo.logprobs_from_logits(causal_lm_logits(engine.actor, qr, engine.pad_id)[:, 2:-1], qr[:, 3:])[
+                    0
+                ].tolist()
+                exp.samples.add(
+                    response_ids=resp,
+                    ref_logprobs=ref,
+                    score=float(torch.rand(1, generator=g)) * 4 - 1,
+                    score_status=common_pb2.ITEM_STATUS_OK,
+                )
             out.append(exp)
     return out
 
@@ -59,9 +74,15 @@ def _max_diff(a, b) -> float:
 
 @pytest.mark.parametrize(
     ("stage", "algorithm"),
-    [("ray_ppo", {}), ("ray_grpo", {"loss_type": "grpo"}), ("ray_grpo", {"loss_type": "bnpo"}),
-     ("ray_grpo", {"loss_type": "dapo"}), ("ray_rloo", {}), ("ray_online_dpo", {})],
-)  # fmt: skip
+    [
+        ("ray_ppo", {}),
+        ("ray_grpo", {"loss_type": "grpo"}),
+        ("ray_grpo", {"loss_type": "bnpo"}),
+        ("ray_grpo", {"loss_type": "dapo"}),
+        ("ray_rloo", {}),
+        ("ray_online_dpo", {}),
+    ],
+)
 def test_k_micro_batches_equal_one_step_on_the_whole_minibatch(tiny_models, stage, algorithm):
     grads = {}
     calls = []
@@ -70,8 +91,9 @@ def test_k_micro_batches_equal_one_step_on_the_whole_minibatch(tiny_models, stag
             _config(stage, algorithm=algorithm, actor={"entropy_coeff": 0.01, "micro_batch_size": micro})
         )
         step = engine.actor_opt.step
-        engine.actor_opt.step = lambda s=step, e=engine, m=micro: grads.setdefault(m, [
-            p.grad.clone() for p in e.actor.parameters()]) and s()  # fmt: skip
+        engine.actor_opt.step = lambda s=step, e=engine, m=micro: (
+            grads.setdefault(m, [p.grad.clone() for p in e.actor.parameters()]) and s()
+        )
         if micro:
             forward = engine._logits_and_logprobs
             engine._logits_and_logprobs = lambda *a, f=forward, **k: calls.append(a[0].shape[0]) or f(*a, **k)
@@ -191,9 +213,10 @@ def test_tokenizer_sampling_mode_adam_settings_and_vf_coef_reach_the_engine(tiny
     tok_dir = tmp_path / "tok"
     shutil.copytree(tiny_models.policy, tok_dir)
     (tok_dir / "model.safetensors").unlink()
-    cfg = _config(training={"tokenizer_name_or_path": str(tok_dir), "adam_beta1": 0.8, "adam_beta2": 0.99,
-                            "weight_decay": 0.05},
-                  actor={"do_sample": False, "temperature": 0.7})  # fmt: skip
+    cfg = _config(
+        training={"tokenizer_name_or_path": str(tok_dir), "adam_beta1": 0.8, "adam_beta2": 0.99, "weight_decay": 0.05},
+        actor={"do_sample": False, "temperature": 0.7},
+    )
     engine = TrainerEngine(cfg)
     assert engine.tokenizer.name_or_path == str(tok_dir)
     assert engine.temperature == 1.0  # greedy rollout: log-probs of the raw logits

@@ -146,8 +146,9 @@ def test_reinforce_whitening_uses_the_plain_variance():
     """OpenRLHF normalises with the biased variance; the unbiased one would scale by sqrt((N-1)/N)."""
     mask = torch.ones(2, 2, dtype=torch.bool)
     zeros = torch.zeros(2, 2)
-    adv, _ = openrlhf_advantages(torch.tensor([1.0, 3.0]), torch.tensor([0, 1]), zeros, zeros, mask,
-                                 "reinforce_plus_plus")  # fmt: skip
+    adv, _ = openrlhf_advantages(
+        torch.tensor([1.0, 3.0]), torch.tensor([0, 1]), zeros, zeros, mask, "reinforce_plus_plus"
+    )
     # returns are [1, 1, 3, 3]: mean 2, plain variance 1 -> exactly -1, 1
     assert adv.tolist() == [[-1.0, -1.0], [1.0, 1.0]]
 
@@ -203,13 +204,33 @@ def test_grpo_loss_matches_a_loop(case):
     adv = torch.tensor([1.5, -0.7, 0.2, -2.0])
     mask = torch.tensor([[t < n for t in range(L)] for n in (6, 3, 1, 0)])  # an empty row too
     emask = (torch.rand(B, L, generator=gen) > 0.4) & mask if case["entropy"] else None
-    kw = dict(loss_type=case["loss_type"], eps_lo=0.2, eps_hi=0.28, level=case["level"], beta=case["beta"],
-              bias=case["bias"], emask=None if emask is None else emask.tolist(), max_len=8, num_items=7.5)  # fmt: skip
+    kw = dict(
+        loss_type=case["loss_type"],
+        eps_lo=0.2,
+        eps_hi=0.28,
+        level=case["level"],
+        beta=case["beta"],
+        bias=case["bias"],
+        emask=None if emask is None else emask.tolist(),
+        max_len=8,
+        num_items=7.5,
+    )
     loss, stats = grpo_loss(
-        lp, old, adv, mask, loss_type=case["loss_type"], epsilon=0.2, epsilon_high=0.28,
-        importance_sampling_level=case["level"], ref_logprobs=ref, beta=case["beta"],
-        use_bias_correction_kl=case["bias"], entropy_mask=emask, max_completion_length=8, num_items=7.5,
-    )  # fmt: skip
+        lp,
+        old,
+        adv,
+        mask,
+        loss_type=case["loss_type"],
+        epsilon=0.2,
+        epsilon_high=0.28,
+        importance_sampling_level=case["level"],
+        ref_logprobs=ref,
+        beta=case["beta"],
+        use_bias_correction_kl=case["bias"],
+        entropy_mask=emask,
+        max_completion_length=8,
+        num_items=7.5,
+    )
     expected = _loss_loop(lp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), ref.tolist(), **kw)
     assert loss.item() == pytest.approx(expected, rel=1e-5, abs=1e-7)
     loss.backward()
@@ -230,9 +251,17 @@ def test_masked_positions_never_make_nan():
         for level in ("token", "sequence"):
             lp.grad = None
             loss, stats = grpo_loss(
-                lp, old, adv, mask, loss_type=loss_type, importance_sampling_level=level, ref_logprobs=ref,
-                beta=0.5, max_completion_length=L, num_items=4.0,
-            )  # fmt: skip
+                lp,
+                old,
+                adv,
+                mask,
+                loss_type=loss_type,
+                importance_sampling_level=level,
+                ref_logprobs=ref,
+                beta=0.5,
+                max_completion_length=L,
+                num_items=4.0,
+            )
             loss.backward()
             assert torch.isfinite(loss), (loss_type, level)
             assert torch.isfinite(lp.grad).all(), (loss_type, level)
@@ -240,8 +269,9 @@ def test_masked_positions_never_make_nan():
     seq_loss, _ = rloo_trl_loss(lp, torch.tensor([-5.0, -2.0, -3.0]), adv, mask)
     seq_loss.backward()
     assert torch.isfinite(seq_loss) and torch.isfinite(lp.grad).all()
-    adv_tok, _ = openrlhf_advantages(torch.ones(3), torch.zeros(3, dtype=torch.long), lp.detach(), ref, mask,
-                                     "reinforce_plus_plus", kl_coef=0.1)  # fmt: skip
+    adv_tok, _ = openrlhf_advantages(
+        torch.ones(3), torch.zeros(3, dtype=torch.long), lp.detach(), ref, mask, "reinforce_plus_plus", kl_coef=0.1
+    )
     assert torch.isfinite(adv_tok).all()
     x = torch.tensor([[1.0, math.inf], [2.0, math.nan]])
     m = torch.tensor([[True, False], [True, False]])
@@ -267,8 +297,10 @@ def test_top_entropy_mask_keeps_the_top_quantile():
     q = 0.25
     thr = torch.quantile(torch.tensor(valid), 1 - q).item()
     got = top_entropy_mask(ent, mask, q)
-    assert got.tolist() == [[bool(m and e >= thr) for e, m in zip(er, mr, strict=True)]
-                            for er, mr in zip(ent.tolist(), mask.tolist(), strict=True)]  # fmt: skip
+    assert got.tolist() == [
+        [bool(m and e >= thr) for e, m in zip(er, mr, strict=True)]
+        for er, mr in zip(ent.tolist(), mask.tolist(), strict=True)
+    ]
     assert not got[0, 3]  # padding never kept, however high its entropy
     assert top_entropy_mask(ent, mask, 1.0).equal(mask)
 

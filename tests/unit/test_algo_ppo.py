@@ -98,9 +98,19 @@ def _naive_rollout(
         adv = _naive_whiten(adv, [[not x for x in r] for r in pm])
     adv = [[0.0 if pm[b][t] else adv[b][t] for t in range(L)] for b in range(4)]
     return dict(
-        responses=resp, ell=ell, pm=pm, pm1=pm1, values=values, contains_eos=contains_eos, scores=scores,
-        kl=kl, non_score=non_score, rewards=rewards, advantages=adv, returns=returns,
-    )  # fmt: skip
+        responses=resp,
+        ell=ell,
+        pm=pm,
+        pm1=pm1,
+        values=values,
+        contains_eos=contains_eos,
+        scores=scores,
+        kl=kl,
+        non_score=non_score,
+        rewards=rewards,
+        advantages=adv,
+        returns=returns,
+    )
 
 
 def _run(**kw):

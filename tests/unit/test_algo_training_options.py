@@ -13,8 +13,10 @@ from services.trainer import optim
 
 
 def _lrs(style, total=11, warmup=0.0, lr=1.0, min_lr=0.1):
-    return [algo.lr_at(s, lr=lr, min_lr=min_lr, total_steps=total, warmup_fraction=warmup, style=style)
-            for s in range(total)]  # fmt: skip
+    return [
+        algo.lr_at(s, lr=lr, min_lr=min_lr, total_steps=total, warmup_fraction=warmup, style=style)
+        for s in range(total)
+    ]
 
 
 def test_lr_schedule_values_at_given_steps():
@@ -35,16 +37,38 @@ def test_lr_schedule_values_at_given_steps():
 def test_per_role_optimizer_fields_override_the_training_section():
     from rlhf.config import parse_config
 
-    cfg = parse_config({
-        "training": {"lr": 1e-5, "min_lr": 1e-6, "weight_decay": 0.1, "clip_grad": 1.0, "lr_decay_style": "cosine",
-                     "train_iters": 4},
-        "actor_rollout_ref": {"actor_rollout": {"lr": 2e-5, "weight_decay": 0.0, "adam_beta2": 0.95, "clip_grad": 5.0,
-                                                "lr_decay_style": "linear", "min_lr": 0.0}},
-        "critic": {"lr": 4e-5},
-    })  # fmt: skip
+    cfg = parse_config(
+        {
+            "training": {
+                "lr": 1e-5,
+                "min_lr": 1e-6,
+                "weight_decay": 0.1,
+                "clip_grad": 1.0,
+                "lr_decay_style": "cosine",
+                "train_iters": 4,
+            },
+            "actor_rollout_ref": {
+                "actor_rollout": {
+                    "lr": 2e-5,
+                    "weight_decay": 0.0,
+                    "adam_beta2": 0.95,
+                    "clip_grad": 5.0,
+                    "lr_decay_style": "linear",
+                    "min_lr": 0.0,
+                }
+            },
+            "critic": {"lr": 4e-5},
+        }
+    )
     a, c = optim.actor_optim(cfg), optim.critic_optim(cfg)
     assert (a.lr, a.min_lr, a.weight_decay, a.betas, a.clip_grad, a.decay_style) == (
-        2e-5, 0.0, 0.0, (0.9, 0.95), 5.0, "linear")  # fmt: skip
+        2e-5,
+        0.0,
+        0.0,
+        (0.9, 0.95),
+        5.0,
+        "linear",
+    )
     assert (c.lr, c.weight_decay, c.decay_style) == (4e-5, 0.1, "cosine") and c.min_lr == pytest.approx(4e-6)
     opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=a.lr)
     assert [optim.set_lr(opt, a, s, 4) for s in range(4)] == pytest.approx([2e-5, 2e-5 * 2 / 3, 2e-5 / 3, 0.0])

@@ -9,8 +9,13 @@ from rlhf.config import ConfigError, parse_config
 
 def _cfg(stage: str, **algorithm):
     n = 4 if stage in ("ray_grpo", "ray_rloo", "ray_reinforce_plus_plus") else 1  # a group to compare
-    return parse_config({"training": {"stage": stage}, "algorithm": algorithm,
-                         "actor_rollout_ref": {"actor_rollout": {"n_samples_per_prompt": n}}})  # fmt: skip
+    return parse_config(
+        {
+            "training": {"stage": stage},
+            "algorithm": algorithm,
+            "actor_rollout_ref": {"actor_rollout": {"n_samples_per_prompt": n}},
+        }
+    )
 
 
 def test_stage_defaults_follow_trl_and_openrlhf():

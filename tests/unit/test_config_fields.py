@@ -34,8 +34,11 @@ SEEDS = "tests/unit/test_config_seeds.py::"
 DEVICES = "tests/unit/test_devices.py::"
 ENGINE_SMALL = TO + "test_tokenizer_sampling_mode_adam_settings_and_vf_coef_reach_the_engine"
 PER_ROLE = "tests/unit/test_algo_training_options.py::test_per_role_optimizer_fields_override_the_training_section"
-SCHEDULE = [TO + "test_lr_schedule_sets_each_steps_learning_rate",
-            "tests/unit/test_algo_training_options.py::test_lr_schedule_values_at_given_steps", PER_ROLE]  # fmt: skip
+SCHEDULE = [
+    TO + "test_lr_schedule_sets_each_steps_learning_rate",
+    "tests/unit/test_algo_training_options.py::test_lr_schedule_values_at_given_steps",
+    PER_ROLE,
+]
 DATA = "tests/unit/test_data_json.py::"
 LORA = "tests/trainer/test_lora.py::"
 
@@ -44,7 +47,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "training.stage": [
         "tests/trainer/test_engine.py::test_ppo_raises_the_reward",
         "tests/trainer/test_engine.py::test_grpo_raises_the_reward",
-    ],  # fmt: skip
+    ],
     "training.global_batch_size": [TRAINER_SVC],
     "training.seq_length": [ROLLOUT_SETTINGS + "test_max_model_len_bounds_the_hf_engine"],
     "training.train_iters": [TRAINER_SVC],
@@ -59,7 +62,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "training.lr_warmup_fraction": [
         "tests/unit/test_algo_training_options.py::test_lr_schedule_values_at_given_steps",
         PER_ROLE,
-    ],  # fmt: skip
+    ],
     "training.min_lr": SCHEDULE,
     "training.no_load_optim": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng"],
     "training.no_load_rng": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng"],
@@ -67,7 +70,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         "tests/trainer/test_packing.py::test_update_with_padding_free_equals_padded",
         "tests/trainer/test_packing.py::test_reference_logprobs_with_padding_free_equal_padded",
         "tests/trainer/test_packing.py::test_reward_model_scores_with_padding_free_equal_padded",
-    ],  # fmt: skip
+    ],
     "training.activation_checkpointing": ["tests/trainer/test_distributed.py::test_world_2_update_equals_world_1"],
     "training.collective_timeout_s": ["tests/trainer/test_distributed.py::test_a_hung_collective_times_out"],
     "training.bf16": ["tests/trainer/test_engine.py::test_bf16_keeps_fp32_master_weights_that_learn_at_a_small_lr"],
@@ -95,7 +98,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "actor_rollout_ref.actor_rollout.save": [
         TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng",
         SEEDS + "test_seed_000_ppo_snippet_loads_with_its_save_folders",
-    ],  # fmt: skip
+    ],
     "actor_rollout_ref.actor_rollout.do_sample": [ENGINE_SMALL],
     "actor_rollout_ref.actor_rollout.temperature": [ENGINE_SMALL, GRPO_PARITY],
     "actor_rollout_ref.actor_rollout.top_p": [
@@ -112,7 +115,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "actor_rollout_ref.actor_rollout.ppo_mini_batch_size": [
         TO + "test_online_dpo_minibatches_epochs_and_entropy_bonus",
         PPO_PARITY,
-    ],  # fmt: skip
+    ],
     "actor_rollout_ref.actor_rollout.micro_batch_size": [
         TO + "test_k_micro_batches_equal_one_step_on_the_whole_minibatch"
     ],
@@ -163,7 +166,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "actor_rollout_ref.actor_rollout.num_gpus_for_train": [
         DEVICES + "test_seed_004_gets_one_device_per_role_in_order",
         DEVICES + "test_num_gpus_for_train_is_the_trainer_group_size",
-    ],  # fmt: skip
+    ],
     "actor_rollout_ref.actor_rollout.num_gpus_for_infer": [
         DEVICES + "test_rollout_devices_become_replicas_of_the_tensor_parallel_size"
     ],
@@ -177,7 +180,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "actor_rollout_ref.actor_rollout.tensor_model_parallel_size": [
         ROLLOUT_SETTINGS + "test_settings_reach_vllm_engine_args",
         DEVICES + "test_rollout_devices_become_replicas_of_the_tensor_parallel_size",
-    ],  # fmt: skip
+    ],
     "actor_rollout_ref.actor_rollout.enforce_eager": [ROLLOUT_SETTINGS + "test_settings_reach_vllm_engine_args"],
     "actor_rollout_ref.actor_rollout.staged_weight_swap": [
         ROLLOUT_SETTINGS + "test_staged_weight_swap_reaches_the_engine_and_is_decided_by_the_worker",
@@ -222,7 +225,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "algorithm.adv_estimator": [
         "tests/unit/test_config_critic_free.py::test_stage_defaults_follow_trl_and_openrlhf",
         "tests/parity/test_openrlhf_reinforce.py",
-    ],  # fmt: skip
+    ],
     "algorithm.gamma": [PPO_PARITY],
     "algorithm.lam": [PPO_PARITY],
     "algorithm.kl_penalty": [
@@ -252,7 +255,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "resource_pool.actor_rollout": [
         DEVICES + "test_colocated_rollout_shares_the_trainers_device",
         DEVICES + "test_seed_004_gets_one_device_per_role_in_order",
-    ],  # fmt: skip
+    ],
     "resource_pool.ref": [DEVICES + "test_seed_004_gets_one_device_per_role_in_order"],
     "resource_pool.critic": MAPPED + " the critic trains in the trainer process on the trainer's device; a count is "
     "named in the start-up warning (rlhf/config.py _stage_notes)",
@@ -262,7 +265,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "data.pretrain_data": [
         TO + "test_ptx_loss_enters_the_gradient_with_its_coefficient",
         DATA + "test_bad_json_files_are_config_errors_naming_the_key",
-    ],  # fmt: skip
+    ],
     "data.system": [DATA + "test_max_samples_shuffle_and_system_message"],
     "data.shuffle": [DATA + "test_max_samples_shuffle_and_system_message"],
     "data.max_samples": [DATA + "test_max_samples_shuffle_and_system_message"],

@@ -35,10 +35,16 @@ def test_seed_004_online_dpo_test_config_loads_mapped_and_warned():
     # one warning, one line per key that does not apply, each with its reason
     warning = config_warning(cfg)
     lines = warning.splitlines()[1:]
-    for key in ("defaults", "training.distributed_backend", "reward.sequence_parallel",
-                "actor_rollout_ref.actor_rollout.use_kv_cache", "actor_rollout_ref.actor_rollout.num_samples_per_step",
-                "actor_rollout_ref.ref.tensor_model_parallel_size", "actor_rollout_ref.actor_rollout.clip_ratio",
-                "algorithm.kl_ctrl"):  # fmt: skip
+    for key in (
+        "defaults",
+        "training.distributed_backend",
+        "reward.sequence_parallel",
+        "actor_rollout_ref.actor_rollout.use_kv_cache",
+        "actor_rollout_ref.actor_rollout.num_samples_per_step",
+        "actor_rollout_ref.ref.tensor_model_parallel_size",
+        "actor_rollout_ref.actor_rollout.clip_ratio",
+        "algorithm.kl_ctrl",
+    ):
         assert any(line.strip().startswith(f"{key}: ") for line in lines), key
     assert all(": " in line and len(line.split(": ", 1)[1]) > 20 for line in lines)
     # mapped keys are not in the warning
@@ -58,8 +64,12 @@ def test_a_misspelt_key_is_an_error_that_suggests_the_closest():
 
 def test_a_mapped_key_that_contradicts_its_target_is_an_error():
     with pytest.raises(ConfigError, match="contradicts algorithm.missing_eos_penalty"):
-        parse_config({"actor_rollout_ref": {"actor_rollout": {"missing_eos_penalty": 1.0}},
-                      "algorithm": {"missing_eos_penalty": 0.5}})  # fmt: skip
+        parse_config(
+            {
+                "actor_rollout_ref": {"actor_rollout": {"missing_eos_penalty": 1.0}},
+                "algorithm": {"missing_eos_penalty": 0.5},
+            }
+        )
     with pytest.raises(ConfigError, match="only PretrainedFromHF"):
         parse_config({"training": {"tokenizer_type": "Llama2Tokenizer"}})
 
@@ -67,31 +77,55 @@ def test_a_mapped_key_that_contradicts_its_target_is_an_error():
 @pytest.mark.parametrize(
     ("data", "message"),
     [
-        ({"training": {"stage": "ray_online_dpo"}, "actor_rollout_ref": {"actor_rollout": {"do_sample": False}}},
-         "set do_sample: true"),
+        (
+            {"training": {"stage": "ray_online_dpo"}, "actor_rollout_ref": {"actor_rollout": {"do_sample": False}}},
+            "set do_sample: true",
+        ),
         ({"training": {"stage": "ray_grpo"}}, "set 2 or more"),
         ({"training": {"lr": 1e-6, "min_lr": 1e-5}}, "lower min_lr"),
-        ({"actor_rollout_ref": {"actor_rollout": {"ppo_mini_batch_size": 4, "micro_batch_size": 8}}},
-         "larger than ppo_mini_batch_size"),
-        ({"training": {"stage": "ray_grpo"}, "actor_rollout_ref": {"actor_rollout": {
-            "n_samples_per_prompt": 4, "freezing_actor_steps": 2}}}, "only ray_ppo has a critic"),
-        ({"training": {"train_iters": 5}, "actor_rollout_ref": {"actor_rollout": {"freezing_actor_steps": 5}}},
-         "would never train"),
+        (
+            {"actor_rollout_ref": {"actor_rollout": {"ppo_mini_batch_size": 4, "micro_batch_size": 8}}},
+            "larger than ppo_mini_batch_size",
+        ),
+        (
+            {
+                "training": {"stage": "ray_grpo"},
+                "actor_rollout_ref": {"actor_rollout": {"n_samples_per_prompt": 4, "freezing_actor_steps": 2}},
+            },
+            "only ray_ppo has a critic",
+        ),
+        (
+            {"training": {"train_iters": 5}, "actor_rollout_ref": {"actor_rollout": {"freezing_actor_steps": 5}}},
+            "would never train",
+        ),
         ({"actor_rollout_ref": {"actor_rollout": {"ptx_coef": 0.5}}}, "needs data.pretrain_data"),
         ({"data": {"pretrain_data": "x.jsonl"}}, "set actor_rollout.ptx_coef"),
         ({"algorithm": {"reward_clip_range": [3, -3]}}, "low < high"),
-        ({"training": {"stage": "ray_rloo"}, "actor_rollout_ref": {"actor_rollout": {"n_samples_per_prompt": 2}},
-          "algorithm": {"kl_penalty": "full"}}, "built for ray_ppo only"),
-        ({"actor_rollout_ref": {"actor_rollout": {"num_gpus_for_infer": 3, "tensor_model_parallel_size": 2}}},
-         "not a multiple"),
-        ({"actor_rollout_ref": {"actor_rollout": {"num_gpus_for_train": 1, "num_gpus_for_infer": 2}},
-          "resource_pool": {"actor_rollout": [2]}}, "is not num_gpus_for_train"),
+        (
+            {
+                "training": {"stage": "ray_rloo"},
+                "actor_rollout_ref": {"actor_rollout": {"n_samples_per_prompt": 2}},
+                "algorithm": {"kl_penalty": "full"},
+            },
+            "built for ray_ppo only",
+        ),
+        (
+            {"actor_rollout_ref": {"actor_rollout": {"num_gpus_for_infer": 3, "tensor_model_parallel_size": 2}}},
+            "not a multiple",
+        ),
+        (
+            {
+                "actor_rollout_ref": {"actor_rollout": {"num_gpus_for_train": 1, "num_gpus_for_infer": 2}},
+                "resource_pool": {"actor_rollout": [2]},
+            },
+            "is not num_gpus_for_train",
+        ),
         ({"resource_pool": {"reward": [1, 1]}}, "runs on one machine"),
         ({"actor_rollout_ref": {"actor_rollout": {"lora_r": 8, "lora_dropout": 0.05}}}, "lora_dropout must be 0"),
         ({"actor_rollout_ref": {"actor_rollout": {"lora_alpha": 32}}}, "only with lora_r > 0"),
         ({"training": {"weight_sync_interval": 3, "max_staleness": 1}}, "set max_staleness >= 2"),
     ],
-)  # fmt: skip
+)
 def test_options_that_only_make_sense_together_are_checked_at_load(data, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(data)

@@ -24,10 +24,21 @@ def test_seed_004_gets_one_device_per_role_in_order(tmp_path):
     replicas = rollout_replicas(cfg, None)
     plan = plan_devices(cfg, ["0", "1", "2", "3", "4"], replicas, "CUDA_VISIBLE_DEVICES")
     assert (plan.trainer, plan.rollouts, plan.reference, plan.reward) == (["0"], [["1"]], ["2"], ["3"])
-    specs = plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path, rollout_replicas=replicas,
-                          ports=list(range(20000, 20008)), devices=plan)  # fmt: skip
+    specs = plan_services(
+        redis_url="u",
+        run_id="r",
+        api_token="t",
+        run_dir=tmp_path,
+        rollout_replicas=replicas,
+        ports=list(range(20000, 20008)),
+        devices=plan,
+    )
     assert {s.name: s.env["CUDA_VISIBLE_DEVICES"] for s in specs} == {
-        "reward": "3", "reference": "2", "rollout": "1", "trainer": "0"}  # fmt: skip
+        "reward": "3",
+        "reference": "2",
+        "rollout": "1",
+        "trainer": "0",
+    }
 
 
 def test_rollout_devices_become_replicas_of_the_tensor_parallel_size():

@@ -46,7 +46,11 @@ def test_a_tokenizer_without_a_pad_token_pads_with_an_unused_token_not_eos(tmp_p
 
 
 def test_a_model_folder_that_does_not_exist_is_a_problem(tmp_path):
-    cfg = parse_config({"actor_rollout_ref": {"actor_rollout": {"load": str(tmp_path / "nope")}},
-                        "reward": {"scorers": [{"type": "rule", "name": "char_fraction"}]}})  # fmt: skip
+    cfg = parse_config(
+        {
+            "actor_rollout_ref": {"actor_rollout": {"load": str(tmp_path / "nope")}},
+            "reward": {"scorers": [{"type": "rule", "name": "char_fraction"}]},
+        }
+    )
     report = preflight.check(cfg)
     assert len(report.problems) == 1 and "actor_rollout_ref.actor_rollout.load" in report.problems[0]

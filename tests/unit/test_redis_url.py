@@ -100,8 +100,12 @@ def test_preflight_reaches_any_address_of_each_shape_and_never_prints_the_passwo
     from rlhf.config import parse_config
     from rlhf.procs import free_port
 
-    cfg = parse_config({"actor_rollout_ref": {"actor_rollout": {"load": str(tmp_path / "nope")}},
-                        "reward": {"scorers": [{"type": "rule", "name": "char_fraction"}]}})  # fmt: skip
+    cfg = parse_config(
+        {
+            "actor_rollout_ref": {"actor_rollout": {"load": str(tmp_path / "nope")}},
+            "reward": {"scorers": [{"type": "rule", "name": "char_fraction"}]},
+        }
+    )
 
     def redis_problems(url: str) -> list[str]:
         return [p for p in preflight.check(cfg, url).problems if "RLHF_REDIS_URL" in p]

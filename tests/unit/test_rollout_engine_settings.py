@@ -15,7 +15,7 @@ def _cfg(engine: str = "vllm", **actor):
         {
             "training": {"seq_length": 96},
             "actor_rollout_ref": {"actor_rollout": {"engine": engine, "max_prompt_length": 32, **actor}},
-        }  # fmt: skip
+        }
     )
 
 
@@ -95,8 +95,12 @@ def test_invalid_values_name_the_key(actor, key):
     "field", ["gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager", "staged_weight_swap"]
 )
 def test_vllm_only_fields_are_refused_with_the_hf_engine(field):
-    value = {"gpu_memory_utilization": 0.5, "tensor_model_parallel_size": 2, "enforce_eager": False,
-             "staged_weight_swap": True}[field]  # fmt: skip
+    value = {
+        "gpu_memory_utilization": 0.5,
+        "tensor_model_parallel_size": 2,
+        "enforce_eager": False,
+        "staged_weight_swap": True,
+    }[field]
     with pytest.raises(ConfigError, match=f"{field} is read by the vllm engine only"):
         _cfg("hf", **{field: value})
 
@@ -122,8 +126,12 @@ def test_environment_overrides_reach_the_engine_args():
 def test_workers_spawn_on_accelerators(monkeypatch, device, spawn):
     from services.rollout.vllm_engine import set_vllm_env_defaults
 
-    for var in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING",
-                "TORCH_COMPILE_DISABLE"):  # fmt: skip
+    for var in (
+        "VLLM_WORKER_MULTIPROC_METHOD",
+        "VLLM_CPU_KVCACHE_SPACE",
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
+        "TORCH_COMPILE_DISABLE",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     set_vllm_env_defaults(device)

@@ -17,10 +17,17 @@ def test_sampling_values_and_the_logprob_temperature(tiny_models, do_sample, sam
     cfg = parse_config(
         {
             "training": {"device": "cpu", "seq_length": 96},
-            "actor_rollout_ref": {"actor_rollout": {"temperature": 0.7, "do_sample": do_sample, "top_k": 5,
-                                                    "max_prompt_length": 32, "stop": ["\n\n"]}},
+            "actor_rollout_ref": {
+                "actor_rollout": {
+                    "temperature": 0.7,
+                    "do_sample": do_sample,
+                    "top_k": 5,
+                    "max_prompt_length": 32,
+                    "stop": ["\n\n"],
+                }
+            },
         }
-    )  # fmt: skip
+    )
     d = cfg.sampling_defaults()
     assert d == {"temperature": sampled, "top_p": 1.0, "top_k": 5, "max_tokens": 64, "stop": ("\n\n",)}
     assert default_options(cfg) == d  # what the rollout service fills unset request fields with

@@ -13,9 +13,8 @@ from rlhf.models import serving_dtype
 
 @pytest.mark.parametrize(
     ("bf16", "device", "dtype"),
-    [(True, "cuda", torch.bfloat16), (False, "cuda", torch.float32),
-     (True, "cpu", torch.float32)],
-)  # fmt: skip
+    [(True, "cuda", torch.bfloat16), (False, "cuda", torch.float32), (True, "cpu", torch.float32)],
+)
 def test_serving_dtype(bf16, device, dtype):
     assert serving_dtype(bf16, torch.device(device)) == dtype
 

@@ -171,8 +171,12 @@ def test_the_worker_reports_what_it_offers_for_loading_weights():
         "reload_weights": True,
         **no_stage,
     }
-    assert VllmWorker().rlhf_features() == {"weight_transfer": False, "engine_sessions": False, "reload_weights": True,
-                                            **no_stage}  # fmt: skip
+    assert VllmWorker().rlhf_features() == {
+        "weight_transfer": False,
+        "engine_sessions": False,
+        "reload_weights": True,
+        **no_stage,
+    }
     assert AscendLikeWorker().rlhf_features()["reload_weights"] is False
     # the workers a collective push's group is joined from (tensor x pipeline parallel), from vLLM's parallel config
     tp2 = TransferWorker()

@@ -18,8 +18,9 @@ class _Engine:
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "text", encode=lambda text: [2, 5])
 
     async def generate(self, prompts, opts):
-        sample = SimpleNamespace(token_ids=[5, 6, 1], text="", logprobs=[-1.0, -2.0, -0.5], finish_reason="stop",
-                                 policy_version=0)  # fmt: skip
+        sample = SimpleNamespace(
+            token_ids=[5, 6, 1], text="", logprobs=[-1.0, -2.0, -0.5], finish_reason="stop", policy_version=0
+        )
         return [SimpleNamespace(samples=[sample, sample])]
 
 
@@ -33,13 +34,15 @@ def _reference_temperature(stage: str, temperature: float) -> float:
     seen = {}
 
     async def score(req, **kw):
-        return reward_pb2.ScoreResponse(results=[reward_pb2.ScoreResult(score=1.0, status=common_pb2.ITEM_STATUS_OK)
-                                                 for _ in req.items])  # fmt: skip
+        return reward_pb2.ScoreResponse(
+            results=[reward_pb2.ScoreResult(score=1.0, status=common_pb2.ITEM_STATUS_OK) for _ in req.items]
+        )
 
     async def logprobs(req, **kw):
         seen["temperature"] = req.temperature
-        return reference_pb2.LogProbsResponse(results=[reference_pb2.TokenLogProbs(logprobs=[-1.0, -1.0, -1.0])
-                                                       for _ in req.items])  # fmt: skip
+        return reference_pb2.LogProbsResponse(
+            results=[reference_pb2.TokenLogProbs(logprobs=[-1.0, -1.0, -1.0]) for _ in req.items]
+        )
 
     worker._reward = SimpleNamespace(Score=score)
     worker._ref = SimpleNamespace(LogProbs=logprobs)

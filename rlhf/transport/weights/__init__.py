@@ -22,19 +22,38 @@ from typing import Any
 
 _NAMES = {
     "errors": (
-        "CorruptUpdate", "IncompatibleUpdate", "IncompleteUpdate", "StaleVersion", "UpdateInProgress",
-        "UpdateTooLarge", "WeightSyncError",
+        "CorruptUpdate",
+        "IncompatibleUpdate",
+        "IncompleteUpdate",
+        "StaleVersion",
+        "UpdateInProgress",
+        "UpdateTooLarge",
+        "WeightSyncError",
     ),
     "version": ("ServedVersion", "check_newer"),
     "format": (
-        "BufferPool", "DEFAULT_BUCKET_BYTES", "DEFAULT_CHUNK_BYTES", "FORMAT", "PackedWeights", "RawChunk",
-        "all_finite", "copy_weights", "decode_update", "dtype_name", "encode_chunk", "load_safetensors",
-        "manifest_checksum", "manifest_of", "pack_weights", "StreamedWeights", "weight_updates",
+        "BufferPool",
+        "DEFAULT_BUCKET_BYTES",
+        "DEFAULT_CHUNK_BYTES",
+        "FORMAT",
+        "PackedWeights",
+        "RawChunk",
+        "all_finite",
+        "copy_weights",
+        "decode_update",
+        "dtype_name",
+        "encode_chunk",
+        "load_safetensors",
+        "manifest_checksum",
+        "manifest_of",
+        "pack_weights",
+        "StreamedWeights",
+        "weight_updates",
     ),
     "receive": ("StagedWeights", "WeightReceiver", "check_header", "receive_update"),
     "dataplane": ("WeightDataServer", "send_buckets"),
     "send": ("TRANSPORTS", "push_weights", "push_weights_many", "push_weights_streamed"),
-}  # fmt: skip
+}
 _WHERE = {name: module for module, names in _NAMES.items() for name in names}
 
 

@@ -145,8 +145,9 @@ class GroupSpec:
     backend: str = "gloo"
 
     def to_proto(self) -> weights_pb2.CollectiveGroup:
-        return weights_pb2.CollectiveGroup(address=self.address, port=self.port, key=self.key,
-                                           timeout_seconds=self.timeout_s, backend=self.backend)  # fmt: skip
+        return weights_pb2.CollectiveGroup(
+            address=self.address, port=self.port, key=self.key, timeout_seconds=self.timeout_s, backend=self.backend
+        )
 
     @classmethod
     def from_proto(cls, g: weights_pb2.CollectiveGroup) -> GroupSpec:
@@ -304,10 +305,10 @@ class TrainerGroup:
         if (device is None) != (backend == "gloo"):
             raise ValueError(f"backend {backend} needs {'no device' if backend == 'gloo' else 'a device'}")
         self.device = device
-        self.spec_store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False,
-                                        timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
-        self.spec = GroupSpec(address, self.spec_store.port, f"rlhf-weights-{secrets.token_hex(8)}", timeout_s,
-                              backend)  # fmt: skip
+        self.spec_store = dist.TCPStore(
+            address, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+        self.spec = GroupSpec(address, self.spec_store.port, f"rlhf-weights-{secrets.token_hex(8)}", timeout_s, backend)
         self._store = dist.PrefixStore(self.spec.key + "/", self.spec_store)
         self.pg: Any = None
         self.world = 0

@@ -419,7 +419,7 @@ class WeightDataServer:
         receiving = asyncio.ensure_future(
             asyncio.to_thread(
                 _receive_streamed, conn, t.header, t.per_bucket, feed, self._stream_pool, self._stream_lock
-            )  # fmt: skip
+            )
         )
         try:
             installed = await t.stream(t.header, feed)
@@ -434,8 +434,9 @@ class WeightDataServer:
                 self._settle(t, IncompleteUpdate("the transfer was cancelled"))
                 raise
             if isinstance(err, RLHFError):  # the receive's refusal as the engine re-raised it, or the engine's own
-                log.warning("weight transfer for version %d (installed as it arrived) failed: %s",
-                            t.header.version, err)  # fmt: skip
+                log.warning(
+                    "weight transfer for version %d (installed as it arrived) failed: %s", t.header.version, err
+                )
                 self._settle(t, err)
             else:
                 self._refuse(t, err, "installing the update as it arrived failed", "weight transfer")

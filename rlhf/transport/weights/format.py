@@ -554,8 +554,9 @@ class StreamedWeights(_HeaderFields):
         if got_name != name:
             raise ValueError(f"the weight source yielded {got_name!r} where its specs list {name!r}")
         if t.dtype != dtype or tuple(t.shape) != shape:
-            raise ValueError(f"tensor {name!r}: the source yielded {t.dtype}{list(t.shape)}, its specs say "
-                             f"{dtype}{list(shape)}")  # fmt: skip
+            raise ValueError(
+                f"tensor {name!r}: the source yielded {t.dtype}{list(t.shape)}, its specs say {dtype}{list(shape)}"
+            )
         if check_finite and not all_finite(t):  # a diverged update must never reach a replica
             raise ValueError(f"refusing to send weights: tensor {name!r} has NaN or infinite values")
         _copy_into(view, t, begin, end)

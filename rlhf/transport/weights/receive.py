@@ -412,9 +412,13 @@ def _check_chunk(index: int, filled: int, size: int, nbytes: int) -> None:
 
 
 async def _receive_into_engine(
-    stream: AsyncIterator, h: weights_pb2.WeightHeader, per_bucket: list[Manifest], installer: Any,
-    pool: BufferPool, t0: float,
-) -> StagedWeights:  # fmt: skip
+    stream: AsyncIterator,
+    h: weights_pb2.WeightHeader,
+    per_bucket: list[Manifest],
+    installer: Any,
+    pool: BufferPool,
+    t0: float,
+) -> StagedWeights:
     """The rest of an ``UpdateWeights`` stream handed to the engine bucket by bucket (``installer(header, feed)``)
     as each is verified, holding at most ``STREAM_SLOTS`` buckets (buffers of the largest bucket's size from
     ``pool``); the last bucket goes over once the stream has ended (a chunk after it refuses the update). A failure

@@ -326,8 +326,10 @@ async def push_collective(
             if isinstance(res, BaseException):
                 out[target] = res  # refused (stale, busy, down): not in this push's group
             elif res.ranks > MAX_RANKS_PER_REPLICA:
-                out[target] = RuntimeError(f"{target} would join the weight group with {res.ranks} ranks (at most "
-                                           f"{MAX_RANKS_PER_REPLICA}); left out of this push")  # fmt: skip
+                out[target] = RuntimeError(
+                    f"{target} would join the weight group with {res.ranks} ranks (at most "
+                    f"{MAX_RANKS_PER_REPLICA}); left out of this push"
+                )
                 await _abort(channels[target], res.ticket, metadata)
             else:
                 members.append((target, res.ticket))
@@ -342,8 +344,9 @@ async def push_collective(
                 request_serializer=weights_pb2.CommitWeightsRequest.SerializeToString,
                 response_deserializer=weights_pb2.UpdateWeightsResponse.FromString,
             )
-            return await call(weights_pb2.CommitWeightsRequest(ticket=ticket), timeout=_left(deadline),
-                              metadata=metadata)  # fmt: skip
+            return await call(
+                weights_pb2.CommitWeightsRequest(ticket=ticket), timeout=_left(deadline), metadata=metadata
+            )
 
         # the commits wait on the replicas until their data is verified and swapped: sent with the data
         commits = [asyncio.ensure_future(commit_one(t, k)) for t, k in members]
@@ -510,8 +513,16 @@ async def push_weights_streamed(
     if not stream.sealed:
         await asyncio.to_thread(stream.seal)
     if transport == "collective":
-        return await push_collective(targets, stream, token=token, timeout=timeout, tls=tls, options=options,
-                                     server_names=server_names, **collective)  # fmt: skip
+        return await push_collective(
+            targets,
+            stream,
+            token=token,
+            timeout=timeout,
+            tls=tls,
+            options=options,
+            server_names=server_names,
+            **collective,
+        )
     deadline = None if timeout is None else time.monotonic() + timeout
     metadata = (("authorization", f"Bearer {token}"),) if token else None
     fanout = _Fanout(len(targets))
@@ -523,8 +534,16 @@ async def push_weights_streamed(
     async def one(k: int, target: str) -> weights_pb2.UpdateWeightsResponse:
         try:
             if transport != "grpc":
-                resp = await _push_over_data_plane(channels[k], target, stream.header, fanout.consume(k), deadline,
-                                                   metadata, required=transport == "tcp", executor=pool)  # fmt: skip
+                resp = await _push_over_data_plane(
+                    channels[k],
+                    target,
+                    stream.header,
+                    fanout.consume(k),
+                    deadline,
+                    metadata,
+                    required=transport == "tcp",
+                    executor=pool,
+                )
                 if resp is not None:
                     return resp
             call = channels[k].stream_unary(
