@@ -76,6 +76,9 @@ def _config(may_refuse: dict[str, list[str]]):
     negative = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429"]
     return SchemathesisConfig.from_dict(
         {
+            # a rollout request may generate up to the context's length: on 2 loaded cores that took over 10 s
+            # (schemathesis's default read timeout) once in a full run
+            "request-timeout": 120,
             "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none", "mode": "all"},
             "phases": {
                 "examples": {"enabled": True},
