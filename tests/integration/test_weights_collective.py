@@ -14,21 +14,20 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from _collective_replica import Replica as _Replica
 
 import rlhf.transport.weights.collective as collective
-from rlhf.serving import ServiceMetrics, ServiceSettings
-from rlhf.transport.weights import ServedVersion, pack_weights, push_weights, push_weights_many
+from rlhf.transport.weights import pack_weights, push_weights, push_weights_many
 from rlhf.v1 import weights_pb2
-from services.rollout.engine import SwapResult
-from services.rollout.grpc_servicer import RolloutServicer, add_to_server
 
 TOKEN = "collective-token"
+Replica = partial(_Replica, TOKEN)  # Replica() or Replica(engine)
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 
 
@@ -45,45 +44,6 @@ def state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def pack(version: int, seed: int | None = None):
     return pack_weights(state_dict(version if seed is None else seed), version, bucket_bytes=64 << 10)
-
-
-@dataclass
-class FakeEngine:
-    served: ServedVersion = field(default_factory=ServedVersion)
-    model_name: str = "fake"
-    tensors: dict | None = None
-    history: list[int] = field(default_factory=list)  # every version swapped in, in order
-    device_type: str = "cpu"  # the backends it can join: gloo only
-
-    def weight_manifest(self) -> None:
-        return None
-
-    async def swap_weights(self, tensors, version, checksum, parent_version) -> SwapResult:
-        self.served.advance(version, parent_version, checksum)
-        self.tensors = tensors
-        self.history.append(version)
-        return SwapResult(version, checksum, True, wait_seconds=0.0, swap_seconds=0.001)
-
-
-class Replica:
-    def __init__(self):
-        self.engine = FakeEngine()
-        self.servicer = RolloutServicer(self.engine, ServiceSettings(api_token=TOKEN), ServiceMetrics("rollout"))
-
-    async def __aenter__(self) -> Replica:
-        self.server = grpc.aio.server()
-        add_to_server(self.servicer, self.server)
-        self.addr = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        await self.server.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.servicer.close_data_plane()
-        await self.server.stop(None)
-
-    @property
-    def busy(self) -> bool:
-        return self.servicer.receiver.busy
 
 
 def assert_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -16,21 +16,21 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass, field
+from functools import partial
 from types import SimpleNamespace
 
 import grpc
 import pytest
 import torch
+from _collective_replica import FakeEngine
+from _collective_replica import Replica as _Replica
 
 import rlhf.transport.weights.collective as collective
-from rlhf.serving import ServiceMetrics, ServiceSettings
-from rlhf.transport.weights import ServedVersion, pack_weights, push_weights_many
+from rlhf.transport.weights import pack_weights, push_weights_many
 from rlhf.v1 import weights_pb2
-from services.rollout.engine import SwapResult
-from services.rollout.grpc_servicer import RolloutServicer, add_to_server
 
 TOKEN = "ranks-token"
+Replica = partial(_Replica, TOKEN)  # Replica() or Replica(engine)
 
 
 def state_dict(seed: int) -> dict[str, torch.Tensor]:
@@ -51,26 +51,6 @@ def assert_bits(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
     for k, v in want.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), v.contiguous().reshape(-1).view(torch.uint8)), k
-
-
-@dataclass
-class FakeEngine:
-    """The served version's owner and a swap that keeps the tensors; receives in this process (one rank)."""
-
-    served: ServedVersion = field(default_factory=ServedVersion)
-    model_name: str = "fake"
-    tensors: dict | None = None
-    history: list[int] = field(default_factory=list)
-    device_type: str = "cpu"
-
-    def weight_manifest(self) -> None:
-        return None
-
-    async def swap_weights(self, tensors, version, checksum, parent_version) -> SwapResult:
-        self.served.advance(version, parent_version, checksum)
-        self.tensors = tensors
-        self.history.append(version)
-        return SwapResult(version, checksum, True, wait_seconds=0.0, swap_seconds=0.001)
 
 
 class TensorParallelEngine(FakeEngine):
@@ -116,27 +96,6 @@ class NeverJoinsEngine(FakeEngine):
 
     async def receive_collective(self, group, ticket, header, per_bucket):
         await asyncio.Event().wait()
-
-
-class Replica:
-    def __init__(self, engine: FakeEngine | None = None):
-        self.engine = engine or FakeEngine()
-        self.servicer = RolloutServicer(self.engine, ServiceSettings(api_token=TOKEN), ServiceMetrics("rollout"))
-
-    async def __aenter__(self) -> Replica:
-        self.server = grpc.aio.server()
-        add_to_server(self.servicer, self.server)
-        self.addr = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        await self.server.start()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.servicer.close_data_plane()
-        await self.server.stop(None)
-
-    @property
-    def busy(self) -> bool:
-        return self.servicer.receiver.busy
 
 
 def push(targets, packed, **kw):
