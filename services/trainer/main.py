@@ -49,4 +49,8 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
         trainer_pb2_grpc.add_TrainerServiceServicer_to_server, [SERVICE_NAME], TrainerServicer(trainer, metrics)
     )
     runner.set_http_app(build_app(trainer, settings, metrics))
-    await runner.run(startup=trainer.start, shutdown=trainer.stop)
+    try:
+        await runner.run(startup=trainer.start, shutdown=trainer.stop)
+    finally:
+        # rank 0 of a group leaves it too: gloo work left to interpreter exit aborts the process (pytorch#179291)
+        distributed.destroy()

@@ -153,6 +153,7 @@ def main() -> None:
     raw = dict(a.split("=", 1) for a in sys.argv[2:])
     if "hang" in raw:
         hang(out, float(raw["hang"]))
+        distributed.destroy()  # a group left to interpreter exit aborts the process (pytorch#179291)
         return
     if "save" in raw or "load" in raw:
         resume(out, raw)
