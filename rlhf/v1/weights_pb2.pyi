@@ -19,14 +19,16 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., bucket: _Optional[int] = ...) -> None: ...
 
 class BucketEntry(_message.Message):
-    __slots__ = ("index", "nbytes", "sha256")
+    __slots__ = ("index", "nbytes", "sha256", "device_digest")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     index: int
     nbytes: int
     sha256: str
-    def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    device_digest: str
+    def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., sha256: _Optional[str] = ..., device_digest: _Optional[str] = ...) -> None: ...
 
 class WeightHeader(_message.Message):
     __slots__ = ("version", "parent_version", "tensors", "buckets", "checksum", "format", "total_bytes")

@@ -12,7 +12,8 @@ per-push group of :mod:`rlhf.transport.weights.collective` with the backend the 
   ``VllmEngine.collective_ranks``); nccl/hccl on the worker's device;
 - ``start_weight_update()``: forget anything staged before; the model is not touched;
 - ``update_weights({"index", "nbytes", "sha256", "tensors": [[name, dtype, shape], ...]})`` per bucket: receive the
-  bucket by broadcast (on the device for nccl/hccl, then copied to host memory) and check its sha256 and content
+  bucket by broadcast (on the device for nccl/hccl: checked there by its device digest, or copied to host memory
+  for its sha256) and check its digest and content
   (the header was checked against the model by the service before Open answered); still nothing touches the model,
   so a broadcast that fails leaves it whole;
 - ``finish_weight_update()`` (at CommitWeights, inside the engine's swap gate): load the staged tensors with vLLM's
@@ -69,6 +70,7 @@ class CollectiveBucketInfo:
     nbytes: int
     sha256: str
     tensors: list = field(default_factory=list)  # [[name, safetensors dtype, shape], ...]
+    device_digest: str = ""  # set instead of sha256: the bucket is checked on the worker's device and stays there
     discard: bool = False  # drop what is staged (an update that was never committed), so finish installs nothing
     # One bucket of weights the rollout service already holds (received over the TCP data plane or the gRPC stream),
     # handed over inside the swap gate instead of by broadcast and loaded at once: a safetensors file (vLLM's RPC
@@ -151,7 +153,9 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
             raise RuntimeError("rlhf_collective: init_weight_transfer_engine must join the push's group first")
         manifest = {name: (dtype, tuple(int(d) for d in shape)) for name, dtype, shape in info.tensors}
         device = None if self.spec.backend == "gloo" else getattr(self, "device", None)  # the worker's own device
-        tensors = receive_bucket(self.pg, int(info.index), int(info.nbytes), info.sha256, manifest, device)
+        tensors = receive_bucket(
+            self.pg, int(info.index), int(info.nbytes), info.sha256, manifest, device, info.device_digest
+        )
         if load_weights is not None:
             load_weights(list(tensors.items()))
             return

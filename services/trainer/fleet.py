@@ -106,16 +106,19 @@ class Fleet:
 
     async def _pack(self):
         """The live policy packed at its version."""
-        from rlhf.transport import pack_weights
-
         version = self.engine.policy_version
-        return await asyncio.to_thread(pack_weights, self.engine.policy_state_dict(), version, version - 1)
+        return await asyncio.to_thread(lambda: self._copy_policy(version).seal())
 
     def _copy_policy(self, version: int):
-        """The live policy copied into push buckets as ``version`` (not yet hashed: :meth:`_seal_and_deliver`)."""
+        """The live policy copied into push buckets as ``version`` (not yet hashed: :meth:`_seal_and_deliver`):
+        one copy per tensor, into host buckets, or, for a collective push over nccl/hccl, into buckets on the
+        trainer's device (broadcast from there and checked there by the replicas: no host copy on either side)."""
         from rlhf.transport import copy_weights
 
-        weights = self.engine.policy_state_dict(on_device=True)  # one device-to-bucket copy per tensor
+        weights = self.engine.policy_state_dict(on_device=True)
+        device = self._collective.get("device")  # None: host buckets (tcp, grpc, gloo)
+        if device is not None:
+            return copy_weights(weights, version, version - 1, device=device)
         return copy_weights(weights, version, version - 1, pool=self._push_buffers)
 
     async def _seal_and_deliver(self, packed, jobs: int) -> None:

@@ -20,8 +20,12 @@ The backend travels in the group (``CollectiveGroup.backend``), so every member 
 buckets in host memory; any device), ``nccl`` (CUDA) or ``hccl`` (Ascend, torch_npu's ``ProcessGroupHCCL``). The
 trainer picks it from its device (:func:`trainer_backend`); a replica whose engine cannot run it refuses Open
 (:func:`check_backend`: ``CollectiveUnavailable``, FAILED_PRECONDITION) and is left out of the group. On nccl/hccl
-each bucket travels as a uint8 tensor on the device: the trainer copies it host -> device, a replica receives it on
-its device and copies it device -> host to check its sha256 and parse it (the install then copies it back).
+each bucket travels as a uint8 tensor on the device, and a replica receives it on its device. A single-process
+trainer packs its buckets on its device (``copy_weights(device=...)``) and sends each with a device digest
+(:mod:`~rlhf.transport.weights.checksum`) in place of its sha256: the replica checks it on the device and installs
+views of the received buffer, so the weights never pass through host memory on either side. A trainer group's
+streamed buckets are made on the host (copied host -> device one at a time to be sent) and carry sha256: the replica
+copies those to host memory for the hash and the parse (the install then copies them back).
 
 Failure: a member that dies mid-broadcast (kill -9 closes its sockets; a hung one trips the group's timeout) makes
 the broadcast raise on the trainer within ``timeout_s``, never hang. NCCL forms its communicator lazily, at the first
@@ -62,9 +66,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhf.transport.weights.errors import CollectiveUnavailable, IncompleteUpdate
+from rlhf.transport.weights.errors import CollectiveUnavailable, CorruptUpdate, IncompleteUpdate
 from rlhf.transport.weights.format import Manifest
-from rlhf.transport.weights.receive import finish_bucket
+from rlhf.transport.weights.receive import finish_bucket, finish_device_bucket
 from rlhf.v1 import weights_pb2
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -344,12 +348,15 @@ class TrainerGroup:
         with self._step("forming the group"):
             self.pg = _process_group(self.spec_store, 0, world, self.spec, self.spec.address)
         for i, data in enumerate(buckets):
-            with warnings.catch_warnings():  # read-only bytes: broadcast reads them on rank 0, never writes
-                warnings.simplefilter("ignore", UserWarning)
-                t = torch.frombuffer(memoryview(data), dtype=torch.uint8)
+            if isinstance(data, torch.Tensor):  # packed on the device (copy_weights(device=...)): sent as it is
+                t = data
+            else:
+                with warnings.catch_warnings():  # read-only bytes: broadcast reads them on rank 0, never writes
+                    warnings.simplefilter("ignore", UserWarning)
+                    t = torch.frombuffer(memoryview(data), dtype=torch.uint8)
             # the first collective forms NCCL's communicator: every admitted rank must have joined by then
             with self._step("forming the communicator and broadcasting bucket 0" if i == 0 else f"bucket {i}"):
-                if self.device is not None:
+                if self.device is not None and t.device != self.device:
                     t = t.to(self.device)  # host -> device, one bucket at a time
                 _broadcast(self.pg, t)
                 _sync(self.device)
@@ -454,10 +461,23 @@ def join_group(spec: GroupSpec, ticket: bytes, local_rank: int = 0) -> Any:
 
 
 def receive_bucket(
-    pg: Any, index: int, nbytes: int, sha256: str, manifest: Manifest, device: torch.device | None = None
+    pg: Any,
+    index: int,
+    nbytes: int,
+    sha256: str,
+    manifest: Manifest,
+    device: torch.device | None = None,
+    device_digest: str = "",
 ) -> dict[str, torch.Tensor]:
     """Blocking: receive bucket ``index`` by broadcast into a buffer of its own, verify and parse it. ``device``
-    (nccl/hccl): the bucket arrives in a device tensor and is copied to host memory for the sha256 and the parse."""
+    (nccl/hccl): the bucket arrives in a device tensor; with its ``device_digest`` (a trainer that packed it on its
+    device) it is checked there and its tensors are views of it, never copied to the host; with a sha256 (a trainer
+    that packed it in host memory) it is copied to the host for the sha256 and the parse."""
+    if device_digest:
+        t = torch.empty(nbytes, dtype=torch.uint8, device=device or "cpu")  # fresh, as below
+        _broadcast(pg, t)
+        _sync(device)
+        return finish_device_bucket(index, t, device_digest, manifest)
     buf = bytearray(nbytes)  # fresh: a thread cut off by a timeout never writes into reused memory
     host = torch.frombuffer(buf, dtype=torch.uint8)
     if device is None:
@@ -487,8 +507,19 @@ def receive_buckets(
     try:
         pg = join_group(spec, ticket)
         tensors: dict[str, torch.Tensor] = {}
+        refused: CorruptUpdate | None = None
         for i, b in enumerate(h.buckets):
-            tensors.update(receive_bucket(pg, i, b.nbytes, b.sha256, per_bucket[i], device))
+            try:
+                got = receive_bucket(pg, i, b.nbytes, b.sha256, per_bucket[i], device, b.device_digest)
+            except CorruptUpdate as err:
+                # keep receiving (and dropping) the rest: rank 0 sends every bucket to every member, and a member
+                # that left would hold the whole push up until the group's timeout
+                refused, tensors = refused or err, {}
+                continue
+            if refused is None:
+                tensors.update(got)
+        if refused is not None:
+            raise refused
         return tensors, h.total_bytes
     except GROUP_ERRORS as err:
         raise IncompleteUpdate(

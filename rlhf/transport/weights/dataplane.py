@@ -194,7 +194,7 @@ class WeightDataServer:
         r = self.receiver
         r.reserve()  # UpdateInProgress
         try:
-            per_bucket = r.check(header)
+            per_bucket = r.check(header, collective=group is not None)
             if group is None and stream is None:
                 r.pool.trim(2 * header.total_bytes)  # as receive_update: the update serving and this one
                 buffers = [r.pool.take(b.nbytes) for b in header.buckets]

@@ -78,8 +78,13 @@ def manifest_of(state_dict: Mapping[str, torch.Tensor]) -> Manifest:
 
 
 def manifest_checksum(bucket_digests: Sequence[str]) -> str:
-    """The header checksum: sha256 hex over the bucket sha256 hex digests (ASCII), concatenated in index order."""
+    """The header checksum: sha256 hex over the bucket digests (ASCII), concatenated in index order."""
     return hashlib.sha256("".join(bucket_digests).encode("ascii")).hexdigest()
+
+
+def bucket_digest(b: weights_pb2.BucketEntry) -> str:
+    """A bucket's digest as the header checksum covers it: its sha256, or its device digest where it has one."""
+    return b.sha256 or b.device_digest
 
 
 def safetensors_header(data: bytes | memoryview) -> dict[str, Any]:
@@ -110,7 +115,47 @@ def load_safetensors(data: bytes | bytearray | memoryview) -> dict[str, torch.Te
     meta = safetensors_header(data)
     view = memoryview(data).cast("B")
     hlen = int.from_bytes(view[:8], "little")
-    start, size = 8 + hlen, len(view) - 8 - hlen
+    start = 8 + hlen
+    readonly = view.readonly
+    out: dict[str, torch.Tensor] = {}
+    for name, begin, dtype, shape, numel in _tensor_spans(meta, len(view) - start):
+        if numel == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        with warnings.catch_warnings():  # read-only bytes: torch warns that writes would be undefined; we never write
+            if readonly:
+                warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(view, dtype=dtype, count=numel, offset=start + begin)
+        if t.data_ptr() % t.element_size():  # misaligned (a sender's odd header): kernels expect aligned data
+            t = t.clone()
+        out[name] = t.view(shape)
+    return out
+
+
+def load_safetensors_tensor(buf: torch.Tensor) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """:func:`load_safetensors` of a bucket held in a uint8 tensor (a collective push's bucket, on the device it
+    arrived on): (the JSON header, the tensors as views of ``buf``, on its device). Only the 8-byte length and the
+    JSON header are copied to the host; the same checks; raises CorruptUpdate."""
+    size = buf.numel()
+    if size < 8:
+        raise CorruptUpdate(f"bucket of {size} bytes is too short to be safetensors")
+    hlen = int.from_bytes(bytes(buf[:8].cpu().tolist()), "little")
+    if hlen > size - 8:
+        raise CorruptUpdate(f"safetensors header length {hlen} exceeds the bucket size {size}")
+    meta = safetensors_header(bytes(buf[: 8 + hlen].cpu().numpy()))
+    start = 8 + hlen
+    out: dict[str, torch.Tensor] = {}
+    for name, begin, dtype, shape, numel in _tensor_spans(meta, size - start):
+        raw = buf[start + begin : start + begin + numel * dtype.itemsize]
+        if (start + begin) % dtype.itemsize:  # misaligned (a sender's odd header): a device copy, not a view
+            raw = raw.clone()
+        out[name] = raw.view(dtype).view(shape)
+    return meta, out
+
+
+def _tensor_spans(meta: dict[str, Any], size: int) -> list[tuple[str, int, torch.dtype, tuple[int, ...], int]]:
+    """(name, offset in the data area, dtype, shape, numel) per tensor of a safetensors header, in header order,
+    after checking what ``safetensors.torch.load`` checks against a data area of ``size`` bytes."""
     spans: list[tuple[int, int, str]] = []
     specs: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
     for name, entry in meta.items():
@@ -125,11 +170,8 @@ def load_safetensors(data: bytes | bytearray | memoryview) -> dict[str, torch.Te
         if not (isinstance(offs, list) and len(offs) == 2 and all(isinstance(o, int) for o in offs)):
             raise CorruptUpdate(f"tensor {name!r} has invalid data_offsets {offs!r}")
         begin, end = offs
-        numel = 1
-        for d in shape:
-            numel *= d
-        itemsize = dtype.itemsize
-        if not 0 <= begin <= end <= size or end - begin != numel * itemsize:
+        numel = math.prod(shape)
+        if not 0 <= begin <= end <= size or end - begin != numel * dtype.itemsize:
             raise CorruptUpdate(f"tensor {name!r}: data_offsets {offs} do not fit {entry['dtype']}{shape} in the data")
         spans.append((begin, end, name))
         specs[name] = (dtype, tuple(shape), numel)
@@ -140,21 +182,7 @@ def load_safetensors(data: bytes | bytearray | memoryview) -> dict[str, torch.Te
         at = end
     if at != size:
         raise CorruptUpdate(f"the tensors cover {at} of the {size} data bytes")
-    readonly = view.readonly
-    out: dict[str, torch.Tensor] = {}
-    for begin, _end, name in spans:  # header order, like safetensors
-        dtype, shape, numel = specs[name]
-        if numel == 0:
-            out[name] = torch.empty(shape, dtype=dtype)
-            continue
-        with warnings.catch_warnings():  # read-only bytes: torch warns that writes would be undefined; we never write
-            if readonly:
-                warnings.simplefilter("ignore", UserWarning)
-            t = torch.frombuffer(view, dtype=dtype, count=numel, offset=start + begin)
-        if t.data_ptr() % t.element_size():  # misaligned (a sender's odd header): kernels expect aligned data
-            t = t.clone()
-        out[name] = t.view(shape)
-    return out
+    return [(name, begin, *specs[name]) for begin, _end, name in spans]  # header order, like safetensors
 
 
 _FINITE_CHUNK = 1 << 20  # elements: torch's sum(dtype=float32) of a bf16/fp16 tensor makes a float32 copy of it first
@@ -270,25 +298,39 @@ class _HeaderFields:
 class PackedWeights(_HeaderFields):
     """A state dict serialised once: the header and the safetensors buckets, ready to stream to many replicas.
 
-    Holds one serialised copy of the weights (about the state dict's size) in host memory."""
+    Holds one serialised copy of the weights (about the state dict's size) in host memory, or, packed for a
+    collective push over nccl/hccl (``copy_weights(device=...)``), in device memory as uint8 tensors: those go by
+    broadcast only, carry device digests (:mod:`~rlhf.transport.weights.checksum`) instead of sha256 and never
+    pass through the host."""
 
     header: weights_pb2.WeightHeader
-    buckets: list[bytes] | list[bytearray]
+    buckets: list[bytes] | list[bytearray] | list[torch.Tensor]
+
+    @property
+    def on_device(self) -> bool:
+        return bool(self.buckets) and isinstance(self.buckets[0], torch.Tensor)
 
     def seal(self) -> PackedWeights:
         """Hash every bucket into the header (digests, checksum, total bytes): what :func:`copy_weights` leaves
         for later (a thread), so the copy alone stands between two training steps. Returns ``self``."""
+        from rlhf.transport.weights.checksum import device_digest
+
         del self.header.buckets[:]
         for index, data in enumerate(self.buckets):
-            self.header.buckets.add(index=index, nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-        self.header.checksum = manifest_checksum([b.sha256 for b in self.header.buckets])
-        self.header.total_bytes = sum(len(b) for b in self.buckets)
+            if isinstance(data, torch.Tensor):
+                self.header.buckets.add(index=index, nbytes=data.numel(), device_digest=device_digest(data))
+            else:
+                self.header.buckets.add(index=index, nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        self.header.checksum = manifest_checksum([bucket_digest(b) for b in self.header.buckets])
+        self.header.total_bytes = sum(b.nbytes for b in self.header.buckets)
         return self
 
     def updates(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[weights_pb2.WeightUpdate]:
         """The ``UpdateWeights`` request stream: the header, then every bucket in chunks of ``chunk_bytes``."""
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be positive")
+        if self.on_device:
+            raise ValueError("buckets packed on a device go by collective broadcast only (RLHF_WEIGHTS_TRANSPORT)")
         yield weights_pb2.WeightUpdate(header=self.header)
         for index, data in enumerate(self.buckets):
             view = memoryview(data)
@@ -302,6 +344,8 @@ class PackedWeights(_HeaderFields):
         and its serialisation (what :func:`push_weights` streams)."""
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be positive")
+        if self.on_device:
+            raise ValueError("buckets packed on a device go by collective broadcast only (RLHF_WEIGHTS_TRANSPORT)")
         yield weights_pb2.WeightUpdate(header=self.header).SerializeToString()
         for index, data in enumerate(self.buckets):
             view = memoryview(data)
@@ -391,12 +435,17 @@ def copy_weights(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     pool: BufferPool | None = None,
+    device: torch.device | None = None,
 ) -> PackedWeights:
     """:func:`pack_weights` less the hashing: refuses non-finite values, then copies each tensor once into its
     bucket (buffers from ``pool`` when given, reused from an earlier update nothing refers to any more). The
     header has the manifest but no digests until :meth:`PackedWeights.seal`. A trainer takes this as its snapshot
     of the weights between two steps (one copy, no allocation once the pool holds buffers) and seals it while
-    the next step trains."""
+    the next step trains.
+
+    ``device``: the buckets are uint8 tensors there (a collective push over nccl/hccl broadcasts them as they are:
+    the weights never pass through host memory); the snapshot then costs the policy's size in device memory
+    instead of host memory, until the push is done."""
     parent_version = _parent_of(version, parent_version, bucket_bytes)
     if not state_dict:
         raise ValueError("state_dict is empty")
@@ -409,13 +458,22 @@ def copy_weights(
         # the layout computed from dtypes and shapes, each tensor copied once to its offset (no intermediate file
         # image as safetensors.torch.save makes; tied tensors are each written in full)
         lay = _layout([(name, state_dict[name].dtype, tuple(state_dict[name].shape)) for name in names])
+        for name in names:
+            t = state_dict[name]
+            header.tensors.add(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape), bucket=index)
+        if device is not None:
+            dev = torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
+            dev[: len(lay.prefix)].copy_(torch.frombuffer(bytearray(lay.prefix), dtype=torch.uint8))
+            for name in names:
+                begin, end = lay.spans[name]
+                _copy_bytes(dev[begin:end], state_dict[name])
+            buckets.append(dev)
+            continue
         data = pool.take(lay.nbytes) if pool is not None else bytearray(lay.nbytes)
         view = memoryview(data)
         view[: len(lay.prefix)] = lay.prefix
         for name in names:
-            t = state_dict[name]
-            _copy_into(view, t, *lay.spans[name])
-            header.tensors.add(name=name, dtype=dtype_name(t.dtype), shape=list(t.shape), bucket=index)
+            _copy_into(view, state_dict[name], *lay.spans[name])
         del view  # a view held here would keep a pooled buffer from ever looking free again
         buckets.append(data)
     return PackedWeights(header, buckets)
@@ -566,9 +624,13 @@ def _copy_into(view: memoryview, t: torch.Tensor, begin: int, end: int) -> None:
     """``t``'s bytes (any device, any strides) copied to ``view[begin:end]``: from an accelerator, one
     device-to-host copy straight into the bucket (not to a temporary host tensor first)."""
     if end > begin:
-        t = t.detach()
-        dst = torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=begin)
-        dst.copy_(t.contiguous().reshape(-1).view(torch.uint8))
+        _copy_bytes(torch.frombuffer(view, dtype=torch.uint8, count=end - begin, offset=begin), t)
+
+
+def _copy_bytes(dst: torch.Tensor, t: torch.Tensor) -> None:
+    """``t``'s bytes into the uint8 tensor ``dst`` (host or device, one copy)."""
+    if dst.numel():
+        dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
 # ------------------------------------------------------------------------------------------------------ decoding

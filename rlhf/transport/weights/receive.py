@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from rlhf.transport.weights.checksum import PREFIX as DIGEST_NAME
+from rlhf.transport.weights.checksum import device_digest, is_device_digest
 from rlhf.transport.weights.errors import (
     CorruptUpdate,
     IncompatibleUpdate,
@@ -41,7 +43,9 @@ from rlhf.transport.weights.format import (
     Manifest,
     RawChunk,
     all_finite,
+    bucket_digest,
     load_safetensors,
+    load_safetensors_tensor,
     manifest_checksum,
     release_freed_memory,
     safetensors_header,
@@ -171,8 +175,10 @@ def check_header(
     max_total_bytes: int | None,
     max_bucket_bytes: int | None,
     expected: Mapping[str, tuple[str, Sequence[int]]] | None,
+    device_digests: bool = False,
 ) -> list[Manifest]:
-    """Validate a header; returns per bucket the manifest of its tensors."""
+    """Validate a header; returns per bucket the manifest of its tensors. ``device_digests``: buckets may carry a
+    device digest instead of their sha256 (a collective push's, checked where they land)."""
     if h.format != FORMAT:
         raise CorruptUpdate(f"header.format is {h.format!r}; only {FORMAT!r} is supported")
     check_newer(h.version, h.parent_version, current_version)  # the one rule (StaleVersion, CorruptUpdate)
@@ -183,7 +189,16 @@ def check_header(
             raise CorruptUpdate(f"header.buckets[{i}].index is {b.index}: buckets must be listed in index order")
         if b.nbytes < 8:
             raise CorruptUpdate(f"header.buckets[{i}].nbytes is {b.nbytes}: too small for a safetensors buffer")
-        if len(b.sha256) != 64 or any(c not in "0123456789abcdef" for c in b.sha256):
+        if b.device_digest:
+            if not device_digests or b.sha256:
+                raise CorruptUpdate(
+                    f"header.buckets[{i}] carries a device digest, which only a collective push's buckets may carry "
+                    "instead of their sha256",
+                    field=f"header.buckets[{i}].device_digest",
+                )
+            if not is_device_digest(b.device_digest):
+                raise CorruptUpdate(f"header.buckets[{i}].device_digest is not a {DIGEST_NAME} digest")
+        elif len(b.sha256) != 64 or any(c not in "0123456789abcdef" for c in b.sha256):
             raise CorruptUpdate(f"header.buckets[{i}].sha256 is not a lowercase sha256 hex digest")
         if max_bucket_bytes is not None and b.nbytes > max_bucket_bytes:
             raise UpdateTooLarge(f"bucket {i} has {b.nbytes} bytes; this replica accepts at most {max_bucket_bytes}")
@@ -192,7 +207,7 @@ def check_header(
         raise CorruptUpdate(f"header.total_bytes is {h.total_bytes} but the buckets add up to {total}")
     if max_total_bytes is not None and total > max_total_bytes:
         raise UpdateTooLarge(f"update has {total} bytes; this replica accepts at most {max_total_bytes}")
-    if h.checksum != manifest_checksum([b.sha256 for b in h.buckets]):
+    if h.checksum != manifest_checksum([bucket_digest(b) for b in h.buckets]):
         raise CorruptUpdate("header.checksum does not match the bucket digests")
     per_bucket: list[Manifest] = [{} for _ in h.buckets]
     for t in h.tensors:
@@ -252,7 +267,30 @@ def finish_bucket(index: int, data: bytearray, digest: str, sha256: str, manifes
     """Check a received bucket's digest and content against the manifest; its tensors are views into ``data``."""
     if digest != sha256:
         raise CorruptUpdate(f"bucket {index}: sha256 {digest} does not match the header's {sha256}")
-    meta = safetensors_header(data)
+    _check_content(index, safetensors_header(data), manifest)
+    try:
+        tensors = load_safetensors(data)
+    except CorruptUpdate as err:  # passed the digest but does not parse: the sender's packing is broken
+        raise CorruptUpdate(f"bucket {index} is not a valid safetensors buffer: {err}") from None
+    return _finite(tensors)
+
+
+def finish_device_bucket(index: int, buf: torch.Tensor, expected: str, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """:func:`finish_bucket` of a bucket held in a uint8 tensor on the device it arrived on, checked against its
+    device digest there: the tensors are views of ``buf`` (nothing but the JSON header comes to the host)."""
+    digest = device_digest(buf)
+    if digest != expected:
+        raise CorruptUpdate(f"bucket {index}: device digest {digest} does not match the header's {expected}")
+    try:
+        meta, tensors = load_safetensors_tensor(buf)
+    except CorruptUpdate as err:
+        raise CorruptUpdate(f"bucket {index} is not a valid safetensors buffer: {err}") from None
+    meta.pop("__metadata__", None)
+    _check_content(index, meta, manifest)
+    return _finite(tensors)
+
+
+def _check_content(index: int, meta: dict[str, Any], manifest: Manifest) -> None:
     for name, (dt, shape) in manifest.items():
         entry = meta.get(name)
         if entry is None:
@@ -265,10 +303,9 @@ def finish_bucket(index: int, data: bytearray, digest: str, sha256: str, manifes
     if len(meta) != len(manifest):
         extra = sorted(set(meta) - set(manifest))
         raise CorruptUpdate(f"bucket {index} holds tensors not in the manifest: {extra[:5]}")
-    try:
-        tensors = load_safetensors(data)
-    except CorruptUpdate as err:  # passed the digest but does not parse: the sender's packing is broken
-        raise CorruptUpdate(f"bucket {index} is not a valid safetensors buffer: {err}") from None
+
+
+def _finite(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     bad = next((name for name, t in tensors.items() if not all_finite(t)), None)
     if bad is not None:  # the digest only proves the bytes are the sender's; NaN weights are refused, old ones kept
         raise CorruptUpdate(f"tensor {bad!r} has NaN or infinite values; the update is refused", field="tensors")
@@ -559,9 +596,12 @@ class WeightReceiver:
     def release(self) -> None:
         self._busy = False
 
-    def check(self, header: weights_pb2.WeightHeader) -> list[Manifest]:
-        """:func:`check_header` against the served version and this receiver's limits and manifest."""
-        return check_header(header, self.served.version, self.max_total_bytes, self.max_bucket_bytes, self.expected)
+    def check(self, header: weights_pb2.WeightHeader, collective: bool = False) -> list[Manifest]:
+        """:func:`check_header` against the served version and this receiver's limits and manifest (``collective``:
+        the buckets come by broadcast, and may carry device digests)."""
+        return check_header(
+            header, self.served.version, self.max_total_bytes, self.max_bucket_bytes, self.expected, collective
+        )
 
     async def receive(self, request_iterator: AsyncIterable | Iterable, install: Any = None) -> StagedWeights:
         """:func:`receive_update` in the update slot (``install``: see there)."""

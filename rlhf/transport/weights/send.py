@@ -100,6 +100,11 @@ async def push_weights(
             raise result
         return result
     if isinstance(weights, PackedWeights):
+        if weights.on_device:
+            raise ValueError(
+                f"weights packed on a device go by collective broadcast only; transport {transport!r} sends host "
+                "buckets (copy_weights without device=)"
+            )
         if version is not None and version != weights.version:
             raise ValueError(f"version {version} disagrees with the packed weights' version {weights.version}")
         if parent_version is not None and parent_version != weights.header.parent_version:
