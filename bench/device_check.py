@@ -472,7 +472,7 @@ async def _transport_row(
     import grpc
     import torch
 
-    from rlhf.transport.weights import pack_weights, push_weights
+    from rlhf.transport.weights import copy_weights, pack_weights, push_weights
     from rlhf.transport.weights.send import push_collective
     from rlhf.v1 import rollout_pb2_grpc, weights_pb2
 
@@ -495,11 +495,18 @@ async def _transport_row(
             raise out[addr]
         return out[addr]
 
+    def pack(weights, version: int):
+        if transport == "collective/nccl":  # as the trainer packs an nccl push: buckets on the GPU, device digests
+            cuda = torch.device("cuda")
+            on_gpu = {k: t.to(cuda) for k, t in weights.items()}
+            return copy_weights(on_gpu, version, version - 1, device=cuda).seal()
+        return pack_weights(weights, version)
+
     try:
         seconds = []
         for weights, changed in ((moved, True), (state, False)):
             version += 1
-            packed = await asyncio.to_thread(pack_weights, weights, version)
+            packed = await asyncio.to_thread(pack, weights, version)
             t0 = time.perf_counter()
             resp = await push(packed)
             seconds.append(time.perf_counter() - t0)
@@ -515,6 +522,7 @@ async def _transport_row(
             else:
                 row.update(served=row["served"] and ok, restored=tokens == before)
             row["bytes"] = packed.total_bytes
+            row["device_digests"] = all(b.device_digest for b in packed.header.buckets)
         row.update(
             push_seconds=[round(x, 3) for x in seconds],
             GB_per_s=round(row["bytes"] / statistics.median(seconds) / 1e9, 3),
