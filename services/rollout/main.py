@@ -17,7 +17,7 @@ import logging
 
 from rlhf.config import load_config
 from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings, register_env_var
-from services.rollout.engine import EngineHooks
+from services.rollout.engine_types import EngineHooks
 from services.rollout.factory import ENGINE_ENV_VAR, apply_rollout_env, engine_kind, make_engine
 from services.rollout.grpc_servicer import SERVICE_NAME, RolloutServicer, add_to_server
 from services.rollout.http_app import build_app

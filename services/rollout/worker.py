@@ -73,7 +73,7 @@ from services.rollout.options import SamplingOptions, finish_reason_proto, optio
 if TYPE_CHECKING:  # pragma: no cover
     from rlhf.config import ExperimentConfig
     from rlhf.serving import ServiceMetrics
-    from services.rollout.engine import RolloutEngine
+    from services.rollout.engine_types import RolloutEngine
 
 log = logging.getLogger("rlhf.rollout.worker")
 

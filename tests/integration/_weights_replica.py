@@ -10,7 +10,7 @@ import grpc
 
 from rlhf.serving import ServiceMetrics, ServiceSettings
 from rlhf.transport.weights import ServedVersion
-from services.rollout.engine import SwapResult
+from services.rollout.engine_types import SwapResult
 from services.rollout.grpc_servicer import RolloutServicer, add_to_server
 
 

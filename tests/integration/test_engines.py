@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from rlhf.serving.errors import FailedPrecondition, InvalidArgument
-from services.rollout.engine import EngineHooks, SwapGate
+from services.rollout.engine_types import EngineHooks
 from services.rollout.factory import engine_kind
 from services.rollout.options import SamplingOptions
+from services.rollout.swap import SwapGate
 
 PROMPTS = [[2, 5, 6, 7], [2, 40, 41], [2, 100, 101, 102, 103, 104, 105, 106]]
 

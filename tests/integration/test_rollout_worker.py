@@ -22,8 +22,10 @@ import pytest
 from rlhf.serving import ServiceMetrics, ServiceSettings
 from rlhf.transport import ExperienceQueue, PromptQueue, connect, dead_letters, queue_stats
 from rlhf.v1 import common_pb2, experience_pb2
-from services.rollout.engine import EngineBase, PromptResult, Sample, read_checkpoint_manifest
+from services.rollout.engine import EngineBase
+from services.rollout.engine_types import PromptResult, Sample
 from services.rollout.options import SamplingOptions
+from services.rollout.swap import read_checkpoint_manifest
 from services.rollout.worker import RolloutWorker, maybe_start_worker
 
 RUN = "worker-test"

@@ -226,8 +226,8 @@ def test_the_trainer_packs_on_its_device_only_for_a_collective_push_over_a_devic
 
     on_device = fleet({"backend": "nccl", "device": CPU})._copy_policy(4).seal()  # what collective_backend gives
     assert on_device.on_device and all(b.device_digest and not b.sha256 for b in on_device.header.buckets)
-    for collective in ({}, {"backend": "gloo", "device": None}):  # tcp/grpc, and gloo: host buckets with sha256
-        host = fleet(collective)._copy_policy(4).seal()
+    for spec in ({}, {"backend": "gloo", "device": None}):  # tcp/grpc, and gloo: host buckets with sha256
+        host = fleet(spec)._copy_policy(4).seal()
         assert not host.on_device and all(b.sha256 and not b.device_digest for b in host.header.buckets)
         assert host.checksum != on_device.checksum  # the digests differ, the bytes do not
         assert [bytes(b) for b in host.buckets] == [bytes(b.numpy()) for b in on_device.buckets]

@@ -20,7 +20,7 @@ from rlhf.transport.weights import ServedVersion, manifest_of, pack_weights, pus
 from rlhf.transport.weights.dataplane import send_buckets
 from rlhf.transport.weights.errors import IncompleteUpdate
 from rlhf.v1 import rollout_pb2_grpc, weights_pb2
-from services.rollout.engine import SwapResult
+from services.rollout.engine_types import SwapResult
 from services.rollout.grpc_servicer import RolloutServicer, add_to_server
 
 TOKEN = "dataplane-token"

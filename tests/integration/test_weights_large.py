@@ -46,7 +46,7 @@ def test_the_inplace_threshold_setting():
     """RLHF_WEIGHTS_INPLACE_LOAD_BYTES: 2 GiB by default, 0 for every update, off for none; anything else refuses
     the start naming the variable. It is a known RLHF_* variable (start-up does not warn about it)."""
     from rlhf.serving.settings import KNOWN_ENV_VARS
-    from services.rollout.vllm_engine import INPLACE_ENV, inplace_load_bytes_from_env
+    from services.rollout.vllm_weights import INPLACE_ENV, inplace_load_bytes_from_env
 
     assert inplace_load_bytes_from_env({}) == 2 << 30
     assert inplace_load_bytes_from_env({INPLACE_ENV: "0"}) == 0

@@ -37,7 +37,7 @@ from rlhf.transport.weights import (
     pack_weights,
     push_weights_streamed,
 )
-from services.rollout.engine import SwapResult
+from services.rollout.engine_types import SwapResult
 from services.rollout.grpc_servicer import RolloutServicer, add_to_server
 
 ROOT = Path(__file__).resolve().parents[2]

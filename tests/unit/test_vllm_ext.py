@@ -282,7 +282,7 @@ def test_a_prefix_cache_reset_that_vllm_refuses_is_retried_then_fails_the_swap()
     be reused after an update (ACCELERATOR-REVIEW D1). Retried with running requests reset; refused twice, the swap
     fails instead of serving stale KV."""
     pytest.importorskip("vllm")
-    from services.rollout.vllm_engine import reset_prefix_cache
+    from services.rollout.vllm_weights import reset_prefix_cache
 
     class Engine:
         def __init__(self, answers):

@@ -1,0 +1,104 @@
+"""What a weight swap rests on, whatever the engine: the gate that keeps generation and swaps apart
+(:class:`SwapGate`), and the check that an update is the model's full state dict, against the names and shapes of
+the checkpoint the engine loaded (:func:`read_checkpoint_manifest`, :func:`check_state_dict`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from rlhf.serving.errors import InvalidArgument
+
+
+class SwapGate:
+    """Generation and weight swaps exclude each other; a pending swap stops new admissions (no starvation).
+
+    ``async with gate.generation():`` around each request; ``async with gate.exclusive():`` around a swap, which
+    waits until every admitted request has finished.
+    """
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._active = 0
+        self._swapping = False
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    @contextlib.asynccontextmanager
+    async def generation(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            self._active += 1
+        try:
+            yield
+        finally:
+            self._active -= 1
+            await self._notify()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._swapping)
+            self._swapping = True
+            try:
+                await self._cond.wait_for(lambda: self._active == 0)
+            except BaseException:
+                self._swapping = False
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            self._swapping = False
+            await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
+
+
+def read_checkpoint_manifest(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Parameter name -> shape of the safetensors checkpoint in ``model_dir`` (headers only; no tensor is read)."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors checkpoint")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open has keys(), not __iter__
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+    return shapes
+
+
+def check_state_dict(tensors: dict[str, Any], expected: dict[str, tuple[int, ...]]) -> None:
+    """A weight update must be the model's full state dict: same names, same shapes (else nothing is loaded)."""
+    if not tensors:
+        raise InvalidArgument("the weight update holds no tensors", field="header.tensors")
+    unknown = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - set(tensors))
+    if unknown:
+        raise InvalidArgument(
+            f"the weight update has {len(unknown)} tensor(s) the model does not have (first: {unknown[0]!r}); "
+            "send the policy's state dict with Hugging Face parameter names",
+            field="header.tensors",
+        )
+    if missing:
+        raise InvalidArgument(
+            f"the weight update lacks {len(missing)} of the model's tensor(s) (first: {missing[0]!r}); "
+            "send the full state dict",
+            field="header.tensors",
+        )
+    for name, t in tensors.items():
+        if tuple(t.shape) != tuple(expected[name]):
+            raise InvalidArgument(
+                f"tensor {name!r} has shape {list(t.shape)}, the model's is {list(expected[name])}",
+                field="header.tensors",
+            )
