@@ -182,7 +182,7 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         import torch
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
-        from rlhf.transport.weights.format import release_freed_memory
+        from rlhf.transport.weights.pack import release_freed_memory
 
         with torch.no_grad():
             if not self.inplace:
@@ -200,7 +200,7 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         import torch
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
-        from rlhf.transport.weights.format import release_freed_memory
+        from rlhf.transport.weights.pack import release_freed_memory
 
         self.inplace = False
         with torch.no_grad():

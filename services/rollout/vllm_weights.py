@@ -73,7 +73,7 @@ def _groups(tensors: dict[str, Any], limit: int) -> list[list[tuple[str, Any]]]:
     """Whole tensors in order in groups of at most ``limit`` bytes (a larger tensor alone), planned as the push plans
     its buckets: what one worker call carries, so no message holds the whole update (msgpack's bin32 stops at 4 GiB)
     and the worker loads it bucket by bucket."""
-    from rlhf.transport.weights.format import plan_sizes
+    from rlhf.transport.weights.pack import plan_sizes
 
     sizes = ((name, t.numel() * t.element_size()) for name, t in tensors.items())
     return [[(name, tensors[name]) for name in names] for names in plan_sizes(sizes, limit)]

@@ -50,7 +50,7 @@ from services.trainer.group import LOAD, NOOP, SAVE, STEP, STOP, Commands
 from services.trainer.state import TrainerState
 
 if TYPE_CHECKING:
-    from rlhf.transport.weights.format import StreamedWeights
+    from rlhf.transport.weights.pack import StreamedWeights
 
 log = logging.getLogger("rlhf.trainer")
 

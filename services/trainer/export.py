@@ -18,7 +18,7 @@ from rlhf.config import ExperimentConfig
 from services.trainer.group import GATHER, Commands
 
 if TYPE_CHECKING:
-    from rlhf.transport.weights.format import StreamedWeights
+    from rlhf.transport.weights.pack import StreamedWeights
 
 
 class PolicyExport:
@@ -72,7 +72,8 @@ class PolicyExport:
         gather command to the group. The weights must not change between the passes: the caller holds off steps,
         so in a group training waits for the push."""
         # Imported here: rlhf.transport brings Redis, which the engine (and the TRL parity environment) does not need.
-        from rlhf.transport.weights.format import DEFAULT_BUCKET_BYTES, StreamedWeights
+        from rlhf.transport.weights.format import DEFAULT_BUCKET_BYTES
+        from rlhf.transport.weights.pack import StreamedWeights
 
         if self.group is None or not self.group.is_driver:
             raise RuntimeError("policy_stream() is for rank 0 of a trainer group; at world size 1 pack the state dict")

@@ -281,7 +281,8 @@ def test_the_push_copy_keeps_the_weights_the_next_step_changes(tiny_models):
     """The trainer copies the policy into push buckets (copy_weights) and hashes and sends them while its next step
     trains: the buckets must hold the weights of the copy's moment, not share the training weights' memory (the fp32
     CPU state dict does); buffers come back from the pool only once no push holds them."""
-    from rlhf.transport.weights.format import BufferPool, copy_weights, load_safetensors
+    from rlhf.transport.weights.format import load_safetensors
+    from rlhf.transport.weights.pack import BufferPool, copy_weights
 
     engine = TrainerEngine(_config("ray_ppo"))
     live = engine.policy_state_dict()
@@ -310,7 +311,8 @@ def test_the_push_on_device_gives_the_same_tensors_as_the_host_copy(tiny_models)
     """policy_state_dict(on_device=True), which the trainer's push copies into its buckets itself (one
     device-to-bucket copy per tensor on an accelerator), holds what the host state dict holds: the push dtype
     (bf16 under training.bf16, from the fp32 masters), the checkpoint layout, the same values, contiguous."""
-    from rlhf.transport.weights.format import copy_weights, load_safetensors
+    from rlhf.transport.weights.format import load_safetensors
+    from rlhf.transport.weights.pack import copy_weights
 
     cfg = _config("ray_grpo", adv_estimator="grpo")
     engine = TrainerEngine(cfg.model_copy(update={"training": cfg.training.model_copy(update={"bf16": True})}))

@@ -7,7 +7,10 @@ The package, by role (arrows point down this list; nothing imports upwards):
 - :mod:`~rlhf.transport.weights.dataplane`: the replica's TCP data-plane listener and tickets, and the sender's
   socket (:func:`~rlhf.transport.weights.dataplane.send_buckets`);
 - :mod:`~rlhf.transport.weights.receive`: header checks, bucket verification, staging, the update slot;
-- :mod:`~rlhf.transport.weights.format`: safetensors buckets, the header, the protobuf chunk codec;
+- :mod:`~rlhf.transport.weights.pack`: packing an update into buckets (held, or streamed from a tensor source);
+- :mod:`~rlhf.transport.weights.format`: the wire format: safetensors buckets and their layout, the header's
+  digests, the protobuf chunk codec;
+- :mod:`~rlhf.transport.weights.checksum`: the device digest of a collective nccl/hccl push;
 - :mod:`~rlhf.transport.weights.version`: the served version's one owner and the one "newer" rule;
 - :mod:`~rlhf.transport.weights.errors`: the refusals (mapped to gRPC/HTTP by ``rlhf.serving.errors``' table).
 
@@ -32,22 +35,24 @@ _NAMES = {
     ),
     "version": ("ServedVersion", "check_newer"),
     "format": (
-        "BufferPool",
         "DEFAULT_BUCKET_BYTES",
         "DEFAULT_CHUNK_BYTES",
         "FORMAT",
-        "PackedWeights",
         "RawChunk",
         "all_finite",
-        "copy_weights",
         "decode_update",
         "dtype_name",
         "encode_chunk",
         "load_safetensors",
         "manifest_checksum",
         "manifest_of",
-        "pack_weights",
+    ),
+    "pack": (
+        "BufferPool",
+        "PackedWeights",
         "StreamedWeights",
+        "copy_weights",
+        "pack_weights",
         "weight_updates",
     ),
     "receive": ("StagedWeights", "WeightReceiver", "check_header", "receive_update"),

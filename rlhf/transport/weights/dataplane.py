@@ -54,7 +54,7 @@ from typing import Any
 from rlhf.serving.errors import RLHFError
 from rlhf.transport.weights.collective import GroupSpec, receive_buckets
 from rlhf.transport.weights.errors import CorruptUpdate, IncompleteUpdate
-from rlhf.transport.weights.format import BufferPool, release_freed_memory
+from rlhf.transport.weights.pack import BufferPool, release_freed_memory
 from rlhf.transport.weights.receive import (
     STREAM_SLOTS,
     BucketFeed,

@@ -39,7 +39,6 @@ from rlhf.transport.weights.errors import (
 from rlhf.transport.weights.format import (
     FORMAT,
     TORCH_DTYPES,
-    BufferPool,
     Manifest,
     RawChunk,
     all_finite,
@@ -47,9 +46,9 @@ from rlhf.transport.weights.format import (
     load_safetensors,
     load_safetensors_tensor,
     manifest_checksum,
-    release_freed_memory,
     safetensors_header,
 )
+from rlhf.transport.weights.pack import BufferPool, release_freed_memory
 from rlhf.transport.weights.version import ServedVersion, check_newer
 from rlhf.v1 import weights_pb2
 

@@ -6,8 +6,8 @@ TCP connection, ``CommitWeights``), the ``UpdateWeights`` stream of pre-serialis
 broadcast. A refusal comes back as ``grpc.aio.AioRpcError`` with the code of its error class
 (``rlhf.serving.errors``' table).
 
-The update is either packed (:class:`~rlhf.transport.weights.format.PackedWeights`: every bucket in memory, each
-replica reads them at its own pace) or streamed (:class:`~rlhf.transport.weights.format.StreamedWeights`, a sharded
+The update is either packed (:class:`~rlhf.transport.weights.pack.PackedWeights`: every bucket in memory, each
+replica reads them at its own pace) or streamed (:class:`~rlhf.transport.weights.pack.StreamedWeights`, a sharded
 trainer's push: :func:`push_weights_streamed` makes one bucket at a time and hands it to every replica's sender).
 The wire is the same either way.
 """
@@ -31,11 +31,9 @@ from rlhf.transport.weights.format import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHUNK_BYTES,
     MiB,
-    PackedWeights,
-    StreamedWeights,
     encode_chunk,
-    pack_weights,
 )
+from rlhf.transport.weights.pack import PackedWeights, StreamedWeights, pack_weights
 from rlhf.v1 import weights_pb2
 
 UPDATE_WEIGHTS_METHOD = "/rlhf.v1.RolloutService/UpdateWeights"
