@@ -28,7 +28,7 @@ from _collective_replica import Replica as _Replica
 
 import rlhf.transport.weights.checksum as checksum
 import rlhf.transport.weights.collective as collective
-import rlhf.transport.weights.receive as receive
+import rlhf.transport.weights.verify as verify
 from rlhf.transport.weights import CorruptUpdate, check_header, copy_weights, push_weights, push_weights_many
 
 TOKEN = "device-token"
@@ -136,7 +136,7 @@ def test_a_replica_installs_views_of_the_received_buckets_without_hashing_them(m
 
     monkeypatch.setattr(collective, "finish_bucket", no_host_hash)
     received: list[torch.Tensor] = []
-    real = receive.finish_device_bucket
+    real = verify.finish_device_bucket
 
     def spy(index, buf, expected, manifest):
         received.append(buf)

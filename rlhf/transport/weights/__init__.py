@@ -6,7 +6,9 @@ The package, by role (arrows point down this list; nothing imports upwards):
   the data plane, the ``UpdateWeights`` stream or a collective broadcast), of packed or streamed weights;
 - :mod:`~rlhf.transport.weights.dataplane`: the replica's TCP data-plane listener and tickets, and the sender's
   socket (:func:`~rlhf.transport.weights.dataplane.send_buckets`);
-- :mod:`~rlhf.transport.weights.receive`: header checks, bucket verification, staging, the update slot;
+- :mod:`~rlhf.transport.weights.collective`: the per-push broadcast group (gloo, nccl, hccl), both ends;
+- :mod:`~rlhf.transport.weights.receive`: receiving an update: staging, the update slot, buckets fed to an engine;
+- :mod:`~rlhf.transport.weights.verify`: the checks every path runs: a header, a received bucket;
 - :mod:`~rlhf.transport.weights.pack`: packing an update into buckets (held, or streamed from a tensor source);
 - :mod:`~rlhf.transport.weights.format`: the wire format: safetensors buckets and their layout, the header's
   digests, the protobuf chunk codec;
@@ -55,7 +57,8 @@ _NAMES = {
         "pack_weights",
         "weight_updates",
     ),
-    "receive": ("StagedWeights", "WeightReceiver", "check_header", "receive_update"),
+    "verify": ("check_header",),
+    "receive": ("StagedWeights", "WeightReceiver", "receive_update"),
     "dataplane": ("WeightDataServer", "send_buckets"),
     "send": ("TRANSPORTS", "push_weights", "push_weights_many", "push_weights_streamed"),
 }

@@ -68,7 +68,7 @@ import torch.distributed as dist
 
 from rlhf.transport.weights.errors import CollectiveUnavailable, CorruptUpdate, IncompleteUpdate
 from rlhf.transport.weights.format import Manifest
-from rlhf.transport.weights.receive import finish_bucket, finish_device_bucket
+from rlhf.transport.weights.verify import finish_bucket, finish_device_bucket
 from rlhf.v1 import weights_pb2
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -502,7 +502,7 @@ def receive_buckets(
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Blocking (a replica's thread): join the push's group with the rank the trainer gave ``ticket``, receive every
     bucket (on ``device`` for nccl/hccl), verify and parse them. Raises IncompleteUpdate when the group fails (a
-    member died, the timeout passed) and the errors of :func:`~rlhf.transport.weights.receive.finish_bucket`."""
+    member died, the timeout passed) and the errors of :func:`~rlhf.transport.weights.verify.finish_bucket`."""
     pg = None
     try:
         pg = join_group(spec, ticket)

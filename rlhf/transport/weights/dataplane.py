@@ -62,8 +62,8 @@ from rlhf.transport.weights.receive import (
     StagedWeights,
     VerifiedBucket,
     WeightReceiver,
-    finish_bucket,
 )
+from rlhf.transport.weights.verify import finish_bucket
 from rlhf.v1 import weights_pb2
 
 log = logging.getLogger("rlhf.transport.weights.dataplane")
