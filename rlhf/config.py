@@ -9,7 +9,10 @@ Service settings (ports, addresses, tokens) do not live here: they come from ``R
 
 from __future__ import annotations
 
+import copy
 import difflib
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,6 +57,12 @@ class TrainingConfig(Section):
         0.0, "fraction of train_iters over which the learning rate rises linearly from 0 (Megatron's)", ge=0, lt=1
     )
     min_lr: float = _f(0.0, "learning rate at the last step of a linear or cosine schedule (actor)", ge=0)
+    micro_batch_size: int | None = _f(
+        None,
+        "default micro_batch_size of every role (actor_rollout, ref, critic, reward) whose section does not set "
+        "its own, as in MindSpeed-LLM's training section",
+        gt=0,
+    )
     no_load_optim: bool = _f(False, "on resume, restore the weights but start the optimizers (AdamW moments) afresh")
     no_load_rng: bool = _f(False, "on resume, do not restore the random-number generators (reseeded from seed)")
     bf16: bool = _f(
@@ -105,7 +114,12 @@ class ActorRolloutConfig(Section):
         "also write the actor as a Hugging Face folder here at every checkpoint (the policy is always in the "
         "checkpoint under training.save)",
     )
-    do_sample: bool = _f(True, "sample (True) or decode greedily (False) during rollout")
+    do_sample: bool = _f(
+        True,
+        "sample (true) or decode greedily (false) during rollout. MindSpeed-LLM's default is false; this one is true "
+        "(every shipped config and the critic-free stages sample), and a MindSpeed-style config that leaves it out "
+        "gets a start-up warning",
+    )
     temperature: float = _f(1.0, "sampling temperature; also divides logits for log-probs", gt=0)
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
     top_k: int = _f(-1, "top-k sampling (-1 disables)")
@@ -113,12 +127,17 @@ class ActorRolloutConfig(Section):
     max_new_tokens: int | None = _f(None, "response budget in tokens; default seq_length - max_prompt_length", gt=0)
     n_samples_per_prompt: int = _f(1, "samples per prompt (GRPO/RLOO group size; 2 for online DPO)", gt=0)
     ppo_mini_batch_size: int = _f(
-        1, "samples per actor optimizer step (online DPO: 2 samples = 1 pair, so pairs = this / 2, at least 1)", gt=0
+        1,
+        "samples (responses, not prompts: a rollout batch has global_batch_size x n_samples_per_prompt of them) per "
+        "actor optimizer step, over all trainer processes; MindSpeed-LLM's ray_ppo counts the same rows, per data-"
+        "parallel rank. Online DPO: 2 samples = 1 pair, so pairs = this / 2, at least 1 (MindSpeed doubles its value: "
+        "there it counts pairs)",
+        gt=0,
     )
     micro_batch_size: int | None = _f(
         None,
         "samples per forward/backward; a minibatch's gradients accumulate over its micro-batches before the "
-        "step (default: the whole minibatch at once)",
+        "step (default: training.micro_batch_size, else the whole minibatch at once)",
         gt=0,
     )
     ppo_epochs: int = _f(1, "passes of the actor over each rollout batch", gt=0)
@@ -197,7 +216,7 @@ class ActorRolloutConfig(Section):
 class RefConfig(Section):
     load: str | None = _f(None, "reference model; default the actor's initial weights")
     temperature: float | None = _f(None, "temperature for reference log-probs; default the rollout temperature")
-    micro_batch_size: int = _f(16, "sequences per reference forward", gt=0)
+    micro_batch_size: int = _f(16, "sequences per reference forward (default training.micro_batch_size, else 16)", gt=0)
 
 
 class ActorRolloutRefConfig(Section):
@@ -208,11 +227,34 @@ class ActorRolloutRefConfig(Section):
 class CriticConfig(Section):
     load: str | None = _f(None, "critic initialisation: a sequence-classification model (default the reward model)")
     cliprange_value: float = _f(0.2, "value clip range (<= 0 disables)")
-    critic_mini_batch_size: int = _f(1, "samples per critic optimizer step", gt=0)
+    critic_mini_batch_size: int = _f(1, "samples per critic optimizer step (the unit of ppo_mini_batch_size)", gt=0)
+    micro_batch_size: int | None = _f(
+        None,
+        "samples per critic forward/backward; a critic minibatch's gradients accumulate over its micro-batches "
+        "before the step, weighted to equal one pass over the minibatch (default: training.micro_batch_size, else "
+        "the whole minibatch at once)",
+        gt=0,
+    )
     critic_update_epochs: int = _f(1, "passes of the critic over each rollout batch", gt=0)
-    lr: float | None = _f(None, "critic learning rate (default training.lr); follows the actor's schedule shape")
     save: str | None = _f(None, "also write the critic as a Hugging Face folder here at every checkpoint")
-    vf_coef: float = _f(1.0, "value-loss weight when actor and critic share one optimizer step", gt=0)
+    vf_coef: float = _f(
+        1.0,
+        "multiplies the value loss before the critic's backward (seed 001's value_loss_rate). The critic has its own "
+        "AdamW, separate from the actor's, so this only scales the critic's gradient: it matters against clip_grad "
+        "and Adam's epsilon, and is not a weight between the actor's and the critic's losses",
+        gt=0,
+    )
+    # per-role optimizer settings, as the actor's (MindSpeed's role sections override training); null: training's
+    lr: float | None = _f(None, "critic learning rate (default training.lr)", gt=0)
+    weight_decay: float | None = _f(None, "critic AdamW weight decay (default training.weight_decay)", ge=0)
+    adam_beta1: float | None = _f(None, "critic AdamW beta1 (default training.adam_beta1)", ge=0, lt=1)
+    adam_beta2: float | None = _f(None, "critic AdamW beta2 (default training.adam_beta2)", ge=0, lt=1)
+    clip_grad: float | None = _f(None, "critic gradient-norm clip, <= 0 disables (default training.clip_grad)")
+    lr_decay_style: Literal["constant", "linear", "cosine"] | None = _f(
+        None, "critic schedule (default training.lr_decay_style)"
+    )
+    lr_warmup_fraction: float | None = _f(None, "critic warm-up (default training.lr_warmup_fraction)", ge=0, lt=1)
+    min_lr: float | None = _f(None, "critic final learning rate (default training.min_lr)", ge=0)
 
 
 class ScorerConfig(Section):
@@ -238,7 +280,9 @@ class ScorerConfig(Section):
 
 class RewardConfig(Section):
     scorers: list[ScorerConfig] = _f([ScorerConfig(type="model", load="tiny:reward")], "scorers, combined by weight")
-    micro_batch_size: int = _f(16, "sequences per reward-model forward", gt=0)
+    micro_batch_size: int = _f(
+        16, "sequences per reward-model forward (default training.micro_batch_size, else 16)", gt=0
+    )
     load: str | None = _f(None, "shorthand for one model scorer (MindSpeed's reward.load)")
     max_failed_fraction: float = _f(
         0.5,
@@ -330,7 +374,9 @@ class ResourcePoolConfig(Section):
     )
     ref: list[int] = _f([1], "devices for the reference service")
     critic: list[int] = _f(
-        [1], "the critic trains inside the trainer process on the trainer's device: a count here is noted, not used"
+        [0],
+        "must be [0]: the critic trains inside the trainer process on the trainer's devices (count its memory in "
+        "num_gpus_for_train); a device count of its own is refused",
     )
     reward: list[int] = _f([1], "devices for the reward service")
 
@@ -369,10 +415,16 @@ class ExperimentConfig(Section):
     data: DataConfig = _f(DataConfig(), "prompt data set")
     # Keys of a MindSpeed config that do not apply here, one line each (config_compat); warned about once at start-up
     _notes: list[str] = PrivateAttr(default_factory=list)
+    # Fields a MindSpeed-style config leaves out whose default here differs from MindSpeed's; in the same warning
+    _default_notes: list[str] = PrivateAttr(default_factory=list)
 
     @property
     def notes(self) -> list[str]:
         return list(self._notes)
+
+    @property
+    def default_notes(self) -> list[str]:
+        return list(self._default_notes)
 
     @property
     def actor(self) -> ActorRolloutConfig:
@@ -424,6 +476,7 @@ class ExperimentConfig(Section):
     def _cross_checks(self) -> ExperimentConfig:
         if self.reward.load is not None:
             self.reward.scorers = [ScorerConfig(type="model", load=self.reward.load)]
+        _inherit_micro_batch_size(self)
         if self.training.stage == "ray_online_dpo" and self.actor.n_samples_per_prompt not in (1, 2):
             raise ValueError("actor_rollout_ref.actor_rollout.n_samples_per_prompt must be 2 for ray_online_dpo")
         # Combinations that load but cannot learn: reported together, before any service starts.
@@ -489,17 +542,51 @@ _STAGE_DEFAULTS = {
 }
 
 
+def _inherit_micro_batch_size(cfg: ExperimentConfig) -> None:
+    """MindSpeed's ``training.micro_batch_size`` is every role's default: copied into each role section that does not
+    set its own. Kept out of ``model_fields_set``: an inherited value is not one the user set in that section (the
+    per-stage "not read" notes and the micro > mini check look at explicit values only)."""
+    value = cfg.training.micro_batch_size
+    if value is None:
+        return
+    for section in (cfg.actor, cfg.actor_rollout_ref.ref, cfg.critic, cfg.reward):
+        if "micro_batch_size" not in section.model_fields_set:
+            section.micro_batch_size = value
+            section.model_fields_set.discard("micro_batch_size")
+
+
 def _optimization_problems(cfg: ExperimentConfig) -> list[str]:
     """Options that only make sense together: what to change, one line each."""
-    a, t, stage, problems = cfg.actor, cfg.training, cfg.training.stage, []
+    a, c, t, stage, problems = cfg.actor, cfg.critic, cfg.training, cfg.training.stage, []
     lr = a.lr or t.lr
     min_lr = t.min_lr if a.min_lr is None else a.min_lr
     if min_lr > lr:
         problems.append(f"the actor's min_lr {min_lr} is above its lr {lr}; lower min_lr")
-    if a.micro_batch_size is not None and a.micro_batch_size > a.ppo_mini_batch_size:
+    # An inherited training.micro_batch_size larger than a minibatch is harmless (one pass over the minibatch); the
+    # same value set in the role's own section is a mistake worth naming.
+    if "micro_batch_size" in a.model_fields_set and (a.micro_batch_size or 0) > a.ppo_mini_batch_size:
         problems.append(
             f"actor_rollout.micro_batch_size {a.micro_batch_size} is larger than ppo_mini_batch_size "
             f"{a.ppo_mini_batch_size} (micro-batches split a minibatch); lower it or leave it unset"
+        )
+    if stage == "ray_ppo":
+        critic_lr = c.lr or t.lr
+        critic_min_lr = t.min_lr if c.min_lr is None else c.min_lr
+        if critic_min_lr > critic_lr:
+            problems.append(
+                f"the critic's min_lr {critic_min_lr} is above its lr {critic_lr}; set critic.min_lr (its default "
+                "is training.min_lr) at or below critic.lr"
+            )
+        if "micro_batch_size" in c.model_fields_set and (c.micro_batch_size or 0) > c.critic_mini_batch_size:
+            problems.append(
+                f"critic.micro_batch_size {c.micro_batch_size} is larger than critic_mini_batch_size "
+                f"{c.critic_mini_batch_size} (micro-batches split a minibatch); lower it or leave it unset"
+            )
+    if cfg.resource_pool.critic != [0]:
+        problems.append(
+            f"resource_pool.critic {cfg.resource_pool.critic}: the critic trains inside the trainer process, on the "
+            "trainer's devices, so it cannot have devices of its own here; remove the key (or set [0]) and count "
+            "the critic's memory in actor_rollout.num_gpus_for_train"
         )
     if a.freezing_actor_steps:
         if stage != "ray_ppo":
@@ -538,7 +625,7 @@ def _optimization_problems(cfg: ExperimentConfig) -> list[str]:
             f"tensor_model_parallel_size {a.tensor_model_parallel_size} (each replica takes that many)"
         )
     rp = cfg.resource_pool
-    for role in ("actor_rollout", "ref", "critic", "reward"):
+    for role in ("actor_rollout", "ref", "reward"):
         counts = getattr(rp, role)
         if len(counts) != 1 or counts[0] < 0:
             problems.append(f"resource_pool.{role} {counts}: rlhf up runs on one machine; give one device count")
@@ -597,8 +684,6 @@ def _stage_notes(cfg: ExperimentConfig) -> list[str]:
                     f"{'actor_rollout_ref.' if section == 'actor_rollout' else ''}{section}.{name}: "
                     f"not read by {stage} ({why})"
                 )
-    if "critic" in cfg.resource_pool.model_fields_set and cfg.resource_pool.critic[0] > 0:
-        notes.append("resource_pool.critic: the critic trains inside the trainer process on the trainer's device")
     return notes
 
 
@@ -675,14 +760,28 @@ def _section_fields(loc: tuple) -> list[str]:
     return list(model.model_fields)
 
 
+def _closest_key(name: str, fields: list[str]) -> str | None:
+    """The valid key a misspelt ``name`` most likely meant. A mini-batch size (samples per optimizer step) and a
+    micro-batch size (samples per forward/backward) differ in meaning, not only in spelling: one is never offered
+    for the other."""
+    words = set(name.split("_"))
+    pool = [
+        f
+        for f in fields
+        if not ({"micro", "mini"} & words and {"micro", "mini"} & set(f.split("_")) != {"micro", "mini"} & words)
+    ]
+    close = difflib.get_close_matches(name, pool, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def _format_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid experiment config {source}:"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(e["loc"][-1]), _section_fields(e["loc"]), n=1, cutoff=0.6)
-            msg = "unknown key (not used by rlhf-pipeline)" + (f"; did you mean '{close[0]}'?" if close else "")
+            close = _closest_key(str(e["loc"][-1]), _section_fields(e["loc"]))
+            msg = "unknown key (not used by rlhf-pipeline)" + (f"; did you mean '{close}'?" if close else "")
         lines.append(f"  {key}: {msg}")
     return "\n".join(lines)
 
@@ -690,24 +789,45 @@ def _format_error(err: ValidationError, source: str) -> str:
 def parse_config(data: dict[str, Any] | None, source: str = "<dict>") -> ExperimentConfig:
     """Validate a config mapping: MindSpeed/Megatron-only keys are mapped or noted (``cfg.notes``), everything else
     must be a field; raises ConfigError naming each bad key."""
+    raw = data or {}
     try:
-        data, notes = config_compat.translate(data or {})
+        data, notes = config_compat.translate(raw)
         cfg = ExperimentConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_error(err, source)) from None
     except ValueError as err:
         raise ConfigError(f"invalid experiment config {source}: {err}") from None
     cfg._notes = notes + _stage_notes(cfg)
+    if config_compat.mindspeed_style(raw):
+        cfg._default_notes = _mindspeed_default_notes(cfg)
     return cfg
 
 
+def _mindspeed_default_notes(cfg: ExperimentConfig) -> list[str]:
+    """Fields a MindSpeed-style config leaves out whose default here is not MindSpeed's. do_sample keeps its default
+    true (every shipped config, the critic-free stages and the rollout service's REST defaults sample); a MindSpeed
+    user who expects greedy rollouts from the omission is told instead."""
+    out = []
+    if "do_sample" not in cfg.actor.model_fields_set and cfg.training.stage == "ray_ppo":
+        out.append(
+            "actor_rollout_ref.actor_rollout.do_sample is not set: it defaults to true here (rollout samples at "
+            "temperature), false in MindSpeed-LLM (greedy decoding); set it to choose and silence this line"
+        )
+    return out
+
+
 def config_warning(cfg: ExperimentConfig) -> str | None:
-    """The one start-up warning: every key the config sets that does not apply here, and why."""
-    return config_compat.format_notes(cfg.notes)
+    """The one start-up warning: every key the config sets that does not apply here, and why; and every default a
+    MindSpeed-style config relies on that differs here."""
+    parts = [config_compat.format_notes(cfg.notes)]
+    if cfg.default_notes:
+        parts.append("defaults that differ from MindSpeed-LLM's:\n" + "\n".join(f"  {n}" for n in cfg.default_notes))
+    return "\n".join(p for p in parts if p) or None
 
 
-def load_config(path: str | Path) -> ExperimentConfig:
-    """Read and validate a YAML experiment config; raises ConfigError naming the bad key."""
+def read_config_data(path: str | Path, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """The raw mapping of a YAML config file with command-line ``overrides`` applied (:func:`apply_overrides`), not
+    yet validated; raises ConfigError for an unreadable file, bad YAML or a malformed override."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
@@ -717,4 +837,69 @@ def load_config(path: str | Path) -> ExperimentConfig:
         raise ConfigError(f"config {path} is not valid YAML: {err}") from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping at the top level")
-    return parse_config(data, str(path))
+    return apply_overrides(data or {}, overrides)
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> ExperimentConfig:
+    """Read and validate a YAML experiment config (with command-line ``overrides``); raises ConfigError naming the
+    bad key."""
+    source = str(path) + (f" with overrides {' '.join(overrides)}" if overrides else "")
+    return parse_config(read_config_data(path, overrides), source)
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Hydra-style overrides, as MindSpeed-LLM's launch takes them: ``section.key=value`` sets a field (the dotted
+    key of the YAML file, a list index as a number: ``reward.scorers.0.weight=2``), the value parsed as YAML
+    (``true``, ``1e-6``, ``[2]``, ``null``); ``+key=value`` / ``++key=value`` are the same (Hydra's add / force);
+    ``~key`` removes a key. Returns a new mapping; the result is validated like a file by :func:`parse_config`, so
+    an unknown key or a bad value is an error naming it."""
+    out = copy.deepcopy(data)
+    for item in overrides:
+        delete = item.startswith("~")
+        key, eq, text = item.lstrip("~+").partition("=")
+        key = key.strip()
+        if not key or (not eq and not delete) or (eq and delete) or any(not p for p in key.split(".")):
+            raise ConfigError(
+                f"command-line override {item!r}: expected KEY=VALUE with a dotted key and a YAML value "
+                "(e.g. training.train_iters=5), or ~KEY to remove a key"
+            )
+        try:
+            value = yaml.safe_load(text) if eq else None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"command-line override {key}: the value {text!r} is not valid YAML ({err})") from None
+        if isinstance(value, str) and re.fullmatch(r"[-+]?\d+[eE][-+]?\d+", value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-6 (no dot) as a string; Hydra, and a user, mean the number
+        parts = key.split(".")
+        node: Any = out
+        for depth, part in enumerate(parts[:-1]):
+            if isinstance(node, list):
+                node = node[_list_index(node, part, ".".join(parts[: depth + 1]))]
+                continue
+            if node.get(part) is None:  # absent, or an empty section (``critic:`` with nothing under it)
+                if delete:
+                    break
+                node[part] = {}
+            node = node[part]
+            if not isinstance(node, dict | list):
+                raise ConfigError(
+                    f"command-line override {key}: {'.'.join(parts[: depth + 1])} is a value, not a section"
+                )
+        else:
+            last = parts[-1]
+            if isinstance(node, list):
+                index = _list_index(node, last, key)
+                if delete:
+                    node.pop(index)
+                else:
+                    node[index] = value
+            elif delete:
+                node.pop(last, None)
+            else:
+                node[last] = value
+    return out
+
+
+def _list_index(node: list, part: str, key: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(f"command-line override {key}: a list of {len(node)} here; give an index 0-{len(node) - 1}")
+    return int(part)

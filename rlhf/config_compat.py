@@ -119,6 +119,25 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     return data, notes
 
 
+def mindspeed_style(raw: dict[str, Any]) -> bool:
+    """Whether a raw config reads as one written for MindSpeed-LLM: it has the hydra ``defaults`` list, a
+    ``resource_pool`` section, or a key this module maps or takes out. Such a config expects MindSpeed's defaults
+    where it leaves a field out (see :func:`default_notes`)."""
+    if "defaults" in raw or "resource_pool" in raw:
+        return True
+    for section, body in _sections(raw).items():
+        for key in body:
+            if (
+                (key in _MEGATRON_ONLY and section not in ("algorithm", "data"))
+                or (key == "tensor_model_parallel_size" and section in _NO_TP_ROLES)
+                or (key == "tokenizer_type" and section == "training")
+                or (section, key) in _RENAMES
+                or (section == "actor_rollout" and key in ("shuffle", "no_shuffle"))
+            ):
+                return True
+    return False
+
+
 def format_notes(notes: list[str]) -> str | None:
     """The one start-up warning for every key taken out, or None."""
     if not notes:

@@ -223,6 +223,27 @@ def _looks_like_repo_id(spec: str) -> bool:
     return bool(_HF_REPO_ID.match(spec)) and ".." not in spec and not spec.endswith((".", "-"))
 
 
+def is_megatron_checkpoint(path: Path) -> bool:
+    """A Megatron(-mcore) checkpoint folder as MindSpeed-LLM writes it: ``latest_checkpointed_iteration.txt`` and
+    ``iter_NNNNNNN/`` or ``release/`` folders of ``mp_rank_*`` shards."""
+    if (path / "latest_checkpointed_iteration.txt").is_file():
+        return True
+    return any(d.is_dir() and any(d.glob("mp_rank_*")) for d in (*path.glob("iter_*"), path / "release"))
+
+
+def mcore_to_hf_hint(path: Path | str) -> str:
+    """How to turn a MindSpeed-LLM mcore checkpoint into the Hugging Face folder the services load: MindSpeed-LLM's
+    own converter, in the mcore -> hf direction (its USER_GUIDE "权重转换"; examples/mcore/<model>/
+    ckpt_convert_<model>_mcore2hf.sh wrap the same command)."""
+    return (
+        "convert it with MindSpeed-LLM's converter, mcore -> hf: `python convert_ckpt.py --use-mcore-models "
+        "--model-type GPT --load-model-type mg --save-model-type hf --model-type-hf llama2 "
+        f"--target-tensor-parallel-size 1 --target-pipeline-parallel-size 1 --load-dir {path} "
+        "--save-dir <the original Hugging Face model folder>` (the converted model is written to <save-dir>/mg2hf/; "
+        "add --orm for a reward model, the critic's and reward's load), then set load to that mg2hf folder"
+    )
+
+
 def resolve_model_path(spec: str) -> Path:
     """A model reference from the config -> a local directory.
 
@@ -245,7 +266,15 @@ def resolve_model_path(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model directory {path} has no config.json: give a Hugging Face model folder")
+            if is_megatron_checkpoint(path):
+                raise FileNotFoundError(
+                    f"model directory {path} is a Megatron checkpoint, not a Hugging Face model folder: "
+                    + mcore_to_hf_hint(path)
+                )
+            raise FileNotFoundError(
+                f"model directory {path} has no config.json: give a Hugging Face model folder (a MindSpeed-LLM "
+                "Megatron-mcore checkpoint converts to one: " + mcore_to_hf_hint(path) + ")"
+            )
         return path
     if not _looks_like_repo_id(spec):
         raise FileNotFoundError(f"model directory {path} does not exist (and {spec!r} is not a Hugging Face model id)")

@@ -7,7 +7,8 @@ Servers::
 
 A whole run on one machine, and its plots::
 
-    rlhf up --config configs/demo.yaml [--run-dir DIR]
+    rlhf up --config configs/demo.yaml [--run-dir DIR] [KEY=VALUE ...]
+    rlhf up --config-name demo training.train_iters=5 actor_rollout_ref.actor_rollout.do_sample=false
     rlhf report RUN_DIR
 
 Clients (call a running service over REST, print JSON)::
@@ -263,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the rollout replica(s) and the trainer as local processes on free loopback ports; show one line per "
         "training step; stop everything when training is done (or on Ctrl-C) and draw the plots. "
         "Writes the run folder: metrics.jsonl, the plots, checkpoints, logs/.",
+        epilog="examples:\n  rlhf up --config configs/demo.yaml\n"
+        "  rlhf up --config-name demo training.train_iters=5 actor_rollout_ref.actor_rollout.do_sample=false\n"
+        "  rlhf up --config-dir my/configs --config-name=ppo_trainer_llama32_1b critic.lr=9e-6",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     u.set_defaults(func=_up)
     from services import launcher
@@ -294,7 +299,14 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # argparse takes one run of positionals: KEY=VALUE overrides of `rlhf up` given before and after options
+    # arrive here in pieces
+    if extra and args.command == "up" and not any(e.startswith("-") for e in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.func(args)
 
 

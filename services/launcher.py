@@ -2,7 +2,8 @@
 
 ::
 
-    rlhf up --config configs/demo.yaml [--run-dir DIR]
+    rlhf up --config configs/demo.yaml [--run-dir DIR] [KEY=VALUE ...]
+    rlhf up --config-name demo training.train_iters=5     # configs/demo.yaml, as MindSpeed-LLM's --config-name
 
 1. a private ``redis-server`` (own free port, own directory ``<run_dir>/redis``, AOF on), unless ``RLHF_REDIS_URL``
    names one;
@@ -16,9 +17,10 @@
    has the end of its log printed and ``rlhf up`` exits 1; one that dies mid-run (the trainer too: it resumes from
    its checkpoint) is restarted on its ports, up to ``--max-restarts`` times per service.
 
-The run folder (default ``runs/<run_id>-<YYYYmmdd-HHMMSS>``) holds ``config.yaml`` (a copy), ``metrics.jsonl``,
-the plots (``services.report.PLOTS``), the trainer's checkpoints (it is told the folder via ``RLHF_RUN_DIR``),
-``logs/<service>.log`` and ``redis/`` (the private Redis data).
+The run folder (default ``runs/<run_id>-<YYYYmmdd-HHMMSS>``) holds ``config.yaml`` (a copy, with the command-line
+overrides applied: the services read this one), ``metrics.jsonl``, the plots (``services.report.PLOTS``), the
+trainer's checkpoints (it is told the folder via ``RLHF_RUN_DIR``), ``logs/<service>.log`` and ``redis/`` (the
+private Redis data).
 
 Every child runs in its own session (process group, ``rlhf.procs``): the terminal's Ctrl-C reaches only the
 launcher, which stops the children in order, and stopping a child signals its whole group, so helper processes it
@@ -40,6 +42,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
+
+import yaml
 
 from rlhf import runlog
 from rlhf.procs import HOST, Child, LaunchError, LocalRedis, free_ports, http_ready, serve_args, stop_children
@@ -197,6 +201,7 @@ class RedisChild(LocalRedis):
 class RunOptions:
     config: Path
     run_dir: Path | None = None
+    overrides: tuple[str, ...] = ()  # command-line KEY=VALUE overrides of the config file (Hydra style)
     rollout_replicas: int | None = None  # None: from the config's device counts, else 1
     trainer_procs: int | None = None  # None: actor_rollout.num_gpus_for_train, else 1
     ready_timeout: float = 600.0
@@ -303,11 +308,13 @@ class Launcher:
 
     # main ------------------------------------------------------------
     def run(self) -> int:
-        from rlhf.config import ConfigError, load_config
+        from rlhf.config import ConfigError, load_config, read_config_data
 
         config_path = Path(self.opts.config).resolve()
+        overrides = self.opts.overrides
         try:
-            cfg = load_config(config_path)
+            cfg = load_config(config_path, overrides)
+            merged = read_config_data(config_path, overrides) if overrides else None
         except ConfigError as err:
             print(f"rlhf up: {err}", file=sys.stderr)
             return 2
@@ -353,7 +360,13 @@ class Launcher:
         self.run_dir = Path(self.opts.run_dir or default_run_dir(run_id)).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
-        if config_path != (self.run_dir / "config.yaml").resolve():
+        if merged is not None:
+            # every service reads the config file itself: they all get the run folder's copy with the overrides
+            # applied (and --resume of this folder continues with them)
+            (self.run_dir / "config.yaml").write_text(yaml.safe_dump(merged, sort_keys=False))
+            config_path = (self.run_dir / "config.yaml").resolve()
+            self.say(f"config {self.opts.config} with overrides {' '.join(overrides)}: {config_path}")
+        elif config_path != (self.run_dir / "config.yaml").resolve():
             shutil.copyfile(config_path, self.run_dir / "config.yaml")
         # A run folder used before (--resume): its trainer goes on from its checkpoint and cuts metrics.jsonl back to
         # it; cut it here first, before anything can append, so the progress shown continues from that step.
@@ -538,7 +551,22 @@ class Launcher:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="experiment config YAML (required unless --resume)")
+    p.add_argument("--config", help="experiment config YAML (this, --config-name or --resume)")
+    p.add_argument(
+        "--config-name",
+        metavar="NAME",
+        help="a config by name, without .yaml, as MindSpeed-LLM's --config-name: NAME.yaml in --config-dir, "
+        "else in ./configs, else in this project's configs/ (demo, demo-grpo, llama32-1b-ppo, ...)",
+    )
+    p.add_argument("--config-dir", metavar="DIR", help="the folder --config-name looks in")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="override config fields, Hydra style: a dotted key and a YAML value "
+        "(training.train_iters=5 actor_rollout_ref.actor_rollout.do_sample=false reward.scorers.0.weight=2; "
+        "~KEY removes a key); each is validated like the file, and the run folder's config.yaml holds the result",
+    )
     p.add_argument("--run-dir", help="run folder (default runs/<run_id>-<timestamp>)")
     p.add_argument(
         "--resume",
@@ -570,6 +598,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+PROJECT_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def find_named_config(name: str, config_dir: str | None = None) -> Path:
+    """``--config-name NAME`` -> the file: NAME.yaml (or .yml) in ``config_dir`` when given, else in ./configs, else
+    in this project's configs/ (MindSpeed-LLM looks its names up in configs/rlxf the same way)."""
+    stem = name[: -len(Path(name).suffix)] if Path(name).suffix in (".yaml", ".yml") else name
+    dirs = [Path(config_dir)] if config_dir else [Path("configs"), PROJECT_CONFIGS]
+    for d in dirs:
+        for suffix in (".yaml", ".yml"):
+            if (d / (stem + suffix)).is_file():
+                return d / (stem + suffix)
+    known = sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.y*ml")})
+    where = " or ".join(str(d) for d in dict.fromkeys(dirs))
+    raise FileNotFoundError(
+        f"--config-name {name}: no {stem}.yaml in {where}" + (f"; the names there: {', '.join(known)}" if known else "")
+    )
+
+
 def main(args: argparse.Namespace) -> int:
     if args.rollout_replicas is not None and args.rollout_replicas < 1:
         print("rlhf up: --rollout-replicas must be at least 1", file=sys.stderr)
@@ -589,15 +636,29 @@ def main(args: argparse.Namespace) -> int:
             print(f"rlhf up: --resume: run folder {args.resume} does not exist", file=sys.stderr)
             return 2
         run_dir = args.resume
+    if args.config and args.config_name:
+        print("rlhf up: give --config FILE or --config-name NAME, not both", file=sys.stderr)
+        return 2
+    if args.config_dir and not args.config_name:
+        print("rlhf up: --config-dir is where --config-name looks; give --config-name NAME", file=sys.stderr)
+        return 2
+    if args.config_name:
+        try:
+            args.config = str(find_named_config(args.config_name, args.config_dir))
+        except FileNotFoundError as err:
+            print(f"rlhf up: {err}", file=sys.stderr)
+            return 2
+    if args.resume:
         args.config = args.config or str(Path(args.resume) / "config.yaml")
     if not args.config:
-        print("rlhf up: --config is required (or --resume RUN_DIR)", file=sys.stderr)
+        print("rlhf up: --config FILE or --config-name NAME is required (or --resume RUN_DIR)", file=sys.stderr)
         return 2
     if not Path(args.config).is_file():
         print(f"rlhf up: config file {args.config} does not exist", file=sys.stderr)
         return 2
     opts = RunOptions(
         config=Path(args.config),
+        overrides=tuple(args.overrides),
         run_dir=Path(run_dir) if run_dir else None,
         rollout_replicas=args.rollout_replicas,
         trainer_procs=args.trainer_procs,

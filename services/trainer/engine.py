@@ -427,7 +427,7 @@ class TrainerEngine:
             if self.reuse_first_pass and self.group is None and self.ref_model is None:
                 if not frozen and actor_mbs:
                     first_a = next(optim.micro_batches(actor_mbs[0][0], a.micro_batch_size))
-                first_c = critic_mbs[0][0] if critic_mbs else None
+                first_c = next(optim.micro_batches(critic_mbs[0][0], c.micro_batch_size)) if critic_mbs else None
             values_f = run(self._old_values, b.query_responses, C, first_c)
             full_kl = None
             held_logits = None
@@ -542,27 +542,34 @@ class TrainerEngine:
         return stats
 
     def _critic_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]], held=None):
-        """The critic's epochs. ``held``: the first minibatch's values, already computed (with their graph) at these
-        weights by the old pass (:meth:`_old_values`)."""
+        """The critic's epochs: each minibatch is one optimizer step over the weighted value losses of its
+        micro-batches (``critic.micro_batch_size``), gradients accumulating. ``held``: the first micro-batch's values,
+        already computed (with their graph) at these weights by the old pass (:meth:`_old_values`)."""
         c, C = self.cfg.critic, b.context_length
         stats: dict[str, list[float]] = {}
         held = [held] if held is not None else []
+
+        def micro_loss(mu: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+            vpred = held.pop() if held else self._critic_rows(b.query_responses[mu], C)
+            vpred = vpred.masked_fill(r.padding_mask_p1[mu], 0.0)
+            vf_loss, vf_stats = algo.value_loss(
+                vpred, r.values[mu], r.returns[mu], r.value_mask[mu], cliprange_value=c.cliprange_value
+            )
+            _append(
+                stats,
+                {
+                    "loss/value": vf_loss.item(),
+                    "val/clipfrac": vf_stats["clipfrac"].item(),
+                    "val/vpred": vf_stats["vpred"].item(),
+                },
+            )
+            # the value loss is a token mean over value_mask: each micro-batch weighs by its share of those tokens
+            return optim.micro_weight("tokens", r.value_mask[mu], r.value_mask[mb]) * c.vf_coef * vf_loss
+
         for epoch in minibatches:
             for mb in epoch:
-                vpred = held.pop() if held else self._critic_rows(b.query_responses[mb], C)
-                vpred = vpred.masked_fill(r.padding_mask_p1[mb], 0.0)
-                vf_loss, vf_stats = algo.value_loss(
-                    vpred, r.values[mb], r.returns[mb], r.value_mask[mb], cliprange_value=c.cliprange_value
-                )
-                self._optimizer_step("critic", self.critic, self.critic_opt, c.vf_coef * vf_loss)
-                _append(
-                    stats,
-                    {
-                        "loss/value": vf_loss.item(),
-                        "val/clipfrac": vf_stats["clipfrac"].item(),
-                        "val/vpred": vf_stats["vpred"].item(),
-                    },
-                )
+                losses = (micro_loss(mu, mb) for mu in optim.micro_batches(mb, c.micro_batch_size))
+                self._optimizer_step("critic", self.critic, self.critic_opt, losses, self.critic_optim.clip_grad)
         return stats
 
     def _group(self, b: RolloutBatch) -> dict[str, float]:

@@ -36,32 +36,24 @@ def _pick(role_value, default):
 
 
 def actor_optim(cfg: ExperimentConfig) -> RoleOptim:
-    """The actor's settings: its own (MindSpeed's per-role fields) where set, else the training section's."""
-    a, t = cfg.actor, cfg.training
-    return RoleOptim(
-        lr=a.lr or t.lr,
-        min_lr=_pick(a.min_lr, t.min_lr),
-        weight_decay=_pick(a.weight_decay, t.weight_decay),
-        betas=(_pick(a.adam_beta1, t.adam_beta1), _pick(a.adam_beta2, t.adam_beta2)),
-        clip_grad=_pick(a.clip_grad, t.clip_grad),
-        decay_style=_pick(a.lr_decay_style, t.lr_decay_style),
-        warmup_fraction=_pick(a.lr_warmup_fraction, t.lr_warmup_fraction),
-    )
+    return _role_optim(cfg.actor, cfg.training)
 
 
 def critic_optim(cfg: ExperimentConfig) -> RoleOptim:
-    """The critic's settings: the training section's, at critic.lr; its schedule ends at the same fraction of its lr
-    as the training section's (min_lr / lr)."""
-    t = cfg.training
-    lr = cfg.critic.lr or t.lr
+    return _role_optim(cfg.critic, cfg.training)
+
+
+def _role_optim(r, t) -> RoleOptim:
+    """A role's settings (actor or critic): its own section's (MindSpeed's per-role fields) where set, else the
+    training section's."""
     return RoleOptim(
-        lr=lr,
-        min_lr=lr * t.min_lr / t.lr,
-        weight_decay=t.weight_decay,
-        betas=(t.adam_beta1, t.adam_beta2),
-        clip_grad=t.clip_grad,
-        decay_style=t.lr_decay_style,
-        warmup_fraction=t.lr_warmup_fraction,
+        lr=r.lr or t.lr,
+        min_lr=_pick(r.min_lr, t.min_lr),
+        weight_decay=_pick(r.weight_decay, t.weight_decay),
+        betas=(_pick(r.adam_beta1, t.adam_beta1), _pick(r.adam_beta2, t.adam_beta2)),
+        clip_grad=_pick(r.clip_grad, t.clip_grad),
+        decay_style=_pick(r.lr_decay_style, t.lr_decay_style),
+        warmup_fraction=_pick(r.lr_warmup_fraction, t.lr_warmup_fraction),
     )
 
 

@@ -288,6 +288,58 @@ def test_up_reports_every_problem_at_once_before_starting_anything(tmp_path, cap
     assert not (tmp_path / "run").exists()  # no run folder, no redis-server, no service
 
 
+def test_up_finds_a_config_by_name_and_the_services_read_it_with_the_overrides(tmp_path, capsys, monkeypatch):
+    """`rlhf up --config-name NAME KEY=VALUE ...` as the seeds launch (`ray_gpt.py --config-name ...`): NAME.yaml
+    from the configs folder, the overrides validated and written to the run folder's config.yaml, which is the file
+    every service is started with. (Preflight and the services are stood in for: the first start stops the run.)"""
+    from rlhf import preflight
+
+    started = []
+
+    def start(self, spec, config):
+        started.append((spec.name, Path(config)))
+        raise launcher.LaunchError("stopped by the test")
+
+    monkeypatch.setattr(preflight, "check", lambda cfg, url=None: preflight.Report())
+    monkeypatch.setattr(launcher.Launcher, "_prepare_models", lambda self, cfg: None)
+    monkeypatch.setattr(launcher.Launcher, "_start", start)
+    monkeypatch.setenv("RLHF_REDIS_URL", "redis://127.0.0.1:1/0")  # no private redis-server
+    monkeypatch.setenv("RLHF_ROLLOUT_ENGINE", "hf")
+    run = tmp_path / "run"
+    argv = ["up", "training.train_iters=2", "--config-name", "demo", "--run-dir", str(run), "critic.lr=9e-6"]
+    assert cli_main([*argv, "actor_rollout_ref.actor_rollout.do_sample=false"]) == 1
+    assert "stopped by the test" in capsys.readouterr().err
+    written = yaml.safe_load((run / "config.yaml").read_text())
+    assert written["training"]["train_iters"] == 2 and written["critic"]["lr"] == 9e-6
+    assert written["actor_rollout_ref"]["actor_rollout"]["do_sample"] is False
+    assert written["reward"] == yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())["reward"]
+    assert started and started[0][1] == (run / "config.yaml").resolve()
+
+    # --config-dir, a name that is not there, and an override that does not validate: errors before anything starts
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "ppo_trainer_llama32_1b.yaml").write_text("training: {stage: ray_ppo}\n")
+    assert launcher.find_named_config("ppo_trainer_llama32_1b", str(mine)) == mine / "ppo_trainer_llama32_1b.yaml"
+    assert cli_main(["up", "--config-dir", str(mine), "--config-name=nope"]) == 2
+    assert "--config-name nope: no nope.yaml in" in (err := capsys.readouterr().err) and "ppo_trainer_llama32_1b" in err
+    assert cli_main(["up", "--config-name", "demo", "--run-dir", str(tmp_path / "r2"), "critic.vf_coeff=2"]) == 2
+    err = capsys.readouterr().err
+    assert "critic.vf_coeff: unknown key" in err and "did you mean 'vf_coef'" in err, err
+    assert cli_main(["up", "--config-name", "demo", "--run-dir", str(tmp_path / "r3"), "training.lr=-1"]) == 2
+    assert "training.lr: Input should be greater than 0" in capsys.readouterr().err
+    assert not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
+    assert cli_main(["up", "--config", "x.yaml", "--config-name", "demo"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_up_help_shows_config_name_and_overrides(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["up", "--help"])
+    out = capsys.readouterr().out
+    assert "--config-name NAME" in out and "--config-dir DIR" in out and "KEY=VALUE" in out
+    assert "rlhf up --config-name demo training.train_iters=5" in out
+
+
 def test_config_rules_that_cannot_learn_are_reported_together(tmp_path, capsys):
     cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
     cfg["training"]["stage"] = "ray_grpo"

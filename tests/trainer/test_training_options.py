@@ -105,6 +105,64 @@ def test_k_micro_batches_equal_one_step_on_the_whole_minibatch(tiny_models, stag
     assert calls.count(2) == 4  # 8 samples (online DPO: 4 pairs = 8 answers) in forward passes of 2 samples
 
 
+@pytest.mark.parametrize(
+    ("critic", "training"),
+    [({"micro_batch_size": 2}, {}), ({}, {"micro_batch_size": 2})],
+    ids=["critic-section", "training-default"],
+)
+def test_critic_micro_batches_equal_one_step_on_the_whole_minibatch(tiny_models, critic, training):
+    """critic.micro_batch_size (or training.micro_batch_size, every role's default) accumulates the critic's gradient
+    over micro-batches: the same gradient as one pass over the minibatch, in forward passes of 2 rows."""
+    grads, calls = {}, []
+    for micro in (False, True):
+        engine = TrainerEngine(_config(critic=critic if micro else {}, training=training if micro else {}))
+        assert engine.cfg.critic.micro_batch_size == (2 if micro else None)
+        step = engine.critic_opt.step
+        engine.critic_opt.step = lambda s=step, e=engine, m=micro: (
+            grads.setdefault(m, [p.grad.clone() for p in e.critic.parameters()]) and s()
+        )
+        if micro:
+            values = engine._values
+            engine._values = lambda qr, C, f=values: calls.append(qr.shape[0]) or f(qr, C)
+        engine.step(_batch(engine))
+    scale = max(g.abs().max().item() for g in grads[False])
+    assert scale > 0
+    for g, h in zip(grads[False], grads[True], strict=True):
+        torch.testing.assert_close(h, g, rtol=1e-4, atol=1e-6 * scale)
+    assert calls.count(2) == 4  # the minibatch of 8 samples in 4 forward/backward passes of 2 (the first one reused)
+
+
+def test_the_critic_sections_optimizer_fields_reach_its_adamw_clip_and_schedule(tiny_models, monkeypatch):
+    from services.trainer import optim
+
+    critic = {
+        "lr": 2e-3,
+        "weight_decay": 0.05,
+        "adam_beta1": 0.8,
+        "adam_beta2": 0.95,
+        "clip_grad": 0.5,
+        "lr_decay_style": "linear",
+        "lr_warmup_fraction": 0.5,
+        "min_lr": 1e-4,
+    }
+    engine = TrainerEngine(_config(critic=critic, training={"train_iters": 4}))
+    clips = []
+    clip = optim.clip
+    monkeypatch.setattr(optim, "clip", lambda model, max_norm: clips.append((model, max_norm)) or clip(model, max_norm))
+    m = engine.step(_batch(engine))
+    c, a = engine.critic_opt.param_groups[0], engine.actor_opt.param_groups[0]
+    assert (c["betas"], c["weight_decay"]) == ((0.8, 0.95), 0.05)
+    assert (a["betas"], a["weight_decay"]) == ((0.9, 0.999), 0.0)  # the actor keeps the training section's
+    assert c["lr"] == pytest.approx(1e-3) and m["lr/actor"] == pytest.approx(1e-3)  # step 1 of 2 warm-up steps
+    assert {max_norm for model, max_norm in clips if model is engine.critic} == {0.5}
+    assert {max_norm for model, max_norm in clips if model is engine.actor} == {0.0}
+    engine.step(_batch(engine, seed=1))
+    assert c["lr"] == pytest.approx(2e-3)
+    engine.state.step = 3  # the last step: linear decay ends at the critic's own min_lr
+    engine.step(_batch(engine, seed=2))
+    assert c["lr"] == pytest.approx(1e-4)
+
+
 def test_lr_schedule_sets_each_steps_learning_rate(tiny_models):
     engine = TrainerEngine(_config(training={"train_iters": 3, "lr_decay_style": "linear", "min_lr": 0.0}))
     lrs, params = [], []

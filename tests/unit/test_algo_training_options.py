@@ -69,10 +69,51 @@ def test_per_role_optimizer_fields_override_the_training_section():
         5.0,
         "linear",
     )
-    assert (c.lr, c.weight_decay, c.decay_style) == (4e-5, 0.1, "cosine") and c.min_lr == pytest.approx(4e-6)
+    # the critic's section leaves them out: the training section's values (MindSpeed's defaults for every role)
+    assert (c.lr, c.min_lr, c.weight_decay, c.betas, c.clip_grad, c.decay_style, c.warmup_fraction) == (
+        4e-5,
+        1e-6,
+        0.1,
+        (0.9, 0.999),
+        1.0,
+        "cosine",
+        0.0,
+    )
     opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=a.lr)
     assert [optim.set_lr(opt, a, s, 4) for s in range(4)] == pytest.approx([2e-5, 2e-5 * 2 / 3, 2e-5 / 3, 0.0])
     assert opt.param_groups[0]["lr"] == 0.0
+
+
+def test_the_critic_section_overrides_the_training_sections_optimizer_fields():
+    from rlhf.config import parse_config
+
+    critic = {
+        "lr": 9e-6,
+        "min_lr": 9e-7,
+        "weight_decay": 0.01,
+        "adam_beta1": 0.8,
+        "adam_beta2": 0.95,
+        "clip_grad": 0.5,
+        "lr_decay_style": "linear",
+        "lr_warmup_fraction": 0.25,
+    }
+    cfg = parse_config({"training": {"lr": 1e-6, "weight_decay": 0.1, "train_iters": 8}, "critic": critic})
+    c, a = optim.critic_optim(cfg), optim.actor_optim(cfg)
+    assert (c.lr, c.min_lr, c.weight_decay, c.betas, c.clip_grad, c.decay_style, c.warmup_fraction) == (
+        9e-6,
+        9e-7,
+        0.01,
+        (0.8, 0.95),
+        0.5,
+        "linear",
+        0.25,
+    )
+    assert (a.weight_decay, a.betas, a.clip_grad, a.decay_style) == (0.1, (0.9, 0.999), 1.0, "constant")
+    opt = torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=c.lr)
+    # two warm-up steps (a quarter of 8) rising to 9e-6, then linear from 9e-6 down to min_lr at the last step
+    lrs = [optim.set_lr(opt, c, s, 8) for s in range(8)]
+    assert lrs[:3] == pytest.approx([4.5e-6, 9e-6, 9e-6]) and lrs[-1] == pytest.approx(9e-7)
+    assert lrs[3] == pytest.approx(9e-6 - (9e-6 - 9e-7) / 5)
 
 
 def test_running_moments_are_the_statistics_of_everything_seen():

@@ -34,6 +34,9 @@ SEEDS = "tests/unit/test_config_seeds.py::"
 DEVICES = "tests/unit/test_devices.py::"
 ENGINE_SMALL = TO + "test_tokenizer_sampling_mode_adam_settings_and_vf_coef_reach_the_engine"
 PER_ROLE = "tests/unit/test_algo_training_options.py::test_per_role_optimizer_fields_override_the_training_section"
+CRITIC_OPTIM = (
+    "tests/unit/test_algo_training_options.py::test_the_critic_section_overrides_the_training_sections_optimizer_fields"
+)
 SCHEDULE = [
     TO + "test_lr_schedule_sets_each_steps_learning_rate",
     "tests/unit/test_algo_training_options.py::test_lr_schedule_values_at_given_steps",
@@ -64,6 +67,10 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         PER_ROLE,
     ],
     "training.min_lr": SCHEDULE,
+    "training.micro_batch_size": [
+        TO + "test_critic_micro_batches_equal_one_step_on_the_whole_minibatch",
+        SEEDS + "test_training_micro_batch_size_is_every_roles_default",
+    ],
     "training.no_load_optim": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng"],
     "training.no_load_rng": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng"],
     "training.padding_free": [
@@ -99,7 +106,10 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng",
         SEEDS + "test_seed_000_ppo_snippet_loads_with_its_save_folders",
     ],
-    "actor_rollout_ref.actor_rollout.do_sample": [ENGINE_SMALL],
+    "actor_rollout_ref.actor_rollout.do_sample": [
+        ENGINE_SMALL,
+        SEEDS + "test_a_mindspeed_style_config_that_leaves_out_do_sample_is_told_the_default_differs",
+    ],
     "actor_rollout_ref.actor_rollout.temperature": [ENGINE_SMALL, GRPO_PARITY],
     "actor_rollout_ref.actor_rollout.top_p": [
         "tests/integration/test_engines.py::test_hf_truncated_logprobs_match_a_masked_forward"
@@ -197,9 +207,26 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         "tests/trainer/test_engine.py::test_critic_alongside_the_actor_matches_one_after_the_other"
     ],
     "critic.critic_update_epochs": [PPO_PARITY],
-    "critic.lr": [PER_ROLE],
+    "critic.micro_batch_size": [TO + "test_critic_micro_batches_equal_one_step_on_the_whole_minibatch"],
     "critic.save": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng"],
     "critic.vf_coef": [ENGINE_SMALL],
+    **{
+        f"critic.{name}": [
+            PER_ROLE,
+            CRITIC_OPTIM,
+            TO + "test_the_critic_sections_optimizer_fields_reach_its_adamw_clip_and_schedule",
+        ]
+        for name in (
+            "lr",
+            "weight_decay",
+            "adam_beta1",
+            "adam_beta2",
+            "clip_grad",
+            "lr_decay_style",
+            "lr_warmup_fraction",
+            "min_lr",
+        )
+    },
     "reward.scorers": ["tests/integration/test_reward_service.py::test_score_rest_matches_the_model_and_rules"],
     "reward.scorers[].type": ["tests/integration/test_reward_service.py::test_score_rest_matches_the_model_and_rules"],
     "reward.scorers[].name": ["tests/integration/test_reward_service.py::test_user_rule_and_bad_rule_config"],
@@ -257,8 +284,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         DEVICES + "test_seed_004_gets_one_device_per_role_in_order",
     ],
     "resource_pool.ref": [DEVICES + "test_seed_004_gets_one_device_per_role_in_order"],
-    "resource_pool.critic": MAPPED + " the critic trains in the trainer process on the trainer's device; a count is "
-    "named in the start-up warning (rlhf/config.py _stage_notes)",
+    "resource_pool.critic": [SEEDS + "test_options_that_only_make_sense_together_are_checked_at_load"],
     "resource_pool.reward": [DEVICES + "test_seed_004_gets_one_device_per_role_in_order"],
     "data.path": [DATA + "test_a_json_array_and_json_lines_both_load_with_the_key_map"],
     "data.map_keys": [DATA + "test_a_json_array_and_json_lines_both_load_with_the_key_map"],

@@ -3,6 +3,7 @@ errors with a suggestion, and options that only make sense together are checked 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,84 @@ def test_a_misspelt_key_is_an_error_that_suggests_the_closest():
         parse_config({"algorithm": {"kl_ctrl": {"kl_coeff": 0.1}}})
     with pytest.raises(ConfigError, match="unknown key"):
         parse_config({"training": {"completely_unrelated": 1}})
+
+
+def test_a_mini_batch_key_is_never_offered_for_a_micro_batch_key():
+    # mini-batch: samples per optimizer step; micro-batch: samples per forward/backward (accumulated)
+    with pytest.raises(ConfigError) as err:
+        parse_config({"critic": {"critic_micro_batch_size": 2}})
+    assert "did you mean 'micro_batch_size'?" in str(err.value) and "critic_mini_batch_size" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        parse_config({"reward": {"mini_batch_size": 2}})
+    assert "reward.mini_batch_size: unknown key" in str(err.value) and "did you mean" not in str(err.value)
+
+
+def test_training_micro_batch_size_is_every_roles_default():
+    cfg = parse_config({"training": {"micro_batch_size": 4}, "reward": {"micro_batch_size": 8}})
+    assert (cfg.actor.micro_batch_size, cfg.critic.micro_batch_size) == (4, 4)
+    assert (cfg.actor_rollout_ref.ref.micro_batch_size, cfg.reward.micro_batch_size) == (4, 8)  # a role's own wins
+    # inherited into a minibatch smaller than it: one pass over the minibatch, not an error (ppo_mini_batch_size 1)
+    assert cfg.actor.ppo_mini_batch_size == 1 and cfg.critic.critic_mini_batch_size == 1
+    plain = parse_config({})
+    assert (plain.actor.micro_batch_size, plain.critic.micro_batch_size, plain.reward.micro_batch_size) == (
+        None,
+        None,
+        16,
+    )
+    # under a critic-free stage an inherited critic value is not "set by the user": no "not read" note for it
+    grpo = parse_config(
+        {
+            "training": {"stage": "ray_grpo", "micro_batch_size": 2},
+            "actor_rollout_ref": {"actor_rollout": {"n_samples_per_prompt": 2, "ppo_mini_batch_size": 4}},
+        }
+    )
+    assert grpo.actor.micro_batch_size == 2 and config_warning(grpo) is None
+
+
+def test_a_mindspeed_style_config_that_leaves_out_do_sample_is_told_the_default_differs():
+    seed_style = {"defaults": ["model: llama32-1b"], "training": {"stage": "ray_ppo"}, "resource_pool": {"ref": [1]}}
+    cfg = parse_config(seed_style)
+    assert cfg.actor.do_sample is True
+    warning = config_warning(cfg)
+    assert "defaults that differ from MindSpeed-LLM's" in warning
+    assert "actor_rollout_ref.actor_rollout.do_sample is not set" in warning and "false in MindSpeed-LLM" in warning
+    chosen = {**seed_style, "actor_rollout_ref": {"actor_rollout": {"do_sample": False}}}
+    assert "do_sample" not in config_warning(parse_config(chosen))
+    assert config_warning(parse_config({"training": {"stage": "ray_ppo"}})) is None  # not a MindSpeed config
+
+
+def test_hydra_style_overrides_are_applied_and_validated_like_the_file(tmp_path):
+    from rlhf.config import apply_overrides
+
+    path = tmp_path / "ppo.yaml"
+    path.write_text(
+        "training:\n  train_iters: 50\ncritic:\nreward:\n  scorers:\n    - {type: rule, name: char_fraction}\n"
+    )
+    cfg = load_config(
+        path,
+        [
+            "training.train_iters=5",
+            "actor_rollout_ref.actor_rollout.do_sample=false",  # YAML values: a bool, a float, a list, null
+            "critic.lr=9e-6",
+            "+resource_pool.ref=[0]",
+            "reward.scorers.0.weight=2",
+            "training.load=null",
+        ],
+    )
+    assert (cfg.training.train_iters, cfg.actor.do_sample, cfg.critic.lr) == (5, False, 9e-6)
+    assert cfg.resource_pool.ref == [0] and cfg.reward.scorers[0].weight == 2.0
+    assert apply_overrides({"critic": {"lr": 1.0, "save": "x"}}, ["~critic.save"]) == {"critic": {"lr": 1.0}}
+    for override, message in (
+        ("training.no_such_key=1", "training.no_such_key: unknown key"),
+        ("trainng.lr=1e-6", "did you mean 'training'"),
+        ("training.lr=fast", "training.lr: Input should be a valid number"),
+        ("training.lr", "command-line override 'training.lr': expected KEY=VALUE"),
+        ("training.lr=[1", "command-line override training.lr: the value '[1' is not valid YAML"),
+        ("training.train_iters.x=1", "training.train_iters is a value, not a section"),
+        ("reward.scorers.3.weight=1", "reward.scorers.3: a list of 1 here"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(path, [override])
 
 
 def test_a_mapped_key_that_contradicts_its_target_is_an_error():
@@ -124,6 +203,15 @@ def test_a_mapped_key_that_contradicts_its_target_is_an_error():
         ({"actor_rollout_ref": {"actor_rollout": {"lora_r": 8, "lora_dropout": 0.05}}}, "lora_dropout must be 0"),
         ({"actor_rollout_ref": {"actor_rollout": {"lora_alpha": 32}}}, "only with lora_r > 0"),
         ({"training": {"weight_sync_interval": 3, "max_staleness": 1}}, "set max_staleness >= 2"),
+        (
+            {"critic": {"critic_mini_batch_size": 2, "micro_batch_size": 4}},
+            "critic.micro_batch_size 4 is larger than critic_mini_batch_size 2",
+        ),
+        ({"training": {"lr": 1e-5, "min_lr": 1e-6}, "critic": {"lr": 1e-7}}, "set critic.min_lr"),
+        (
+            {"resource_pool": {"critic": [1]}},
+            r"resource_pool.critic \[1\]: the critic trains inside the trainer process.*num_gpus_for_train",
+        ),
     ],
 )
 def test_options_that_only_make_sense_together_are_checked_at_load(data, message):

@@ -54,3 +54,25 @@ def test_a_model_folder_that_does_not_exist_is_a_problem(tmp_path):
     )
     report = preflight.check(cfg)
     assert len(report.problems) == 1 and "actor_rollout_ref.actor_rollout.load" in report.problems[0]
+
+
+def test_a_megatron_mcore_checkpoint_is_refused_with_how_to_convert_it(tmp_path):
+    """Seed 000/004 load Megatron-mcore folders (llama32-mcore/, -orm/): the problem names MindSpeed-LLM's converter
+    in the mcore -> hf direction, and --orm for the reward model the critic and reward load."""
+    mcore = tmp_path / "llama32-mcore"
+    (mcore / "iter_0000100" / "mp_rank_00").mkdir(parents=True)
+    (mcore / "latest_checkpointed_iteration.txt").write_text("100")
+    plain = tmp_path / "not-a-model"
+    plain.mkdir()
+    cfg = parse_config(
+        {
+            "actor_rollout_ref": {"actor_rollout": {"load": str(mcore)}, "ref": {"load": str(plain)}},
+            "reward": {"scorers": [{"type": "rule", "name": "char_fraction"}]},
+        }
+    )
+    actor, ref = preflight.check(cfg).problems
+    assert actor.startswith(f"actor_rollout_ref.actor_rollout.load: model directory {mcore} is a Megatron checkpoint")
+    for part in ("python convert_ckpt.py", "--load-model-type mg --save-model-type hf", f"--load-dir {mcore}", "mg2hf"):
+        assert part in actor, (part, actor)
+    assert "--orm" in actor
+    assert "has no config.json: give a Hugging Face model folder" in ref and "convert_ckpt.py" in ref
