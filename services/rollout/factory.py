@@ -104,7 +104,7 @@ def _build(
             path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, seed=cfg.training.seed, hooks=hooks, **kw
         )
     if kind == "hf":
-        from rlhf.config import VLLM_ONLY_FIELDS
+        from rlhf.config_rules import VLLM_ONLY_FIELDS
         from services.rollout.hf_engine import HFEngine
 
         kw.setdefault("max_model_len", cfg.actor.max_model_len)

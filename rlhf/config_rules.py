@@ -1,0 +1,253 @@
+"""The experiment config's cross-field rules: what each stage reads and defaults, options that only make sense
+together, and what a MindSpeed-style config should hear about. :class:`rlhf.config.ExperimentConfig` applies them
+when it validates; each problem is one line saying what to change."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhf.config_sections import AlgorithmConfig, CriticConfig
+
+# The rules take the rlhf.config.ExperimentConfig being validated (it calls them); importing its class here, even
+# for the type checker only, would make the two modules import each other.
+Config = Any
+
+# adv_estimator values each stage accepts ("gae", the default, means the stage's own estimator)
+_STAGE_ESTIMATORS = {
+    "ray_ppo": ("gae",),
+    "ray_online_dpo": ("gae",),
+    "ray_grpo": ("gae", "grpo", "group_norm", "dr_grpo"),
+    "ray_rloo": ("gae", "rloo"),
+    "ray_reinforce_plus_plus": ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
+}
+CRITIC_FREE = ("ray_grpo", "ray_rloo", "ray_reinforce_plus_plus")
+# the critic-free fields -> the stages that read them: one set for another stage is an error, never ignored.
+# (The older fields, e.g. dpo_beta or lam, are not checked: shared configs set them for every stage.)
+_ALGORITHM_FIELD_STAGES = {
+    "loss_type": ("ray_grpo", "ray_rloo", "ray_reinforce_plus_plus"),
+    "scale_rewards": ("ray_grpo",),
+    "use_bias_correction_kl": ("ray_grpo",),
+    "importance_sampling_level": ("ray_grpo", "ray_reinforce_plus_plus"),
+    "mask_truncated_completions": CRITIC_FREE,
+    "top_entropy_quantile": ("ray_grpo",),
+    "rloo_convention": ("ray_rloo",),
+}
+# TRL's (or OpenRLHF's) defaults where a stage's differs from the field default; an explicit value always wins
+_STAGE_DEFAULTS = {
+    "ray_grpo": {"kl_coef": 0.0, "kl_penalty": "low_var_kl"},  # TRL GRPOConfig: beta 0.0; its KL term is k3
+    "ray_rloo": {"whiten_advantages": False},  # TRL RLOOConfig: beta 0.05 (the field default), no normalisation
+    "ray_reinforce_plus_plus": {"kl_coef": 0.01, "loss_type": "bnpo"},  # OpenRLHF: init_kl_coef, token mean
+}
+
+
+def inherit_micro_batch_size(cfg: Config) -> None:
+    """MindSpeed's ``training.micro_batch_size`` is every role's default: copied into each role section that does not
+    set its own. Kept out of ``model_fields_set``: an inherited value is not one the user set in that section (the
+    per-stage "not read" notes and the micro > mini check look at explicit values only)."""
+    value = cfg.training.micro_batch_size
+    if value is None:
+        return
+    for section in (cfg.actor, cfg.actor_rollout_ref.ref, cfg.critic, cfg.reward):
+        if "micro_batch_size" not in section.model_fields_set:
+            section.micro_batch_size = value
+            section.model_fields_set.discard("micro_batch_size")
+
+
+def optimization_problems(cfg: Config) -> list[str]:
+    """Options that only make sense together: what to change, one line each."""
+    a, c, t, stage, problems = cfg.actor, cfg.critic, cfg.training, cfg.training.stage, []
+    lr = a.lr or t.lr
+    min_lr = t.min_lr if a.min_lr is None else a.min_lr
+    if min_lr > lr:
+        problems.append(f"the actor's min_lr {min_lr} is above its lr {lr}; lower min_lr")
+    # An inherited training.micro_batch_size larger than a minibatch is harmless (one pass over the minibatch); the
+    # same value set in the role's own section is a mistake worth naming.
+    if "micro_batch_size" in a.model_fields_set and (a.micro_batch_size or 0) > a.ppo_mini_batch_size:
+        problems.append(
+            f"actor_rollout.micro_batch_size {a.micro_batch_size} is larger than ppo_mini_batch_size "
+            f"{a.ppo_mini_batch_size} (micro-batches split a minibatch); lower it or leave it unset"
+        )
+    if stage == "ray_ppo":
+        critic_lr = c.lr or t.lr
+        critic_min_lr = t.min_lr if c.min_lr is None else c.min_lr
+        if critic_min_lr > critic_lr:
+            problems.append(
+                f"the critic's min_lr {critic_min_lr} is above its lr {critic_lr}; set critic.min_lr (its default "
+                "is training.min_lr) at or below critic.lr"
+            )
+        if "micro_batch_size" in c.model_fields_set and (c.micro_batch_size or 0) > c.critic_mini_batch_size:
+            problems.append(
+                f"critic.micro_batch_size {c.micro_batch_size} is larger than critic_mini_batch_size "
+                f"{c.critic_mini_batch_size} (micro-batches split a minibatch); lower it or leave it unset"
+            )
+    if cfg.resource_pool.critic != [0]:
+        problems.append(
+            f"resource_pool.critic {cfg.resource_pool.critic}: the critic trains inside the trainer process, on the "
+            "trainer's devices, so it cannot have devices of its own here; remove the key (or set [0]) and count "
+            "the critic's memory in actor_rollout.num_gpus_for_train"
+        )
+    if a.freezing_actor_steps:
+        if stage != "ray_ppo":
+            problems.append("actor_rollout.freezing_actor_steps lets the critic warm up: only ray_ppo has a critic")
+        elif a.freezing_actor_steps >= t.train_iters:
+            problems.append(
+                f"actor_rollout.freezing_actor_steps {a.freezing_actor_steps} >= training.train_iters "
+                f"{t.train_iters}: the actor would never train"
+            )
+    if a.lora_dropout > 0:
+        problems.append(
+            "actor_rollout.lora_dropout must be 0: dropout makes the new and old log-probs of the same tokens differ, "
+            "which the ratio and KL terms read as policy change (TRL's PPO disables it as well)"
+        )
+    if a.lora_r == 0 and {"lora_alpha", "lora_target_modules"} & a.model_fields_set:
+        problems.append("actor_rollout.lora_alpha / lora_target_modules are read only with lora_r > 0; set lora_r")
+    if a.ptx_coef > 0 and cfg.data.pretrain_data is None:
+        problems.append("actor_rollout.ptx_coef > 0 needs data.pretrain_data (the SFT texts)")
+    if a.ptx_coef == 0 and cfg.data.pretrain_data is not None:
+        problems.append("data.pretrain_data is only read for PPO-ptx: set actor_rollout.ptx_coef > 0 or remove it")
+    if a.ptx_coef > 0 and stage == "ray_online_dpo":
+        problems.append(
+            "actor_rollout.ptx_coef: PPO-ptx mixes the SFT loss into a policy-gradient stage, not ray_online_dpo"
+        )
+    clip = cfg.algorithm.reward_clip_range
+    if clip is not None and not clip[0] < clip[1]:
+        problems.append(f"algorithm.reward_clip_range {list(clip)} must be [low, high] with low < high")
+    if cfg.algorithm.kl_penalty == "full" and stage != "ray_ppo":
+        problems.append(
+            f"algorithm.kl_penalty full (TRL PPO's whole-vocabulary KL) is built for ray_ppo only, not {stage}; use "
+            "kl (k1) or low_var_kl (k3), which estimate the same KL from the sampled tokens"
+        )
+    if a.num_gpus_for_infer is not None and a.num_gpus_for_infer % a.tensor_model_parallel_size:
+        problems.append(
+            f"actor_rollout.num_gpus_for_infer {a.num_gpus_for_infer} is not a multiple of "
+            f"tensor_model_parallel_size {a.tensor_model_parallel_size} (each replica takes that many)"
+        )
+    rp = cfg.resource_pool
+    for role in ("actor_rollout", "ref", "reward"):
+        counts = getattr(rp, role)
+        if len(counts) != 1 or counts[0] < 0:
+            problems.append(f"resource_pool.{role} {counts}: rlhf up runs on one machine; give one device count")
+    both = a.num_gpus_for_train is not None and a.num_gpus_for_infer is not None
+    if (
+        both
+        and "actor_rollout" in rp.model_fields_set
+        and rp.actor_rollout[0] != a.num_gpus_for_train + a.num_gpus_for_infer
+    ):
+        problems.append(
+            f"resource_pool.actor_rollout {rp.actor_rollout} is not num_gpus_for_train + "
+            f"num_gpus_for_infer ({a.num_gpus_for_train} + {a.num_gpus_for_infer})"
+        )
+    return problems
+
+
+# explicitly set fields a stage does not read: noted in the start-up warning (shared configs set them for every stage)
+_NOT_READ_BY = {
+    "ray_online_dpo": {
+        "actor_rollout": ("clip_ratio", "clip_ratio_high", "dual_clip", "tis_cap"),
+        "algorithm": (
+            "adv_estimator",
+            "gamma",
+            "lam",
+            "kl_penalty",
+            "kl_ctrl",
+            "whiten_rewards",
+            "whiten_advantages",
+            "score_position",
+        ),
+        "critic": tuple(CriticConfig.model_fields),
+    },
+    "ray_ppo": {"algorithm": ("dpo_beta", "dpo_loss_type")},
+    "ray_grpo": {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
+    "ray_rloo": {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
+    "ray_reinforce_plus_plus": {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
+}
+for _stage in CRITIC_FREE:
+    _NOT_READ_BY[_stage]["critic"] = tuple(CriticConfig.model_fields)
+_NOT_READ_WHY = {
+    "ray_online_dpo": "the DPO loss has no ratio clip, advantages, KL penalty or critic; its KL strength is "
+    "algorithm.dpo_beta",
+    "ray_ppo": "the DPO fields are read by ray_online_dpo only",
+}
+
+
+def stage_notes(cfg: Config) -> list[str]:
+    stage, notes = cfg.training.stage, []
+    sections = {"actor_rollout": cfg.actor, "algorithm": cfg.algorithm, "critic": cfg.critic}
+    for section, names in _NOT_READ_BY.get(stage, {}).items():
+        explicit = sections[section].model_fields_set
+        for name in names:
+            if name in explicit:
+                why = _NOT_READ_WHY.get(stage, "a critic-free stage has no critic, GAE or DPO loss")
+                notes.append(
+                    f"{'actor_rollout_ref.' if section == 'actor_rollout' else ''}{section}.{name}: "
+                    f"not read by {stage} ({why})"
+                )
+    return notes
+
+
+# rollout fields only the vllm engine reads: set explicitly with engine hf they would be ignored, so they are errors
+VLLM_ONLY_FIELDS = ("gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager", "staged_weight_swap")
+
+
+def check_rollout(cfg: Config) -> None:
+    a = cfg.actor
+    if a.engine == "hf":
+        for name in VLLM_ONLY_FIELDS:
+            if name in a.model_fields_set:
+                raise ValueError(
+                    f"actor_rollout_ref.actor_rollout.{name} is read by the vllm engine only; "
+                    "remove it or set engine: vllm"
+                )
+    if a.staged_weight_swap and a.enforce_eager is False:
+        raise ValueError(
+            "actor_rollout_ref.actor_rollout.staged_weight_swap needs enforce_eager: true (CUDA graphs "
+            "capture the live weights' addresses, so the swapped-in copy would not be used); set one "
+            "of them to false"
+        )
+    if a.max_model_len is not None and a.max_model_len < a.max_prompt_length + cfg.max_new_tokens:
+        raise ValueError(
+            f"actor_rollout_ref.actor_rollout.max_model_len {a.max_model_len} is shorter than max_prompt_length + "
+            f"the response budget ({a.max_prompt_length} + {cfg.max_new_tokens}); raise it or lower "
+            "max_prompt_length / max_new_tokens (training.seq_length)"
+        )
+
+
+def check_algorithm(stage: str, alg: AlgorithmConfig) -> None:
+    if alg.adv_estimator not in _STAGE_ESTIMATORS[stage]:
+        raise ValueError(
+            f"algorithm.adv_estimator {alg.adv_estimator!r} does not apply to training.stage {stage}; "
+            f"use one of {_STAGE_ESTIMATORS[stage]}"
+        )
+    explicit = set(alg.model_fields_set)
+    for name in sorted(explicit):
+        stages = _ALGORITHM_FIELD_STAGES.get(name)
+        if stages is not None and stage not in stages:
+            raise ValueError(f"algorithm.{name} is not used by training.stage {stage} (only by {', '.join(stages)})")
+    if stage == "ray_rloo" and alg.rloo_convention == "trl" and "loss_type" in explicit:
+        raise ValueError(
+            "algorithm.loss_type is not used by ray_rloo with rloo_convention trl (one ratio per sequence)"
+        )
+    defaults = dict(_STAGE_DEFAULTS.get(stage, {}))
+    if stage == "ray_grpo" and alg.adv_estimator == "dr_grpo":  # Dr. GRPO = TRL's loss_type dr_grpo, scale_rewards none
+        defaults.update(loss_type="dr_grpo", scale_rewards="none")
+    if stage == "ray_rloo" and alg.rloo_convention == "openrlhf":
+        defaults["loss_type"] = "bnpo"
+    for name, value in defaults.items():
+        if name == "kl_coef":
+            if "kl_coef" not in alg.kl_ctrl.model_fields_set:
+                alg.kl_ctrl.kl_coef = value
+        elif name not in explicit:
+            setattr(alg, name, value)
+
+
+def mindspeed_default_notes(cfg: Config) -> list[str]:
+    """Fields a MindSpeed-style config leaves out whose default here is not MindSpeed's. do_sample keeps its default
+    true (every shipped config, the critic-free stages and the rollout service's REST defaults sample); a MindSpeed
+    user who expects greedy rollouts from the omission is told instead."""
+    out = []
+    if "do_sample" not in cfg.actor.model_fields_set and cfg.training.stage == "ray_ppo":
+        out.append(
+            "actor_rollout_ref.actor_rollout.do_sample is not set: it defaults to true here (rollout samples at "
+            "temperature), false in MindSpeed-LLM (greedy decoding); set it to choose and silence this line"
+        )
+    return out

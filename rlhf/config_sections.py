@@ -1,0 +1,385 @@
+"""The experiment config's sections (``training``, ``actor_rollout_ref``, ``critic``, ``reward``, ``algorithm``,
+``resource_pool``, ``data``): every field with its default, bounds and description. :mod:`rlhf.config` puts them
+together into :class:`~rlhf.config.ExperimentConfig` and loads files; import from there."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+STAGES = ("ray_ppo", "ray_online_dpo", "ray_grpo", "ray_rloo", "ray_reinforce_plus_plus")
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names the offending key."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _f(default: Any, description: str, **kw: Any) -> Any:
+    return Field(default, description=description, **kw)
+
+
+class TrainingConfig(Section):
+    stage: Literal[STAGES] = _f("ray_ppo", "training algorithm: ray_ppo, ray_online_dpo, ray_grpo, ray_rloo, ...")
+    global_batch_size: int = _f(
+        8, "prompts per training step (the rollout batch; each gives n_samples_per_prompt samples)", gt=0
+    )
+    seq_length: int = _f(1024, "maximum prompt + response length in tokens", gt=1)
+    train_iters: int = _f(100, "training steps (optimizer updates of one rollout batch each) to run", gt=0)
+    tokenizer_name_or_path: str | None = _f(None, "tokenizer directory; default: the actor's")
+    seed: int = _f(1234, "random seed for data order, sampling and initialisation")
+    lr: float = _f(1e-6, "actor learning rate", gt=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", ge=0)
+    adam_beta1: float = _f(0.9, "AdamW beta1")
+    adam_beta2: float = _f(0.999, "AdamW beta2")
+    clip_grad: float = _f(1.0, "gradient-norm clip (<= 0 disables)")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = _f(
+        "constant", "learning-rate schedule after warm-up, per training step: constant, linear or cosine to min_lr"
+    )
+    lr_warmup_fraction: float = _f(
+        0.0, "fraction of train_iters over which the learning rate rises linearly from 0 (Megatron's)", ge=0, lt=1
+    )
+    min_lr: float = _f(0.0, "learning rate at the last step of a linear or cosine schedule (actor)", ge=0)
+    micro_batch_size: int | None = _f(
+        None,
+        "default micro_batch_size of every role (actor_rollout, ref, critic, reward) whose section does not set "
+        "its own, as in MindSpeed-LLM's training section",
+        gt=0,
+    )
+    no_load_optim: bool = _f(False, "on resume, restore the weights but start the optimizers (AdamW moments) afresh")
+    no_load_rng: bool = _f(False, "on resume, do not restore the random-number generators (reseeded from seed)")
+    bf16: bool = _f(
+        False, "bf16 autocast compute over fp32 master weights and AdamW state; weights pushed to rollout as bf16"
+    )
+    device: Literal["auto", "cpu", "cuda", "npu"] = _f("auto", "device for the trainer's models")
+    padding_free: bool = _f(
+        False,
+        "pack each batch's sequences without padding (positions per sequence, attention within each sequence) for "
+        "the actor's, critic's, reference's and reward model's passes; pays when lengths vary (rlhf.packing)",
+    )
+    activation_checkpointing: bool = _f(
+        False, "recompute each decoder layer's activations in backward instead of keeping them (less memory, more time)"
+    )
+    collective_timeout_s: float = _f(
+        600.0, "multi-process trainer (torchrun): seconds a collective may wait before the group fails", gt=0
+    )
+    save_interval: int = _f(10, "checkpoint every N steps", gt=0)
+    save: str = _f("runs/checkpoints", "checkpoint directory")
+    load: str | None = _f(None, "checkpoint directory to resume from (default: the newest under save)")
+    max_staleness: int = _f(0, "policy versions a sample may lag (0 = synchronous on-policy)", ge=0)
+    weight_sync_interval: int = _f(
+        1, "push weights to rollout every N updates (rollout then lags up to N - 1: needs max_staleness >= N - 1)", gt=0
+    )
+    max_mismatch_kl: float | None = _f(
+        0.01,
+        "the run stops (exit 3) when mismatch/kl, the k3 KL(rollout || trainer) of the log-probs of tokens sampled by "
+        "the weights the trainer holds (fp32: ~1e-13; bf16 LLMs: ~1e-3), is over this ... (null: never)",
+        gt=0,
+    )
+    mismatch_patience: int = _f(
+        3,
+        "... for this many steps in a row (with top_p/top_k it only warns: truncated log-probs differ by design)",
+        gt=0,
+    )
+    log_interval: int = _f(1, "print progress every N steps", gt=0)
+    log_completions_interval: int = _f(
+        10,
+        "every N steps, a table of sample completions (prompt, response, reward) in completions.jsonl and the "
+        "trackers (0: never)",
+        ge=0,
+    )
+
+
+class ActorRolloutConfig(Section):
+    load: str = _f("tiny:policy", "actor/rollout model: a folder, a Hugging Face id (HF cache), or tiny:policy")
+    save: str | None = _f(
+        None,
+        "also write the actor as a Hugging Face folder here at every checkpoint (the policy is always in the "
+        "checkpoint under training.save)",
+    )
+    do_sample: bool = _f(
+        True,
+        "sample (true) or decode greedily (false) during rollout. MindSpeed-LLM's default is false; this one is true "
+        "(every shipped config and the critic-free stages sample), and a MindSpeed-style config that leaves it out "
+        "gets a start-up warning",
+    )
+    temperature: float = _f(1.0, "sampling temperature; also divides logits for log-probs", gt=0)
+    top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
+    top_k: int = _f(-1, "top-k sampling (-1 disables)")
+    max_prompt_length: int = _f(512, "prompt budget in tokens: longer prompts are truncated from the left", gt=0)
+    max_new_tokens: int | None = _f(None, "response budget in tokens; default seq_length - max_prompt_length", gt=0)
+    n_samples_per_prompt: int = _f(1, "samples per prompt (GRPO/RLOO group size; 2 for online DPO)", gt=0)
+    ppo_mini_batch_size: int = _f(
+        1,
+        "samples (responses, not prompts: a rollout batch has global_batch_size x n_samples_per_prompt of them) per "
+        "actor optimizer step, over all trainer processes; MindSpeed-LLM's ray_ppo counts the same rows, per data-"
+        "parallel rank. Online DPO: 2 samples = 1 pair, so pairs = this / 2, at least 1 (MindSpeed doubles its value: "
+        "there it counts pairs)",
+        gt=0,
+    )
+    micro_batch_size: int | None = _f(
+        None,
+        "samples per forward/backward; a minibatch's gradients accumulate over its micro-batches before the "
+        "step (default: training.micro_batch_size, else the whole minibatch at once)",
+        gt=0,
+    )
+    ppo_epochs: int = _f(1, "passes of the actor over each rollout batch", gt=0)
+    clip_ratio: float = _f(0.2, "PPO clip epsilon", ge=0, lt=1)
+    clip_ratio_high: float | None = _f(None, "upper clip epsilon (DAPO clip-higher); default clip_ratio")
+    dual_clip: float | None = _f(None, "dual-clip constant c > 1 for negative advantages")
+    tis_cap: float | None = _f(2.0, "truncated importance-sampling cap for stale samples (null = off)")
+    shuffle_minibatch: bool = _f(False, "shuffle samples between minibatches (actor and critic)")
+    entropy_coeff: float = _f(0.0, "entropy bonus coefficient in the actor loss (token mean entropy)", ge=0)
+    freezing_actor_steps: int = _f(
+        0, "ray_ppo: the actor is not updated for the first N training steps while the critic learns (OpenRLHF)", ge=0
+    )
+    ptx_coef: float = _f(
+        0.0, "PPO-ptx: weight of the SFT (next-token) loss on data.pretrain_data added to the actor loss", ge=0
+    )
+    engine: Literal["vllm", "hf"] = _f("vllm", "rollout engine")
+    stop: list[str] = _f([], "stop strings for generation")
+    apply_chat_template: bool = _f(True, "wrap prompts in the tokenizer's chat template when it has one")
+    lr: float | None = _f(None, "actor learning rate (overrides training.lr)")
+    # LoRA (seed 001's peft LoraConfig: r, lora_alpha, lora_dropout, target_modules)
+    lora_r: int = _f(
+        0, "LoRA rank of the actor's adapters (0: full fine-tuning); rollout gets the merged weights", ge=0
+    )
+    lora_alpha: float = _f(16.0, "LoRA alpha: the adapter's update is scaled by alpha / r", gt=0)
+    lora_dropout: float = _f(
+        0.0, "LoRA dropout; only 0: the policy-gradient losses compare two forward passes (TRL disables it too)", ge=0
+    )
+    lora_target_modules: list[str] = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        "names of the actor's linear modules that get adapters",
+    )
+    # per-role optimizer settings (MindSpeed puts them in the role section); null: the training section's value
+    weight_decay: float | None = _f(None, "actor AdamW weight decay (default training.weight_decay)", ge=0)
+    adam_beta1: float | None = _f(None, "actor AdamW beta1 (default training.adam_beta1)", ge=0, lt=1)
+    adam_beta2: float | None = _f(None, "actor AdamW beta2 (default training.adam_beta2)", ge=0, lt=1)
+    clip_grad: float | None = _f(None, "actor gradient-norm clip, <= 0 disables (default training.clip_grad)")
+    lr_decay_style: Literal["constant", "linear", "cosine"] | None = _f(
+        None, "actor schedule (default training.lr_decay_style)"
+    )
+    lr_warmup_fraction: float | None = _f(None, "actor warm-up (default training.lr_warmup_fraction)", ge=0, lt=1)
+    min_lr: float | None = _f(None, "actor final learning rate (default training.min_lr)", ge=0)
+    num_gpus_for_train: int | None = _f(
+        None,
+        "rlhf up: trainer processes, one per device (an FSDP2 group under torchrun when > 1; the "
+        "--trainer-procs default)",
+        ge=1,
+    )
+    num_gpus_for_infer: int | None = _f(
+        None, "rlhf up: accelerators for rollout: replicas = this / tensor_model_parallel_size", ge=1
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = _f("float32", "rollout dtype")
+    # vLLM engine settings (vLLM's engine-argument names; tensor parallelism under the seeds' Megatron name)
+    max_model_len: int | None = _f(
+        None, "rollout context length (prompt + response tokens); default the model's; vllm and hf engines", gt=1
+    )
+    gpu_memory_utilization: float | None = _f(
+        None,
+        "vllm: fraction of the device's memory vLLM may take (default vLLM's 0.9); lower it to share a GPU",
+        gt=0,
+        le=1,
+    )
+    tensor_model_parallel_size: int = _f(1, "vllm: devices the rollout engine shards the model over", ge=1, le=64)
+    enforce_eager: bool | None = _f(
+        None,
+        "vllm: run eagerly; null: eagerly except on CUDA without staged_weight_swap (vLLM's in-place reload "
+        "keeps captured CUDA graphs valid); false: CUDA graphs / compile (faster decode, slower start)",
+    )
+    staged_weight_swap: bool | None = _f(
+        None,
+        "vllm: load each weight update into a second copy of the model while generation goes on, then swap "
+        "the two between two steps (the pause is the swap, not the load; a second copy of the weights in memory); "
+        "null: on the CPU, true: on any device (needs enforce_eager), false: load inside the pause",
+    )
+
+
+class RefConfig(Section):
+    load: str | None = _f(None, "reference model; default the actor's initial weights")
+    temperature: float | None = _f(None, "temperature for reference log-probs; default the rollout temperature")
+    micro_batch_size: int = _f(16, "sequences per reference forward (default training.micro_batch_size, else 16)", gt=0)
+
+
+class ActorRolloutRefConfig(Section):
+    actor_rollout: ActorRolloutConfig = _f(ActorRolloutConfig(), "actor and rollout")
+    ref: RefConfig = _f(RefConfig(), "reference policy")
+
+
+class CriticConfig(Section):
+    load: str | None = _f(None, "critic initialisation: a sequence-classification model (default the reward model)")
+    cliprange_value: float = _f(0.2, "value clip range (<= 0 disables)")
+    critic_mini_batch_size: int = _f(1, "samples per critic optimizer step (the unit of ppo_mini_batch_size)", gt=0)
+    micro_batch_size: int | None = _f(
+        None,
+        "samples per critic forward/backward; a critic minibatch's gradients accumulate over its micro-batches "
+        "before the step, weighted to equal one pass over the minibatch (default: training.micro_batch_size, else "
+        "the whole minibatch at once)",
+        gt=0,
+    )
+    critic_update_epochs: int = _f(1, "passes of the critic over each rollout batch", gt=0)
+    save: str | None = _f(None, "also write the critic as a Hugging Face folder here at every checkpoint")
+    vf_coef: float = _f(
+        1.0,
+        "multiplies the value loss before the critic's backward (seed 001's value_loss_rate). The critic has its own "
+        "AdamW, separate from the actor's, so this only scales the critic's gradient: it matters against clip_grad "
+        "and Adam's epsilon, and is not a weight between the actor's and the critic's losses",
+        gt=0,
+    )
+    # per-role optimizer settings, as the actor's (MindSpeed's role sections override training); null: training's
+    lr: float | None = _f(None, "critic learning rate (default training.lr)", gt=0)
+    weight_decay: float | None = _f(None, "critic AdamW weight decay (default training.weight_decay)", ge=0)
+    adam_beta1: float | None = _f(None, "critic AdamW beta1 (default training.adam_beta1)", ge=0, lt=1)
+    adam_beta2: float | None = _f(None, "critic AdamW beta2 (default training.adam_beta2)", ge=0, lt=1)
+    clip_grad: float | None = _f(None, "critic gradient-norm clip, <= 0 disables (default training.clip_grad)")
+    lr_decay_style: Literal["constant", "linear", "cosine"] | None = _f(
+        None, "critic schedule (default training.lr_decay_style)"
+    )
+    lr_warmup_fraction: float | None = _f(None, "critic warm-up (default training.lr_warmup_fraction)", ge=0, lt=1)
+    min_lr: float | None = _f(None, "critic final learning rate (default training.min_lr)", ge=0)
+
+
+class ScorerConfig(Section):
+    type: Literal["model", "rule", "remote"] = _f("rule", "model: reward model; rule: a Python function; remote: HTTP")
+    name: str | None = _f(
+        None,
+        "rule name from the registry, or module:function for a user function (imported from the working directory)",
+    )
+    load: str | None = _f(None, "reward model directory (type model), or tiny:reward")
+    url: str | None = _f(None, "remote scorer URL speaking OpenRLHF's /get_reward format (type remote)")
+    weight: float = _f(1.0, "weight of this scorer in the combined reward")
+    timeout_s: float = _f(30.0, "per-call timeout (remote)", gt=0)
+    retries: int = _f(2, "retries after a failed remote call", ge=0)
+    kwargs: dict[str, Any] = _f({}, "extra keyword arguments for a rule function")
+
+    @model_validator(mode="after")
+    def _check(self) -> ScorerConfig:
+        needed = {"model": "load", "rule": "name", "remote": "url"}[self.type]
+        if getattr(self, needed) is None:
+            raise ValueError(f"a scorer of type {self.type!r} needs '{needed}'")
+        return self
+
+
+class RewardConfig(Section):
+    scorers: list[ScorerConfig] = _f([ScorerConfig(type="model", load="tiny:reward")], "scorers, combined by weight")
+    micro_batch_size: int = _f(
+        16, "sequences per reward-model forward (default training.micro_batch_size, else 16)", gt=0
+    )
+    load: str | None = _f(None, "shorthand for one model scorer (MindSpeed's reward.load)")
+    max_failed_fraction: float = _f(
+        0.5,
+        "the run stops, naming the scorer, when more than this fraction of a step's samples failed scoring ...",
+        ge=0,
+        le=1,
+    )
+    failed_patience: int = _f(3, "... for this many steps in a row (a short outage is waited out)", gt=0)
+
+
+class KLCtrlConfig(Section):
+    type: Literal["fixed", "adaptive"] = _f("fixed", "KL coefficient controller")
+    kl_coef: float = _f(0.05, "KL penalty coefficient (initial value when adaptive)", ge=0)
+    target_kl: float | None = _f(None, "adaptive: target KL per sequence")
+    horizon: int = _f(10000, "adaptive: horizon in samples", gt=0)
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: Literal[
+        "gae", "grpo", "group_norm", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dr_grpo"
+    ] = _f("gae", "advantage estimator")
+    gamma: float = _f(1.0, "discount factor", ge=0, le=1)
+    lam: float = _f(0.95, "GAE lambda", ge=0, le=1)
+    kl_penalty: Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"] = _f(
+        "kl",
+        "per-token KL estimator (default k3, low_var_kl, for ray_grpo as TRL's GRPO; kl, k1, otherwise); "
+        "full (ray_ppo): the exact KL over the vocabulary, from a reference copy the trainer holds (one more model "
+        "in its memory)",
+    )
+    kl_ctrl: KLCtrlConfig = _f(KLCtrlConfig(), "KL coefficient (TRL's beta)")
+    missing_eos_penalty: float = _f(
+        0.0, "subtracted from the score of responses without EOS (MindSpeed also accepts it under actor_rollout)", ge=0
+    )
+    normalize_reward: bool = _f(
+        False,
+        "scores become (score - running mean) / running std over every score seen so far, this batch "
+        "included (OpenRLHF's reward normalisation; the statistics are checkpointed)",
+    )
+    reward_clip_range: tuple[float, float] | None = _f(
+        None, "clip scores (after normalisation) to [low, high] (OpenRLHF's reward_clip_range); null: no clipping"
+    )
+    whiten_rewards: bool = _f(False, "whiten per-token rewards over the batch before GAE")
+    whiten_advantages: bool = _f(
+        True,
+        "whiten advantages over the batch: ray_ppo (TRL), ray_reinforce_plus_plus (OpenRLHF, plain variance), "
+        "ray_rloo (TRL's normalize_advantages; default off there); ray_grpo uses scale_rewards instead",
+    )
+    score_position: Literal["trl", "last_token"] = _f("trl", "where the score is added: TRL (first pad) or last token")
+    # The critic-free family (ray_grpo, ray_rloo, ray_reinforce_plus_plus) with TRL 1.12's option names. TRL's
+    # epsilon, epsilon_high, num_iterations and beta are actor_rollout.clip_ratio, clip_ratio_high, ppo_epochs and
+    # kl_ctrl.kl_coef here (the MindSpeed-LLM names of the same quantities).
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = _f(
+        "dapo",
+        "critic-free loss aggregation (TRL's loss_type): grpo per-sequence mean, bnpo token mean of the minibatch, "
+        "dr_grpo sum / (rows x max_new_tokens), dapo sum / mean tokens per minibatch of the rollout batch; "
+        "default dr_grpo when adv_estimator is dr_grpo",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = _f(
+        "group",
+        "ray_grpo: divide advantages by the std of the prompt's group, of the batch, or not (TRL's scale_rewards); "
+        "default none when adv_estimator is dr_grpo",
+    )
+    use_bias_correction_kl: bool = _f(True, "ray_grpo: weight the KL term by the importance ratio (TRL, DeepSeek-V3.2)")
+    importance_sampling_level: Literal["token", "sequence"] = _f(
+        "token", "ray_grpo / ray_reinforce_plus_plus: one ratio per token, or per sequence (GSPO; TRL's name)"
+    )
+    mask_truncated_completions: bool = _f(False, "critic-free: completions without EOS drop out of the loss (TRL)")
+    top_entropy_quantile: float = _f(
+        1.0, "ray_grpo: the policy loss keeps only the top quantile of tokens by entropy (TRL; 1 keeps all)", ge=0, le=1
+    )
+    rloo_convention: Literal["trl", "openrlhf"] = _f(
+        "trl",
+        "ray_rloo: trl folds beta x KL (k1 summed over the sequence) into the reward before the leave-one-out "
+        "baseline and clips one ratio per sequence (TRL's RLOOTrainer); openrlhf puts the baseline on the score, "
+        "adds the per-token KL penalty after it and uses the token-level clipped loss (OpenRLHF's rloo)",
+    )
+    dpo_beta: float = _f(0.1, "online DPO beta", gt=0)
+    dpo_loss_type: Literal["sigmoid", "ipo"] = _f("sigmoid", "online DPO loss")
+
+
+class ResourcePoolConfig(Section):
+    """Accelerators per role under ``rlhf up`` (one list entry per node; rlhf up runs on one node). Each service
+    process sees only its own devices (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), handed out in order: trainer,
+    rollout replicas, reference, reward. Without resource_pool or num_gpus_* in the config every service sees every
+    device; no effect on a CPU-only machine or under Kubernetes (there the chart's resources place each role)."""
+
+    actor_rollout: list[int] = _f(
+        [1], "devices for the trainer and rollout together: num_gpus_for_train + num_gpus_for_infer"
+    )
+    ref: list[int] = _f([1], "devices for the reference service")
+    critic: list[int] = _f(
+        [0],
+        "must be [0]: the critic trains inside the trainer process on the trainer's devices (count its memory in "
+        "num_gpus_for_train); a device count of its own is refused",
+    )
+    reward: list[int] = _f([1], "devices for the reward service")
+
+
+class DataConfig(Section):
+    path: str = _f(
+        "builtin:arithmetic",
+        "prompt data set: a .jsonl, .json (a list of records) or .parquet file, or builtin:arithmetic",
+    )
+    map_keys: dict[str, str] = _f(
+        {"prompt": "prompt", "label": "label", "text": "text"},
+        "our key -> column in the file (prompt, label; text: the pretrain_data column)",
+    )
+    pretrain_data: str | None = _f(
+        None, "PPO-ptx SFT texts (.jsonl, .json or .parquet, column map_keys.text), used when ptx_coef > 0"
+    )
+    system: str | None = _f(None, "system message prepended when the chat template is applied")
+    shuffle: bool = _f(True, "shuffle the prompt order each epoch")
+    max_samples: int | None = _f(None, "use only the first N prompts", gt=0)
