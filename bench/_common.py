@@ -24,7 +24,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The cores every side of every benchmark runs on (the benchmark's own affinity, inherited by what it starts).
 CORES: list[int] = sorted(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
-# Threads per service process as `rlhf up` sets them (services.launcher.child_env: every core, idle threads
+# Threads per service process as `rlhf up` sets them (services.plan.child_env: every core, idle threads
 # sleeping). Inherited by every service started here; a baseline that runs as one process gets every core too
 # (CORE_THREADS), as a user would run it.
 os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))

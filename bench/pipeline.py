@@ -531,7 +531,7 @@ NOTES = [
     "one trainer thread, load average 9-10): PPO step padded / padding-free 1.35x on this ring's batch shape "
     "(3% padding: the gain is mostly the attention without a padding mask) and 1.70x with prompts of 8-48 tokens "
     "(49% padding); reference forward 1.06x / 1.60x",
-    "change 2, no idle core (services.launcher.child_env, so `rlhf up` and this ring): every process may use every "
+    "change 2, no idle core (services.plan.child_env, so `rlhf up` and this ring): every process may use every "
     "core and idle OpenMP threads sleep, so rollout and scoring have both cores while the trainer waits and the "
     "trainer has both during an update. bench.ring_threads (asynchronous small-model PPO ring, A/B/B/A, load "
     "average 8-16): 2.94 vs 1.11 samples/s, 2.65x over one thread per process; on a loaded machine part of that "

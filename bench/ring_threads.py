@@ -5,7 +5,7 @@ reference, rollout, trainer), alternating A, B, B, A: ``quarter``, what ``rlhf u
 the cores, at least one: 1 on 2 cores), and ``all``, every core to every process with ``OMP_WAIT_POLICY=PASSIVE``
 (so a process that waits, e.g. rollout during an update, leaves its cores to the one that works instead of spinning
 on them). Figure: samples/s of the steady steps, pooled per setting. Not part of ``make bench`` (about 4 minutes):
-``python -m bench.ring_threads``; it decided the thread setting ``rlhf up`` (services.launcher.child_env) and so
+``python -m bench.ring_threads``; it decided the thread setting ``rlhf up`` (services.plan.child_env) and so
 bench.pipeline use: every core per process, ``OMP_WAIT_POLICY=PASSIVE``.
 """
 

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from rlhf import procs
-from services import launcher, progress, report
+from services import launcher, plan, progress, report
 from services.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def _group_alive(pgid: int) -> bool:
 
 
 def test_free_ports_are_distinct_and_bindable():
-    ports = launcher.free_ports(8)
+    ports = procs.free_ports(8)
     assert len(set(ports)) == 8
     for p in ports:
         with socket.socket() as s:
@@ -73,7 +73,7 @@ def test_free_ports_are_distinct_and_bindable():
 
 def test_plan_services_order_ports_and_env(tmp_path):
     ports = list(range(20000, 20010))
-    specs = launcher.plan_services(
+    specs = plan.plan_services(
         redis_url="redis://127.0.0.1:1/0", run_id="r1", api_token="tok", run_dir=tmp_path, ports=ports
     )
     assert [s.name for s in specs] == ["reward", "reference", "rollout", "trainer"]
@@ -98,7 +98,7 @@ def test_plan_services_order_ports_and_env(tmp_path):
 
 
 def test_plan_services_several_rollout_replicas(tmp_path):
-    specs = launcher.plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path, rollout_replicas=3)
+    specs = plan.plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path, rollout_replicas=3)
     rollouts = [s for s in specs if s.service == "rollout"]
     assert [s.name for s in rollouts] == ["rollout-0", "rollout-1", "rollout-2"]
     assert len({s.env["RLHF_REPLICA_ID"] for s in rollouts}) == 3
@@ -109,29 +109,29 @@ def test_plan_services_several_rollout_replicas(tmp_path):
 def test_every_variable_set_is_known_to_the_services(tmp_path):
     from rlhf.serving.settings import KNOWN_ENV_VARS, ServiceSettings
 
-    for spec in launcher.plan_services(redis_url="redis://h:1/0", run_id="r", api_token="t", run_dir=tmp_path):
-        env = launcher.child_env(spec.env, base={})
+    for spec in plan.plan_services(redis_url="redis://h:1/0", run_id="r", api_token="t", run_dir=tmp_path):
+        env = plan.child_env(spec.env, base={})
         unknown = [k for k in env if k.startswith("RLHF_") and k not in KNOWN_ENV_VARS]
         assert unknown == []
         ServiceSettings.from_env(env)  # valid
 
 
 def test_child_env_defaults_and_overrides():
-    env = launcher.child_env({"RLHF_RUN_ID": "x"}, base={"PATH": "/bin", "RLHF_CACHE_DIR": "/c", "PYTHONPATH": "/p"})
+    env = plan.child_env({"RLHF_RUN_ID": "x"}, base={"PATH": "/bin", "RLHF_CACHE_DIR": "/c", "PYTHONPATH": "/p"})
     assert env["RLHF_RUN_ID"] == "x"
     assert env["RLHF_CACHE_DIR"] == "/c"  # the user's choice is kept
     assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/p"]
     assert env["PYTHONUNBUFFERED"] == "1" and env["HF_HUB_OFFLINE"] == "1"
-    assert launcher.child_env({}, base={})["RLHF_CACHE_DIR"] == str(launcher.DEFAULT_CACHE_DIR)
+    assert plan.child_env({}, base={})["RLHF_CACHE_DIR"] == str(plan.DEFAULT_CACHE_DIR)
     # every core to each process, idle OpenMP threads sleeping (issue 15); the user's values win
-    env = launcher.child_env({}, base={})
+    env = plan.child_env({}, base={})
     assert env["OMP_NUM_THREADS"] == str(os.cpu_count()) and env["OMP_WAIT_POLICY"] == "PASSIVE"
-    env = launcher.child_env({}, base={"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"})
+    env = plan.child_env({}, base={"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"})
     assert env["OMP_NUM_THREADS"] == "3" and env["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def test_default_run_dir():
-    d = launcher.default_run_dir("demo", root="runs", now=0)
+    d = plan.default_run_dir("demo", root="runs", now=0)
     assert d.parent == Path("runs")
     assert re.fullmatch(r"demo-\d{8}-\d{6}", d.name)
 

@@ -164,9 +164,9 @@ def test_trainer_procs_runs_the_trainer_under_torchrun(tmp_path):
     parser); the other services stay single processes."""
     from torch.distributed.run import get_args_parser
 
-    from services import launcher
+    from services import plan
 
-    specs = launcher.plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path, trainer_procs=2)
+    specs = plan.plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path, trainer_procs=2)
     *others, trainer = specs
     argv = trainer.argv("c.yaml", "py")
     assert argv[:3] == ["py", "-m", "torch.distributed.run"]
@@ -179,7 +179,7 @@ def test_trainer_procs_runs_the_trainer_under_torchrun(tmp_path):
         "c.yaml",
     ]
     assert all(s.argv("c.yaml", "py")[:3] == ["py", "-m", "services.cli"] for s in others)
-    single = launcher.plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path)[-1]
+    single = plan.plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path)[-1]
     assert single.argv("c.yaml", "py")[:3] == ["py", "-m", "services.cli"]
 
 
