@@ -38,7 +38,8 @@ async def run(c: dict) -> dict:
     from rlhf.models import resolve_model_path
     from rlhf.v1 import common_pb2, experience_pb2
     from services.reference.engine import LogProbsItem, ReferenceEngine
-    from services.reward.engine import Item, RewardEngine
+    from services.reward.engine import RewardEngine
+    from services.reward.scorers import Item
     from services.rollout.hf_engine import HFEngine
     from services.rollout.options import SamplingOptions
     from services.trainer.engine import TrainerEngine

@@ -117,7 +117,8 @@ async def main() -> None:
     from rlhf.config import parse_config
     from rlhf.v1 import reference_pb2_grpc, reward_pb2_grpc, rollout_pb2_grpc
     from services.reference.engine import LogProbsItem, ReferenceEngine
-    from services.reward.engine import Item, RewardEngine
+    from services.reward.engine import RewardEngine
+    from services.reward.scorers import Item
     from services.rollout.factory import make_engine
     from services.rollout.options import SamplingOptions
     from services.rollout.vllm_engine import set_vllm_env_defaults

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from rlhf.serving import ServiceMetrics, grpc_errors
 from rlhf.v1 import common_pb2, reward_pb2, reward_pb2_grpc
-from services.reward.engine import INVALID_INPUT, OK, SCORER_ERROR, TIMEOUT, Item, RewardEngine
+from services.reward.engine import RewardEngine
+from services.reward.scorers import INVALID_INPUT, OK, SCORER_ERROR, TIMEOUT, Item
 
 SERVICE_NAME = reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
 

@@ -19,17 +19,8 @@ from rlhf.serving import (
     json_response,
 )
 from rlhf.serving.http import Declared, TokenId, Utf8Text
-from services.reward.engine import (
-    INVALID_INPUT,
-    MAX_IDS,
-    MAX_ITEMS,
-    MAX_TEXT_CHARS,
-    OK,
-    STATUSES,
-    TIMEOUT,
-    Item,
-    RewardEngine,
-)
+from services.reward.engine import MAX_IDS, MAX_ITEMS, MAX_TEXT_CHARS, RewardEngine
+from services.reward.scorers import INVALID_INPUT, OK, STATUSES, TIMEOUT, Item
 
 # The engine's limits (a 400 naming the field), stated in the schema. Token ids must also be ids of a reward model's
 # vocabulary, and prompt + response must fit its context: those depend on the configured models (400 otherwise).

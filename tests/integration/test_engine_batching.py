@@ -13,7 +13,8 @@ import pytest
 from rlhf.config import parse_config
 from rlhf.serving import InvalidArgument, ServiceMetrics
 from services.reference.engine import LogProbsItem, ReferenceEngine
-from services.reward.engine import Item, RewardEngine
+from services.reward.engine import RewardEngine
+from services.reward.scorers import Item
 
 
 def _merged_max(metrics: ServiceMetrics, name: str) -> float:

@@ -18,7 +18,8 @@ import pytest
 from rlhf.config import parse_config
 from rlhf.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.reward import rules
-from services.reward.engine import Item, RewardEngine
+from services.reward.engine import RewardEngine
+from services.reward.scorers import Item
 
 # configs/reward-tiny-model.yaml: the tiny reward model (weight 1.0) + math_answer (weight 0.5); shared with the
 # docs/services.md examples (tests/integration/conftest.py SHARED_SERVICES), with a 300000-byte body limit and 1 MiB
@@ -444,7 +445,7 @@ def test_a_raising_user_scorer_is_logged_with_its_traceback_rate_limited(tmp_pat
     import sys
 
     from rlhf.config import ScorerConfig
-    from services.reward.engine import Item, RuleScorer
+    from services.reward.scorers import Item, RuleScorer
 
     (tmp_path / "brokenscorer.py").write_text("def score(prompt, response, label, **kw):\n    return 1 / 0\n")
     monkeypatch.syspath_prepend(str(tmp_path))

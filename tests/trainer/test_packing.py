@@ -158,7 +158,8 @@ def test_reference_logprobs_with_padding_free_equal_padded(tiny_models):
 def test_reward_model_scores_with_padding_free_equal_padded(tiny_models):
     """The reward model's forward packs its micro-batch too: the same scores within float32 rounding, for items of
     different lengths (token ids) in one micro-batch."""
-    from services.reward.engine import Item, RewardEngine
+    from services.reward.engine import RewardEngine
+    from services.reward.scorers import Item
 
     rng = random.Random(6)
     ids = lambda lo, hi: [rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))]  # noqa: E731

@@ -1,0 +1,439 @@
+"""The reward scorers of ``reward.scorers`` (:class:`services.reward.engine.RewardEngine` combines them by weight):
+
+- ``model``: a one-label sequence-classification reward model; the prompt and response go through the tokenizer's
+  chat template when it has one (user = prompt, assistant = response); the score is the head's output at the last
+  token. Batched by length in micro-batches of ``reward.micro_batch_size``; concurrent requests are merged into
+  one forward call (:class:`rlhf.serving.batching.MicroBatcher`: what is queued when the model becomes free, no
+  waiting when idle). Each row's score depends on that row alone (right padding, attention mask, position ids from
+  the mask), so merged scores equal unbatched ones.
+- ``rule``: a function from :mod:`services.reward.rules` (``math_answer``, ``exact_match``, ``regex``, ``length``,
+  ``format``) or a user ``module:function``.
+- ``remote``: HTTP POST in OpenRLHF's ``/get_reward`` format with a timeout and bounded retries.
+
+Every item gets a score or an error status: a scorer that fails for an item makes that item's status an error
+(``scorer_error``, ``timeout`` or ``invalid_input``), never a score of 0. A request that is malformed as a whole
+(no items, an empty prompt, a text over the limits, a sequence longer than the reward model's context) raises
+:class:`InvalidArgument` naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlhf.config import ScorerConfig
+from rlhf.retry import retry
+from rlhf.serving import InvalidArgument, NotReady, ServiceMetrics
+from rlhf.serving.batching import MicroBatcher
+from services.reward import rules
+
+log = logging.getLogger("rlhf.reward")
+
+OK, INVALID_INPUT, SCORER_ERROR, TIMEOUT = "ok", "invalid_input", "scorer_error", "timeout"
+STATUSES = (OK, INVALID_INPUT, SCORER_ERROR, TIMEOUT)
+
+# Bounds of one merged reward-model call: the head request's latency grows with what is merged behind it.
+MERGE_MICRO_BATCHES = 8
+MERGE_MAX_TOKENS = 1 << 17
+
+
+@dataclass
+class Item:
+    prompt: str
+    response: str
+    label: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    finished: bool = True
+    cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # per-scorer encodings
+
+
+@dataclass
+class Failure:
+    status: str
+    message: str
+
+
+@dataclass
+class ScoreOutcome:
+    score: float | None
+    status: str = OK
+    error: str = ""
+    components: dict[str, float] = field(default_factory=dict)
+    failed_scorer: str = ""
+
+
+# ------------------------------------------------------------------------------------------------------------ scorers
+
+
+class Scorer:
+    type = "?"
+    LOG_EVERY_S = 10.0  # failures are logged at most this often per scorer (with how many were not)
+
+    def __init__(self, cfg: ScorerConfig, name: str):
+        self.cfg = cfg
+        self.name = name
+        self.weight = cfg.weight
+        self._logged_at = float("-inf")
+        self._unlogged = 0
+
+    def report_failure(self, message: str, exc: BaseException | None = None) -> None:
+        """Log a failed item (the traceback of a raising user function included): a scorer that fails shows in the
+        reward service's log, not only as an error status in the samples. Rate-limited: a scorer failing on every
+        item logs once per ``LOG_EVERY_S`` with the count it left out."""
+        now = time.monotonic()
+        if now - self._logged_at < self.LOG_EVERY_S:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more failure(s) since the last report)" if self._unlogged else ""
+        self._logged_at, self._unlogged = now, 0
+        exc_info = (type(exc), exc, exc.__traceback__) if exc is not None else None
+        log.warning("%s%s", message, more, exc_info=exc_info)
+
+    def load(self) -> None:
+        """Blocking set-up (model loading); called once before serving."""
+
+    def validate(self, items: list[Item]) -> None:
+        """Raise InvalidArgument for a request this scorer can never score (before any work is done)."""
+
+    async def score(self, items: list[Item]) -> list[float | Failure]:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "type": self.type, "weight": self.weight}
+
+
+class RuleScorer(Scorer):
+    type = "rule"
+
+    def __init__(self, cfg: ScorerConfig, name: str, count_tokens=None):
+        super().__init__(cfg, name)
+        self.fn = rules.resolve_rule(cfg.name or "")
+        self.builtin = (cfg.name or "") in rules.RULES
+        self.kwargs = dict(cfg.kwargs)
+        rules.check_kwargs(self.fn, self.kwargs, cfg.name or "")
+        if self.builtin:
+            self.kwargs = rules.prepare_kwargs(cfg.name or "", self.kwargs)
+        self.wants_sample = rules.accepts_sample(self.fn)
+        self.count_tokens = count_tokens
+
+    def _one(self, it: Item) -> float | Failure:
+        kwargs = dict(self.kwargs)
+        if self.wants_sample:
+            kwargs["sample"] = rules.RuleSample(
+                it.prompt, it.response, it.label, it.prompt_ids, it.response_ids, it.finished, self.count_tokens
+            )
+        try:
+            value = self.fn(it.prompt, it.response, it.label, **kwargs)
+        except rules.RuleInputError as err:
+            return Failure(INVALID_INPUT, f"scorer {self.name!r}: {err}")
+        except Exception as err:  # noqa: BLE001 - a user function may raise anything
+            message = f"scorer {self.name!r} raised {type(err).__name__}: {err}"
+            self.report_failure(message, err)
+            return Failure(SCORER_ERROR, message)
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            message = f"scorer {self.name!r} returned {type(value).__name__}, not a number"
+            self.report_failure(message)
+            return Failure(SCORER_ERROR, message)
+        if not math.isfinite(value):
+            self.report_failure(f"scorer {self.name!r} returned {value}")
+            return Failure(SCORER_ERROR, f"scorer {self.name!r} returned {value}")
+        return value
+
+    async def score(self, items: list[Item]) -> list[float | Failure]:
+        if self.builtin and len(items) <= 64:  # microseconds: not worth a thread hop
+            return [self._one(it) for it in items]
+        # user functions may block (I/O, sandboxes): keep them off the event loop
+        return await asyncio.to_thread(lambda: [self._one(it) for it in items])
+
+
+class ModelScorer(Scorer):
+    type = "model"
+
+    def __init__(
+        self,
+        cfg: ScorerConfig,
+        name: str,
+        device: str,
+        micro_batch_size: int,
+        metrics: ServiceMetrics | None = None,
+        padding_free: bool = False,
+        bf16: bool = False,
+    ):
+        super().__init__(cfg, name)
+        self.device_name = device
+        self.bf16 = bf16  # training.bf16: serve in bf16 on an accelerator (rlhf.models.serving_dtype)
+        self.micro_batch_size = micro_batch_size
+        self.padding_free = padding_free  # training.padding_free: the forward skips padding (rlhf.packing)
+        self.model = None
+        self.tokenizer = None
+        self.max_len = 0
+        self._backend = None
+        self._lock = threading.Lock()
+        on_batch = None
+        if metrics is not None:
+            on_batch = lambda n, rows: metrics.observe_merged(f"score:{name}", n, rows)  # noqa: E731
+        self._batcher = MicroBatcher(
+            lambda _key, seqs: self._forward(seqs),
+            max_rows=MERGE_MICRO_BATCHES * micro_batch_size,
+            max_cost=MERGE_MAX_TOKENS,
+            on_batch=on_batch,
+        )
+
+    def load(self) -> None:
+        from rlhf.models import load_sequence_classifier, load_tokenizer, resolve_model_path, serving_dtype
+
+        path = resolve_model_path(self.cfg.load or "")
+        self.tokenizer = load_tokenizer(path)
+        dtype = serving_dtype(self.bf16, self.device_name)
+        self.model = load_sequence_classifier(path, device=self.device_name, dtype=dtype).eval()
+        self.max_len = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
+        self.vocab = int(self.model.config.vocab_size)
+        self._backend = self._fast_backend()
+        log.info("reward model %s loaded from %s on %s in %s", self.name, path, self.model.device, self.model.dtype)
+
+    def _fast_backend(self):
+        """The Rust tokenizer under a fast HF tokenizer, when calling it directly gives the same ids: the HF wrapper
+        costs more per call than encoding a few short texts (it re-applies truncation/padding settings and converts
+        every encoding). Checked on probe texts here, once; None (use the wrapper) when they differ."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None) if getattr(tok, "is_fast", False) else None
+        if backend is None:
+            return None
+        probe = ["Hello world 12 + 30 = 42. \\boxed{7}", "  two\nlines\t", "é ü 中文"]
+        try:
+            for special in (False, True):
+                want = tok(probe, add_special_tokens=special)["input_ids"]  # leaves no truncation/padding set
+                got = [e.ids for e in backend.encode_batch(probe, add_special_tokens=special)]
+                if got != want or backend.truncation is not None or backend.padding is not None:
+                    return None
+        except Exception:  # noqa: BLE001 - an unusual tokenizer: the wrapper it is
+            return None
+        return backend
+
+    def _tokenize(self, texts: list[str], special: bool) -> list[list[int]]:
+        if self._backend is not None:
+            return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=special)]
+        return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
+
+    def _texts(self, items: list[Item]) -> list[str] | None:
+        """The chat-template texts of ``items`` (one batched render), or None when the tokenizer has no template."""
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            return None
+        convs = [
+            [{"role": "user", "content": it.prompt}, {"role": "assistant", "content": it.response}] for it in items
+        ]
+        return list(tok.apply_chat_template(convs, tokenize=False))
+
+    def _text(self, it: Item) -> str | None:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            msgs = [{"role": "user", "content": it.prompt}, {"role": "assistant", "content": it.response}]
+            return tok.apply_chat_template(msgs, tokenize=False)
+        return None
+
+    def encode(self, it: Item) -> list[int]:
+        key = f"ids:{self.name}"
+        if key not in it.cache:
+            it.cache[key] = self._encode(it)
+        return it.cache[key]
+
+    def _encode(self, it: Item) -> list[int]:
+        tok = self.tokenizer
+        if not it.prompt and it.prompt_ids:  # token ids only: used as is (they must be the reward model's ids)
+            return list(it.prompt_ids) + list(it.response_ids)
+        text = self._text(it)
+        if text is not None:
+            return tok(text, add_special_tokens=False)["input_ids"]
+        return tok(it.prompt + it.response)["input_ids"]
+
+    def encode_many(self, items: list[Item]) -> None:
+        """Fill the id caches of ``items``: one tokenizer call for all the texts (a fast tokenizer's batch call
+        costs far less than a call per item; the ids are the same)."""
+        key = f"ids:{self.name}"
+        todo = []
+        for it in items:
+            if key in it.cache:
+                continue
+            if not it.prompt and it.prompt_ids:
+                it.cache[key] = list(it.prompt_ids) + list(it.response_ids)
+            else:
+                todo.append(it)
+        if not todo:
+            return
+        texts = self._texts(todo)
+        templated = texts is not None
+        if texts is None:
+            texts = [it.prompt + it.response for it in todo]
+        for it, ids in zip(todo, self._tokenize(texts, special=not templated), strict=True):
+            it.cache[key] = ids
+
+    def validate(self, items: list[Item]) -> None:
+        if self.tokenizer is None:
+            return
+        self.encode_many(items)
+        for i, it in enumerate(items):
+            ids = self.encode(it)
+            if not ids:
+                raise InvalidArgument(f"items[{i}] encodes to no tokens; send a non-empty prompt", f"items[{i}].prompt")
+            if len(ids) > self.max_len:
+                raise InvalidArgument(
+                    f"items[{i}].response: prompt + response is {len(ids)} tokens for the reward model "
+                    f"{self.name!r}, which accepts at most {self.max_len}; shorten the response (or the prompt)",
+                    f"items[{i}].response",
+                )
+            bad = [t for t in ids if not 0 <= t < self.vocab] if min(ids) < 0 or max(ids) >= self.vocab else []
+            if bad:
+                raise InvalidArgument(
+                    f"items[{i}].prompt_ids/response_ids contain {bad[0]}, outside the reward model's vocabulary "
+                    f"[0, {self.vocab}); send text instead, or ids of this tokenizer",
+                    f"items[{i}].prompt_ids",
+                )
+
+    def _forward(self, seqs: list[list[int]]) -> list[float]:
+        import torch
+
+        from rlhf.models import score_head_outputs
+
+        pad = self.tokenizer.pad_token_id
+        out = [0.0] * len(seqs)
+        order = sorted(range(len(seqs)), key=lambda k: len(seqs[k]))
+        dev = self.model.device
+        with self._lock, torch.inference_mode():
+            for s in range(0, len(order), self.micro_batch_size):
+                idx = order[s : s + self.micro_batch_size]
+                width = max(len(seqs[k]) for k in idx)
+                batch = torch.full((len(idx), width), pad, dtype=torch.long)
+                for r, k in enumerate(idx):
+                    batch[r, : len(seqs[k])] = torch.tensor(seqs[k], dtype=torch.long)
+                values = score_head_outputs(self.model, batch.to(dev), pad, self.padding_free).float().cpu()
+                for r, k in enumerate(idx):
+                    out[k] = float(values[r, len(seqs[k]) - 1])
+        return out
+
+    async def score(self, items: list[Item]) -> list[float | Failure]:
+        if self.model is None:
+            raise NotReady(f"reward model {self.name!r} is still loading; retry shortly")
+        seqs = [self.encode(it) for it in items]
+        try:
+            values = await self._batcher.submit(None, seqs, sum(len(q) for q in seqs))
+        except Exception as err:  # noqa: BLE001 - a model failure is an error status for every item
+            log.exception("reward model %s failed", self.name)
+            return [Failure(SCORER_ERROR, f"scorer {self.name!r} failed: {type(err).__name__}: {err}")] * len(items)
+        return [v if math.isfinite(v) else Failure(SCORER_ERROR, f"scorer {self.name!r} produced {v}") for v in values]
+
+
+class RemoteScorer(Scorer):
+    """OpenRLHF's remote reward protocol: POST ``{"query", "prompts", "labels"}`` -> ``{"rewards": [...]}``."""
+
+    type = "remote"
+
+    def __init__(self, cfg: ScorerConfig, name: str):
+        super().__init__(cfg, name)
+        self.url = cfg.url or ""
+        self.timeout = cfg.timeout_s
+        self.retries = cfg.retries
+        self._client = None
+
+    def _http(self):
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout))
+        return self._client
+
+    async def _call(self, body: dict[str, Any]) -> list[Any]:
+        resp = await asyncio.wait_for(self._http().post(self.url, json=body), timeout=self.timeout)
+        if resp.status_code >= 400:
+            raise _HTTPStatus(resp.status_code, resp.text[:200])
+        data = resp.json()
+        rewards = data.get("rewards") if isinstance(data, dict) else data
+        if not isinstance(rewards, list):
+            raise ValueError("the answer has no 'rewards' list")
+        return rewards
+
+    async def score(self, items: list[Item]) -> list[float | Failure]:
+        import httpx
+
+        body = {
+            "query": [it.prompt + it.response for it in items],
+            "prompts": [it.prompt for it in items],
+            "labels": [it.label for it in items],
+        }
+        attempts = 0
+        who = f"scorer {self.name!r}: {self.url}"
+
+        async def attempt() -> list[float | Failure]:
+            nonlocal attempts
+            attempts += 1
+            try:
+                rewards = await self._call(body)
+            except (TimeoutError, httpx.TimeoutException):
+                raise _Failed(TIMEOUT, f"{who} did not answer within {self.timeout}s ({attempts} attempt(s))") from None
+            except _HTTPStatus as err:
+                # 4xx other than 429: the request itself is wrong, and retrying will not help
+                again = err.status >= 500 or err.status == 429
+                raise _Failed(SCORER_ERROR, f"{who} answered HTTP {err.status}: {err.text}", again) from None
+            except (httpx.HTTPError, OSError) as err:
+                raise _Failed(
+                    SCORER_ERROR, f"scorer {self.name!r}: cannot reach {self.url}: {type(err).__name__}"
+                ) from None
+            except ValueError as err:
+                raise _Failed(SCORER_ERROR, f"scorer {self.name!r}: bad answer from {self.url}: {err}") from None
+            if len(rewards) != len(items):
+                raise _Failed(SCORER_ERROR, f"{who} returned {len(rewards)} rewards for {len(items)} items")
+            out: list[float | Failure] = []
+            for r in rewards:
+                try:
+                    v = float(r)
+                except (TypeError, ValueError):
+                    out.append(Failure(SCORER_ERROR, f"scorer {self.name!r}: reward {r!r} is not a number"))
+                    continue
+                out.append(v if math.isfinite(v) else Failure(SCORER_ERROR, f"scorer {self.name!r}: reward {v}"))
+            return out
+
+        try:
+            return await retry(
+                attempt,
+                lambda err: isinstance(err, _Failed) and err.retry,
+                what=f"scorer {self.name!r}",
+                log=log,
+                attempts=self.retries + 1,
+                initial_s=0.1,
+                max_s=2.0,
+                level=logging.INFO,
+            )
+        except _Failed as err:
+            self.report_failure(err.failure.message)
+            return [err.failure] * len(items)
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+class _Failed(Exception):
+    """One failed attempt of a remote scorer: the Failure every item gets if it is the last, and whether another
+    attempt may succeed."""
+
+    def __init__(self, status: int, message: str, retry: bool = True):
+        super().__init__(message)
+        self.failure, self.retry = Failure(status, message), retry
+
+
+class _HTTPStatus(Exception):
+    def __init__(self, status: int, text: str):
+        super().__init__(f"HTTP {status}")
+        self.status, self.text = status, text
