@@ -26,6 +26,7 @@ from rlhf.config_rules import (
     check_rollout,
     inherit_micro_batch_size,
     mindspeed_default_notes,
+    not_built_message,
     optimization_problems,
     stage_notes,
 )
@@ -201,7 +202,9 @@ def _format_error(err: ValidationError, source: str) -> str:
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"]
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and not_built_message(key):
+            msg = not_built_message(key)
+        elif e["type"] == "extra_forbidden":
             close = _closest_key(str(e["loc"][-1]), _section_fields(e["loc"]))
             msg = "unknown key (not used by rlhf-pipeline)" + (f"; did you mean '{close}'?" if close else "")
         lines.append(f"  {key}: {msg}")

@@ -32,7 +32,8 @@ _MEGATRON_ONLY = {
     "is_instruction_dataset": "prompts are read from data.path (chat template: actor_rollout.apply_chat_template)",
     "variable_seq_lengths": "batches are always padded to their longest sequence",
     "pad_to_multiple_of": "batches are padded to their longest sequence, not to a multiple",
-    "data_path": "a Megatron preprocessed (.bin/.idx) prefix; prompts come from data.path (.jsonl, .json, .parquet)",
+    "data_path": "a Megatron preprocessed (.bin/.idx) prefix; prompts come from data.path (which reads such a "
+    "prefix too)",
     "split": "train/valid/test split of Megatron data; every prompt of data.path is used for training",
     "prompt_type": "prompts use the tokenizer's own chat template (actor_rollout.apply_chat_template)",
     "num_samples_per_step": "MindSpeed's prompts per generate call; vLLM batches every queued prompt continuously "
@@ -94,9 +95,18 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "defaults: MindSpeed's hydra list of model-structure files; each model's structure is read "
             "from its load folder's config.json"
         )
+    data_set = isinstance(data.get("data"), dict) and "path" in data["data"]
     for section, body in _sections(data).items():
         where = _path(section)
         for key in list(body):
+            if key == "data_path" and section not in ("algorithm", "data") and not data_set:
+                # noted only, it would train on the built-in demo prompts: never silently
+                raise ValueError(
+                    f"{where}.data_path ({body[key]!r}) is MindSpeed's preprocessed prompt data, but prompts come "
+                    f"from data.path, which is not set; set data.path (e.g. data.path={body[key]}: its "
+                    "_packed_input_ids_document.bin/.idx are read) or point it at a .jsonl/.json/.parquet file or "
+                    "reasoning_gym:<task>"
+                )
             if key in _MEGATRON_ONLY and section not in ("algorithm", "data"):
                 body.pop(key)
                 notes.append(f"{where}.{key}: {_MEGATRON_ONLY[key]}")

@@ -31,6 +31,7 @@ _ALGORITHM_FIELD_STAGES = {
     "mask_truncated_completions": CRITIC_FREE,
     "top_entropy_quantile": ("ray_grpo",),
     "rloo_convention": ("ray_rloo",),
+    "reward_baseline": ("ray_ppo",),  # the critic-free stages have their own group baselines
 }
 # TRL's (or OpenRLHF's) defaults where a stage's differs from the field default; an explicit value always wins
 _STAGE_DEFAULTS = {
@@ -112,6 +113,7 @@ def optimization_problems(cfg: Config) -> list[str]:
     clip = cfg.algorithm.reward_clip_range
     if clip is not None and not clip[0] < clip[1]:
         problems.append(f"algorithm.reward_clip_range {list(clip)} must be [low, high] with low < high")
+    problems += reward_shaping_problems(cfg)
     if cfg.algorithm.kl_penalty == "full" and stage != "ray_ppo":
         problems.append(
             f"algorithm.kl_penalty full (TRL PPO's whole-vocabulary KL) is built for ray_ppo only, not {stage}; use "
@@ -136,6 +138,33 @@ def optimization_problems(cfg: Config) -> list[str]:
         problems.append(
             f"resource_pool.actor_rollout {rp.actor_rollout} is not num_gpus_for_train + "
             f"num_gpus_for_infer ({a.num_gpus_for_train} + {a.num_gpus_for_infer})"
+        )
+    return problems
+
+
+def reward_shaping_problems(cfg: Config) -> list[str]:
+    """Fixed reward statistics, running statistics and the PPO reward baseline: what to change, one line each."""
+    alg, problems = cfg.algorithm, []
+    stats = alg.reward_norm_stats
+    if stats is not None and alg.normalize_reward:
+        problems.append(
+            "algorithm.normalize_reward (running statistics of the RL-time scores) and algorithm.reward_norm_stats "
+            "(fixed statistics) both normalise the scores; keep one of them"
+        )
+    if isinstance(stats, tuple) and not stats[1] > 0:
+        problems.append(f"algorithm.reward_norm_stats {list(stats)} must be [mean, std] with std > 0")
+    if stats == "reward_model":
+        scorers = cfg.reward.scorers
+        if len(scorers) != 1 or scorers[0].type != "model" or scorers[0].weight != 1.0:
+            problems.append(
+                "algorithm.reward_norm_stats reward_model reads the statistics of one reward model's scores, but the "
+                "trained-on score is the weighted sum of reward.scorers, which is not one model scorer of weight 1; "
+                "give the combined score's statistics as [mean, std]"
+            )
+    if alg.reward_baseline != "none" and cfg.training.stage == "ray_ppo" and cfg.actor.n_samples_per_prompt < 2:
+        problems.append(
+            f"algorithm.reward_baseline {alg.reward_baseline} subtracts the scores of the prompt's other samples "
+            "(y_ref, sampled from the current policy), but actor_rollout.n_samples_per_prompt is 1: set it to 2 or more"
         )
     return problems
 
@@ -183,6 +212,38 @@ def stage_notes(cfg: Config) -> list[str]:
                     f"not read by {stage} ({why})"
                 )
     return notes
+
+
+# Keys of seed 001's layout that name something not built: refused with what to use instead, not as unknown keys.
+_QUANT_KEYS = (
+    "load_in_4bit",
+    "load_in_8bit",
+    "bnb_4bit_quant_type",
+    "bnb_4bit_use_double_quant",
+    "bnb_4bit_compute_dtype",
+    "quantization_config",
+)
+_QUANT_WHY = (
+    "4-bit / 8-bit (QLoRA, bitsandbytes) loading is not built: every model loads in full precision; remove the "
+    "key, and save memory with actor_rollout.lora_r (LoRA adapters on the full-precision actor), training.bf16 "
+    "or a smaller model"
+)
+_CRITIC_LORA_WHY = (
+    "the critic with LoRA is not built: the critic is a separate sequence-classification model trained in full "
+    "(LoRA is the actor's only, actor_rollout.lora_r); remove the key, and save the critic's memory with a smaller "
+    "critic.load (any sequence-classification model with the actor's tokenizer) or training.bf16"
+)
+_ROLE_SECTIONS = ("training", "actor_rollout_ref.actor_rollout", "actor_rollout_ref.ref", "critic", "reward")
+
+
+def not_built_message(key: str) -> str | None:
+    """Why a dotted config ``key`` pydantic rejects as unknown names something not built, and what to use instead."""
+    section, _, name = key.rpartition(".")
+    if section in _ROLE_SECTIONS and name in _QUANT_KEYS:
+        return _QUANT_WHY
+    if section == "critic" and name in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"):
+        return _CRITIC_LORA_WHY
+    return None
 
 
 # rollout fields only the vllm engine reads: set explicitly with engine hf they would be ignored, so they are errors

@@ -308,6 +308,19 @@ class AlgorithmConfig(Section):
         "scores become (score - running mean) / running std over every score seen so far, this batch "
         "included (OpenRLHF's reward normalisation; the statistics are checkpointed)",
     )
+    reward_norm_stats: tuple[float, float] | Literal["reward_model"] | None = _f(
+        None,
+        "scores become (score - mean) / std with fixed statistics: [mean, std], or reward_model to read 'mean' and "
+        "'std' from the reward model's config.json (where OpenRLHF's reward-model training writes its training-set "
+        "statistics); exclusive with normalize_reward (running statistics); null: no fixed normalisation",
+    )
+    reward_baseline: Literal["none", "leave_one_out", "group_mean"] = _f(
+        "none",
+        "ray_ppo: subtract a baseline from each score before the KL penalty (seed 002's r(x, y) - r(x, y_ref), "
+        "y_ref sampled from the current policy for the same prompt): leave_one_out, the mean score of the prompt's "
+        "other samples (n_samples_per_prompt 2: exactly the other sample's); group_mean, of all its samples; needs "
+        "n_samples_per_prompt >= 2; a prompt left with one scored sample gets 0",
+    )
     reward_clip_range: tuple[float, float] | None = _f(
         None, "clip scores (after normalisation) to [low, high] (OpenRLHF's reward_clip_range); null: no clipping"
     )
@@ -368,14 +381,30 @@ class ResourcePoolConfig(Section):
     reward: list[int] = _f([1], "devices for the reward service")
 
 
+# data.map_keys: our key -> what it reads (MindSpeed-LLM's --map-keys for an Alpaca-style file)
+DATA_MAP_KEYS = {
+    "prompt": "the instruction column (required)",
+    "query": "the input column, appended to the prompt after a newline (Alpaca instruction + input)",
+    "system": "a per-row system prompt column (empty cells fall back to data.system)",
+    "label": "the reference-answer column, sent to the reward scorers as the item's label",
+    "response": "the reference response column: the label when the row has no label column (MindSpeed's R1 labels)",
+    "text": "the pretrain_data text column",
+}
+
+
 class DataConfig(Section):
     path: str = _f(
         "builtin:arithmetic",
-        "prompt data set: a .jsonl, .json (a list of records) or .parquet file, or builtin:arithmetic",
+        "prompt data set: a .jsonl, .json (a list of records) or .parquet file; a Megatron indexed data set (the "
+        ".bin/.idx prefix MindSpeed-LLM's preprocess_data.py writes, e.g. seed 004's data_path: token ids, used as "
+        "they are); reasoning_gym:<task> (a reasoning-gym procedural generator, see generator_*); or "
+        "builtin:arithmetic",
     )
     map_keys: dict[str, str] = _f(
         {"prompt": "prompt", "label": "label", "text": "text"},
-        "our key -> column in the file (prompt, label; text: the pretrain_data column)",
+        "our key -> column in the file: prompt, query (joined to prompt with a newline, as MindSpeed's "
+        "PPOAlpacaStyleInstructionHandler does), system (per-row system prompt), label, response (the label when "
+        "there is no label column), text (the pretrain_data column); an empty column name means not used",
     )
     pretrain_data: str | None = _f(
         None, "PPO-ptx SFT texts (.jsonl, .json or .parquet, column map_keys.text), used when ptx_coef > 0"
@@ -383,3 +412,32 @@ class DataConfig(Section):
     system: str | None = _f(None, "system message prepended when the chat template is applied")
     shuffle: bool = _f(True, "shuffle the prompt order each epoch")
     max_samples: int | None = _f(None, "use only the first N prompts", gt=0)
+    generator_size: int = _f(
+        1000, "reasoning_gym:<task> only: how many prompts the generator makes (one epoch)", gt=0, le=1_000_000
+    )
+    generator_seed: int = _f(0, "reasoning_gym:<task> only: the generator's seed (the same seed, the same prompts)")
+    generator_options: dict[str, Any] = _f(
+        {},
+        "reasoning_gym:<task> only: the task's own options (its config dataclass fields, e.g. min_terms, "
+        "max_terms for chain_sum); an unknown option is an error",
+    )
+
+    @model_validator(mode="after")
+    def _check_data(self) -> DataConfig:
+        for key, column in self.map_keys.items():
+            if key == "history":
+                raise ValueError(
+                    "data.map_keys.history: multi-turn history rows are not supported; flatten them into the prompt"
+                )
+            if key not in DATA_MAP_KEYS:
+                raise ValueError(f"data.map_keys.{key}: unknown key; use any of {', '.join(DATA_MAP_KEYS)}")
+            if key == "prompt" and not column:
+                raise ValueError("data.map_keys.prompt: must name a column")
+        generator = self.path.startswith("reasoning_gym:")
+        if generator and not self.path.split(":", 1)[1]:
+            raise ValueError("data.path: reasoning_gym:<task> needs a task name, e.g. reasoning_gym:chain_sum")
+        if not generator:
+            for name in ("generator_size", "generator_seed", "generator_options"):
+                if name in self.model_fields_set:
+                    raise ValueError(f"data.{name}: only used with data.path: reasoning_gym:<task> ({self.path!r})")
+        return self

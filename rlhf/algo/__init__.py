@@ -45,13 +45,16 @@ from rlhf.algo.ppo import (
     sequence_lengths,
     truncate_at_stop,
 )
-from rlhf.algo.reward_norm import RunningMoments, normalize_and_clip
+from rlhf.algo.reward_norm import FixedMoments, RunningMoments, normalize_and_clip
 from rlhf.algo.schedule import lr_at
 from rlhf.algo.sft import sft_loss
-from rlhf.algo.shaping import penalize_missing_eos
+from rlhf.algo.shaping import REWARD_BASELINES, penalize_missing_eos, subtract_reward_baseline
 
 __all__ = [
     "penalize_missing_eos",
+    "subtract_reward_baseline",
+    "REWARD_BASELINES",
+    "FixedMoments",
     "RunningMoments",
     "full_kl",
     "lr_at",

@@ -15,6 +15,7 @@ import torch
 from rlhf.algo.advantages import gae
 from rlhf.algo.kl import kl_penalized_rewards
 from rlhf.algo.masked import masked_whiten
+from rlhf.algo.shaping import penalize_missing_eos, subtract_reward_baseline
 
 
 def first_true_indices(flags: torch.Tensor) -> torch.Tensor:
@@ -86,6 +87,8 @@ def ppo_rollout(
     whiten_advantages: bool = True,
     score_position: Literal["trl", "last_token"] = "trl",
     kl: torch.Tensor | None = None,
+    group: torch.Tensor | None = None,
+    reward_baseline: str = "none",
 ) -> PPORollout:
     """Turn one rollout batch into rewards, advantages and returns.
 
@@ -94,6 +97,9 @@ def ppo_rollout(
     values: (B, L) critic values read at the position before each response token; scores: (B,) sequence scores of the
     truncated responses. ``missing_eos_penalty`` checks for ``eos_token_id`` even when another stop id is used (TRL).
     ``kl``: (B, L) per-token KL from elsewhere (the whole-vocabulary ``full_kl``) instead of ``kl_estimator``.
+    ``reward_baseline`` (``leave_one_out`` / ``group_mean``, with ``group``: (B,) the prompt of each row): the score
+    less the other samples' of its prompt (seed 002's ``r(x, y) - r(x, y_ref)``, :func:`subtract_reward_baseline`),
+    after the missing-EOS penalty and before the KL penalty; ``PPORollout.scores`` are then the baselined scores.
     """
     num_eos_tokens = (responses == eos_token_id).sum()
     responses = truncate_at_stop(responses, stop_token_id, pad_token_id)
@@ -106,6 +112,11 @@ def ppo_rollout(
     ref_logprobs = ref_logprobs.masked_fill(padding_mask, 0.0)
     values = values.masked_fill(padding_mask_p1, 0.0)
     contains_eos = (responses == eos_token_id).any(dim=1)
+    if reward_baseline != "none":
+        if group is None:
+            raise ValueError(f"reward_baseline {reward_baseline!r} needs group (the prompt of each row)")
+        scores = penalize_missing_eos(scores.to(logprobs.dtype), contains_eos, missing_eos_penalty)
+        scores, missing_eos_penalty = subtract_reward_baseline(scores, group, reward_baseline), None
     kr = kl_penalized_rewards(
         scores,
         logprobs,

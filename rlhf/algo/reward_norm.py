@@ -1,6 +1,8 @@
-"""Reward normalisation by running statistics and reward clipping (OpenRLHF's PPO tricks, seed 002)."""
+"""Reward normalisation by running or fixed statistics and reward clipping (OpenRLHF's PPO tricks, seed 002)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -33,13 +35,34 @@ class RunningMoments:
         return {"count": self.count, "mean": self.mean, "var": self.var}
 
 
+@dataclass(frozen=True)
+class FixedMoments:
+    """Statistics given up front: the reward model's training-set mean and std (OpenRLHF's reward model stores them in
+    its config.json as ``mean`` and ``std`` and divides by the std as it is, with no epsilon)."""
+
+    mean: float
+    std: float
+
+    def __post_init__(self) -> None:
+        if not self.std > 0:
+            raise ValueError(f"the std of fixed reward statistics must be > 0, got {self.std}")
+
+    def update(self, x: torch.Tensor) -> None:
+        """Fixed: nothing to learn from the scores."""
+
+
 def normalize_and_clip(
-    scores: torch.Tensor, moments: RunningMoments | None, clip_range: tuple[float, float] | None, eps: float = 1e-8
+    scores: torch.Tensor,
+    moments: RunningMoments | FixedMoments | None,
+    clip_range: tuple[float, float] | None,
+    eps: float = 1e-8,
 ) -> torch.Tensor:
-    """(B,) scores -> ``(scores - mean) / std`` with ``moments`` (already updated with this batch), then clipped to
-    ``clip_range``; either step is skipped when its argument is None."""
+    """(B,) scores -> ``(scores - mean) / std`` with ``moments`` (running ones already updated with this batch; their
+    std gets ``eps`` added, fixed ones are used as given), then clipped to ``clip_range``; either step is skipped when
+    its argument is None."""
     if moments is not None:
-        scores = (scores - moments.mean) / (moments.std + eps)
+        std = moments.std if isinstance(moments, FixedMoments) else moments.std + eps
+        scores = (scores - moments.mean) / std
     if clip_range is not None:
         scores = scores.clamp(clip_range[0], clip_range[1])
     return scores

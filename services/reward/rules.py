@@ -175,6 +175,17 @@ def prepare_kwargs(name: str, kwargs: dict) -> dict:
     if name == "regex":
         kwargs = dict(kwargs)
         kwargs["pattern"] = compile_regex(kwargs.get("pattern"), kwargs.get("flags", ""), kwargs.get("mode", "search"))
+    elif name == "math_verify":
+        _math_verify_module()  # a missing package fails at start-up, not on every item
+    elif name == "reasoning_gym":
+        if kwargs.get("extract", "answer") not in EXTRACT_MODES:
+            raise ValueError(f"reasoning_gym: extract must be answer, boxed or none, got {kwargs.get('extract')!r}")
+        from rlhf import tasks
+
+        try:
+            tasks.task_names()
+        except ImportError as err:
+            raise ValueError(f"rule 'reasoning_gym': {err}") from None
     return kwargs
 
 
@@ -237,6 +248,79 @@ def char_fraction(prompt: str, response: str, label: str | None, *, chars: str =
     return sum(1 for c in text if c in chars) / len(text)
 
 
+def _math_verify_module():
+    try:
+        import math_verify
+    except ImportError:
+        raise ValueError(
+            "rule 'math_verify' needs the math-verify package: pip install 'rlhf-pipeline[tasks]'"
+        ) from None
+    return math_verify
+
+
+def math_verify(
+    prompt: str,
+    response: str,
+    label: str | None,
+    *,
+    float_rounding: int = 6,
+    strict: bool = True,
+    timeout_s: int = 5,
+) -> float:
+    """1.0 when Hugging Face's math-verify finds the response's answer equal to the label, else 0.0.
+
+    Both sides are parsed to sympy (LaTeX or plain expressions; the response's last ``\\boxed{}`` first) and compared
+    symbolically: ``1+x`` equals ``x+1``, ``\\{2,1\\}`` equals ``\\{1,2\\}``, ``10\\%`` equals ``0.1``, where
+    ``math_answer`` compares numbers or normalised text only. A label that is not already LaTeX-delimited is read as
+    one LaTeX expression. ``timeout_s`` bounds parsing and comparison (a signal alarm, so only on the main thread;
+    elsewhere unbounded)."""
+    label = _need_label(label, "math_verify")
+    mv = _math_verify_module()
+    import threading
+
+    t = timeout_s if timeout_s and threading.current_thread() is threading.main_thread() else None
+    gold_text = label if ("$" in label or "\\boxed" in label) else f"${label}$"
+    gold = mv.parse(gold_text, parsing_timeout=t)
+    if not gold:
+        raise RuleInputError(f"math_verify cannot parse the label {label!r}")
+    got = mv.parse(response, parsing_timeout=t)
+    if not got:
+        return 0.0
+    return 1.0 if mv.verify(gold, got, float_rounding=float_rounding, strict=strict, timeout_seconds=t) else 0.0
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+EXTRACT_MODES = ("answer", "boxed", "none")
+
+
+def reasoning_gym(prompt: str, response: str, label: str | None, *, extract: str = "answer") -> float:
+    """The reasoning-gym task's own verifier (``score_answer``, in [0, 1]) for a prompt of ``data.path:
+    reasoning_gym:<task>``: the label names the generator and entry (:mod:`rlhf.tasks`), rebuilt here.
+
+    ``extract`` picks the answer out of the response: ``answer`` (the last ``<answer>...</answer>``, reasoning-gym's
+    own prompt format; none gives 0.0), ``boxed`` (the last ``\\boxed{}``; none gives 0.0) or ``none`` (the whole
+    response, stripped)."""
+    from rlhf import tasks
+
+    label = _need_label(label, "reasoning_gym")
+    if extract not in EXTRACT_MODES:
+        raise ValueError(f"reasoning_gym: extract must be answer, boxed or none, got {extract!r}")
+    try:
+        ds, entry = tasks.entry_for_label(label)
+    except ValueError as err:
+        raise RuleInputError(str(err)) from None
+    if extract == "answer":
+        found = _ANSWER_TAG.findall(response)
+        answer = found[-1].strip() if found else None
+    elif extract == "boxed":
+        answer = _boxed(response)
+    else:
+        answer = response.strip()
+    if answer is None:
+        return 0.0
+    return float(ds.score_answer(answer, entry))
+
+
 RULES: dict[str, RuleFn] = {
     "char_fraction": char_fraction,
     "math_answer": math_answer,
@@ -244,6 +328,8 @@ RULES: dict[str, RuleFn] = {
     "regex": regex,
     "length": length,
     "format": format_check,
+    "math_verify": math_verify,
+    "reasoning_gym": reasoning_gym,
 }
 
 

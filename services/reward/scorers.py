@@ -6,8 +6,8 @@
   one forward call (:class:`rlhf.serving.batching.MicroBatcher`: what is queued when the model becomes free, no
   waiting when idle). Each row's score depends on that row alone (right padding, attention mask, position ids from
   the mask), so merged scores equal unbatched ones.
-- ``rule``: a function from :mod:`services.reward.rules` (``math_answer``, ``exact_match``, ``regex``, ``length``,
-  ``format``) or a user ``module:function``.
+- ``rule``: a function from :mod:`services.reward.rules` (``math_answer``, ``math_verify``, ``reasoning_gym``,
+  ``exact_match``, ``regex``, ``length``, ``format``) or a user ``module:function``.
 - ``remote``: HTTP POST in OpenRLHF's ``/get_reward`` format with a timeout and bounded retries.
 
 Every item gets a score or an error status: a scorer that fails for an item makes that item's status an error

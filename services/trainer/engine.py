@@ -83,6 +83,8 @@ class TrainerEngine:
         self.ref_model = models.load_reference(cfg, self.device) if cfg.algorithm.kl_penalty == "full" else None
         # reward normalisation: running statistics of every score seen (checkpointed with the optimizers)
         self.reward_moments = algo.RunningMoments() if cfg.algorithm.normalize_reward else None
+        # or fixed statistics (algorithm.reward_norm_stats: given, or the reward model's config.json); exclusive
+        self.reward_stats = models.fixed_reward_stats(cfg)
         self.ptx = models.PtxData(cfg, self.tokenizer) if cfg.actor.ptx_coef > 0 else None
         self.state = TrainerState.from_config(cfg)  # step, policy version, version segments, KL coefficient
         self.generator = torch.Generator().manual_seed(t.seed)
@@ -288,8 +290,9 @@ class TrainerEngine:
         alg = self.cfg.algorithm
         if self.reward_moments is not None:  # rank 0's running statistics; the group gets the normalised scores
             self.reward_moments.update(raw_scores)
-        if self.reward_moments is not None or alg.reward_clip_range is not None:
-            batch.scores = algo.normalize_and_clip(raw_scores, self.reward_moments, alg.reward_clip_range)
+        norm = self.reward_moments if self.reward_moments is not None else self.reward_stats
+        if norm is not None or alg.reward_clip_range is not None:
+            batch.scores = algo.normalize_and_clip(raw_scores, norm, alg.reward_clip_range)
         if self.group is not None:
             with self.commands.lead(STEP, batch=batch):
                 metrics = self._update(batch)
@@ -459,6 +462,8 @@ class TrainerEngine:
                 whiten_advantages=cfg.algorithm.whiten_advantages,
                 score_position=cfg.algorithm.score_position,
                 kl=full_kl,
+                group=b.group,
+                reward_baseline=cfg.algorithm.reward_baseline,
             )
             metrics = algo.rollout_metrics(r)
             metrics.update(self._mismatch(b, old_logprobs, r.response_mask))

@@ -6,8 +6,11 @@ Also the options built for one trainer process only, refused in a torchrun group
 
 from __future__ import annotations
 
+import json
+
 import torch
 
+from rlhf import algo
 from rlhf import distributed as dist
 from rlhf.config import ExperimentConfig
 from rlhf.models import load_causal_lm, load_sequence_classifier, resolve_model_path
@@ -55,6 +58,29 @@ def load_critic(cfg: ExperimentConfig, device: torch.device, group: dist.Group |
     _disable_dropout(critic)
     _prepare(critic, cfg, device, group)
     return critic
+
+
+def fixed_reward_stats(cfg: ExperimentConfig) -> algo.FixedMoments | None:
+    """``algorithm.reward_norm_stats``: the [mean, std] given, or (``reward_model``) the ``mean`` and ``std`` that
+    OpenRLHF's reward-model training writes into the model's config.json; None when not set."""
+    stats = cfg.algorithm.reward_norm_stats
+    if stats is None:
+        return None
+    if stats != "reward_model":
+        return algo.FixedMoments(float(stats[0]), float(stats[1]))
+    spec = cfg.reward.scorers[0].load  # one model scorer of weight 1 (checked at load)
+    path = resolve_model_path(spec) / "config.json"
+    model_config = json.loads(path.read_text())
+    missing = [k for k in ("mean", "std") if not isinstance(model_config.get(k), (int, float))]
+    if missing:
+        raise ValueError(
+            f"algorithm.reward_norm_stats reward_model: {path} has no {' / '.join(repr(k) for k in missing)} (OpenRLHF "
+            "writes them when the reward model is trained with --normalize_reward); give the statistics as "
+            "algorithm.reward_norm_stats: [mean, std], or use normalize_reward (running statistics)"
+        )
+    if not model_config["std"] > 0:
+        raise ValueError(f"algorithm.reward_norm_stats reward_model: {path} has std {model_config['std']}, not > 0")
+    return algo.FixedMoments(float(model_config["mean"]), float(model_config["std"]))
 
 
 def load_reference(cfg: ExperimentConfig, device: torch.device) -> torch.nn.Module:

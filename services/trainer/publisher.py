@@ -19,7 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlhf.config import ExperimentConfig
-from rlhf.data import PromptCursor, encode_prompt, load_prompts
+from rlhf.data import PromptCursor, load_prompts, record_prompt_ids
 from rlhf.retry import retry
 from rlhf.transport import Admission, PromptQueue
 from rlhf.v1 import common_pb2, experience_pb2
@@ -48,10 +48,8 @@ class Publisher:
         records = load_prompts(cfg.data)
         self.cursor = PromptCursor(records, t.seed, cfg.data.shuffle)
         self.prompt_ids = {}
-        for r in records:
-            self.prompt_ids[r.index] = encode_prompt(
-                tokenizer, r.prompt, a.max_prompt_length, a.apply_chat_template, cfg.data.system
-            )
+        for r in records:  # text through the chat template (with the row's system prompt), or preprocessed ids
+            self.prompt_ids[r.index] = record_prompt_ids(tokenizer, r, a.max_prompt_length, a.apply_chat_template)
         # The trained-jobs total is kept here and set absolutely (a retried increment would count twice).
         self.jobs_trained = 0
         self.unpushed_jobs = 0  # jobs trained into weights whose push has not landed yet

@@ -4,6 +4,9 @@ entropy bonus, the save folders and no_load_optim / no_load_rng."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -15,10 +18,11 @@ from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save
 from services.trainer.engine import TrainerEngine
 
 
-def _config(stage: str = "ray_ppo", actor=None, training=None, algorithm=None, data=None, critic=None):
+def _config(stage: str = "ray_ppo", actor=None, training=None, algorithm=None, data=None, critic=None, reward=None):
     n = 2 if stage == "ray_online_dpo" else 4
     return parse_config(
         {
+            **({"reward": reward} if reward else {}),
             "training": {
                 "stage": stage,
                 "device": "cpu",
@@ -224,6 +228,61 @@ def test_normalised_rewards_use_the_running_statistics_and_clipping_bounds_them(
     resumed = TrainerEngine(_config(algorithm={"normalize_reward": True}))
     load_checkpoint(latest_checkpoint(tmp_path), resumed)
     assert resumed.reward_moments.state() == engine.reward_moments.state()
+
+
+def test_fixed_reward_statistics_normalise_with_the_given_or_the_reward_models_mean_and_std(tiny_models, tmp_path):
+    def trained_on(engine, seed=1):
+        seen = []
+        ppo = engine._ppo
+        engine._ppo = lambda b: seen.append(b.scores.clone()) or ppo(b)
+        batch = _batch(engine, seed=seed)
+        engine.step(batch)
+        return torch.tensor([s.score for e in batch for s in e.samples]), seen[0]
+
+    raw, seen = trained_on(TrainerEngine(_config(algorithm={"reward_norm_stats": [0.5, 2.0]})))
+    assert torch.equal(seen, (raw - 0.5) / 2.0)  # fixed: no running update, no epsilon (OpenRLHF's RM)
+    raw, seen = trained_on(TrainerEngine(_config(algorithm={"reward_norm_stats": [0.5, 2.0]})), seed=2)
+    assert torch.equal(seen, (raw - 0.5) / 2.0)
+    # reward_model: the mean and std OpenRLHF's reward-model training writes into the model's config.json
+    rm = tmp_path / "rm"
+    shutil.copytree(tiny_models.reward, rm)
+    model_config = json.loads((rm / "config.json").read_text())
+    (rm / "config.json").write_text(json.dumps({**model_config, "mean": -1.25, "std": 0.5}))
+    cfg = _config(algorithm={"reward_norm_stats": "reward_model"}, reward={"load": str(rm)})
+    raw, seen = trained_on(TrainerEngine(cfg))
+    assert torch.equal(seen, (raw + 1.25) / 0.5)
+    # a reward model trained without them: an error at start that says what to give instead
+    with pytest.raises(ValueError, match=r"has no 'mean' / 'std'.*reward_norm_stats: \[mean, std\]"):
+        TrainerEngine(_config(algorithm={"reward_norm_stats": "reward_model"}))
+
+
+@pytest.mark.parametrize(
+    ("baseline", "penalty", "expected"),
+    [
+        ("none", 0.0, [1.0, 3.0, -2.0, 0.5]),
+        ("leave_one_out", 0.0, [-2.0, 2.0, -2.5, 2.5]),  # r(x, y) - r(x, y_ref): the prompt's other sample
+        ("group_mean", 0.0, [-1.0, 1.0, -1.25, 1.25]),
+        # no response has EOS: the penalty hits both samples of a prompt before the baseline, so it cancels
+        ("leave_one_out", 1.0, [-2.0, 2.0, -2.5, 2.5]),
+        ("none", 1.0, [0.0, 2.0, -3.0, -0.5]),
+    ],
+)
+def test_ppo_reward_baseline_is_subtracted_from_the_scores_ppo_trains_on(
+    tiny_models, monkeypatch, baseline, penalty, expected
+):
+    rollouts = []
+    real = algo.ppo_rollout
+    monkeypatch.setattr(algo, "ppo_rollout", lambda *a, **kw: rollouts.append(real(*a, **kw)) or rollouts[-1])
+    algorithm = {"reward_baseline": baseline, "missing_eos_penalty": penalty}
+    engine = TrainerEngine(_config(actor={"n_samples_per_prompt": 2}, algorithm=algorithm))
+    batch = _batch(engine)
+    for sample, score in zip([s for e in batch for s in e.samples], [1.0, 3.0, -2.0, 0.5], strict=True):
+        sample.score = score
+    engine.step(batch)
+    (r,) = rollouts
+    assert r.scores.tolist() == expected
+    # the per-token rewards GAE reads: the KL penalty, plus the baselined score at the score position
+    torch.testing.assert_close((r.rewards - r.non_score_reward).sum(1), torch.tensor(expected), rtol=0, atol=1e-6)
 
 
 def test_online_dpo_minibatches_epochs_and_entropy_bonus(tiny_models):

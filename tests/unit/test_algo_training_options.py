@@ -140,6 +140,48 @@ def test_clipped_rewards_stay_in_range():
     assert normed.min() >= -1.0 and normed.max() <= 1.0 and normed[0] == -1.0 and normed[-1] == 1.0
 
 
+def test_fixed_moments_normalise_with_the_given_mean_and_std_exactly():
+    x = torch.tensor([-1.0, 0.0, 0.5, 3.0])
+    fixed = algo.FixedMoments(0.5, 2.0)
+    fixed.update(x)  # fixed: nothing learnt from the scores
+    assert algo.normalize_and_clip(x, fixed, None).tolist() == [-0.75, -0.25, 0.0, 1.25]
+    assert algo.normalize_and_clip(x, fixed, (-0.5, 0.5)).tolist() == [-0.5, -0.25, 0.0, 0.5]
+    with pytest.raises(ValueError, match="std"):
+        algo.FixedMoments(0.0, 0.0)
+
+
+def test_reward_baseline_subtracts_the_other_samples_of_the_prompt():
+    scores = torch.tensor([1.0, 4.0, -2.0, 7.0, 0.5, 3.0])
+    group = torch.tensor([0, 0, 1, 0, 1, 2])  # prompt 0: rows 0, 1, 3; prompt 1: rows 2, 4; prompt 2: row 5 alone
+    loo = algo.subtract_reward_baseline(scores, group, "leave_one_out")
+    assert loo.tolist() == [1.0 - 5.5, 4.0 - 4.0, -2.0 - 0.5, 7.0 - 2.5, 0.5 + 2.0, 0.0]
+    mean = algo.subtract_reward_baseline(scores, group, "group_mean")
+    assert mean.tolist() == [1.0 - 4.0, 0.0, -2.0 + 0.75, 3.0, 0.5 + 0.75, 0.0]
+    assert algo.subtract_reward_baseline(scores, group, "none") is scores
+    with pytest.raises(ValueError, match="reward baseline"):
+        algo.subtract_reward_baseline(scores, group, "mean")
+
+
+def test_ppo_rollout_puts_the_baselined_score_after_the_eos_penalty_and_before_the_kl():
+    responses = torch.tensor([[5, 6, 2, 0], [5, 6, 7, 8], [5, 2, 0, 0], [6, 7, 8, 9]])  # eos 2, pad 0
+    logprobs, ref = -torch.rand(4, 4), -torch.rand(4, 4)
+    kw = dict(pad_token_id=0, eos_token_id=2, kl_coef=0.1, missing_eos_penalty=1.0, whiten_advantages=False)
+    scores, group = torch.tensor([2.0, 1.0, 0.0, 3.0]), torch.tensor([0, 0, 1, 1])
+    base = algo.ppo_rollout(responses, logprobs, ref, torch.zeros(4, 4), scores, **kw)
+    out = algo.ppo_rollout(
+        responses, logprobs, ref, torch.zeros(4, 4), scores, group=group, reward_baseline="leave_one_out", **kw
+    )
+    # penalised scores [2, 0, 0, 2] (rows 1 and 3 have no EOS), then minus the other sample's
+    assert out.scores.tolist() == [2.0, -2.0, -2.0, 2.0]
+    assert base.scores.tolist() == [2.0, 0.0, 0.0, 2.0]
+    torch.testing.assert_close(out.non_score_reward, base.non_score_reward)
+    # the per-token rewards differ by the baseline alone, at the score position
+    torch.testing.assert_close((out.rewards - base.rewards).sum(1), torch.tensor([0.0, -2.0, -2.0, 0.0]))
+    assert ((out.rewards - base.rewards) != 0).sum().item() == 2
+    with pytest.raises(ValueError, match="needs group"):
+        algo.ppo_rollout(responses, logprobs, ref, torch.zeros(4, 4), scores, reward_baseline="group_mean", **kw)
+
+
 def test_sft_loss_is_the_mean_next_token_nll_over_real_tokens():
     torch.manual_seed(1)
     logits = torch.randn(2, 5, 7)

@@ -32,6 +32,8 @@ INTERVALS = (
 ROLLOUT_SETTINGS = "tests/unit/test_rollout_engine_settings.py::"
 SEEDS = "tests/unit/test_config_seeds.py::"
 DEVICES = "tests/unit/test_devices.py::"
+SOURCES = "tests/unit/test_data_sources.py::"
+VERIFIERS = "tests/unit/test_rules_verifiers.py::"
 ENGINE_SMALL = TO + "test_tokenizer_sampling_mode_adam_settings_and_vf_coef_reach_the_engine"
 PER_ROLE = "tests/unit/test_algo_training_options.py::test_per_role_optimizer_fields_override_the_training_section"
 CRITIC_OPTIM = (
@@ -267,6 +269,15 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "algorithm.missing_eos_penalty": [PPO_PARITY, DPO_PARITY],
     "algorithm.normalize_reward": [TO + "test_normalised_rewards_use_the_running_statistics_and_clipping_bounds_them"],
     "algorithm.reward_clip_range": [TO + "test_normalised_rewards_use_the_running_statistics_and_clipping_bounds_them"],
+    "algorithm.reward_norm_stats": [
+        TO + "test_fixed_reward_statistics_normalise_with_the_given_or_the_reward_models_mean_and_std",
+        "tests/unit/test_algo_training_options.py::test_fixed_moments_normalise_with_the_given_mean_and_std_exactly",
+    ],
+    "algorithm.reward_baseline": [
+        TO + "test_ppo_reward_baseline_is_subtracted_from_the_scores_ppo_trains_on",
+        "tests/unit/test_algo_training_options.py::"
+        "test_ppo_rollout_puts_the_baselined_score_after_the_eos_penalty_and_before_the_kl",
+    ],
     "algorithm.whiten_rewards": [PPO_PARITY],
     "algorithm.whiten_advantages": [PPO_PARITY, RLOO_PARITY],
     "algorithm.score_position": ["tests/unit/test_algo_ppo.py::test_ppo_rollout_score_positions"],
@@ -286,8 +297,25 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "resource_pool.ref": [DEVICES + "test_seed_004_gets_one_device_per_role_in_order"],
     "resource_pool.critic": [SEEDS + "test_options_that_only_make_sense_together_are_checked_at_load"],
     "resource_pool.reward": [DEVICES + "test_seed_004_gets_one_device_per_role_in_order"],
-    "data.path": [DATA + "test_a_json_array_and_json_lines_both_load_with_the_key_map"],
-    "data.map_keys": [DATA + "test_a_json_array_and_json_lines_both_load_with_the_key_map"],
+    "data.path": [
+        DATA + "test_a_json_array_and_json_lines_both_load_with_the_key_map",
+        SOURCES + "test_mindspeed_preprocessed_prefix_is_read_as_prompt_ids",
+        VERIFIERS + "test_a_reasoning_gym_task_is_a_seeded_data_source_whose_labels_recover_the_entry",
+    ],
+    "data.map_keys": [
+        DATA + "test_a_json_array_and_json_lines_both_load_with_the_key_map",
+        SOURCES + "test_alpaca_map_keys_join_prompt_and_query_and_take_the_rows_system_prompt",
+    ],
+    "data.generator_size": [
+        VERIFIERS + "test_a_reasoning_gym_task_is_a_seeded_data_source_whose_labels_recover_the_entry"
+    ],
+    "data.generator_seed": [
+        VERIFIERS + "test_a_reasoning_gym_task_is_a_seeded_data_source_whose_labels_recover_the_entry"
+    ],
+    "data.generator_options": [
+        VERIFIERS + "test_a_reasoning_gym_task_is_a_seeded_data_source_whose_labels_recover_the_entry",
+        VERIFIERS + "test_generator_config_errors_name_the_key",
+    ],
     "data.pretrain_data": [
         TO + "test_ptx_loss_enters_the_gradient_with_its_coefficient",
         DATA + "test_bad_json_files_are_config_errors_naming_the_key",

@@ -23,8 +23,23 @@ def test_seed_000_ppo_snippet_loads_with_its_save_folders():
     assert config_warning(cfg) is None  # nothing in it is Megatron-only
 
 
+SEED_004 = SEEDS / "ray_online_dpo_full_llama32_1b_tp1pp1.yaml"
+SEED_004_DATA = "data.path=/data/ppo/llama32-ppo-trl/alpaca"  # its actor data_path, given as data.path
+
+
+def test_seed_004_without_data_path_is_an_error_naming_its_data_path_not_the_demo_prompts():
+    with pytest.raises(ConfigError) as err:
+        load_config(SEED_004)
+    msg = str(err.value)
+    assert "actor_rollout_ref.actor_rollout.data_path" in msg and "data.path" in msg
+    assert "/data/ppo/llama32-ppo-trl/alpaca" in msg
+    cfg = load_config(SEED_004, [SEED_004_DATA])  # with data.path set: the seed's prefix is the data set
+    assert cfg.data.path == "/data/ppo/llama32-ppo-trl/alpaca"
+    assert any(n.startswith("actor_rollout_ref.actor_rollout.data_path: ") for n in cfg.notes)
+
+
 def test_seed_004_online_dpo_test_config_loads_mapped_and_warned():
-    cfg = load_config(SEEDS / "ray_online_dpo_full_llama32_1b_tp1pp1.yaml")
+    cfg = load_config(SEED_004, [SEED_004_DATA])
     a = cfg.actor
     # mapped to this project's fields
     assert cfg.training.stage == "ray_online_dpo" and cfg.training.no_load_optim and cfg.training.no_load_rng
@@ -61,6 +76,26 @@ def test_a_misspelt_key_is_an_error_that_suggests_the_closest():
         parse_config({"algorithm": {"kl_ctrl": {"kl_coeff": 0.1}}})
     with pytest.raises(ConfigError, match="unknown key"):
         parse_config({"training": {"completely_unrelated": 1}})
+
+
+@pytest.mark.parametrize(
+    ("data", "key", "message"),
+    [
+        ({"critic": {"lora_r": 8}}, "critic.lora_r", "the critic with LoRA is not built.*actor_rollout.lora_r"),
+        ({"critic": {"lora_alpha": 16}}, "critic.lora_alpha", "remove the key.*smaller critic.load"),
+        (
+            {"actor_rollout_ref": {"actor_rollout": {"load_in_4bit": True}}},
+            "actor_rollout_ref.actor_rollout.load_in_4bit",
+            r"4-bit / 8-bit \(QLoRA, bitsandbytes\) loading is not built.*remove the key.*actor_rollout.lora_r",
+        ),
+        ({"critic": {"load_in_4bit": True}}, "critic.load_in_4bit", "QLoRA"),
+        ({"training": {"bnb_4bit_quant_type": "nf4"}}, "training.bnb_4bit_quant_type", "QLoRA"),
+    ],
+)
+def test_seed_001_keys_that_are_not_built_are_refused_with_what_to_use(data, key, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_config(data)
+    assert f"{key}: " in str(err.value) and "unknown key" not in str(err.value)
 
 
 def test_a_mini_batch_key_is_never_offered_for_a_micro_batch_key():
@@ -209,6 +244,27 @@ def test_a_mapped_key_that_contradicts_its_target_is_an_error():
         ),
         ({"training": {"lr": 1e-5, "min_lr": 1e-6}, "critic": {"lr": 1e-7}}, "set critic.min_lr"),
         (
+            {"algorithm": {"normalize_reward": True, "reward_norm_stats": [0.0, 1.0]}},
+            "algorithm.normalize_reward .* and algorithm.reward_norm_stats .* keep one of them",
+        ),
+        ({"algorithm": {"reward_norm_stats": [0.0, -1.0]}}, r"must be \[mean, std\] with std > 0"),
+        (
+            {
+                "algorithm": {"reward_norm_stats": "reward_model"},
+                "reward": {"scorers": [{"type": "rule", "name": "x"}]},
+            },
+            "not one model scorer of weight 1; give the combined score's statistics as",
+        ),
+        ({"algorithm": {"reward_baseline": "leave_one_out"}}, "n_samples_per_prompt is 1: set it to 2 or more"),
+        (
+            {
+                "training": {"stage": "ray_grpo"},
+                "actor_rollout_ref": {"actor_rollout": {"n_samples_per_prompt": 4}},
+                "algorithm": {"reward_baseline": "group_mean"},
+            },
+            r"algorithm.reward_baseline is not used by training.stage ray_grpo \(only by ray_ppo\)",
+        ),
+        (
             {"resource_pool": {"critic": [1]}},
             r"resource_pool.critic \[1\]: the critic trains inside the trainer process.*num_gpus_for_train",
         ),
@@ -222,6 +278,6 @@ def test_options_that_only_make_sense_together_are_checked_at_load(data, message
 def test_rlhf_up_prints_the_not_applicable_keys_once_before_starting():
     from rlhf import preflight
 
-    report = preflight.check(load_config(SEEDS / "ray_online_dpo_full_llama32_1b_tp1pp1.yaml"))
+    report = preflight.check(load_config(SEED_004, [SEED_004_DATA]))
     mine = [w for w in report.warnings if w.startswith("config keys accepted but not applicable here")]
     assert len(mine) == 1 and "training.distributed_backend" in mine[0]

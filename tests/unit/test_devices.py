@@ -20,7 +20,9 @@ def _cfg(actor=None, pool=None):
 def test_seed_004_gets_one_device_per_role_in_order(tmp_path):
     from rlhf.config import load_config
 
-    cfg = load_config(SEED_004)  # actor_rollout [2] = 1 train + 1 infer, ref [1], reward [1]
+    cfg = load_config(
+        SEED_004, ["data.path=/data/ppo/llama32-ppo-trl/alpaca"]
+    )  # actor_rollout [2] = 1 train + 1 infer, ref [1], reward [1]
     replicas = rollout_replicas(cfg, None)
     plan = plan_devices(cfg, ["0", "1", "2", "3", "4"], replicas, "CUDA_VISIBLE_DEVICES")
     assert (plan.trainer, plan.rollouts, plan.reference, plan.reward) == (["0"], [["1"]], ["2"], ["3"])
