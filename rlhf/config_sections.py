@@ -244,24 +244,131 @@ class CriticConfig(Section):
     min_lr: float | None = _f(None, "critic final learning rate (default training.min_lr)", ge=0)
 
 
+JUDGE_TEMPLATE_FIELDS = ("prompt", "response", "label")
+
+
+def template_fields(template: str) -> list[str]:
+    """The replacement fields of a str.format ``template`` as written ("" for ``{}``); ValueError if malformed."""
+    import string
+
+    return [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+
+
+def _template_problem(template: str) -> str | None:
+    """Why ``template`` is not a str.format template over :data:`JUDGE_TEMPLATE_FIELDS` only, or None. Plain names
+    only: ``{prompt.x}`` or ``{prompt[0]}`` would reach into attributes at scoring time."""
+    try:
+        fields = template_fields(template)
+    except ValueError as err:
+        return f"is not a str.format template ({err}); write a literal brace as {{{{ or }}}}"
+    for f in fields:
+        if f not in JUDGE_TEMPLATE_FIELDS:
+            shown = "{" + f + "}" if f else "{}"
+            return (
+                f"uses {shown}, which is not a field: use {{prompt}}, {{response}} and {{label}} only (write a literal "
+                "brace as {{ or }})"
+            )
+    return None
+
+
+class JudgeConfig(Section):
+    base_url: str | None = _f(
+        None,
+        "the OpenAI-compatible server (http://host:port; a trailing /v1 is allowed); the judge posts to "
+        "{base_url}/v1/chat/completions",
+    )
+    model: str | None = _f(None, "the model name sent in each request (null: left out, for servers of one model)")
+    api_key_env: str | None = _f(
+        None,
+        "name of the environment variable holding the API key (sent as a Bearer token); the key never goes in "
+        "the config",
+    )
+    template: str | None = _f(
+        None, "the user message: a str.format template with the fields {prompt}, {response} and {label}"
+    )
+    system: str | None = _f(None, "a system message sent before the user message, as written (no fields)")
+    temperature: float = _f(0.0, "sampling temperature of the judge (0: greedy, the same verdict every time)", ge=0)
+    max_tokens: int = _f(16, "the judge's reply length limit in tokens", gt=0)
+    concurrency: int = _f(16, "requests in flight to the judge at most, over all reward requests", gt=0)
+    parser: Literal["numeric", "yes_no", "choice"] = _f(
+        "yes_no",
+        "how the reply becomes a score: numeric (a number in it), yes_no (yes: 1, no: 0) or choice (choices' score)",
+    )
+    pattern: str | None = _f(
+        None,
+        "a regular expression searched in the reply; its first group (else the whole match) is the verdict. Default: "
+        "numeric, the first number; yes_no and choice, the first word(s) of the reply",
+    )
+    range: tuple[float, float] | None = _f(
+        None, "numeric: [low, high], the judge's scale; a number outside it is an error status, not clipped"
+    )
+    normalize: bool = _f(False, "numeric: map range [low, high] onto [0, 1]")
+    choices: dict[str, float] | None = _f(None, "choice: each verdict (matched case-insensitively) and its score")
+    extra_body: dict[str, Any] = _f({}, "more fields for each request body (e.g. seed, or a server's own options)")
+
+    @model_validator(mode="after")
+    def _check(self) -> JudgeConfig:
+        # each message names the key, so a config error points at the line to change
+        # (base_url and template are required by ScorerConfig for type judge: the default section has neither)
+        if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"judge.base_url {self.base_url!r} must start with http:// or https://")
+        problem = _template_problem(self.template) if self.template is not None else None
+        if problem:
+            raise ValueError(f"judge.template {problem}")
+        if self.pattern is not None:
+            import re
+
+            try:
+                re.compile(self.pattern)
+            except re.error as err:
+                raise ValueError(f"judge.pattern is not a regular expression: {err}") from None
+        if self.parser == "choice":
+            if not self.choices:
+                raise ValueError("judge.choices is required with parser choice: a map of verdict -> score")
+            folded = [k.strip().casefold() for k in self.choices]
+            if "" in folded or len(set(folded)) != len(folded):
+                raise ValueError("judge.choices needs non-empty verdicts that differ ignoring case")
+        elif self.choices is not None:
+            raise ValueError(f"judge.choices is read by parser choice only, not {self.parser}")
+        if self.parser != "numeric" and (self.range is not None or self.normalize):
+            raise ValueError(f"judge.range and judge.normalize are read by parser numeric only, not {self.parser}")
+        if self.range is not None and not self.range[0] < self.range[1]:
+            raise ValueError(f"judge.range {list(self.range)} must be [low, high] with low < high")
+        if self.normalize and self.range is None:
+            raise ValueError("judge.normalize needs judge.range: the [low, high] to map onto [0, 1]")
+        if "messages" in self.extra_body or "stream" in self.extra_body:
+            raise ValueError("judge.extra_body cannot set messages or stream: the judge builds them")
+        return self
+
+
 class ScorerConfig(Section):
-    type: Literal["model", "rule", "remote"] = _f("rule", "model: reward model; rule: a Python function; remote: HTTP")
+    type: Literal["model", "rule", "remote", "judge"] = _f(
+        "rule", "model: reward model; rule: a Python function; remote: HTTP; judge: an LLM asked over a chat API"
+    )
     name: str | None = _f(
         None,
         "rule name from the registry, or module:function for a user function (imported from the working directory)",
     )
     load: str | None = _f(None, "reward model directory (type model), or tiny:reward")
     url: str | None = _f(None, "remote scorer URL speaking OpenRLHF's /get_reward format (type remote)")
+    judge: JudgeConfig = _f(JudgeConfig(), "type judge: the chat endpoint, template and verdict parser")
     weight: float = _f(1.0, "weight of this scorer in the combined reward")
-    timeout_s: float = _f(30.0, "per-call timeout (remote)", gt=0)
-    retries: int = _f(2, "retries after a failed remote call", ge=0)
+    timeout_s: float = _f(30.0, "per-call timeout (remote, judge)", gt=0)
+    retries: int = _f(2, "retries after a failed call (remote, judge: timeouts, HTTP 5xx and 429)", ge=0)
     kwargs: dict[str, Any] = _f({}, "extra keyword arguments for a rule function")
 
     @model_validator(mode="after")
     def _check(self) -> ScorerConfig:
-        needed = {"model": "load", "rule": "name", "remote": "url"}[self.type]
-        if getattr(self, needed) is None:
-            raise ValueError(f"a scorer of type {self.type!r} needs '{needed}'")
+        if self.type == "judge":
+            for key, what in (("base_url", "the OpenAI-compatible server to ask"), ("template", "the user message")):
+                if not getattr(self.judge, key):
+                    raise ValueError(f"a scorer of type 'judge' needs judge.{key}: {what}")
+        else:
+            needed = {"model": "load", "rule": "name", "remote": "url"}[self.type]
+            if getattr(self, needed) is None:
+                raise ValueError(f"a scorer of type {self.type!r} needs '{needed}'")
+            if self.judge != JudgeConfig():  # (compared by value: a dumped and reloaded config carries the default)
+                raise ValueError(f"'judge' is read by scorers of type judge only, not {self.type!r}")
         return self
 
 

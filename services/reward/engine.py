@@ -11,6 +11,7 @@ from typing import Any
 from rlhf.config import ExperimentConfig
 from rlhf.serving import InvalidArgument, NotReady, ServiceMetrics
 from services.reward import rules
+from services.reward.http_scorers import JudgeScorer, RemoteScorer
 from services.reward.scorers import (
     INVALID_INPUT,
     OK,
@@ -19,7 +20,6 @@ from services.reward.scorers import (
     Failure,
     Item,
     ModelScorer,
-    RemoteScorer,
     RuleScorer,
     ScoreOutcome,
     Scorer,
@@ -58,7 +58,12 @@ class RewardEngine:
         self.scorers: list[Scorer] = []
         seen: dict[str, int] = {}
         for i, sc in enumerate(cfg.reward.scorers):
-            base = {"rule": (sc.name or "rule").rsplit(":", 1)[-1], "model": "model", "remote": "remote"}[sc.type]
+            base = {
+                "rule": (sc.name or "rule").rsplit(":", 1)[-1],
+                "model": "model",
+                "remote": "remote",
+                "judge": "judge",
+            }[sc.type]
             seen[base] = seen.get(base, 0) + 1
             name = base if seen[base] == 1 else f"{base}#{seen[base]}"
             try:
@@ -70,6 +75,8 @@ class RewardEngine:
                         sc, name, self.device, cfg.reward.micro_batch_size, metrics, t.padding_free, t.bf16
                     )
                     self.scorers.append(scorer)
+                elif sc.type == "judge":
+                    self.scorers.append(JudgeScorer(sc, name))
                 else:
                     self.scorers.append(RemoteScorer(sc, name))
             except ValueError as err:

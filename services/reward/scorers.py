@@ -8,7 +8,9 @@
   the mask), so merged scores equal unbatched ones.
 - ``rule``: a function from :mod:`services.reward.rules` (``math_answer``, ``math_verify``, ``reasoning_gym``,
   ``exact_match``, ``regex``, ``length``, ``format``) or a user ``module:function``.
-- ``remote``: HTTP POST in OpenRLHF's ``/get_reward`` format with a timeout and bounded retries.
+- ``remote`` and ``judge`` (:mod:`services.reward.http_scorers`): HTTP POST in OpenRLHF's ``/get_reward`` format,
+  or an LLM asked over an OpenAI-compatible chat API (``reward.scorers[].judge``: a template renders each item into
+  the question, a parser (numeric, yes/no, choice list) reads the verdict in the reply).
 
 Every item gets a score or an error status: a scorer that fails for an item makes that item's status an error
 (``scorer_error``, ``timeout`` or ``invalid_input``), never a score of 0. A request that is malformed as a whole
@@ -24,15 +26,15 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rlhf.config import ScorerConfig
-from rlhf.retry import retry
 from rlhf.serving import InvalidArgument, NotReady, ServiceMetrics
 from rlhf.serving.batching import MicroBatcher
 from services.reward import rules
 
 log = logging.getLogger("rlhf.reward")
+T = TypeVar("T")
 
 OK, INVALID_INPUT, SCORER_ERROR, TIMEOUT = "ok", "invalid_input", "scorer_error", "timeout"
 STATUSES = (OK, INVALID_INPUT, SCORER_ERROR, TIMEOUT)
@@ -332,108 +334,3 @@ class ModelScorer(Scorer):
             log.exception("reward model %s failed", self.name)
             return [Failure(SCORER_ERROR, f"scorer {self.name!r} failed: {type(err).__name__}: {err}")] * len(items)
         return [v if math.isfinite(v) else Failure(SCORER_ERROR, f"scorer {self.name!r} produced {v}") for v in values]
-
-
-class RemoteScorer(Scorer):
-    """OpenRLHF's remote reward protocol: POST ``{"query", "prompts", "labels"}`` -> ``{"rewards": [...]}``."""
-
-    type = "remote"
-
-    def __init__(self, cfg: ScorerConfig, name: str):
-        super().__init__(cfg, name)
-        self.url = cfg.url or ""
-        self.timeout = cfg.timeout_s
-        self.retries = cfg.retries
-        self._client = None
-
-    def _http(self):
-        import httpx
-
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout))
-        return self._client
-
-    async def _call(self, body: dict[str, Any]) -> list[Any]:
-        resp = await asyncio.wait_for(self._http().post(self.url, json=body), timeout=self.timeout)
-        if resp.status_code >= 400:
-            raise _HTTPStatus(resp.status_code, resp.text[:200])
-        data = resp.json()
-        rewards = data.get("rewards") if isinstance(data, dict) else data
-        if not isinstance(rewards, list):
-            raise ValueError("the answer has no 'rewards' list")
-        return rewards
-
-    async def score(self, items: list[Item]) -> list[float | Failure]:
-        import httpx
-
-        body = {
-            "query": [it.prompt + it.response for it in items],
-            "prompts": [it.prompt for it in items],
-            "labels": [it.label for it in items],
-        }
-        attempts = 0
-        who = f"scorer {self.name!r}: {self.url}"
-
-        async def attempt() -> list[float | Failure]:
-            nonlocal attempts
-            attempts += 1
-            try:
-                rewards = await self._call(body)
-            except (TimeoutError, httpx.TimeoutException):
-                raise _Failed(TIMEOUT, f"{who} did not answer within {self.timeout}s ({attempts} attempt(s))") from None
-            except _HTTPStatus as err:
-                # 4xx other than 429: the request itself is wrong, and retrying will not help
-                again = err.status >= 500 or err.status == 429
-                raise _Failed(SCORER_ERROR, f"{who} answered HTTP {err.status}: {err.text}", again) from None
-            except (httpx.HTTPError, OSError) as err:
-                raise _Failed(
-                    SCORER_ERROR, f"scorer {self.name!r}: cannot reach {self.url}: {type(err).__name__}"
-                ) from None
-            except ValueError as err:
-                raise _Failed(SCORER_ERROR, f"scorer {self.name!r}: bad answer from {self.url}: {err}") from None
-            if len(rewards) != len(items):
-                raise _Failed(SCORER_ERROR, f"{who} returned {len(rewards)} rewards for {len(items)} items")
-            out: list[float | Failure] = []
-            for r in rewards:
-                try:
-                    v = float(r)
-                except (TypeError, ValueError):
-                    out.append(Failure(SCORER_ERROR, f"scorer {self.name!r}: reward {r!r} is not a number"))
-                    continue
-                out.append(v if math.isfinite(v) else Failure(SCORER_ERROR, f"scorer {self.name!r}: reward {v}"))
-            return out
-
-        try:
-            return await retry(
-                attempt,
-                lambda err: isinstance(err, _Failed) and err.retry,
-                what=f"scorer {self.name!r}",
-                log=log,
-                attempts=self.retries + 1,
-                initial_s=0.1,
-                max_s=2.0,
-                level=logging.INFO,
-            )
-        except _Failed as err:
-            self.report_failure(err.failure.message)
-            return [err.failure] * len(items)
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-
-
-class _Failed(Exception):
-    """One failed attempt of a remote scorer: the Failure every item gets if it is the last, and whether another
-    attempt may succeed."""
-
-    def __init__(self, status: int, message: str, retry: bool = True):
-        super().__init__(message)
-        self.failure, self.retry = Failure(status, message), retry
-
-
-class _HTTPStatus(Exception):
-    def __init__(self, status: int, text: str):
-        super().__init__(f"HTTP {status}")
-        self.status, self.text = status, text

@@ -4,16 +4,13 @@ remote scorers against a real local HTTP server that fails or hangs (an error st
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import http.server
-import json
 import math
-import threading
 import time
 
 import grpc
 import httpx
 import pytest
+from _http_stub import JSONHandler, score_and_close, serve
 
 from rlhf.config import parse_config
 from rlhf.v1 import common_pb2, reward_pb2, reward_pb2_grpc
@@ -205,18 +202,9 @@ def test_openapi_fuzz_finds_no_server_errors(reward_svc):
 # ------------------------------------------------------------------------------------- remote scorer (real HTTP server)
 
 
-class _Remote(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-    calls: dict[str, int]
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    def log_message(self, *a):  # quiet
-        pass
-
+class _Handler(JSONHandler):
     def do_POST(self):  # noqa: N802
-        n = int(self.headers.get("content-length", 0))
-        body = json.loads(self.rfile.read(n))
+        body = self.read_json()
         self.server.calls[self.path] = self.server.calls.get(self.path, 0) + 1
         if self.path == "/slow":
             time.sleep(1.5)
@@ -235,25 +223,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             200, {"rewards": [float(len(q) - len(p)) for q, p in zip(body["query"], body["prompts"], strict=True)]}
         )
 
-    def _send(self, code, obj):
-        data = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        with contextlib.suppress(BrokenPipeError):
-            self.wfile.write(data)
-
 
 @pytest.fixture(scope="module")
 def remote():
-    srv = _Remote(("127.0.0.1", 0), _Handler)
-    srv.calls = {}
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    with serve(_Handler) as srv:
+        srv.calls = {}
+        yield srv
 
 
 def _engine(url: str, **kw) -> RewardEngine:
@@ -264,13 +239,7 @@ def _engine(url: str, **kw) -> RewardEngine:
 
 
 def _score(eng: RewardEngine, items: list[Item]):
-    async def go():
-        try:
-            return await eng.score(items)
-        finally:
-            await eng.close()
-
-    return asyncio.run(go())
+    return score_and_close(eng, items)
 
 
 ITEMS2 = [Item("what is 1 plus 1?", " 2", "2"), Item("say hi", "hi there", "hi there")]
@@ -440,7 +409,6 @@ def test_regex_without_pattern_refused_by_the_service(start_service):
 def test_a_raising_user_scorer_is_logged_with_its_traceback_rate_limited(tmp_path, monkeypatch, caplog):
     """A user's function that raises shows in the reward service's log (once per window, with the count left out),
     not only as an error status in the samples."""
-    import asyncio
     import logging
     import sys
 

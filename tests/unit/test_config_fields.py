@@ -243,6 +243,48 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         "tests/integration/test_reward_service.py::test_regex_pattern_comes_from_the_config_only"
     ],
     "reward.micro_batch_size": ["tests/integration/test_engine_batching.py::test_reward_model_merged_equals_alone"],
+    "reward.scorers[].judge.base_url": [
+        "tests/integration/test_judge_scorer.py::test_request_template_system_model_and_api_key",
+        "tests/integration/test_judge_scorer.py::test_rollout_service_as_judge",
+    ],
+    "reward.scorers[].judge.model": [
+        "tests/integration/test_judge_scorer.py::test_request_template_system_model_and_api_key",
+        "tests/integration/test_judge_scorer.py::test_defaults_send_no_key_and_no_model",
+    ],
+    "reward.scorers[].judge.api_key_env": [
+        "tests/integration/test_judge_scorer.py::test_request_template_system_model_and_api_key",
+        "tests/integration/test_judge_scorer.py::test_api_key_variable_must_be_set",
+    ],
+    "reward.scorers[].judge.template": [
+        "tests/integration/test_judge_scorer.py::test_request_template_system_model_and_api_key",
+        "tests/integration/test_judge_scorer.py::test_label_needed_by_the_template_and_text_prompts",
+    ],
+    "reward.scorers[].judge.system": [
+        "tests/integration/test_judge_scorer.py::test_request_template_system_model_and_api_key"
+    ],
+    "reward.scorers[].judge.temperature": [
+        "tests/integration/test_judge_scorer.py::test_request_template_system_model_and_api_key",
+        "tests/integration/test_judge_scorer.py::test_defaults_send_no_key_and_no_model",
+    ],
+    "reward.scorers[].judge.max_tokens": [
+        "tests/integration/test_judge_scorer.py::test_request_template_system_model_and_api_key",
+        "tests/integration/test_judge_scorer.py::test_defaults_send_no_key_and_no_model",
+    ],
+    "reward.scorers[].judge.concurrency": ["tests/integration/test_judge_scorer.py::test_concurrency_bound"],
+    "reward.scorers[].judge.parser": ["tests/integration/test_judge_scorer.py::test_parsers"],
+    "reward.scorers[].judge.pattern": [
+        "tests/integration/test_judge_scorer.py::test_parsers",
+        "tests/integration/test_judge_scorer.py::test_rollout_service_as_judge",
+    ],
+    "reward.scorers[].judge.range": ["tests/integration/test_judge_scorer.py::test_parsers"],
+    "reward.scorers[].judge.normalize": ["tests/integration/test_judge_scorer.py::test_parsers"],
+    "reward.scorers[].judge.choices": [
+        "tests/integration/test_judge_scorer.py::test_parsers",
+        "tests/integration/test_judge_scorer.py::test_rollout_service_as_judge",
+    ],
+    "reward.scorers[].judge.extra_body": [
+        "tests/integration/test_judge_scorer.py::test_request_template_system_model_and_api_key"
+    ],
     "reward.load": MAPPED + " shorthand: replaces reward.scorers with one model scorer (rlhf/config.py), whose load "
     "is tested above; " + SEEDS + "test_seed_000_ppo_snippet_loads_with_its_save_folders checks the mapping",
     "reward.max_failed_fraction": [
