@@ -24,6 +24,7 @@ from rlhf.config_rules import (
     CRITIC_FREE,
     check_algorithm,
     check_rollout,
+    eval_problems,
     inherit_micro_batch_size,
     mindspeed_default_notes,
     not_built_message,
@@ -37,6 +38,7 @@ from rlhf.config_sections import (
     ConfigError,
     CriticConfig,
     DataConfig,
+    EvalConfig,
     ResourcePoolConfig,
     RewardConfig,
     ScorerConfig,
@@ -64,6 +66,7 @@ class ExperimentConfig(Section):
     algorithm: AlgorithmConfig = Field(AlgorithmConfig(), description="advantages, KL and losses")
     resource_pool: ResourcePoolConfig = Field(ResourcePoolConfig(), description="devices per role")
     data: DataConfig = Field(DataConfig(), description="prompt data set")
+    eval: EvalConfig = Field(EvalConfig(), description="evaluation on held-out prompts during training")
     # Keys of a MindSpeed config that do not apply here, one line each (config_compat); warned about once at start-up
     _notes: list[str] = PrivateAttr(default_factory=list)
     # Fields a MindSpeed-style config leaves out whose default here differs from MindSpeed's; in the same warning
@@ -156,6 +159,7 @@ class ExperimentConfig(Section):
                 "preference to learn); set do_sample: true"
             )
         problems += optimization_problems(self)
+        problems += eval_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         check_algorithm(self.training.stage, self.algorithm)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf.config_sections import AlgorithmConfig, CriticConfig
+from rlhf.config_sections import DATA_MAP_KEYS, AlgorithmConfig, CriticConfig
 
 # The rules take the rlhf.config.ExperimentConfig being validated (it calls them); importing its class here, even
 # for the type checker only, would make the two modules import each other.
@@ -311,4 +311,32 @@ def mindspeed_default_notes(cfg: Config) -> list[str]:
             "actor_rollout_ref.actor_rollout.do_sample is not set: it defaults to true here (rollout samples at "
             "temperature), false in MindSpeed-LLM (greedy decoding); set it to choose and silence this line"
         )
+    return out
+
+
+def eval_problems(cfg: Config) -> list[str]:
+    """The ``eval`` section: a path when it is on, greedy only with one sample, generator options only for
+    generators, and no field set while evaluation is off (it would be accepted and ignored)."""
+    e, out = cfg.eval, []
+    if not e.interval:
+        set_fields = sorted(e.model_fields_set - {"interval"})
+        if set_fields:
+            out.append(
+                f"eval.{set_fields[0]} is set but eval.interval is {e.interval} (evaluation off): set eval.interval "
+                "to evaluate every N steps, or remove the eval fields"
+            )
+        return out
+    if not e.path:
+        out.append(f"eval.path: required when eval.interval is set ({e.interval}); name the held-out prompts")
+        return out
+    for key in e.map_keys:
+        if key not in DATA_MAP_KEYS or key in ("text", "history"):
+            usable = ", ".join(k for k in DATA_MAP_KEYS if k not in ("text", "history"))
+            out.append(f"eval.map_keys.{key}: not a key of the held-out prompts; use any of {usable}")
+    if e.n > 1 and e.temperature == 0:
+        out.append(f"eval.n is {e.n} but eval.temperature is 0 (greedy: {e.n} identical samples); set a temperature")
+    if not e.path.startswith("reasoning_gym:"):
+        for name in ("generator_size", "generator_seed", "generator_options"):
+            if name in e.model_fields_set:
+                out.append(f"eval.{name}: only used with eval.path: reasoning_gym:<task> ({e.path!r})")
     return out

@@ -548,3 +548,47 @@ class DataConfig(Section):
                 if name in self.model_fields_set:
                     raise ValueError(f"data.{name}: only used with data.path: reasoning_gym:<task> ({self.path!r})")
         return self
+
+
+class EvalConfig(Section):
+    interval: int | None = _f(
+        0,
+        "evaluate every N training steps and once more at the end of training (0 or null: no evaluation); the "
+        "held-out prompts go straight to a rollout replica and the reward service, never into the experience stream",
+        ge=0,
+    )
+    path: str | None = _f(
+        None, "held-out prompts: any data.path source (a file, an indexed prefix, reasoning_gym:<task>, builtin:...)"
+    )
+    map_keys: dict[str, str] = _f(
+        {"prompt": "prompt", "label": "label"},
+        "our key -> column of eval.path, as data.map_keys (prompt, query, system, label, response)",
+    )
+    system: str | None = _f(None, "system message prepended when the chat template is applied; default data.system")
+    max_samples: int | None = _f(None, "evaluate only the first N prompts", gt=0)
+    generator_size: int = _f(64, "reasoning_gym:<task> only: how many prompts the generator makes", gt=0, le=100_000)
+    generator_seed: int = _f(
+        1, "reasoning_gym:<task> only: the generator's seed (keep it apart from data.generator_seed: held-out prompts)"
+    )
+    generator_options: dict[str, Any] = _f({}, "reasoning_gym:<task> only: the task's own options, as data's")
+    n: int = _f(1, "samples per prompt; pass@k is reported with k = n", gt=0, le=64)
+    temperature: float = _f(0.0, "sampling temperature (0: greedy, which needs n = 1)", ge=0)
+    max_new_tokens: int | None = _f(None, "response budget in tokens; default the rollout's", gt=0)
+    pass_threshold: float = _f(
+        1.0, "a sample passes when its reward >= this; pass@k = share of prompts with at least one passing sample"
+    )
+    timeout_s: float = _f(600.0, "deadline of one evaluation's generate / score calls", gt=0)
+
+    def data_config(self, data: DataConfig) -> DataConfig:
+        """The section as a DataConfig, so the data loader reads eval.path as it reads data.path."""
+        gen = {k: getattr(self, k) for k in ("generator_size", "generator_seed", "generator_options")}
+        fields = {
+            "path": self.path,
+            "map_keys": self.map_keys,
+            "system": self.system if self.system is not None else data.system,
+            "max_samples": self.max_samples,
+            "shuffle": False,
+        }
+        if self.path and self.path.startswith("reasoning_gym:"):
+            fields.update(gen)
+        return DataConfig(**fields)

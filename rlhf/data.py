@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -335,3 +336,14 @@ class PromptCursor:
 
     def state(self) -> dict[str, int]:
         return {"epoch": self.epoch, "offset": self.offset}
+
+
+def load_eval_prompts(cfg) -> list[PromptRecord]:
+    """The ``eval`` section's held-out prompts, read by :func:`load_prompts` as ``data.path`` is; errors name the
+    ``eval.`` field."""
+    try:
+        return load_prompts(cfg.eval.data_config(cfg.data))
+    except ConfigError as err:
+        raise ConfigError(re.sub(r"\bdata\.", "eval.", str(err))) from None
+    except OSError as err:
+        raise ConfigError(f"eval.path: {cfg.eval.path}: {err}") from None

@@ -44,7 +44,7 @@ def _own_pad_token_id(spec: str) -> int | None:
 
 
 def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
-    from rlhf.data import load_prompts
+    from rlhf.data import load_eval_prompts, load_prompts
 
     report = Report()
     warning = config_warning(cfg)  # MindSpeed keys that do not apply here: one warning, a line per key
@@ -56,6 +56,11 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
         report.problems.append(str(err))
     except OSError as err:
         report.problems.append(f"data.path: {cfg.data.path}: {err}")
+    if cfg.eval.interval:
+        try:
+            load_eval_prompts(cfg)
+        except ConfigError as err:
+            report.problems.append(str(err))
 
     actor_dir = None
     for key, spec in _model_specs(cfg):

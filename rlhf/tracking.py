@@ -46,6 +46,7 @@ class Tracker:
                     dir=str(self.run_dir),
                 )
         self._completions = self.run_dir / "completions.jsonl"
+        self._eval_defined = False
         if resume_step:
             _cut_completions(self._completions, resume_step)
 
@@ -56,6 +57,21 @@ class Tracker:
         self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
+
+    def log_eval(self, metrics: Mapping[str, Any], step: int) -> None:
+        """``eval/*`` metrics of ``step``, written when the evaluation beside training ends (later steps may be logged
+        already): TensorBoard takes any step; W&B plots them against their own step metric ``eval/step``, since
+        ``wandb.log`` drops a step below the current one."""
+        scalars = {k: float(v) for k, v in metrics.items() if _number(v) and k != "step"}
+        for k, v in scalars.items():
+            self.tb.add_scalar(k, v, step)
+        self.tb.flush()
+        if self.wandb is not None:
+            if not self._eval_defined:
+                self.wandb.define_metric("eval/step")
+                self.wandb.define_metric("eval/*", step_metric="eval/step")
+                self._eval_defined = True
+            self.wandb.log({"eval/step": step, **scalars})
 
     def completions(self, rows: Sequence[Mapping[str, Any]], step: int) -> None:
         """A table of sample completions of ``step`` (dicts with prompt, response, reward, ...)."""

@@ -95,7 +95,12 @@ def plan_services(
         "trainer",
         next(it),
         next(it),
-        {**common, "RLHF_ROLLOUT_ADDRS": ",".join(r.grpc_addr for r in rollouts), "RLHF_RUN_DIR": str(run_dir)},
+        {
+            **common,
+            "RLHF_ROLLOUT_ADDRS": ",".join(r.grpc_addr for r in rollouts),
+            "RLHF_REWARD_ADDR": reward.grpc_addr,  # the eval section's scores
+            "RLHF_RUN_DIR": str(run_dir),
+        },
         procs=trainer_procs,
     )
     specs = [reward, reference, *rollouts, trainer]

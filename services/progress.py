@@ -94,6 +94,8 @@ def format_progress(
     """One progress line for a metrics record."""
     step = rec.get("step", "?")
     parts = [f"step {step}/{total}" if total else f"step {step}"]
+    if any(k.startswith("eval/") for k in rec):
+        return "  ".join([*parts, format_eval(rec)])
     fields = [
         ("reward", _pick(rec, "reward/mean", "reward", "score/mean", contains="reward"), "{:+.4f}"),
         ("kl", _pick(rec, "objective/kl", "kl/mean", "kl", contains="kl"), "{:.4f}"),
@@ -116,4 +118,23 @@ def format_progress(
     if elapsed is not None or eta_s is not None:
         clock = _duration(elapsed) if elapsed is not None else ""
         parts.append(f"[{clock}{', ETA ' + _duration(eta_s) if eta_s is not None else ''}]")
+    return "  ".join(parts)
+
+
+def format_eval(rec: Mapping[str, Any]) -> str:
+    """An ``eval/*`` row of metrics.jsonl (the evaluation beside training, services/trainer/evaluate.py)."""
+    parts = ["eval"]
+    reward = _num_or_none(rec.get("eval/reward_mean"))
+    if reward is not None:
+        parts.append(f"reward {reward:+.4f}")
+    for k in sorted(k for k in rec if k.startswith("eval/pass@")):
+        v = _num_or_none(rec[k])
+        if v is not None:
+            parts.append(f"{k.removeprefix('eval/')} {v:.3f}")
+    length = _num_or_none(rec.get("eval/response_length_mean"))
+    if length is not None:
+        parts.append(f"length {length:.1f}")
+    failed = _num_or_none(rec.get("eval/failed_fraction"))
+    if failed:
+        parts.append(f"score failed {100 * failed:.0f}%")
     return "  ".join(parts)

@@ -1,7 +1,9 @@
 """``rlhf report RUN_DIR``: plots and a short summary of a run from its ``metrics.jsonl``.
 
 ``metrics.jsonl`` (written by the trainer) holds one JSON object per training step, e.g.
-``{"step": 3, "reward/mean": 0.41, "objective/kl": 0.002, "loss/policy": -0.01, "loss/value": 0.3, ...}``.
+``{"step": 3, "reward/mean": 0.41, "objective/kl": 0.002, "loss/policy": -0.01, "loss/value": 0.3, ...}``, and with
+an ``eval`` section a row of ``eval/*`` metrics on each step evaluated (``{"step": 10, "eval/reward_mean": ...}``:
+``eval.png`` shows its reward and pass@k, ``lengths.png`` its response length).
 :func:`draw` writes, next to it:
 
 - ``reward.png``: the mean reward per step (with a +-std band when ``reward/std`` is there; per-scorer
@@ -29,11 +31,16 @@ from typing import Any
 
 PLOTS = ("reward.png", "kl.png", "losses.png", "lengths.png", "throughput.png")  # drawn for every run
 DPO_PLOT = "dpo_rewards.png"
+EVAL_PLOT = "eval.png"  # the eval section's rows (reward, pass@k), when there are any
 
 
 def family(key: str) -> str | None:
     """The plot a metric belongs in (a file name of :data:`PLOTS` or :data:`DPO_PLOT`), or None."""
     k = key.lower()
+    if k.startswith("eval/"):
+        if "reward" in k or "pass@" in k:
+            return EVAL_PLOT
+        return "lengths.png" if "length" in k else None
     if k.startswith("rewards/"):
         return DPO_PLOT
     if k.startswith("loss"):
@@ -192,9 +199,10 @@ def draw(run_dir: str | Path, records: Sequence[Mapping[str, Any]] | None = None
         "lengths.png": "response length",
         "throughput.png": "throughput and time",
         DPO_PLOT: "DPO implicit rewards",
+        EVAL_PLOT: "evaluation on held-out prompts",
     }
     for name, chosen in groups.items():
-        if name == DPO_PLOT and not chosen:
+        if name in (DPO_PLOT, EVAL_PLOT) and not chosen:
             continue
         fig, ax = _figure(titles[name], titles[name].split()[0])
         drawn = False
@@ -210,6 +218,8 @@ def summary(records: Sequence[Mapping[str, Any]]) -> str:
     """A few lines: steps, first/last mean reward (and the average over the first/last few steps), last KL."""
     if not records:
         return "no training steps recorded"
+    evals = [r for r in records if any(k.startswith("eval/") for k in r)]
+    records = [r for r in records if not any(k.startswith("eval/") for k in r)]
     lines = [f"steps: {len(records)}"]
     rk = reward_key(records)
     if rk:
@@ -226,6 +236,14 @@ def summary(records: Sequence[Mapping[str, Any]]) -> str:
         if ys:
             lines.append(f"{key}: last {ys[-1]:.4f}")
             break
+    if evals:
+        last = evals[-1]
+        pk = sorted(k for k in last if k.startswith("eval/pass@"))
+        lines.append(
+            f"eval at step {last.get('step')}: reward {last.get('eval/reward_mean', float('nan')):+.4f}"
+            + "".join(f", {k.removeprefix('eval/')} {last[k]:.3f}" for k in pk)
+            + f", failed {100 * last.get('eval/failed_fraction', 0.0):.0f}%"
+        )
     return "\n".join(lines)
 
 

@@ -144,7 +144,7 @@ class Fleet:
         tls: dict = {}
         creds = client_credentials(self.settings)
         if creds is not None:  # TLS ring: verify each replica against its service's name, not its pod address
-            names = await asyncio.to_thread(_tls_names, self.settings.rollout_addrs)
+            names = await asyncio.to_thread(tls_names, self.settings.rollout_addrs)
             tls = {"tls": creds, "server_names": names}
         kw = {
             "token": self.settings.api_token,
@@ -176,7 +176,7 @@ class Fleet:
                 if published is None or not addrs or (self._push_task is not None and not self._push_task.done()):
                     continue
                 lagging = []
-                names = await asyncio.to_thread(_tls_names, self.settings.rollout_addrs)
+                names = await asyncio.to_thread(tls_names, self.settings.rollout_addrs)
                 for addr in addrs:
                     channel = open_channel(addr, self.settings, server_name=names.get(addr))
                     try:
@@ -266,7 +266,7 @@ def _error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _tls_names(addrs: list[str]) -> dict[str, str]:
+def tls_names(addrs: list[str]) -> dict[str, str]:
     """Expanded target -> the host name it was resolved from (for TLS name checks)."""
     return {t: a.rpartition(":")[0].strip("[]") for a in addrs for t in expand_targets([a]) if t != a}
 

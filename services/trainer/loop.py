@@ -30,6 +30,7 @@ from rlhf.v1 import common_pb2, experience_pb2, trainer_pb2
 from services.trainer.batch import NoUsableSamples, score_failures
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.engine import TrainerEngine
+from services.trainer.evaluate import Evaluator
 from services.trainer.fleet import Fleet, collective_backend
 from services.trainer.ledger import Ledger
 from services.trainer.publisher import TRANSIENT, Publisher, retrying
@@ -115,6 +116,12 @@ class Trainer:
             log.info("metrics.jsonl cut back to step %d (%d later line(s) removed)", self.engine.step_count, cut)
         self.tracker = Tracker(self.run_dir, self.run_id, self.cfg.model_dump(), resume_step=self.engine.step_count)
         self._saved_step = self.engine.step_count if ckpt else None
+        # held-out prompts evaluated beside training (services/trainer/evaluate.py); on rank 0, which logs
+        self.evaluator = (
+            Evaluator(self.cfg, self.settings, self.engine.tokenizer, self.run_dir, self.tracker)
+            if self.cfg.eval.interval
+            else None
+        )
         finished = lambda: self.done
         self.tasks = [
             asyncio.create_task(self.publisher.publish_loop(finished, lambda: self.engine.policy_version)),
@@ -130,6 +137,8 @@ class Trainer:
         what was trained since the last checkpoint, then stop. Killed before it is done, the previous checkpoint
         stands (checkpoints are atomic)."""
         tasks = [*getattr(self, "tasks", []), self.fleet.push_task if self.fleet is not None else None]
+        if getattr(self, "evaluator", None) is not None:
+            tasks.append(self.evaluator.last)
         unsaved = self.engine is not None and hasattr(self, "tasks") and not self.done
         if unsaved and self.engine.step_count not in (0, getattr(self, "_saved_step", None)):
             async with self._state_lock:  # waits for a step in progress; none starts after it
@@ -357,6 +366,8 @@ class Trainer:
         except Exception:
             log.exception("training failed")
             os._exit(1)  # a broken trainer must not look healthy; experience stays unacked for the next start
+        if self.evaluator is not None:
+            await self.evaluator.wait()  # the evaluation of the last step
         self.done = True
         log.info("training finished after %d steps", self.engine.step_count)
         self.runner.request_stop()
@@ -421,6 +432,8 @@ class Trainer:
                 metrics["samples_per_s"],
             )
         self._check_mismatch(metrics)
+        if self.evaluator is not None and self.evaluator.due(step):
+            self.evaluator.schedule(step, self.fleet.push_task)  # beside training, after this step's push
 
     def _stop_ring(self, message: str) -> None:
         """Stop the run (exit ``runlog.EXIT_STOPPED_BY_RULE``: supervisors do not restart it) with ``message``: the

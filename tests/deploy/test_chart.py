@@ -231,6 +231,7 @@ def test_service_wiring(rendered):
     assert rollout["RLHF_REWARD_ADDR"]["value"] == f"rlhf-rlhf-pipeline-reward.{dom}:50051"
     assert rollout["RLHF_REFERENCE_ADDR"]["value"] == f"rlhf-rlhf-pipeline-reference.{dom}:50051"
     assert trainer["RLHF_ROLLOUT_ADDRS"]["value"] == f"rlhf-rlhf-pipeline-rollout-headless.{dom}:50051"
+    assert trainer["RLHF_REWARD_ADDR"]["value"] == f"rlhf-rlhf-pipeline-reward.{dom}:50051"  # eval scores
     headless = [s for s in r.kind("Service") if s["metadata"]["name"] == "rlhf-rlhf-pipeline-rollout-headless"]
     assert headless and headless[0]["spec"]["clusterIP"] == "None"
     assert rollout["RLHF_REDIS_URL"]["value"] == f"redis://:$(REDIS_PASSWORD)@rlhf-rlhf-pipeline-redis.{dom}:6379/0"

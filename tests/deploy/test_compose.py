@@ -67,6 +67,7 @@ def test_startup_order_waits_for_health(compose_files):
 def test_wiring(compose_files):
     base = compose_files["docker-compose.yml"]["services"]
     assert base["trainer"]["environment"]["RLHF_ROLLOUT_ADDRS"] == "rollout:50051"
+    assert base["trainer"]["environment"]["RLHF_REWARD_ADDR"] == "reward:50051"  # the eval section's scores
     assert base["rollout"]["environment"]["RLHF_REWARD_ADDR"] == "reward:50051"
     assert base["rollout"]["environment"]["RLHF_REFERENCE_ADDR"] == "reference:50051"
     assert base["rollout"]["environment"]["RLHF_REDIS_URL"].endswith("@redis:6379/0")

@@ -77,6 +77,7 @@ def base_config(run_id: str, **over: Any) -> dict:
             "dpo_beta": 0.1,
         },
         "data": {"path": "builtin:arithmetic"},
+        **({"eval": over["eval"]} if "eval" in over else {}),
     }
 
 
@@ -175,6 +176,7 @@ class Ring:
         self.trainer_env = {
             **common,
             "RLHF_ROLLOUT_ADDRS": ",".join(r.grpc_addr for r in self.rollouts),
+            "RLHF_REWARD_ADDR": reward_addr,  # the eval section's scores
             "RLHF_RUN_DIR": str(self.run_dir),
         }
         self.trainers: list[ServiceProc] = []
@@ -238,14 +240,17 @@ class Ring:
             p.stop(timeout=15)
 
     # ------------------------------------------------------------------ observing
-    def metrics(self) -> list[dict]:
+    def metrics(self, *, eval_rows: bool = False) -> list[dict]:
+        """The training steps' rows of metrics.jsonl; ``eval_rows``: the eval section's rows instead."""
         path = self.run_dir / "metrics.jsonl"
         if not path.exists():
             return []
         out = []
         for line in path.read_text().splitlines():
             with contextlib.suppress(ValueError):  # a line being written
-                out.append(json.loads(line))
+                rec = json.loads(line)
+                if any(k.startswith("eval/") for k in rec) == eval_rows:
+                    out.append(rec)
         return out
 
     def wait_for(self, cond, timeout: float, what: str, interval: float = 0.1) -> None:

@@ -18,7 +18,21 @@ pytestmark = pytest.mark.slow
 RINGS = {
     "ppo": {"stage": "ray_ppo", "engine": "vllm", "train_iters": 4, "max_staleness": 0},
     "dpo": {"stage": "ray_online_dpo", "train_iters": 3, "max_staleness": 0},
-    "grpo": {"stage": "ray_grpo", "train_iters": 4, "max_staleness": 1},
+    # GRPO also evaluates 3 held-out prompts x 2 samples beside training, at step 3 and at the end (step 4)
+    "grpo": {
+        "stage": "ray_grpo",
+        "train_iters": 4,
+        "max_staleness": 1,
+        "eval": {
+            "interval": 3,
+            "path": "builtin:arithmetic",
+            "max_samples": 3,
+            "n": 2,
+            "temperature": 1.0,
+            "pass_threshold": 0.5,
+            "max_new_tokens": 4,  # the training samples get 6
+        },
+    },
 }
 
 
@@ -85,3 +99,19 @@ def test_asynchronous_mode_stays_within_max_staleness(rings):
     # Admission lets 2 batches be issued at version 0: the second is generated while the first trains, so it is
     # one version old when trained.
     assert max(staleness) == 1, staleness
+
+
+def test_evaluates_held_out_prompts_beside_training(rings):
+    ring = rings["grpo"]
+    evals = ring.metrics(eval_rows=True)
+    assert [int(m["step"]) for m in evals] == [3, 4]  # every 3 steps and at the end
+    for m in evals:
+        assert m["eval/failed_fraction"] == 0.0, m
+        assert m["eval/prompts"] == 3 and m["eval/samples"] == 6
+        assert 0.0 <= m["eval/reward_mean"] <= 1.0 and 0.0 <= m["eval/pass@1"] <= m["eval/pass@2"] <= 1.0
+        assert 0 < m["eval/response_length_mean"] <= 4
+    assert evals[-1]["eval/policy_version"] == ring.train_iters  # the last step's weights
+    # The eval samples never entered the experience stream: every step trained its configured batch (asserted with
+    # the ledger in test_trains_pushes_weights_and_trains_every_job_once), and nothing else is in the streams.
+    assert all(m["samples"] == ring.batch * 4 for m in ring.metrics())
+    assert not any(j.startswith("eval") for j in ring.stream_job_ids("experience"))

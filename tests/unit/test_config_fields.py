@@ -45,6 +45,8 @@ SCHEDULE = [
     PER_ROLE,
 ]
 DATA = "tests/unit/test_data_json.py::"
+EVAL = "tests/unit/test_eval_metrics.py::"
+EVAL_RING = "tests/e2e/test_algorithms.py::test_evaluates_held_out_prompts_beside_training"
 LORA = "tests/trainer/test_lora.py::"
 
 FIELD_TESTS: dict[str, list[str] | str] = {
@@ -365,6 +367,19 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "data.system": [DATA + "test_max_samples_shuffle_and_system_message"],
     "data.shuffle": [DATA + "test_max_samples_shuffle_and_system_message"],
     "data.max_samples": [DATA + "test_max_samples_shuffle_and_system_message"],
+    "eval.interval": [EVAL_RING, EVAL + "test_an_evaluation_past_its_deadline_is_a_failed_row"],
+    "eval.path": [EVAL_RING, EVAL + "test_eval_section_reads_its_source_as_data_does"],
+    "eval.map_keys": [EVAL + "test_eval_section_reads_its_source_as_data_does"],
+    "eval.system": [EVAL + "test_eval_section_reads_its_source_as_data_does"],
+    "eval.max_samples": [EVAL_RING, EVAL + "test_eval_section_reads_its_source_as_data_does"],
+    "eval.generator_size": [EVAL + "test_eval_section_reads_its_source_as_data_does"],
+    "eval.generator_seed": [EVAL + "test_eval_section_reads_its_source_as_data_does"],
+    "eval.generator_options": [EVAL + "test_eval_section_reads_its_source_as_data_does"],
+    "eval.n": [EVAL_RING, EVAL + "test_eval_metrics_fixed_batch"],
+    "eval.temperature": [EVAL_RING, EVAL + "test_eval_config_rules"],
+    "eval.max_new_tokens": [EVAL_RING, EVAL + "test_an_evaluation_past_its_deadline_is_a_failed_row"],
+    "eval.pass_threshold": [EVAL_RING, EVAL + "test_eval_metrics_fixed_batch"],
+    "eval.timeout_s": [EVAL + "test_an_evaluation_past_its_deadline_is_a_failed_row"],
 }
 
 
