@@ -57,10 +57,16 @@ def backend_for(device_type: str) -> str:
         raise ValueError(f"no distributed backend for device {device_type!r} (known: {sorted(BACKENDS)})") from None
 
 
+RENDEZVOUS_TIMEOUT_S = 300.0  # how long the ranks wait for each other to join (torch's default store timeout)
+
+
 def init_from_env(device: torch.device, timeout_s: float) -> Group | None:
     """Join the group torchrun describes (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``), with the
     backend of ``device`` and a collective timeout of ``timeout_s`` (a rank that hangs in a collective fails instead
-    of blocking the group forever). None at world size 1. Idempotent: a second call returns the same group."""
+    of blocking the group forever). None at world size 1. Idempotent: a second call returns the same group.
+
+    Joining is not a collective: a rank that starts late (importing torch on a loaded machine, loading a model) is
+    waited for up to ``RENDEZVOUS_TIMEOUT_S`` even when ``timeout_s`` is shorter; ``timeout_s`` applies from then on."""
     world = world_size_from_env()
     if world <= 1:
         return None
@@ -70,7 +76,9 @@ def init_from_env(device: torch.device, timeout_s: float) -> Group | None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         elif device.type == "npu":
             torch.npu.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S)))
+        if timeout_s < RENDEZVOUS_TIMEOUT_S:
+            dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout_s))
     return Group(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")), backend)
 
 

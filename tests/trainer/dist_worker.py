@@ -132,9 +132,13 @@ def resume(out: Path, options: dict[str, str]) -> None:
 
 
 def hang(out: Path, timeout_s: float) -> None:
-    """Rank 1 never enters the collective; rank 0's must fail after ``timeout_s``, not wait forever."""
+    """Rank 1 joins late (a slow start must not fail the join) and never enters the collective; rank 0's must fail
+    after ``timeout_s``, not wait forever."""
+    import os
     import time
 
+    if os.environ.get("RANK") == "1":
+        time.sleep(timeout_s * 1.5)  # longer than the collective timeout: joining is not a collective
     group = distributed.init_from_env(torch.device("cpu"), timeout_s)
     if group.rank == 1:
         time.sleep(timeout_s * 4)

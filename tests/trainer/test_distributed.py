@@ -130,7 +130,8 @@ def test_checkpoint_resumes_at_another_world_size(runs):
 
 
 def test_a_hung_collective_times_out(tmp_path):
-    """``training.collective_timeout_s``: rank 1 never joins; rank 0's broadcast fails after the timeout."""
+    """``training.collective_timeout_s``: rank 1 joins late, then never enters the broadcast; rank 0's fails after the
+    timeout."""
     _run(tmp_path / "hang", 2, "hang=3")
     result = json.loads((tmp_path / "hang" / "hang.json").read_text())
     assert result["error"] is not None and "Timed out" in result["error"], result
