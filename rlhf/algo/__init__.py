@@ -15,6 +15,7 @@ from rlhf.algo.critic_free import (
     LOSS_TYPES,
     completion_mask,
     critic_free_advantages,
+    episode_completion_mask,
     grpo_advantages,
     grpo_loss,
     leave_one_out,
@@ -35,11 +36,12 @@ from rlhf.algo.kl import (
 )
 from rlhf.algo.logprobs import entropy_from_logits, logprobs_from_logits
 from rlhf.algo.losses import aggregate, dpo_loss, dpo_pairs, ppo_policy_loss, select_chosen_rejected, value_loss
-from rlhf.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from rlhf.algo.masked import compact, expand, masked_mean, masked_sum, masked_var, masked_whiten
 from rlhf.algo.mismatch import logprob_mismatch
 from rlhf.algo.ppo import (
     PPORollout,
     first_true_indices,
+    ppo_episode_rollout,
     ppo_rollout,
     rollout_metrics,
     sequence_lengths,
@@ -68,7 +70,11 @@ __all__ = [
     "KLRewards",
     "PPORollout",
     "aggregate",
+    "compact",
     "completion_mask",
+    "episode_completion_mask",
+    "expand",
+    "ppo_episode_rollout",
     "critic_free_advantages",
     "discounted_returns",
     "dpo_loss",

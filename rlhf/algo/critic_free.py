@@ -368,6 +368,28 @@ def completion_mask(
     return responses, mask, contains_eos
 
 
+def episode_completion_mask(
+    responses: torch.Tensor,
+    loss_mask: torch.Tensor,
+    episodes: torch.Tensor,
+    ended: torch.Tensor,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    mask_truncated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`completion_mask` where some rows are episodes (``episodes``, (B,) bool): an episode row is kept whole
+    (its model turns each end in EOS, so it is not cut at the first), its mask is its ``loss_mask`` (the model's own
+    tokens), and it "ended in EOS" when the environment ended it (``ended``). Other rows as :func:`completion_mask`."""
+    cut, mask, contains_eos = completion_mask(responses, eos_token_id, pad_token_id)
+    ep = episodes[:, None]
+    responses = torch.where(ep, responses, cut)
+    mask = torch.where(ep, loss_mask, mask)
+    contains_eos = torch.where(episodes, ended, contains_eos)
+    if mask_truncated:
+        mask = mask & contains_eos[:, None]
+    return responses, mask, contains_eos
+
+
 def critic_free_advantages(
     estimator: str,
     scores: torch.Tensor,

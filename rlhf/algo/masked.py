@@ -58,3 +58,21 @@ def masked_whiten(
     var = masked_var(values, mask, unbiased=unbiased)
     whitened = (values - mean) * torch.rsqrt(var + eps)
     return whitened if shift_mean else whitened + mean
+
+
+def compact(values: torch.Tensor, mask: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
+    """Each row's entries under ``mask``, moved to the row's start in order, ``fill`` after them (same shape).
+
+    An episode's model tokens sit between environment tokens; a recursion over "the next token" (GAE) must step from
+    one model token to the next, so it runs on the compacted rows and :func:`expand` puts the results back."""
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices  # masked positions first, in order
+    kept = torch.arange(mask.shape[1], device=mask.device)[None, :] < mask.sum(1, keepdim=True)
+    return torch.where(kept, values.gather(1, order), torch.full_like(values, fill))
+
+
+def expand(values: torch.Tensor, mask: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
+    """The inverse of :func:`compact`: each row's first ``mask.sum()`` entries back at the positions under ``mask``,
+    ``fill`` elsewhere."""
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+    out = torch.empty_like(values).scatter_(1, order, values)
+    return torch.where(mask, out, torch.full_like(values, fill))

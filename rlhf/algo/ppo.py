@@ -14,7 +14,7 @@ import torch
 
 from rlhf.algo.advantages import gae
 from rlhf.algo.kl import kl_penalized_rewards
-from rlhf.algo.masked import masked_whiten
+from rlhf.algo.masked import compact, expand, masked_whiten
 from rlhf.algo.shaping import penalize_missing_eos, subtract_reward_baseline
 
 
@@ -89,6 +89,7 @@ def ppo_rollout(
     kl: torch.Tensor | None = None,
     group: torch.Tensor | None = None,
     reward_baseline: str = "none",
+    contains_eos: torch.Tensor | None = None,
 ) -> PPORollout:
     """Turn one rollout batch into rewards, advantages and returns.
 
@@ -100,6 +101,7 @@ def ppo_rollout(
     ``reward_baseline`` (``leave_one_out`` / ``group_mean``, with ``group``: (B,) the prompt of each row): the score
     less the other samples' of its prompt (seed 002's ``r(x, y) - r(x, y_ref)``, :func:`subtract_reward_baseline`),
     after the missing-EOS penalty and before the KL penalty; ``PPORollout.scores`` are then the baselined scores.
+    ``contains_eos``: (B,) whether each row ended properly, instead of looking for ``eos_token_id`` (episodes).
     """
     num_eos_tokens = (responses == eos_token_id).sum()
     responses = truncate_at_stop(responses, stop_token_id, pad_token_id)
@@ -111,7 +113,8 @@ def ppo_rollout(
     logprobs = logprobs.masked_fill(padding_mask, 0.0)
     ref_logprobs = ref_logprobs.masked_fill(padding_mask, 0.0)
     values = values.masked_fill(padding_mask_p1, 0.0)
-    contains_eos = (responses == eos_token_id).any(dim=1)
+    if contains_eos is None:
+        contains_eos = (responses == eos_token_id).any(dim=1)
     if reward_baseline != "none":
         if group is None:
             raise ValueError(f"reward_baseline {reward_baseline!r} needs group (the prompt of each row)")
@@ -152,6 +155,66 @@ def ppo_rollout(
         rewards=rewards,
         advantages=advantages,
         returns=returns,
+    )
+
+
+def ppo_episode_rollout(
+    responses: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ended: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    values: torch.Tensor,
+    scores: torch.Tensor,
+    *,
+    pad_token_id: int,
+    kl: torch.Tensor | None = None,
+    **kw,
+) -> PPORollout:
+    """:func:`ppo_rollout` for episodes: only the model's own tokens (``loss_mask``, (B, L) bool) are actions.
+
+    The model tokens of each row are compacted to the row's start, so the KL penalty, the score's position and GAE
+    run over them alone (an environment turn between two model turns is not a step of the recursion: its tokens
+    were not chosen by the policy), then every result goes back to its token's place, 0 on environment tokens and
+    padding. No cut at the first EOS (each model turn ends in one); ``ended``: (B,) whether the environment ended the
+    episode (the missing-EOS penalty's "ended properly"). The values span the model tokens and the column after the
+    last one (where TRL's score goes), as :func:`ppo_rollout`'s do. A one-turn episode
+    (``loss_mask`` = the response, ending in EOS) gives exactly :func:`ppo_rollout`'s result.
+    """
+    L = loss_mask.shape[1]
+    idx = torch.arange(L, device=loss_mask.device)[None, :]
+    ell = L - 1 - first_true_indices(loss_mask.flip(1))  # the last model token (L - 1 - L = -1: none)
+    span = loss_mask | (idx == (ell + 1)[:, None])  # as ppo_rollout's values: one column past the last action
+    c = lambda t: compact(t, span)  # noqa: E731
+    r = ppo_rollout(
+        compact(responses.masked_fill(~loss_mask, pad_token_id), span, pad_token_id),
+        c(logprobs),
+        c(ref_logprobs),
+        c(values),
+        scores,
+        pad_token_id=pad_token_id,
+        stop_token_id=None,
+        kl=None if kl is None else c(kl),
+        contains_eos=ended,
+        **kw,
+    )
+    back = lambda t: expand(t, span)  # noqa: E731
+    return PPORollout(
+        responses=responses,
+        num_eos_tokens=r.num_eos_tokens,
+        sequence_lengths=ell,
+        padding_mask=~loss_mask,
+        padding_mask_p1=~span,
+        logprobs=back(r.logprobs),
+        ref_logprobs=back(r.ref_logprobs),
+        values=back(r.values),
+        scores=r.scores,
+        contains_eos=r.contains_eos,
+        kl=back(r.kl),
+        non_score_reward=back(r.non_score_reward),
+        rewards=back(r.rewards),
+        advantages=back(r.advantages),
+        returns=back(r.returns),
     )
 
 

@@ -32,6 +32,12 @@ class RolloutBatch:
     policy_versions: torch.Tensor  # (B,)
     has_sampling_logprobs: torch.Tensor  # (B,) bool: the engine reported sampling log-probs for this row
     context_length: int
+    # Episodes (multi-turn): the (B, L) tokens the losses see (the model's own tokens; a single-turn row: every
+    # response token), which rows are episodes, and which episodes the environment ended (done: as an EOS ends a
+    # single turn). A batch without episodes trains exactly as before (the stages check ``episodes.any()``).
+    loss_mask: torch.Tensor | None = None  # (B, L) bool
+    episodes: torch.Tensor | None = None  # (B,) bool
+    episode_done: torch.Tensor | None = None  # (B,) bool
 
     # What crosses to the other ranks of a group (group.py): ``responses`` is a view of ``query_responses``.
     WIRE_FIELDS = (
@@ -42,6 +48,9 @@ class RolloutBatch:
         "group",
         "policy_versions",
         "has_sampling_logprobs",
+        "loss_mask",
+        "episodes",
+        "episode_done",
     )
 
     def wire_tensors(self) -> list[torch.Tensor]:
@@ -74,8 +83,22 @@ def collate(experiences: list[experience_pb2.Experience], pad_id: int, device: t
     samp = torch.zeros(B, L)
     has_samp = torch.zeros(B, dtype=torch.bool)
     ref = torch.zeros(B, L)
+    loss_mask = torch.zeros(B, L, dtype=torch.bool)
+    episodes = torch.zeros(B, dtype=torch.bool)
+    done = torch.zeros(B, dtype=torch.bool)
     for i, (_, prompt, s) in enumerate(rows):
         n = len(s.response_ids)
+        if len(s.loss_mask):
+            if len(s.loss_mask) != n:
+                raise ValueError(
+                    f"job {experiences[rows[i][0]].job_id}: loss_mask has {len(s.loss_mask)} entries for {n} "
+                    "response tokens"
+                )
+            loss_mask[i, :n] = torch.tensor(list(s.loss_mask), dtype=torch.bool)
+            episodes[i] = True
+            done[i] = s.ended_by == "done"
+        else:
+            loss_mask[i, :n] = True
         qr[i, C - len(prompt) : C] = torch.tensor(prompt)
         qr[i, C : C + n] = torch.tensor(list(s.response_ids))
         if len(s.sampling_logprobs) == n:
@@ -97,6 +120,9 @@ def collate(experiences: list[experience_pb2.Experience], pad_id: int, device: t
         policy_versions=torch.tensor([s.policy_version for _, _, s in rows]),
         has_sampling_logprobs=has_samp.to(device),
         context_length=C,
+        loss_mask=loss_mask.to(device),
+        episodes=episodes.to(device),
+        episode_done=done.to(device),
     )
 
 

@@ -27,6 +27,7 @@ weights as they leave the trainer (``export``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
@@ -444,15 +445,19 @@ class TrainerEngine:
             else:
                 old_logprobs, held_logits = self._old_logprobs(b, C, first_a)
             values, held_values = values_f.result()
-            r = algo.ppo_rollout(
-                b.responses,
+            episodes = _has_episodes(b)
+            rollout = (
+                functools.partial(algo.ppo_episode_rollout, b.responses, b.loss_mask, b.episode_done)
+                if episodes
+                else functools.partial(algo.ppo_rollout, b.responses, stop_token_id=self.eos_id)
+            )
+            r = rollout(
                 old_logprobs,
                 b.ref_logprobs,
                 values,
                 b.scores,
                 pad_token_id=self.pad_id,
                 eos_token_id=self.eos_id,
-                stop_token_id=self.eos_id,
                 kl_coef=self.state.kl_coef,
                 kl_estimator=cfg.algorithm.kl_penalty,
                 gamma=cfg.algorithm.gamma,
@@ -589,16 +594,27 @@ class TrainerEngine:
         trl_rloo = estimator == "rloo" and alg.rloo_convention == "trl"
         kl_in_loss = estimator in ("grpo", "dr_grpo")
         beta = self.state.kl_coef
-        responses, mask, contains_eos = algo.completion_mask(
-            b.responses, self.eos_id, self.pad_id, alg.mask_truncated_completions
-        )
+        if _has_episodes(b):
+            responses, mask, contains_eos = algo.episode_completion_mask(
+                b.responses, b.loss_mask, b.episodes, b.episode_done, self.eos_id, self.pad_id
+            )
+            every_token = mask  # an episode's tokens to compare with the sampler's: the model's own
+            if alg.mask_truncated_completions:
+                mask = mask & contains_eos[:, None]
+        else:
+            responses, mask, contains_eos = algo.completion_mask(
+                b.responses, self.eos_id, self.pad_id, alg.mask_truncated_completions
+            )
+            every_token = None
         scores = algo.penalize_missing_eos(b.scores, contains_eos, alg.missing_eos_penalty)
         zero = torch.zeros((), device=responses.device)
         ref = torch.where(mask, b.ref_logprobs, zero)
         with torch.no_grad():
             old_logprobs, _ = self._actor_rows(b.query_responses, responses, C)
         # over every response token, also of the completions mask_truncated_completions keeps out of the loss
-        mismatch = self._mismatch(b, old_logprobs, algo.completion_mask(b.responses, self.eos_id, self.pad_id)[1])
+        if every_token is None:
+            every_token = algo.completion_mask(b.responses, self.eos_id, self.pad_id)[1]
+        mismatch = self._mismatch(b, old_logprobs, every_token)
         old_logprobs = torch.where(mask, old_logprobs, zero)
         advantages, kl = algo.critic_free_advantages(
             estimator,
@@ -709,9 +725,14 @@ class TrainerEngine:
             raise ValueError("online DPO needs two scored samples per prompt; none in this batch")
         P = len(firsts)
         idx = torch.tensor(firsts + seconds, device=b.responses.device)  # block layout [p0..pB-1, p0..pB-1]
-        responses = algo.truncate_at_stop(b.responses[idx], self.eos_id, self.pad_id)
-        mask = responses != self.pad_id
-        contains_eos = (responses == self.eos_id).any(1)
+        if _has_episodes(b):
+            responses, mask, contains_eos = algo.episode_completion_mask(
+                b.responses[idx], b.loss_mask[idx], b.episodes[idx], b.episode_done[idx], self.eos_id, self.pad_id
+            )
+        else:
+            responses = algo.truncate_at_stop(b.responses[idx], self.eos_id, self.pad_id)
+            mask = responses != self.pad_id
+            contains_eos = (responses == self.eos_id).any(1)
         scores = algo.penalize_missing_eos(b.scores[idx], contains_eos, cfg.algorithm.missing_eos_penalty)
         chosen, rejected = algo.select_chosen_rejected(scores, P)
         ref_logprobs = b.ref_logprobs[idx]
@@ -808,6 +829,12 @@ class _Done:
 
     def result(self):
         return self.value
+
+
+def _has_episodes(b: RolloutBatch) -> bool:
+    """Whether a batch holds multi-turn episodes: then the stages train on each row's loss mask (the model's own
+    tokens) instead of "every token through the first EOS", which would cut an episode after its first turn."""
+    return b.episodes is not None and bool(b.episodes.any())
 
 
 def _append(acc: dict[str, list[float]], values: dict[str, float]) -> None:
