@@ -150,6 +150,26 @@ def score_stats(experiences: list[experience_pb2.Experience]) -> dict[str, float
     return out
 
 
+def episode_stats(experiences: list[experience_pb2.Experience]) -> dict[str, float]:
+    """Per-episode means of a batch of multi-turn records (none for single-turn ones): ``episode/<counter>`` for
+    each of the environment's counters (``turns``, ``tool_calls``, ``tool_errors``, ...), ``episode/model_tokens``
+    and ``episode/environment_tokens``, and ``episode/ended_by_<why>``, the fraction ended each way."""
+    episodes = [s for exp in experiences for s in exp.samples if len(s.loss_mask)]
+    if not episodes:
+        return {}
+    n = len(episodes)
+    out: dict[str, float] = {}
+    for s in episodes:
+        for k, v in s.episode_metrics.items():
+            out[f"episode/{k}"] = out.get(f"episode/{k}", 0.0) + v / n
+        model = sum(s.loss_mask)
+        out["episode/model_tokens"] = out.get("episode/model_tokens", 0.0) + model / n
+        out["episode/environment_tokens"] = out.get("episode/environment_tokens", 0.0) + (len(s.loss_mask) - model) / n
+        key = f"episode/ended_by_{s.ended_by or 'unknown'}"
+        out[key] = out.get(key, 0.0) + 1 / n
+    return out
+
+
 def score_failures(experiences: list[experience_pb2.Experience]) -> str:
     """Which scorers failed on a batch's samples, most often first, with one error of each: for a message."""
     by_scorer: dict[str, list[str]] = {}

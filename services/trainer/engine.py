@@ -45,7 +45,7 @@ from rlhf.config import ExperimentConfig
 from rlhf.models import causal_lm_logits, load_tokenizer, resolve_device, resolve_model_path, score_head_outputs
 from rlhf.v1 import experience_pb2
 from services.trainer import checkpoint, models, optim
-from services.trainer.batch import RolloutBatch, collate, mismatch_by_replica, score_stats
+from services.trainer.batch import RolloutBatch, collate, episode_stats, mismatch_by_replica, score_stats
 from services.trainer.export import PolicyExport
 from services.trainer.group import LOAD, NOOP, SAVE, STEP, STOP, Commands
 from services.trainer.state import TrainerState
@@ -301,6 +301,7 @@ class TrainerEngine:
             metrics = self._update(batch)
         staleness = self.state.steps_behind(batch.policy_versions, self.state.step - 1)
         metrics.update(score_stats(experiences))
+        metrics.update(episode_stats(experiences))
         metrics.update(
             {
                 "step": self.state.step,

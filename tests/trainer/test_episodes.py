@@ -78,9 +78,8 @@ def test_a_one_turn_episode_trains_exactly_as_a_single_turn_record(tiny_models, 
         results.append((metrics, _weights(engine)))
     (m_single, w_single), (m_episode, w_episode) = results
     for a, b in zip(m_single, m_episode, strict=True):
-        assert {k: v for k, v in a.items() if not k.startswith("time/")} == {
-            k: v for k, v in b.items() if not k.startswith("time/")
-        }
+        same = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "episode/"))}  # noqa: E731
+        assert same(a) == same(b)
     assert all(torch.equal(p, q) for p, q in zip(w_single, w_episode, strict=True))
 
 
@@ -127,3 +126,18 @@ def test_collate_carries_the_loss_mask_and_who_ended(tiny_models):
     bad[1].samples[0].loss_mask.append(True)
     with pytest.raises(ValueError, match="loss_mask has"):
         collate(bad, engine.pad_id, torch.device("cpu"))
+
+
+def test_a_step_reports_per_episode_metrics(tiny_models):
+    engine = TrainerEngine(_config("ray_grpo"))
+    recs = _records(engine, 4, "multi")
+    for e in recs:
+        for s in e.samples:
+            s.episode_metrics.update({"turns": 2.0, "tool_calls": 1.0})
+    recs[0].samples[0].ended_by = "max_turns"
+    m = engine.step(recs)
+    assert m["episode/turns"] == 2.0 and m["episode/tool_calls"] == 1.0
+    assert m["episode/environment_tokens"] == 3.0
+    assert m["episode/ended_by_done"] == pytest.approx(15 / 16) and m["episode/ended_by_max_turns"] == 1 / 16
+    single = TrainerEngine(_config("ray_grpo")).step(_records(engine, 4, ""))
+    assert not any(k.startswith("episode/") for k in single)
