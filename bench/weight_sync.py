@@ -869,5 +869,15 @@ if __name__ == "__main__":
         help="a ~2.5B-parameter bf16 policy into a vLLM replica "
         "(memory per side, bandwidth vs raw loopback); needs ~14 GB of free memory",
     )
+    parser.add_argument(
+        "--delta",
+        action="store_true",
+        help="delta pushes vs full pushes after optimizer steps at lr 5e-7 and 1e-5 (bench/weight_sync_delta.py)",
+    )
     args = parser.parse_args()
-    asyncio.run(large() if args.large else main())
+    if args.delta:
+        from bench.weight_sync_delta import delta_bench
+
+        asyncio.run(delta_bench())
+    else:
+        asyncio.run(large() if args.large else main())

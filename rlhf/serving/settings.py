@@ -77,6 +77,9 @@ class ServiceSettings(BaseSettings):
     run_id: str | None = Field(None, description="override the config's run_id (names the Redis keys)")
     reward_addr: str | None = Field(None, description="host:port of the reward service's gRPC server")
     reference_addr: str | None = Field(None, description="host:port of the reference service's gRPC server")
+    environment_addr: str | None = Field(
+        None, description="host:port of the environment service's gRPC server (multi-turn episodes)"
+    )
     rollout_addrs: Annotated[list[str], NoDecode] = Field(
         [], description="host:port of each rollout replica's gRPC server (comma list)"
     )
@@ -100,6 +103,14 @@ class ServiceSettings(BaseSettings):
         description="trainer, with weights_transport=collective: the group's backend, sent to every replica in the "
         "push (a replica that cannot run it refuses): auto (by the trainer's device: gloo on cpu, nccl on cuda, hccl "
         "on npu), gloo (host memory, any device), nccl, hccl",
+    )
+
+    weights_delta: Literal["auto", "off"] = Field(
+        "off",
+        description="trainer: delta pushes (docs/weight-sync.md#delta-pushes): auto (a one-process trainer sends each "
+        "replica only the 16-bit words that changed since the update it holds, when smaller, over tcp or grpc; the "
+        "full update to a replica without that base; costs a copy of the last update on the trainer and on each "
+        "replica) or off",
     )
 
     @classmethod
@@ -136,6 +147,7 @@ class ServiceSettings(BaseSettings):
         "replica_id",
         "reward_addr",
         "reference_addr",
+        "environment_addr",
         "run_dir",
         "weights_data_port",
         mode="before",
@@ -143,6 +155,11 @@ class ServiceSettings(BaseSettings):
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
         return None if v == "" else v
+
+    @field_validator("weights_delta", mode="before")
+    @classmethod
+    def _delta(cls, v: Any) -> Any:
+        return "off" if v in ("", None) else str(v).strip().lower()
 
     @field_validator("weights_transport", "weights_collective_backend", mode="before")
     @classmethod

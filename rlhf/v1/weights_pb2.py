@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rlhf/v1/weights.proto\x12\x07rlhf.v1\"I\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\x05\"S\n\x0b\x42ucketEntry\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x15\n\rdevice_digest\x18\x04 \x01(\t\"\xbc\x01\n\x0cWeightHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0eparent_version\x18\x02 \x01(\x03\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.rlhf.v1.TensorEntry\x12%\n\x07\x62uckets\x18\x04 \x03(\x0b\x32\x14.rlhf.v1.BucketEntry\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x06 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x03\";\n\x0bWeightChunk\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"f\n\x0cWeightUpdate\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.rlhf.v1.WeightHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.rlhf.v1.WeightChunkH\x00\x42\x06\n\x04part\"\x90\x01\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07swapped\x18\x02 \x01(\x08\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12\x15\n\rstage_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cswap_seconds\x18\x06 \x01(\x01\"l\n\x1aOpenWeightsTransferRequest\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.rlhf.v1.WeightHeader\x12\'\n\x05group\x18\x02 \x01(\x0b\x32\x18.rlhf.v1.CollectiveGroup\"g\n\x0f\x43ollectiveGroup\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\"k\n\x1bOpenWeightsTransferResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x11\n\tdata_port\x18\x02 \x01(\x05\x12\x1a\n\x12ticket_ttl_seconds\x18\x03 \x01(\x01\x12\r\n\x05ranks\x18\x04 \x01(\x05\"&\n\x14\x43ommitWeightsRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\"-\n\x1b\x41\x62ortWeightsTransferRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\"/\n\x1c\x41\x62ortWeightsTransferResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x1a\n\x18GetWeightsVersionRequest\"u\n\x0eWeightsVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12\x19\n\x11loaded_at_unix_ms\x18\x03 \x01(\x03\x12\r\n\x05model\x18\x04 \x01(\t\x12\x16\n\x0eparent_version\x18\x05 \x01(\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rlhf/v1/weights.proto\x12\x07rlhf.v1\"I\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06\x62ucket\x18\x04 \x01(\x05\"\x8f\x01\n\x0b\x42ucketEntry\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0e\n\x06nbytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x15\n\rdevice_digest\x18\x04 \x01(\t\x12\x10\n\x08\x65ncoding\x18\x05 \x01(\t\x12\x13\n\x0b\x66ull_nbytes\x18\x06 \x01(\x03\x12\x13\n\x0b\x66ull_sha256\x18\x07 \x01(\t\"\x88\x02\n\x0cWeightHeader\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0eparent_version\x18\x02 \x01(\x03\x12%\n\x07tensors\x18\x03 \x03(\x0b\x32\x14.rlhf.v1.TensorEntry\x12%\n\x07\x62uckets\x18\x04 \x03(\x0b\x32\x14.rlhf.v1.BucketEntry\x12\x10\n\x08\x63hecksum\x18\x05 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x06 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x07 \x01(\x03\x12\x1a\n\x12\x64\x65lta_base_version\x18\x08 \x01(\x03\x12\x1b\n\x13\x64\x65lta_base_checksum\x18\t \x01(\t\x12\x11\n\tkeep_base\x18\n \x01(\x08\";\n\x0bWeightChunk\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\x05\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"f\n\x0cWeightUpdate\x12\'\n\x06header\x18\x01 \x01(\x0b\x32\x15.rlhf.v1.WeightHeaderH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.rlhf.v1.WeightChunkH\x00\x42\x06\n\x04part\"\x90\x01\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07swapped\x18\x02 \x01(\x08\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\t\x12\x15\n\rstage_seconds\x18\x05 \x01(\x01\x12\x14\n\x0cswap_seconds\x18\x06 \x01(\x01\"l\n\x1aOpenWeightsTransferRequest\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.rlhf.v1.WeightHeader\x12\'\n\x05group\x18\x02 \x01(\x0b\x32\x18.rlhf.v1.CollectiveGroup\"g\n\x0f\x43ollectiveGroup\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\x05\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x04 \x01(\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\"k\n\x1bOpenWeightsTransferResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\x12\x11\n\tdata_port\x18\x02 \x01(\x05\x12\x1a\n\x12ticket_ttl_seconds\x18\x03 \x01(\x01\x12\r\n\x05ranks\x18\x04 \x01(\x05\"&\n\x14\x43ommitWeightsRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\"-\n\x1b\x41\x62ortWeightsTransferRequest\x12\x0e\n\x06ticket\x18\x01 \x01(\x0c\"/\n\x1c\x41\x62ortWeightsTransferResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x1a\n\x18GetWeightsVersionRequest\"u\n\x0eWeightsVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\t\x12\x19\n\x11loaded_at_unix_ms\x18\x03 \x01(\x03\x12\r\n\x05model\x18\x04 \x01(\t\x12\x16\n\x0eparent_version\x18\x05 \x01(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSORENTRY']._serialized_start=34
   _globals['_TENSORENTRY']._serialized_end=107
-  _globals['_BUCKETENTRY']._serialized_start=109
-  _globals['_BUCKETENTRY']._serialized_end=192
-  _globals['_WEIGHTHEADER']._serialized_start=195
-  _globals['_WEIGHTHEADER']._serialized_end=383
-  _globals['_WEIGHTCHUNK']._serialized_start=385
-  _globals['_WEIGHTCHUNK']._serialized_end=444
-  _globals['_WEIGHTUPDATE']._serialized_start=446
-  _globals['_WEIGHTUPDATE']._serialized_end=548
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=551
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=695
-  _globals['_OPENWEIGHTSTRANSFERREQUEST']._serialized_start=697
-  _globals['_OPENWEIGHTSTRANSFERREQUEST']._serialized_end=805
-  _globals['_COLLECTIVEGROUP']._serialized_start=807
-  _globals['_COLLECTIVEGROUP']._serialized_end=910
-  _globals['_OPENWEIGHTSTRANSFERRESPONSE']._serialized_start=912
-  _globals['_OPENWEIGHTSTRANSFERRESPONSE']._serialized_end=1019
-  _globals['_COMMITWEIGHTSREQUEST']._serialized_start=1021
-  _globals['_COMMITWEIGHTSREQUEST']._serialized_end=1059
-  _globals['_ABORTWEIGHTSTRANSFERREQUEST']._serialized_start=1061
-  _globals['_ABORTWEIGHTSTRANSFERREQUEST']._serialized_end=1106
-  _globals['_ABORTWEIGHTSTRANSFERRESPONSE']._serialized_start=1108
-  _globals['_ABORTWEIGHTSTRANSFERRESPONSE']._serialized_end=1155
-  _globals['_GETWEIGHTSVERSIONREQUEST']._serialized_start=1157
-  _globals['_GETWEIGHTSVERSIONREQUEST']._serialized_end=1183
-  _globals['_WEIGHTSVERSION']._serialized_start=1185
-  _globals['_WEIGHTSVERSION']._serialized_end=1302
+  _globals['_BUCKETENTRY']._serialized_start=110
+  _globals['_BUCKETENTRY']._serialized_end=253
+  _globals['_WEIGHTHEADER']._serialized_start=256
+  _globals['_WEIGHTHEADER']._serialized_end=520
+  _globals['_WEIGHTCHUNK']._serialized_start=522
+  _globals['_WEIGHTCHUNK']._serialized_end=581
+  _globals['_WEIGHTUPDATE']._serialized_start=583
+  _globals['_WEIGHTUPDATE']._serialized_end=685
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=688
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=832
+  _globals['_OPENWEIGHTSTRANSFERREQUEST']._serialized_start=834
+  _globals['_OPENWEIGHTSTRANSFERREQUEST']._serialized_end=942
+  _globals['_COLLECTIVEGROUP']._serialized_start=944
+  _globals['_COLLECTIVEGROUP']._serialized_end=1047
+  _globals['_OPENWEIGHTSTRANSFERRESPONSE']._serialized_start=1049
+  _globals['_OPENWEIGHTSTRANSFERRESPONSE']._serialized_end=1156
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_start=1158
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_end=1196
+  _globals['_ABORTWEIGHTSTRANSFERREQUEST']._serialized_start=1198
+  _globals['_ABORTWEIGHTSTRANSFERREQUEST']._serialized_end=1243
+  _globals['_ABORTWEIGHTSTRANSFERRESPONSE']._serialized_start=1245
+  _globals['_ABORTWEIGHTSTRANSFERRESPONSE']._serialized_end=1292
+  _globals['_GETWEIGHTSVERSIONREQUEST']._serialized_start=1294
+  _globals['_GETWEIGHTSVERSIONREQUEST']._serialized_end=1320
+  _globals['_WEIGHTSVERSION']._serialized_start=1322
+  _globals['_WEIGHTSVERSION']._serialized_end=1439
 # @@protoc_insertion_point(module_scope)

@@ -19,19 +19,25 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., bucket: _Optional[int] = ...) -> None: ...
 
 class BucketEntry(_message.Message):
-    __slots__ = ("index", "nbytes", "sha256", "device_digest")
+    __slots__ = ("index", "nbytes", "sha256", "device_digest", "encoding", "full_nbytes", "full_sha256")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     DEVICE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    FULL_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    FULL_SHA256_FIELD_NUMBER: _ClassVar[int]
     index: int
     nbytes: int
     sha256: str
     device_digest: str
-    def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., sha256: _Optional[str] = ..., device_digest: _Optional[str] = ...) -> None: ...
+    encoding: str
+    full_nbytes: int
+    full_sha256: str
+    def __init__(self, index: _Optional[int] = ..., nbytes: _Optional[int] = ..., sha256: _Optional[str] = ..., device_digest: _Optional[str] = ..., encoding: _Optional[str] = ..., full_nbytes: _Optional[int] = ..., full_sha256: _Optional[str] = ...) -> None: ...
 
 class WeightHeader(_message.Message):
-    __slots__ = ("version", "parent_version", "tensors", "buckets", "checksum", "format", "total_bytes")
+    __slots__ = ("version", "parent_version", "tensors", "buckets", "checksum", "format", "total_bytes", "delta_base_version", "delta_base_checksum", "keep_base")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PARENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +45,9 @@ class WeightHeader(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BASE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    KEEP_BASE_FIELD_NUMBER: _ClassVar[int]
     version: int
     parent_version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorEntry]
@@ -46,7 +55,10 @@ class WeightHeader(_message.Message):
     checksum: str
     format: str
     total_bytes: int
-    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketEntry, _Mapping]]] = ..., checksum: _Optional[str] = ..., format: _Optional[str] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+    delta_base_version: int
+    delta_base_checksum: str
+    keep_base: bool
+    def __init__(self, version: _Optional[int] = ..., parent_version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketEntry, _Mapping]]] = ..., checksum: _Optional[str] = ..., format: _Optional[str] = ..., total_bytes: _Optional[int] = ..., delta_base_version: _Optional[int] = ..., delta_base_checksum: _Optional[str] = ..., keep_base: _Optional[bool] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
     __slots__ = ("bucket", "offset", "data")

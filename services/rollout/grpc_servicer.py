@@ -16,6 +16,9 @@
   vLLM, updates of at least ``RLHF_WEIGHTS_INPLACE_LOAD_BYTES``) goes into the model bucket by bucket from the data
   connection (``EngineBase.install_streamed``); Commit then answers once the last bucket is in. ``UpdateWeights``
   does the same from the stream.
+- Delta pushes (``rlhf.transport.weights.delta``): an update whose header asks (``keep_base``) is kept once it serves
+  as the base of the next delta; a delta on another base is refused at Open (``DeltaBaseMissing``), one that does not
+  rebuild the full update's digests at Commit (``CorruptUpdate``), nothing swapped either way.
 - ``GetWeightsVersion``: the version served now (the engine's :class:`~rlhf.transport.weights.ServedVersion`, the
   one owner), the parent version its update named, its checksum, when it was loaded, the model.
 """
@@ -204,6 +207,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             result = await self.engine.swap_weights(
                 staged.tensors, staged.version, staged.checksum, staged.parent_version
             )
+        if result.swapped and result.version == staged.version:  # the base of the next delta push, if it asked
+            self.receiver.keep_base(staged if staged.installed is None else None)
         return weights_pb2.UpdateWeightsResponse(
             version=result.version,
             swapped=result.swapped,

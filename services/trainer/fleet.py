@@ -60,6 +60,9 @@ class Fleet:
         # Bucket buffers of the per-step pushes, reused once a push no longer holds them: fresh memory costs a page
         # fault per 4 KiB (an 86 MB policy: 0.04 s to copy into new memory, 0.009 s into a reused buffer).
         self._push_buffers = BufferPool()
+        # Delta pushes (RLHF_WEIGHTS_DELTA=auto): the last update a replica took, kept (one more copy of the policy
+        # in host memory) so the next push sends each replica only what changed since; None: the next goes in full.
+        self._delta_base = None
         # Replicas whose last push failed: address -> (version, the error). While none serves the newest version the
         # ring waits (see waiting) instead of cycling jobs that the old weights would make too stale to train.
         self._lagging: dict[str, tuple[int, str]] = {}
@@ -135,10 +138,21 @@ class Fleet:
             version = await self._push_to(addrs, packed)
         await self.publisher.pushed(version, jobs)
 
-    async def _push_to(self, addrs: list[str], packed) -> int:
+    def _delta_on(self, packed) -> bool:
+        """Delta pushes apply: asked for, host buckets of one process, a transport that sends them (tcp, grpc)."""
+        return (
+            self.settings.weights_delta == "auto"
+            and packed is not None
+            and not packed.on_device
+            and self.settings.weights_transport != "collective"
+        )
+
+    async def _push_to(self, addrs: list[str], packed, delta_ok: bool = True) -> int:
         """Push ``packed`` to ``addrs``, or with ``packed`` None (a trainer group; hold the state lock) stream the
         engine's current weights: gathered bucket by bucket, twice (the digests, then the bytes), so rank 0 holds
-        one bucket, never the whole policy, and training waits for the push. Returns the version pushed."""
+        one bucket, never the whole policy, and training waits for the push. Returns the version pushed.
+        With delta pushes on, a replica that holds the last update gets only what changed since (``delta_ok``
+        False: everyone gets the full update, as the catch-up of replicas that fell behind does)."""
         from rlhf.transport import push_weights_many, push_weights_streamed
 
         tls: dict = {}
@@ -157,7 +171,24 @@ class Fleet:
             packed = self.engine.policy_stream(self.engine.policy_version)
             results = await push_weights_streamed(addrs, packed, **kw)
         else:
+            delta_on = self._delta_on(packed)
+            if delta_on:
+                from rlhf.transport.weights.delta import make_delta
+
+                packed.header.keep_base = True  # each replica keeps what it takes as the base of the next delta
+                if delta_ok and self._delta_base is not None:
+                    kw["delta"], stats = await asyncio.to_thread(make_delta, self._delta_base, packed)
+                    log.debug(
+                        "version %d as a delta on %d: %d of %d bytes, %.4f of the words changed",
+                        packed.version,
+                        self._delta_base.version,
+                        stats.wire_bytes,
+                        stats.full_bytes,
+                        stats.changed_fraction,
+                    )
             results = await push_weights_many(addrs, packed, **kw)
+            if delta_on and any(not isinstance(r, BaseException) for r in results.values()):
+                self._delta_base = packed  # the replicas that took it hold it now
         self._note_push(packed.version, results)
         return packed.version
 
@@ -209,7 +240,7 @@ class Fleet:
                         await self._push_to(targets, None)
                         continue
                     packed = await self._pack()
-                await self._push_to(targets, packed)
+                await self._push_to(targets, packed, delta_ok=False)  # behind: no base to build on
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - Redis restarting, a replica going away: try again later

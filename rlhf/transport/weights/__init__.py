@@ -8,6 +8,8 @@ The package, by role (arrows point down this list; nothing imports upwards):
   socket (:func:`~rlhf.transport.weights.dataplane.send_buckets`);
 - :mod:`~rlhf.transport.weights.collective`: the per-push broadcast group (gloo, nccl, hccl), both ends;
 - :mod:`~rlhf.transport.weights.receive`: receiving an update: staging, the update slot, buckets fed to an engine;
+- :mod:`~rlhf.transport.weights.delta`: delta pushes: only the words that changed since the replica's base update,
+  rebuilt there and checked against the full update's digests;
 - :mod:`~rlhf.transport.weights.verify`: the checks every path runs: a header, a received bucket;
 - :mod:`~rlhf.transport.weights.pack`: packing an update into buckets (held, or streamed from a tensor source);
 - :mod:`~rlhf.transport.weights.format`: the wire format: safetensors buckets and their layout, the header's
@@ -28,6 +30,7 @@ from typing import Any
 _NAMES = {
     "errors": (
         "CorruptUpdate",
+        "DeltaBaseMissing",
         "IncompatibleUpdate",
         "IncompleteUpdate",
         "StaleVersion",
@@ -58,6 +61,7 @@ _NAMES = {
         "weight_updates",
     ),
     "verify": ("check_header",),
+    "delta": ("DeltaBase", "make_delta"),
     "receive": ("StagedWeights", "WeightReceiver", "receive_update"),
     "dataplane": ("WeightDataServer", "send_buckets"),
     "send": ("TRANSPORTS", "push_weights", "push_weights_many", "push_weights_streamed"),

@@ -53,6 +53,7 @@ from typing import Any
 
 from rlhf.serving.errors import RLHFError
 from rlhf.transport.weights.collective import GroupSpec, receive_buckets
+from rlhf.transport.weights.delta import finish_delta_bucket, held_bytes, rebuild_buffers
 from rlhf.transport.weights.errors import CorruptUpdate, IncompleteUpdate
 from rlhf.transport.weights.pack import BufferPool, release_freed_memory
 from rlhf.transport.weights.receive import (
@@ -101,6 +102,9 @@ class _Transfer:
         # The engine's installer when it takes this update bucket by bucket as it arrives (no buffers reserved: the
         # data connection hands each verified bucket over, see _serve_streamed); None: received whole, then swapped
         self.stream: Any = None
+        self.base: Any = None  # the DeltaBase a delta update is rebuilt on (rlhf.transport.weights.delta)
+        self.fulls: list[Any] | None = None  # the buckets as served, when the header asks to keep them
+        self.rebuilt: list[Any] | None = None  # per delta bucket, the buffer it is rebuilt in (from the pool)
 
 
 class WeightDataServer:
@@ -195,18 +199,21 @@ class WeightDataServer:
         r.reserve()  # UpdateInProgress
         try:
             per_bucket = r.check(header, collective=group is not None)
+            base = r.delta_base(header, whole=group is None and stream is None)  # DeltaBaseMissing
             if group is None and stream is None:
-                r.pool.trim(2 * header.total_bytes)  # as receive_update: the update serving and this one
+                r.pool.trim(2 * held_bytes(header))  # as receive_update: the update serving and this one
                 buffers = [r.pool.take(b.nbytes) for b in header.buckets]
+                rebuilt = rebuild_buffers(header, r.pool.take) if base is not None else None
             elif group is None:  # streamed: the data connection takes its buffers from _stream_pool
-                buffers = []
+                buffers, rebuilt = [], None
             else:
-                buffers = []  # the collective receiver allocates its own (a thread cut off never writes into reuse)
+                buffers, rebuilt = [], None  # the collective receiver allocates its own (a cut thread never reuses)
         except BaseException:
             r.release()
             raise
         t = _Transfer(header, per_bucket, buffers, self.ttl)
         t.stream = stream if group is None else None
+        t.base, t.rebuilt = base, rebuilt
         t.deadline_s = self.ttl + header.total_bytes / self.min_rate
         self._transfers.append(t)
         loop = asyncio.get_running_loop()
@@ -254,6 +261,7 @@ class WeightDataServer:
             seconds=time.perf_counter() - t.t0,
             manifest=manifest,
             installed=installed,
+            buckets=t.fulls if h.keep_base and installed is None else None,
         )
 
     def abort(self, ticket: bytes) -> bool:
@@ -401,7 +409,12 @@ class WeightDataServer:
                 return
             assert t.buffers is not None
             try:
-                tensors, nbytes = await asyncio.to_thread(_receive_buckets, conn, t.header, t.per_bucket, t.buffers)
+                fulls: list[Any] = [None] * len(t.buffers)
+                rebuilt, t.rebuilt = t.rebuilt, None
+                tensors, nbytes = await asyncio.to_thread(
+                    _receive_buckets, conn, t.header, t.per_bucket, t.buffers, t.base, fulls, rebuilt
+                )
+                t.fulls = fulls
             except Exception as err:  # noqa: BLE001 - settled into the transfer; CommitWeights reports it
                 self._refuse(t, err, "the data connection failed", "weight transfer")
                 return
@@ -556,10 +569,20 @@ def _receive_streamed(
 
 
 def _receive_buckets(
-    conn: socket.socket, h: weights_pb2.WeightHeader, per_bucket: list, buffers: list[bytearray]
+    conn: socket.socket,
+    h: weights_pb2.WeightHeader,
+    per_bucket: list,
+    buffers: list[bytearray],
+    base: Any = None,
+    fulls: list[Any] | None = None,
+    rebuilt: list[Any] | None = None,
 ) -> tuple[dict[str, Any], int]:
     """In a thread: the buckets' bytes into ``buffers``, hashed and parsed in other threads as they arrive; then
-    EOF. Raises IncompleteUpdate (short data, timeout, reset) or CorruptUpdate (extra bytes, digests, content)."""
+    EOF. Raises IncompleteUpdate (short data, timeout, reset) or CorruptUpdate (extra bytes, digests, content).
+    A delta bucket is rebuilt on ``base`` and checked as the full bucket (:func:`finish_delta_bucket`); ``fulls``
+    gets each bucket as served."""
+    fulls = fulls if fulls is not None else [None] * len(buffers)
+    rebuilt = rebuilt if rebuilt is not None else [None] * len(buffers)
     # sha256 (~1.7 GB/s a core) is slower than the loopback copy: one thread falls behind and finishes its backlog
     # alone after the last byte. Buckets alternate between HASH_LANES single-thread lanes (each bucket's slices stay
     # in order on its lane), so the next bucket is hashed while the previous one's backlog drains.
@@ -581,7 +604,9 @@ def _receive_buckets(
             where = f"after {received} of {h.total_bytes} bytes (bucket {i})"
             _recv_slices(conn, view, spec.nbytes, on_slice, where)
             received += spec.nbytes
-            finishing.append(worker.submit(_finish, i, buf, hasher, spec.sha256, per_bucket[i]))
+            out, rebuilt[i] = rebuilt[i], None
+            finishing.append(worker.submit(_finish_any, i, buf, hasher, spec, per_bucket[i], base, fulls, out))
+            del out
         _expect_eof(conn, h.total_bytes)
         tensors: dict[str, Any] = {}
         for f in finishing:
@@ -594,6 +619,16 @@ def _receive_buckets(
 
 def _finish(i: int, buf: bytearray, hasher: Any, sha256: str, manifest: Any) -> dict[str, Any]:
     return finish_bucket(i, buf, hasher.hexdigest(), sha256, manifest)
+
+
+def _finish_any(
+    i: int, buf: bytearray, hasher: Any, spec: Any, manifest: Any, base: Any, fulls: list, out: Any
+) -> dict[str, Any]:
+    if spec.encoding:
+        tensors, fulls[i] = finish_delta_bucket(i, buf, hasher.hexdigest(), spec, manifest, base, out)
+        return tensors
+    fulls[i] = buf
+    return finish_bucket(i, buf, hasher.hexdigest(), spec.sha256, manifest)
 
 
 # ------------------------------------------------------------------------------------------------------ client

@@ -11,6 +11,7 @@ IncompleteUpdate         INVALID_ARGUMENT        the data ended, was cut, timed 
 IncompatibleUpdate       INVALID_ARGUMENT        the manifest does not fit the served model (400)
 UpdateTooLarge           RESOURCE_EXHAUSTED      over the replica's byte limits (413)
 CollectiveUnavailable    FAILED_PRECONDITION     the replica cannot run the push's collective backend (409)
+DeltaBaseMissing         FAILED_PRECONDITION     a delta push's base is not the update this replica holds (409)
 =======================  ======================  ============================================================
 """
 
@@ -51,9 +52,28 @@ class CollectiveUnavailable(WeightSyncError, FailedPrecondition):
     """A collective push asks for a backend this replica cannot run (nccl without CUDA, hccl without torch_npu)."""
 
 
+class DeltaBaseMissing(WeightSyncError, FailedPrecondition):
+    """A delta push names a base update this replica does not hold (a late joiner, a restart, a missed push, or an
+    engine that takes the update as it arrives): the trainer sends the full update instead."""
+
+
 # Refusals that say the update itself can never fit this replica (other tensors, or more bytes than it accepts): a
 # trainer that retries them would push the same weights forever while the ring trains on nothing.
 FINAL_REFUSALS = (IncompatibleUpdate, UpdateTooLarge)
+
+
+def refusal_type(err: BaseException) -> str | None:
+    """The name of the refusal class behind ``err``: raised here, or carried by a gRPC error's ``rlhf-error-type``
+    trailing metadata (None when there is neither)."""
+    if isinstance(err, WeightSyncError):
+        return type(err).__name__
+    trailing = getattr(err, "trailing_metadata", None)
+    if not callable(trailing):
+        return None
+    try:
+        return dict(trailing() or ()).get("rlhf-error-type")
+    except Exception:  # noqa: BLE001 - a call that never reached the server has no metadata
+        return None
 
 
 def is_final_refusal(err: BaseException) -> bool:

@@ -82,8 +82,9 @@ def manifest_checksum(bucket_digests: Sequence[str]) -> str:
 
 
 def bucket_digest(b: weights_pb2.BucketEntry) -> str:
-    """A bucket's digest as the header checksum covers it: its sha256, or its device digest where it has one."""
-    return b.sha256 or b.device_digest
+    """A bucket's digest as the header checksum covers it: its sha256, or its device digest where it has one; a
+    delta bucket's resulting bucket's sha256 (so a delta push has the checksum of the same full push)."""
+    return b.full_sha256 or b.sha256 or b.device_digest
 
 
 def safetensors_header(data: bytes | memoryview) -> dict[str, Any]:

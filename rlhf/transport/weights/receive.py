@@ -26,7 +26,15 @@ from typing import Any
 
 import torch
 
-from rlhf.transport.weights.errors import CorruptUpdate, IncompleteUpdate, UpdateInProgress
+from rlhf.transport.weights.delta import (
+    DeltaBase,
+    finish_delta_bucket,
+    held_bytes,
+    is_delta,
+    rebuild_buffers,
+    resolve_base,
+)
+from rlhf.transport.weights.errors import CorruptUpdate, DeltaBaseMissing, IncompleteUpdate, UpdateInProgress
 from rlhf.transport.weights.format import Manifest, RawChunk
 from rlhf.transport.weights.pack import BufferPool, release_freed_memory
 from rlhf.transport.weights.verify import check_header, finish_bucket
@@ -55,6 +63,9 @@ class StagedWeights:
     # The engine's swap result when it installed the update bucket by bucket as it arrived (an update the engine
     # streams in place, :class:`BucketFeed`): already serving, nothing left to swap.
     installed: Any = None
+    # The update's buckets (full, rebuilt from a delta where one came) when its header asks the replica to keep them
+    # as the base of the next delta push (``keep_base``); None otherwise
+    buckets: list[Any] | None = None
 
     @property
     def bytes(self) -> int:
@@ -168,6 +179,7 @@ async def receive_update(
     expected: Mapping[str, tuple[str, Sequence[int]]] | None = None,
     pool: BufferPool | None = None,
     install: Callable[[weights_pb2.WeightHeader], Any] | None = None,
+    base: DeltaBase | None = None,
 ) -> StagedWeights:
     """Receive and verify one update stream (the servicer's ``request_iterator``) against the served
     ``current_version``; return the staged tensors (host memory) or raise a :class:`WeightSyncError`.
@@ -182,6 +194,8 @@ async def receive_update(
     (a dtype of None accepts any dtype for that tensor: the engine converts it). Bucket sizes are checked against the
     listed tensors before anything is allocated.
     ``pool``: take the bucket buffers from it (see :class:`BufferPool`), else allocate them.
+    ``base``: the update this replica keeps for delta pushes (:mod:`~rlhf.transport.weights.delta`); a delta header
+    that names another base is refused (DeltaBaseMissing) before a byte of data is read.
     """
     t0 = time.perf_counter()
     stream = _aiter(request_iterator)
@@ -193,13 +207,16 @@ async def receive_update(
         raise CorruptUpdate("the first WeightUpdate must carry the header", field="header")
     h = first.header
     per_bucket = check_header(h, current_version, max_total_bytes, max_bucket_bytes, expected)
+    base = resolve_base(h, base)
     installer = install(h) if install is not None else None
     if installer is not None:
+        if base is not None:  # installed bucket by bucket as it arrives: no base buckets to rebuild on
+            raise DeltaBaseMissing("this replica installs an update of this size as it arrives: send it in full")
         pool = pool if pool is not None else BufferPool()
         return await _receive_into_engine(stream, h, per_bucket, installer, pool, t0)
     nb = len(h.buckets)
     if pool is not None:  # keep about two updates' buffers: the one serving (double buffering) and the next
-        pool.trim(2 * h.total_bytes)
+        pool.trim(2 * held_bytes(h))
     staged: dict[str, torch.Tensor] = {}
     loop = asyncio.get_running_loop()
     # One worker thread, FIFO: it hashes each chunk from the bucket buffer (hashlib releases the GIL) and then checks
@@ -211,8 +228,15 @@ async def receive_update(
     buf: bytearray | None = None
     view: memoryview | None = None
     hasher = hashlib.sha256()
+    fulls: list[Any] = [None] * nb  # each bucket as served (a delta's rebuilt on the base): kept with keep_base
+    rebuilt = rebuild_buffers(h, pool.take if pool is not None else bytearray) if base is not None else [None] * nb
 
     def finish(i: int, data: bytearray, h: Any, spec: weights_pb2.BucketEntry) -> dict[str, torch.Tensor]:
+        if spec.encoding:
+            out, rebuilt[i] = rebuilt[i], None  # from here only the staged tensors (and fulls) refer to it
+            tensors, fulls[i] = finish_delta_bucket(i, data, h.hexdigest(), spec, per_bucket[i], base, out)
+            return tensors
+        fulls[i] = data
         return finish_bucket(i, data, h.hexdigest(), spec.sha256, per_bucket[i])
 
     try:
@@ -257,6 +281,7 @@ async def receive_update(
         nbytes=received,
         seconds=time.perf_counter() - t0,
         manifest={name: spec for m in per_bucket for name, spec in m.items()},
+        buckets=fulls if h.keep_base else None,
     )
 
 
@@ -411,6 +436,8 @@ class WeightReceiver:
         self.expected = expected
         self.pool = BufferPool()
         self._busy = False
+        # The last update kept for delta pushes (its header's keep_base), once the engine serves it: see keep_base
+        self.base: DeltaBase | None = None
 
     @property
     def current_version(self) -> int:
@@ -440,6 +467,20 @@ class WeightReceiver:
             header, self.served.version, self.max_total_bytes, self.max_bucket_bytes, self.expected, collective
         )
 
+    def delta_base(self, header: weights_pb2.WeightHeader, whole: bool = True) -> DeltaBase | None:
+        """The base a delta header applies to, None for a full update; DeltaBaseMissing when this replica does not
+        hold it, or (``whole`` False: the update is installed as it arrives, or comes by collective) cannot rebuild
+        buckets on it."""
+        if not whole and is_delta(header):
+            raise DeltaBaseMissing("this replica takes this update as it arrives or by broadcast: send it in full")
+        return resolve_base(header, self.base)
+
+    def keep_base(self, staged: StagedWeights | None) -> None:
+        """After a swap: keep ``staged``'s buckets as the next delta's base when its header asked (``keep_base``),
+        else hold none (an update installed another way, or deltas off: no memory kept for them)."""
+        buckets = staged.buckets if staged is not None else None
+        self.base = None if buckets is None else DeltaBase(staged.version, staged.checksum, buckets)
+
     async def receive(self, request_iterator: AsyncIterable | Iterable, install: Any = None) -> StagedWeights:
         """:func:`receive_update` in the update slot (``install``: see there)."""
         self.reserve()
@@ -452,6 +493,7 @@ class WeightReceiver:
                 expected=self.expected,
                 pool=self.pool,
                 install=install,
+                base=self.base,
             )
         finally:
             self.release()

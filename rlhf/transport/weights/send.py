@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
@@ -27,6 +28,7 @@ import grpc
 import torch
 
 from rlhf.transport.weights.dataplane import send_buckets
+from rlhf.transport.weights.errors import refusal_type
 from rlhf.transport.weights.format import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHUNK_BYTES,
@@ -41,6 +43,7 @@ OPEN_TRANSFER_METHOD = "/rlhf.v1.RolloutService/OpenWeightsTransfer"
 COMMIT_WEIGHTS_METHOD = "/rlhf.v1.RolloutService/CommitWeights"
 ABORT_TRANSFER_METHOD = "/rlhf.v1.RolloutService/AbortWeightsTransfer"
 TRANSPORTS = ("auto", "grpc", "tcp", "collective")  # collective: push_weights_many / push_collective only
+log = logging.getLogger("rlhf.transport.weights.send")
 
 
 def _credentials(tls: bool | str | Path | bytes | grpc.ChannelCredentials) -> grpc.ChannelCredentials | None:
@@ -68,6 +71,7 @@ async def push_weights(
     channel: grpc.aio.Channel | None = None,
     options: Sequence[tuple[str, Any]] = (),
     transport: str = "auto",
+    delta: PackedWeights | None = None,
 ) -> weights_pb2.UpdateWeightsResponse:
     """Send weights to one replica and return its ``UpdateWeightsResponse``.
 
@@ -85,9 +89,42 @@ async def push_weights(
     bytes, or ready ``grpc.ChannelCredentials``. ``channel``: reuse an open channel (``target``/``tls``/``options``
     are then ignored). A refusal comes back as ``grpc.aio.AioRpcError`` (see the module docstring for the codes);
     ``timeout`` bounds the whole update.
+
+    ``delta``: the same update as a delta against the base the replica should hold
+    (:func:`~rlhf.transport.weights.delta.make_delta`), tried first over ``transport`` (not collective); when the
+    replica holds another base (``DeltaBaseMissing``, at Open: no byte sent) or the rebuilt update fails its digests
+    (``CorruptUpdate``: nothing swapped), ``weights`` goes in full.
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
+    if delta is not None and transport != "collective":
+        again = functools.partial(
+            push_weights,
+            target,
+            token=token,
+            timeout=timeout,
+            chunk_bytes=chunk_bytes,
+            bucket_bytes=bucket_bytes,
+            tls=tls,
+            channel=channel,
+            options=options,
+            transport=transport,
+        )
+        try:
+            return await again(delta)
+        except grpc.aio.AioRpcError as err:
+            kind = refusal_type(err)
+            if kind not in ("DeltaBaseMissing", "CorruptUpdate"):
+                raise
+            say = log.debug if kind == "DeltaBaseMissing" else log.warning
+            say(
+                "delta push of version %d to %s refused (%s: %s): pushing it in full",
+                delta.version,
+                target,
+                kind,
+                err.details(),
+            )
+        return await again(weights, version, parent_version)
     if transport == "collective":
         if not isinstance(weights, PackedWeights):
             weights = await asyncio.to_thread(pack_weights, weights, version, parent_version, bucket_bytes=bucket_bytes)

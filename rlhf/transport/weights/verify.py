@@ -58,15 +58,19 @@ def check_header(
                 )
             if not is_device_digest(b.device_digest):
                 raise CorruptUpdate(f"header.buckets[{i}].device_digest is not a {DIGEST_NAME} digest")
-        elif len(b.sha256) != 64 or any(c not in "0123456789abcdef" for c in b.sha256):
+        elif not _is_sha256(b.sha256):
             raise CorruptUpdate(f"header.buckets[{i}].sha256 is not a lowercase sha256 hex digest")
-        if max_bucket_bytes is not None and b.nbytes > max_bucket_bytes:
-            raise UpdateTooLarge(f"bucket {i} has {b.nbytes} bytes; this replica accepts at most {max_bucket_bytes}")
+        _check_delta_entry(h, i, b, device_digests)
+        if max_bucket_bytes is not None and _full_nbytes(b) > max_bucket_bytes:
+            raise UpdateTooLarge(
+                f"bucket {i} has {_full_nbytes(b)} bytes; this replica accepts at most {max_bucket_bytes}"
+            )
     total = sum(b.nbytes for b in h.buckets)
     if h.total_bytes != total:
         raise CorruptUpdate(f"header.total_bytes is {h.total_bytes} but the buckets add up to {total}")
-    if max_total_bytes is not None and total > max_total_bytes:
-        raise UpdateTooLarge(f"update has {total} bytes; this replica accepts at most {max_total_bytes}")
+    full_total = sum(_full_nbytes(b) for b in h.buckets)  # what the replica holds once a delta is rebuilt
+    if max_total_bytes is not None and full_total > max_total_bytes:
+        raise UpdateTooLarge(f"update has {full_total} bytes; this replica accepts at most {max_total_bytes}")
     if h.checksum != manifest_checksum([bucket_digest(b) for b in h.buckets]):
         raise CorruptUpdate("header.checksum does not match the bucket digests")
     per_bucket: list[Manifest] = [{} for _ in h.buckets]
@@ -107,13 +111,39 @@ def check_header(
     for i, (b, m) in enumerate(zip(h.buckets, per_bucket, strict=True)):
         data = sum(TORCH_DTYPES[dt].itemsize * math.prod(shape) for dt, shape in m.values())
         slack = bucket_header_allowance(m)
-        if not 8 + data <= b.nbytes <= 8 + data + slack:
+        if not 8 + data <= _full_nbytes(b) <= 8 + data + slack:
             raise CorruptUpdate(
-                f"header.buckets[{i}].nbytes is {b.nbytes}, but its tensors need {data} bytes of data plus a "
+                f"header.buckets[{i}].nbytes is {_full_nbytes(b)}, but its tensors need {data} bytes of data plus a "
                 f"safetensors header of at most {slack} bytes",
                 field=f"header.buckets[{i}].nbytes",
             )
     return per_bucket
+
+
+def _is_sha256(x: str) -> bool:
+    return len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
+def _full_nbytes(b: weights_pb2.BucketEntry) -> int:
+    """The bucket's size once received: a delta bucket's rebuilt size, else the bytes on the wire."""
+    return b.full_nbytes if b.encoding else b.nbytes
+
+
+def _check_delta_entry(h: weights_pb2.WeightHeader, i: int, b: weights_pb2.BucketEntry, device_digests: bool) -> None:
+    """A delta bucket's fields (rlhf.transport.weights.delta): on the wire at most the rebuilt bucket's size, and
+    the rebuilt bucket's sha256, which the header checksum covers; a bucket sent whole carries none of them."""
+    if not b.encoding:
+        if b.full_sha256 or b.full_nbytes:
+            raise CorruptUpdate(f"header.buckets[{i}] carries a full_sha256/full_nbytes but no delta encoding")
+        return
+    if device_digests or not h.delta_base_checksum:  # a collective push's buckets go whole
+        raise CorruptUpdate(f"header.buckets[{i}] is a delta without a base, or on a collective push")
+    if b.encoding not in ("sparse16", "runs16"):  # rlhf.transport.weights.delta.ENCODINGS (it imports this module)
+        raise CorruptUpdate(f"header.buckets[{i}].encoding {b.encoding!r} is unknown")
+    if not _is_sha256(b.full_sha256):
+        raise CorruptUpdate(f"header.buckets[{i}].full_sha256 is not a lowercase sha256 hex digest")
+    if not 8 <= b.nbytes <= b.full_nbytes:  # the sender sends a delta only when it is smaller than the bucket
+        raise CorruptUpdate(f"header.buckets[{i}]: a delta of {b.nbytes} bytes for a bucket of {b.full_nbytes}")
 
 
 def bucket_header_allowance(manifest: Manifest) -> int:
