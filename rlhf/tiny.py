@@ -28,12 +28,20 @@ from pathlib import Path
 PAD, EOS, BOS = "<pad>", "</s>", "<s>"
 SPECIAL_TOKENS = [PAD, EOS, BOS]  # ids 0, 1, 2: pad differs from EOS, as the RL masks require
 
-# A minimal chat template: the prompt text of each turn, then the generation prefix for the assistant.
+# A minimal chat template: the prompt text of each turn, then the generation prefix for the assistant. With
+# ``tools`` their schemas come first, one JSON line; an assistant's tool calls are hermes blocks (rlhf.tool_calls),
+# a tool's result is a ``Tool:`` line.
 CHAT_TEMPLATE = (
+    # (a newline right after a block tag is trimmed by transformers' template settings: written as an expression)
+    "{% if tools %}Tools:{% for tool in tools %} {{ tool | tojson }}{% endfor %}{{ '\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
     "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
-    "{% else %}Assistant: {{ message['content'] }}" + EOS + "\n{% endif %}"
+    "{% elif message['role'] == 'tool' %}Tool: {{ message['content'] }}\n"
+    "{% else %}Assistant: {% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %}"
+    '<tool_call>{"name": {{ call.function.name | tojson }}, "arguments": {{ call.function.arguments | tojson }}}'
+    "</tool_call>{% endfor %}" + EOS + "\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
@@ -111,11 +119,14 @@ class TinySpec:
 
 
 def parse_ref(ref: str) -> tuple[TinySpec, str]:
-    """``tiny:`` model reference (without the prefix) -> (spec, ``policy`` | ``reward``): ``policy``, ``reward``,
-    ``<arch>/policy``, ``<arch>-bf16/reward``..."""
+    """``tiny:`` model reference (without the prefix) -> (spec, ``policy`` | ``reward`` | ``tools``): ``policy``,
+    ``reward``, ``tools`` (the policy warm-started on calculator episodes, rlhf.tiny_tools), ``<arch>/policy``,
+    ``<arch>-bf16/reward``..."""
     name, _, which = ref.rpartition("/")
-    if which not in ("policy", "reward"):
-        raise ValueError(f"unknown tiny model tiny:{ref}: use tiny:policy, tiny:reward or tiny:<arch>[-bf16]/policy")
+    if which not in ("policy", "reward", "tools"):
+        raise ValueError(
+            f"unknown tiny model tiny:{ref}: use tiny:policy, tiny:reward, tiny:tools or tiny:<arch>[-bf16]/policy"
+        )
     arch, dtype = name or "llama", "float32"
     if arch.endswith("-bf16"):
         arch, dtype = arch[: -len("-bf16")], "bfloat16"
@@ -204,6 +215,10 @@ def _policy_model(spec: TinySpec, tokenizer):
     return model.to(getattr(torch, spec.dtype))
 
 
+def _template_digest() -> str:
+    return hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()[:16]
+
+
 def build_tiny(out_dir: str | Path, spec: TinySpec | None = None, force: bool = False) -> TinyPaths:
     """Write the tiny policy and reward model under ``out_dir``; reuse them when already built for the same spec.
 
@@ -215,7 +230,12 @@ def build_tiny(out_dir: str | Path, spec: TinySpec | None = None, force: bool = 
     stamp = root / "tiny.json"
 
     def current() -> bool:
-        return not force and stamp.exists() and json.loads(stamp.read_text()).get("digest") == spec.digest()
+        if force or not stamp.exists():
+            return False
+        built = json.loads(stamp.read_text())
+        # the chat template is saved with the tokenizer: a cache built with another template is rebuilt (the weights
+        # come out the same; the spec digest stays as it was, so caches keep their folders)
+        return built.get("digest") == spec.digest() and built.get("chat_template") == _template_digest()
 
     if current():
         return paths
@@ -225,7 +245,9 @@ def build_tiny(out_dir: str | Path, spec: TinySpec | None = None, force: bool = 
         if current():  # another process built it while this one waited
             return paths
         _build(spec, paths)
-        stamp.write_text(json.dumps({"digest": spec.digest(), "spec": spec._fields()}, indent=2))
+        stamp.write_text(
+            json.dumps({"digest": spec.digest(), "chat_template": _template_digest(), "spec": spec._fields()}, indent=2)
+        )
     return paths
 
 

@@ -3,13 +3,18 @@
 Servers::
 
     rlhf serve reward --config configs/demo.yaml --http-port 8001 --grpc-port 50052
-    rlhf serve reference|rollout|trainer --config FILE [--host H] [--grpc-port N] [--http-port N]
+    rlhf serve reference|rollout|trainer|environment --config FILE [--host H] [--grpc-port N] [--http-port N]
 
 A whole run on one machine, and its plots::
 
     rlhf up --config configs/demo.yaml [--run-dir DIR] [KEY=VALUE ...]
     rlhf up --config-name demo training.train_iters=5 actor_rollout_ref.actor_rollout.do_sample=false
     rlhf report RUN_DIR
+
+One evaluation of a policy on the config's eval section (the trainer's eval rows, outside training)::
+
+    rlhf eval --config configs/demo.yaml --rollout 127.0.0.1:50051 --reward 127.0.0.1:50052
+    rlhf eval --config configs/demo.yaml --checkpoint runs/demo-x/checkpoints eval.path=data/heldout.jsonl
 
 Clients (call a running service over REST, print JSON)::
 
@@ -35,7 +40,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-SERVICES = ("rollout", "reward", "reference", "trainer")
+SERVICES = ("rollout", "reward", "reference", "trainer", "environment")
 
 log = logging.getLogger("rlhf.cli")
 
@@ -283,6 +288,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("run_dir", help="the run folder (holds metrics.jsonl)")
     r.set_defaults(func=_report)
+
+    e = sub.add_parser(
+        "eval",
+        help="evaluate a running rollout service or a checkpoint on the config's eval section (eval/* metrics)",
+        description="Generate the eval section's held-out prompts with a rollout service (gRPC Generate) and score "
+        "them with a reward service (gRPC Score); report eval/reward_mean, eval/pass@k, eval/response_length_mean, "
+        "eval/failed_fraction as the trainer's evaluation does: a row appended to OUT/metrics.jsonl, TensorBoard in "
+        "OUT/tensorboard, the row as JSON on stdout. Services not given by address (--checkpoint: a rollout replica; "
+        "no --reward: the config's reward section) are started as child processes on free loopback ports and stopped "
+        "at the end. Exit 0 when the evaluation ran, 1 when it failed, 2 for bad arguments. For lm-eval benchmarks, "
+        "point lm-eval's local-completions model at a rollout's /v1/completions instead (docs/training.md).",
+        epilog="examples:\n"
+        "  rlhf eval --config configs/demo.yaml --rollout 127.0.0.1:50051 --reward 127.0.0.1:50052\n"
+        "  rlhf eval --config configs/demo.yaml --checkpoint runs/demo-x/checkpoints --out runs/demo-x\n"
+        "  rlhf eval --config my.yaml --checkpoint out/step_40 eval.path=data/heldout.jsonl eval.n=4 "
+        "eval.temperature=1.0",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    from services import eval_run
+
+    eval_run.add_arguments(e)
+    e.set_defaults(func=_eval)
     return p
 
 
@@ -290,6 +317,12 @@ def _up(args: argparse.Namespace) -> int:
     from services import launcher
 
     return launcher.main(args)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from services import eval_run
+
+    return eval_run.main(args)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -303,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # argparse takes one run of positionals: KEY=VALUE overrides of `rlhf up` given before and after options
     # arrive here in pieces
-    if extra and args.command == "up" and not any(e.startswith("-") for e in extra):
+    if extra and args.command in ("up", "eval") and not any(e.startswith("-") for e in extra):
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -30,6 +30,12 @@ before the temperature, so the sampling log-probs include them: like top-k/top-p
 trainer recomputes (keep them off for on-policy RL). ``top_logprobs: k`` adds, per generated token, the k most
 probable tokens of that same distribution.
 
+Prompt log-probs (``prompt_logprobs: k``; the completions API's ``echo`` with ``logprobs``, which lm-eval's
+loglikelihood requests use): each prompt token's log-prob given the tokens before it, ``log_softmax(logits)`` of the
+model itself (temperature 1, no penalties, top-k or top-p, as vLLM's ``prompt_logprobs`` and the reference service
+compute them), with the k most probable alternatives; none for the first token. The ``hf`` engine takes them from
+the prefill's logits, vLLM from its ``prompt_logprobs``.
+
 Streaming: :meth:`EngineBase.generate_stream` yields events; the ``hf`` engine one per decoded token, the ``vllm``
 engine (whose drivers collect final outputs only) one per finished sample.
 
@@ -240,6 +246,11 @@ class EngineBase:
             raise InvalidArgument(
                 f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {params.top_logprobs}",
                 field="top_logprobs",
+            )
+        if params.prompt_logprobs is not None and not (0 <= params.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidArgument(
+                f"prompt log-prob alternatives must be between 0 and {MAX_TOP_LOGPROBS}, got {params.prompt_logprobs}",
+                field="logprobs",
             )
         if params.seed is not None and not (0 <= params.seed <= MAX_SEED):
             raise InvalidArgument(f"seed must be between 0 and {MAX_SEED}, got {params.seed}", field="seed")

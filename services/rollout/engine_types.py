@@ -51,6 +51,10 @@ class StreamEvent:
 class PromptResult:
     prompt_token_ids: list[int]
     samples: list[Sample]  # exactly n
+    # with SamplingOptions.prompt_logprobs: per prompt token, its log-prob given the tokens before it and the most
+    # probable (token id, log-prob) alternatives there; None at the first token (nothing conditions it)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass

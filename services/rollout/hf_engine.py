@@ -60,6 +60,9 @@ class _Row:
     top: list[list[tuple[int, float]]] | None = None  # top_logprobs alternatives per token, when asked for
     # streaming: called on the event loop with (token, log-prob, alternatives) as each token is decoded
     on_token: Any = None
+    # opts.prompt_logprobs: each prompt token's log-prob (None first) and alternatives, from the prefill's logits
+    prompt_lp: list[float | None] | None = None
+    prompt_top: list[list[tuple[int, float]] | None] | None = None
 
 
 def apply_penalties(
@@ -256,7 +259,12 @@ class HFEngine(EngineBase):
                 f.cancel()
             raise
         return [
-            PromptResult(prompt_token_ids=list(p), samples=[self._sample(r, version) for r in prow])
+            PromptResult(
+                prompt_token_ids=list(p),
+                samples=[self._sample(r, version) for r in prow],
+                prompt_logprobs=prow[0].prompt_lp,  # the same for every sample of a prompt
+                prompt_top_logprobs=prow[0].prompt_top,
+            )
             for p, prow in zip(prompts, rows, strict=True)
         ]
 
@@ -374,6 +382,8 @@ class HFEngine(EngineBase):
                 use_cache=True,
                 return_dict=True,
             )
+            if past is None and any(r.opts.prompt_logprobs is not None for r in rows):
+                self._prompt_logprobs(rows, out.logits, P)  # the prefill holds the logits of every prompt position
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
             if penalized:  # before temperature and top-k/top-p, as in vLLM; greedy rows take the penalized argmax
@@ -434,6 +444,24 @@ class HFEngine(EngineBase):
                 r.finish = "length"
             if r.text is None:
                 r.text = decode_text(self._tokenizer, r.tokens)
+
+    @staticmethod
+    def _prompt_logprobs(rows: list[_Row], logits: torch.Tensor, P: int) -> None:
+        """Prompt log-probs of the rows that ask for them, from the prefill's (B, P, V) logits: the logits at
+        position j predict token j + 1, and a row's prompt is the right end of its (left-padded) input. Temperature
+        1, nothing masked: the model's own distribution, as the reference service computes it."""
+        for i, r in enumerate(rows):
+            k = r.opts.prompt_logprobs
+            if k is None:
+                continue
+            L = len(r.prompt)
+            lps = logits[i, P - L : P - 1].float().log_softmax(dim=-1)
+            target = torch.tensor(r.prompt[1:], dtype=torch.long, device=lps.device)
+            r.prompt_lp = [None, *lps.gather(1, target.unsqueeze(1)).squeeze(1).tolist()]
+            if k:
+                top_v, top_i = lps.topk(k, dim=-1)
+                pairs = [list(zip(ix, v, strict=True)) for ix, v in zip(top_i.tolist(), top_v.tolist(), strict=True)]
+                r.prompt_top = [None, *pairs]
 
     def _hit_stop_string(self, r: _Row) -> bool:
         text = decode_text(self._tokenizer, r.tokens)

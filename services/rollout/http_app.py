@@ -8,11 +8,21 @@ OpenAI / vLLM compatible (the official ``openai`` client works against it):
   ``stop``, ``stop_token_ids``, ``seed``, ``ignore_eos``, ``frequency_penalty``, ``presence_penalty``,
   ``repetition_penalty`` (vLLM's). ``logprobs: N`` returns the sampled tokens' log-probs and, per token, the ``N``
   most probable alternatives of the distribution sampled from (``top_logprobs``). ``echo`` prepends the prompt to
-  the text (with ``logprobs`` it is refused: prompt log-probs are not computed). ``return_token_ids`` (vLLM) adds
+  the text; with ``logprobs`` the choice's log-probs then begin with the prompt tokens' (vLLM's shape: the model's
+  own log-probs, temperature 1; the first token's is null; each position's ``top_logprobs`` holds the prompt token
+  and the ``N`` most probable), not streamed. ``max_tokens: 0`` (with ``echo``) scores the prompt without
+  generating: what lm-eval's ``local-completions`` loglikelihood requests read. ``return_token_ids`` (vLLM) adds
   prompt and completion token ids. Text prompts are tokenized as given (no chat template), as vLLM's completions do.
 - ``POST /v1/chat/completions``: ``messages`` rendered with the served tokenizer's chat template (with the generation
   prompt), the same sampling fields (``max_completion_tokens`` or ``max_tokens``), ``logprobs: true`` and
-  ``top_logprobs: N``; answers ``choices[].message``.
+  ``top_logprobs: N``; answers ``choices[].message``. Tool calling: ``tools`` are rendered by the chat template and
+  the calls in the generated text are parsed by the config's ``actor_rollout.tool_call_parser`` (``hermes``:
+  ``<tool_call>{json}</tool_call>``) into ``message.tool_calls`` (``finish_reason: tool_calls``); ``tool_choice``
+  ``auto`` (the default with tools) or ``none`` (neither rendered nor parsed); ``required`` and a named function
+  are refused (400: decoding is not constrained); ``parallel_tool_calls: false`` keeps the first call (vLLM's
+  rule). Assistant ``tool_calls`` and ``tool`` messages go back through the template. ``return_token_ids``
+  (vLLM's) adds ``prompt_token_ids`` and ``choices[].token_ids``: with ``logprobs`` an agent loop outside has what
+  it needs to make training data (token in, token out).
 - ``stream: true`` on both: Server-Sent Events with OpenAI's chunks (``text_completion`` /
   ``chat.completion.chunk``), ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk.
   The ``hf`` engine streams tokens as they are decoded; the ``vllm`` engine streams each choice once it has
@@ -29,8 +39,8 @@ Also:
 Fields a request leaves out take the service's defaults (the experiment config's ``actor_rollout``: temperature,
 top_p, top_k, max_new_tokens, stop). Bad input is refused with 4xx naming the field in OpenAI's error body
 (``param``; also ``field``): 422 for a body that does not match the schema (unknown fields included: an OpenAI field
-this service does not implement, such as ``logit_bias`` or ``tools``, is refused, not ignored), 400 for values the
-model cannot take (ids outside the vocabulary, prompts that fill the context, ``best_of < n``).
+this service does not implement, such as ``logit_bias`` or ``response_format``, is refused, not ignored), 400 for
+values the model cannot take (ids outside the vocabulary, prompts that fill the context, ``best_of < n``).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -56,7 +67,8 @@ from rlhf.serving import (
     http_error_responses,
     json_response,
 )
-from rlhf.serving.errors import as_rlhf_error, error_body
+from rlhf.serving.errors import Internal, as_rlhf_error, error_body
+from rlhf.tool_calls import check_parser, parse_tool_calls, template_messages
 from services.rollout.engine import EngineBase, decode_text
 from services.rollout.engine_types import PromptResult, Sample
 from services.rollout.openai_protocol import (
@@ -105,6 +117,31 @@ def _logprobs(
         at += len(piece)
     alts = [{_piece(engine, t): v for t, v in pos} for pos in top] if top is not None else None
     return LogprobsOut(tokens=pieces, token_logprobs=logprobs, text_offset=offsets, top_logprobs=alts)
+
+
+def _echo_logprobs(engine: EngineBase, r: PromptResult, with_top: bool) -> LogprobsOut:
+    """The prompt's part of an echoed choice's log-probs, in vLLM's shape: the first token's log-prob and
+    alternatives are null (nothing conditions it); each other position's alternatives hold the prompt token too."""
+    if r.prompt_logprobs is None:
+        raise Internal("the engine returned no prompt log-probs for a request that asked for them")
+    out = _logprobs(engine, r.prompt_token_ids, r.prompt_logprobs, None)
+    if with_top:
+        tops = r.prompt_top_logprobs or [None] * len(r.prompt_token_ids)
+        out.top_logprobs = [
+            None if lp is None else {**{_piece(engine, a): v for a, v in alts or []}, _piece(engine, t): lp}
+            for t, lp, alts in zip(r.prompt_token_ids, r.prompt_logprobs, tops, strict=True)
+        ]
+    return out
+
+
+def _joined(a: LogprobsOut, b: LogprobsOut) -> LogprobsOut:
+    tops = None if a.top_logprobs is None or b.top_logprobs is None else a.top_logprobs + b.top_logprobs
+    return LogprobsOut(
+        tokens=a.tokens + b.tokens,
+        token_logprobs=a.token_logprobs + b.token_logprobs,
+        text_offset=a.text_offset + b.text_offset,
+        top_logprobs=tops,
+    )
 
 
 def _chat_logprobs(
@@ -178,7 +215,10 @@ def _sse(data: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
 
 
-def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMetrics) -> FastAPI:
+def build_app(
+    engine: EngineBase, settings: ServiceSettings, metrics: ServiceMetrics, *, tool_call_parser: str = "hermes"
+) -> FastAPI:
+    check_parser(tool_call_parser)
     app = create_app(
         "rollout",
         settings,
@@ -200,9 +240,23 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
         encoded = iter(await engine.encode_texts(texts) if texts else [])
         return [next(encoded) if isinstance(p, str) else list(p) for p in prompt]
 
-    async def render_chat(messages: list[ChatMessage]) -> list[int]:
-        """The conversation through the served tokenizer's chat template, with the generation prompt (vLLM's chat
-        endpoint does the same); the rendered text holds any special tokens, so none are added when tokenizing."""
+    def chat_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        conv = []
+        for i, m in enumerate(messages):
+            if m.tool_calls and m.role != "assistant":
+                raise InvalidArgument("only assistant messages carry tool_calls", field=f"messages[{i}].tool_calls")
+            c: dict[str, Any] = {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+            if m.tool_calls:
+                c["tool_calls"] = [t.model_dump() for t in m.tool_calls]
+            if m.tool_call_id is not None:
+                c["tool_call_id"] = m.tool_call_id
+            conv.append(c)
+        return template_messages(conv)  # tool-call arguments as objects, as templates expect them
+
+    async def render_chat(messages: list[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The conversation (and ``tools``, when given) through the served tokenizer's chat template, with the
+        generation prompt (vLLM's chat endpoint does the same); the rendered text holds any special tokens, so none
+        are added when tokenizing."""
         engine.check_ready()
         tok = engine.tokenizer
         if not getattr(tok, "chat_template", None):
@@ -210,16 +264,26 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
                 "the served model's tokenizer has no chat template: use /v1/completions with the prompt as text",
                 field="messages",
             )
-        conv = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in messages]
+        conv = chat_conversation(messages)
 
-        def render() -> list[int]:
+        def template(with_tools: list[dict[str, Any]] | None) -> str:
             try:
-                text = tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+                return tok.apply_chat_template(conv, tools=with_tools, add_generation_prompt=True, tokenize=False)
             except Exception as err:  # noqa: BLE001 - jinja's TemplateError (raise_exception in the template) and kin
                 raise InvalidArgument(f"the chat template refused the messages: {err}", field="messages") from None
+
+        def render() -> list[int]:
+            text = template(tools)
+            # a template that does not render tools would let the model call functions it was never shown
+            if tools and text == template(None):
+                raise InvalidArgument(
+                    "the served model's chat template does not render tools: send them in the messages instead",
+                    field="tools",
+                )
             return list(tok.encode(text, add_special_tokens=False))
 
-        if sum(len(c["content"]) for c in conv) > OFFLOAD_CHARS:
+        size = sum(len(c["content"]) for c in conv) + (len(json.dumps(tools)) if tools else 0)
+        if size > OFFLOAD_CHARS:
             return await asyncio.to_thread(render)
         return render()
 
@@ -231,11 +295,12 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
         include_usage: bool,
         chunk: Callable[[int, str, list[int], list[float], Any, Sample | None], dict[str, Any] | None],
         first: Callable[[int], dict[str, Any] | None],
+        first_fields: dict[str, Any] | None = None,
     ) -> StreamingResponse:
         """SSE over ``engine.generate_stream``: ``first(index)`` opens each choice (chat: the role; echo: the
         prompt), ``chunk(index, text, token_ids, logprobs, top, sample)`` renders each piece (None: nothing to
-        send). Errors after the first byte are sent as an ``error`` event (the status is already 200), then
-        ``[DONE]``."""
+        send); ``first_fields`` go in the first chunk only (vLLM's ``prompt_token_ids``). Errors after the first
+        byte are sent as an ``error`` event (the status is already 200), then ``[DONE]``."""
         rid = f"{'chatcmpl' if kind == 'chat.completion.chunk' else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         head = {"id": rid, "object": kind, "created": created, "model": engine.model_name}
@@ -244,10 +309,12 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
             texts = [_TextStream(engine.tokenizer, opts) for _ in range(len(prompts) * n)]
             generated = 0
             try:
+                once = dict(first_fields or {})
                 for index in range(len(texts)):
                     opening = first(index)
                     if opening is not None:
-                        yield _sse({**head, "choices": [opening]})
+                        yield _sse({**head, **once, "choices": [opening]})
+                        once = {}
                 async for ev in engine.generate_stream(prompts, opts, field="prompt"):
                     index = ev.prompt_index * n + ev.sample_index
                     generated += len(ev.token_ids)
@@ -268,6 +335,21 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+    def use_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+        """The tools to render and parse for: None when there are none or ``tool_choice`` is ``none``. Choices that
+        need constrained decoding are refused."""
+        choice = body.tool_choice
+        if choice == "required" or not isinstance(choice, str | None):
+            what = "required" if choice == "required" else f"a named function ({choice.function.name!r})"
+            raise InvalidArgument(
+                f"tool_choice {what} is not supported: the service does not constrain decoding; use auto (the model "
+                "may call a tool) or none",
+                field="tool_choice",
+            )
+        if not body.tools or choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in body.tools]
+
     # The engine call runs under cancel_on_disconnect: a client that hangs up cancels its generation (streams: the
     # server cancels the response, which closes the engine's event iterator).
     @app.post(
@@ -285,18 +367,32 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
         prompts = await encode_prompts(body.prompt)
         n = body.n
         best_of = _n_and_best_of(n, body.best_of, body.stream)
-        if body.echo and body.logprobs is not None:
+        want_lp = body.logprobs is not None
+        score_only = body.max_tokens == 0  # the prompt (and its log-probs) only: nothing generated
+        if score_only and not body.echo:
             raise InvalidArgument(
-                "echo with logprobs would need the prompt's log-probs, which are not computed: ask for one of them",
+                "max_tokens: 0 needs echo: true (it answers the prompt and, with logprobs, its log-probs only)",
+                field="max_tokens",
+            )
+        if body.stream and body.echo and want_lp:
+            raise InvalidArgument(
+                "echo with logprobs cannot be streamed (the prompt's log-probs come with the finished request): "
+                "drop stream",
                 field="echo",
             )
-        opts = body.options(engine.defaults, n=best_of, top_logprobs=body.logprobs or 0)
+        if body.stream and score_only:
+            raise InvalidArgument("max_tokens: 0 cannot be streamed: drop stream", field="max_tokens")
+        # max_tokens 0: one token is generated (the engines' unit of work) and dropped from the answer
+        opts = body.options(
+            engine.defaults, n=best_of, top_logprobs=body.logprobs or 0, max_tokens=1 if score_only else None
+        )
+        if body.echo and want_lp:
+            opts = replace(opts, prompt_logprobs=body.logprobs)
         raw = [body.prompt] if isinstance(body.prompt, str) or is_int(body.prompt[0]) else body.prompt
         echoes = [
             (p if isinstance(p, str) else decode_text(engine.tokenizer, list(p))) if body.echo else "" for p in raw
         ]
         metrics.observe_batch("/v1/completions", len(prompts) * opts.n)
-        want_lp = body.logprobs is not None
 
         if body.stream:
             engine.validate(prompts, opts, field="prompt")  # refused with a 4xx before the stream starts
@@ -324,18 +420,36 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
             return stream_response("text_completion", prompts, opts, n, include_usage, chunk, first)
 
         results = await cancel_on_disconnect(request, engine.generate(prompts, opts, field="prompt"))
+        if score_only:
+            for r in results:
+                r.samples = [
+                    replace(
+                        s,
+                        token_ids=[],
+                        logprobs=[],
+                        text="",
+                        top_logprobs=None if s.top_logprobs is None else [],
+                        finish_reason="length",
+                        stop_reason=None,
+                    )
+                    for s in r.samples
+                ]
         choices = []
         for i, r in enumerate(results):
+            echo_lp = _echo_logprobs(engine, r, bool(body.logprobs)) if body.echo and want_lp else None
             for s in _best(r.samples, n):
+                lp = None
+                if want_lp:  # the generated tokens' text starts after the echoed prompt
+                    top = s.top_logprobs if body.logprobs else None
+                    lp = _logprobs(engine, s.token_ids, s.logprobs, top, len(echoes[i]))
+                    lp = _joined(echo_lp, lp) if echo_lp is not None else lp
                 choices.append(
                     ChoiceOut(
                         index=len(choices),
                         text=echoes[i] + s.text,
                         finish_reason=s.finish_reason,
                         stop_reason=s.stop_reason,
-                        logprobs=_logprobs(engine, s.token_ids, s.logprobs, s.top_logprobs if body.logprobs else None)
-                        if want_lp
-                        else None,
+                        logprobs=lp,
                         token_ids=s.token_ids if body.return_token_ids else None,
                         prompt_token_ids=r.prompt_token_ids if body.return_token_ids else None,
                         policy_version=s.policy_version,
@@ -364,8 +478,20 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
         body.include_usage()  # refuses stream_options without stream
         if body.top_logprobs and not body.logprobs:
             raise InvalidArgument("top_logprobs needs logprobs: true", field="top_logprobs")
-        prompt = await render_chat(body.messages)
+        tools = use_tools(body)
+        prompt = await render_chat(body.messages, tools)
         n = body.n
+
+        def message(text: str, finish_reason: str) -> tuple[str | None, list[dict[str, Any]] | None, str]:
+            """The sample's text -> (content, tool calls, finish reason); "tool_calls" when it called any (vLLM
+            reports it for tool_choice auto whatever ended the text)."""
+            if tools is None:
+                return text, None, finish_reason
+            content, calls = parse_tool_calls(text, tool_call_parser)
+            if body.parallel_tool_calls is False:
+                calls = calls[:1]
+            return (content, calls, "tool_calls") if calls else (text, None, finish_reason)
+
         top_k = (body.top_logprobs or 0) if body.logprobs else 0
         opts = body.options(engine.defaults, max_tokens=body.max_completion_tokens, top_logprobs=top_k)
         metrics.observe_batch("/v1/chat/completions", opts.n)
@@ -383,36 +509,55 @@ def build_app(engine: EngineBase, settings: ServiceSettings, metrics: ServiceMet
 
             def chunk(index, text, ids, lps, top, smp):  # noqa: ANN001
                 lp = _chat_logprobs(engine, ids, lps, top).model_dump() if body.logprobs and ids else None
-                if not text and lp is None and smp is None:
+                if tools is not None:
+                    # a block is a call only once it is whole: with tools the text comes in the last chunk, parsed
+                    # (log-probs and token ids still stream token by token)
+                    text = ""
+                if not text and lp is None and smp is None and not (body.return_token_ids and ids):
                     return None
-                c = {"index": index, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": None}
+                delta: dict[str, Any] = {"content": text} if text else {}
+                finish = None
                 if smp is not None:
-                    c.update(
-                        finish_reason=smp.finish_reason, stop_reason=smp.stop_reason, policy_version=smp.policy_version
-                    )
+                    content, calls, finish = message(smp.text, smp.finish_reason)
+                    if tools is not None and content:
+                        delta["content"] = content
+                    if calls:
+                        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                c = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+                if body.return_token_ids:
+                    c["token_ids"] = ids  # this chunk's tokens (vLLM's)
+                if smp is not None:
+                    c.update(stop_reason=smp.stop_reason, policy_version=smp.policy_version)
                 return c
 
             include_usage = body.include_usage()
-            return stream_response("chat.completion.chunk", [prompt], opts, n, include_usage, chunk, first)
+            ids_first = {"prompt_token_ids": prompt} if body.return_token_ids else None
+            return stream_response(
+                "chat.completion.chunk", [prompt], opts, n, include_usage, chunk, first, first_fields=ids_first
+            )
 
         results = await cancel_on_disconnect(request, engine.generate([prompt], opts, field="messages"))
-        choices = [
-            ChatChoiceOut(
-                index=j,
-                message=ChatMessageOut(content=s.text),
-                logprobs=_chat_logprobs(engine, s.token_ids, s.logprobs, s.top_logprobs) if body.logprobs else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                policy_version=s.policy_version,
+        choices = []
+        for j, s in enumerate(results[0].samples):
+            content, calls, finish = message(s.text, s.finish_reason)
+            choices.append(
+                ChatChoiceOut(
+                    index=j,
+                    message=ChatMessageOut(content=content, tool_calls=calls),
+                    logprobs=_chat_logprobs(engine, s.token_ids, s.logprobs, s.top_logprobs) if body.logprobs else None,
+                    finish_reason=finish,
+                    stop_reason=s.stop_reason,
+                    token_ids=s.token_ids if body.return_token_ids else None,
+                    policy_version=s.policy_version,
+                )
             )
-            for j, s in enumerate(results[0].samples)
-        ]
         return ChatCompletionResponse(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
             model=engine.model_name,
             choices=choices,
             usage=_usage(results),
+            prompt_token_ids=results[0].prompt_token_ids if body.return_token_ids else None,
             policy_version=engine.weights_version,
         )
 

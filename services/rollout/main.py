@@ -58,7 +58,8 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
         [SERVICE_NAME],
         servicer,
     )
-    runner.set_http_app(build_app(engine, settings, metrics))
+    parser = cfg.actor_rollout_ref.actor_rollout.tool_call_parser
+    runner.set_http_app(build_app(engine, settings, metrics, tool_call_parser=parser))
     runner.add_readiness_check(lambda: engine.ready)
     worker = None
 

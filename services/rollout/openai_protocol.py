@@ -122,8 +122,8 @@ class _OpenAIRequest(_Sampling):
 class CompletionRequest(_OpenAIRequest):
     """Text prompts are tokenized as given (no chat template); token ids must be below the model's vocabulary size
     and a prompt must leave room in its context for one new token (400 otherwise). ``best_of`` is at least ``n``
-    and not streamed with ``best_of > n``; ``echo`` and ``logprobs`` do not go together; ``stream_options`` needs
-    ``stream`` (400 otherwise)."""
+    and not streamed with ``best_of > n``; ``echo`` with ``logprobs`` (the prompt tokens' log-probs too) is not
+    streamed; ``max_tokens: 0`` needs ``echo``; ``stream_options`` needs ``stream`` (400 otherwise)."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -137,7 +137,17 @@ class CompletionRequest(_OpenAIRequest):
     best_of: SampleCount | None = Field(
         None, description="samples generated per prompt; the n most probable are returned"
     )
-    echo: StrictBool = Field(False, description="prepend the prompt to the text")
+    # 0 (vLLM's and OpenAI's legacy API): no new token, only the echoed prompt and, with logprobs, its log-probs
+    max_tokens: json_int(ge=0) | None = Field(
+        None,
+        description="new tokens per sample, below the model's context length (default: the service's); 0 with echo: "
+        "score the prompt only",
+    )
+    echo: StrictBool = Field(
+        False,
+        description="prepend the prompt to the text; with logprobs also its tokens' log-probs (the first is null) "
+        "before the generated ones, as vLLM returns them (what lm-eval's loglikelihood requests read)",
+    )
     return_token_ids: StrictBool = Field(False, description="return prompt and completion token ids (vLLM)")
 
     @field_validator("prompt", mode="before")
@@ -162,10 +172,23 @@ class TextPart(_Model):
     text: Utf8Text
 
 
+class FunctionCallIn(_Model):
+    name: Utf8Text
+    arguments: Utf8Text = Field(description="the arguments as a JSON string (OpenAI's shape)")
+
+
+class ToolCallIn(_Model):
+    id: Utf8Text
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Utf8Text | list[TextPart] | None = Field(None, description="text, or a list of text parts")
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="assistant messages: the tool calls it made")
+    tool_call_id: Utf8Text | None = Field(None, description="tool messages: the call this is the result of")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -173,9 +196,33 @@ class ChatMessage(_Model):
         return self.content or ""
 
 
+class FunctionDef(_Model):
+    name: Annotated[Utf8Text, Field(min_length=1)]
+    description: Utf8Text | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema object, rendered for the model")
+    strict: StrictBool | None = Field(
+        None, description="rendered with the schema; not enforced (the service does not constrain decoding)"
+    )
+
+
+class ToolIn(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: Utf8Text
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_OpenAIRequest):
-    """The messages are rendered by the served tokenizer's chat template, which may refuse them (400), as
-    ``top_logprobs`` without ``logprobs`` and ``stream_options`` without ``stream`` are."""
+    """The messages (and ``tools``) are rendered by the served tokenizer's chat template, which may refuse them
+    (400), as ``top_logprobs`` without ``logprobs``, ``stream_options`` without ``stream``, ``tool_choice``
+    ``required`` or a named function, and ``tool_calls`` on a message that is not the assistant's are."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -190,6 +237,22 @@ class ChatCompletionRequest(_OpenAIRequest):
     )
     logprobs: StrictBool = Field(False, description="return the sampled tokens' log-probs")
     top_logprobs: TopLogprobs | None = Field(None, description="alternatives per token (needs logprobs: true)")
+    tools: Annotated[list[ToolIn], Field(min_length=1)] | None = Field(
+        None, description="functions the model may call: rendered by the chat template, calls parsed from the text"
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="auto (the default with tools): the model may call tools; none: tools are neither rendered "
+        "nor parsed; required and a named function are refused (400): decoding is not constrained",
+    )
+    parallel_tool_calls: StrictBool | None = Field(
+        None, description="false: at most one tool call per choice, the first (as vLLM does); default true"
+    )
+    return_token_ids: StrictBool = Field(
+        False,
+        description="vLLM's: prompt_token_ids in the response and token_ids in each choice (streamed: "
+        "prompt_token_ids in the first chunk, each chunk's token_ids)",
+    )
 
 
 class GenerateRequest(_Sampling):
@@ -207,9 +270,11 @@ class GenerateRequest(_Sampling):
 
 class LogprobsOut(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
+    token_logprobs: list[float | None] = Field(description="null only for the first prompt token under echo")
     text_offset: list[int]
-    top_logprobs: list[dict[str, float]] | None = Field(None, description="with logprobs > 0: alternatives per token")
+    top_logprobs: list[dict[str, float] | None] | None = Field(
+        None, description="with logprobs > 0: alternatives per token (null at the first prompt token under echo)"
+    )
 
 
 class ChoiceOut(BaseModel):
@@ -237,17 +302,30 @@ class ChatLogprobsOut(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str = Field(description="a JSON object as a string")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="the text; outside the tool-call blocks when tools were parsed")
+    tool_calls: list[ToolCallOut] | None = Field(None, description="with tools: the calls parsed from the text")
 
 
 class ChatChoiceOut(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobsOut | None = None
-    finish_reason: str
+    finish_reason: str = Field(description="stop, length, or tool_calls when the text held tool calls")
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Field(None, description="with return_token_ids: the generated token ids")
     policy_version: int
 
 
@@ -274,6 +352,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoiceOut]
     usage: UsageOut
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids: the rendered prompt's ids")
     policy_version: int = Field(description="the weights version serving when the request finished")
 
 

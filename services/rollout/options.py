@@ -50,6 +50,9 @@ class SamplingOptions:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     top_logprobs: int = 0  # alternatives per generated token (the most probable of the distribution sampled from)
+    # None: off. k >= 0: each prompt token's log-prob under the model itself (temperature 1, no penalties, top-k or
+    # top-p: what scoring a text needs, as vLLM's prompt_logprobs) and the k most probable alternatives per position
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +79,7 @@ def resolve_options(
     frequency_penalty: float | None = None,
     presence_penalty: float | None = None,
     top_logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingOptions:
     """Request values (``None``: unset) over the service's defaults -> SamplingOptions (not yet validated)."""
 
@@ -96,6 +100,7 @@ def resolve_options(
         frequency_penalty=0.0 if frequency_penalty is None else float(frequency_penalty),
         presence_penalty=0.0 if presence_penalty is None else float(presence_penalty),
         top_logprobs=int(top_logprobs or 0),
+        prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs),
     )
 
 

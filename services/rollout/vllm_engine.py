@@ -166,6 +166,11 @@ class VllmEngine(VllmWeights, EngineBase):
             # by the worker extension): collective pushes go through init/start/update/finish
             weight_transfer_config=WeightTransferConfig(backend=TRANSFER_BACKEND),
         )
+        if self.device_type == "cpu":
+            # Whole prompts only: vLLM rewinds a seeded request's generator after a partial prefill by its CUDA offset,
+            # which a CPU generator does not have ("CPU Generator does not use offset"), failing the whole batch: a
+            # seeded request (an eval, a client's seed) whose prompt the token budget cut in two stopped the replica.
+            kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192))
         kw.update(self.engine_kwargs)
         return cls(**kw)
 
@@ -393,6 +398,7 @@ class VllmEngine(VllmWeights, EngineBase):
             frequency_penalty=o.frequency_penalty,
             presence_penalty=o.presence_penalty,
             logprobs=o.top_logprobs,  # 0: the sampled token's only
+            prompt_logprobs=o.prompt_logprobs,  # None: off; computed from the raw logits (temperature 1)
             output_kind=RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
         )
@@ -435,5 +441,22 @@ class VllmEngine(VllmWeights, EngineBase):
                         top_logprobs=top,
                     )
                 )
-            results.append(PromptResult(prompt_token_ids=list(prompt), samples=samples))
+            result = PromptResult(prompt_token_ids=list(prompt), samples=samples)
+            if params.prompt_logprobs is not None:
+                _prompt_logprobs(result, group[0].prompt_logprobs, params.prompt_logprobs)
+            results.append(result)
         return results
+
+
+def _prompt_logprobs(result: PromptResult, positions: list[dict[int, Any] | None] | None, k: int) -> None:
+    """vLLM's ``prompt_logprobs`` (per prompt position, None first, else a dict holding the prompt token and the k
+    most probable ones) -> the result's prompt log-probs and alternatives."""
+    if positions is None:
+        raise Internal("vLLM returned no prompt log-probs for a request that asked for them")
+    lps: list[float | None] = [None]
+    tops: list[list[tuple[int, float]] | None] = [None]
+    for t, d in zip(result.prompt_token_ids[1:], positions[1:], strict=True):
+        lps.append(float(d[t].logprob))
+        tops.append(_top(d, k))
+    result.prompt_logprobs = lps
+    result.prompt_top_logprobs = tops if k else None

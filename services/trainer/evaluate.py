@@ -8,6 +8,9 @@ time is shared (its own generation time), and never for a push. Each evaluation 
 step it evaluates (the samples are of that step's weights; ``eval/policy_version`` says which version served) and
 for the evaluation before it (one at a time, in step order). The eval samples are no prompt jobs: they never enter
 the prompt or experience streams, the admission counts or the staleness accounting.
+
+``rlhf eval`` (:mod:`services.eval_run`) runs one evaluation with this same class (:meth:`Evaluator.run`) against
+services given by address or started for it, and writes the same rows.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -64,9 +68,14 @@ class Evaluator:
         )
         self._last: asyncio.Task | None = None
         self._names: dict[str, str] = {}
-        log.info(
-            "evaluating %d held-out prompts of %s every %d steps and at the end", len(self.records), e.path, e.interval
-        )
+        self.on_progress: Callable[[str], None] | None = None  # told each phase of an evaluation (rlhf eval prints)
+        if e.interval:
+            log.info(
+                "evaluating %d held-out prompts of %s every %d steps and at the end",
+                len(self.records),
+                e.path,
+                e.interval,
+            )
 
     def due(self, step: int) -> bool:
         return step % self.cfg.eval.interval == 0 or step >= self.cfg.training.train_iters
@@ -96,12 +105,20 @@ class Evaluator:
                     raise
                 except Exception:  # noqa: BLE001 - the push's failure is the training loop's to report
                     pass
+        await self.run(step)
+
+    async def run(self, step: int, *, reraise: bool = False) -> dict[str, float]:
+        """One evaluation, reported as ``step``: a ``metrics.jsonl`` row, the tracker, a log line; returns its
+        metrics. One that cannot run is reported as ``eval/failed_fraction`` 1 (training goes on), or, with
+        ``reraise``, raised with nothing written (``rlhf eval`` exits with the error)."""
         t0 = time.perf_counter()
         try:
             metrics = await self.evaluate()
         except asyncio.CancelledError:
             raise
         except Exception as err:  # noqa: BLE001 - an evaluation that cannot run is reported, training goes on
+            if reraise:
+                raise
             log.error("evaluation at step %d failed: %s", step, err)
             metrics = {"eval/failed_fraction": 1.0, "eval/prompts": float(len(self.records))}
         metrics["eval/time_s"] = time.perf_counter() - t0
@@ -116,6 +133,11 @@ class Evaluator:
             metrics.get("eval/response_length_mean", math.nan),
             100 * metrics["eval/failed_fraction"],
         )
+        return metrics
+
+    def _progress(self, msg: str) -> None:
+        if self.on_progress is not None:
+            self.on_progress(msg)
 
     async def evaluate(self) -> dict[str, float]:
         """Generate and score every held-out prompt once; the ``eval/*`` metrics."""
@@ -125,6 +147,9 @@ class Evaluator:
         shares = [list(range(len(self.records)))[i :: len(addrs)] for i in range(len(addrs))]
         shares = [(addr, idx) for addr, idx in zip(addrs, shares, strict=True) if idx]
         timeout = self.cfg.eval.timeout_s
+        self._progress(
+            f"generating {len(self.records)} prompts x {self.cfg.eval.n} samples on {len(shares)} rollout replica(s)"
+        )
         results = await asyncio.gather(*(self._generate(addr, idx, timeout) for addr, idx in shares))
         completions: dict[int, list] = {}
         versions = []
@@ -149,6 +174,7 @@ class Evaluator:
                         finished=c.finish_reason == common_pb2.FINISH_REASON_STOP,
                     )
                 )
+        self._progress(f"scoring {len(items)} samples with the reward service at {self.settings.reward_addr}")
         async with open_channel(self.settings.reward_addr, self.settings) as ch:
             scores = await reward_pb2_grpc.RewardServiceStub(ch).Score(
                 reward_pb2.ScoreRequest(items=items), timeout=timeout

@@ -402,7 +402,8 @@ def test_hf_swap_stages_outside_the_gate_and_installs_storage(tiny_models, state
 
 
 def test_vllm_engine_runs_with_the_configured_max_model_len(tiny_models, monkeypatch):
-    """actor_rollout.max_model_len reaches the running vLLM engine (its model config), not only our own checks."""
+    """actor_rollout.max_model_len reaches the running vLLM engine (its model config), not only our own checks; on the
+    CPU whole prompts only (no chunked prefill), so seeded requests over the token budget run."""
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from rlhf.config import parse_config
@@ -434,10 +435,16 @@ def test_vllm_engine_runs_with_the_configured_max_model_len(tiny_models, monkeyp
         await eng.start()
         try:
             out = await eng.generate([PROMPTS[0]], SamplingOptions(n=1, max_tokens=4, seed=1))
-            return eng.max_model_len, out
+            # seeded requests whose prompts together pass any one step's token budget: with chunked prefill a prompt
+            # cut in two made vLLM rewind a CPU generator's (missing) offset, failing every request in the batch
+            long = [[(7 * i + j) % 400 + 3 for j in range(90)] for i in range(120)]
+            many = await eng.generate(long, SamplingOptions(n=1, max_tokens=2, seed=5))
+            return eng.max_model_len, out, many
         finally:
             await eng.close()
 
-    ours, out = asyncio.run(main())
+    ours, out, many = asyncio.run(main())
     assert ours == 100 and built[0].model_config.max_model_len == 100
     assert len(out[0].samples[0].token_ids) == 4
+    assert len(many) == 120 and all(len(r.samples[0].token_ids) == 2 for r in many)
+    assert built[0].vllm_config.scheduler_config.enable_chunked_prefill is False

@@ -1,5 +1,5 @@
 """The published OpenAPI contracts against what the services do (issue 28, item 7): schemathesis runs against the
-rollout (hf engine), reward (a rule scorer; the tiny reward model with a rule), reference and trainer apps,
+rollout (hf engine), reward (a rule scorer; the tiny reward model with a rule), reference, trainer and environment apps,
 in-process over ASGI, on the tiny models.
 
 Each run is what ``schemathesis run`` does (its engine): per operation the documented examples, the coverage phase
@@ -45,7 +45,8 @@ MAY_REFUSE_VALID_DATA: dict[str, dict[str, list[str]]] = {
             CONTEXT,
             r"best_of \(\d+\) must be at least n",
             r"best_of > n cannot be streamed",
-            r"echo with logprobs",
+            r"echo with logprobs cannot be streamed",
+            r"max_tokens: 0 (needs echo|cannot be streamed)",
             STREAM_OPTIONS,
         ],
         "POST /v1/chat/completions": [
@@ -54,6 +55,8 @@ MAY_REFUSE_VALID_DATA: dict[str, dict[str, list[str]]] = {
             r"the chat template refused",
             r"top_logprobs needs logprobs",
             STREAM_OPTIONS,
+            r"tool_choice .* is not supported",
+            r"only assistant messages carry tool_calls",
         ],
         "POST /v1/generate": [VOCAB, CONTEXT],
     },
@@ -64,6 +67,7 @@ MAY_REFUSE_VALID_DATA: dict[str, dict[str, list[str]]] = {
     },
     "reference": {"POST /v1/logprobs": [r"outside the vocabulary", r"the reference model's context is \d+"]},
     "trainer": {},
+    "environment": {"POST /v1/episodes/reset": [r"is not hosted by this service", r"this service hosts \d+"]},
 }
 _refusable: dict[str, list[str]] = {}  # MAY_REFUSE_VALID_DATA of the service under test
 
@@ -174,6 +178,18 @@ def _reference_app():
     return app
 
 
+def _environment_app():
+    from services.environment.engine import EnvironmentEngine
+    from services.environment.http_app import build_app
+
+    metrics = ServiceMetrics("environment")
+    # Echo (tests/integration/_environments.py) answers any turn; the calculator refuses a reset without a label (500)
+    engine = EnvironmentEngine({"python:_environments:Echo": {"turns": 2}}, metrics=metrics)
+    app = build_app(engine, _settings(), metrics)
+    _on_loop(app, engine.start, engine.close)
+    return app
+
+
 def _trainer_app(redis_url: str, run_dir: Path):
     from rlhf.serving import ServiceRunner
     from services.trainer.http_app import build_app
@@ -267,6 +283,7 @@ SERVICES = {
     "reward": lambda request: _reward_app(),
     "reward-model": lambda request: _reward_app("reward-tiny-model.yaml"),
     "reference": lambda request: _reference_app(),
+    "environment": lambda request: _environment_app(),
     "trainer": lambda request: _trainer_app(
         request.getfixturevalue("redis_url"), request.getfixturevalue("tmp_path") / "run"
     ),

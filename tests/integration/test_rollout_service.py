@@ -528,6 +528,16 @@ def test_openai_client_on_vllm(svc):
         if ev.choices
     )
     assert streamed == chat.choices[0].message.content
+    # tools on vLLM too (tests/integration/test_tool_calling_api.py has the calls): rendered into the prompt, and the
+    # token ids with one log-prob each for an agent loop outside
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    extra = {"return_token_ids": True}
+    r = client.chat.completions.create(
+        model="tiny:policy", messages=msgs, tools=tools, max_tokens=6, seed=4, logprobs=True, extra_body=extra
+    )
+    (c,) = r.choices
+    assert len(r.prompt_token_ids) == r.usage.prompt_tokens > chat.usage.prompt_tokens
+    assert len(c.token_ids) == len(c.logprobs.content) == r.usage.completion_tokens
     texts = ["", ""]
     for ev in client.completions.create(model="tiny:policy", prompt="hi", max_tokens=5, seed=1, n=2, stream=True):
         for c in ev.choices:
