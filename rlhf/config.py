@@ -24,6 +24,8 @@ from rlhf.config_rules import (
     CRITIC_FREE,
     check_algorithm,
     check_rollout,
+    distill_problems,
+    environment_problems,
     eval_problems,
     inherit_micro_batch_size,
     mindspeed_default_notes,
@@ -38,6 +40,7 @@ from rlhf.config_sections import (
     ConfigError,
     CriticConfig,
     DataConfig,
+    EnvironmentConfig,
     EvalConfig,
     ResourcePoolConfig,
     RewardConfig,
@@ -67,6 +70,7 @@ class ExperimentConfig(Section):
     resource_pool: ResourcePoolConfig = Field(ResourcePoolConfig(), description="devices per role")
     data: DataConfig = Field(DataConfig(), description="prompt data set")
     eval: EvalConfig = Field(EvalConfig(), description="evaluation on held-out prompts during training")
+    environment: EnvironmentConfig = Field(EnvironmentConfig(), description="multi-turn episodes (environment service)")
     # Keys of a MindSpeed config that do not apply here, one line each (config_compat); warned about once at start-up
     _notes: list[str] = PrivateAttr(default_factory=list)
     # Fields a MindSpeed-style config leaves out whose default here differs from MindSpeed's; in the same warning
@@ -148,7 +152,9 @@ class ExperimentConfig(Section):
                 f"{t.max_staleness} allows (those samples would all be dropped as stale): set max_staleness >= "
                 f"{t.weight_sync_interval - 1} or weight_sync_interval <= {t.max_staleness + 1}"
             )
-        if self.training.stage in CRITIC_FREE and self.actor.n_samples_per_prompt < 2:
+        d = self.algorithm.distill
+        pure_distill = d.coef > 0 and d.reward_coef == 0  # per-token teacher advantages: no group compared
+        if self.training.stage in CRITIC_FREE and self.actor.n_samples_per_prompt < 2 and not pure_distill:
             problems.append(
                 f"training.stage {self.training.stage} compares the samples of each prompt, but "
                 "actor_rollout.n_samples_per_prompt is 1: every advantage is 0 and nothing is learnt; set 2 or more"
@@ -160,6 +166,8 @@ class ExperimentConfig(Section):
             )
         problems += optimization_problems(self)
         problems += eval_problems(self)
+        problems += environment_problems(self)
+        problems += distill_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         check_algorithm(self.training.stage, self.algorithm)

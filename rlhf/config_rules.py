@@ -32,6 +32,7 @@ _ALGORITHM_FIELD_STAGES = {
     "top_entropy_quantile": ("ray_grpo",),
     "rloo_convention": ("ray_rloo",),
     "reward_baseline": ("ray_ppo",),  # the critic-free stages have their own group baselines
+    "distill": CRITIC_FREE,  # per-token advantages: the policy-gradient stages without a critic
 }
 # TRL's (or OpenRLHF's) defaults where a stage's differs from the field default; an explicit value always wins
 _STAGE_DEFAULTS = {
@@ -138,6 +139,42 @@ def optimization_problems(cfg: Config) -> list[str]:
         problems.append(
             f"resource_pool.actor_rollout {rp.actor_rollout} is not num_gpus_for_train + "
             f"num_gpus_for_infer ({a.num_gpus_for_train} + {a.num_gpus_for_infer})"
+        )
+    return problems
+
+
+def distill_problems(cfg: Config) -> list[str]:
+    """On-policy distillation (``algorithm.distill``): the reference model is the teacher, so it must be named, the KL
+    penalty to it is off, and the loss must take per-token advantages. What to change, one line each."""
+    alg, d, problems = cfg.algorithm, cfg.algorithm.distill, []
+    if "distill" in alg.model_fields_set and cfg.training.stage not in CRITIC_FREE:
+        return [
+            f"algorithm.distill is used by the critic-free stages only ({', '.join(CRITIC_FREE)}), not "
+            f"training.stage {cfg.training.stage}"
+        ]
+    if d.coef == 0:
+        if "reward_coef" in d.model_fields_set:
+            problems.append(
+                "algorithm.distill.reward_coef is read only with algorithm.distill.coef > 0 (distillation on); set "
+                "distill.coef or remove reward_coef"
+            )
+        return problems
+    if cfg.actor_rollout_ref.ref.load is None:
+        problems.append(
+            "algorithm.distill.coef > 0 distils from the reference model, but actor_rollout_ref.ref.load is not set "
+            "(the reference would be the student's own initial weights): set ref.load to the teacher"
+        )
+    k = alg.kl_ctrl
+    if ("kl_coef" in k.model_fields_set and k.kl_coef > 0) or k.type == "adaptive":
+        problems.append(
+            f"algorithm.distill.coef > 0 makes the reference model the teacher, and algorithm.kl_ctrl (kl_coef "
+            f"{k.kl_coef}, type {k.type}) would also penalise the KL to it: set kl_ctrl.kl_coef: 0 and type: fixed "
+            "(the distillation advantage is that KL already), or distill.coef: 0"
+        )
+    if cfg.training.stage == "ray_rloo" and alg.rloo_convention == "trl":
+        problems.append(
+            "algorithm.distill needs per-token advantages, but ray_rloo with algorithm.rloo_convention trl trains one "
+            "ratio and one advantage per sequence: set rloo_convention: openrlhf"
         )
     return problems
 
@@ -289,6 +326,8 @@ def check_algorithm(stage: str, alg: AlgorithmConfig) -> None:
             "algorithm.loss_type is not used by ray_rloo with rloo_convention trl (one ratio per sequence)"
         )
     defaults = dict(_STAGE_DEFAULTS.get(stage, {}))
+    if alg.distill.coef > 0:  # the reference is the teacher: a KL penalty to it would pull twice (distill_problems)
+        defaults["kl_coef"] = 0.0
     if stage == "ray_grpo" and alg.adv_estimator == "dr_grpo":  # Dr. GRPO = TRL's loss_type dr_grpo, scale_rewards none
         defaults.update(loss_type="dr_grpo", scale_rewards="none")
     if stage == "ray_rloo" and alg.rloo_convention == "openrlhf":
@@ -339,4 +378,33 @@ def eval_problems(cfg: Config) -> list[str]:
         for name in ("generator_size", "generator_seed", "generator_options"):
             if name in e.model_fields_set:
                 out.append(f"eval.{name}: only used with eval.path: reasoning_gym:<task> ({e.path!r})")
+    return out
+
+
+def environment_problems(cfg: Config) -> list[str]:
+    """The ``environment`` section: a name the registry knows, options its factory takes, and no field set without
+    a name (single-turn: it would be accepted and ignored)."""
+    env, out = cfg.environment, []
+    if env.name is None:
+        set_fields = sorted(env.model_fields_set - {"name"})
+        if set_fields:
+            out.append(
+                f"environment.{set_fields[0]} is set but environment.name is null (single-turn samples): name the "
+                "environment, or remove the environment fields"
+            )
+        return out
+    from rlhf.environments.registry import UnknownEnvironment, check
+
+    try:
+        check(env.name, env.options)
+    except UnknownEnvironment as err:
+        key = "environment.options" if str(err).startswith("options ") else "environment.name"
+        out.append(f"{key}: {err}")
+    a = cfg.actor
+    budget = env.max_tokens
+    if budget is not None and a.max_model_len is not None and a.max_model_len < a.max_prompt_length + budget:
+        out.append(
+            f"environment.max_tokens {env.max_tokens} does not fit actor_rollout.max_model_len {a.max_model_len} "
+            f"after max_prompt_length {a.max_prompt_length}; lower it or raise max_model_len"
+        )
     return out

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlhf.tool_calls import TOOL_CALL_PARSERS
+
 STAGES = ("ray_ppo", "ray_online_dpo", "ray_grpo", "ray_rloo", "ray_reinforce_plus_plus")
 
 
@@ -143,6 +145,11 @@ class ActorRolloutConfig(Section):
     engine: Literal["vllm", "hf"] = _f("vllm", "rollout engine")
     stop: list[str] = _f([], "stop strings for generation")
     apply_chat_template: bool = _f(True, "wrap prompts in the tokenizer's chat template when it has one")
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] = _f(
+        "hermes",
+        "how /v1/chat/completions with tools reads tool calls in the model's text (vLLM's --tool-call-parser "
+        "names): hermes = <tool_call>{json}</tool_call> blocks (Hermes, Qwen2.5)",
+    )
     lr: float | None = _f(None, "actor learning rate (overrides training.lr)")
     # LoRA (seed 001's peft LoraConfig: r, lora_alpha, lora_dropout, target_modules)
     lora_r: int = _f(
@@ -394,6 +401,22 @@ class KLCtrlConfig(Section):
     horizon: int = _f(10000, "adaptive: horizon in samples", gt=0)
 
 
+class DistillConfig(Section):
+    coef: float = _f(
+        0.0,
+        "on-policy distillation (critic-free stages): each sampled token's advantage gets coef x (teacher log-prob - "
+        "student log-prob), the teacher being the reference model (actor_rollout_ref.ref.load), i.e. the per-token "
+        "reverse KL to the teacher as a negative reward; 0: off",
+        ge=0,
+    )
+    reward_coef: float = _f(
+        0.0,
+        "with distill.coef > 0: weight of the stage's own task advantage (from the reward scores) added to the "
+        "distillation advantage; 0: pure distillation",
+        ge=0,
+    )
+
+
 class AlgorithmConfig(Section):
     adv_estimator: Literal[
         "gae", "grpo", "group_norm", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dr_grpo"
@@ -465,6 +488,9 @@ class AlgorithmConfig(Section):
         "ray_rloo: trl folds beta x KL (k1 summed over the sequence) into the reward before the leave-one-out "
         "baseline and clips one ratio per sequence (TRL's RLOOTrainer); openrlhf puts the baseline on the score, "
         "adds the per-token KL penalty after it and uses the token-level clipped loss (OpenRLHF's rloo)",
+    )
+    distill: DistillConfig = _f(
+        DistillConfig(), "on-policy distillation from the reference model as teacher (critic-free stages)"
     )
     dpo_beta: float = _f(0.1, "online DPO beta", gt=0)
     dpo_loss_type: Literal["sigmoid", "ipo"] = _f("sigmoid", "online DPO loss")
@@ -592,3 +618,30 @@ class EvalConfig(Section):
         if self.path and self.path.startswith("reasoning_gym:"):
             fields.update(gen)
         return DataConfig(**fields)
+
+
+class EnvironmentConfig(Section):
+    """Multi-turn episodes: the rollout replica alternates model turns with an environment service's steps (one
+    environment instance per episode, rlhf.environments). Without a name every sample is one response, as before."""
+
+    name: str | None = _f(
+        None,
+        "the environment of every episode: builtin:calculator, python:<module>:<factory> (your own Environment), or a "
+        "name an adapter registers (rlhf.environments.registry); null: single-turn samples scored by reward only",
+    )
+    options: dict[str, Any] = _f({}, "keyword arguments of the environment's factory (one instance per episode)")
+    max_turns: int = _f(4, "model turns per episode at most", gt=0)
+    max_tokens: int | None = _f(
+        None,
+        "the episode's token budget after the prompt (model and environment tokens together); default max_turns x "
+        "the response budget of one turn (actor_rollout.max_new_tokens)",
+        gt=0,
+    )
+    timeout_s: float = _f(
+        30.0, "seconds one reset or step of the environment may take; a slower one fails the sample (timeout)", gt=0
+    )
+    replicas: int = _f(1, "environment service processes under rlhf up (rollout replica i uses i mod replicas)", gt=0)
+    episode_ttl_s: float = _f(600.0, "the service closes an episode left without a call this long", gt=0)
+    max_episodes: int = _f(
+        4096, "open episodes per environment service process; a reset beyond them is refused until some close", gt=0
+    )

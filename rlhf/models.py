@@ -247,7 +247,8 @@ def mcore_to_hf_hint(path: Path | str) -> str:
 def resolve_model_path(spec: str) -> Path:
     """A model reference from the config -> a local directory.
 
-    - ``tiny:policy`` / ``tiny:reward`` build (once) the models of ``rlhf.tiny`` under ``$RLHF_CACHE_DIR/tiny``
+    - ``tiny:policy`` / ``tiny:reward`` / ``tiny:tools`` build (once) the models of ``rlhf.tiny`` (``tiny:tools``: the
+      policy warm-started on calculator episodes, ``rlhf.tiny_tools``) under ``$RLHF_CACHE_DIR/tiny``
       (default ``~/.cache/rlhf-pipeline``); ``tiny:<arch>[-bf16]/policy`` another architecture of it (and dtype),
       under ``$RLHF_CACHE_DIR/tiny-<arch>[-bf16]`` (``tiny:qwen2-tied/policy``; the architectures: ``rlhf.tiny``);
     - a directory that exists is used as it is (it must hold a config.json);
@@ -261,6 +262,10 @@ def resolve_model_path(spec: str) -> Path:
 
         tiny, which = parse_ref(spec.split(":", 1)[1])
         cache = Path(os.environ.get("RLHF_CACHE_DIR", Path.home() / ".cache" / "rlhf-pipeline"))
+        if which == "tools":
+            from rlhf.tiny_tools import build_tiny_tools
+
+            return build_tiny_tools(cache / tiny.name, tiny)
         paths = build_tiny(cache / tiny.name, tiny)
         return paths.policy if which == "policy" else paths.reward
     path = Path(spec).expanduser()

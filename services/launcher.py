@@ -7,7 +7,8 @@
 
 1. a private ``redis-server`` (own free port, own directory ``<run_dir>/redis``, AOF on), unless ``RLHF_REDIS_URL``
    names one;
-2. the reward and reference services (started together), then the rollout replica(s), then the trainer: each is
+2. the reward and reference services (and the environment service(s) when ``environment.name`` is set; started
+   together), then the rollout replica(s), then the trainer: each is
    ``python -m services.cli serve NAME --config FILE --host 127.0.0.1 --grpc-port P --http-port Q`` on free loopback
    ports, with the ``RLHF_*`` environment it needs, and is waited for (``GET /readyz``) before the next stage starts;
 3. one progress line per training step, read from ``<run_dir>/metrics.jsonl`` (written by the trainer);
@@ -282,6 +283,7 @@ class Launcher:
                 tls=settings.tls,
                 devices=devices,
                 trainer_procs=procs,
+                environment_replicas=cfg.environment.replicas if cfg.environment.name else 0,
             )
             if settings.tls:
                 self.say("TLS on: every service serves gRPC and HTTPS, every client verifies its peer")
@@ -293,7 +295,7 @@ class Launcher:
                         s.env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
             by_name = {s.name: s for s in specs}
             stages = [
-                [by_name["reward"], by_name["reference"]],
+                [by_name["reward"], by_name["reference"], *(s for s in specs if s.service == "environment")],
                 [s for s in specs if s.service == "rollout"],
                 [by_name["trainer"]],
             ]

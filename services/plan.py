@@ -60,10 +60,13 @@ def plan_services(
     tls: bool = False,
     devices: DevicePlan | None = None,
     trainer_procs: int = 1,
+    environment_replicas: int = 0,
 ) -> list[ServiceSpec]:
     """The services of one run, in start order, with their ports and the ``RLHF_*`` variables each one needs.
-    ``tls``: the services serve TLS (the certificate, key and CA come to them in the environment, as to ``rlhf up``)."""
-    n = 3 + rollout_replicas
+    ``tls``: the services serve TLS (the certificate, key and CA come to them in the environment, as to ``rlhf up``).
+    ``environment_replicas``: environment services (``environment.name`` set); rollout replica i uses i mod their
+    number, since an episode lives in one environment process."""
+    n = 3 + rollout_replicas + environment_replicas
     ports = list(ports) if ports is not None else free_ports(2 * n)
     if len(ports) < 2 * n:
         raise ValueError(f"need {2 * n} ports, got {len(ports)}")
@@ -71,6 +74,16 @@ def plan_services(
     common = {"RLHF_REDIS_URL": redis_url, "RLHF_RUN_ID": run_id, "RLHF_API_TOKEN": api_token}
     reward = ServiceSpec("reward", "reward", next(it), next(it), dict(common))
     reference = ServiceSpec("reference", "reference", next(it), next(it), dict(common))
+    environments = [
+        ServiceSpec(
+            f"environment-{i}" if environment_replicas > 1 else "environment",
+            "environment",
+            next(it),
+            next(it),
+            dict(common),
+        )
+        for i in range(environment_replicas)
+    ]
     rollouts = [
         ServiceSpec(
             f"rollout-{i}" if rollout_replicas > 1 else "rollout",
@@ -81,6 +94,7 @@ def plan_services(
                 **common,
                 "RLHF_REWARD_ADDR": reward.grpc_addr,
                 "RLHF_REFERENCE_ADDR": reference.grpc_addr,
+                **({"RLHF_ENVIRONMENT_ADDR": environments[i % len(environments)].grpc_addr} if environments else {}),
                 "RLHF_REPLICA_ID": f"{run_id}-rollout-{i}",
                 "RLHF_RUN_DIR": str(run_dir),  # a restarted replica starts from the run's newest checkpoint
                 # the weight-sync data plane on a free port (the replica reports it in OpenWeightsTransfer); it is
@@ -103,11 +117,12 @@ def plan_services(
         },
         procs=trainer_procs,
     )
-    specs = [reward, reference, *rollouts, trainer]
+    specs = [reward, reference, *environments, *rollouts, trainer]
     for spec in specs:
         spec.tls = tls
         if devices is not None:  # resource_pool / num_gpus_for_*: each process sees only its own devices
-            spec.env.update(devices.env_for(spec.name))
+            # an environment service runs text tasks: it sees no accelerator
+            spec.env.update({devices.env_var: ""} if spec.service == "environment" else devices.env_for(spec.name))
     return specs
 
 

@@ -55,6 +55,7 @@ import grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from rlhf.environments.base import EPISODE_ENVIRONMENT_KEY, EPISODE_MAX_TOKENS_KEY, EPISODE_MAX_TURNS_KEY
 from rlhf.retry import retry
 from rlhf.serving.errors import InvalidArgument
 from rlhf.serving.runner import open_channel
@@ -68,6 +69,7 @@ from rlhf.v1 import (
     reward_pb2,
     reward_pb2_grpc,
 )
+from services.rollout import episodes
 from services.rollout.options import SamplingOptions, finish_reason_proto, options_from_proto
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -148,6 +150,9 @@ class RolloutWorker:
         default_sampling: Mapping[str, Any] | None = None,
         ref_temperature: float | None = None,
         catch_up_wait_s: float = 60.0,
+        environment_addr: str | None = None,
+        environment_timeout_s: float | None = None,
+        episode_attempts: int = 3,
     ):
         if max_inflight_jobs < 1:
             raise ValueError("max_inflight_jobs must be at least 1")
@@ -171,6 +176,11 @@ class RolloutWorker:
         self.defaults = dict(default_sampling or {})
         self.ref_temperature = ref_temperature  # None: the sampling temperature (ExperimentConfig.logprob_temperature)
         self.catch_up_wait_s = catch_up_wait_s
+        self.environment_addr = environment_addr
+        # a call's deadline: past the service's own per-call timeout, whose error names the environment that was slow
+        self.environment_timeout_s = environment_timeout_s if environment_timeout_s is not None else rpc_timeout_s
+        self.episode_attempts = episode_attempts  # plays of one episode whose environment service lost it
+        self._env: Any = None
         self.stats = WorkerStats()
         self._stop = asyncio.Event()
         self._inflight: dict[str, asyncio.Task] = {}  # prompt entry id -> task
@@ -217,6 +227,7 @@ class RolloutWorker:
             "drain_s": settings.shutdown_grace_s,
             "default_sampling": defaults,
             "ref_temperature": cfg.logprob_temperature if cfg is not None else None,
+            "environment_timeout_s": cfg.environment.timeout_s + 5.0 if cfg is not None else None,
         }
         opts.update(kw)
         return cls(
@@ -225,6 +236,7 @@ class RolloutWorker:
             run_id=run_id,
             reward_addr=settings.reward_addr,
             reference_addr=settings.reference_addr,
+            environment_addr=settings.environment_addr,
             replica_id=settings.replica_id,
             settings=settings,
             metrics=metrics,
@@ -268,6 +280,12 @@ class RolloutWorker:
         self._ref_ch = open_channel(self.reference_addr, self.settings)
         self._reward = reward_pb2_grpc.RewardServiceStub(self._reward_ch)
         self._ref = reference_pb2_grpc.ReferenceServiceStub(self._ref_ch)
+        if self.environment_addr:
+            from rlhf.environments.client import EnvironmentClient
+
+            self._env = EnvironmentClient(
+                self.environment_addr, self.settings.api_token, self.environment_timeout_s, settings=self.settings
+            )
         log.info(
             "rollout worker %s: run %s, reward %s, reference %s, up to %d jobs at once",
             self.replica_id,
@@ -284,6 +302,8 @@ class RolloutWorker:
             await self._drain()
             await self._reward_ch.close()
             await self._ref_ch.close()
+            if self._env is not None:
+                await self._env.aclose()
             await redis.aclose()
             self.running = False
             log.info("rollout worker %s stopped: %s", self.replica_id, self.stats)
@@ -470,6 +490,9 @@ class RolloutWorker:
 
     async def process(self, job: experience_pb2.PromptJob) -> experience_pb2.Experience:
         """Generate, score and get reference log-probs for one job; returns its Experience (not yet written)."""
+        environment = job.metadata.get(EPISODE_ENVIRONMENT_KEY)
+        if environment:
+            return await self.process_episodes(job, environment)
         tok = self.engine.tokenizer
         prompt_ids = list(job.prompt_ids)
         if not prompt_ids:
@@ -548,6 +571,111 @@ class RolloutWorker:
             )
             if sc.status != common_pb2.ITEM_STATUS_OK and self.metrics is not None:
                 self.metrics.count_error("rollout_score_item_not_ok")
+        return exp
+
+    async def process_episodes(self, job: experience_pb2.PromptJob, environment: str) -> experience_pb2.Experience:
+        """A multi-turn job: ``n`` episodes against the environment service (:mod:`services.rollout.episodes`),
+        their reference log-probs, one Experience. The environment's rewards are the samples' scores."""
+        if self._env is None:
+            raise InvalidArgument(
+                f"job {job.job_id} is an episode of environment {environment!r}, but this replica has no "
+                "environment service (RLHF_ENVIRONMENT_ADDR)"
+            )
+        meta = dict(job.metadata)
+        opts = self.sampling_options(job.params)
+        prompt = ([{"role": "system", "content": meta["system"]}] if meta.get("system") else []) + [
+            {"role": "user", "content": job.prompt_text}
+        ]
+        info = {k: v for k, v in meta.items() if not k.startswith("episode.")}
+        max_turns = int(meta.get(EPISODE_MAX_TURNS_KEY, "4"))
+        max_tokens = int(meta[EPISODE_MAX_TOKENS_KEY]) if meta.get(EPISODE_MAX_TOKENS_KEY) else None
+        # every sample of a job opens the same episode (one prompt, a group of answers): one seed per data row
+        seed = (job.data_index * 1_000_003 + job.epoch) % (2**31)
+        label = job.label if job.HasField("label") else None
+
+        async def one(i: int) -> episodes.EpisodeResult:
+            for attempt in range(self.episode_attempts):
+                try:
+                    return await episodes.play(
+                        self.engine,
+                        self._env,
+                        episode_id=f"{job.job_id}/{i}/{attempt}",
+                        environment=environment,
+                        prompt=prompt,
+                        label=label,
+                        info=info,
+                        seed=seed,
+                        opts=opts,
+                        sample_index=i,
+                        max_turns=max_turns,
+                        max_tokens=max_tokens,
+                    )
+                except episodes.EpisodeLost as err:
+                    self._count_failure("environment_episode_lost")
+                    log.info("%s: job %s sample %d: %s; playing it again", self.replica_id, job.job_id, i, err)
+                except episodes.EnvironmentUnreachable as err:
+                    raise JobFailed("environment_unavailable", f"environment service: {err}") from None
+            raise JobFailed(
+                "environment_episode_lost", f"the environment service lost the episode {self.episode_attempts} times"
+            )
+
+        results = await asyncio.gather(*(one(i) for i in range(opts.n)))
+        first = next((r for r in results if r.error is None), results[0])
+        for r in results:  # the group shares one prompt: an environment must open a seeded episode the same way
+            if r.error is None and r.prompt_ids != first.prompt_ids:
+                r.error = "the environment opened this episode differently from the job's other samples"
+        ok = [r for r in results if r.error is None and r.response_ids]
+        refs: list[Any] = []
+        if ok:
+            ref_req = reference_pb2.LogProbsRequest(
+                items=[reference_pb2.LogProbsItem(prompt_ids=r.prompt_ids, response_ids=r.response_ids) for r in ok],
+                temperature=self.ref_temperature
+                if self.ref_temperature is not None
+                else (1.0 if opts.greedy else opts.temperature),
+            )
+            refs = list((await self._call("reference", self._ref.LogProbs, ref_req)).results)
+            if len(refs) != len(ok) or any(
+                len(x.logprobs) != len(r.response_ids) for x, r in zip(refs, ok, strict=False)
+            ):
+                raise JobFailed("bad_response", "reference log-probs do not match the episodes' tokens")
+        ref_of = {id(r): list(x.logprobs) for r, x in zip(ok, refs, strict=True)}
+        tok = self.engine.tokenizer
+        exp = experience_pb2.Experience(
+            job_id=job.job_id,
+            run_id=job.run_id or self.run_id,
+            data_index=job.data_index,
+            epoch=job.epoch,
+            prompt_ids=first.prompt_ids,
+            prompt_text=job.prompt_text,
+            replica_id=self.replica_id,
+            created_at_unix_ms=int(time.time() * 1000),
+            issued_policy_version=job.issued_policy_version,
+        )
+        if label is not None:
+            exp.label = label
+        for r in results:
+            failed = r.error is not None or not r.response_ids
+            if failed and self.metrics is not None:
+                self.metrics.count_error("rollout_environment_failed")
+            exp.samples.append(
+                experience_pb2.Sample(
+                    response_ids=r.response_ids,
+                    sampling_logprobs=r.logprobs or [],
+                    ref_logprobs=ref_of.get(id(r), []),
+                    score=0.0 if failed else r.score,  # meaningful only with score_status OK (the trainer checks)
+                    score_status=common_pb2.ITEM_STATUS_SCORER_ERROR if failed else common_pb2.ITEM_STATUS_OK,
+                    score_error=f"environment {environment!r}: {r.error or 'no model tokens'}" if failed else "",
+                    score_components={} if failed else {"environment": r.score},
+                    finish_reason=finish_reason_proto(r.finish_reason),
+                    policy_version=r.turn_versions[0] if r.turn_versions else self.engine.weights_version,
+                    response_text=tok.decode(r.response_ids, skip_special_tokens=True),
+                    loss_mask=r.loss_mask,
+                    turn_policy_versions=r.turn_versions,
+                    turn_rewards=r.turn_rewards,
+                    ended_by=r.ended_by or ("error" if failed else ""),
+                    episode_metrics=r.metrics,
+                )
+            )
         return exp
 
     async def _call(self, what: str, method: Any, request: Any) -> Any:

@@ -20,6 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from rlhf.config import ExperimentConfig
 from rlhf.data import PromptCursor, load_prompts, record_prompt_ids
+from rlhf.environments.base import EPISODE_ENVIRONMENT_KEY, EPISODE_MAX_TOKENS_KEY, EPISODE_MAX_TURNS_KEY
 from rlhf.retry import retry
 from rlhf.transport import Admission, PromptQueue
 from rlhf.v1 import common_pb2, experience_pb2
@@ -36,6 +37,20 @@ async def retrying(what: str, fn, *args, **kwargs):
     return await retry(
         lambda: fn(*args, **kwargs), lambda err: isinstance(err, TRANSIENT), what=f"redis unavailable ({what})", log=log
     )
+
+
+def episode_metadata(cfg: ExperimentConfig) -> dict[str, str]:
+    """What makes a prompt job an episode (the rollout replica plays it against the environment service): the
+    environment section's name and limits, as PromptJob metadata; empty for single-turn runs."""
+    env = cfg.environment
+    if not env.name:
+        return {}
+    max_tokens = env.max_tokens if env.max_tokens is not None else env.max_turns * cfg.max_new_tokens
+    return {
+        EPISODE_ENVIRONMENT_KEY: env.name,
+        EPISODE_MAX_TURNS_KEY: str(env.max_turns),
+        EPISODE_MAX_TOKENS_KEY: str(max_tokens),
+    }
 
 
 class Publisher:
@@ -97,6 +112,7 @@ class Publisher:
         )
         if record.label is not None:
             job.label = record.label
+        job.metadata.update(episode_metadata(self.cfg))
         return job
 
     async def publish_loop(self, done: Callable[[], bool], policy_version: Callable[[], int]) -> None:

@@ -48,6 +48,10 @@ DATA = "tests/unit/test_data_json.py::"
 EVAL = "tests/unit/test_eval_metrics.py::"
 EVAL_RING = "tests/e2e/test_algorithms.py::test_evaluates_held_out_prompts_beside_training"
 LORA = "tests/trainer/test_lora.py::"
+ENV_SVC = "tests/integration/test_environment_service.py::"
+ENV_UNIT = "tests/unit/test_environments.py::"
+EPISODES = "tests/integration/test_episodes.py::"
+EPISODE_RUN = EPISODES + "test_an_episode_is_every_turn_as_generated"
 
 FIELD_TESTS: dict[str, list[str] | str] = {
     "run_id": [TRAINER_SVC, "tests/integration/test_launcher.py::test_plan_services_order_ports_and_env"],
@@ -155,6 +159,10 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "actor_rollout_ref.actor_rollout.stop": ["tests/integration/test_engines.py::test_hf_stops_and_lengths"],
     "actor_rollout_ref.actor_rollout.apply_chat_template": [
         "tests/integration/test_rollout_openai.py::test_chat_uses_the_chat_template"
+    ],
+    "actor_rollout_ref.actor_rollout.tool_call_parser": [
+        "tests/integration/test_tool_calling_api.py::test_a_tool_call_and_the_turn_after_it",
+        "tests/unit/test_tool_calls.py::test_the_config_names_the_parser",
     ],
     "actor_rollout_ref.actor_rollout.lora_r": [
         LORA + "test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model",
@@ -332,6 +340,14 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "algorithm.mask_truncated_completions": [GRPO_PARITY, RLOO_PARITY],
     "algorithm.top_entropy_quantile": [GRPO_PARITY],
     "algorithm.rloo_convention": [RLOO_PARITY, "tests/parity/test_openrlhf_reinforce.py"],
+    "algorithm.distill.coef": [
+        "tests/trainer/test_distill.py::test_distillation_lowers_the_students_reverse_kl_to_the_teacher",
+        "tests/unit/test_algo_distill.py::test_advantages_match_a_loop",
+    ],
+    "algorithm.distill.reward_coef": [
+        "tests/trainer/test_distill.py::test_pure_distillation_ignores_the_score_and_reward_coef_adds_the_task_advantage",
+        "tests/unit/test_algo_distill.py::test_advantages_match_a_loop",
+    ],
     "algorithm.dpo_beta": [DPO_PARITY],
     "algorithm.dpo_loss_type": [DPO_PARITY],
     "resource_pool.actor_rollout": [
@@ -380,6 +396,17 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "eval.max_new_tokens": [EVAL_RING, EVAL + "test_an_evaluation_past_its_deadline_is_a_failed_row"],
     "eval.pass_threshold": [EVAL_RING, EVAL + "test_eval_metrics_fixed_batch"],
     "eval.timeout_s": [EVAL + "test_an_evaluation_past_its_deadline_is_a_failed_row"],
+    "environment.name": [
+        ENV_SVC + "test_a_killed_service_loses_its_episodes",
+        ENV_UNIT + "test_the_environment_config_section",
+    ],
+    "environment.max_turns": [EPISODES + "test_the_environment_section_makes_jobs_episodes", EPISODE_RUN],
+    "environment.max_tokens": [EPISODES + "test_the_environment_section_makes_jobs_episodes", EPISODE_RUN],
+    "environment.options": [ENV_SVC + "test_a_killed_service_loses_its_episodes"],
+    "environment.timeout_s": [ENV_SVC + "test_the_config_sets_the_episode_bounds"],
+    "environment.episode_ttl_s": [ENV_SVC + "test_the_config_sets_the_episode_bounds"],
+    "environment.max_episodes": [ENV_SVC + "test_the_config_sets_the_episode_bounds"],
+    "environment.replicas": [ENV_UNIT + "test_rlhf_up_plans_environment_services"],
 }
 
 

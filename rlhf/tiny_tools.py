@@ -1,0 +1,105 @@
+"""``tiny:tools``: the tiny policy after a short supervised warm start on calculator episodes (the tool-use demo).
+
+A random tiny model never writes a parsable tool call, so RL from it has no signal; every tool-use recipe starts from
+a model that already knows the call format. This one is taught with whole episodes of ``builtin:calculator`` (with
+``list_tools: false`` and :data:`SYSTEM`: a prompt of about 60 tokens), built exactly as a rollout replica builds them
+(:mod:`rlhf.environments.tokens`), with the loss on the model's turns only: a call to the calculator with the
+question's numbers, then the tool's result as the answer.
+
+The warm start is short on purpose (:data:`STEPS`): sampled at temperature 1 the policy then calls the tool in most
+episodes but gets the answer right in about a fifth (measured: 0.2 of 40 episodes, 0.75 tool calls each; 30 steps
+more and it is 0.6: the copying is learned in a narrow band of steps), so the RL run has something to learn. Built
+once per cache, under the same lock and stamp scheme as :func:`rlhf.tiny.build_tiny`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import random
+from pathlib import Path
+
+from rlhf.tiny import CHAT_TEMPLATE, TinySpec, build_tiny
+
+SYSTEM = "Use the calculator: <tool_call>{json}</tool_call>, then answer."
+STEPS = 330
+BATCH = 16
+LR = 3e-3
+SEED = 1
+
+
+def _digest(spec: TinySpec) -> str:
+    what = json.dumps([spec.digest(), CHAT_TEMPLATE, SYSTEM, STEPS, BATCH, LR, SEED])
+    return hashlib.sha256(what.encode()).hexdigest()[:16]
+
+
+def episode_tokens(tokenizer, a: int, b: int) -> tuple[list[int], list[bool]]:
+    """One taught episode of "what is a plus b?": (ids, loss mask) over the whole sequence, prompt included."""
+    from rlhf.environments.builtin import Calculator
+    from rlhf.environments.tokens import encode, environment_tokens, render
+
+    env = Calculator(system=SYSTEM, list_tools=False)
+    opening = env.reset([{"role": "user", "content": f"what is {a} plus {b}?"}], str(a + b), {}, None)
+    messages = opening.messages
+    prompt = encode(tokenizer, render(tokenizer, messages, None, True))
+    args = json.dumps({"expression": f"{a} + {b}"})
+    call = f' <tool_call>{{"name": "calculator", "arguments": {args}}}</tool_call>'
+    turn1 = encode(tokenizer, call) + [tokenizer.eos_token_id]
+    outcome = env.step(call)
+    between = environment_tokens(tokenizer, messages, None, turn1, outcome.messages)
+    turn2 = encode(tokenizer, f" {a + b}") + [tokenizer.eos_token_id]
+    ids = prompt + turn1 + between + turn2
+    mask = [False] * len(prompt) + [True] * len(turn1) + [False] * len(between) + [True] * len(turn2)
+    return ids, mask
+
+
+def _train(policy: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(SEED)
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    rng = random.Random(SEED)
+    model.train()
+    for _ in range(STEPS):
+        batch = [episode_tokens(tok, rng.randint(0, 20), rng.randint(0, 20)) for _ in range(BATCH)]
+        width = max(len(ids) for ids, _ in batch)
+        x = torch.full((BATCH, width), tok.pad_token_id)
+        m = torch.zeros(BATCH, width, dtype=torch.bool)
+        for i, (ids, mask) in enumerate(batch):
+            x[i, : len(ids)] = torch.tensor(ids)
+            m[i, : len(mask)] = torch.tensor(mask)
+        logits = model(x, attention_mask=(x != tok.pad_token_id).long()).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
+        loss = -(logp * m[:, 1:]).sum() / m[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+
+
+def build_tiny_tools(out_dir: str | Path, spec: TinySpec | None = None, force: bool = False) -> Path:
+    """The warm-started policy under ``out_dir/tools`` (the tiny models of ``spec`` built first), reused when
+    current."""
+    spec = spec or TinySpec()
+    paths = build_tiny(out_dir, spec)
+    out = paths.root / "tools"
+    stamp = paths.root / "tools.json"
+
+    def current() -> bool:
+        return not force and stamp.exists() and json.loads(stamp.read_text()).get("digest") == _digest(spec)
+
+    if current():
+        return out
+    with open(paths.root.parent / f".{paths.root.name}-tools.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if current():
+            return out
+        _train(paths.policy, out)
+        stamp.write_text(json.dumps({"digest": _digest(spec), "steps": STEPS, "system": SYSTEM}, indent=2))
+    return out

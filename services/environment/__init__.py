@@ -1,0 +1,1 @@
+"""Environment service: episodes of multi-turn tasks (gRPC Reset / Step / Close, REST /v1/episodes/*)."""

@@ -1,0 +1,157 @@
+"""Episodes: a rollout replica's model turns alternating with an environment's steps (multi-turn prompt jobs).
+
+One episode per sample. The environment service opens it (its messages and tools), the policy's chat template
+renders them into the prompt ids, and then, turn by turn: the engine generates from the ids so far (the prompt, every
+model turn as generated, every environment turn as rendered), the turn's decoded text goes to the environment's
+``step``, and the messages it answers are rendered and appended, until the environment says ``done``, ``max_turns``
+model turns were taken, or the episode's token budget is spent.
+
+Token in, token out: a model turn's ids are kept exactly as sampled, never decoded and encoded again. Only the
+environment's messages are tokenised, as the chat template renders them after an assistant message (what the
+template puts after the assistant's content that the model did not generate itself, e.g. a newline after the
+end-of-turn token, goes with them). Those tokens are context, never actions: ``loss_mask`` is true on model tokens
+only, and their sampling log-probs are 0.
+
+An environment that fails, times out or answers garbage makes the sample an error (its score status), never a
+reward of 0. An episode the environment service lost (it restarted: NOT_FOUND) is played again from its start, as a
+job is after a replica dies; a service that cannot be reached fails the job, which stays pending and is re-run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from rlhf.environments.base import EnvironmentFailure, Message
+from rlhf.environments.tokens import encode, environment_tokens, render
+
+if TYPE_CHECKING:  # pragma: no cover
+    from services.rollout.engine_types import RolloutEngine
+    from services.rollout.options import SamplingOptions
+
+log = logging.getLogger("rlhf.rollout.episodes")
+
+
+class EpisodeLost(Exception):
+    """The environment service no longer knows the episode (it restarted): play it again from its start."""
+
+
+class EnvironmentUnreachable(Exception):
+    """The environment service cannot be reached (or refuses the request itself: a wrong token, an environment it
+    does not host): the job fails and stays pending, re-run later or dead-lettered after its deliveries."""
+
+
+@dataclass
+class EpisodeResult:
+    """One played episode, as a :class:`~rlhf.v1.experience_pb2.Sample` records it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] | None = field(default_factory=list)  # None: the engine reported none
+    turn_versions: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    ended_by: str = ""
+    finish_reason: str = "stop"  # of the last model turn
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # the environment failed: the sample is an error, not a score
+
+    @property
+    def score(self) -> float:
+        return float(sum(self.turn_rewards))
+
+
+async def play(
+    engine: RolloutEngine,
+    env: Any,
+    *,
+    episode_id: str,
+    environment: str,
+    prompt: list[Message],
+    label: str | None,
+    info: dict[str, str],
+    seed: int | None,
+    opts: SamplingOptions,
+    sample_index: int = 0,
+    max_turns: int,
+    max_tokens: int | None,
+) -> EpisodeResult:
+    """Play one episode against ``env`` (an :class:`~rlhf.environments.client.EnvironmentClient`). Raises
+    :class:`EpisodeLost` or :class:`EnvironmentUnreachable`; any other environment failure is in ``error``."""
+    tok = engine.tokenizer
+    try:
+        opening = await env.reset(episode_id, environment, prompt, label, info, seed)
+    except EnvironmentFailure as err:
+        _raise_for_transport(err)
+        return EpisodeResult(prompt_ids=encode(tok, render(tok, prompt, None, True)), error=f"reset: {err}")
+    messages: list[Message] = list(opening.messages)
+    tools = list(opening.tools) or None
+    r = EpisodeResult(prompt_ids=encode(tok, render(tok, messages, tools, True)))
+    counts: dict[str, float] = defaultdict(float)
+    budget = max_tokens if max_tokens is not None else opts.max_tokens * max_turns
+    try:
+        for turn in range(max_turns):
+            left = budget - len(r.response_ids)
+            if left <= 0:
+                r.ended_by = "max_tokens"
+                break
+            # one sample per episode: a job's seed (if any) must give each sample and turn its own stream
+            seed_t = None if opts.seed is None else opts.seed + 7919 * sample_index + turn
+            turn_opts = dataclasses.replace(opts, n=1, max_tokens=min(opts.max_tokens, left), seed=seed_t)
+            (out,) = await engine.generate([r.prompt_ids + r.response_ids], turn_opts)
+            s = out.samples[0]
+            ids = list(s.token_ids)
+            r.response_ids += ids
+            r.loss_mask += [True] * len(ids)
+            if r.logprobs is not None and len(s.logprobs) == len(ids):
+                r.logprobs += list(s.logprobs)
+            else:
+                r.logprobs = None
+            r.turn_versions.append(s.policy_version)
+            r.finish_reason = s.finish_reason
+            counts["turns"] += 1
+            if s.finish_reason == "length" and len(r.response_ids) >= budget:
+                r.ended_by = "max_tokens"  # cut mid-turn: not an answer the environment should judge
+                break
+            text = s.text or tok.decode(ids, skip_special_tokens=True)
+            try:
+                outcome = await env.step(episode_id, text)
+            except EnvironmentFailure as err:
+                _raise_for_transport(err)
+                r.error = f"step {turn + 1}: {err}"
+                break
+            r.turn_rewards.append(float(outcome.reward))
+            for k, v in outcome.metrics.items():
+                counts[k] += float(v)
+            if outcome.done:
+                r.ended_by = "done"
+                break
+            if turn == max_turns - 1:
+                r.ended_by = "max_turns"
+                break
+            env_ids = environment_tokens(tok, messages, tools, ids, list(outcome.messages))
+            messages += [{"role": "assistant", "content": text}, *outcome.messages]
+            r.response_ids += env_ids
+            r.loss_mask += [False] * len(env_ids)
+            if r.logprobs is not None:
+                r.logprobs += [0.0] * len(env_ids)
+    except EnvironmentFailure as err:  # the template could not take the environment's answer
+        r.error = str(err)
+    finally:
+        with contextlib.suppress(Exception):  # best effort: the service expires episodes it is not told about
+            await env.close(episode_id)
+    r.metrics = dict(counts)
+    return r
+
+
+def _raise_for_transport(err: EnvironmentFailure) -> None:
+    """Failures that are the service's (lost episode, unreachable) rather than the environment's."""
+    kind = getattr(err, "kind", "failed")
+    if kind == "episode_lost":
+        raise EpisodeLost(str(err)) from err
+    if kind in ("unavailable", "invalid"):  # unreachable, or a request no retry of the episode fixes
+        raise EnvironmentUnreachable(str(err)) from err
