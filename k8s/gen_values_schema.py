@@ -196,6 +196,21 @@ rollout = stateless(
     }
 )
 
+# The environment service: torch-free, on the CPU (no accelerator); enabled and replicas default to the config's.
+environment_props = pod_common()
+del environment_props["accelerator"]
+environment_props["enabled"] = {
+    "type": ["boolean", "null"],
+    "description": "deploy the environment service; null: when the experiment config sets environment.name",
+}
+environment_props["replicas"] = {
+    "type": ["integer", "null"],
+    "minimum": 0,
+    "description": "replicas; null: the config's environment.replicas",
+}
+environment_props["strategy"] = {"$ref": "#/definitions/strategy"}
+environment = obj(environment_props, required=["image", "probes"])
+
 trainer_props = pod_common()
 trainer_props["job"] = obj(
     {
@@ -329,6 +344,7 @@ schema = {
                     "boolean",
                     "trainer and rollout pods on their node's network (HCCL between pods of one node over HCCS)",
                 ),
+                "delta": s("string", "RLHF_WEIGHTS_DELTA of the trainer (delta pushes)", enum=["off", "auto"]),
             },
             "how the trainer pushes weights to the rollout replicas",
         ),
@@ -417,6 +433,7 @@ schema = {
         "rollout": rollout,
         "reward": stateless(),
         "reference": stateless(),
+        "environment": environment,
         "trainer": trainer,
         "redis": obj(
             {

@@ -91,6 +91,10 @@ check "compose: + compose.npu.yaml, RLHF_ASCEND_SOC=a3" env RLHF_ASCEND_SOC=a3 \
 check "compose: + compose.npu.yaml + compose.npu-hccl.yaml (host network)" \
     compose -f docker-compose.yml -f compose.npu.yaml -f compose.npu-hccl.yaml config -q
 check "compose: refuses to run without RLHF_API_TOKEN" compose_needs_token
+check "compose: + compose.environment.yaml (multi-turn episodes)" env RLHF_EXPERIMENT_CONFIG=./configs/demo.yaml \
+    $DOCKER_COMPOSE -f docker-compose.yml -f compose.environment.yaml config -q
+check "compose: + compose.gpu.yaml + compose.environment.yaml" env RLHF_EXPERIMENT_CONFIG=./configs/demo.yaml \
+    $DOCKER_COMPOSE -f docker-compose.yml -f compose.gpu.yaml -f compose.environment.yaml config -q
 
 echo "deploy-check: Helm chart ($("$HELM" version --short 2>/dev/null))"
 check "helm lint --strict (default values)" "$HELM" lint --strict "$CHART"
@@ -126,13 +130,21 @@ check "helm template | kubernetes-validate (GPU trainer, 2 nodes x 2 processes)"
     --set trainer.torchrun.nnodes=2 --set trainer.torchrun.nprocPerNode=2 --set trainer.accelerator.count=2
 check "helm template | kubernetes-validate (NPU trainer, 2 nodes x 2 processes)" validate "${NPU[@]}" \
     --set trainer.torchrun.nnodes=2 --set trainer.torchrun.nprocPerNode=2 --set trainer.accelerator.count=2
+check "helm lint --strict (environment service on)" "$HELM" lint --strict "$CHART" \
+    --set experiment.config.environment.name=builtin:calculator
+check "helm template | kubernetes-validate --strict (environment service, 2 replicas; GPU values)" validate \
+    -f k8s/examples/values-gpu.yaml --set experiment.config.environment.name=builtin:calculator \
+    --set environment.replicas=2
+check "helm template | kubernetes-validate --strict (weightSync.delta=auto)" validate --set weightSync.delta=auto
+check "refuses environment.enabled=true without the config's environment.name" \
+    refuses_saying "sets no environment.name" --set environment.enabled=true
 check "values.schema.json rejects trainer.kind (the trainer is always a Job)" refuses --set trainer.kind=StatefulSet
 check "values.schema.json rejects a misspelt key" refuses --set rollout.acelerator.type=nvidia
 check "values.schema.json rejects an unknown accelerator" refuses --set trainer.accelerator.type=tpu
 
 echo "deploy-check: yamllint"
 check "yamllint (compose files, chart values, examples, configs)" "$TOOLS_BIN/yamllint" --strict \
-    docker-compose.yml compose.gpu.yaml compose.npu.yaml compose.npu-hccl.yaml .yamllint k8s \
+    docker-compose.yml compose.gpu.yaml compose.npu.yaml compose.npu-hccl.yaml compose.environment.yaml .yamllint k8s \
     configs/llama32-1b-ppo.yaml configs/llama32-1b-online-dpo.yaml
 
 echo "deploy-check: tests/deploy"

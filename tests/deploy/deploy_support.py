@@ -19,7 +19,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "k8s" / "rlhf-pipeline"
 EXAMPLES = ROOT / "k8s" / "examples"
-COMPOSE_FILES = ("docker-compose.yml", "compose.gpu.yaml", "compose.npu.yaml", "compose.npu-hccl.yaml")
+COMPOSE_FILES = (
+    "docker-compose.yml",
+    "compose.gpu.yaml",
+    "compose.npu.yaml",
+    "compose.npu-hccl.yaml",
+    "compose.environment.yaml",
+)
 SERVICES = ("rollout", "reward", "reference", "trainer")
 
 # The values each example is installed with (docs/deploy.md, "Kubernetes (Helm)"): the example file plus the

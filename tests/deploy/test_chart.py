@@ -882,3 +882,134 @@ def test_host_network_values_that_would_not_work_fail_the_render(helm, extra, me
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-600:]
     if "nodesFrom" in message:  # without NetworkPolicies there is nothing to admit the nodes to
         render(helm, *NPU, *HCCL, *HOSTNET, *extra, "--set", "networkPolicy.enabled=false")
+
+
+# ---------------------------------------------------------------- the environment service (multi-turn episodes)
+
+ENV_ON = ("--set", "experiment.config.environment.name=builtin:calculator")
+
+
+def _environment_objects(r) -> list[dict]:
+    return [d for d in r.docs if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "environment"]
+
+
+@pytest.fixture(scope="module")
+def with_environment(helm):
+    """The default values with the config's environment.name set (and its replicas: 2, what `rlhf up` starts)."""
+    return render(helm, *ENV_ON, "--set", "experiment.config.environment.replicas=2")
+
+
+def test_environment_is_off_unless_the_config_sets_one(rendered):
+    for name, r in rendered.items():
+        assert not _environment_objects(r), f"{name}: the config sets no environment.name, nothing to host"
+        assert "RLHF_ENVIRONMENT_ADDR" not in env_of(containers(r.component("Deployment", "rollout"))[0]), name
+
+
+def test_environment_service_follows_the_config(with_environment):
+    r = with_environment
+    dep = r.component("Deployment", "environment")
+    assert dep["spec"]["replicas"] == 2, "the config's environment.replicas"
+    (c,) = containers(dep)
+    ns = parse_container_command(c["args"])
+    assert (ns.command, ns.service, ns.config) == ("serve", "environment", "/etc/rlhf/config.yaml")
+    assert (ns.grpc_port, ns.http_port) == (50051, 8000)
+    assert c["image"] == "rlhf-pipeline/environment:0.1.0-cpu"
+    env = env_of(c)
+    assert "secretKeyRef" in env["RLHF_API_TOKEN"]["valueFrom"], "every call needs the token, from the Secret"
+    assert env["RLHF_DEVICE"]["value"] == "cpu" and "RLHF_REDIS_URL" not in env
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["startupProbe"]["httpGet"]["port"] == "http"
+    assert not set(ACCELERATOR.values()) & set(c["resources"].get("limits", {}))
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["experiment"]["configMap"]["name"] == "rlhf-rlhf-pipeline-experiment"
+    svc = r.component("Service", "environment")
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50051, "http": 8000}
+    assert svc["metadata"]["labels"]["rlhf-pipeline/metrics"] == "true", "the ServiceMonitor scrapes it"
+    pdb = r.component("PodDisruptionBudget", "environment")
+    assert pdb["spec"]["selector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    # the rollout talks to the ClusterIP Service: one connection per replica, so an episode stays on one pod
+    rollout = env_of(containers(r.component("Deployment", "rollout"))[0])
+    assert rollout["RLHF_ENVIRONMENT_ADDR"]["value"] == "rlhf-rlhf-pipeline-environment.rlhf.svc.cluster.local:50051"
+    trainer = env_of(containers(r.component("Job", "trainer"))[0])
+    assert "RLHF_ENVIRONMENT_ADDR" not in trainer
+    (cm,) = [c for c in r.kind("ConfigMap") if c["metadata"]["name"].endswith("-experiment")]
+    assert parse_config(yaml.safe_load(cm["data"]["config.yaml"])).environment.name == "builtin:calculator"
+    names = {e for w in r.workloads() for c in containers(w) for e in env_of(c)}
+    assert not unknown_env(names)
+
+
+def test_network_policy_lets_only_rollout_reach_the_environment(with_environment, helm):
+    policy = with_environment.component("NetworkPolicy", "environment")
+    (grpc_rule,) = _rules_for_port(policy, "grpc")
+    assert _peers(grpc_rule) == ["rollout"] and len(grpc_rule["from"]) == 1
+    assert not _rules_for_port(policy, "http"), "no REST clients listed"
+    assert all(rule.get("from") for rule in policy["spec"]["ingress"])
+    listed = render(helm, *ENV_ON, "--set-json", 'networkPolicy.clientsFrom=[{"podSelector": {}}]')
+    (http_rule,) = _rules_for_port(listed.component("NetworkPolicy", "environment"), "http")
+    assert http_rule["from"] == [{"podSelector": {}}]
+
+
+def test_environment_values(helm):
+    # explicit replicas win over the config's; with an existing ConfigMap the chart cannot read environment.name
+    r = render(helm, *ENV_ON, "--set", "environment.replicas=3")
+    assert r.component("Deployment", "environment")["spec"]["replicas"] == 3
+    r = render(helm, "--set", "experiment.existingConfigMap=my-config", "--set", "environment.enabled=true")
+    assert r.component("Deployment", "environment")["spec"]["replicas"] == 1
+    assert not _environment_objects(render(helm, "--set", "experiment.existingConfigMap=my-config"))
+    # a service of one's own: the user's address, once, and no service of the chart's that nothing would call
+    own = ("--set-json", 'rollout.env=[{"name": "RLHF_ENVIRONMENT_ADDR", "value": "envs.example:50051"}]')
+    for enabled in ((), ("--set", "environment.enabled=false")):
+        r = render(helm, *ENV_ON, *enabled, *own)
+        assert not _environment_objects(r)
+        (c,) = containers(r.component("Deployment", "rollout"))
+        assert [e["value"] for e in c["env"] if e["name"] == "RLHF_ENVIRONMENT_ADDR"] == ["envs.example:50051"]
+    # the GPU example's accelerators stay with the model services: the environment runs the CPU image
+    r = render(helm, "-f", str(CHART.parent / "examples" / "values-gpu.yaml"), *ENV_ON)
+    (c,) = containers(r.component("Deployment", "environment"))
+    assert c["image"].endswith("/rlhf-pipeline/environment:0.1.0-cpu")
+    assert "nvidia.com/gpu" not in c["resources"]["limits"]
+    assert r.component("Deployment", "environment")["spec"]["template"]["spec"].get("nodeSelector") is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--set", "environment.enabled=true"), "sets no environment.name"),
+        ((*ENV_ON, "--set", "environment.enabled=false"), "its episodes need an environment service"),
+        (
+            (*ENV_ON, "--set", "environment.enabled=true", "--set", "rollout.env[0].name=RLHF_ENVIRONMENT_ADDR"),
+            "would never call the chart's environment service",
+        ),
+        (("--set", "environment.accelerator.type=nvidia"), "accelerator"),
+    ],
+)
+def test_environment_values_that_would_launch_nothing_fail_the_render(helm, extra, message):
+    proc = helm_template(helm, *extra, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- weightSync.delta (RLHF_WEIGHTS_DELTA)
+
+
+def test_weight_sync_delta_sets_the_trainers_variable(rendered, helm):
+    from rlhf.serving import ServiceSettings
+
+    for name, r in rendered.items():
+        assert "RLHF_WEIGHTS_DELTA" not in env_of(containers(r.component("Job", "trainer"))[0]), name  # off
+    r = render(helm, "--set", "weightSync.delta=auto")
+    env = env_of(containers(r.component("Job", "trainer"))[0])
+    assert ServiceSettings.from_env({"RLHF_WEIGHTS_DELTA": env["RLHF_WEIGHTS_DELTA"]["value"]}).weights_delta == "auto"
+    assert "RLHF_WEIGHTS_DELTA" not in env_of(containers(r.component("Deployment", "rollout"))[0])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--set", "weightSync.transport=collective"), "a collective push always goes in full"),
+        (("--set", "trainer.torchrun.nprocPerNode=2"), "applies to a one-process trainer"),
+        (("--set", "weightSync.delta=on"), "delta"),
+    ],
+)
+def test_weight_sync_delta_where_it_would_not_apply_fails_the_render(helm, extra, message):
+    proc = helm_template(helm, "--set", "weightSync.delta=auto", *extra, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr

@@ -1,4 +1,5 @@
-"""docker-compose.yml and its GPU / NPU overrides, read as YAML (and through `docker-compose config` when present)."""
+"""docker-compose.yml and its GPU / NPU / environment overrides, read as YAML (and through `docker-compose config` when
+present)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import re
 import shutil
 import socketserver
 import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -15,6 +19,7 @@ from deploy_contract import parse_container_command, unknown_env
 from deploy_support import COMPOSE_FILES, ROOT, SERVICES
 
 from rlhf.config import load_config
+from rlhf.procs import HOST, Child, free_ports
 
 
 def test_base_file_runs_the_cpu_demo(compose_files):
@@ -307,3 +312,97 @@ def test_hccl_override_puts_trainer_and_rollout_on_the_host_network_and_wires_th
     # the others stay on the compose network, reachable by name from each other
     for name in ("reward", "reference", "redis"):
         assert "network_mode" not in merged[name], name
+
+
+def test_environment_override_adds_the_service_and_wires_the_rollout(compose_files):
+    """Multi-turn episodes: compose.environment.yaml adds the environment service and gives the rollout its address
+    (and waits for it); without the file neither exists."""
+    base = compose_files["docker-compose.yml"]["services"]
+    assert "environment" not in base and "RLHF_ENVIRONMENT_ADDR" not in base["rollout"]["environment"]
+    over = compose_files["compose.environment.yaml"]["services"]
+    assert set(over) == {"environment", "rollout"}
+    env = over["environment"]
+    assert env["build"]["target"] == "environment" and env["build"]["args"] == {"ACCEL": "cpu"}
+    assert env["image"] == "rlhf-pipeline/environment:${RLHF_IMAGE_TAG:-0.1.0}-cpu"
+    ns = parse_container_command(env["command"])
+    assert (ns.command, ns.service, ns.config) == ("serve", "environment", "/etc/rlhf/config.yaml")
+    assert (ns.grpc_port, ns.http_port) == (50051, 8000)
+    assert env["healthcheck"]["test"] == base["reward"]["healthcheck"]["test"]
+    assert env["environment"]["RLHF_API_TOKEN"] == "${RLHF_API_TOKEN:?set RLHF_API_TOKEN}"
+    (config,) = env["volumes"]
+    assert config.startswith("${RLHF_EXPERIMENT_CONFIG:?") and config.endswith(":/etc/rlhf/config.yaml:ro")
+    assert over["rollout"]["environment"] == {"RLHF_ENVIRONMENT_ADDR": "environment:50051"}
+    assert over["rollout"]["depends_on"] == {"environment": {"condition": "service_healthy"}}
+    assert "container_name" not in env, "a fixed container name prevents --scale"
+
+
+@pytest.mark.parametrize(("overrides", "flavour"), [((), "cpu"), (("compose.gpu.yaml",), "cuda")])
+def test_environment_override_merged(overrides, flavour):
+    merged = _merged((*overrides, "compose.environment.yaml"), RLHF_EXPERIMENT_CONFIG="./configs/demo.yaml")
+    rollout, env = merged["rollout"], merged["environment"]
+    assert rollout["environment"]["RLHF_ENVIRONMENT_ADDR"] == "environment:50051"
+    assert rollout["environment"]["RLHF_REWARD_ADDR"] == "reward:50051", "merged into the base's variables"
+    assert set(rollout["depends_on"]) == {"redis", "reward", "reference", "environment"}
+    assert rollout["image"].endswith(f"-{flavour}") and env["image"].endswith("-cpu")
+    assert "deploy" not in env, "no accelerator for the environment service"
+    (mount,) = env["volumes"]
+    target = mount["target"] if isinstance(mount, dict) else str(mount).split(":")[1]
+    assert target == "/etc/rlhf/config.yaml"
+    assert _published(env["ports"], 8000) == 8004
+    from rlhf.serving import ServiceSettings
+
+    settings = ServiceSettings.from_env({k: str(v) for k, v in env["environment"].items()})
+    assert (settings.grpc_port, settings.http_port, settings.api_token) == (50051, 8000, "t")
+
+
+def test_environment_override_needs_a_config_that_names_the_environment():
+    exe = _compose()
+    if exe is None:
+        pytest.skip("docker-compose is not installed (`make deploy-tools` installs it); the YAML checks above ran")
+    env = {k: v for k, v in os.environ.items() if k != "RLHF_EXPERIMENT_CONFIG"}
+    proc = subprocess.run(
+        [*exe, "-f", "docker-compose.yml", "-f", "compose.environment.yaml", "config", "-q"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**env, "RLHF_API_TOKEN": "t"},
+        timeout=60,
+    )
+    assert proc.returncode != 0 and "RLHF_EXPERIMENT_CONFIG" in proc.stderr, proc.stderr
+
+
+def test_environment_service_runs_as_the_override_defines_it(compose_files, tmp_path):
+    """The override's command and environment as a local process (free loopback ports for 50051 / 8000, the config
+    file for the mount): the image's health check passes on /readyz, and an episode call needs the token."""
+    import httpx
+    from test_compose_local import interpolate  # Compose's variable interpolation
+
+    svc = compose_files["compose.environment.yaml"]["services"]["environment"]
+    config = tmp_path / "config.yaml"
+    cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    config.write_text(yaml.safe_dump({**cfg, "environment": {"name": "builtin:calculator"}}))
+    grpc_port, http_port = free_ports(2)
+    local = {"/etc/rlhf/config.yaml": str(config), "50051": str(grpc_port), "8000": str(http_port), "0.0.0.0": HOST}
+    token = "compose-environment-token"
+    env = interpolate(svc["environment"], {"RLHF_API_TOKEN": token})
+    env = {k: local.get(str(v), str(v)) for k, v in env.items()}
+    env.update(PATH=os.environ["PATH"], HOME=str(tmp_path), PYTHONUNBUFFERED="1")
+    argv = [local.get(a, a) for a in svc["command"]]
+    assert argv[0] == "rlhf"
+    argv[0] = str(Path(sys.executable).parent / "rlhf")
+    health = [sys.executable, str(ROOT / "docker" / "healthcheck.py")]  # the image's HEALTHCHECK and compose's test
+    assert svc["healthcheck"]["test"] == ["CMD", "python3", "/opt/rlhf/healthcheck.py"]
+    child = Child("environment", argv, tmp_path / "environment.log", env=env, cwd=tmp_path).start()
+    try:
+        deadline = time.monotonic() + 90
+        while subprocess.run(health, env=env, capture_output=True, timeout=10).returncode != 0:
+            assert child.running, (tmp_path / "environment.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "not healthy within 90 s"
+            time.sleep(0.3)
+        url = f"http://{HOST}:{http_port}/v1/episodes/reset"
+        body = {"episode_id": "job-1/0/0", "prompt": [{"role": "user", "content": "what is 2 plus 3?"}], "label": "5"}
+        assert httpx.post(url, json=body, timeout=10).status_code == 401
+        ok = httpx.post(url, json=body, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert ok.status_code == 200 and ok.json()["tools"], ok.text
+    finally:
+        child.stop(10)

@@ -48,6 +48,17 @@ def test_one_target_per_service_on_every_base():
         )
 
 
+def test_environment_target_is_the_reward_image_with_its_own_command():
+    """The environment service (torch-free) shares app-torch's layers: only its CMD differs from reward's."""
+    st = stages()
+    assert st["environment"].startswith("FROM app-torch AS environment")
+    body = [ln for ln in st["environment"].splitlines()[1:] if ln.strip() and not ln.startswith("#")]
+    assert body == [
+        'CMD ["rlhf", "serve", "environment", "--config", "/etc/rlhf/config.yaml", "--grpc-port", "50051", '
+        '"--http-port", "8000"]'
+    ]
+
+
 def test_runtime_stages_are_non_root_with_a_readiness_healthcheck():
     st = stages()
     for name in ("app-torch", "app-vllm"):

@@ -89,6 +89,55 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-headless.%s:%v" (include "rlhf.componentName" (dict "root" . "component" "rollout")) (include "rlhf.svcDomain" .) .Values.ports.grpc }}
 {{- end }}
 
+{{/* The experiment config's environment section as a dict (empty with experiment.existingConfigMap: not readable) */}}
+{{- define "rlhf.configEnvironment" -}}
+{{- $env := dict }}
+{{- if not .Values.experiment.existingConfigMap }}
+{{- $cfg := include "rlhf.experimentYaml" . | fromYaml }}
+{{- $section := get $cfg "environment" }}
+{{- if kindIs "map" $section }}{{ $env = $section }}{{ end }}
+{{- end }}
+{{- toYaml $env }}
+{{- end }}
+
+{{/* "true" when the environment service is deployed: environment.enabled, or (null) the config's environment.name.
+     Fails on values that would deploy it for nothing or leave the config's episodes without a service. */}}
+{{- define "rlhf.environmentEnabled" -}}
+{{- $on := .Values.environment.enabled }}
+{{- $name := default "" (get (include "rlhf.configEnvironment" . | fromYaml) "name") }}
+{{- /* rollout.env naming a service of the user's own: the rollout would never call the chart's */}}
+{{- $own := include "rlhf.envHas" (dict "env" .Values.rollout.env "name" "RLHF_ENVIRONMENT_ADDR") }}
+{{- if kindIs "invalid" $on }}
+{{- if and $name (not $own) }}true{{ end }}
+{{- else if $on }}
+{{- if and (not $name) (not .Values.experiment.existingConfigMap) }}
+{{- fail "environment.enabled=true, but the experiment config sets no environment.name: the environment service would host nothing. Set environment.name in the config (docs/environments.md) or leave environment.enabled unset" }}
+{{- end }}
+{{- if $own }}
+{{- fail "environment.enabled=true, but rollout.env sets RLHF_ENVIRONMENT_ADDR: the rollout would never call the chart's environment service. Drop one of them" }}
+{{- end }}
+{{- print "true" }}
+{{- else if and $name (not $own) }}
+{{- fail (printf "environment.enabled=false, but the experiment config's environment.name is %s: its episodes need an environment service. Leave environment.enabled unset (or true), or give rollout.env an RLHF_ENVIRONMENT_ADDR of your own service" $name) }}
+{{- end }}
+{{- end }}
+
+{{/* environment.replicas, else the config's environment.replicas (what `rlhf up` starts), else 1 */}}
+{{- define "rlhf.environmentReplicas" -}}
+{{- $n := .Values.environment.replicas }}
+{{- if kindIs "invalid" $n }}
+{{- $n = default 1 (get (include "rlhf.configEnvironment" . | fromYaml) "replicas") }}
+{{- end }}
+{{- int $n }}
+{{- end }}
+
+{{/* "true" when a component is deployed; (dict "root" $ "component" NAME) */}}
+{{- define "rlhf.componentEnabled" -}}
+{{- if eq .component "environment" }}
+{{- include "rlhf.environmentEnabled" .root }}
+{{- else if (index .root.Values .component).enabled }}true{{ end }}
+{{- end }}
+
 {{/* ------------------------------------------------------------------ secrets */}}
 
 {{- define "rlhf.secretName" -}}
@@ -226,7 +275,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- toYaml $res }}
 {{- end }}
 
-{{/* ------------------------------------------------------------------ pod pieces shared by the four services */}}
+{{/* ------------------------------------------------------------------ pod pieces shared by the services */}}
 
 {{- define "rlhf.probe" -}}
 {{- $p := .probe }}
@@ -371,6 +420,12 @@ thread pool by the node's cores otherwise, and several pods on one node oversubs
   value: {{ include "rlhf.grpcAddr" (dict "root" $root "component" "reward") | quote }}
 - name: RLHF_REFERENCE_ADDR
   value: {{ include "rlhf.grpcAddr" (dict "root" $root "component" "reference") | quote }}
+{{- end }}
+{{- if and (eq .component "rollout") (include "rlhf.environmentEnabled" $root) }}
+{{- /* the ClusterIP Service: each replica's one gRPC connection goes to one pod (kube-proxy balances connections),
+     so an episode's calls reach the pod that holds it */}}
+- name: RLHF_ENVIRONMENT_ADDR
+  value: {{ include "rlhf.grpcAddr" (dict "root" $root "component" "environment") | quote }}
 {{- end }}
 {{- if eq .component "trainer" }}
 - name: RLHF_ROLLOUT_ADDRS
@@ -623,11 +678,15 @@ checksum/experiment: {{ include "rlhf.experimentYaml" .root | sha256sum }}
 
 {{/* ------------------------------------------------------------------ the stateless services */}}
 
-{{/* Deployment + Service + headless Service of rollout, reward or reference; (dict "root" $ "component" NAME) */}}
+{{/* Deployment of rollout, reward, reference or environment; (dict "root" $ "component" NAME) */}}
 {{- define "rlhf.deployment" -}}
 {{- $root := .root }}
 {{- $component := .component }}
 {{- $values := index $root.Values $component }}
+{{- if eq $component "environment" }}
+{{- /* torch-free text tasks: no accelerator value, the CPU image and RLHF_DEVICE=cpu */}}
+{{- $values = merge (dict "accelerator" (dict "type" "none" "count" 1)) $values }}
+{{- end }}
 {{- $ctx := dict "root" $root "component" $component "values" $values }}
 {{- $name := include "rlhf.componentName" $ctx }}
 {{- $keda := and (eq $component "rollout") $values.autoscaling.keda.enabled }}
@@ -638,7 +697,9 @@ metadata:
   labels:
     {{- include "rlhf.labels" $ctx | trim | nindent 4 }}
 spec:
-  {{- if not $keda }}
+  {{- if eq $component "environment" }}
+  replicas: {{ include "rlhf.environmentReplicas" $root }}
+  {{- else if not $keda }}
   replicas: {{ $values.replicas }}
   {{- end }}
   revisionHistoryLimit: 3
@@ -740,7 +801,7 @@ spec:
 {{- $root := .root }}
 {{- $values := index $root.Values .component }}
 {{- $ctx := dict "root" $root "component" .component "values" $values }}
-{{- if and $values.enabled $values.pdb.enabled }}
+{{- if and (include "rlhf.componentEnabled" $ctx) $values.pdb.enabled }}
 apiVersion: policy/v1
 kind: PodDisruptionBudget
 metadata:
@@ -869,5 +930,16 @@ template:
 {{- if ne $w.collectiveBackend "auto" }}
 - name: RLHF_WEIGHTS_COLLECTIVE_BACKEND
   value: {{ $w.collectiveBackend | quote }}
+{{- end }}
+{{- if eq (toString $w.delta) "auto" }}
+{{- $tr := .Values.trainer.torchrun }}
+{{- if eq $w.transport "collective" }}
+{{- fail "weightSync.delta=auto applies over tcp / grpc / auto: a collective push always goes in full (docs/weight-sync.md, Delta pushes)" }}
+{{- end }}
+{{- if gt (mul (int $tr.nnodes) (int $tr.nprocPerNode)) 1 }}
+{{- fail (printf "weightSync.delta=auto applies to a one-process trainer: a trainer group (torchrun.nnodes %d x nprocPerNode %d) streams its pushes in full" (int $tr.nnodes) (int $tr.nprocPerNode)) }}
+{{- end }}
+- name: RLHF_WEIGHTS_DELTA
+  value: auto
 {{- end }}
 {{- end }}
