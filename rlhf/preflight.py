@@ -99,6 +99,24 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
                     + f": padding with {tok.pad_token!r} (id {tok.pad_token_id}) instead"
                 )
 
+    teacher = cfg.actor_rollout_ref.ref.load
+    # tiny: models share one tokenizer by construction; others are checked here in a second, not after loading
+    both_tiny = (
+        teacher is not None and teacher.startswith("tiny:") and tok_spec is None and cfg.actor.load.startswith("tiny:")
+    )
+    if cfg.algorithm.distill.coef > 0 and teacher and not both_tiny:
+        from rlhf.distill import check_teacher_tokenizer
+
+        try:
+            check_teacher_tokenizer(tok_spec or cfg.actor.load, teacher)
+        except ValueError as err:
+            report.problems.append(str(err))
+        except Exception as err:  # noqa: BLE001 - whatever the tokenizer library raises, it is this file's problem
+            report.problems.append(
+                f"actor_rollout_ref.ref.load {teacher}: the teacher's tokenizer cannot be loaded "
+                f"({type(err).__name__}: {err})"
+            )
+
     for i, s in enumerate(cfg.reward.scorers):
         if s.type == "rule" and s.name and ":" in s.name:
             module, _, fn = s.name.partition(":")

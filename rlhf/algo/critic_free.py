@@ -390,6 +390,36 @@ def episode_completion_mask(
     return responses, mask, contains_eos
 
 
+def distill_advantages(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    coef: float = 1.0,
+    task_advantages: torch.Tensor | None = None,
+    reward_coef: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation (Thinking Machines' recipe; NeMo-RL's ``opd`` estimator): per-token advantages
+    ``A_t = coef * (log teacher(y_t) - log student(y_t)) + reward_coef * A_task``.
+
+    student_logprobs (the sampling policy's, detached), teacher_logprobs, mask: (B, L) on the student's own samples;
+    task_advantages: (B,) per sequence or (B, L) per token (the stage's estimator on the reward), or None. The
+    distillation term is the negative per-token reverse KL ``KL(student || teacher)`` estimated on the sampled token,
+    with discount 0 (each token's own gap, no reward-to-go) and no group normalisation: its scale is the KL's. Returns
+    ``(advantages, reverse_kl)``, both (B, L) and 0 outside ``mask``; ``reverse_kl = student - teacher``.
+    """
+    mask = mask.bool()
+    zero = _zero(student_logprobs).float()
+    # select before subtracting: padding may hold -inf (or anything) in either tensor
+    student = torch.where(mask, student_logprobs.detach().float(), zero)
+    reverse_kl = student - torch.where(mask, teacher_logprobs.float(), zero)
+    adv = -coef * reverse_kl
+    if task_advantages is not None and reward_coef != 0.0:
+        task = task_advantages.detach().float()
+        adv = adv + reward_coef * (task.unsqueeze(1) if task.dim() == 1 else task)
+    return torch.where(mask, adv, zero), reverse_kl
+
+
 def critic_free_advantages(
     estimator: str,
     scores: torch.Tensor,

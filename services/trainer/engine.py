@@ -69,6 +69,11 @@ class TrainerEngine:
         actor_path = resolve_model_path(cfg.actor.load)
         self.tokenizer = load_tokenizer(cfg.training.tokenizer_name_or_path or actor_path)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        if cfg.algorithm.distill.coef > 0:  # the teacher scores these token ids: refuse one that reads them otherwise
+            from rlhf.distill import check_teacher_tokenizer
+
+            student = cfg.training.tokenizer_name_or_path or cfg.actor.load
+            check_teacher_tokenizer(student, cfg.actor_rollout_ref.ref.load, self.tokenizer)
         self.actor = models.load_actor(cfg, actor_path, self.device, self.group)
         t = cfg.training
         # fused AdamW, TRL's default ("adamw_torch_fused"): 4-6x faster optimizer steps than the per-tensor loop (CPU)
@@ -631,6 +636,16 @@ class TrainerEngine:
             whiten=alg.whiten_advantages,
             gamma=alg.gamma,
         )
+        distill = alg.distill
+        if distill.coef > 0:  # the reference log-probs are the teacher's (config: kl_coef 0, ref.load the teacher)
+            advantages, reverse_kl = algo.distill_advantages(
+                old_logprobs,
+                ref,
+                mask,
+                coef=distill.coef,
+                task_advantages=advantages,
+                reward_coef=distill.reward_coef,
+            )
         behavior = self._behavior(b, old_logprobs)
         if trl_rloo:
             old_seq = algo.masked_sum(old_logprobs, mask, dim=1)
@@ -711,6 +726,8 @@ class TrainerEngine:
         metrics["objective/kl"] = algo.masked_sum(kl, mask, dim=1).mean().item()
         metrics["objective/scores"] = scores.mean().item()
         metrics["objective/advantages_mean"] = advantages.float().mean().item()
+        if distill.coef > 0:  # the estimator of KL(student || teacher) per sampled token, before this step's update
+            metrics["distill/reverse_kl"] = algo.masked_mean(reverse_kl, mask).item()
         metrics.update(mismatch)
         return metrics
 
