@@ -6,10 +6,10 @@ a model that already knows the call format. This one is taught with whole episod
 (:mod:`rlhf.environments.tokens`), with the loss on the model's turns only: a call to the calculator with the
 question's numbers, then the tool's result as the answer.
 
-The warm start is short on purpose (:data:`STEPS`): sampled at temperature 1 the policy then calls the tool in most
-episodes but gets the answer right in about a fifth (measured: 0.2 of 40 episodes, 0.75 tool calls each; 30 steps
-more and it is 0.6: the copying is learned in a narrow band of steps), so the RL run has something to learn. Built
-once per cache, under the same lock and stamp scheme as :func:`rlhf.tiny.build_tiny`.
+The warm start is short on purpose (:data:`STEPS`): the copying of numbers is learned in a narrow band of steps
+(measured with greedy and temperature-1 episodes: about 0.2 right at 330 steps, 0.6 at 360, 1.0 at 900), and at 375
+the demo's first steps call the tool in about 0.7 of the episodes, with few right answers, so the RL run has
+something to learn. Built once per cache, under the same lock and stamp scheme as :func:`rlhf.tiny.build_tiny`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from rlhf.tiny import CHAT_TEMPLATE, TinySpec, build_tiny
 
 SYSTEM = "Use the calculator: <tool_call>{json}</tool_call>, then answer."
-STEPS = 330
+STEPS = 375
 BATCH = 16
 LR = 3e-3
 SEED = 1

@@ -132,7 +132,9 @@ class Calculator(Environment):
     """An arithmetic question with a calculator tool; see the module docstring. Options: ``max_expression_chars``,
     ``parser`` (the tool-call format, ``hermes``), ``system`` (the instructions given before the prompt),
     ``list_tools`` (give the tool's JSON schema for the chat template to render; off, the system text alone says how
-    to call it: a tiny model learns from a prompt of 60 tokens rather than 280)."""
+    to call it: a tiny model learns from a prompt of 60 tokens rather than 280), ``tool_reward`` (the reward of the
+    first turn whose tool calls all ran without an error: a format reward, as tool-use RL recipes add to the answer's;
+    0 by default)."""
 
     def __init__(
         self,
@@ -140,11 +142,14 @@ class Calculator(Environment):
         parser: str = "hermes",
         system: str = CALCULATOR_SYSTEM,
         list_tools: bool = True,
+        tool_reward: float = 0.0,
     ):
         self.max_chars = int(max_expression_chars)
         self.parser = check_parser(parser)
         self.system = system
         self.list_tools = bool(list_tools)
+        self.tool_reward = float(tool_reward)
+        self._tool_rewarded = False
         self.label: str | None = None
 
     def reset(self, prompt: list[Message], label: str | None, info: dict[str, str], seed: int | None) -> Opening:
@@ -192,7 +197,14 @@ class Calculator(Environment):
             errors += failed
             name = call["function"]["name"]
             messages.append({"role": "tool", "tool_call_id": call["id"], "name": name, "content": result})
-        return Outcome(messages=messages, metrics={"tool_calls": float(len(calls)), "tool_errors": float(errors)})
+        reward = 0.0
+        if not errors and not self._tool_rewarded:  # once per episode: calling the tool again earns nothing
+            reward, self._tool_rewarded = self.tool_reward, True
+        return Outcome(
+            messages=messages,
+            reward=reward,
+            metrics={"tool_calls": float(len(calls)), "tool_errors": float(errors)},
+        )
 
 
 register("builtin:calculator", Calculator)

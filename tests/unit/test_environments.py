@@ -108,6 +108,12 @@ def test_calculator_episode_on_the_arithmetic_data():
         [{"role": "user", "content": row["prompt"]}], row["label"], {}, None
     )
     assert short.tools == [] and short.messages[0] == {"role": "system", "content": "Use the calculator."}
+    shaped = Calculator(tool_reward=0.25)
+    shaped.reset([{"role": "user", "content": row["prompt"]}], row["label"], {}, None)
+    assert shaped.step(call("1/0")).reward == 0.0  # a tool error earns nothing
+    assert shaped.step(call(f"{a} + {b}")).reward == 0.25
+    assert shaped.step(call(f"{a} + {b}")).reward == 0.0  # once per episode
+    assert shaped.step(str(a + b)).reward == 1.0
 
 
 def test_calculator_needs_a_label_and_a_known_parser():
