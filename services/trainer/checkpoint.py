@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhf.checkpoints import MANIFEST, incomplete_reason, latest_checkpoint  # the readers, shared with rollout
+from services.trainer.models import NO_LOAD_OPTIM_IN_GROUP
 
 __all__ = ["MANIFEST", "incomplete_reason", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -202,7 +203,7 @@ def restore(path: Path, engine) -> None:
                 _restore_optimizer("critic", engine.critic_opt, tensors, state["optimizers"]["critic"])
     else:
         if t.no_load_optim:
-            raise ValueError("training.no_load_optim: not built for a multi-process trainer's checkpoint")
+            raise ValueError(NO_LOAD_OPTIM_IN_GROUP)
         _load_full_weights(engine.actor, path / "policy")
         if (path / "sharded").is_dir():
             _read_sharded(path / "sharded", engine)

@@ -15,21 +15,39 @@ from rlhf import distributed as dist
 from rlhf.config import ExperimentConfig
 from rlhf.models import load_causal_lm, load_sequence_classifier, resolve_model_path
 
+# Options built for one trainer process, each with why a torchrun group (FSDP2 shards on every rank) refuses it.
+ONE_PROCESS_ONLY = {
+    "actor_rollout.lora_r": "the push merges the adapters into the whole base weights held by one process "
+    "(rlhf.lora); a sharded merge, push and adapter checkpoint are not built",
+    "algorithm.kl_penalty: full": "it keeps an unsharded reference model beside the policy, which every rank would "
+    "hold whole; use k1 / k3 (the reference service's log-probs)",
+    "actor_rollout.ptx_coef": "PPO-ptx's pretraining texts are read by one cursor, not split across ranks: every rank "
+    "would train on the same texts",
+    "critic.save": "it writes the critic as a Hugging Face folder from the process that holds it whole; in a group the "
+    "critic is sharded (its shards are in the group's checkpoints)",
+}
+# Refused when a group resumes (it only matters then: seed configs set it for their first start too)
+NO_LOAD_OPTIM_IN_GROUP = (
+    "training.no_load_optim: a trainer group restores the optimizers' shards with the weights' from its sharded "
+    "checkpoint; starting the moments afresh there is not built (resume with one process, or set it false)"
+)
+
 
 def refuse_in_group(cfg: ExperimentConfig) -> None:
-    """Options built for one trainer process only: refused in a torchrun group rather than silently wrong (each
-    would run the same extra pass on every rank, or hold an unsharded model beside the sharded ones)."""
-    one_process = {
-        "actor_rollout.lora_r": cfg.actor.lora_r,
+    """Options built for one trainer process only: refused in a torchrun group rather than silently wrong, each with
+    its reason (:data:`ONE_PROCESS_ONLY`)."""
+    used = {
+        "actor_rollout.lora_r": bool(cfg.actor.lora_r),
         "algorithm.kl_penalty: full": cfg.algorithm.kl_penalty == "full",
         "actor_rollout.ptx_coef": cfg.actor.ptx_coef > 0,
         "critic.save": cfg.critic.save is not None,
     }
-    used = [k for k, v in one_process.items() if v]
-    if used:
+    why = [f"{key}: {ONE_PROCESS_ONLY[key]}" for key, on in used.items() if on]
+    if why:
         raise ValueError(
-            f"{', '.join(used)}: built for a one-process trainer; run without torchrun (or "
-            "--trainer-procs 1), or turn these off"
+            "built for a one-process trainer, not a torchrun group: "
+            + "; ".join(why)
+            + ". Run without torchrun (--trainer-procs 1), or turn these off"
         )
 
 
