@@ -31,6 +31,7 @@ from rlhf.config_rules import (
     mindspeed_default_notes,
     not_built_message,
     optimization_problems,
+    rejection_sampling_problems,
     stage_notes,
 )
 from rlhf.config_sections import (
@@ -168,6 +169,7 @@ class ExperimentConfig(Section):
         problems += eval_problems(self)
         problems += environment_problems(self)
         problems += distill_problems(self)
+        problems += rejection_sampling_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         check_algorithm(self.training.stage, self.algorithm)

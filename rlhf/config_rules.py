@@ -143,6 +143,20 @@ def optimization_problems(cfg: Config) -> list[str]:
     return problems
 
 
+def rejection_sampling_problems(cfg: Config) -> list[str]:
+    """Best of K needs K >= 2 samples per prompt (online DPO always has two)."""
+    rs = cfg.algorithm.rejection_sampling
+    if not rs.interval:
+        set_ = sorted(rs.model_fields_set - {"interval"})
+        return [f"algorithm.rejection_sampling.{k} is read only with rejection_sampling.interval > 0" for k in set_]
+    if cfg.training.stage != "ray_online_dpo" and cfg.actor.n_samples_per_prompt < 2:
+        return [
+            "algorithm.rejection_sampling.interval > 0 keeps the best of each prompt's samples, but "
+            "actor_rollout.n_samples_per_prompt is 1: set it to K >= 2"
+        ]
+    return []
+
+
 def distill_problems(cfg: Config) -> list[str]:
     """On-policy distillation (``algorithm.distill``): the reference model is the teacher, so it must be named, the KL
     penalty to it is off, and the loss must take per-token advantages. What to change, one line each."""

@@ -417,6 +417,18 @@ class DistillConfig(Section):
     )
 
 
+class RejectionSamplingConfig(Section):
+    interval: int = _f(
+        0,
+        "rejection-sampling fine-tuning (seed 002, Llama 2's): every interval-th step (the first included) trains by "
+        "SFT on the best-scored sample of each prompt's group instead of the stage's RL update; 2 alternates them; "
+        "0: off",
+        ge=0,
+    )
+    min_score: float | None = _f(None, "keep a prompt's best sample only when its score is at least this")
+    epochs: int = _f(1, "passes of SFT over the kept samples in one rejection-sampling step", gt=0)
+
+
 class AlgorithmConfig(Section):
     adv_estimator: Literal[
         "gae", "grpo", "group_norm", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "dr_grpo"
@@ -491,6 +503,9 @@ class AlgorithmConfig(Section):
     )
     distill: DistillConfig = _f(
         DistillConfig(), "on-policy distillation from the reference model as teacher (critic-free stages)"
+    )
+    rejection_sampling: RejectionSamplingConfig = _f(
+        RejectionSamplingConfig(), "best of K by reward, then SFT on it, alternating with the RL update"
     )
     dpo_beta: float = _f(0.1, "online DPO beta", gt=0)
     dpo_loss_type: Literal["sigmoid", "ipo"] = _f("sigmoid", "online DPO loss")

@@ -50,7 +50,7 @@ from rlhf.algo.ppo import (
 )
 from rlhf.algo.reward_norm import FixedMoments, RunningMoments, normalize_and_clip
 from rlhf.algo.schedule import lr_at
-from rlhf.algo.sft import sft_loss
+from rlhf.algo.sft import best_of_group, sft_loss
 from rlhf.algo.shaping import REWARD_BASELINES, penalize_missing_eos, subtract_reward_baseline
 
 __all__ = [
@@ -63,6 +63,7 @@ __all__ = [
     "lr_at",
     "normalize_and_clip",
     "sft_loss",
+    "best_of_group",
     "GROUP_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_TYPES",

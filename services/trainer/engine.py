@@ -339,7 +339,10 @@ class TrainerEngine:
         self._lr = optim.set_lr(self.actor_opt, self.actor_optim, self.state.step, total)
         if self.critic_opt is not None:
             optim.set_lr(self.critic_opt, self.critic_optim, self.state.step, total)
-        if self.stage == "ray_ppo":
+        rs = self.cfg.algorithm.rejection_sampling
+        if rs.interval and self.state.step % rs.interval == 0:
+            metrics = self._rejection_sampling(batch)
+        elif self.stage == "ray_ppo":
             metrics = self._ppo(batch)
         elif self.stage == "ray_online_dpo":
             metrics = self._online_dpo(batch)
@@ -729,6 +732,37 @@ class TrainerEngine:
         if distill.coef > 0:  # the estimator of KL(student || teacher) per sampled token, before this step's update
             metrics["distill/reverse_kl"] = algo.masked_mean(reverse_kl, mask).item()
         metrics.update(mismatch)
+        return metrics
+
+    def _rejection_sampling(self, b: RolloutBatch) -> dict[str, float]:
+        """Rejection-sampling fine-tuning (seed 002; Llama 2 alternates it with PPO): the best-scored sample of each
+        prompt's group (``min_score``: if good enough), trained on by SFT: the mean negative log-likelihood of its
+        response tokens (an episode's own tokens), at temperature 1, in the actor's minibatches and micro-batches."""
+        a, rs, C = self.cfg.actor, self.cfg.algorithm.rejection_sampling, b.context_length
+        if _has_episodes(b):
+            responses, mask, _ = algo.episode_completion_mask(
+                b.responses, b.loss_mask, b.episodes, b.episode_done, self.eos_id, self.pad_id
+            )
+        else:
+            responses, mask, _ = algo.completion_mask(b.responses, self.eos_id, self.pad_id)
+        keep = algo.best_of_group(b.scores, b.group, rs.min_score)
+        metrics = {"rft/kept": float(len(keep)), "rft/groups": float(len(torch.unique(b.group)))}
+        if not len(keep):
+            log.info("step %d: rejection sampling kept no sample (min_score %s)", self.state.step + 1, rs.min_score)
+            return metrics
+        metrics["rft/kept_score_mean"] = b.scores[keep].mean().item()
+        stats: dict[str, list[float]] = {}
+
+        def micro_loss(mu: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+            rows, whole = keep[mu], keep[mb]
+            logprobs, _ = self._actor_rows(b.query_responses[rows], responses[rows], C, temperature=1.0)
+            loss = -algo.masked_mean(logprobs, mask[rows])
+            _append(stats, {"loss/sft": loss.item()})
+            return optim.micro_weight("tokens", mask[rows], mask[whole]) * loss
+
+        epochs = (self._minibatches(len(keep), a.ppo_mini_batch_size, a.shuffle_minibatch) for _ in range(rs.epochs))
+        self._actor_epochs(epochs, a.micro_batch_size, micro_loss, stats)
+        metrics.update({k: sum(v) / len(v) for k, v in stats.items()})
         return metrics
 
     def _online_dpo(self, b: RolloutBatch) -> dict[str, float]:

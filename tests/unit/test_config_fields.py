@@ -51,6 +51,7 @@ LORA = "tests/trainer/test_lora.py::"
 ENV_SVC = "tests/integration/test_environment_service.py::"
 ENV_UNIT = "tests/unit/test_environments.py::"
 EPISODES = "tests/integration/test_episodes.py::"
+RS = "tests/trainer/test_rejection_sampling.py::"
 EPISODE_RUN = EPISODES + "test_an_episode_is_every_turn_as_generated"
 
 FIELD_TESTS: dict[str, list[str] | str] = {
@@ -400,6 +401,11 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         ENV_SVC + "test_a_killed_service_loses_its_episodes",
         ENV_UNIT + "test_the_environment_config_section",
     ],
+    "algorithm.rejection_sampling.interval": [
+        RS + "test_rejection_sampling_steps_alternate_and_raise_the_best_answers_likelihood"
+    ],
+    "algorithm.rejection_sampling.min_score": [RS + "test_min_score_can_keep_nothing_and_then_nothing_moves"],
+    "algorithm.rejection_sampling.epochs": [RS + "test_more_epochs_fit_the_kept_answers_more"],
     "environment.max_turns": [EPISODES + "test_the_environment_section_makes_jobs_episodes", EPISODE_RUN],
     "environment.max_tokens": [EPISODES + "test_the_environment_section_makes_jobs_episodes", EPISODE_RUN],
     "environment.options": [ENV_SVC + "test_a_killed_service_loses_its_episodes"],
