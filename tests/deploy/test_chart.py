@@ -124,7 +124,9 @@ def _torchrun_args(container: dict):
 
 
 def test_multi_node_trainer_renders_two_nodes_by_two_processes(helm):
-    """2 nodes x 2 GPUs: one pod per node, torchrun's own parser reads a c10d rendezvous on pod 0's stable name."""
+    """2 nodes x 2 GPUs: one pod per node, torchrun's own parser reads a static rendezvous on pod 0's stable name with
+    each pod's node rank its completion index, so global rank 0 (the one that serves) is on pod 0, the only pod the
+    trainer Service selects."""
     r = render(
         helm,
         "-f",
@@ -142,8 +144,16 @@ def test_multi_node_trainer_renders_two_nodes_by_two_processes(helm):
     headless = workload["spec"]["template"]["spec"]["subdomain"]
     (c,) = containers(workload)
     tr = _torchrun_args(c)
-    assert (tr.nnodes, tr.nproc_per_node, tr.rdzv_backend, tr.standalone) == ("2", "2", "c10d", False)
-    assert tr.rdzv_endpoint.startswith(f"{name}-0.{headless}.") and tr.rdzv_endpoint.endswith(":29500")
+    assert (tr.nnodes, tr.nproc_per_node, tr.rdzv_backend, tr.standalone) == ("2", "2", "static", False)
+    assert tr.master_addr.startswith(f"{name}-0.{headless}.") and tr.master_port == 29500
+    rank = next(e for e in c["env"] if e["name"] == "PET_NODE_RANK")  # torchrun's --node-rank from the environment
+    assert (
+        rank["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    )
+    service = next(s for s in r.kind("Service") if s["metadata"]["name"] == name)
+    assert service["spec"]["selector"]["batch.kubernetes.io/job-completion-index"] == "0"
+    headless_svc = next(s for s in r.kind("Service") if s["metadata"]["name"] == headless)
+    assert "batch.kubernetes.io/job-completion-index" not in headless_svc["spec"]["selector"]  # every pod's DNS name
     assert parse_container_command(c["args"]).service == "trainer"
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert {"NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING"} <= set(env_of(c))

@@ -784,6 +784,9 @@ spec:
   type: {{ $values.service.type }}
   selector:
     {{- include "rlhf.selectorLabels" $ctx | trim | nindent 4 }}
+    {{- with .extraSelector }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   ports:
     - name: grpc
       port: {{ $root.Values.ports.grpc }}
@@ -862,10 +865,13 @@ template:
           {{- if eq (int $tr.nnodes) 1 }}
           - --standalone
           {{- else }}
-          {{- /* pod 0's stable name: <job>-0 (indexed Job), under the headless Service */}}
-          - --rdzv-backend=c10d
-          - --rdzv-endpoint={{ $name }}-0.{{ $name }}-headless.{{ include "rlhf.svcDomain" $root }}:{{ $tr.rdzvPort }}
-          - --rdzv-id={{ $root.Release.Name }}-{{ include "rlhf.runId" $root }}
+          {{- /* static rendezvous on pod 0's stable name (<job>-0, indexed Job, under the headless Service), each
+               pod's node rank its completion index (PET_NODE_RANK below): global rank 0, the one rank that serves,
+               is then on pod 0, which the trainer Service selects. c10d would rank the nodes by address, and ignores
+               --node-rank (torchrun honours it for static only). */}}
+          - --rdzv-backend=static
+          - --master-addr={{ $name }}-0.{{ $name }}-headless.{{ include "rlhf.svcDomain" $root }}
+          - --master-port={{ $tr.rdzvPort }}
           {{- end }}
           - -m
           - services.cli
@@ -889,6 +895,12 @@ template:
             protocol: TCP
         env:
           {{- include "rlhf.env" $ctx | trim | nindent 10 }}
+          {{- if gt (int $tr.nnodes) 1 }}
+          - name: PET_NODE_RANK  # torchrun's --node-rank, read from the environment: the pod's completion index
+            valueFrom:
+              fieldRef:
+                fieldPath: metadata.annotations['batch.kubernetes.io/job-completion-index']
+          {{- end }}
         {{- if eq (int $tr.nnodes) 1 }}
         {{- include "rlhf.probes" $ctx | trim | nindent 8 }}
         {{- end }}
