@@ -50,7 +50,7 @@ EVAL_RING = "tests/e2e/test_algorithms.py::test_evaluates_held_out_prompts_besid
 LORA = "tests/trainer/test_lora.py::"
 ENV_SVC = "tests/integration/test_environment_service.py::"
 ENV_UNIT = "tests/unit/test_environments.py::"
-EPISODES = "tests/integration/test_episodes.py::"
+EPISODES = "tests/integration/test_rollout_episodes.py::"
 RS = "tests/trainer/test_rejection_sampling.py::"
 EPISODE_RUN = EPISODES + "test_an_episode_is_every_turn_as_generated"
 
