@@ -23,7 +23,7 @@ from services.reward.scorers import Item
 class _Handler(JSONHandler):
     """``POST /{mode}/v1/chat/completions``; the reply is the user message (so a ``{response}`` template makes the
     item's response the judge's verdict). Modes: echo, fail (500), reject (400), flaky (503 once), slow (1.5 s),
-    conc (0.2 s, counting requests in flight), empty (no choices)."""
+    conc (held until 3 are in flight, counting them), empty (no choices)."""
 
     def do_POST(self):  # noqa: N802
         srv = self.server
@@ -37,8 +37,14 @@ class _Handler(JSONHandler):
             srv.in_flight += 1
             srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
         try:
-            if mode == "conc":
-                time.sleep(0.2)
+            if mode == "conc":  # held until 3 are in flight (or 2 s): a loaded machine cannot miss the overlap
+                deadline = time.monotonic() + 2.0
+                while time.monotonic() < deadline:
+                    with srv.lock:
+                        if srv.in_flight >= 3:
+                            break
+                    time.sleep(0.01)
+                time.sleep(0.05)
             if mode == "slow":
                 time.sleep(1.5)
             if mode == "fail":
@@ -199,9 +205,10 @@ def test_unreachable():
 
 
 def test_concurrency_bound(fresh):
-    out = _outcomes(fresh, ["yes"] * 9, mode="conc", concurrency=3)
+    items = [Item("p", "yes") for _ in range(9)]
+    out = _score([_judge(fresh, mode="conc", scorer={"timeout_s": 10.0}, concurrency=3)], items)
     assert [o.score for o in out] == [1.0] * 9
-    assert fresh.max_in_flight == 3  # 9 requests of 0.2 s each: the bound is reached and never passed
+    assert fresh.max_in_flight == 3  # each request waits for 3 in flight: the bound is reached and never passed
 
 
 def test_label_needed_by_the_template_and_text_prompts(fresh):
