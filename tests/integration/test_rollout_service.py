@@ -240,7 +240,7 @@ BAD_REST = [
     ("/v1/completions", {"prompt": ["hi", ""]}, 400, "prompt[1]"),
     ("/v1/completions", {"prompt": [5] * 600}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 422, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 422, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "8"}, 422, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "n": "two"}, 422, "n"),
