@@ -520,12 +520,7 @@ class RolloutWorker:
         ref_req = reference_pb2.LogProbsRequest(
             items=[reference_pb2.LogProbsItem(prompt_ids=prompt_ids, response_ids=s.token_ids) for s in samples]
         )
-        # the temperature the sampling log-probs are at (greedy ones are at 1.0), so the two line up; online DPO's
-        # reference log-probs are at 1.0 whatever the sampling temperature (TRL), as the trainer's are
-        if self.ref_temperature is not None:
-            ref_req.temperature = self.ref_temperature
-        else:
-            ref_req.temperature = 1.0 if opts.greedy else opts.temperature
+        ref_req.temperature = self._ref_temperature_for(opts)
         scores, refs = await asyncio.gather(
             self._call("reward", self._reward.Score, score_req),
             self._call("reference", self._ref.LogProbs, ref_req),
@@ -572,6 +567,13 @@ class RolloutWorker:
             if sc.status != common_pb2.ITEM_STATUS_OK and self.metrics is not None:
                 self.metrics.count_error("rollout_score_item_not_ok")
         return exp
+
+    def _ref_temperature_for(self, opts: SamplingOptions) -> float:
+        """The temperature the sampling log-probs are at (greedy ones are at 1.0), so the two line up; online DPO's
+        reference log-probs are at 1.0 whatever the sampling temperature (TRL), as the trainer's are."""
+        if self.ref_temperature is not None:
+            return self.ref_temperature
+        return 1.0 if opts.greedy else opts.temperature
 
     async def process_episodes(self, job: experience_pb2.PromptJob, environment: str) -> experience_pb2.Experience:
         """A multi-turn job: ``n`` episodes against the environment service (:mod:`services.rollout.episodes`),
@@ -629,9 +631,7 @@ class RolloutWorker:
         if ok:
             ref_req = reference_pb2.LogProbsRequest(
                 items=[reference_pb2.LogProbsItem(prompt_ids=r.prompt_ids, response_ids=r.response_ids) for r in ok],
-                temperature=self.ref_temperature
-                if self.ref_temperature is not None
-                else (1.0 if opts.greedy else opts.temperature),
+                temperature=self._ref_temperature_for(opts),
             )
             refs = list((await self._call("reference", self._ref.LogProbs, ref_req)).results)
             if len(refs) != len(ok) or any(
