@@ -12,9 +12,9 @@ import ast
 import json
 import math
 import operator
-import re
 from typing import Any
 
+from rlhf.answers import answers_match, extract_answer, normalize
 from rlhf.environments.base import Environment, EnvironmentFailure, Message, Opening, Outcome
 from rlhf.environments.registry import register
 from rlhf.tool_calls import check_parser, parse_tool_calls
@@ -84,29 +84,12 @@ def format_number(x: int | float) -> str:
     return str(x)
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
-
-
-def final_number(text: str) -> float | None:
-    """The answer in a final turn: the last ``\\boxed{...}`` if any, else the last number (as the reward service's
-    ``math_answer`` rule reads it; ``rlhf`` cannot import a service)."""
-    boxed = text.rfind("\\boxed{")
-    if boxed >= 0:
-        text = text[boxed + len("\\boxed{") :].split("}", 1)[0]
-    nums = _NUMBER.findall(text)
-    if not nums:
-        return None
-    try:
-        return float(nums[-1].replace(",", ""))
-    except ValueError:
-        return None
-
-
 def answer_matches(text: str, label: str, tolerance: float = 1e-6) -> bool:
-    got, want = final_number(text), final_number(label)
-    if got is None or want is None:
-        return got is None and want is None and text.strip().lower() == label.strip().lower()
-    return math.isclose(got, want, rel_tol=tolerance, abs_tol=tolerance)
+    """The final turn's answer against the label, read as the reward service's ``math_answer`` reads it
+    (:mod:`rlhf.answers`); a text without a number or ``\\boxed{}`` matches only the label's own text."""
+    if extract_answer(text) is None:
+        return normalize(text) == normalize(label)
+    return answers_match(text, label, tolerance)
 
 
 CALCULATOR_TOOL = {

@@ -10,12 +10,13 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-import math
 import os
 import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from rlhf.answers import answers_match, boxed, normalize
 
 RuleFn = Callable[..., float]
 
@@ -43,62 +44,6 @@ class RuleSample:
         return self.count_tokens(self.response)
 
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
-
-
-def _boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (balanced braces)."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i, depth = start + len("\\boxed{"), 1
-    out = []
-    while i < len(text):
-        ch = text[i]
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return "".join(out).strip()
-        out.append(ch)
-        i += 1
-    return None
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a response: the last ``\\boxed{}``, else the last number, else None."""
-    boxed = _boxed(text)
-    if boxed is not None:
-        return boxed
-    nums = _NUMBER.findall(text)
-    return nums[-1] if nums else None
-
-
-def _as_number(text: str | None) -> float | None:
-    """``"1,234"`` -> 1234.0; ``"3/4"`` and ``"\\frac{3}{4}"`` -> 0.75; anything else that is not one number -> None."""
-    if text is None:
-        return None
-    t = text.strip().replace(",", "").replace("$", "").rstrip(".").strip()
-    try:
-        return float(t)
-    except ValueError:
-        pass
-    m = re.fullmatch(r"\\d?frac\{(-?\d+(?:\.\d+)?)\}\{(-?\d+(?:\.\d+)?)\}", t) or re.fullmatch(
-        r"(-?\d+(?:\.\d+)?)\s*/\s*(-?\d+(?:\.\d+)?)", t
-    )
-    if m:
-        try:
-            return float(m.group(1)) / float(m.group(2))
-        except ZeroDivisionError:
-            return None
-    return None
-
-
-def _normalize(text: str) -> str:
-    return " ".join(text.strip().lower().split()).rstrip(".")
-
-
 def _need_label(label: str | None, rule: str) -> str:
     if label is None or label == "":
         raise RuleInputError(f"label is missing: rule {rule!r} needs the reference answer in the item's label")
@@ -107,21 +52,13 @@ def _need_label(label: str | None, rule: str) -> str:
 
 def math_answer(prompt: str, response: str, label: str | None, *, tolerance: float = 1e-6) -> float:
     """1.0 when the response's final answer (last ``\\boxed{}`` or last number) equals the label's, else 0.0."""
-    label = _need_label(label, "math_answer")
-    got = extract_answer(response)
-    if got is None:
-        return 0.0
-    want = extract_answer(label) or label
-    a, b = _as_number(got), _as_number(want)
-    if a is not None and b is not None:
-        return 1.0 if math.isclose(a, b, rel_tol=tolerance, abs_tol=tolerance) else 0.0
-    return 1.0 if _normalize(got) == _normalize(want) else 0.0
+    return 1.0 if answers_match(response, _need_label(label, "math_answer"), tolerance) else 0.0
 
 
 def exact_match(prompt: str, response: str, label: str | None, *, extract: bool = True) -> float:
     """1.0 when the response (its extracted final answer, with ``extract``) matches the label after normalisation."""
     label = _need_label(label, "exact_match")
-    if _normalize(response) == _normalize(label):
+    if normalize(response) == normalize(label):
         return 1.0
     if extract:
         return math_answer(prompt, response, label)
@@ -224,7 +161,7 @@ def format_check(prompt: str, response: str, label: str | None, *, kind: str = "
     number), ``think`` (``<think>...</think>`` then an answer) or ``json`` (a JSON value), else 0.0."""
     text = response.strip()
     if kind == "boxed":
-        return 1.0 if _boxed(text) is not None else 0.0
+        return 1.0 if boxed(text) is not None else 0.0
     if kind == "number":
         return 1.0 if re.search(r"-?\d+(?:\.\d+)?\s*\.?$", text) else 0.0
     if kind == "think":
@@ -313,7 +250,7 @@ def reasoning_gym(prompt: str, response: str, label: str | None, *, extract: str
         found = _ANSWER_TAG.findall(response)
         answer = found[-1].strip() if found else None
     elif extract == "boxed":
-        answer = _boxed(response)
+        answer = boxed(response)
     else:
         answer = response.strip()
     if answer is None:
