@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf.procs import Child, LocalRedis, free_port
+from rlhf.procs import Child, LocalRedis, free_port, free_ports
 
 
 def _cli(port: int, *args: str, timeout: float = 5.0) -> str:
@@ -49,14 +49,18 @@ class LocalSentinelGroup:
         self.down_after_ms = down_after_ms
         self.query = query
         fast_sync = ["--repl-diskless-sync-delay", "0"]  # a replica syncs at once, not after Redis's 5 s default
-        master = LocalRedis(self.directory / "redis-0", extra_args=fast_sync)
+        # One draw for every port: ports drawn one at a time can repeat, and a sentinel on a data server's port dies.
+        ports = free_ports(1 + replicas + sentinels)
+        master = LocalRedis(self.directory / "redis-0", ports[0], extra_args=fast_sync)
         self.servers = [master] + [
             LocalRedis(
-                self.directory / f"redis-{i + 1}", extra_args=[*fast_sync, "--replicaof", "127.0.0.1", str(master.port)]
+                self.directory / f"redis-{i + 1}",
+                ports[1 + i],
+                extra_args=[*fast_sync, "--replicaof", "127.0.0.1", str(master.port)],
             )
             for i in range(replicas)
         ]
-        self.sentinel_ports = [free_port() for _ in range(sentinels)]
+        self.sentinel_ports = ports[1 + replicas :]
         self.sentinel_procs: list[Child | None] = [None] * sentinels
 
     @property
@@ -79,27 +83,44 @@ class LocalSentinelGroup:
             )
         return conf
 
-    def start(self, timeout: float = 30.0) -> LocalSentinelGroup:
+    def _start_sentinel(self, i: int) -> None:
+        exe = shutil.which("redis-server")
+        log = self.directory / f"sentinel-{i}" / "sentinel.log"
+        self.sentinel_procs[i] = Child(f"sentinel-{i}", [exe, str(self._sentinel_conf(i)), "--sentinel"], log).start()
+
+    def start(self, timeout: float = 60.0) -> LocalSentinelGroup:
         for s in self.servers:
             s.start()
-        exe = shutil.which("redis-server")
         for i in range(len(self.sentinel_ports)):
-            self.sentinel_procs[i] = Child(f"sentinel-{i}", [exe, str(self._sentinel_conf(i)), "--sentinel"]).start()
+            self._start_sentinel(i)
         # Ready when the replicas are in sync and every sentinel knows them and its peers: only then can a failover be
-        # agreed on.
+        # agreed on. Sentinels learn replicas from the master's INFO (every 10 s) and peers from hello messages (2 s).
         deadline = time.monotonic() + timeout
         want_peers, want_replicas = len(self.sentinel_ports) - 1, len(self.servers) - 1
+        seen: dict[str, object] = {}
         while time.monotonic() < deadline:
-            ok = _cli(self.servers[0].port, "INFO", "replication").count("state=online") >= want_replicas
+            for i, proc in enumerate(self.sentinel_procs):
+                if proc is not None and not proc.running:  # lost its port to another process between draw and bind
+                    self.sentinel_ports[i] = free_port()
+                    (self.directory / f"sentinel-{i}" / "sentinel.conf").unlink(missing_ok=True)
+                    self._start_sentinel(i)
+            online = _cli(self.servers[0].port, "INFO", "replication").count("state=online")
+            seen = {"replicas online at the master": f"{online}/{want_replicas}"}
+            ok = online >= want_replicas
             for port in self.sentinel_ports:
                 peers = _cli(port, "SENTINEL", "SENTINELS", self.service).count("runid")
                 replicas = _cli(port, "SENTINEL", "REPLICAS", self.service).count("master-link-status")
+                seen[f"sentinel :{port} peers, replicas"] = f"{peers}/{want_peers}, {replicas}/{want_replicas}"
                 ok = ok and peers >= want_peers and replicas >= want_replicas
             if ok:
                 return self
             time.sleep(0.2)
+        logs = "\n".join(p.log_tail(15) for p in self.sentinel_procs if p is not None)
         self.stop()
-        raise RuntimeError("the sentinels did not discover the replicas and each other in time")
+        raise RuntimeError(
+            f"the sentinels did not discover the replicas and each other in {timeout:.0f} s: {seen}\n"
+            f"sentinel logs:\n{logs}"
+        )
 
     def master_port(self) -> int | None:
         """The port of the current master, as the first sentinel that answers says."""
