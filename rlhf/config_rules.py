@@ -20,6 +20,7 @@ _STAGE_ESTIMATORS = {
     "ray_rloo": ("gae", "rloo"),
     "ray_reinforce_plus_plus": ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
 }
+VLLM_MAX_LORA_RANK = 512  # the largest of vLLM's LoRAConfig.max_lora_rank choices
 CRITIC_FREE = ("ray_grpo", "ray_rloo", "ray_reinforce_plus_plus")
 # the critic-free fields -> the stages that read them: one set for another stage is an error, never ignored.
 # (The older fields, e.g. dpo_beta or lam, are not checked: shared configs set them for every stage.)
@@ -101,8 +102,20 @@ def optimization_problems(cfg: Config) -> list[str]:
             "actor_rollout.lora_dropout must be 0: dropout makes the new and old log-probs of the same tokens differ, "
             "which the ratio and KL terms read as policy change (TRL's PPO disables it as well)"
         )
-    if a.lora_r == 0 and {"lora_alpha", "lora_target_modules"} & a.model_fields_set:
-        problems.append("actor_rollout.lora_alpha / lora_target_modules are read only with lora_r > 0; set lora_r")
+    if a.lora_r == 0 and {"lora_alpha", "lora_target_modules", "lora_sync"} & a.model_fields_set:
+        problems.append(
+            "actor_rollout.lora_alpha / lora_target_modules / lora_sync are read only with lora_r > 0; set lora_r"
+        )
+    if a.lora_r and a.lora_sync == "adapter" and a.engine != "vllm":
+        problems.append(
+            "actor_rollout.lora_sync adapter needs the vllm engine (vLLM serves LoRA adapters; the hf engine takes "
+            "the merged weights): set lora_sync merged or auto"
+        )
+    if a.lora_r > VLLM_MAX_LORA_RANK and a.engine == "vllm" and a.lora_sync != "merged":
+        problems.append(
+            f"actor_rollout.lora_r {a.lora_r}: vLLM serves adapters of rank at most {VLLM_MAX_LORA_RANK}; "
+            "lower lora_r or set lora_sync merged"
+        )
     if a.ptx_coef > 0 and cfg.data.pretrain_data is None:
         problems.append("actor_rollout.ptx_coef > 0 needs data.pretrain_data (the SFT texts)")
     if a.ptx_coef == 0 and cfg.data.pretrain_data is not None:

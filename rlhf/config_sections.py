@@ -152,9 +152,7 @@ class ActorRolloutConfig(Section):
     )
     lr: float | None = _f(None, "actor learning rate (overrides training.lr)")
     # LoRA (seed 001's peft LoraConfig: r, lora_alpha, lora_dropout, target_modules)
-    lora_r: int = _f(
-        0, "LoRA rank of the actor's adapters (0: full fine-tuning); rollout gets the merged weights", ge=0
-    )
+    lora_r: int = _f(0, "LoRA rank of the actor's adapters (0: full fine-tuning); see lora_sync", ge=0)
     lora_alpha: float = _f(16.0, "LoRA alpha: the adapter's update is scaled by alpha / r", gt=0)
     lora_dropout: float = _f(
         0.0, "LoRA dropout; only 0: the policy-gradient losses compare two forward passes (TRL disables it too)", ge=0
@@ -162,6 +160,12 @@ class ActorRolloutConfig(Section):
     lora_target_modules: list[str] = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "names of the actor's linear modules that get adapters",
+    )
+    lora_sync: Literal["auto", "adapter", "merged"] = _f(
+        "auto",
+        "what a LoRA actor's push sends: adapter = the adapter tensors only, served by vLLM as a versioned LoRA "
+        "adapter; merged = the whole model with the adapters merged in; auto = adapter with the vllm engine, merged "
+        "with hf",
     )
     # per-role optimizer settings (MindSpeed puts them in the role section); null: the training section's value
     weight_decay: float | None = _f(None, "actor AdamW weight decay (default training.weight_decay)", ge=0)

@@ -1,7 +1,9 @@
 """LoRA training of the actor with Hugging Face ``peft`` (the library TRL uses; the ``lora`` extra).
 
-The rollout engine serves a plain model, so what leaves the trainer is always the merged weights ``W + (alpha / r) B A``
-under the base model's own parameter names (:func:`merged_state_dict`); the optimizer only sees the adapter.
+The optimizer only sees the adapter. What leaves the trainer is either the merged weights ``W + (alpha / r) B A`` under
+the base model's own parameter names (:func:`merged_state_dict`: checkpoints, the hf engine) or, with
+``actor_rollout.lora_sync`` adapter, only the adapter tensors, which vLLM serves as a LoRA adapter (a push of a few MB
+instead of the model; :func:`adapter_push_state_dict`).
 """
 
 from __future__ import annotations
@@ -54,3 +56,79 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The trainable adapter tensors under the wrapped model's names (what a checkpoint needs besides the base)."""
     return {k: v.detach().contiguous() for k, v in model.state_dict().items() if ".lora_" in k}
+
+
+# ------------------------------------------------------------------------------------------- adapter-only pushes
+#
+# With ``actor_rollout.lora_sync: adapter`` a push carries only the adapter tensors, in PEFT's saved layout
+# (``base_model.model.<module>.lora_A.weight``, [r, in]; ``...lora_B.weight``, [out, r]); the vLLM replica writes
+# them as an adapter folder and serves it as a LoRA adapter (services/rollout/vllm_lora.py).
+
+ADAPTER_PREFIX = "base_model.model."
+# vLLM's LoRAConfig.max_lora_rank choices: an engine is started with the smallest one that holds the adapter's rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def pushes_adapter(actor) -> bool:
+    """Whether a push of this actor (``actor_rollout`` config) sends the adapter only: LoRA, and ``lora_sync``
+    adapter, or auto with the vllm engine."""
+    if not actor.lora_r:
+        return False
+    return actor.lora_sync == "adapter" or (actor.lora_sync == "auto" and actor.engine == "vllm")
+
+
+def adapter_push_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors as an adapter push sends them: PEFT's saved names (no adapter name), nothing else."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
+
+
+def adapter_manifest(
+    checkpoint: dict[str, tuple[int, ...]], r: int, target_modules: list[str]
+) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor an adapter push must hold, from the base checkpoint's names and shapes: an A
+    ([r, in]) and a B ([out, r]) for each 2-D weight of a module named in ``target_modules`` (PEFT matches the
+    module name's last part)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in sorted(checkpoint.items()):
+        if not name.endswith(".weight") or len(shape) != 2:
+            continue
+        module = name[: -len(".weight")]
+        if module.rsplit(".", 1)[-1] not in target_modules:
+            continue
+        out[f"{ADAPTER_PREFIX}{module}.lora_A.weight"] = (r, shape[1])
+        out[f"{ADAPTER_PREFIX}{module}.lora_B.weight"] = (shape[0], r)
+    if not out:
+        raise ValueError(f"actor_rollout.lora_target_modules {target_modules} name no linear weight of the model")
+    return out
+
+
+def write_adapter(
+    directory, tensors: dict[str, torch.Tensor], r: int, alpha: float, target_modules: list[str], base: str
+) -> None:
+    """``tensors`` (an adapter push) as a PEFT adapter folder: ``adapter_model.safetensors`` and the
+    ``adapter_config.json`` that vLLM's and PEFT's loaders read."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to("cpu").contiguous() for k, v in tensors.items()}, directory / "adapter_model.safetensors")
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": r,
+        "lora_alpha": alpha,
+        "target_modules": sorted(target_modules),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "base_model_name_or_path": base,
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=1))

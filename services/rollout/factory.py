@@ -92,10 +92,21 @@ def make_engine(
 def _build(
     kind: str, cfg: ExperimentConfig, path: Path, device: str | None, hooks: EngineHooks | None, **kw: Any
 ) -> EngineBase:
+    from rlhf.lora import pushes_adapter
+
+    if pushes_adapter(cfg.actor) and kind != "vllm":  # the trainer will push adapters, which only vLLM serves
+        raise ValueError(
+            f"{ENGINE_ENV_VAR}={kind}: actor_rollout.lora_sync sends LoRA adapters, which the {kind} engine cannot "
+            "serve; set actor_rollout.lora_sync: merged"
+        )
     if kind == "vllm":
         from services.rollout.vllm_engine import VllmEngine
+        from services.rollout.vllm_lora import LoraSpec
         from services.rollout.vllm_weights import inplace_load_bytes_from_env
 
+        a = cfg.actor
+        if pushes_adapter(a):
+            kw.setdefault("lora", LoraSpec(a.lora_r, a.lora_alpha, tuple(a.lora_target_modules)))
         kw.setdefault("max_model_len", cfg.actor.max_model_len)
         kw.setdefault("inplace_load_bytes", inplace_load_bytes_from_env())  # ValueError naming the variable
         kw["engine_kwargs"] = {**vllm_engine_kwargs(cfg), **kw.get("engine_kwargs", {})}

@@ -38,11 +38,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from rlhf.lora import adapter_manifest
 from rlhf.serving.errors import Internal, NotReady
 from services.rollout.engine import EngineBase
 from services.rollout.engine_types import EngineHooks, PromptResult, Sample
 from services.rollout.options import SamplingOptions
 from services.rollout.swap import read_checkpoint_manifest
+from services.rollout.vllm_lora import AdapterSlots, LoraSpec, VllmAdapters
 from services.rollout.vllm_weights import LOAD_BUCKET_BYTES, VllmWeights
 
 log = logging.getLogger("rlhf.rollout.vllm")
@@ -99,9 +101,10 @@ def _top(position: dict[int, Any], k: int) -> list[tuple[int, float]]:
     return [(t, v) for rank, t, v in ranked if rank <= k and v > float("-inf")]
 
 
-class VllmEngine(VllmWeights, EngineBase):
+class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
     """The driver: start and close, the engine thread (inproc) or AsyncLLM (async), generation; the weight paths
-    are :class:`VllmWeights`'s (listed first: its methods override EngineBase's weight hooks)."""
+    are :class:`VllmAdapters`'s (LoRA adapters) and :class:`VllmWeights`'s (the whole model), listed first: their
+    methods override EngineBase's weight hooks."""
 
     kind = "vllm"
 
@@ -120,8 +123,13 @@ class VllmEngine(VllmWeights, EngineBase):
         staged_swap: bool | None = None,
         inplace_load_bytes: int | None = None,
         load_bucket_bytes: int = LOAD_BUCKET_BYTES,
+        lora: LoraSpec | None = None,
     ):
         super().__init__(model_path, model_name, hooks)
+        # Adapter-only weight sync (actor_rollout.lora_sync adapter): pushes are LoRA adapters (vllm_lora.py)
+        self.lora = lora
+        self._slots: AdapterSlots | None = None
+        self._adapter_lock = asyncio.Lock()
         if max_model_len:
             self.max_model_len = min(self.max_model_len, int(max_model_len))
         if mode is None:
@@ -171,6 +179,8 @@ class VllmEngine(VllmWeights, EngineBase):
             # which a CPU generator does not have ("CPU Generator does not use offset"), failing the whole batch: a
             # seeded request (an eval, a client's seed) whose prompt the token budget cut in two stopped the replica.
             kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192))
+        if self.lora is not None:
+            kw.update(self.lora.engine_args())
         kw.update(self.engine_kwargs)
         return cls(**kw)
 
@@ -183,6 +193,9 @@ class VllmEngine(VllmWeights, EngineBase):
 
             torch._dynamo.config.disable = True
         self._manifest = await asyncio.to_thread(read_checkpoint_manifest, self.model_path)
+        if self.lora is not None:  # a push is the adapter: checked against its names and shapes
+            self._manifest = adapter_manifest(self._manifest, self.lora.r, list(self.lora.target_modules))
+            self._slots = AdapterSlots(self.lora, str(self.model_path))
         self._tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
         if self.mode == "inproc":
             started: asyncio.Future = loop.create_future()
@@ -230,6 +243,8 @@ class VllmEngine(VllmWeights, EngineBase):
         if self._async is not None:
             eng, self._async = self._async, None
             await asyncio.to_thread(eng.shutdown)
+        if self._slots is not None:
+            self._slots.close()
         log.info("vLLM engine (%s) closed in %.2fs", self.mode, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------------------------------ inproc driver
@@ -294,10 +309,11 @@ class VllmEngine(VllmWeights, EngineBase):
     def _command(self, llm: Any, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":  # all prompts of one request join the batch in the same step
-            _, items, sp, loop, futs = cmd
+            _, items, sp, lora, loop, futs = cmd
             for (rid, prompt), fut in zip(items, futs, strict=True):
                 try:
-                    llm.add_request(rid, {"prompt_token_ids": prompt}, sp)  # outputs carry this (external) id
+                    # outputs carry this (external) id
+                    llm.add_request(rid, {"prompt_token_ids": prompt}, sp, lora_request=lora)
                     self._futures[rid] = (loop, fut)
                 except BaseException as err:  # noqa: BLE001 - reported to the caller
                     self._resolve(loop, fut, error=err)
@@ -350,14 +366,15 @@ class VllmEngine(VllmWeights, EngineBase):
             return (await self._call(lambda llm: llm.collective_rpc(method, args=args)))[0]
         return (await self._async.collective_rpc(method, args=args))[0]
 
-    async def _submit_many(self, prompts: list[list[int]], sp: Any) -> list[Any]:
-        """One vLLM request per prompt, added to the engine together (so they share the same steps)."""
+    async def _submit_many(self, prompts: list[list[int]], sp: Any, lora: Any = None) -> list[Any]:
+        """One vLLM request per prompt, added to the engine together (so they share the same steps); ``lora``: the
+        adapter they run on (None: the base model)."""
         self._check_alive()
         loop = asyncio.get_running_loop()
         tag = uuid.uuid4().hex[:8]
         items = [(f"r{next(self._ids)}-{tag}", p) for p in prompts]
         futs = [loop.create_future() for _ in prompts]
-        self._cmds.put(("add", items, sp, loop, futs))
+        self._cmds.put(("add", items, sp, lora, loop, futs))
         try:
             return list(await asyncio.gather(*futs))
         except BaseException:
@@ -366,13 +383,13 @@ class VllmEngine(VllmWeights, EngineBase):
             self._cmds.put(("abort", [rid for rid, _ in items]))
             raise
 
-    async def _submit_async(self, prompt: list[int], sp: Any) -> Any:
+    async def _submit_async(self, prompt: list[int], sp: Any, lora: Any = None) -> Any:
         rid = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         self._inflight += 1
         self.hooks.step(self._inflight)  # async driver: requests in flight when this one joins
         final = None
         try:
-            async for out in self._async.generate({"prompt_token_ids": prompt}, sp, request_id=rid):
+            async for out in self._async.generate({"prompt_token_ids": prompt}, sp, request_id=rid, lora_request=lora):
                 final = out
         finally:
             self._inflight -= 1
@@ -404,20 +421,36 @@ class VllmEngine(VllmWeights, EngineBase):
         )
 
     async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
+        if self._slots is None:
+            return self._results(prompts, params, version, await self._submit(prompts, params, None))
+        # bound to the adapter of the version it was admitted under (before any await: no swap comes in between)
+        lora = self._slots.acquire(version)
+        try:
+            outs = await self._submit(prompts, params, lora)
+        finally:
+            for done in self._slots.release(version):
+                await self._unload_adapter(done)
+        return self._results(prompts, params, version, outs)
+
+    async def _submit(self, prompts: list[list[int]], params: SamplingOptions, lora: Any) -> list[Any]:
         # vLLM refuses n > 1 with greedy decoding: send n requests of one sample each instead
         reps = params.n if params.greedy and params.n > 1 else 1
         sp = self._sampling_params(replace(params, n=1) if reps > 1 else params)
         flat = [p for p in prompts for _ in range(reps)]
         if self.mode == "inproc":
-            outs = await self._submit_many(flat, sp)
-        else:
-            tasks = [asyncio.ensure_future(self._submit_async(p, sp)) for p in flat]
-            try:
-                outs = await asyncio.gather(*tasks)
-            except BaseException:
-                for t in tasks:
-                    t.cancel()
-                raise
+            return await self._submit_many(flat, sp, lora)
+        tasks = [asyncio.ensure_future(self._submit_async(p, sp, lora)) for p in flat]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+
+    def _results(
+        self, prompts: list[list[int]], params: SamplingOptions, version: int, outs: list[Any]
+    ) -> list[PromptResult]:
+        reps = params.n if params.greedy and params.n > 1 else 1
         results = []
         for i, prompt in enumerate(prompts):
             samples = []

@@ -15,6 +15,7 @@ import torch
 
 from rlhf import distributed as dist
 from rlhf.config import ExperimentConfig
+from rlhf.lora import adapter_push_state_dict, merged_state_dict, pushes_adapter
 from services.trainer.group import GATHER, Commands
 
 if TYPE_CHECKING:
@@ -26,7 +27,8 @@ class PolicyExport:
         self.cfg, self.actor, self.group, self.commands = cfg, actor, group, commands
 
     def state_dict(self, on_device: bool = False) -> dict[str, torch.Tensor]:
-        """The actor's weights, contiguous, on the CPU: what weight sync ships (it refuses non-finite tensors).
+        """The actor's weights, contiguous, on the CPU: what weight sync ships (it refuses non-finite tensors); a
+        LoRA actor's adapter tensors only with ``actor_rollout.lora_sync`` adapter (rlhf.lora).
         With ``training.bf16`` the fp32 master weights are cast to bf16 here, and only here: rollout serves bf16 and
         the transfer is half the bytes. On the CPU in fp32 these are the training weights' own memory, which the
         next step changes: copy them before it (the trainer's push: copy_weights).
@@ -37,12 +39,9 @@ class PolicyExport:
         if self.group is not None:
             with self.commands.lead(GATHER):
                 return dict(self.gather(keep=True))
-        if self.cfg.actor.lora_r:
-            from rlhf.lora import merged_state_dict
-
-            weights = merged_state_dict(self.actor)
-        else:
-            weights = self.actor.state_dict()
+        if pushes_adapter(self.cfg.actor):  # the adapter alone, under PEFT's names: no checkpoint layout
+            return {k: self._push_tensor(v, on_device) for k, v in adapter_push_state_dict(self.actor).items()}
+        weights = merged_state_dict(self.actor) if self.cfg.actor.lora_r else self.actor.state_dict()
         out = {}
         for k, v in self.layout.items(weights):
             out[k] = self._push_tensor(v, on_device)

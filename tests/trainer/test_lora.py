@@ -1,5 +1,6 @@
-"""LoRA training of the actor (seed 001: peft's r, alpha, target modules): only the adapters change, and what is
-pushed to rollout and written to checkpoints is the merged model."""
+"""LoRA training of the actor (seed 001: peft's r, alpha, target modules): only the adapters change; what is pushed
+to rollout is the merged model (``lora_sync: merged``, the hf engine) or the adapter alone (``adapter``, vLLM), and
+checkpoints hold the merged model."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytest.importorskip("peft")
 
 from test_training_options import _batch, _config  # noqa: E402  (same directory: the fixed-batch helpers)
 
-LORA = {"lora_r": 4, "lora_alpha": 8.0, "lora_target_modules": ["q_proj", "v_proj", "o_proj"]}
+LORA = {"lora_r": 4, "lora_alpha": 8.0, "lora_target_modules": ["q_proj", "v_proj", "o_proj"], "lora_sync": "merged"}
 
 
 def test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model(tiny_models):
@@ -36,6 +37,22 @@ def test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model(tiny_m
     for k, v in reference.items():
         torch.testing.assert_close(pushed[k], v, rtol=1e-6, atol=1e-7)
     assert any(not torch.equal(pushed[k], plain[k]) for k in pushed if "q_proj" in k)
+
+
+def test_an_adapter_push_is_the_adapter_alone_under_the_names_and_shapes_the_replica_expects(tiny_models):
+    from rlhf.lora import adapter_manifest
+    from services.rollout.swap import read_checkpoint_manifest
+
+    engine = TrainerEngine(_config("ray_grpo", actor={**LORA, "lora_sync": "auto"}))  # auto with vllm: the adapter
+    engine.step(_batch(engine))
+    pushed = engine.policy_state_dict()
+    expected = adapter_manifest(read_checkpoint_manifest(tiny_models.policy), 4, LORA["lora_target_modules"])
+    assert {k: tuple(v.shape) for k, v in pushed.items()} == expected
+    live = {k.replace(".default.", "."): v for k, v in engine.actor.state_dict().items() if ".lora_" in k}
+    assert pushed.keys() == live.keys()
+    for k, v in pushed.items():
+        assert torch.equal(v, live[k])
+    assert any(v.abs().sum() > 0 for k, v in pushed.items() if ".lora_B." in k)  # the step moved B
 
 
 def test_a_lora_checkpoint_resumes_the_adapters_and_its_policy_is_the_merged_model(tiny_models, tmp_path):

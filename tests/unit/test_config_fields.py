@@ -178,6 +178,11 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "actor_rollout_ref.actor_rollout.lora_target_modules": [
         LORA + "test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model"
     ],
+    "actor_rollout_ref.actor_rollout.lora_sync": [
+        LORA + "test_an_adapter_push_is_the_adapter_alone_under_the_names_and_shapes_the_replica_expects",
+        "tests/integration/test_lora_adapter_sync.py::"
+        "test_vllm_serves_each_pushed_adapter_as_the_merged_model_and_unloads_the_old_one_after_its_requests",
+    ],
     "actor_rollout_ref.actor_rollout.lr": SCHEDULE,
     "actor_rollout_ref.actor_rollout.weight_decay": [PER_ROLE],
     "actor_rollout_ref.actor_rollout.adam_beta1": [PER_ROLE],
