@@ -145,7 +145,18 @@ class TRLWorker:
         self.log.close()
 
 
-def experiment(size: str, paths, algo: str, staleness: int, run_id: str, run_dir: Path, iters: int) -> dict:
+def experiment(
+    size: str,
+    paths,
+    algo: str,
+    staleness: int,
+    run_id: str,
+    run_dir: Path,
+    iters: int,
+    engine: str = ENGINE,
+    actor: dict | None = None,
+) -> dict:
+    """The benchmark ring's config; ``actor``: extra actor_rollout fields (bench.weight_sync --lora's LoRA)."""
     dpo = algo == "online_dpo"
     return {
         "run_id": run_id,
@@ -165,7 +176,7 @@ def experiment(size: str, paths, algo: str, staleness: int, run_id: str, run_dir
         "actor_rollout_ref": {
             "actor_rollout": {
                 "load": str(paths.policy),
-                "engine": ENGINE,
+                "engine": engine,
                 "do_sample": True,
                 "temperature": 1.0,
                 "max_prompt_length": PROMPT_TOKENS,
@@ -175,6 +186,7 @@ def experiment(size: str, paths, algo: str, staleness: int, run_id: str, run_dir
                 "ppo_epochs": 1 if dpo else EPOCHS,
                 "clip_ratio": 0.2,
                 "shuffle_minibatch": True,
+                **(actor or {}),
             },
             "ref": {"micro_batch_size": 32},
         },
@@ -230,13 +242,28 @@ def _pool(acc: dict | None, res: dict) -> dict:
     return out
 
 
-def run_ours(size, paths, algo, staleness, redis_url, reward, reference, work: Path, steps: int) -> dict:
+def run_ours(
+    size,
+    paths,
+    algo,
+    staleness,
+    redis_url,
+    reward,
+    reference,
+    work: Path,
+    steps: int,
+    engine: str = ENGINE,
+    actor: dict | None = None,
+) -> dict:
     run_id = f"bench-{size}-{algo.replace('_', '')}-s{staleness}-{int(time.time())}"
     run_dir = work / run_id
     shutil.rmtree(run_dir, ignore_errors=True)
     # The trainer is stopped once it has logged 1 + steps steps: the first (start-up) is not counted, and it never
     # reaches train_iters, whose final checkpoint would weigh on the last step.
-    cfg = write_yaml(run_dir / "config.yaml", experiment(size, paths, algo, staleness, run_id, run_dir, steps + 5))
+    cfg = write_yaml(
+        run_dir / "config.yaml",
+        experiment(size, paths, algo, staleness, run_id, run_dir, steps + 5, engine=engine, actor=actor),
+    )
     common = {"RLHF_REDIS_URL": redis_url, "RLHF_RUN_ID": run_id, "RLHF_API_TOKEN": TOKEN}
     rollout = ServiceProc(
         "rollout",
@@ -247,10 +274,10 @@ def run_ours(size, paths, algo, staleness, redis_url, reward, reference, work: P
             "RLHF_REWARD_ADDR": reward.grpc_addr,
             "RLHF_REFERENCE_ADDR": reference.grpc_addr,
             "RLHF_REPLICA_ID": f"{run_id}-rollout-0",
-            "RLHF_ROLLOUT_ENGINE": ENGINE,
+            "RLHF_ROLLOUT_ENGINE": engine,
             "RLHF_WEIGHTS_DATA_PORT": "0",
             "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": str(BATCH),
-            "OMP_NUM_THREADS": str(rollout_threads(ENGINE)),
+            "OMP_NUM_THREADS": str(rollout_threads(engine)),
         },
     )
     trainer = ServiceProc(

@@ -25,11 +25,24 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-BENCHES = ("queue", "weight_sync", "serving", "engines", "padding_free", "critic_threads", "pipeline", "trainer_scale")
+BENCHES = (
+    "queue",
+    "weight_sync",
+    "weight_sync_delta",
+    "weight_sync_lora",
+    "serving",
+    "engines",
+    "padding_free",
+    "critic_threads",
+    "pipeline",
+    "trainer_scale",
+)
 RESULTS = REPO / ".cache" / "bench" / "results"
 TITLES = {
     "queue": "Queue: experience records through rlhf.transport vs raw Redis",
     "weight_sync": "Weight sync: a 104M-parameter policy to a rollout replica vs a raw loopback copy",
+    "weight_sync_delta": "Weight sync: delta pushes vs full pushes after optimizer steps at two learning rates",
+    "weight_sync_lora": "Weight sync: a LoRA actor's adapter-only push to vLLM vs the merged model",
     "serving": "Serving: REST and gRPC vs the engine in-process",
     "engines": "Rollout engines: generated tokens/s, vllm vs hf",
     "padding_free": "Padding-free passes: the trainer's PPO step and the reference forward, padded vs packed",

@@ -874,8 +874,18 @@ if __name__ == "__main__":
         action="store_true",
         help="delta pushes vs full pushes after optimizer steps at lr 5e-7 and 1e-5 (bench/weight_sync_delta.py)",
     )
+    parser.add_argument(
+        "--lora",
+        action="store_true",
+        help="a LoRA actor's push to vLLM as the adapter alone vs the merged model, and the ring with each "
+        "(bench/weight_sync_lora.py)",
+    )
     args = parser.parse_args()
-    if args.delta:
+    if args.lora:
+        from bench.weight_sync_lora import lora_bench
+
+        asyncio.run(lora_bench())
+    elif args.delta:
         from bench.weight_sync_delta import delta_bench
 
         asyncio.run(delta_bench())

@@ -221,3 +221,9 @@ async def delta_bench(size: str = "small") -> None:
 
 def _rounded(row: dict[str, Any]) -> dict[str, Any]:
     return {k: _rounded(v) if isinstance(v, dict) else rnd(v) if isinstance(v, float) else v for k, v in row.items()}
+
+
+if __name__ == "__main__":
+    import asyncio
+
+    asyncio.run(delta_bench())

@@ -138,6 +138,13 @@ class VllmAdapters:
             unload = self._slots.switch(version, request)
             self.served.advance(version, parent, checksum)
             self._serving_again()
+        log.info(
+            "serving the LoRA adapter of weights version %d (%d tensors, %.1f KiB written in %.3f s)",
+            version,
+            len(self._manifest),
+            sum(f.stat().st_size for f in Path(request.lora_path).iterdir()) / 1024,
+            t1 - t0,
+        )
         for old in unload:
             await self._unload_adapter(old)
         return SwapResult(
@@ -168,6 +175,7 @@ class VllmAdapters:
         memory (vLLM evicts least recently used adapters past max_cpu_loras), so it is logged, not raised."""
         try:
             await self._engine_lora("remove_lora", request.lora_int_id)
+            log.info("unloaded the adapter of weights version %d (its requests are done)", request.lora_int_id)
         except Exception as err:  # noqa: BLE001 - see the docstring
             log.warning("unloading the adapter %s failed: %s", request.lora_name, err)
         self._slots.remove_folder(request)

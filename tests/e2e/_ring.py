@@ -66,6 +66,7 @@ def base_config(run_id: str, **over: Any) -> dict:
                 "n_samples_per_prompt": n,
                 "ppo_mini_batch_size": 8,
                 "ppo_epochs": 1,
+                **over.get("actor", {}),
             },
             "ref": {"micro_batch_size": 32},
         },
