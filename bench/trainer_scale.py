@@ -1,9 +1,15 @@
-"""Trainer scale: per-rank training-state memory and step time of the FSDP2 trainer group at world size 1 and 2.
+"""Trainer scale: per-rank memory (loading the models, training state) and step time of the FSDP2 trainer group at
+world size 1, 2 and 4.
 
 ``python -m bench.trainer_scale`` runs the PPO trainer engine (actor + critic of the "small" model, ~21M parameters
 each, AdamW) on one fixed batch, as one process and as a 2-process torchrun group (gloo, CPU), one after the other,
-on the same machine. Figures per rank:
+on the same machine (and a 4-process group, for the load figure). Figures per rank:
 
+- load peak: how much this rank's resident memory rose while the engine built its models (``VmHWM`` after, reset
+  through ``/proc/self/clear_refs`` before, minus ``VmRSS`` before). In a group every rank builds the models on the
+  meta device and allocates only its shards; rank 0 alone reads the checkpoint, in host memory, and broadcasts it
+  (``rlhf.distributed.load_sharded``). On the CPU host memory is the device's, so rank 0's figure holds that copy;
+  the other ranks' show what a GPU rank now holds while loading (before, every rank loaded the whole model);
 - training state: bytes of the parameters, gradients and AdamW state this rank holds (its FSDP2 shards; the whole
   thing at world size 1), counted from the tensors after a step, so it is exact, not a process-RSS estimate;
 - step time: median ``engine.step`` wall time over the timed steps (after one warm-up step);
@@ -30,6 +36,8 @@ import time
 from pathlib import Path
 
 from bench._common import QUICK, REPO, build_model, emit, log, median, rnd, target
+
+WORLDS = (1, 2, 4)
 
 BATCH_PROMPTS, SAMPLES, RESPONSE = 8, 4, 32
 PUSH_BUCKET_BYTES = 4 << 20  # well below the ~84 MB fp32 policy: ~20 buckets
@@ -87,6 +95,13 @@ def _push_peak(engine) -> dict:
     }
 
 
+def _proc_status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
 def worker(out: Path, steps: int) -> None:
     import torch
 
@@ -110,7 +125,24 @@ def worker(out: Path, steps: int) -> None:
             "critic": {"load": str(paths.reward), "critic_mini_batch_size": 16, "critic_update_epochs": 1},
         }
     )
+    # What the engine does first besides loading (join the group, import the model code, read the tokenizer) before
+    # the measured window, so that its RSS growth is the models' tensors
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    from rlhf.models import load_tokenizer
+
+    distributed.init_from_env(torch.device("cpu"), 300)
+    load_tokenizer(paths.policy)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak below is the load's
+    before = _proc_status_kib("VmRSS")
     engine = TrainerEngine(cfg)
+    # Touch every parameter this rank holds: one process reads the checkpoint through mmap, whose pages count once
+    # used (as a device copy would count at once)
+    with torch.no_grad():
+        for model in (engine.actor, engine.critic):
+            for p in model.parameters():
+                (p.to_local() if hasattr(p, "to_local") else p).sum()
+    load_peak = (_proc_status_kib("VmHWM") - before) * 1024
     g = torch.Generator().manual_seed(0)
     batch = []
     for j in range(BATCH_PROMPTS):
@@ -126,8 +158,9 @@ def worker(out: Path, steps: int) -> None:
     if engine.group is not None and not engine.group.is_driver:
         engine.follow()
         state = _state_bytes(engine)
+        rank = engine.group.rank
         distributed.destroy()
-        (out / "rank1.json").write_text(json.dumps({"state": state}))
+        (out / f"rank{rank}.json").write_text(json.dumps({"state": state, "load_peak_bytes": load_peak}))
         return
     times = []
     for i in range(steps + 1):
@@ -139,7 +172,9 @@ def worker(out: Path, steps: int) -> None:
     engine.stop_followers()
     state = _state_bytes(engine)
     distributed.destroy()
-    (out / "rank0.json").write_text(json.dumps({"state": state, "step_s": times, "push": push}))
+    (out / "rank0.json").write_text(
+        json.dumps({"state": state, "step_s": times, "push": push, "load_peak_bytes": load_peak})
+    )
 
 
 def _run(world: int, out: Path, steps: int) -> dict:
@@ -154,7 +189,11 @@ def _run(world: int, out: Path, steps: int) -> dict:
         env["OMP_NUM_THREADS"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", *me[1:]]
     subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=sys.stderr)
-    return json.loads((out / "rank0.json").read_text())
+    res = json.loads((out / "rank0.json").read_text())
+    res["load_peak_bytes_per_rank"] = [
+        json.loads((out / f"rank{r}.json").read_text())["load_peak_bytes"] for r in range(world)
+    ]
+    return res
 
 
 def main() -> None:
@@ -165,7 +204,7 @@ def main() -> None:
     steps = 1 if QUICK else 3
     root = Path(os.environ.get("BENCH_CACHE", REPO / ".cache" / "bench")) / "trainer_scale"
     results = {}
-    for world in (1, 2):
+    for world in WORLDS:
         log(f"world size {world}: {steps} timed PPO steps")
         results[world] = _run(world, root / f"w{world}", steps)
     mem = {w: sum(r["state"].values()) for w, r in results.items()}
@@ -173,6 +212,9 @@ def main() -> None:
     mem_ratio = mem[2] / mem[1]
     push = {w: r["push"] for w, r in results.items()}
     push_ratio = push[2]["peak_bytes"] / push[1]["peak_bytes"]
+    load = {w: r["load_peak_bytes_per_rank"] for w, r in results.items()}
+    # the largest load peak of a rank that does not read the checkpoint (rank 0 does, in host memory)
+    follower_load = {w: max(load[w][1:]) for w in WORLDS if w > 1}
     emit(
         "trainer_scale",
         settings={
@@ -183,11 +225,13 @@ def main() -> None:
             "epochs": 1,
             "timed_steps": steps,
             "backend": "gloo (CPU)",
-            "resources": "world 1: 1 process x 2 threads; world 2: 2 processes x 1 thread (2 cores each)",
+            "resources": "world 1: 1 process x 2 threads; world 2: 2 processes x 1 thread; world 4: 4 processes x 1 "
+            "thread (the same 2 cores each)",
             "push_bucket_bytes": PUSH_BUCKET_BYTES,
         },
         figures={
             f"world_{w}": {
+                "load_peak_mib_per_rank": [rnd(b / 2**20) for b in load[w]],
                 "state_mib_per_rank": rnd(mem[w] / 2**20),
                 **{f"{k}_mib": rnd(v / 2**20) for k, v in results[w]["state"].items()},
                 "step_s": rnd(step[w]),
@@ -198,15 +242,22 @@ def main() -> None:
                 "push_buckets": push[w]["buckets"],
                 "push_make_s": rnd(push[w]["seconds"]),
             }
-            for w in (1, 2)
+            for w in WORLDS
         },
         ratio={
             "state_per_rank_world2_over_world1": rnd(mem_ratio),
             "step_time_world2_over_world1": rnd(step[2] / step[1]),
             "push_peak_world2_over_world1": rnd(push_ratio),
+            **{f"load_peak_follower_world{w}_over_world1": rnd(follower_load[w] / load[1][0]) for w in follower_load},
         },
         targets=[
             target("per-rank training state, world 2 / world 1", rnd(mem_ratio), "<= 0.6", mem_ratio <= 0.6),
+            target(
+                "load peak of a rank other than 0, world 4 / world 1 (it holds its shards only)",
+                rnd(follower_load[4] / load[1][0]),
+                "<= 0.5",
+                follower_load[4] / load[1][0] <= 0.5,
+            ),
             target(
                 "push peak on rank 0, world 2 (MiB): one bucket buffer + one gathered tensor",
                 rnd(push[2]["peak_bytes"] / 2**20),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,44 @@ def shard(model: torch.nn.Module, bf16: bool, device: torch.device) -> torch.nn.
         fully_shard(getattr(model, model.base_model_prefix), **kw)
         fully_shard(head, **kw)
     fully_shard(model, **kw)
+    return model
+
+
+def load_sharded(
+    build_empty: Callable[[], torch.nn.Module],
+    load_full: Callable[[], torch.nn.Module],
+    prepare: Callable[[torch.nn.Module], None],
+    bf16: bool,
+    device: torch.device,
+    group: Group,
+) -> torch.nn.Module:
+    """An FSDP2-sharded model whose whole weights only rank 0 ever holds, and in host memory: every rank builds the
+    model on the meta device (``build_empty``: no memory), ``prepare``s it (train mode, dropout off, activation
+    checkpointing) and shards it, then allocates its own shards on ``device``; rank 0 loads the checkpoint on the CPU
+    (``load_full``) and torch's ``set_model_state_dict(broadcast_from_rank0=True)`` sends each tensor to every rank,
+    which keeps its shard. A rank's device then holds its shards only, never the whole fp32 model (32 GB for 8B).
+    Buffers outside the state dict (rotary ``inv_freq``, computed at init, left uninitialised by ``to_empty``) come
+    from rank 0's model too."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    with torch.device("meta"):
+        model = build_empty()
+    prepare(model)
+    shard(model, bf16, device)
+    model.to_empty(device=device)
+    full = load_full() if group.is_driver else None
+    set_model_state_dict(
+        model,
+        full.state_dict() if full is not None else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    persistent = set(model.state_dict())
+    names = [name for name, _ in model.named_buffers() if name not in persistent]
+    values = broadcast_tensors([full.get_buffer(n) for n in names] if full is not None else None, len(names), device)
+    for name, value in zip(names, values, strict=True):
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner).register_buffer(attr, value.to(device), persistent=False)
+    del full
     return model
 
 

@@ -122,6 +122,22 @@ def load_sequence_classifier(path: str | Path, device: str = "cpu", dtype: str |
     return model.to(resolve_device(device))
 
 
+def empty_causal_lm(path: str | Path, dtype: str | torch.dtype = "float32"):
+    """The model of ``path``'s config.json without its weights (under ``torch.device("meta")``: no memory), for a
+    sharded load (:func:`rlhf.distributed.load_sharded`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=resolve_dtype(dtype))
+
+
+def empty_sequence_classifier(path: str | Path, dtype: str | torch.dtype = "float32"):
+    """:func:`load_sequence_classifier`'s model without its weights (see :func:`empty_causal_lm`)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(str(path), num_labels=1)
+    return AutoModelForSequenceClassification.from_config(config, dtype=resolve_dtype(dtype))
+
+
 def check_architecture(model_dir: str | Path, engine: str, device: str = "auto") -> str | None:
     """Whether the model in ``model_dir`` can be built by ``engine`` (``hf`` or ``vllm``): None if so, else why not.
 

@@ -13,7 +13,13 @@ import torch
 from rlhf import algo
 from rlhf import distributed as dist
 from rlhf.config import ExperimentConfig
-from rlhf.models import load_causal_lm, load_sequence_classifier, resolve_model_path
+from rlhf.models import (
+    empty_causal_lm,
+    empty_sequence_classifier,
+    load_causal_lm,
+    load_sequence_classifier,
+    resolve_model_path,
+)
 
 # Options built for one trainer process, each with why a torchrun group (FSDP2 shards on every rank) refuses it.
 ONE_PROCESS_ONLY = {
@@ -55,15 +61,22 @@ def load_actor(cfg: ExperimentConfig, path: str, device: torch.device, group: di
     # Parameters and AdamW state stay fp32 even with bf16 (master weights): at the configs' lr 5e-7 an update is
     # far below a bf16 weight's resolution, so pure-bf16 weights would hardly move. bf16 is the compute dtype
     # (autocast in every forward) and the dtype pushed to rollout; checkpoints keep fp32.
+    if group is not None:  # LoRA is refused in a group (refuse_in_group)
+        return dist.load_sharded(
+            lambda: empty_causal_lm(path, "float32"),
+            lambda: load_causal_lm(path, "cpu", "float32"),
+            lambda m: _train_mode(m, cfg),
+            cfg.training.bf16,
+            device,
+            group,
+        )
     actor = load_causal_lm(path, device, "float32")
-    actor.train()
-    _disable_dropout(actor)
-    if cfg.actor.lora_r:  # only the adapters train; rollout and checkpoints get the merged weights
+    if cfg.actor.lora_r:  # only the adapters train
         from rlhf.lora import wrap_lora
 
         a = cfg.actor
         actor = wrap_lora(actor, a.lora_r, a.lora_alpha, a.lora_target_modules)
-    _prepare(actor, cfg, device, group)
+    _train_mode(actor, cfg)
     return actor
 
 
@@ -71,10 +84,18 @@ def load_critic(cfg: ExperimentConfig, device: torch.device, group: dist.Group |
     """The PPO critic: ``critic.load``, else the first reward model scorer's model (a value head that starts from the
     reward model, as TRL's PPO examples do)."""
     src = cfg.critic.load or next((s.load for s in cfg.reward.scorers if s.type == "model"), None) or "tiny:reward"
-    critic = load_sequence_classifier(resolve_model_path(src), device)
-    critic.train()
-    _disable_dropout(critic)
-    _prepare(critic, cfg, device, group)
+    path = resolve_model_path(src)
+    if group is not None:
+        return dist.load_sharded(
+            lambda: empty_sequence_classifier(path),
+            lambda: load_sequence_classifier(path, "cpu"),
+            lambda m: _train_mode(m, cfg),
+            cfg.training.bf16,
+            device,
+            group,
+        )
+    critic = load_sequence_classifier(path, device)
+    _train_mode(critic, cfg)
     return critic
 
 
@@ -110,13 +131,14 @@ def load_reference(cfg: ExperimentConfig, device: torch.device) -> torch.nn.Modu
     return ref
 
 
-def _prepare(model: torch.nn.Module, cfg: ExperimentConfig, device: torch.device, group: dist.Group | None) -> None:
-    """Activation checkpointing if asked, then FSDP2 sharding in a group (before its optimizer is built, so the
-    AdamW state is sharded too)."""
+def _train_mode(model: torch.nn.Module, cfg: ExperimentConfig) -> None:
+    """Train mode with dropout off, and activation checkpointing if asked. In a group this runs on the meta model,
+    before :func:`rlhf.distributed.load_sharded` shards it (and before its optimizer is built, so the AdamW state is
+    sharded too)."""
+    model.train()
+    _disable_dropout(model)
     if cfg.training.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if group is not None:
-        dist.shard(model, cfg.training.bf16, device)
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:
