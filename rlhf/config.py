@@ -32,6 +32,7 @@ from rlhf.config_rules import (
     not_built_message,
     optimization_problems,
     rejection_sampling_problems,
+    shared_backbone_problems,
     stage_notes,
 )
 from rlhf.config_sections import (
@@ -170,6 +171,7 @@ class ExperimentConfig(Section):
         problems += environment_problems(self)
         problems += distill_problems(self)
         problems += rejection_sampling_problems(self)
+        problems += shared_backbone_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         check_algorithm(self.training.stage, self.algorithm)

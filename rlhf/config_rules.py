@@ -156,6 +156,35 @@ def optimization_problems(cfg: Config) -> list[str]:
     return problems
 
 
+# critic fields of a separate critic model, which critic.shared_backbone has not
+_SEPARATE_CRITIC_FIELDS = ("load", "critic_mini_batch_size", "critic_update_epochs", "micro_batch_size", "save")
+
+
+def shared_backbone_problems(cfg: Config) -> list[str]:
+    """A value head on the actor: PPO only; nothing that belongs to a separate critic model."""
+    c = cfg.critic
+    if not c.shared_backbone:
+        return []
+    problems = []
+    if cfg.training.stage != "ray_ppo":
+        problems.append(
+            f"critic.shared_backbone puts PPO's value head on the actor; stage {cfg.training.stage} has no critic"
+        )
+    separate = [f"critic.{f}" for f in _SEPARATE_CRITIC_FIELDS if f in c.model_fields_set]
+    if separate:
+        problems.append(
+            f"{', '.join(separate)} describe a separate critic model; with critic.shared_backbone the value head is "
+            "on the actor and its loss joins the actor's minibatches (ppo_mini_batch_size, ppo_epochs, "
+            "micro_batch_size): remove them"
+        )
+    if cfg.actor.freezing_actor_steps:
+        problems.append(
+            "actor_rollout.freezing_actor_steps trains the critic alone first; with critic.shared_backbone the "
+            "critic is the actor's backbone: remove one"
+        )
+    return problems
+
+
 def rejection_sampling_problems(cfg: Config) -> list[str]:
     """Best of K needs K >= 2 samples per prompt (online DPO always has two)."""
     rs = cfg.algorithm.rejection_sampling
@@ -294,7 +323,8 @@ _QUANT_WHY = (
 )
 _CRITIC_LORA_WHY = (
     "the critic with LoRA is not built: the critic is a separate sequence-classification model trained in full "
-    "(LoRA is the actor's only, actor_rollout.lora_r); remove the key, and save the critic's memory with a smaller "
+    "(LoRA is the actor's only, actor_rollout.lora_r); remove the key, and save the critic's memory with "
+    "critic.shared_backbone (seed 001's layout: a value head on the actor, sharing its LoRA adapters), a smaller "
     "critic.load (any sequence-classification model with the actor's tokenizer) or training.bf16"
 )
 _ROLE_SECTIONS = ("training", "actor_rollout_ref.actor_rollout", "actor_rollout_ref.ref", "critic", "reward")

@@ -224,6 +224,13 @@ class ActorRolloutRefConfig(Section):
 
 class CriticConfig(Section):
     load: str | None = _f(None, "critic initialisation: a sequence-classification model (default the reward model)")
+    shared_backbone: bool = _f(
+        False,
+        "seed 001's layout: no separate critic; a value head on the actor's own backbone (TRL's "
+        "AutoModelForCausalLMWithValueHead; with LoRA, policy and value share the adapters). The value loss (x "
+        "vf_coef) joins the actor's loss on the actor's minibatches and epochs, so it trains the shared backbone; the "
+        "head steps with the critic's optimizer settings. ray_ppo, one trainer process",
+    )
     cliprange_value: float = _f(0.2, "value clip range (<= 0 disables)")
     critic_mini_batch_size: int = _f(1, "samples per critic optimizer step (the unit of ppo_mini_batch_size)", gt=0)
     micro_batch_size: int | None = _f(

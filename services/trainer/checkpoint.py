@@ -324,4 +324,7 @@ def _set_full_optimizer(model, opt, name: str, tensors: dict[str, torch.Tensor],
 
 def _load_weights(model: torch.nn.Module, directory: Path) -> None:
     """Load a save_pretrained folder into ``model`` (see :func:`_live_weights`)."""
+    if hasattr(model, "load_folder"):  # a value head on the actor (models.ValueHeadOnActor): its own file
+        model.load_folder(directory)
+        return
     model.load_state_dict(_live_weights(model, directory), strict=False)

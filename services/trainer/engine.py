@@ -84,8 +84,16 @@ class TrainerEngine:
         self.critic_opt = None
         self.critic_optim = optim.critic_optim(cfg)
         if self.stage == "ray_ppo":
-            self.critic = models.load_critic(cfg, self.device, self.group)
+            self.critic = models.load_critic(cfg, self.device, self.group, self.actor)
             self.critic_opt = optim.adamw(self.critic, self.critic_optim, fused)
+        # critic.shared_backbone: the value head is on the actor, and its loss joins the actor's backward, which
+        # steps both (models.ValueHeadOnActor); the gradient norm and its clip cover both
+        self.shared_value = self.critic is not None and cfg.critic.shared_backbone
+        if self.shared_value:
+            self._actor_trained = torch.nn.ModuleList([self.actor, self.critic])
+            self._actor_opts = optim.Joint(self.actor_opt, self.critic_opt)
+        else:
+            self._actor_trained, self._actor_opts = self.actor, self.actor_opt
         self.ref_model = models.load_reference(cfg, self.device) if cfg.algorithm.kl_penalty == "full" else None
         # reward normalisation: running statistics of every score seen (checkpointed with the optimizers)
         self.reward_moments = algo.RunningMoments() if cfg.algorithm.normalize_reward else None
@@ -225,7 +233,7 @@ class TrainerEngine:
         losses = [losses] if isinstance(losses, torch.Tensor) else losses
         if self.ptx is not None:
             losses = itertools.chain(losses, [self._ptx_loss()])
-        return self._optimizer_step("actor", self.actor, self.actor_opt, losses, self.actor_optim.clip_grad)
+        return self._optimizer_step("actor", self._actor_trained, self._actor_opts, losses, self.actor_optim.clip_grad)
 
     def _ptx_loss(self) -> torch.Tensor:
         """``ptx_coef`` x the SFT loss on the next rows of data.pretrain_data (as many rows as one actor minibatch)."""
@@ -396,7 +404,7 @@ class TrainerEngine:
         """Actor and critic are separate models with separate losses, so their passes can run side by side (as
         OpenRLHF and veRL run them on separate workers); the results are the same as one after the other. On a CPU
         the two sides split the intra-op threads (:meth:`_side_threads`), so it needs two of them."""
-        if self.group is not None:  # two threads' collectives could interleave differently on each rank
+        if self.group is not None or self.shared_value:  # collectives could interleave; or one model, one backward
             return False
         return self.device.type != "cpu" or torch.get_num_threads() >= 2
 
@@ -432,7 +440,7 @@ class TrainerEngine:
             ]
             critic_mbs = [
                 list(self._minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch))
-                for _ in range(c.critic_update_epochs)
+                for _ in range(0 if self.shared_value else c.critic_update_epochs)  # shared: the actor's minibatches
             ]
             # OpenRLHF's freezing_actor_steps: the critic learns values of a fixed policy before the actor moves
             frozen = self.state.step < a.freezing_actor_steps
@@ -518,7 +526,9 @@ class TrainerEngine:
 
     def _actor_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]], held=None):
         """The actor's PPO epochs. ``held``: the first micro-batch's logits, already computed (with their graph) at
-        these weights by the old pass (:meth:`_old_logprobs`)."""
+        these weights by the old pass (:meth:`_old_logprobs`). With ``critic.shared_backbone`` each micro-batch's
+        loss also holds its value loss (TRL's ``pg_loss + vf_coef * vf_loss``), from the value head on the same
+        backbone."""
         a, C = self.cfg.actor, b.context_length
         stats: dict[str, list[float]] = {}
         behavior = self._behavior(b, r.logprobs)
@@ -555,6 +565,8 @@ class TrainerEngine:
                     **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
                 },
             )
+            if self.shared_value:
+                return weight * loss + self._value_micro_loss(b, r, mu, mb, stats)
             return weight * loss
 
         self._actor_epochs(minibatches, a.micro_batch_size, micro_loss, stats)
@@ -564,32 +576,38 @@ class TrainerEngine:
         """The critic's epochs: each minibatch is one optimizer step over the weighted value losses of its
         micro-batches (``critic.micro_batch_size``), gradients accumulating. ``held``: the first micro-batch's values,
         already computed (with their graph) at these weights by the old pass (:meth:`_old_values`)."""
-        c, C = self.cfg.critic, b.context_length
+        c = self.cfg.critic
         stats: dict[str, list[float]] = {}
         held = [held] if held is not None else []
 
         def micro_loss(mu: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
-            vpred = held.pop() if held else self._critic_rows(b.query_responses[mu], C)
-            vpred = vpred.masked_fill(r.padding_mask_p1[mu], 0.0)
-            vf_loss, vf_stats = algo.value_loss(
-                vpred, r.values[mu], r.returns[mu], r.value_mask[mu], cliprange_value=c.cliprange_value
-            )
-            _append(
-                stats,
-                {
-                    "loss/value": vf_loss.item(),
-                    "val/clipfrac": vf_stats["clipfrac"].item(),
-                    "val/vpred": vf_stats["vpred"].item(),
-                },
-            )
-            # the value loss is a token mean over value_mask: each micro-batch weighs by its share of those tokens
-            return optim.micro_weight("tokens", r.value_mask[mu], r.value_mask[mb]) * c.vf_coef * vf_loss
+            return self._value_micro_loss(b, r, mu, mb, stats, held.pop() if held else None)
 
         for epoch in minibatches:
             for mb in epoch:
                 losses = (micro_loss(mu, mb) for mu in optim.micro_batches(mb, c.micro_batch_size))
                 self._optimizer_step("critic", self.critic, self.critic_opt, losses, self.critic_optim.clip_grad)
         return stats
+
+    def _value_micro_loss(self, b: RolloutBatch, r, mu, mb, stats, vpred: torch.Tensor | None = None) -> torch.Tensor:
+        """``vf_coef`` x the clipped value loss of micro-batch ``mu`` of minibatch ``mb``, weighted by its share of
+        the minibatch's value tokens (the loss is a token mean over value_mask). ``vpred``: its values, when held."""
+        c = self.cfg.critic
+        if vpred is None:
+            vpred = self._critic_rows(b.query_responses[mu], b.context_length)
+        vpred = vpred.masked_fill(r.padding_mask_p1[mu], 0.0)
+        vf_loss, vf_stats = algo.value_loss(
+            vpred, r.values[mu], r.returns[mu], r.value_mask[mu], cliprange_value=c.cliprange_value
+        )
+        _append(
+            stats,
+            {
+                "loss/value": vf_loss.item(),
+                "val/clipfrac": vf_stats["clipfrac"].item(),
+                "val/vpred": vf_stats["vpred"].item(),
+            },
+        )
+        return optim.micro_weight("tokens", r.value_mask[mu], r.value_mask[mb]) * c.vf_coef * vf_loss
 
     def _group(self, b: RolloutBatch) -> dict[str, float]:
         """GRPO / RLOO / REINFORCE++: advantages from each prompt's group of samples, no critic.

@@ -29,6 +29,8 @@ ONE_PROCESS_ONLY = {
     "hold whole; use k1 / k3 (the reference service's log-probs)",
     "actor_rollout.ptx_coef": "PPO-ptx's pretraining texts are read by one cursor, not split across ranks: every rank "
     "would train on the same texts",
+    "critic.shared_backbone": "the value head joins the actor's backward on the actor's own modules, which a group "
+    "shards; a sharded shared backbone is not built (use a separate critic)",
     "critic.save": "it writes the critic as a Hugging Face folder from the process that holds it whole; in a group the "
     "critic is sharded (its shards are in the group's checkpoints)",
 }
@@ -47,6 +49,7 @@ def refuse_in_group(cfg: ExperimentConfig) -> None:
         "algorithm.kl_penalty: full": cfg.algorithm.kl_penalty == "full",
         "actor_rollout.ptx_coef": cfg.actor.ptx_coef > 0,
         "critic.save": cfg.critic.save is not None,
+        "critic.shared_backbone": cfg.critic.shared_backbone,
     }
     why = [f"{key}: {ONE_PROCESS_ONLY[key]}" for key, on in used.items() if on]
     if why:
@@ -80,9 +83,13 @@ def load_actor(cfg: ExperimentConfig, path: str, device: torch.device, group: di
     return actor
 
 
-def load_critic(cfg: ExperimentConfig, device: torch.device, group: dist.Group | None) -> torch.nn.Module:
-    """The PPO critic: ``critic.load``, else the first reward model scorer's model (a value head that starts from the
-    reward model, as TRL's PPO examples do)."""
+def load_critic(
+    cfg: ExperimentConfig, device: torch.device, group: dist.Group | None, actor: torch.nn.Module
+) -> torch.nn.Module:
+    """The PPO critic: a value head on ``actor`` with ``critic.shared_backbone``; else ``critic.load``, else the first
+    reward model scorer's model (a value head that starts from the reward model, as TRL's PPO examples do)."""
+    if cfg.critic.shared_backbone:  # refused in a group (refuse_in_group)
+        return ValueHeadOnActor(actor, device)
     src = cfg.critic.load or next((s.load for s in cfg.reward.scorers if s.type == "model"), None) or "tiny:reward"
     path = resolve_model_path(src)
     if group is not None:
@@ -97,6 +104,37 @@ def load_critic(cfg: ExperimentConfig, device: torch.device, group: dist.Group |
     critic = load_sequence_classifier(path, device)
     _train_mode(critic, cfg)
     return critic
+
+
+class ValueHeadOnActor(torch.nn.Module):
+    """PPO's critic as seed 001 builds it (``critic.shared_backbone``; TRL's AutoModelForCausalLMWithValueHead): a
+    linear value head on the actor's own backbone. The backbone is the actor's (its LoRA adapters included), held but
+    not registered, so this module's parameters and state dict are the head's alone; it has the interface
+    ``rlhf.models.score_head_outputs`` reads (``base_model_prefix``, ``score``)."""
+
+    base_model_prefix = "backbone"
+
+    def __init__(self, actor: torch.nn.Module, device: torch.device):
+        super().__init__()
+        base = actor.get_base_model() if hasattr(actor, "peft_config") else actor
+        object.__setattr__(self, "backbone", getattr(base, base.base_model_prefix))  # shared, not a submodule
+        self.config = base.config  # the packed (padding-free) path reads the attention settings from it
+        self.score = torch.nn.Linear(base.config.hidden_size, 1, bias=False, device=device)
+
+    def save_pretrained(self, directory, safe_serialization: bool = True) -> None:
+        """The head alone (``value_head.safetensors``): the backbone is the actor's, saved with it."""
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        head = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(head, f"{directory}/value_head.safetensors")
+
+    def load_folder(self, directory) -> None:
+        from safetensors.torch import load_file
+
+        self.load_state_dict(load_file(f"{directory}/value_head.safetensors"))
 
 
 def fixed_reward_stats(cfg: ExperimentConfig) -> algo.FixedMoments | None:

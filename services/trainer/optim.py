@@ -117,3 +117,19 @@ def clip(model: torch.nn.Module, max_norm: float) -> float:
             norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
     value = float(dist.full_value(norm))
     return value if math.isfinite(value) else float("nan")
+
+
+class Joint:
+    """Optimizers stepped as one: ``critic.shared_backbone``'s actor and value head, whose joint loss has one
+    backward (each keeps its own settings and state, so checkpoints hold them as for a separate critic)."""
+
+    def __init__(self, *opts: torch.optim.Optimizer):
+        self.opts = opts
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.opts:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for opt in self.opts:
+            opt.step()

@@ -183,6 +183,10 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         "tests/integration/test_lora_adapter_sync.py::"
         "test_vllm_serves_each_pushed_adapter_as_the_merged_model_and_unloads_the_old_one_after_its_requests",
     ],
+    "critic.shared_backbone": [
+        "tests/trainer/test_shared_value_head.py::test_the_value_loss_trains_the_shared_backbone_and_only_there",
+        "tests/trainer/test_shared_value_head.py::test_the_values_are_a_head_on_the_actors_own_hidden_states",
+    ],
     "actor_rollout_ref.actor_rollout.lr": SCHEDULE,
     "actor_rollout_ref.actor_rollout.weight_decay": [PER_ROLE],
     "actor_rollout_ref.actor_rollout.adam_beta1": [PER_ROLE],

@@ -19,6 +19,7 @@ from services.trainer.models import NO_LOAD_OPTIM_IN_GROUP, ONE_PROCESS_ONLY, re
             {"actor_rollout_ref": {"actor_rollout": {"ptx_coef": 0.1}}, "data": {"pretrain_data": "x.jsonl"}},
         ),
         ("critic.save", {"critic": {"save": "critic-out"}}),
+        ("critic.shared_backbone", {"critic": {"shared_backbone": True}}),
     ],
 )
 def test_each_one_process_option_is_refused_with_its_reason(key, section):
