@@ -156,6 +156,11 @@ class VllmAdapters:
             prepare_seconds=t1 - t0,
         )
 
+    @property
+    def collective_ranks(self) -> int:
+        # an adapter's collective push is received by this process alone, whatever vLLM's worker count
+        return 1 if self._slots is not None else super().collective_ranks
+
     def streams_update(self, total_bytes: int) -> bool:
         return False if self._slots is not None else super().streams_update(total_bytes)
 

@@ -107,3 +107,56 @@ def test_vllm_serves_each_pushed_adapter_as_the_merged_model_and_unloads_the_old
     torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(want), rtol=0, atol=2e-4)
     # ...and then its adapter went: from the engine and from disk
     assert loaded == [2] and loras == {2} and [f.name for f in folders] == ["v2"]
+
+
+def test_an_adapter_push_reaches_vllm_over_the_data_plane_and_the_collective_path(tiny_models, adapters, monkeypatch):
+    """Through the rollout servicer, as the trainer pushes: Open / data plane / Commit, then a gloo broadcast; each
+    time the replica serves the pushed adapter under the pushed version and checksum."""
+    from rlhf.serving import ServiceMetrics, ServiceSettings
+    from rlhf.transport.weights import pack_weights, push_weights, push_weights_many
+    from services.rollout.grpc_servicer import RolloutServicer, add_to_server
+    from services.rollout.vllm_engine import VllmEngine
+    from services.rollout.vllm_lora import LoraSpec
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
+        os.environ.setdefault(k, v)
+    (a1, merged1), (a2, merged2) = adapters
+    greedy = SamplingOptions(n=1, max_tokens=8, temperature=0.0)
+    token = "lora-adapter-sync"
+
+    async def main():
+        import grpc
+
+        eng = VllmEngine(tiny_models.policy, "tiny:policy", mode="inproc", lora=LoraSpec(8, 16.0, tuple(TARGETS)))
+        await eng.start()
+        assert eng.collective_ranks == 1
+        servicer = RolloutServicer(eng, ServiceSettings(api_token=token), ServiceMetrics("rollout"))
+        server = grpc.aio.server()
+        add_to_server(servicer, server)
+        addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        await servicer.start_data_plane("127.0.0.1", 0)
+        seen = []
+        try:
+            for version, adapter, transport in ((1, a1, "tcp"), (2, a2, "collective")):
+                packed = pack_weights(dict(adapter), version)
+                if transport == "tcp":
+                    resp = await push_weights(addr, packed, token=token, transport="tcp")
+                else:
+                    resp = (await push_weights_many([addr], packed, token=token, transport="collective"))[addr]
+                assert (resp.version, resp.checksum) == (version, packed.checksum), resp
+                assert eng.weights_checksum == packed.checksum
+                seen.append(await eng.generate(PROMPTS, greedy))
+        finally:
+            await servicer.close_data_plane()
+            await server.stop(None)
+            await eng.close()
+        return seen
+
+    seen = asyncio.run(main())
+    for results, weights in zip(seen, (merged1, merged2), strict=True):
+        for prompt, result in zip(PROMPTS, results, strict=True):
+            s = result.samples[0]
+            want = _logprobs(tiny_models, weights, prompt, s.token_ids)
+            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(want), rtol=0, atol=2e-4)
