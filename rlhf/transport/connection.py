@@ -19,6 +19,7 @@ docs/redis-ha.md. A Redis Cluster refuses ``wait_replicas`` (see :func:`parse_re
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,9 +168,24 @@ def parse_redis_url(url: str) -> RedisTarget:
     )
 
 
+# A Redis host that vanishes (node lost, link cut: no FIN, no RST) must fail its connections within seconds, as a
+# restart does, so the caller's retry reaches Sentinel's new master: left to Linux, a write to it is retransmitted
+# for ~15 minutes (tcp_retries2) and an idle connection is probed after redis-py's 30 s. make cluster-check's
+# redis_master_cut hung on exactly that. TCP_USER_TIMEOUT bounds unacknowledged data and unanswered probes alike.
+DEAD_PEER_S = 10
+
+
+def dead_peer_socket_options() -> dict[int, int]:
+    """redis-py's ``socket_keepalive_options`` (set at IPPROTO_TCP): keepalive probes after 3 s idle, every 2 s, and
+    ``TCP_USER_TIMEOUT`` of :data:`DEAD_PEER_S`; options the platform lacks are left out."""
+    wanted = (("TCP_KEEPIDLE", 3), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", DEAD_PEER_S * 1000))
+    return {getattr(socket, name): value for name, value in wanted if hasattr(socket, name)}
+
+
 def connect(url: str | None = None, **kwargs: Any) -> Any:
     """An asyncio Redis client fit for the queues: bytes responses (payloads are protobuf), no read timeout (blocking
-    reads), TCP keepalive, periodic health checks. ``url`` defaults to ``$RLHF_REDIS_URL``, then the local server.
+    reads), a dead peer detected in seconds (:func:`dead_peer_socket_options`), periodic health checks. ``url``
+    defaults to ``$RLHF_REDIS_URL``, then the local server.
 
     Returns a :class:`redis.asyncio.Redis` (single, Sentinel: its master) or :class:`redis.asyncio.RedisCluster`,
     with the URL's :class:`WaitPolicy` attached (:func:`wait_policy`).
@@ -183,6 +199,7 @@ def connect(url: str | None = None, **kwargs: Any) -> Any:
         "socket_timeout": None,
         "socket_connect_timeout": 5.0,
         "socket_keepalive": True,
+        "socket_keepalive_options": dead_peer_socket_options(),
         "health_check_interval": 30,
     }
     opts.update(kwargs)
@@ -196,6 +213,8 @@ def connect(url: str | None = None, **kwargs: Any) -> Any:
             "password": target.sentinel_password,
             "socket_connect_timeout": opts["socket_connect_timeout"],
             "socket_timeout": 5.0,  # sentinels answer at once; a dead one must not hang master discovery
+            "socket_keepalive": True,
+            "socket_keepalive_options": opts["socket_keepalive_options"],
             "ssl": target.tls,
         }
         sentinel = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_kwargs, ssl=target.tls, db=target.db, **auth)

@@ -212,3 +212,38 @@ def test_a_write_lost_in_a_failover_is_reissued_after_the_idle_timeout_and_wait_
         asyncio.run(body(group))
     finally:
         group.stop()
+
+
+def test_connections_give_up_on_a_vanished_host_in_seconds_not_minutes(sentinel_group):
+    """A host cut off (no FIN, no RST) must fail the client's connections in DEAD_PEER_S, so the retry finds the new
+    master (make cluster-check's redis_master_cut): the sockets to the master and to the sentinels carry
+    TCP_USER_TIMEOUT and short keepalive probes, read back from the kernel here."""
+    import socket
+
+    from rlhf.transport.connection import DEAD_PEER_S
+
+    async def main():
+        client = connect(sentinel_group.url)
+        await client.ping()
+        conns = [*client.connection_pool._available_connections, *client.connection_pool._in_use_connections]
+        sentinel_conns = [
+            c
+            for s in client.connection_pool.sentinel_manager.sentinels
+            for c in s.connection_pool._available_connections
+        ]
+        socks = [c._writer.get_extra_info("socket") for c in conns + sentinel_conns]
+        options = [
+            (
+                s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+                s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+            )
+            for s in socks
+        ]
+        await client.aclose()
+        return options, len(conns), len(sentinel_conns)
+
+    options, to_master, to_sentinels = asyncio.run(main())
+    assert to_master >= 1 and to_sentinels >= 1
+    for user_timeout_ms, keepalive, idle_s in options:
+        assert user_timeout_ms == DEAD_PEER_S * 1000 and keepalive == 1 and idle_s <= 5
