@@ -135,7 +135,11 @@ class Fleet:
         version = None
         if addrs:
             self._replicas = set(addrs)
-            version = await self._push_to(addrs, packed)
+            # A replica whose last push failed (a host cut off, say) is left to the catch-up loop, which pushes to it
+            # once it answers again: a push to it would wait out its connection deadline every step, and a trainer
+            # group trains only after its push (make cluster-check's rollout_cut trained one step in 30 s).
+            healthy = [a for a in addrs if a not in self._lagging]
+            version = await self._push_to(healthy or addrs, packed)
         await self.publisher.pushed(version, jobs)
 
     def _delta_on(self, packed) -> bool:
