@@ -74,6 +74,14 @@ CHAOS_ROUNDS ?= 3
 chaos: $(VENV)/.stamp  ## a ring under scripted faults (kill -9 of each service, Redis restart, poison...): one JSON line
 	$(PY) tests/e2e/chaos.py --rounds $(CHAOS_ROUNDS) --out .cache/chaos.json $(CHAOS_ARGS)
 
+# The ring on nine hosts made of network namespaces on this machine (root): a Redis Sentinel group on three, reward,
+# reference, two rollout replicas and a 2 x 2 torchrun trainer group, under network faults (links cut, a partition,
+# a trainer node killed); one JSON line, also in .cache/cluster.json. About 4-5 minutes; not part of `make test`
+# (docs/reliability.md, "A cluster on one machine"). Leftovers of a killed run: $(PY) -m tests.cluster.run --cleanup
+.PHONY: cluster-check
+cluster-check: $(VENV)/.stamp  ## the ring on 9 network-namespace hosts under network faults (root; ~5 min): one JSON line
+	$(PY) -m tests.cluster.run --out .cache/cluster.json $(CLUSTER_ARGS)
+
 # The CUDA device check (docs/device-check.md). It runs on a GPU host's own python3 and torch, from the tree (the
 # project is not installed there: that would replace its torch); what that host lacks travels in .whl/ (git-ignored;
 # name it in the device tool's `carry`), made here by device-bundle: wheels for Python 3.12 and Debian's redis-server.

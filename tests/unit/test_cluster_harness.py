@@ -1,0 +1,48 @@
+"""The pure logic of the cluster harness (tests/cluster/netns.py): the address plan and the subnet-in-use check.
+Nothing here touches the machine's network."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cluster import netns
+
+
+def test_address_plan_leaves_the_bridge_first_and_hosts_in_order():
+    bridge, hosts = netns.plan_addresses(["a", "b", "c"], "10.213.7.0/24")
+    assert bridge == "10.213.7.1"
+    assert hosts == {"a": "10.213.7.11", "b": "10.213.7.12", "c": "10.213.7.13"}
+
+
+def test_address_plan_refuses_repeats_and_overflow():
+    with pytest.raises(ValueError, match="repeat"):
+        netns.plan_addresses(["a", "a"])
+    with pytest.raises(ValueError, match="do not fit"):
+        netns.plan_addresses([f"h{i}" for i in range(10)], "10.0.0.0/28")
+
+
+@pytest.mark.parametrize(
+    ("in_use", "hit"),
+    [
+        (["192.0.2.2/24", "default", "192.0.2.0/24", "127.0.0.1/8"], []),
+        (["10.213.7.5/24"], ["10.213.7.5/24"]),  # an address inside it
+        (["10.213.0.0/16"], ["10.213.0.0/16"]),  # a route that covers it
+        (["10.213.7.128/25"], ["10.213.7.128/25"]),  # a route inside it
+        (["10.213.8.0/24", "fd00::2/64", "not an address", ""], []),
+    ],
+)
+def test_subnet_in_use(in_use, hit):
+    assert netns.overlapping("10.213.7.0/24", in_use) == hit
+
+
+def test_host_names():
+    assert netns.valid_name("rollout-0")
+    assert not netns.valid_name("bad name")
+    assert not netns.valid_name("")
+
+
+def test_network_plan_names_links_within_linux_limits():
+    net = netns.Network(["redis-a", "trainer-1"])
+    assert [h.veth for h in net.hosts.values()] == ["rlhfc-v0", "rlhfc-v1"]
+    assert all(len(n) <= 15 for n in [net.bridge, net.side_b, *(h.veth for h in net.hosts.values())])
+    assert net.host("trainer-1").wrap(["true"]) == ["ip", "netns", "exec", "rlhfc-trainer-1", "true"]
