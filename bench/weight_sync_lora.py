@@ -129,6 +129,8 @@ def _rings(paths, work) -> dict[str, dict[str, Any]]:
 
 async def lora_bench() -> None:
     started = time.monotonic()
+    import torch
+
     paths = build_model("small")
     work = CACHE / "weight_sync_lora"
     (work / "logs").mkdir(parents=True, exist_ok=True)
@@ -144,7 +146,7 @@ async def lora_bench() -> None:
         "weight_sync_lora",
         settings={
             "resources": {
-                "trainer": side(1, "this process: pack_weights and the push call"),
+                "trainer": side(torch.get_num_threads(), "this process: pack_weights and the push call"),
                 "replica": side(rollout_threads("vllm"), "rlhf serve rollout, vLLM engine, fp32, data plane on"),
             },
             "policy": "small",

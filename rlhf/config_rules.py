@@ -20,7 +20,9 @@ _STAGE_ESTIMATORS = {
     "ray_rloo": ("gae", "rloo"),
     "ray_reinforce_plus_plus": ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
 }
-VLLM_MAX_LORA_RANK = 512  # the largest of vLLM's LoRAConfig.max_lora_rank choices
+# vLLM's LoRAConfig.max_lora_rank choices: an engine is started with the smallest one that holds the adapter's rank
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_MAX_LORA_RANK = VLLM_LORA_RANKS[-1]
 CRITIC_FREE = ("ray_grpo", "ray_rloo", "ray_reinforce_plus_plus")
 # the critic-free fields -> the stages that read them: one set for another stage is an error, never ignored.
 # (The older fields, e.g. dpo_beta or lam, are not checked: shared configs set them for every stage.)

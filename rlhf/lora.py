@@ -65,8 +65,6 @@ def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # them as an adapter folder and serves it as a LoRA adapter (services/rollout/vllm_lora.py).
 
 ADAPTER_PREFIX = "base_model.model."
-# vLLM's LoRAConfig.max_lora_rank choices: an engine is started with the smallest one that holds the adapter's rank.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def pushes_adapter(actor) -> bool:

@@ -38,13 +38,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rlhf.lora import adapter_manifest
 from rlhf.serving.errors import Internal, NotReady
 from services.rollout.engine import EngineBase
 from services.rollout.engine_types import EngineHooks, PromptResult, Sample
 from services.rollout.options import SamplingOptions
 from services.rollout.swap import read_checkpoint_manifest
-from services.rollout.vllm_lora import AdapterSlots, LoraSpec, VllmAdapters
+from services.rollout.vllm_lora import LoraSpec, VllmAdapters
 from services.rollout.vllm_weights import LOAD_BUCKET_BYTES, VllmWeights
 
 log = logging.getLogger("rlhf.rollout.vllm")
@@ -127,9 +126,7 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
     ):
         super().__init__(model_path, model_name, hooks)
         # Adapter-only weight sync (actor_rollout.lora_sync adapter): pushes are LoRA adapters (vllm_lora.py)
-        self.lora = lora
-        self._slots: AdapterSlots | None = None
-        self._adapter_lock = asyncio.Lock()
+        self._init_adapters(lora)
         if max_model_len:
             self.max_model_len = min(self.max_model_len, int(max_model_len))
         if mode is None:
@@ -193,9 +190,7 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
 
             torch._dynamo.config.disable = True
         self._manifest = await asyncio.to_thread(read_checkpoint_manifest, self.model_path)
-        if self.lora is not None:  # a push is the adapter: checked against its names and shapes
-            self._manifest = adapter_manifest(self._manifest, self.lora.r, list(self.lora.target_modules))
-            self._slots = AdapterSlots(self.lora, str(self.model_path))
+        self._start_adapters()
         self._tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
         if self.mode == "inproc":
             started: asyncio.Future = loop.create_future()
@@ -421,20 +416,20 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
         )
 
     async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
+        # vLLM refuses n > 1 with greedy decoding: send n requests of one sample each instead
+        reps = params.n if params.greedy and params.n > 1 else 1
         if self._slots is None:
-            return self._results(prompts, params, version, await self._submit(prompts, params, None))
+            return self._results(prompts, params, version, reps, await self._submit(prompts, params, reps, None))
         # bound to the adapter of the version it was admitted under (before any await: no swap comes in between)
         lora = self._slots.acquire(version)
         try:
-            outs = await self._submit(prompts, params, lora)
+            outs = await self._submit(prompts, params, reps, lora)
         finally:
             for done in self._slots.release(version):
                 await self._unload_adapter(done)
-        return self._results(prompts, params, version, outs)
+        return self._results(prompts, params, version, reps, outs)
 
-    async def _submit(self, prompts: list[list[int]], params: SamplingOptions, lora: Any) -> list[Any]:
-        # vLLM refuses n > 1 with greedy decoding: send n requests of one sample each instead
-        reps = params.n if params.greedy and params.n > 1 else 1
+    async def _submit(self, prompts: list[list[int]], params: SamplingOptions, reps: int, lora: Any) -> list[Any]:
         sp = self._sampling_params(replace(params, n=1) if reps > 1 else params)
         flat = [p for p in prompts for _ in range(reps)]
         if self.mode == "inproc":
@@ -448,9 +443,8 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
             raise
 
     def _results(
-        self, prompts: list[list[int]], params: SamplingOptions, version: int, outs: list[Any]
+        self, prompts: list[list[int]], params: SamplingOptions, version: int, reps: int, outs: list[Any]
     ) -> list[PromptResult]:
-        reps = params.n if params.greedy and params.n > 1 else 1
         results = []
         for i, prompt in enumerate(prompts):
             samples = []

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlhf.lora import VLLM_LORA_RANKS, write_adapter
+from rlhf.config_rules import VLLM_LORA_RANKS
+from rlhf.lora import adapter_manifest, write_adapter
 from rlhf.serving.errors import Internal
 from services.rollout.engine import EngineBase
 from services.rollout.engine_types import SwapResult
@@ -110,11 +111,25 @@ class AdapterSlots:
 class VllmAdapters:
     """The adapter path of :class:`~services.rollout.vllm_engine.VllmEngine` (listed first in its bases): its
     overrides of the weight hooks when the engine serves adapters (``_slots`` set at start), else the full-model
-    paths of :class:`~services.rollout.vllm_weights.VllmWeights`. The driver provides ``mode``, ``_call``,
-    ``_async``, ``served``, ``_manifest``, ``_slots`` and ``_adapter_lock``."""
+    paths of :class:`~services.rollout.vllm_weights.VllmWeights`. Its state comes from :meth:`_init_adapters` and
+    :meth:`_start_adapters`, which the driver calls; the driver provides ``mode``, ``_call`` and ``_async``, and
+    EngineBase ``served``, ``model_path`` and ``_manifest``."""
 
     _slots: AdapterSlots | None
     _adapter_lock: asyncio.Lock
+
+    def _init_adapters(self, lora: LoraSpec | None) -> None:
+        """The adapter path's state, from the engine's ``lora`` argument (None: full-model pushes)."""
+        self.lora = lora
+        self._slots = None  # made at start (_start_adapters), once the checkpoint's manifest is read
+        self._adapter_lock = asyncio.Lock()
+
+    def _start_adapters(self) -> None:
+        """At start, after the checkpoint's manifest is read: a push is the adapter, checked against its names and
+        shapes, and its folders go in a private directory."""
+        if self.lora is not None:
+            self._manifest = adapter_manifest(self._manifest, self.lora.r, list(self.lora.target_modules))
+            self._slots = AdapterSlots(self.lora, str(self.model_path))
 
     async def swap_weights(
         self, tensors: dict[str, Any], version: int, checksum: str, parent_version: int | None = None

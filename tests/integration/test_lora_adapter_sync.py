@@ -78,7 +78,8 @@ def test_vllm_serves_each_pushed_adapter_as_the_merged_model_and_unloads_the_old
             assert r1.swapped and eng.weights_version == 1 and eng.weights_checksum == "c1"
             seen["v1"] = await eng.generate(PROMPTS, greedy)
             in_flight = asyncio.ensure_future(eng.generate([PROMPTS[0]], long))  # admitted under version 1
-            await asyncio.sleep(0.3)
+            while not await eng._call(lambda llm: llm.get_num_unfinished_requests()):  # in the engine's batch
+                await asyncio.sleep(0.01)
             await eng.swap_weights(dict(a2), 2, "c2")  # no pause: it does not wait for the request in flight
             assert not in_flight.done()
             assert eng._slots.loaded == [1, 2]  # version 1's adapter stays while its request runs
