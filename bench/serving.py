@@ -48,6 +48,10 @@ from bench._common import (
 )
 
 CONCURRENCY = (1, 8, 32)
+SERVICES = ("reward", "reference", "rollout")
+# While working on one figure: BENCH_SERVICES=reward BENCH_CONCURRENCY=8 measures that alone (`make bench` runs all).
+SERVICES = tuple(x for x in os.environ.get("BENCH_SERVICES", ",".join(SERVICES)).split(",") if x in SERVICES)
+CONCURRENCY = tuple(int(x) for x in os.environ.get("BENCH_CONCURRENCY", "1,8,32").split(",") if int(x) in CONCURRENCY)
 REQUESTS = {1: 40, 8: 96, 32: 192}  # per way and repetition
 ROLLOUT_REQUESTS = {1: 16, 8: 48, 32: 96}
 REPEATS = 2
@@ -142,7 +146,7 @@ async def main() -> None:
 
     results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     worst_over = {c: 0.0 for c in CONCURRENCY}
-    for name in ("reward", "reference", "rollout"):
+    for name in SERVICES:
         log(f"bench.serving: {name}: starting the service and the in-process engine")
         grpc_req, (path, body), inproc_items = make_calls(name, vocab)
         if name == "reward":

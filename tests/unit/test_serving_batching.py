@@ -120,3 +120,74 @@ def test_works_across_event_loops():
     b = MicroBatcher(rec, max_rows=10, max_cost=10)
     assert asyncio.run(b.submit(1, [1], 1)) == [(1, 10)]
     assert asyncio.run(b.submit(2, [2], 1)) == [(2, 20)]
+
+
+def test_callers_served_together_are_merged_again_when_they_come_back_staggered():
+    """Four callers served by one call return 0-30 ms apart: with regathering their next requests make one call
+    again (the model waits for them); without, the first to return starts alone and the group splits."""
+
+    def run_round(regather_s: float) -> tuple[list[int], int]:
+        sizes: list[int] = []
+
+        def slow(key, rows):
+            import time
+
+            time.sleep(0.1)
+            return rows
+
+        b = MicroBatcher(
+            slow, max_rows=100, max_cost=100, on_batch=lambda n, rows: sizes.append(n), regather_s=regather_s
+        )
+
+        async def caller(i: int) -> None:
+            await b.submit("k", [i], 1)  # round 1: all at once
+            await asyncio.sleep(0.01 * i)  # the trip back and the next request: staggered
+            await b.submit("k", [i], 1)
+
+        async def main() -> None:
+            await asyncio.gather(*(caller(i) for i in range(4)))
+
+        asyncio.run(main())
+        return sizes, b.regathers
+
+    with_wait, waits = run_round(1.0)
+    assert with_wait == [4, 4] and waits == 1
+    without, waits = run_round(0.0)
+    assert without[0] == 4 and without[1] == 1 and len(without) >= 3 and waits == 0
+
+
+def test_a_lone_caller_never_waits_to_regather():
+    def quick(key, rows):
+        return rows
+
+    b = MicroBatcher(quick, max_rows=100, max_cost=100, regather_s=1.0)
+
+    async def main() -> None:
+        for i in range(5):
+            assert await b.submit("k", [i], 1) == [i]
+
+    asyncio.run(main())
+    assert b.regathers == 0
+
+
+def test_a_regathering_wait_ends_when_the_budget_is_full():
+    """Callers expected back, but the queued rows already fill a call: no wait."""
+
+    def slow(key, rows):
+        import time
+
+        time.sleep(0.05)
+        return rows
+
+    b = MicroBatcher(slow, max_rows=2, max_cost=100, regather_s=1.0)
+
+    async def caller(i: int) -> None:
+        await b.submit("k", [i], 1)
+        await asyncio.sleep(0.005 * i)
+        await b.submit("k", [i, i], 2)
+
+    async def main() -> None:
+        await asyncio.gather(*(caller(i) for i in range(2)))
+
+    asyncio.run(main())
+    assert b.regathers == 0
