@@ -191,3 +191,25 @@ def test_a_regathering_wait_ends_when_the_budget_is_full():
 
     asyncio.run(main())
     assert b.regathers == 0
+
+
+def test_requests_queued_behind_a_one_off_call_do_not_wait_for_its_caller():
+    """The ring's pattern: one job's request runs alone, the batch's others queue behind it; its caller is not coming
+    back, so the queued call starts as soon as the model is free."""
+
+    def slow(key, rows):
+        import time
+
+        time.sleep(0.05)
+        return rows
+
+    sizes: list[int] = []
+    b = MicroBatcher(slow, max_rows=100, max_cost=100, on_batch=lambda n, rows: sizes.append(n), regather_s=1.0)
+
+    async def main() -> None:
+        first = asyncio.ensure_future(b.submit("k", [0], 1))
+        await asyncio.sleep(0.01)  # the first call is running
+        await asyncio.gather(first, *(b.submit("k", [i], 1) for i in range(1, 4)))
+
+    asyncio.run(main())
+    assert sizes == [1, 3] and b.regathers == 0
