@@ -1,21 +1,42 @@
-"""The compute bound of bench.pipeline: the model passes one ring step needs, back to back in one process.
+"""The compute bound of bench.pipeline: each phase of one ring step at its best thread count, its core-seconds over
+the cores.
 
 ``python -m bench._bound`` reads one JSON command on stdin and answers one line ``RESULT {json}`` on stdout::
 
-    {"config": {...experiment...}, "prompt_ids": [[...], ...], "prompt_texts": [...], "steps": 4}
+    {"config": {...experiment...}, "prompt_ids": [[...], ...], "prompt_texts": [...], "steps": 4, "cores": 2}
 
-Per step, with the same engine classes the services run (no process, queue, RPC or serialisation between them):
+Per step, with the same engine classes the services run (no process, queue, RPC or serialisation between them),
+the phases one ring step needs:
 
-1. generation: the rollout's ``hf`` engine, the batch's prompts in one ``generate`` call (the replica's batcher
-   merges the ring's concurrent jobs into one decode the same way);
+1. generation: the rollout engine the ring runs (``actor_rollout.engine``: ``hf``, or ``vllm`` with
+   ``BENCH_ENGINE=vllm``), the batch's prompts in one ``generate`` call (the replica's batcher merges the ring's
+   concurrent jobs into one decode the same way);
 2. reward: ``RewardEngine.score`` on the responses (the reward model's forward);
 3. reference: ``ReferenceEngine.logprobs`` (the reference model's forward);
 4. update: ``TrainerEngine.step`` on the experience records built from 1-3 (old log-probs and values, the
    actor's and critic's forward/backward and optimizer steps);
-5. weights: the new actor weights copied into the generation engine's model (in place; the ring streams them).
+5. weights: the new actor weights into the generation engine: hf, copied in place into its model (the ring streams
+   them); vLLM, ``swap_weights`` as the replica installs a push (its staged swap on a CPU), from a copy of the
+   actor's state dict (the trainer copies its push too).
 
-The process has every core (torch's default threads, ``OMP_NUM_THREADS`` = the cores it may run on). The answer
-holds each step's total and per-phase seconds, and (``"roofline": true``) how close the update comes to this
+Each phase runs once at every thread count t = 1..cores, in rising order on even steps and falling on odd ones,
+with ``torch.set_num_threads(t)`` in every thread that runs it: this one, the event loop's executor threads that run
+the forwards and decodes, and vLLM's engine thread (its in-process driver on a CPU, as the ring's replica runs it with
+one thread; vLLM's CPU worker turns torch.set_num_threads into a no-op for the whole process, expecting bound
+threads, which its in-process driver does not bind: this puts the real one back). The next phase takes the last
+run's output, and the trainer's state advances at each update (what counts is the time per phase). "t threads" is
+the intra-op threads the process grants: the update at t >= 2 runs the actor and the critic side by side on
+t - t // 2 and t // 2 of them (``TrainerEngine._side_threads``), at t = 1 one after the other on one thread.
+
+The bound: a phase's core-seconds at t are the least of its wall time times t and the process CPU seconds it
+measurably used (medians over the steady steps), its best the least over t; the bound's step time is the sum of the
+phases' best core-seconds over the cores. It is a lower bound of any ring on these cores, synchronous or not: a
+ring's step time times the cores is at least the CPU time it spends per step, and each phase costs it at least the
+CPU time the phase needs at its most frugal thread count, which the best core-seconds do not exceed (the CPU seconds
+are what the work took, wall x t caps them where threads beside the t add their own; running phases side by side in
+separate processes only adds contention). The CPU term keeps it a bound where the machine's load stretches a wall.
+``serial_step_s`` is the former figure: every phase with every thread, back to back in one process (the sum of the
+phases' walls at t = cores). With ``"roofline": true`` the answer also says how close the update comes to this
 machine's matmul rate (:func:`roofline`).
 """
 
@@ -24,31 +45,85 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+PHASES = ("generation", "reward", "reference", "update", "weights")
+
+
+def summary(raw: dict, cores: int) -> dict:
+    """The bound from the per-step measurements ``raw[phase][t] = {"wall_s": [...], "cpu_s": [...]}`` (steady steps
+    only): per phase and thread count the median wall, wall x t, the median CPU seconds and the core-seconds counted
+    (the least of the two); per phase its best thread count and core-seconds; the bound's step time (the best
+    core-seconds over ``cores``) and ``serial_step_s`` (the walls at t = cores, back to back)."""
+    phases: dict = {}
+    for name in PHASES:
+        per_t: dict = {}
+        for t, m in sorted(raw[name].items(), key=lambda kv: int(kv[0])):
+            wall, cpu = statistics.median(m["wall_s"]), statistics.median(m["cpu_s"])
+            per_t[str(t)] = {
+                "wall_s": wall,
+                "wall_x_threads_s": wall * int(t),
+                "cpu_s": cpu,
+                "core_s": min(wall * int(t), cpu),
+            }
+        best = min(per_t, key=lambda t: per_t[t]["core_s"])
+        phases[name] = {"threads": per_t, "best_threads": int(best), "best_core_s": per_t[best]["core_s"]}
+    core_s = sum(p["best_core_s"] for p in phases.values())
+    return {
+        "cores": cores,
+        "step_s": core_s / cores,
+        "core_s_per_step": core_s,
+        "serial_step_s": sum(p["threads"][str(cores)]["wall_s"] for p in phases.values()),
+        "phases": phases,
+    }
+
+
+def per_step(raw: dict, cores: int) -> list[float]:
+    """The bound's step time of each steady step alone (its phases' least core-seconds over the cores)."""
+    n = len(next(iter(raw[PHASES[0]].values()))["wall_s"])
+    return [
+        sum(min(min(m["wall_s"][i] * int(t), m["cpu_s"][i]) for t, m in raw[name].items()) for name in PHASES) / cores
+        for i in range(n)
+    ]
+
 
 async def run(c: dict) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
 
     from rlhf.config import parse_config
-    from rlhf.models import resolve_model_path
     from rlhf.v1 import common_pb2, experience_pb2
     from services.reference.engine import LogProbsItem, ReferenceEngine
     from services.reward.engine import RewardEngine
     from services.reward.scorers import Item
-    from services.rollout.hf_engine import HFEngine
+    from services.rollout.factory import engine_kind, make_engine
     from services.rollout.options import SamplingOptions
     from services.trainer.engine import TrainerEngine
 
     cfg = parse_config(c["config"])
     a = cfg.actor
+    kind = engine_kind(cfg, {})
+    cores = int(c.get("cores") or torch.get_num_threads())
+    counts = list(range(1, cores + 1))
+    loop = asyncio.get_running_loop()
+    # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process (it expects its threads
+    # bound, which its in-process driver does not do): the sweep and the trainer's actor/critic split need the real one
+    set_num_threads = torch.set_num_threads
+    # the forwards and decodes run in the event loop's executor threads: one pool per thread count, each of its
+    # threads set to that count (torch's thread count is per thread)
+    pools = {
+        t: ThreadPoolExecutor(4, thread_name_prefix=f"t{t}", initializer=set_num_threads, initargs=(t,)) for t in counts
+    }
     trainer = TrainerEngine(cfg, device="cpu")
-    gen = HFEngine(resolve_model_path(a.load), "policy", device="cpu", max_batch_rows=1024)
+    gen = make_engine(cfg, kind=kind, device="cpu", **({"max_batch_rows": 1024} if kind == "hf" else {}))
     await gen.start()
+    torch.set_num_threads = set_num_threads
     reward = RewardEngine(cfg, device="cpu")
     reward.load()
     ref = ReferenceEngine(cfg, device="cpu")
@@ -58,24 +133,51 @@ async def run(c: dict) -> dict:
     ref_t = cfg.logprob_temperature if cfg.logprob_temperature is not None else a.temperature
     batch = cfg.training.global_batch_size
     prompts_all = c["prompt_ids"]
-    steps: list[dict] = []
+    raw = {name: {t: {"wall_s": [], "cpu_s": []} for t in counts} for name in PHASES}
+    version = [gen.weights_version]
+
+    async def threads(t: int) -> None:
+        set_num_threads(t)
+        loop.set_default_executor(pools[t])
+        if kind == "vllm":  # its engine thread runs the model
+            await gen._call(lambda _llm: set_num_threads(t))
+
+    async def phase(name: str, step: int, fn):
+        """``fn()`` (a coroutine function) at every thread count; the last run's answer."""
+        out = None
+        for t in counts if step % 2 == 0 else counts[::-1]:
+            await threads(t)
+            w0, c0 = time.perf_counter(), time.process_time()
+            out = await fn()
+            raw[name][t]["wall_s"].append(time.perf_counter() - w0)
+            raw[name][t]["cpu_s"].append(time.process_time() - c0)
+        return out
+
+    async def update(exps: list) -> None:
+        trainer.step(exps)
+
+    async def weights() -> None:
+        with torch.no_grad():
+            src = trainer.actor.state_dict()
+            if kind == "vllm":  # as the replica installs a push (the tensors become the engine's)
+                version[0] += 1
+                tensors = {k: v.detach().clone() for k, v in src.items()}
+                await gen.swap_weights(tensors, version[0], f"bound-{version[0]}")
+            else:
+                for name, v in gen.model.state_dict().items():
+                    v.copy_(src[name])
+
     for step in range(c["steps"]):
         picks = [(step * batch + i) % len(prompts_all) for i in range(batch)]
         prompts = [prompts_all[k] for k in picks]
-        marks = [("start", time.perf_counter())]
-
-        def lap(name: str, marks: list = marks) -> None:
-            marks.append((name, time.perf_counter()))
-
-        results = await gen.generate(prompts, opts)
-        lap("generation")
+        results = await phase("generation", step, lambda prompts=prompts: gen.generate(prompts, opts))
         flat = [(k, p, s) for k, p, r in zip(picks, prompts, results, strict=True) for s in r.samples]
         texts = [tok.decode(s.token_ids, skip_special_tokens=True) for _, _, s in flat]
         # the reward model gets the user's text, as the ring's prompt jobs carry it (it renders its own template)
-        raw = c.get("prompt_texts")
+        texts_raw = c.get("prompt_texts")
         items = [
             Item(
-                prompt=raw[k] if raw else tok.decode(p, skip_special_tokens=True),
+                prompt=texts_raw[k] if texts_raw else tok.decode(p, skip_special_tokens=True),
                 response=x,
                 prompt_ids=list(p),
                 response_ids=list(s.token_ids),
@@ -83,10 +185,9 @@ async def run(c: dict) -> dict:
             )
             for (k, p, s), x in zip(flat, texts, strict=True)
         ]
-        scores = await reward.score(items)
-        lap("reward")
-        refs, _ = await ref.logprobs([LogProbsItem(list(p), list(s.token_ids)) for _, p, s in flat], ref_t)
-        lap("reference")
+        scores = await phase("reward", step, lambda items=items: reward.score(items))
+        lp_items = [LogProbsItem(list(p), list(s.token_ids)) for _, p, s in flat]
+        refs, _ = await phase("reference", step, lambda lp_items=lp_items: ref.logprobs(lp_items, ref_t))
         exps, k = [], 0
         for j, (p, r) in enumerate(zip(prompts, results, strict=True)):
             exp = experience_pb2.Experience(job_id=f"b{step}-{j}", run_id="bound", prompt_ids=p)
@@ -106,19 +207,16 @@ async def run(c: dict) -> dict:
                 )
                 k += 1
             exps.append(exp)
-        trainer.step(exps)
-        lap("update")
-        with torch.no_grad():
-            src = trainer.actor.state_dict()
-            for name, v in gen.model.state_dict().items():
-                v.copy_(src[name])
-        lap("weights")
-        ph = {name: t - marks[i][1] for i, (name, t) in enumerate(marks[1:])}
-        steps.append({"total": marks[-1][1] - marks[0][1], **ph})
+        await phase("update", step, lambda exps=exps: update(exps))
+        await phase("weights", step, weights)
+    await threads(cores)
     await gen.close()
-    out = {"steps": steps, "torch_threads": torch.get_num_threads()}
+    for pool in pools.values():
+        pool.shutdown()
+    out = {"engine": kind, "cores": cores, "steps": c["steps"], "raw": raw, "torch_threads": torch.get_num_threads()}
     if c.get("roofline"):
-        out["roofline"] = roofline(trainer, exps, sorted(s["update"] for s in steps[1:])[len(steps[1:]) // 2])
+        upd = raw["update"][cores]["wall_s"][1:] or raw["update"][cores]["wall_s"]
+        out["roofline"] = roofline(trainer, exps, statistics.median(upd))
     return out
 
 
@@ -177,11 +275,16 @@ def roofline(trainer, exps: list, update_s: float) -> dict:
 
 
 def main() -> None:
-    import torch
-
     out = sys.stdout
     sys.stdout = sys.stderr  # library chatter goes to stderr; the answer goes to the real stdout
     c = json.loads(sys.stdin.readline())
+    if c["config"].get("actor_rollout_ref", {}).get("actor_rollout", {}).get("engine") == "vllm":
+        # as the rollout service does, before anything imports torch
+        from services.rollout.vllm_engine import set_vllm_env_defaults
+
+        set_vllm_env_defaults("cpu")
+    import torch
+
     try:
         res = asyncio.run(run(c))
     except Exception as err:  # noqa: BLE001 - reported to the benchmark, which fails loudly

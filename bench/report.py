@@ -158,7 +158,7 @@ def figures_md(name: str, r: dict) -> list[str]:
         rows = []
         labels = {
             "trl": "TRL 1.12",
-            "bound": "compute bound (one process)",
+            "bound": "compute bound (each phase at its best thread count, core-seconds over the cores)",
             "sync": "ours, max_staleness 0",
             "async": "ours, max_staleness 1",
         }
