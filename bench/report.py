@@ -146,6 +146,42 @@ def figures_md(name: str, r: dict) -> list[str]:
             ],
             rows,
         )
+    if name == "weight_sync_delta":  # per learning rate, per optimizer step: what a delta push sent and took
+        rows = []
+        for lr, steps in f.items():
+            for st in steps:
+                d, full = st["delta"], st["full"]
+                rows.append(
+                    [
+                        lr.removeprefix("lr_"),
+                        st["step"],
+                        st["changed_fraction"],
+                        d["bytes"],
+                        full["bytes"],
+                        round(d["bytes"] / full["bytes"], 3),
+                        d["encode_s"],
+                        d["push_s"],
+                        full["push_s"],
+                        d["replica_stage_s"],
+                        full["replica_stage_s"],
+                    ]
+                )
+        return table(
+            [
+                "lr",
+                "step",
+                "changed fraction",
+                "delta bytes",
+                "full bytes",
+                "delta / full bytes",
+                "delta encode s",
+                "delta push s",
+                "full push s",
+                "replica staging s, delta",
+                "replica staging s, full",
+            ],
+            rows,
+        )
     if name == "engines":
         rows = []
         for size, per in f["generated_tokens_per_s"].items():
