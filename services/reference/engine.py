@@ -7,9 +7,10 @@ like). Items are sorted by length and run in micro-batches of ``actor_rollout_re
 smaller when their logits would pass ``LOGITS_BUDGET_BYTES``.
 
 Concurrent requests of the same temperature are merged into one forward call (:class:`rlhf.serving.batching.
-MicroBatcher`: whatever is queued when the model becomes free, up to ``MERGE_MICRO_BATCHES`` micro-batches of rows
-and ``MERGE_MAX_TOKENS`` tokens; no waiting when idle, a short bounded one for the callers of the last call). A row's log-probs do not depend on the other rows (right
-padding, attention mask, position ids from the mask), so merged results equal unbatched ones.
+MicroBatcher`: whatever is queued when the model becomes free, up to ``MERGE_MICRO_BATCHES`` micro-batches of rows and
+``MERGE_MAX_TOKENS`` tokens; no waiting when idle, a short bounded one for the callers of the last call). A row's
+log-probs do not depend on the other rows (right padding, attention mask, position ids from the mask), so merged results
+equal unbatched ones.
 """
 
 from __future__ import annotations
