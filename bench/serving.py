@@ -48,6 +48,7 @@ from bench._common import (
 )
 
 CONCURRENCY = (1, 8, 32)
+TARGET_MS = {1: 2.0, 8: 2.0, 32: 5.0}  # issue 34: 2 ms at 1 and 8 callers, 5 ms at 32
 SERVICES = ("reward", "reference", "rollout")
 # While working on one figure: BENCH_SERVICES=reward BENCH_CONCURRENCY=8 measures that alone (`make bench` runs all).
 SERVICES = tuple(x for x in os.environ.get("BENCH_SERVICES", ",".join(SERVICES)).split(",") if x in SERVICES)
@@ -236,7 +237,7 @@ async def main() -> None:
         for c in results[svc]
         for w in ("grpc", "rest")
     }
-    misses = {k: v for k, v in over.items() if v is not None and v > 2.0}
+    misses = {k: v for k, v in over.items() if v is not None and v > TARGET_MS[int(k.split("/")[1][1:])]}
     cpu_over = {
         f"{svc}/{c}": "/".join(str(results[svc][c][w]["cpu_over_in_process_ms_per_req"]) for w in ("grpc", "rest"))
         for svc in results
@@ -268,13 +269,15 @@ async def main() -> None:
             target(
                 f"worst p50 overhead over in-process at concurrency {c} (REST and gRPC, 3 services), ms",
                 rnd(worst_over[c]),
-                "<= 2 ms",
-                worst_over[c] <= 2.0,
+                f"<= {TARGET_MS[c]:g} ms",
+                worst_over[c] <= TARGET_MS[c],
             )
             for c in CONCURRENCY
         ],
         notes=[
-            f"over 2 ms: {', '.join(f'{k} {v} ms' for k, v in misses.items())}" if misses else "all within 2 ms",
+            f"over the target: {', '.join(f'{k} {v} ms' for k, v in misses.items())}"
+            if misses
+            else "all within the targets",
             "REST client: aiohttp; httpx added ~2.4 ms per call (reference, concurrency 1: 9.3 vs 6.9 ms p50)",
             "CPU per request over the in-process call (client library + serving layer; gRPC/REST), ms: "
             + ", ".join(f"{k} {v}" for k, v in cpu_over.items()),
@@ -315,8 +318,11 @@ async def main() -> None:
             "service process is GIL-bound at ~1 core, and its CPU per request exceeds the in-process call's by the "
             "client + serving layer (table). With torch at 1 thread instead of 2 on both sides the gap is the same "
             "(reference 8 callers: 3.7 ms over in-process, reward 6.7 ms); at 2 threads the services' OpenMP teams "
-            "also stall behind the loop on 2 shared cores. What would close it: the model's forward in a process of "
-            "its own (the loop's serving work and the forward on different cores; not built this round)",
+            "also stall behind the loop on 2 shared cores. Tried: the model's forward in a child process (the loop's "
+            "serving work and the forward on different cores): a prototype A/B gave reward at 32 callers 60 -> 36 ms "
+            "p50 (in-process 31), 1 and 8 callers unchanged; the built version in a full run gave reward 70.9 -> 57.5 "
+            "ms at 32 callers, but the reference service got slower (8 callers 18.4 -> 28 ms: its log-probs cross "
+            "the pipe as JSON); not kept",
             "threads: every process as `rlhf up` sets them since issue 15 (OMP_NUM_THREADS = the cores, "
             "OMP_WAIT_POLICY=PASSIVE; settings.resources); before, one thread each, because with spinning 2-thread "
             "OpenMP teams the rollout service burned ~500 ms of CPU per 8-token Generate on this shared machine "
