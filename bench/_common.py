@@ -57,15 +57,44 @@ def log(*args: Any) -> None:
 # ------------------------------------------------------------------------------------------------- the JSON line
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or ""
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; the platform's processor string elsewhere)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or ""
+
+
+def proc_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system, all threads) used so far by process ``pid`` and its live descendants, from
+    /proc; None where the process is gone (or off Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not d.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks[int(d)] = int(fields[11]) + int(fields[12])
+        children.setdefault(int(fields[1]), []).append(int(d))
+    if pid not in ticks:
+        return None
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += ticks.get(p, 0)
+        todo += children.get(p, [])
+    return total / tick
+
+
+def machine() -> dict[str, Any]:
+    cpu = cpu_model()
     try:
         mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError):

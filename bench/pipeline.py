@@ -60,10 +60,11 @@ from bench._common import (
     RedisServer,
     ServiceProc,
     build_model,
+    cpu_model,
     emit,
     log,
-    machine,
     param_count,
+    proc_cpu_seconds,
     rnd,
     rollout_threads,
     scorer_services,
@@ -97,7 +98,7 @@ SIZES = tuple(x for x in os.environ.get("BENCH_SIZES", "tiny,small").split(",") 
 TOKEN = "bench-pipeline-token"
 # Padding-free actor/critic/reference passes (rlhf.packing; exact, and faster: bench.padding_free) in the ring and the
 # compute bound alike; BENCH_PADDING_FREE=0 measures the padded passes
-CPU = ""  # the CPU model (bench._common.machine), recorded with every figure; set in main()
+CPU = cpu_model()  # recorded with every figure
 PADDING_FREE = os.environ.get("BENCH_PADDING_FREE", "1") != "0"
 # The ring's rollout engine: hf unless BENCH_ENGINE=vllm (see the notes for why hf)
 ENGINE = os.environ.get("BENCH_ENGINE", "hf")
@@ -322,7 +323,7 @@ def run_ours(
         pids = {k: v.proc.pid for k, v in procs.items() if getattr(v, "proc", None) is not None}
         if redis_pid:
             pids["redis"] = redis_pid
-        cpu_marks.append((time.monotonic(), {k: _cpu_seconds(pid) for k, pid in pids.items()}))
+        cpu_marks.append((time.monotonic(), {k: proc_cpu_seconds(pid) or 0.0 for k, pid in pids.items()}))
 
     try:
         rollout.start(wait_ready=False)
@@ -366,29 +367,6 @@ def run_ours(
         "profile": profile,
         "wall_s": round(time.monotonic() - t0, 1),
     }
-
-
-def _cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) of a process and its live descendants, from /proc (0 where it is gone)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
-    stats: dict[int, list[str]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        stats[int(d)] = fields
-        children.setdefault(int(fields[1]), []).append(int(d))
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        if p in stats:
-            total += (int(stats[p][11]) + int(stats[p][12])) / tick
-        todo += children.get(p, [])
-    return total
 
 
 def _profile(row: dict) -> dict:
@@ -540,8 +518,6 @@ def prompt_set(paths) -> dict:
 
 def main() -> None:
     started = time.monotonic()
-    global CPU
-    CPU = machine()["cpu"]
     work = CACHE / "pipeline"
     work.mkdir(parents=True, exist_ok=True)
     for old in work.glob("bench-*"):  # run folders of earlier invocations (checkpoints add up)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from pathlib import Path
 
 from bench._common import (
     CACHE,
@@ -41,6 +40,7 @@ from bench._common import (
     emit,
     log,
     percentile,
+    proc_cpu_seconds,
     rnd,
     side,
     target,
@@ -83,15 +83,6 @@ def make_calls(name: str, vocab: int):
     return grpc_req, ("/v1/generate", {"prompt_token_ids": [prompt], **params}), [prompt]
 
 
-def proc_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system, all threads) used so far by process ``pid``; None off Linux."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def run_way(call, n: int, conc: int, service_pid: int | None = None) -> tuple[list[float], float, float, float]:
     """``n`` calls by ``conc`` concurrent callers: per-call latencies (s), the wall time, and the CPU seconds this
     process (callers; in-process: callers + engine) and the service process used meanwhile."""
@@ -104,13 +95,13 @@ async def run_way(call, n: int, conc: int, service_pid: int | None = None) -> tu
             await call()
             lat.append(time.perf_counter() - t0)
 
-    s0 = proc_cpu_s(service_pid) if service_pid else None
+    s0 = proc_cpu_seconds(service_pid) if service_pid else None
     c0 = time.process_time()
     t0 = time.perf_counter()
     await asyncio.gather(*(caller() for _ in range(conc)))
     wall = time.perf_counter() - t0
     caller_cpu = time.process_time() - c0
-    s1 = proc_cpu_s(service_pid) if service_pid else None
+    s1 = proc_cpu_seconds(service_pid) if service_pid else None
     return lat, wall, caller_cpu, (s1 - s0) if s0 is not None and s1 is not None else 0.0
 
 

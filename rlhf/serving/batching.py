@@ -87,28 +87,28 @@ class MicroBatcher(Generic[T, R]):
             self._drainer = loop.create_task(self._drain())
         return await fut
 
-    def _repay(self) -> int:
-        """A request arrived: it pays back the oldest unexpired place owed. Returns what is still owed."""
-        now = time.monotonic()
-        owed = self._owed
+    def _owed_now(self) -> int:
+        """The places still owed, once the expired ones are dropped."""
+        now, owed = time.monotonic(), self._owed
         while owed and owed[0][0] < now:
             owed.popleft()
-        if owed:
-            owed[0][1] -= 1
-            if owed[0][1] <= 0:
-                owed.popleft()
         return sum(n for _, n in owed)
+
+    def _repay(self) -> int:
+        """A request arrived: it pays back the oldest unexpired place owed. Returns what is still owed."""
+        if self._owed_now():
+            self._owed[0][1] -= 1
+            if self._owed[0][1] <= 0:
+                self._owed.popleft()
+        return sum(n for _, n in self._owed)
 
     def _queued_rows(self) -> int:
         return sum(len(p.rows) for p in self._queue if not p.fut.done())
 
     async def _regather(self) -> None:
         """Wait (bounded) for the callers of the last calls to be back in the queue (module docstring)."""
-        now = time.monotonic()
-        while self._owed and self._owed[0][0] < now:
-            self._owed.popleft()
+        owed = self._owed_now()
         wait = min(self.regather_s, 0.5 * self._last_call_s)
-        owed = sum(n for _, n in self._owed)
         queued = sum(1 for p in self._queue if not p.fut.done())
         # fewer owed than queued: waiting would delay many to merge a few (a one-off caller that ran alone while the
         # others queued behind it is not coming back)
