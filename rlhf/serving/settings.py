@@ -105,6 +105,17 @@ class ServiceSettings(BaseSettings):
         "on npu), gloo (host memory, any device), nccl, hccl",
     )
 
+    model_process: bool = Field(
+        True,
+        description="reward and reference: the model and its forward in a child process of its own, beside the "
+        "serving loop instead of under its GIL (rlhf.serving.model_process); false: in a thread of this process",
+    )
+    model_threads: int | None = Field(
+        None,
+        ge=1,
+        description="reward and reference: torch threads of the model's forward (default: one fewer than "
+        "OMP_NUM_THREADS, else than the cores, at least 1: the serving loop keeps a core)",
+    )
     weights_delta: Literal["auto", "off"] = Field(
         "off",
         description="trainer: delta pushes (docs/weight-sync.md#delta-pushes): auto (a one-process trainer sends each "

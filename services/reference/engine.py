@@ -18,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from array import array
 from dataclasses import dataclass
 
-from rlhf.config import ExperimentConfig
+from rlhf.config import ExperimentConfig, parse_config
 from rlhf.serving import Internal, InvalidArgument, NotReady, ServiceMetrics
 from rlhf.serving.batching import MicroBatcher
+from rlhf.serving.model_process import ModelProcess, set_torch_threads
 
 log = logging.getLogger("rlhf.reference")
 
@@ -56,8 +58,15 @@ class ReferenceEngine:
         device: str | None = None,
         metrics: ServiceMetrics | None = None,
         max_items: int = MAX_ITEMS,
+        model_process: bool = False,
+        threads: int | None = None,
     ):
         self.cfg = cfg
+        # RLHF_MODEL_PROCESS: the model and its forward in a child process; threads: the forward's torch threads
+        # (None: leave them as they are); rlhf.serving.model_process
+        self.model_process = model_process
+        self.threads = threads
+        self._proc: ModelProcess | None = None
         ref = cfg.actor_rollout_ref.ref
         self.model_spec = ref.load or cfg.actor.load
         self.temperature = float(ref.temperature if ref.temperature is not None else cfg.sample_temperature)
@@ -70,6 +79,7 @@ class ReferenceEngine:
         self.vocab_size = 0
         self.max_len = 0
         self.ready = False
+        self.loaded: dict = {}
         self._lock = threading.Lock()
         self._batcher = MicroBatcher(
             lambda t, items: self._forward(items, t),
@@ -83,27 +93,46 @@ class ReferenceEngine:
     def load(self) -> None:
         from rlhf.models import load_causal_lm, load_tokenizer, resolve_model_path, serving_dtype
 
-        path = resolve_model_path(self.model_spec)
-        tok = load_tokenizer(path)
-        dtype = serving_dtype(self.cfg.training.bf16, self.device)
-        model = load_causal_lm(path, device=self.device, dtype=dtype).eval()
-        for p in model.parameters():
-            p.requires_grad_(False)
         if not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(
                 f"reference temperature {self.temperature} is outside [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] "
                 "(actor_rollout_ref.ref.temperature, else actor_rollout.temperature)"
             )
-        self.pad_token_id = int(tok.pad_token_id)
-        self.vocab_size = int(model.config.vocab_size)
-        self.max_len = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
-        self.model = model
+        if self.model_process:
+            self._proc = ModelProcess(
+                "services.reference.engine:process_handler",
+                {"config": self.cfg.model_dump(mode="json", exclude_unset=True), "device": self.device},
+                "reference",
+                {"NonFiniteOutput": NonFiniteOutput},
+                threads=self.threads,
+            )
+            hello = self._proc.start()
+        else:
+            set_torch_threads(self.threads)
+            path = resolve_model_path(self.model_spec)
+            tok = load_tokenizer(path)
+            dtype = serving_dtype(self.cfg.training.bf16, self.device)
+            model = load_causal_lm(path, device=self.device, dtype=dtype).eval()
+            for p in model.parameters():
+                p.requires_grad_(False)
+            self.model = model
+            hello = {
+                "path": str(path),
+                "pad_token_id": int(tok.pad_token_id),
+                "vocab_size": int(model.config.vocab_size),
+                "max_len": int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30),
+                "where": f"{model.device} in {model.dtype}",
+            }
+        self.loaded = hello  # what was loaded, where (the model process sends its own as its hello)
+        self.pad_token_id = hello["pad_token_id"]
+        self.vocab_size = hello["vocab_size"]
+        self.max_len = hello["max_len"]
         self.ready = True
+        where = hello["where"] + (f", in model process {self._proc.pid}" if self._proc is not None else "")
         log.info(
-            "reference model loaded from %s on %s in %s (temperature %g, vocab %d, context %d)",
-            path,
-            model.device,
-            model.dtype,
+            "reference model loaded from %s on %s (temperature %g, vocab %d, context %d)",
+            hello["path"],
+            where,
             self.temperature,
             self.vocab_size,
             self.max_len,
@@ -113,7 +142,8 @@ class ReferenceEngine:
         await asyncio.to_thread(self.load)
 
     async def close(self) -> None:
-        pass
+        if self._proc is not None:
+            await asyncio.to_thread(self._proc.close)
 
     def info(self) -> dict:
         return {
@@ -171,6 +201,30 @@ class ReferenceEngine:
     # -- compute
 
     def _forward(self, items: list[LogProbsItem], temperature: float) -> list[list[float]]:
+        if self._proc is None:
+            return [row.tolist() for row in self._forward_rows(items, temperature)]
+        # the model process: ids as int32 there, the log-probs as float32 back (the same values as in-process)
+        ids = array("i")
+        for it in items:
+            ids.extend(it.prompt_ids)
+            ids.extend(it.response_ids)
+        header = {
+            "temperature": temperature,
+            "prompt_lens": [len(it.prompt_ids) for it in items],
+            "response_lens": [len(it.response_ids) for it in items],
+        }
+        _, payload = self._proc.call(header, ids.tobytes())
+        flat = array("f")
+        flat.frombytes(payload)
+        out, off = [], 0
+        for it in items:
+            n = len(it.response_ids)
+            out.append(flat[off : off + n].tolist())
+            off += n
+        return out
+
+    def _forward_rows(self, items: list[LogProbsItem], temperature: float) -> list:
+        """Each item's response log-probs as a float32 tensor (the model in this process)."""
         import torch
 
         from rlhf.algo import logprobs_from_logits
@@ -178,7 +232,7 @@ class ReferenceEngine:
 
         pad = self.pad_token_id
         seqs = [list(it.prompt_ids) + list(it.response_ids) for it in items]
-        out: list[list[float]] = [[] for _ in items]
+        out: list = [None] * len(items)
         order = sorted(range(len(items)), key=lambda k: len(seqs[k]))
         dev = self.model.device
         with self._lock, torch.inference_mode():
@@ -202,7 +256,7 @@ class ReferenceEngine:
                             "temperature overflow float32)",
                             f"items[{k}].response_ids[{j}]",
                         )
-                    out[k] = row.tolist()
+                    out[k] = row
         return out
 
     def _micro_batches(self, order: list[int], seqs: list[list[int]]) -> list[list[int]]:
@@ -236,3 +290,28 @@ class ReferenceEngine:
             self.metrics.add_tokens("prompt", sum(len(it.prompt_ids) for it in items))
             self.metrics.add_tokens("response", sum(len(it.response_ids) for it in items))
         return result, t
+
+
+class _ProcessHandler:
+    """The model process's side (``rlhf.serving.model_process``): this engine, loaded there, runs each merged call."""
+
+    def __init__(self, init: dict):
+        self.engine = ReferenceEngine(parse_config(init["config"]), device=init["device"])
+        self.engine.load()
+        self.hello = self.engine.loaded
+
+    def call(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+        import torch
+
+        ids = array("i")
+        ids.frombytes(payload)
+        items, off = [], 0
+        for p, r in zip(header["prompt_lens"], header["response_lens"], strict=True):
+            items.append(LogProbsItem(ids[off : off + p].tolist(), ids[off + p : off + p + r].tolist()))
+            off += p + r
+        rows = self.engine._forward_rows(items, float(header["temperature"]))
+        return {}, torch.cat(rows).numpy().tobytes() if rows else b""
+
+
+def process_handler(init: dict) -> _ProcessHandler:
+    return _ProcessHandler(init)

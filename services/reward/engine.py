@@ -46,6 +46,8 @@ class RewardEngine:
         metrics: ServiceMetrics | None = None,
         max_items: int = MAX_ITEMS,
         max_text_chars: int = MAX_TEXT_CHARS,
+        model_process: bool = False,
+        threads: int | None = None,
     ):
         self.cfg = cfg
         self.metrics = metrics
@@ -72,7 +74,15 @@ class RewardEngine:
                 elif sc.type == "model":
                     t = cfg.training
                     scorer = ModelScorer(
-                        sc, name, self.device, cfg.reward.micro_batch_size, metrics, t.padding_free, t.bf16
+                        sc,
+                        name,
+                        self.device,
+                        cfg.reward.micro_batch_size,
+                        metrics,
+                        t.padding_free,
+                        t.bf16,
+                        model_process,
+                        threads,
                     )
                     self.scorers.append(scorer)
                 elif sc.type == "judge":

@@ -25,12 +25,14 @@ import logging
 import math
 import threading
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rlhf.config import ScorerConfig
 from rlhf.serving import InvalidArgument, NotReady, ServiceMetrics
 from rlhf.serving.batching import MicroBatcher
+from rlhf.serving.model_process import ModelProcess, set_torch_threads
 from services.reward import rules
 
 log = logging.getLogger("rlhf.reward")
@@ -171,8 +173,16 @@ class ModelScorer(Scorer):
         metrics: ServiceMetrics | None = None,
         padding_free: bool = False,
         bf16: bool = False,
+        model_process: bool = False,
+        threads: int | None = None,
     ):
         super().__init__(cfg, name)
+        self.threads = threads  # the forward's torch threads (None: leave them as they are)
+        # RLHF_MODEL_PROCESS: the model and its forward in a child process (rlhf.serving.model_process); the
+        # tokenizer stays here (validation and encoding happen before a request is merged)
+        self.model_process = model_process
+        self._proc: ModelProcess | None = None
+        self.loaded: dict = {}
         self.device_name = device
         self.bf16 = bf16  # training.bf16: serve in bf16 on an accelerator (rlhf.models.serving_dtype)
         self.micro_batch_size = micro_batch_size
@@ -197,12 +207,33 @@ class ModelScorer(Scorer):
 
         path = resolve_model_path(self.cfg.load or "")
         self.tokenizer = load_tokenizer(path)
-        dtype = serving_dtype(self.bf16, self.device_name)
-        self.model = load_sequence_classifier(path, device=self.device_name, dtype=dtype).eval()
-        self.max_len = int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
-        self.vocab = int(self.model.config.vocab_size)
+        if self.model_process:
+            init = {
+                "scorer": self.cfg.model_dump(mode="json"),
+                "name": self.name,
+                "device": self.device_name,
+                "micro_batch_size": self.micro_batch_size,
+                "padding_free": self.padding_free,
+                "bf16": self.bf16,
+            }
+            self._proc = ModelProcess(
+                "services.reward.scorers:process_handler", init, f"reward model {self.name}", threads=self.threads
+            )
+            hello = self._proc.start()
+        else:
+            set_torch_threads(self.threads)
+            dtype = serving_dtype(self.bf16, self.device_name)
+            self.model = load_sequence_classifier(path, device=self.device_name, dtype=dtype).eval()
+            hello = {
+                "max_len": int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30),
+                "vocab": int(self.model.config.vocab_size),
+                "where": f"{self.model.device} in {self.model.dtype}",
+            }
+        self.loaded = hello  # what was loaded, where (the model process sends its own as its hello)
+        self.max_len, self.vocab = hello["max_len"], hello["vocab"]
         self._backend = self._fast_backend()
-        log.info("reward model %s loaded from %s on %s in %s", self.name, path, self.model.device, self.model.dtype)
+        where = hello["where"] + (f", in model process {self._proc.pid}" if self._proc is not None else "")
+        log.info("reward model %s loaded from %s on %s", self.name, path, where)
 
     def _fast_backend(self):
         """The Rust tokenizer under a fast HF tokenizer, when calling it directly gives the same ids: the HF wrapper
@@ -304,6 +335,17 @@ class ModelScorer(Scorer):
                 )
 
     def _forward(self, seqs: list[list[int]]) -> list[float]:
+        if self._proc is None:
+            return self._forward_here(seqs)
+        ids = array("i")  # to the model process as int32, the scores back as float32 (the values computed here)
+        for q in seqs:
+            ids.extend(q)
+        _, payload = self._proc.call({"lens": [len(q) for q in seqs]}, ids.tobytes())
+        out = array("f")
+        out.frombytes(payload)
+        return out.tolist()
+
+    def _forward_here(self, seqs: list[list[int]]) -> list[float]:
         import torch
 
         from rlhf.models import score_head_outputs
@@ -324,8 +366,12 @@ class ModelScorer(Scorer):
                     out[k] = float(values[r, len(seqs[k]) - 1])
         return out
 
+    async def close(self) -> None:
+        if self._proc is not None:
+            await asyncio.to_thread(self._proc.close)
+
     async def score(self, items: list[Item]) -> list[float | Failure]:
-        if self.model is None:
+        if self.model is None and self._proc is None:
             raise NotReady(f"reward model {self.name!r} is still loading; retry shortly")
         seqs = [self.encode(it) for it in items]
         try:
@@ -334,3 +380,32 @@ class ModelScorer(Scorer):
             log.exception("reward model %s failed", self.name)
             return [Failure(SCORER_ERROR, f"scorer {self.name!r} failed: {type(err).__name__}: {err}")] * len(items)
         return [v if math.isfinite(v) else Failure(SCORER_ERROR, f"scorer {self.name!r} produced {v}") for v in values]
+
+
+class _ProcessHandler:
+    """The model process's side (``rlhf.serving.model_process``): the scorer, loaded there, runs each merged call."""
+
+    def __init__(self, init: dict):
+        self.scorer = ModelScorer(
+            ScorerConfig(**init["scorer"]),
+            init["name"],
+            init["device"],
+            init["micro_batch_size"],
+            padding_free=init["padding_free"],
+            bf16=init["bf16"],
+        )
+        self.scorer.load()
+        self.hello = self.scorer.loaded
+
+    def call(self, header: dict, payload: bytes) -> tuple[dict, bytes]:
+        ids = array("i")
+        ids.frombytes(payload)
+        seqs, off = [], 0
+        for n in header["lens"]:
+            seqs.append(ids[off : off + n].tolist())
+            off += n
+        return {}, array("f", self.scorer._forward_here(seqs)).tobytes()
+
+
+def process_handler(init: dict) -> _ProcessHandler:
+    return _ProcessHandler(init)
