@@ -72,6 +72,7 @@ from bench._common import (
     target,
     write_yaml,
 )
+from rlhf.serving.model_process import forward_threads
 
 PARITY_PY = Path(os.environ.get("BENCH_PARITY_PYTHON", REPO / ".venv-parity" / "bin" / "python"))
 BATCH = 16
@@ -601,11 +602,14 @@ def main() -> None:
 
     key = "small/ppo/async_vs_trl"
     bkey = "small/ppo/async_step_vs_bound"
+    # reward, reference and an hf rollout run their model's forward on one thread fewer than the process has
+    # (RLHF_MODEL_THREADS' default; reward and reference in a child process: RLHF_MODEL_PROCESS)
+    fwd = forward_threads()
     ring_threads = {
         "trainer": RING_THREADS,
-        "rollout": rollout_threads(ENGINE),
-        "reward": RING_THREADS,
-        "reference": RING_THREADS,
+        "rollout": rollout_threads(ENGINE) if ENGINE == "vllm" else f"{RING_THREADS}, decode {fwd}",
+        "reward": f"{RING_THREADS}, model process {fwd}",
+        "reference": f"{RING_THREADS}, model process {fwd}",
         "redis-server": 1,
     }
     emit(
@@ -637,7 +641,8 @@ def main() -> None:
             "resources": {
                 "ours": side(
                     ring_threads,
-                    "five processes, threads as `rlhf up` sets them (every core each, idle threads sleeping)",
+                    "five processes, threads as `rlhf up` sets them (every core each, idle threads sleeping; a "
+                    "service's model forward one fewer)",
                 ),
                 "trl": side(CORE_THREADS, "one process, torch's default threads (one per core)"),
                 "bound": side(

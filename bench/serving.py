@@ -111,6 +111,7 @@ async def main() -> None:
     import grpc
 
     from rlhf.config import parse_config
+    from rlhf.serving.model_process import forward_threads
     from rlhf.v1 import reference_pb2_grpc, reward_pb2_grpc, rollout_pb2_grpc
     from services.reference.engine import LogProbsItem, ReferenceEngine
     from services.reward.engine import RewardEngine
@@ -240,8 +241,14 @@ async def main() -> None:
             "resources": {
                 "in_process": side(RING_THREADS, "callers and engine in this process"),
                 "grpc_and_rest": side(
-                    {"callers": RING_THREADS, "service": RING_THREADS},
-                    "callers in this process, the service in its own",
+                    {
+                        "callers": RING_THREADS,
+                        "service": RING_THREADS,
+                        "reward/reference model process (forward)": forward_threads(),
+                    },
+                    "callers in this process, the service in its own (OMP_NUM_THREADS as the callers'); reward and "
+                    "reference run their model in a child process with one torch thread fewer (RLHF_MODEL_PROCESS, "
+                    "RLHF_MODEL_THREADS defaults)",
                 ),
             },
             "model": "tiny (rlhf.tiny, 0.1M parameters): the serving layer's cost is as visible as it can be",
@@ -314,6 +321,17 @@ async def main() -> None:
             "p50 (in-process 31), 1 and 8 callers unchanged; the built version in a full run gave reward 70.9 -> 57.5 "
             "ms at 32 callers, but the reference service got slower (8 callers 18.4 -> 28 ms: its log-probs cross "
             "the pipe as JSON); not kept",
+            "issue 34 item 1, round 2 (this round): the reward and reference services run their model in a child "
+            "process (rlhf.serving.model_process, RLHF_MODEL_PROCESS) with one torch thread fewer than "
+            "OMP_NUM_THREADS (RLHF_MODEL_THREADS). Profile that motivated it (CPU of the service's process and of "
+            "the child, reference at 32 callers, model process, 2-thread forward): the child used 2.1 ms of CPU per "
+            "request, the parent 0.3, in-process the whole call 1.5-1.8: the forward's 2-thread OpenMP team stalls "
+            "whenever the serving loop or a caller takes one of the 2 cores. A/B in one run (/tmp/ab/ab.py, not "
+            "committed: four services side by side, gRPC, interleaved 4 times; mode = forward in a thread or a child "
+            "process, forward threads): reward 32 callers thread/2 66.1 ms p50, thread/1 37.7, process/2 46.6, "
+            "process/1 24.8 (1187 vs 480 requests/s); reference 8 callers 17.9, 13.9, 17.4, 13.4 ms; reward 8 "
+            "callers 11.5-12.1 ms all four (noise); the engine in-process gives the same p50 at 1 and 2 threads "
+            "(reference 32 callers 49.8 vs 52.5 ms, reward 23.5 vs 23.6)",
             "threads: every process as `rlhf up` sets them since issue 15 (OMP_NUM_THREADS = the cores, "
             "OMP_WAIT_POLICY=PASSIVE; settings.resources); before, one thread each, because with spinning 2-thread "
             "OpenMP teams the rollout service burned ~500 ms of CPU per 8-token Generate on this shared machine "

@@ -113,8 +113,8 @@ class ServiceSettings(BaseSettings):
     model_threads: int | None = Field(
         None,
         ge=1,
-        description="reward and reference: torch threads of the model's forward (default: one fewer than "
-        "OMP_NUM_THREADS, else than the cores, at least 1: the serving loop keeps a core)",
+        description="reward, reference and the rollout's hf engine: torch threads of the model's forward (default: "
+        "one fewer than OMP_NUM_THREADS, else than the cores, at least 1: the serving loop keeps a core)",
     )
     weights_delta: Literal["auto", "off"] = Field(
         "off",

@@ -91,6 +91,8 @@ class ReferenceEngine:
     # -- life cycle
 
     def load(self) -> None:
+        import torch
+
         from rlhf.models import load_causal_lm, load_tokenizer, resolve_model_path, serving_dtype
 
         if not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
@@ -122,6 +124,7 @@ class ReferenceEngine:
                 "vocab_size": int(model.config.vocab_size),
                 "max_len": int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30),
                 "where": f"{model.device} in {model.dtype}",
+                "torch_threads": torch.get_num_threads(),
             }
         self.loaded = hello  # what was loaded, where (the model process sends its own as its hello)
         self.pad_token_id = hello["pad_token_id"]

@@ -203,6 +203,8 @@ class ModelScorer(Scorer):
         )
 
     def load(self) -> None:
+        import torch
+
         from rlhf.models import load_sequence_classifier, load_tokenizer, resolve_model_path, serving_dtype
 
         path = resolve_model_path(self.cfg.load or "")
@@ -228,6 +230,7 @@ class ModelScorer(Scorer):
                 "max_len": int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30),
                 "vocab": int(self.model.config.vocab_size),
                 "where": f"{self.model.device} in {self.model.dtype}",
+                "torch_threads": torch.get_num_threads(),
             }
         self.loaded = hello  # what was loaded, where (the model process sends its own as its hello)
         self.max_len, self.vocab = hello["max_len"], hello["vocab"]

@@ -17,6 +17,7 @@ import logging
 
 from rlhf.config import load_config
 from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings, register_env_var
+from rlhf.serving.model_process import forward_threads, set_torch_threads
 from services.rollout.engine_types import EngineHooks
 from services.rollout.factory import ENGINE_ENV_VAR, apply_rollout_env, engine_kind, make_engine
 from services.rollout.grpc_servicer import SERVICE_NAME, RolloutServicer, add_to_server
@@ -49,6 +50,8 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
         from services.rollout.vllm_engine import set_vllm_env_defaults
 
         set_vllm_env_defaults(settings.device)
+    else:  # the hf engine's decode: one torch thread fewer than the process has, the serving loop keeps a core
+        set_torch_threads(forward_threads(settings.model_threads))
     metrics = ServiceMetrics("rollout")
     engine = make_engine(cfg, kind=kind, device=settings.device, hooks=engine_hooks(metrics))
     runner = ServiceRunner("rollout", settings, metrics)

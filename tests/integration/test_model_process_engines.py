@@ -30,11 +30,12 @@ def test_reference_in_a_model_process_equals_in_process(tiny_models):
     cfg = parse_config(
         {"actor_rollout_ref": {"actor_rollout": {"load": "tiny:policy"}, "ref": {"micro_batch_size": 4}}}
     )
-    here, there = ReferenceEngine(cfg, device="cpu"), ReferenceEngine(cfg, device="cpu", model_process=True)
+    here, there = ReferenceEngine(cfg, device="cpu"), ReferenceEngine(cfg, device="cpu", model_process=True, threads=1)
     here.load()
     there.load()
     pid = there._proc.pid
     assert there.model is None and _alive(pid)  # the model lives in the child only
+    assert there.loaded["torch_threads"] == 1  # RLHF_MODEL_THREADS reaches the child
     assert {k: there.loaded[k] for k in ("pad_token_id", "vocab_size", "max_len")} == {
         "pad_token_id": here.pad_token_id,
         "vocab_size": here.vocab_size,
@@ -77,12 +78,13 @@ def test_reward_model_in_a_model_process_equals_in_process(tiny_models):
             }
         }
     )
-    here, there = RewardEngine(cfg, device="cpu"), RewardEngine(cfg, device="cpu", model_process=True)
+    here, there = RewardEngine(cfg, device="cpu"), RewardEngine(cfg, device="cpu", model_process=True, threads=2)
     here.load()
     there.load()
     model = there.scorers[0]
     pid = model._proc.pid
     assert model.model is None and _alive(pid)
+    assert model.loaded["torch_threads"] == 2
     assert (model.max_len, model.vocab) == (here.scorers[0].max_len, here.scorers[0].vocab)
     rng = random.Random(6)
     words = ["two", "plus", "is", "4", "the", "answer", "\\boxed{7}", "seven", "hello"]

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from rlhf.serving import Internal, InvalidArgument
-from rlhf.serving.model_process import ModelProcess
+from rlhf.serving.model_process import ModelProcess, forward_threads
 
 TARGET = "tests.unit._model_process_handlers:echo"
 
@@ -63,3 +63,16 @@ def test_a_child_that_cannot_load_refuses_to_start():
     with pytest.raises(RuntimeError, match="could not load the model: no such model: tiny:nothing"):
         p.start()
     assert p.pid is None
+
+
+@pytest.mark.parametrize(
+    ("requested", "omp", "want"),
+    [(None, "4", 3), (None, "2", 1), (None, "1", 1), (3, "1", 3), (None, None, None)],
+)
+def test_forward_threads_leave_the_serving_loop_a_core(monkeypatch, requested, omp, want):
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        want = max(1, len(os.sched_getaffinity(0)) - 1)  # the cores this process may use, less one
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    assert forward_threads(requested) == want
