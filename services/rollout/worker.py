@@ -12,6 +12,9 @@ engine, so requests from the queue and from clients are batched together). One r
    retries (with backoff) of UNAVAILABLE / DEADLINE_EXCEEDED;
 4. write the ``Experience`` and acknowledge the job in one atomic step (:meth:`ExperienceQueue.publish_and_ack`).
 
+Steps 2 and 3 (one job -> one record, single-turn or multi-turn episodes) are :class:`services.rollout.jobs.
+JobProcessing`, mixed in; this module is the queue side.
+
 A job that fails anywhere is **not** acknowledged: it stays pending and is retried after the idle timeout (by this
 replica or another) until the queue's ``max_deliveries`` dead-letters it. Nothing is ever acked without its
 experience, and a scorer's per-item error is kept in ``Sample.score_status`` / ``score_error`` (never a made-up
@@ -51,26 +54,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rlhf.environments.base import EPISODE_ENVIRONMENT_KEY, EPISODE_MAX_TOKENS_KEY, EPISODE_MAX_TURNS_KEY
 from rlhf.retry import retry
 from rlhf.serving.errors import InvalidArgument
 from rlhf.serving.runner import open_channel
 from rlhf.serving.settings import ServiceSettings, register_env_var
 from rlhf.transport import ExperienceQueue, PromptQueue, connect, encode, get_policy_version
 from rlhf.v1 import (
-    common_pb2,
     experience_pb2,
-    reference_pb2,
     reference_pb2_grpc,
-    reward_pb2,
     reward_pb2_grpc,
 )
-from services.rollout import episodes
-from services.rollout.options import SamplingOptions, finish_reason_proto, options_from_proto
+from services.rollout.jobs import JobFailed, JobProcessing
 
 if TYPE_CHECKING:  # pragma: no cover
     from rlhf.config import ExperimentConfig
@@ -85,16 +82,6 @@ RPC_TIMEOUT_ENV = "RLHF_ROLLOUT_RPC_TIMEOUT_S"
 CATCH_UP_WAIT_ENV = "RLHF_ROLLOUT_CATCH_UP_WAIT_S"
 for _name in (MAX_INFLIGHT_ENV, RECLAIM_IDLE_ENV, RPC_TIMEOUT_ENV, CATCH_UP_WAIT_ENV):
     register_env_var(_name)
-
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-class JobFailed(Exception):
-    """A job could not be completed now; ``kind`` labels the failure (metrics). The job stays pending."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 @dataclass
@@ -124,7 +111,7 @@ def _env_num(env: Mapping[str, str], name: str, default: float, cast: type = flo
     return value
 
 
-class RolloutWorker:
+class RolloutWorker(JobProcessing):
     """Prompt jobs in, experience out, for one replica. ``await worker.run()``; ``worker.stop()`` ends it."""
 
     def __init__(
@@ -484,217 +471,6 @@ class RolloutWorker:
             deadline=time.monotonic() + self.reclaim_idle_ms / 1000,
             max_s=2.0,
         )
-
-    def sampling_options(self, p: common_pb2.SamplingParams) -> SamplingOptions:
-        return options_from_proto(p, self.defaults)
-
-    async def process(self, job: experience_pb2.PromptJob) -> experience_pb2.Experience:
-        """Generate, score and get reference log-probs for one job; returns its Experience (not yet written)."""
-        environment = job.metadata.get(EPISODE_ENVIRONMENT_KEY)
-        if environment:
-            return await self.process_episodes(job, environment)
-        tok = self.engine.tokenizer
-        prompt_ids = list(job.prompt_ids)
-        if not prompt_ids:
-            (prompt_ids,) = await self.engine.encode_texts([job.prompt_text])
-        prompt_text = job.prompt_text or tok.decode(prompt_ids, skip_special_tokens=True)
-        opts = self.sampling_options(job.params)
-        (result,) = await self.engine.generate([prompt_ids], opts)
-        samples = result.samples
-        texts = [s.text or tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        label = job.label if job.HasField("label") else None
-
-        score_req = reward_pb2.ScoreRequest(
-            items=[
-                reward_pb2.ScoreItem(
-                    prompt=prompt_text,
-                    response=text,
-                    label=label,
-                    prompt_ids=prompt_ids,
-                    response_ids=s.token_ids,
-                    finished=s.finish_reason == "stop",
-                )
-                for s, text in zip(samples, texts, strict=True)
-            ]
-        )
-        ref_req = reference_pb2.LogProbsRequest(
-            items=[reference_pb2.LogProbsItem(prompt_ids=prompt_ids, response_ids=s.token_ids) for s in samples]
-        )
-        ref_req.temperature = self._ref_temperature_for(opts)
-        scores, refs = await asyncio.gather(
-            self._call("reward", self._reward.Score, score_req),
-            self._call("reference", self._ref.LogProbs, ref_req),
-        )
-        if len(scores.results) != len(samples) or len(refs.results) != len(samples):
-            raise JobFailed(
-                "bad_response",
-                f"{len(samples)} samples, {len(scores.results)} scores, {len(refs.results)} reference results",
-            )
-
-        exp = experience_pb2.Experience(
-            job_id=job.job_id,
-            run_id=job.run_id or self.run_id,
-            data_index=job.data_index,
-            epoch=job.epoch,
-            prompt_ids=prompt_ids,
-            prompt_text=prompt_text,
-            replica_id=self.replica_id,
-            created_at_unix_ms=int(time.time() * 1000),
-            issued_policy_version=job.issued_policy_version,
-        )
-        if label is not None:
-            exp.label = label
-        for s, text, sc, ref in zip(samples, texts, scores.results, refs.results, strict=True):
-            if len(ref.logprobs) != len(s.token_ids):
-                raise JobFailed(
-                    "bad_response",
-                    f"reference gave {len(ref.logprobs)} log-probs for {len(s.token_ids)} response tokens",
-                )
-            exp.samples.append(
-                experience_pb2.Sample(
-                    response_ids=s.token_ids,
-                    sampling_logprobs=s.logprobs,
-                    ref_logprobs=ref.logprobs,
-                    score=sc.score,  # meaningful only with score_status OK (the trainer checks)
-                    score_status=sc.status,
-                    score_error=sc.error,
-                    score_components=dict(sc.components),
-                    finish_reason=finish_reason_proto(s.finish_reason),
-                    policy_version=s.policy_version,
-                    response_text=text,
-                )
-            )
-            if sc.status != common_pb2.ITEM_STATUS_OK and self.metrics is not None:
-                self.metrics.count_error("rollout_score_item_not_ok")
-        return exp
-
-    def _ref_temperature_for(self, opts: SamplingOptions) -> float:
-        """The temperature the sampling log-probs are at (greedy ones are at 1.0), so the two line up; online DPO's
-        reference log-probs are at 1.0 whatever the sampling temperature (TRL), as the trainer's are."""
-        if self.ref_temperature is not None:
-            return self.ref_temperature
-        return 1.0 if opts.greedy else opts.temperature
-
-    async def process_episodes(self, job: experience_pb2.PromptJob, environment: str) -> experience_pb2.Experience:
-        """A multi-turn job: ``n`` episodes against the environment service (:mod:`services.rollout.episodes`),
-        their reference log-probs, one Experience. The environment's rewards are the samples' scores."""
-        if self._env is None:
-            raise InvalidArgument(
-                f"job {job.job_id} is an episode of environment {environment!r}, but this replica has no "
-                "environment service (RLHF_ENVIRONMENT_ADDR)"
-            )
-        meta = dict(job.metadata)
-        opts = self.sampling_options(job.params)
-        prompt = ([{"role": "system", "content": meta["system"]}] if meta.get("system") else []) + [
-            {"role": "user", "content": job.prompt_text}
-        ]
-        info = {k: v for k, v in meta.items() if not k.startswith("episode.")}
-        max_turns = int(meta.get(EPISODE_MAX_TURNS_KEY, "4"))
-        max_tokens = int(meta[EPISODE_MAX_TOKENS_KEY]) if meta.get(EPISODE_MAX_TOKENS_KEY) else None
-        # every sample of a job opens the same episode (one prompt, a group of answers): one seed per data row
-        seed = (job.data_index * 1_000_003 + job.epoch) % (2**31)
-        label = job.label if job.HasField("label") else None
-
-        async def one(i: int) -> episodes.EpisodeResult:
-            for attempt in range(self.episode_attempts):
-                try:
-                    return await episodes.play(
-                        self.engine,
-                        self._env,
-                        episode_id=f"{job.job_id}/{i}/{attempt}",
-                        environment=environment,
-                        prompt=prompt,
-                        label=label,
-                        info=info,
-                        seed=seed,
-                        opts=opts,
-                        sample_index=i,
-                        max_turns=max_turns,
-                        max_tokens=max_tokens,
-                    )
-                except episodes.EpisodeLost as err:
-                    self._count_failure("environment_episode_lost")
-                    log.info("%s: job %s sample %d: %s; playing it again", self.replica_id, job.job_id, i, err)
-                except episodes.EnvironmentUnreachable as err:
-                    raise JobFailed("environment_unavailable", f"environment service: {err}") from None
-            raise JobFailed(
-                "environment_episode_lost", f"the environment service lost the episode {self.episode_attempts} times"
-            )
-
-        results = await asyncio.gather(*(one(i) for i in range(opts.n)))
-        first = next((r for r in results if r.error is None), results[0])
-        for r in results:  # the group shares one prompt: an environment must open a seeded episode the same way
-            if r.error is None and r.prompt_ids != first.prompt_ids:
-                r.error = "the environment opened this episode differently from the job's other samples"
-        ok = [r for r in results if r.error is None and r.response_ids]
-        refs: list[Any] = []
-        if ok:
-            ref_req = reference_pb2.LogProbsRequest(
-                items=[reference_pb2.LogProbsItem(prompt_ids=r.prompt_ids, response_ids=r.response_ids) for r in ok],
-                temperature=self._ref_temperature_for(opts),
-            )
-            refs = list((await self._call("reference", self._ref.LogProbs, ref_req)).results)
-            if len(refs) != len(ok) or any(
-                len(x.logprobs) != len(r.response_ids) for x, r in zip(refs, ok, strict=False)
-            ):
-                raise JobFailed("bad_response", "reference log-probs do not match the episodes' tokens")
-        ref_of = {id(r): list(x.logprobs) for r, x in zip(ok, refs, strict=True)}
-        tok = self.engine.tokenizer
-        exp = experience_pb2.Experience(
-            job_id=job.job_id,
-            run_id=job.run_id or self.run_id,
-            data_index=job.data_index,
-            epoch=job.epoch,
-            prompt_ids=first.prompt_ids,
-            prompt_text=job.prompt_text,
-            replica_id=self.replica_id,
-            created_at_unix_ms=int(time.time() * 1000),
-            issued_policy_version=job.issued_policy_version,
-        )
-        if label is not None:
-            exp.label = label
-        for r in results:
-            failed = r.error is not None or not r.response_ids
-            if failed and self.metrics is not None:
-                self.metrics.count_error("rollout_environment_failed")
-            exp.samples.append(
-                experience_pb2.Sample(
-                    response_ids=r.response_ids,
-                    sampling_logprobs=r.logprobs or [],
-                    ref_logprobs=ref_of.get(id(r), []),
-                    score=0.0 if failed else r.score,  # meaningful only with score_status OK (the trainer checks)
-                    score_status=common_pb2.ITEM_STATUS_SCORER_ERROR if failed else common_pb2.ITEM_STATUS_OK,
-                    score_error=f"environment {environment!r}: {r.error or 'no model tokens'}" if failed else "",
-                    score_components={} if failed else {"environment": r.score},
-                    finish_reason=finish_reason_proto(r.finish_reason),
-                    policy_version=r.turn_versions[0] if r.turn_versions else self.engine.weights_version,
-                    response_text=tok.decode(r.response_ids, skip_special_tokens=True),
-                    loss_mask=r.loss_mask,
-                    turn_policy_versions=r.turn_versions,
-                    turn_rewards=r.turn_rewards,
-                    ended_by=r.ended_by or ("error" if failed else ""),
-                    episode_metrics=r.metrics,
-                )
-            )
-        return exp
-
-    async def _call(self, what: str, method: Any, request: Any) -> Any:
-        """One unary call with a deadline; UNAVAILABLE / DEADLINE_EXCEEDED are retried with backoff."""
-        try:
-            return await retry(
-                lambda: method(request, timeout=self.rpc_timeout_s, wait_for_ready=False),
-                lambda err: isinstance(err, grpc.aio.AioRpcError) and err.code() in RETRYABLE,
-                what=f"{self.replica_id}: {what} call failed",
-                log=log,
-                attempts=self.rpc_retries + 1,
-                initial_s=self.rpc_backoff_s,
-                level=logging.INFO,
-            )
-        except grpc.aio.AioRpcError as err:
-            code = err.code()
-            raise JobFailed(
-                f"{what}_{code.name.lower()}", f"{what} call failed: {code.name}: {err.details()}"
-            ) from None
 
 
 def maybe_start_worker(

@@ -198,3 +198,9 @@ def mismatch_by_replica(
             a[1] += int(n)
             a[2].add(v)
     return {r: (s / n, n, sorted(vs)) for r, (s, n, vs) in acc.items()}
+
+
+def has_episodes(b: RolloutBatch) -> bool:
+    """Whether a batch holds multi-turn episodes: then the stages train on each row's loss mask (the model's own
+    tokens) instead of "every token through the first EOS", which would cut an episode after its first turn."""
+    return b.episodes is not None and bool(b.episodes.any())

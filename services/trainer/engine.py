@@ -19,7 +19,9 @@ the critic-free stages' old pass, online DPO's first minibatch): ``mismatch/kl``
 samples the current weights made (:meth:`TrainerState.same_weights`), which the trainer's loop checks against
 ``training.max_mismatch_kl``.
 
-Around it, each in its own module: records to tensors (``batch``), the models as loaded (``models``), the step
+The stages' updates are mixed in from their own modules: PPO from ``ppo``, the critic-free stages (the GRPO family,
+rejection sampling, online DPO) from ``critic_free``; this class holds the models, optimizers and the passes they
+share. Around it, each in its own module: records to tensors (``batch``), the models as loaded (``models``), the step
 count, policy version and KL coefficient (``state``), rank 0's commands to a torchrun group (``group``) and the
 weights as they leave the trainer (``export``).
 """
@@ -27,13 +29,11 @@ weights as they leave the trainer (``export``).
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -46,8 +46,11 @@ from rlhf.models import causal_lm_logits, load_tokenizer, resolve_device, resolv
 from rlhf.v1 import experience_pb2
 from services.trainer import checkpoint, models, optim
 from services.trainer.batch import RolloutBatch, collate, episode_stats, mismatch_by_replica, score_stats
+from services.trainer.critic_free import CriticFreeStages
 from services.trainer.export import PolicyExport
 from services.trainer.group import LOAD, NOOP, SAVE, STEP, STOP, Commands
+from services.trainer.optim import append_stats
+from services.trainer.ppo import PPOStage
 from services.trainer.state import TrainerState
 
 if TYPE_CHECKING:
@@ -56,7 +59,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlhf.trainer")
 
 
-class TrainerEngine:
+class TrainerEngine(PPOStage, CriticFreeStages):
     def __init__(self, cfg: ExperimentConfig, device: str | None = None):
         self.cfg = cfg
         self.stage = cfg.training.stage
@@ -225,7 +228,7 @@ class TrainerEngine:
         for epoch in epochs:
             for mb in epoch:
                 losses = (micro_loss(mu, mb) for mu in optim.micro_batches(mb, micro_size))
-                _append(stats, {"policy/grad_norm": self._actor_step(losses)})
+                append_stats(stats, {"policy/grad_norm": self._actor_step(losses)})
 
     def _actor_step(self, losses) -> float:
         """One actor optimizer step over ``losses``: one loss tensor, or an iterable of weighted micro-batch losses
@@ -399,475 +402,6 @@ class TrainerEngine:
             with self.commands.lead(STOP):
                 pass
 
-    # ------------------------------------------------------------------ the stages
-    def _parallel_critic(self) -> bool:
-        """Actor and critic are separate models with separate losses, so their passes can run side by side (as
-        OpenRLHF and veRL run them on separate workers); the results are the same as one after the other. On a CPU
-        the two sides split the intra-op threads (:meth:`_side_threads`), so it needs two of them."""
-        if self.group is not None or self.shared_value:  # collectives could interleave; or one model, one backward
-            return False
-        return self.device.type != "cpu" or torch.get_num_threads() >= 2
-
-    def _side_threads(self) -> tuple[int, int] | None:
-        """Intra-op threads of the actor's and the critic's side when they run side by side on a CPU (None: leave
-        them as they are). Half each: one OpenMP team per model on these matmuls scales worse than two teams of
-        half the size side by side (small model, 2 cores: actor and critic on one thread each, side by side, took
-        0.58-0.68x the time of both on two threads one after the other; bench.critic_threads). The results agree within
-        float32 rounding (bit for bit on the tiny test model; on the small one ~1e-7 on some CPUs, where a kernel's
-        result depends on its thread count)."""
-        n = torch.get_num_threads()
-        if self.device.type != "cpu" or n < 2:
-            return None
-        return n - n // 2, n // 2
-
-    def _ppo(self, b: RolloutBatch) -> dict[str, float]:
-        cfg, a, c, C = self.cfg, self.cfg.actor, self.cfg.critic, b.context_length
-        B = b.responses.shape[0]
-        pool, split = None, None
-        if self._parallel_critic():
-            split = self._side_threads()
-            init = {} if split is None else {"initializer": torch.set_num_threads, "initargs": (split[1],)}
-            pool = ThreadPoolExecutor(1, thread_name_prefix="critic", **init)
-        before = torch.get_num_threads()
-        if split is not None:
-            torch.set_num_threads(split[0])  # this thread's intra-op threads (per thread in torch), restored below
-        try:
-            run = pool.submit if pool else lambda fn, *args: _Done(fn(*args))
-            # Minibatch orders are drawn first, actor's first, so the shared generator gives the same orders
-            # whether the critic runs alongside or after the actor and whether the first pass is reused.
-            actor_mbs = [
-                list(self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch)) for _ in range(a.ppo_epochs)
-            ]
-            critic_mbs = [
-                list(self._minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch))
-                for _ in range(0 if self.shared_value else c.critic_update_epochs)  # shared: the actor's minibatches
-            ]
-            # OpenRLHF's freezing_actor_steps: the critic learns values of a fixed policy before the actor moves
-            frozen = self.state.step < a.freezing_actor_steps
-            first_a = first_c = None  # the rows whose old pass is their first update's forward (see __init__)
-            if self.reuse_first_pass and self.group is None and self.ref_model is None:
-                if not frozen and actor_mbs:
-                    first_a = next(optim.micro_batches(actor_mbs[0][0], a.micro_batch_size))
-                first_c = next(optim.micro_batches(critic_mbs[0][0], c.micro_batch_size)) if critic_mbs else None
-            values_f = run(self._old_values, b.query_responses, C, first_c)
-            full_kl = None
-            held_logits = None
-            if self.ref_model is not None:  # kl_penalty full: one process only (refused in a group)
-                with torch.no_grad():
-                    old_logits, old_logprobs = self._logits_and_logprobs(b.query_responses, b.responses, C)
-                    with self._autocast():
-                        ref_logits = causal_lm_logits(self.ref_model, b.query_responses, self.pad_id)[:, C - 1 : -1]
-                    full_kl = algo.full_kl(old_logits, ref_logits, self.temperature)
-                    del old_logits
-            else:
-                old_logprobs, held_logits = self._old_logprobs(b, C, first_a)
-            values, held_values = values_f.result()
-            episodes = _has_episodes(b)
-            rollout = (
-                functools.partial(algo.ppo_episode_rollout, b.responses, b.loss_mask, b.episode_done)
-                if episodes
-                else functools.partial(algo.ppo_rollout, b.responses, stop_token_id=self.eos_id)
-            )
-            r = rollout(
-                old_logprobs,
-                b.ref_logprobs,
-                values,
-                b.scores,
-                pad_token_id=self.pad_id,
-                eos_token_id=self.eos_id,
-                kl_coef=self.state.kl_coef,
-                kl_estimator=cfg.algorithm.kl_penalty,
-                gamma=cfg.algorithm.gamma,
-                lam=cfg.algorithm.lam,
-                missing_eos_penalty=cfg.algorithm.missing_eos_penalty or None,
-                whiten_rewards=cfg.algorithm.whiten_rewards,
-                whiten_advantages=cfg.algorithm.whiten_advantages,
-                score_position=cfg.algorithm.score_position,
-                kl=full_kl,
-                group=b.group,
-                reward_baseline=cfg.algorithm.reward_baseline,
-            )
-            metrics = algo.rollout_metrics(r)
-            metrics.update(self._mismatch(b, old_logprobs, r.response_mask))
-            critic_f = run(self._critic_updates, b, r, critic_mbs, held_values)
-            stats = {} if frozen else self._actor_updates(b, r, actor_mbs, held_logits)
-            stats.update(critic_f.result())
-        finally:
-            if pool:
-                pool.shutdown(wait=True)
-            torch.set_num_threads(before)
-        mean_kl = algo.masked_mean(r.kl, r.response_mask, dim=1).mean().item()
-        self.state.update_kl(mean_kl, B)
-        metrics.update({k: sum(v) / len(v) for k, v in stats.items()})
-        metrics["objective/advantages_mean"] = algo.masked_mean(r.advantages, r.response_mask).item()
-        metrics["policy/frozen"] = float(frozen)
-        return metrics
-
-    def _old_values(self, qr: torch.Tensor, C: int, first: torch.Tensor | None):
-        """The critic's values of every row before the update, and (``first``: the critic's first minibatch) those
-        rows' values with their graph, which that minibatch's update uses as its forward pass."""
-        if first is None:
-            with torch.no_grad():  # grad mode is per thread: set here, where it runs
-                return self._critic_rows(qr, C), None
-        with torch.enable_grad():
-            held = self._critic_rows(qr[first], C)
-        return _with_rest(qr.shape[0], first, held.detach(), lambda rows: self._critic_rows(qr[rows], C)), held
-
-    def _old_logprobs(self, b: RolloutBatch, C: int, first: torch.Tensor | None):
-        """The actor's log-probs of every row before the update, and (``first``: the actor's first micro-batch) those
-        rows' logits with their graph, which that micro-batch's loss uses as its forward pass."""
-        if first is None:
-            with torch.no_grad():
-                return self._actor_rows(b.query_responses, b.responses, C)[0], None
-        with torch.enable_grad():
-            held, lp = self._logits_and_logprobs(b.query_responses[first], b.responses[first], C)
-        rest = lambda rows: self._actor_rows(b.query_responses[rows], b.responses[rows], C)[0]  # noqa: E731
-        return _with_rest(b.responses.shape[0], first, lp.detach(), rest), held
-
-    def _actor_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]], held=None):
-        """The actor's PPO epochs. ``held``: the first micro-batch's logits, already computed (with their graph) at
-        these weights by the old pass (:meth:`_old_logprobs`). With ``critic.shared_backbone`` each micro-batch's
-        loss also holds its value loss (TRL's ``pg_loss + vf_coef * vf_loss``), from the value head on the same
-        backbone."""
-        a, C = self.cfg.actor, b.context_length
-        stats: dict[str, list[float]] = {}
-        behavior = self._behavior(b, r.logprobs)
-        held = [held] if held is not None else []
-
-        def micro_loss(mu: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
-            # TRL's token mean over the minibatch = sum over micro-batches of (micro token mean x token share)
-            weight = optim.micro_weight("tokens", r.response_mask[mu], r.response_mask[mb])
-            if held:
-                logits = held.pop()
-                new_logprobs = algo.logprobs_from_logits(logits, r.responses[mu], self.temperature)
-                entropies = self._entropies(logits, True)
-            else:
-                new_logprobs, entropies = self._actor_rows(b.query_responses[mu], r.responses[mu], C, entropy=True)
-            mask = r.response_mask[mu]
-            pg_loss, pg_stats = algo.ppo_policy_loss(
-                new_logprobs,
-                r.logprobs[mu],
-                r.advantages[mu],
-                mask,
-                clip_ratio=a.clip_ratio,
-                clip_ratio_high=a.clip_ratio_high,
-                dual_clip=a.dual_clip,
-                behavior_logprobs=None if behavior is None else behavior[mu],
-                tis_cap=a.tis_cap,
-            )
-            entropy = algo.masked_mean(entropies, mask)
-            loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
-            _append(
-                stats,
-                {
-                    "loss/policy": pg_loss.item(),
-                    "policy/entropy": entropy.item(),
-                    **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
-                },
-            )
-            if self.shared_value:
-                return weight * loss + self._value_micro_loss(b, r, mu, mb, stats)
-            return weight * loss
-
-        self._actor_epochs(minibatches, a.micro_batch_size, micro_loss, stats)
-        return stats
-
-    def _critic_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]], held=None):
-        """The critic's epochs: each minibatch is one optimizer step over the weighted value losses of its
-        micro-batches (``critic.micro_batch_size``), gradients accumulating. ``held``: the first micro-batch's values,
-        already computed (with their graph) at these weights by the old pass (:meth:`_old_values`)."""
-        c = self.cfg.critic
-        stats: dict[str, list[float]] = {}
-        held = [held] if held is not None else []
-
-        def micro_loss(mu: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
-            return self._value_micro_loss(b, r, mu, mb, stats, held.pop() if held else None)
-
-        for epoch in minibatches:
-            for mb in epoch:
-                losses = (micro_loss(mu, mb) for mu in optim.micro_batches(mb, c.micro_batch_size))
-                self._optimizer_step("critic", self.critic, self.critic_opt, losses, self.critic_optim.clip_grad)
-        return stats
-
-    def _value_micro_loss(self, b: RolloutBatch, r, mu, mb, stats, vpred: torch.Tensor | None = None) -> torch.Tensor:
-        """``vf_coef`` x the clipped value loss of micro-batch ``mu`` of minibatch ``mb``, weighted by its share of
-        the minibatch's value tokens (the loss is a token mean over value_mask). ``vpred``: its values, when held."""
-        c = self.cfg.critic
-        if vpred is None:
-            vpred = self._critic_rows(b.query_responses[mu], b.context_length)
-        vpred = vpred.masked_fill(r.padding_mask_p1[mu], 0.0)
-        vf_loss, vf_stats = algo.value_loss(
-            vpred, r.values[mu], r.returns[mu], r.value_mask[mu], cliprange_value=c.cliprange_value
-        )
-        _append(
-            stats,
-            {
-                "loss/value": vf_loss.item(),
-                "val/clipfrac": vf_stats["clipfrac"].item(),
-                "val/vpred": vf_stats["vpred"].item(),
-            },
-        )
-        return optim.micro_weight("tokens", r.value_mask[mu], r.value_mask[mb]) * c.vf_coef * vf_loss
-
-    def _group(self, b: RolloutBatch) -> dict[str, float]:
-        """GRPO / RLOO / REINFORCE++: advantages from each prompt's group of samples, no critic.
-
-        The math, masks and advantages included, is ``rlhf.algo.critic_free`` (TRL's GRPOTrainer / RLOOTrainer,
-        OpenRLHF's REINFORCE++); here only the model passes: the on-policy old log-probs and the minibatch updates
-        over epochs (TRL's ``num_iterations``).
-        """
-        cfg, a, alg, C = self.cfg, self.cfg.actor, self.cfg.algorithm, b.context_length
-        estimator = cfg.critic_free_estimator
-        trl_rloo = estimator == "rloo" and alg.rloo_convention == "trl"
-        kl_in_loss = estimator in ("grpo", "dr_grpo")
-        beta = self.state.kl_coef
-        if _has_episodes(b):
-            responses, mask, contains_eos = algo.episode_completion_mask(
-                b.responses, b.loss_mask, b.episodes, b.episode_done, self.eos_id, self.pad_id
-            )
-            every_token = mask  # an episode's tokens to compare with the sampler's: the model's own
-            if alg.mask_truncated_completions:
-                mask = mask & contains_eos[:, None]
-        else:
-            responses, mask, contains_eos = algo.completion_mask(
-                b.responses, self.eos_id, self.pad_id, alg.mask_truncated_completions
-            )
-            every_token = None
-        scores = algo.penalize_missing_eos(b.scores, contains_eos, alg.missing_eos_penalty)
-        zero = torch.zeros((), device=responses.device)
-        ref = torch.where(mask, b.ref_logprobs, zero)
-        with torch.no_grad():
-            old_logprobs, _ = self._actor_rows(b.query_responses, responses, C)
-        # over every response token, also of the completions mask_truncated_completions keeps out of the loss
-        if every_token is None:
-            every_token = algo.completion_mask(b.responses, self.eos_id, self.pad_id)[1]
-        mismatch = self._mismatch(b, old_logprobs, every_token)
-        old_logprobs = torch.where(mask, old_logprobs, zero)
-        advantages, kl = algo.critic_free_advantages(
-            estimator,
-            scores,
-            b.group,
-            old_logprobs,
-            ref,
-            mask,
-            rloo_convention=alg.rloo_convention,
-            kl_estimator=alg.kl_penalty,
-            beta=beta,
-            scale_rewards=alg.scale_rewards,
-            whiten=alg.whiten_advantages,
-            gamma=alg.gamma,
-        )
-        distill = alg.distill
-        if distill.coef > 0:  # the reference log-probs are the teacher's (config: kl_coef 0, ref.load the teacher)
-            advantages, reverse_kl = algo.distill_advantages(
-                old_logprobs,
-                ref,
-                mask,
-                coef=distill.coef,
-                task_advantages=advantages,
-                reward_coef=distill.reward_coef,
-            )
-        behavior = self._behavior(b, old_logprobs)
-        if trl_rloo:
-            old_seq = algo.masked_sum(old_logprobs, mask, dim=1)
-            behavior_seq = None if behavior is None else algo.masked_sum(behavior, mask, dim=1)
-        B = responses.shape[0]
-        n_minibatches = math.ceil(B / a.ppo_mini_batch_size)
-        num_items = mask.sum() / n_minibatches  # DAPO: the rollout batch's tokens per minibatch (TRL)
-        stats: dict[str, list[float]] = {}
-        # how each loss_type averages, so that micro-batch losses add up to the minibatch's (TRL's accumulation)
-        kind = (
-            "rows"
-            if trl_rloo or alg.loss_type in ("grpo", "dr_grpo")
-            else "sum"
-            if alg.loss_type == "dapo"
-            else "tokens"
-        )
-
-        def micro_loss(mb: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-            # entropies carry a gradient only with the bonus (a loss term only then)
-            new_logprobs, entropies = self._actor_rows(
-                b.query_responses[mb], responses[mb], C, entropy=bool(a.entropy_coeff)
-            )
-            entropy_mask = None
-            if alg.top_entropy_quantile < 1.0:  # the quantile of each forward pass, as TRL's
-                entropy_mask = algo.top_entropy_mask(entropies, mask[mb], alg.top_entropy_quantile)
-            if trl_rloo:
-                pg_loss, pg_stats = algo.rloo_trl_loss(
-                    new_logprobs,
-                    old_seq[mb],
-                    advantages[mb],
-                    mask[mb],
-                    epsilon=a.clip_ratio,
-                    epsilon_high=a.clip_ratio_high,
-                    tis_cap=a.tis_cap,
-                    behavior_sequence_logprobs=None if behavior is None else behavior_seq[mb],
-                )
-            else:
-                pg_loss, pg_stats = algo.grpo_loss(
-                    new_logprobs,
-                    old_logprobs[mb],
-                    advantages[mb],
-                    mask[mb],
-                    loss_type=alg.loss_type,
-                    epsilon=a.clip_ratio,
-                    epsilon_high=a.clip_ratio_high,
-                    importance_sampling_level=alg.importance_sampling_level,
-                    ref_logprobs=ref[mb],
-                    beta=beta if kl_in_loss else 0.0,
-                    kl_estimator=alg.kl_penalty,
-                    use_bias_correction_kl=alg.use_bias_correction_kl,
-                    entropy_mask=entropy_mask,
-                    max_completion_length=cfg.max_new_tokens,
-                    num_items=num_items,
-                    dual_clip=a.dual_clip,
-                    behavior_logprobs=None if behavior is None else behavior[mb],
-                    tis_cap=a.tis_cap,
-                )
-            kept = mask[mb] if entropy_mask is None else entropy_mask
-            weight = optim.micro_weight(kind, mask[mb], mask[whole])
-            loss = weight * pg_loss
-            if a.entropy_coeff:
-                loss = loss - a.entropy_coeff * optim.micro_weight("tokens", kept, mask[whole]) * algo.masked_mean(
-                    entropies, kept
-                )
-            _append(
-                stats,
-                {
-                    "loss/policy": pg_loss.item(),
-                    "policy/entropy": algo.masked_mean(entropies.detach(), mask[mb]).item(),
-                    **{f"policy/{k}": v.item() for k, v in pg_stats.items() if k != "policy_loss"},
-                },
-            )
-            return loss
-
-        epochs = (self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch) for _ in range(a.ppo_epochs))
-        self._actor_epochs(epochs, a.micro_batch_size, micro_loss, stats)
-        metrics = {k: sum(v) / len(v) for k, v in stats.items()}
-        metrics["objective/kl"] = algo.masked_sum(kl, mask, dim=1).mean().item()
-        metrics["objective/scores"] = scores.mean().item()
-        metrics["objective/advantages_mean"] = advantages.float().mean().item()
-        if distill.coef > 0:  # the estimator of KL(student || teacher) per sampled token, before this step's update
-            metrics["distill/reverse_kl"] = algo.masked_mean(reverse_kl, mask).item()
-        metrics.update(mismatch)
-        return metrics
-
-    def _rejection_sampling(self, b: RolloutBatch) -> dict[str, float]:
-        """Rejection-sampling fine-tuning (seed 002; Llama 2 alternates it with PPO): the best-scored sample of each
-        prompt's group (``min_score``: if good enough), trained on by SFT: the mean negative log-likelihood of its
-        response tokens (an episode's own tokens), at temperature 1, in the actor's minibatches and micro-batches."""
-        a, rs, C = self.cfg.actor, self.cfg.algorithm.rejection_sampling, b.context_length
-        if _has_episodes(b):
-            responses, mask, _ = algo.episode_completion_mask(
-                b.responses, b.loss_mask, b.episodes, b.episode_done, self.eos_id, self.pad_id
-            )
-        else:
-            responses, mask, _ = algo.completion_mask(b.responses, self.eos_id, self.pad_id)
-        keep = algo.best_of_group(b.scores, b.group, rs.min_score)
-        metrics = {"rft/kept": float(len(keep)), "rft/groups": float(len(torch.unique(b.group)))}
-        if not len(keep):
-            log.info("step %d: rejection sampling kept no sample (min_score %s)", self.state.step + 1, rs.min_score)
-            return metrics
-        metrics["rft/kept_score_mean"] = b.scores[keep].mean().item()
-        stats: dict[str, list[float]] = {}
-
-        def micro_loss(mu: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
-            rows, whole = keep[mu], keep[mb]
-            logprobs, _ = self._actor_rows(b.query_responses[rows], responses[rows], C, temperature=1.0)
-            loss = -algo.masked_mean(logprobs, mask[rows])
-            _append(stats, {"loss/sft": loss.item()})
-            return optim.micro_weight("tokens", mask[rows], mask[whole]) * loss
-
-        epochs = (self._minibatches(len(keep), a.ppo_mini_batch_size, a.shuffle_minibatch) for _ in range(rs.epochs))
-        self._actor_epochs(epochs, a.micro_batch_size, micro_loss, stats)
-        metrics.update({k: sum(v) / len(v) for k, v in stats.items()})
-        return metrics
-
-    def _online_dpo(self, b: RolloutBatch) -> dict[str, float]:
-        """Pairs within each prompt's group: the first two OK samples; chosen has the higher score (ties: first).
-
-        As TRL's OnlineDPOTrainer: log-probs of the raw logits (no division by the sampling temperature), summed over
-        each completion through its EOS.
-        """
-        cfg, C = self.cfg, b.context_length
-        firsts, seconds = algo.dpo_pairs(b.group)
-        if not firsts:
-            raise ValueError("online DPO needs two scored samples per prompt; none in this batch")
-        P = len(firsts)
-        idx = torch.tensor(firsts + seconds, device=b.responses.device)  # block layout [p0..pB-1, p0..pB-1]
-        if _has_episodes(b):
-            responses, mask, contains_eos = algo.episode_completion_mask(
-                b.responses[idx], b.loss_mask[idx], b.episodes[idx], b.episode_done[idx], self.eos_id, self.pad_id
-            )
-        else:
-            responses = algo.truncate_at_stop(b.responses[idx], self.eos_id, self.pad_id)
-            mask = responses != self.pad_id
-            contains_eos = (responses == self.eos_id).any(1)
-        scores = algo.penalize_missing_eos(b.scores[idx], contains_eos, cfg.algorithm.missing_eos_penalty)
-        chosen, rejected = algo.select_chosen_rejected(scores, P)
-        ref_logprobs = b.ref_logprobs[idx]
-        ref_sums = algo.masked_sum(ref_logprobs, mask, dim=1)
-        T = cfg.logprob_temperature  # 1.0: TRL's online DPO never divides by the sampling temperature
-        a = cfg.actor
-        stats: dict[str, list[float]] = {}
-        # No separate old pass here: the first minibatch's forwards run before any optimizer step, so its rows'
-        # mismatch costs nothing. Comparable with the sampling log-probs only at the sampling temperature (1.0).
-        first: list[torch.Tensor] = []
-        measured: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def micro_loss(pairs: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-            # rows of these pairs' chosen and rejected answers; the DPO loss is a mean over pairs
-            rows = torch.cat([chosen[pairs], rejected[pairs]])
-            logprobs, entropies = self._actor_rows(
-                b.query_responses[idx[rows]], responses[rows], C, temperature=T, entropy=bool(a.entropy_coeff)
-            )
-            if not first:
-                first.append(whole)
-            if whole is first[0] and self.temperature == T:
-                measured.append((rows, logprobs.detach()))
-            sums = algo.masked_sum(logprobs, mask[rows], dim=1)
-            n = len(pairs)
-            loss, dpo_stats = algo.dpo_loss(
-                sums[:n],
-                sums[n:],
-                ref_sums[chosen[pairs]],
-                ref_sums[rejected[pairs]],
-                beta=cfg.algorithm.dpo_beta,
-                loss_type=cfg.algorithm.dpo_loss_type,
-            )
-            total = optim.micro_weight("rows", pairs, whole) * loss
-            entropy = algo.masked_mean(entropies, mask[rows])
-            if a.entropy_coeff:  # the seeds' entropy bonus, a token mean over both answers of the minibatch's pairs
-                whole_rows = torch.cat([chosen[whole], rejected[whole]])
-                total = total - a.entropy_coeff * optim.micro_weight("tokens", mask[rows], mask[whole_rows]) * entropy
-            kl = algo.masked_sum(logprobs.detach() - ref_logprobs[rows], mask[rows], dim=1).mean()
-            _append(
-                stats,
-                {
-                    "loss/dpo": loss.item(),
-                    "policy/entropy": entropy.item(),
-                    "objective/kl": kl.item(),
-                    **{k: v.item() for k, v in dpo_stats.items()},
-                },
-            )
-            return total
-
-        # ppo_mini_batch_size and micro_batch_size count samples: a pair is two
-        pairs_per_step = max(1, a.ppo_mini_batch_size // 2)
-        micro_pairs = None if a.micro_batch_size is None else max(1, a.micro_batch_size // 2)
-        dev = b.responses.device
-        epochs = (
-            (mb.to(dev) for mb in self._minibatches(P, pairs_per_step, a.shuffle_minibatch))
-            for _ in range(a.ppo_epochs)
-        )
-        self._actor_epochs(epochs, micro_pairs, micro_loss, stats)
-        metrics = {k: sum(v) / len(v) for k, v in stats.items()}
-        metrics["objective/scores_margin"] = (scores[chosen] - scores[rejected]).mean().item()
-        if measured:
-            rows = torch.cat([r for r, _ in measured])
-            metrics.update(self._mismatch(b, torch.cat([lp for _, lp in measured]), mask[rows], idx[rows]))
-        return metrics
-
     # ------------------------------------------------------------------ weights
     def policy_state_dict(self, on_device: bool = False) -> dict[str, torch.Tensor]:
         """The actor's weights in the checkpoint layout, as weight sync ships them (:meth:`PolicyExport.state_dict`)."""
@@ -876,37 +410,3 @@ class TrainerEngine:
     def policy_stream(self, version: int, bucket_bytes: int | None = None) -> StreamedWeights:
         """Rank 0 of a group: the policy streamed bucket by bucket (:meth:`PolicyExport.stream`)."""
         return self.export.stream(version, bucket_bytes)
-
-
-def _with_rest(n: int, first: torch.Tensor, held: torch.Tensor, forward) -> torch.Tensor:
-    """(n, ...) rows: ``held`` at the rows ``first``, ``forward(rows)`` without gradient at the others."""
-    out = held.new_empty((n, *held.shape[1:]))
-    out[first] = held
-    mask = torch.ones(n, dtype=torch.bool)
-    mask[first] = False
-    rest = mask.nonzero().squeeze(1)
-    if len(rest):
-        with torch.no_grad():
-            out[rest] = forward(rest)
-    return out
-
-
-class _Done:
-    """An already computed result with a future's ``result()``: the sequential path of :meth:`TrainerEngine._ppo`."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-
-def _has_episodes(b: RolloutBatch) -> bool:
-    """Whether a batch holds multi-turn episodes: then the stages train on each row's loss mask (the model's own
-    tokens) instead of "every token through the first EOS", which would cut an episode after its first turn."""
-    return b.episodes is not None and bool(b.episodes.any())
-
-
-def _append(acc: dict[str, list[float]], values: dict[str, float]) -> None:
-    for k, v in values.items():
-        acc.setdefault(k, []).append(float(v))

@@ -133,3 +133,9 @@ class Joint:
     def step(self) -> None:
         for opt in self.opts:
             opt.step()
+
+
+def append_stats(acc: dict[str, list[float]], values: dict[str, float]) -> None:
+    """A micro-batch's stats onto the step's lists (a step reports each one's mean)."""
+    for k, v in values.items():
+        acc.setdefault(k, []).append(float(v))
