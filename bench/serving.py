@@ -279,11 +279,15 @@ async def main() -> None:
             "REST client: aiohttp; httpx added ~2.4 ms per call (reference, concurrency 1: 9.3 vs 6.9 ms p50)",
             "CPU per request over the in-process call (client library + serving layer; gRPC/REST), ms: "
             + ", ".join(f"{k} {v}" for k, v in cpu_over.items()),
-            "why 8 and 32 callers miss: both processes share 2 cores and the service's event loop and forward thread "
-            "share one GIL, so a request waits for the serving CPU (above) of the requests ahead of it; the p50 "
-            "overhead grows with the callers as (CPU over in-process) x (requests ahead) / (cores that are free), "
-            "and the service also merges fewer requests per forward than in-process (its arrivals are staggered by "
-            "that same serving work; in-process all callers resubmit at once)",
+            "how 8 and 32 callers queue: the callers and the service share 2 cores; where the service's serving work "
+            "and its model share one GIL (the rollout: the event loop and vLLM's engine thread; reward and reference "
+            "before this round), a request waits for the serving CPU (above) of the requests ahead of it, so the p50 "
+            "overhead grows with the callers as (CPU over in-process) x (requests ahead) / (cores that are free). "
+            "Rollout, 32 callers, gRPC (py-spy, 200 Hz, 12 s): vLLM's engine thread active 45% of the samples (36% "
+            "of them in torch ops), the event loop 27% (grpc.aio's callbacks the most; uuid4 3%); the service's CPU "
+            "per request 1.6-1.9 ms vs 1.3 in-process. Tried for it: vLLM's engine core in its own process "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=1, AsyncLLM): 104 vs 48.5 ms p50 at 32 callers, 9.6 ms of service CPU "
+            "per request; sys.setswitchinterval(0.5 ms): 46.0 vs 41.4 ms (noise); neither kept",
             "profile (py-spy, 250 Hz, reward service, REST and gRPC at 1 and 8 callers, same script before and "
             "after): event-loop time per REST request 1.14 -> 0.54 ms, per gRPC handler 0.44 -> 0.18 ms (py-spy "
             "inflates both). Before: one forward per request (no merging); tokenising 42% of the REST loop time and "
@@ -320,7 +324,8 @@ async def main() -> None:
             "serving work and the forward on different cores): a prototype A/B gave reward at 32 callers 60 -> 36 ms "
             "p50 (in-process 31), 1 and 8 callers unchanged; the built version in a full run gave reward 70.9 -> 57.5 "
             "ms at 32 callers, but the reference service got slower (8 callers 18.4 -> 28 ms: its log-probs cross "
-            "the pipe as JSON); not kept",
+            "the pipe as JSON); not kept then (built in the next round, with float32 results and a forward one "
+            "thread short: next note)",
             "issue 34 item 1, round 2 (this round): the reward and reference services run their model in a child "
             "process (rlhf.serving.model_process, RLHF_MODEL_PROCESS) with one torch thread fewer than "
             "OMP_NUM_THREADS (RLHF_MODEL_THREADS). Profile that motivated it (CPU of the service's process and of "
