@@ -27,6 +27,7 @@ import importlib
 import json
 import logging
 import os
+import signal
 import struct
 import subprocess
 import sys
@@ -201,6 +202,10 @@ def _serve(frames_in: IO[bytes], frames_out: IO[bytes]) -> None:
 
 
 def main() -> None:
+    # The child ends when its input does (the service closed it or died). A Ctrl-C or a SIGTERM sent to the whole
+    # process group must not kill it while the service drains its in-flight requests (RLHF_SHUTDOWN_GRACE_S).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Frames own the real stdout; anything a library prints goes to stderr instead of into the protocol.
     frames_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

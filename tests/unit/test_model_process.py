@@ -76,3 +76,19 @@ def test_forward_threads_leave_the_serving_loop_a_core(monkeypatch, requested, o
     else:
         monkeypatch.setenv("OMP_NUM_THREADS", omp)
     assert forward_threads(requested) == want
+
+
+def test_the_child_outlives_a_signal_to_the_group_and_ends_with_its_input(proc):
+    """SIGTERM / SIGINT to the process group (Ctrl-C, a supervisor) leave the child serving while the service drains;
+    closing its input ends it."""
+    import signal
+    import time
+
+    proc.start()
+    child = proc._proc
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        os.kill(proc.pid, sig)
+    time.sleep(0.2)
+    assert proc.call({"op": "echo"}, b"ok")[1] == b"ko" and proc.pid == child.pid
+    proc.close()
+    assert child.poll() is not None
