@@ -3,8 +3,9 @@
 A reward or reference service runs gRPC, HTTP, validation and the model's forward in one Python process. The
 forward of a small model is mostly Python (module calls per layer), so with many callers the event loop's serving
 work and the forward take turns on one GIL and the process is bound at about one core (bench.serving: reward, 32
-callers). With ``RLHF_MODEL_PROCESS=1`` the service starts a child (``python -m rlhf.serving.model_process``) that
-loads the model and runs each merged call; the service keeps the tokenizer, validation and batching.
+callers). With ``RLHF_MODEL_PROCESS`` (the default) the service starts a child (``python -m rlhf.serving.
+model_process``) that loads the model and runs each merged call; the service keeps the tokenizer, validation and
+batching. The child ends when its input does (the service closed it, or died); it ignores SIGINT and SIGTERM.
 
 The two talk over the child's stdin and stdout in frames: a 12-byte length prefix (header, payload), a JSON
 header and raw bytes (token ids as int32, results as float32): JSON and raw arrays only, never pickle. The child
