@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCHES = (
     "queue",
     "weight_sync",
+    "recv_slices",
     "weight_sync_delta",
     "weight_sync_lora",
     "serving",
@@ -41,6 +42,7 @@ RESULTS = REPO / ".cache" / "bench" / "results"
 TITLES = {
     "queue": "Queue: experience records through rlhf.transport vs raw Redis",
     "weight_sync": "Weight sync: a 104M-parameter policy to a rollout replica vs a raw loopback copy",
+    "recv_slices": "Weight sync: the data plane's receive beside a thread that holds the GIL, 4 MiB vs 16 MiB slices",
     "weight_sync_delta": "Weight sync: delta pushes vs full pushes after optimizer steps at two learning rates",
     "weight_sync_lora": "Weight sync: a LoRA actor's adapter-only push to vLLM vs the merged model",
     "serving": "Serving: REST and gRPC vs the engine in-process",

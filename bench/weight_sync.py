@@ -411,8 +411,9 @@ async def main() -> None:
             "data plane: the trainer sends the header on gRPC (Open: checked as UpdateWeights checks it, bucket "
             "buffers reserved, 32-byte single-use ticket), then the ticket and the packed buckets on one TCP "
             "connection (sendall of memoryviews, no copy in Python); the replica recv_into()s straight into the "
-            "bucket buffers in a thread (MSG_WAITALL, 4 MiB slices), sha256 on other threads as slices arrive, "
-            "the same safetensors parse into torch.frombuffer views; Commit waits for it, verifies and swaps. "
+            "bucket buffers in a thread (MSG_WAITALL, 16 MiB slices: bench.recv_slices), sha256 on other threads "
+            "as slices arrive, the same safetensors parse into torch.frombuffer views; Commit waits for it, "
+            "verifies and swaps. "
             "Now: transfer " + ", ".join(f"{e} {ratios[e]['transfer_vs_raw']}" for e in ENGINES) + " of raw vs "
             "gRPC stream " + ", ".join(f"{e} {ratios[e]['grpc_stream_transfer_vs_raw']}" for e in ENGINES),
             "profile of the data plane (py-spy, replica): with one hash thread the receiving thread spent more time "

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rlhf.serving import ServiceMetrics, ServiceSettings
-from rlhf.transport.weights import ServedVersion, manifest_of, pack_weights, push_weights
+from rlhf.transport.weights import ServedVersion, dataplane, manifest_of, pack_weights, push_weights
 from rlhf.transport.weights.dataplane import send_buckets
 from rlhf.transport.weights.errors import IncompleteUpdate
 from rlhf.v1 import rollout_pb2_grpc, weights_pb2
@@ -175,6 +175,49 @@ def test_push_uses_the_data_plane_and_is_bit_identical():
             resp = await push_weights(r.addr, state_dict(9), 4, token=TOKEN, transport="grpc")  # the stream still works
             assert resp.swapped and r.calls("UpdateWeights") == 1
             assert_bits(r.engine.tensors, state_dict(9))
+
+    asyncio.run(main())
+
+
+def test_buckets_of_many_slices_are_hashed_in_order(monkeypatch):
+    """A bucket arrives and is hashed slice by slice (SLICE_BYTES, 16 MiB): with 4 KiB slices, a 64 KiB bucket is
+    16 slices and its digest still checks (slices hashed in order on their lane), the weights equal the pushed ones
+    bit for bit, whole or installed as they arrive, and a byte flipped in a middle slice is refused."""
+    monkeypatch.setattr(dataplane, "SLICE_BYTES", 4 << 10)
+    slices, recv_slices = [], dataplane._recv_slices
+
+    def counted(conn, view, nbytes, on_slice, where, slice_bytes=0):
+        def each(start, end):
+            slices.append(end - start)
+            on_slice(start, end)
+
+        recv_slices(conn, view, nbytes, each, where, slice_bytes)
+
+    monkeypatch.setattr(dataplane, "_recv_slices", counted)
+
+    async def main():
+        async with Replica() as r:
+            for version in (1, 2):
+                resp = await push_weights(r.addr, state_dict(version), version, token=TOKEN, bucket_bytes=64 << 10)
+                assert resp.swapped and resp.version == version
+                assert_bits(r.engine.tensors, state_dict(version))
+            assert max(slices) == 4 << 10 and slices.count(4 << 10) >= 16, slices
+            packed = pack(3, seed=3)
+            big = max(range(len(packed.buckets)), key=lambda i: len(packed.buckets[i]))
+            assert len(packed.buckets[big]) >= 16 * dataplane.SLICE_BYTES  # many slices in a bucket
+            flipped = bytearray(payload(packed))
+            flipped[sum(len(b) for b in packed.buckets[:big]) + 5 * dataplane.SLICE_BYTES + 7] ^= 0xFF  # its 6th slice
+            opened = await r.open(packed)
+            await send_raw(r.port, opened.ticket + bytes(flipped))
+            code, details = await refused(r.commit(opened.ticket))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "sha256" in details and f"bucket {big}" in details
+            assert r.engine.served.version == 2
+
+            r.engine = StreamingEngine(served=r.engine.served, pool=r.servicer.data._stream_pool)
+            r.servicer.engine = r.engine
+            resp = await push_weights(r.addr, packed, token=TOKEN, transport="tcp")
+            assert resp.swapped and r.engine.installed == list(range(len(packed.buckets)))
+            assert_bits(r.engine.tensors, state_dict(3))
 
     asyncio.run(main())
 
