@@ -16,6 +16,13 @@ many callers are owed as requests are queued, the batcher waits, at most ``regat
 until nobody is owed or the queued rows fill a call. A lone caller has paid back before its next call, requests queued
 behind a one-off caller's call do not wait for it, and the first request after a quiet spell owes nothing: they all
 start at once.
+
+Regathering is for a model called in this process, whose forward and the event loop's work (the answers, the next
+requests' parsing and validation) share the cores and the GIL. A model in a child process
+(:mod:`rlhf.serving.model_process`) computes while the loop works, so there the engines turn it off
+(``regather_s=0``): the model starts as soon as it is free, and the callers of the last call, back meanwhile, make the
+next one. bench.serving's reward and reference services at 8 callers, the same service with and without (A/B, 4
+rounds): p50 14.4 -> 10.4 ms (reward, REST), 22.0 -> 18.8 ms (reference, gRPC); at 32 callers the same or better.
 """
 
 from __future__ import annotations

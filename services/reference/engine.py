@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from rlhf.config import ExperimentConfig, parse_config
 from rlhf.serving import Internal, InvalidArgument, NotReady, ServiceMetrics
-from rlhf.serving.batching import MicroBatcher
+from rlhf.serving.batching import REGATHER_S, MicroBatcher
 from rlhf.serving.model_process import ModelProcess, set_torch_threads
 
 log = logging.getLogger("rlhf.reference")
@@ -86,6 +86,7 @@ class ReferenceEngine:
             max_rows=MERGE_MICRO_BATCHES * self.micro_batch_size,
             max_cost=MERGE_MAX_TOKENS,
             on_batch=(lambda n, rows: metrics.observe_merged("logprobs", n, rows)) if metrics is not None else None,
+            regather_s=0.0 if model_process else REGATHER_S,  # rlhf.serving.batching: not beside a model process
         )
 
     # -- life cycle

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from rlhf.config import ScorerConfig
 from rlhf.serving import InvalidArgument, NotReady, ServiceMetrics
-from rlhf.serving.batching import MicroBatcher
+from rlhf.serving.batching import REGATHER_S, MicroBatcher
 from rlhf.serving.model_process import ModelProcess, set_torch_threads
 from services.reward import rules
 
@@ -200,6 +200,7 @@ class ModelScorer(Scorer):
             max_rows=MERGE_MICRO_BATCHES * micro_batch_size,
             max_cost=MERGE_MAX_TOKENS,
             on_batch=on_batch,
+            regather_s=0.0 if model_process else REGATHER_S,  # rlhf.serving.batching: not beside a model process
         )
 
     def load(self) -> None:

@@ -36,6 +36,7 @@ def test_reference_in_a_model_process_equals_in_process(tiny_models):
     pid = there._proc.pid
     assert there.model is None and _alive(pid)  # the model lives in the child only
     assert there.loaded["torch_threads"] == 1  # RLHF_MODEL_THREADS reaches the child
+    assert there._batcher.regather_s == 0 < here._batcher.regather_s  # the child computes while the loop works
     assert {k: there.loaded[k] for k in ("pad_token_id", "vocab_size", "max_len")} == {
         "pad_token_id": here.pad_token_id,
         "vocab_size": here.vocab_size,
@@ -85,6 +86,7 @@ def test_reward_model_in_a_model_process_equals_in_process(tiny_models):
     pid = model._proc.pid
     assert model.model is None and _alive(pid)
     assert model.loaded["torch_threads"] == 2
+    assert model._batcher.regather_s == 0 < here.scorers[0]._batcher.regather_s
     assert (model.max_len, model.vocab) == (here.scorers[0].max_len, here.scorers[0].vocab)
     rng = random.Random(6)
     words = ["two", "plus", "is", "4", "the", "answer", "\\boxed{7}", "seven", "hello"]
