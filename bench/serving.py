@@ -337,6 +337,18 @@ async def main() -> None:
             "process/1 24.8 (1187 vs 480 requests/s); reference 8 callers 17.9, 13.9, 17.4, 13.4 ms; reward 8 "
             "callers 11.5-12.1 ms all four (noise); the engine in-process gives the same p50 at 1 and 2 threads "
             "(reference 32 callers 49.8 vs 52.5 ms, reward 23.5 vs 23.6)",
+            "issue 34 item 1, round 3: no regathering wait beside a model process (rlhf.serving.batching). The "
+            "batcher held each call until the callers of the last one were back (up to half a call's time), which "
+            "kept an in-thread forward from splitting its callers in two; with the model in a child process the "
+            "child idled meanwhile while the loop answered and parsed. A/B (python -m bench.service_ab, the same "
+            "service with and without, 4 interleaved rounds): 8 callers, reward REST p50 14.4 -> 10.4 ms, gRPC "
+            "14.0 -> 10.8 ms; reference gRPC 22.0 -> 18.8 ms, REST 21.7 -> 19.7 ms; 32 callers, reward 37.7 -> "
+            "37.1 ms (gRPC), 33.6 -> 31.5 ms (REST). Tried and not kept: uvloop as the services' loop (reward, 8 "
+            "callers: p50 13.3 vs 13.4 ms REST, 11.8 vs 12.7 ms gRPC; service CPU 1.56 vs 1.46 ms per request); "
+            "for the rollout, vLLM's engine core in its own process again, its CPU per process (32 callers, gRPC): "
+            "the serving process 5.6-6.4 ms per request and the engine core 4.6-5.2 ms, against 2.2 ms for the "
+            "whole in-process driver; both processes stay busy for every step (the engine core steps, the serving "
+            "process takes each step's outputs for every request), so on 2 cores it cannot gain",
             "threads: every process as `rlhf up` sets them since issue 15 (OMP_NUM_THREADS = the cores, "
             "OMP_WAIT_POLICY=PASSIVE; settings.resources); before, one thread each, because with spinning 2-thread "
             "OpenMP teams the rollout service burned ~500 ms of CPU per 8-token Generate on this shared machine "
