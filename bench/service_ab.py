@@ -22,7 +22,7 @@ import os
 import statistics
 
 from bench._common import CACHE, ServiceProc, build_model, log, write_yaml
-from bench.serving import make_calls, run_way
+from bench.serving import SERVICE_ENV, config, make_calls, run_way
 
 NAME = os.environ.get("AB_SERVICE", "reward")
 CONC = int(os.environ.get("AB_CONC", "8"))
@@ -42,24 +42,14 @@ async def main() -> None:
     set_vllm_env_defaults("cpu")
     paths = build_model("tiny")
     log_dir = CACHE / "logs"
-    cfg = {  # bench.serving's
-        "run_id": "bench-service-ab",
-        "training": {"device": "cpu", "seq_length": 128},
-        "actor_rollout_ref": {
-            "actor_rollout": {"load": str(paths.policy), "engine": "vllm", "max_new_tokens": 8},
-            "ref": {"micro_batch_size": 16},
-        },
-        "reward": {"scorers": [{"type": "model", "load": str(paths.reward)}]},
-    }
-    cfg_path = write_yaml(log_dir / "service_ab.yaml", cfg)
+    cfg_path = write_yaml(log_dir / "service_ab.yaml", config(paths, "bench-service-ab"))
     grpc_req, (path, body), _ = make_calls(NAME, 512)
     stub_cls, method = {
         "reward": (reward_pb2_grpc.RewardServiceStub, "Score"),
         "reference": (reference_pb2_grpc.ReferenceServiceStub, "LogProbs"),
         "rollout": (rollout_pb2_grpc.RolloutServiceStub, "Generate"),
     }[NAME]
-    base = {"RLHF_REDIS_URL": None, "RLHF_ROLLOUT_ENGINE": "vllm"}
-    services = {tag: ServiceProc(NAME, cfg_path, log_dir, env={**base, **env}) for tag, env in COPIES.items()}
+    services = {tag: ServiceProc(NAME, cfg_path, log_dir, env={**SERVICE_ENV, **env}) for tag, env in COPIES.items()}
     for svc in services.values():
         svc.start(wait_ready=False)
     try:

@@ -61,6 +61,22 @@ if QUICK:
 ITEMS = 8
 
 
+SERVICE_ENV = {"RLHF_REDIS_URL": None, "RLHF_ROLLOUT_ENGINE": "vllm"}  # no queue; the rollout on vLLM
+
+
+def config(paths, run_id: str) -> dict:
+    """The services' experiment config: the tiny models (``paths``: bench._common.build_model's)."""
+    return {
+        "run_id": run_id,
+        "training": {"device": "cpu", "seq_length": 128},
+        "actor_rollout_ref": {
+            "actor_rollout": {"load": str(paths.policy), "engine": "vllm", "max_new_tokens": 8},
+            "ref": {"micro_batch_size": 16},
+        },
+        "reward": {"scorers": [{"type": "model", "load": str(paths.reward)}]},
+    }
+
+
 def make_calls(name: str, vocab: int):
     """For one service: (grpc request builder, REST path + body, in-process call maker)."""
     from rlhf.v1 import common_pb2, reference_pb2, reward_pb2, rollout_pb2
@@ -123,19 +139,11 @@ async def main() -> None:
     set_vllm_env_defaults("cpu")
     paths = build_model("tiny")
     log_dir = CACHE / "logs"
-    cfg_dict = {
-        "run_id": "bench-serving",
-        "training": {"device": "cpu", "seq_length": 128},
-        "actor_rollout_ref": {
-            "actor_rollout": {"load": str(paths.policy), "engine": "vllm", "max_new_tokens": 8},
-            "ref": {"micro_batch_size": 16},
-        },
-        "reward": {"scorers": [{"type": "model", "load": str(paths.reward)}]},
-    }
+    cfg_dict = config(paths, "bench-serving")
     cfg_path = write_yaml(log_dir / "serving.yaml", cfg_dict)
     cfg = parse_config(cfg_dict)
     vocab = 512
-    env = {"RLHF_REDIS_URL": None, "RLHF_ROLLOUT_ENGINE": "vllm"}
+    env = dict(SERVICE_ENV)
 
     results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     worst_over = {c: 0.0 for c in CONCURRENCY}
