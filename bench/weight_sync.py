@@ -73,7 +73,7 @@ from bench._common import (
     target,
     write_yaml,
 )
-from rlhf.procs import free_port
+from rlhf.procs import free_ports
 
 ENGINES = ("hf", "vllm")
 ROUNDS = 3
@@ -348,7 +348,7 @@ async def main() -> None:
     log_dir = CACHE / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)  # a fresh clone has no cache yet
     log(f"bench.weight_sync: policy {n_params / 1e6:.1f}M parameters")
-    raw_port, sink_grpc = free_port(), free_port()
+    raw_port, sink_grpc = free_ports(2)
     sink = start_sink(raw_port, sink_grpc, log_dir / "weight_sync-sink.log")
     per: dict[str, dict] = {}
     try:
@@ -646,7 +646,7 @@ async def large() -> None:
             },
         },
     )
-    raw_port, sink_grpc = free_port(), free_port()
+    raw_port, sink_grpc = free_ports(2)
     sink = subprocess.Popen(
         [
             sys.executable,

@@ -61,7 +61,7 @@ def free_ports(n: int, host: str = HOST) -> list[int]:
 
 
 def free_port(host: str = HOST) -> int:
-    """A TCP port free on ``host`` right now."""
+    """A TCP port free on ``host`` right now. Two calls can return the same port: take several with free_ports."""
     return free_ports(1, host)[0]
 
 
@@ -332,8 +332,11 @@ class ServiceProc(Child):
         cwd: str | Path | None = None,
     ):
         self.config = str(config)
-        self.grpc_port = grpc_port or free_port()
-        self.http_port = http_port or free_port()
+        # one free_ports(2): two free_port() calls can return the same port (the first is closed before the
+        # second is chosen), and a service whose gRPC and HTTP ports are one cannot start
+        picked = free_ports(2) if not (grpc_port and http_port) else []
+        self.grpc_port = grpc_port or picked[0]
+        self.http_port = http_port or picked[1]
         self.extra_args = list(extra_args or [])
         super().__init__(
             name,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,16 +17,11 @@ import yaml
 
 from rlhf.environments.adapters.verifiers_env import verifiers_rows
 from rlhf.environments.client import EnvironmentClient, EnvironmentFailed
+from rlhf.procs import free_ports
 
 HERE = Path(__file__).resolve().parent
 TOKEN = "envs-test-token"
 SPEC = "verifiers:rlhf_vf_quiz"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +30,7 @@ def service(tmp_path_factory):
     config = tmp / "config.yaml"
     # the first reset imports verifiers and loads the taskset (seconds on a busy machine): a generous step timeout
     config.write_text(yaml.safe_dump({"environment": {"name": SPEC, "timeout_s": 90, "options": {"max_turns": 3}}}))
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port = free_ports(2)
     env = {**os.environ, "RLHF_API_TOKEN": TOKEN, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parents[1])])}
     rlhf = Path(sys.executable).with_name("rlhf")
     log = (tmp / "service.log").open("wb")

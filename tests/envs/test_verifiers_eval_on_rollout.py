@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ import pytest
 import verifiers.v1 as vf
 import yaml
 from verifiers.v1.env import RunSlot
+
+from rlhf.procs import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 MAIN_PYTHON = REPO / ".venv" / "bin" / "python"
@@ -39,12 +40,6 @@ exit 1
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def rollout_url(tmp_path_factory):
     if not MAIN_PYTHON.exists():
@@ -53,13 +48,13 @@ def rollout_url(tmp_path_factory):
     config = tmp / "rollout.yaml"
     policy = {"load": "tiny:policy", "engine": "hf", "tool_call_parser": "hermes"}
     config.write_text(yaml.safe_dump({"actor_rollout_ref": {"actor_rollout": policy}}))
-    port = free_port()
+    grpc_port, port = free_ports(2)
     env = {**os.environ, "RLHF_ROLLOUT_ENGINE": "hf", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     log_path = tmp / "rollout.log"
     log = log_path.open("wb")
     proc = subprocess.Popen(
         [str(MAIN_PYTHON), "-m", "services.cli", "serve", "rollout", "--config", str(config), "--host", "127.0.0.1",
-         "--grpc-port", str(free_port()), "--http-port", str(port)],
+         "--grpc-port", str(grpc_port), "--http-port", str(port)],
         env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
     )  # fmt: skip
     try:
