@@ -609,6 +609,9 @@ class EvalConfig(Section):
         "held-out prompts go straight to a rollout replica and the reward service, never into the experience stream",
         ge=0,
     )
+    before_training: bool = _f(
+        False, "also evaluate the initial weights before the first step (reported as step 0; not again on --resume)"
+    )
     path: str | None = _f(
         None, "held-out prompts: any data.path source (a file, an indexed prefix, reasoning_gym:<task>, builtin:...)"
     )

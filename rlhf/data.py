@@ -1,6 +1,6 @@
 """Prompt data sets: jsonl, json and parquet files with a key map (the seeds' ``--map-keys``), Megatron indexed
-data sets (MindSpeed-LLM's preprocessed ``.bin``/``.idx``), reasoning-gym generators, chat templates, and a built-in
-arithmetic set for the demo.
+data sets (MindSpeed-LLM's preprocessed ``.bin``/``.idx``), reasoning-gym generators, chat templates, a built-in
+arithmetic set for the demo and the learning tasks' splits (``builtin:<task>[/heldout]``, rlhf.learning_tasks).
 
 A record is a prompt text (or, from an indexed data set, prompt token ids used as they are), an optional label and an
 optional per-row system prompt. The data set yields token ids ready for generation: chat-templated when the tokenizer
@@ -42,10 +42,16 @@ def builtin_arithmetic(n: int = 512, seed: int = 0) -> list[dict[str, str]]:
 
 def _read_rows(path: str, key: str = "data.path") -> list[dict]:
     if path.startswith("builtin:"):
+        from rlhf.learning_tasks import TASKS, builtin_rows
+
         name = path.split(":", 1)[1]
-        if name != "arithmetic":
-            raise ConfigError(f"{key}: unknown built-in data set {name!r} (known: builtin:arithmetic)")
-        return builtin_arithmetic()
+        if name == "arithmetic":
+            return builtin_arithmetic()
+        rows = builtin_rows(name)
+        if rows is None:
+            known = ["builtin:arithmetic"] + [f"builtin:{t}[/heldout]" for t in TASKS]
+            raise ConfigError(f"{key}: unknown built-in data set {name!r} (known: {', '.join(known)})")
+        return rows
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{key}: {path} does not exist")

@@ -264,7 +264,8 @@ def resolve_model_path(spec: str) -> Path:
     """A model reference from the config -> a local directory.
 
     - ``tiny:policy`` / ``tiny:reward`` / ``tiny:tools`` build (once) the models of ``rlhf.tiny`` (``tiny:tools``: the
-      policy warm-started on calculator episodes, ``rlhf.tiny_tools``) under ``$RLHF_CACHE_DIR/tiny``
+      policy warm-started on calculator episodes, ``rlhf.tiny_tools``) under ``$RLHF_CACHE_DIR/tiny``;
+      ``tiny:reverse_words`` / ``tiny:addition`` the policy warm-started on a task of ``rlhf.learning_tasks``
       (default ``~/.cache/rlhf-pipeline``); ``tiny:<arch>[-bf16]/policy`` another architecture of it (and dtype),
       under ``$RLHF_CACHE_DIR/tiny-<arch>[-bf16]`` (``tiny:qwen2-tied/policy``; the architectures: ``rlhf.tiny``);
     - a directory that exists is used as it is (it must hold a config.json);
@@ -274,7 +275,7 @@ def resolve_model_path(spec: str) -> Path:
     - else the path does not exist, and the error says so.
     """
     if spec.startswith("tiny:"):
-        from rlhf.tiny import build_tiny, parse_ref
+        from rlhf.tiny import WARM_TASKS, build_tiny, parse_ref
 
         tiny, which = parse_ref(spec.split(":", 1)[1])
         cache = Path(os.environ.get("RLHF_CACHE_DIR", Path.home() / ".cache" / "rlhf-pipeline"))
@@ -282,6 +283,10 @@ def resolve_model_path(spec: str) -> Path:
             from rlhf.tiny_tools import build_tiny_tools
 
             return build_tiny_tools(cache / tiny.name, tiny)
+        if which in WARM_TASKS:
+            from rlhf.learning_tasks import build_warm
+
+            return build_warm(cache / tiny.name, which, tiny)
         paths = build_tiny(cache / tiny.name, tiny)
         return paths.policy if which == "policy" else paths.reward
     path = Path(spec).expanduser()

@@ -22,6 +22,7 @@ import fcntl
 import hashlib
 import json
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -78,6 +79,8 @@ ARCHS: dict[str, Arch] = {
     ),
 }
 POLICY_DTYPES = ("float32", "bfloat16")
+# the tasks of rlhf.learning_tasks, whose warm-started policies are tiny:<task> (named here: rlhf.tiny imports no task)
+WARM_TASKS = ("reverse_words", "addition")
 
 
 @dataclass(frozen=True)
@@ -120,12 +123,15 @@ class TinySpec:
 
 def parse_ref(ref: str) -> tuple[TinySpec, str]:
     """``tiny:`` model reference (without the prefix) -> (spec, ``policy`` | ``reward`` | ``tools``): ``policy``,
-    ``reward``, ``tools`` (the policy warm-started on calculator episodes, rlhf.tiny_tools), ``<arch>/policy``,
+    ``reward``, ``tools`` (the policy warm-started on calculator episodes, rlhf.tiny_tools), a task of
+    :data:`WARM_TASKS` (the policy warm-started on it, rlhf.learning_tasks), ``<arch>/policy``,
     ``<arch>-bf16/reward``..."""
     name, _, which = ref.rpartition("/")
-    if which not in ("policy", "reward", "tools"):
+    if which not in ("policy", "reward", "tools", *WARM_TASKS):
         raise ValueError(
-            f"unknown tiny model tiny:{ref}: use tiny:policy, tiny:reward, tiny:tools or tiny:<arch>[-bf16]/policy"
+            f"unknown tiny model tiny:{ref}: use tiny:policy, tiny:reward, tiny:tools, "
+            + ", ".join(f"tiny:{t}" for t in WARM_TASKS)
+            + " or tiny:<arch>[-bf16]/policy"
         )
     arch, dtype = name or "llama", "float32"
     if arch.endswith("-bf16"):
@@ -249,6 +255,26 @@ def build_tiny(out_dir: str | Path, spec: TinySpec | None = None, force: bool = 
             json.dumps({"digest": spec.digest(), "chat_template": _template_digest(), "spec": spec._fields()}, indent=2)
         )
     return paths
+
+
+def cached_build(root: Path, name: str, meta: dict, build: Callable[[Path], None], force: bool = False) -> Path:
+    """``root/name`` made by ``build(out)`` once and stamped with ``meta`` (``root/name.json``; ``meta["digest"]``
+    says what it was built from), reused while the stamp's digest matches; one builder at a time across processes
+    (a lock file beside ``root``). The warm-started policies (``tiny:tools``, ``tiny:<task>``) are built this way."""
+    out, stamp = root / name, root / f"{name}.json"
+
+    def current() -> bool:
+        return not force and stamp.exists() and json.loads(stamp.read_text()).get("digest") == meta["digest"]
+
+    if current():
+        return out
+    with open(root.parent / f".{root.name}-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if current():
+            return out
+        build(out)
+        stamp.write_text(json.dumps(meta, indent=2))
+    return out
 
 
 def _build(spec: TinySpec, paths: TinyPaths) -> None:

@@ -14,13 +14,12 @@ something to learn. Built once per cache, under the same lock and stamp scheme a
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import random
 from pathlib import Path
 
-from rlhf.tiny import CHAT_TEMPLATE, TinySpec, build_tiny
+from rlhf.tiny import CHAT_TEMPLATE, TinySpec, build_tiny, cached_build
 
 SYSTEM = "Use the calculator: <tool_call>{json}</tool_call>, then answer."
 STEPS = 375
@@ -88,18 +87,5 @@ def build_tiny_tools(out_dir: str | Path, spec: TinySpec | None = None, force: b
     current."""
     spec = spec or TinySpec()
     paths = build_tiny(out_dir, spec)
-    out = paths.root / "tools"
-    stamp = paths.root / "tools.json"
-
-    def current() -> bool:
-        return not force and stamp.exists() and json.loads(stamp.read_text()).get("digest") == _digest(spec)
-
-    if current():
-        return out
-    with open(paths.root.parent / f".{paths.root.name}-tools.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if current():
-            return out
-        _train(paths.policy, out)
-        stamp.write_text(json.dumps({"digest": _digest(spec), "steps": STEPS, "system": SYSTEM}, indent=2))
-    return out
+    meta = {"digest": _digest(spec), "steps": STEPS, "system": SYSTEM}
+    return cached_build(paths.root, "tools", meta, lambda out: _train(paths.policy, out), force=force)

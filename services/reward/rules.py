@@ -185,6 +185,18 @@ def char_fraction(prompt: str, response: str, label: str | None, *, chars: str =
     return sum(1 for c in text if c in chars) / len(text)
 
 
+def lcs_ratio(prompt: str, response: str, label: str | None) -> float:
+    """Partial credit for a string answer: ``2 * LCS / (len(response) + len(label))`` over characters, both stripped
+    (1.0 only for an exact match; PRIME-RL scores its reverse-text task this way)."""
+    a, b = response.strip(), _need_label(label, "lcs_ratio").strip()
+    row = [0] * (len(b) + 1)
+    for ca in a:
+        diag = 0
+        for j, cb in enumerate(b, 1):
+            diag, row[j] = row[j], diag + 1 if ca == cb else max(row[j], row[j - 1])
+    return 2.0 * row[-1] / (len(a) + len(b))
+
+
 def _math_verify_module():
     try:
         import math_verify
@@ -266,6 +278,7 @@ RULES: dict[str, RuleFn] = {
     "length": length,
     "format": format_check,
     "math_verify": math_verify,
+    "lcs_ratio": lcs_ratio,
     "reasoning_gym": reasoning_gym,
 }
 

@@ -1,0 +1,150 @@
+"""Two small tasks that prove learning (``make converge``, docs/learning.md): problems, held-out split, warm starts.
+
+- ``reverse_words``: "reverse: cat dog sun" -> "sun dog cat", two to four words of a 16-word vocabulary; partial
+  credit by the ``lcs_ratio`` rule (as PRIME-RL's reverse-text), a pass is an exact reversal.
+- ``addition``: "what is 7 plus 12?" -> "19", both terms in 0..20; a binary verifier (the ``math_verify`` rule).
+
+A problem is held out by a hash of its prompt text, so the split is the same everywhere and held-out problems never
+appear in training data or in the warm start. ``builtin:<task>`` is the training split, ``builtin:<task>/heldout``
+the held-out one; ``tiny:<task>`` is the tiny policy after a short supervised warm start that leaves held-out
+pass@1 between 0.1 and 0.5 (built once per cache and stamped, as ``tiny:tools``). Their pass@1 and the RL runs: docs/learning.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf.tiny import CHAT_TEMPLATE, WORDS, TinySpec, build_tiny, cached_build
+
+REVERSE_VOCAB = WORDS[:16]
+
+
+def _reverse(rng: random.Random, longest: int = 5) -> tuple[str, str]:
+    words = [rng.choice(REVERSE_VOCAB) for _ in range(rng.randint(2, longest))]
+    return "reverse: " + " ".join(words), " ".join(reversed(words))
+
+
+def _addition(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 20), rng.randint(0, 20)
+    return f"what is {a} plus {b}?", str(a + b)
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    draw: Callable[[random.Random], tuple[str, str]]  # one random problem: (prompt, answer)
+    heldout_mod: int  # a prompt is held out when its hash is 0 modulo this
+    heldout_size: int
+    warm_steps: int  # supervised warm-start steps (batch WARM_BATCH, lr WARM_LR)
+    warm_draw: Callable[[random.Random], tuple[str, str]] | None = None  # the warm start's problems, if narrower
+
+    def is_heldout(self, prompt: str) -> bool:
+        return int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % self.heldout_mod == 0
+
+    def problem(self, rng: random.Random, heldout: bool, warm: bool = False) -> tuple[str, str]:
+        while True:
+            prompt, answer = (self.warm_draw or self.draw)(rng) if warm else self.draw(rng)
+            if self.is_heldout(prompt) == heldout:
+                return prompt, answer
+
+    def rows(self, split: str, n: int = 512, seed: int = 0) -> list[dict[str, str]]:
+        """``train``: ``n`` problems drawn with ``seed`` (repeats allowed); ``heldout``: the first ``heldout_size``
+        distinct held-out problems of a fixed draw."""
+        rng = random.Random(seed)
+        if split == "train":
+            return [dict(zip(("prompt", "label"), self.problem(rng, False), strict=True)) for _ in range(n)]
+        rng, seen, rows = random.Random(12345), set(), []
+        while len(rows) < self.heldout_size:
+            prompt, answer = self.problem(rng, True)
+            if prompt not in seen:
+                seen.add(prompt)
+                rows.append({"prompt": prompt, "label": answer})
+        return rows
+
+
+TASKS: dict[str, Task] = {
+    # 16^2 + 16^3 + 16^4 prompts: a one-in-8 hash leaves thousands held out
+    "reverse_words": Task("reverse_words", lambda r: _reverse(r, 4), heldout_mod=8, heldout_size=64, warm_steps=110),
+    # 441 prompts, of which about 110 held out (one in 4)
+    "addition": Task("addition", _addition, heldout_mod=4, heldout_size=64, warm_steps=450),
+}
+
+WARM_BATCH = 16
+WARM_LR = 3e-3
+WARM_SEED = 1
+PROMPT_TOKENS = 64
+
+
+def builtin_rows(name: str) -> list[dict[str, str]] | None:
+    """``builtin:<task>`` / ``builtin:<task>/heldout`` rows, or None when ``name`` is no task of this module."""
+    task, _, split = name.partition("/")
+    if task not in TASKS or split not in ("", "heldout"):
+        return None
+    return TASKS[task].rows(split or "train")
+
+
+def _digest(task: Task, spec: TinySpec) -> str:
+    what = [
+        spec.digest(),
+        CHAT_TEMPLATE,
+        task.name,
+        task.warm_steps,
+        task.warm_draw is not None,
+        WARM_BATCH,
+        WARM_LR,
+        WARM_SEED,
+        REVERSE_VOCAB,
+    ]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
+
+
+def _warm_start(task: Task, policy: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf.data import encode_prompt
+
+    torch.manual_seed(WARM_SEED)
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=WARM_LR)
+    rng = random.Random(WARM_SEED)
+    model.train()
+    for _ in range(task.warm_steps):
+        batch = []
+        for _ in range(WARM_BATCH):
+            prompt, answer = task.problem(rng, heldout=False, warm=True)
+            ids = encode_prompt(tok, prompt, PROMPT_TOKENS)
+            batch.append((ids, tok(" " + answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
+        width = max(len(p) + len(r) for p, r in batch)
+        x = torch.full((WARM_BATCH, width), tok.pad_token_id)
+        target = torch.zeros(WARM_BATCH, width, dtype=torch.bool)
+        for i, (p, r) in enumerate(batch):
+            x[i, : len(p) + len(r)] = torch.tensor(p + r)
+            target[i, len(p) : len(p) + len(r)] = True
+        logits = model(x, attention_mask=(target | (x != tok.pad_token_id)).long()).logits[:, :-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, x[:, 1:, None])[..., 0]
+        loss = -(logp * target[:, 1:]).sum() / target[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+
+
+def build_warm(out_dir: str | Path, task_name: str, spec: TinySpec | None = None, force: bool = False) -> Path:
+    """The policy warm-started on ``task_name`` under ``out_dir/warm-<task>`` (the tiny models of ``spec`` built
+    first), reused when current."""
+    spec = spec or TinySpec()
+    task = TASKS[task_name]
+    paths = build_tiny(out_dir, spec)
+    meta = {"digest": _digest(task, spec), "task": task.name, "steps": task.warm_steps}
+    return cached_build(
+        paths.root, f"warm-{task.name}", meta, lambda out: _warm_start(task, paths.policy, out), force=force
+    )

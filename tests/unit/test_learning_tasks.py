@@ -1,0 +1,52 @@
+"""The learning tasks (rlhf.learning_tasks): held-out problems never reach training or the warm start, the data
+sources, the lcs_ratio rule, and the warm start's cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rlhf.config import ConfigError
+from rlhf.data import _read_rows
+from rlhf.learning_tasks import TASKS, build_warm
+from services.reward.rules import lcs_ratio
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_heldout_problems_never_appear_in_training_or_the_warm_start(name):
+    task = TASKS[name]
+    heldout = {r["prompt"] for r in task.rows("heldout")}
+    assert len(heldout) == task.heldout_size
+    train = {r["prompt"] for r in task.rows("train", n=2000, seed=3)}
+    rng = random.Random(0)
+    warm = {task.problem(rng, heldout=False, warm=True)[0] for _ in range(2000)}
+    assert not heldout & train and not heldout & warm
+    assert all(task.is_heldout(p) for p in heldout) and not any(task.is_heldout(p) for p in train | warm)
+
+
+def test_the_builtin_sources_are_the_splits_and_an_unknown_one_names_the_known():
+    assert _read_rows("builtin:addition/heldout") == TASKS["addition"].rows("heldout")
+    rows = _read_rows("builtin:reverse_words")
+    assert rows == TASKS["reverse_words"].rows("train")
+    prompt, label = rows[0]["prompt"], rows[0]["label"]
+    assert prompt.startswith("reverse: ") and label.split() == prompt.split()[1:][::-1]
+    with pytest.raises(ConfigError, match="builtin:reverse_words"):
+        _read_rows("builtin:reverse_words/test")
+
+
+def test_lcs_ratio_gives_partial_credit_and_one_only_for_an_exact_answer():
+    assert lcs_ratio("", " sun dog cat ", "sun dog cat") == 1.0
+    assert lcs_ratio("", "sun cat", "sun dog cat") == pytest.approx(2 * 7 / (7 + 11))
+    assert lcs_ratio("", "ab", "ba") == pytest.approx(0.5)
+    assert lcs_ratio("", "xyz", "abc") == 0.0
+
+
+def test_the_warm_start_is_built_once_and_rebuilt_when_forced(tmp_path):
+    out = build_warm(tmp_path / "tiny", "reverse_words")
+    weights = out / "model.safetensors"
+    first = weights.stat().st_mtime_ns
+    assert build_warm(tmp_path / "tiny", "reverse_words") == out and weights.stat().st_mtime_ns == first
+    assert (tmp_path / "tiny" / "warm-reverse_words.json").exists()
+    build_warm(tmp_path / "tiny", "reverse_words", force=True)
+    assert weights.stat().st_mtime_ns != first
