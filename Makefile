@@ -13,7 +13,7 @@ TORCH_PIN := torch==2.13.0
 # TRL 1.12.0 is the last release with PPOTrainer; its online DPO clashes with vllm, hence its own environment.
 # protobuf and pydantic: the parity tests drive the trainer engine (rlhf.v1 experience records, rlhf.config).
 PARITY_PKGS := trl==1.12.0 transformers==5.24.0 accelerate==1.15.0 datasets==5.2.0 requests pytest pytest-timeout numpy pyyaml \
-	"protobuf>=7.36.2,<8" pydantic peft==0.21.2
+	"protobuf>=7.36.2,<8" pydantic peft==0.21.2 "math-verify==0.9.0"
 # The verifiers / OpenEnv adapters (rlhf/environments/adapters) are tested with the real libraries, whose pins clash
 # with vllm's (verifiers 0.4: openai<3, mcp==2.0.0; openenv-core 0.3: gradio, fastmcp, openai>=2.7.2), hence an
 # environment of their own, without torch: the libraries plus what the environment service imports (same pins as
@@ -183,6 +183,14 @@ resolve-check:  ## check that each image variant's Python dependencies resolve o
 
 bench: $(VENV)/.stamp $(PARITY_VENV)/.stamp  ## run the side-by-side benchmarks and write docs/benchmarks.md
 	$(PY) -m bench.report --run $(if $(BENCH),--only $(BENCH))
+
+# ---------------------------------------------------------------- learning (bench/converge.py -> docs/learning.md)
+# Every algorithm x mode on the two learning tasks through `rlhf up`, and TRL beside it (docs/learning.md). About an
+# hour on 2 cores; one part: make converge CONVERGE_ARGS="--tasks addition --algos grpo --no-trl"
+.PHONY: converge
+
+converge: $(VENV)/.stamp $(PARITY_VENV)/.stamp  ## learning runs, ours and TRL's, on held-out problems -> docs/learning.md (~1 h)
+	$(PY) -m bench.converge --report $(CONVERGE_ARGS)
 
 # ---------------------------------------------------------------- documentation (docs/ -> site/, git-ignored)
 # docs/configuration.md's field tables are generated from rlhf/config.py by tools/gen_config_docs.py (rewrite them with

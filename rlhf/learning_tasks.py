@@ -6,8 +6,9 @@
 
 A problem is held out by a hash of its prompt text, so the split is the same everywhere and held-out problems never
 appear in training data or in the warm start. ``builtin:<task>`` is the training split, ``builtin:<task>/heldout``
-the held-out one; ``tiny:<task>`` is the tiny policy after a short supervised warm start that leaves held-out
-pass@1 between 0.1 and 0.5 (built once per cache and stamped, as ``tiny:tools``). Their pass@1 and the RL runs: docs/learning.md.
+the held-out one; ``tiny:<task>`` is the tiny policy after a short supervised warm start that leaves greedy held-out
+pass@1 between 0.1 and 0.5 (built once per cache and stamped, as ``tiny:tools``). What RL does from there:
+docs/learning.md.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Task:
     heldout_size: int
     warm_steps: int  # supervised warm-start steps (batch WARM_BATCH, lr WARM_LR)
     warm_draw: Callable[[random.Random], tuple[str, str]] | None = None  # the warm start's problems, if narrower
+    size: tuple[tuple[str, int], ...] = ()  # TinySpec fields over the default (the model size that learns it)
 
     def is_heldout(self, prompt: str) -> bool:
         return int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % self.heldout_mod == 0
@@ -94,7 +96,7 @@ def _digest(task: Task, spec: TinySpec) -> str:
         CHAT_TEMPLATE,
         task.name,
         task.warm_steps,
-        task.warm_draw is not None,
+        task.warm_draw is not None, task.size,
         WARM_BATCH,
         WARM_LR,
         WARM_SEED,
@@ -138,13 +140,11 @@ def _warm_start(task: Task, policy: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def build_warm(out_dir: str | Path, task_name: str, spec: TinySpec | None = None, force: bool = False) -> Path:
-    """The policy warm-started on ``task_name`` under ``out_dir/warm-<task>`` (the tiny models of ``spec`` built
-    first), reused when current."""
-    spec = spec or TinySpec()
+def build_warm(cache: str | Path, task_name: str, force: bool = False) -> Path:
+    """The policy warm-started on ``task_name``: ``cache/warm-<task>/policy`` (a tiny model of the task's size, built
+    first beside it) after the warm start, reused when current."""
     task = TASKS[task_name]
-    paths = build_tiny(out_dir, spec)
+    spec = TinySpec(**dict(task.size))
+    paths = build_tiny(Path(cache) / f"warm-{task.name}", spec)
     meta = {"digest": _digest(task, spec), "task": task.name, "steps": task.warm_steps}
-    return cached_build(
-        paths.root, f"warm-{task.name}", meta, lambda out: _warm_start(task, paths.policy, out), force=force
-    )
+    return cached_build(paths.root, "warm", meta, lambda out: _warm_start(task, paths.policy, out), force=force)

@@ -286,7 +286,7 @@ def resolve_model_path(spec: str) -> Path:
         if which in WARM_TASKS:
             from rlhf.learning_tasks import build_warm
 
-            return build_warm(cache / tiny.name, which, tiny)
+            return build_warm(cache, which)
         paths = build_tiny(cache / tiny.name, tiny)
         return paths.policy if which == "policy" else paths.reward
     path = Path(spec).expanduser()

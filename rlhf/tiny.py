@@ -133,6 +133,8 @@ def parse_ref(ref: str) -> tuple[TinySpec, str]:
             + ", ".join(f"tiny:{t}" for t in WARM_TASKS)
             + " or tiny:<arch>[-bf16]/policy"
         )
+    if which in WARM_TASKS and name:
+        raise ValueError(f"tiny:{ref}: a warm-started task policy has one size and architecture; use tiny:{which}")
     arch, dtype = name or "llama", "float32"
     if arch.endswith("-bf16"):
         arch, dtype = arch[: -len("-bf16")], "bfloat16"

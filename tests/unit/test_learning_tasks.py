@@ -43,10 +43,10 @@ def test_lcs_ratio_gives_partial_credit_and_one_only_for_an_exact_answer():
 
 
 def test_the_warm_start_is_built_once_and_rebuilt_when_forced(tmp_path):
-    out = build_warm(tmp_path / "tiny", "reverse_words")
+    out = build_warm(tmp_path, "reverse_words")
     weights = out / "model.safetensors"
     first = weights.stat().st_mtime_ns
-    assert build_warm(tmp_path / "tiny", "reverse_words") == out and weights.stat().st_mtime_ns == first
-    assert (tmp_path / "tiny" / "warm-reverse_words.json").exists()
-    build_warm(tmp_path / "tiny", "reverse_words", force=True)
+    assert build_warm(tmp_path, "reverse_words") == out and weights.stat().st_mtime_ns == first
+    assert (tmp_path / "warm-reverse_words" / "warm.json").exists()
+    build_warm(tmp_path, "reverse_words", force=True)
     assert weights.stat().st_mtime_ns != first
