@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf.tiny import CHAT_TEMPLATE, WORDS, TinySpec, build_tiny, cached_build
+from rlhf.tiny import CHAT_TEMPLATE, WORDS, TinySpec, build_tiny, cached_build, warm_start
 
 REVERSE_VOCAB = WORDS[:16]
 
@@ -96,7 +96,8 @@ def _digest(task: Task, spec: TinySpec) -> str:
         CHAT_TEMPLATE,
         task.name,
         task.warm_steps,
-        task.warm_draw is not None, task.size,
+        task.warm_draw is not None,
+        task.size,
         WARM_BATCH,
         WARM_LR,
         WARM_SEED,
@@ -106,38 +107,17 @@ def _digest(task: Task, spec: TinySpec) -> str:
 
 
 def _warm_start(task: Task, policy: Path, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from rlhf.data import encode_prompt
 
-    torch.manual_seed(WARM_SEED)
-    tok = AutoTokenizer.from_pretrained(policy)
-    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=WARM_LR)
     rng = random.Random(WARM_SEED)
-    model.train()
-    for _ in range(task.warm_steps):
-        batch = []
-        for _ in range(WARM_BATCH):
-            prompt, answer = task.problem(rng, heldout=False, warm=True)
-            ids = encode_prompt(tok, prompt, PROMPT_TOKENS)
-            batch.append((ids, tok(" " + answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]))
-        width = max(len(p) + len(r) for p, r in batch)
-        x = torch.full((WARM_BATCH, width), tok.pad_token_id)
-        target = torch.zeros(WARM_BATCH, width, dtype=torch.bool)
-        for i, (p, r) in enumerate(batch):
-            x[i, : len(p) + len(r)] = torch.tensor(p + r)
-            target[i, len(p) : len(p) + len(r)] = True
-        logits = model(x, attention_mask=(target | (x != tok.pad_token_id)).long()).logits[:, :-1]
-        logp = torch.log_softmax(logits.float(), -1).gather(-1, x[:, 1:, None])[..., 0]
-        loss = -(logp * target[:, 1:]).sum() / target[:, 1:].sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+
+    def example(tok) -> tuple[list[int], list[bool]]:
+        prompt, answer = task.problem(rng, heldout=False, warm=True)
+        ids = encode_prompt(tok, prompt, PROMPT_TOKENS)
+        reply = tok(" " + answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return ids + reply, [False] * len(ids) + [True] * len(reply)
+
+    warm_start(policy, out, lambda tok: [example(tok) for _ in range(WARM_BATCH)], task.warm_steps, WARM_LR, WARM_SEED)
 
 
 def build_warm(cache: str | Path, task_name: str, force: bool = False) -> Path:

@@ -279,6 +279,36 @@ def cached_build(root: Path, name: str, meta: dict, build: Callable[[Path], None
     return out
 
 
+def warm_start(policy: Path, out: Path, batch: Callable, steps: int, lr: float, seed: int) -> None:
+    """A short supervised warm start of a tiny policy, saved to ``out``: ``steps`` AdamW steps of the token NLL on
+    ``batch(tokenizer)``, a list of (ids, loss mask) over whole sequences (prompt included, masked out)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(policy)
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        rows = batch(tok)
+        width = max(len(ids) for ids, _ in rows)
+        x = torch.full((len(rows), width), tok.pad_token_id)
+        m = torch.zeros(len(rows), width, dtype=torch.bool)
+        for i, (ids, mask) in enumerate(rows):
+            x[i, : len(ids)] = torch.tensor(ids)
+            m[i, : len(mask)] = torch.tensor(mask)
+        logits = model(x, attention_mask=(x != tok.pad_token_id).long()).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
+        loss = -(logp * m[:, 1:]).sum() / m[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+
+
 def _build(spec: TinySpec, paths: TinyPaths) -> None:
     import torch
     from transformers import GenerationConfig, LlamaForSequenceClassification

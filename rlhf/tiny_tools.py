@@ -19,7 +19,7 @@ import json
 import random
 from pathlib import Path
 
-from rlhf.tiny import CHAT_TEMPLATE, TinySpec, build_tiny, cached_build
+from rlhf.tiny import CHAT_TEMPLATE, TinySpec, build_tiny, cached_build, warm_start
 
 SYSTEM = "Use the calculator: <tool_call>{json}</tool_call>, then answer."
 STEPS = 375
@@ -54,32 +54,15 @@ def episode_tokens(tokenizer, a: int, b: int) -> tuple[list[int], list[bool]]:
 
 
 def _train(policy: Path, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(SEED)
-    tok = AutoTokenizer.from_pretrained(policy)
-    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     rng = random.Random(SEED)
-    model.train()
-    for _ in range(STEPS):
-        batch = [episode_tokens(tok, rng.randint(0, 20), rng.randint(0, 20)) for _ in range(BATCH)]
-        width = max(len(ids) for ids, _ in batch)
-        x = torch.full((BATCH, width), tok.pad_token_id)
-        m = torch.zeros(BATCH, width, dtype=torch.bool)
-        for i, (ids, mask) in enumerate(batch):
-            x[i, : len(ids)] = torch.tensor(ids)
-            m[i, : len(mask)] = torch.tensor(mask)
-        logits = model(x, attention_mask=(x != tok.pad_token_id).long()).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, -1).gather(-1, x[:, 1:, None])[..., 0]
-        loss = -(logp * m[:, 1:]).sum() / m[:, 1:].sum()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    warm_start(
+        policy,
+        out,
+        lambda tok: [episode_tokens(tok, rng.randint(0, 20), rng.randint(0, 20)) for _ in range(BATCH)],
+        STEPS,
+        LR,
+        SEED,
+    )
 
 
 def build_tiny_tools(out_dir: str | Path, spec: TinySpec | None = None, force: bool = False) -> Path:
