@@ -29,17 +29,6 @@ import torch  # noqa: E402
 from transformers import GenerationConfig, TrainerCallback  # noqa: E402
 
 STAGES = {"grpo": "ray_grpo", "rloo": "ray_rloo", "online_dpo": "ray_online_dpo"}
-# A config of another stage made one of --algo's as bench/converge.py runs our ring on it (keep the two alike; --set
-# adds more overrides)
-STAGE_OVERRIDES = {
-    "ray_grpo": ["algorithm.adv_estimator=grpo"],
-    "ray_rloo": ["algorithm.adv_estimator=rloo", "algorithm.kl_penalty=kl"],
-    "ray_online_dpo": [
-        "algorithm.adv_estimator=gae",
-        "actor_rollout_ref.actor_rollout.n_samples_per_prompt=2",
-        "actor_rollout_ref.actor_rollout.ppo_mini_batch_size=32",
-    ],
-}
 # fp32 on the CPU; nothing saved, reported or drawn as progress bars
 CPU_ARGS = {
     "bf16": False,
@@ -78,12 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load(args):
     """The experiment config as our ring would run it for ``--algo``, and the overrides that made it."""
+    from bench.converge import ALGOS  # the overrides that make a learn-*.yaml (GRPO) run another algorithm, as ours
     from rlhf.config import load_config, read_config_data
 
-    stage = STAGES[args.algo]
     overrides = []
-    if (read_config_data(args.config).get("training") or {}).get("stage") != stage:
-        overrides = [f"training.stage={stage}", *STAGE_OVERRIDES[stage]]
+    if (read_config_data(args.config).get("training") or {}).get("stage") != STAGES[args.algo]:
+        overrides = list(ALGOS[args.algo])
     overrides += [f"training.seed={args.seed}"] if args.seed is not None else []
     overrides += [f"training.train_iters={args.steps}"] if args.steps is not None else []
     overrides += list(args.set)

@@ -32,8 +32,9 @@ ALGOS: dict[str, list[str]] = {
         "training.stage=ray_online_dpo",
         "algorithm.adv_estimator=gae",
         "actor_rollout_ref.actor_rollout.n_samples_per_prompt=2",
+        "actor_rollout_ref.actor_rollout.ppo_mini_batch_size=32",
     ],
-    "rloo": ["training.stage=ray_rloo", "algorithm.adv_estimator=rloo"],
+    "rloo": ["training.stage=ray_rloo", "algorithm.adv_estimator=rloo", "algorithm.kl_penalty=kl"],  # TRL's k1
     "reinforce_pp": ["training.stage=ray_reinforce_plus_plus", "algorithm.adv_estimator=reinforce_plus_plus"],
 }
 LORA = ["actor_rollout_ref.actor_rollout.lora_r=8", "actor_rollout_ref.actor_rollout.lora_alpha=16"]
@@ -64,6 +65,7 @@ class Run:
             *(LORA if self.lora else []),
             f"training.max_staleness={staleness}",
             f"training.seed={self.seed}",
+            *BUDGET,
             *self.extra,
         ]
 
@@ -181,6 +183,7 @@ def run_trl(run: Run, out: Path, env: dict) -> dict:
         str(os.cpu_count()),
         "--out",
         str(result),
+        *(arg for o in BUDGET for arg in ("--set", o)),
     ]
     log = out / "logs" / f"{run.name}.log"
     with open(log, "w") as f:

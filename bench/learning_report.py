@@ -72,6 +72,54 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
+def _level_all_reach(runs: list[dict]) -> float | None:
+    """The highest accuracy level every run's smoothed pass@1 reached (None when some run reached none)."""
+    common = None
+    for r in runs:
+        levels = {float(k) for k in r["pass@1"]["reach"]}
+        common = levels if common is None else common & levels
+    return max(common) if common else None
+
+
+def trl_comparison(rows: list[dict]) -> list[str]:
+    """GRPO, ours (sync, async) against TRL's: pass@1 at equal samples (the end of the same budget) with the seed
+    spread, and the training seconds to the highest level all of them reached, as a ratio ours / TRL."""
+    out = [
+        "| task | GRPO | seeds | pass@1 at the budget's end: mean (range) | within TRL's seed spread | level "
+        "(all runs reach it) | seconds to it, median | ours / TRL |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    groups = _group([r for r in rows if "error" not in r])
+    for task in sorted({r["task"] for r in rows}):
+        trl = groups.get((task, "trl", "grpo", "sync"), [])
+        sides = [
+            ("ours sync", groups.get((task, "ours", "grpo", "sync"), [])),
+            ("ours async", groups.get((task, "ours", "grpo", "async"), [])),
+            ("TRL", trl),
+        ]
+        if not trl:
+            out.append(f"| {task} | no TRL result | | | | | | |")
+            continue
+        lo, hi = min(r["pass@1"]["end"] for r in trl), max(r["pass@1"]["end"] for r in trl)
+        level = _level_all_reach([r for _, runs in sides for r in runs])
+        trl_s = statistics.median(r["pass@1"]["reach"][f"{level:.2f}"]["seconds"] for r in trl) if level else None
+        for name, runs in sides:
+            if not runs:
+                out.append(f"| {task} | {name} | 0 | not run | | | | |")
+                continue
+            ends = [r["pass@1"]["end"] for r in runs]
+            mean = statistics.mean(ends)
+            within = "—" if name == "TRL" else ("yes" if lo - 1e-9 <= mean <= hi + 1e-9 else "no")
+            secs = statistics.median(r["pass@1"]["reach"][f"{level:.2f}"]["seconds"] for r in runs) if level else None
+            ratio = f"{secs / trl_s:.1f}" if secs is not None and trl_s else "—"
+            out.append(
+                f"| {task} | {name} | {len(runs)} | {_span(ends)} | {within} | "
+                f"{f'{level:.2f}' if level else 'none in common'} | {f'{secs:.1f}' if secs is not None else '—'} | "
+                f"{ratio if name != 'TRL' else '1'} |"
+            )
+    return out
+
+
 def plots(rows: list[dict], folder: Path) -> list[str]:
     import matplotlib
 
@@ -107,7 +155,25 @@ def plots(rows: list[dict], folder: Path) -> list[str]:
 def write_report(results: Path, docs: Path) -> Path:
     rows = load(results)
     head = (ROOT / "bench" / "learning_head.md").read_text()
-    body = [MARK, "", "## Measured", "", *table(rows), "", *plots(rows, docs / "learning"), ""]
+    body = [
+        MARK,
+        "",
+        "## Measured",
+        "",
+        f"{len(rows)} runs, {sum('error' in r for r in rows)} failed. Ranges are over seeds; *end* is the mean of the "
+        "last three evaluations.",
+        "",
+        *table(rows),
+        "",
+        "### GRPO against TRL",
+        "",
+        *trl_comparison(rows),
+        "",
+        "### Curves",
+        "",
+        *plots(rows, docs / "learning"),
+        "",
+    ]
     page = docs / "learning.md"
     page.write_text(head.rstrip() + "\n\n" + "\n".join(body))
     return page
