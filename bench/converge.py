@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -142,6 +143,7 @@ def curve_of_run(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 def run_ours(run: Run, out: Path, env: dict) -> dict:
     run_dir = out / "runs" / run.name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: rlhf up would resume a folder it finds
     cmd = [
         str(ROOT / ".venv" / "bin" / "rlhf"),
         "up",

@@ -355,7 +355,8 @@ class Trainer:
     async def _train_loop(self) -> None:
         t = self.cfg.training
         if self.evaluator is not None and self.cfg.eval.before_training and self.engine.step_count == 0:
-            self.evaluator.schedule(0, None)  # the weights every replica starts from
+            self.evaluator.schedule(0, None)  # the weights every replica starts from: no push until it is done
+            await self.evaluator.wait()
         try:
             while self.engine.step_count < t.train_iters:
                 t0 = time.perf_counter()

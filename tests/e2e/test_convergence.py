@@ -29,6 +29,8 @@ def test_grpo_learns_reverse_words_and_keeps_learning_after_a_resume(tmp_path, t
     steps = [r for r in rows if "reward/mean" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))  # each step once, across the resume
     metrics = key_metrics(rows)  # raises on a missing or non-finite metric
+    first = next(r for r in rows if "eval/pass@1" in r)
+    assert (first["step"], first["eval/policy_version"]) == (0, 0)  # eval.before_training: the initial weights
     reward = [metrics["eval/reward_mean"][str(s)] for s in range(0, STEPS + 1, 5)]
     start, end = reward[0], _mean(reward[-3:])
     after_resume = _mean([metrics["eval/reward_mean"][str(s)] for s in range(RESUME_AT + 5, STEPS + 1, 5)])

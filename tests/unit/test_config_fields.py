@@ -394,6 +394,9 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "data.shuffle": [DATA + "test_max_samples_shuffle_and_system_message"],
     "data.max_samples": [DATA + "test_max_samples_shuffle_and_system_message"],
     "eval.interval": [EVAL_RING, EVAL + "test_an_evaluation_past_its_deadline_is_a_failed_row"],
+    "eval.before_training": [
+        "tests/e2e/test_convergence.py::test_grpo_learns_reverse_words_and_keeps_learning_after_a_resume"
+    ],
     "eval.path": [EVAL_RING, EVAL + "test_eval_section_reads_its_source_as_data_does"],
     "eval.map_keys": [EVAL + "test_eval_section_reads_its_source_as_data_does"],
     "eval.system": [EVAL + "test_eval_section_reads_its_source_as_data_does"],
