@@ -41,7 +41,13 @@ ALGOS: dict[str, list[str]] = {
 LORA = ["actor_rollout_ref.actor_rollout.lora_r=8", "actor_rollout_ref.actor_rollout.lora_alpha=16"]
 TRL_ALGOS = ("grpo", "rloo", "online_dpo")
 # the sample budget (steps of the config's batch) and greedy pass@1 on the held-out problems, on both sides
-BUDGET = ["training.train_iters=60", "eval.n=1", "eval.temperature=0.0", "eval.interval=5"]
+BUDGET = ["training.train_iters=60", "eval.interval=5"]
+# how the held-out problems are evaluated: greedy (one answer each), or sampled as in training (4 answers each at the
+# training temperature: pass@1 is then the policy's expected pass rate, the quantity RL optimises)
+EVALS = {
+    "greedy": ["eval.n=1", "eval.temperature=0.0"],
+    "sampled": ["eval.n=4", "eval.temperature=1.0"],
+}
 
 
 @dataclass(frozen=True)
@@ -52,12 +58,14 @@ class Run:
     seed: int
     side: str = "ours"  # ours | trl
     lora: bool = False
+    eval: str = "greedy"  # a key of EVALS
     extra: tuple[str, ...] = field(default=())
 
     @property
     def name(self) -> str:
         lora = "-lora" if self.lora else ""
-        return f"{self.side}-{self.task}-{self.algo}{lora}-{self.mode}-s{self.seed}"
+        kind = "" if self.eval == "greedy" else f"-{self.eval}"
+        return f"{self.side}-{self.task}-{self.algo}{lora}-{self.mode}-s{self.seed}{kind}"
 
     def overrides(self) -> list[str]:
         staleness = 0 if self.mode == "sync" else 1
@@ -67,13 +75,24 @@ class Run:
             f"training.max_staleness={staleness}",
             f"training.seed={self.seed}",
             *BUDGET,
+            *EVALS[self.eval],
             *self.extra,
         ]
 
 
-def plan(tasks=TASKS, grpo_seeds=(1, 2, 3), other_seeds=(1,), trl=True) -> list[Run]:
-    """Every run of ``make converge``: GRPO sync and async on several seeds, the other algorithms on one, one LoRA run
-    per task, and TRL's GRPO (same seeds), RLOO and online DPO."""
+def plan(tasks=TASKS, grpo_seeds=(1, 2, 3), other_seeds=(1,), trl=True, evals=tuple(EVALS)) -> list[Run]:
+    """Every run of ``make converge``: greedy evaluations of GRPO sync and async on several seeds, the other
+    algorithms on one, one LoRA run per task, and TRL's GRPO (same seeds), RLOO and online DPO; then GRPO, ours and
+    TRL's, again with sampled evaluations."""
+    runs = plan_greedy(tasks, grpo_seeds, other_seeds, trl) if "greedy" in evals else []
+    if "sampled" in evals:
+        for task in tasks:
+            sides = [("ours", "sync"), ("ours", "async")] + ([("trl", "sync")] if trl else [])
+            runs += [Run(task, "grpo", m, s, side=side, eval="sampled") for side, m in sides for s in grpo_seeds]
+    return runs
+
+
+def plan_greedy(tasks, grpo_seeds, other_seeds, trl) -> list[Run]:
     runs = []
     for task in tasks:
         for algo in ALGOS:
@@ -101,7 +120,7 @@ def summarize(curve: list[dict], metric: str = "pass@1") -> dict:
         raise ValueError(f"{metric} is missing or NaN in an evaluation")
     smooth = smoothed(values)
     reach = {}
-    for level in LEVELS:
+    for level in (lv for lv in LEVELS if lv > values[0] + 1e-9):  # improvements only
         hit = next((p for p, s in zip(curve, smooth, strict=True) if s >= level - 1e-9), None)
         if hit is not None:
             reach[f"{level:.2f}"] = {"samples": hit["samples"], "seconds": round(hit["seconds"], 1)}
@@ -185,7 +204,7 @@ def run_trl(run: Run, out: Path, env: dict) -> dict:
         str(os.cpu_count()),
         "--out",
         str(result),
-        *(arg for o in BUDGET for arg in ("--set", o)),
+        *(arg for o in (*BUDGET, *EVALS[run.eval]) for arg in ("--set", o)),
     ]
     log = out / "logs" / f"{run.name}.log"
     with open(log, "w") as f:
@@ -207,6 +226,7 @@ def execute(run: Run, out: Path) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     row = {
         "run": run.name,
+        "eval": run.eval,
         "side": run.side,
         "task": run.task,
         "algo": run.algo,
@@ -230,11 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--algos", default=None, help="comma-separated algorithms of ours to run (default all)")
     p.add_argument("--grpo-seeds", default="1,2,3")
     p.add_argument("--no-trl", action="store_true", help="skip TRL's side")
+    p.add_argument("--evals", default=",".join(EVALS), help="greedy and/or sampled evaluations (default both)")
     p.add_argument("--only-trl", action="store_true", help="only TRL's side")
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--report", action="store_true", help="then write docs/learning.md from all results so far")
     args = p.parse_args(argv)
-    runs = plan(tuple(args.tasks.split(",")), tuple(int(s) for s in args.grpo_seeds.split(",")), trl=not args.no_trl)
+    seeds = tuple(int(s) for s in args.grpo_seeds.split(","))
+    runs = plan(tuple(args.tasks.split(",")), seeds, trl=not args.no_trl, evals=tuple(args.evals.split(",")))
     if args.algos:
         runs = [r for r in runs if r.algo in args.algos.split(",") or r.side == "trl"]
     if args.only_trl:
