@@ -60,7 +60,7 @@ async def main() -> None:
     from services.rollout.grpc_servicer import add_to_server
 
     class Sink(rollout_pb2_grpc.RolloutServiceServicer):
-        async def UpdateWeights(self, request_iterator, context):  # noqa: N802
+        async def UpdateWeights(self, request_iterator, context):
             n = 0
             async for m in request_iterator:
                 n += len(m.data) if isinstance(m, RawChunk) else len(m.chunk.data)

@@ -25,8 +25,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-import torch  # noqa: E402
-from transformers import GenerationConfig, TrainerCallback  # noqa: E402
+import torch
+from transformers import GenerationConfig, TrainerCallback
 
 STAGES = {"grpo": "ray_grpo", "rloo": "ray_rloo", "online_dpo": "ray_online_dpo"}
 # fp32 on the CPU; nothing saved, reported or drawn as progress bars
@@ -107,7 +107,7 @@ def reward_rule(cfg):
     def score(prompt: str, response: str, label: str | None) -> float | None:
         try:
             return sum(w * float(fn(prompt, response, label, **kw)) for w, fn, kw in rules)
-        except Exception:  # a rule's failure leaves the item unscored, as in the reward service
+        except Exception:  # noqa: BLE001 - a rule's failure leaves the item unscored, as in the reward service
             return None
 
     return score

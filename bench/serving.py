@@ -156,17 +156,17 @@ async def main() -> None:
         if name == "reward":
             engine = RewardEngine(cfg, device="cpu")
             items = [Item(prompt=it["prompt"], response=it["response"]) for it in inproc_items]
-            inproc = lambda e=engine, items=items: e.score(items)  # noqa: E731
+            inproc = lambda e=engine, items=items: e.score(items)
             stub_cls, method = reward_pb2_grpc.RewardServiceStub, "Score"
         elif name == "reference":
             engine = ReferenceEngine(cfg, device="cpu")
             items = [LogProbsItem(it["prompt_ids"], it["response_ids"]) for it in inproc_items]
-            inproc = lambda e=engine, items=items: e.logprobs(items)  # noqa: E731
+            inproc = lambda e=engine, items=items: e.logprobs(items)
             stub_cls, method = reference_pb2_grpc.ReferenceServiceStub, "LogProbs"
         else:
             engine = make_engine(cfg, kind="vllm")
             opts = SamplingOptions(n=1, temperature=1.0, max_tokens=8, ignore_eos=True)
-            inproc = lambda e=engine, p=inproc_items, o=opts: e.generate(p, o)  # noqa: E731
+            inproc = lambda e=engine, p=inproc_items, o=opts: e.generate(p, o)
             stub_cls, method = rollout_pb2_grpc.RolloutServiceStub, "Generate"
         await engine.start()
         counts = ROLLOUT_REQUESTS if name == "rollout" else REQUESTS

@@ -24,7 +24,7 @@ def main() -> int:
     try:
         with urllib.request.urlopen(url, timeout=4, context=context) as response:
             return 0 if response.status == 200 else 1
-    except Exception as err:  # any failure means "not ready"; say why in `docker inspect`
+    except Exception as err:  # noqa: BLE001 - any failure means "not ready"; say why in `docker inspect`
         print(f"{url}: {err}", file=sys.stderr)
         return 1
 

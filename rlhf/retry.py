@@ -37,7 +37,7 @@ async def retry(
     while True:
         try:
             return await call()
-        except Exception as err:  # noqa: BLE001 - retry_on decides; the rest is re-raised unchanged
+        except Exception as err:  # retry_on decides; the rest is re-raised unchanged
             made += 1
             if not retry_on(err):
                 raise

@@ -104,7 +104,7 @@ def plan_devices(cfg: ExperimentConfig, visible: list[str], replicas: int, env_v
             f"actor_rollout.num_gpus_for_*), this machine shows {len(visible)}"
         )
     it = iter(visible)
-    take = lambda n: [next(it) for _ in range(n)]  # noqa: E731
+    take = lambda n: [next(it) for _ in range(n)]
     plan = DevicePlan(env_var, trainer=take(train))
     plan.rollouts = [plan.trainer[:per_replica] if colocated else take(per_replica) for _ in range(replicas)]
     plan.reference, plan.reward = take(wanted["reference"]), take(wanted["reward"])

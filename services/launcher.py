@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 _BUILD_TINY = "import sys; from rlhf.tiny import build_tiny; build_tiny(sys.argv[1])"
 
 
-class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an error
+class Interrupted(Exception):  # a control-flow signal, not an error
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum

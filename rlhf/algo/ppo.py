@@ -185,7 +185,7 @@ def ppo_episode_rollout(
     idx = torch.arange(L, device=loss_mask.device)[None, :]
     ell = L - 1 - first_true_indices(loss_mask.flip(1))  # the last model token (L - 1 - L = -1: none)
     span = loss_mask | (idx == (ell + 1)[:, None])  # as ppo_rollout's values: one column past the last action
-    c = lambda t: compact(t, span)  # noqa: E731
+    c = lambda t: compact(t, span)
     r = ppo_rollout(
         compact(responses.masked_fill(~loss_mask, pad_token_id), span, pad_token_id),
         c(logprobs),
@@ -198,7 +198,7 @@ def ppo_episode_rollout(
         contains_eos=ended,
         **kw,
     )
-    back = lambda t: expand(t, span)  # noqa: E731
+    back = lambda t: expand(t, span)
     return PPORollout(
         responses=responses,
         num_eos_tokens=r.num_eos_tokens,

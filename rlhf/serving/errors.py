@@ -236,7 +236,7 @@ def grpc_errors(metrics: ServiceMetrics | str | None = None, method: str | None 
                 if metrics is not None:
                     metrics.count_error(err.kind)
                 await abort_grpc(context, err)
-            except Exception as err:  # noqa: BLE001 - everything else is internal
+            except Exception as err:  # everything else is internal
                 # context.abort raises an AbortError; let it through untouched.
                 if type(err).__name__ == "AbortError" or isinstance(err, grpc.aio.AbortError):
                     code = "ABORTED_BY_HANDLER"

@@ -180,7 +180,7 @@ def _serve(frames_in: IO[bytes], frames_out: IO[bytes]) -> None:
         set_torch_threads(first.get("threads"))
         module, factory = first["target"].split(":", 1)
         handler: Handler = getattr(importlib.import_module(module), factory)(first["init"])
-    except Exception as err:  # noqa: BLE001 - reported to the parent, which refuses to start
+    except Exception as err:  # reported to the parent, which refuses to start
         log.exception("model process: loading failed")
         write_frame(frames_out, {"error": {"type": type(err).__name__, "message": str(err)}})
         return
@@ -192,7 +192,7 @@ def _serve(frames_in: IO[bytes], frames_out: IO[bytes]) -> None:
             return
         try:
             head, out = handler.call(header, payload)
-        except Exception as err:  # noqa: BLE001 - every failure goes back to the caller of this request
+        except Exception as err:  # every failure goes back to the caller of this request
             if not isinstance(err, errors.RLHFError):
                 log.exception("model process: a call failed")
             e: dict[str, Any] = {"type": type(err).__name__, "message": str(err)}

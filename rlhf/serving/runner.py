@@ -100,7 +100,7 @@ class _Uvicorn:
 
         class Server(uvicorn.Server):
             @contextlib.contextmanager
-            def capture_signals(self):  # noqa: D401 - uvicorn hook
+            def capture_signals(self):  # uvicorn hook
                 yield
 
         return Server(config)
@@ -181,7 +181,7 @@ class ServiceRunner:
                 r = check()
                 if inspect.isawaitable(r):
                     r = await r
-            except Exception:  # noqa: BLE001 - a failing check means not ready
+            except Exception:  # a failing check means not ready
                 log.debug("%s: readiness check raised", self.name, exc_info=True)
                 r = False
             if not r:
@@ -402,7 +402,7 @@ class ServiceRunner:
                 r = shutdown()
                 if inspect.isawaitable(r):
                     await r
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("%s: error in shutdown hook", self.name)
         log.info("%s: stopped", self.name)
 

@@ -144,7 +144,7 @@ def _decode(cls, data: bytes | None, what: str):
     msg = cls()
     try:
         msg.ParseFromString(bytes(data))
-    except Exception as err:  # DecodeError, or anything else the parser throws at garbage
+    except Exception as err:  # noqa: BLE001 - DecodeError, or whatever the parser throws at garbage
         raise MalformedRecord(f"payload is not a valid {what} protobuf ({type(err).__name__}: {err})") from None
     _check_record_type(msg, what)
     msg.ClearField("record_type")  # a wire-level tag: decoded records equal the messages that were encoded

@@ -276,7 +276,7 @@ class EnvironmentEngine:
         def close() -> None:
             try:
                 env.close()
-            except Exception:  # noqa: BLE001 - nothing the caller can do about it
+            except Exception:  # nothing the caller can do about it
                 log.warning("%s: close raised", name, exc_info=True)
 
         try:

@@ -20,7 +20,7 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         self.metrics = metrics
 
     @grpc_errors("Reset")
-    async def Reset(self, request: environment_pb2.ResetRequest, context) -> environment_pb2.ResetResponse:  # noqa: N802
+    async def Reset(self, request: environment_pb2.ResetRequest, context) -> environment_pb2.ResetResponse:
         require_grpc_token(context, self.settings)
         prompt = []
         for i, m in enumerate(request.prompt):
@@ -43,7 +43,7 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         return resp
 
     @grpc_errors("Step")
-    async def Step(self, request: environment_pb2.StepRequest, context) -> environment_pb2.StepResponse:  # noqa: N802
+    async def Step(self, request: environment_pb2.StepRequest, context) -> environment_pb2.StepResponse:
         require_grpc_token(context, self.settings)
         outcome = await self.engine.step(
             request.episode_id, request.action, request.turn if request.HasField("turn") else None
@@ -56,6 +56,6 @@ class EnvironmentServicer(environment_pb2_grpc.EnvironmentServiceServicer):
         return resp
 
     @grpc_errors("Close")
-    async def Close(self, request: environment_pb2.CloseRequest, context) -> environment_pb2.CloseResponse:  # noqa: N802
+    async def Close(self, request: environment_pb2.CloseRequest, context) -> environment_pb2.CloseResponse:
         require_grpc_token(context, self.settings)
         return environment_pb2.CloseResponse(existed=await self.engine.close_episode(request.episode_id))

@@ -15,7 +15,7 @@ class ReferenceServicer(reference_pb2_grpc.ReferenceServiceServicer):
         self.metrics = metrics
 
     @grpc_errors("LogProbs")
-    async def LogProbs(self, request: reference_pb2.LogProbsRequest, context) -> reference_pb2.LogProbsResponse:  # noqa: N802
+    async def LogProbs(self, request: reference_pb2.LogProbsRequest, context) -> reference_pb2.LogProbsResponse:
         items = [LogProbsItem(list(m.prompt_ids), list(m.response_ids)) for m in request.items]
         self.metrics.observe_batch("LogProbs", len(items))
         temperature = request.temperature if request.HasField("temperature") else None

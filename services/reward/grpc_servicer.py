@@ -34,7 +34,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self.metrics = metrics
 
     @grpc_errors("Score")
-    async def Score(self, request: reward_pb2.ScoreRequest, context) -> reward_pb2.ScoreResponse:  # noqa: N802
+    async def Score(self, request: reward_pb2.ScoreRequest, context) -> reward_pb2.ScoreResponse:
         items = [item_from_proto(m) for m in request.items]
         self.metrics.observe_batch("Score", len(items))
         outcomes = await self.engine.score(items)

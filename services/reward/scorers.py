@@ -194,7 +194,7 @@ class ModelScorer(Scorer):
         self._lock = threading.Lock()
         on_batch = None
         if metrics is not None:
-            on_batch = lambda n, rows: metrics.observe_merged(f"score:{name}", n, rows)  # noqa: E731
+            on_batch = lambda n, rows: metrics.observe_merged(f"score:{name}", n, rows)
         self._batcher = MicroBatcher(
             lambda _key, seqs: self._forward(seqs),
             max_rows=MERGE_MICRO_BATCHES * micro_batch_size,
@@ -380,7 +380,7 @@ class ModelScorer(Scorer):
         seqs = [self.encode(it) for it in items]
         try:
             values = await self._batcher.submit(None, seqs, sum(len(q) for q in seqs))
-        except Exception as err:  # noqa: BLE001 - a model failure is an error status for every item
+        except Exception as err:  # a model failure is an error status for every item
             log.exception("reward model %s failed", self.name)
             return [Failure(SCORER_ERROR, f"scorer {self.name!r} failed: {type(err).__name__}: {err}")] * len(items)
         return [v if math.isfinite(v) else Failure(SCORER_ERROR, f"scorer {self.name!r} produced {v}") for v in values]

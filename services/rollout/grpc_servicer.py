@@ -106,7 +106,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         await self.data.close()
 
     @grpc_errors("Generate")
-    async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:  # noqa: N802
+    async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:
         prompts = await prompt_ids_from_proto(self.engine, request.prompts)
         opts = options_from_proto(request.params, self.engine.defaults)
         self.metrics.observe_batch("Generate", len(prompts) * max(1, opts.n))
@@ -127,7 +127,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return resp
 
     @grpc_errors("UpdateWeights")
-    async def UpdateWeights(self, request_iterator, context) -> weights_pb2.UpdateWeightsResponse:  # noqa: N802
+    async def UpdateWeights(self, request_iterator, context) -> weights_pb2.UpdateWeightsResponse:
         require_grpc_token(context, self.settings)
         self._sync_receiver()
         # raises: nothing staged, the old weights serve (an update installed as it arrived: see install_streamed)
@@ -143,7 +143,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return None
 
     @grpc_errors("OpenWeightsTransfer")
-    async def OpenWeightsTransfer(self, request, context) -> weights_pb2.OpenWeightsTransferResponse:  # noqa: N802
+    async def OpenWeightsTransfer(self, request, context) -> weights_pb2.OpenWeightsTransferResponse:
         require_grpc_token(context, self.settings)
         group = None
         if request.HasField("group"):
@@ -185,13 +185,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return ranks
 
     @grpc_errors("CommitWeights")
-    async def CommitWeights(self, request, context) -> weights_pb2.UpdateWeightsResponse:  # noqa: N802
+    async def CommitWeights(self, request, context) -> weights_pb2.UpdateWeightsResponse:
         require_grpc_token(context, self.settings)
         staged = await self.data.take(request.ticket)  # raises: nothing staged, the old weights serve
         return await self._swap(staged)
 
     @grpc_errors("AbortWeightsTransfer")
-    async def AbortWeightsTransfer(self, request, context) -> weights_pb2.AbortWeightsTransferResponse:  # noqa: N802
+    async def AbortWeightsTransfer(self, request, context) -> weights_pb2.AbortWeightsTransferResponse:
         require_grpc_token(context, self.settings)
         aborted = self.data.abort(request.ticket)
         return weights_pb2.AbortWeightsTransferResponse(aborted=aborted)
@@ -219,7 +219,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         )
 
     @grpc_errors("GetWeightsVersion")
-    async def GetWeightsVersion(self, request, context) -> weights_pb2.WeightsVersion:  # noqa: N802
+    async def GetWeightsVersion(self, request, context) -> weights_pb2.WeightsVersion:
         return weights_pb2.WeightsVersion(
             version=self.engine.served.version,
             parent_version=self.engine.served.parent_version,

@@ -203,7 +203,7 @@ class HFEngine(EngineBase):
                 continue
             try:
                 await asyncio.to_thread(self._decode, rows)
-            except Exception as err:  # noqa: BLE001 - report to every caller in the batch
+            except Exception as err:  # report to every caller in the batch
                 log.exception("hf decode failed")
                 for r in rows:
                     if not r.future.done():

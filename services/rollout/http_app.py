@@ -402,7 +402,7 @@ def build_app(
                 text = echoes[index // n]
                 return {"index": index, "text": text, "logprobs": None, "finish_reason": None} if text else None
 
-            def chunk(index, text, ids, lps, top, smp):  # noqa: ANN001
+            def chunk(index, text, ids, lps, top, smp):
                 lp = None
                 if want_lp and ids:
                     lp = _logprobs(engine, ids, lps, top if body.logprobs else None, offsets[index]).model_dump()
@@ -507,7 +507,7 @@ def build_app(
                     "finish_reason": None,
                 }
 
-            def chunk(index, text, ids, lps, top, smp):  # noqa: ANN001
+            def chunk(index, text, ids, lps, top, smp):
                 lp = _chat_logprobs(engine, ids, lps, top).model_dump() if body.logprobs and ids else None
                 if tools is not None:
                     # a block is a call only once it is whole: with tools the text comes in the last chunk, parsed

@@ -293,7 +293,7 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
                             entry = self._futures.pop(out.request_id, None)
                             if entry is not None:
                                 self._resolve(entry[0], entry[1], out)
-        except BaseException as err:  # noqa: BLE001 - the engine is dead: fail everything, stop being ready
+        except BaseException as err:  # the engine is dead: fail everything, stop being ready
             log.exception("vLLM engine thread failed")
             self._dead = err
             self._ready = False

@@ -215,7 +215,7 @@ class ShadowSwap:
         try:
             while work and self._error is None:  # after a step of this update failed, it is refused already
                 work.pop(0)()  # each step's arguments (a part's tensors) go as soon as it is done
-        except BaseException as err:  # noqa: BLE001 - reported by poll()
+        except BaseException as err:  # reported by poll()
             logging.getLogger("rlhf.rollout.vllm").exception("staging an update in the shadow model failed")
             self._error = f"{type(err).__name__}: {err}"
             self.shadow, self._loading = None, None

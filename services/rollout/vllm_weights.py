@@ -169,7 +169,7 @@ class VllmWeights:
         try:
             if start:
                 await rpc("start_weight_update")
-        except Exception as err:  # noqa: BLE001 - as above, across the engine-core process
+        except Exception as err:  # as above, across the engine-core process
             if "already active" not in str(err):
                 raise
             for method, args in _END_UNCOMMITTED:

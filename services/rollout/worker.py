@@ -373,7 +373,7 @@ class RolloutWorker(JobProcessing):
                             break
                         records = [r for r in read.result() if r[0] not in self._inflight]
                     error_backoff = 0.2
-                except Exception as err:  # redis down or restarting: keep trying, jobs stay safe in Redis
+                except Exception as err:  # noqa: BLE001 - redis down or restarting: retry, jobs stay in Redis
                     self._count_failure("redis")
                     log.warning(
                         "%s: queue error (%s: %s); retrying in %.1fs",
@@ -444,7 +444,7 @@ class RolloutWorker(JobProcessing):
                     [(entry_id, encode(job), reason, job.job_id)], self.replica_id
                 )
                 log.warning("%s: job %s dead-lettered: %s", self.replica_id, job.job_id, err)
-            except Exception as dl_err:  # left pending: max_deliveries dead-letters it later
+            except Exception as dl_err:  # noqa: BLE001 - left pending: max_deliveries dead-letters it later
                 log.warning("%s: could not dead-letter job %s: %s", self.replica_id, job.job_id, dl_err)
         except JobFailed as err:
             code = err.kind.upper()

@@ -116,7 +116,7 @@ class Evaluator:
             metrics = await self.evaluate()
         except asyncio.CancelledError:
             raise
-        except Exception as err:  # noqa: BLE001 - an evaluation that cannot run is reported, training goes on
+        except Exception as err:  # an evaluation that cannot run is reported, training goes on
             if reraise:
                 raise
             log.error("evaluation at step %d failed: %s", step, err)

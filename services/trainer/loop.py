@@ -148,7 +148,7 @@ class Trainer:
                 log.info("stopping: checkpointing step %d", self.engine.step_count)
                 try:
                     await self._checkpoint()
-                except Exception:  # noqa: BLE001 - the previous checkpoint stands
+                except Exception:  # the previous checkpoint stands
                     log.exception("checkpoint on stop failed")
         for t in tasks:
             if t is not None:
@@ -156,7 +156,7 @@ class Trainer:
         if self.engine is not None and self.engine.group is not None:
             try:  # after the checkpoint, which the other ranks took part in
                 await asyncio.to_thread(self.engine.stop_followers)
-            except Exception:  # noqa: BLE001 - a dead rank: torchrun ends the group anyway
+            except Exception:  # a dead rank: torchrun ends the group anyway
                 log.exception("could not stop the other trainer ranks")
         if getattr(self, "tracker", None) is not None:
             self.tracker.close()
@@ -335,7 +335,7 @@ class Trainer:
                         await asyncio.to_thread(self.engine.probe, [exp])
                     except NoUsableSamples:
                         pass
-                    except Exception as own:
+                    except Exception as own:  # noqa: BLE001 - any error of its own marks the record
                         culprits.append((entry_id, exp, f"{type(own).__name__}: {own}"))
                 if not culprits:
                     raise

@@ -144,7 +144,7 @@ class PPOStage:
                 return self._actor_rows(b.query_responses, b.responses, C)[0], None
         with torch.enable_grad():
             held, lp = self._logits_and_logprobs(b.query_responses[first], b.responses[first], C)
-        rest = lambda rows: self._actor_rows(b.query_responses[rows], b.responses[rows], C)[0]  # noqa: E731
+        rest = lambda rows: self._actor_rows(b.query_responses[rows], b.responses[rows], C)[0]
         return _with_rest(b.responses.shape[0], first, lp.detach(), rest), held
 
     def _actor_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]], held=None):

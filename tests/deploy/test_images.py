@@ -99,7 +99,7 @@ def test_healthcheck_script(monkeypatch, status, expected):
     import importlib.util
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's naming)
+        def do_GET(self):  # http.server's naming
             self.send_response(status if self.path == "/readyz" else 404)
             self.end_headers()
 

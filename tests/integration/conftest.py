@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _procs import REPO, ServiceProc, write_config  # noqa: E402
+from _procs import REPO, ServiceProc, write_config
 
 # Services several test modules (and the docs/services.md examples) use with the same config: started once per
 # session, all together on first use (their start-up is mostly imports, which overlap well), stopped at the end of the

@@ -25,7 +25,7 @@ class _Handler(JSONHandler):
     item's response the judge's verdict). Modes: echo, fail (500), reject (400), flaky (503 once), slow (1.5 s),
     conc (held until 3 are in flight, counting them), empty (no choices)."""
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         srv = self.server
         body = self.read_json()
         mode = self.path.split("/")[1]

@@ -203,7 +203,7 @@ def test_openapi_fuzz_finds_no_server_errors(reward_svc):
 
 
 class _Handler(JSONHandler):
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         body = self.read_json()
         self.server.calls[self.path] = self.server.calls.get(self.path, 0) + 1
         if self.path == "/slow":

@@ -162,7 +162,7 @@ def test_errors_are_openai_errors_with_param(client):
             openai.UnprocessableEntityError,
             dict(prompt="hi", extra_body={"repetition_penalty": 0}),
             "repetition_penalty",
-        ),  # noqa: E501
+        ),
     ]
     for exc, kw, param in cases:
         with pytest.raises(exc) as info:

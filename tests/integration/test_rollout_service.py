@@ -417,7 +417,7 @@ def hf_sampling_logprobs(eng, prompt: list[int], tokens: list[int], o) -> list[f
     in_prompt = torch.zeros(1, V, dtype=torch.bool)
     in_prompt[0, torch.tensor(prompt)] = True
     counts = torch.zeros(1, V)
-    one = lambda v: torch.tensor([float(v)])  # noqa: E731
+    one = lambda v: torch.tensor([float(v)])
     k = torch.tensor([o.top_k]) if 0 < o.top_k < V else None
     p = torch.tensor([o.top_p]) if o.top_p < 1.0 else None
     out = []

@@ -108,7 +108,7 @@ class ToyServicer(reward_pb2_grpc.RewardServiceServicer):
         self.settings, self.metrics = settings, metrics
 
     @grpc_errors("Score")
-    async def Score(self, request, context):  # noqa: N802
+    async def Score(self, request, context):
         if not request.items:
             raise InvalidArgument("items is empty: send at least one item", "items")
         prompt = request.items[0].prompt
@@ -347,7 +347,7 @@ def test_tls_for_grpc_and_http(tmp_path):
                 reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="p")])
             )
             assert resp.results[0].score == 1.0
-        async with httpx.AsyncClient(verify=False) as plain:  # noqa: S501 - only checks plain HTTP is refused
+        async with httpx.AsyncClient(verify=False) as plain:  # only checks plain HTTP is refused
             with pytest.raises(httpx.HTTPError):
                 await plain.get(f"http://127.0.0.1:{runner.http_port}/healthz")
 

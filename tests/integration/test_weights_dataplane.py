@@ -232,7 +232,7 @@ def test_auto_falls_back_to_the_grpc_stream():
             assert not r.servicer.receiver.busy
 
         class Old(rollout_pb2_grpc.RolloutServiceServicer):  # a replica from before the data plane
-            async def UpdateWeights(self, request_iterator, context):  # noqa: N802
+            async def UpdateWeights(self, request_iterator, context):
                 n = sum([len(m.chunk.data) async for m in request_iterator])
                 return weights_pb2.UpdateWeightsResponse(version=1, swapped=True, bytes_received=n)
 

@@ -78,7 +78,7 @@ def test_a_one_turn_episode_trains_exactly_as_a_single_turn_record(tiny_models, 
         results.append((metrics, _weights(engine)))
     (m_single, w_single), (m_episode, w_episode) = results
     for a, b in zip(m_single, m_episode, strict=True):
-        same = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "episode/"))}  # noqa: E731
+        same = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "episode/"))}
         assert same(a) == same(b)
     assert all(torch.equal(p, q) for p, q in zip(w_single, w_episode, strict=True))
 

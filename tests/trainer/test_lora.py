@@ -14,7 +14,7 @@ from services.trainer.engine import TrainerEngine
 
 pytest.importorskip("peft")
 
-from test_training_options import _batch, _config  # noqa: E402  (same directory: the fixed-batch helpers)
+from test_training_options import _batch, _config  # same directory: the fixed-batch helpers
 
 LORA = {"lora_r": 4, "lora_alpha": 8.0, "lora_target_modules": ["q_proj", "v_proj", "o_proj"], "lora_sync": "merged"}
 

@@ -162,7 +162,7 @@ def test_reward_model_scores_with_padding_free_equal_padded(tiny_models):
     from services.reward.scorers import Item
 
     rng = random.Random(6)
-    ids = lambda lo, hi: [rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))]  # noqa: E731
+    ids = lambda lo, hi: [rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))]
     items = [Item(prompt="", response="", prompt_ids=ids(1, 9), response_ids=ids(1, 12)) for _ in range(7)]
     out = []
     for padding_free in (False, True):

@@ -103,7 +103,7 @@ class OpenEnvEnvironment(Environment):
     def _step(self, action: dict[str, Any]):
         try:
             return self.client.step(action)
-        except Exception as err:  # noqa: BLE001 - a lost connection, an execution error, a broken reply
+        except Exception as err:  # a lost connection, an execution error, a broken reply
             raise EnvironmentFailure(f"OpenEnv server {self.base_url}: {type(err).__name__}: {err}") from err
 
     def _tools(self) -> list[dict[str, Any]]:
@@ -144,7 +144,7 @@ class OpenEnvEnvironment(Environment):
             if seed is not None:
                 kwargs.setdefault("seed", int(seed))
             result = self.client.reset(**kwargs)
-        except Exception as err:  # noqa: BLE001 - any failure to open the session fails the sample
+        except Exception as err:  # any failure to open the session fails the sample
             raise EnvironmentFailure(f"OpenEnv server {self.base_url}: {type(err).__name__}: {err}") from err
         tools = self._tools() if self.mcp else []
         messages = [dict(m) for m in prompt] if self.include_prompt else []
@@ -167,7 +167,7 @@ class OpenEnvEnvironment(Environment):
             if "VALIDATION_ERROR" in str(err):
                 return self._refused(str(err))
             raise EnvironmentFailure(f"OpenEnv server {self.base_url}: {err}") from err
-        except Exception as err:  # noqa: BLE001 - a lost connection or a broken reply
+        except Exception as err:  # a lost connection or a broken reply
             raise EnvironmentFailure(f"OpenEnv server {self.base_url}: {type(err).__name__}: {err}") from err
         reward = float(result.reward or 0.0)
         self.total += reward

@@ -243,7 +243,7 @@ async def _push_over_data_plane(
     try:
         send = functools.partial(send_buckets, host, opened.data_port, opened.ticket, buckets, _left(deadline))
         await asyncio.get_running_loop().run_in_executor(executor, send)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - any failure of the data plane frees the slot, then reports
         # Free the replica's update slot now rather than at its ticket's expiry, then report the replica's answer
         # (it says more: short data is IncompleteUpdate) when it comes quickly, else the connection error.
         await _abort(channel, opened.ticket, metadata)
