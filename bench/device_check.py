@@ -53,6 +53,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from rlhf.procs import free_ports
+
 REPO = Path(__file__).resolve().parent.parent
 PHASES = ("model", "trainer", "rollout", "push", "checkpoint", "ring", "vllm")
 NEEDS_MODEL = {"trainer", "rollout", "push", "checkpoint", "vllm"}
@@ -925,14 +927,6 @@ async def _service_engine(path: str, v: dict[str, Any], dtype: str, mode: str) -
         await eng.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _greedy_http(url: str, ids: list[list[int]]) -> list[list[int]]:
     body = json.dumps({"prompt": ids, "max_tokens": 8, "temperature": 0, "return_token_ids": True}).encode()
     req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
@@ -949,7 +943,7 @@ def _vllm_transfer(p: dict[str, Any], path: str, backend: str) -> dict[str, Any]
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     v, dtype = p["vllm"], p["serve_dtype"]
-    port = _free_port()
+    port, master_port = free_ports(2)  # together: two separate picks can return the same freed port
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     cmd = [
         sys.executable,
@@ -989,7 +983,7 @@ def _vllm_transfer(p: dict[str, Any], path: str, backend: str) -> dict[str, Any]
         if backend == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-            info = NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=_free_port(), world_size=2)
+            info = NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=master_port, world_size=2)
         else:
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
