@@ -59,7 +59,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -90,11 +89,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("rlhf.rollout")
 
-# Fault injection, for tests only: "1" makes every weight swap skip the install yet report success and advance the
-# served version, as a replica whose load failed silently would. The trainer must catch it by the trainer-inference
-# mismatch (training.max_mismatch_kl); tests/e2e/test_mismatch_ring.py does. Never set it in a deployment.
-SKIP_LOAD_FAULT_ENV_VAR = "RLHF_TEST_FAULT_SKIP_WEIGHT_LOAD"
-
 
 class EngineBase:
     """What both engines share: the swap gate, versions, request validation, metrics hooks."""
@@ -109,12 +103,6 @@ class EngineBase:
         # The served version's one owner on this replica: the weight receiver and the data plane check updates
         # against it, the swap advances it, every sample and GetWeightsVersion report it.
         self.served = ServedVersion()
-        self._fault_skip_load = os.environ.get(SKIP_LOAD_FAULT_ENV_VAR) == "1"
-        if self._fault_skip_load:
-            log.warning(
-                "FAULT INJECTION (%s=1): this replica acknowledges weight updates without loading them",
-                SKIP_LOAD_FAULT_ENV_VAR,
-            )
         self._ready = False
         self._not_ready_reason = "the model is still loading; retry when /readyz says ready"
         # Not ready because an update installed as it arrived stopped half-way (install_streamed): the model holds a
@@ -327,8 +315,7 @@ class EngineBase:
             t1 = time.perf_counter()
             self.served.check(version, parent)  # another swap may have won the race while we waited
             try:
-                if not self._fault_skip_load:
-                    await self._load_weights(staged)
+                await self._load_weights(staged)
             except BaseException as err:
                 # A reload that failed half-way may leave a mix of old and new weights: stop serving.
                 self._ready = False
@@ -493,7 +480,6 @@ __all__ = [
     "EngineBase",
     "EngineHooks",
     "PromptResult",
-    "SKIP_LOAD_FAULT_ENV_VAR",
     "Sample",
     "StreamEvent",
     "decode_text",

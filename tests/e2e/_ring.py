@@ -147,6 +147,7 @@ class Ring:
         *,
         replicas: int = 1,
         rollout_env: dict[str, str] | None = None,
+        rollout_proc: type[ServiceProc] = ServiceProc,
         **config: Any,
     ):
         self.run_id = run_id
@@ -158,7 +159,7 @@ class Ring:
         self.logs = self.dir / "logs"
         common = {**CHILD_ENV, "RLHF_REDIS_URL": redis.url, "RLHF_RUN_ID": run_id}
         self.rollouts = [
-            ServiceProc(
+            rollout_proc(
                 "rollout",
                 self.config_path,
                 self.logs,

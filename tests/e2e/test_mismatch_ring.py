@@ -1,6 +1,6 @@
 """Trainer-inference consistency on real rings (PPO): the rollout's sampling log-probs (hf and vllm engines) and the
 trainer's recomputation of them under the same weights agree to float32 rounding every step (``mismatch/kl``); a replica
-that acknowledges weight pushes without loading them (the test-only fault RLHF_TEST_FAULT_SKIP_WEIGHT_LOAD) shows up
+that acknowledges weight pushes without loading them (the test-only replica of tests/e2e/faulty_rollout.py) shows up
 there and stops the run (exit 3, training.max_mismatch_kl / mismatch_patience), naming the replica.
 
 The rings start together (their start-up is mostly imports and overlaps); the tests read what they left.
@@ -9,15 +9,24 @@ The rings start together (their start-up is mostly imports and overlaps); the te
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
-from _procs import write_config
+from _procs import ServiceProc, write_config
 from _ring import Redis, Ring
 
 from rlhf import runlog
-from services.rollout.engine import SKIP_LOAD_FAULT_ENV_VAR
 
 pytestmark = pytest.mark.slow
+
+
+class FaultyRolloutProc(ServiceProc):
+    """The rollout replica of tests/e2e/faulty_rollout.py (weights acknowledged, never loaded)."""
+
+    @property
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "tests.e2e.faulty_rollout", *super().argv[3:]]  # after "-m services.cli"
+
 
 # fp32 engines against the fp32 trainer: ~1e-14 measured on hf and vllm (max |difference| ~5e-7 to 1e-6: batch
 # shapes, kernels, KV cache rounding)
@@ -31,7 +40,7 @@ HEALTHY_BOUND = 1e-9
 RINGS = {
     "healthy": {"stage": "ray_ppo", "train_iters": 3},
     "healthy-vllm": {"stage": "ray_ppo", "train_iters": 3, "engine": "vllm"},
-    "skip-load": {"stage": "ray_ppo", "train_iters": 10, "lr": 2e-2, "rollout_env": {SKIP_LOAD_FAULT_ENV_VAR: "1"}},
+    "skip-load": {"stage": "ray_ppo", "train_iters": 10, "lr": 2e-2, "rollout_proc": FaultyRolloutProc},
 }
 
 
