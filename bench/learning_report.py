@@ -52,7 +52,7 @@ def _reach(runs: list[dict], level: float, what: str) -> str:
 def table(rows: list[dict]) -> list[str]:
     out = [
         "| task | evaluation | side | algorithm | mode | seeds | pass@1 start -> end (gain) | reward start -> end | "
-        "samples / seconds to start + 0.10 | wall s |",
+        "samples / seconds to start + 0.10 | training s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (task, kind, side, algo, mode), runs in sorted(_group(rows).items()):
@@ -72,7 +72,7 @@ def table(rows: list[dict]) -> list[str]:
             f"{_span([x['start'] for x in p])} -> {_span([x['end'] for x in p])} "
             f"({_span([x['gain'] for x in p])}) | {_span([x['start'] for x in w])} -> {_span([x['end'] for x in w])} | "
             f"{_reach(ok, target, 'samples')} / {_reach(ok, target, 'seconds')} (level {target:.2f}) | "
-            f"{_span([r['wall_s'] for r in ok if r.get('wall_s')] or [0.0])} |"
+            f"{_span([r['curve'][-1]['seconds'] for r in ok])} |"
         )
     return out
 
