@@ -135,15 +135,16 @@ def plots(rows: list[dict], folder: Path) -> list[str]:
     lines = []
     for task, kind in sorted({(r["task"], r.get("eval", "greedy")) for r in rows}):
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        for (t, k, side, algo, mode), runs in sorted(_group(rows).items()):
-            if (t, k) != (task, kind):
-                continue
+        groups = [(key, runs) for key, runs in sorted(_group(rows).items()) if key[:2] == (task, kind)]
+        for n, ((_, _, side, algo, mode), runs) in enumerate(groups):
+            color = plt.get_cmap("tab20")(n % 20)  # one colour per algorithm and mode, its seeds alike
             for i, r in enumerate(x for x in runs if "error" not in x):
                 c = r["curve"]
                 label = f"{side} {algo} {mode}" if i == 0 else None
                 style = "--" if side == "trl" else "-"
                 for ax, key in zip(axes, ("pass@1", "reward_mean"), strict=True):
-                    ax.plot([p["samples"] for p in c], smoothed([p[key] for p in c]), style, label=label, alpha=0.8)
+                    xs, ys = [p["samples"] for p in c], smoothed([p[key] for p in c])
+                    ax.plot(xs, ys, style, color=color, label=label, alpha=0.8)
         for ax, key in zip(axes, ("held-out pass@1", "held-out reward"), strict=True):
             ax.set_xlabel("samples trained")
             ax.set_ylabel(f"{key} (3-evaluation moving average)")
