@@ -12,22 +12,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bench._trl_learning import CPU_ARGS
+
 PAD, EOS, BOS, UNK = 0, 1, 2, 3
 VOCAB = 32
 FIRST_WORD = 4  # ids 4..31 are plain words; responses draw from them (and EOS), never from PAD
 
 
-# The TRL config arguments every parity test shares: fp32 on the CPU, nothing saved, reported or printed.
-TRL_CPU_ARGS = {
-    "bf16": False,
-    "fp16": False,
-    "use_cpu": True,
-    "gradient_checkpointing": False,
-    "report_to": "none",
-    "save_strategy": "no",
-    "logging_steps": 1,
-    "disable_tqdm": True,
-}
+# The TRL config arguments every parity test shares with the learning comparison's TRL side: fp32 on the CPU,
+# nothing saved, reported or printed
+TRL_CPU_ARGS = CPU_ARGS
 
 
 def build_tokenizer():
