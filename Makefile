@@ -189,8 +189,9 @@ bench: $(VENV)/.stamp $(PARITY_VENV)/.stamp  ## run the side-by-side benchmarks 
 # hour on 2 cores; one part: make converge CONVERGE_ARGS="--tasks addition --algos grpo --no-trl"
 .PHONY: converge
 
-converge: $(VENV)/.stamp $(PARITY_VENV)/.stamp  ## learning runs, ours and TRL's, on held-out problems -> docs/learning.md (~1 h)
-	$(PY) -m bench.converge --report $(CONVERGE_ARGS)
+converge: $(VENV)/.stamp $(PARITY_VENV)/.stamp  ## learning runs, ours and TRL's, on held-out problems -> docs/learning.md (~40 min)
+	$(PY) -m bench.converge $(CONVERGE_ARGS)
+	$(PY) -m bench.learning_report
 
 # ---------------------------------------------------------------- documentation (docs/ -> site/, git-ignored)
 # docs/configuration.md's field tables are generated from rlhf/config.py by tools/gen_config_docs.py (rewrite them with

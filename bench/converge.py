@@ -253,7 +253,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--evals", default=",".join(EVALS), help="greedy and/or sampled evaluations (default both)")
     p.add_argument("--only-trl", action="store_true", help="only TRL's side")
     p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--report", action="store_true", help="then write docs/learning.md from all results so far")
     args = p.parse_args(argv)
     seeds = tuple(int(s) for s in args.grpo_seeds.split(","))
     runs = plan(tuple(args.tasks.split(",")), seeds, trl=not args.no_trl, evals=tuple(args.evals.split(",")))
@@ -272,10 +271,6 @@ def main(argv: list[str] | None = None) -> int:
         if "pass@1" in row:
             brief.update(start=round(row["pass@1"]["start"], 3), end=round(row["pass@1"]["end"], 3))
         print(json.dumps(brief), flush=True)
-    if args.report:
-        from bench.learning_report import write_report
-
-        write_report(results, ROOT / "docs")
     return 0
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from rlhf.config import ConfigError, DataConfig
+from rlhf.prompts import encode_prompt
 
 
 @dataclass(frozen=True)
@@ -303,18 +304,6 @@ def load_texts(cfg: DataConfig) -> list[str]:
     if not texts:
         raise ConfigError(f"data.pretrain_data: {cfg.pretrain_data} holds no texts")
     return texts
-
-
-def encode_prompt(tokenizer, text: str, max_prompt_length: int, chat: bool = True, system: str | None = None):
-    """Token ids of one prompt, chat-templated when asked and available, left-truncated to ``max_prompt_length``."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-    else:
-        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-    return list(ids)[-max_prompt_length:]
 
 
 class PromptCursor:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf.prompts import encode_prompt
 from rlhf.tiny import CHAT_TEMPLATE, WORDS, TinySpec, build_tiny, cached_build, warm_start
 
 REVERSE_VOCAB = WORDS[:16]
@@ -107,8 +108,6 @@ def _digest(task: Task, spec: TinySpec) -> str:
 
 
 def _warm_start(task: Task, policy: Path, out: Path) -> None:
-    from rlhf.data import encode_prompt
-
     rng = random.Random(WARM_SEED)
 
     def example(tok) -> tuple[list[int], list[bool]]:
