@@ -60,6 +60,15 @@ class Trainer:
         self._state_lock = asyncio.Lock()
         self.dead_lettered = 0
         self._held: list[tuple[str, experience_pb2.Experience]] = []  # read, not yet trained (see _next_batch)
+        # what start() builds; stop() may run before it did, or after it failed half-way
+        self.redis = None
+        self.experience: ExperienceQueue | None = None
+        self.tracker: Tracker | None = None
+        self.evaluator: Evaluator | None = None
+        self.tasks: list[asyncio.Task] = []
+        self._saved_step: int | None = None  # the step of the newest checkpoint written or resumed from
+        self._failed_steps = 0  # in a row (reward.failed_patience)
+        self._mismatch_steps = 0  # in a row (training.mismatch_patience)
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
@@ -136,11 +145,11 @@ class Trainer:
         """SIGTERM (Ctrl-C under ``rlhf up``, a pod or container stop): finish the step in progress, checkpoint
         what was trained since the last checkpoint, then stop. Killed before it is done, the previous checkpoint
         stands (checkpoints are atomic)."""
-        tasks = [*getattr(self, "tasks", []), self.fleet.push_task if self.fleet is not None else None]
-        if getattr(self, "evaluator", None) is not None:
+        tasks = [*self.tasks, self.fleet.push_task if self.fleet is not None else None]
+        if self.evaluator is not None:
             tasks.append(self.evaluator.last)
-        unsaved = self.engine is not None and hasattr(self, "tasks") and not self.done
-        if unsaved and self.engine.step_count not in (0, getattr(self, "_saved_step", None)):
+        unsaved = self.engine is not None and bool(self.tasks) and not self.done
+        if unsaved and self.engine.step_count not in (0, self._saved_step):
             async with self._state_lock:  # waits for a step in progress; none starts after it
                 for t in tasks:
                     if t is not None:
@@ -158,9 +167,9 @@ class Trainer:
                 await asyncio.to_thread(self.engine.stop_followers)
             except Exception:  # a dead rank: torchrun ends the group anyway
                 log.exception("could not stop the other trainer ranks")
-        if getattr(self, "tracker", None) is not None:
+        if self.tracker is not None:
             self.tracker.close()
-        if getattr(self, "redis", None) is not None:
+        if self.redis is not None:
             await self.redis.aclose()
 
     async def _heartbeat_loop(self) -> None:
@@ -245,7 +254,7 @@ class Trainer:
         if failed_fraction <= r.max_failed_fraction:
             self._failed_steps = 0
             return
-        self._failed_steps = getattr(self, "_failed_steps", 0) + 1
+        self._failed_steps += 1
         detail = score_failures(experiences)
         log.warning(
             "%.0f%% of this step's samples failed scoring (%d/%d steps in a row): %s",
@@ -275,7 +284,7 @@ class Trainer:
         if kl <= t.max_mismatch_kl:
             self._mismatch_steps = 0
             return
-        self._mismatch_steps = getattr(self, "_mismatch_steps", 0) + 1
+        self._mismatch_steps += 1
         truncated = a.do_sample and (a.top_p < 1.0 or a.top_k > 0)
         by_replica = "; ".join(
             f"replica {r}: {m:.3g} over {n} tokens of version(s) {', '.join(map(str, vs))}"

@@ -122,6 +122,7 @@ def _trainer(monkeypatch, tmp_path, **config):
         "E", (), {"mismatch_by_replica": {"rollout-1": (0.3, 24, [4]), "rollout-0": (1e-14, 24, [4])}, "step_count": 5}
     )()
     t.run_dir = tmp_path
+    t._mismatch_steps = 0  # as Trainer.__init__ sets it
     return t
 
 
