@@ -22,8 +22,8 @@ STEPS, RESUME_AT = 30, 15
 # the metrics held to the band: held-out evaluations (every 5 steps) and the training reward (5-step means)
 EVAL_KEYS = ("eval/reward_mean", "eval/pass@1")
 TRAIN_KEY = "reward/mean"
-MARGIN = 0.5  # of the band's width, added on each side
-MIN_HALF_WIDTH = 0.03
+MARGIN = 1.0  # of the band's width, added on each side
+MIN_HALF_WIDTH = 0.08
 
 
 def up(args: list[str], timeout: float = 600) -> None:
