@@ -43,15 +43,14 @@ class Task:
     heldout_mod: int  # a prompt is held out when its hash is 0 modulo this
     heldout_size: int
     warm_steps: int  # supervised warm-start steps (batch WARM_BATCH, lr WARM_LR)
-    warm_draw: Callable[[random.Random], tuple[str, str]] | None = None  # the warm start's problems, if narrower
     size: tuple[tuple[str, int], ...] = ()  # TinySpec fields over the default (the model size that learns it)
 
     def is_heldout(self, prompt: str) -> bool:
         return int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % self.heldout_mod == 0
 
-    def problem(self, rng: random.Random, heldout: bool, warm: bool = False) -> tuple[str, str]:
+    def problem(self, rng: random.Random, heldout: bool) -> tuple[str, str]:
         while True:
-            prompt, answer = (self.warm_draw or self.draw)(rng) if warm else self.draw(rng)
+            prompt, answer = self.draw(rng)
             if self.is_heldout(prompt) == heldout:
                 return prompt, answer
 
@@ -97,7 +96,6 @@ def _digest(task: Task, spec: TinySpec) -> str:
         CHAT_TEMPLATE,
         task.name,
         task.warm_steps,
-        task.warm_draw is not None,
         task.size,
         WARM_BATCH,
         WARM_LR,
@@ -111,7 +109,7 @@ def _warm_start(task: Task, policy: Path, out: Path) -> None:
     rng = random.Random(WARM_SEED)
 
     def example(tok) -> tuple[list[int], list[bool]]:
-        prompt, answer = task.problem(rng, heldout=False, warm=True)
+        prompt, answer = task.problem(rng, heldout=False)
         ids = encode_prompt(tok, prompt, PROMPT_TOKENS)
         reply = tok(" " + answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         return ids + reply, [False] * len(ids) + [True] * len(reply)

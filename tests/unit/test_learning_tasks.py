@@ -10,6 +10,7 @@ import pytest
 from rlhf.config import ConfigError
 from rlhf.data import _read_rows
 from rlhf.learning_tasks import TASKS, build_warm
+from rlhf.tiny import WARM_TASKS
 from services.reward.rules import lcs_ratio
 
 
@@ -20,7 +21,7 @@ def test_heldout_problems_never_appear_in_training_or_the_warm_start(name):
     assert len(heldout) == task.heldout_size
     train = {r["prompt"] for r in task.rows("train", n=2000, seed=3)}
     rng = random.Random(0)
-    warm = {task.problem(rng, heldout=False, warm=True)[0] for _ in range(2000)}
+    warm = {task.problem(rng, heldout=False)[0] for _ in range(2000)}
     assert not heldout & train and not heldout & warm
     assert all(task.is_heldout(p) for p in heldout) and not any(task.is_heldout(p) for p in train | warm)
 
@@ -50,3 +51,7 @@ def test_the_warm_start_is_built_once_and_rebuilt_when_forced(tmp_path):
     assert (tmp_path / "warm-reverse_words" / "warm.json").exists()
     build_warm(tmp_path, "reverse_words", force=True)
     assert weights.stat().st_mtime_ns != first
+
+
+def test_the_tiny_references_name_exactly_the_tasks():
+    assert set(WARM_TASKS) == set(TASKS)  # rlhf.tiny names them without importing the tasks
