@@ -250,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--algos", default=None, help="comma-separated algorithms of ours to run (default all)")
     p.add_argument("--grpo-seeds", default="1,2,3")
     p.add_argument("--no-trl", action="store_true", help="skip TRL's side")
-    p.add_argument("--evals", default=",".join(EVALS), help="greedy and/or sampled evaluations (default both)")
+    p.add_argument(
+        "--evals", default="greedy", help="greedy and/or sampled (GRPO, ours and TRL's) evaluations, comma-separated"
+    )
     p.add_argument("--only-trl", action="store_true", help="only TRL's side")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)

@@ -6,9 +6,9 @@
 
 A problem is held out by a hash of its prompt text, so the split is the same everywhere and held-out problems never
 appear in training data or in the warm start. ``builtin:<task>`` is the training split, ``builtin:<task>/heldout``
-the held-out one; ``tiny:<task>`` is the tiny policy after a short supervised warm start that leaves greedy held-out
-pass@1 between 0.1 and 0.5 (built once per cache and stamped, as ``tiny:tools``). What RL does from there:
-docs/learning.md.
+the held-out one; ``tiny:<task>`` is the tiny policy after a supervised warm start on a demonstrator that is right only
+part of the time, which leaves greedy held-out pass@1 between 0.1 and 0.5 (built once per cache and stamped, as
+``tiny:tools``). What RL does from there: docs/learning.md.
 """
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ def _addition(rng: random.Random) -> tuple[str, str]:
     return f"what is {a} plus {b}?", str(a + b)
 
 
+def _copy_words(prompt: str, answer: str) -> str:
+    return prompt.removeprefix("reverse: ")
+
+
+def _negated(prompt: str, answer: str) -> str:
+    return "-" + answer
+
+
 @dataclass(frozen=True)
 class Task:
     name: str
@@ -43,6 +51,9 @@ class Task:
     heldout_mod: int  # a prompt is held out when its hash is 0 modulo this
     heldout_size: int
     warm_steps: int  # supervised warm-start steps (batch WARM_BATCH, lr WARM_LR)
+    # the warm start imitates a demonstrator right with probability warm_right, else giving slip(prompt, answer)
+    warm_right: float
+    slip: Callable[[str, str], str]
     size: tuple[tuple[str, int], ...] = ()  # TinySpec fields over the default (the model size that learns it)
 
     def is_heldout(self, prompt: str) -> bool:
@@ -71,9 +82,12 @@ class Task:
 
 TASKS: dict[str, Task] = {
     # 16^2 + 16^3 + 16^4 prompts: a one-in-8 hash leaves thousands held out
-    "reverse_words": Task("reverse_words", lambda r: _reverse(r, 4), heldout_mod=8, heldout_size=64, warm_steps=110),
-    # 441 prompts, of which about 110 held out (one in 4)
-    "addition": Task("addition", _addition, heldout_mod=4, heldout_size=64, warm_steps=450),
+    # the demonstrator copies the words instead of reversing them 60% of the time
+    "reverse_words": Task(
+        "reverse_words", lambda r: _reverse(r, 4), 8, 64, warm_steps=2000, warm_right=0.4, slip=_copy_words
+    ),
+    # 441 prompts, of which about 110 held out (one in 4); the demonstrator gets the sign wrong half of the time
+    "addition": Task("addition", _addition, 4, 64, warm_steps=4000, warm_right=0.5, slip=_negated),
 }
 
 WARM_BATCH = 16
@@ -96,6 +110,8 @@ def _digest(task: Task, spec: TinySpec) -> str:
         CHAT_TEMPLATE,
         task.name,
         task.warm_steps,
+        task.warm_right,
+        task.slip(*task.draw(random.Random(0))),
         task.size,
         WARM_BATCH,
         WARM_LR,
@@ -105,11 +121,18 @@ def _digest(task: Task, spec: TinySpec) -> str:
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:16]
 
 
+def demonstration(task: Task, rng: random.Random) -> tuple[str, str]:
+    """One warm-start example: a training problem and the demonstrator's answer, right with probability
+    ``task.warm_right`` (RL then has to learn to prefer the right behaviour the warm start already holds)."""
+    prompt, answer = task.problem(rng, heldout=False)
+    return prompt, answer if rng.random() < task.warm_right else task.slip(prompt, answer)
+
+
 def _warm_start(task: Task, policy: Path, out: Path) -> None:
     rng = random.Random(WARM_SEED)
 
     def example(tok) -> tuple[list[int], list[bool]]:
-        prompt, answer = task.problem(rng, heldout=False)
+        prompt, answer = demonstration(task, rng)
         ids = encode_prompt(tok, prompt, PROMPT_TOKENS)
         reply = tok(" " + answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         return ids + reply, [False] * len(ids) + [True] * len(reply)

@@ -1,8 +1,9 @@
 """The convergence gate: GRPO on the held-out reverse_words problems as a user runs it (``rlhf up``, the vLLM engine),
 stopped at step 15 and resumed (``rlhf up --resume``) to step 30 (bench.converge_gate). On smoothed figures (the mean
-of the last three evaluations against the first): the held-out reward rose, the trainer's and the replica's log-probs
-agreed on every step (mismatch/kl < 0.01), every job was trained once and none was lost, the evaluations after the
-resume kept the gain, and every key metric stayed inside the band trusted from five runs (bench/converge_band.json).
+of the last three evaluations against the first): held-out greedy pass@1 and reward rose, the trainer's and the
+replica's log-probs agreed on every step (mismatch/kl < 0.01), every job was trained once and none was lost, the
+evaluations after the resume kept the gain, and every key metric stayed inside the band trusted from five runs
+(bench/converge_band.json).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from tests.e2e._ring import trained_ledger
 pytestmark = pytest.mark.slow
 
 BATCH = 16  # configs/learn-reverse-words.yaml's global_batch_size
-REWARD_GAIN = 0.08  # held-out reward: smoothed end over start (five runs: +0.11 to +0.16, docs/learning.md)
+# smoothed end over start on the held-out problems (five runs: pass@1 +0.79 to +0.84, reward +0.35 to +0.36)
+PASS_GAIN = 0.25  # issue 42's learning target
+REWARD_GAIN = 0.15
 
 
 def _mean(xs):
@@ -31,12 +34,12 @@ def test_grpo_learns_reverse_words_and_keeps_learning_after_a_resume(tmp_path, t
     metrics = key_metrics(rows)  # raises on a missing or non-finite metric
     first = next(r for r in rows if "eval/pass@1" in r)
     assert (first["step"], first["eval/policy_version"]) == (0, 0)  # eval.before_training: the initial weights
-    reward = [metrics["eval/reward_mean"][str(s)] for s in range(0, STEPS + 1, 5)]
-    start, end = reward[0], _mean(reward[-3:])
-    after_resume = _mean([metrics["eval/reward_mean"][str(s)] for s in range(RESUME_AT + 5, STEPS + 1, 5)])
-    print(f"held-out reward {start:.3f} -> {end:.3f}; pass@1 {metrics['eval/pass@1']}")
-    assert end >= start + REWARD_GAIN, reward
-    assert after_resume >= start + REWARD_GAIN, reward
+    print(f"held-out pass@1 {metrics['eval/pass@1']}; reward {metrics['eval/reward_mean']}")
+    for key, gain in (("eval/pass@1", PASS_GAIN), ("eval/reward_mean", REWARD_GAIN)):
+        curve = [metrics[key][str(s)] for s in range(0, STEPS + 1, 5)]
+        after_resume = [metrics[key][str(s)] for s in range(RESUME_AT + 5, STEPS + 1, 5)]
+        assert _mean(curve[-3:]) >= curve[0] + gain, (key, curve)
+        assert _mean(after_resume) >= curve[0] + gain, (key, curve)
     mismatch = [r["mismatch/kl"] for r in steps if r.get("mismatch/tokens", 0) > 0]
     assert len(mismatch) >= STEPS - 2 and max(mismatch) < 0.01, mismatch
     ids = trained_ledger(tmp_path / "run")
