@@ -1,24 +1,11 @@
 """The ``vllm`` rollout engine: vLLM with continuous batching, sampling log-probs and in-place weight reloads.
 
-Two drivers, one behaviour:
+Two drivers, one behaviour: ``inproc`` (vLLM's in-process engine core, stepped by one thread; the service's default
+on CPU) and ``async`` (``AsyncLLM``, engine core in a subprocess; GPU/NPU images). Engine settings come from
+:func:`services.rollout.factory.vllm_engine_kwargs`; the weight-update paths are :class:`VllmWeights`, mixed in
+from :mod:`services.rollout.vllm_weights`.
 
-- ``inproc`` (default when ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which the service sets on CPU): vLLM's
-  ``LLMEngine`` with the in-process engine core, stepped by one dedicated thread. Requests from the asyncio side are
-  queued to that thread, which adds them between steps, so concurrent requests join the running batch (continuous
-  batching); a finished request resolves its future on the event loop. Starts in about 5 s on CPU, no subprocess.
-  (vLLM 0.32's ``AsyncLLM`` always starts its engine core in a subprocess, whatever that variable says.)
-- ``async`` (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, GPU/NPU images): vLLM's ``AsyncLLM`` (engine core in a
-  subprocess, overlapping scheduling with the device).
-
-Both use ``RequestOutputKind.FINAL_ONLY`` (one output per request: per-token streaming costs ~20x throughput),
-``logprobs=0`` (the sampled token's log-prob only) and ``logprobs_mode="processed_logprobs"`` (log-probs after
-temperature and top-k/top-p: the distribution sampled from; the default ``raw_logprobs`` ignores the temperature),
-a seed per request, and the engine settings of ``actor_rollout`` (``max_model_len``, ``gpu_memory_utilization``,
-``tensor_model_parallel_size``, ``enforce_eager``: :func:`services.rollout.factory.vllm_engine_kwargs`).
-
-Weights: the paths an update takes into the worker (weight-transfer API, staged swap in a shadow model, worker-extension
-reload, in place as it arrives, a collective push received by the worker) are :class:`VllmWeights`, mixed in from
-:mod:`services.rollout.vllm_weights`; this module is the driver they run on.
+Design (drivers, output kind, log-prob mode): docs/services.md#rollout ("How the engines work").
 """
 
 from __future__ import annotations
