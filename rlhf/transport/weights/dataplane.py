@@ -1,38 +1,12 @@
 """Weight sync's raw-TCP data plane: the update's bytes on one plain TCP connection, the control on gRPC.
 
-Python gRPC tops out well below the loopback socket on large streams (HTTP/2 framing and one event-loop thread per
-side: a gRPC server that only discards the chunks reaches 0.3-0.4 of a raw socket copy), so the buckets travel
-outside it. The protocol (comments in proto/rlhf/v1/weights.proto):
+Python gRPC streaming tops out well below a loopback socket copy (bench.weight_sync, docs/benchmarks.md), so the
+buckets travel outside it: :meth:`WeightDataServer.open` (``OpenWeightsTransfer``) checks the header and answers a
+single-use ticket and the data port, :func:`send_buckets` sends the ticket and the buckets on one connection, and
+:meth:`WeightDataServer.take` (``CommitWeights``) returns the verified staged weights. Plaintext: off under TLS.
 
-1. ``OpenWeightsTransfer(header)`` (token-protected): :meth:`WeightDataServer.open` checks the header exactly as
-   the streaming path does (:func:`~rlhf.transport.weights.receive.receive_update`'s checks: stale version, manifest,
-   limits, another update in progress), takes the bucket buffers and answers a ticket (32 random bytes, single use)
-   and the data port;
-2. the client connects to the data port, sends the ticket, then the buckets' bytes in index order, then closes its
-   sending side (:func:`send_buckets`). The replica compares the ticket in constant time (unknown, used or expired:
-   it closes the connection) and ``recv_into``s straight into the bucket buffers in a thread, while a second thread
-   hashes what arrived (hashlib releases the GIL) and parses each finished bucket, as the stream path does;
-3. ``CommitWeights(ticket)`` (token-protected): :meth:`WeightDataServer.take` waits for the data and returns the
-   :class:`~rlhf.transport.weights.receive.StagedWeights` or raises the same errors (short data -> IncompleteUpdate,
-   bytes after the last bucket or a digest/content mismatch -> CorruptUpdate); the servicer swaps them in.
-
-An update the engine installs as it arrives (Open's ``stream``: vLLM's large updates) reserves no buffer at Open:
-its connection receives and verifies bucket after bucket into two buffers and hands each verified bucket to the
-engine (:class:`~rlhf.transport.weights.receive.BucketFeed`), and Commit returns once the engine has installed the
-last; any failure stops both sides (see ``EngineBase.install_streamed`` for what the replica then serves).
-
-Who can hold the replica's one update slot: only an authenticated Open, and only for bounded times. A ticket not
-presented within ``ttl`` of Open, a data connection that sends no ticket within ``TICKET_WAIT_S`` or makes no
-progress for ``read_timeout``, a transfer that is not complete within its deadline (``ttl`` plus the time its
-bytes take at ``min_rate`` bytes/s: a trickling connection cannot keep it), a sender that calls
-``AbortWeightsTransfer`` (:meth:`WeightDataServer.abort`), and a finished transfer not committed within ``ttl``:
-each is dropped at once, its buffers and the slot freed, the old weights serving. A connection without a valid
-ticket never touches the slot: it is closed after the ticket check, and at most ``MAX_PENDING_CONNECTIONS`` such
-connections wait for their ticket at a time (a new one evicts the oldest). Nothing received is unpickled: the buckets
-are safetensors, parsed by :func:`~rlhf.transport.weights.format.load_safetensors`.
-
-The data plane is plaintext: the header (with every bucket's sha256) comes over authenticated gRPC, so tampered
-bytes are refused, but they are not encrypted; the rollout service turns it off when it serves TLS.
+Design (the protocol, who can hold the update slot and for how long):
+docs/weight-sync.md#tcp-data-plane-rlhf_weights_data_port-on-the-replica.
 """
 
 from __future__ import annotations
