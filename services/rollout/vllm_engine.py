@@ -43,12 +43,12 @@ def set_vllm_env_defaults(device: str | None = None) -> None:
 
     - ``OMP_NUM_THREADS=1``: vLLM's own default for serving. In-process on CPU it matters most: vLLM's CPU kernels
       otherwise run OpenMP teams across every core, and on a busy or small machine each barrier waits for a time
-      slice (measured here: 25-45 ms per decode step instead of 3 ms). OpenMP reads it once, when torch loads, so
+      slice (measured in docs/services.md#rollout). OpenMP reads it once, when torch loads, so
       this must run before anything imports torch (``services.rollout.main`` keeps torch out of its imports).
     - on CPU: ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB; start-up refuses without it or a memory fraction),
       ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core in-process: the ``inproc`` driver), and
       ``TORCH_COMPILE_DISABLE=1``: enforce_eager runs the model eagerly, but vLLM still torch.compile()s a sampler
-      helper on the first request with log-probs (20-60 s of inductor work on a 2-core machine).
+      helper on the first request with log-probs (inductor work that takes long on a small CPU: docs/services.md).
     - on GPU/NPU: ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` (the images set it too).
     - ``HF_HUB_OFFLINE=1``: models are local directories; nothing is downloaded.
     """

@@ -62,7 +62,8 @@ class TrainerEngine(PPOStage, CriticFreeStages):
             check_teacher_tokenizer(student, cfg.actor_rollout_ref.ref.load, self.tokenizer)
         self.actor = models.load_actor(cfg, actor_path, self.device, self.group)
         t = cfg.training
-        # fused AdamW, TRL's default ("adamw_torch_fused"): 4-6x faster optimizer steps than the per-tensor loop (CPU)
+        # fused AdamW, TRL's default ("adamw_torch_fused"): faster than the per-tensor loop (docs/training.md,
+        # "Precision, packing and devices")
         fused = self.device.type in ("cpu", "cuda")
         self.actor_optim = optim.actor_optim(cfg)
         self.actor_opt = optim.adamw(self.actor, self.actor_optim, fused)

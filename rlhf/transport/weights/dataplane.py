@@ -51,13 +51,13 @@ DEFAULT_MIN_RATE = 8 << 20  # bytes/s: a transfer's deadline is ttl + total_byte
 MAX_PENDING_CONNECTIONS = 16  # connections that have not presented a ticket yet
 # recv_into / sha256 granularity. Each slice costs the receiving thread (and its hash lane) a GIL handover, and
 # beside a thread that holds the GIL (the replica's generation, vLLM's engine thread above all) each waits up to the
-# switch interval (5 ms): beside a pure-Python thread, 415 MB arrive and hash 1.2-1.5x faster in 16 MiB slices than
-# in 4 MiB ones, alone in 0.22-0.26 s either way (bench.recv_slices). Small enough that hashing follows the data
-# closely (the last slice of the last bucket is hashed after the transfer: ~10 ms at 16 MiB).
+# switch interval (5 ms), so beside such a thread larger slices arrive and hash faster, and alone the size changes
+# nothing (measured by bench.recv_slices, docs/benchmarks.md). Small enough that hashing follows the data closely
+# (only the last slice of the last bucket is hashed after the transfer).
 SLICE_BYTES = 16 << 20
 SEND_CHUNK_BYTES = 256 << 20  # the sender checks its deadline between sendall calls of this size
 _RECV_FLAGS = socket.MSG_WAITALL
-HASH_LANES = 4  # 415 MB on 2 loaded cores: 1 lane 0.93 s vs 2 lanes 0.73 s; 2 lanes 0.52 s vs 4 lanes 0.45 s
+HASH_LANES = 4  # hash lanes per transfer: 1, 2 and 4 compared in docs/benchmarks.md (weight sync, data plane profile)
 _SOCKET_BUFFER = 4 << 20  # loopback/LAN: larger kernel buffers mean fewer wake-ups per byte
 
 
@@ -565,9 +565,10 @@ def _receive_buckets(
     gets each bucket as served."""
     fulls = fulls if fulls is not None else [None] * len(buffers)
     rebuilt = rebuilt if rebuilt is not None else [None] * len(buffers)
-    # sha256 (~1.7 GB/s a core) is slower than the loopback copy: one thread falls behind and finishes its backlog
-    # alone after the last byte. Buckets alternate between HASH_LANES single-thread lanes (each bucket's slices stay
-    # in order on its lane), so the next bucket is hashed while the previous one's backlog drains.
+    # sha256 on one core is slower than the loopback copy (docs/benchmarks.md, weight sync): one thread falls behind
+    # and finishes its backlog alone after the last byte. Buckets alternate between HASH_LANES single-thread lanes
+    # (each bucket's slices stay in order on its lane), so the next bucket is hashed while the previous one's backlog
+    # drains.
     lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-verify") for _ in range(HASH_LANES)]
     finishing: list[Future] = []
     received = 0

@@ -26,8 +26,8 @@ from rlhf.v1 import weights_pb2
 
 FORMAT = "safetensors"
 MiB = 1 << 20
-# Measured on loopback (bench.weight_sync, with pre-serialised messages): 0.5-4 MiB chunks stream alike, 16-32 MiB
-# ones slower. 2 MiB plus the ~20-byte message prefix also fits gRPC's default 4 MiB receive limit.
+# The chunk size that streams best on loopback (bench.weight_sync: docs/weight-sync.md, the transports table); 2 MiB
+# plus the ~20-byte message prefix also fits gRPC's default 4 MiB receive limit.
 DEFAULT_CHUNK_BYTES = 2 * MiB
 DEFAULT_BUCKET_BYTES = 128 * MiB
 

@@ -79,8 +79,8 @@ class VerifiedBucket:
 
 _END = object()
 # Buckets on the replica at a time when the engine installs an update as it arrives: one being installed, the next
-# being received and checked. One slot saved ~50 MB of peak memory on a 5 GB update (bench.weight_sync --large; the
-# engine's own per-layer copies are the larger share) and took 1.4x the time: receive no longer overlaps install.
+# being received and checked. One slot saves a little peak memory and costs time, since receive no longer overlaps
+# install (measured by bench.weight_sync --large: docs/weight-sync.md#large-updates-installed-as-they-arrive-vllm).
 STREAM_SLOTS = 2
 
 
