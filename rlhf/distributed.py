@@ -1,16 +1,11 @@
 """The trainer's data-parallel group: torch.distributed set up from the torchrun environment, FSDP2 sharding, and the
 few collectives the trainer needs (tensors only: nothing crosses processes by pickle).
 
-World size 1 (no ``WORLD_SIZE`` above 1 in the environment) means no process group at all: :func:`init_from_env`
-returns None and the trainer runs its single-process code unchanged.
+World size 1 means no process group at all (:func:`init_from_env` returns None). A world-N update equals the world-1
+update on the same batch: each rank runs its share of a minibatch's rows, :func:`gather_rows` gathers the per-token
+outputs (its own share keeps its autograd graph), and the caller scales the loss by :func:`backward_scale`.
 
-How a world-N update equals the world-1 update on the same batch: every rank holds the whole (small) token batch,
-each rank runs the model only on its share of each minibatch's rows, and the per-token outputs (log-probs, entropies,
-values) are gathered back into the full minibatch with :func:`gather_rows`, whose own share keeps its autograd graph.
-The loss is then the world-1 loss of the whole minibatch on every rank (so every denominator, whitening and metric is
-global), and backward through the own share gives that rank's part of the gradient; FSDP2 sums the parts in its
-reduce-scatter. FSDP2 averages over ranks and gloo has no PREMUL_SUM (``set_gradient_divide_factor`` fails there),
-so the caller multiplies the loss by the world size before backward (:func:`backward_scale`).
+Design: docs/training.md#multi-process-training-fsdp2-under-torchrun.
 """
 
 from __future__ import annotations

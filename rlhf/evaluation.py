@@ -1,14 +1,9 @@
 """Evaluation metrics on held-out prompts (the ``eval`` section): the arithmetic, apart from how the samples are made.
 
-Per prompt, ``n`` samples, each with a reward or ``None`` when its score failed (an error, never a reward of 0):
-
-- ``eval/reward_mean``: the mean reward of the samples that were scored;
-- ``eval/pass@k`` (k = n): the share of prompts with at least one passing sample, a sample passing when it was
-  scored and its reward >= ``pass_threshold``; with n > 1 also ``eval/pass@1``, the unbiased estimate of the Codex
-  paper (Chen et al. 2021), 1 - C(n - c, k) / C(n, k) for c passing samples of n, averaged over prompts (for k = 1:
-  c / n). A failed score counts as not passing;
-- ``eval/response_length_mean``: the mean response length in tokens of all samples;
-- ``eval/failed_fraction``: the share of samples whose score failed.
+Per prompt, ``n`` samples, each with a reward or ``None`` when its score failed (an error, never a reward of 0, and
+counted as not passing): ``eval/reward_mean``, ``eval/pass@k`` (k = n) and, with n > 1, ``eval/pass@1`` (the Codex
+paper's unbiased estimate, :func:`pass_at_k`), ``eval/response_length_mean``, ``eval/failed_fraction``.
+Definitions: docs/training.md (the ``eval`` section).
 """
 
 from __future__ import annotations

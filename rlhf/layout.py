@@ -1,20 +1,11 @@
 """The checkpoint layout: a policy's weights under the names and shapes its Hugging Face checkpoint holds.
 
-Weight sync sends what ``save_pretrained`` would write, because that is what a serving engine loads (vLLM's loaders
-read checkpoint names; the replica checks an update against its checkpoint's manifest). A live transformers 5 module
-differs from its checkpoint in two ways, and both are undone here the way ``save_pretrained`` undoes them:
+Weight sync sends what ``save_pretrained`` would write, because that is what a serving engine loads. A live
+transformers 5 module differs from its checkpoint by tied weights (one tensor under two names: the alias is not sent)
+and conversions (e.g. fused mixture-of-experts tensors); :class:`CheckpointLayout` undoes both the way
+``save_pretrained`` does, tensor by tensor, and :meth:`CheckpointLayout.to_live` goes back for the hf engine.
 
-- tied weights: one tensor under two names (``lm_head.weight`` is ``model.embed_tokens.weight`` in Llama-3.2 and
-  small Qwen2.5); the checkpoint keeps one name, the alias is not sent;
-- conversions: transformers 5 loads some checkpoint tensors into another layout (a mixture-of-experts layer's
-  per-expert ``experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj`` fused into ``experts.gate_up_proj`` and
-  ``experts.down_proj``); its reverse conversion gives the checkpoint tensors back.
-
-:class:`CheckpointLayout` works out once, on meta tensors, which live tensor becomes which checkpoint tensors, then
-converts tensor by tensor (a sharded trainer gathers one parameter at a time). A tensor that needs no conversion is
-passed through as it is (no copy). The reverse direction (:meth:`CheckpointLayout.to_live`, for the hf rollout
-engine, which serves the live module) inverts the conversion by running it on index tensors: conversions only move
-elements (split, stack, rename), so the indices say where each checkpoint element goes; anything else is refused.
+Design: docs/training.md#models-the-architectures-checked.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Padding-free forward passes: a padded batch's real tokens packed into one row, positions restarting per sequence.
 
-``training.padding_free`` turns it on for the trainer's actor and critic passes and the reference service's forward
-(veRL's ``use_remove_padding`` and OpenRLHF's packed samples do the same on GPUs with flash-attention's varlen
-kernels). Here the attention runs per sequence on its own slice of the packed row (``torch``'s scaled-dot-product
-attention, causal), so no token attends across sequences and none of the work is spent on padding: the matmuls see
-only real tokens and attention costs sum(T_i^2) instead of B * T^2.
+``training.padding_free`` turns it on for the trainer's actor and critic passes and the reference service's forward.
+The attention runs per sequence on its own slice of the packed row (causal scaled-dot-product attention), and the
+result is laid back out as the padded batch (zeros at padding positions), so callers' indexing, masks and losses stay
+as they are. The forward convention is :mod:`rlhf.models`': a token equal to ``pad_token_id`` is padding.
 
-The result is laid back out as the padded batch (zeros at padding positions), so every caller's indexing, masks and
-losses stay as they are. A padding position's output differs from the padded pass's (which computes something from
-the pad id there), and every loss masks those positions out; real positions agree with the padded pass within
-float32 rounding (tests/unit/test_packing.py).
-
-The forward convention is :mod:`rlhf.models`': a token equal to ``pad_token_id`` is padding wherever it stands.
+Design (costs, what differs, tests, measurements): docs/training.md#precision-packing-and-devices.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Child processes: what ``rlhf up`` (services.launcher), the tests and the benchmarks start, wait for and stop.
 
-Every child runs in its own session (process group) with its output in a log file. Stopping a child signals its
-whole group, so the helpers it spawned (vLLM's workers, redis-server's AOF rewrite) go with it, and a terminal's
-Ctrl-C reaches only the parent, which stops its children in order. On Linux a child started from the main thread also
-gets SIGTERM when its parent dies (``PR_SET_PDEATHSIG``).
+Every child runs in its own session (process group) with its output in a log file; stopping a child signals its
+whole group. :class:`Child` (any command; :func:`stop_children` stops several in order), :class:`ServiceProc`
+(``python -m services.cli serve NAME`` on free loopback ports, ready on ``GET /readyz``), :class:`LocalRedis` (a
+private redis-server). This module uses the standard library only: ``rlhf`` must not import ``services``.
 
-- :class:`Child`: any command; :func:`stop_children` stops several in order (SIGTERM to each group, a grace period,
-  then SIGKILL).
-- :class:`ServiceProc`: ``python -m services.cli serve NAME`` on free loopback ports, ready when ``GET /readyz``
-  answers 200 (:func:`http_ready`, which knows TLS).
-- :class:`LocalRedis`: a private redis-server (own port and directory, AOF on).
-- :func:`free_ports`, :func:`free_port`, :func:`log_tail`, :func:`redis_answers`.
-
-This module uses the standard library only: ``rlhf`` must not import ``services``.
+Design: docs/running.md#stopping-restarts-and-resume.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Build tiny random policies, a reward model and a byte-level BPE tokenizer, locally (no download).
 
-``python -m rlhf.tiny OUT_DIR [--arch ARCH] [--dtype bfloat16]`` writes ``OUT_DIR/policy`` (a causal LM of the
-architecture ``ARCH``, default ``llama``) and ``OUT_DIR/reward`` (always LlamaForSequenceClassification, one label,
-float32), each a Hugging Face directory (safetensors weights plus the tokenizer) that transformers and vLLM load as is.
-Every architecture shares the tokenizer and the shape; head_dim stays 32, the smallest vLLM's CPU attention accepts.
-Building is deterministic for a seed and takes about a second.
+``python -m rlhf.tiny OUT_DIR [--arch ARCH] [--dtype bfloat16]`` writes ``OUT_DIR/policy`` and ``OUT_DIR/reward``,
+Hugging Face directories that transformers and vLLM load as is; the architectures are :data:`ARCHS`, one table. In
+experiment configs (:func:`rlhf.models.resolve_model_path`): ``tiny:policy`` / ``tiny:reward`` (the default) or
+``tiny:<arch>[-bf16]/policy``.
 
-Architectures (:data:`ARCHS`, one table): ``llama`` (untied, the default), ``llama-tied`` (as Llama-3.2-1B),
-``qwen2-tied`` (qkv bias), ``qwen3`` (q/k norm, tied as Qwen3-0.6B), ``mistral``, ``qwen3-moe`` (4 experts, 2 per
-token). ``--dtype bfloat16`` saves the policy in bf16 (config.json ``dtype``), so vLLM's ``dtype="auto"`` serves bf16.
-
-In experiment configs (:func:`rlhf.models.resolve_model_path`): ``tiny:policy`` / ``tiny:reward`` are the default
-(``$RLHF_CACHE_DIR/tiny``); ``tiny:<arch>[-bf16]/policy`` (and ``/reward``) another, built into
-``$RLHF_CACHE_DIR/tiny-<arch>[-bf16]``, e.g. ``tiny:qwen2-tied/policy``, ``tiny:qwen3-moe-bf16/policy``.
+Design (the architectures, shapes, dtypes, cache folders): docs/training.md#models-the-architectures-checked.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """``tiny:tools``: the tiny policy after a short supervised warm start on calculator episodes (the tool-use demo).
 
-A random tiny model never writes a parsable tool call, so RL from it has no signal; every tool-use recipe starts from
-a model that already knows the call format. This one is taught with whole episodes of ``builtin:calculator`` (with
-``list_tools: false`` and :data:`SYSTEM`: a prompt of about 60 tokens), built exactly as a rollout replica builds them
-(:mod:`rlhf.environments.tokens`), with the loss on the model's turns only: a call to the calculator with the
-question's numbers, then the tool's result as the answer.
+Taught with whole episodes of ``builtin:calculator`` (``list_tools: false``, :data:`SYSTEM`), built exactly as a
+rollout replica builds them (:mod:`rlhf.environments.tokens`), with the loss on the model's turns only, for
+:data:`STEPS` steps. Built once per cache, under the same lock and stamp scheme as :func:`rlhf.tiny.build_tiny`.
 
-The warm start is short on purpose (:data:`STEPS`): the copying of numbers is learned in a narrow band of steps
-(measured with greedy and temperature-1 episodes: about 0.2 right at 330 steps, 0.6 at 360, 1.0 at 900), and at 375
-the demo's first steps call the tool in about 0.7 of the episodes, with few right answers, so the RL run has
-something to learn. Built once per cache, under the same lock and stamp scheme as :func:`rlhf.tiny.build_tiny`.
+Why so short a warm start, and what it gives: docs/environments.md#the-demo-configsdemo-toolsyaml.
 """
 
 from __future__ import annotations

@@ -2,12 +2,8 @@
 vLLM's ``--tool-call-parser`` names it) and preparing OpenAI-shaped messages and tools for a chat template.
 
 Pure functions (no model, no I/O): the rollout service's chat endpoint uses them, and so can an agent loop or an
-environment that has the text only.
-
-``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks, as Hermes-2-Pro and Qwen2.5 emit
-them. A block whose body is not a JSON object with a string ``name`` (and an object ``arguments``, or none) is not a
-tool call: it stays in the content. A last block left open (the model stopped before ``</tool_call>``) counts when
-its body is a complete JSON object, as vLLM's hermes parser does.
+environment that has the text only. ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+blocks, as Hermes-2-Pro and Qwen2.5 emit them. What counts as a call: docs/services.md#rollout (tool calling).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Experiment tracking: what a user of TRL or OpenRLHF looks at during a run.
 
-- TensorBoard event files in ``<run_dir>/tensorboard`` always (``tensorboard --logdir <run_dir>``): every numeric
-  metric of each step, and the sample-completion tables as text;
-- Weights & Biases as well when the ``wandb`` package is installed and ``WANDB_PROJECT`` is set (``WANDB_MODE=offline``
-  works without a network; the run is named after the run id and resumed with it);
-- ``<run_dir>/completions.jsonl``: every ``training.log_completions_interval`` steps, a few samples of the step
-  (prompt, response, reward, the policy version that generated it).
-
-A trainer resuming from the checkpoint of step N passes ``resume_step=N``: TensorBoard hides the events after it
-(the steps are trained again), as metrics.jsonl is cut back.
+:class:`Tracker` writes TensorBoard event files in ``<run_dir>/tensorboard`` always, Weights & Biases as well when
+``wandb`` is installed and ``WANDB_PROJECT`` is set, and a few samples every ``training.log_completions_interval``
+steps to ``<run_dir>/completions.jsonl``. A trainer resuming from step N passes ``resume_step=N``: TensorBoard hides
+the events after it, as metrics.jsonl is cut back. Design: docs/running.md#the-run-folder.
 """
 
 from __future__ import annotations

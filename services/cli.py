@@ -1,29 +1,9 @@
-"""The ``rlhf`` command.
-
-Servers::
-
-    rlhf serve reward --config configs/demo.yaml --http-port 8001 --grpc-port 50052
-    rlhf serve reference|rollout|trainer|environment --config FILE [--host H] [--grpc-port N] [--http-port N]
-
-A whole run on one machine, and its plots::
-
-    rlhf up --config configs/demo.yaml [--run-dir DIR] [KEY=VALUE ...]
-    rlhf up --config-name demo training.train_iters=5 actor_rollout_ref.actor_rollout.do_sample=false
-    rlhf report RUN_DIR
-
-One evaluation of a policy on the config's eval section (the trainer's eval rows, outside training)::
-
-    rlhf eval --config configs/demo.yaml --rollout 127.0.0.1:50051 --reward 127.0.0.1:50052
-    rlhf eval --config configs/demo.yaml --checkpoint runs/demo-x/checkpoints eval.path=data/heldout.jsonl
-
-Clients (call a running service over REST, print JSON)::
-
-    rlhf score --url http://127.0.0.1:8001 --prompt "what is 1 plus 2?" --response "3" --label 3
-    rlhf logprobs --url http://127.0.0.1:8002 --prompt-ids 5,6,7 --response-ids 8,9
-    rlhf generate --url http://127.0.0.1:8000 "what is 1 plus 2?" --max-tokens 8
+"""The ``rlhf`` command: ``serve NAME`` (a service), ``up`` (a whole run on one machine), ``report RUN_DIR`` (plots),
+``eval`` (one evaluation outside training), and the REST clients ``score``, ``logprobs``, ``generate``.
 
 Only this module (and the launcher) knows every service: ``serve NAME`` imports ``services.NAME.main`` lazily and
 calls ``serve(config_path, settings)`` (a coroutine function, or a plain function that blocks until stopped).
+Usage: docs/running.md, docs/services.md, docs/training.md#rlhf-eval-one-evaluation-outside-training.
 """
 
 from __future__ import annotations

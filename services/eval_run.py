@@ -1,17 +1,10 @@
 """``rlhf eval``: one evaluation of a policy on the config's ``eval`` section, outside training.
 
-The held-out prompts (``eval.path``, read as the trainer reads them) go to a rollout's gRPC ``Generate`` and the
-samples to the reward service's ``Score``; the ``eval/*`` metrics (mean reward, pass@k, length, failed fraction)
-are written exactly as the trainer's evaluation writes them, by the same code
-(:class:`services.trainer.evaluate.Evaluator`): one row ``{"step": N, "eval/...": ...}`` appended to
-``<out>/metrics.jsonl``, TensorBoard under ``<out>/tensorboard`` (and W&B with ``WANDB_PROJECT``), the row printed
-as JSON on stdout. ``--out`` a training run's folder adds the row to that run's metrics.
+The held-out prompts go to a rollout's gRPC ``Generate`` (a running service, or one started on ``--checkpoint``)
+and the samples to the reward service's ``Score``; the ``eval/*`` row is made and written by the trainer's own
+code (:class:`services.trainer.evaluate.Evaluator`). Children run without ``RLHF_REDIS_URL`` / ``RLHF_RUN_DIR``.
 
-What is evaluated: a running rollout service (``--rollout HOST:PORT``, its gRPC address, the policy it serves now),
-or a checkpoint (``--checkpoint DIR``), for which a rollout replica is started as a child process (``rlhf serve
-rollout`` on free loopback ports, as ``rlhf up`` starts one) and stopped at the end. The scores come from
-``--reward HOST:PORT``, or from the config's ``reward`` section, started the same way. Children run without
-``RLHF_REDIS_URL`` / ``RLHF_RUN_DIR``: they serve this command only, never a training run's queue.
+Design (options, outputs, exit codes): docs/training.md#rlhf-eval-one-evaluation-outside-training.
 """
 
 from __future__ import annotations

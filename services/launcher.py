@@ -1,32 +1,11 @@
 """``rlhf up``: a whole training run on one machine, every service as a local process.
 
-::
+A private ``redis-server`` (unless ``RLHF_REDIS_URL`` names one), then reward and reference (and the environment
+service(s)), the rollout replica(s) and the trainer, each ``python -m services.cli serve NAME`` on free loopback
+ports and waited for (``GET /readyz``); one progress line per training step; plots when the trainer is done; a
+service that dies mid-run is restarted on its ports. The children are :mod:`rlhf.procs`' (own process groups).
 
-    rlhf up --config configs/demo.yaml [--run-dir DIR] [KEY=VALUE ...]
-    rlhf up --config-name demo training.train_iters=5     # configs/demo.yaml, as MindSpeed-LLM's --config-name
-
-1. a private ``redis-server`` (own free port, own directory ``<run_dir>/redis``, AOF on), unless ``RLHF_REDIS_URL``
-   names one;
-2. the reward and reference services (and the environment service(s) when ``environment.name`` is set; started
-   together), then the rollout replica(s), then the trainer: each is
-   ``python -m services.cli serve NAME --config FILE --host 127.0.0.1 --grpc-port P --http-port Q`` on free loopback
-   ports, with the ``RLHF_*`` environment it needs, and is waited for (``GET /readyz``) before the next stage starts;
-3. one progress line per training step, read from ``<run_dir>/metrics.jsonl`` (written by the trainer);
-4. when the trainer exits 0 (``training.train_iters`` done), everything else is stopped, the plots are drawn
-   (``services.report``) and ``rlhf up`` exits 0. Ctrl-C / SIGTERM stops every process (SIGTERM in reverse start
-   order, then SIGKILL after a grace period; a second Ctrl-C kills at once). A service that dies during start-up
-   has the end of its log printed and ``rlhf up`` exits 1; one that dies mid-run (the trainer too: it resumes from
-   its checkpoint) is restarted on its ports, up to ``--max-restarts`` times per service.
-
-The run folder (default ``runs/<run_id>-<YYYYmmdd-HHMMSS>``) holds ``config.yaml`` (a copy, with the command-line
-overrides applied: the services read this one), ``metrics.jsonl``, the plots (``services.report.PLOTS``), the
-trainer's checkpoints (it is told the folder via ``RLHF_RUN_DIR``), ``logs/<service>.log`` and ``redis/`` (the
-private Redis data).
-
-Every child runs in its own session (process group, ``rlhf.procs``): the terminal's Ctrl-C reaches only the
-launcher, which stops the children in order, and stopping a child signals its whole group, so helper processes it
-spawned (vLLM workers) go too. On Linux each child also gets SIGTERM if the launcher itself dies
-(``PR_SET_PDEATHSIG``).
+Design (start order, checks, stopping, restarts, resume, the run folder): docs/running.md.
 """
 
 from __future__ import annotations

@@ -134,10 +134,9 @@ def child_env(spec_env: Mapping[str, str], base: Mapping[str, str] | None = None
     env.setdefault("RLHF_CACHE_DIR", str(DEFAULT_CACHE_DIR))
     # Four torch processes share one machine here. Each may use every core, and idle OpenMP threads sleep instead of
     # spinning (PASSIVE), so whichever part works (rollout and scoring while the trainer waits for experience, the
-    # trainer during an update) has all the cores: the asynchronous small-model PPO ring ran 2.65x faster than with
-    # a quarter of the cores each (bench.ring_threads, 2 cores shared with other jobs). Spinning threads are what made
-    # every-core-each 20x slower before (a spinning thread holds a core its descheduled peer needs). The user's
-    # values are kept.
+    # trainer during an update) has all the cores (measured by bench.ring_threads, docs/benchmarks.md). Spinning
+    # threads are what made every-core-each slower before (a spinning thread holds a core its descheduled peer needs;
+    # docs/development.md#benchmarks). The user's values are kept.
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env["PYTHONUNBUFFERED"] = "1"

@@ -1,22 +1,10 @@
 """``rlhf report RUN_DIR``: plots and a short summary of a run from its ``metrics.jsonl``.
 
-``metrics.jsonl`` (written by the trainer) holds one JSON object per training step, e.g.
-``{"step": 3, "reward/mean": 0.41, "objective/kl": 0.002, "loss/policy": -0.01, "loss/value": 0.3, ...}``, and with
-an ``eval`` section a row of ``eval/*`` metrics on each step evaluated (``{"step": 10, "eval/reward_mean": ...}``:
-``eval.png`` shows its reward and pass@k, ``lengths.png`` its response length).
-:func:`draw` writes, next to it:
+:func:`draw` writes ``reward.png``, ``kl.png``, ``losses.png``, ``lengths.png``, ``throughput.png`` (and
+``dpo_rewards.png``, ``eval.png`` when their series are there) next to it; :func:`family` says which plot a series
+goes to. Matplotlib with the Agg backend (no display needed); a truncated last line is skipped.
 
-- ``reward.png``: the mean reward per step (with a +-std band when ``reward/std`` is there; per-scorer
-  ``reward/<scorer>``, ``objective/scores`` and the like as thin lines);
-- ``kl.png``: the KL series: a name part that is ``kl``, ends in ``kl`` (``approxkl``) or starts with ``kl_``
-  (``kl_coef``); ``loss/kl`` stays with the losses, and names that merely contain the letters (``backlog``) are not KL;
-- ``losses.png``: every ``loss/*`` series;
-- ``lengths.png``: ``response_length/*``; ``throughput.png``: ``samples_per_s`` and the ``time/*`` series;
-- ``dpo_rewards.png`` (online DPO only): the implicit rewards ``rewards/chosen|rejected|margins|accuracies``, on
-  their own axes since their scale is not the reward's.
-
-Matplotlib with the Agg backend (no display needed). A truncated last line (a run still being written, or killed) is
-skipped.
+What each plot shows: docs/running.md#the-run-folder.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """The critic-free family assembled: GRPO (with Dr. GRPO, DAPO, BNPO and GSPO), RLOO, REINFORCE++ (+baseline).
 
 One rollout batch holds ``B`` rows (samples); ``group`` (B,) says which prompt each row answers. The functions here
-turn sequence scores into advantages and compute the loss of one minibatch, so the trainer only calls them.
+turn sequence scores into advantages and compute the loss of one minibatch, so the trainer only calls them. GRPO is
+TRL 1.12's ``GRPOTrainer``, RLOO ``"trl"`` TRL 1.12's ``RLOOTrainer``, RLOO ``"openrlhf"`` and REINFORCE++
+OpenRLHF's, checked number for number by tests/parity. Masked positions are *selected* away (``torch.where``), never
+multiplied by 0.
 
-Conventions, checked number for number by tests/parity:
-
-* GRPO is TRL 1.12's ``GRPOTrainer`` (``_generate_and_score_completions`` and ``_compute_loss``): group-normalised
-  advantages ``(r - mean) / (std + 1e-4)`` (unbiased std; per group, per batch or none: ``scale_rewards``), the clipped
-  surrogate with ``epsilon`` / ``epsilon_high``, an optional k3 KL term (``beta``) weighted by the importance ratio
-  (``use_bias_correction_kl``), the aggregation named by ``loss_type`` (the KL term shares its normaliser),
-  ``importance_sampling_level="sequence"`` (GSPO) and ``top_entropy_quantile``.
-* RLOO ``"trl"`` is TRL 1.12's ``RLOOTrainer``: the KL (sum over tokens of ``old - ref``) is folded into the reward
-  *before* the leave-one-out baseline; one clipped ratio per sequence from the summed log-probs; mean over rows.
-* RLOO ``"openrlhf"`` and REINFORCE++ (+baseline) are OpenRLHF's: the baseline acts on the score alone, the per-token
-  KL penalty (clamped to [-10, 10]) is added afterwards, advantages are the reward-to-go; REINFORCE++ whitens them
-  over the batch with the plain (biased) variance and ``rsqrt(clamp(var, 1e-8))``.
-
-Masked positions are *selected* away (``torch.where``) before any arithmetic that could overflow, never multiplied by
-0: a padded position with a log-prob of -inf must not turn a loss or its gradient into NaN.
+Design (each convention): docs/training.md#rl-math; parity: docs/training.md#parity-with-trl.
 """
 
 from __future__ import annotations

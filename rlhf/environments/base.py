@@ -1,14 +1,9 @@
 """What an environment is to this project: one episode of a multi-turn task, driven by text.
 
-The rollout replica owns the tokens; an environment only ever sees and returns chat messages (OpenAI's shape:
-``{"role": ..., "content": ..., "tool_call_id"?: ..., "name"?: ...}``). A replica asks the environment service to
-``reset`` an episode with the prompt job's prompt and label, renders the returned messages with the policy's chat
-template, lets the model answer, hands the answer's text to ``step``, appends what ``step`` returns (tool results, the
-game's next observation, a user turn) and goes on until ``done``, ``max_turns`` or the token budget.
-
-One instance is one episode: the service makes a fresh instance per ``Reset`` (``make(options)``), so an
-implementation may keep episode state on ``self``. Implementations raise :class:`EnvironmentFailure` (or any
-exception) on bad actions they cannot turn into an observation; the sample then fails as an error, never a reward 0.
+The rollout replica owns the tokens; an environment only ever sees and returns chat messages (OpenAI's shape). One
+instance is one episode (the service makes a fresh one per ``Reset``), so an implementation may keep episode state
+on ``self``. Implementations raise :class:`EnvironmentFailure` (or any exception) on bad actions they cannot turn
+into an observation; the sample then fails as an error, never a reward 0. Design: docs/environments.md.
 """
 
 from __future__ import annotations

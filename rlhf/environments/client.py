@@ -5,21 +5,8 @@
         outcome = await env.step("job-1/0/0", model_text)       # until outcome.done
         await env.close("job-1/0/0")
 
-Failures are :class:`EnvironmentCallError` (an :class:`EnvironmentFailure`) with a ``kind`` saying what to do:
-
-- ``episode_lost`` (:class:`EpisodeLost`, NOT_FOUND): the service does not know the episode (it restarted, or the
-  episode expired or failed before): start the episode again under a new id;
-- ``timeout`` (:class:`EnvironmentTimeout`, DEADLINE_EXCEEDED): the environment (or the call) took too long;
-- ``failed`` (:class:`EnvironmentFailed`, INTERNAL, FAILED_PRECONDITION, ...): the environment raised or refused the
-  call; the sample is an error;
-- ``unavailable`` (:class:`EnvironmentUnavailable`, UNAVAILABLE, RESOURCE_EXHAUSTED): the service is unreachable,
-  starting or full; UNAVAILABLE is retried ``retries`` times with backoff first;
-- ``invalid`` (:class:`EnvironmentRequestInvalid`, INVALID_ARGUMENT, UNAUTHENTICATED, PERMISSION_DENIED): the request
-  or its token is wrong; no retry fixes it.
-
-Retries are safe: a repeated Reset answers the same opening, and each Step carries the number of steps this client
-made in the episode before it, so a Step whose answer was lost and is sent again gets the same outcome instead of a
-second step.
+Failures are :class:`EnvironmentCallError` with a ``kind`` saying what to do (``episode_lost``, ``timeout``,
+``failed``, ``unavailable``, ``invalid``); retries are safe. Design: docs/services.md#environment.
 """
 
 from __future__ import annotations

@@ -1,26 +1,12 @@
 """Environments by name: what ``environment.name`` in the experiment config and ``Reset.environment`` refer to.
 
-A *spec* is one of:
+A spec is a registered name (``builtin:calculator``), ``python:<module>:<factory>`` or ``<prefix>:<rest>`` for a
+prefix registered with :func:`register_prefix`; a factory is called once per episode as ``factory(**options)``.
+API: :func:`register`, :func:`register_prefix`, :func:`resolve` (``UnknownEnvironment`` when there is none),
+:func:`check` (never imports a ``python:`` module), :func:`make`, :func:`names`; lookups first import
+:data:`PLUGIN_MODULES`.
 
-- a registered name, e.g. ``builtin:calculator`` (the built-ins of :mod:`rlhf.environments.builtin`);
-- ``python:<module>:<factory>``: a user's own environment, ``<factory>`` being an :class:`Environment` subclass or a
-  function returning one, found on the import path (``python:my_envs.maze:Maze``);
-- ``<prefix>:<rest>`` for a prefix registered with :func:`register_prefix` (library adapters: a resolver turns
-  ``<rest>`` into a factory).
-
-A *factory* is called once per episode as ``factory(**options)`` (``options``: ``environment.options`` of the
-config) and returns a fresh :class:`Environment`. API::
-
-    register("builtin:calculator", Calculator)            # a name -> factory (a second one for a name is an error)
-    register_prefix("verifiers", resolve_verifiers_env)    # "verifiers:<rest>" -> resolve_verifiers_env(rest)
-    factory = resolve("builtin:calculator")                # the factory; UnknownEnvironment when there is none
-    check("builtin:calculator", {"max_expression_chars": 80})  # resolve + options against its signature
-    env = make("builtin:calculator", {})                   # a new instance (one episode)
-    names()                                                # the registered names, sorted
-
-Lookups first import :data:`PLUGIN_MODULES` (each registers its environments when imported), so a name works
-without its module being imported by hand. ``check`` never imports a ``python:`` module (configs are validated in
-processes that do not run environments, like the trainer): it checks the spec's form only.
+Design: docs/environments.md#bringing-your-own-environment.
 """
 
 from __future__ import annotations

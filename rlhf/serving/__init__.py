@@ -1,22 +1,11 @@
 """Serving: one process runs a grpc.aio server and a FastAPI app (uvicorn) in one asyncio loop.
 
-What every service uses (see ``services/reward`` for a complete example):
-
-- settings: :class:`ServiceSettings` (``ServiceSettings.from_env(**cli_overrides)``), ``KNOWN_ENV_VARS``,
-  :func:`warn_unknown_env_vars`, :func:`configure_logging`;
-- errors: :class:`RLHFError` and subclasses, ``ERROR_TABLE`` (error -> gRPC code, HTTP status), :func:`grpc_errors`
-  (decorator for async servicer methods), :func:`abort_grpc`, :func:`install_http_errors`, :class:`ErrorBody` and
-  :func:`http_error_responses` (the error answers in OpenAPI);
-- HTTP: :func:`create_app` (FastAPI with ``/healthz``, ``/readyz``, ``/metrics``, error handlers, body-size limit),
-  :func:`json_response` (hot routes: render plain data once, no response_model pass);
-- auth: :func:`require_token`, :func:`require_grpc_token`, :func:`http_token_dependency`, :func:`grpc_auth_metadata`;
-- metrics: :class:`ServiceMetrics` (own CollectorRegistry per service);
-- running: :class:`ServiceRunner` (``add_grpc``, ``set_http_app``, ``set_ready``, ``add_readiness_check``,
-  ``await run(startup=..., shutdown=...)``), :func:`open_channel` / :func:`grpc_options` for clients
-  (TLS per the settings: :func:`client_credentials`, :func:`client_ssl_context`).
-
-A service package provides ``services/<name>/main.py`` with ``serve(config_path: str, settings: ServiceSettings)``
-(a coroutine function; ``rlhf serve <name>`` runs it with ``asyncio.run``).
+What every service uses, re-exported here: settings (:class:`ServiceSettings`), errors (:class:`RLHFError`,
+``ERROR_TABLE``, :func:`grpc_errors`, :func:`install_http_errors`), HTTP (:func:`create_app`, :func:`json_response`),
+auth (:func:`require_token`, :func:`require_grpc_token`), metrics (:class:`ServiceMetrics`) and running
+(:class:`ServiceRunner`, :func:`open_channel`). A service package provides ``services/<name>/main.py`` with
+``serve(config_path: str, settings: ServiceSettings)``, which ``rlhf serve <name>`` runs with ``asyncio.run``; see
+``services/reward`` for a complete example. Design: docs/services.md#common-to-every-service.
 """
 
 from rlhf.serving.auth import (

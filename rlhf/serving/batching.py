@@ -1,28 +1,12 @@
 """Cross-request micro-batching: concurrent requests waiting for one model are merged into one engine call.
 
-The engines of the reward and reference services run one forward at a time (one model, one device). Without
-merging, N concurrent requests of a few rows each make N small forwards in a row, each paying the fixed cost of a
-call (thread hop, tensor building, kernel launches, Python per layer). :class:`MicroBatcher` keeps a FIFO of the
-waiting requests; whenever the model becomes free it takes the head and every queued request with the same key
-(same temperature, ...) within a row and token budget, runs them as one call in a worker thread, and hands each
-caller back its own slice of the results.
-
-Regathering: callers served together come back at slightly different times (the answer's trip, the client's next
-request, its parsing and validation), and a model that starts on the first returning request splits them into two halves
-that then alternate, each waiting out the other's call, with half the merging (bench.serving's reward service at 8
-callers: 3.5 requests per forward instead of 8; a call's fixed cost is paid twice as often). So each call's callers are
-owed a place in a coming call for 1.5 call-times (a request that arrives pays one back). Before a call, when at least as
-many callers are owed as requests are queued, the batcher waits, at most ``regather_s`` and half the last call's time,
-until nobody is owed or the queued rows fill a call. A lone caller has paid back before its next call, requests queued
-behind a one-off caller's call do not wait for it, and the first request after a quiet spell owes nothing: they all
-start at once.
-
-Regathering is for a model called in this process, whose forward and the event loop's work (the answers, the next
-requests' parsing and validation) share the cores and the GIL. A model in a child process
-(:mod:`rlhf.serving.model_process`) computes while the loop works, so there the engines turn it off
-(``regather_s=0``): the model starts as soon as it is free, and the callers of the last call, back meanwhile, make the
-next one. bench.serving's reward and reference services at 8 callers, the same service with and without (A/B, 4
-rounds): p50 14.4 -> 10.4 ms (reward, REST), 22.0 -> 18.8 ms (reference, gRPC); at 32 callers the same or better.
+:class:`MicroBatcher` keeps a FIFO of the waiting requests; whenever the model becomes free it takes the head and every
+queued request with the same key (same temperature, ...) within a row and token budget, runs them as one call in a
+worker thread, and hands each caller back its own slice of the results. With ``regather_s`` > 0 (a model in this
+process) it waits, briefly and bounded, for the callers of the last call, so callers served together stay together;
+beside a model process the engines turn that off (``regather_s=0``).
+Design: docs/services.md#reference (merging, regathering); measured by bench.serving and bench.service_ab
+(docs/benchmarks.md, serving section).
 """
 
 from __future__ import annotations

@@ -1,25 +1,12 @@
-"""The FastAPI base every service's ``build_app`` starts from.
+"""The FastAPI base every service's ``build_app`` starts from: :func:`create_app`.
 
-``create_app(name, settings, metrics)`` returns a FastAPI app with:
+It adds ``GET /healthz``, ``GET /readyz`` (``app.state.readiness``, which :class:`ServiceRunner.set_http_app` points
+at the runner), ``GET /metrics``, the error handlers of :mod:`rlhf.serving.errors`, a body-size limit (413 before the
+body is read) and request counting. Hot routes answer with :func:`json_response` (rendered once, the schema kept in
+OpenAPI through ``responses={200: {"model": ...}}``). The OpenAPI document is the contract: :class:`ContractRoute`
+lists each route's error statuses, and :class:`Declared` states a constraint the engine checks (400) in the schema.
 
-- ``GET /healthz`` (alive: 200), ``GET /readyz`` (200 when ready, else 503), ``GET /metrics`` (Prometheus text);
-- the error handlers of :mod:`rlhf.serving.errors` (``{"error": {"type", "message", "field", "code"}}``);
-- a body-size limit: a request whose ``Content-Length`` (or streamed body) exceeds ``settings.max_body_bytes`` gets
-  413 before the body is read;
-- request counting and latency per route (protocol ``http``).
-
-Hot routes answer with :func:`json_response` (their result, already typed by the engine, rendered once) instead of
-a ``response_model`` that pydantic would validate and serialise again; they keep the schema in OpenAPI through
-``responses={200: {"model": ...}}``.
-
-Readiness comes from ``app.state.readiness`` (a callable returning bool); :class:`ServiceRunner.set_http_app`
-points it at the runner.
-
-The OpenAPI document (``/openapi.json``) is the contract: every route's error statuses are listed with the error body
-(:class:`ContractRoute` adds the ones a route's kind can answer with; a route adds its own through
-``responses=http_error_responses(...)``), and request models state the constraints the code checks. Where a
-constraint is checked by the engine (a 400 naming the field) rather than by the model (422), :class:`Declared` states
-it in the schema.
+Design: docs/services.md#common-to-every-service; adding a route: docs/code-tour.md#where-to-change-x.
 """
 
 from __future__ import annotations

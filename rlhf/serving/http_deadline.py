@@ -1,16 +1,11 @@
 """Read deadlines for uvicorn's HTTP connections: a client must send each request in time, or it is closed.
 
-uvicorn has no such limit: ``timeout_keep_alive`` only covers the idle time after a response and is reset by every
-byte received, so a client trickling a header one byte per second (slowloris) holds a connection, a task and a file
-descriptor for as long as it likes, and ASGI middleware never runs before the headers are complete. This wraps
-uvicorn's protocol class (httptools or h11, whichever ``http="auto"`` picks) with two deadlines per request:
+uvicorn's ``timeout_keep_alive`` only covers the idle time after a response, so a client trickling a header byte by
+byte (slowloris) would hold a connection, a task and a file descriptor as long as it likes. This wraps uvicorn's
+protocol class (httptools or h11) with ``header_timeout`` (late: 408 and closed) and ``body_timeout`` (late: closed,
+the app gets ``http.disconnect``); a request received completely is not limited.
 
-- ``header_timeout``: from the connection's start (or the end of the previous response on a keep-alive connection)
-  until the request line and headers are in. Late: ``408 Request Timeout`` and the connection is closed.
-- ``body_timeout``: from the headers until the whole body is in. Late: the connection is closed (the app, waiting
-  in ``receive()``, gets ``http.disconnect``).
-
-A request that has been received completely is not limited: slow work and long responses are unaffected.
+Settings (``RLHF_HTTP_HEADER_TIMEOUT_S``, ``RLHF_HTTP_BODY_TIMEOUT_S``): docs/services.md#common-to-every-service.
 """
 
 from __future__ import annotations

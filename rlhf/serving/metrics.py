@@ -1,15 +1,11 @@
 """Prometheus metrics of one service, in its own CollectorRegistry (several services can live in one test process).
 
-Names (all labelled with ``service``):
-
-- ``rlhf_requests_total{method, protocol, code}`` and ``rlhf_request_seconds{method, protocol}`` (histogram)
-- ``rlhf_batch_size{method}`` (histogram of items per request)
-- ``rlhf_merged_requests{method}`` / ``rlhf_merged_rows{method}`` (histograms per engine call: how many requests
-  cross-request micro-batching merged into it, and their rows)
-- ``rlhf_tokens_total{kind}`` (prompt / response / generated tokens processed)
-- ``rlhf_errors_total{kind}`` (domain error kinds: invalid_argument, payload_too_large, scorer_error, ...)
-- ``rlhf_ready`` (1 when the service reports ready)
-- ``rlhf_inflight_requests{protocol}``
+Names (all labelled with ``service``): ``rlhf_requests_total{method, protocol, code}``,
+``rlhf_request_seconds{method, protocol}`` (histogram), ``rlhf_batch_size{method}`` (items per request),
+``rlhf_merged_requests{method}`` / ``rlhf_merged_rows{method}`` (per engine call: requests merged into it, their
+rows), ``rlhf_tokens_total{kind}`` (prompt / response / generated), ``rlhf_errors_total{kind}`` (domain error kinds:
+invalid_argument, payload_too_large, scorer_error, ...), ``rlhf_ready`` (1 when ready),
+``rlhf_inflight_requests{protocol}``.
 """
 
 from __future__ import annotations

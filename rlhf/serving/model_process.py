@@ -1,25 +1,12 @@
 """A service's model in a process of its own: the forward runs beside the event loop instead of under its GIL.
 
-A reward or reference service runs gRPC, HTTP, validation and the model's forward in one Python process. The
-forward of a small model is mostly Python (module calls per layer), so with many callers the event loop's serving
-work and the forward take turns on one GIL and the process is bound at about one core (bench.serving: reward, 32
-callers). With ``RLHF_MODEL_PROCESS`` (the default) the service starts a child (``python -m rlhf.serving.
-model_process``) that loads the model and runs each merged call; the service keeps the tokenizer, validation and
-batching. The child ends when its input does (the service closed it, or died); it ignores SIGINT and SIGTERM.
-
-The two talk over the child's stdin and stdout in frames: a 12-byte length prefix (header, payload), a JSON
-header and raw bytes (token ids as int32, results as float32): JSON and raw arrays only, never pickle. The child
-runs a *handler* named by the parent as ``module:factory``; ``factory(init) -> handler`` builds it from the init
-header (loads the model) and ``handler.hello`` (a dict) goes back first; then each frame is one ``handler.call
-(header, payload) -> (header, payload)``. An :class:`RLHFError` raised there reaches the caller as the same class of
-:mod:`rlhf.serving.errors` (or the one the parent maps its name to), with its message and field; the child's death
-is an :class:`Internal` error for the calls in flight, and the next call starts a new child.
-
-Threads (:func:`forward_threads`, either way): the forward gets one torch thread fewer than the process was given
-(``OMP_NUM_THREADS``, else its cores), at least one, so that the serving loop keeps a core. With as many threads as
-cores, the forward's OpenMP team stalls whenever the loop (or a client on the same machine) takes one of its cores:
-bench.serving, reference at 32 callers on 2 shared cores, 70 ms p50 with 2 threads, 47-53 ms with 1 (in-process
-50-52 ms, the same at 1 and 2 threads).
+With ``RLHF_MODEL_PROCESS`` (the default) a reward or reference service starts a child (``python -m
+rlhf.serving.model_process``) that loads the model and runs each merged call; the service keeps the tokenizer,
+validation and batching. Frames over the child's stdin/stdout (:func:`write_frame` / :func:`read_frame`: a length
+prefix, a JSON header, raw bytes; never pickle). The child runs a handler named ``module:factory``:
+``factory(init) -> handler``, ``handler.hello`` first, then one ``handler.call(header, payload) -> (header,
+payload)`` per frame. :func:`forward_threads`: one torch thread fewer than the process was given, at least one.
+Design and measurements: docs/services.md#reference (the model process, its threads; bench.serving).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""One process, one asyncio loop: a grpc.aio server and a FastAPI app under uvicorn, on the configured ports.
-
-::
+"""One process, one asyncio loop: a grpc.aio server and a FastAPI app under uvicorn, on the configured ports (life
+cycle: docs/services.md#common-to-every-service)::
 
     runner = ServiceRunner("reward", settings, metrics)
     runner.add_grpc(reward_pb2_grpc.add_RewardServiceServicer_to_server, ["rlhf.v1.RewardService"], servicer)
     runner.set_http_app(build_app(engine, settings, metrics))
     await runner.run(startup=engine.load_async)   # returns after SIGTERM/SIGINT and a graceful stop
-
-Life cycle: both servers start and bind first (``/healthz`` answers at once, ``/readyz`` says 503 and gRPC health
-says NOT_SERVING); then ``startup`` runs (model loading) and the runner becomes ready (unless a readiness check
-fails). On SIGTERM/SIGINT (or :meth:`request_stop`) it reports not ready, stops accepting, lets in-flight requests
-finish within ``settings.shutdown_grace_s``, runs ``shutdown`` and returns.
 """
 
 from __future__ import annotations

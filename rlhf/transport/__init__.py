@@ -3,33 +3,8 @@ weight-sync protocol (safetensors buckets behind a verified header: over the rep
 committed by gRPC ``OpenWeightsTransfer`` / ``CommitWeights``, or streamed over ``RolloutService.UpdateWeights``).
 
 ``import rlhf.transport`` does not import torch; the weight-sync names load from :mod:`rlhf.transport.weights` on
-first use.
-
-A rollout replica::
-
-    redis = connect(settings.redis_url)
-    prompts, experience = PromptQueue(redis, run_id), ExperienceQueue(redis, run_id)
-    while running:                      # catch redis ConnectionError/TimeoutError around an iteration and retry
-        jobs = await prompts.reclaim(replica_id, min_idle_ms=job_timeout_ms, count=4)   # a dead replica's jobs
-        jobs += await prompts.read(replica_id, count=4, block_ms=1000)
-        for entry_id, job in jobs:
-            exp = await generate_score_and_logprobs(job)
-            await experience.publish_and_ack(exp, entry_id)   # None: another replica finished it first
-
-The trainer::
-
-    admission = Admission(redis, run_id, max_staleness, batch_size)
-    await admission.restore(ckpt["admission_trained"]); trained_ids = ckpt["trained_job_ids"]
-    await experience.recover(CONSUMER)                         # its unacked records come back first
-    await prompts.publish_many(jobs[: await admission.free()], admission)   # refused atomically past the bound
-    split = drop_trained(await experience.read(CONSUMER, count=n, block_ms=500), trained_ids)
-    ... train on split.fresh ...; await admission.set_trained(total)        # retry-safe
-    ... checkpoint (weights, trained_ids, total) ...; await experience.ack(ids_since_last_checkpoint)
-    await prompts.trim(); await experience.trim()
-    packed = await asyncio.to_thread(pack_weights, state_dict, version, parent)
-    await push_weights_many(replica_addrs, packed, token=api_token); await admission.publish_policy_version(version)
-
-Status endpoints: ``(await queue_stats(redis, run_id)).as_dict()``.
+first use. How a replica and the trainer use the queues: docs/code-tour.md#1-a-prompt-job-to-its-training-step;
+their guarantees: docs/reliability.md#the-guarantees; weight sync: docs/weight-sync.md.
 """
 
 from __future__ import annotations

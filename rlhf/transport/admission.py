@@ -1,22 +1,12 @@
 """Admission control that bounds staleness, and the published policy version.
 
-AReaL's rule: the prompt jobs issued but not yet trained on stay within ``(max_staleness + 1) * batch_size``.
-``max_staleness = 0`` is synchronous (a batch is issued only when the previous one has been trained on);
-``max_staleness = 1`` lets rollout run one batch ahead of the trainer, and so on. ``batch_size`` counts prompt
-jobs (one experience record each), not samples.
+:class:`Admission` keeps the prompt jobs issued but not yet trained on within ``(max_staleness + 1) * batch_size``
+(AReaL's rule; ``batch_size`` counts prompt jobs), with its counters in Redis so a restarted trainer resumes them:
+in flight = issued - trained - released; free = capacity - in flight. Keep the trained count in every checkpoint
+and :meth:`Admission.restore` it after a restart. :func:`publish_policy_version` / :func:`get_policy_version`: the
+run's published version (it only goes up).
 
-The counters live in Redis so a restarted trainer resumes them:
-
-- ``rlhf:{run}:issued``   +1 when a job_id is published for the first time (:meth:`PromptQueue.publish`, in the same
-  atomic script as the XADD, which also enforces the bound when given an ``Admission``);
-- ``rlhf:{run}:trained``  the jobs the trainer has consumed (trained on, or dropped as stale), set by
-  :meth:`Admission.set_trained` (absolute, retry-safe) or :meth:`Admission.mark_trained` (+n). Keep the total in
-  every checkpoint and call :meth:`Admission.restore` with it after a restart: jobs trained after that checkpoint
-  are redelivered and will be counted again, so the counter must go back with the weights (in flight may then
-  exceed the capacity by those jobs for a while; no new job is issued until it is back under);
-- ``rlhf:{run}:released`` +1 per record dead-lettered from either stream (its job will never be trained).
-
-in flight = issued - trained - released; free = capacity - in flight.
+Design (the counters, restore after a restart): docs/reliability.md#the-guarantees ("Admission").
 """
 
 from __future__ import annotations

@@ -3,12 +3,9 @@
 A record that fails (bytes that do not parse, a record of the other type, required fields missing, inconsistent
 lengths) raises :class:`MalformedRecord` with a reason; the queues turn that into a dead letter, never into an
 exception in the consumer loop. Producers get the same checks as a ``ValueError`` before anything is written.
+:func:`encode` tags every record (``record_type``): PromptJob and Experience share field numbers and wire types.
 
-Record type: PromptJob and Experience share field numbers and wire types, so the bytes of one parse as the other.
-:func:`encode` tags every record (``record_type``) and the decoders refuse a record tagged as the other type.
-Records written before the tag (``RECORD_TYPE_UNSPECIFIED``) are still accepted, unless a field number the
-expected type knows arrives with another wire type: protobuf keeps such a field as unknown, and it only happens
-when the bytes are another message (an untagged Experience read as a PromptJob carries its replica_id that way).
+Design (the record type, untagged records): docs/reliability.md#the-guarantees ("The queues").
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""The one place a Redis client is built (:func:`connect`), for the three shapes users deploy, all named by
-``RLHF_REDIS_URL``:
+"""The one place a Redis client is built (:func:`connect`), for the three shapes ``RLHF_REDIS_URL`` names: a single
+Redis (``redis://``), a Sentinel group (``redis+sentinel://``) or a Redis Cluster (``redis+cluster://``), with
+``rediss`` variants for TLS. Failover is redis-py's own; the query may carry ``wait_replicas`` and
+``wait_timeout_ms`` (:class:`WaitPolicy`, refused on a Cluster: :func:`parse_redis_url`).
 
-- a single Redis: ``redis://[[user]:password@]host:port/db`` (``rediss://`` for TLS; any URL redis-py accepts);
-- a Sentinel group: ``redis+sentinel://[[user]:password@]host:port[,host:port...]/service_name[/db]``
-  (``rediss+sentinel://`` for TLS to the sentinels and the master). The password is the master's and, unless the
-  query names another (``sentinel_password=``, empty for none), the sentinels' too (Bitnami's chart uses one);
-- a Redis Cluster: ``redis+cluster://[[user]:password@]host:port[,host:port...]`` (``rediss+cluster://`` for TLS;
-  any reachable nodes: the rest are discovered).
-
-Failover is redis-py's own (:class:`redis.asyncio.sentinel.Sentinel`, :class:`redis.asyncio.cluster.RedisCluster`):
-a connection to a master that went away fails, the caller retries, and the retry reaches the promoted one.
-
-The query may also carry ``wait_replicas=N`` (default 0) and ``wait_timeout_ms=T`` (default 1000): the writes the
-ring's guarantees depend on then return only once ``N`` replicas have them (``WAIT``), see :class:`WaitPolicy` and
-docs/redis-ha.md. A Redis Cluster refuses ``wait_replicas`` (see :func:`parse_redis_url`).
+Design (the URL shapes, failover semantics, WAIT): docs/redis-ha.md.
 """
 
 from __future__ import annotations

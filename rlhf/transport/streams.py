@@ -1,30 +1,12 @@
 """Durable queues between the trainer and the rollout replicas: Redis Streams with consumer groups.
 
-``rlhf:{run}:prompts``  PromptJob records, trainer -> rollout replicas (group ``rollout``)
-``rlhf:{run}:experience``  Experience records, rollout replicas -> trainer (group ``trainer``)
-``rlhf:{run}:dead``  dead letters: records that could not be used, with the reason
+:class:`PromptQueue` (``rlhf:{run}:prompts``, group ``rollout``) and :class:`ExperienceQueue`
+(``rlhf:{run}:experience``, group ``trainer``) share :class:`_StreamQueue` (read, ack, reclaim, dead letters to
+``rlhf:{run}:dead``); :func:`drop_trained` drops the records of jobs already trained. Use a client made by
+:func:`~rlhf.transport.connection.connect` (with a wait policy, see :func:`~rlhf.transport.connection.waited`).
 
-Every entry has one field, ``pb``: the serialized protobuf message. Guarantees (each has a test in
-tests/integration/test_transport*.py or tests/reliability/):
-
-- **at least once**: a record leaves a group's pending list only when acknowledged. A consumer that restarts under
-  the same name gets its own pending records first (:meth:`read` drains id ``0`` before ``>``); records of a consumer
-  that died are taken over with :meth:`reclaim` (XAUTOCLAIM after an idle timeout) or, for the single trainer,
-  :meth:`recover`.
-- **idempotent publishing**: :meth:`PromptQueue.publish` writes a job_id once (a hash of issued ids, checked and
-  written in the same Lua script as the XADD); re-publishing after a trainer restart is a no-op.
-- **experience before ack**: :meth:`ExperienceQueue.publish_and_ack` acknowledges the prompt job and writes the
-  experience atomically (one Lua script: both or neither), and writes nothing when the job is no longer pending
-  (another replica finished it first), so a reclaimed job yields one experience record in the common case.
-  The trainer still drops duplicates by job id (:func:`drop_trained`): delivery is at least once.
-- **no data loss by trimming**: :meth:`trim` removes only entries that every group has delivered and acknowledged.
-- **malformed records never raise into a consumer**: they are moved to the dead-letter stream with the reason,
-  acknowledged on their stream and counted (:class:`~rlhf.transport.stream_admin.QueueStats`), atomically (Lua).
-
-Use a client made by :func:`connect` (bytes responses, no socket timeout shorter than a blocking read; a single
-Redis, a Sentinel group or a Redis Cluster). With a wait policy (``wait_replicas`` in ``RLHF_REDIS_URL``) the writes
-the guarantees depend on return only once that many replicas have them, and the trainer's reads only once the
-records they return are on that many replicas (see :func:`waited`, docs/redis-ha.md).
+Design (at least once, idempotent publishing, experience before ack, trimming, dead letters):
+docs/reliability.md#the-guarantees; Redis HA: docs/redis-ha.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """The environment service's state: open episodes, episode id -> one :class:`Environment` instance.
 
-Environment code is the user's and may block: every ``make`` / ``reset`` / ``step`` / ``close`` runs in a worker
-thread, bounded by ``timeout_s``. Episodes live in this process only (a restart loses them: NOT_FOUND, the caller
-starts the episode again), are closed after ``episode_ttl_s`` without a call, and number at most ``max_episodes``.
-
-Idempotence: a Reset of an episode id already open answers its opening again (a retry whose answer was lost); a Step
-that names its ``turn`` and repeats the last one answers the last outcome again instead of stepping twice.
-
-An environment that raises, returns something unusable or times out ends its episode (the instance is closed once its
-call returns): the caller's sample is an error, never a reward of 0.
+Environment code is the user's and may block: every call runs in a worker thread, bounded by ``timeout_s``. Episodes
+live in this process only, expire after ``episode_ttl_s`` without a call and number at most ``max_episodes``; a
+repeated Reset or Step answers again instead of stepping twice; an environment that fails ends its episode.
+Design: docs/services.md#environment.
 """
 
 from __future__ import annotations

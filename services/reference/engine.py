@@ -1,16 +1,9 @@
 """The reference service's state: the frozen reference policy and its per-token log-probs of given responses.
 
-``logprobs(items, temperature)`` returns, for each (prompt_ids, response_ids), ``log p_ref(response_t | prompt,
-response_<t)`` at the temperature: ``log_softmax(logits / T)`` gathered at the response tokens, with the forward
-convention of :mod:`rlhf.models` (the same one the trainer uses for the policy, so the KL terms compare like with
-like). Items are sorted by length and run in micro-batches of ``actor_rollout_ref.ref.micro_batch_size`` rows, made
-smaller when their logits would pass ``LOGITS_BUDGET_BYTES``.
-
-Concurrent requests of the same temperature are merged into one forward call (:class:`rlhf.serving.batching.
-MicroBatcher`: whatever is queued when the model becomes free, up to ``MERGE_MICRO_BATCHES`` micro-batches of rows and
-``MERGE_MAX_TOKENS`` tokens; no waiting when idle, a short bounded one for the callers of the last call). A row's
-log-probs do not depend on the other rows (right padding, attention mask, position ids from the mask), so merged results
-equal unbatched ones.
+``logprobs(items, temperature)``: ``log_softmax(logits / T)`` gathered at the response tokens, with the forward
+convention of :mod:`rlhf.models`, in micro-batches (smaller past ``LOGITS_BUDGET_BYTES``); concurrent requests of
+the same temperature are merged into one forward call (:class:`rlhf.serving.batching.MicroBatcher`, up to
+``MERGE_MICRO_BATCHES`` micro-batches and ``MERGE_MAX_TOKENS`` tokens). Design: docs/services.md#reference.
 """
 
 from __future__ import annotations

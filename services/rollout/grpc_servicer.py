@@ -1,26 +1,12 @@
 """rlhf.v1.RolloutService over the engine: proto <-> engine types; errors and metrics through rlhf.serving.
 
-- ``Generate``: prompts as text (tokenized by the served model's tokenizer, no chat template) or token ids; fields a
-  request leaves unset take the service's defaults (the experiment config's ``actor_rollout``).
-- ``UpdateWeights``: token-protected (metadata ``authorization: Bearer <RLHF_API_TOKEN>``, checked before any weight
-  byte is read). The stream is staged and verified by :mod:`rlhf.transport.weights` (manifest checksum, per-bucket
-  sha256, complete stream, a version newer than the one served); only then does the engine swap it in, between
-  generation steps. A cut, corrupt, stale or mismatched update is refused and the old weights keep serving.
-  Register with :func:`add_to_server` (not the generated function): its request decoder leaves each chunk's bytes in
-  gRPC's buffer instead of copying them twice through protobuf.
-- ``OpenWeightsTransfer`` / ``CommitWeights``: the same update over the raw-TCP data plane
-  (:mod:`rlhf.transport.weights.dataplane`, on with ``RLHF_WEIGHTS_DATA_PORT`` and without TLS): Open checks the
-  header and answers a ticket and the data port (port 0: no data plane, use ``UpdateWeights``), the client sends the
-  buckets there, Commit waits for them, verifies and swaps as ``UpdateWeights`` does; ``AbortWeightsTransfer`` drops
-  an open transfer at once. Token-protected like it. An update the engine takes as it arrives (``streams_update``:
-  vLLM, updates of at least ``RLHF_WEIGHTS_INPLACE_LOAD_BYTES``) goes into the model bucket by bucket from the data
-  connection (``EngineBase.install_streamed``); Commit then answers once the last bucket is in. ``UpdateWeights``
-  does the same from the stream.
-- Delta pushes (``rlhf.transport.weights.delta``): an update whose header asks (``keep_base``) is kept once it serves
-  as the base of the next delta; a delta on another base is refused at Open (``DeltaBaseMissing``), one that does not
-  rebuild the full update's digests at Commit (``CorruptUpdate``), nothing swapped either way.
-- ``GetWeightsVersion``: the version served now (the engine's :class:`~rlhf.transport.weights.ServedVersion`, the
-  one owner), the parent version its update named, its checksum, when it was loaded, the model.
+``Generate`` (prompts as text, no chat template, or token ids), ``GetWeightsVersion`` (the engine's
+:class:`~rlhf.transport.weights.ServedVersion`), and the token-protected weight calls: ``UpdateWeights`` (a stream)
+and ``OpenWeightsTransfer`` / ``CommitWeights`` / ``AbortWeightsTransfer`` (the TCP data plane). Register with
+:func:`add_to_server`, not the generated function: its request decoder leaves each chunk's bytes in gRPC's buffer
+instead of copying them twice through protobuf.
+
+Design: docs/weight-sync.md; an update's path: docs/code-tour.md#2-a-weight-update-to-the-replica-serving-it.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """The ``hf`` rollout engine: a transformers causal LM on any torch device, concurrent requests decoded together.
 
-Batching: every request is split into rows (one per sample); an asyncio batcher collects rows for up to
-``batch_wait_ms`` (or until ``max_batch_rows``), left-pads them and decodes them together with a KV cache. Rows
-that arrive while a batch decodes form the next batch. Each row keeps its own sampling parameters, so requests with
-different temperatures, top-p/top-k, stops and lengths share a batch.
+An asyncio batcher collects rows (one per sample) and decodes them together with a KV cache; a seeded sampling loop
+(not ``model.generate``) gives each row its own generator and the log-probs of exactly the logits it sampled from,
+with vLLM's penalties (:func:`apply_penalties`), top-k/top-p masks and stop rules. :meth:`HFEngine.generate_stream`
+hands each new token to the event loop as it is decoded.
 
-Sampling (a seeded loop rather than ``model.generate``, so that every row has its own ``torch.Generator`` and the
-log-probs are computed from exactly the logits sampled from): logits in float32, divided by the row's temperature,
-top-k then top-p masks as in vLLM's PyTorch sampler (top-k keeps the tokens whose logit is at least the k-th
-largest; top-p keeps the smallest set of most probable tokens whose probability reaches ``top_p``, at least one), a
-token drawn by the exponential race ``argmax(p / q), q ~ Exp(1)`` from the row's generator, and its log-prob
-``rlhf.algo.logprobs_from_logits`` of the masked logits at that temperature (see :mod:`services.rollout.engine` for
-what top-p/top-k do to it). Greedy rows (temperature 0) take the argmax and report ``log_softmax(logits)``.
-Penalties come first, on the float32 logits, as in vLLM's sampler (:func:`apply_penalties`); a batch with no
-penalized row skips them. ``top_logprobs`` are the top-k of the same masked distribution.
-
-Streaming (:meth:`HFEngine.generate_stream`): the decode thread hands each row's new token to the event loop as it
-is decoded.
-
-Stops: EOS (unless ``ignore_eos``) and ``stop_token_ids`` end a row with the token included; a stop string ends it
-at the token that completes it, with the text cut before the string (vLLM's behaviour); ``max_tokens`` or the end of
-the context end it with ``length``.
+Design: docs/services.md#rollout ("How the engines work").
 """
 
 from __future__ import annotations

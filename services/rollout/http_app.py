@@ -1,46 +1,8 @@
-"""REST for the rollout service.
+"""REST for the rollout service: OpenAI / vLLM compatible ``/v1/completions`` and ``/v1/chat/completions`` (streamed
+or not, tool calling, prompt log-probs with ``echo``), plus ``/v1/generate`` (token ids in, token ids and sampling
+log-probs out), ``/v1/weights/version`` and ``/v1/models``.
 
-OpenAI / vLLM compatible (the official ``openai`` client works against it):
-
-- ``POST /v1/completions``: the completions shape (``prompt`` as text, token ids, or a list of either). Sampling:
-  ``n``, ``best_of`` (``best_of`` samples per prompt are generated and the ``n`` with the highest cumulative
-  log-prob are returned, as vLLM does; not with ``stream``), ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
-  ``stop``, ``stop_token_ids``, ``seed``, ``ignore_eos``, ``frequency_penalty``, ``presence_penalty``,
-  ``repetition_penalty`` (vLLM's). ``logprobs: N`` returns the sampled tokens' log-probs and, per token, the ``N``
-  most probable alternatives of the distribution sampled from (``top_logprobs``). ``echo`` prepends the prompt to
-  the text; with ``logprobs`` the choice's log-probs then begin with the prompt tokens' (vLLM's shape: the model's
-  own log-probs, temperature 1; the first token's is null; each position's ``top_logprobs`` holds the prompt token
-  and the ``N`` most probable), not streamed. ``max_tokens: 0`` (with ``echo``) scores the prompt without
-  generating: what lm-eval's ``local-completions`` loglikelihood requests read. ``return_token_ids`` (vLLM) adds
-  prompt and completion token ids. Text prompts are tokenized as given (no chat template), as vLLM's completions do.
-- ``POST /v1/chat/completions``: ``messages`` rendered with the served tokenizer's chat template (with the generation
-  prompt), the same sampling fields (``max_completion_tokens`` or ``max_tokens``), ``logprobs: true`` and
-  ``top_logprobs: N``; answers ``choices[].message``. Tool calling: ``tools`` are rendered by the chat template and
-  the calls in the generated text are parsed by the config's ``actor_rollout.tool_call_parser`` (``hermes``:
-  ``<tool_call>{json}</tool_call>``) into ``message.tool_calls`` (``finish_reason: tool_calls``); ``tool_choice``
-  ``auto`` (the default with tools) or ``none`` (neither rendered nor parsed); ``required`` and a named function
-  are refused (400: decoding is not constrained); ``parallel_tool_calls: false`` keeps the first call (vLLM's
-  rule). Assistant ``tool_calls`` and ``tool`` messages go back through the template. ``return_token_ids``
-  (vLLM's) adds ``prompt_token_ids`` and ``choices[].token_ids``: with ``logprobs`` an agent loop outside has what
-  it needs to make training data (token in, token out).
-- ``stream: true`` on both: Server-Sent Events with OpenAI's chunks (``text_completion`` /
-  ``chat.completion.chunk``), ending with ``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk.
-  The ``hf`` engine streams tokens as they are decoded; the ``vllm`` engine streams each choice once it has
-  finished (its driver collects final outputs only: per-token outputs cost throughput).
-- ``user`` is accepted and ignored: OpenAI uses it for abuse monitoring, which this service does not do.
-- Every choice and response carries ``policy_version`` (the weights version that produced it).
-
-Also:
-
-- ``POST /v1/generate``: token ids in, token ids + per-token sampling log-probs + finish reasons out.
-- ``GET /v1/weights/version``: the weights version served now.
-- ``GET /v1/models``: the served model, for OpenAI clients.
-
-Fields a request leaves out take the service's defaults (the experiment config's ``actor_rollout``: temperature,
-top_p, top_k, max_new_tokens, stop). Bad input is refused with 4xx naming the field in OpenAI's error body
-(``param``; also ``field``): 422 for a body that does not match the schema (unknown fields included: an OpenAI field
-this service does not implement, such as ``logit_bias`` or ``response_format``, is refused, not ignored), 400 for
-values the model cannot take (ids outside the vocabulary, prompts that fill the context, ``best_of < n``).
+Every field, default and error of these routes: docs/services.md#rollout.
 """
 
 from __future__ import annotations

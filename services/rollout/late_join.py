@@ -1,18 +1,8 @@
 """A replica that starts (or restarts) mid-run: load the newest weights before the first job.
 
-Two sources, in this order of preference:
-
-1. the trainer: it pushes the current version to any replica that serves an older one (its catch-up loop compares
-   each replica's ``GetWeightsVersion`` with the run's published version every few seconds), over the same
-   authenticated, verified weight-sync calls as every other push. The worker takes no job while the replica is
-   behind the published version (:meth:`services.rollout.worker.RolloutWorker._behind`);
-2. the run's newest complete checkpoint (``<RLHF_RUN_DIR>/checkpoints``, else the config's ``training.save``), loaded
-   at start-up by :func:`load_latest_checkpoint` before the worker starts. It is what a trainer that is down resumes
-   from, so when no push comes within ``RLHF_ROLLOUT_CATCH_UP_WAIT_S`` the worker takes jobs with it: their samples
-   carry the checkpoint's version, on-policy for the resumed trainer, and a live trainer that has moved on drops them
-   by its staleness bound (kept at consumption), so the bound holds either way.
-
-The replica reports the version it loaded (``GetWeightsVersion``, ``/v1/weights/version``, every sample).
+:func:`load_latest_checkpoint` loads the run's newest complete checkpoint at start-up, before the worker starts;
+the trainer's catch-up push is preferred, and the worker waits up to ``RLHF_ROLLOUT_CATCH_UP_WAIT_S`` for it
+(:meth:`services.rollout.worker.RolloutWorker._behind`). Design: docs/weight-sync.md#replicas-that-start-late.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """``rlhf serve rollout``: settings + config -> engine -> gRPC and HTTP servers (+ the Redis worker when configured).
 
-Both servers bind first (``/healthz`` answers, ``/readyz`` says 503 and gRPC health NOT_SERVING); the engine loads
-the model (vLLM: about 5-20 s on CPU); only then is the service ready. With ``RLHF_REDIS_URL`` set, the rollout
-worker (:mod:`services.rollout.worker`) also pulls prompt jobs from the queue, sharing the engine with REST and gRPC
-clients (all their requests are batched together).
-
-The engine: ``actor_rollout_ref.actor_rollout.engine`` (``vllm`` | ``hf``), overridden by ``RLHF_ROLLOUT_ENGINE``;
-the device (``hf``): ``RLHF_DEVICE`` / ``--device`` (default auto). ``RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION`` and
-``RLHF_ROLLOUT_MAX_MODEL_LEN`` override the config's ``actor_rollout`` fields of those names (a deployment that shares
-the rollout's GPU sets them).
+Both servers bind first; the engine (``actor_rollout_ref.actor_rollout.engine``, overridden by
+``RLHF_ROLLOUT_ENGINE``) then loads the model, and only then is the service ready. With ``RLHF_REDIS_URL`` set the
+worker (:mod:`services.rollout.worker`) also pulls prompt jobs, sharing the engine with REST and gRPC clients.
+``RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION`` / ``RLHF_ROLLOUT_MAX_MODEL_LEN`` override the config's fields of those
+names. Design: docs/services.md#rollout.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """The ``vllm`` rollout engine: vLLM with continuous batching, sampling log-probs and in-place weight reloads.
 
-Two drivers, one behaviour:
+Two drivers, one behaviour: ``inproc`` (vLLM's in-process engine core, stepped by one thread; the service's default
+on CPU) and ``async`` (``AsyncLLM``, engine core in a subprocess; GPU/NPU images). Engine settings come from
+:func:`services.rollout.factory.vllm_engine_kwargs`; the weight-update paths are :class:`VllmWeights`, mixed in
+from :mod:`services.rollout.vllm_weights`.
 
-- ``inproc`` (default when ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which the service sets on CPU): vLLM's
-  ``LLMEngine`` with the in-process engine core, stepped by one dedicated thread. Requests from the asyncio side are
-  queued to that thread, which adds them between steps, so concurrent requests join the running batch (continuous
-  batching); a finished request resolves its future on the event loop. Starts in about 5 s on CPU, no subprocess.
-  (vLLM 0.32's ``AsyncLLM`` always starts its engine core in a subprocess, whatever that variable says.)
-- ``async`` (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, GPU/NPU images): vLLM's ``AsyncLLM`` (engine core in a
-  subprocess, overlapping scheduling with the device).
-
-Both use ``RequestOutputKind.FINAL_ONLY`` (one output per request: per-token streaming costs ~20x throughput),
-``logprobs=0`` (the sampled token's log-prob only) and ``logprobs_mode="processed_logprobs"`` (log-probs after
-temperature and top-k/top-p: the distribution sampled from; the default ``raw_logprobs`` ignores the temperature),
-a seed per request, and the engine settings of ``actor_rollout`` (``max_model_len``, ``gpu_memory_utilization``,
-``tensor_model_parallel_size``, ``enforce_eager``: :func:`services.rollout.factory.vllm_engine_kwargs`).
-
-Weights: the paths an update takes into the worker (weight-transfer API, staged swap in a shadow model, worker-extension
-reload, in place as it arrives, a collective push received by the worker) are :class:`VllmWeights`, mixed in from
-:mod:`services.rollout.vllm_weights`; this module is the driver they run on.
+Design (drivers, output kind, log-prob mode): docs/services.md#rollout ("How the engines work").
 """
 
 from __future__ import annotations
@@ -56,12 +43,12 @@ def set_vllm_env_defaults(device: str | None = None) -> None:
 
     - ``OMP_NUM_THREADS=1``: vLLM's own default for serving. In-process on CPU it matters most: vLLM's CPU kernels
       otherwise run OpenMP teams across every core, and on a busy or small machine each barrier waits for a time
-      slice (measured here: 25-45 ms per decode step instead of 3 ms). OpenMP reads it once, when torch loads, so
+      slice (measured in docs/services.md#rollout). OpenMP reads it once, when torch loads, so
       this must run before anything imports torch (``services.rollout.main`` keeps torch out of its imports).
     - on CPU: ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB; start-up refuses without it or a memory fraction),
       ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core in-process: the ``inproc`` driver), and
       ``TORCH_COMPILE_DISABLE=1``: enforce_eager runs the model eagerly, but vLLM still torch.compile()s a sampler
-      helper on the first request with log-probs (20-60 s of inductor work on a 2-core machine).
+      helper on the first request with log-probs (inductor work that takes long on a small CPU: docs/services.md).
     - on GPU/NPU: ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` (the images set it too).
     - ``HF_HUB_OFFLINE=1``: models are local directories; nothing is downloaded.
     """

@@ -1,25 +1,12 @@
 """vLLM worker extension: loads a safetensors state dict (Hugging Face names) into the running model.
 
-vLLM mixes this class into its worker (engine argument
-``worker_extension_cls="services.rollout.vllm_ext.WorkerExtension"``) and the rollout engine calls it by name::
+vLLM mixes :class:`WorkerExtension` into its worker (engine argument
+``worker_extension_cls="services.rollout.vllm_ext.WorkerExtension"``) and the rollout engine calls it by name, e.g.
+``engine.collective_rpc("rlhf_shadow_add", args=(update_id, safetensors_bytes))``: an update in parts of at most a
+bucket, as safetensors bytes, or in-process as (name, tensor) pairs (the ``*_tensors`` methods). This module must
+import nothing heavy at module level: vLLM imports it inside the worker.
 
-    engine.collective_rpc("rlhf_shadow_add", args=(update_id, safetensors_bytes))
-
-An update crosses in parts of at most a bucket (128 MiB by default), one call each, never whole: each part is the
-bytes of one safetensors file (bytes cross vLLM's msgpack RPC intact in both the in-process and the
-engine-core-subprocess modes, and no pickle is involved: ``collective_rpc`` with a Python callable would need
-``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; msgpack's bin32 would also stop a whole update at 4 GiB), and the worker
-makes the tensors as views into them (``rlhf.transport.weights.format.load_safetensors``, no copy). In-process, where
-``collective_rpc`` calls the worker directly and serialises nothing, the engine passes the (name, tensor) pairs
-themselves (the ``*_tensors`` methods). Weights go in through vLLM's weight-transfer API where the worker has it
-(:mod:`services.rollout.vllm_transfer`), into the shadow model of a staged swap (:mod:`services.rollout.vllm_shadow`),
-or, on a worker without the API, through ``rlhf_load_begin`` / ``rlhf_load_part`` / ``rlhf_load_end``: the worker's
-``reload_weights(weights_iterator=..., is_checkpoint_format=True)``, the model's own checkpoint loader, so the CPU
-backend's repacked linear layers are rebuilt correctly (calling ``model.load_weights`` again fails there: the
-repacked parameters have size 0). A worker without ``reload_weights`` (vllm-ascend 0.23) gets the model's
-``load_weights`` instead (:meth:`WorkerExtension._rlhf_load`).
-
-This module must import nothing heavy at module level: vLLM imports it inside the worker.
+Design (the paths into the model; bytes, never pickles): docs/weight-sync.md#the-update.
 """
 
 from __future__ import annotations

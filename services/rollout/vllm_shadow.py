@@ -1,30 +1,12 @@
-"""Staged weight swaps inside a vLLM worker: an update loads into a second copy of the model while the live copy
-keeps generating, and the two trade places between two engine steps.
+"""Staged weight swaps inside a vLLM worker: an update loads into a second copy of the model (the shadow) while the
+live copy keeps generating, and the two trade places between two engine steps.
 
-vLLM's in-place ``reload_weights`` (0.32) cannot run while the model generates: its layer-wise reload moves each
-serving layer's tensors to the meta device, materialises fresh ones, runs the checkpoint loader and the backend's
-post-load processing (the CPU backend's oneDNN repacking), then copies the result back. Loading the 104M policy of
-``bench.weight_sync`` that way kept generation stopped for 0.29 of the transfer time. Here the same loader runs on
-a *shadow* model instead, outside the rollout service's swap gate:
+:class:`ShadowSwap` holds the shadow, loads an update into it with vLLM's layer-wise reload
+(:meth:`~ShadowSwap.begin` / :meth:`~ShadowSwap.add` / :meth:`~ShadowSwap.end`) and swaps (:meth:`ShadowSwap.swap`:
+O(layers), no tensor copied); :func:`supported` says where it can run. Imported inside vLLM's worker, so vLLM itself
+is imported only in functions.
 
-- the shadow is a deep copy of the live model made at the first update, except for the layers that hold the KV
-  cache (the values of ``compilation_config.static_forward_context``: attention, mamba), which stay where they are
-  and are stood in for by empty placeholders; vLLM's per-layer reload records are copied with it, bound to the
-  shadow's layers;
-- :meth:`ShadowSwap.begin` / :meth:`~ShadowSwap.add` (per part of at most a bucket) / :meth:`~ShadowSwap.end` load
-  an update (checkpoint format: Hugging Face names) into the shadow on a thread of their own: vLLM's layer-wise
-  reload (``initialize_layerwise_reload`` / ``load_weights`` per part / ``finalize``) on the shadow's layers only,
-  so the live model, its KV-cache layers and every in-flight request are untouched. An update that does not cover
-  every parameter is refused (the shadow holds an older version for whatever it misses);
-- :meth:`ShadowSwap.swap` (on the engine's own thread, between two steps, inside the gate) moves the KV-cache layers
-  into the shadow's tree, points the model runner (and the weight-transfer engine) at it and keeps the old live
-  model as the next shadow: O(layers), no tensor is copied.
-
-The cost is a second copy of the weights in the worker's memory. The swap changes which module object the runner
-calls, so it needs eager execution (CUDA graphs capture the live tensors' addresses: ``enforce_eager: false`` is
-refused by the config) and no LoRA or speculative decoding (:func:`supported`).
-
-Imported inside vLLM's worker (by the worker extension's methods), so vLLM itself is imported only in functions.
+Design, costs and measurements: docs/weight-sync.md#the-update ("Staged swap").
 """
 
 from __future__ import annotations

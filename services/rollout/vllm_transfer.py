@@ -1,41 +1,11 @@
-"""The collective weight path inside vLLM's worker: a backend of vLLM's own weight-transfer API.
+"""The collective weight path inside vLLM's worker: ``rlhf_collective``, a backend of vLLM's own weight-transfer API
+(``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` / ``finish_weight_update``),
+registered by :func:`register` when vLLM imports the worker extension. It joins the trainer's per-push group of
+:mod:`rlhf.transport.weights.collective`, checks each bucket without touching the model and loads at the commit;
+updates the service already holds take the same calls with the bucket inline. Only plain values and bytes cross
+vLLM's RPC (msgpack), never a pickle. Imported inside vLLM's worker process.
 
-vLLM drives weight updates through ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
-``finish_weight_update`` on an engine it builds from ``WeightTransferConfig(backend=...)`` with its
-``WeightTransferEngineFactory``. vLLM 0.32 ships NCCL, IPC and other GPU backends; this module registers
-``rlhf_collective`` (:func:`register`, called when vLLM imports the worker extension), which joins the trainer's
-per-push group of :mod:`rlhf.transport.weights.collective` with the backend the push names (gloo, nccl, hccl):
-
-- ``init_weight_transfer_engine({"address", "port", "key", "timeout_s", "ticket", "backend"})``: join the push's
-  group (the replica's first rank comes from the trainer's store, keyed by its ticket; every worker joins, each with
-  that rank plus its own ``parallel_config.rank``: the replica reported its world size at Open, see
-  ``VllmEngine.collective_ranks``); nccl/hccl on the worker's device;
-- ``start_weight_update()``: forget anything staged before; the model is not touched;
-- ``update_weights({"index", "nbytes", "sha256", "tensors": [[name, dtype, shape], ...]})`` per bucket: receive the
-  bucket by broadcast (on the device for nccl/hccl: checked there by its device digest, or copied to host memory
-  for its sha256) and check its digest and content
-  (the header was checked against the model by the service before Open answered); still nothing touches the model,
-  so a broadcast that fails leaves it whole;
-- ``finish_weight_update()`` (at CommitWeights, inside the engine's swap gate): load the staged tensors with vLLM's
-  in-place ``reload_weights`` (checkpoint format: the CPU backend's repacked layers are rebuilt), then drop them.
-
-Weights the service already holds (the TCP data plane, the gRPC stream) take the same calls inside the swap gate,
-one ``update_weights`` per bucket with the bucket inline (``"data"``: its safetensors bytes, or in-process
-``"items"``: its (name, tensor) pairs): each is loaded into the model at once, in place, with vLLM's layer-wise
-reload (``initialize_layerwise_reload`` at the first, the model's ``load_weights`` per bucket, a layer processed as
-soon as all its tensors are in, ``finalize_layerwise_reload`` at ``finish_weight_update``: vLLM's own IPC engine
-does the same), so the worker never holds more than a bucket of the update besides the layers being loaded. An
-update received whole, and one installed as it arrives (``EngineBase.install_streamed``), go in this way. vLLM
-0.23's worker (vllm-ascend's version set) runs the session itself and hands each update's ``load_weights`` to the
-engine, which then loads at once (:func:`engine_sessions` tells the two apart; the service keeps every call of such
-a worker inside the gate).
-
-Why not vLLM's own ``nccl`` engine on CUDA: it broadcasts tensor by tensor straight into the model's load path, so
-a broadcast cut half-way leaves the model half updated, and it checks no digest; this path keeps the replica's
-rule (every bucket's sha256 against the header sent over authenticated gRPC, the old weights serve on any failure)
-on every backend, and the trainer's group is the same for hf and vLLM replicas.
-
-Only plain values and bytes cross vLLM's RPC (msgpack), never a pickle. Imported inside vLLM's worker process.
+Design: docs/weight-sync.md#the-update and docs/weight-sync.md#collective.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
-"""How weight updates go into the ``vllm`` engine's worker: the weight-update half of
-:class:`services.rollout.vllm_engine.VllmEngine`, which mixes in :class:`VllmWeights`.
+"""How weight updates go into the ``vllm`` engine's worker: :class:`VllmWeights`, the weight-update half of
+:class:`services.rollout.vllm_engine.VllmEngine`.
 
-The state dict reaches the worker in parts of at most ``load_bucket_bytes`` (128 MiB), one worker call each, never
-whole (vLLM's msgpack RPC stops a bytes object at 4 GiB, and the worker would hold a second copy): as the tensors
-themselves in-process, as one safetensors file per part for the engine-core subprocess. They go through vLLM's
-weight-transfer API (one ``update_weights`` per part, loaded at once in place inside the swap gate;
-:mod:`services.rollout.vllm_transfer`), into the shadow model of a staged swap (:mod:`services.rollout.vllm_shadow`),
-or on a worker without the API through the worker extension (:mod:`services.rollout.vllm_ext`); the prefix cache is
-reset afterwards (cached KV blocks belong to the old weights). Updates of at least ``inplace_load_bytes``
-(``RLHF_WEIGHTS_INPLACE_LOAD_BYTES``, 2 GiB by default) are installed as they arrive instead
-(:meth:`services.rollout.engine.EngineBase.install_streamed`): each verified bucket goes into the serving model with
-one ``update_weights``, generation paused for the whole transfer, about two buckets of memory instead of a copy of the
-model. A collective push is received by the worker itself (:meth:`VllmWeights.receive_collective`).
+Parts of at most ``load_bucket_bytes`` go through vLLM's weight-transfer API (:mod:`services.rollout.vllm_transfer`),
+into a staged swap's shadow (:mod:`services.rollout.vllm_shadow`) or through the worker extension
+(:mod:`services.rollout.vllm_ext`); large updates are installed as they arrive, and a collective push is received by
+the worker itself (:meth:`VllmWeights.receive_collective`). Design: docs/weight-sync.md#the-update and
+docs/weight-sync.md#large-updates-installed-as-they-arrive-vllm.
 """
 
 from __future__ import annotations

@@ -1,45 +1,11 @@
 """Rollout worker mode: a rollout replica that pulls prompt jobs from Redis and pushes experience back.
 
-Started by ``services.rollout.main`` when ``RLHF_REDIS_URL`` is set (next to the gRPC/HTTP servers, sharing the
-engine, so requests from the queue and from clients are batched together). One ring (ARCHITECTURE.md):
+Started by :func:`maybe_start_worker` (from ``services.rollout.main``) when ``RLHF_REDIS_URL`` is set, beside the
+gRPC/HTTP servers and sharing their engine. This module is the queue side (read, reclaim, publish-and-ack, stop);
+one job -> one record is :class:`services.rollout.jobs.JobProcessing`, mixed in.
 
-1. read prompt jobs through the ``rollout`` consumer group (consumer name = ``RLHF_REPLICA_ID``); every
-   ``reclaim_interval_s`` also take over jobs pending longer than ``RLHF_ROLLOUT_RECLAIM_IDLE_S`` (a dead replica's,
-   XAUTOCLAIM; a job delivered more than ``max_deliveries`` times is dead-lettered by the queue);
-2. generate ``job.params.n`` samples with the job's sampling parameters and the weights served now (each sample is
-   tagged with the version that produced it, ``Sample.policy_version``);
-3. call ``RewardService.Score`` and ``ReferenceService.LogProbs`` concurrently, with a deadline per call and a few
-   retries (with backoff) of UNAVAILABLE / DEADLINE_EXCEEDED;
-4. write the ``Experience`` and acknowledge the job in one atomic step (:meth:`ExperienceQueue.publish_and_ack`).
-
-Steps 2 and 3 (one job -> one record, single-turn or multi-turn episodes) are :class:`services.rollout.jobs.
-JobProcessing`, mixed in; this module is the queue side.
-
-A job that fails anywhere is **not** acknowledged: it stays pending and is retried after the idle timeout (by this
-replica or another) until the queue's ``max_deliveries`` dead-letters it. Nothing is ever acked without its
-experience, and a scorer's per-item error is kept in ``Sample.score_status`` / ``score_error`` (never a made-up
-score). A job the engine refuses as invalid (``InvalidArgument``: it can never succeed) is dead-lettered at once.
-
-The service's hook (``services/rollout/main.py``), after the engine is ready::
-
-    worker = maybe_start_worker(engine, settings, cfg, metrics=metrics)   # None without RLHF_REDIS_URL
-    ...                                                                    # on shutdown:
-    if worker is not None:
-        await worker.aclose()
-
-Up to ``RLHF_ROLLOUT_MAX_INFLIGHT_JOBS`` jobs run concurrently, so the engine batches them. :meth:`RolloutWorker.stop`
-stops reading; jobs in flight get ``drain_s`` seconds to finish, the rest are cancelled and stay pending for
-another replica.
-
-Environment (besides ServiceSettings' ``RLHF_REDIS_URL``, ``RLHF_RUN_ID``, ``RLHF_REPLICA_ID``,
-``RLHF_REWARD_ADDR``, ``RLHF_REFERENCE_ADDR``):
-
-- ``RLHF_ROLLOUT_MAX_INFLIGHT_JOBS`` (default 8): jobs processed at the same time;
-- ``RLHF_ROLLOUT_RECLAIM_IDLE_S`` (default 60): a pending job idle this long is taken over;
-- ``RLHF_ROLLOUT_RPC_TIMEOUT_S`` (default 60): deadline of one reward / reference call;
-- ``RLHF_ROLLOUT_CATCH_UP_WAIT_S`` (default 60): how long a replica behind the run's published version waits for the
-  trainer's push before it takes jobs with the weights it has (the run's newest checkpoint, loaded at start-up: what
-  a trainer that is down resumes from; see :mod:`services.rollout.late_join`).
+Design: docs/code-tour.md#1-a-prompt-job-to-its-training-step (a job's path), docs/services.md#rollout (failures,
+the ``RLHF_ROLLOUT_*`` settings), docs/weight-sync.md#replicas-that-start-late (waiting for the published version).
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Atomic trainer checkpoints: the policy in Hugging Face format plus everything needed to resume exactly.
 
-Layout of ``<save>/step_<N>/``::
+:func:`save_checkpoint` writes ``<save>/step_<N>/`` (policy, critic, optimizer state or its shards, ``state.json``,
+``manifest.json`` last) in a private folder, renames it into place and replaces ``latest`` atomically;
+:func:`load_checkpoint` restores it. The caller keeps to one writer at a time. Nothing is pickled.
 
-    policy/               save_pretrained + tokenizer: transformers and vLLM load it as is
-    critic/               the PPO critic (sequence classification), when there is one
-    optim.safetensors     optimizer tensors (Adam moments), flattened as "<opt>.<param index>.<key>"; from a
-                          multi-process (FSDP2) trainer only the RNG states, and instead:
-    sharded/              torch.distributed.checkpoint of the sharded training state: actor optimizer, critic and
-                          its optimizer, keyed by parameter name, loadable at any world size (1 included)
-    state.json            step, policy version, optimizer scalars, KL coefficient, data position, RNG seeds,
-                          and the job ids already trained on (so a restart trains nothing twice)
-    manifest.json         written last: every other file with its size. A folder without it, or whose files
-                          differ from it, is incomplete and never loaded
-
-A checkpoint is written to a private ``step_<N>.tmp-*`` folder and renamed into place, then ``latest`` is replaced
-atomically: a crash at any moment leaves the previous checkpoint intact, and :func:`latest_checkpoint` falls back
-to the newest complete ``step_*`` when ``latest`` names one that is not. The caller keeps to one writer at a time
-(the trainer holds a lock). Nothing is pickled: safetensors and JSON only.
+Design (the layout, what a crash leaves): docs/running.md#checkpoints and docs/reliability.md#the-guarantees.
 """
 
 from __future__ import annotations

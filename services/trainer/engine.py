@@ -1,29 +1,12 @@
-"""The trainer's update step: the actor, the critic (PPO), their optimizers and forward passes, and the three
-training stages.
+"""The trainer's update step: the actor, the critic (PPO), their optimizers and forward passes, and the training stages.
 
-``TrainerEngine.step(experiences)`` turns experience records (from the Redis experience stream) into one policy
-update with the algorithm named by ``training.stage``:
+``TrainerEngine.step(experiences)`` turns experience records into one policy update with the algorithm named by
+``training.stage`` (``ray_ppo``, ``ray_grpo`` / ``ray_rloo`` / ``ray_reinforce_plus_plus``, ``ray_online_dpo``),
+and measures the trainer-inference mismatch (``mismatch/*``) where it has the current weights' log-probs anyway.
+The stages are mixed in (``ppo``, ``critic_free``); around this class: ``batch``, ``models``, ``state``, ``group``
+and ``export``.
 
-* ``ray_ppo``: GAE with a critic; the math of ``rlhf.algo.ppo_rollout`` (TRL's conventions), clipped policy and value
-  losses over minibatches and epochs, optional entropy bonus.
-* ``ray_grpo`` / ``ray_rloo`` / ``ray_reinforce_plus_plus``: critic-free, advantages from the ``n`` samples of each
-  prompt (one experience record holds one prompt's group).
-* ``ray_online_dpo``: two samples per prompt, chosen/rejected by score, sigmoid or IPO loss.
-
-Old log-probs are recomputed with the current actor (as MindSpeed-LLM does); the rollout engine's sampling log-probs
-are the behaviour policy, and with ``tis_cap`` set each token is weighted by the truncated importance ratio, which
-corrects samples made by an older policy version (asynchronous training) and engine mismatch.
-
-Each stage also measures that mismatch where it has the current weights' log-probs of the batch anyway (PPO's and
-the critic-free stages' old pass, online DPO's first minibatch): ``mismatch/kl`` and ``mismatch/max_abs`` over the
-samples the current weights made (:meth:`TrainerState.same_weights`), which the trainer's loop checks against
-``training.max_mismatch_kl``.
-
-The stages' updates are mixed in from their own modules: PPO from ``ppo``, the critic-free stages (the GRPO family,
-rejection sampling, online DPO) from ``critic_free``; this class holds the models, optimizers and the passes they
-share. Around it, each in its own module: records to tensors (``batch``), the models as loaded (``models``), the step
-count, policy version and KL coefficient (``state``), rank 0's commands to a torchrun group (``group``) and the
-weights as they leave the trainer (``export``).
+Design: docs/training.md#algorithms; where each method lives: docs/code-tour.md#classes-built-from-mixins.
 """
 
 from __future__ import annotations
@@ -79,7 +62,8 @@ class TrainerEngine(PPOStage, CriticFreeStages):
             check_teacher_tokenizer(student, cfg.actor_rollout_ref.ref.load, self.tokenizer)
         self.actor = models.load_actor(cfg, actor_path, self.device, self.group)
         t = cfg.training
-        # fused AdamW, TRL's default ("adamw_torch_fused"): 4-6x faster optimizer steps than the per-tensor loop (CPU)
+        # fused AdamW, TRL's default ("adamw_torch_fused"): faster than the per-tensor loop (docs/training.md,
+        # "Precision, packing and devices")
         fused = self.device.type in ("cpu", "cuda")
         self.actor_optim = optim.actor_optim(cfg)
         self.actor_opt = optim.adamw(self.actor, self.actor_optim, fused)

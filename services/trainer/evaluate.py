@@ -1,16 +1,10 @@
 """Evaluation during training (the ``eval`` section): held-out prompts sent straight to the rollout replicas'
-``Generate`` and scored by the reward service's ``Score``, reported as ``eval/*`` rows of ``metrics.jsonl`` (on the
-step evaluated), TensorBoard / W&B and the progress line.
+``Generate`` and scored by the reward service's ``Score``, reported as ``eval/*`` rows of ``metrics.jsonl``.
 
-It runs as an asyncio task beside training, never under the trainer's state lock: a step, its push and the next
-step go on while the replicas generate the eval samples, so training waits for evaluation only where the replicas'
-time is shared (its own generation time), and never for a push. Each evaluation first waits for the push of the
-step it evaluates (the samples are of that step's weights; ``eval/policy_version`` says which version served) and
-for the evaluation before it (one at a time, in step order). The eval samples are no prompt jobs: they never enter
-the prompt or experience streams, the admission counts or the staleness accounting.
-
-``rlhf eval`` (:mod:`services.eval_run`) runs one evaluation with this same class (:meth:`Evaluator.run`) against
-services given by address or started for it, and writes the same rows.
+An asyncio task beside training, never under the trainer's state lock; each evaluation first waits for the push of
+the step it evaluates and for the evaluation before it. The samples are no prompt jobs. ``rlhf eval``
+(:mod:`services.eval_run`) runs one evaluation with this same class (:meth:`Evaluator.run`).
+Design: docs/training.md (the ``eval`` section and ``rlhf eval``).
 """
 
 from __future__ import annotations

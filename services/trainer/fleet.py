@@ -58,7 +58,7 @@ class Fleet:
         self._collective = collective  # the collective push's backend and device (collective_backend)
         self._push_task: asyncio.Task | None = None
         # Bucket buffers of the per-step pushes, reused once a push no longer holds them: fresh memory costs a page
-        # fault per 4 KiB (an 86 MB policy: 0.04 s to copy into new memory, 0.009 s into a reused buffer).
+        # fault per 4 KiB (bench.pipeline, docs/benchmarks.md: the pipeline section's change 8).
         self._push_buffers = BufferPool()
         # Delta pushes (RLHF_WEIGHTS_DELTA=auto): the last update a replica took, kept (one more copy of the policy
         # in host memory) so the next push sends each replica only what changed since; None: the next goes in full.
@@ -137,7 +137,7 @@ class Fleet:
             self._replicas = set(addrs)
             # A replica whose last push failed (a host cut off, say) is left to the catch-up loop, which pushes to it
             # once it answers again: a push to it would wait out its connection deadline every step, and a trainer
-            # group trains only after its push (make cluster-check's rollout_cut trained one step in 30 s).
+            # group trains only after its push (make cluster-check's rollout_cut: docs/reliability.md, its figures).
             healthy = [a for a in addrs if a not in self._lagging]
             version = await self._push_to(healthy or addrs, packed)
         await self.publisher.pushed(version, jobs)

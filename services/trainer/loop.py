@@ -1,14 +1,9 @@
 """The trainer's ring driver: the ``Trainer`` object that owns the run.
 
-It consumes experience, runs one update per ``global_batch_size`` experience records (dropping records staler than
-``training.max_staleness`` and dead-lettering records that make a step fail), writes ``metrics.jsonl`` and
-checkpoints, and acknowledges experience only once a checkpoint covers the step it fed: a trainer killed at any moment
-loses nothing, and after a restart it skips the job ids its checkpoint says were trained. It stops (exit 0) after
-``training.train_iters`` steps, or earlier by a stopping rule (scoring failures, trainer-inference mismatch).
-
-Its parts: the prompt jobs and the admission state (``publisher``), the rollout replicas and the weight pushes
-(``fleet``), the trained job ids (``ledger``), the update step (``engine``). The servers around it are in
-``grpc_servicer``, ``http_app`` and ``main``.
+It consumes experience, runs one update per ``global_batch_size`` records, writes ``metrics.jsonl`` and checkpoints,
+and acknowledges experience only once a checkpoint covers it; it stops after ``training.train_iters`` steps or by a
+stopping rule. Its parts: ``publisher``, ``fleet``, ``ledger``, ``engine``; the servers around it: ``grpc_servicer``,
+``http_app``, ``main``. Design: docs/code-tour.md#1-a-prompt-job-to-its-training-step, docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -34,8 +34,7 @@ class PPOStage:
     def _side_threads(self) -> tuple[int, int] | None:
         """Intra-op threads of the actor's and the critic's side when they run side by side on a CPU (None: leave
         them as they are). Half each: one OpenMP team per model on these matmuls scales worse than two teams of
-        half the size side by side (small model, 2 cores: actor and critic on one thread each, side by side, took
-        0.58-0.68x the time of both on two threads one after the other; bench.critic_threads). The results agree within
+        half the size side by side (measured by bench.critic_threads, docs/benchmarks.md). The results agree within
         float32 rounding (bit for bit on the tiny test model; on the small one ~1e-7 on some CPUs, where a kernel's
         result depends on its thread count)."""
         n = torch.get_num_threads()

@@ -1,25 +1,11 @@
 """An OpenEnv environment server (``openenv-core`` 0.3) as an :class:`~rlhf.environments.base.Environment`:
 ``openenv:<http-url>`` in the environment registry (``openenv:http://127.0.0.1:8000``).
 
-One episode is one session of the server, through openenv-core's own client (``GenericEnvClient``: a WebSocket
-session at ``<url>/ws``, actions and observations as JSON dicts). The action's JSON schema comes from the server's
-``GET /schema``. The model sees the observation and that schema (verifiers' OpenEnv taskset shows them the same way:
-one user message holding ``{"observation": ..., "action_schema": ...}``) and answers with the action: a JSON object,
-a fenced JSON block, or, when the action has exactly one required field, that field's raw value. Each step's reward
-is OpenEnv's reward for the action; the episode ends when the server says ``done``.
-
-An answer that is not an action (no JSON object, or one the server's validation refuses) is the model's mistake, not
-the environment's: it gets a user message saying what was wrong, reward 0, and counts in ``action_errors``. The
-server failing (unreachable, an execution error, a broken reply) is an :class:`EnvironmentFailure`.
-
-An MCP environment (a server whose action is OpenEnv's ``CallToolAction``: ``MCPEnvironment`` behind
-``create_app``) is played with tools instead: its tools (``list_tools``) are the opening's tools, rendered by the chat
-template; each tool call the model writes (``parser``, :mod:`rlhf.tool_calls`) is one ``call_tool`` step answered
-by a ``tool`` message (the tool's text, or its error); a turn without a tool call is the final answer and ends the
-episode. The rewards of the calls' steps are the step's reward.
-
-Options: ``reset`` (keyword arguments for OpenEnv's reset; ``seed`` comes from the prompt job when it has one),
-``include_prompt`` (put the job's prompt messages before the observation; default true), ``parser``, ``timeout_s``.
+One episode is one session of the server through openenv-core's own client; the model sees the observation and the
+action's JSON schema and answers with the action, or, for an MCP environment, with tool calls. An answer that is not
+an action is the model's mistake (a message, reward 0, ``action_errors``); the server failing is an
+:class:`EnvironmentFailure`. Design (the session, the answer's forms, MCP environments, options):
+docs/environments.md#library-environments-verifiers-and-openenv.
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
 """Any ``verifiers`` (0.4, ``verifiers.v1``) environment as an :class:`~rlhf.environments.base.Environment`:
 ``verifiers:<taskset-id>`` in the environment registry.
 
-In verifiers 0.4 an environment is a *taskset* (a module exporting a ``vf.Taskset`` subclass; it loads ``vf.Task``
-objects: the data row, its ``@vf.reward`` / ``@vf.metric`` / ``@vf.stop`` hooks and judges, its MCP toolsets) and an
-*env* (``vf.Env.run(task, agents)``: the episode protocol; a plain taskset gets ``vf.SingleAgentEnv``, one
-segment; a multi-turn one opens ``agents.<seat>.interaction(task)`` and answers each model turn with the next user
-turn, as a game engine or a scripted user). verifiers normally runs a harness program that calls a model endpoint;
-here the rollout replica *is* the model and the harness, so the adapter runs the env's own ``run()`` with agents
-whose every model call waits for the replica's next :meth:`step`. Tools of the task's toolsets are served in-process
-through the ``mcp`` server the harness would have reached (schemas and calls as MCP makes them). Scoring is the
-library's: ``Task.score`` (rewards, metrics, judges) when a seat's run ends, ``Env.finalize`` when the episode ends;
-the episode reward is the sum of the weighted rewards on its traces (``Trace.reward``). A scoring hook that raises is
-an :class:`EnvironmentFailure`, never a reward 0.
-
-Options (``environment.options``): ``max_turns`` (model turns per seat; the seat's own ``max_turns`` also counts),
-``taskset`` (a dict of taskset config fields, e.g. ``{"split": "test"}``), ``parser`` (the tool-call format of
-the model's text, :mod:`rlhf.tool_calls`), ``timeout_s`` (how long a call waits for the episode).
-
-The prompt job names its task by ``info["verifiers_idx"]`` (its position in the taskset, as :func:`verifiers_rows`
-writes it) or, without it, by its prompt text (and system prompt, and label when several tasks share a text); the
-task's own opening starts the episode. Nothing here imports ``verifiers`` until an environment is built, so the
-registry works where it is not installed.
-
-Not covered: the harness side of verifiers (its programs, runtimes, sandboxes, ``@vf.intercept`` request rewrites,
-compaction) has no place in a replica-driven episode; tools that need a runtime (a box) and scoring hooks that take
-one are skipped, as verifiers skips them when scoring without a runtime. A multi-agent env plays every seat with the
-policy and must keep to one conversation (a second seat's turn is an EnvironmentFailure).
+The rollout replica is the model and the harness: the adapter runs the env's own ``run()`` with agents whose every
+model call waits for the replica's next :meth:`step`, serves the task's tools through its in-process ``mcp`` server,
+and scores with the library's own ``Task.score`` / ``Env.finalize`` (a hook that raises is an
+:class:`EnvironmentFailure`, never a reward 0). Nothing here imports ``verifiers`` until an environment is built.
+Design (options, how a job names its task, what is not covered):
+docs/environments.md#library-environments-verifiers-and-openenv.
 """
 
 from __future__ import annotations

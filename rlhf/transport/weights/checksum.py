@@ -1,16 +1,10 @@
-"""A bucket digest the accelerator computes: what a collective push over nccl/hccl checks instead of sha256.
+"""A bucket digest the accelerator computes: what a collective push over nccl/hccl checks instead of sha256, so a
+bucket that arrived in device memory is checked where it landed.
 
-sha256 runs on the host, so checking it on a bucket that arrived in device memory costs a device-to-host copy of
-every bucket (and the install copies it back). This digest is plain integer tensor arithmetic, exact on every
-device, so the bucket is checked where it landed and the same bytes give the same digest on the trainer's GPU, a
-replica's NPU or a CPU.
-
-The bytes are read as little-endian 16-bit words ``w_i`` (an odd last byte is one more word); the digest is, in two
-lanes with different position weights, ``sum_i w_i * c_i mod P`` with ``P = 2**31 - 1`` and
-``c_i = (a * i + b) mod (P - 1) + 1``. A word is below ``P`` and every weight is in ``[1, P - 1]``, so any change of
-one word changes both lanes, and moving a word changes them unless it moves by a multiple of ``P - 1`` words (4
-GiB). It detects corruption and misdelivery (a wrong, short or reordered bucket), not a forger: it is not a
-cryptographic hash, and the paths whose bytes cross an untrusted network (tcp, grpc, gloo) keep sha256.
+Little-endian 16-bit words ``w_i`` (an odd last byte is one more word), in two lanes with different position
+weights: ``sum_i w_i * c_i mod P``, ``P = 2**31 - 1``, ``c_i = (a * i + b) mod (P - 1) + 1``; exact integer
+arithmetic, the same on a GPU, an NPU or a CPU. It detects corruption and misdelivery, not a forger: the paths whose
+bytes cross an untrusted network keep sha256. Design: docs/weight-sync.md#backends-gloo-nccl-hccl.
 """
 
 from __future__ import annotations

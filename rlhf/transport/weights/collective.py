@@ -1,48 +1,12 @@
 """Collective weight transfer: the trainer (rank 0) broadcasts the safetensors buckets to every replica at once.
 
-The control stays the versioned, token-protected gRPC calls of the data plane: ``OpenWeightsTransfer`` with a
-``group`` (the trainer's rendezvous store: address, port, a key unique to this push) checks the header, reserves the
-replica's update slot and answers a ticket; the replica then joins the push's group in a thread and receives each
-bucket into its own buffer by ``broadcast``; ``CommitWeights(ticket)`` verifies every bucket's sha256 and the
-manifest (as every path does) and swaps. The group is formed afresh for each push from the replicas whose Open
-succeeded, so replicas that join or leave between pushes are simply in the next group or not:
-
-1. the trainer starts a ``TCPStore`` (its master) on a free port and sends Open to every replica;
-2. it writes, under the push's key, ``world_size`` and ``rank/<ticket hex>`` for each replica that answered a
-   ticket (ranks from 1 in that order): a replica learns its rank from its own ticket, so one that failed Open, or
-   does not exist, is never waited for. A replica that receives in several processes (a vLLM replica with tensor or
-   pipeline parallelism: one per worker) says so at Open (``OpenWeightsTransferResponse.ranks``); it is given that
-   many consecutive ranks (``ranks/<ticket hex>``) and each of its processes joins with the first plus its own
-   index (vLLM's ``parallel_config.rank``, as vLLM's own NCCL engine does), so the world is 1 + the sum;
-3. every member builds the push's process group on that store and the trainer broadcasts bucket by bucket.
-
-The backend travels in the group (``CollectiveGroup.backend``), so every member builds the same one: ``gloo`` (the
-buckets in host memory; any device), ``nccl`` (CUDA) or ``hccl`` (Ascend, torch_npu's ``ProcessGroupHCCL``). The
-trainer picks it from its device (:func:`trainer_backend`); a replica whose engine cannot run it refuses Open
-(:func:`check_backend`: ``CollectiveUnavailable``, FAILED_PRECONDITION) and is left out of the group. On nccl/hccl
-each bucket travels as a uint8 tensor on the device, and a replica receives it on its device. A single-process
-trainer packs its buckets on its device (``copy_weights(device=...)``) and sends each with a device digest
-(:mod:`~rlhf.transport.weights.checksum`) in place of its sha256: the replica checks it on the device and installs
-views of the received buffer, so the weights never pass through host memory on either side. A trainer group's
-streamed buckets are made on the host (copied host -> device one at a time to be sent) and carry sha256: the replica
-copies those to host memory for the hash and the parse (the install then copies them back).
-
-Failure: a member that dies mid-broadcast (kill -9 closes its sockets; a hung one trips the group's timeout) makes
-the broadcast raise on the trainer within ``timeout_s``, never hang. NCCL forms its communicator lazily, at the first
-broadcast, and no process-group timeout covers that (pytorch/pytorch#88103): a ticket holder that never joins would
-block rank 0 there for ever. So every step of the trainer's broadcast (forming the group, each bucket's broadcast)
-runs under a watchdog (:class:`TrainerGroup`): past ``timeout_s`` it aborts the group and the push fails with
-:class:`GroupTimeout`, even while the blocked call has not returned; the nccl groups are also non-blocking
-(``config.blocking = 0``, bounded by ``TORCH_NCCL_NONBLOCKING_TIMEOUT``), so their init can time out and be
-aborted on every member. The trainer then aborts every ticket of the push
-(``AbortWeightsTransfer``), so the survivors free their slot at once and keep serving their version, and the next
-push forms a group of the survivors. Bytes a replica received are never installed unless every digest matches.
-
-The replica's side is an engine's: the ``hf`` engine receives in the service process (:func:`receive_buckets`);
-the ``vllm`` engine inside its worker, through vLLM's own weight-transfer API (``init_weight_transfer_engine``,
-``start_weight_update``, ``update_weights`` per bucket, ``finish_weight_update`` at the commit), with a backend
-registered in vLLM's ``WeightTransferEngineFactory`` (``services/rollout/vllm_transfer.py``) that uses the helpers
-here. The bytes are not encrypted (like the data plane): off under TLS.
+The control stays the token-protected gRPC calls of the data plane (Open with a ``group``, then Commit); the group is
+formed afresh for each push from the replicas whose Open succeeded, on the trainer's ``TCPStore``, with the backend
+the trainer picks from its device (:func:`trainer_backend`: gloo, nccl, hccl) and a replica checks
+(:func:`check_backend`). The trainer's side is :class:`TrainerGroup` (each step under a watchdog:
+:class:`GroupTimeout`); a replica's is :func:`receive_buckets` (hf engine) or vLLM's worker
+(``services/rollout/vllm_transfer.py``). Plaintext, like the data plane: off under TLS.
+Design (ranks, backends, device digests, failure): docs/weight-sync.md#collective.
 """
 
 from __future__ import annotations

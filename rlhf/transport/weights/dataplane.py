@@ -1,38 +1,12 @@
 """Weight sync's raw-TCP data plane: the update's bytes on one plain TCP connection, the control on gRPC.
 
-Python gRPC tops out well below the loopback socket on large streams (HTTP/2 framing and one event-loop thread per
-side: a gRPC server that only discards the chunks reaches 0.3-0.4 of a raw socket copy), so the buckets travel
-outside it. The protocol (comments in proto/rlhf/v1/weights.proto):
+Python gRPC streaming tops out well below a loopback socket copy (bench.weight_sync, docs/benchmarks.md), so the
+buckets travel outside it: :meth:`WeightDataServer.open` (``OpenWeightsTransfer``) checks the header and answers a
+single-use ticket and the data port, :func:`send_buckets` sends the ticket and the buckets on one connection, and
+:meth:`WeightDataServer.take` (``CommitWeights``) returns the verified staged weights. Plaintext: off under TLS.
 
-1. ``OpenWeightsTransfer(header)`` (token-protected): :meth:`WeightDataServer.open` checks the header exactly as
-   the streaming path does (:func:`~rlhf.transport.weights.receive.receive_update`'s checks: stale version, manifest,
-   limits, another update in progress), takes the bucket buffers and answers a ticket (32 random bytes, single use)
-   and the data port;
-2. the client connects to the data port, sends the ticket, then the buckets' bytes in index order, then closes its
-   sending side (:func:`send_buckets`). The replica compares the ticket in constant time (unknown, used or expired:
-   it closes the connection) and ``recv_into``s straight into the bucket buffers in a thread, while a second thread
-   hashes what arrived (hashlib releases the GIL) and parses each finished bucket, as the stream path does;
-3. ``CommitWeights(ticket)`` (token-protected): :meth:`WeightDataServer.take` waits for the data and returns the
-   :class:`~rlhf.transport.weights.receive.StagedWeights` or raises the same errors (short data -> IncompleteUpdate,
-   bytes after the last bucket or a digest/content mismatch -> CorruptUpdate); the servicer swaps them in.
-
-An update the engine installs as it arrives (Open's ``stream``: vLLM's large updates) reserves no buffer at Open:
-its connection receives and verifies bucket after bucket into two buffers and hands each verified bucket to the
-engine (:class:`~rlhf.transport.weights.receive.BucketFeed`), and Commit returns once the engine has installed the
-last; any failure stops both sides (see ``EngineBase.install_streamed`` for what the replica then serves).
-
-Who can hold the replica's one update slot: only an authenticated Open, and only for bounded times. A ticket not
-presented within ``ttl`` of Open, a data connection that sends no ticket within ``TICKET_WAIT_S`` or makes no
-progress for ``read_timeout``, a transfer that is not complete within its deadline (``ttl`` plus the time its
-bytes take at ``min_rate`` bytes/s: a trickling connection cannot keep it), a sender that calls
-``AbortWeightsTransfer`` (:meth:`WeightDataServer.abort`), and a finished transfer not committed within ``ttl``:
-each is dropped at once, its buffers and the slot freed, the old weights serving. A connection without a valid
-ticket never touches the slot: it is closed after the ticket check, and at most ``MAX_PENDING_CONNECTIONS`` such
-connections wait for their ticket at a time (a new one evicts the oldest). Nothing received is unpickled: the buckets
-are safetensors, parsed by :func:`~rlhf.transport.weights.format.load_safetensors`.
-
-The data plane is plaintext: the header (with every bucket's sha256) comes over authenticated gRPC, so tampered
-bytes are refused, but they are not encrypted; the rollout service turns it off when it serves TLS.
+Design (the protocol, who can hold the update slot and for how long):
+docs/weight-sync.md#tcp-data-plane-rlhf_weights_data_port-on-the-replica.
 """
 
 from __future__ import annotations
@@ -77,13 +51,13 @@ DEFAULT_MIN_RATE = 8 << 20  # bytes/s: a transfer's deadline is ttl + total_byte
 MAX_PENDING_CONNECTIONS = 16  # connections that have not presented a ticket yet
 # recv_into / sha256 granularity. Each slice costs the receiving thread (and its hash lane) a GIL handover, and
 # beside a thread that holds the GIL (the replica's generation, vLLM's engine thread above all) each waits up to the
-# switch interval (5 ms): beside a pure-Python thread, 415 MB arrive and hash 1.2-1.5x faster in 16 MiB slices than
-# in 4 MiB ones, alone in 0.22-0.26 s either way (bench.recv_slices). Small enough that hashing follows the data
-# closely (the last slice of the last bucket is hashed after the transfer: ~10 ms at 16 MiB).
+# switch interval (5 ms), so beside such a thread larger slices arrive and hash faster, and alone the size changes
+# nothing (measured by bench.recv_slices, docs/benchmarks.md). Small enough that hashing follows the data closely
+# (only the last slice of the last bucket is hashed after the transfer).
 SLICE_BYTES = 16 << 20
 SEND_CHUNK_BYTES = 256 << 20  # the sender checks its deadline between sendall calls of this size
 _RECV_FLAGS = socket.MSG_WAITALL
-HASH_LANES = 4  # 415 MB on 2 loaded cores: 1 lane 0.93 s vs 2 lanes 0.73 s; 2 lanes 0.52 s vs 4 lanes 0.45 s
+HASH_LANES = 4  # hash lanes per transfer: 1, 2 and 4 compared in docs/benchmarks.md (weight sync, data plane profile)
 _SOCKET_BUFFER = 4 << 20  # loopback/LAN: larger kernel buffers mean fewer wake-ups per byte
 
 
@@ -591,9 +565,10 @@ def _receive_buckets(
     gets each bucket as served."""
     fulls = fulls if fulls is not None else [None] * len(buffers)
     rebuilt = rebuilt if rebuilt is not None else [None] * len(buffers)
-    # sha256 (~1.7 GB/s a core) is slower than the loopback copy: one thread falls behind and finishes its backlog
-    # alone after the last byte. Buckets alternate between HASH_LANES single-thread lanes (each bucket's slices stay
-    # in order on its lane), so the next bucket is hashed while the previous one's backlog drains.
+    # sha256 on one core is slower than the loopback copy (docs/benchmarks.md, weight sync): one thread falls behind
+    # and finishes its backlog alone after the last byte. Buckets alternate between HASH_LANES single-thread lanes
+    # (each bucket's slices stay in order on its lane), so the next bucket is hashed while the previous one's backlog
+    # drains.
     lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-verify") for _ in range(HASH_LANES)]
     finishing: list[Future] = []
     received = 0

@@ -1,20 +1,11 @@
 """Delta pushes: send only the 16-bit words of each bucket that changed since the update the replica holds.
 
-A few optimizer steps at a small learning rate leave most bf16 weights bit for bit as they were (an fp32 master
-weight's change must cross a bf16 rounding boundary to show), so the trainer compares each bucket of the new update
-with the same bucket of the last update a replica took (same layout: same names, dtypes and shapes) and sends, per
-bucket, the smallest of:
+:func:`make_delta` encodes each bucket as the smallest of ``sparse16``, ``runs16`` and the bucket in full; the
+replica rebuilds each bucket from its :class:`DeltaBase` and checks the rebuilt bucket's sha256 exactly as a full
+push's, so the result is verified bit for bit; a replica without that base refuses the header
+(``DeltaBaseMissing``) and gets the full update.
 
-- ``sparse16``: ``u64 n``, ``n`` x ``u32`` word index (ascending), ``n`` x ``u16`` new value (6 bytes a change);
-- ``runs16``: ``u64 r``, ``r`` x ``u32`` run start, ``r`` x ``u32`` run length, then the new values of every run
-  (8 bytes a run + 2 a change: a tensor that changed as a whole);
-- the bucket in full (the fallback: more changed than either encoding saves, or a layout that differs).
-
-Little-endian; a word is 2 bytes of the safetensors bucket (its header included), so the encoding is the same for
-every dtype. The header keeps the full update's digests (``BucketEntry.full_sha256``, ``WeightHeader.checksum``):
-the replica rebuilds each bucket from its base and the delta, and checks the rebuilt bucket's sha256 exactly as a
-full push's bucket is checked, so the result is verified bit for bit, never assumed. A replica without that base
-(:class:`DeltaBase`: version and checksum) refuses the header (``DeltaBaseMissing``) and gets the full update.
+Design (the encodings, when it pays, measurements): docs/weight-sync.md#delta-pushes-rlhf_weights_delta-on-the-trainer.
 """
 
 from __future__ import annotations

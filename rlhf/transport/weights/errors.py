@@ -1,18 +1,7 @@
 """Weight-sync refusals. Each subclasses an ``rlhf.serving.errors`` class, so the serving layer's one table
 (``ERROR_TABLE``, looked up along the MRO) gives its gRPC code and HTTP status; there is no second table here.
 
-=======================  ======================  ============================================================
-error                    gRPC code (HTTP)        when
-=======================  ======================  ============================================================
-StaleVersion             FAILED_PRECONDITION     the version is not newer than the one served (409)
-UpdateInProgress         FAILED_PRECONDITION     another update holds the replica's one update slot (409)
-CorruptUpdate            INVALID_ARGUMENT        bad header, out-of-order chunk, size or sha256 mismatch (400)
-IncompleteUpdate         INVALID_ARGUMENT        the data ended, was cut, timed out or was aborted (400)
-IncompatibleUpdate       INVALID_ARGUMENT        the manifest does not fit the served model (400)
-UpdateTooLarge           RESOURCE_EXHAUSTED      over the replica's byte limits (413)
-CollectiveUnavailable    FAILED_PRECONDITION     the replica cannot run the push's collective backend (409)
-DeltaBaseMissing         FAILED_PRECONDITION     a delta push's base is not the update this replica holds (409)
-=======================  ======================  ============================================================
+Each class's docstring says when it is raised; the list with codes and statuses: docs/weight-sync.md#the-package.
 """
 
 from __future__ import annotations

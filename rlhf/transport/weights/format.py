@@ -1,21 +1,12 @@
 """Weight-sync wire format: safetensors buckets behind a header, and the protobuf messages that carry them.
 
-Wire format (``RolloutService.UpdateWeights``, a client stream of ``WeightUpdate``; proto/rlhf/v1/weights.proto):
+A ``WeightHeader`` (version, parent version, manifest, buckets with their digests, checksum) and then the buckets,
+as ``WeightChunk``s on ``RolloutService.UpdateWeights`` (proto/rlhf/v1/weights.proto) or raw over the data plane.
+A bucket's layout is computed from its tensors' dtypes and shapes (:func:`bucket_layout`), so a packed and a
+streamed push of the same weights are the same bytes. Nothing is pickled: a received bucket's JSON header is
+checked and its tensors are ``torch.frombuffer`` views (:func:`load_safetensors`).
 
-1. one ``WeightHeader``: ``version`` (newer than the served one), ``parent_version`` (the version the trainer started
-   this update from; smaller than ``version``), the manifest (per tensor: name, safetensors dtype, shape, bucket),
-   the buckets (index 0..n-1, nbytes, sha256 hex), ``checksum`` = sha256 hex of the bucket digests (hex, ASCII)
-   concatenated in index order, ``total_bytes`` = sum of nbytes, ``format = "safetensors"``;
-2. then ``WeightChunk``s: bucket by bucket in index order, each bucket's bytes in order and without gaps
-   (``offset`` = bytes of that bucket sent before), every chunk non-empty. A bucket is a safetensors file of a group
-   of whole tensors (at most ``bucket_bytes``, or one tensor alone when it is larger), widest dtypes first so every
-   tensor is aligned; its layout is computed from the tensors' dtypes and shapes (:func:`bucket_layout`), so packing
-   copies each tensor once and a packed and a streamed push of the same weights are the same bytes.
-
-The same header and buckets travel over the TCP data plane (:mod:`rlhf.transport.weights.dataplane`) and are what a
-collective transfer announces (:mod:`rlhf.transport.weights.collective`). Nothing is pickled: a received bucket's
-JSON header is checked and its tensors are ``torch.frombuffer`` views into the received bytes
-(:func:`load_safetensors`).
+Design (every field and rule): docs/weight-sync.md#the-update.
 """
 
 from __future__ import annotations
@@ -35,8 +26,8 @@ from rlhf.v1 import weights_pb2
 
 FORMAT = "safetensors"
 MiB = 1 << 20
-# Measured on loopback (bench.weight_sync, with pre-serialised messages): 0.5-4 MiB chunks stream alike, 16-32 MiB
-# ones slower. 2 MiB plus the ~20-byte message prefix also fits gRPC's default 4 MiB receive limit.
+# The chunk size that streams best on loopback (bench.weight_sync: docs/weight-sync.md, the transports table); 2 MiB
+# plus the ~20-byte message prefix also fits gRPC's default 4 MiB receive limit.
 DEFAULT_CHUNK_BYTES = 2 * MiB
 DEFAULT_BUCKET_BYTES = 128 * MiB
 

@@ -57,7 +57,7 @@ def release_freed_memory() -> None:
 
 class BufferPool:
     """Bucket buffers kept from one update to the next. Fresh memory costs a page fault per 4 KiB on first touch
-    (about 1 GB/s here, as slow as the transfer itself); a replica that receives an update every training step
+    (as slow as the transfer itself: docs/weight-sync.md#the-update); a replica that receives an update every step
     reuses the buffers of an update whose tensors are gone (a double-buffering engine: the update before last).
 
     A buffer is free when nothing but the pool refers to it: the staged tensors hold it through the memoryview

@@ -1,15 +1,10 @@
 """A replica's side of weight sync: check a header, receive and verify the buckets, stage the tensors.
 
 :func:`receive_update` (or :class:`WeightReceiver`, which holds the replica's one update slot and reuses bucket
-buffers across versions through a :class:`BufferPool`) returns :class:`StagedWeights` only when every check passed,
-else raises a :class:`~rlhf.transport.weights.errors.WeightSyncError`; the old weights serve either way until the
-engine swaps the staged ones in. It takes ``WeightUpdate`` messages, or what
-:func:`~rlhf.transport.weights.format.decode_update` makes of the raw request bytes.
-
-The served version is not kept here: the receiver asks the replica's
-:class:`~rlhf.transport.weights.version.ServedVersion` (the engine's) before it allocates a byte, and the engine
-advances it at the swap. A client that cancels the call mid-stream cancels the handler: nothing is staged.
-Authentication is the servicer's job (before the receiver reads a byte).
+buffers through a :class:`BufferPool`) returns :class:`StagedWeights` only when every check passed, else raises a
+:class:`~rlhf.transport.weights.errors.WeightSyncError`; it asks the replica's ``ServedVersion`` before it allocates
+a byte, and the engine advances it at the swap. Authentication is the servicer's job. :class:`BucketFeed` hands
+verified buckets to an engine that installs them as they arrive. Design: docs/weight-sync.md#the-update.
 """
 
 from __future__ import annotations
@@ -84,8 +79,8 @@ class VerifiedBucket:
 
 _END = object()
 # Buckets on the replica at a time when the engine installs an update as it arrives: one being installed, the next
-# being received and checked. One slot saved ~50 MB of peak memory on a 5 GB update (bench.weight_sync --large; the
-# engine's own per-layer copies are the larger share) and took 1.4x the time: receive no longer overlaps install.
+# being received and checked. One slot saves a little peak memory and costs time, since receive no longer overlaps
+# install (measured by bench.weight_sync --large: docs/weight-sync.md#large-updates-installed-as-they-arrive-vllm).
 STREAM_SLOTS = 2
 
 

@@ -1,15 +1,11 @@
 """The trainer's side of weight sync: push one update to one replica or to many.
 
-Control always goes over authenticated gRPC (``authorization: Bearer <token>``); the bytes take the transport the
-caller picks (:data:`TRANSPORTS`): the replica's TCP data plane (``OpenWeightsTransfer``, the buckets on one plain
-TCP connection, ``CommitWeights``), the ``UpdateWeights`` stream of pre-serialised messages, or a collective
-broadcast. A refusal comes back as ``grpc.aio.AioRpcError`` with the code of its error class
-(``rlhf.serving.errors``' table).
+Control always goes over authenticated gRPC; the bytes take the transport the caller picks (:data:`TRANSPORTS`):
+the replica's TCP data plane, the ``UpdateWeights`` stream or a collective broadcast. The update is packed
+(:class:`~rlhf.transport.weights.pack.PackedWeights`) or streamed (:func:`push_weights_streamed`, a sharded trainer's
+push); the wire is the same. A refusal comes back as ``grpc.aio.AioRpcError`` with its error class's code.
 
-The update is either packed (:class:`~rlhf.transport.weights.pack.PackedWeights`: every bucket in memory, each
-replica reads them at its own pace) or streamed (:class:`~rlhf.transport.weights.pack.StreamedWeights`, a sharded
-trainer's push: :func:`push_weights_streamed` makes one bucket at a time and hands it to every replica's sender).
-The wire is the same either way.
+Design: docs/weight-sync.md#transports-rlhf_weights_transport-on-the-trainer.
 """
 
 from __future__ import annotations

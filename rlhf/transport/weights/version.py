@@ -1,17 +1,11 @@
 """The served weights version: one owner per replica, one rule for "newer".
 
 :class:`ServedVersion` is the only place a replica keeps the version it serves (with the update's parent version,
-checksum and load time); the engine swaps under it, the receiver and the data plane ask it before they read a
-byte, and ``GetWeightsVersion`` reports it. :func:`check_newer` is the one check every path uses.
+checksum and load time); :func:`check_newer` is the one check every path uses: ``0 <= parent_version < version``
+and ``version > served``. A continuation (``parent_version == served``) and a jump are both accepted, and
+:meth:`ServedVersion.advance` records which it was. This module imports no torch.
 
-An update ``(version, parent_version)`` is accepted over the served ``(served, served_parent)`` when
-
-- ``0 <= parent_version < version``: an update names the version it was trained from, which is older;
-- ``version > served``: versions never go backwards (a trainer that resumes publishes under a higher version);
-
-and it is a *continuation* when ``parent_version == served`` (the replica had every version in between), else a
-*jump* (a replica that missed pushes, or a trainer restored from a checkpoint): both are full state dicts, so both
-are accepted, and :meth:`ServedVersion.advance` records which it was. This module imports no torch.
+Design: docs/weight-sync.md#versions.
 """
 
 from __future__ import annotations
