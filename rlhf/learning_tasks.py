@@ -1,14 +1,10 @@
-"""Two small tasks that prove learning (``make converge``, docs/learning.md): problems, held-out split, warm starts.
+"""Two small tasks that prove learning (``make converge``): problems, held-out split, warm starts.
 
-- ``reverse_words``: "reverse: cat dog sun" -> "sun dog cat", two to four words of a 16-word vocabulary; partial
-  credit by the ``lcs_ratio`` rule (as PRIME-RL's reverse-text), a pass is an exact reversal.
-- ``addition``: "what is 7 plus 12?" -> "19", both terms in 0..20; a binary verifier (the ``math_verify`` rule).
-
-A problem is held out by a hash of its prompt text, so the split is the same everywhere and held-out problems never
-appear in training data or in the warm start. ``builtin:<task>`` is the training split, ``builtin:<task>/heldout``
-the held-out one; ``tiny:<task>`` is the tiny policy after a supervised warm start on a demonstrator that is right only
-part of the time, which leaves greedy held-out pass@1 between 0.1 and 0.5 (built once per cache and stamped, as
-``tiny:tools``). What RL does from there: docs/learning.md.
+``reverse_words`` ("reverse: cat dog sun" -> "sun dog cat", partial credit by ``lcs_ratio``) and ``addition`` ("what
+is 7 plus 12?" -> "19", ``math_verify``). A problem is held out by a hash of its prompt: ``builtin:<task>`` is the
+training split, ``builtin:<task>/heldout`` the held-out one. ``tiny:<task>`` is the tiny policy warm-started on a
+demonstrator that is right only part of the time (built once per cache and stamped). Design and curves:
+docs/learning.md.
 """
 
 from __future__ import annotations
