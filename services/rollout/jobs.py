@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -22,6 +24,13 @@ from rlhf.serving.errors import InvalidArgument
 from rlhf.v1 import common_pb2, experience_pb2, reference_pb2, reward_pb2
 from services.rollout import episodes
 from services.rollout.options import SamplingOptions, finish_reason_proto, options_from_proto
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlhf.environments.client import EnvironmentClient
+    from rlhf.serving import ServiceMetrics
+    from rlhf.v1.reference_pb2_grpc import ReferenceServiceStub
+    from rlhf.v1.reward_pb2_grpc import RewardServiceStub
+    from services.rollout.engine_types import RolloutEngine
 
 log = logging.getLogger("rlhf.rollout.worker")
 
@@ -36,11 +45,47 @@ class JobFailed(Exception):
         self.kind = kind
 
 
-class JobProcessing:
-    """The worker's job methods; the engine, stubs, limits and metrics they use are :class:`RolloutWorker`'s."""
+@dataclass(frozen=True)
+class JobSettings:
+    """What every job of one replica runs with (the :class:`~services.rollout.worker.RolloutWorker` arguments of the
+    same names)."""
+
+    replica_id: str
+    run_id: str  # the Experience's run when its job names none
+    defaults: Mapping[str, Any]  # sampling values for fields a job leaves unset (from the experiment config)
+    ref_temperature: float | None  # None: the sampling temperature (ExperimentConfig.logprob_temperature)
+    rpc_timeout_s: float  # deadline of one reward / reference call
+    rpc_retries: int
+    rpc_backoff_s: float
+    episode_attempts: int  # plays of one episode whose environment service lost it
+
+
+class JobRunner:
+    """One prompt job -> one Experience: samples from ``engine``, scores from ``reward``, reference log-probs from
+    ``reference``, multi-turn episodes against ``environment`` (None: this replica refuses episode jobs).
+    ``count_failure(kind)`` counts a failure that does not fail the job (the worker's stats and metrics)."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        reward: RewardServiceStub,
+        reference: ReferenceServiceStub,
+        environment: EnvironmentClient | None,
+        settings: JobSettings,
+        *,
+        count_failure: Callable[[str], None],
+        metrics: ServiceMetrics | None = None,
+    ):
+        self.engine = engine
+        self.reward = reward
+        self.reference = reference
+        self.environment = environment
+        self.settings = settings
+        self.metrics = metrics
+        self._count_failure = count_failure
 
     def sampling_options(self, p: common_pb2.SamplingParams) -> SamplingOptions:
-        return options_from_proto(p, self.defaults)
+        return options_from_proto(p, self.settings.defaults)
 
     async def process(self, job: experience_pb2.PromptJob) -> experience_pb2.Experience:
         """Generate, score and get reference log-probs for one job; returns its Experience (not yet written)."""
@@ -76,8 +121,8 @@ class JobProcessing:
         )
         ref_req.temperature = self._ref_temperature_for(opts)
         scores, refs = await asyncio.gather(
-            self._call("reward", self._reward.Score, score_req),
-            self._call("reference", self._ref.LogProbs, ref_req),
+            self._call("reward", self.reward.Score, score_req),
+            self._call("reference", self.reference.LogProbs, ref_req),
         )
         if len(scores.results) != len(samples) or len(refs.results) != len(samples):
             raise JobFailed(
@@ -87,12 +132,12 @@ class JobProcessing:
 
         exp = experience_pb2.Experience(
             job_id=job.job_id,
-            run_id=job.run_id or self.run_id,
+            run_id=job.run_id or self.settings.run_id,
             data_index=job.data_index,
             epoch=job.epoch,
             prompt_ids=prompt_ids,
             prompt_text=prompt_text,
-            replica_id=self.replica_id,
+            replica_id=self.settings.replica_id,
             created_at_unix_ms=int(time.time() * 1000),
             issued_policy_version=job.issued_policy_version,
         )
@@ -125,14 +170,14 @@ class JobProcessing:
     def _ref_temperature_for(self, opts: SamplingOptions) -> float:
         """The temperature the sampling log-probs are at (greedy ones are at 1.0), so the two line up; online DPO's
         reference log-probs are at 1.0 whatever the sampling temperature (TRL), as the trainer's are."""
-        if self.ref_temperature is not None:
-            return self.ref_temperature
+        if self.settings.ref_temperature is not None:
+            return self.settings.ref_temperature
         return 1.0 if opts.greedy else opts.temperature
 
     async def process_episodes(self, job: experience_pb2.PromptJob, environment: str) -> experience_pb2.Experience:
         """A multi-turn job: ``n`` episodes against the environment service (:mod:`services.rollout.episodes`),
         their reference log-probs, one Experience. The environment's rewards are the samples' scores."""
-        if self._env is None:
+        if self.environment is None:
             raise InvalidArgument(
                 f"job {job.job_id} is an episode of environment {environment!r}, but this replica has no "
                 "environment service (RLHF_ENVIRONMENT_ADDR)"
@@ -150,11 +195,11 @@ class JobProcessing:
         label = job.label if job.HasField("label") else None
 
         async def one(i: int) -> episodes.EpisodeResult:
-            for attempt in range(self.episode_attempts):
+            for attempt in range(self.settings.episode_attempts):
                 try:
                     return await episodes.play(
                         self.engine,
-                        self._env,
+                        self.environment,
                         episode_id=f"{job.job_id}/{i}/{attempt}",
                         environment=environment,
                         prompt=prompt,
@@ -168,11 +213,12 @@ class JobProcessing:
                     )
                 except episodes.EpisodeLost as err:
                     self._count_failure("environment_episode_lost")
-                    log.info("%s: job %s sample %d: %s; playing it again", self.replica_id, job.job_id, i, err)
+                    log.info("%s: job %s sample %d: %s; playing it again", self.settings.replica_id, job.job_id, i, err)
                 except episodes.EnvironmentUnreachable as err:
                     raise JobFailed("environment_unavailable", f"environment service: {err}") from None
             raise JobFailed(
-                "environment_episode_lost", f"the environment service lost the episode {self.episode_attempts} times"
+                "environment_episode_lost",
+                f"the environment service lost the episode {self.settings.episode_attempts} times",
             )
 
         results = await asyncio.gather(*(one(i) for i in range(opts.n)))
@@ -187,7 +233,7 @@ class JobProcessing:
                 items=[reference_pb2.LogProbsItem(prompt_ids=r.prompt_ids, response_ids=r.response_ids) for r in ok],
                 temperature=self._ref_temperature_for(opts),
             )
-            refs = list((await self._call("reference", self._ref.LogProbs, ref_req)).results)
+            refs = list((await self._call("reference", self.reference.LogProbs, ref_req)).results)
             if len(refs) != len(ok) or any(
                 len(x.logprobs) != len(r.response_ids) for x, r in zip(refs, ok, strict=False)
             ):
@@ -196,12 +242,12 @@ class JobProcessing:
         tok = self.engine.tokenizer
         exp = experience_pb2.Experience(
             job_id=job.job_id,
-            run_id=job.run_id or self.run_id,
+            run_id=job.run_id or self.settings.run_id,
             data_index=job.data_index,
             epoch=job.epoch,
             prompt_ids=first.prompt_ids,
             prompt_text=job.prompt_text,
-            replica_id=self.replica_id,
+            replica_id=self.settings.replica_id,
             created_at_unix_ms=int(time.time() * 1000),
             issued_policy_version=job.issued_policy_version,
         )
@@ -236,12 +282,12 @@ class JobProcessing:
         """One unary call with a deadline; UNAVAILABLE / DEADLINE_EXCEEDED are retried with backoff."""
         try:
             return await retry(
-                lambda: method(request, timeout=self.rpc_timeout_s, wait_for_ready=False),
+                lambda: method(request, timeout=self.settings.rpc_timeout_s, wait_for_ready=False),
                 lambda err: isinstance(err, grpc.aio.AioRpcError) and err.code() in RETRYABLE,
-                what=f"{self.replica_id}: {what} call failed",
+                what=f"{self.settings.replica_id}: {what} call failed",
                 log=log,
-                attempts=self.rpc_retries + 1,
-                initial_s=self.rpc_backoff_s,
+                attempts=self.settings.rpc_retries + 1,
+                initial_s=self.settings.rpc_backoff_s,
                 level=logging.INFO,
             )
         except grpc.aio.AioRpcError as err:

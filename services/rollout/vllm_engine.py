@@ -27,7 +27,7 @@ from typing import Any
 
 from rlhf.serving.errors import Internal, NotReady
 from services.rollout.engine import EngineBase
-from services.rollout.engine_types import EngineHooks, PromptResult, Sample
+from services.rollout.engine_types import EngineHooks, PromptResult, Sample, SwapResult
 from services.rollout.options import SamplingOptions
 from services.rollout.swap import read_checkpoint_manifest
 from services.rollout.vllm_lora import LoraSpec, VllmAdapters
@@ -87,10 +87,11 @@ def _top(position: dict[int, Any], k: int) -> list[tuple[int, float]]:
     return [(t, v) for rank, t, v in ranked if rank <= k and v > float("-inf")]
 
 
-class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
-    """The driver: start and close, the engine thread (inproc) or AsyncLLM (async), generation; the weight paths
-    are :class:`VllmAdapters`'s (LoRA adapters) and :class:`VllmWeights`'s (the whole model), listed first: their
-    methods override EngineBase's weight hooks."""
+class VllmEngine(EngineBase):
+    """The driver: start and close, the engine thread (inproc) or AsyncLLM (async), generation. Its two weight paths
+    are parts it holds: :attr:`weights` (:class:`VllmWeights`, the whole model), which EngineBase's weight hooks
+    delegate to, and :attr:`adapters` (:class:`VllmAdapters`, made at start with a ``lora`` spec), which takes every
+    push instead."""
 
     kind = "vllm"
 
@@ -113,7 +114,8 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
     ):
         super().__init__(model_path, model_name, hooks)
         # Adapter-only weight sync (actor_rollout.lora_sync adapter): pushes are LoRA adapters (vllm_lora.py)
-        self._init_adapters(lora)
+        self.lora = lora
+        self.adapters: VllmAdapters | None = None  # made at start, once the checkpoint's manifest is read
         if max_model_len:
             self.max_model_len = min(self.max_model_len, int(max_model_len))
         if mode is None:
@@ -134,7 +136,9 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
         # async driver
         self._async: Any = None
         self._inflight = 0
-        self._init_weights(staged_swap, inplace_load_bytes, load_bucket_bytes)
+        self.weights = VllmWeights(
+            self, staged_swap=staged_swap, inplace_load_bytes=inplace_load_bytes, load_bucket_bytes=load_bucket_bytes
+        )
 
     # ------------------------------------------------------------------------------------------------ start / close
 
@@ -177,7 +181,16 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
 
             torch._dynamo.config.disable = True
         self._manifest = await asyncio.to_thread(read_checkpoint_manifest, self.model_path)
-        self._start_adapters()
+        if self.lora is not None:  # a push is the adapter: checked against its names and shapes
+            self.adapters = VllmAdapters(
+                self.lora,
+                self.model_path,
+                self._manifest,
+                served=self.served,
+                lora_call=self._lora_call,
+                serving_again=self._serving_again,
+            )
+            self._manifest = self.adapters.manifest
         self._tokenizer = await asyncio.to_thread(load_tokenizer, self.model_path)
         if self.mode == "inproc":
             started: asyncio.Future = loop.create_future()
@@ -190,15 +203,14 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
 
             args = self._engine_args(AsyncEngineArgs)
             self._async = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
-        self._features = await self._worker_features()
-        self.staged_swap = self._decide_staged_swap()
+        await self.weights.start()
         self._mark_loaded()
         log.info(
             "vLLM engine (%s) ready: %s, max_model_len %d; weight loading: %s",
             self.mode,
             self.model_path,
             self.max_model_len,
-            self._features,
+            self.weights.features,
         )
 
     def default_enforce_eager(self) -> bool:
@@ -206,7 +218,7 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
         tensors the captured CUDA graphs read, so graphs stay valid across pushes, while the staged swap installs
         another copy of the model that no graph was captured on. The CPU stages by default, and Ascend's graph mode
         has not been run with a reload here, so both stay eager."""
-        return self.device_type != "cuda" or bool(self.staged_swap_setting)
+        return self.device_type != "cuda" or bool(self.weights.staged_swap_setting)
 
     @property
     def device_type(self) -> str:
@@ -214,6 +226,15 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
         from vllm.platforms import current_platform
 
         return str(current_platform.device_type)
+
+    @property
+    def device(self) -> Any:
+        """Where a collective push lands when it is received in this process (EngineBase.receive_collective, on a
+        worker without engine sessions: vLLM 0.23, vllm-ascend's set): vLLM's platform device. Without it an hccl push
+        raised AttributeError after the replica took its ticket, and the trainer waited out HCCL_CONNECT_TIMEOUT."""
+        import torch
+
+        return torch.device(self.device_type)
 
     async def close(self) -> None:
         await super().close()
@@ -225,8 +246,8 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
         if self._async is not None:
             eng, self._async = self._async, None
             await asyncio.to_thread(eng.shutdown)
-        if self._slots is not None:
-            self._slots.close()
+        if self.adapters is not None:
+            self.adapters.close()
         log.info("vLLM engine (%s) closed in %.2fs", self.mode, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------------------------------ inproc driver
@@ -377,6 +398,88 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
             self._inflight -= 1
         return final
 
+    async def _lora_call(self, method: str, arg: Any) -> Any:
+        """vLLM's ``add_lora`` / ``remove_lora`` (``method``) on this driver's engine: the adapter path's handle."""
+        if self.mode == "inproc":
+            return await self._call(lambda llm: getattr(llm, method)(arg))
+        return await getattr(self._async, method)(arg)
+
+    # ------------------------------------------------------------------------------------------------ weights
+    #
+    # EngineBase's weight hooks, routed to the part that serves this engine's pushes: the adapter path when there
+    # is one (a LoRA adapter per push, no pause), else the whole-model path. The swap gate and versions stay here.
+
+    async def swap_weights(
+        self, tensors: dict[str, Any], version: int, checksum: str, parent_version: int | None = None
+    ) -> SwapResult:
+        if self.adapters is not None:
+            return await self.adapters.swap(tensors, version, checksum, parent_version)
+        async with self.weights.update_lock():
+            return await super().swap_weights(tensors, version, checksum, parent_version)
+
+    async def _prepare_weights(self, tensors: dict[str, Any]) -> Any:
+        return await self.weights.prepare(tensors)
+
+    async def _load_weights(self, staged: Any) -> None:
+        await self.weights.load(staged)
+
+    def streams_update(self, total_bytes: int) -> bool:
+        return self.adapters is None and self.weights.streams_update(total_bytes)
+
+    async def install_streamed(self, header: Any, buckets: Any) -> SwapResult:
+        async with self.weights.update_lock():  # after any update still loading into the shadow
+            return await super().install_streamed(header, buckets)
+
+    async def _stream_begin(self, header: Any) -> None:
+        await self.weights.stream_begin(header)
+
+    async def _stream_bucket(self, bucket: Any) -> None:
+        await self.weights.stream_bucket(bucket)
+
+    async def _stream_end(self) -> None:
+        await self.weights.stream_end()
+
+    async def _stream_abort(self) -> None:
+        await self.weights.stream_abort()
+
+    async def receive_collective(self, group: Any, ticket: bytes, header: Any, per_bucket: list) -> tuple[Any, int]:
+        if self.adapters is None and self.weights.receives_collective:
+            return await self.weights.receive_collective(group, ticket, header, per_bucket)
+        # into this process: vLLM reads an adapter from its folder, and a worker without engine sessions cannot
+        # receive while it generates (on the device for nccl/hccl)
+        return await super().receive_collective(group, ticket, header, per_bucket)
+
+    @property
+    def collective_ranks(self) -> int:
+        # an adapter's collective push is received by this process alone, whatever vLLM's worker count
+        return 1 if self.adapters is not None else self.weights.collective_ranks
+
+    # The whole-model path's settings and state, read (and in tests set) on the engine
+
+    @property
+    def load_path(self) -> str:
+        return self.weights.load_path
+
+    @property
+    def staged_swap_setting(self) -> bool | None:
+        return self.weights.staged_swap_setting
+
+    @property
+    def staged_swap(self) -> bool:
+        return self.weights.staged_swap
+
+    @staged_swap.setter
+    def staged_swap(self, value: bool) -> None:
+        self.weights.staged_swap = value
+
+    @property
+    def inplace_load_bytes(self) -> int | None:
+        return self.weights.inplace_load_bytes
+
+    @inplace_load_bytes.setter
+    def inplace_load_bytes(self, value: int | None) -> None:
+        self.weights.inplace_load_bytes = value
+
     # ------------------------------------------------------------------------------------------------ generation
 
     def _sampling_params(self, o: SamplingOptions) -> Any:
@@ -405,15 +508,14 @@ class VllmEngine(VllmAdapters, VllmWeights, EngineBase):
     async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
         # vLLM refuses n > 1 with greedy decoding: send n requests of one sample each instead
         reps = params.n if params.greedy and params.n > 1 else 1
-        if self._slots is None:
+        if self.adapters is None:
             return self._results(prompts, params, version, reps, await self._submit(prompts, params, reps, None))
         # bound to the adapter of the version it was admitted under (before any await: no swap comes in between)
-        lora = self._slots.acquire(version)
+        lora = self.adapters.acquire(version)
         try:
             outs = await self._submit(prompts, params, reps, lora)
         finally:
-            for done in self._slots.release(version):
-                await self._unload_adapter(done)
+            await self.adapters.release(version)
         return self._results(prompts, params, version, reps, outs)
 
     async def _submit(self, prompts: list[list[int]], params: SamplingOptions, reps: int, lora: Any) -> list[Any]:

@@ -15,16 +15,19 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhf.config_rules import VLLM_LORA_RANKS
 from rlhf.lora import adapter_manifest, write_adapter
 from rlhf.serving.errors import Internal
-from services.rollout.engine import EngineBase
 from services.rollout.engine_types import SwapResult
 from services.rollout.swap import check_state_dict
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlhf.transport.weights.version import ServedVersion
 
 log = logging.getLogger("rlhf.rollout.vllm")
 
@@ -109,59 +112,62 @@ class AdapterSlots:
 
 
 class VllmAdapters:
-    """The adapter path of :class:`~services.rollout.vllm_engine.VllmEngine` (listed first in its bases): its
-    overrides of the weight hooks when the engine serves adapters (``_slots`` set at start), else the full-model
-    paths of :class:`~services.rollout.vllm_weights.VllmWeights`. Its state comes from :meth:`_init_adapters` and
-    :meth:`_start_adapters`, which the driver calls; the driver provides ``mode``, ``_call`` and ``_async``, and
-    EngineBase ``served``, ``model_path`` and ``_manifest``."""
+    """The adapter path of :class:`~services.rollout.vllm_engine.VllmEngine`, a part the engine makes at start when
+    it serves adapters (``engine.adapters``; None: pushes are whole models): every push is an adapter, checked
+    against :attr:`manifest` (the base checkpoint's, narrowed to the adapter's names and shapes), written to a
+    private folder and loaded by vLLM. The engine routes its swaps and its generations' adapters here.
 
-    _slots: AdapterSlots | None
-    _adapter_lock: asyncio.Lock
+    ``served``: the engine's served version, which an adapter swap checks and advances; ``lora_call(method, arg)``:
+    vLLM's ``add_lora`` / ``remove_lora`` on the engine's driver; ``serving_again``: called once a swap is in (a
+    replica that waited for a complete update serves again)."""
 
-    def _init_adapters(self, lora: LoraSpec | None) -> None:
-        """The adapter path's state, from the engine's ``lora`` argument (None: full-model pushes)."""
-        self.lora = lora
-        self._slots = None  # made at start (_start_adapters), once the checkpoint's manifest is read
-        self._adapter_lock = asyncio.Lock()
+    def __init__(
+        self,
+        spec: LoraSpec,
+        base_path: Path,
+        base_manifest: dict[str, tuple[int, ...]],
+        *,
+        served: ServedVersion,
+        lora_call: Callable[[str, Any], Awaitable[Any]],
+        serving_again: Callable[[], None],
+    ):
+        self.manifest = adapter_manifest(base_manifest, spec.r, list(spec.target_modules))
+        self.slots = AdapterSlots(spec, str(base_path))
+        self._served = served
+        self._lora_call = lora_call
+        self._serving_again = serving_again
+        self._lock = asyncio.Lock()
 
-    def _start_adapters(self) -> None:
-        """At start, after the checkpoint's manifest is read: a push is the adapter, checked against its names and
-        shapes, and its folders go in a private directory."""
-        if self.lora is not None:
-            self._manifest = adapter_manifest(self._manifest, self.lora.r, list(self.lora.target_modules))
-            self._slots = AdapterSlots(self.lora, str(self.model_path))
-
-    async def swap_weights(
+    async def swap(
         self, tensors: dict[str, Any], version: int, checksum: str, parent_version: int | None = None
     ) -> SwapResult:
-        if self._slots is None:
-            return await super().swap_weights(tensors, version, checksum, parent_version)
+        """The engine's ``swap_weights`` for an adapter push: no pause (see the module docstring)."""
         parent = version - 1 if parent_version is None else parent_version
-        async with self._adapter_lock:  # one adapter swap at a time; generation goes on throughout
-            self.served.check(version, parent)
-            check_state_dict(tensors, self._manifest)
+        async with self._lock:  # one adapter swap at a time; generation goes on throughout
+            self._served.check(version, parent)
+            check_state_dict(tensors, self.manifest)
             t0 = time.perf_counter()
-            request = await asyncio.to_thread(self._slots.write, tensors, version)
+            request = await asyncio.to_thread(self.slots.write, tensors, version)
             del tensors
             try:
-                await self._engine_lora("add_lora", request)  # loaded now, not by the first request that needs it
+                await self._lora_call("add_lora", request)  # loaded now, not by the first request that needs it
             except Exception as err:
-                self._slots.remove_folder(request)
+                self.slots.remove_folder(request)
                 what = f"{type(err).__name__}: {err}"
                 raise Internal(f"vLLM could not load the adapter of version {version} ({what})") from err
             t1 = time.perf_counter()
-            unload = self._slots.switch(version, request)
-            self.served.advance(version, parent, checksum)
+            unload = self.slots.switch(version, request)
+            self._served.advance(version, parent, checksum)
             self._serving_again()
         log.info(
             "serving the LoRA adapter of weights version %d (%d tensors, %.1f KiB written in %.3f s)",
             version,
-            len(self._manifest),
+            len(self.manifest),
             sum(f.stat().st_size for f in Path(request.lora_path).iterdir()) / 1024,
             t1 - t0,
         )
         for old in unload:
-            await self._unload_adapter(old)
+            await self._unload(old)
         return SwapResult(
             version=version,
             checksum=checksum,
@@ -171,31 +177,25 @@ class VllmAdapters:
             prepare_seconds=t1 - t0,
         )
 
-    @property
-    def collective_ranks(self) -> int:
-        # an adapter's collective push is received by this process alone, whatever vLLM's worker count
-        return 1 if self._slots is not None else super().collective_ranks
+    def acquire(self, version: int) -> Any:
+        """The adapter request a generation admitted under ``version`` runs on (None: the base), held until
+        :meth:`release`."""
+        return self.slots.acquire(version)
 
-    def streams_update(self, total_bytes: int) -> bool:
-        return False if self._slots is not None else super().streams_update(total_bytes)
+    async def release(self, version: int) -> None:
+        """A generation on ``version`` finished: unload the adapters no request needs any more."""
+        for done in self.slots.release(version):
+            await self._unload(done)
 
-    async def receive_collective(self, group: Any, ticket: bytes, header: Any, per_bucket: list) -> tuple[Any, int]:
-        if self._slots is None:
-            return await super().receive_collective(group, ticket, header, per_bucket)
-        # vLLM reads an adapter from its folder: the buckets come into this process (on the device for nccl/hccl)
-        return await EngineBase.receive_collective(self, group, ticket, header, per_bucket)
-
-    async def _engine_lora(self, method: str, arg: Any) -> Any:
-        if self.mode == "inproc":
-            return await self._call(lambda llm: getattr(llm, method)(arg))
-        return await getattr(self._async, method)(arg)
-
-    async def _unload_adapter(self, request: Any) -> None:
+    async def _unload(self, request: Any) -> None:
         """Drop an adapter whose last request has finished, from the engine and from disk. A failure only costs
         memory (vLLM evicts least recently used adapters past max_cpu_loras), so it is logged, not raised."""
         try:
-            await self._engine_lora("remove_lora", request.lora_int_id)
+            await self._lora_call("remove_lora", request.lora_int_id)
             log.info("unloaded the adapter of weights version %d (its requests are done)", request.lora_int_id)
         except Exception as err:  # noqa: BLE001 - see the docstring
             log.warning("unloading the adapter %s failed: %s", request.lora_name, err)
-        self._slots.remove_folder(request)
+        self.slots.remove_folder(request)
+
+    def close(self) -> None:
+        self.slots.close()

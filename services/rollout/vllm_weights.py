@@ -11,11 +11,13 @@ docs/weight-sync.md#large-updates-installed-as-they-arrive-vllm.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from rlhf.serving.errors import Internal
 
@@ -87,28 +89,39 @@ async def areset_prefix_cache(llm: Any) -> None:
         raise RuntimeError("vLLM could not reset its prefix cache after a weight update (blocks still held)")
 
 
+class VllmDriver(Protocol):
+    """What the weight path uses of the driver it runs on (:class:`~services.rollout.vllm_engine.VllmEngine`)."""
+
+    mode: str  # "inproc": vLLM's LLMEngine on the engine thread; "async": AsyncLLM, its engine core a subprocess
+    engine_kwargs: dict[str, Any]  # what vLLM's engine is built with
+    _async: Any  # the AsyncLLM (async mode, once started)
+
+    @property
+    def device_type(self) -> str: ...
+
+    async def _call(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(llm)`` on the engine thread, between two steps (inproc)."""
+        ...
+
+    async def _rpc(self, method: str, *args: Any) -> Any:
+        """One worker call; the first worker's answer."""
+        ...
+
+
 class VllmWeights:
-    """The weight paths of :class:`~services.rollout.vllm_engine.VllmEngine`: its overrides of
-    :class:`~services.rollout.engine.EngineBase`'s weight hooks (``swap_weights``, ``_prepare_weights``,
-    ``_load_weights``, ``install_streamed`` and its ``_stream_*`` steps, ``receive_collective``) and the worker
-    sessions behind them.
+    """The whole-model weight path of :class:`~services.rollout.vllm_engine.VllmEngine`, a part the engine holds
+    (``engine.weights``): how an update goes into vLLM's worker (staged, installed, or streamed in as it arrives), the
+    worker sessions behind it, and its settings and state. The engine's weight hooks of
+    :class:`~services.rollout.engine.EngineBase` call it; the swap gate and the served version stay the engine's.
 
-    A mixin, listed before EngineBase in the engine's bases, rather than an object the engine holds: these are
-    EngineBase's template methods (they call ``super()``), and their state (``load_path``, ``staged_swap``,
-    ``inplace_load_bytes``, the worker's features) is the engine's, read by the servicer and the tests. The class it
-    is mixed into is the driver: it provides ``mode`` (``inproc`` | ``async``), ``_call`` (a function of the
-    LLMEngine on the engine thread), ``_rpc`` (one worker call), ``_async`` (the AsyncLLM), ``engine_kwargs`` and
-    ``device_type``, and calls :meth:`_init_weights` from its ``__init__``.
-    """
+    ``staged_swap``, ``inplace_load_bytes`` and ``load_bucket_bytes``: the engine's ``__init__`` arguments of the same
+    names."""
 
-    # provided by the driver (VllmEngine)
-    mode: str
-    engine_kwargs: dict[str, Any]
-    _async: Any
-
-    def _init_weights(self, staged_swap: bool | None, inplace_load_bytes: int | None, load_bucket_bytes: int) -> None:
-        """The weight paths' settings and state, from the engine's ``__init__`` arguments of the same names."""
-        self._features: dict[str, bool] = {}  # what the worker offers (rlhf_features), asked at start
+    def __init__(
+        self, driver: VllmDriver, *, staged_swap: bool | None, inplace_load_bytes: int | None, load_bucket_bytes: int
+    ):
+        self._driver = driver
+        self.features: dict[str, bool] = {}  # what the worker offers (rlhf_features), asked at start
         self.load_path = ""  # how the last update went in: "staged_swap", "weight_transfer" or "reload"
         # Staged swaps (vllm_shadow.py): None = where the worker supports them, on the CPU; True = wherever the worker
         # supports them (a second copy of the weights in device memory); False = never.
@@ -121,6 +134,11 @@ class VllmWeights:
         self.inplace_load_bytes = inplace_load_bytes
         self.load_bucket_bytes = load_bucket_bytes  # what one worker call carries of an update received whole
 
+    async def start(self) -> None:
+        """Once the driver runs: what the worker offers, and so whether updates are staged."""
+        self.features = await self._worker_features()
+        self.staged_swap = self.decide_staged_swap()
+
     # ------------------------------------------------------------------------------------------------ weights
     #
     # Weights go in through vLLM's weight-transfer API (init / start / update / finish, our backend of
@@ -130,7 +148,7 @@ class VllmWeights:
 
     async def _worker_features(self) -> dict[str, bool]:
         try:
-            return dict(await self._rpc("rlhf_features"))
+            return dict(await self._driver._rpc("rlhf_features"))
         except Exception as err:  # noqa: BLE001 - an older worker extension: the reload path only
             log.warning("the vLLM worker does not report its features (%s); loading through reload_weights", err)
             return {"weight_transfer": False, "engine_sessions": False, "reload_weights": True}
@@ -139,7 +157,7 @@ class VllmWeights:
         """(``start``) start_weight_update, one update_weights per entry of ``updates``, then (``finish``)
         finish_weight_update and a prefix-cache reset: on the engine thread in one call in-process, else call by
         call."""
-        if self.mode == "inproc":
+        if self._driver.mode == "inproc":
 
             def run(llm: Any) -> None:  # generation waits meanwhile
                 rpc = llm.collective_rpc
@@ -157,9 +175,9 @@ class VllmWeights:
                     rpc("finish_weight_update")
                     reset_prefix_cache(llm)
 
-            await self._call(run)
+            await self._driver._call(run)
             return
-        rpc = self._async.collective_rpc
+        rpc = self._driver._async.collective_rpc
         try:
             if start:
                 await rpc("start_weight_update")
@@ -172,56 +190,51 @@ class VllmWeights:
             await rpc("update_weights", args=(u,))
         if finish:
             await rpc("finish_weight_update")
-            await areset_prefix_cache(self._async)
+            await areset_prefix_cache(self._driver._async)
 
-    def _decide_staged_swap(self) -> bool:
+    def decide_staged_swap(self) -> bool:
+        """Whether updates are staged beside the live model: the setting, and what the worker can do."""
         want = self.staged_swap_setting
         if want is False:
             return False
-        if not self._features.get("staged_swap"):
-            why = self._features.get("staged_swap_unsupported") or "the worker extension is older"
+        if not self.features.get("staged_swap"):
+            why = self.features.get("staged_swap_unsupported") or "the worker extension is older"
             if want:
                 raise ValueError(f"actor_rollout.staged_weight_swap is on but this vLLM worker cannot stage: {why}")
             log.info("weight updates load inside the swap gate (no staged swap: %s)", why)
             return False
-        return bool(want) or self.device_type == "cpu"
+        return bool(want) or self._driver.device_type == "cpu"
 
     @property
-    def device(self) -> Any:
-        """Where a collective push lands when it is received in this process (EngineBase.receive_collective, on a
-        worker without engine sessions: vLLM 0.23, vllm-ascend's set): vLLM's platform device. Without it an hccl push
-        raised AttributeError after the replica took its ticket, and the trainer waited out HCCL_CONNECT_TIMEOUT."""
-        import torch
-
-        return torch.device(self.device_type)
+    def receives_collective(self) -> bool:
+        """Whether vLLM's worker receives a collective push itself (:meth:`receive_collective`); else the buckets
+        come into this process (EngineBase.receive_collective) and the commit hands them over."""
+        return bool(self.features.get("engine_sessions"))
 
     @property
     def collective_ranks(self) -> int:
         """How many ranks this replica joins a collective push's group with (reported at Open): one per vLLM worker
         (tensor x pipeline parallel, as the workers report it) when the workers receive the buckets, else one (this
-        process receives, :meth:`receive_collective`)."""
-        features = getattr(self, "_features", None) or {}
-        if not features.get("engine_sessions"):
+        process receives)."""
+        if not self.receives_collective:
             return 1
-        reported = features.get("parallel_world_size")
+        reported = self.features.get("parallel_world_size")
         if reported:
             return int(reported)
-        kw = self.engine_kwargs  # a worker extension that does not report it: what the engine was built with
+        kw = self._driver.engine_kwargs  # a worker extension that does not report it: what the engine was built with
         return int(kw.get("tensor_parallel_size", 1) or 1) * int(kw.get("pipeline_parallel_size", 1) or 1)
 
     async def receive_collective(self, group: Any, ticket: bytes, header: Any, per_bucket: list) -> tuple[Any, int]:
         """A collective push received by vLLM's worker through vLLM's weight-transfer API (backend
         ``rlhf_collective``): join the push's group (gloo, or nccl/hccl on the worker's own device), start an update,
         one ``update_weights`` per bucket (received, verified and staged in the worker's host memory; the model
-        untouched). :meth:`_load_weights` finishes it at the commit. A worker that loads every update into the model
-        as it arrives (no engine sessions: vLLM 0.23) cannot receive while the model generates: the buckets then come
-        into this process, and the commit hands them over."""
+        untouched). :meth:`load` finishes it at the commit. Only where :attr:`receives_collective` (a worker without
+        engine sessions, vLLM 0.23, loads every update into the model as it arrives: it cannot receive while the model
+        generates)."""
         from rlhf.transport.weights.collective import GROUP_ERRORS
         from rlhf.transport.weights.errors import IncompleteUpdate
         from rlhf.transport.weights.receive import StagedInEngine
 
-        if not self._features.get("engine_sessions"):
-            return await super().receive_collective(group, ticket, header, per_bucket)
         init = {
             "address": group.address,
             "port": group.port,
@@ -241,7 +254,7 @@ class VllmWeights:
             for i, b in enumerate(header.buckets)
         ]
         try:
-            await self._rpc("init_weight_transfer_engine", init)
+            await self._driver._rpc("init_weight_transfer_engine", init)
             await self._session(buckets, finish=False)
         except GROUP_ERRORS as err:
             raise IncompleteUpdate(
@@ -249,13 +262,13 @@ class VllmWeights:
             ) from None
         return StagedInEngine.fromkeys(t.name for t in header.tensors), header.total_bytes
 
-    async def swap_weights(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.staged_swap:
-            return await super().swap_weights(*args, **kwargs)
-        async with self._stage_lock:  # the shadow holds one update: staging and swap of the next wait for this one
-            return await super().swap_weights(*args, **kwargs)
+    def update_lock(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        """Held around a whole swap or streamed install: with the staged swap on, the shadow holds one update, so the
+        staging and swap of the next wait for this one; else nothing to wait for."""
+        return self._stage_lock if self.staged_swap else contextlib.nullcontext()
 
-    async def _prepare_weights(self, tensors: dict[str, Any]) -> Any:
+    async def prepare(self, tensors: dict[str, Any]) -> Any:
+        """EngineBase's ``_prepare_weights``: stage an update while the old weights serve."""
         if self.staged_swap:
             return await self._stage_in_shadow(tensors)
         if getattr(tensors, "in_engine", False):  # already in the worker (receive_collective)
@@ -265,7 +278,7 @@ class VllmWeights:
         # engine-core subprocess gets one safetensors file per part (vLLM's RPC carries bytes intact, tensors nested
         # in an update's fields it does not).
         groups = _groups(tensors, self.load_bucket_bytes)
-        if self.mode == "inproc":
+        if self._driver.mode == "inproc":
             return _Parts(groups)
         return _Parts([await asyncio.to_thread(_safetensors_bytes, dict(g)) for g in groups])
 
@@ -286,18 +299,18 @@ class VllmWeights:
         in_engine = bool(getattr(tensors, "in_engine", False))
         state: dict = {}
         if in_engine:  # what the worker received itself (a collective push): staged there in one go
-            await self._rpc("rlhf_shadow_stage_transfer", uid)
+            await self._driver._rpc("rlhf_shadow_stage_transfer", uid)
         else:
             steps: list[tuple[str, Any]] = [("rlhf_shadow_begin", None)]
             steps += [("rlhf_shadow_add", g) for g in _groups(tensors, self.load_bucket_bytes)]
             del tensors
             for method, group in [*steps, ("rlhf_shadow_end", None)]:
                 args: tuple = (uid,)
-                if group is not None and self.mode == "inproc":  # the tensors themselves: nothing is serialised
+                if group is not None and self._driver.mode == "inproc":  # the tensors themselves: nothing is serialised
                     method, args = "rlhf_shadow_add_tensors", (uid, group)
                 elif group is not None:  # serialised one part at a time: one part's copy at most
                     args = (uid, await asyncio.to_thread(_safetensors_bytes, dict(group)))
-                await self._rpc(method, *args)
+                await self._driver._rpc(method, *args)
                 del group, args
                 state = await self._shadow_idle()  # one part in the worker at a time
                 if state["error"]:
@@ -313,12 +326,13 @@ class VllmWeights:
     async def _shadow_idle(self) -> dict:
         """Poll the worker (between engine steps) until no update is loading into its shadow; its last state."""
         while True:
-            state = await self._rpc("rlhf_shadow_poll")
+            state = await self._driver._rpc("rlhf_shadow_poll")
             if state["done"]:
                 return state
             await asyncio.sleep(0.005)
 
-    async def _load_weights(self, staged: Any) -> None:
+    async def load(self, staged: Any) -> None:
+        """EngineBase's ``_load_weights``: install what :meth:`prepare` staged (inside the gate)."""
         if isinstance(staged, _Shadowed):  # loaded beside the live model: swap the two between two steps
             await self._swap_shadow(staged)
             return
@@ -330,13 +344,13 @@ class VllmWeights:
             log.info("vLLM weights installed through the weight-transfer API (%d tensors)", len(staged))
             return
         parts = staged.parts
-        if self._features.get("weight_transfer"):  # one update_weights per part, loaded as it comes
+        if self.features.get("weight_transfer"):  # one update_weights per part, loaded as it comes
             await self._session([self._part_info(i, p) for i, p in enumerate(parts)])
             self.load_path = "weight_transfer"
             log.info("vLLM weights loaded through the weight-transfer API (%d parts)", len(parts))
             return
         # A worker without the API: the worker extension gathers the parts and reloads them in one reload_weights
-        if self.mode == "inproc":
+        if self._driver.mode == "inproc":
 
             def _reload(llm: Any) -> Any:
                 rpc = llm.collective_rpc
@@ -347,14 +361,14 @@ class VllmWeights:
                 reset_prefix_cache(llm)
                 return r
 
-            info = await self._call(_reload)
+            info = await self._driver._call(_reload)
         else:
-            rpc = self._async.collective_rpc
+            rpc = self._driver._async.collective_rpc
             await rpc("rlhf_load_begin")
             for p in parts:
                 await rpc("rlhf_load_part", args=(p,))
             info = await rpc("rlhf_load_end")
-            await areset_prefix_cache(self._async)
+            await areset_prefix_cache(self._driver._async)
         self.load_path = "reload"
         log.info("vLLM weights reloaded: %s", info)
 
@@ -364,16 +378,10 @@ class VllmWeights:
         return (
             self.inplace_load_bytes is not None
             and total_bytes >= self.inplace_load_bytes
-            and bool(self._features.get("weight_transfer"))  # incremental update_weights into the live model
+            and bool(self.features.get("weight_transfer"))  # incremental update_weights into the live model
         )
 
-    async def install_streamed(self, header: Any, buckets: Any) -> Any:
-        if not self.staged_swap:
-            return await super().install_streamed(header, buckets)
-        async with self._stage_lock:  # after any update still loading into the shadow
-            return await super().install_streamed(header, buckets)
-
-    async def _stream_begin(self, header: Any) -> None:
+    async def stream_begin(self, header: Any) -> None:
         log.info(
             "weight update %d (%.2f GB, %d buckets, %s=%s): loading into the serving model bucket by bucket as "
             "it arrives; generation paused until it is complete",
@@ -384,21 +392,21 @@ class VllmWeights:
             self.inplace_load_bytes,
         )
         if self.staged_swap:  # its second copy of the weights is what this path avoids: give it back
-            await self._rpc("rlhf_shadow_drop")
+            await self._driver._rpc("rlhf_shadow_drop")
         await self._session([], finish=False)
 
-    async def _stream_bucket(self, bucket: Any) -> None:
-        if self.mode == "inproc":  # the verified bucket's tensors, views into the received buffer: no copy
+    async def stream_bucket(self, bucket: Any) -> None:
+        if self._driver.mode == "inproc":  # the verified bucket's tensors, views into the received buffer: no copy
             info = {"index": bucket.index, "nbytes": 0, "sha256": "", "items": list(bucket.tensors.items())}
         else:
             info = {"index": bucket.index, "nbytes": 0, "sha256": "", "data": bucket.data}
         await self._session([info], start=False, finish=False)
 
-    async def _stream_end(self) -> None:
+    async def stream_end(self) -> None:
         await self._session([], start=False)
         self.load_path = "inplace_streamed"
 
-    async def _stream_abort(self) -> None:
+    async def stream_abort(self) -> None:
         # finish_weight_update ends the layer-wise load (layers that got nothing get their old tensors back) so the
         # model runs again; a worker whose update_weights raised has closed the session itself: open and end one
         try:
@@ -407,7 +415,7 @@ class VllmWeights:
             await self._session([])
 
     async def _swap_shadow(self, staged: _Shadowed) -> None:
-        if self.mode == "inproc":
+        if self._driver.mode == "inproc":
 
             def _swap(llm: Any) -> Any:
                 r = llm.collective_rpc("rlhf_shadow_swap", args=(staged.update_id,))
@@ -416,12 +424,13 @@ class VllmWeights:
                 reset_prefix_cache(llm)
                 return r[0]
 
-            info = await self._call(_swap)
+            info = await self._driver._call(_swap)
         else:
-            info = (await self._async.collective_rpc("rlhf_shadow_swap", args=(staged.update_id,)))[0]
+            llm = self._driver._async
+            info = (await llm.collective_rpc("rlhf_shadow_swap", args=(staged.update_id,)))[0]
             if staged.in_engine:
-                await self._async.collective_rpc("finish_weight_update")
-            await areset_prefix_cache(self._async)
+                await llm.collective_rpc("finish_weight_update")
+            await areset_prefix_cache(llm)
         self.load_path = "staged_swap"
         log.info(
             "vLLM weights swapped in (staged beside the live model in %.3fs, swap %.4fs)",

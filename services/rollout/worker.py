@@ -33,10 +33,11 @@ from rlhf.v1 import (
     reference_pb2_grpc,
     reward_pb2_grpc,
 )
-from services.rollout.jobs import JobFailed, JobProcessing
+from services.rollout.jobs import JobFailed, JobRunner, JobSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from rlhf.config import ExperimentConfig
+    from rlhf.environments.client import EnvironmentClient
     from rlhf.serving import ServiceMetrics
     from services.rollout.engine_types import RolloutEngine
 
@@ -77,8 +78,10 @@ def _env_num(env: Mapping[str, str], name: str, default: float, cast: type = flo
     return value
 
 
-class RolloutWorker(JobProcessing):
-    """Prompt jobs in, experience out, for one replica. ``await worker.run()``; ``worker.stop()`` ends it."""
+class RolloutWorker:
+    """Prompt jobs in, experience out, for one replica. ``await worker.run()``; ``worker.stop()`` ends it. The queue
+    side is here; each job runs on a :class:`~services.rollout.jobs.JobRunner` that :meth:`run` makes once the
+    reward, reference and environment clients are open."""
 
     def __init__(
         self,
@@ -120,20 +123,23 @@ class RolloutWorker(JobProcessing):
         self.max_inflight_jobs = max_inflight_jobs
         self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
         self.reclaim_interval_s = reclaim_interval_s if reclaim_interval_s is not None else max(reclaim_idle_s / 4, 0.1)
-        self.rpc_timeout_s = rpc_timeout_s
-        self.rpc_retries = rpc_retries
-        self.rpc_backoff_s = rpc_backoff_s
         self.max_deliveries = max_deliveries
         self.block_ms = block_ms
         self.drain_s = drain_s
-        self.defaults = dict(default_sampling or {})
-        self.ref_temperature = ref_temperature  # None: the sampling temperature (ExperimentConfig.logprob_temperature)
         self.catch_up_wait_s = catch_up_wait_s
         self.environment_addr = environment_addr
         # a call's deadline: past the service's own per-call timeout, whose error names the environment that was slow
         self.environment_timeout_s = environment_timeout_s if environment_timeout_s is not None else rpc_timeout_s
-        self.episode_attempts = episode_attempts  # plays of one episode whose environment service lost it
-        self._env: Any = None
+        self.job_settings = JobSettings(
+            replica_id=self.replica_id,
+            run_id=run_id,
+            defaults=dict(default_sampling or {}),
+            ref_temperature=ref_temperature,
+            rpc_timeout_s=rpc_timeout_s,
+            rpc_retries=rpc_retries,
+            rpc_backoff_s=rpc_backoff_s,
+            episode_attempts=episode_attempts,
+        )
         self.stats = WorkerStats()
         self._stop = asyncio.Event()
         self._inflight: dict[str, asyncio.Task] = {}  # prompt entry id -> task
@@ -224,21 +230,40 @@ class RolloutWorker(JobProcessing):
         """Stop taking jobs; :meth:`run` returns after the jobs in flight finish (or ``drain_s`` passes)."""
         self._stop.set()
 
+    def job_runner(
+        self,
+        reward: reward_pb2_grpc.RewardServiceStub,
+        reference: reference_pb2_grpc.ReferenceServiceStub,
+        environment: EnvironmentClient | None = None,
+    ) -> JobRunner:
+        """The runner of this worker's jobs over these clients (:meth:`run` opens them)."""
+        return JobRunner(
+            self.engine,
+            reward,
+            reference,
+            environment,
+            self.job_settings,
+            count_failure=self._count_failure,
+            metrics=self.metrics,
+        )
+
     async def run(self) -> None:
         self.running = True
         redis = connect(self.redis_url)
         self._prompts = PromptQueue(redis, self.run_id, max_deliveries=self.max_deliveries)
         self._experience = ExperienceQueue(redis, self.run_id)
-        self._reward_ch = open_channel(self.reward_addr, self.settings)
-        self._ref_ch = open_channel(self.reference_addr, self.settings)
-        self._reward = reward_pb2_grpc.RewardServiceStub(self._reward_ch)
-        self._ref = reference_pb2_grpc.ReferenceServiceStub(self._ref_ch)
+        reward_ch = open_channel(self.reward_addr, self.settings)
+        ref_ch = open_channel(self.reference_addr, self.settings)
+        env = None
         if self.environment_addr:
             from rlhf.environments.client import EnvironmentClient
 
-            self._env = EnvironmentClient(
+            env = EnvironmentClient(
                 self.environment_addr, self.settings.api_token, self.environment_timeout_s, settings=self.settings
             )
+        jobs = self.job_runner(
+            reward_pb2_grpc.RewardServiceStub(reward_ch), reference_pb2_grpc.ReferenceServiceStub(ref_ch), env
+        )
         log.info(
             "rollout worker %s: run %s, reward %s, reference %s, up to %d jobs at once",
             self.replica_id,
@@ -250,13 +275,13 @@ class RolloutWorker(JobProcessing):
         try:
             while not self.engine.ready and not self._stop.is_set():
                 await asyncio.sleep(0.1)
-            await self._loop()
+            await self._loop(jobs)
         finally:
             await self._drain()
-            await self._reward_ch.close()
-            await self._ref_ch.close()
-            if self._env is not None:
-                await self._env.aclose()
+            await reward_ch.close()
+            await ref_ch.close()
+            if env is not None:
+                await env.aclose()
             await redis.aclose()
             self.running = False
             log.info("rollout worker %s stopped: %s", self.replica_id, self.stats)
@@ -290,7 +315,7 @@ class RolloutWorker(JobProcessing):
         self._gave_up = False
         return self._published
 
-    async def _loop(self) -> None:
+    async def _loop(self, jobs: JobRunner) -> None:
         next_reclaim = time.monotonic() + self.reclaim_interval_s
         error_backoff = 0.2
         stop_wait = asyncio.create_task(self._stop.wait())
@@ -360,7 +385,7 @@ class RolloutWorker(JobProcessing):
                         self._published,
                     )
                 for entry_id, job in records:
-                    task = asyncio.create_task(self._run_job(entry_id, job), name=f"rollout-job-{job.job_id}")
+                    task = asyncio.create_task(self._run_job(jobs, entry_id, job), name=f"rollout-job-{job.job_id}")
                     self._inflight[entry_id] = task
                     task.add_done_callback(lambda _t, e=entry_id: self._inflight.pop(e, None))
         finally:
@@ -385,11 +410,11 @@ class RolloutWorker(JobProcessing):
         if self.metrics is not None:
             self.metrics.count_error(f"rollout_job_{kind}")
 
-    async def _run_job(self, entry_id: str, job: experience_pb2.PromptJob) -> None:
+    async def _run_job(self, jobs: JobRunner, entry_id: str, job: experience_pb2.PromptJob) -> None:
         t0 = time.perf_counter()
         code = "OK"
         try:
-            exp = await self.process(job)
+            exp = await jobs.process(job)
             written = await self._publish(exp, entry_id)
             if written is None:
                 code = "DUPLICATE"

@@ -268,7 +268,7 @@ def test_vllm_loads_weights_through_the_weight_transfer_api(tiny_models, state, 
         await eng.start()
         try:
             features = {"weight_transfer": True, "engine_sessions": True, "reload_weights": True, "staged_swap": True}
-            assert eng._features == {**features, "staged_swap_unsupported": "", "parallel_world_size": 1}
+            assert eng.weights.features == {**features, "staged_swap_unsupported": "", "parallel_world_size": 1}
             assert not eng.staged_swap
             o = SamplingOptions(n=2, max_tokens=8, seed=1)
             a = await eng.generate(PROMPTS, o)
@@ -280,7 +280,7 @@ def test_vllm_loads_weights_through_the_weight_transfer_api(tiny_models, state, 
             await eng.swap_weights(state, 2, "o")
             paths.append(eng.load_path)
             c = await eng.generate(PROMPTS, o)
-            eng._features = {**eng._features, "weight_transfer": False}  # a worker without the API
+            eng.weights.features = {**eng.weights.features, "weight_transfer": False}  # a worker without the API
             await eng.swap_weights(dict(moved), 3, "p")
             paths.append(eng.load_path)
             d = await eng.generate(PROMPTS, o)

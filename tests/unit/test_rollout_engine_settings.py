@@ -39,12 +39,12 @@ def test_staged_weight_swap_reaches_the_engine_and_is_decided_by_the_worker(tiny
     cfg = _cfg() if setting is None else _cfg(staged_weight_swap=setting)
     engine = make_engine(cfg, kind="vllm")
     assert engine.staged_swap_setting is setting
-    engine._features = {"staged_swap": worker_can, "staged_swap_unsupported": "" if worker_can else "no reload"}
+    engine.weights.features = {"staged_swap": worker_can, "staged_swap_unsupported": "" if worker_can else "no reload"}
     if staged == "refused":
         with pytest.raises(ValueError, match="staged_weight_swap is on but .* cannot stage: no reload"):
-            engine._decide_staged_swap()
+            engine.weights.decide_staged_swap()
     else:
-        assert engine._decide_staged_swap() is staged
+        assert engine.weights.decide_staged_swap() is staged
 
 
 def test_defaults_leave_vllm_defaults():

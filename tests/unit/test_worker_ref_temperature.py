@@ -44,10 +44,9 @@ def _reference_temperature(stage: str, temperature: float) -> float:
             results=[reference_pb2.TokenLogProbs(logprobs=[-1.0, -1.0, -1.0]) for _ in req.items]
         )
 
-    worker._reward = SimpleNamespace(Score=score)
-    worker._ref = SimpleNamespace(LogProbs=logprobs)
+    jobs = worker.job_runner(SimpleNamespace(Score=score), SimpleNamespace(LogProbs=logprobs))
     job = experience_pb2.PromptJob(job_id="j", prompt_ids=[2, 5], params=common_pb2.SamplingParams(n=2))
-    asyncio.run(worker.process(job))
+    asyncio.run(jobs.process(job))
     return seen["temperature"]
 
 
