@@ -1,8 +1,8 @@
-"""One prompt job -> one experience record, mixed into :class:`services.rollout.worker.RolloutWorker`.
+"""One prompt job -> one experience record: :class:`JobRunner`, built by :class:`services.rollout.worker.RolloutWorker`.
 
-Single-turn (:meth:`JobProcessing.process`): generate ``job.params.n`` samples with the weights served now, then call
+Single-turn (:meth:`JobRunner.process`): generate ``job.params.n`` samples with the weights served now, then call
 ``RewardService.Score`` and ``ReferenceService.LogProbs`` concurrently (a deadline per call, a few retries of
-UNAVAILABLE / DEADLINE_EXCEEDED with backoff: :meth:`JobProcessing._call`). Multi-turn (:meth:`process_episodes`):
+UNAVAILABLE / DEADLINE_EXCEEDED with backoff: :meth:`JobRunner._call`). Multi-turn (:meth:`process_episodes`):
 episodes against the environment service named in the job's metadata (:mod:`services.rollout.episodes`). A failure
 raises :class:`JobFailed`, and the worker leaves the job pending.
 """

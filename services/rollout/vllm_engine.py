@@ -2,8 +2,9 @@
 
 Two drivers, one behaviour: ``inproc`` (vLLM's in-process engine core, stepped by one thread; the service's default
 on CPU) and ``async`` (``AsyncLLM``, engine core in a subprocess; GPU/NPU images). Engine settings come from
-:func:`services.rollout.factory.vllm_engine_kwargs`; the weight-update paths are :class:`VllmWeights`, mixed in
-from :mod:`services.rollout.vllm_weights`.
+:func:`services.rollout.factory.vllm_engine_kwargs`. It holds two parts: the weight-update paths
+(:class:`services.rollout.vllm_weights.VllmWeights`) and the LoRA adapters
+(:class:`services.rollout.vllm_lora.VllmAdapters`).
 
 Design (drivers, output kind, log-prob mode): docs/services.md#rollout ("How the engines work").
 """

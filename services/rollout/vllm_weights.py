@@ -1,5 +1,5 @@
-"""How weight updates go into the ``vllm`` engine's worker: :class:`VllmWeights`, the weight-update half of
-:class:`services.rollout.vllm_engine.VllmEngine`.
+"""How weight updates go into the ``vllm`` engine's worker: :class:`VllmWeights`, a part that
+:class:`services.rollout.vllm_engine.VllmEngine` holds (``engine.weights``).
 
 Parts of at most ``load_bucket_bytes`` go through vLLM's weight-transfer API (:mod:`services.rollout.vllm_transfer`),
 into a staged swap's shadow (:mod:`services.rollout.vllm_shadow`) or through the worker extension

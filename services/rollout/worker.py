@@ -2,7 +2,7 @@
 
 Started by :func:`maybe_start_worker` (from ``services.rollout.main``) when ``RLHF_REDIS_URL`` is set, beside the
 gRPC/HTTP servers and sharing their engine. This module is the queue side (read, reclaim, publish-and-ack, stop);
-one job -> one record is :class:`services.rollout.jobs.JobProcessing`, mixed in.
+one job -> one record is :class:`services.rollout.jobs.JobRunner`, built by :meth:`RolloutWorker.job_runner`.
 
 Design: docs/code-tour.md#1-a-prompt-job-to-its-training-step (a job's path), docs/services.md#rollout (failures,
 the ``RLHF_ROLLOUT_*`` settings), docs/weight-sync.md#replicas-that-start-late (waiting for the published version).
