@@ -26,7 +26,7 @@ one thread; vLLM's CPU worker turns torch.set_num_threads into a no-op for the w
 threads, which its in-process driver does not bind: this puts the real one back). The next phase takes the last
 run's output, and the trainer's state advances at each update (what counts is the time per phase). "t threads" is
 the intra-op threads the process grants: the update at t >= 2 runs the actor and the critic side by side on
-t - t // 2 and t // 2 of them (``TrainerEngine._side_threads``), at t = 1 one after the other on one thread.
+t - t // 2 and t // 2 of them (``PPOStage._side_threads``), at t = 1 one after the other on one thread.
 
 The bound: a phase's core-seconds at t are the least of its wall time times t and the process CPU seconds it
 measurably used (medians over the steady steps), its best the least over t; the bound's step time is the sum of the
@@ -247,7 +247,7 @@ def roofline(trainer, exps: list, update_s: float) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     cfg = trainer.actor.config
-    trainer._parallel_critic = lambda: False
+    trainer.ppo._parallel_critic = lambda: False
     with FlopCounterMode(display=False) as counter:
         trainer.step(exps)
     flops = counter.get_total_flops()

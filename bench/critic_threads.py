@@ -6,7 +6,7 @@ as in bench.pipeline), stepping on the same experience batches of bench.pipeline
 arithmetic prompts + 16 response tokens), interleaved (A, B, B, A, ...), in this process with every core's threads.
 ``sequential``: the actor's passes, then the critic's, each with all threads (what the engine did on a CPU whose
 cores the intra-op threads fill); ``side_by_side``: the critic's passes in a second thread, the actor's on this one,
-each with half of the threads (``TrainerEngine._side_threads``). Figure: median seconds per step; ratio:
+each with half of the threads (``PPOStage._side_threads``). Figure: median seconds per step; ratio:
 sequential / side by side (> 1: side by side is faster). The losses of the two engines must agree within float32
 rounding: the same operations, run with 1 thread per side against 2 (tests/trainer/test_engine.py asserts it bit for
 bit on the tiny model; on the small model some kernel's result depends on the thread count on some CPUs: 0 on the
@@ -28,7 +28,7 @@ def main() -> None:
     started = time.monotonic()
 
     def sequential(engine) -> None:
-        engine._parallel_critic = lambda: False
+        engine.ppo._parallel_critic = lambda: False
 
     times, losses = trainer_step_ab(
         "critic_threads", {"sequential": sequential, "side_by_side": lambda engine: None}, ROUNDS, BATCH

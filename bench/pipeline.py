@@ -723,7 +723,7 @@ NOTES = [
     "trainer has both during an update. bench.ring_threads (asynchronous small-model PPO ring, A/B/B/A, load "
     "average 8-16): 2.94 vs 1.11 samples/s, 2.65x over one thread per process; on a loaded machine part of that "
     "is more threads winning more CPU from other jobs, so the quiet-machine gain is smaller",
-    "change 3, the critic beside the actor on half of the threads each (TrainerEngine._side_threads; in this ring's "
+    "change 3, the critic beside the actor on half of the threads each (PPOStage._side_threads; in this ring's "
     "trainer and in the bound, which run the same engine): before, on a CPU whose cores the intra-op threads filled, "
     "the critic's passes ran after the actor's, each on every thread. The profile: the step is matmul-bound on "
     "8-row minibatches of ~30 tokens (hidden 512), where one OpenMP team of 2 scales poorly (TRL's tiny PPO: 1.5-2.4 "

@@ -1,4 +1,4 @@
-"""The critic-free stages, mixed into :class:`services.trainer.engine.TrainerEngine`.
+"""The critic-free stages: :class:`CriticFreeStages`, over the engine's ``TrainerPasses``.
 
 * ``ray_grpo`` / ``ray_rloo`` / ``ray_reinforce_plus_plus``: advantages from the ``n`` samples of each prompt (one
   experience record holds one prompt's group), the math of ``rlhf.algo.critic_free``;
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,11 +19,24 @@ from services.trainer import optim
 from services.trainer.batch import RolloutBatch, has_episodes
 from services.trainer.optim import append_stats
 
+if TYPE_CHECKING:
+    from services.trainer.passes import TrainerPasses
+
 log = logging.getLogger("rlhf.trainer")
 
 
 class CriticFreeStages:
-    """The critic-free stages' methods; the models, optimizers and passes they use are :class:`TrainerEngine`'s."""
+    """The critic-free stages: :meth:`update` on a batch (online DPO under ``ray_online_dpo``, else the GRPO family)
+    and :meth:`rejection_sampling`. The models, optimizers and their passes are ``passes``'s (the trainer engine's);
+    this class holds no state of its own."""
+
+    def __init__(self, passes: TrainerPasses):
+        self.passes = passes
+
+    def update(self, b: RolloutBatch) -> dict[str, float]:
+        if self.passes.cfg.training.stage == "ray_online_dpo":
+            return self._online_dpo(b)
+        return self._group(b)
 
     def _group(self, b: RolloutBatch) -> dict[str, float]:
         """GRPO / RLOO / REINFORCE++: advantages from each prompt's group of samples, no critic.
@@ -31,32 +45,33 @@ class CriticFreeStages:
         OpenRLHF's REINFORCE++); here only the model passes: the on-policy old log-probs and the minibatch updates
         over epochs (TRL's ``num_iterations``).
         """
-        cfg, a, alg, C = self.cfg, self.cfg.actor, self.cfg.algorithm, b.context_length
+        p = self.passes
+        cfg, a, alg, C = p.cfg, p.cfg.actor, p.cfg.algorithm, b.context_length
         estimator = cfg.critic_free_estimator
         trl_rloo = estimator == "rloo" and alg.rloo_convention == "trl"
         kl_in_loss = estimator in ("grpo", "dr_grpo")
-        beta = self.state.kl_coef
+        beta = p.state.kl_coef
         if has_episodes(b):
             responses, mask, contains_eos = algo.episode_completion_mask(
-                b.responses, b.loss_mask, b.episodes, b.episode_done, self.eos_id, self.pad_id
+                b.responses, b.loss_mask, b.episodes, b.episode_done, p.eos_id, p.pad_id
             )
             every_token = mask  # an episode's tokens to compare with the sampler's: the model's own
             if alg.mask_truncated_completions:
                 mask = mask & contains_eos[:, None]
         else:
             responses, mask, contains_eos = algo.completion_mask(
-                b.responses, self.eos_id, self.pad_id, alg.mask_truncated_completions
+                b.responses, p.eos_id, p.pad_id, alg.mask_truncated_completions
             )
             every_token = None
         scores = algo.penalize_missing_eos(b.scores, contains_eos, alg.missing_eos_penalty)
         zero = torch.zeros((), device=responses.device)
         ref = torch.where(mask, b.ref_logprobs, zero)
         with torch.no_grad():
-            old_logprobs, _ = self._actor_rows(b.query_responses, responses, C)
+            old_logprobs, _ = p.actor_rows(b.query_responses, responses, C)
         # over every response token, also of the completions mask_truncated_completions keeps out of the loss
         if every_token is None:
-            every_token = algo.completion_mask(b.responses, self.eos_id, self.pad_id)[1]
-        mismatch = self._mismatch(b, old_logprobs, every_token)
+            every_token = algo.completion_mask(b.responses, p.eos_id, p.pad_id)[1]
+        mismatch = p.mismatch(b, old_logprobs, every_token)
         old_logprobs = torch.where(mask, old_logprobs, zero)
         advantages, kl = algo.critic_free_advantages(
             estimator,
@@ -82,7 +97,7 @@ class CriticFreeStages:
                 task_advantages=advantages,
                 reward_coef=distill.reward_coef,
             )
-        behavior = self._behavior(b, old_logprobs)
+        behavior = p.behavior(b, old_logprobs)
         if trl_rloo:
             old_seq = algo.masked_sum(old_logprobs, mask, dim=1)
             behavior_seq = None if behavior is None else algo.masked_sum(behavior, mask, dim=1)
@@ -101,7 +116,7 @@ class CriticFreeStages:
 
         def micro_loss(mb: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
             # entropies carry a gradient only with the bonus (a loss term only then)
-            new_logprobs, entropies = self._actor_rows(
+            new_logprobs, entropies = p.actor_rows(
                 b.query_responses[mb], responses[mb], C, entropy=bool(a.entropy_coeff)
             )
             entropy_mask = None
@@ -156,8 +171,8 @@ class CriticFreeStages:
             )
             return loss
 
-        epochs = (self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch) for _ in range(a.ppo_epochs))
-        self._actor_epochs(epochs, a.micro_batch_size, micro_loss, stats)
+        epochs = (p.minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch) for _ in range(a.ppo_epochs))
+        p.actor_epochs(epochs, a.micro_batch_size, micro_loss, stats)
         metrics = {k: sum(v) / len(v) for k, v in stats.items()}
         metrics["objective/kl"] = algo.masked_sum(kl, mask, dim=1).mean().item()
         metrics["objective/scores"] = scores.mean().item()
@@ -167,34 +182,35 @@ class CriticFreeStages:
         metrics.update(mismatch)
         return metrics
 
-    def _rejection_sampling(self, b: RolloutBatch) -> dict[str, float]:
+    def rejection_sampling(self, b: RolloutBatch) -> dict[str, float]:
         """Rejection-sampling fine-tuning (seed 002; Llama 2 alternates it with PPO): the best-scored sample of each
         prompt's group (``min_score``: if good enough), trained on by SFT: the mean negative log-likelihood of its
         response tokens (an episode's own tokens), at temperature 1, in the actor's minibatches and micro-batches."""
-        a, rs, C = self.cfg.actor, self.cfg.algorithm.rejection_sampling, b.context_length
+        p = self.passes
+        a, rs, C = p.cfg.actor, p.cfg.algorithm.rejection_sampling, b.context_length
         if has_episodes(b):
             responses, mask, _ = algo.episode_completion_mask(
-                b.responses, b.loss_mask, b.episodes, b.episode_done, self.eos_id, self.pad_id
+                b.responses, b.loss_mask, b.episodes, b.episode_done, p.eos_id, p.pad_id
             )
         else:
-            responses, mask, _ = algo.completion_mask(b.responses, self.eos_id, self.pad_id)
+            responses, mask, _ = algo.completion_mask(b.responses, p.eos_id, p.pad_id)
         keep = algo.best_of_group(b.scores, b.group, rs.min_score)
         metrics = {"rft/kept": float(len(keep)), "rft/groups": float(len(torch.unique(b.group)))}
         if not len(keep):
-            log.info("step %d: rejection sampling kept no sample (min_score %s)", self.state.step + 1, rs.min_score)
+            log.info("step %d: rejection sampling kept no sample (min_score %s)", p.state.step + 1, rs.min_score)
             return metrics
         metrics["rft/kept_score_mean"] = b.scores[keep].mean().item()
         stats: dict[str, list[float]] = {}
 
         def micro_loss(mu: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
             rows, whole = keep[mu], keep[mb]
-            logprobs, _ = self._actor_rows(b.query_responses[rows], responses[rows], C, temperature=1.0)
+            logprobs, _ = p.actor_rows(b.query_responses[rows], responses[rows], C, temperature=1.0)
             loss = -algo.masked_mean(logprobs, mask[rows])
             append_stats(stats, {"loss/sft": loss.item()})
             return optim.micro_weight("tokens", mask[rows], mask[whole]) * loss
 
-        epochs = (self._minibatches(len(keep), a.ppo_mini_batch_size, a.shuffle_minibatch) for _ in range(rs.epochs))
-        self._actor_epochs(epochs, a.micro_batch_size, micro_loss, stats)
+        epochs = (p.minibatches(len(keep), a.ppo_mini_batch_size, a.shuffle_minibatch) for _ in range(rs.epochs))
+        p.actor_epochs(epochs, a.micro_batch_size, micro_loss, stats)
         metrics.update({k: sum(v) / len(v) for k, v in stats.items()})
         return metrics
 
@@ -204,7 +220,8 @@ class CriticFreeStages:
         As TRL's OnlineDPOTrainer: log-probs of the raw logits (no division by the sampling temperature), summed over
         each completion through its EOS.
         """
-        cfg, C = self.cfg, b.context_length
+        p = self.passes
+        cfg, C = p.cfg, b.context_length
         firsts, seconds = algo.dpo_pairs(b.group)
         if not firsts:
             raise ValueError("online DPO needs two scored samples per prompt; none in this batch")
@@ -212,12 +229,12 @@ class CriticFreeStages:
         idx = torch.tensor(firsts + seconds, device=b.responses.device)  # block layout [p0..pB-1, p0..pB-1]
         if has_episodes(b):
             responses, mask, contains_eos = algo.episode_completion_mask(
-                b.responses[idx], b.loss_mask[idx], b.episodes[idx], b.episode_done[idx], self.eos_id, self.pad_id
+                b.responses[idx], b.loss_mask[idx], b.episodes[idx], b.episode_done[idx], p.eos_id, p.pad_id
             )
         else:
-            responses = algo.truncate_at_stop(b.responses[idx], self.eos_id, self.pad_id)
-            mask = responses != self.pad_id
-            contains_eos = (responses == self.eos_id).any(1)
+            responses = algo.truncate_at_stop(b.responses[idx], p.eos_id, p.pad_id)
+            mask = responses != p.pad_id
+            contains_eos = (responses == p.eos_id).any(1)
         scores = algo.penalize_missing_eos(b.scores[idx], contains_eos, cfg.algorithm.missing_eos_penalty)
         chosen, rejected = algo.select_chosen_rejected(scores, P)
         ref_logprobs = b.ref_logprobs[idx]
@@ -233,12 +250,12 @@ class CriticFreeStages:
         def micro_loss(pairs: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
             # rows of these pairs' chosen and rejected answers; the DPO loss is a mean over pairs
             rows = torch.cat([chosen[pairs], rejected[pairs]])
-            logprobs, entropies = self._actor_rows(
+            logprobs, entropies = p.actor_rows(
                 b.query_responses[idx[rows]], responses[rows], C, temperature=T, entropy=bool(a.entropy_coeff)
             )
             if not first:
                 first.append(whole)
-            if whole is first[0] and self.temperature == T:
+            if whole is first[0] and p.temperature == T:
                 measured.append((rows, logprobs.detach()))
             sums = algo.masked_sum(logprobs, mask[rows], dim=1)
             n = len(pairs)
@@ -272,13 +289,12 @@ class CriticFreeStages:
         micro_pairs = None if a.micro_batch_size is None else max(1, a.micro_batch_size // 2)
         dev = b.responses.device
         epochs = (
-            (mb.to(dev) for mb in self._minibatches(P, pairs_per_step, a.shuffle_minibatch))
-            for _ in range(a.ppo_epochs)
+            (mb.to(dev) for mb in p.minibatches(P, pairs_per_step, a.shuffle_minibatch)) for _ in range(a.ppo_epochs)
         )
-        self._actor_epochs(epochs, micro_pairs, micro_loss, stats)
+        p.actor_epochs(epochs, micro_pairs, micro_loss, stats)
         metrics = {k: sum(v) / len(v) for k, v in stats.items()}
         metrics["objective/scores_margin"] = (scores[chosen] - scores[rejected]).mean().item()
         if measured:
             rows = torch.cat([r for r, _ in measured])
-            metrics.update(self._mismatch(b, torch.cat([lp for _, lp in measured]), mask[rows], idx[rows]))
+            metrics.update(p.mismatch(b, torch.cat([lp for _, lp in measured]), mask[rows], idx[rows]))
         return metrics

@@ -3,10 +3,10 @@
 ``TrainerEngine.step(experiences)`` turns experience records into one policy update with the algorithm named by
 ``training.stage`` (``ray_ppo``, ``ray_grpo`` / ``ray_rloo`` / ``ray_reinforce_plus_plus``, ``ray_online_dpo``),
 and measures the trainer-inference mismatch (``mismatch/*``) where it has the current weights' log-probs anyway.
-The stages are mixed in (``ppo``, ``critic_free``); around this class: ``batch``, ``models``, ``state``, ``group``
-and ``export``.
+It holds its stage (``ppo``, ``critic_free``), built with the engine as a ``passes.TrainerPasses``; around this
+class: ``batch``, ``models``, ``state``, ``group`` and ``export``.
 
-Design: docs/training.md#algorithms; where each method lives: docs/code-tour.md#classes-built-from-mixins.
+Design: docs/training.md#algorithms; where each method lives: docs/code-tour.md#where-a-method-lives.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlhf.trainer")
 
 
-class TrainerEngine(PPOStage, CriticFreeStages):
+class TrainerEngine:
     def __init__(self, cfg: ExperimentConfig, device: str | None = None):
         self.cfg = cfg
         self.stage = cfg.training.stage
@@ -106,6 +106,10 @@ class TrainerEngine(PPOStage, CriticFreeStages):
         self._mismatch_rows: tuple[torch.Tensor, ...] | None = None
         self.commands = Commands(self.device)  # a group's: rank 0 leads, the other ranks follow
         self.export = PolicyExport(cfg, self.actor, self.group, self.commands)
+        # The stages: each is handed this engine as its TrainerPasses. Rejection sampling can interleave with any
+        # stage, so the critic-free one is always there; PPO's only under ray_ppo.
+        self.critic_free = CriticFreeStages(self)
+        self.ppo = PPOStage(self) if self.stage == "ray_ppo" else None
 
     # ------------------------------------------------------------------ the state, read
     # Assignable for tests that stage a trainer's history; the trainer itself moves them only through TrainerState.
@@ -158,32 +162,32 @@ class TrainerEngine(PPOStage, CriticFreeStages):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def _logits_and_logprobs(self, qr: torch.Tensor, responses: torch.Tensor, C: int, temperature: float | None = None):
+    def logits_and_logprobs(self, qr: torch.Tensor, responses: torch.Tensor, C: int, temperature: float | None = None):
         """Response logits and log-probs at ``temperature`` (default the sampling temperature; online DPO uses 1)."""
         with self._autocast():
             logits = causal_lm_logits(self.actor, qr, self.pad_id, self.cfg.training.padding_free)[:, C - 1 : -1]
         T = self.temperature if temperature is None else temperature
         return logits, algo.logprobs_from_logits(logits, responses, T)
 
-    def _actor_rows(self, qr, responses, C: int, temperature: float | None = None, entropy: bool | None = None):
+    def actor_rows(self, qr, responses, C: int, temperature: float | None = None, entropy: bool | None = None):
         """Log-probs of the rows and, with ``entropy`` set (True: with gradient), their per-token entropies. In a
         group each rank runs the actor on its share of the rows and the results are gathered (distributed.py)."""
         if self.group is None:
-            logits, logprobs = self._logits_and_logprobs(qr, responses, C, temperature)
-            return logprobs, self._entropies(logits, entropy, temperature)
+            logits, logprobs = self.logits_and_logprobs(qr, responses, C, temperature)
+            return logprobs, self.entropies(logits, entropy, temperature)
         n, rows = qr.shape[0], dist.local_rows(qr.shape[0], self.group)
-        logits, logprobs = self._logits_and_logprobs(qr[rows], responses[rows], C, temperature)
-        entropies = self._entropies(logits, entropy, temperature)
+        logits, logprobs = self.logits_and_logprobs(qr[rows], responses[rows], C, temperature)
+        entropies = self.entropies(logits, entropy, temperature)
         logprobs = dist.gather_rows(logprobs, n, self.group)
         return logprobs, None if entropies is None else dist.gather_rows(entropies, n, self.group)
 
-    def _entropies(self, logits: torch.Tensor, entropy: bool | None, temperature: float | None = None):
+    def entropies(self, logits: torch.Tensor, entropy: bool | None, temperature: float | None = None):
         if entropy is None:
             return None
         with torch.set_grad_enabled(entropy and torch.is_grad_enabled()):
             return algo.entropy_from_logits(logits, self.temperature if temperature is None else temperature)
 
-    def _critic_rows(self, qr: torch.Tensor, C: int) -> torch.Tensor:
+    def critic_rows(self, qr: torch.Tensor, C: int) -> torch.Tensor:
         if self.group is None:
             return self._values(qr, C)
         n = qr.shape[0]
@@ -194,18 +198,22 @@ class TrainerEngine(PPOStage, CriticFreeStages):
             values = score_head_outputs(self.critic, qr, self.pad_id, self.cfg.training.padding_free)[:, C - 1 : -1]
         return values.float()
 
-    def _behavior(self, b: RolloutBatch, old_logprobs: torch.Tensor) -> torch.Tensor | None:
+    def reference_logits(self, qr: torch.Tensor, C: int) -> torch.Tensor:
+        with self._autocast():
+            return causal_lm_logits(self.ref_model, qr, self.pad_id)[:, C - 1 : -1]
+
+    def behavior(self, b: RolloutBatch, old_logprobs: torch.Tensor) -> torch.Tensor | None:
         """Sampling log-probs for truncated importance sampling; rows without them count as on-policy."""
         if not self.cfg.actor.tis_cap:
             return None
         return torch.where(b.has_sampling_logprobs[:, None], b.sampling_logprobs, old_logprobs)
 
-    def _minibatches(self, n: int, size: int, shuffle: bool):
+    def minibatches(self, n: int, size: int, shuffle: bool):
         order = torch.randperm(n, generator=self.generator) if shuffle else torch.arange(n)
         for start in range(0, n, size):
             yield order[start : start + size]
 
-    def _actor_epochs(self, epochs, micro_size: int | None, micro_loss, stats: dict[str, list[float]]) -> None:
+    def actor_epochs(self, epochs, micro_size: int | None, micro_loss, stats: dict[str, list[float]]) -> None:
         """The actor's minibatch loop, one for every stage: each minibatch of each epoch is one optimizer step over
         the weighted losses of its micro-batches (``micro_loss(micro_rows, minibatch_rows)``), gradients
         accumulating. ``epochs`` yields each epoch's minibatches (row index tensors), drawn lazily in that order."""
@@ -221,6 +229,10 @@ class TrainerEngine(PPOStage, CriticFreeStages):
         if self.ptx is not None:
             losses = itertools.chain(losses, [self._ptx_loss()])
         return self._optimizer_step("actor", self._actor_trained, self._actor_opts, losses, self.actor_optim.clip_grad)
+
+    def critic_step(self, losses) -> float:
+        """One critic optimizer step over ``losses`` (:meth:`_optimizer_step`), at the critic's own clip."""
+        return self._optimizer_step("critic", self.critic, self.critic_opt, losses, self.critic_optim.clip_grad)
 
     def _ptx_loss(self) -> torch.Tensor:
         """``ptx_coef`` x the SFT loss on the next rows of data.pretrain_data (as many rows as one actor minibatch)."""
@@ -256,7 +268,7 @@ class TrainerEngine(PPOStage, CriticFreeStages):
         return float("nan")
 
     # ------------------------------------------------------------------ the update
-    def _mismatch(self, b: RolloutBatch, logprobs: torch.Tensor, mask: torch.Tensor, rows=None) -> dict[str, float]:
+    def mismatch(self, b: RolloutBatch, logprobs: torch.Tensor, mask: torch.Tensor, rows=None) -> dict[str, float]:
         """``mismatch/*`` metrics (:func:`rlhf.algo.logprob_mismatch`): the rollout's sampling log-probs against
         ``logprobs``, the trainer's under the current weights at the sampling temperature, over the response tokens
         (``mask``) of ``rows`` (indices into the batch; default all) that the current weights sampled (the others
@@ -282,7 +294,7 @@ class TrainerEngine(PPOStage, CriticFreeStages):
         if self.group is not None:
             return
         with torch.no_grad():
-            self._logits_and_logprobs(batch.query_responses, batch.responses, batch.context_length)
+            self.logits_and_logprobs(batch.query_responses, batch.responses, batch.context_length)
 
     def step(self, experiences: list[experience_pb2.Experience]) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -336,13 +348,11 @@ class TrainerEngine(PPOStage, CriticFreeStages):
             optim.set_lr(self.critic_opt, self.critic_optim, self.state.step, total)
         rs = self.cfg.algorithm.rejection_sampling
         if rs.interval and self.state.step % rs.interval == 0:
-            metrics = self._rejection_sampling(batch)
-        elif self.stage == "ray_ppo":
-            metrics = self._ppo(batch)
-        elif self.stage == "ray_online_dpo":
-            metrics = self._online_dpo(batch)
+            metrics = self.critic_free.rejection_sampling(batch)
+        elif self.ppo is not None:
+            metrics = self.ppo.update(batch)
         else:
-            metrics = self._group(batch)
+            metrics = self.critic_free.update(batch)
         self.state.advance()
         return metrics
 

@@ -1,4 +1,4 @@
-"""PPO's update (``training.stage: ray_ppo``), mixed into :class:`services.trainer.engine.TrainerEngine`.
+"""PPO's update (``training.stage: ray_ppo``): :class:`PPOStage`, over the engine's ``TrainerPasses``.
 
 GAE with a critic: the math of ``rlhf.algo.ppo_rollout`` (TRL's conventions; ``ppo_episode_rollout`` for multi-turn
 episodes), then clipped policy and value losses over minibatches and epochs, optional entropy bonus. The old pass
@@ -10,26 +10,34 @@ from __future__ import annotations
 
 import functools
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlhf import algo
-from rlhf.models import causal_lm_logits
 from services.trainer import optim
 from services.trainer.batch import RolloutBatch, has_episodes
 from services.trainer.optim import append_stats
 
+if TYPE_CHECKING:
+    from services.trainer.passes import TrainerPasses
+
 
 class PPOStage:
-    """The PPO stage's methods; the models, optimizers and passes they use are :class:`TrainerEngine`'s."""
+    """The PPO stage: :meth:`update` on a batch. The models, optimizers and their passes are ``passes``'s (the
+    trainer engine's); this class holds no state of its own."""
+
+    def __init__(self, passes: TrainerPasses):
+        self.passes = passes
 
     def _parallel_critic(self) -> bool:
         """Actor and critic are separate models with separate losses, so their passes can run side by side (as
         OpenRLHF and veRL run them on separate workers); the results are the same as one after the other. On a CPU
         the two sides split the intra-op threads (:meth:`_side_threads`), so it needs two of them."""
-        if self.group is not None or self.shared_value:  # collectives could interleave; or one model, one backward
+        p = self.passes
+        if p.group is not None or p.shared_value:  # collectives could interleave; or one model, one backward
             return False
-        return self.device.type != "cpu" or torch.get_num_threads() >= 2
+        return p.device.type != "cpu" or torch.get_num_threads() >= 2
 
     def _side_threads(self) -> tuple[int, int] | None:
         """Intra-op threads of the actor's and the critic's side when they run side by side on a CPU (None: leave
@@ -37,13 +45,15 @@ class PPOStage:
         half the size side by side (measured by bench.critic_threads, docs/benchmarks.md). The results agree within
         float32 rounding (bit for bit on the tiny test model; on the small one ~1e-7 on some CPUs, where a kernel's
         result depends on its thread count)."""
+        p = self.passes
         n = torch.get_num_threads()
-        if self.device.type != "cpu" or n < 2:
+        if p.device.type != "cpu" or n < 2:
             return None
         return n - n // 2, n // 2
 
-    def _ppo(self, b: RolloutBatch) -> dict[str, float]:
-        cfg, a, c, C = self.cfg, self.cfg.actor, self.cfg.critic, b.context_length
+    def update(self, b: RolloutBatch) -> dict[str, float]:
+        p = self.passes
+        cfg, a, c, C = p.cfg, p.cfg.actor, p.cfg.critic, b.context_length
         B = b.responses.shape[0]
         pool, split = None, None
         if self._parallel_critic():
@@ -58,28 +68,27 @@ class PPOStage:
             # Minibatch orders are drawn first, actor's first, so the shared generator gives the same orders
             # whether the critic runs alongside or after the actor and whether the first pass is reused.
             actor_mbs = [
-                list(self._minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch)) for _ in range(a.ppo_epochs)
+                list(p.minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch)) for _ in range(a.ppo_epochs)
             ]
             critic_mbs = [
-                list(self._minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch))
-                for _ in range(0 if self.shared_value else c.critic_update_epochs)  # shared: the actor's minibatches
+                list(p.minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch))
+                for _ in range(0 if p.shared_value else c.critic_update_epochs)  # shared: the actor's minibatches
             ]
             # OpenRLHF's freezing_actor_steps: the critic learns values of a fixed policy before the actor moves
-            frozen = self.state.step < a.freezing_actor_steps
-            first_a = first_c = None  # the rows whose old pass is their first update's forward (see __init__)
-            if self.reuse_first_pass and self.group is None and self.ref_model is None:
+            frozen = p.state.step < a.freezing_actor_steps
+            first_a = first_c = None  # the rows whose old pass is their first update's forward (TrainerEngine.__init__)
+            if p.reuse_first_pass and p.group is None and p.ref_model is None:
                 if not frozen and actor_mbs:
                     first_a = next(optim.micro_batches(actor_mbs[0][0], a.micro_batch_size))
                 first_c = next(optim.micro_batches(critic_mbs[0][0], c.micro_batch_size)) if critic_mbs else None
             values_f = run(self._old_values, b.query_responses, C, first_c)
             full_kl = None
             held_logits = None
-            if self.ref_model is not None:  # kl_penalty full: one process only (refused in a group)
+            if p.ref_model is not None:  # kl_penalty full: one process only (refused in a group)
                 with torch.no_grad():
-                    old_logits, old_logprobs = self._logits_and_logprobs(b.query_responses, b.responses, C)
-                    with self._autocast():
-                        ref_logits = causal_lm_logits(self.ref_model, b.query_responses, self.pad_id)[:, C - 1 : -1]
-                    full_kl = algo.full_kl(old_logits, ref_logits, self.temperature)
+                    old_logits, old_logprobs = p.logits_and_logprobs(b.query_responses, b.responses, C)
+                    ref_logits = p.reference_logits(b.query_responses, C)
+                    full_kl = algo.full_kl(old_logits, ref_logits, p.temperature)
                     del old_logits
             else:
                 old_logprobs, held_logits = self._old_logprobs(b, C, first_a)
@@ -88,16 +97,16 @@ class PPOStage:
             rollout = (
                 functools.partial(algo.ppo_episode_rollout, b.responses, b.loss_mask, b.episode_done)
                 if episodes
-                else functools.partial(algo.ppo_rollout, b.responses, stop_token_id=self.eos_id)
+                else functools.partial(algo.ppo_rollout, b.responses, stop_token_id=p.eos_id)
             )
             r = rollout(
                 old_logprobs,
                 b.ref_logprobs,
                 values,
                 b.scores,
-                pad_token_id=self.pad_id,
-                eos_token_id=self.eos_id,
-                kl_coef=self.state.kl_coef,
+                pad_token_id=p.pad_id,
+                eos_token_id=p.eos_id,
+                kl_coef=p.state.kl_coef,
                 kl_estimator=cfg.algorithm.kl_penalty,
                 gamma=cfg.algorithm.gamma,
                 lam=cfg.algorithm.lam,
@@ -110,7 +119,7 @@ class PPOStage:
                 reward_baseline=cfg.algorithm.reward_baseline,
             )
             metrics = algo.rollout_metrics(r)
-            metrics.update(self._mismatch(b, old_logprobs, r.response_mask))
+            metrics.update(p.mismatch(b, old_logprobs, r.response_mask))
             critic_f = run(self._critic_updates, b, r, critic_mbs, held_values)
             stats = {} if frozen else self._actor_updates(b, r, actor_mbs, held_logits)
             stats.update(critic_f.result())
@@ -119,7 +128,7 @@ class PPOStage:
                 pool.shutdown(wait=True)
             torch.set_num_threads(before)
         mean_kl = algo.masked_mean(r.kl, r.response_mask, dim=1).mean().item()
-        self.state.update_kl(mean_kl, B)
+        p.state.update_kl(mean_kl, B)
         metrics.update({k: sum(v) / len(v) for k, v in stats.items()})
         metrics["objective/advantages_mean"] = algo.masked_mean(r.advantages, r.response_mask).item()
         metrics["policy/frozen"] = float(frozen)
@@ -128,22 +137,24 @@ class PPOStage:
     def _old_values(self, qr: torch.Tensor, C: int, first: torch.Tensor | None):
         """The critic's values of every row before the update, and (``first``: the critic's first minibatch) those
         rows' values with their graph, which that minibatch's update uses as its forward pass."""
+        p = self.passes
         if first is None:
             with torch.no_grad():  # grad mode is per thread: set here, where it runs
-                return self._critic_rows(qr, C), None
+                return p.critic_rows(qr, C), None
         with torch.enable_grad():
-            held = self._critic_rows(qr[first], C)
-        return _with_rest(qr.shape[0], first, held.detach(), lambda rows: self._critic_rows(qr[rows], C)), held
+            held = p.critic_rows(qr[first], C)
+        return _with_rest(qr.shape[0], first, held.detach(), lambda rows: p.critic_rows(qr[rows], C)), held
 
     def _old_logprobs(self, b: RolloutBatch, C: int, first: torch.Tensor | None):
         """The actor's log-probs of every row before the update, and (``first``: the actor's first micro-batch) those
         rows' logits with their graph, which that micro-batch's loss uses as its forward pass."""
+        p = self.passes
         if first is None:
             with torch.no_grad():
-                return self._actor_rows(b.query_responses, b.responses, C)[0], None
+                return p.actor_rows(b.query_responses, b.responses, C)[0], None
         with torch.enable_grad():
-            held, lp = self._logits_and_logprobs(b.query_responses[first], b.responses[first], C)
-        rest = lambda rows: self._actor_rows(b.query_responses[rows], b.responses[rows], C)[0]
+            held, lp = p.logits_and_logprobs(b.query_responses[first], b.responses[first], C)
+        rest = lambda rows: p.actor_rows(b.query_responses[rows], b.responses[rows], C)[0]
         return _with_rest(b.responses.shape[0], first, lp.detach(), rest), held
 
     def _actor_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]], held=None):
@@ -151,9 +162,10 @@ class PPOStage:
         these weights by the old pass (:meth:`_old_logprobs`). With ``critic.shared_backbone`` each micro-batch's
         loss also holds its value loss (TRL's ``pg_loss + vf_coef * vf_loss``), from the value head on the same
         backbone."""
-        a, C = self.cfg.actor, b.context_length
+        p = self.passes
+        a, C = p.cfg.actor, b.context_length
         stats: dict[str, list[float]] = {}
-        behavior = self._behavior(b, r.logprobs)
+        behavior = p.behavior(b, r.logprobs)
         held = [held] if held is not None else []
 
         def micro_loss(mu: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
@@ -161,10 +173,10 @@ class PPOStage:
             weight = optim.micro_weight("tokens", r.response_mask[mu], r.response_mask[mb])
             if held:
                 logits = held.pop()
-                new_logprobs = algo.logprobs_from_logits(logits, r.responses[mu], self.temperature)
-                entropies = self._entropies(logits, True)
+                new_logprobs = algo.logprobs_from_logits(logits, r.responses[mu], p.temperature)
+                entropies = p.entropies(logits, True)
             else:
-                new_logprobs, entropies = self._actor_rows(b.query_responses[mu], r.responses[mu], C, entropy=True)
+                new_logprobs, entropies = p.actor_rows(b.query_responses[mu], r.responses[mu], C, entropy=True)
             mask = r.response_mask[mu]
             pg_loss, pg_stats = algo.ppo_policy_loss(
                 new_logprobs,
@@ -187,18 +199,19 @@ class PPOStage:
                     **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
                 },
             )
-            if self.shared_value:
+            if p.shared_value:
                 return weight * loss + self._value_micro_loss(b, r, mu, mb, stats)
             return weight * loss
 
-        self._actor_epochs(minibatches, a.micro_batch_size, micro_loss, stats)
+        p.actor_epochs(minibatches, a.micro_batch_size, micro_loss, stats)
         return stats
 
     def _critic_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]], held=None):
         """The critic's epochs: each minibatch is one optimizer step over the weighted value losses of its
         micro-batches (``critic.micro_batch_size``), gradients accumulating. ``held``: the first micro-batch's values,
         already computed (with their graph) at these weights by the old pass (:meth:`_old_values`)."""
-        c = self.cfg.critic
+        p = self.passes
+        c = p.cfg.critic
         stats: dict[str, list[float]] = {}
         held = [held] if held is not None else []
 
@@ -208,15 +221,16 @@ class PPOStage:
         for epoch in minibatches:
             for mb in epoch:
                 losses = (micro_loss(mu, mb) for mu in optim.micro_batches(mb, c.micro_batch_size))
-                self._optimizer_step("critic", self.critic, self.critic_opt, losses, self.critic_optim.clip_grad)
+                p.critic_step(losses)
         return stats
 
     def _value_micro_loss(self, b: RolloutBatch, r, mu, mb, stats, vpred: torch.Tensor | None = None) -> torch.Tensor:
         """``vf_coef`` x the clipped value loss of micro-batch ``mu`` of minibatch ``mb``, weighted by its share of
         the minibatch's value tokens (the loss is a token mean over value_mask). ``vpred``: its values, when held."""
-        c = self.cfg.critic
+        p = self.passes
+        c = p.cfg.critic
         if vpred is None:
-            vpred = self._critic_rows(b.query_responses[mu], b.context_length)
+            vpred = p.critic_rows(b.query_responses[mu], b.context_length)
         vpred = vpred.masked_fill(r.padding_mask_p1[mu], 0.0)
         vf_loss, vf_stats = algo.value_loss(
             vpred, r.values[mu], r.returns[mu], r.value_mask[mu], cliprange_value=c.cliprange_value
@@ -246,7 +260,7 @@ def _with_rest(n: int, first: torch.Tensor, held: torch.Tensor, forward) -> torc
 
 
 class _Done:
-    """An already computed result with a future's ``result()``: the sequential path of :meth:`PPOStage._ppo`."""
+    """An already computed result with a future's ``result()``: the sequential path of :meth:`PPOStage.update`."""
 
     def __init__(self, value):
         self.value = value

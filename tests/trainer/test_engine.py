@@ -6,6 +6,7 @@ import copy
 import math
 import threading
 
+import pytest
 import torch
 
 from rlhf.algo import logprobs_from_logits
@@ -13,7 +14,10 @@ from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits
 from rlhf.v1 import common_pb2, experience_pb2
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from services.trainer.critic_free import CriticFreeStages
 from services.trainer.engine import TrainerEngine
+from services.trainer.passes import TrainerPasses
+from services.trainer.ppo import PPOStage
 
 
 def _config(stage: str, **algorithm):
@@ -140,6 +144,41 @@ def test_checkpoint_policy_loads_in_transformers(tiny_models, tmp_path):
     assert not (tmp_path / f"{path.name}.tmp").exists()
 
 
+class _OnlyThePasses:
+    """The engine seen through :class:`TrainerPasses` alone: anything else a stage reaches for is an error."""
+
+    names = set(TrainerPasses.__annotations__) | {n for n in vars(TrainerPasses) if not n.startswith("_")}
+
+    def __init__(self, engine: TrainerEngine):
+        self._engine = engine
+
+    def __getattr__(self, name: str):
+        if name not in self.names:
+            raise AttributeError(f"{name} is not in TrainerPasses")
+        return getattr(self._engine, name)
+
+
+@pytest.mark.parametrize(
+    ("stage", "algorithm", "losses"),
+    [
+        ("ray_ppo", {}, ["loss/value"]),
+        ("ray_ppo", {"kl_penalty": "full", "whiten_advantages": False}, ["loss/value"]),
+        ("ray_grpo", {"adv_estimator": "grpo", "rejection_sampling": {"interval": 2}}, ["loss/sft", "loss/policy"]),
+        ("ray_online_dpo", {}, ["loss/dpo"]),
+    ],
+    ids=["ppo", "ppo-full-kl", "grpo-rejection-sampling", "online-dpo"],
+)
+def test_the_stages_need_only_the_passes_they_are_handed(tiny_models, stage, algorithm, losses):
+    engine = TrainerEngine(_config(stage, **algorithm))
+    passes = _OnlyThePasses(engine)
+    engine.critic_free = CriticFreeStages(passes)
+    if engine.ppo is not None:
+        engine.ppo = PPOStage(passes)
+    n = engine.cfg.actor.n_samples_per_prompt
+    for loss in losses:
+        assert loss in engine.step(_rollout(engine, PROMPTS[:4], n))
+
+
 def test_critic_alongside_the_actor_matches_one_after_the_other(tiny_models, monkeypatch):
     """The PPO step runs the critic's passes in a second thread, each side on half of the intra-op threads on a CPU;
     the update must be exactly the sequential one on all of them, and the caller's thread count comes back."""
@@ -149,13 +188,13 @@ def test_critic_alongside_the_actor_matches_one_after_the_other(tiny_models, mon
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     seen = []
-    real_critic_updates = TrainerEngine._critic_updates
+    real_critic_updates = PPOStage._critic_updates
 
     def critic_updates(self, *args):
         seen.append((torch.get_num_threads(), threading.current_thread().name))
         return real_critic_updates(self, *args)
 
-    monkeypatch.setattr(TrainerEngine, "_critic_updates", critic_updates)
+    monkeypatch.setattr(PPOStage, "_critic_updates", critic_updates)
     cfg = _config("ray_ppo")
     cfg.actor.ppo_mini_batch_size = cfg.critic.critic_mini_batch_size = 8  # several shuffled minibatches per epoch
     torch.manual_seed(0)
@@ -163,7 +202,7 @@ def test_critic_alongside_the_actor_matches_one_after_the_other(tiny_models, mon
     batches = [_rollout(probe, PROMPTS[:4], 4) for _ in range(2)]
     results = {}
     for parallel in (True, False):
-        monkeypatch.setattr(TrainerEngine, "_parallel_critic", lambda self, p=parallel: p)
+        monkeypatch.setattr(PPOStage, "_parallel_critic", lambda self, p=parallel: p)
         engine = TrainerEngine(cfg)
         metrics = [engine.step(b) for b in batches]
         results[parallel] = (metrics, engine)
@@ -188,7 +227,7 @@ def test_reusing_the_first_minibatch_pass_matches_a_full_old_pass(tiny_models, m
     log-probs and values: the same metrics and weights as an old pass over every row, within float32 rounding, with
     fewer rows through each model. Also with micro-batches, the critic one after the actor and a frozen actor."""
     rows_seen: dict[str, int] = {}
-    real_logits, real_values = TrainerEngine._logits_and_logprobs, TrainerEngine._values
+    real_logits, real_values = TrainerEngine.logits_and_logprobs, TrainerEngine._values
 
     def logits(self, qr, *args, **kwargs):
         rows_seen["actor"] = rows_seen.get("actor", 0) + qr.shape[0]
@@ -198,13 +237,13 @@ def test_reusing_the_first_minibatch_pass_matches_a_full_old_pass(tiny_models, m
         rows_seen["critic"] = rows_seen.get("critic", 0) + qr.shape[0]
         return real_values(self, qr, *args)
 
-    monkeypatch.setattr(TrainerEngine, "_logits_and_logprobs", logits)
+    monkeypatch.setattr(TrainerEngine, "logits_and_logprobs", logits)
     monkeypatch.setattr(TrainerEngine, "_values", values)
     torch.manual_seed(0)
     probe = TrainerEngine(_config("ray_ppo"))
     batches = [_rollout(probe, PROMPTS[:4], 4) for _ in range(3)]  # 16 rows each
     for micro, parallel, freeze in ((None, True, 0), (4, False, 1)):
-        monkeypatch.setattr(TrainerEngine, "_parallel_critic", lambda self, p=parallel: p)
+        monkeypatch.setattr(PPOStage, "_parallel_critic", lambda self, p=parallel: p)
         cfg = _config("ray_ppo")
         cfg.actor.ppo_mini_batch_size = cfg.critic.critic_mini_batch_size = 8  # 2 minibatches x 2 epochs
         cfg.actor.micro_batch_size, cfg.actor.freezing_actor_steps = micro, freeze

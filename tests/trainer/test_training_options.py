@@ -99,8 +99,8 @@ def test_k_micro_batches_equal_one_step_on_the_whole_minibatch(tiny_models, stag
             grads.setdefault(m, [p.grad.clone() for p in e.actor.parameters()]) and s()
         )
         if micro:
-            forward = engine._logits_and_logprobs
-            engine._logits_and_logprobs = lambda *a, f=forward, **k: calls.append(a[0].shape[0]) or f(*a, **k)
+            forward = engine.logits_and_logprobs
+            engine.logits_and_logprobs = lambda *a, f=forward, **k: calls.append(a[0].shape[0]) or f(*a, **k)
         engine.step(_batch(engine, prompts=4 if stage == "ray_online_dpo" else 2))
     scale = max(g.abs().max().item() for g in grads[None])
     assert scale > 0
@@ -213,8 +213,8 @@ def test_ptx_loss_enters_the_gradient_with_its_coefficient(tiny_models, tmp_path
 def test_normalised_rewards_use_the_running_statistics_and_clipping_bounds_them(tiny_models, tmp_path):
     engine = TrainerEngine(_config(algorithm={"normalize_reward": True, "reward_clip_range": [-0.5, 0.5]}))
     seen = []
-    ppo = engine._ppo
-    engine._ppo = lambda b: seen.append(b.scores.clone()) or ppo(b)
+    ppo = engine.ppo.update
+    engine.ppo.update = lambda b: seen.append(b.scores.clone()) or ppo(b)
     b1, b2 = _batch(engine, seed=1), _batch(engine, seed=2)
     raw = [torch.tensor([s.score for e in b for s in e.samples]) for b in (b1, b2)]
     engine.step(b1)
@@ -233,8 +233,8 @@ def test_normalised_rewards_use_the_running_statistics_and_clipping_bounds_them(
 def test_fixed_reward_statistics_normalise_with_the_given_or_the_reward_models_mean_and_std(tiny_models, tmp_path):
     def trained_on(engine, seed=1):
         seen = []
-        ppo = engine._ppo
-        engine._ppo = lambda b: seen.append(b.scores.clone()) or ppo(b)
+        ppo = engine.ppo.update
+        engine.ppo.update = lambda b: seen.append(b.scores.clone()) or ppo(b)
         batch = _batch(engine, seed=seed)
         engine.step(batch)
         return torch.tensor([s.score for e in batch for s in e.samples]), seen[0]
