@@ -1,5 +1,6 @@
-"""The OpenAI / vLLM wire models of the rollout service's REST API (requests validated here, responses as OpenAI
-shapes them), kept apart from the routes (services.rollout.http_app) as vLLM keeps its protocol module apart."""
+"""The OpenAI / vLLM wire models of the rollout service's REST API (requests validated here, responses and stream
+chunks as OpenAI shapes them), kept apart from the routes (services.rollout.api_router) and the serving classes
+(services.rollout.serving*) as vLLM keeps its protocol module apart."""
 
 from __future__ import annotations
 
@@ -354,6 +355,53 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageOut
     prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids: the rendered prompt's ids")
     policy_version: int = Field(description="the weights version serving when the request finished")
+
+
+# Stream chunks. A chunk is rendered with exclude_unset (as vLLM renders its chunks): a field left out of the
+# constructor is left out of the JSON, so a choice carries stop_reason and policy_version only on its last chunk.
+
+
+class CompletionStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: LogprobsOut | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    policy_version: int | None = None
+
+
+class ToolCallDeltaOut(BaseModel):
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ChatDeltaOut(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: ChatDeltaOut
+    logprobs: ChatLogprobsOut | None
+    finish_reason: str | None
+    token_ids: list[int] | None = Field(None, description="with return_token_ids: this chunk's tokens (vLLM's)")
+    stop_reason: int | str | None = None
+    policy_version: int | None = None
+
+
+class StreamChunk(BaseModel):
+    id: str
+    object: Literal["text_completion", "chat.completion.chunk"]
+    created: int
+    model: str
+    prompt_token_ids: list[int] | None = Field(None, description="chat with return_token_ids: in the first chunk")
+    choices: list[CompletionStreamChoice | ChatStreamChoice]
+    usage: UsageOut | None = Field(None, description="with include_usage: the last chunk, with no choices")
+    policy_version: int | None = None
 
 
 class CompletionOut(BaseModel):
