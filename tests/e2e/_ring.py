@@ -22,10 +22,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _procs import ServiceProc, write_config
-
 from rlhf.transport import connect, queue_stats
 from rlhf.transport.keys import RunKeys
+from tests.integration._procs import ServiceProc, write_config
 from tests.support.redis import RedisServer as Redis
 
 TOKEN = "e2e-token"

@@ -2,7 +2,7 @@
 
 ::
 
-    python tests/e2e/chaos.py                 # one round of every fault (what `make test` runs, via test_chaos.py)
+    python -m tests.e2e.chaos                 # one round of every fault (what `make test` runs, via test_chaos.py)
     make chaos                                # the long run: CHAOS_ROUNDS rounds (default 3), more steps
 
 The ring: redis-server (AOF), reward, reference, two rollout replicas (hf engine) and the trainer, GRPO on the tiny
@@ -41,13 +41,8 @@ import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-for p in (HERE, HERE.parent / "integration", HERE.parents[1]):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from _procs import ServiceProc, write_config  # noqa: E402
-from _ring import CHILD_ENV, TOKEN, Redis, Ring, base_config  # noqa: E402
+from tests.e2e._ring import CHILD_ENV, TOKEN, Redis, Ring, base_config
+from tests.integration._procs import ServiceProc, write_config
 
 FAULTS = [
     "poison",
