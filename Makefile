@@ -72,7 +72,7 @@ lint: $(VENV)/.stamp  ## ruff
 
 CHAOS_ROUNDS ?= 3
 chaos: $(VENV)/.stamp  ## a ring under scripted faults (kill -9 of each service, Redis restart, poison...): one JSON line
-	$(PY) tests/e2e/chaos.py --rounds $(CHAOS_ROUNDS) --out .cache/chaos.json $(CHAOS_ARGS)
+	$(PY) -m tests.e2e.chaos --rounds $(CHAOS_ROUNDS) --out .cache/chaos.json $(CHAOS_ARGS)
 
 # The ring on nine hosts made of network namespaces on this machine (root): a Redis Sentinel group on three, reward,
 # reference, two rollout replicas and a 2 x 2 torchrun trainer group, under network faults (links cut, a partition,

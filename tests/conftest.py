@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
-from rlhf.procs import LocalRedis
+from tests.support.redis import RedisServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-class RedisServer(LocalRedis):
-    """A redis-server owned by the test: own port, own directory, AOF on (so restarts keep data)."""
-
-    def start(self, timeout: float = 10.0) -> RedisServer:
-        if shutil.which("redis-server") is None:
-            pytest.fail("redis-server is not on PATH (apt-get install -y redis-server)")
-        super().start(timeout)
-        return self
 
 
 @pytest.fixture

@@ -64,12 +64,10 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from rlhf.procs import Child, http_ready, log_tail
+from tests.cluster import netns
 
-from rlhf.procs import Child, http_ready, log_tail  # noqa: E402
-from tests.cluster import netns  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 TOKEN = "cluster-token"
 RUN_ID = "cluster"

@@ -22,19 +22,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from _procs import ServiceProc, write_config
-
-from rlhf.procs import LocalRedis
 from rlhf.transport import connect, queue_stats
 from rlhf.transport.keys import RunKeys
+from tests.integration._procs import ServiceProc, write_config
+from tests.support.redis import RedisServer as Redis
 
 TOKEN = "e2e-token"
 # Every child gets one thread: five torch processes share two cores (the launcher does the same).
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "RLHF_API_TOKEN": TOKEN}
-
-
-class Redis(LocalRedis):
-    """A private redis-server, AOF on (everysec, as compose and Helm run it); restartable on the same dir and port."""
 
 
 def base_config(run_id: str, **over: Any) -> dict:

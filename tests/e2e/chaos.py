@@ -2,7 +2,7 @@
 
 ::
 
-    python tests/e2e/chaos.py                 # one round of every fault (what `make test` runs, via test_chaos.py)
+    python -m tests.e2e.chaos                 # one round of every fault (what `make test` runs, via test_chaos.py)
     make chaos                                # the long run: CHAOS_ROUNDS rounds (default 3), more steps
 
 The ring: redis-server (AOF), reward, reference, two rollout replicas (hf engine) and the trainer, GRPO on the tiny
@@ -41,13 +41,9 @@ import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-for p in (HERE, HERE.parent / "integration", HERE.parents[1]):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from _procs import ServiceProc, write_config  # noqa: E402
-from _ring import CHILD_ENV, TOKEN, Redis, Ring, base_config  # noqa: E402
+from tests.e2e._ring import CHILD_ENV, TOKEN, Redis, Ring, base_config
+from tests.integration._procs import ServiceProc, write_config
+from tests.support import make_experience, make_sample
 
 FAULTS = [
     "poison",
@@ -121,22 +117,13 @@ class Chaos:
     # ------------------------------------------------------------------ faults
     def fault_poison(self) -> dict:
         from rlhf.transport.keys import PAYLOAD_FIELD, RunKeys
-        from rlhf.v1 import common_pb2, experience_pb2
 
         records = []
         for i, (ids, score, lp) in enumerate(
             [([600, 70000, 2**31 - 1], 1.0, -1.0), ([5, 6], float("nan"), -1.0), ([5, 6], 1.0, float("-inf"))]
         ):
-            exp = experience_pb2.Experience(
-                job_id=f"chaos-poison-{self.injected_poison + i}", run_id="chaos", prompt_ids=[3, 4]
-            )
-            exp.samples.add(
-                response_ids=ids,
-                sampling_logprobs=[lp] * len(ids),
-                ref_logprobs=[-1.0] * len(ids),
-                score=score,
-                score_status=common_pb2.ITEM_STATUS_OK,
-            )
+            sample = make_sample(ids, sampling_logprobs=[lp] * len(ids), ref_logprobs=[-1.0] * len(ids), score=score)
+            exp = make_experience(f"chaos-poison-{self.injected_poison + i}", [3, 4], [sample], run_id="chaos")
             records.append(exp.SerializeToString())
 
         async def inject(r):

@@ -2,16 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "integration"))
-
-from _ring import SharedScorers  # noqa: E402
+from _ring import SharedScorers
 
 
 @pytest.fixture(scope="session")

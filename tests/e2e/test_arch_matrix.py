@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from _procs import ServiceProc
 from _ring import CHILD_ENV, Redis, Ring, write_config
+
+from tests.integration._procs import ServiceProc
 
 pytestmark = pytest.mark.slow
 

@@ -5,10 +5,10 @@ stops with a message naming the scorer (instead of training on nothing, or dying
 from __future__ import annotations
 
 import pytest
-from _procs import ServiceProc, write_config
 from _ring import CHILD_ENV, Redis, Ring, base_config
 
 from rlhf import runlog
+from tests.integration._procs import ServiceProc, write_config
 
 pytestmark = pytest.mark.slow
 

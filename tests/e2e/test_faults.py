@@ -13,10 +13,10 @@ import time
 
 import pytest
 import redis as sync_redis
-from _procs import ServiceProc
 from _ring import Redis, Ring, assert_ledger, respawn_on_port_clash, start_reward
 
 from rlhf.transport.keys import ROLLOUT_GROUP, RunKeys
+from tests.integration._procs import ServiceProc
 
 pytestmark = pytest.mark.slow
 

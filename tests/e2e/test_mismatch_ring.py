@@ -12,10 +12,10 @@ import subprocess
 import sys
 
 import pytest
-from _procs import ServiceProc, write_config
 from _ring import Redis, Ring
 
 from rlhf import runlog
+from tests.integration._procs import ServiceProc, write_config
 
 pytestmark = pytest.mark.slow
 

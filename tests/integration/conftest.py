@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from _procs import REPO, ServiceProc, write_config
 
 # Services several test modules (and the docs/services.md examples) use with the same config: started once per

@@ -26,6 +26,7 @@ from services.environment.engine import EnvironmentEngine
 from services.environment.main import build_runner
 from services.rollout.hf_engine import HFEngine
 from services.rollout.worker import RolloutWorker
+from tests.support import make_prompt_job
 
 RUN = "episodes-test"
 ECHO = "python:_environments:Echo"
@@ -62,8 +63,8 @@ class _Recording:
 
 
 def _job(i: int, environment: str, max_turns: int = 4, n: int = 2, max_tokens: int = 300) -> experience_pb2.PromptJob:
-    job = experience_pb2.PromptJob(
-        job_id=f"ep{i}", run_id=RUN, data_index=i, epoch=0, prompt_text=f"say something {i}", issued_policy_version=0
+    job = make_prompt_job(
+        f"ep{i}", run_id=RUN, data_index=i, epoch=0, prompt_text=f"say something {i}", issued_policy_version=0
     )
     job.params.CopyFrom(common_pb2.SamplingParams(n=n, temperature=1.0, max_tokens=5, seed=10 + i))
     job.metadata[EPISODE_ENVIRONMENT_KEY] = environment

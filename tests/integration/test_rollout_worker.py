@@ -27,6 +27,7 @@ from services.rollout.engine_types import PromptResult, Sample
 from services.rollout.options import SamplingOptions
 from services.rollout.swap import read_checkpoint_manifest
 from services.rollout.worker import RolloutWorker, maybe_start_worker
+from tests.support import make_prompt_job
 
 RUN = "worker-test"
 MAX_TOKENS = 6
@@ -157,8 +158,8 @@ def _jobs(n: int, tok, prefix: str = "j") -> list[experience_pb2.PromptJob]:
     jobs = []
     for i in range(n):
         text = f"What is {i} plus {i + 1}?"
-        job = experience_pb2.PromptJob(
-            job_id=f"{prefix}{i}", run_id=RUN, data_index=i, epoch=1, issued_policy_version=0, label=str(2 * i + 1)
+        job = make_prompt_job(
+            f"{prefix}{i}", run_id=RUN, data_index=i, epoch=1, issued_policy_version=0, label=str(2 * i + 1)
         )
         job.params.CopyFrom(common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=MAX_TOKENS, seed=100 + i))
         if i % 3 == 2:

@@ -20,6 +20,7 @@ import torch
 
 from rlhf.transport import ExperienceQueue, PromptQueue, connect, queue_stats
 from rlhf.v1 import common_pb2, experience_pb2
+from tests.support import make_experience, make_sample
 
 TOKEN = "test-token"
 
@@ -66,25 +67,18 @@ async def _answer_jobs(
                 continue
             count = 8 if limit is None else limit - len(answered)
             for entry_id, job in await prompts.read("fake-replica", count=count, block_ms=100):
-                exp = experience_pb2.Experience(
-                    job_id=job.job_id,
-                    run_id="ring",
-                    data_index=job.data_index,
-                    epoch=job.epoch,
-                    prompt_ids=job.prompt_ids,
-                    replica_id="fake",
-                )
+                exp = make_experience(job=job, run_id="ring", replica_id="fake")
                 for _ in range(job.params.n):
                     ids = [rng.randint(3, 500) for _ in range(rng.randint(1, job.params.max_tokens))]
-                    exp.samples.add(
-                        response_ids=ids,
+                    sample = make_sample(
+                        ids,
                         sampling_logprobs=[-6.0] * len(ids),
                         ref_logprobs=[-6.2] * len(ids),
                         score=len(ids) / 4.0,
                         score_components={"length": len(ids) / 4.0},
-                        score_status=common_pb2.ITEM_STATUS_OK,
                         policy_version=job.issued_policy_version,  # what a replica up to date serves
                     )
+                    exp.samples.append(sample)
                 if mutate is not None:
                     mutate(len(answered), exp)
                 written = await experience._publish_ack_script(
@@ -220,14 +214,8 @@ def test_poison_records_are_dead_lettered_and_the_run_goes_on(redis_server, star
         redis = connect(redis_server.url)
         try:
             for i in range(5):
-                foreign = experience_pb2.Experience(job_id=f"foreign-{i}", run_id="ring", prompt_ids=[1, 2])
-                foreign.samples.add(
-                    response_ids=[9999],
-                    sampling_logprobs=[-1.0],
-                    ref_logprobs=[-1.0],
-                    score=1.0,
-                    score_status=common_pb2.ITEM_STATUS_OK,
-                )
+                sample = make_sample([9999], sampling_logprobs=[-1.0], ref_logprobs=[-1.0], score=1.0)
+                foreign = make_experience(f"foreign-{i}", [1, 2], [sample], run_id="ring")
                 await redis.xadd(RunKeys("ring").experience, {PAYLOAD_FIELD: foreign.SerializeToString()})
         finally:
             await redis.aclose()

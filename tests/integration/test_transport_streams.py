@@ -24,28 +24,24 @@ from rlhf.transport import (
 )
 from rlhf.transport.keys import PAYLOAD_FIELD, RunKeys
 from rlhf.v1 import common_pb2, experience_pb2
+from tests.support import make_experience, make_prompt_job, make_sample
 
 RUN = "t1"
 
 
 def make_job(i: int, run: str = RUN) -> experience_pb2.PromptJob:
-    return experience_pb2.PromptJob(
-        job_id=f"job-{i}", run_id=run, data_index=i, prompt_ids=[1, 2, 3 + i], params=common_pb2.SamplingParams(n=2)
-    )
+    return make_prompt_job(f"job-{i}", [1, 2, 3 + i], run_id=run, data_index=i, params={"n": 2})
 
 
 def make_exp(job: experience_pb2.PromptJob, replica: str = "r1", version: int = 0) -> experience_pb2.Experience:
-    sample = experience_pb2.Sample(
-        response_ids=[7, 8], sampling_logprobs=[-0.5, -1.0], policy_version=version, score=1.0
+    sample = make_sample(
+        [7, 8],
+        sampling_logprobs=[-0.5, -1.0],
+        policy_version=version,
+        score=1.0,
+        score_status=common_pb2.ITEM_STATUS_UNSPECIFIED,
     )
-    return experience_pb2.Experience(
-        job_id=job.job_id,
-        run_id=job.run_id,
-        data_index=job.data_index,
-        prompt_ids=job.prompt_ids,
-        samples=[sample, sample],
-        replica_id=replica,
-    )
+    return make_experience(job=job, samples=[sample, sample], replica_id=replica)
 
 
 @contextlib.asynccontextmanager
@@ -117,7 +113,7 @@ def test_publish_is_idempotent_by_job_id(redis_server):
             assert (await queue_stats(r, RUN)).issued == 3
             assert await pq.issued_entry("job-1") == res[1].entry_id
             with pytest.raises(ValueError, match="job_id is empty"):
-                await pq.publish(experience_pb2.PromptJob(prompt_ids=[1]))
+                await pq.publish(make_prompt_job(prompt_ids=[1]))
             with pytest.raises(ValueError, match="belongs to run"):
                 await pq.publish(make_job(9, run="other"))
 
@@ -336,7 +332,7 @@ def test_malformed_records_go_to_dead_letters(redis_server):
             await pq.publish(make_job(0))
             await r.xadd(pq.stream, {PAYLOAD_FIELD: b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff"})  # bad varint
             await r.xadd(pq.stream, {b"other": b"x"})  # no payload field
-            await r.xadd(pq.stream, {PAYLOAD_FIELD: experience_pb2.PromptJob(job_id="no-prompt").SerializeToString()})
+            await r.xadd(pq.stream, {PAYLOAD_FIELD: make_prompt_job("no-prompt").SerializeToString()})
             await r.xadd(pq.stream, {PAYLOAD_FIELD: make_job(5, run="other-run").SerializeToString()})
             await pq.publish(make_job(1))
             got = await pq.read("r1", count=10, block_ms=100)  # does not raise

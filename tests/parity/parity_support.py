@@ -258,22 +258,13 @@ def reference_logprobs(ref_model, prompt: list[int], completion: list[int], temp
 
 def experiences(prompts: list[list[int]], completions: list[list[int]], scores: list[float], refs: list[list[float]]):
     """Experience records as the rollout worker publishes them: one per prompt, its ``n`` samples in order."""
-    from rlhf.v1 import common_pb2, experience_pb2
+    from tests.support import make_experiences, make_sample
 
-    n = len(completions) // len(prompts)
-    out = []
-    for j, prompt in enumerate(prompts):
-        exp = experience_pb2.Experience(job_id=f"job{j}", prompt_ids=prompt)
-        for i in range(j * n, (j + 1) * n):
-            exp.samples.add(
-                response_ids=completions[i],
-                ref_logprobs=refs[i],
-                score=scores[i],
-                score_status=common_pb2.ITEM_STATUS_OK,
-                policy_version=0,
-            )
-        out.append(exp)
-    return out
+    samples = [
+        make_sample(c, ref_logprobs=r, score=s, policy_version=0)
+        for c, s, r in zip(completions, scores, refs, strict=True)
+    ]
+    return make_experiences(prompts, samples, job_prefix="job")
 
 
 def capture_optimizer_grads(engine) -> list[dict[str, torch.Tensor]]:

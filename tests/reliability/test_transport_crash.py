@@ -33,7 +33,8 @@ from rlhf.transport import (
     queue_stats,
 )
 from rlhf.transport.keys import PAYLOAD_FIELD
-from rlhf.v1 import experience_pb2
+from rlhf.v1 import common_pb2, experience_pb2
+from tests.support import make_experience, make_prompt_job, make_sample
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "crash"
@@ -43,12 +44,12 @@ pytestmark = pytest.mark.slow
 
 
 def make_job(i: int) -> experience_pb2.PromptJob:
-    return experience_pb2.PromptJob(job_id=f"job-{i}", run_id=RUN, data_index=i, prompt_ids=[1, 2, i])
+    return make_prompt_job(f"job-{i}", [1, 2, i], run_id=RUN, data_index=i)
 
 
 def make_exp(job: experience_pb2.PromptJob, replica: str) -> experience_pb2.Experience:
-    s = experience_pb2.Sample(response_ids=[5, 6, 7], sampling_logprobs=[-0.1, -0.2, -0.3])
-    return experience_pb2.Experience(job_id=job.job_id, run_id=RUN, samples=[s], replica_id=replica)
+    s = make_sample([5, 6, 7], sampling_logprobs=[-0.1, -0.2, -0.3], score_status=common_pb2.ITEM_STATUS_UNSPECIFIED)
+    return make_experience(job.job_id, run_id=RUN, samples=[s], replica_id=replica)
 
 
 def restart(server, kill: bool = True) -> None:

@@ -18,8 +18,9 @@ from safetensors.torch import save_file
 
 from rlhf import distributed
 from rlhf.config import parse_config
-from rlhf.v1 import common_pb2, experience_pb2
+from rlhf.v1 import experience_pb2
 from services.trainer.engine import TrainerEngine
+from tests.support import make_experience, make_sample
 
 RUNS = {
     "ray_ppo": {},
@@ -64,18 +65,14 @@ def batch(n: int, prompts: int = 4, vocab: int = 512, seed: int = 3) -> list[exp
     out = []
     for j in range(prompts):
         prompt = torch.randint(3, vocab, (2 + j % 3,), generator=g).tolist()
-        exp = experience_pb2.Experience(job_id=f"j{j}", prompt_ids=[2, *prompt])
+        exp = make_experience(f"j{j}", [2, *prompt])
         for i in range(n):
             length = 3 + (i + j) % 5
             ids = torch.randint(3, vocab, (length,), generator=g).tolist()
             if (i + j) % 2:
                 ids[-1] = 1  # EOS on some responses
-            exp.samples.add(
-                response_ids=ids,
-                ref_logprobs=(-5 - torch.rand(length, generator=g)).tolist(),
-                score=float(torch.rand((), generator=g)),
-                score_status=common_pb2.ITEM_STATUS_OK,
-            )
+            ref = (-5 - torch.rand(length, generator=g)).tolist()
+            exp.samples.append(make_sample(ids, ref_logprobs=ref, score=float(torch.rand((), generator=g))))
         out.append(exp)
     return out
 

@@ -16,8 +16,10 @@ from rlhf.algo import logprobs_from_logits
 from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits, load_tokenizer
 from rlhf.tiny import TinySpec, build_tokenizer
-from rlhf.v1 import common_pb2, experience_pb2
+from rlhf.v1 import experience_pb2
 from services.trainer.engine import TrainerEngine
+from tests.support import make_experiences, make_sample
+from tests.support.sampling import actor_samples
 
 PROMPTS = [[2, 100 + i, 200 + i] for i in range(8)]
 NEW_TOKENS = 6
@@ -74,18 +76,7 @@ def _without_pad(model, pad_id: int):
 
 def _samples(engine: TrainerEngine, n: int) -> torch.Tensor:
     """(prompts x n, prompt + NEW_TOKENS) token ids sampled from the student at temperature 1."""
-    ids = torch.tensor([p for p in PROMPTS for _ in range(n)])
-    with torch.no_grad():
-        return engine.actor.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=True,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            top_k=0,
-            pad_token_id=engine.pad_id,
-            eos_token_id=None,
-        )
+    return actor_samples(engine, torch.tensor([p for p in PROMPTS for _ in range(n)]), NEW_TOKENS)
 
 
 def _records(engine: TrainerEngine, teacher, n: int = 4, score=lambda ids: 0.0) -> list[experience_pb2.Experience]:
@@ -95,20 +86,10 @@ def _records(engine: TrainerEngine, teacher, n: int = 4, score=lambda ids: 0.0) 
     C = len(PROMPTS[0])
     with torch.no_grad():
         teacher_lp = logprobs_from_logits(causal_lm_logits(teacher, out, engine.pad_id)[:, C - 1 : -1], out[:, C:])
-    records = []
-    for j, prompt in enumerate(PROMPTS):
-        exp = experience_pb2.Experience(job_id=f"j{j}", prompt_ids=prompt)
-        for row in range(j * n, (j + 1) * n):
-            ids = out[row, C:].tolist()
-            exp.samples.add(
-                response_ids=ids,
-                ref_logprobs=teacher_lp[row].tolist(),
-                score=score(ids),
-                score_status=common_pb2.ITEM_STATUS_OK,
-                policy_version=engine.policy_version,
-            )
-        records.append(exp)
-    return records
+    samples = []
+    for ids, ref in zip(out[:, C:].tolist(), teacher_lp.tolist(), strict=True):
+        samples.append(make_sample(ids, ref_logprobs=ref, score=score(ids), policy_version=engine.policy_version))
+    return make_experiences(PROMPTS, samples)
 
 
 def _exact_reverse_kl(engine: TrainerEngine, teacher) -> float:

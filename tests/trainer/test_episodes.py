@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from rlhf.config import parse_config
-from rlhf.v1 import common_pb2, experience_pb2
+from rlhf.v1 import experience_pb2
 from services.trainer.batch import collate
 from services.trainer.engine import TrainerEngine
+from tests.support import make_experience, make_sample
 
 STAGES = ["ray_ppo", "ray_grpo", "ray_online_dpo"]
 
@@ -39,7 +40,7 @@ def _records(engine: TrainerEngine, n: int, episode: str, seed: int = 0) -> list
     vocab = [t for t in range(3, 120) if t not in (eos, pad)]
     out = []
     for j in range(4):
-        exp = experience_pb2.Experience(job_id=f"j{j}", prompt_ids=[2, 100 + j, 50 + j])
+        exp = make_experience(f"j{j}", [2, 100 + j, 50 + j])
         for _ in range(n):
             k = rng.randint(3, 7)
             ids = [rng.choice(vocab) for _ in range(k)] + [eos]
@@ -48,17 +49,17 @@ def _records(engine: TrainerEngine, n: int, episode: str, seed: int = 0) -> list
                 turn2 = [rng.choice(vocab) for _ in range(3)] + [eos]
                 ids = ids + [rng.choice(vocab) for _ in range(3)] + turn2
                 mask = mask + [False] * 3 + [True] * len(turn2)
-            s = exp.samples.add(
-                response_ids=ids,
+            s = make_sample(
+                ids,
                 ref_logprobs=[rng.uniform(-5, -1) for _ in ids],
                 sampling_logprobs=[rng.uniform(-5, -1) if m else 0.0 for m in mask],
                 score=rng.random(),
-                score_status=common_pb2.ITEM_STATUS_OK,
                 policy_version=engine.policy_version,
             )
             if episode:
                 s.loss_mask.extend(mask)
                 s.ended_by = "done"
+            exp.samples.append(s)
         out.append(exp)
     return out
 

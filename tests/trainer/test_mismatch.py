@@ -12,8 +12,8 @@ import torch
 from rlhf.algo import logprobs_from_logits
 from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits
-from rlhf.v1 import common_pb2, experience_pb2
 from services.trainer.engine import TrainerEngine
+from tests.support import make_experience, make_sample
 
 PROMPTS = [[2, 100 + i, 200 + i] for i in range(4)]
 
@@ -40,20 +40,21 @@ def _records(engine: TrainerEngine, n: int, temperature: float = 1.0, shift: flo
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for j, prompt in enumerate(PROMPTS):
-            exp = experience_pb2.Experience(job_id=f"j{j}", prompt_ids=prompt, replica_id=f"r{j % 2}")
+            exp = make_experience(f"j{j}", prompt, replica_id=f"r{j % 2}")
             for k in range(n):
                 length = 5 if k else 3
                 resp = torch.randint(3, 500, (length,), generator=g).tolist()
                 ids = torch.tensor([prompt + resp])
                 logits = causal_lm_logits(engine.actor, ids, engine.pad_id)[:, len(prompt) - 1 : -1]
                 samp = logprobs_from_logits(logits, ids[:, len(prompt) :], temperature)[0] + shift
-                exp.samples.add(
-                    response_ids=resp,
-                    sampling_logprobs=samp.tolist(),
-                    ref_logprobs=[-1.0] * length,
-                    score=float(k),
-                    score_status=common_pb2.ITEM_STATUS_OK,
-                    policy_version=version,
+                exp.samples.append(
+                    make_sample(
+                        resp,
+                        sampling_logprobs=samp.tolist(),
+                        ref_logprobs=[-1.0] * length,
+                        score=float(k),
+                        policy_version=version,
+                    )
                 )
             out.append(exp)
     return out

@@ -13,8 +13,9 @@ import torch
 from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits, load_causal_lm, load_sequence_classifier, score_head_outputs
 from rlhf.packing import pack, packed_attention
-from rlhf.v1 import common_pb2, experience_pb2
+from rlhf.v1 import experience_pb2
 from services.trainer.engine import TrainerEngine
+from tests.support import make_experience, make_sample
 
 ATOL = 2e-5
 
@@ -78,21 +79,15 @@ def _experiences(n: int, seed: int) -> list[experience_pb2.Experience]:
     rng = random.Random(seed)
     out = []
     for j in range(6):
-        exp = experience_pb2.Experience(
-            job_id=f"j{j}", prompt_ids=[rng.randrange(3, 500) for _ in range(rng.randint(2, 9))]
-        )
+        exp = make_experience(f"j{j}", [rng.randrange(3, 500) for _ in range(rng.randint(2, 9))])
         for _ in range(n):
             k = rng.randint(1, 8)
             resp = [rng.randrange(3, 500) for _ in range(k)]
             if rng.random() < 0.5:
                 resp[-1] = 1  # EOS: a finished sample
-            exp.samples.add(
-                response_ids=resp,
-                sampling_logprobs=[-6.0 + rng.random() for _ in resp],
-                ref_logprobs=[-6.2 + rng.random() for _ in resp],
-                score=rng.random(),
-                score_status=common_pb2.ITEM_STATUS_OK,
-            )
+            sampling = [-6.0 + rng.random() for _ in resp]
+            ref = [-6.2 + rng.random() for _ in resp]
+            exp.samples.append(make_sample(resp, sampling_logprobs=sampling, ref_logprobs=ref, score=rng.random()))
         out.append(exp)
     return out
 

@@ -10,8 +10,9 @@ import torch
 from rlhf import algo
 from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits
-from rlhf.v1 import common_pb2, experience_pb2
+from rlhf.v1 import experience_pb2
 from services.trainer.engine import TrainerEngine
+from tests.support import make_experience, make_sample
 
 
 def _config(stage: str = "ray_grpo", **rs):
@@ -31,16 +32,12 @@ def _records(engine: TrainerEngine, seed: int = 0) -> list[experience_pb2.Experi
     vocab = [t for t in range(3, 120) if t not in (engine.eos_id, engine.pad_id)]
     out = []
     for j in range(3):
-        exp = experience_pb2.Experience(job_id=f"j{j}", prompt_ids=[2, 100 + j, 50 + j])
+        exp = make_experience(f"j{j}", [2, 100 + j, 50 + j])
         for k in range(4):
             ids = [rng.choice(vocab) for _ in range(rng.randint(3, 6))] + [engine.eos_id]
-            exp.samples.add(
-                response_ids=ids,
-                ref_logprobs=[rng.uniform(-5, -1) for _ in ids],
-                score=k / 10 + j / 100 if k != 2 else 0.9,  # sample 2 is each prompt's best
-                score_status=common_pb2.ITEM_STATUS_OK,
-                policy_version=engine.policy_version,
-            )
+            ref = [rng.uniform(-5, -1) for _ in ids]
+            score = k / 10 + j / 100 if k != 2 else 0.9  # sample 2 is each prompt's best
+            exp.samples.append(make_sample(ids, ref_logprobs=ref, score=score, policy_version=engine.policy_version))
         out.append(exp)
     return out
 

@@ -103,7 +103,7 @@ def test_eval_section_reads_its_source_as_data_does(tmp_path):
     assert all(p.count("+") + p.count("-") >= 4 for p in gym(generator_options=opts))
 
 
-def test_an_evaluation_past_its_deadline_is_a_failed_row(tmp_path, tiny_paths):
+def test_an_evaluation_past_its_deadline_is_a_failed_row(tmp_path, tiny_models):
     """eval.timeout_s bounds a Generate call: a replica that never answers makes a failed row (never rewards of 0),
     written on the step, and eval.max_new_tokens is the request's budget."""
     import asyncio
@@ -121,7 +121,7 @@ def test_an_evaluation_past_its_deadline_is_a_failed_row(tmp_path, tiny_paths):
     addr = f"127.0.0.1:{silent.getsockname()[1]}"
     cfg = parse_config(
         {
-            "actor_rollout_ref": {"actor_rollout": {"load": str(tiny_paths.policy)}},
+            "actor_rollout_ref": {"actor_rollout": {"load": str(tiny_models.policy)}},
             "eval": {"interval": 2, "path": "builtin:arithmetic", "max_samples": 2, "timeout_s": 0.5,
                      "max_new_tokens": 3},
         }
@@ -130,7 +130,7 @@ def test_an_evaluation_past_its_deadline_is_a_failed_row(tmp_path, tiny_paths):
 
     tracker = Tracker(tmp_path, "t", {})
     settings = ServiceSettings(rollout_addrs=[addr], reward_addr=addr)
-    ev = Evaluator(cfg, settings, load_tokenizer(tiny_paths.policy), tmp_path, tracker)
+    ev = Evaluator(cfg, settings, load_tokenizer(tiny_models.policy), tmp_path, tracker)
     assert ev.params.max_tokens == 3 and ev.due(2) and not ev.due(3) and ev.due(cfg.training.train_iters)
 
     async def run():

@@ -12,26 +12,26 @@ from rlhf.tiny import CHAT_TEMPLATE, TinySpec, build_tiny
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_paths):
-    return models.load_tokenizer(tiny_paths.policy)
+def tokenizer(tiny_models):
+    return models.load_tokenizer(tiny_models.policy)
 
 
 @pytest.fixture(scope="module")
-def policy(tiny_paths):
-    return models.load_causal_lm(tiny_paths.policy).eval()
+def policy(tiny_models):
+    return models.load_causal_lm(tiny_models.policy).eval()
 
 
 @pytest.fixture(scope="module")
-def reward_model(tiny_paths):
-    return models.load_sequence_classifier(tiny_paths.reward).eval()
+def reward_model(tiny_models):
+    return models.load_sequence_classifier(tiny_models.reward).eval()
 
 
-def test_layout(tiny_paths):
-    for d in (tiny_paths.policy, tiny_paths.reward):
+def test_layout(tiny_models):
+    for d in (tiny_models.policy, tiny_models.reward):
         assert (d / "config.json").exists()
         assert (d / "model.safetensors").exists()
         assert (d / "tokenizer.json").exists()
-    stamp = json.loads((tiny_paths.root / "tiny.json").read_text())
+    stamp = json.loads((tiny_models.root / "tiny.json").read_text())
     assert stamp["digest"] == TinySpec().digest()
 
 
@@ -81,13 +81,13 @@ def test_reward_model_one_label(reward_model, tokenizer):
     assert torch.isfinite(out.logits).all()
 
 
-def test_build_is_deterministic_and_reused(tiny_paths, tmp_path):
+def test_build_is_deterministic_and_reused(tiny_models, tmp_path):
     again = build_tiny(tmp_path / "again")
     for sub in ("policy", "reward"):
-        a = (getattr(tiny_paths, sub) / "model.safetensors").read_bytes()
+        a = (getattr(tiny_models, sub) / "model.safetensors").read_bytes()
         b = (getattr(again, sub) / "model.safetensors").read_bytes()
         assert a == b, f"{sub} weights differ between two builds with the same seed"
-        assert (getattr(tiny_paths, sub) / "tokenizer.json").read_text() == (
+        assert (getattr(tiny_models, sub) / "tokenizer.json").read_text() == (
             getattr(again, sub) / "tokenizer.json"
         ).read_text()
     # a current directory is reused, not rebuilt

@@ -10,8 +10,9 @@ import pytest
 
 from rlhf.config import parse_config
 from rlhf.serving.settings import ServiceSettings
-from rlhf.v1 import common_pb2, experience_pb2, reference_pb2, reward_pb2
+from rlhf.v1 import common_pb2, reference_pb2, reward_pb2
 from services.rollout.worker import RolloutWorker
+from tests.support import make_prompt_job
 
 
 class _Engine:
@@ -45,7 +46,7 @@ def _reference_temperature(stage: str, temperature: float) -> float:
         )
 
     jobs = worker.job_runner(SimpleNamespace(Score=score), SimpleNamespace(LogProbs=logprobs))
-    job = experience_pb2.PromptJob(job_id="j", prompt_ids=[2, 5], params=common_pb2.SamplingParams(n=2))
+    job = make_prompt_job("j", [2, 5], params=common_pb2.SamplingParams(n=2))
     asyncio.run(jobs.process(job))
     return seen["temperature"]
 
