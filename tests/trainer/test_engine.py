@@ -12,12 +12,14 @@ import torch
 from rlhf.algo import logprobs_from_logits
 from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits
-from rlhf.v1 import common_pb2, experience_pb2
+from rlhf.v1 import common_pb2
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.critic_free import CriticFreeStages
 from services.trainer.engine import TrainerEngine
 from services.trainer.passes import TrainerPasses
 from services.trainer.ppo import PPOStage
+from tests.support import make_experience, make_sample
+from tests.support.sampling import actor_samples
 
 
 def _config(stage: str, **algorithm):
@@ -47,29 +49,14 @@ def _rollout(engine: TrainerEngine, prompts: list[list[int]], n: int, new_tokens
     ref = ref if ref is not None else engine.actor
     with torch.no_grad():
         for j, prompt in enumerate(prompts):
-            exp = experience_pb2.Experience(job_id=f"j{j}", prompt_ids=prompt)
-            ids = torch.tensor([prompt] * n)
-            out = engine.actor.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=True,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                top_k=0,
-                pad_token_id=engine.pad_id,
-                eos_token_id=None,
-            )
+            out = actor_samples(engine, torch.tensor([prompt] * n), new_tokens)
             logits = causal_lm_logits(ref, out, engine.pad_id)[:, len(prompt) - 1 : -1]
             ref_lp = logprobs_from_logits(logits, out[:, len(prompt) :])
-            for row, row_ref in zip(out[:, len(prompt) :].tolist(), ref_lp.tolist(), strict=True):
-                exp.samples.add(
-                    response_ids=row,
-                    ref_logprobs=row_ref,
-                    score=_even_fraction(row),
-                    score_status=common_pb2.ITEM_STATUS_OK,
-                    policy_version=engine.policy_version,
-                )
-            experiences.append(exp)
+            samples = [
+                make_sample(row, ref_logprobs=row_ref, score=_even_fraction(row), policy_version=engine.policy_version)
+                for row, row_ref in zip(out[:, len(prompt) :].tolist(), ref_lp.tolist(), strict=True)
+            ]
+            experiences.append(make_experience(f"j{j}", prompt, samples))
     return experiences
 
 

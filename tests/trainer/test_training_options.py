@@ -13,9 +13,10 @@ import torch
 from rlhf import algo
 from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits
-from rlhf.v1 import common_pb2, experience_pb2
+from rlhf.v1 import experience_pb2
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.engine import TrainerEngine
+from tests.support import make_experience, make_sample
 
 
 def _config(stage: str = "ray_ppo", actor=None, training=None, algorithm=None, data=None, critic=None, reward=None):
@@ -50,7 +51,7 @@ def _batch(engine: TrainerEngine, prompts: int = 2, seed: int = 0) -> list[exper
     with torch.no_grad():
         for j in range(prompts):
             prompt = [2, 10 + j, 20 + j]
-            exp = experience_pb2.Experience(job_id=f"j{seed}-{j}", prompt_ids=prompt)
+            samples = []
             for _ in range(n):
                 length = int(torch.randint(3, 7, (1,), generator=g))
                 resp = torch.randint(3, 500, (length,), generator=g).tolist()
@@ -58,13 +59,8 @@ def _batch(engine: TrainerEngine, prompts: int = 2, seed: int = 0) -> list[exper
                 ref = algo.logprobs_from_logits(causal_lm_logits(engine.actor, qr, engine.pad_id)[:, 2:-1], qr[:, 3:])[
                     0
                 ].tolist()
-                exp.samples.add(
-                    response_ids=resp,
-                    ref_logprobs=ref,
-                    score=float(torch.rand(1, generator=g)) * 4 - 1,
-                    score_status=common_pb2.ITEM_STATUS_OK,
-                )
-            out.append(exp)
+                samples.append(make_sample(resp, ref_logprobs=ref, score=float(torch.rand(1, generator=g)) * 4 - 1))
+            out.append(make_experience(f"j{seed}-{j}", prompt, samples))
     return out
 
 
