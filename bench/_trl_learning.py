@@ -80,18 +80,18 @@ def load(args):
 
 
 def plan_steps(algo: str, cfg) -> Plan:
-    a, G = cfg.actor, cfg.training.global_batch_size
+    a, global_batch = cfg.actor, cfg.training.global_batch_size
     if algo == "online_dpo":  # ours: minibatches of ppo_mini_batch_size / 2 pairs, one optimizer step each
         pairs = max(1, a.ppo_mini_batch_size // 2)
-        per_device = min(pairs, G)
-        if G % per_device:
-            raise SystemExit(f"global_batch_size {G} is no multiple of {per_device} pairs per minibatch")
-        return Plan(G // per_device, 2 * G, G // per_device, per_device)
-    samples = G * a.n_samples_per_prompt
+        per_device = min(pairs, global_batch)
+        if global_batch % per_device:
+            raise SystemExit(f"global_batch_size {global_batch} is no multiple of {per_device} pairs per minibatch")
+        return Plan(global_batch // per_device, 2 * global_batch, global_batch // per_device, per_device)
+    samples = global_batch * a.n_samples_per_prompt
     if samples % a.ppo_mini_batch_size:
         raise SystemExit(f"{samples} samples per step do not split into minibatches of {a.ppo_mini_batch_size}")
-    S = samples // a.ppo_mini_batch_size
-    return Plan(S * a.ppo_epochs, samples, S, a.ppo_mini_batch_size)
+    n_minibatches = samples // a.ppo_mini_batch_size
+    return Plan(n_minibatches * a.ppo_epochs, samples, n_minibatches, a.ppo_mini_batch_size)
 
 
 def reward_rule(cfg):
@@ -388,9 +388,9 @@ def build_trainer(algo: str, path: str, tok, kwargs: dict, dataset, reward_fn, c
         return OnlineDPOTrainer(model=policy, ref_model=ref, args=OnlineDPOConfig(**common), **data)
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-    Config, Trainer = (GRPOConfig, GRPOTrainer) if algo == "grpo" else (RLOOConfig, RLOOTrainer)
-    args = Config(**common, model_init_kwargs={"dtype": "float32"}, log_completions=False)
-    return Trainer(model=path, args=args, **data)
+    config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if algo == "grpo" else (RLOOConfig, RLOOTrainer)
+    args = config_cls(**common, model_init_kwargs={"dtype": "float32"}, log_completions=False)
+    return trainer_cls(model=path, args=args, **data)
 
 
 def trl_prompt_ids(trainer, algo: str, prompts: list[list[dict]]) -> list[list[int]]:

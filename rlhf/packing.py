@@ -30,23 +30,23 @@ class Packed:
 
 def pack(query_responses: torch.Tensor, pad_token_id: int) -> Packed:
     """The real (non-pad) tokens of a (B, T) batch, in row order, as one packed row."""
-    B, T = query_responses.shape
+    batch, seq_len = query_responses.shape
     real = query_responses != pad_token_id
     lengths = real.sum(1)
     flat_index = real.reshape(-1).nonzero().squeeze(1)
     input_ids = query_responses.reshape(-1)[flat_index].unsqueeze(0)
     position_ids = (real.cumsum(1) - 1).reshape(-1)[flat_index].unsqueeze(0)
-    cu = torch.zeros(B + 1, dtype=torch.long)
+    cu = torch.zeros(batch + 1, dtype=torch.long)
     cu[1:] = lengths.cpu().cumsum(0)
-    return Packed(input_ids, position_ids, cu, flat_index, (B, T))
+    return Packed(input_ids, position_ids, cu, flat_index, (batch, seq_len))
 
 
 def unpack(packed_out: torch.Tensor, p: Packed) -> torch.Tensor:
     """(1, N, ...) outputs of a packed pass -> (B, T, ...) with zeros at the padding positions (differentiable)."""
-    B, T = p.shape
+    batch, seq_len = p.shape
     rest = packed_out.shape[2:]
-    flat = packed_out.new_zeros((B * T, *rest))
-    return flat.index_copy(0, p.flat_index, packed_out[0]).reshape(B, T, *rest)
+    flat = packed_out.new_zeros((batch * seq_len, *rest))
+    return flat.index_copy(0, p.flat_index, packed_out[0]).reshape(batch, seq_len, *rest)
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -24,11 +24,11 @@ def gae(
     if mask is not None:
         zero = torch.zeros((), dtype=values.dtype, device=values.device)
         rewards, values = torch.where(mask.bool(), rewards, zero), torch.where(mask.bool(), values, zero)
-    B, L = rewards.shape
+    batch, length = rewards.shape
     advantages = torch.zeros_like(rewards)
-    last = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
-    for t in reversed(range(L)):
-        next_value = values[:, t + 1] if t < L - 1 else 0.0
+    last = torch.zeros(batch, dtype=rewards.dtype, device=rewards.device)
+    for t in reversed(range(length)):
+        next_value = values[:, t + 1] if t < length - 1 else 0.0
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         last = delta + gamma * lam * last
         advantages[:, t] = last

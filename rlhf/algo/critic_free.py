@@ -148,14 +148,14 @@ def openrlhf_advantages(
         torch.where(mask, logprobs, zero), torch.where(mask, ref_logprobs, zero), kl_estimator, clamp=OPENRLHF_KL_CLAMP
     )
     rewards = torch.where(mask, -kl_coef * kl, zero)
-    L = mask.shape[1]
-    last = (mask.long() * torch.arange(1, L + 1, device=mask.device)).argmax(dim=1)  # last set column
+    length = mask.shape[1]
+    last = (mask.long() * torch.arange(1, length + 1, device=mask.device)).argmax(dim=1)  # last set column
     has_tokens = mask.any(dim=1)
     rows = torch.arange(mask.shape[0], device=mask.device)
     rewards[rows, last] += torch.where(has_tokens, shaped, zero)
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(r)
-    for t in reversed(range(L)):
+    for t in reversed(range(length)):
         running = rewards[:, t] + gamma * running
         returns[:, t] = running
     returns = torch.where(mask, returns, zero)

@@ -76,8 +76,8 @@ def kl_penalized_rewards(
     ``missing_eos_penalty`` is subtracted from the score of rows whose ``contains_eos`` is False.
     ``kl``: a (B, L) per-token KL computed elsewhere (``full_kl``), used instead of ``kl_estimator``.
     """
-    B, L = logprobs.shape
-    idx = torch.arange(L, device=logprobs.device)
+    batch, length = logprobs.shape
+    idx = torch.arange(length, device=logprobs.device)
     valid = idx[None, :] <= sequence_lengths[:, None]
     per_token = kl_estimate(logprobs, ref_logprobs, kl_estimator) if kl is None else kl
     kl = torch.where(valid, per_token, torch.zeros((), device=logprobs.device))
@@ -88,14 +88,14 @@ def kl_penalized_rewards(
             raise ValueError("missing_eos_penalty needs contains_eos")
         scores = penalize_missing_eos(scores, contains_eos, missing_eos_penalty)
     if score_position == "trl":
-        end = torch.where(sequence_lengths + 1 < L, sequence_lengths + 1, sequence_lengths)
+        end = torch.where(sequence_lengths + 1 < length, sequence_lengths + 1, sequence_lengths)
     elif score_position == "last_token":
         end = sequence_lengths.clamp(min=0)
     else:
         raise ValueError(f"score_position must be 'trl' or 'last_token', got {score_position!r}")
-    end = end.clamp(min=0, max=L - 1)
+    end = end.clamp(min=0, max=length - 1)
     rewards = non_score_reward.clone()
-    rewards[torch.arange(B, device=rewards.device), end] += scores
+    rewards[torch.arange(batch, device=rewards.device), end] += scores
     return KLRewards(rewards=rewards, kl=kl, non_score_reward=non_score_reward, scores=scores, score_index=end)
 
 

@@ -20,9 +20,9 @@ from rlhf.algo.shaping import penalize_missing_eos, subtract_reward_baseline
 
 def first_true_indices(flags: torch.Tensor) -> torch.Tensor:
     """Index of the first True in each row of a (B, L) bool tensor; L when there is none. -> (B,) long."""
-    L = flags.shape[-1]
-    idx = torch.arange(L, device=flags.device).expand_as(flags)
-    return torch.where(flags.bool(), idx, torch.full_like(idx, L)).min(-1).values
+    length = flags.shape[-1]
+    idx = torch.arange(length, device=flags.device).expand_as(flags)
+    return torch.where(flags.bool(), idx, torch.full_like(idx, length)).min(-1).values
 
 
 def truncate_at_stop(responses: torch.Tensor, stop_token_id: int | None, pad_token_id: int) -> torch.Tensor:
@@ -106,8 +106,8 @@ def ppo_rollout(
     num_eos_tokens = (responses == eos_token_id).sum()
     responses = truncate_at_stop(responses, stop_token_id, pad_token_id)
     ell = sequence_lengths(responses, pad_token_id)
-    L = responses.shape[1]
-    idx = torch.arange(L, device=responses.device)[None, :]
+    length = responses.shape[1]
+    idx = torch.arange(length, device=responses.device)[None, :]
     padding_mask = idx > ell[:, None]
     padding_mask_p1 = idx > (ell + 1)[:, None]
     logprobs = logprobs.masked_fill(padding_mask, 0.0)
@@ -181,9 +181,9 @@ def ppo_episode_rollout(
     last one (where TRL's score goes), as :func:`ppo_rollout`'s do. A one-turn episode
     (``loss_mask`` = the response, ending in EOS) gives exactly :func:`ppo_rollout`'s result.
     """
-    L = loss_mask.shape[1]
-    idx = torch.arange(L, device=loss_mask.device)[None, :]
-    ell = L - 1 - first_true_indices(loss_mask.flip(1))  # the last model token (L - 1 - L = -1: none)
+    length = loss_mask.shape[1]
+    idx = torch.arange(length, device=loss_mask.device)[None, :]
+    ell = length - 1 - first_true_indices(loss_mask.flip(1))  # the last model token (length - 1 - length = -1: none)
     span = loss_mask | (idx == (ell + 1)[:, None])  # as ppo_rollout's values: one column past the last action
     c = lambda t: compact(t, span)
     r = ppo_rollout(

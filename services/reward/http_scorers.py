@@ -43,7 +43,7 @@ class HTTPScorer(Scorer):
         return self._client
 
     async def _post(self, body: dict[str, Any], attempt: int) -> Any:
-        """One POST of ``body`` as JSON; the decoded answer, or :class:`_Failed` saying what went wrong."""
+        """One POST of ``body`` as JSON; the decoded answer, or :class:`_AttemptError` saying what went wrong."""
         import httpx
 
         who = f"scorer {self.name!r}: {self.url}"
@@ -52,22 +52,24 @@ class HTTPScorer(Scorer):
                 self._http().post(self.url, json=body, headers=self.headers), timeout=self.timeout
             )
         except (TimeoutError, httpx.TimeoutException):
-            raise _Failed(TIMEOUT, f"{who} did not answer within {self.timeout}s ({attempt} attempt(s))") from None
+            raise _AttemptError(
+                TIMEOUT, f"{who} did not answer within {self.timeout}s ({attempt} attempt(s))"
+            ) from None
         except (httpx.HTTPError, OSError) as err:
-            raise _Failed(
+            raise _AttemptError(
                 SCORER_ERROR, f"scorer {self.name!r}: cannot reach {self.url}: {type(err).__name__}"
             ) from None
         if resp.status_code >= 400:
             # 4xx other than 429: the request itself is wrong, and retrying will not help
             again = resp.status_code >= 500 or resp.status_code == 429
-            raise _Failed(SCORER_ERROR, f"{who} answered HTTP {resp.status_code}: {resp.text[:200]}", again)
+            raise _AttemptError(SCORER_ERROR, f"{who} answered HTTP {resp.status_code}: {resp.text[:200]}", again)
         try:
             return resp.json()
         except ValueError as err:
-            raise _Failed(SCORER_ERROR, f"scorer {self.name!r}: bad answer from {self.url}: {err}") from None
+            raise _AttemptError(SCORER_ERROR, f"scorer {self.name!r}: bad answer from {self.url}: {err}") from None
 
     async def _retrying(self, attempt: Callable[[int], Awaitable[T]]) -> T:
-        """``attempt(n)`` (n: 1, 2, ...) until it returns, retrying a retryable :class:`_Failed` at most
+        """``attempt(n)`` (n: 1, 2, ...) until it returns, retrying a retryable :class:`_AttemptError` at most
         ``retries`` times; the last failure is raised."""
         made = 0
 
@@ -78,7 +80,7 @@ class HTTPScorer(Scorer):
 
         return await retry(
             once,
-            lambda err: isinstance(err, _Failed) and err.retry,
+            lambda err: isinstance(err, _AttemptError) and err.retry,
             what=f"scorer {self.name!r}",
             log=log,
             attempts=self.retries + 1,
@@ -113,9 +115,11 @@ class RemoteScorer(HTTPScorer):
             data = await self._post(body, n)
             rewards = data.get("rewards") if isinstance(data, dict) else data
             if not isinstance(rewards, list):
-                raise _Failed(SCORER_ERROR, f"scorer {self.name!r}: bad answer from {self.url}: no 'rewards' list")
+                raise _AttemptError(
+                    SCORER_ERROR, f"scorer {self.name!r}: bad answer from {self.url}: no 'rewards' list"
+                )
             if len(rewards) != len(items):
-                raise _Failed(SCORER_ERROR, f"{who} returned {len(rewards)} rewards for {len(items)} items")
+                raise _AttemptError(SCORER_ERROR, f"{who} returned {len(rewards)} rewards for {len(items)} items")
             out: list[float | Failure] = []
             for r in rewards:
                 try:
@@ -128,7 +132,7 @@ class RemoteScorer(HTTPScorer):
 
         try:
             return await self._retrying(attempt)
-        except _Failed as err:
+        except _AttemptError as err:
             self.report_failure(err.failure.message)
             return [err.failure] * len(items)
 
@@ -224,7 +228,7 @@ class JudgeScorer(HTTPScorer):
 
         try:
             data = await self._retrying(attempt)
-        except _Failed as err:
+        except _AttemptError as err:
             self.report_failure(err.failure.message)
             return err.failure
         try:
@@ -249,7 +253,7 @@ class JudgeScorer(HTTPScorer):
         return list(await asyncio.gather(*(self._one(it) for it in items)))
 
 
-class _Failed(Exception):
+class _AttemptError(Exception):
     """One failed attempt of an HTTP scorer: the Failure its items get if it is the last, and whether another
     attempt may succeed."""
 

@@ -302,23 +302,23 @@ class HFEngine(EngineBase):
     def _decode(self, rows: list[_Row]) -> None:
         """Decode ``rows`` together until each has finished (runs in a worker thread)."""
         dev = self.device
-        B = len(rows)
-        self.hooks.step(B)
-        P = max(len(r.prompt) for r in rows)
-        ids = torch.full((B, P), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((B, P), dtype=torch.long)
+        n_rows = len(rows)
+        self.hooks.step(n_rows)
+        prompt_width = max(len(r.prompt) for r in rows)
+        ids = torch.full((n_rows, prompt_width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n_rows, prompt_width), dtype=torch.long)
         for i, r in enumerate(rows):
-            ids[i, P - len(r.prompt) :] = torch.tensor(r.prompt)
-            mask[i, P - len(r.prompt) :] = 1
+            ids[i, prompt_width - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[i, prompt_width - len(r.prompt) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(1) - 1).clamp(min=0)
 
-        V = self.vocab_size
+        vocab = self.vocab_size
         temps = torch.tensor([r.opts.temperature if not r.opts.greedy else 1.0 for r in rows], dtype=torch.float32)
         greedy = torch.tensor([r.opts.greedy for r in rows])
-        any_k = any(0 < r.opts.top_k < V and not r.opts.greedy for r in rows)
+        any_k = any(0 < r.opts.top_k < vocab and not r.opts.greedy for r in rows)
         any_p = any(r.opts.top_p < 1.0 and not r.opts.greedy for r in rows)
-        k = torch.tensor([r.opts.top_k if 0 < r.opts.top_k < V and not r.opts.greedy else V for r in rows])
+        k = torch.tensor([r.opts.top_k if 0 < r.opts.top_k < vocab and not r.opts.greedy else vocab for r in rows])
         p = torch.tensor([r.opts.top_p if not r.opts.greedy else 1.0 for r in rows], dtype=torch.float32)
         temps, greedy, k, p = temps.to(dev), greedy.to(dev), k.to(dev), p.to(dev)
         gens = []
@@ -334,11 +334,13 @@ class HFEngine(EngineBase):
         budgets = [min(r.opts.max_tokens, self.max_model_len - len(r.prompt)) for r in rows]
         penalized = any(r.opts.penalized for r in rows)
         if penalized:
-            in_prompt = torch.zeros((B, V), dtype=torch.bool)
+            in_prompt = torch.zeros((n_rows, vocab), dtype=torch.bool)
             for i, r in enumerate(rows):
                 in_prompt[i, torch.tensor(r.prompt)] = True
             in_prompt = in_prompt.to(dev)
-            counts = torch.zeros((B, V), dtype=torch.float32, device=dev)  # each token's count in the output so far
+            counts = torch.zeros(
+                (n_rows, vocab), dtype=torch.float32, device=dev
+            )  # each token's count in the output so far
             rep = torch.tensor([r.opts.repetition_penalty for r in rows], dtype=torch.float32, device=dev)
             freq = torch.tensor([r.opts.frequency_penalty for r in rows], dtype=torch.float32, device=dev)
             pres = torch.tensor([r.opts.presence_penalty for r in rows], dtype=torch.float32, device=dev)
@@ -346,7 +348,7 @@ class HFEngine(EngineBase):
         for r in rows:
             if r.opts.top_logprobs:
                 r.top = []
-        active = [True] * B
+        active = [True] * n_rows
         steps = max(budgets)
         past = None
         inp, inp_pos = ids, pos
@@ -368,7 +370,9 @@ class HFEngine(EngineBase):
                 return_dict=True,
             )
             if past is None and any(r.opts.prompt_logprobs is not None for r in rows):
-                self._prompt_logprobs(rows, out.logits, P)  # the prefill holds the logits of every prompt position
+                self._prompt_logprobs(
+                    rows, out.logits, prompt_width
+                )  # the prefill holds the logits of every prompt position
             past = out.past_key_values
             logits = out.logits[:, -1, :].float()
             if penalized:  # before temperature and top-k/top-p, as in vLLM; greedy rows take the penalized argmax
@@ -376,7 +380,7 @@ class HFEngine(EngineBase):
             masked = step_distribution(logits, temps, k if any_k else None, p if any_p else None)
             probs = masked.softmax(dim=-1)
             q = torch.empty_like(probs)
-            for i in range(B):
+            for i in range(n_rows):
                 if active[i]:
                     q[i].exponential_(generator=gens[i])
                 else:
@@ -416,9 +420,9 @@ class HFEngine(EngineBase):
                     active[i] = False
             if not any(active):
                 break
-            nxt = torch.tensor([tok_l[i] if active[i] else self.pad_token_id for i in range(B)], device=dev)
+            nxt = torch.tensor([tok_l[i] if active[i] else self.pad_token_id for i in range(n_rows)], device=dev)
             inp = nxt.unsqueeze(1)
-            step_mask = torch.tensor([1 if active[i] else 0 for i in range(B)], device=dev, dtype=mask.dtype)
+            step_mask = torch.tensor([1 if active[i] else 0 for i in range(n_rows)], device=dev, dtype=mask.dtype)
             mask = torch.cat([mask, step_mask.unsqueeze(1)], dim=1)
             inp_pos = (mask.sum(1, keepdim=True) - 1).clamp(min=0)
             n_active = sum(active)
@@ -431,7 +435,7 @@ class HFEngine(EngineBase):
                 r.text = decode_text(self._tokenizer, r.tokens)
 
     @staticmethod
-    def _prompt_logprobs(rows: list[_Row], logits: torch.Tensor, P: int) -> None:
+    def _prompt_logprobs(rows: list[_Row], logits: torch.Tensor, prompt_width: int) -> None:
         """Prompt log-probs of the rows that ask for them, from the prefill's (B, P, V) logits: the logits at
         position j predict token j + 1, and a row's prompt is the right end of its (left-padded) input. Temperature
         1, nothing masked: the model's own distribution, as the reference service computes it."""
@@ -439,8 +443,8 @@ class HFEngine(EngineBase):
             k = r.opts.prompt_logprobs
             if k is None:
                 continue
-            L = len(r.prompt)
-            lps = logits[i, P - L : P - 1].float().log_softmax(dim=-1)
+            n_prompt = len(r.prompt)
+            lps = logits[i, prompt_width - n_prompt : prompt_width - 1].float().log_softmax(dim=-1)
             target = torch.tensor(r.prompt[1:], dtype=torch.long, device=lps.device)
             r.prompt_lp = [None, *lps.gather(1, target.unsqueeze(1)).squeeze(1).tolist()]
             if k:

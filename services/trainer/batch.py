@@ -76,16 +76,16 @@ def collate(experiences: list[experience_pb2.Experience], pad_id: int, device: t
             "no usable sample in this batch (all scores failed or responses empty)"
             + (f"; score errors: {'; '.join(errors[:3])}" if errors else "")
         )
-    C = max(len(p) for _, p, _ in rows)
-    L = max(len(s.response_ids) for _, _, s in rows)
-    B = len(rows)
-    qr = torch.full((B, C + L), pad_id, dtype=torch.long)
-    samp = torch.zeros(B, L)
-    has_samp = torch.zeros(B, dtype=torch.bool)
-    ref = torch.zeros(B, L)
-    loss_mask = torch.zeros(B, L, dtype=torch.bool)
-    episodes = torch.zeros(B, dtype=torch.bool)
-    done = torch.zeros(B, dtype=torch.bool)
+    context_length = max(len(p) for _, p, _ in rows)
+    response_length = max(len(s.response_ids) for _, _, s in rows)
+    n_rows = len(rows)
+    qr = torch.full((n_rows, context_length + response_length), pad_id, dtype=torch.long)
+    samp = torch.zeros(n_rows, response_length)
+    has_samp = torch.zeros(n_rows, dtype=torch.bool)
+    ref = torch.zeros(n_rows, response_length)
+    loss_mask = torch.zeros(n_rows, response_length, dtype=torch.bool)
+    episodes = torch.zeros(n_rows, dtype=torch.bool)
+    done = torch.zeros(n_rows, dtype=torch.bool)
     for i, (_, prompt, s) in enumerate(rows):
         n = len(s.response_ids)
         if len(s.loss_mask):
@@ -99,8 +99,8 @@ def collate(experiences: list[experience_pb2.Experience], pad_id: int, device: t
             done[i] = s.ended_by == "done"
         else:
             loss_mask[i, :n] = True
-        qr[i, C - len(prompt) : C] = torch.tensor(prompt)
-        qr[i, C : C + n] = torch.tensor(list(s.response_ids))
+        qr[i, context_length - len(prompt) : context_length] = torch.tensor(prompt)
+        qr[i, context_length : context_length + n] = torch.tensor(list(s.response_ids))
         if len(s.sampling_logprobs) == n:
             samp[i, :n] = torch.tensor(list(s.sampling_logprobs))
             has_samp[i] = True
@@ -112,14 +112,14 @@ def collate(experiences: list[experience_pb2.Experience], pad_id: int, device: t
         ref[i, :n] = torch.tensor(list(s.ref_logprobs))
     return RolloutBatch(
         query_responses=qr.to(device),
-        responses=qr[:, C:].to(device),
+        responses=qr[:, context_length:].to(device),
         sampling_logprobs=samp.to(device),
         ref_logprobs=ref.to(device),
         scores=torch.tensor([s.score for _, _, s in rows], device=device),
         group=torch.tensor([g for g, _, _ in rows], device=device),
         policy_versions=torch.tensor([s.policy_version for _, _, s in rows]),
         has_sampling_logprobs=has_samp.to(device),
-        context_length=C,
+        context_length=context_length,
         loss_mask=loss_mask.to(device),
         episodes=episodes.to(device),
         episode_done=done.to(device),

@@ -46,7 +46,7 @@ class CriticFreeStages:
         over epochs (TRL's ``num_iterations``).
         """
         p = self.passes
-        cfg, a, alg, C = p.cfg, p.cfg.actor, p.cfg.algorithm, b.context_length
+        cfg, a, alg, context_length = p.cfg, p.cfg.actor, p.cfg.algorithm, b.context_length
         estimator = cfg.critic_free_estimator
         trl_rloo = estimator == "rloo" and alg.rloo_convention == "trl"
         kl_in_loss = estimator in ("grpo", "dr_grpo")
@@ -67,7 +67,7 @@ class CriticFreeStages:
         zero = torch.zeros((), device=responses.device)
         ref = torch.where(mask, b.ref_logprobs, zero)
         with torch.no_grad():
-            old_logprobs, _ = p.actor_rows(b.query_responses, responses, C)
+            old_logprobs, _ = p.actor_rows(b.query_responses, responses, context_length)
         # over every response token, also of the completions mask_truncated_completions keeps out of the loss
         if every_token is None:
             every_token = algo.completion_mask(b.responses, p.eos_id, p.pad_id)[1]
@@ -101,8 +101,8 @@ class CriticFreeStages:
         if trl_rloo:
             old_seq = algo.masked_sum(old_logprobs, mask, dim=1)
             behavior_seq = None if behavior is None else algo.masked_sum(behavior, mask, dim=1)
-        B = responses.shape[0]
-        n_minibatches = math.ceil(B / a.ppo_mini_batch_size)
+        batch_size = responses.shape[0]
+        n_minibatches = math.ceil(batch_size / a.ppo_mini_batch_size)
         num_items = mask.sum() / n_minibatches  # DAPO: the rollout batch's tokens per minibatch (TRL)
         stats: dict[str, list[float]] = {}
         # how each loss_type averages, so that micro-batch losses add up to the minibatch's (TRL's accumulation)
@@ -117,7 +117,7 @@ class CriticFreeStages:
         def micro_loss(mb: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
             # entropies carry a gradient only with the bonus (a loss term only then)
             new_logprobs, entropies = p.actor_rows(
-                b.query_responses[mb], responses[mb], C, entropy=bool(a.entropy_coeff)
+                b.query_responses[mb], responses[mb], context_length, entropy=bool(a.entropy_coeff)
             )
             entropy_mask = None
             if alg.top_entropy_quantile < 1.0:  # the quantile of each forward pass, as TRL's
@@ -171,7 +171,7 @@ class CriticFreeStages:
             )
             return loss
 
-        epochs = (p.minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch) for _ in range(a.ppo_epochs))
+        epochs = (p.minibatches(batch_size, a.ppo_mini_batch_size, a.shuffle_minibatch) for _ in range(a.ppo_epochs))
         p.actor_epochs(epochs, a.micro_batch_size, micro_loss, stats)
         metrics = {k: sum(v) / len(v) for k, v in stats.items()}
         metrics["objective/kl"] = algo.masked_sum(kl, mask, dim=1).mean().item()
@@ -187,7 +187,7 @@ class CriticFreeStages:
         prompt's group (``min_score``: if good enough), trained on by SFT: the mean negative log-likelihood of its
         response tokens (an episode's own tokens), at temperature 1, in the actor's minibatches and micro-batches."""
         p = self.passes
-        a, rs, C = p.cfg.actor, p.cfg.algorithm.rejection_sampling, b.context_length
+        a, rs, context_length = p.cfg.actor, p.cfg.algorithm.rejection_sampling, b.context_length
         if has_episodes(b):
             responses, mask, _ = algo.episode_completion_mask(
                 b.responses, b.loss_mask, b.episodes, b.episode_done, p.eos_id, p.pad_id
@@ -204,7 +204,7 @@ class CriticFreeStages:
 
         def micro_loss(mu: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
             rows, whole = keep[mu], keep[mb]
-            logprobs, _ = p.actor_rows(b.query_responses[rows], responses[rows], C, temperature=1.0)
+            logprobs, _ = p.actor_rows(b.query_responses[rows], responses[rows], context_length, temperature=1.0)
             loss = -algo.masked_mean(logprobs, mask[rows])
             append_stats(stats, {"loss/sft": loss.item()})
             return optim.micro_weight("tokens", mask[rows], mask[whole]) * loss
@@ -221,11 +221,11 @@ class CriticFreeStages:
         each completion through its EOS.
         """
         p = self.passes
-        cfg, C = p.cfg, b.context_length
+        cfg, context_length = p.cfg, b.context_length
         firsts, seconds = algo.dpo_pairs(b.group)
         if not firsts:
             raise ValueError("online DPO needs two scored samples per prompt; none in this batch")
-        P = len(firsts)
+        n_pairs = len(firsts)
         idx = torch.tensor(firsts + seconds, device=b.responses.device)  # block layout [p0..pB-1, p0..pB-1]
         if has_episodes(b):
             responses, mask, contains_eos = algo.episode_completion_mask(
@@ -236,10 +236,10 @@ class CriticFreeStages:
             mask = responses != p.pad_id
             contains_eos = (responses == p.eos_id).any(1)
         scores = algo.penalize_missing_eos(b.scores[idx], contains_eos, cfg.algorithm.missing_eos_penalty)
-        chosen, rejected = algo.select_chosen_rejected(scores, P)
+        chosen, rejected = algo.select_chosen_rejected(scores, n_pairs)
         ref_logprobs = b.ref_logprobs[idx]
         ref_sums = algo.masked_sum(ref_logprobs, mask, dim=1)
-        T = cfg.logprob_temperature  # 1.0: TRL's online DPO never divides by the sampling temperature
+        temperature = cfg.logprob_temperature  # 1.0: TRL's online DPO never divides by the sampling temperature
         a = cfg.actor
         stats: dict[str, list[float]] = {}
         # No separate old pass here: the first minibatch's forwards run before any optimizer step, so its rows'
@@ -251,11 +251,15 @@ class CriticFreeStages:
             # rows of these pairs' chosen and rejected answers; the DPO loss is a mean over pairs
             rows = torch.cat([chosen[pairs], rejected[pairs]])
             logprobs, entropies = p.actor_rows(
-                b.query_responses[idx[rows]], responses[rows], C, temperature=T, entropy=bool(a.entropy_coeff)
+                b.query_responses[idx[rows]],
+                responses[rows],
+                context_length,
+                temperature=temperature,
+                entropy=bool(a.entropy_coeff),
             )
             if not first:
                 first.append(whole)
-            if whole is first[0] and p.temperature == T:
+            if whole is first[0] and p.temperature == temperature:
                 measured.append((rows, logprobs.detach()))
             sums = algo.masked_sum(logprobs, mask[rows], dim=1)
             n = len(pairs)
@@ -289,7 +293,8 @@ class CriticFreeStages:
         micro_pairs = None if a.micro_batch_size is None else max(1, a.micro_batch_size // 2)
         dev = b.responses.device
         epochs = (
-            (mb.to(dev) for mb in p.minibatches(P, pairs_per_step, a.shuffle_minibatch)) for _ in range(a.ppo_epochs)
+            (mb.to(dev) for mb in p.minibatches(n_pairs, pairs_per_step, a.shuffle_minibatch))
+            for _ in range(a.ppo_epochs)
         )
         p.actor_epochs(epochs, micro_pairs, micro_loss, stats)
         metrics = {k: sum(v) / len(v) for k, v in stats.items()}

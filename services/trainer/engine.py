@@ -162,21 +162,27 @@ class TrainerEngine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def logits_and_logprobs(self, qr: torch.Tensor, responses: torch.Tensor, C: int, temperature: float | None = None):
+    def logits_and_logprobs(
+        self, qr: torch.Tensor, responses: torch.Tensor, context_length: int, temperature: float | None = None
+    ):
         """Response logits and log-probs at ``temperature`` (default the sampling temperature; online DPO uses 1)."""
         with self._autocast():
-            logits = causal_lm_logits(self.actor, qr, self.pad_id, self.cfg.training.padding_free)[:, C - 1 : -1]
-        T = self.temperature if temperature is None else temperature
-        return logits, algo.logprobs_from_logits(logits, responses, T)
+            logits = causal_lm_logits(self.actor, qr, self.pad_id, self.cfg.training.padding_free)[
+                :, context_length - 1 : -1
+            ]
+        temperature = self.temperature if temperature is None else temperature
+        return logits, algo.logprobs_from_logits(logits, responses, temperature)
 
-    def actor_rows(self, qr, responses, C: int, temperature: float | None = None, entropy: bool | None = None):
+    def actor_rows(
+        self, qr, responses, context_length: int, temperature: float | None = None, entropy: bool | None = None
+    ):
         """Log-probs of the rows and, with ``entropy`` set (True: with gradient), their per-token entropies. In a
         group each rank runs the actor on its share of the rows and the results are gathered (distributed.py)."""
         if self.group is None:
-            logits, logprobs = self.logits_and_logprobs(qr, responses, C, temperature)
+            logits, logprobs = self.logits_and_logprobs(qr, responses, context_length, temperature)
             return logprobs, self.entropies(logits, entropy, temperature)
         n, rows = qr.shape[0], dist.local_rows(qr.shape[0], self.group)
-        logits, logprobs = self.logits_and_logprobs(qr[rows], responses[rows], C, temperature)
+        logits, logprobs = self.logits_and_logprobs(qr[rows], responses[rows], context_length, temperature)
         entropies = self.entropies(logits, entropy, temperature)
         logprobs = dist.gather_rows(logprobs, n, self.group)
         return logprobs, None if entropies is None else dist.gather_rows(entropies, n, self.group)
@@ -187,20 +193,22 @@ class TrainerEngine:
         with torch.set_grad_enabled(entropy and torch.is_grad_enabled()):
             return algo.entropy_from_logits(logits, self.temperature if temperature is None else temperature)
 
-    def critic_rows(self, qr: torch.Tensor, C: int) -> torch.Tensor:
+    def critic_rows(self, qr: torch.Tensor, context_length: int) -> torch.Tensor:
         if self.group is None:
-            return self._values(qr, C)
+            return self._values(qr, context_length)
         n = qr.shape[0]
-        return dist.gather_rows(self._values(qr[dist.local_rows(n, self.group)], C), n, self.group)
+        return dist.gather_rows(self._values(qr[dist.local_rows(n, self.group)], context_length), n, self.group)
 
-    def _values(self, qr: torch.Tensor, C: int) -> torch.Tensor:
+    def _values(self, qr: torch.Tensor, context_length: int) -> torch.Tensor:
         with self._autocast():
-            values = score_head_outputs(self.critic, qr, self.pad_id, self.cfg.training.padding_free)[:, C - 1 : -1]
+            values = score_head_outputs(self.critic, qr, self.pad_id, self.cfg.training.padding_free)[
+                :, context_length - 1 : -1
+            ]
         return values.float()
 
-    def reference_logits(self, qr: torch.Tensor, C: int) -> torch.Tensor:
+    def reference_logits(self, qr: torch.Tensor, context_length: int) -> torch.Tensor:
         with self._autocast():
-            return causal_lm_logits(self.ref_model, qr, self.pad_id)[:, C - 1 : -1]
+            return causal_lm_logits(self.ref_model, qr, self.pad_id)[:, context_length - 1 : -1]
 
     def behavior(self, b: RolloutBatch, old_logprobs: torch.Tensor) -> torch.Tensor | None:
         """Sampling log-probs for truncated importance sampling; rows without them count as on-policy."""

@@ -66,5 +66,7 @@ class Commands:
                 raise RuntimeError(f"trainer group: unknown command {cmd} from rank 0")
 
     def _receive_batch(self) -> RolloutBatch:
-        (C,) = dist.broadcast_ints(None, 1, self.device)
-        return RolloutBatch.from_wire(C, dist.broadcast_tensors(None, len(RolloutBatch.WIRE_FIELDS), self.device))
+        (context_length,) = dist.broadcast_ints(None, 1, self.device)
+        return RolloutBatch.from_wire(
+            context_length, dist.broadcast_tensors(None, len(RolloutBatch.WIRE_FIELDS), self.device)
+        )

@@ -40,7 +40,7 @@ class TrainerPasses(Protocol):
         ...
 
     def logits_and_logprobs(
-        self, qr: torch.Tensor, responses: torch.Tensor, C: int, temperature: float | None = None
+        self, qr: torch.Tensor, responses: torch.Tensor, context_length: int, temperature: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The actor's response logits and log-probs of the rows, in this process alone."""
         ...
@@ -49,7 +49,7 @@ class TrainerPasses(Protocol):
         self,
         qr: torch.Tensor,
         responses: torch.Tensor,
-        C: int,
+        context_length: int,
         temperature: float | None = None,
         entropy: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -62,11 +62,11 @@ class TrainerPasses(Protocol):
         """Per-token entropies of ``logits`` (None when ``entropy`` is None; True: with gradient)."""
         ...
 
-    def critic_rows(self, qr: torch.Tensor, C: int) -> torch.Tensor:
+    def critic_rows(self, qr: torch.Tensor, context_length: int) -> torch.Tensor:
         """The critic's values of the rows' response tokens; split across a group."""
         ...
 
-    def reference_logits(self, qr: torch.Tensor, C: int) -> torch.Tensor:
+    def reference_logits(self, qr: torch.Tensor, context_length: int) -> torch.Tensor:
         """The reference model's response logits (only with ``ref_model``)."""
         ...
 

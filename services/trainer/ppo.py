@@ -53,8 +53,8 @@ class PPOStage:
 
     def update(self, b: RolloutBatch) -> dict[str, float]:
         p = self.passes
-        cfg, a, c, C = p.cfg, p.cfg.actor, p.cfg.critic, b.context_length
-        B = b.responses.shape[0]
+        cfg, a, c, context_length = p.cfg, p.cfg.actor, p.cfg.critic, b.context_length
+        batch_size = b.responses.shape[0]
         pool, split = None, None
         if self._parallel_critic():
             split = self._side_threads()
@@ -68,10 +68,10 @@ class PPOStage:
             # Minibatch orders are drawn first, actor's first, so the shared generator gives the same orders
             # whether the critic runs alongside or after the actor and whether the first pass is reused.
             actor_mbs = [
-                list(p.minibatches(B, a.ppo_mini_batch_size, a.shuffle_minibatch)) for _ in range(a.ppo_epochs)
+                list(p.minibatches(batch_size, a.ppo_mini_batch_size, a.shuffle_minibatch)) for _ in range(a.ppo_epochs)
             ]
             critic_mbs = [
-                list(p.minibatches(B, c.critic_mini_batch_size, a.shuffle_minibatch))
+                list(p.minibatches(batch_size, c.critic_mini_batch_size, a.shuffle_minibatch))
                 for _ in range(0 if p.shared_value else c.critic_update_epochs)  # shared: the actor's minibatches
             ]
             # OpenRLHF's freezing_actor_steps: the critic learns values of a fixed policy before the actor moves
@@ -81,17 +81,17 @@ class PPOStage:
                 if not frozen and actor_mbs:
                     first_a = next(optim.micro_batches(actor_mbs[0][0], a.micro_batch_size))
                 first_c = next(optim.micro_batches(critic_mbs[0][0], c.micro_batch_size)) if critic_mbs else None
-            values_f = run(self._old_values, b.query_responses, C, first_c)
+            values_f = run(self._old_values, b.query_responses, context_length, first_c)
             full_kl = None
             held_logits = None
             if p.ref_model is not None:  # kl_penalty full: one process only (refused in a group)
                 with torch.no_grad():
-                    old_logits, old_logprobs = p.logits_and_logprobs(b.query_responses, b.responses, C)
-                    ref_logits = p.reference_logits(b.query_responses, C)
+                    old_logits, old_logprobs = p.logits_and_logprobs(b.query_responses, b.responses, context_length)
+                    ref_logits = p.reference_logits(b.query_responses, context_length)
                     full_kl = algo.full_kl(old_logits, ref_logits, p.temperature)
                     del old_logits
             else:
-                old_logprobs, held_logits = self._old_logprobs(b, C, first_a)
+                old_logprobs, held_logits = self._old_logprobs(b, context_length, first_a)
             values, held_values = values_f.result()
             episodes = has_episodes(b)
             rollout = (
@@ -128,33 +128,33 @@ class PPOStage:
                 pool.shutdown(wait=True)
             torch.set_num_threads(before)
         mean_kl = algo.masked_mean(r.kl, r.response_mask, dim=1).mean().item()
-        p.state.update_kl(mean_kl, B)
+        p.state.update_kl(mean_kl, batch_size)
         metrics.update({k: sum(v) / len(v) for k, v in stats.items()})
         metrics["objective/advantages_mean"] = algo.masked_mean(r.advantages, r.response_mask).item()
         metrics["policy/frozen"] = float(frozen)
         return metrics
 
-    def _old_values(self, qr: torch.Tensor, C: int, first: torch.Tensor | None):
+    def _old_values(self, qr: torch.Tensor, context_length: int, first: torch.Tensor | None):
         """The critic's values of every row before the update, and (``first``: the critic's first minibatch) those
         rows' values with their graph, which that minibatch's update uses as its forward pass."""
         p = self.passes
         if first is None:
             with torch.no_grad():  # grad mode is per thread: set here, where it runs
-                return p.critic_rows(qr, C), None
+                return p.critic_rows(qr, context_length), None
         with torch.enable_grad():
-            held = p.critic_rows(qr[first], C)
-        return _with_rest(qr.shape[0], first, held.detach(), lambda rows: p.critic_rows(qr[rows], C)), held
+            held = p.critic_rows(qr[first], context_length)
+        return _with_rest(qr.shape[0], first, held.detach(), lambda rows: p.critic_rows(qr[rows], context_length)), held
 
-    def _old_logprobs(self, b: RolloutBatch, C: int, first: torch.Tensor | None):
+    def _old_logprobs(self, b: RolloutBatch, context_length: int, first: torch.Tensor | None):
         """The actor's log-probs of every row before the update, and (``first``: the actor's first micro-batch) those
         rows' logits with their graph, which that micro-batch's loss uses as its forward pass."""
         p = self.passes
         if first is None:
             with torch.no_grad():
-                return p.actor_rows(b.query_responses, b.responses, C)[0], None
+                return p.actor_rows(b.query_responses, b.responses, context_length)[0], None
         with torch.enable_grad():
-            held, lp = p.logits_and_logprobs(b.query_responses[first], b.responses[first], C)
-        rest = lambda rows: p.actor_rows(b.query_responses[rows], b.responses[rows], C)[0]
+            held, lp = p.logits_and_logprobs(b.query_responses[first], b.responses[first], context_length)
+        rest = lambda rows: p.actor_rows(b.query_responses[rows], b.responses[rows], context_length)[0]
         return _with_rest(b.responses.shape[0], first, lp.detach(), rest), held
 
     def _actor_updates(self, b: RolloutBatch, r, minibatches: list[list[torch.Tensor]], held=None):
@@ -163,7 +163,7 @@ class PPOStage:
         loss also holds its value loss (TRL's ``pg_loss + vf_coef * vf_loss``), from the value head on the same
         backbone."""
         p = self.passes
-        a, C = p.cfg.actor, b.context_length
+        a, context_length = p.cfg.actor, b.context_length
         stats: dict[str, list[float]] = {}
         behavior = p.behavior(b, r.logprobs)
         held = [held] if held is not None else []
@@ -176,7 +176,9 @@ class PPOStage:
                 new_logprobs = algo.logprobs_from_logits(logits, r.responses[mu], p.temperature)
                 entropies = p.entropies(logits, True)
             else:
-                new_logprobs, entropies = p.actor_rows(b.query_responses[mu], r.responses[mu], C, entropy=True)
+                new_logprobs, entropies = p.actor_rows(
+                    b.query_responses[mu], r.responses[mu], context_length, entropy=True
+                )
             mask = r.response_mask[mu]
             pg_loss, pg_stats = algo.ppo_policy_loss(
                 new_logprobs,

@@ -279,18 +279,18 @@ def test_bad_input_rest_is_refused_naming_the_field(svc):
 
 
 def test_bad_input_grpc_is_invalid_argument(svc, stub):
-    P = common_pb2.Prompt
+    prompt = common_pb2.Prompt
     cases = [
         ([], {}, "prompt"),
-        ([P(token_ids=common_pb2.TokenIds(ids=[2, 600]))], {}, "prompts[0][1]"),
-        ([P(text="")], {}, "prompts[0].text"),
-        ([P()], {}, "prompts[0]"),
-        ([P(token_ids=common_pb2.TokenIds(ids=[5] * 600))], {}, "prompts[0]"),
-        ([P(text="hi")], {"max_tokens": 100000}, "max_tokens"),
-        ([P(text="hi")], {"temperature": 5.0}, "temperature"),
-        ([P(text="hi")], {"top_p": 1.5}, "top_p"),
-        ([P(text="hi")], {"n": -2}, "n"),
-        ([P(text="hi")], {"stop_token_ids": [9999]}, "stop_token_ids[0]"),
+        ([prompt(token_ids=common_pb2.TokenIds(ids=[2, 600]))], {}, "prompts[0][1]"),
+        ([prompt(text="")], {}, "prompts[0].text"),
+        ([prompt()], {}, "prompts[0]"),
+        ([prompt(token_ids=common_pb2.TokenIds(ids=[5] * 600))], {}, "prompts[0]"),
+        ([prompt(text="hi")], {"max_tokens": 100000}, "max_tokens"),
+        ([prompt(text="hi")], {"temperature": 5.0}, "temperature"),
+        ([prompt(text="hi")], {"top_p": 1.5}, "top_p"),
+        ([prompt(text="hi")], {"n": -2}, "n"),
+        ([prompt(text="hi")], {"stop_token_ids": [9999]}, "stop_token_ids[0]"),
     ]
     for prompts, params, field in cases:
         req = rollout_pb2.GenerateRequest(prompts=prompts, params=common_pb2.SamplingParams(**params))
@@ -299,7 +299,7 @@ def test_bad_input_grpc_is_invalid_argument(svc, stub):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (params, info.value.details())
         assert field in info.value.details(), (field, info.value.details())
     ok = stub.Generate(
-        rollout_pb2.GenerateRequest(prompts=[P(text="hi")], params=common_pb2.SamplingParams(max_tokens=2))
+        rollout_pb2.GenerateRequest(prompts=[prompt(text="hi")], params=common_pb2.SamplingParams(max_tokens=2))
     )
     assert len(ok.results[0].completions) == 1
 
@@ -411,14 +411,14 @@ def hf_sampling_logprobs(eng, prompt: list[int], tokens: list[int], o) -> list[f
     from rlhf.models import causal_lm_logits
     from services.rollout.hf_engine import apply_penalties, step_distribution
 
-    V = eng.vocab_size
+    vocab = eng.vocab_size
     with torch.no_grad():
         logits = causal_lm_logits(eng.model, torch.tensor([prompt + tokens]), pad_token_id=0)[0].float()
-    in_prompt = torch.zeros(1, V, dtype=torch.bool)
+    in_prompt = torch.zeros(1, vocab, dtype=torch.bool)
     in_prompt[0, torch.tensor(prompt)] = True
-    counts = torch.zeros(1, V)
+    counts = torch.zeros(1, vocab)
     one = lambda v: torch.tensor([float(v)])
-    k = torch.tensor([o.top_k]) if 0 < o.top_k < V else None
+    k = torch.tensor([o.top_k]) if 0 < o.top_k < vocab else None
     p = torch.tensor([o.top_p]) if o.top_p < 1.0 else None
     out = []
     for t, tok in enumerate(tokens):
@@ -472,18 +472,18 @@ def test_cross_engine_truncated_sampling_logprobs(svc, hf_engine, full_forward):
     from services.rollout.options import SamplingOptions
 
     _, eng = hf_engine
-    T, k, p = 0.8, 40, 0.9
-    body = generate(svc, n=4, max_tokens=16, seed=9, temperature=T, top_k=k, top_p=p, ignore_eos=True)
+    temp, k, p = 0.8, 40, 0.9
+    body = generate(svc, n=4, max_tokens=16, seed=9, temperature=temp, top_k=k, top_p=p, ignore_eos=True)
     worst = 0.0
     for r in body["results"]:
         prompt = r["prompt_token_ids"]
         for c in r["completions"]:
-            hf = hf_sampling_logprobs(eng, prompt, c["token_ids"], SamplingOptions(temperature=T, top_k=k, top_p=p))
+            hf = hf_sampling_logprobs(eng, prompt, c["token_ids"], SamplingOptions(temperature=temp, top_k=k, top_p=p))
             worst = max(worst, _maxdiff(c["logprobs"], hf))
-            full = full_forward(prompt, c["token_ids"], T)
+            full = full_forward(prompt, c["token_ids"], temp)
             assert all(v >= f - 1e-5 for v, f in zip(c["logprobs"], full, strict=True))
             assert any(v > f + 1e-3 for v, f in zip(c["logprobs"], full, strict=True)), "truncation had no effect"
-    print(f"\nT={T} top_k={k} top_p={p}: max |logprob diff| vLLM vs hf {worst:.2e}")
+    print(f"\nT={temp} top_k={k} top_p={p}: max |logprob diff| vLLM vs hf {worst:.2e}")
     assert worst < LOGPROB_TOL
 
 

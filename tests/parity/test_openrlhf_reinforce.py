@@ -100,23 +100,23 @@ LOSS_TOL = 1e-5
 GRAD_ATOL, GRAD_RTOL = 1e-6, 1e-4
 
 
-def logprobs(model, ids: torch.Tensor, C: int, T: float) -> torch.Tensor:
+def logprobs(model, ids: torch.Tensor, ctx: int, temp: float) -> torch.Tensor:
     """OpenRLHF's actor forward: position ids ``cumsum(mask) - 1`` (pads 1), ``log_softmax(logits / T)``."""
     attention = (ids != PAD).long()
     position_ids = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 1)
-    logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids).logits[:, C - 1 : -1] / T
-    return torch.log_softmax(logits.float(), -1).gather(-1, ids[:, C:, None])[..., 0]
+    logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids).logits[:, ctx - 1 : -1] / temp
+    return torch.log_softmax(logits.float(), -1).gather(-1, ids[:, ctx:, None])[..., 0]
 
 
 def openrlhf_run(s: Setting, policy, prompts, completions, scores, refs) -> dict:
-    B, n = len(completions), s.group
-    C = len(prompts[0])
-    L = max(len(c) for c in completions)
-    ids = torch.tensor([prompts[i // n] + c + [PAD] * (L - len(c)) for i, c in enumerate(completions)])
-    action_mask = torch.tensor([[t < len(c) for t in range(L)] for c in completions])
-    ref = torch.tensor([r + [0.0] * (L - len(r)) for r in refs])
+    n_rows, n = len(completions), s.group
+    ctx = len(prompts[0])
+    n_cols = max(len(c) for c in completions)
+    ids = torch.tensor([prompts[i // n] + c + [PAD] * (n_cols - len(c)) for i, c in enumerate(completions)])
+    action_mask = torch.tensor([[t < len(c) for t in range(n_cols)] for c in completions])
+    ref = torch.tensor([r + [0.0] * (n_cols - len(r)) for r in refs])
     with torch.no_grad():
-        old = logprobs(policy, ids, C, s.temperature)
+        old = logprobs(policy, ids, ctx, s.temperature)
     # the baseline on the scalar score
     r = list(scores)
     for j in range(s.prompts):
@@ -127,8 +127,8 @@ def openrlhf_run(s: Setting, policy, prompts, completions, scores, refs) -> dict
             elif s.estimator == "reinforce_baseline":
                 r[i] = scores[i] - sum(g) / n
     gamma = s.gamma if s.estimator == "reinforce" else 1.0
-    adv = torch.zeros(B, L)
-    for b in range(B):
+    adv = torch.zeros(n_rows, n_cols)
+    for b in range(n_rows):
         m = len(completions[b])
         per = [-s.kl_coef * max(-10.0, min(10.0, float(old[b, t] - ref[b, t]))) for t in range(m)]
         per[m - 1] += r[b]
@@ -145,9 +145,9 @@ def openrlhf_run(s: Setting, policy, prompts, completions, scores, refs) -> dict
     eps_high = s.epsilon if s.epsilon_high is None else s.epsilon_high
     losses, grads = [], []
     for _ in range(s.epochs):
-        for k in range(B // s.minibatch):
+        for k in range(n_rows // s.minibatch):
             rows = slice(k * s.minibatch, (k + 1) * s.minibatch)
-            new = logprobs(policy, ids[rows], C, s.temperature)
+            new = logprobs(policy, ids[rows], ctx, s.temperature)
             ratio = (new - old[rows]).exp()
             surr1 = ratio * adv[rows]
             surr2 = ratio.clamp(1 - s.epsilon, 1 + eps_high) * adv[rows]
@@ -216,12 +216,12 @@ def run_engine(s: Setting, model_dir: str, prompts, completions, scores, refs, m
 def test_engine_matches_openrlhf(setting: Setting, seed: int, tmp_path, monkeypatch, parity_report):
     s = setting
     gen = torch.Generator().manual_seed(4000 + seed)
-    B = s.group * s.prompts
+    n_rows = s.group * s.prompts
     models = build_models(seed)
     prompts = make_prompts(gen, s.prompts, 4, 4)
-    raw, _ = make_responses(gen, B, 6)
+    raw, _ = make_responses(gen, n_rows, 6)
     completions = [truncate_after_eos(r) for r in raw.tolist()]
-    scores = torch.randn(B, generator=gen).tolist()
+    scores = torch.randn(n_rows, generator=gen).tolist()
     refs = [
         reference_logprobs(models.behaviour, prompts[i // s.group], c, s.temperature) for i, c in enumerate(completions)
     ]  # a reference != the policy: the KL is not ~0
@@ -243,7 +243,7 @@ def test_engine_matches_openrlhf(setting: Setting, seed: int, tmp_path, monkeypa
         rtol=1e-4 if whitened else 0.0,
         mask=mask,
     )
-    assert len(ours["losses"]) == len(oracle["losses"]) == s.epochs * (B // s.minibatch)
+    assert len(ours["losses"]) == len(oracle["losses"]) == s.epochs * (n_rows // s.minibatch)
     # The gradient of the first step only: the oracle's forward rounds differently from the engine's (log_softmax then
     # gather, ~5e-7 per log-prob), and AdamW turns the resulting 1e-9 differences in near-zero gradient entries into
     # steps of a fraction of the learning rate, so later gradients may differ by ~1e-5 in a few entries. The losses of

@@ -168,12 +168,12 @@ class Case:
 def make_case(setting: GRPOSetting, seed: int) -> Case:
     gen = torch.Generator().manual_seed(2000 + seed)
     s = setting
-    B = s.group * s.prompts
+    n_rows = s.group * s.prompts
     prompts = make_prompts(gen, s.prompts, 4, 4)
-    raw, cases = make_responses(gen, B, s.completion_length)
+    raw, cases = make_responses(gen, n_rows, s.completion_length)
     completions = [truncate_after_eos(r) for r in raw.tolist()]
     assert len({len(c) for c in completions}) > 1 and any(c[-1] != 1 for c in completions)  # unequal, some no EOS
-    scores = torch.randn(B, generator=gen)
+    scores = torch.randn(n_rows, generator=gen)
     scores[: s.group] = s.equal_reward  # a group whose rewards are all equal
     return Case(setting=s, seed=seed, prompts=prompts, completions=completions, scores=scores.tolist())
 
@@ -187,16 +187,16 @@ def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     s = case.setting
-    B = len(case.completions)
-    S = B // s.minibatch
+    n_rows = len(case.completions)
+    n_minibatches = n_rows // s.minibatch
     tok = build_tokenizer()
     texts = [tok.decode(p) for p in case.prompts]
     cap: dict = {"logps": [], "entropy_mask": [], "losses": [], "grads": []}
 
     def fixed_rollout(prompts, trainer):
-        assert list(prompts) == [texts[i // s.group] for i in range(B)]
+        assert list(prompts) == [texts[i // s.group] for i in range(n_rows)]
         return {
-            "prompt_ids": [case.prompts[i // s.group] for i in range(B)],
+            "prompt_ids": [case.prompts[i // s.group] for i in range(n_rows)],
             "completion_ids": [list(c) for c in case.completions],
             "logprobs": None,
         }
@@ -210,7 +210,7 @@ def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
         seed=case.seed,
         per_device_train_batch_size=s.minibatch,
         gradient_accumulation_steps=1,
-        steps_per_generation=S,
+        steps_per_generation=n_minibatches,
         num_generations=s.group,
         num_iterations=s.iterations,
         max_completion_length=s.max_completion_length,
@@ -257,16 +257,17 @@ def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
 
     trainer.get_high_entropy_mask = entropy_mask_spy
 
-    gen = trainer._generate_and_score_completions([{"prompt": texts[i // s.group]} for i in range(B)])
+    gen = trainer._generate_and_score_completions([{"prompt": texts[i // s.group]} for i in range(n_rows)])
     cap["gen"] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in gen.items()}
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True
     )
     for _ in range(s.iterations):
-        for k in range(S):
+        for k in range(n_minibatches):
             rows = slice(k * s.minibatch, (k + 1) * s.minibatch)
             mb = {
-                key: v[rows] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B else v for key, v in gen.items()
+                key: v[rows] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n_rows else v
+                for key, v in gen.items()
             }
             loss = trainer.compute_loss(model, mb)
             optimizer.zero_grad(set_to_none=True)
@@ -324,7 +325,7 @@ def run_ours(case: Case, models, model_dir: str, monkeypatch, trl_ref: torch.Ten
     from services.trainer.engine import TrainerEngine
 
     s = case.setting
-    B = len(case.completions)
+    n_rows = len(case.completions)
     cfg = engine_config(s, model_dir, case.seed)
     assert cfg.algorithm.kl_penalty == "low_var_kl"  # ray_grpo's default: TRL's k3
     engine = TrainerEngine(cfg, device="cpu")
@@ -361,7 +362,7 @@ def run_ours(case: Case, models, model_dir: str, monkeypatch, trl_ref: torch.Ten
     ]
     fed = refs if trl_ref is None else [trl_ref[i, : len(c)].tolist() for i, c in enumerate(case.completions)]
     metrics = engine.step(experiences(case.prompts, case.completions, case.scores, fed))
-    assert len(cap["loss_calls"]) == s.iterations * (B // s.minibatch)
+    assert len(cap["loss_calls"]) == s.iterations * (n_rows // s.minibatch)
     cap.update(metrics=metrics, grads=grads, refs=refs)
     return cap
 
@@ -375,37 +376,41 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
 
 def compare(case: Case, trl: dict, ours: dict, report: dict) -> Comparison:
     s = case.setting
-    B = len(case.completions)
-    S = B // s.minibatch
+    n_rows = len(case.completions)
+    n_minibatches = n_rows // s.minibatch
     g = trl["gen"]
     mask = g["completion_mask"].bool()
-    W = mask.shape[1]
+    width = mask.shape[1]
     cmp = Comparison(f"GRPO {s.name} seed={case.seed}", prefix=f"grpo {s.loss_type} [{s.name}] ", report=report)
     calls = ours["loss_calls"]
-    first = calls[:S]  # the first pass over the minibatches: the whole batch, in row order
+    first = calls[:n_minibatches]  # the first pass over the minibatches: the whole batch, in row order
     our_mask = torch.cat([c["mask"] for c in first])
     cmp.exact("completion_mask", our_mask, mask)
     cmp.add("advantages", ours["advantages"], g["advantages"], ADV_TOL, rtol=ADV_RTOL)
     if s.scale_rewards == "group":  # the equal-reward group: TRL's 1e-4 keeps it near 0 (1e-6 would not)
         assert trl["gen"]["advantages"][: s.group].abs().max() < 0.5
-    num_items = float(g["num_items_in_batch"]) / S
+    num_items = float(g["num_items_in_batch"]) / n_minibatches
     cmp.add("dapo normaliser (tokens per minibatch)", first[0]["num_items"], num_items, 1e-5)  # float32 quotient
     old = torch.cat([c["old"] for c in first])
     if "old_per_token_logps" in g:  # TRL computes them when num_iterations > 1
         cmp.add("old_logprobs", old, g["old_per_token_logps"], LOGPROB_TOL, mask=mask)
     if s.beta != 0.0:  # the reference service's math against TRL's reference forward
         cmp.add(
-            "ref_logprobs (reference service)", _pad(ours["refs"], W), g["ref_per_token_logps"], LOGPROB_TOL, mask=mask
+            "ref_logprobs (reference service)",
+            _pad(ours["refs"], width),
+            g["ref_per_token_logps"],
+            LOGPROB_TOL,
+            mask=mask,
         )
 
     m = trl["metrics"]
-    assert len(calls) == len(trl["losses"]) == len(trl["logps"]) == s.iterations * S
+    assert len(calls) == len(trl["losses"]) == len(trl["logps"]) == s.iterations * n_minibatches
     for step, (call, t_loss, (t_logps, _), t_grads, o_grads) in enumerate(
         zip(calls, trl["losses"], trl["logps"], trl["grads"], ours["grads"], strict=True)
     ):
-        k = step % S
+        k = step % n_minibatches
         rows = slice(k * s.minibatch, (k + 1) * s.minibatch)
-        tag = f"[it{step // S} mb{k}]"
+        tag = f"[it{step // n_minibatches} mb{k}]"
         mb_mask = mask[rows]
         cmp.add(f"new_logprobs{tag}", call["logprobs"], t_logps, LOGPROB_TOL, mask=mb_mask)
         if call["entropy_mask"] is not None:

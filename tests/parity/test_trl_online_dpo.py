@@ -91,13 +91,13 @@ class Case:
 
 def make_case(setting: ODPOSetting, seed: int) -> Case:
     gen = torch.Generator().manual_seed(1000 + seed)
-    B = setting.num_prompts
-    prompts = make_prompts(gen, B, setting.prompt_length, setting.prompt_length)
-    completions, cases = make_responses(gen, 2 * B, setting.completion_length)
-    scores = torch.randn(2 * B, generator=gen)
+    n_prompts = setting.num_prompts
+    prompts = make_prompts(gen, n_prompts, setting.prompt_length, setting.prompt_length)
+    completions, cases = make_responses(gen, 2 * n_prompts, setting.completion_length)
+    scores = torch.randn(2 * n_prompts, generator=gen)
     # a tie (both samples of prompt 0 end in EOS, so the penalty keeps it): TRL then chooses the first sample
-    assert "eos" in cases[0] and "eos" in cases[B]
-    scores[B] = scores[0]
+    assert "eos" in cases[0] and "eos" in cases[n_prompts]
+    scores[n_prompts] = scores[0]
     return Case(setting=setting, seed=seed, prompts=prompts, completions=completions, scores=scores)
 
 
@@ -187,9 +187,9 @@ def online_dpo_logits(model, ids: torch.Tensor) -> torch.Tensor:
 def run_ours(case: Case, models) -> dict:
     s = case.setting
     m = models.fresh()
-    B = s.num_prompts
+    n_prompts = s.num_prompts
     prompt_ids = left_pad(case.prompts).repeat(2, 1)
-    P = prompt_ids.shape[1]
+    ctx = prompt_ids.shape[1]
     completions = truncate_at_stop(case.completions, EOS, PAD)
     ell = sequence_lengths(completions, PAD)
     mask = torch.arange(completions.shape[1])[None, :] <= ell[:, None]  # through the EOS
@@ -197,16 +197,16 @@ def run_ours(case: Case, models) -> dict:
     ids = torch.cat([prompt_ids, completions], 1)
 
     policy = m.policy.train()
-    logprobs = logprobs_from_logits(online_dpo_logits(policy, ids)[:, P - 1 : -1], completions)  # no temperature
+    logprobs = logprobs_from_logits(online_dpo_logits(policy, ids)[:, ctx - 1 : -1], completions)  # no temperature
     with torch.no_grad():
-        ref_logprobs = logprobs_from_logits(online_dpo_logits(m.ref, ids)[:, P - 1 : -1], completions)
+        ref_logprobs = logprobs_from_logits(online_dpo_logits(m.ref, ids)[:, ctx - 1 : -1], completions)
         # the project's forward (PPO convention) on the same batch: equal on every token through the EOS
-        project_logprobs = logprobs_from_logits(causal_lm_logits(m.ref, ids, PAD)[:, P - 1 : -1], completions)
+        project_logprobs = logprobs_from_logits(causal_lm_logits(m.ref, ids, PAD)[:, ctx - 1 : -1], completions)
 
     scores = case.scores.clone()
     if s.missing_eos_penalty is not None:
         scores = scores - s.missing_eos_penalty * (~contains_eos).float()
-    chosen, rejected = select_chosen_rejected(scores, B)
+    chosen, rejected = select_chosen_rejected(scores, n_prompts)
     sums = masked_sum(logprobs, mask, dim=1)  # sums over completion tokens, EOS included (not means; IPO too)
     ref_sums = masked_sum(ref_logprobs, mask, dim=1)
     loss, stats = dpo_loss(
@@ -251,7 +251,7 @@ def run_ours(case: Case, models) -> dict:
 
 def compare(case: Case, trl: dict, ours: dict, report: dict) -> Comparison:
     s = case.setting
-    B = s.num_prompts
+    n_prompts = s.num_prompts
     cmp = Comparison(f"online DPO {s.name} seed={case.seed}", prefix="online_dpo ", report=report)
     prompt_ids, completion_ids, completion_mask = trl["generate"]
     cmp.exact("prompt_ids", ours["prompt_ids"], prompt_ids)
@@ -265,10 +265,10 @@ def compare(case: Case, trl: dict, ours: dict, report: dict) -> Comparison:
 
     cmp.add("scores (after EOS penalty)", ours["scores"], trl["rewards"], STAT_TOL)
     # TRL's chosen/rejected rows: its own rule (ties choose the first sample) applied to its own rewards
-    first, second = trl["rewards"].split(B)
+    first, second = trl["rewards"].split(n_prompts)
     take_first = first >= second
-    t_chosen = torch.arange(B) + (~take_first) * B
-    t_rejected = torch.arange(B) + take_first * B
+    t_chosen = torch.arange(n_prompts) + (~take_first) * n_prompts
+    t_rejected = torch.arange(n_prompts) + take_first * n_prompts
     cmp.exact("chosen_indices", ours["chosen"], t_chosen)
     cmp.exact("rejected_indices", ours["rejected"], t_rejected)
     trl_mask = completion_mask.bool()
@@ -325,7 +325,7 @@ def run_engine(case: Case, model_dir: str, trl_ref: torch.Tensor) -> dict:
     from services.trainer.engine import TrainerEngine
 
     s = case.setting
-    B = s.num_prompts
+    n_prompts = s.num_prompts
     cfg = parse_config(
         {
             "training": {"stage": "ray_online_dpo", "device": "cpu", "lr": 1e-3, "seed": case.seed, "clip_grad": 0.0},
@@ -335,7 +335,7 @@ def run_engine(case: Case, model_dir: str, trl_ref: torch.Tensor) -> dict:
                     "do_sample": True,
                     "temperature": ENGINE_TEMPERATURE,
                     "n_samples_per_prompt": 2,
-                    "ppo_mini_batch_size": 2 * B,
+                    "ppo_mini_batch_size": 2 * n_prompts,
                 }
             },  # TRL: one step on every pair
             "algorithm": {
@@ -349,7 +349,9 @@ def run_engine(case: Case, model_dir: str, trl_ref: torch.Tensor) -> dict:
     assert engine.temperature == ENGINE_TEMPERATURE
     grads = capture_optimizer_grads(engine)
     rows = [truncate_after_eos(r) for r in case.completions.tolist()]
-    order = [i for j in range(B) for i in (j, B + j)]  # each prompt's record holds its two samples, first then second
+    order = [
+        i for j in range(n_prompts) for i in (j, n_prompts + j)
+    ]  # each prompt's record holds its two samples, first then second
     completions = [rows[i] for i in order]
     refs = [trl_ref[i, : len(rows[i])].tolist() for i in order]
     metrics = engine.step(experiences(case.prompts, completions, case.scores[order].tolist(), refs))

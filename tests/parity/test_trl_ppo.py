@@ -166,7 +166,7 @@ def make_case(setting: PPOSetting, seed: int) -> Case:
 
 def run_trl(case: Case, models, tmp_path, monkeypatch, peft_config=None) -> dict:
     """``peft_config``: TRL trains LoRA adapters on the policy, and its reference is the policy without them."""
-    import trl.experimental.ppo.ppo_trainer as P
+    import trl.experimental.ppo.ppo_trainer as trl_ppo
     from datasets import Dataset
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
@@ -180,13 +180,17 @@ def run_trl(case: Case, models, tmp_path, monkeypatch, peft_config=None) -> dict
         cap["queries"] = queries.clone()
         rows = [case.responses[tuple(q[q != pad_token_id].tolist())] for q in queries]
         query_responses = torch.cat([queries, torch.stack(rows)], 1)
-        C = queries.shape[1]
+        ctx = queries.shape[1]
         # With do_sample, generate()'s output.scores are the raw logits / (T + 1e-7) (section 1.3); a full forward of
         # the behaviour policy replaces the KV-cached generation pass.
-        logits = P.forward(m.behaviour, query_responses, pad_token_id).logits[:, C - 1 : -1] / tau
+        logits = trl_ppo.forward(m.behaviour, query_responses, pad_token_id).logits[:, ctx - 1 : -1] / tau
         return query_responses, logits
 
-    orig_masked_mean, orig_masked_whiten, orig_selective = P.masked_mean, P.masked_whiten, P.selective_log_softmax
+    orig_masked_mean, orig_masked_whiten, orig_selective = (
+        trl_ppo.masked_mean,
+        trl_ppo.masked_whiten,
+        trl_ppo.selective_log_softmax,
+    )
 
     def masked_mean_spy(values, mask, axis=None):
         out = orig_masked_mean(values, mask, axis)
@@ -230,10 +234,10 @@ def run_trl(case: Case, models, tmp_path, monkeypatch, peft_config=None) -> dict
             k: v.detach().clone() if torch.is_tensor(v) else v for k, v in frame.f_locals.items() if k in TRAIN_LOCALS
         }
 
-    monkeypatch.setattr(P, "batch_generation", fixed_batch_generation)
-    monkeypatch.setattr(P, "masked_mean", masked_mean_spy)
-    monkeypatch.setattr(P, "masked_whiten", masked_whiten_spy)
-    monkeypatch.setattr(P, "selective_log_softmax", selective_spy)
+    monkeypatch.setattr(trl_ppo, "batch_generation", fixed_batch_generation)
+    monkeypatch.setattr(trl_ppo, "masked_mean", masked_mean_spy)
+    monkeypatch.setattr(trl_ppo, "masked_whiten", masked_whiten_spy)
+    monkeypatch.setattr(trl_ppo, "selective_log_softmax", selective_spy)
     monkeypatch.setattr(np.random, "permutation", fixed_permutation)
 
     args = PPOConfig(
@@ -310,7 +314,7 @@ def run_ours(case: Case, models, queries: torch.Tensor, lora: dict | None = None
     s = case.setting
     m = models.fresh()
     tau = s.temperature + 1e-7
-    B, C = queries.shape
+    n_rows, ctx = queries.shape
     responses = torch.stack([case.responses[tuple(q[q != PAD].tolist())] for q in queries])
     qr = torch.cat([queries, responses], 1)
 
@@ -323,13 +327,13 @@ def run_ours(case: Case, models, queries: torch.Tensor, lora: dict | None = None
         result = m.policy.load_state_dict(lora["initial_adapter"], strict=False)
         assert not result.unexpected_keys and not [k for k in result.missing_keys if ".lora_" in k]
     with torch.no_grad():
-        old = logprobs_from_logits(causal_lm_logits(m.behaviour, qr, PAD)[:, C - 1 : -1], responses, tau)
-        ref = logprobs_from_logits(causal_lm_logits(ref_model, qr, PAD)[:, C - 1 : -1], responses, tau)
-        values = score_head_outputs(m.value, qr, PAD)[:, C - 1 : -1]
+        old = logprobs_from_logits(causal_lm_logits(m.behaviour, qr, PAD)[:, ctx - 1 : -1], responses, tau)
+        ref = logprobs_from_logits(causal_lm_logits(ref_model, qr, PAD)[:, ctx - 1 : -1], responses, tau)
+        values = score_head_outputs(m.value, qr, PAD)[:, ctx - 1 : -1]
         post = truncate_at_stop(responses, EOS, PAD)
         ell = sequence_lengths(post, PAD)
         # the reward model's output at the last kept token (C - 1, the last prompt token, for an empty response)
-        raw_scores = score_head_outputs(m.reward, torch.cat([queries, post], 1), PAD)[torch.arange(B), C + ell]
+        raw_scores = score_head_outputs(m.reward, torch.cat([queries, post], 1), PAD)[torch.arange(n_rows), ctx + ell]
         roll = ppo_rollout(
             responses,
             old,
@@ -371,14 +375,14 @@ def run_ours(case: Case, models, queries: torch.Tensor, lora: dict | None = None
         weight_decay=0.0,
         fused=True,
     )
-    M = B // s.num_mini_batches
+    mb_size = n_rows // s.num_mini_batches
     minibatches = []
     for epoch, perm in enumerate(case.perms):
         for mb in range(s.num_mini_batches):
-            inds = torch.tensor(perm[mb * M : (mb + 1) * M])
-            logits = causal_lm_logits(policy, qr[inds], PAD)[:, C - 1 : -1]
+            inds = torch.tensor(perm[mb * mb_size : (mb + 1) * mb_size])
+            logits = causal_lm_logits(policy, qr[inds], PAD)[:, ctx - 1 : -1]
             new = logprobs_from_logits(logits, responses[inds], tau).masked_fill(pm[inds], 0.0)
-            vpred = score_head_outputs(critic, qr[inds], PAD)[:, C - 1 : -1].masked_fill(pm1[inds], 0.0)
+            vpred = score_head_outputs(critic, qr[inds], PAD)[:, ctx - 1 : -1].masked_fill(pm1[inds], 0.0)
             pg_loss, pg_stats = ppo_policy_loss(new, roll.logprobs[inds], roll.advantages[inds], ~pm[inds], s.cliprange)
             vf_loss, vf_stats = value_loss(vpred, roll.values[inds], roll.returns[inds], ~pm1[inds], s.cliprange_value)
             loss = pg_loss + s.vf_coef * vf_loss

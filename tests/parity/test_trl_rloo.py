@@ -109,11 +109,11 @@ class Case:
 
 def make_case(setting: RLOOSetting, seed: int) -> Case:
     gen = torch.Generator().manual_seed(3000 + seed)
-    B = setting.group * setting.prompts
+    n_rows = setting.group * setting.prompts
     prompts = make_prompts(gen, setting.prompts, 4, 4)
-    raw, _ = make_responses(gen, B, setting.completion_length)
+    raw, _ = make_responses(gen, n_rows, setting.completion_length)
     completions = [truncate_after_eos(r) for r in raw.tolist()]
-    scores = torch.randn(B, generator=gen)
+    scores = torch.randn(n_rows, generator=gen)
     scores[: setting.group] = 0.5  # an equal-reward group
     return Case(setting=setting, seed=seed, prompts=prompts, completions=completions, scores=scores.tolist())
 
@@ -123,15 +123,15 @@ def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
     from trl import RLOOConfig, RLOOTrainer
 
     s = case.setting
-    B = len(case.completions)
-    S = B // s.minibatch
+    n_rows = len(case.completions)
+    n_minibatches = n_rows // s.minibatch
     tok = build_tokenizer()
     texts = [tok.decode(p) for p in case.prompts]
     cap: dict = {"logps": [], "losses": [], "grads": []}
 
     def fixed_generate(prompts):
-        assert list(prompts) == [texts[i // s.group] for i in range(B)]
-        prompt_ids = [case.prompts[i // s.group] for i in range(B)]
+        assert list(prompts) == [texts[i // s.group] for i in range(n_rows)]
+        prompt_ids = [case.prompts[i // s.group] for i in range(n_rows)]
         completion_ids = [list(c) for c in case.completions]
         return prompt_ids, completion_ids, tok.batch_decode(completion_ids, skip_special_tokens=True)
 
@@ -144,7 +144,7 @@ def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
         seed=case.seed,
         per_device_train_batch_size=s.minibatch,
         gradient_accumulation_steps=1,
-        steps_per_generation=S,
+        steps_per_generation=n_minibatches,
         num_generations=s.group,
         num_iterations=s.iterations,
         max_completion_length=s.completion_length,
@@ -177,7 +177,7 @@ def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
         return out
 
     trainer._get_per_token_logps_and_entropies = logps_spy
-    gen = trainer._generate_and_score_completions([{"prompt": texts[i // s.group]} for i in range(B)])
+    gen = trainer._generate_and_score_completions([{"prompt": texts[i // s.group]} for i in range(n_rows)])
     cap["gen"] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in gen.items()}
     cap["old_per_token"] = cap["logps"][0]
     cap["ref_per_token"] = cap["logps"][1] if s.beta != 0.0 else None
@@ -186,10 +186,11 @@ def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
         model.parameters(), lr=s.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, fused=True
     )
     for _ in range(s.iterations):
-        for k in range(S):
+        for k in range(n_minibatches):
             rows = slice(k * s.minibatch, (k + 1) * s.minibatch)
             mb = {
-                key: v[rows] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == B else v for key, v in gen.items()
+                key: v[rows] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n_rows else v
+                for key, v in gen.items()
             }
             loss = trainer.compute_loss(model, mb)
             optimizer.zero_grad(set_to_none=True)
@@ -268,13 +269,13 @@ def run_ours(case: Case, models, model_dir: str, monkeypatch, trl_ref: torch.Ten
 
 def compare(case: Case, trl: dict, ours: dict, report: dict) -> Comparison:
     s = case.setting
-    B = len(case.completions)
-    S = B // s.minibatch
+    n_rows = len(case.completions)
+    n_minibatches = n_rows // s.minibatch
     g = trl["gen"]
     mask = g["completion_mask"].bool()
     cmp = Comparison(f"RLOO {s.name} seed={case.seed}", prefix=f"rloo trl [{s.name}] ", report=report)
     calls = ours["loss_calls"]
-    first = calls[:S]
+    first = calls[:n_minibatches]
     cmp.exact("completion_mask", torch.cat([c["mask"] for c in first]), mask)
     cmp.add("old sequence logprobs", torch.cat([c["old"] for c in first]), g["old_logps"], SUM_TOL)
     if s.beta != 0.0:
@@ -285,13 +286,13 @@ def compare(case: Case, trl: dict, ours: dict, report: dict) -> Comparison:
         cmp.add("sequence KL (sum of old - ref)", ours["sequence_kl"], t_kl, SUM_TOL)
     cmp.add("advantages", ours["advantages"], g["advantages"], ADV_TOL, rtol=ADV_RTOL)
     m = trl["metrics"]
-    assert len(calls) == len(trl["losses"]) == len(trl["logps"]) == s.iterations * S
+    assert len(calls) == len(trl["losses"]) == len(trl["logps"]) == s.iterations * n_minibatches
     for step, (call, t_loss, t_logps, t_grads, o_grads) in enumerate(
         zip(calls, trl["losses"], trl["logps"], trl["grads"], ours["grads"], strict=True)
     ):
-        k = step % S
+        k = step % n_minibatches
         rows = slice(k * s.minibatch, (k + 1) * s.minibatch)
-        tag = f"[it{step // S} mb{k}]"
+        tag = f"[it{step // n_minibatches} mb{k}]"
         cmp.add(f"new_logprobs{tag}", call["logprobs"], t_logps, LOGPROB_TOL, mask=mask[rows])
         cmp.add(f"loss{tag}", call["loss"], t_loss, LOSS_TOL)
         for name in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):

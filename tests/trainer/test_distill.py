@@ -83,11 +83,11 @@ def _records(engine: TrainerEngine, teacher, n: int = 4, score=lambda ids: 0.0) 
     """One experience record per prompt: the student's samples with the teacher's log-probs of every sampled token
     as ``ref_logprobs`` (what the reference service returns when it runs the teacher)."""
     out = _samples(engine, n)
-    C = len(PROMPTS[0])
+    ctx = len(PROMPTS[0])
     with torch.no_grad():
-        teacher_lp = logprobs_from_logits(causal_lm_logits(teacher, out, engine.pad_id)[:, C - 1 : -1], out[:, C:])
+        teacher_lp = logprobs_from_logits(causal_lm_logits(teacher, out, engine.pad_id)[:, ctx - 1 : -1], out[:, ctx:])
     samples = []
-    for ids, ref in zip(out[:, C:].tolist(), teacher_lp.tolist(), strict=True):
+    for ids, ref in zip(out[:, ctx:].tolist(), teacher_lp.tolist(), strict=True):
         samples.append(make_sample(ids, ref_logprobs=ref, score=score(ids), policy_version=engine.policy_version))
     return make_experiences(PROMPTS, samples)
 
@@ -97,10 +97,10 @@ def _exact_reverse_kl(engine: TrainerEngine, teacher) -> float:
     exact per-position KL, not the one-sample estimate the trainer logs)."""
     torch.manual_seed(1234)  # the same prompts and sampling noise for every measurement
     out = _samples(engine, 8)
-    C = len(PROMPTS[0])
+    ctx = len(PROMPTS[0])
     with torch.no_grad():
-        s = torch.log_softmax(causal_lm_logits(engine.actor, out, engine.pad_id)[:, C - 1 : -1].float(), -1)
-        t = torch.log_softmax(causal_lm_logits(teacher, out, engine.pad_id)[:, C - 1 : -1].float(), -1)
+        s = torch.log_softmax(causal_lm_logits(engine.actor, out, engine.pad_id)[:, ctx - 1 : -1].float(), -1)
+        t = torch.log_softmax(causal_lm_logits(teacher, out, engine.pad_id)[:, ctx - 1 : -1].float(), -1)
     return (s.exp() * (s - t)).sum(-1).mean().item()
 
 

@@ -25,11 +25,11 @@ def _batch(pad: int, rows: int = 6, seed: int = 0) -> torch.Tensor:
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(2, 9))] for _ in range(rows)]
     responses = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 7))] for _ in range(rows)]
-    C, L = max(map(len, prompts)), max(map(len, responses))
-    qr = torch.full((rows, C + L), pad, dtype=torch.long)
+    ctx, resp_len = max(map(len, prompts)), max(map(len, responses))
+    qr = torch.full((rows, ctx + resp_len), pad, dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        qr[i, C - len(p) : C] = torch.tensor(p)
-        qr[i, C : C + len(r)] = torch.tensor(r)
+        qr[i, ctx - len(p) : ctx] = torch.tensor(p)
+        qr[i, ctx : ctx + len(r)] = torch.tensor(r)
     return qr
 
 

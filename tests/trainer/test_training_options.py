@@ -123,7 +123,7 @@ def test_critic_micro_batches_equal_one_step_on_the_whole_minibatch(tiny_models,
         )
         if micro:
             values = engine._values
-            engine._values = lambda qr, C, f=values: calls.append(qr.shape[0]) or f(qr, C)
+            engine._values = lambda qr, ctx, f=values: calls.append(qr.shape[0]) or f(qr, ctx)
         engine.step(_batch(engine))
     scale = max(g.abs().max().item() for g in grads[False])
     assert scale > 0
@@ -354,10 +354,10 @@ def test_kl_penalty_full_penalises_the_whole_vocabulary_kl_to_the_reference(tiny
             p.add_(0.05 * torch.randn_like(p))
     batch = _batch(engine)
     rb = engine.collate(batch)
-    C = rb.context_length
+    ctx = rb.context_length
     with torch.no_grad():
-        logits = causal_lm_logits(engine.actor, rb.query_responses, engine.pad_id)[:, C - 1 : -1]
-        ref = causal_lm_logits(engine.ref_model, rb.query_responses, engine.pad_id)[:, C - 1 : -1]
+        logits = causal_lm_logits(engine.actor, rb.query_responses, engine.pad_id)[:, ctx - 1 : -1]
+        ref = causal_lm_logits(engine.ref_model, rb.query_responses, engine.pad_id)[:, ctx - 1 : -1]
     expected = algo.full_kl(logits, ref, engine.temperature)
     mask = rb.responses != engine.pad_id
     m = engine.step(batch)

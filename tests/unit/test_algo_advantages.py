@@ -17,14 +17,16 @@ def _rand(shape, seed):
 
 def _naive_gae(rewards, values, mask=None, gamma=1.0, lam=0.95):
     """A_t = sum_k (gamma * lam)^k delta_{t+k}, delta_t = r_t + gamma V_{t+1} - V_t, V_L = 0; plain Python."""
-    B, L = len(rewards), len(rewards[0])
+    n_rows, n_cols = len(rewards), len(rewards[0])
     if mask is not None:
         rewards = [[r * m for r, m in zip(rr, mm, strict=True)] for rr, mm in zip(rewards, mask, strict=True)]
         values = [[v * m for v, m in zip(vv, mm, strict=True)] for vv, mm in zip(values, mask, strict=True)]
     adv, ret = [], []
-    for b in range(B):
-        delta = [rewards[b][t] + gamma * (values[b][t + 1] if t + 1 < L else 0.0) - values[b][t] for t in range(L)]
-        row = [sum((gamma * lam) ** k * delta[t + k] for k in range(L - t)) for t in range(L)]
+    for b in range(n_rows):
+        delta = [
+            rewards[b][t] + gamma * (values[b][t + 1] if t + 1 < n_cols else 0.0) - values[b][t] for t in range(n_cols)
+        ]
+        row = [sum((gamma * lam) ** k * delta[t + k] for k in range(n_cols - t)) for t in range(n_cols)]
         adv.append(row)
         ret.append([a + v for a, v in zip(row, values[b], strict=True)])
     return adv, ret

@@ -87,7 +87,7 @@ def test_leave_one_out_and_trl_rloo_fold_the_kl_before_the_baseline():
 
 
 def _openrlhf_loop(scores, group, lp, ref, mask, estimator, kl_coef, gamma, whiten):
-    B, L = len(mask), len(mask[0])
+    n_rows, n_cols = len(mask), len(mask[0])
     groups = _by_group(scores, group)
     shaped = list(scores)
     for rows in groups.values():
@@ -99,24 +99,24 @@ def _openrlhf_loop(scores, group, lp, ref, mask, estimator, kl_coef, gamma, whit
                 shaped[i] = scores[i] - _mean(xs)
     if estimator != "reinforce_plus_plus":
         gamma = 1.0
-    returns = [[0.0] * L for _ in range(B)]
-    for b in range(B):
-        valid = [t for t in range(L) if mask[b][t]]
-        r = [0.0] * L
+    returns = [[0.0] * n_cols for _ in range(n_rows)]
+    for b in range(n_rows):
+        valid = [t for t in range(n_cols) if mask[b][t]]
+        r = [0.0] * n_cols
         for t in valid:
             r[t] = -kl_coef * max(-10.0, min(10.0, lp[b][t] - ref[b][t]))
         if valid:
             r[valid[-1]] += shaped[b]
         run = 0.0
-        for t in reversed(range(L)):
+        for t in reversed(range(n_cols)):
             run = r[t] + gamma * run
             returns[b][t] = run if mask[b][t] else 0.0
     if whiten:
-        vals = [returns[b][t] for b in range(B) for t in range(L) if mask[b][t]]
+        vals = [returns[b][t] for b in range(n_rows) for t in range(n_cols) if mask[b][t]]
         m = _mean(vals)
         var = sum((v - m) ** 2 for v in vals) / len(vals)  # plain variance
-        for b in range(B):
-            for t in range(L):
+        for b in range(n_rows):
+            for t in range(n_cols):
                 returns[b][t] = (returns[b][t] - m) / math.sqrt(max(var, 1e-8)) if mask[b][t] else 0.0
     return returns
 
@@ -126,12 +126,12 @@ def test_openrlhf_advantages_match_a_loop(estimator):
     gen = torch.Generator().manual_seed(0)
     scores = [1.0, 0.0, 2.0, 0.5, -1.0, 0.25]
     group = [0, 0, 0, 1, 1, 1]
-    B, L = 6, 5
-    lp = -torch.rand(B, L, generator=gen) * 3
-    ref = -torch.rand(B, L, generator=gen) * 3
+    n_rows, n_cols = 6, 5
+    lp = -torch.rand(n_rows, n_cols, generator=gen) * 3
+    ref = -torch.rand(n_rows, n_cols, generator=gen) * 3
     ref[0, 0] = -40.0  # a log-ratio past the clamp
     lengths = [5, 3, 1, 4, 2, 5]
-    mask = torch.tensor([[t < n for t in range(L)] for n in lengths])
+    mask = torch.tensor([[t < n for t in range(n_cols)] for n in lengths])
     lp[~mask] = -math.inf  # whatever sits on padding must not matter
     whiten = estimator != "rloo"
     adv, _ = openrlhf_advantages(
@@ -154,14 +154,14 @@ def test_reinforce_whitening_uses_the_plain_variance():
 
 
 def _loss_loop(lp, old, adv, mask, ref, *, loss_type, eps_lo, eps_hi, level, beta, bias, emask, max_len, num_items):
-    B, L = len(lp), len(lp[0])
+    n_rows, n_cols = len(lp), len(lp[0])
     rows = []
-    for b in range(B):
-        valid = [t for t in range(L) if mask[b][t]]
+    for b in range(n_rows):
+        valid = [t for t in range(n_cols) if mask[b][t]]
         if level == "sequence":
             lw = sum(lp[b][t] - old[b][t] for t in valid) / max(len(valid), 1)
         per = []
-        for t in range(L):
+        for t in range(n_cols):
             coef = math.exp(lw if level == "sequence" else lp[b][t] - old[b][t])
             clipped = min(max(coef, 1 - eps_lo), 1 + eps_hi)
             x = -min(coef * adv[b], clipped * adv[b])
@@ -173,14 +173,14 @@ def _loss_loop(lp, old, adv, mask, ref, *, loss_type, eps_lo, eps_hi, level, bet
                 x += beta * (k * coef if bias else k)
             per.append(x if mask[b][t] else 0.0)
         rows.append(per)
-    n = sum(sum(1 for t in range(L) if mask[b][t]) for b in range(B))
+    n = sum(sum(1 for t in range(n_cols) if mask[b][t]) for b in range(n_rows))
     total = sum(sum(r) for r in rows)
     if loss_type == "grpo":
-        return _mean([sum(rows[b]) / max(1, sum(mask[b])) for b in range(B)])
+        return _mean([sum(rows[b]) / max(1, sum(mask[b])) for b in range(n_rows)])
     if loss_type == "bnpo":
         return total / n
     if loss_type == "dr_grpo":
-        return total / (B * max_len)
+        return total / (n_rows * max_len)
     return total / num_items
 
 
@@ -197,13 +197,13 @@ LOSS_CASES = [
 @pytest.mark.parametrize("case", LOSS_CASES, ids=lambda c: f"{c['loss_type']}-{c['level']}-b{c['beta']}")
 def test_grpo_loss_matches_a_loop(case):
     gen = torch.Generator().manual_seed(1)
-    B, L = 4, 6
-    old = -torch.rand(B, L, generator=gen) * 2 - 0.1
-    lp = (old + 0.3 * torch.randn(B, L, generator=gen)).requires_grad_(True)
-    ref = old + 0.2 * torch.randn(B, L, generator=gen)
+    n_rows, n_cols = 4, 6
+    old = -torch.rand(n_rows, n_cols, generator=gen) * 2 - 0.1
+    lp = (old + 0.3 * torch.randn(n_rows, n_cols, generator=gen)).requires_grad_(True)
+    ref = old + 0.2 * torch.randn(n_rows, n_cols, generator=gen)
     adv = torch.tensor([1.5, -0.7, 0.2, -2.0])
-    mask = torch.tensor([[t < n for t in range(L)] for n in (6, 3, 1, 0)])  # an empty row too
-    emask = (torch.rand(B, L, generator=gen) > 0.4) & mask if case["entropy"] else None
+    mask = torch.tensor([[t < n for t in range(n_cols)] for n in (6, 3, 1, 0)])  # an empty row too
+    emask = (torch.rand(n_rows, n_cols, generator=gen) > 0.4) & mask if case["entropy"] else None
     kw = dict(
         loss_type=case["loss_type"],
         eps_lo=0.2,
@@ -240,12 +240,12 @@ def test_grpo_loss_matches_a_loop(case):
 
 def test_masked_positions_never_make_nan():
     """A padded position with log-prob -inf (or NaN) leaves the loss and its gradient finite, beta > 0 included."""
-    B, L = 3, 5
-    mask = torch.tensor([[t < n for t in range(L)] for n in (5, 2, 3)])
-    base = torch.full((B, L), -1.0)
+    n_rows, n_cols = 3, 5
+    mask = torch.tensor([[t < n for t in range(n_cols)] for n in (5, 2, 3)])
+    base = torch.full((n_rows, n_cols), -1.0)
     lp = base.clone().masked_fill(~mask, -math.inf).requires_grad_(True)
     old = base.clone().masked_fill(~mask, math.nan)
-    ref = torch.full((B, L), -1.3).masked_fill(~mask, -math.inf)
+    ref = torch.full((n_rows, n_cols), -1.3).masked_fill(~mask, -math.inf)
     adv = torch.tensor([1.0, -1.0, 0.5])
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
         for level in ("token", "sequence"):
@@ -259,7 +259,7 @@ def test_masked_positions_never_make_nan():
                 importance_sampling_level=level,
                 ref_logprobs=ref,
                 beta=0.5,
-                max_completion_length=L,
+                max_completion_length=n_cols,
                 num_items=4.0,
             )
             loss.backward()

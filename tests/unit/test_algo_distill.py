@@ -11,10 +11,10 @@ from rlhf.algo import distill_advantages
 
 
 def _naive(student, teacher, mask, coef, task, reward_coef):
-    B, L = student.shape
-    adv, rkl = torch.zeros(B, L), torch.zeros(B, L)
-    for b in range(B):
-        for t in range(L):
+    n_rows, n_cols = student.shape
+    adv, rkl = torch.zeros(n_rows, n_cols), torch.zeros(n_rows, n_cols)
+    for b in range(n_rows):
+        for t in range(n_cols):
             if mask[b, t]:
                 rkl[b, t] = student[b, t] - teacher[b, t]
                 extra = 0.0

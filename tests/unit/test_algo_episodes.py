@@ -28,11 +28,11 @@ def test_compact_and_expand_are_inverse_on_the_mask():
     assert torch.equal(back, torch.where(mask, x, torch.zeros_like(x)))
 
 
-def _naive_episode(lp, ref, values, score, model_pos, *, kl_coef, gamma, lam, L):
+def _naive_episode(lp, ref, values, score, model_pos, *, kl_coef, gamma, lam, n_cols):
     """GAE over the model tokens of one row, position by position: the KL penalty on each model token, the score on
     the last one (OpenRLHF's position), the next state of a model token is the next model token. As the single-turn
     path does (TRL), the values reach one column past the last action, where the recursion ends."""
-    span = model_pos + ([model_pos[-1] + 1] if model_pos[-1] + 1 < L else [])
+    span = model_pos + ([model_pos[-1] + 1] if model_pos[-1] + 1 < n_cols else [])
     n = len(span)
     rewards = [-kl_coef * (lp[p] - ref[p]) for p in model_pos] + [0.0] * (n - len(model_pos))
     rewards[len(model_pos) - 1] += score
@@ -44,7 +44,7 @@ def _naive_episode(lp, ref, values, score, model_pos, *, kl_coef, gamma, lam, L)
         delta = rewards[t] + gamma * nxt - vals[t]
         last = delta + gamma * lam * last
         adv[t] = last
-    a_full, r_full = [0.0] * L, [0.0] * L
+    a_full, r_full = [0.0] * n_cols, [0.0] * n_cols
     for t, p in enumerate(span):
         a_full[p] = adv[t] if p in model_pos else 0.0
         r_full[p] = adv[t] + vals[t]
@@ -54,15 +54,15 @@ def _naive_episode(lp, ref, values, score, model_pos, *, kl_coef, gamma, lam, L)
 def test_gae_runs_over_the_model_tokens_only():
     """Two episodes whose model turns are split by environment tokens, against the naive loop."""
     torch.manual_seed(1)
-    L = 12
+    n_cols = 12
     # row 0: model 0-3 (EOS at 3), tool 4-6, model 7-9 (EOS at 9), pad; row 1: model 0-2, env 3-4, model 5-6, env 7-8,
     # model 9-11 (ends at the last column: no column after it)
     masks = [[1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0], [1, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 1]]
     loss_mask = torch.tensor(masks, dtype=torch.bool)
-    responses = torch.randint(2, 50, (2, L))
+    responses = torch.randint(2, 50, (2, n_cols))
     responses[0, 3] = responses[0, 9] = EOS
     responses[0, 10:] = PAD
-    lp, ref, values = torch.randn(2, L) * 0.3, torch.randn(2, L) * 0.3, torch.randn(2, L)
+    lp, ref, values = torch.randn(2, n_cols) * 0.3, torch.randn(2, n_cols) * 0.3, torch.randn(2, n_cols)
     scores = torch.tensor([1.0, -0.5])
     kw = dict(kl_coef=0.1, gamma=0.9, lam=0.8)
     r = algo.ppo_episode_rollout(
@@ -83,7 +83,7 @@ def test_gae_runs_over_the_model_tokens_only():
     for row in range(2):
         pos = [i for i, m in enumerate(masks[row]) if m]
         adv, ret = _naive_episode(
-            lp[row].tolist(), ref[row].tolist(), values[row].tolist(), scores[row].item(), pos, L=L, **kw
+            lp[row].tolist(), ref[row].tolist(), values[row].tolist(), scores[row].item(), pos, n_cols=n_cols, **kw
         )
         assert r.advantages[row].tolist() == pytest.approx(adv, abs=1e-6)
         assert r.returns[row][loss_mask[row]].tolist() == pytest.approx([ret[p] for p in pos], abs=1e-6)
@@ -96,15 +96,15 @@ def test_gae_runs_over_the_model_tokens_only():
 @pytest.mark.parametrize("whiten", [True, False])
 def test_a_one_turn_episode_is_the_single_turn_path(score_position, whiten):
     torch.manual_seed(2)
-    B, L = 6, 10
+    n_rows, n_cols = 6, 10
     lengths = [10, 7, 4, 9, 1, 6]
-    responses = torch.randint(2, 50, (B, L))
+    responses = torch.randint(2, 50, (n_rows, n_cols))
     for i, n in enumerate(lengths):
         responses[i, n - 1] = EOS if i != 3 else 5  # row 3 was cut by max_tokens: no EOS
         responses[i, n:] = PAD
     loss_mask = responses != PAD
-    lp, ref, values = torch.randn(B, L) * 0.2, torch.randn(B, L) * 0.2, torch.randn(B, L)
-    scores = torch.randn(B)
+    lp, ref, values = torch.randn(n_rows, n_cols) * 0.2, torch.randn(n_rows, n_cols) * 0.2, torch.randn(n_rows, n_cols)
+    scores = torch.randn(n_rows)
     kw = dict(
         pad_token_id=PAD,
         eos_token_id=EOS,
