@@ -85,7 +85,7 @@ def latest_policy(root: str | Path) -> PolicyCheckpoint | None:
 def load_policy(policy: PolicyCheckpoint, tied: dict[str, str] | None = None) -> dict[str, Any]:
     """The policy's tensors (Hugging Face names). ``save_pretrained`` writes tied weights once: ``tied`` maps a name
     it may leave out to the name it shares storage with (``{"lm_head.weight": "model.embed_tokens.weight"}``)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # noqa: PLC0415 - loads torch; rollout's main imports this module
 
     tensors: dict[str, Any] = {}
     for f in sorted(policy.path.glob("*.safetensors")):

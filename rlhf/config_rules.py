@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlhf.config_sections import DATA_MAP_KEYS, AlgorithmConfig, CriticConfig
+from rlhf.environments.registry import UnknownEnvironment, check
 
 # The rules take the rlhf.config.ExperimentConfig being validated (it calls them); importing its class here, even
 # for the type checker only, would make the two modules import each other.
@@ -452,7 +453,6 @@ def environment_problems(cfg: Config) -> list[str]:
                 "environment, or remove the environment fields"
             )
         return out
-    from rlhf.environments.registry import UnknownEnvironment, check
 
     try:
         check(env.name, env.options)

@@ -4,6 +4,8 @@ together into :class:`~rlhf.config.ExperimentConfig` and loads files; import fro
 
 from __future__ import annotations
 
+import re
+import string
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -267,8 +269,6 @@ JUDGE_TEMPLATE_FIELDS = ("prompt", "response", "label")
 
 def template_fields(template: str) -> list[str]:
     """The replacement fields of a str.format ``template`` as written ("" for ``{}``); ValueError if malformed."""
-    import string
-
     return [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
 
 
@@ -334,8 +334,6 @@ class JudgeConfig(Section):
         if problem:
             raise ValueError(f"judge.template {problem}")
         if self.pattern is not None:
-            import re
-
             try:
                 re.compile(self.pattern)
             except re.error as err:

@@ -9,6 +9,7 @@ has a template (text prompts only), truncated from the left to ``max_prompt_leng
 
 from __future__ import annotations
 
+import difflib
 import json
 import random
 import re
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from rlhf import tasks
 from rlhf.config import ConfigError, DataConfig
+from rlhf.learning_tasks import TASKS, builtin_rows
 from rlhf.prompts import encode_prompt
 
 
@@ -43,8 +46,6 @@ def builtin_arithmetic(n: int = 512, seed: int = 0) -> list[dict[str, str]]:
 
 def _read_rows(path: str, key: str = "data.path") -> list[dict]:
     if path.startswith("builtin:"):
-        from rlhf.learning_tasks import TASKS, builtin_rows
-
         name = path.split(":", 1)[1]
         if name == "arithmetic":
             return builtin_arithmetic()
@@ -89,7 +90,7 @@ def _read_rows(path: str, key: str = "data.path") -> list[dict]:
         return rows
     if p.suffix == ".parquet":
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # noqa: PLC0415 - optional dependency
         except ImportError:
             raise ConfigError(f"{key}: reading parquet needs pyarrow (pip install pyarrow)") from None
         return pq.read_table(p).to_pylist()
@@ -185,16 +186,12 @@ def _indexed_records(cfg: DataConfig, prefix: str) -> list[PromptRecord]:
 
 # ------------------------------------------------------------------------------ reasoning-gym generators
 def _generator_records(cfg: DataConfig) -> list[PromptRecord]:
-    from rlhf import tasks
-
     task = cfg.path.split(":", 1)[1]
     try:
         known = tasks.task_names()
     except ImportError as err:
         raise ConfigError(f"data.path: {cfg.path}: {err}") from None
     if task not in known:
-        import difflib
-
         close = difflib.get_close_matches(task, known, n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else f" ({len(known)} tasks, e.g. {', '.join(known[:8])})"
         raise ConfigError(f"data.path: unknown reasoning-gym task {task!r}{hint}")

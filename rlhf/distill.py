@@ -22,7 +22,7 @@ def _tokenizer_path(spec: str) -> str:
     """Where to load a model reference's tokenizer from without loading (or downloading) its weights: a ``tiny:`` or
     local folder as it resolves, a Hugging Face id as it is (transformers fetches only the tokenizer files)."""
     if spec.startswith("tiny:") or Path(spec).expanduser().exists():
-        from rlhf.models import resolve_model_path
+        from rlhf.models import resolve_model_path  # noqa: PLC0415 - torch: rlhf up's preflight imports this module
 
         return str(resolve_model_path(spec))
     return spec
@@ -54,7 +54,7 @@ def tokenizer_differences(student, teacher) -> list[str]:
 
 def check_teacher_tokenizer(student_spec: str, teacher_spec: str, student_tokenizer=None) -> None:
     """Raise ValueError naming both models when the teacher's tokenizer does not read ids as the student's does."""
-    from rlhf.models import load_tokenizer
+    from rlhf.models import load_tokenizer  # noqa: PLC0415 - torch: rlhf up's preflight imports this module
 
     student = student_tokenizer if student_tokenizer is not None else load_tokenizer(_tokenizer_path(student_spec))
     teacher = load_tokenizer(_tokenizer_path(teacher_spec))

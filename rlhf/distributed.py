@@ -11,6 +11,7 @@ Design: docs/training.md#multi-process-training-fsdp2-under-torchrun.
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 from collections.abc import Callable
@@ -82,7 +83,7 @@ def shard(model: torch.nn.Module, bf16: bool, device: torch.device) -> torch.nn.
     """FSDP2 (``fully_shard``) over each decoder layer, then the whole model: parameters, gradients and the AdamW
     state built on them are split across ranks. With ``bf16`` FSDP2's mixed-precision policy computes in bf16 and
     reduces gradients in fp32 over the fp32 sharded master weights."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: PLC0415 - seconds to import; trainer groups only
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     kw = {"mp_policy": mp} if mp is not None else {}
@@ -114,7 +115,7 @@ def load_sharded(
     which keeps its shard. A rank's device then holds its shards only, never the whole fp32 model (32 GB for 8B).
     Buffers outside the state dict (rotary ``inv_freq``, computed at init, left uninitialised by ``to_empty``) come
     from rank 0's model too."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: PLC0415 - seconds to import; trainer groups only
 
     with torch.device("meta"):
         model = build_empty()
@@ -246,7 +247,6 @@ def destroy(wait_for_peers: bool = False) -> None:
     died once in CI with "terminate called without an active exception"."""
     if not dist.is_initialized():
         return
-    import gc
 
     if wait_for_peers:
         try:

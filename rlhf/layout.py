@@ -10,6 +10,7 @@ Design: docs/training.md#models-the-architectures-checked.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -32,7 +33,7 @@ class CheckpointLayout:
     anything with ``shape`` and ``dtype`` (DTensors: their global shape); only names and shapes are read."""
 
     def __init__(self, model: torch.nn.Module, live: Mapping[str, torch.Tensor]):
-        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.core_model_loading import revert_weight_conversion  # noqa: PLC0415 - transformers: loaded with the first model
 
         self.model = _pretrained(model)
         self._revert = revert_weight_conversion
@@ -121,8 +122,6 @@ def tie_aliases(model: torch.nn.Module) -> set[str]:
     parameter, those a module declares tied (``_tied_weights_keys``: ``lm_head.weight``), keeping one name, as
     ``save_pretrained`` does. Parameters are matched by identity, so a sharded (FSDP2) or LoRA-wrapped model works
     too (LoRA's ``.base_layer.`` is dropped from the names, as its merged weights carry the base names)."""
-    import re
-
     model = _pretrained(model)
     declared = []
     for prefix, module in model.named_modules():

@@ -8,7 +8,11 @@ instead of the model; :func:`adapter_push_state_dict`).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+from safetensors.torch import save_file
 
 
 def wrap_lora(model: torch.nn.Module, r: int, alpha: float, target_modules: list[str]) -> torch.nn.Module:
@@ -107,11 +111,6 @@ def write_adapter(
 ) -> None:
     """``tensors`` (an adapter push) as a PEFT adapter folder: ``adapter_model.safetensors`` and the
     ``adapter_config.json`` that vLLM's and PEFT's loaders read."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file({k: v.to("cpu").contiguous() for k, v in tensors.items()}, directory / "adapter_model.safetensors")

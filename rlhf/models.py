@@ -15,6 +15,11 @@ from pathlib import Path
 
 import torch
 
+from rlhf.learning_tasks import build_warm
+from rlhf.packing import packed_causal_lm_logits, packed_score_head_outputs
+from rlhf.tiny import WARM_TASKS, build_tiny, parse_ref
+from rlhf.tiny_tools import build_tiny_tools
+
 log = logging.getLogger("rlhf.models")
 
 DTYPES = {
@@ -203,8 +208,6 @@ def causal_lm_logits(model, query_responses: torch.Tensor, pad_token_id: int, pa
     """Logits of a causal LM on (B, T) ids padded with ``pad_token_id`` -> (B, T, V). ``packed``: padding-free
     (:mod:`rlhf.packing`; zeros at padding positions, which every loss masks)."""
     if packed:
-        from rlhf.packing import packed_causal_lm_logits
-
         return packed_causal_lm_logits(model, query_responses, pad_token_id)
     return model(**_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False).logits
 
@@ -216,8 +219,6 @@ def score_head_outputs(model, query_responses: torch.Tensor, pad_token_id: int, 
     read per token and a reward at any chosen token. ``packed``: padding-free, as in :func:`causal_lm_logits`.
     """
     if packed:
-        from rlhf.packing import packed_score_head_outputs
-
         return packed_score_head_outputs(model, query_responses, pad_token_id)
     backbone = getattr(model, model.base_model_prefix)
     hidden = backbone(**_inputs(query_responses, pad_token_id), return_dict=True, use_cache=False).last_hidden_state
@@ -275,17 +276,11 @@ def resolve_model_path(spec: str) -> Path:
     - else the path does not exist, and the error says so.
     """
     if spec.startswith("tiny:"):
-        from rlhf.tiny import WARM_TASKS, build_tiny, parse_ref
-
         tiny, which = parse_ref(spec.split(":", 1)[1])
         cache = Path(os.environ.get("RLHF_CACHE_DIR", Path.home() / ".cache" / "rlhf-pipeline"))
         if which == "tools":
-            from rlhf.tiny_tools import build_tiny_tools
-
             return build_tiny_tools(cache / tiny.name, tiny)
         if which in WARM_TASKS:
-            from rlhf.learning_tasks import build_warm
-
             return build_warm(cache, which)
         paths = build_tiny(cache / tiny.name, tiny)
         return paths.policy if which == "policy" else paths.reward

@@ -81,7 +81,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 def _register() -> None:
     global _registered
     if not _registered:
-        from transformers import AttentionInterface
+        from transformers import AttentionInterface  # noqa: PLC0415 - transformers: loaded with the first model
 
         AttentionInterface.register(ATTN_NAME, packed_attention)
         _registered = True

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf.config import ConfigError, ExperimentConfig, config_warning
+from rlhf.distill import check_teacher_tokenizer
 
 
 @dataclass
@@ -105,8 +106,6 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
         teacher is not None and teacher.startswith("tiny:") and tok_spec is None and cfg.actor.load.startswith("tiny:")
     )
     if cfg.algorithm.distill.coef > 0 and teacher and not both_tiny:
-        from rlhf.distill import check_teacher_tokenizer
-
         try:
             check_teacher_tokenizer(tok_spec or cfg.actor.load, teacher)
         except ValueError as err:

@@ -22,8 +22,8 @@ def proto_files() -> list[Path]:
 
 def generate(out_dir: Path) -> list[Path]:
     """Compile every .proto into ``out_dir/rlhf/v1``; returns the generated files."""
-    import grpc_tools
-    from grpc_tools import protoc  # dev extra; only needed to regenerate
+    import grpc_tools  # noqa: PLC0415 - grpcio-tools: dev extra, only to regenerate
+    from grpc_tools import protoc  # noqa: PLC0415 - grpcio-tools: dev extra, only to regenerate
 
     include = Path(grpc_tools.__file__).parent / "_proto"  # well-known types
     (out_dir / "rlhf" / "v1").mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ INSTALL = "pip install 'rlhf-pipeline[tasks]' (the reasoning-gym package)"
 
 def _module():
     try:
-        import reasoning_gym
+        import reasoning_gym  # noqa: PLC0415 - optional dependency
     except ImportError:
         raise ImportError(f"reasoning_gym tasks need the reasoning-gym package: {INSTALL}") from None
     return reasoning_gym

@@ -14,6 +14,8 @@ import json
 import random
 from pathlib import Path
 
+from rlhf.environments.builtin import Calculator
+from rlhf.environments.tokens import encode, environment_tokens, render
 from rlhf.tiny import CHAT_TEMPLATE, TinySpec, build_tiny, cached_build, warm_start
 
 SYSTEM = "Use the calculator: <tool_call>{json}</tool_call>, then answer."
@@ -30,9 +32,6 @@ def _digest(spec: TinySpec) -> str:
 
 def episode_tokens(tokenizer, a: int, b: int) -> tuple[list[int], list[bool]]:
     """One taught episode of "what is a plus b?": (ids, loss mask) over the whole sequence, prompt included."""
-    from rlhf.environments.builtin import Calculator
-    from rlhf.environments.tokens import encode, environment_tokens, render
-
     env = Calculator(system=SYSTEM, list_tools=False)
     opening = env.reset([{"role": "user", "content": f"what is {a} plus {b}?"}], str(a + b), {}, None)
     messages = opening.messages

@@ -15,10 +15,13 @@ import inspect
 import json
 import logging
 import os
+import ssl
 import sys
 import urllib.error
 import urllib.request
 from typing import Any
+
+from services import eval_run, launcher, report
 
 SERVICES = ("rollout", "reward", "reference", "trainer", "environment")
 
@@ -29,7 +32,7 @@ log = logging.getLogger("rlhf.cli")
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from rlhf.serving import ServiceSettings, configure_logging, warn_unknown_env_vars
+    from rlhf.serving import ServiceSettings, configure_logging, warn_unknown_env_vars  # noqa: PLC0415 - `rlhf serve` only
 
     try:
         settings = ServiceSettings.from_env(
@@ -67,7 +70,7 @@ def _serve(args: argparse.Namespace) -> int:
     if serve is None:
         print(f"rlhf serve: {module_name} has no serve(config_path, settings)", file=sys.stderr)
         return 2
-    from rlhf.config import ConfigError
+    from rlhf.config import ConfigError  # noqa: PLC0415 - `rlhf serve` only
 
     try:
         result = serve(settings.config, settings)
@@ -107,8 +110,6 @@ def _post(url: str, path: str, body: dict[str, Any], token: str | None, timeout:
     req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(), headers=headers)
     context = None
     if url.startswith("https:"):  # verify the service with RLHF_TLS_CA when set (else the system's roots)
-        import ssl
-
         context = ssl.create_default_context(cafile=os.environ.get("RLHF_TLS_CA") or None)
     try:
         with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
@@ -255,7 +256,6 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     u.set_defaults(func=_up)
-    from services import launcher
 
     launcher.add_arguments(u)
 
@@ -286,7 +286,6 @@ def build_parser() -> argparse.ArgumentParser:
         "eval.temperature=1.0",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from services import eval_run
 
     eval_run.add_arguments(e)
     e.set_defaults(func=_eval)
@@ -294,20 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from services import launcher
-
     return launcher.main(args)
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from services import eval_run
-
     return eval_run.main(args)
 
 
 def _report(args: argparse.Namespace) -> int:
-    from services import report
-
     return report.main(args)
 
 

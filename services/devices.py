@@ -117,7 +117,7 @@ def visible_devices(kind: str, env: dict[str, str] | None = None) -> list[str]:
     var = VISIBLE_ENV[kind]
     if env.get(var):
         return [d.strip() for d in env[var].split(",") if d.strip()]
-    import torch
+    import torch  # noqa: PLC0415 - torch: the launcher plans devices without it
 
     count = torch.cuda.device_count() if kind == "cuda" else torch.npu.device_count()
     return [str(i) for i in range(count)]

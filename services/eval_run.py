@@ -18,6 +18,12 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
+from rlhf.checkpoints import incomplete_reason, latest_policy
+from rlhf.procs import LaunchError, ServiceProc
+from rlhf.tracking import Tracker
+
 # A started child must not join a training run (its Redis queue) or load that run's newest checkpoint instead
 CHILD_ENV: dict[str, str | None] = {"RLHF_REDIS_URL": None, "RLHF_RUN_DIR": None, "RLHF_WEIGHTS_DATA_PORT": None}
 LOAD_KEY = "actor_rollout_ref.actor_rollout.load"
@@ -69,8 +75,6 @@ def _say(msg: str) -> None:
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, int | None]:
     """``--checkpoint`` -> (the Hugging Face policy folder, its training step when known)."""
-    from rlhf.checkpoints import incomplete_reason, latest_policy
-
     path = Path(path)
     if (path / "config.json").is_file():
         return path, None
@@ -130,10 +134,6 @@ def _run(args: argparse.Namespace, cfg, overrides: list[str], policy: Path | Non
         rollout, reward = args.rollout, args.reward
         needed = [n for n, addr in (("rollout", rollout), ("reward", reward)) if not addr]
         if needed:
-            import yaml
-
-            from rlhf.procs import LaunchError, ServiceProc
-
             # the services read the config as this command does (overrides and the checkpoint's load included)
             served = out / "eval-config.yaml"
             served.write_text(yaml.safe_dump(read_config_data(args.config, overrides), sort_keys=False))
@@ -162,7 +162,6 @@ def _evaluate(cfg, policy: Path | None, rollout: str, reward: str, out: Path, st
     from rlhf.config import ConfigError
     from rlhf.models import load_tokenizer, resolve_model_path
     from rlhf.serving import ServiceSettings
-    from rlhf.tracking import Tracker
     from services.trainer.evaluate import Evaluator
 
     try:

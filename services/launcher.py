@@ -27,6 +27,8 @@ import yaml
 
 from rlhf import runlog
 from rlhf.procs import Child, LaunchError, LocalRedis, http_ready, stop_children
+from rlhf.tiny import parse_ref
+from services import report
 from services.plan import ServiceSpec, child_env, default_run_dir, plan_services
 from services.progress import Eta, MetricsTail, format_event, format_progress
 
@@ -196,7 +198,6 @@ class Launcher:
         # The policy's architecture under the rollout engine (the vllm check includes the transformers one the trainer
         # needs). A tiny: model is built first (a second), so its architecture is checked like any other.
         from rlhf.models import check_architecture, resolve_model_path
-        from rlhf.tiny import parse_ref
 
         load, engine = cfg.actor.load, os.environ.get("RLHF_ROLLOUT_ENGINE") or cfg.actor.engine
         try:
@@ -396,7 +397,6 @@ class Launcher:
 
     def _finish(self) -> int:
         assert self.run_dir is not None
-        from services import report
 
         metrics = self.run_dir / "metrics.jsonl"
         if not metrics.is_file():

@@ -9,6 +9,9 @@ from __future__ import annotations
 import hmac
 from typing import TYPE_CHECKING, Any
 
+from fastapi import Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
 from rlhf.serving.errors import PermissionDenied, Unauthenticated
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,9 +70,6 @@ def http_token_dependency(settings: ServiceSettings | str | None) -> Any:
 
     The route's OpenAPI operation then names the bearer scheme (``security``) and, through
     :class:`rlhf.serving.http.ContractRoute`, its 401 and 403 answers."""
-    from fastapi import Request, Security
-    from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-
     scheme = HTTPBearer(
         auto_error=False,  # the check below decides (and says what is wrong)
         scheme_name="bearer",

@@ -20,7 +20,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 if TYPE_CHECKING:  # pragma: no cover
     from fastapi import FastAPI
@@ -391,8 +394,6 @@ def validation_error_from_pydantic(errors: list[dict[str, Any]]) -> RequestValid
 
 def http_error_response(err: BaseException):
     """A JSONResponse with the error body and status for ``err``."""
-    from fastapi.responses import JSONResponse
-
     rerr = as_rlhf_error(err)
     _, http_status = status_for(rerr)
     headers = {"WWW-Authenticate": "Bearer"} if isinstance(rerr, Unauthenticated) else None
@@ -401,8 +402,6 @@ def http_error_response(err: BaseException):
 
 def install_http_errors(app: FastAPI, metrics: ServiceMetrics | None = None) -> None:
     """Exception handlers: RLHFError -> its status; body validation -> 422; HTTPException -> same shape; else 500."""
-    from fastapi.exceptions import RequestValidationError
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     def _count(err: RLHFError) -> None:
         if metrics is not None:
@@ -433,7 +432,6 @@ def install_http_errors(app: FastAPI, metrics: ServiceMetrics | None = None) -> 
             by_status = {cls_status: cls for cls, (_, cls_status) in ERROR_TABLE.items() if cls is not RLHFError}
             cls = by_status.get(exc.status_code) or (InvalidArgument if exc.status_code < 500 else Internal)
             err = cls(str(exc.detail))
-        from fastapi.responses import JSONResponse
 
         body = error_body(err)
         body["error"]["code"] = exc.status_code

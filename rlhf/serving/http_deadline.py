@@ -27,7 +27,7 @@ _408_BODY = (
 
 def _base_protocol() -> type:
     """The class uvicorn's ``http="auto"`` would use: httptools when installed, else h11."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol  # noqa: PLC0415 - uvicorn: only HTTP-serving processes
 
     return AutoHTTPProtocol
 

@@ -41,7 +41,7 @@ def forward_threads(requested: int | None = None) -> int:
 
 def set_torch_threads(n: int | None) -> None:
     if n:
-        import torch
+        import torch  # noqa: PLC0415 - services import this before torch may load
 
         torch.set_num_threads(int(n))
 

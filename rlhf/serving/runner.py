@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from rlhf.serving.errors import DecodeErrorInterceptor
+from rlhf.serving.http_deadline import deadline_protocol
 from rlhf.serving.metrics import ServiceMetrics
 from rlhf.serving.settings import ServiceSettings
 
@@ -90,7 +91,7 @@ class _Uvicorn:
 
     @staticmethod
     def make(config: Any) -> Any:
-        import uvicorn
+        import uvicorn  # noqa: PLC0415 - uvicorn: only HTTP-serving processes
 
         class Server(uvicorn.Server):
             @contextlib.contextmanager
@@ -258,12 +259,11 @@ class ServiceRunner:
     async def _start_http(self) -> asyncio.Task | None:
         if self._app is None:
             return None
-        import uvicorn
+        import uvicorn  # noqa: PLC0415 - uvicorn: only HTTP-serving processes
 
         s = self.settings
         sock = _bind_socket(s.host, s.http_port)
         self.http_port = sock.getsockname()[1]
-        from rlhf.serving.http_deadline import deadline_protocol
 
         config = uvicorn.Config(
             self._app,

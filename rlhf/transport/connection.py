@@ -16,6 +16,8 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
+from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -196,8 +198,6 @@ def connect(url: str | None = None, **kwargs: Any) -> Any:
     if target.kind == "single":
         client: Any = aioredis.Redis.from_url(target.url, **opts)
     elif target.kind == "sentinel":
-        from redis.asyncio.sentinel import Sentinel
-
         auth = {"username": target.username, "password": target.password}
         sentinel_kwargs = {
             "password": target.sentinel_password,
@@ -210,8 +210,6 @@ def connect(url: str | None = None, **kwargs: Any) -> Any:
         sentinel = Sentinel(list(target.hosts), sentinel_kwargs=sentinel_kwargs, ssl=target.tls, db=target.db, **auth)
         client = sentinel.master_for(target.service_name, redis_class=aioredis.Redis, **opts)
     else:
-        from redis.asyncio.cluster import ClusterNode, RedisCluster
-
         client = RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in target.hosts],
             username=target.username,
@@ -229,8 +227,6 @@ def wait_policy(redis: Any) -> WaitPolicy:
 
 
 def is_cluster(redis: Any) -> bool:
-    from redis.asyncio.cluster import ClusterPipeline, RedisCluster
-
     return isinstance(redis, (RedisCluster, ClusterPipeline))
 
 

@@ -8,7 +8,7 @@ import logging
 import threading
 from typing import Any
 
-from rlhf.config import ExperimentConfig
+from rlhf.config import ConfigError, ExperimentConfig
 from rlhf.serving import InvalidArgument, NotReady, ServiceMetrics
 from services.reward import rules
 from services.reward.http_scorers import JudgeScorer, RemoteScorer
@@ -90,12 +90,8 @@ class RewardEngine:
                 else:
                     self.scorers.append(RemoteScorer(sc, name))
             except ValueError as err:
-                from rlhf.config import ConfigError
-
                 raise ConfigError(f"reward.scorers[{i}]: {err}") from None
         if not self.scorers:
-            from rlhf.config import ConfigError
-
             raise ConfigError("reward.scorers is empty: configure at least one scorer")
         self.ready = False
 
@@ -125,7 +121,7 @@ class RewardEngine:
                 if self._policy_tokenizer is None:
                     if self._tokenizer_error:
                         raise rules.RuleInputError(self._tokenizer_error)
-                    from rlhf.models import load_tokenizer, resolve_model_path
+                    from rlhf.models import load_tokenizer, resolve_model_path  # noqa: PLC0415 - loads torch; a model process keeps it out of here
 
                     src = self.cfg.training.tokenizer_name_or_path or self.cfg.actor.load
                     try:

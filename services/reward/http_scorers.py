@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+
+import httpx
 
 from rlhf.config import ScorerConfig
 from rlhf.config_sections import template_fields
@@ -34,8 +37,6 @@ class HTTPScorer(Scorer):
         self._client = None
 
     def _http(self):
-        import httpx
-
         if self._client is None:
             # a pool smaller than the concurrency would turn queueing for a connection into timeouts
             limits = httpx.Limits(max_connections=self._max_connections)
@@ -44,8 +45,6 @@ class HTTPScorer(Scorer):
 
     async def _post(self, body: dict[str, Any], attempt: int) -> Any:
         """One POST of ``body`` as JSON; the decoded answer, or :class:`_AttemptError` saying what went wrong."""
-        import httpx
-
         who = f"scorer {self.name!r}: {self.url}"
         try:
             resp = await asyncio.wait_for(
@@ -158,8 +157,6 @@ class JudgeScorer(HTTPScorer):
         self.j = j
         self.uses_label = "label" in template_fields(j.template or "")
         if j.api_key_env:
-            import os
-
             key = os.environ.get(j.api_key_env)
             if not key:  # refused at start: every request would fail with 401 otherwise
                 raise ValueError(f"judge.api_key_env names {j.api_key_env!r}, which is not set in the environment")

@@ -13,9 +13,11 @@ import json
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rlhf import tasks
 from rlhf.answers import answers_match, boxed, normalize
 
 RuleFn = Callable[..., float]
@@ -117,7 +119,6 @@ def prepare_kwargs(name: str, kwargs: dict) -> dict:
     elif name == "reasoning_gym":
         if kwargs.get("extract", "answer") not in EXTRACT_MODES:
             raise ValueError(f"reasoning_gym: extract must be answer, boxed or none, got {kwargs.get('extract')!r}")
-        from rlhf import tasks
 
         try:
             tasks.task_names()
@@ -199,7 +200,7 @@ def lcs_ratio(prompt: str, response: str, label: str | None) -> float:
 
 def _math_verify_module():
     try:
-        import math_verify
+        import math_verify  # noqa: PLC0415 - optional dependency
     except ImportError:
         raise ValueError(
             "rule 'math_verify' needs the math-verify package: pip install 'rlhf-pipeline[tasks]'"
@@ -225,7 +226,6 @@ def math_verify(
     elsewhere unbounded)."""
     label = _need_label(label, "math_verify")
     mv = _math_verify_module()
-    import threading
 
     t = timeout_s if timeout_s and threading.current_thread() is threading.main_thread() else None
     gold_text = label if ("$" in label or "\\boxed" in label) else f"${label}$"
@@ -249,8 +249,6 @@ def reasoning_gym(prompt: str, response: str, label: str | None, *, extract: str
     ``extract`` picks the answer out of the response: ``answer`` (the last ``<answer>...</answer>``, reasoning-gym's
     own prompt format; none gives 0.0), ``boxed`` (the last ``\\boxed{}``; none gives 0.0) or ``none`` (the whole
     response, stripped)."""
-    from rlhf import tasks
-
     label = _need_label(label, "reasoning_gym")
     if extract not in EXTRACT_MODES:
         raise ValueError(f"reasoning_gym: extract must be answer, boxed or none, got {extract!r}")

@@ -405,7 +405,7 @@ class EngineBase:
         """Receive a collective push's buckets (:mod:`rlhf.transport.weights.collective`): in this process by
         default, on the model's device for nccl/hccl (``self.device``); an engine that receives elsewhere (vLLM:
         its worker) overrides it. Returns (tensors, bytes)."""
-        from rlhf.transport.weights.collective import receive_buckets
+        from rlhf.transport.weights.collective import receive_buckets  # noqa: PLC0415 - torch loads after main.py sets its threads
 
         device = None if group.backend == "gloo" else self.device
         return await asyncio.to_thread(receive_buckets, group, ticket, header, per_bucket, device)

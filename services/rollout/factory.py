@@ -10,9 +10,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlhf.config import parse_config
+from rlhf.config_rules import VLLM_ONLY_FIELDS
 from services.rollout.engine import EngineBase
 from services.rollout.engine_types import EngineHooks
 from services.rollout.options import default_options
+from services.rollout.vllm_weights import inplace_load_bytes_from_env
 
 if TYPE_CHECKING:  # pragma: no cover
     from rlhf.config import ExperimentConfig
@@ -43,8 +46,6 @@ ROLLOUT_ENV_OVERRIDES = {
 def apply_rollout_env(cfg: ExperimentConfig, env: Mapping[str, str] | None = None) -> ExperimentConfig:
     """Set the rollout fields named in :data:`ROLLOUT_ENV_OVERRIDES` from ``env`` (empty = unset), validated as the
     config's own fields are (ConfigError naming the variable and the field). Returns a new config."""
-    from rlhf.config import parse_config
-
     env = os.environ if env is None else env
     data = cfg.model_dump(exclude_unset=True)
     actor = data.setdefault("actor_rollout_ref", {}).setdefault("actor_rollout", {})
@@ -102,7 +103,6 @@ def _build(
     if kind == "vllm":
         from services.rollout.vllm_engine import VllmEngine
         from services.rollout.vllm_lora import LoraSpec
-        from services.rollout.vllm_weights import inplace_load_bytes_from_env
 
         a = cfg.actor
         if pushes_adapter(a):
@@ -115,7 +115,6 @@ def _build(
             path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, seed=cfg.training.seed, hooks=hooks, **kw
         )
     if kind == "hf":
-        from rlhf.config_rules import VLLM_ONLY_FIELDS
         from services.rollout.hf_engine import HFEngine
 
         kw.setdefault("max_model_len", cfg.actor.max_model_len)

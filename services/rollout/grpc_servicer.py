@@ -14,6 +14,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+import grpc
+from google.protobuf.message_factory import GetMessageClass
+
 from rlhf.serving import (
     FailedPrecondition,
     InvalidArgument,
@@ -48,9 +51,6 @@ def add_to_server(servicer: RolloutServicer, server: Any) -> None:
     """``rollout_pb2_grpc.add_RolloutServiceServicer_to_server`` with one change: ``UpdateWeights`` requests are
     decoded by ``rlhf.transport.weights.format.decode_update``, which leaves each chunk's bytes where gRPC put them
     (protobuf's deserializer copies every weight byte twice more)."""
-    import grpc
-    from google.protobuf.message_factory import GetMessageClass
-
     from rlhf.transport.weights.format import decode_update
 
     # Built from the service descriptor, so a method added to rollout.proto is served without another edit here.

@@ -23,6 +23,9 @@ from typing import Any
 import torch
 
 from rlhf.algo import logprobs_from_logits
+from rlhf.layout import CheckpointLayout
+from rlhf.models import load_causal_lm, load_tokenizer, resolve_device
+from rlhf.serving.errors import NotReady
 from services.rollout.engine import EngineBase, EngineHooks, PromptResult, Sample, StreamEvent, decode_text
 from services.rollout.options import SamplingOptions
 
@@ -125,8 +128,6 @@ class HFEngine(EngineBase):
     # ------------------------------------------------------------------------------------------------ life cycle
 
     async def start(self) -> None:
-        from rlhf.models import load_causal_lm, load_tokenizer, resolve_device
-
         def _load() -> tuple[Any, Any]:
             tok = load_tokenizer(self.model_path)
             model = load_causal_lm(self.model_path, device=self.device_spec, dtype=self.dtype).eval()
@@ -137,7 +138,6 @@ class HFEngine(EngineBase):
         self.pad_token_id = int(self._tokenizer.pad_token_id)
         # Updates come in the checkpoint layout (what vLLM loads too): the manifest is the checkpoint's, and _stage
         # maps it back onto the live module (a tie's alias is the same parameter; fused MoE experts are rebuilt).
-        from rlhf.layout import CheckpointLayout
 
         self._layout = CheckpointLayout(self.model, self.model.state_dict())
         self._manifest = {name: shape for name, _, shape in self._layout.specs()}
@@ -159,8 +159,6 @@ class HFEngine(EngineBase):
                 await self._worker
             self._worker = None
         if self._queue is not None:
-            from rlhf.serving.errors import NotReady
-
             while not self._queue.empty():
                 row = self._queue.get_nowait()
                 if not row.future.done():

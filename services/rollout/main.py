@@ -43,7 +43,7 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
     cfg = apply_rollout_env(load_config(config_path))
     kind = engine_kind(cfg)
     if kind == "vllm":  # before anything imports torch (OMP_NUM_THREADS is read when torch loads)
-        from services.rollout.vllm_engine import set_vllm_env_defaults
+        from services.rollout.vllm_engine import set_vllm_env_defaults  # noqa: PLC0415 - loads torch, which must come after this
 
         set_vllm_env_defaults(settings.device)
     else:  # the hf engine's decode: one torch thread fewer than the process has, the serving loop keeps a core

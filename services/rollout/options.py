@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from rlhf.v1 import common_pb2
+
 if TYPE_CHECKING:  # pragma: no cover
     from rlhf.config import ExperimentConfig
 
@@ -125,8 +127,6 @@ def options_from_proto(p: Any, defaults: Mapping[str, Any]) -> SamplingOptions:
 def finish_reason_proto(reason: str) -> int:
     """A sample's finish reason (``stop`` | ``length`` | ``abort``, what the HTTP app returns as is) -> the
     ``rlhf.v1.FinishReason`` the gRPC servicer and the experience records carry."""
-    from rlhf.v1 import common_pb2
-
     return {
         "stop": common_pb2.FINISH_REASON_STOP,
         "length": common_pb2.FINISH_REASON_LENGTH,

@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from safetensors import safe_open
+
 from rlhf.serving.errors import InvalidArgument
 
 
@@ -65,8 +67,6 @@ class SwapGate:
 
 def read_checkpoint_manifest(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape of the safetensors checkpoint in ``model_dir`` (headers only; no tensor is read)."""
-    from safetensors import safe_open
-
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir} has no *.safetensors checkpoint")

@@ -26,6 +26,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from rlhf.models import load_tokenizer
 from rlhf.serving.errors import Internal, NotReady
 from services.rollout.engine import EngineBase
 from services.rollout.engine_types import EngineHooks, PromptResult, Sample, SwapResult
@@ -174,8 +177,6 @@ class VllmEngine(EngineBase):
         return cls(**kw)
 
     async def start(self) -> None:
-        from rlhf.models import load_tokenizer
-
         loop = asyncio.get_running_loop()
         if os.environ.get("TORCH_COMPILE_DISABLE") == "1":  # also when torch was imported before the variable was set
             import torch._dynamo
@@ -233,8 +234,6 @@ class VllmEngine(EngineBase):
         """Where a collective push lands when it is received in this process (EngineBase.receive_collective, on a
         worker without engine sessions: vLLM 0.23, vllm-ascend's set): vLLM's platform device. Without it an hccl push
         raised AttributeError after the replica took its ticket, and the trainer waited out HCCL_CONNECT_TIMEOUT."""
-        import torch
-
         return torch.device(self.device_type)
 
     async def close(self) -> None:

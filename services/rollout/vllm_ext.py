@@ -11,7 +11,10 @@ Design (the paths into the model; bytes, never pickles): docs/weight-sync.md#the
 
 from __future__ import annotations
 
+import logging
 import time
+
+from services.rollout.vllm_ties import retie_shared_weights
 
 try:  # vLLM imports this module inside its worker: add the collective backend to its weight-transfer factory
     from services.rollout.vllm_transfer import register as _register_transfer
@@ -56,7 +59,6 @@ class WorkerExtension:
         if hasattr(self, "reload_weights"):
             self._rlhf_quiet()
             self.reload_weights(weights_iterator=iter(items), is_checkpoint_format=True)
-            from services.rollout.vllm_ties import retie_shared_weights
 
             retie_shared_weights(self.model_runner.get_model())
             return "reload_weights"
@@ -160,8 +162,6 @@ def _quiet_derived_buffer_warnings(model) -> None:
     embedding's ``cos_sin_cache``) therefore loads nothing on every reload, is warned about, and gets its current
     tensors back, which is correct. The warning stays for any layer class that has a parameter or a persistent
     buffer somewhere in the model."""
-    import logging
-
     derived, loadable = set(), set()
     for module in model.modules():
         buffers = {name for name, b in module._buffers.items() if b is not None}

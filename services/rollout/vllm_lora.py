@@ -66,7 +66,7 @@ class AdapterSlots:
 
     def write(self, tensors: dict[str, Any], version: int) -> Any:
         """The adapter folder of ``version`` and its vLLM request (run in a thread: it writes a file)."""
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # noqa: PLC0415 - optional dependency (the vllm extra)
 
         folder = self.root / f"v{version}"
         if folder.exists():  # a retried push of the same version: written afresh

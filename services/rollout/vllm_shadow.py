@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from services.rollout.vllm_ties import retie_shared_weights
+
 
 class StagingError(RuntimeError):
     """An update could not be loaded into the shadow; the live model is unchanged."""
@@ -222,7 +224,6 @@ class ShadowSwap:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         shadow = self.shadow
-        from services.rollout.vllm_ties import retie_shared_weights
 
         with torch.no_grad():
             finalize_layerwise_reload(shadow, self.worker.vllm_config.model_config)

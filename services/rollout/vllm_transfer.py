@@ -13,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from services.rollout.vllm_ties import retie_shared_weights
+
 BACKEND = "rlhf_collective"
 
 
@@ -136,7 +140,6 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
 
         staged, self.staged = self.staged, {}
         self._close()  # one group per push
-        from services.rollout.vllm_ties import retie_shared_weights
 
         loaded_inplace = self.inplace
         self._end_inplace()
@@ -149,7 +152,6 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
 
     def _load_inplace(self, items: list) -> None:
         """Load one bucket into the model now (vLLM's layer-wise reload, opened at the session's first bucket)."""
-        import torch
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         from rlhf.transport.weights.pack import release_freed_memory
@@ -167,7 +169,6 @@ class RlhfCollectiveWeightTransferEngine(_engine_base()):  # type: ignore[misc]
         """Process the layers still waiting (and give layers that got nothing their tensors back): the model runs."""
         if not self.inplace:
             return
-        import torch
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         from rlhf.transport.weights.pack import release_freed_memory
@@ -194,8 +195,6 @@ def _own_pending(model: Any, items: list) -> None:
     until all its tensors are in) hold views of this bucket's buffer: give them copies, so the receiver can reuse
     the buffer as soon as this bucket is installed (else a layer spanning two buckets keeps a third buffer alive on
     the replica). Only the parts of unfinished layers are copied (a few tens of MB at most)."""
-    import torch
-
     spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for _, t in items if t.numel()]
     if not spans:
         return

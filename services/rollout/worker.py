@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from rlhf.environments.client import EnvironmentClient
 from rlhf.retry import retry
 from rlhf.serving.errors import InvalidArgument
 from rlhf.serving.runner import open_channel
@@ -34,6 +35,7 @@ from rlhf.v1 import (
     reward_pb2_grpc,
 )
 from services.rollout.jobs import JobFailed, JobRunner, JobSettings
+from services.rollout.options import default_options
 
 if TYPE_CHECKING:  # pragma: no cover
     from rlhf.config import ExperimentConfig
@@ -175,8 +177,6 @@ class RolloutWorker:
             raise ValueError("rollout worker mode needs a run id: RLHF_RUN_ID or the config's run_id")
         defaults: dict[str, Any] = {}
         if cfg is not None:
-            from services.rollout.options import default_options
-
             defaults = default_options(cfg)
         opts: dict[str, Any] = {
             "max_inflight_jobs": _env_num(env, MAX_INFLIGHT_ENV, 8, int),
@@ -256,8 +256,6 @@ class RolloutWorker:
         ref_ch = open_channel(self.reference_addr, self.settings)
         env = None
         if self.environment_addr:
-            from rlhf.environments.client import EnvironmentClient
-
             env = EnvironmentClient(
                 self.environment_addr, self.settings.api_token, self.environment_timeout_s, settings=self.settings
             )

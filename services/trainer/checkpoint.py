@@ -20,6 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhf.checkpoints import MANIFEST, incomplete_reason, latest_checkpoint  # the readers, shared with rollout
+from rlhf.layout import CheckpointLayout
+from rlhf.lora import adapter_state_dict, merged_state_dict
 from services.trainer.models import NO_LOAD_OPTIM_IN_GROUP
 
 __all__ = ["MANIFEST", "incomplete_reason", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -69,8 +71,6 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
     else:
         _save_policy(engine, tmp / "policy")
         if engine.cfg.actor.lora_r:  # the adapters: what a LoRA run trains (the base comes from the load folder)
-            from rlhf.lora import adapter_state_dict
-
             save_file(adapter_state_dict(engine.actor), tmp / "adapter.safetensors")
         tensors, meta = _optimizer_state("actor", engine.actor_opt)
         optim_meta = {"actor": meta}
@@ -111,8 +111,6 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
 def _save_policy(engine, directory: Path) -> None:
     """The actor as a Hugging Face folder; a LoRA actor as its merged model (loads in transformers and vLLM)."""
     if engine.cfg.actor.lora_r:
-        from rlhf.lora import merged_state_dict
-
         directory.mkdir(parents=True, exist_ok=True)
         engine.actor.get_base_model().config.save_pretrained(directory)
         # in the checkpoint layout, as save_pretrained writes it: a tie's alias once, fused tensors split back
@@ -274,8 +272,6 @@ def _live_weights(model: torch.nn.Module, directory: Path) -> dict[str, torch.Te
     written once and comes back through the parameter it is tied to; fused tensors are rebuilt from the checkpoint's
     parts). Every checkpoint tensor of the model must be there, and nothing else: a tensor left out would silently
     keep its initial weights."""
-    from rlhf.layout import CheckpointLayout
-
     weights: dict[str, torch.Tensor] = {}
     for f in sorted(directory.glob("*.safetensors")):
         weights.update(load_file(f))

@@ -25,6 +25,7 @@ import torch
 from rlhf import algo
 from rlhf import distributed as dist
 from rlhf.config import ExperimentConfig
+from rlhf.distill import check_teacher_tokenizer
 from rlhf.models import causal_lm_logits, load_tokenizer, resolve_device, resolve_model_path, score_head_outputs
 from rlhf.v1 import experience_pb2
 from services.trainer import checkpoint, models, optim
@@ -56,8 +57,6 @@ class TrainerEngine:
         self.tokenizer = load_tokenizer(cfg.training.tokenizer_name_or_path or actor_path)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         if cfg.algorithm.distill.coef > 0:  # the teacher scores these token ids: refuse one that reads them otherwise
-            from rlhf.distill import check_teacher_tokenizer
-
             student = cfg.training.tokenizer_name_or_path or cfg.actor.load
             check_teacher_tokenizer(student, cfg.actor_rollout_ref.ref.load, self.tokenizer)
         self.actor = models.load_actor(cfg, actor_path, self.device, self.group)
@@ -142,7 +141,7 @@ class TrainerEngine:
     def check_record(self, exp: experience_pb2.Experience) -> None:
         """Raise MalformedRecord when ``exp`` cannot be trained on by this model (token ids outside the vocabulary).
         The stream checked everything that needs no model; this is what only the trainer can check."""
-        from rlhf.transport.codec import check_token_ids  # here: the engine itself needs no Redis client (parity venv)
+        from rlhf.transport.codec import check_token_ids  # noqa: PLC0415 - rlhf.transport needs Redis; the engine (parity venv) does not
 
         check_token_ids(exp, self.vocab_size)
 

@@ -15,6 +15,7 @@ import torch
 
 from rlhf import distributed as dist
 from rlhf.config import ExperimentConfig
+from rlhf.layout import CheckpointLayout
 from rlhf.lora import adapter_push_state_dict, merged_state_dict, pushes_adapter
 from services.trainer.group import GATHER, Commands
 
@@ -50,8 +51,6 @@ class PolicyExport:
     @functools.cached_property
     def layout(self):
         """Which live tensor of the actor becomes which checkpoint tensor (worked out once, on meta tensors)."""
-        from rlhf.layout import CheckpointLayout
-
         live = self.actor.state_dict()
         if self.cfg.actor.lora_r:  # the merged weights carry the base model's names
             live = {k.replace(".base_layer.", "."): v for k, v in live.items() if ".lora_" not in k}
@@ -71,8 +70,8 @@ class PolicyExport:
         gather command to the group. The weights must not change between the passes: the caller holds off steps,
         so in a group training waits for the push."""
         # Imported here: rlhf.transport brings Redis, which the engine (and the TRL parity environment) does not need.
-        from rlhf.transport.weights.format import DEFAULT_BUCKET_BYTES
-        from rlhf.transport.weights.pack import StreamedWeights
+        from rlhf.transport.weights.format import DEFAULT_BUCKET_BYTES  # noqa: PLC0415 - rlhf.transport needs Redis; the engine (parity venv) does not
+        from rlhf.transport.weights.pack import StreamedWeights  # noqa: PLC0415 - rlhf.transport needs Redis; the engine (parity venv) does not
 
         if self.group is None or not self.group.is_driver:
             raise RuntimeError("policy_stream() is for rank 0 of a trainer group; at world size 1 pack the state dict")

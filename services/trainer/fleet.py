@@ -20,7 +20,11 @@ import grpc
 from rlhf import runlog
 from rlhf.serving import ServiceSettings, open_channel
 from rlhf.serving.runner import client_credentials
-from rlhf.transport import BufferPool
+from rlhf.transport import BufferPool, copy_weights, push_weights_many, push_weights_streamed
+from rlhf.transport.weights.collective import trainer_backend
+from rlhf.transport.weights.delta import make_delta
+from rlhf.transport.weights.errors import is_final_refusal
+from rlhf.v1 import rollout_pb2_grpc, weights_pb2
 
 if TYPE_CHECKING:
     from services.trainer.engine import TrainerEngine
@@ -34,7 +38,6 @@ def collective_backend(settings: ServiceSettings, device) -> dict:
     cannot run is refused at start-up."""
     if settings.weights_transport != "collective":
         return {}
-    from rlhf.transport.weights.collective import trainer_backend
 
     backend, device = trainer_backend(settings.weights_collective_backend, device)
     return {"backend": backend, "device": device}
@@ -116,8 +119,6 @@ class Fleet:
         """The live policy copied into push buckets as ``version`` (not yet hashed: :meth:`_seal_and_deliver`):
         one copy per tensor, into host buckets, or, for a collective push over nccl/hccl, into buckets on the
         trainer's device (broadcast from there and checked there by the replicas: no host copy on either side)."""
-        from rlhf.transport import copy_weights
-
         weights = self.engine.policy_state_dict(on_device=True)
         device = self._collective.get("device")  # None: host buckets (tcp, grpc, gloo)
         if device is not None:
@@ -157,8 +158,6 @@ class Fleet:
         one bucket, never the whole policy, and training waits for the push. Returns the version pushed.
         With delta pushes on, a replica that holds the last update gets only what changed since (``delta_ok``
         False: everyone gets the full update, as the catch-up of replicas that fell behind does)."""
-        from rlhf.transport import push_weights_many, push_weights_streamed
-
         tls: dict = {}
         creds = client_credentials(self.settings)
         if creds is not None:  # TLS ring: verify each replica against its service's name, not its pod address
@@ -177,8 +176,6 @@ class Fleet:
         else:
             delta_on = self._delta_on(packed)
             if delta_on:
-                from rlhf.transport.weights.delta import make_delta
-
                 packed.header.keep_base = True  # each replica keeps what it takes as the base of the next delta
                 if delta_ok and self._delta_base is not None:
                     kw["delta"], stats = await asyncio.to_thread(make_delta, self._delta_base, packed)
@@ -201,8 +198,6 @@ class Fleet:
         """Bring replicas that serve an older version than the run's published one up to date: a replica that
         started or restarted after a push (a crash, a scale-up) waits for this before it takes a job (see the
         rollout worker), so it never generates samples from weights many versions old."""
-        from rlhf.v1 import rollout_pb2_grpc, weights_pb2
-
         while not done():
             await asyncio.sleep(interval_s)
             try:
@@ -254,8 +249,6 @@ class Fleet:
         """Record which replicas took ``version``. A refusal no retry can fix stops the run at once; a replica that
         failed otherwise is retried by the catch-up loop, and while no replica serves the newest version the ring
         says it is waiting (one log line and one event per change of state, not one per record)."""
-        from rlhf.transport.weights.errors import is_final_refusal
-
         final = {a: r for a, r in results.items() if isinstance(r, BaseException) and is_final_refusal(r)}
         if final:
             addr, err = next(iter(final.items()))

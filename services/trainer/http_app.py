@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from fastapi import Depends
+from google.protobuf.json_format import MessageToDict
 
 from rlhf.serving import ServiceMetrics, ServiceSettings, create_app, http_error_responses, http_token_dependency
 from services.trainer.loop import Trainer
 
 
 def build_app(trainer: Trainer, settings: ServiceSettings, metrics: ServiceMetrics):
-    from google.protobuf.json_format import MessageToDict
-
     app = create_app("trainer", settings, metrics, description="RLHF trainer: status and admin calls")
     admin = [Depends(http_token_dependency(settings))]
 

@@ -7,12 +7,16 @@ Also the options built for one trainer process only, refused in a torchrun group
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from rlhf import algo
 from rlhf import distributed as dist
 from rlhf.config import ExperimentConfig
+from rlhf.data import load_texts
+from rlhf.lora import wrap_lora
 from rlhf.models import (
     empty_causal_lm,
     empty_sequence_classifier,
@@ -75,8 +79,6 @@ def load_actor(cfg: ExperimentConfig, path: str, device: torch.device, group: di
         )
     actor = load_causal_lm(path, device, "float32")
     if cfg.actor.lora_r:  # only the adapters train
-        from rlhf.lora import wrap_lora
-
         a = cfg.actor
         actor = wrap_lora(actor, a.lora_r, a.lora_alpha, a.lora_target_modules)
     _train_mode(actor, cfg)
@@ -123,17 +125,12 @@ class ValueHeadOnActor(torch.nn.Module):
 
     def save_pretrained(self, directory, safe_serialization: bool = True) -> None:
         """The head alone (``value_head.safetensors``): the backbone is the actor's, saved with it."""
-        from pathlib import Path
-
-        from safetensors.torch import save_file
 
         Path(directory).mkdir(parents=True, exist_ok=True)
         head = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         save_file(head, f"{directory}/value_head.safetensors")
 
     def load_folder(self, directory) -> None:
-        from safetensors.torch import load_file
-
         self.load_state_dict(load_file(f"{directory}/value_head.safetensors"))
 
 
@@ -190,8 +187,6 @@ class PtxData:
     tensor right-padded with the pad id."""
 
     def __init__(self, cfg: ExperimentConfig, tokenizer):
-        from rlhf.data import load_texts
-
         self.pad_id = tokenizer.pad_token_id
         limit = cfg.training.seq_length
         self.rows = [tokenizer(t, add_special_tokens=True)["input_ids"][:limit] for t in load_texts(cfg.data)]

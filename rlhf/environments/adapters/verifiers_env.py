@@ -11,6 +11,7 @@ docs/environments.md#library-environments-verifiers-and-openenv.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
@@ -18,6 +19,7 @@ import inspect
 import itertools
 import json
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -646,9 +648,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m rlhf.environments.adapters.verifiers_env <taskset-id> --out rows.jsonl``: the taskset's rows as a
     ``data.path`` file (run where verifiers is installed; the trainer reads the file with ``data.map_keys.system:
     system``, no verifiers needed there)."""
-    import argparse
-    import sys
-
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("taskset_id")
     parser.add_argument("--out", required=True, help="the JSON lines file to write")

@@ -73,7 +73,7 @@ def _missing(backend: str, device_type: str) -> str | None:
         return f"this torch ({torch.__version__}) has no usable NCCL/CUDA"
     if backend == "hccl":
         try:
-            import torch_npu  # noqa: F401
+            import torch_npu  # noqa: F401, PLC0415 - optional dependency (Ascend images)
         except ImportError:
             return "torch_npu is not installed"
     return None
@@ -150,7 +150,7 @@ def _process_group(store: Any, rank: int, world_size: int, spec: GroupSpec, host
             config.blocking = 0
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl)
     if spec.backend == "hccl":
-        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # registered by torch_npu (Ascend images only)
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # noqa: PLC0415 - torch_npu: Ascend images only
 
         return ProcessGroupHCCL(prefixed, rank, world_size, _timeout(spec))
     opts = dist.ProcessGroupGloo._Options()

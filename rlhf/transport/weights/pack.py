@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import math
 import sys
@@ -19,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rlhf.transport.weights.checksum import device_digest
 from rlhf.transport.weights.format import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_CHUNK_BYTES,
@@ -43,9 +46,6 @@ def release_freed_memory() -> None:
     freed but resident."""
     global _LIBC
     if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
         try:
             _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _LIBC.malloc_trim  # noqa: B018 - glibc only
@@ -138,8 +138,6 @@ class PackedWeights(_HeaderFields):
     def seal(self) -> PackedWeights:
         """Hash every bucket into the header (digests, checksum, total bytes): what :func:`copy_weights` leaves
         for later (a thread), so the copy alone stands between two training steps. Returns ``self``."""
-        from rlhf.transport.weights.checksum import device_digest
-
         del self.header.buckets[:]
         for index, data in enumerate(self.buckets):
             if isinstance(data, torch.Tensor):

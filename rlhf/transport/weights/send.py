@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import torch
 
+from rlhf.transport.weights.collective import MAX_RANKS_PER_REPLICA, TrainerGroup, local_address_towards
 from rlhf.transport.weights.dataplane import send_buckets
 from rlhf.transport.weights.errors import refusal_type
 from rlhf.transport.weights.format import (
@@ -333,8 +334,6 @@ async def push_collective(
     ``backend``/``device``: the group's backend and where the buckets go before the broadcast
     (:func:`~rlhf.transport.weights.collective.trainer_backend`); a replica that cannot run it refuses Open.
     Streamed weights must be sealed; the broadcast makes each bucket as it goes (one consumer, the group)."""
-    from rlhf.transport.weights.collective import MAX_RANKS_PER_REPLICA, TrainerGroup, local_address_towards
-
     targets = list(targets)
     out: dict[str, weights_pb2.UpdateWeightsResponse | BaseException] = {}
     if not targets:
