@@ -189,7 +189,7 @@ bench: $(VENV)/.stamp $(PARITY_VENV)/.stamp  ## run the side-by-side benchmarks 
 # hour on 2 cores; one part: make converge CONVERGE_ARGS="--tasks addition --algos grpo --no-trl"
 .PHONY: converge
 
-converge: $(VENV)/.stamp $(PARITY_VENV)/.stamp  ## learning runs, ours and TRL's, on held-out problems -> docs/learning.md (~40 min)
+converge: $(VENV)/.stamp $(PARITY_VENV)/.stamp  ## learning runs, ours and TRL's, on held-out problems -> docs/learning.md (~70 min)
 	$(PY) -m bench.converge $(CONVERGE_ARGS)
 	$(PY) -m bench.learning_report
 
