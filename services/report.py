@@ -2,7 +2,8 @@
 
 :func:`draw` writes ``reward.png``, ``kl.png``, ``losses.png``, ``lengths.png``, ``throughput.png`` (and
 ``dpo_rewards.png``, ``eval.png`` when their series are there) next to it; :func:`family` says which plot a series
-goes to. Matplotlib with the Agg backend (no display needed); a truncated last line is skipped.
+goes to. Matplotlib with the Agg backend (no display needed; the ``plots`` extra, which the service images leave
+out: without it :func:`draw` raises ImportError naming the extra); a truncated last line is skipped.
 
 What each plot shows: docs/running.md#the-run-folder.
 """
@@ -20,6 +21,8 @@ from typing import Any
 PLOTS = ("reward.png", "kl.png", "losses.png", "lengths.png", "throughput.png")  # drawn for every run
 DPO_PLOT = "dpo_rewards.png"
 EVAL_PLOT = "eval.png"  # the eval section's rows (reward, pass@k), when there are any
+# matplotlib is an extra (the service images leave it out): what a command without it says
+PLOTS_EXTRA = "the plots need matplotlib: pip install 'rlhf-pipeline[plots]'"
 
 
 def family(key: str) -> str | None:
@@ -115,8 +118,10 @@ def series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float],
 
 
 def _figure(title: str, ylabel: str):
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(PLOTS_EXTRA) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -242,7 +247,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"rlhf report: {metrics} does not exist", file=sys.stderr)
         return 2
     records = load_metrics(metrics)
-    paths = draw(run_dir, records)
+    try:
+        paths = draw(run_dir, records)
+    except ImportError as err:  # the plots extra is missing: the summary needs no matplotlib
+        print(summary(records))
+        print(f"rlhf report: {err}", file=sys.stderr)
+        return 1
     print(summary(records))
     print("plots: " + ", ".join(str(p) for p in paths))
     return 0

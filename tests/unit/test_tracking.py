@@ -1,8 +1,11 @@
-"""rlhf.tracking: TensorBoard always, Weights & Biases when configured (offline here), the completions table."""
+"""rlhf.tracking: TensorBoard when installed (the plots extra), Weights & Biases when configured (offline here), the
+completions table."""
 
 from __future__ import annotations
 
 import json
+import logging
+import sys
 
 import pytest
 
@@ -10,6 +13,7 @@ from rlhf.tracking import Tracker
 
 
 def test_tensorboard_scalars_completions_and_a_resume(tmp_path):
+    pytest.importorskip("tensorboard")  # the plots extra (make setup installs it)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     t = Tracker(tmp_path, "run", {"a": 1})
@@ -45,3 +49,20 @@ def test_weights_and_biases_offline_when_configured(tmp_path, monkeypatch):
     assert b"reward/mean" in log and b"loss/policy" in log  # the logged history, in wandb's record format
     (table,) = (run / "files" / "media" / "table").glob("completions_*.table.json")
     assert json.loads(table.read_text())["data"] == [["p", "r", 0.5]]
+
+
+def test_without_tensorboard_the_run_goes_on_without_event_files(tmp_path, monkeypatch, caplog):
+    """The service images leave the plots extra out: the tracker says so once and writes everything else."""
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # any import of it raises ImportError
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    with caplog.at_level(logging.WARNING, logger="rlhf.tracking"):
+        t = Tracker(tmp_path, "run", {"a": 1})
+        t.log({"reward/mean": 0.5}, 1)
+        t.log_eval({"eval/reward_mean": 0.25}, 1)
+        t.completions([{"prompt": "p", "response": "r", "reward": 0.5}], 1)
+        t.close()
+    assert t.tb is None and not (tmp_path / "tensorboard").exists()
+    rows = [json.loads(x) for x in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 1, "prompt": "p", "response": "r", "reward": 0.5}]
+    (warning,) = [r.getMessage() for r in caplog.records if "tensorboard" in r.getMessage()]
+    assert "rlhf-pipeline[plots]" in warning
