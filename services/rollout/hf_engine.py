@@ -401,8 +401,12 @@ class HFEngine(EngineBase):
                 r.logprobs.append(lp_l[i])
                 alts = None
                 if r.top is not None and top_l is not None:
-                    k = r.opts.top_logprobs
-                    alts = [(t, v) for t, v in zip(top_l[i][0][:k], top_l[i][1][:k], strict=True) if v > float("-inf")]
+                    n_alts = r.opts.top_logprobs  # not `k`: that is the batch's top-k tensor, used at the next step
+                    alts = [
+                        (t, v)
+                        for t, v in zip(top_l[i][0][:n_alts], top_l[i][1][:n_alts], strict=True)
+                        if v > float("-inf")
+                    ]
                     r.top.append(alts)
                 if r.on_token is not None:
                     with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody listens

@@ -138,6 +138,32 @@ def test_hf_truncated_logprobs_match_a_masked_forward(tiny_models, forward):
     assert torch.isinf(out).tolist() == [[False, True, False, True], [True, True, False, True]]
 
 
+def test_hf_top_k_row_and_top_logprobs_row_share_a_batch(tiny_models):
+    """A row sampling with top-k decoded together with a row asking for top_logprobs: each decodes as it does
+    alone. (The top_logprobs count once overwrote the batch's top-k tensor, so the second step failed.)"""
+    steps: list[int] = []
+    top_k = SamplingOptions(max_tokens=8, seed=4, temperature=0.9, top_k=30, ignore_eos=True)
+    top_lp = SamplingOptions(max_tokens=8, seed=5, temperature=0.9, top_logprobs=3, ignore_eos=True)
+
+    async def body(eng):
+        alone = [(await eng.generate(PROMPTS[:1], top_k))[0], (await eng.generate(PROMPTS[1:2], top_lp))[0]]
+        steps.clear()
+        together = await asyncio.gather(eng.generate(PROMPTS[:1], top_k), eng.generate(PROMPTS[1:2], top_lp))
+        return [r.samples[0] for r in alone], [r[0].samples[0] for r in together]
+
+    alone, together = run_hf(tiny_models, body, hooks=EngineHooks(on_step=steps.append))
+    assert max(steps) == 2, "the two requests were not decoded together"
+    for a, b in zip(alone, together, strict=True):
+        assert a.token_ids == b.token_ids and len(b.token_ids) == 8
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    assert together[0].top_logprobs is None
+    alts = together[1].top_logprobs
+    assert alts is not None and len(alts) == 8 and all(len(t) == 3 for t in alts)
+    assert [[t for t, _ in step] for step in alts] == [[t for t, _ in step] for step in alone[1].top_logprobs]
+    for lp, step in zip(together[1].logprobs, alts, strict=True):  # the sampled token is at most the most probable
+        assert lp <= step[0][1] + 1e-6
+
+
 def test_swap_gate_drains_requests_in_flight(tiny_models, state, forward):
     """A swap waits for the requests in flight (they finish on the old weights, tagged with the old version) and new
     requests wait for the swap; versions only go forward; a mismatched state dict is refused before anything changes."""
