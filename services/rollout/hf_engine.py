@@ -96,6 +96,128 @@ def step_distribution(
     return apply_top_k_top_p(logits / temps.unsqueeze(1), k, p)
 
 
+@dataclass
+class _Penalties:
+    """vLLM's penalties of one batch (:func:`apply_penalties`): which tokens each row's prompt holds, each token's
+    count in each row's output so far, and the rows' factors."""
+
+    in_prompt: torch.Tensor  # (B, V) bool
+    counts: torch.Tensor  # (B, V) float32, updated by :meth:`count` after each step
+    rep: torch.Tensor  # (B,) float32
+    freq: torch.Tensor
+    pres: torch.Tensor
+
+    @classmethod
+    def of(cls, rows: list[_Row], vocab: int, device: torch.device) -> _Penalties | None:
+        """None when no row is penalized: the decode loop then skips penalties altogether."""
+        if not any(r.opts.penalized for r in rows):
+            return None
+        in_prompt = torch.zeros((len(rows), vocab), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            in_prompt[i, torch.tensor(r.prompt)] = True
+
+        def per_row(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        return cls(
+            in_prompt=in_prompt.to(device),
+            counts=torch.zeros((len(rows), vocab), dtype=torch.float32, device=device),
+            rep=per_row([r.opts.repetition_penalty for r in rows]),
+            freq=per_row([r.opts.frequency_penalty for r in rows]),
+            pres=per_row([r.opts.presence_penalty for r in rows]),
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return apply_penalties(logits, self.in_prompt, self.counts, self.rep, self.freq, self.pres)
+
+    def count(self, tok: torch.Tensor, active: list[bool]) -> None:
+        """Count each active row's new token ``tok`` (B,)."""
+        weight = torch.tensor(active, dtype=self.counts.dtype, device=self.counts.device)
+        self.counts.scatter_add_(1, tok.unsqueeze(1), weight[:, None])
+
+
+@dataclass
+class _Step:
+    """The tokens one decode step drew, one per row (rows that have finished draw one too; it is dropped)."""
+
+    tokens: list[int]
+    logprobs: list[float]  # each token's sampling log-prob
+    # per row, the ``n_top`` most probable (token ids, log-probs) of the distribution sampled from; None: no row asks
+    top: list[tuple[list[int], list[float]]] | None
+
+
+@dataclass
+class _Sampling:
+    """How each row of one decode batch samples: (B,) tensors on the device, one seeded generator per row, and each
+    row's stop tokens and token budget. Built by :meth:`of`; :meth:`draw` samples one step."""
+
+    temps: torch.Tensor  # float32; 1.0 for greedy rows
+    greedy: torch.Tensor  # bool
+    top_k: torch.Tensor | None  # long, ``vocab`` meaning off; None: no row truncates, the mask is skipped
+    top_p: torch.Tensor | None  # float32, 1.0 meaning off; None as for top_k
+    gens: list[torch.Generator]
+    stop_ids: list[set[int]]  # the row's stop_token_ids and, unless it ignores it, EOS
+    budgets: list[int]  # tokens the row may generate: max_tokens, cut to the context left
+    n_top: int  # the most top_logprobs alternatives any row asks for (0: none)
+    penalties: _Penalties | None
+
+    @classmethod
+    def of(
+        cls, rows: list[_Row], *, vocab: int, eos_token_id: int | None, max_model_len: int, device: torch.device
+    ) -> _Sampling:
+        def truncates_k(r: _Row) -> bool:
+            return 0 < r.opts.top_k < vocab and not r.opts.greedy
+
+        any_p = any(r.opts.top_p < 1.0 and not r.opts.greedy for r in rows)
+        top_k = torch.tensor([r.opts.top_k if truncates_k(r) else vocab for r in rows])
+        top_p = torch.tensor([r.opts.top_p if not r.opts.greedy else 1.0 for r in rows], dtype=torch.float32)
+        temps = torch.tensor([r.opts.temperature if not r.opts.greedy else 1.0 for r in rows], dtype=torch.float32)
+        gens = []
+        for r in rows:
+            g = torch.Generator(device=device)
+            g.manual_seed(r.seed)
+            gens.append(g)
+        eos = set() if eos_token_id is None else {eos_token_id}
+        return cls(
+            temps=temps.to(device),
+            greedy=torch.tensor([r.opts.greedy for r in rows]).to(device),
+            top_k=top_k.to(device) if any(truncates_k(r) for r in rows) else None,
+            top_p=top_p.to(device) if any_p else None,
+            gens=gens,
+            stop_ids=[set(r.opts.stop_token_ids) | (set() if r.opts.ignore_eos else eos) for r in rows],
+            budgets=[min(r.opts.max_tokens, max_model_len - len(r.prompt)) for r in rows],
+            n_top=max(r.opts.top_logprobs for r in rows),
+            penalties=_Penalties.of(rows, vocab, device),
+        )
+
+    def draw(self, logits: torch.Tensor, active: list[bool]) -> _Step:
+        """One token per row from the (B, V) float32 logits of the last position, with its sampling log-prob."""
+        # penalties before temperature and top-k/top-p, as in vLLM; greedy rows take the penalized argmax
+        if self.penalties is not None:
+            logits = self.penalties.apply(logits)
+        masked = step_distribution(logits, self.temps, self.top_k, self.top_p)
+        # Exponential-race sampling (argmax of p / q, q ~ Exp(1)) with each row's own generator: a row draws the same
+        # tokens whatever else shares its batch. Finished rows draw nothing from theirs.
+        probs = masked.softmax(dim=-1)
+        q = torch.empty_like(probs)
+        for i, g in enumerate(self.gens):
+            if active[i]:
+                q[i].exponential_(generator=g)
+            else:
+                q[i].fill_(1.0)
+        sampled = (probs / q).argmax(dim=-1)
+        tok = torch.where(self.greedy, logits.argmax(dim=-1), sampled)
+        # log_softmax(masked logits / T) at the token: the distribution sampled from (temperature 1 if greedy)
+        lp = logprobs_from_logits(masked, tok, 1.0)
+        top = None
+        if self.n_top:  # the most probable tokens of the same distribution (tokens masked by top-k/top-p: -inf)
+            top_v, top_i = masked.log_softmax(dim=-1).topk(self.n_top, dim=-1)
+            top = list(zip(top_i.tolist(), top_v.tolist(), strict=True))
+        if self.penalties is not None:
+            self.penalties.count(tok, active)
+        return _Step(tok.tolist(), lp.tolist(), top)
+
+
 class HFEngine(EngineBase):
     kind = "hf"
 
@@ -299,58 +421,22 @@ class HFEngine(EngineBase):
     @torch.inference_mode()
     def _decode(self, rows: list[_Row]) -> None:
         """Decode ``rows`` together until each has finished (runs in a worker thread)."""
-        dev = self.device
-        n_rows = len(rows)
-        self.hooks.step(n_rows)
-        prompt_width = max(len(r.prompt) for r in rows)
-        ids = torch.full((n_rows, prompt_width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n_rows, prompt_width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, prompt_width - len(r.prompt) :] = torch.tensor(r.prompt)
-            mask[i, prompt_width - len(r.prompt) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
-
-        vocab = self.vocab_size
-        temps = torch.tensor([r.opts.temperature if not r.opts.greedy else 1.0 for r in rows], dtype=torch.float32)
-        greedy = torch.tensor([r.opts.greedy for r in rows])
-        any_k = any(0 < r.opts.top_k < vocab and not r.opts.greedy for r in rows)
-        any_p = any(r.opts.top_p < 1.0 and not r.opts.greedy for r in rows)
-        k = torch.tensor([r.opts.top_k if 0 < r.opts.top_k < vocab and not r.opts.greedy else vocab for r in rows])
-        p = torch.tensor([r.opts.top_p if not r.opts.greedy else 1.0 for r in rows], dtype=torch.float32)
-        temps, greedy, k, p = temps.to(dev), greedy.to(dev), k.to(dev), p.to(dev)
-        gens = []
-        for r in rows:
-            g = torch.Generator(device=dev)
-            g.manual_seed(r.seed)
-            gens.append(g)
-        stop_ids = [
-            set(r.opts.stop_token_ids)
-            | (set() if r.opts.ignore_eos or self.eos_token_id is None else {self.eos_token_id})
-            for r in rows
-        ]
-        budgets = [min(r.opts.max_tokens, self.max_model_len - len(r.prompt)) for r in rows]
-        penalized = any(r.opts.penalized for r in rows)
-        if penalized:
-            in_prompt = torch.zeros((n_rows, vocab), dtype=torch.bool)
-            for i, r in enumerate(rows):
-                in_prompt[i, torch.tensor(r.prompt)] = True
-            in_prompt = in_prompt.to(dev)
-            counts = torch.zeros(
-                (n_rows, vocab), dtype=torch.float32, device=dev
-            )  # each token's count in the output so far
-            rep = torch.tensor([r.opts.repetition_penalty for r in rows], dtype=torch.float32, device=dev)
-            freq = torch.tensor([r.opts.frequency_penalty for r in rows], dtype=torch.float32, device=dev)
-            pres = torch.tensor([r.opts.presence_penalty for r in rows], dtype=torch.float32, device=dev)
-        n_top = max(r.opts.top_logprobs for r in rows)
+        self.hooks.step(len(rows))
+        inp, mask, inp_pos = self._prefill_inputs(rows)
+        prompt_width = inp.shape[1]
+        sampling = _Sampling.of(
+            rows,
+            vocab=self.vocab_size,
+            eos_token_id=self.eos_token_id,
+            max_model_len=self.max_model_len,
+            device=self.device,
+        )
         for r in rows:
             if r.opts.top_logprobs:
                 r.top = []
-        active = [True] * n_rows
-        steps = max(budgets)
+        active = [True] * len(rows)
         past = None
-        inp, inp_pos = ids, pos
-        for _ in range(steps):
+        for _ in range(max(sampling.budgets)):
             # A caller that went away (HTTP client disconnected, gRPC call cancelled) cancelled its futures: its
             # rows stop here instead of decoding to max_tokens for nobody.
             for i, r in enumerate(rows):
@@ -368,73 +454,68 @@ class HFEngine(EngineBase):
                 return_dict=True,
             )
             if past is None and any(r.opts.prompt_logprobs is not None for r in rows):
-                self._prompt_logprobs(
-                    rows, out.logits, prompt_width
-                )  # the prefill holds the logits of every prompt position
+                # the prefill holds the logits of every prompt position
+                self._prompt_logprobs(rows, out.logits, prompt_width)
             past = out.past_key_values
-            logits = out.logits[:, -1, :].float()
-            if penalized:  # before temperature and top-k/top-p, as in vLLM; greedy rows take the penalized argmax
-                logits = apply_penalties(logits, in_prompt, counts, rep, freq, pres)
-            masked = step_distribution(logits, temps, k if any_k else None, p if any_p else None)
-            probs = masked.softmax(dim=-1)
-            q = torch.empty_like(probs)
-            for i in range(n_rows):
-                if active[i]:
-                    q[i].exponential_(generator=gens[i])
-                else:
-                    q[i].fill_(1.0)
-            sampled = (probs / q).argmax(dim=-1)
-            tok = torch.where(greedy, logits.argmax(dim=-1), sampled)
-            # log_softmax(masked logits / T) at the token: the distribution sampled from (temperature 1 if greedy)
-            lp = logprobs_from_logits(masked, tok, 1.0)
-            tok_l, lp_l = tok.tolist(), lp.tolist()
-            top_l = None
-            if n_top:  # the most probable tokens of the same distribution (tokens masked by top-k/top-p: -inf)
-                top_v, top_i = masked.log_softmax(dim=-1).topk(n_top, dim=-1)
-                top_l = list(zip(top_i.tolist(), top_v.tolist(), strict=True))
-            if penalized:
-                counts.scatter_add_(1, tok.unsqueeze(1), torch.tensor(active, dtype=counts.dtype, device=dev)[:, None])
+            step = sampling.draw(out.logits[:, -1, :].float(), active)
             for i, r in enumerate(rows):
-                if not active[i]:
-                    continue
-                r.tokens.append(tok_l[i])
-                r.logprobs.append(lp_l[i])
-                alts = None
-                if r.top is not None and top_l is not None:
-                    n_alts = r.opts.top_logprobs  # not `k`: that is the batch's top-k tensor, used at the next step
-                    alts = [
-                        (t, v)
-                        for t, v in zip(top_l[i][0][:n_alts], top_l[i][1][:n_alts], strict=True)
-                        if v > float("-inf")
-                    ]
-                    r.top.append(alts)
-                if r.on_token is not None:
-                    with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody listens
-                        r.loop.call_soon_threadsafe(r.on_token, tok_l[i], lp_l[i], alts)
-                if tok_l[i] in stop_ids[i]:
-                    r.finish = "stop"
-                    r.stop_reason = tok_l[i] if tok_l[i] in r.opts.stop_token_ids else None  # None: EOS
-                elif r.opts.stop and self._hit_stop_string(r):
-                    r.finish = "stop"
-                elif len(r.tokens) >= budgets[i]:
-                    r.finish = "length"
-                if r.finish is not None:
-                    active[i] = False
+                if active[i]:
+                    active[i] = self._take(r, step, i, sampling)
             if not any(active):
                 break
-            nxt = torch.tensor([tok_l[i] if active[i] else self.pad_token_id for i in range(n_rows)], device=dev)
-            inp = nxt.unsqueeze(1)
-            step_mask = torch.tensor([1 if active[i] else 0 for i in range(n_rows)], device=dev, dtype=mask.dtype)
-            mask = torch.cat([mask, step_mask.unsqueeze(1)], dim=1)
-            inp_pos = (mask.sum(1, keepdim=True) - 1).clamp(min=0)
-            n_active = sum(active)
-            if n_active:
-                self.hooks.step(n_active)
+            inp, mask, inp_pos = self._next_inputs(step.tokens, active, mask)
+            self.hooks.step(sum(active))
         for r in rows:
             if r.finish is None:
                 r.finish = "length"
             if r.text is None:
                 r.text = decode_text(self._tokenizer, r.tokens)
+
+    def _prefill_inputs(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input ids, attention mask, position ids) of the prefill, (B, P) on the device: the prompts left-padded
+        to the longest, so every row's next token is at the last position."""
+        n_rows, width = len(rows), max(len(r.prompt) for r in rows)
+        ids = torch.full((n_rows, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((n_rows, width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r.prompt) :] = torch.tensor(r.prompt)
+            mask[i, width - len(r.prompt) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        return ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
+
+    def _take(self, r: _Row, step: _Step, i: int, sampling: _Sampling) -> bool:
+        """Append row ``i``'s token of ``step`` to ``r`` (and stream it); False when that finished the row."""
+        tok, lp = step.tokens[i], step.logprobs[i]
+        r.tokens.append(tok)
+        r.logprobs.append(lp)
+        alts = None
+        if r.top is not None and step.top is not None:
+            ids, values = step.top[i]
+            n = r.opts.top_logprobs
+            alts = [(t, v) for t, v in zip(ids[:n], values[:n], strict=True) if v > float("-inf")]
+            r.top.append(alts)
+        if r.on_token is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody listens
+                r.loop.call_soon_threadsafe(r.on_token, tok, lp, alts)
+        if tok in sampling.stop_ids[i]:
+            r.finish = "stop"
+            r.stop_reason = tok if tok in r.opts.stop_token_ids else None  # None: EOS
+        elif r.opts.stop and self._hit_stop_string(r):
+            r.finish = "stop"
+        elif len(r.tokens) >= sampling.budgets[i]:
+            r.finish = "length"
+        return r.finish is None
+
+    def _next_inputs(
+        self, tokens: list[int], active: list[bool], mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The next step's (B, 1) input ids, the attention mask grown by one column and the (B, 1) position ids:
+        each active row's new token; a finished row feeds padding, masked out."""
+        dev = self.device
+        nxt = torch.tensor([t if a else self.pad_token_id for t, a in zip(tokens, active, strict=True)], device=dev)
+        step_mask = torch.tensor([1 if a else 0 for a in active], device=dev, dtype=mask.dtype)
+        mask = torch.cat([mask, step_mask.unsqueeze(1)], dim=1)
+        return nxt.unsqueeze(1), mask, (mask.sum(1, keepdim=True) - 1).clamp(min=0)
 
     @staticmethod
     def _prompt_logprobs(rows: list[_Row], logits: torch.Tensor, prompt_width: int) -> None:
