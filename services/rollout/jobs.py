@@ -60,6 +60,34 @@ class JobSettings:
     episode_attempts: int  # plays of one episode whose environment service lost it
 
 
+@dataclass(frozen=True)
+class _EpisodeSpec:
+    """What every episode of one multi-turn job plays with, from the job and its metadata."""
+
+    opts: SamplingOptions
+    prompt: list[dict[str, str]]  # chat messages: the metadata's system prompt, if any, then the job's prompt
+    info: dict[str, str]  # the job's metadata but the episode.* keys, for the environment
+    max_turns: int
+    max_tokens: int | None
+    seed: int
+    label: str | None
+
+    @classmethod
+    def of(cls, job: experience_pb2.PromptJob, opts: SamplingOptions) -> _EpisodeSpec:
+        meta = dict(job.metadata)
+        system = [{"role": "system", "content": meta["system"]}] if meta.get("system") else []
+        return cls(
+            opts=opts,
+            prompt=[*system, {"role": "user", "content": job.prompt_text}],
+            info={k: v for k, v in meta.items() if not k.startswith("episode.")},
+            max_turns=int(meta.get(EPISODE_MAX_TURNS_KEY, "4")),
+            max_tokens=int(meta[EPISODE_MAX_TOKENS_KEY]) if meta.get(EPISODE_MAX_TOKENS_KEY) else None,
+            # every sample of a job opens the same episode (one prompt, a group of answers): one seed per data row
+            seed=(job.data_index * 1_000_003 + job.epoch) % (2**31),
+            label=job.label if job.HasField("label") else None,
+        )
+
+
 class JobRunner:
     """One prompt job -> one Experience: samples from ``engine``, scores from ``reward``, reference log-probs from
     ``reference``, multi-turn episodes against ``environment`` (None: this replica refuses episode jobs).
@@ -130,19 +158,7 @@ class JobRunner:
                 f"{len(samples)} samples, {len(scores.results)} scores, {len(refs.results)} reference results",
             )
 
-        exp = experience_pb2.Experience(
-            job_id=job.job_id,
-            run_id=job.run_id or self.settings.run_id,
-            data_index=job.data_index,
-            epoch=job.epoch,
-            prompt_ids=prompt_ids,
-            prompt_text=prompt_text,
-            replica_id=self.settings.replica_id,
-            created_at_unix_ms=int(time.time() * 1000),
-            issued_policy_version=job.issued_policy_version,
-        )
-        if label is not None:
-            exp.label = label
+        exp = self._experience(job, prompt_ids, prompt_text, label)
         for s, text, sc, ref in zip(samples, texts, scores.results, refs.results, strict=True):
             if len(ref.logprobs) != len(s.token_ids):
                 raise JobFailed(
@@ -182,100 +198,109 @@ class JobRunner:
                 f"job {job.job_id} is an episode of environment {environment!r}, but this replica has no "
                 "environment service (RLHF_ENVIRONMENT_ADDR)"
             )
-        meta = dict(job.metadata)
-        opts = self.sampling_options(job.params)
-        prompt = ([{"role": "system", "content": meta["system"]}] if meta.get("system") else []) + [
-            {"role": "user", "content": job.prompt_text}
-        ]
-        info = {k: v for k, v in meta.items() if not k.startswith("episode.")}
-        max_turns = int(meta.get(EPISODE_MAX_TURNS_KEY, "4"))
-        max_tokens = int(meta[EPISODE_MAX_TOKENS_KEY]) if meta.get(EPISODE_MAX_TOKENS_KEY) else None
-        # every sample of a job opens the same episode (one prompt, a group of answers): one seed per data row
-        seed = (job.data_index * 1_000_003 + job.epoch) % (2**31)
-        label = job.label if job.HasField("label") else None
-
-        async def one(i: int) -> episodes.EpisodeResult:
-            for attempt in range(self.settings.episode_attempts):
-                try:
-                    return await episodes.play(
-                        self.engine,
-                        self.environment,
-                        episode_id=f"{job.job_id}/{i}/{attempt}",
-                        environment=environment,
-                        prompt=prompt,
-                        label=label,
-                        info=info,
-                        seed=seed,
-                        opts=opts,
-                        sample_index=i,
-                        max_turns=max_turns,
-                        max_tokens=max_tokens,
-                    )
-                except episodes.EpisodeLost as err:
-                    self._count_failure("environment_episode_lost")
-                    log.info("%s: job %s sample %d: %s; playing it again", self.settings.replica_id, job.job_id, i, err)
-                except episodes.EnvironmentUnreachable as err:
-                    raise JobFailed("environment_unavailable", f"environment service: {err}") from None
-            raise JobFailed(
-                "environment_episode_lost",
-                f"the environment service lost the episode {self.settings.episode_attempts} times",
-            )
-
-        results = await asyncio.gather(*(one(i) for i in range(opts.n)))
+        spec = _EpisodeSpec.of(job, self.sampling_options(job.params))
+        results = await asyncio.gather(*(self._play(job, environment, spec, i) for i in range(spec.opts.n)))
         first = next((r for r in results if r.error is None), results[0])
         for r in results:  # the group shares one prompt: an environment must open a seeded episode the same way
             if r.error is None and r.prompt_ids != first.prompt_ids:
                 r.error = "the environment opened this episode differently from the job's other samples"
+        ref_of = await self._episode_ref_logprobs(results, spec.opts)
+        exp = self._experience(job, first.prompt_ids, job.prompt_text, spec.label)
+        for r in results:
+            exp.samples.append(self._episode_sample(r, ref_of.get(id(r), []), environment))
+        return exp
+
+    async def _play(
+        self, job: experience_pb2.PromptJob, environment: str, spec: _EpisodeSpec, i: int
+    ) -> episodes.EpisodeResult:
+        """Sample ``i`` of ``job``: one episode, played again (up to ``episode_attempts`` times) when the environment
+        service lost it; an environment service that cannot be reached fails the job."""
+        assert self.environment is not None
+        for attempt in range(self.settings.episode_attempts):
+            try:
+                return await episodes.play(
+                    self.engine,
+                    self.environment,
+                    episode_id=f"{job.job_id}/{i}/{attempt}",
+                    environment=environment,
+                    prompt=spec.prompt,
+                    label=spec.label,
+                    info=spec.info,
+                    seed=spec.seed,
+                    opts=spec.opts,
+                    sample_index=i,
+                    max_turns=spec.max_turns,
+                    max_tokens=spec.max_tokens,
+                )
+            except episodes.EpisodeLost as err:
+                self._count_failure("environment_episode_lost")
+                log.info("%s: job %s sample %d: %s; playing it again", self.settings.replica_id, job.job_id, i, err)
+            except episodes.EnvironmentUnreachable as err:
+                raise JobFailed("environment_unavailable", f"environment service: {err}") from None
+        raise JobFailed(
+            "environment_episode_lost",
+            f"the environment service lost the episode {self.settings.episode_attempts} times",
+        )
+
+    async def _episode_ref_logprobs(
+        self, results: list[episodes.EpisodeResult], opts: SamplingOptions
+    ) -> dict[int, list[float]]:
+        """The reference log-probs of the episodes that played without error and produced model tokens, by
+        ``id(result)`` (one reference call for them all; none when there are none)."""
         ok = [r for r in results if r.error is None and r.response_ids]
-        refs: list[Any] = []
-        if ok:
-            ref_req = reference_pb2.LogProbsRequest(
-                items=[reference_pb2.LogProbsItem(prompt_ids=r.prompt_ids, response_ids=r.response_ids) for r in ok],
-                temperature=self._ref_temperature_for(opts),
-            )
-            refs = list((await self._call("reference", self.reference.LogProbs, ref_req)).results)
-            if len(refs) != len(ok) or any(
-                len(x.logprobs) != len(r.response_ids) for x, r in zip(refs, ok, strict=False)
-            ):
-                raise JobFailed("bad_response", "reference log-probs do not match the episodes' tokens")
-        ref_of = {id(r): list(x.logprobs) for r, x in zip(ok, refs, strict=True)}
-        tok = self.engine.tokenizer
+        if not ok:
+            return {}
+        ref_req = reference_pb2.LogProbsRequest(
+            items=[reference_pb2.LogProbsItem(prompt_ids=r.prompt_ids, response_ids=r.response_ids) for r in ok],
+            temperature=self._ref_temperature_for(opts),
+        )
+        refs = list((await self._call("reference", self.reference.LogProbs, ref_req)).results)
+        if len(refs) != len(ok) or any(len(x.logprobs) != len(r.response_ids) for x, r in zip(refs, ok, strict=False)):
+            raise JobFailed("bad_response", "reference log-probs do not match the episodes' tokens")
+        return {id(r): list(x.logprobs) for r, x in zip(ok, refs, strict=True)}
+
+    def _episode_sample(
+        self, r: episodes.EpisodeResult, ref_logprobs: list[float], environment: str
+    ) -> experience_pb2.Sample:
+        """One episode as an experience sample; a failed episode (an error, or no model tokens) is a scorer error."""
+        failed = r.error is not None or not r.response_ids
+        if failed and self.metrics is not None:
+            self.metrics.count_error("rollout_environment_failed")
+        return experience_pb2.Sample(
+            response_ids=r.response_ids,
+            sampling_logprobs=r.logprobs or [],
+            ref_logprobs=ref_logprobs,
+            score=0.0 if failed else r.score,  # meaningful only with score_status OK (the trainer checks)
+            score_status=common_pb2.ITEM_STATUS_SCORER_ERROR if failed else common_pb2.ITEM_STATUS_OK,
+            score_error=f"environment {environment!r}: {r.error or 'no model tokens'}" if failed else "",
+            score_components={} if failed else {"environment": r.score},
+            finish_reason=finish_reason_proto(r.finish_reason),
+            policy_version=r.turn_versions[0] if r.turn_versions else self.engine.weights_version,
+            response_text=self.engine.tokenizer.decode(r.response_ids, skip_special_tokens=True),
+            loss_mask=r.loss_mask,
+            turn_policy_versions=r.turn_versions,
+            turn_rewards=r.turn_rewards,
+            ended_by=r.ended_by or ("error" if failed else ""),
+            episode_metrics=r.metrics,
+        )
+
+    def _experience(
+        self, job: experience_pb2.PromptJob, prompt_ids: list[int], prompt_text: str, label: str | None
+    ) -> experience_pb2.Experience:
+        """The job's Experience, its samples still to add."""
         exp = experience_pb2.Experience(
             job_id=job.job_id,
             run_id=job.run_id or self.settings.run_id,
             data_index=job.data_index,
             epoch=job.epoch,
-            prompt_ids=first.prompt_ids,
-            prompt_text=job.prompt_text,
+            prompt_ids=prompt_ids,
+            prompt_text=prompt_text,
             replica_id=self.settings.replica_id,
             created_at_unix_ms=int(time.time() * 1000),
             issued_policy_version=job.issued_policy_version,
         )
         if label is not None:
             exp.label = label
-        for r in results:
-            failed = r.error is not None or not r.response_ids
-            if failed and self.metrics is not None:
-                self.metrics.count_error("rollout_environment_failed")
-            exp.samples.append(
-                experience_pb2.Sample(
-                    response_ids=r.response_ids,
-                    sampling_logprobs=r.logprobs or [],
-                    ref_logprobs=ref_of.get(id(r), []),
-                    score=0.0 if failed else r.score,  # meaningful only with score_status OK (the trainer checks)
-                    score_status=common_pb2.ITEM_STATUS_SCORER_ERROR if failed else common_pb2.ITEM_STATUS_OK,
-                    score_error=f"environment {environment!r}: {r.error or 'no model tokens'}" if failed else "",
-                    score_components={} if failed else {"environment": r.score},
-                    finish_reason=finish_reason_proto(r.finish_reason),
-                    policy_version=r.turn_versions[0] if r.turn_versions else self.engine.weights_version,
-                    response_text=tok.decode(r.response_ids, skip_special_tokens=True),
-                    loss_mask=r.loss_mask,
-                    turn_policy_versions=r.turn_versions,
-                    turn_rewards=r.turn_rewards,
-                    ended_by=r.ended_by or ("error" if failed else ""),
-                    episode_metrics=r.metrics,
-                )
-            )
         return exp
 
     async def _call(self, what: str, method: Any, request: Any) -> Any:
