@@ -15,8 +15,9 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,21 +108,7 @@ async def push_weights(
             options=options,
             transport=transport,
         )
-        try:
-            return await again(delta)
-        except grpc.aio.AioRpcError as err:
-            kind = refusal_type(err)
-            if kind not in ("DeltaBaseMissing", "CorruptUpdate"):
-                raise
-            say = log.debug if kind == "DeltaBaseMissing" else log.warning
-            say(
-                "delta push of version %d to %s refused (%s: %s): pushing it in full",
-                delta.version,
-                target,
-                kind,
-                err.details(),
-            )
-        return await again(weights, version, parent_version)
+        return await _delta_then_full(again, target, delta, weights, version, parent_version)
     if transport == "collective":
         if not isinstance(weights, PackedWeights):
             weights = await asyncio.to_thread(pack_weights, weights, version, parent_version, bucket_bytes=bucket_bytes)
@@ -131,50 +118,96 @@ async def push_weights(
         if isinstance(result, BaseException):
             raise result
         return result
-    if isinstance(weights, PackedWeights):
-        if weights.on_device:
-            raise ValueError(
-                f"weights packed on a device go by collective broadcast only; transport {transport!r} sends host "
-                "buckets (copy_weights without device=)"
-            )
-        if version is not None and version != weights.version:
-            raise ValueError(f"version {version} disagrees with the packed weights' version {weights.version}")
-        if parent_version is not None and parent_version != weights.header.parent_version:
-            raise ValueError("parent_version disagrees with the packed weights")
-        packed = weights
-    else:
+    packed = await _host_packed(weights, version, parent_version, bucket_bytes, transport)
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    if channel is not None:
+        return await _push_packed(channel, target, packed, timeout, chunk_bytes, metadata, transport)
+    channel = _channel(target, tls, options, None, max_send=chunk_bytes + MiB)
+    try:
+        return await _push_packed(channel, target, packed, timeout, chunk_bytes, metadata, transport)
+    finally:
+        await channel.close()
+
+
+async def _delta_then_full(
+    again: Callable[..., Awaitable[weights_pb2.UpdateWeightsResponse]],
+    target: str,
+    delta: PackedWeights,
+    weights: Mapping[str, torch.Tensor] | PackedWeights,
+    version: int | None,
+    parent_version: int | None,
+) -> weights_pb2.UpdateWeightsResponse:
+    """``again(delta)``; when the replica refuses it because it holds another base (DeltaBaseMissing) or the
+    rebuilt update fails its digests (CorruptUpdate), ``again(weights, version, parent_version)``: the update in
+    full. Any other refusal raises."""
+    try:
+        return await again(delta)
+    except grpc.aio.AioRpcError as err:
+        kind = refusal_type(err)
+        if kind not in ("DeltaBaseMissing", "CorruptUpdate"):
+            raise
+        say = log.debug if kind == "DeltaBaseMissing" else log.warning
+        say(
+            "delta push of version %d to %s refused (%s: %s): pushing it in full",
+            delta.version,
+            target,
+            kind,
+            err.details(),
+        )
+    return await again(weights, version, parent_version)
+
+
+async def _host_packed(
+    weights: Mapping[str, torch.Tensor] | PackedWeights,
+    version: int | None,
+    parent_version: int | None,
+    bucket_bytes: int,
+    transport: str,
+) -> PackedWeights:
+    """``weights`` as host buckets for the data plane or the stream: a state dict packed in a worker thread, or
+    packed weights checked against ``version`` / ``parent_version`` (and to be on the host)."""
+    if not isinstance(weights, PackedWeights):
         if version is None:
             raise ValueError("version is required when pushing a state dict")
-        packed = await asyncio.to_thread(pack_weights, weights, version, parent_version, bucket_bytes=bucket_bytes)
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
-    own = channel is None
-    if own:
-        opts = [("grpc.max_send_message_length", chunk_bytes + MiB), *options]
-        creds = _credentials(tls)
-        channel = (
-            grpc.aio.secure_channel(target, creds, options=opts)
-            if creds is not None
-            else grpc.aio.insecure_channel(target, options=opts)
+        return await asyncio.to_thread(pack_weights, weights, version, parent_version, bucket_bytes=bucket_bytes)
+    if weights.on_device:
+        raise ValueError(
+            f"weights packed on a device go by collective broadcast only; transport {transport!r} sends host "
+            "buckets (copy_weights without device=)"
         )
+    if version is not None and version != weights.version:
+        raise ValueError(f"version {version} disagrees with the packed weights' version {weights.version}")
+    if parent_version is not None and parent_version != weights.header.parent_version:
+        raise ValueError("parent_version disagrees with the packed weights")
+    return weights
+
+
+async def _push_packed(
+    channel: grpc.aio.Channel,
+    target: str,
+    packed: PackedWeights,
+    timeout: float | None,
+    chunk_bytes: int,
+    metadata: Any,
+    transport: str,
+) -> weights_pb2.UpdateWeightsResponse:
+    """``packed`` to the replica behind ``channel``: over its data plane unless ``transport`` is ``"grpc"``, else
+    (or when it has none and ``transport`` is ``"auto"``) as the ``UpdateWeights`` stream."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    try:
-        if transport != "grpc":
-            resp = await _push_over_data_plane(
-                channel, target, packed.header, packed.buckets, deadline, metadata, required=transport == "tcp"
-            )
-            if resp is not None:
-                return resp
-        # Messages go out pre-serialised (PackedWeights.encoded_updates): the stub's serializer would build and
-        # encode a protobuf message per chunk, the largest cost of the sender in Python.
-        call = channel.stream_unary(
-            UPDATE_WEIGHTS_METHOD,
-            request_serializer=None,
-            response_deserializer=weights_pb2.UpdateWeightsResponse.FromString,
+    if transport != "grpc":
+        resp = await _push_over_data_plane(
+            channel, target, packed.header, packed.buckets, deadline, metadata, required=transport == "tcp"
         )
-        return await call(packed.encoded_updates(chunk_bytes), timeout=_left(deadline), metadata=metadata)
-    finally:
-        if own:
-            await channel.close()
+        if resp is not None:
+            return resp
+    # Messages go out pre-serialised (PackedWeights.encoded_updates): the stub's serializer would build and
+    # encode a protobuf message per chunk, the largest cost of the sender in Python.
+    call = channel.stream_unary(
+        UPDATE_WEIGHTS_METHOD,
+        request_serializer=None,
+        response_deserializer=weights_pb2.UpdateWeightsResponse.FromString,
+    )
+    return await call(packed.encoded_updates(chunk_bytes), timeout=_left(deadline), metadata=metadata)
 
 
 def _left(deadline: float | None) -> float | None:
@@ -297,8 +330,12 @@ async def push_weights_many(
     return dict(zip(targets, results, strict=True))
 
 
-def _channel(target: str, tls: Any, options: Sequence[tuple[str, Any]], name: str | None) -> grpc.aio.Channel:
-    opts = [("grpc.max_send_message_length", 64 * MiB), *options]
+def _channel(
+    target: str, tls: Any, options: Sequence[tuple[str, Any]], name: str | None, *, max_send: int = 64 * MiB
+) -> grpc.aio.Channel:
+    """A channel to ``target``: TLS as ``tls`` says (:func:`_credentials`), ``name`` the name its certificate is
+    checked against when that is not the target's host."""
+    opts = [("grpc.max_send_message_length", max_send), *options]
     if name is not None:
         opts.append(("grpc.ssl_target_name_override", name))
     creds = _credentials(tls)
@@ -343,20 +380,56 @@ async def push_collective(
     address = group_address or local_address_towards(_host_of(targets[0]))
     group = await asyncio.to_thread(TrainerGroup, address, group_timeout_s, backend, device)
     channels = {t: _channel(t, tls, options, (server_names or {}).get(t)) for t in targets}
+    calls = _GroupCalls(channels, deadline, metadata)
     try:
+        members = await calls.open_members(targets, packed.header, group, out)
+        if members:
+            await _broadcast_and_commit(calls, members, group, packed, out)
+        return out
+    finally:
+        group.close()
+        await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)
 
-        async def open_one(target: str) -> weights_pb2.OpenWeightsTransferResponse:
-            call = channels[target].unary_unary(
-                OPEN_TRANSFER_METHOD,
-                request_serializer=weights_pb2.OpenWeightsTransferRequest.SerializeToString,
-                response_deserializer=weights_pb2.OpenWeightsTransferResponse.FromString,
-            )
-            req = weights_pb2.OpenWeightsTransferRequest(header=packed.header, group=group.spec.to_proto())
-            return await call(req, timeout=_left(deadline), metadata=metadata)
 
-        opened = await asyncio.gather(*(open_one(t) for t in targets), return_exceptions=True)
+@dataclass(frozen=True)
+class _Member:
+    """A replica in a collective push's group: its transfer ticket and how many ranks it receives with."""
+
+    target: str
+    ticket: bytes
+    ranks: int
+
+
+@dataclass(frozen=True)
+class _GroupCalls:
+    """The control calls of one collective push, each on its target's channel, under the push's deadline."""
+
+    channels: Mapping[str, grpc.aio.Channel]
+    deadline: float | None
+    metadata: Any
+
+    async def open(
+        self, target: str, header: weights_pb2.WeightHeader, group: TrainerGroup
+    ) -> weights_pb2.OpenWeightsTransferResponse:
+        call = self.channels[target].unary_unary(
+            OPEN_TRANSFER_METHOD,
+            request_serializer=weights_pb2.OpenWeightsTransferRequest.SerializeToString,
+            response_deserializer=weights_pb2.OpenWeightsTransferResponse.FromString,
+        )
+        req = weights_pb2.OpenWeightsTransferRequest(header=header, group=group.spec.to_proto())
+        return await call(req, timeout=_left(self.deadline), metadata=self.metadata)
+
+    async def open_members(
+        self,
+        targets: list[str],
+        header: weights_pb2.WeightHeader,
+        group: TrainerGroup,
+        out: dict[str, weights_pb2.UpdateWeightsResponse | BaseException],
+    ) -> list[_Member]:
+        """Open every target with ``group``: those that answer a ticket are its members; the others get their error
+        in ``out`` (refused: stale, busy, down; or asking for more ranks than a replica may have)."""
+        opened = await asyncio.gather(*(self.open(t, header, group) for t in targets), return_exceptions=True)
         members = []
-        ranks: list[int] = []
         for target, res in zip(targets, opened, strict=True):
             if isinstance(res, BaseException):
                 out[target] = res  # refused (stale, busy, down): not in this push's group
@@ -365,47 +438,53 @@ async def push_collective(
                     f"{target} would join the weight group with {res.ranks} ranks (at most "
                     f"{MAX_RANKS_PER_REPLICA}); left out of this push"
                 )
-                await _abort(channels[target], res.ticket, metadata)
-            else:
-                members.append((target, res.ticket))
-                ranks.append(max(1, res.ranks))  # 0: a replica from before the field, one rank
-        if not members:
-            return out
-        world = group.admit([ticket for _, ticket in members], ranks)
+                await self.abort(target, res.ticket)
+            else:  # ranks 0: a replica from before the field, one rank
+                members.append(_Member(target, res.ticket, max(1, res.ranks)))
+        return members
 
-        async def commit_one(target: str, ticket: bytes) -> weights_pb2.UpdateWeightsResponse:
-            call = channels[target].unary_unary(
-                COMMIT_WEIGHTS_METHOD,
-                request_serializer=weights_pb2.CommitWeightsRequest.SerializeToString,
-                response_deserializer=weights_pb2.UpdateWeightsResponse.FromString,
-            )
-            return await call(
-                weights_pb2.CommitWeightsRequest(ticket=ticket), timeout=_left(deadline), metadata=metadata
-            )
+    async def commit(self, target: str, ticket: bytes) -> weights_pb2.UpdateWeightsResponse:
+        call = self.channels[target].unary_unary(
+            COMMIT_WEIGHTS_METHOD,
+            request_serializer=weights_pb2.CommitWeightsRequest.SerializeToString,
+            response_deserializer=weights_pb2.UpdateWeightsResponse.FromString,
+        )
+        req = weights_pb2.CommitWeightsRequest(ticket=ticket)
+        return await call(req, timeout=_left(self.deadline), metadata=self.metadata)
 
-        # the commits wait on the replicas until their data is verified and swapped: sent with the data
-        commits = [asyncio.ensure_future(commit_one(t, k)) for t, k in members]
-        try:
-            # in a thread of the group's own, under its watchdog: the future fails when a step overruns the group
-            # timeout even if the blocked call never returns (NCCL's lazy communicator init, pytorch#88103)
-            await asyncio.wrap_future(group.run(functools.partial(_broadcast, group, world, packed)))
-        except BaseException as err:
-            await asyncio.shield(asyncio.gather(*(_abort(channels[t], k, metadata) for t, k in members)))
-            for c in commits:
-                c.cancel()
-            failure = err if isinstance(err, Exception) else RuntimeError("collective push cancelled")
-            for t, _ in members:
-                out[t] = RuntimeError(f"collective broadcast of version {packed.version} failed: {failure}")
-            if not isinstance(err, Exception):
-                raise
-            return out
-        results = await asyncio.gather(*commits, return_exceptions=True)
-        for (t, _), res in zip(members, results, strict=True):
-            out[t] = res
-        return out
-    finally:
-        group.close()
-        await asyncio.gather(*(c.close() for c in channels.values()), return_exceptions=True)
+    async def abort(self, target: str, ticket: bytes) -> bool:
+        return await _abort(self.channels[target], ticket, self.metadata)
+
+
+async def _broadcast_and_commit(
+    calls: _GroupCalls,
+    members: list[_Member],
+    group: TrainerGroup,
+    packed: PackedWeights | StreamedWeights,
+    out: dict[str, weights_pb2.UpdateWeightsResponse | BaseException],
+) -> None:
+    """Admit ``members`` to ``group``, broadcast the buckets and commit each member; its answer goes to ``out``.
+    When the broadcast fails, every ticket is aborted and every member's entry is the error (cancelled: raises)."""
+    world = group.admit([m.ticket for m in members], [m.ranks for m in members])
+    # the commits wait on the replicas until their data is verified and swapped: sent with the data
+    commits = [asyncio.ensure_future(calls.commit(m.target, m.ticket)) for m in members]
+    try:
+        # in a thread of the group's own, under its watchdog: the future fails when a step overruns the group
+        # timeout even if the blocked call never returns (NCCL's lazy communicator init, pytorch#88103)
+        await asyncio.wrap_future(group.run(functools.partial(_broadcast, group, world, packed)))
+    except BaseException as err:
+        await asyncio.shield(asyncio.gather(*(calls.abort(m.target, m.ticket) for m in members)))
+        for c in commits:
+            c.cancel()
+        failure = err if isinstance(err, Exception) else RuntimeError("collective push cancelled")
+        for m in members:
+            out[m.target] = RuntimeError(f"collective broadcast of version {packed.version} failed: {failure}")
+        if not isinstance(err, Exception):
+            raise
+        return
+    results = await asyncio.gather(*commits, return_exceptions=True)
+    for m, res in zip(members, results, strict=True):
+        out[m.target] = res
 
 
 def _broadcast(group: Any, world: int, weights: PackedWeights | StreamedWeights) -> None:
