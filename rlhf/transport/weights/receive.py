@@ -194,13 +194,7 @@ async def receive_update(
     """
     t0 = time.perf_counter()
     stream = _aiter(request_iterator)
-    try:
-        first = await anext(stream)
-    except StopAsyncIteration:
-        raise IncompleteUpdate("empty stream: send a WeightUpdate with the header first") from None
-    if isinstance(first, RawChunk) or first.WhichOneof("part") != "header":
-        raise CorruptUpdate("the first WeightUpdate must carry the header", field="header")
-    h = first.header
+    h = await _first_header(stream)
     per_bucket = check_header(h, current_version, max_total_bytes, max_bucket_bytes, expected)
     base = resolve_base(h, base)
     installer = install(h) if install is not None else None
@@ -209,6 +203,50 @@ async def receive_update(
             raise DeltaBaseMissing("this replica installs an update of this size as it arrives: send it in full")
         pool = pool if pool is not None else BufferPool()
         return await _receive_into_engine(stream, h, per_bucket, installer, pool, t0)
+    return await _receive_staged(stream, h, per_bucket, pool, base, t0)
+
+
+async def _first_header(stream: AsyncIterator) -> weights_pb2.WeightHeader:
+    """The header the first message of an update stream must carry."""
+    try:
+        first = await anext(stream)
+    except StopAsyncIteration:
+        raise IncompleteUpdate("empty stream: send a WeightUpdate with the header first") from None
+    if isinstance(first, RawChunk) or first.WhichOneof("part") != "header":
+        raise CorruptUpdate("the first WeightUpdate must carry the header", field="header")
+    return first.header
+
+
+@dataclass
+class _BucketFinisher:
+    """Checks and parses each complete bucket of a staged update (called in the verify worker): a full bucket against
+    its digest, a delta bucket rebuilt on ``base``. Keeps each bucket as served in ``fulls`` (for ``keep_base``)."""
+
+    per_bucket: list[Manifest]
+    base: DeltaBase | None
+    rebuilt: list[Any]  # per bucket, the buffer a delta bucket is rebuilt into (None for a full update)
+    fulls: list[Any]
+
+    def __call__(self, i: int, data: bytearray, hasher: Any, spec: weights_pb2.BucketEntry) -> dict[str, torch.Tensor]:
+        if spec.encoding:
+            out, self.rebuilt[i] = self.rebuilt[i], None  # from here only the staged tensors (and fulls) refer to it
+            digest = hasher.hexdigest()
+            tensors, self.fulls[i] = finish_delta_bucket(i, data, digest, spec, self.per_bucket[i], self.base, out)
+            return tensors
+        self.fulls[i] = data
+        return finish_bucket(i, data, hasher.hexdigest(), spec.sha256, self.per_bucket[i])
+
+
+async def _receive_staged(
+    stream: AsyncIterator,
+    h: weights_pb2.WeightHeader,
+    per_bucket: list[Manifest],
+    pool: BufferPool | None,
+    base: DeltaBase | None,
+    t0: float,
+) -> StagedWeights:
+    """The rest of an update stream into bucket buffers (from ``pool``, else allocated), each verified and parsed
+    into tensors as it completes (a delta's rebuilt on ``base``): the update staged, once every bucket checks out."""
     nb = len(h.buckets)
     if pool is not None:  # keep about two updates' buffers: the one serving (double buffering) and the next
         pool.trim(2 * held_bytes(h))
@@ -223,17 +261,12 @@ async def receive_update(
     buf: bytearray | None = None
     view: memoryview | None = None
     hasher = hashlib.sha256()
-    fulls: list[Any] = [None] * nb  # each bucket as served (a delta's rebuilt on the base): kept with keep_base
-    rebuilt = rebuild_buffers(h, pool.take if pool is not None else bytearray) if base is not None else [None] * nb
-
-    def finish(i: int, data: bytearray, h: Any, spec: weights_pb2.BucketEntry) -> dict[str, torch.Tensor]:
-        if spec.encoding:
-            out, rebuilt[i] = rebuilt[i], None  # from here only the staged tensors (and fulls) refer to it
-            tensors, fulls[i] = finish_delta_bucket(i, data, h.hexdigest(), spec, per_bucket[i], base, out)
-            return tensors
-        fulls[i] = data
-        return finish_bucket(i, data, h.hexdigest(), spec.sha256, per_bucket[i])
-
+    finish = _BucketFinisher(
+        per_bucket,
+        base,
+        rebuilt=rebuild_buffers(h, pool.take if pool is not None else bytearray) if base is not None else [None] * nb,
+        fulls=[None] * nb,  # each bucket as served (a delta's rebuilt on the base): kept with keep_base
+    )
     try:
         async for msg in stream:
             c = _chunk_of(msg, index, filled, nb)
@@ -267,16 +300,15 @@ async def receive_update(
             f"stream ended after {received} of {h.total_bytes} bytes (bucket {index} of {nb} at byte {filled}): "
             "the update was cut; nothing was staged"
         )
-    ordered = {t.name: staged[t.name] for t in h.tensors}
     return StagedWeights(
         version=h.version,
         parent_version=h.parent_version,
         checksum=h.checksum,
-        tensors=ordered,
+        tensors={t.name: staged[t.name] for t in h.tensors},
         nbytes=received,
         seconds=time.perf_counter() - t0,
         manifest={name: spec for m in per_bucket for name, spec in m.items()},
-        buckets=fulls if h.keep_base else None,
+        buckets=finish.fulls if h.keep_base else None,
     )
 
 
