@@ -226,75 +226,134 @@ def grpo_loss(
     at sequence level), ``kl`` (mean per valid token),
     ``approxkl``, ``ratio``, ``policy_loss`` (the loss before any entropy bonus).
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    if importance_sampling_level not in ("token", "sequence"):
-        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
+    _check_grpo_options(loss_type, importance_sampling_level, dual_clip)
     mask = mask.bool()
-    zero = _zero(logprobs)
-    eps_low = epsilon
     eps_high = epsilon if epsilon_high is None else epsilon_high
     old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
-    # Select before subtracting: padded positions hold whatever the caller left there (0, 1.0, -inf, ...).
-    log_ratio = torch.where(mask, logprobs - torch.where(mask, old_logprobs, zero), zero)
-    count = mask.sum(dim=1)
-    if importance_sampling_level == "token":
-        log_w = log_ratio
-    else:
-        log_w = (log_ratio.sum(dim=1) / count.clamp(min=1)).unsqueeze(1)  # (B, 1)
-    coef_1 = torch.exp(log_w)
-    coef_2 = torch.clamp(coef_1, 1.0 - eps_low, 1.0 + eps_high)
+    log_ratio, coef_1 = _importance_ratio(logprobs, old_logprobs, mask, importance_sampling_level)
     adv = advantages.float().unsqueeze(1) if advantages.dim() == 1 else advantages.float()
-    loss1, loss2 = coef_1 * adv, coef_2 * adv
-    per_token = -torch.min(loss1, loss2)
-    if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-        per_token = torch.where(adv < 0, torch.min(per_token, -dual_clip * adv), per_token)
-    per_token = per_token.expand_as(log_ratio) if per_token.shape != log_ratio.shape else per_token
+    per_token = _clipped_surrogate(coef_1, adv, epsilon, eps_high, dual_clip, log_ratio.shape)
+    zero = _zero(logprobs)
     if entropy_mask is not None:
         per_token = torch.where(entropy_mask.bool(), per_token, zero)
     stats: dict[str, torch.Tensor] = {}
     if behavior_logprobs is not None:
-        if tis_cap is None:
-            raise ValueError("behavior_logprobs given without tis_cap")
-        weight = torch.exp(torch.where(mask, old_logprobs - torch.where(mask, behavior_logprobs, zero), zero))
-        weight = weight.clamp(max=tis_cap).detach()
+        weight = _tis_weight(old_logprobs, behavior_logprobs, mask, tis_cap)
         per_token = per_token * weight
         stats["tis_weight"] = masked_mean(weight, mask)
     kl = None
     if beta != 0.0:
-        if ref_logprobs is None:
-            raise ValueError("beta != 0 needs ref_logprobs")
-        kl = kl_estimate(torch.where(mask, logprobs, zero), torch.where(mask, ref_logprobs, zero), kl_estimator)
-        if use_bias_correction_kl:
-            kl = kl * coef_1
+        kl = _kl_to_reference(logprobs, ref_logprobs, mask, kl_estimator, coef_1 if use_bias_correction_kl else None)
         per_token = per_token + beta * kl
-    total = torch.where(mask, per_token, zero)
-    if loss_type == "grpo":
-        loss = (total.sum(dim=1) / count.clamp(min=1)).mean()
-    elif loss_type == "bnpo":
-        loss = total.sum() / count.sum().clamp(min=1)
-    elif loss_type == "dr_grpo":
-        if not max_completion_length:
-            raise ValueError("loss_type 'dr_grpo' needs max_completion_length")
-        loss = total.sum() / (total.shape[0] * max_completion_length)
-    else:
-        if num_items is None:
-            raise ValueError("loss_type 'dapo' needs num_items (tokens per minibatch, averaged over the batch)")
-        loss = total.sum() / torch.as_tensor(num_items, dtype=total.dtype, device=total.device).clamp(min=1.0)
+    loss = _aggregate_grpo(torch.where(mask, per_token, zero), mask, loss_type, max_completion_length, num_items)
     with torch.no_grad():
-        is_low = (coef_1 < 1.0 - eps_low) & (adv < 0)
-        is_high = (coef_1 > 1.0 + eps_high) & (adv > 0)
-        for name, flags in (("low", is_low), ("high", is_high), ("region", is_low | is_high)):
-            # TRL: a fraction of tokens, or of rows when there is one ratio per row (sequence level)
-            frac = flags.float().mean() if flags.shape[1] == 1 else masked_mean(flags.float(), mask)
-            stats[f"clip_ratio/{name}_mean"] = frac
+        stats.update(_clip_stats(coef_1, adv, mask, epsilon, eps_high))
         stats["approxkl"] = masked_mean(0.5 * log_ratio.square(), mask)
         stats["ratio"] = masked_mean(torch.exp(log_ratio), mask)
         stats["kl"] = masked_mean(kl, mask) if kl is not None else torch.zeros(())
         stats["policy_loss"] = loss.detach()
     return loss, stats
+
+
+def _check_grpo_options(loss_type: str, importance_sampling_level: str, dual_clip: float | None) -> None:
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+
+
+def _importance_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, level: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_ratio (B, L), 0 outside ``mask``; coef_1: exp of it per token, or (B, 1) per sequence (GSPO))."""
+    zero = _zero(logprobs)
+    # Select before subtracting: padded positions hold whatever the caller left there (0, 1.0, -inf, ...).
+    log_ratio = torch.where(mask, logprobs - torch.where(mask, old_logprobs, zero), zero)
+    if level == "token":
+        return log_ratio, torch.exp(log_ratio)
+    return log_ratio, torch.exp((log_ratio.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).unsqueeze(1))  # (B, 1)
+
+
+def _clipped_surrogate(
+    coef_1: torch.Tensor,
+    adv: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None,
+    shape: torch.Size,
+) -> torch.Tensor:
+    """``-min(coef * A, clamp(coef, 1 - eps_low, 1 + eps_high) * A)`` per token (``shape``), capped at
+    ``-dual_clip * A`` where A < 0."""
+    coef_2 = torch.clamp(coef_1, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    if dual_clip is not None:
+        per_token = torch.where(adv < 0, torch.min(per_token, -dual_clip * adv), per_token)
+    return per_token.expand(shape) if per_token.shape != shape else per_token
+
+
+def _tis_weight(
+    old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, mask: torch.Tensor, tis_cap: float | None
+) -> torch.Tensor:
+    """The truncated importance weight ``min(exp(old - behaviour), tis_cap)`` per token, a constant."""
+    if tis_cap is None:
+        raise ValueError("behavior_logprobs given without tis_cap")
+    zero = _zero(old_logprobs)
+    weight = torch.exp(torch.where(mask, old_logprobs - torch.where(mask, behavior_logprobs, zero), zero))
+    return weight.clamp(max=tis_cap).detach()
+
+
+def _kl_to_reference(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    mask: torch.Tensor,
+    kl_estimator: str,
+    coef_1: torch.Tensor | None,
+) -> torch.Tensor:
+    """The per-token KL estimate of the policy against the reference, times ``coef_1`` (TRL's bias correction) when
+    given."""
+    if ref_logprobs is None:
+        raise ValueError("beta != 0 needs ref_logprobs")
+    zero = _zero(logprobs)
+    kl = kl_estimate(torch.where(mask, logprobs, zero), torch.where(mask, ref_logprobs, zero), kl_estimator)
+    return kl if coef_1 is None else kl * coef_1
+
+
+def _aggregate_grpo(
+    total: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    max_completion_length: int | None,
+    num_items: float | torch.Tensor | None,
+) -> torch.Tensor:
+    """The per-token loss ``total`` (0 outside ``mask``) to a scalar, as ``loss_type`` says (:func:`grpo_loss`)."""
+    count = mask.sum(dim=1)
+    if loss_type == "grpo":
+        return (total.sum(dim=1) / count.clamp(min=1)).mean()
+    if loss_type == "bnpo":
+        return total.sum() / count.sum().clamp(min=1)
+    if loss_type == "dr_grpo":
+        if not max_completion_length:
+            raise ValueError("loss_type 'dr_grpo' needs max_completion_length")
+        return total.sum() / (total.shape[0] * max_completion_length)
+    if num_items is None:
+        raise ValueError("loss_type 'dapo' needs num_items (tokens per minibatch, averaged over the batch)")
+    return total.sum() / torch.as_tensor(num_items, dtype=total.dtype, device=total.device).clamp(min=1.0)
+
+
+def _clip_stats(
+    coef_1: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float
+) -> dict[str, torch.Tensor]:
+    """TRL's ``clip_ratio/{low,high,region}_mean``: a fraction of tokens, or of rows when there is one ratio per row
+    (sequence level)."""
+    is_low = (coef_1 < 1.0 - eps_low) & (adv < 0)
+    is_high = (coef_1 > 1.0 + eps_high) & (adv > 0)
+    stats = {}
+    for name, flags in (("low", is_low), ("high", is_high), ("region", is_low | is_high)):
+        frac = flags.float().mean() if flags.shape[1] == 1 else masked_mean(flags.float(), mask)
+        stats[f"clip_ratio/{name}_mean"] = frac
+    return stats
 
 
 def rloo_trl_loss(
