@@ -13,8 +13,15 @@ from rlhf.algo.advantages import (
 )
 from rlhf.algo.critic_free import (
     LOSS_TYPES,
+    CompletionMasks,
+    CriticFreeSettings,
+    CriticFreeTargets,
     completion_mask,
     critic_free_advantages,
+    critic_free_masks,
+    critic_free_metrics,
+    critic_free_micro_loss,
+    critic_free_targets,
     distill_advantages,
     episode_completion_mask,
     grpo_advantages,
@@ -36,7 +43,15 @@ from rlhf.algo.kl import (
     make_kl_controller,
 )
 from rlhf.algo.logprobs import entropy_from_logits, logprobs_from_logits
-from rlhf.algo.losses import aggregate, dpo_loss, dpo_pairs, ppo_policy_loss, select_chosen_rejected, value_loss
+from rlhf.algo.losses import (
+    aggregate,
+    dpo_loss,
+    dpo_pairs,
+    micro_weight,
+    ppo_policy_loss,
+    select_chosen_rejected,
+    value_loss,
+)
 from rlhf.algo.masked import compact, expand, masked_mean, masked_sum, masked_var, masked_whiten
 from rlhf.algo.mismatch import logprob_mismatch
 from rlhf.algo.ppo import (
@@ -77,7 +92,15 @@ __all__ = [
     "episode_completion_mask",
     "expand",
     "ppo_episode_rollout",
+    "CompletionMasks",
+    "CriticFreeSettings",
+    "CriticFreeTargets",
     "critic_free_advantages",
+    "critic_free_masks",
+    "critic_free_metrics",
+    "critic_free_micro_loss",
+    "critic_free_targets",
+    "micro_weight",
     "distill_advantages",
     "discounted_returns",
     "dpo_loss",

@@ -1,7 +1,8 @@
 """The critic-free family assembled: GRPO (with Dr. GRPO, DAPO, BNPO and GSPO), RLOO, REINFORCE++ (+baseline).
 
 One rollout batch holds ``B`` rows (samples); ``group`` (B,) says which prompt each row answers. The functions here
-turn sequence scores into advantages and compute the loss of one minibatch, so the trainer only calls them. GRPO is
+turn sequence scores into advantages and compute the loss of one minibatch; the last section puts them together
+for one update (masks, targets, each micro-batch's weighted loss), so the trainer only runs the model passes. GRPO is
 TRL 1.12's ``GRPOTrainer``, RLOO ``"trl"`` TRL 1.12's ``RLOOTrainer``, RLOO ``"openrlhf"`` and REINFORCE++
 OpenRLHF's, checked number for number by tests/parity. Masked positions are *selected* away (``torch.where``), never
 multiplied by 0.
@@ -11,13 +12,16 @@ Design (each convention): docs/training.md#rl-math; parity: docs/training.md#par
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 
 from rlhf.algo.kl import kl_estimate
+from rlhf.algo.losses import MicroWeighting, micro_weight
 from rlhf.algo.masked import masked_mean, masked_sum
 from rlhf.algo.ppo import sequence_lengths, truncate_at_stop
+from rlhf.algo.shaping import penalize_missing_eos
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -498,3 +502,231 @@ def critic_free_advantages(
         scores, group, old_logprobs, ref_logprobs, mask, estimator, beta, kl_estimator, gamma, whiten=whiten
     )
     return advantages, kl
+
+
+# ---------------------------------------------------------------- one critic-free update, assembled
+# The trainer runs the model passes (the old log-probs, the minibatch updates over epochs); what lies between them is
+# here: which tokens count, what the update trains toward, and each micro-batch's share of a minibatch's loss.
+
+
+class CompletionMasks(NamedTuple):
+    """A critic-free batch's completions as the update sees them (:func:`critic_free_masks`)."""
+
+    responses: torch.Tensor  # (B, L) cut after the first EOS; episode rows whole
+    mask: torch.Tensor  # (B, L) bool: the tokens the loss counts
+    every_token: torch.Tensor  # (B, L) bool: every token the model wrote, truncated completions included
+    contains_eos: torch.Tensor  # (B,) bool: ended in EOS (an episode: the environment ended it)
+
+
+def critic_free_masks(
+    responses: torch.Tensor,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    *,
+    mask_truncated: bool = False,
+    loss_mask: torch.Tensor | None = None,
+    episodes: torch.Tensor | None = None,
+    ended: torch.Tensor | None = None,
+) -> CompletionMasks:
+    """:func:`completion_mask`, or with ``episodes`` (B,) bool and their ``loss_mask`` (B, L) and ``ended`` (B,)
+    :func:`episode_completion_mask`. ``mask_truncated`` (TRL's ``mask_truncated_completions``) takes the
+    completions that did not end out of ``mask``, not out of ``every_token`` (the tokens the mismatch compares)."""
+    if episodes is None:
+        responses, every_token, contains_eos = completion_mask(responses, eos_token_id, pad_token_id)
+    else:
+        if loss_mask is None or ended is None:
+            raise ValueError("episodes need their loss_mask and ended flags")
+        responses, every_token, contains_eos = episode_completion_mask(
+            responses, loss_mask, episodes, ended, eos_token_id, pad_token_id
+        )
+    mask = every_token & contains_eos[:, None] if mask_truncated else every_token
+    return CompletionMasks(responses, mask, every_token, contains_eos)
+
+
+@dataclass(frozen=True)
+class CriticFreeSettings:
+    """What a critic-free update is configured with, as plain values (the trainer fills it from its config)."""
+
+    estimator: str  # grpo, dr_grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline
+    beta: float = 0.0  # the KL coefficient: folded into the reward (RLOO, REINFORCE++) or a loss term (GRPO)
+    kl_estimator: str = "k3"
+    rloo_convention: str = "trl"
+    scale_rewards: ScaleRewards = "group"
+    whiten: bool = False
+    gamma: float = 1.0
+    missing_eos_penalty: float | None = None
+    distill_coef: float = 0.0  # > 0: on-policy distillation from the reference model (:func:`distill_advantages`)
+    distill_reward_coef: float = 0.0
+    loss_type: LossType = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    use_bias_correction_kl: bool = True
+    top_entropy_quantile: float = 1.0
+    entropy_coeff: float = 0.0
+    max_completion_length: int | None = None
+    dual_clip: float | None = None
+    tis_cap: float | None = None
+
+    @property
+    def trl_rloo(self) -> bool:
+        """RLOO with TRL's convention: one ratio and one advantage per sequence (:func:`rloo_trl_loss`)."""
+        return self.estimator == "rloo" and self.rloo_convention == "trl"
+
+    @property
+    def loss_beta(self) -> float:
+        """The KL term's weight in the loss: GRPO's; the other estimators have the KL in the reward already."""
+        return self.beta if self.estimator in ("grpo", "dr_grpo") else 0.0
+
+    @property
+    def weighting(self) -> MicroWeighting:
+        """How the policy loss averages over a minibatch, so that micro-batch losses add up to the minibatch's
+        (TRL's gradient accumulation): per row, a sum over a constant (DAPO's num_items), or per token."""
+        if self.trl_rloo or self.loss_type in ("grpo", "dr_grpo"):
+            return "rows"
+        return "sum" if self.loss_type == "dapo" else "tokens"
+
+
+class CriticFreeTargets(NamedTuple):
+    """What the minibatch updates of a critic-free batch train toward (:func:`critic_free_targets`)."""
+
+    mask: torch.Tensor  # (B, L) bool: the loss mask
+    scores: torch.Tensor  # (B,) after the missing-EOS penalty
+    old_logprobs: torch.Tensor  # (B, L) the policy's before the update, 0 outside the mask
+    ref_logprobs: torch.Tensor  # (B, L) the reference's (distillation: the teacher's), 0 outside the mask
+    advantages: torch.Tensor  # (B,) per sequence or (B, L) per token
+    kl: torch.Tensor  # (B, L) the estimator's KL of the old policy to the reference, per token
+    reverse_kl: torch.Tensor | None  # (B, L) distillation's KL(student || teacher) per token; None without it
+
+
+def critic_free_targets(
+    s: CriticFreeSettings,
+    scores: torch.Tensor,
+    group: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    masks: CompletionMasks,
+) -> CriticFreeTargets:
+    """The batch's targets: scores (B,) less the missing-EOS penalty, the old and reference log-probs (B, L) selected
+    to the loss mask, the estimator's advantages (:func:`critic_free_advantages`) and, with ``distill_coef > 0``,
+    the distillation advantages on top (:func:`distill_advantages`; the reference is the teacher)."""
+    mask = masks.mask
+    scores = penalize_missing_eos(scores, masks.contains_eos, s.missing_eos_penalty)
+    zero = torch.zeros((), device=mask.device)
+    ref = torch.where(mask, ref_logprobs, zero)
+    old = torch.where(mask, old_logprobs, zero)
+    advantages, kl = critic_free_advantages(
+        s.estimator,
+        scores,
+        group,
+        old,
+        ref,
+        mask,
+        rloo_convention=s.rloo_convention,
+        kl_estimator=s.kl_estimator,
+        beta=s.beta,
+        scale_rewards=s.scale_rewards,
+        whiten=s.whiten,
+        gamma=s.gamma,
+    )
+    reverse_kl = None
+    if s.distill_coef > 0:
+        advantages, reverse_kl = distill_advantages(
+            old, ref, mask, coef=s.distill_coef, task_advantages=advantages, reward_coef=s.distill_reward_coef
+        )
+    return CriticFreeTargets(mask, scores, old, ref, advantages, kl, reverse_kl)
+
+
+def critic_free_micro_loss(
+    s: CriticFreeSettings,
+    t: CriticFreeTargets,
+    rows: torch.Tensor,
+    whole: torch.Tensor,
+    logprobs: torch.Tensor,
+    entropies: torch.Tensor,
+    *,
+    minibatches: int,
+    behavior_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of micro-batch ``rows`` of minibatch ``whole`` (row indices into the batch), weighted to its share of
+    the minibatch's loss, and its stats.
+
+    logprobs (with grad), entropies: (b, L) of the micro-batch under the current policy; behavior_logprobs: (B, L)
+    the sampling policy's for truncated importance sampling, or None; minibatches: how many the batch splits into
+    (DAPO's ``num_items``: the batch's loss tokens per minibatch, as TRL). The policy loss is :func:`rloo_trl_loss`
+    for RLOO with TRL's convention, else :func:`grpo_loss` over the top-entropy tokens (``top_entropy_quantile``, of
+    each forward pass as TRL's); the entropy bonus is a token mean over the same tokens. stats: ``loss/policy``,
+    ``policy/entropy`` and the policy loss's own, as ``policy/<name>``.
+    """
+    mask = t.mask[rows]
+    entropy_mask = None
+    if s.top_entropy_quantile < 1.0:
+        entropy_mask = top_entropy_mask(entropies, mask, s.top_entropy_quantile)
+    pg_loss, pg_stats = _policy_loss(s, t, rows, logprobs, entropy_mask, minibatches, behavior_logprobs)
+    kept = mask if entropy_mask is None else entropy_mask
+    loss = micro_weight(s.weighting, mask, t.mask[whole]) * pg_loss
+    if s.entropy_coeff:
+        loss = loss - s.entropy_coeff * micro_weight("tokens", kept, t.mask[whole]) * masked_mean(entropies, kept)
+    stats = {
+        "loss/policy": pg_loss.detach(),
+        "policy/entropy": masked_mean(entropies.detach(), mask),
+        **{f"policy/{k}": v for k, v in pg_stats.items() if k != "policy_loss"},
+    }
+    return loss, stats
+
+
+def _policy_loss(
+    s: CriticFreeSettings,
+    t: CriticFreeTargets,
+    rows: torch.Tensor,
+    logprobs: torch.Tensor,
+    entropy_mask: torch.Tensor | None,
+    minibatches: int,
+    behavior: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`critic_free_micro_loss`'s policy-gradient term, unweighted."""
+    mask = t.mask[rows]
+    if s.trl_rloo:  # sequence sums over the whole batch, then the rows: the same numbers in any micro-batch split
+        return rloo_trl_loss(
+            logprobs,
+            masked_sum(t.old_logprobs, t.mask, dim=1)[rows],
+            t.advantages[rows],
+            mask,
+            epsilon=s.epsilon,
+            epsilon_high=s.epsilon_high,
+            tis_cap=s.tis_cap,
+            behavior_sequence_logprobs=None if behavior is None else masked_sum(behavior, t.mask, dim=1)[rows],
+        )
+    return grpo_loss(
+        logprobs,
+        t.old_logprobs[rows],
+        t.advantages[rows],
+        mask,
+        loss_type=s.loss_type,
+        epsilon=s.epsilon,
+        epsilon_high=s.epsilon_high,
+        importance_sampling_level=s.importance_sampling_level,
+        ref_logprobs=t.ref_logprobs[rows],
+        beta=s.loss_beta,
+        kl_estimator=s.kl_estimator,
+        use_bias_correction_kl=s.use_bias_correction_kl,
+        entropy_mask=entropy_mask,
+        max_completion_length=s.max_completion_length,
+        num_items=t.mask.sum() / minibatches,
+        dual_clip=s.dual_clip,
+        behavior_logprobs=None if behavior is None else behavior[rows],
+        tis_cap=s.tis_cap,
+    )
+
+
+def critic_free_metrics(t: CriticFreeTargets) -> dict[str, torch.Tensor]:
+    """The batch's ``objective/*`` figures (the KL summed over each completion, averaged; the mean score and
+    advantage) and, when distilling, ``distill/reverse_kl``: KL(student || teacher) per token before the update."""
+    out = {
+        "objective/kl": masked_sum(t.kl, t.mask, dim=1).mean(),
+        "objective/scores": t.scores.mean(),
+        "objective/advantages_mean": t.advantages.float().mean(),
+    }
+    if t.reverse_kl is not None:
+        out["distill/reverse_kl"] = masked_mean(t.reverse_kl, t.mask)
+    return out

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from rlhf.algo.masked import masked_mean
 
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+# how a loss averages over a minibatch, so that its micro-batches' weighted losses add up to it (:func:`micro_weight`)
+MicroWeighting = Literal["tokens", "rows", "sum"]
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, how: LossAggregation = "token_mean") -> torch.Tensor:
@@ -27,6 +29,23 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, how: LossAggregation = "
             values.numel()
         )
     raise ValueError(f"unknown loss aggregation {how!r}")
+
+
+def micro_weight(kind: MicroWeighting, micro: torch.Tensor, whole: torch.Tensor) -> float:
+    """The factor that makes a micro-batch's loss its share of the minibatch's loss.
+
+    ``kind``: ``tokens`` for a mean over the minibatch's valid tokens (micro/whole are (b, L) masks), ``rows`` for a
+    mean over rows (micro/whole: anything with one row per sample), ``sum`` for a loss already normalised by a
+    constant (DAPO's num_items): the micro-batch losses simply add.
+    """
+    if kind == "sum":
+        return 1.0
+    if kind == "rows":
+        return micro.shape[0] / whole.shape[0]
+    if kind == "tokens":
+        total = float(whole.sum())
+        return float(micro.sum()) / total if total > 0 else micro.shape[0] / whole.shape[0]
+    raise ValueError(f"unknown micro-batch weighting {kind!r}")
 
 
 def ppo_policy_loss(

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlhf import algo
-from services.trainer import optim
 from services.trainer.batch import RolloutBatch, has_episodes
 from services.trainer.optim import append_stats
 
 if TYPE_CHECKING:
+    from rlhf.config import ExperimentConfig
     from services.trainer.passes import TrainerPasses
 
 log = logging.getLogger("rlhf.trainer")
@@ -46,141 +46,52 @@ class CriticFreeStages:
         over epochs (TRL's ``num_iterations``).
         """
         p = self.passes
-        cfg, a, alg, context_length = p.cfg, p.cfg.actor, p.cfg.algorithm, b.context_length
-        estimator = cfg.critic_free_estimator
-        trl_rloo = estimator == "rloo" and alg.rloo_convention == "trl"
-        kl_in_loss = estimator in ("grpo", "dr_grpo")
-        beta = p.state.kl_coef
-        if has_episodes(b):
-            responses, mask, contains_eos = algo.episode_completion_mask(
-                b.responses, b.loss_mask, b.episodes, b.episode_done, p.eos_id, p.pad_id
-            )
-            every_token = mask  # an episode's tokens to compare with the sampler's: the model's own
-            if alg.mask_truncated_completions:
-                mask = mask & contains_eos[:, None]
-        else:
-            responses, mask, contains_eos = algo.completion_mask(
-                b.responses, p.eos_id, p.pad_id, alg.mask_truncated_completions
-            )
-            every_token = None
-        scores = algo.penalize_missing_eos(b.scores, contains_eos, alg.missing_eos_penalty)
-        zero = torch.zeros((), device=responses.device)
-        ref = torch.where(mask, b.ref_logprobs, zero)
+        a, context_length = p.cfg.actor, b.context_length
+        s = critic_free_settings(p.cfg, p.state.kl_coef)
+        masks = self._masks(b, p.cfg.algorithm.mask_truncated_completions)
         with torch.no_grad():
-            old_logprobs, _ = p.actor_rows(b.query_responses, responses, context_length)
+            old_logprobs, _ = p.actor_rows(b.query_responses, masks.responses, context_length)
         # over every response token, also of the completions mask_truncated_completions keeps out of the loss
-        if every_token is None:
-            every_token = algo.completion_mask(b.responses, p.eos_id, p.pad_id)[1]
-        mismatch = p.mismatch(b, old_logprobs, every_token)
-        old_logprobs = torch.where(mask, old_logprobs, zero)
-        advantages, kl = algo.critic_free_advantages(
-            estimator,
-            scores,
-            b.group,
-            old_logprobs,
-            ref,
-            mask,
-            rloo_convention=alg.rloo_convention,
-            kl_estimator=alg.kl_penalty,
-            beta=beta,
-            scale_rewards=alg.scale_rewards,
-            whiten=alg.whiten_advantages,
-            gamma=alg.gamma,
-        )
-        distill = alg.distill
-        if distill.coef > 0:  # the reference log-probs are the teacher's (config: kl_coef 0, ref.load the teacher)
-            advantages, reverse_kl = algo.distill_advantages(
-                old_logprobs,
-                ref,
-                mask,
-                coef=distill.coef,
-                task_advantages=advantages,
-                reward_coef=distill.reward_coef,
-            )
-        behavior = p.behavior(b, old_logprobs)
-        if trl_rloo:
-            old_seq = algo.masked_sum(old_logprobs, mask, dim=1)
-            behavior_seq = None if behavior is None else algo.masked_sum(behavior, mask, dim=1)
-        batch_size = responses.shape[0]
-        n_minibatches = math.ceil(batch_size / a.ppo_mini_batch_size)
-        num_items = mask.sum() / n_minibatches  # DAPO: the rollout batch's tokens per minibatch (TRL)
+        mismatch = p.mismatch(b, old_logprobs, masks.every_token)
+        t = algo.critic_free_targets(s, b.scores, b.group, old_logprobs, b.ref_logprobs, masks)
+        behavior = p.behavior(b, t.old_logprobs)
+        batch_size = masks.responses.shape[0]
+        minibatches = math.ceil(batch_size / a.ppo_mini_batch_size)
         stats: dict[str, list[float]] = {}
-        # how each loss_type averages, so that micro-batch losses add up to the minibatch's (TRL's accumulation)
-        kind = (
-            "rows"
-            if trl_rloo or alg.loss_type in ("grpo", "dr_grpo")
-            else "sum"
-            if alg.loss_type == "dapo"
-            else "tokens"
-        )
 
         def micro_loss(mb: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
             # entropies carry a gradient only with the bonus (a loss term only then)
-            new_logprobs, entropies = p.actor_rows(
-                b.query_responses[mb], responses[mb], context_length, entropy=bool(a.entropy_coeff)
+            logprobs, entropies = p.actor_rows(
+                b.query_responses[mb], masks.responses[mb], context_length, entropy=bool(a.entropy_coeff)
             )
-            entropy_mask = None
-            if alg.top_entropy_quantile < 1.0:  # the quantile of each forward pass, as TRL's
-                entropy_mask = algo.top_entropy_mask(entropies, mask[mb], alg.top_entropy_quantile)
-            if trl_rloo:
-                pg_loss, pg_stats = algo.rloo_trl_loss(
-                    new_logprobs,
-                    old_seq[mb],
-                    advantages[mb],
-                    mask[mb],
-                    epsilon=a.clip_ratio,
-                    epsilon_high=a.clip_ratio_high,
-                    tis_cap=a.tis_cap,
-                    behavior_sequence_logprobs=None if behavior is None else behavior_seq[mb],
-                )
-            else:
-                pg_loss, pg_stats = algo.grpo_loss(
-                    new_logprobs,
-                    old_logprobs[mb],
-                    advantages[mb],
-                    mask[mb],
-                    loss_type=alg.loss_type,
-                    epsilon=a.clip_ratio,
-                    epsilon_high=a.clip_ratio_high,
-                    importance_sampling_level=alg.importance_sampling_level,
-                    ref_logprobs=ref[mb],
-                    beta=beta if kl_in_loss else 0.0,
-                    kl_estimator=alg.kl_penalty,
-                    use_bias_correction_kl=alg.use_bias_correction_kl,
-                    entropy_mask=entropy_mask,
-                    max_completion_length=cfg.max_new_tokens,
-                    num_items=num_items,
-                    dual_clip=a.dual_clip,
-                    behavior_logprobs=None if behavior is None else behavior[mb],
-                    tis_cap=a.tis_cap,
-                )
-            kept = mask[mb] if entropy_mask is None else entropy_mask
-            weight = optim.micro_weight(kind, mask[mb], mask[whole])
-            loss = weight * pg_loss
-            if a.entropy_coeff:
-                loss = loss - a.entropy_coeff * optim.micro_weight("tokens", kept, mask[whole]) * algo.masked_mean(
-                    entropies, kept
-                )
-            append_stats(
-                stats,
-                {
-                    "loss/policy": pg_loss.item(),
-                    "policy/entropy": algo.masked_mean(entropies.detach(), mask[mb]).item(),
-                    **{f"policy/{k}": v.item() for k, v in pg_stats.items() if k != "policy_loss"},
-                },
+            loss, values = algo.critic_free_micro_loss(
+                s, t, mb, whole, logprobs, entropies, minibatches=minibatches, behavior_logprobs=behavior
             )
+            append_stats(stats, {k: v.item() for k, v in values.items()})
             return loss
 
         epochs = (p.minibatches(batch_size, a.ppo_mini_batch_size, a.shuffle_minibatch) for _ in range(a.ppo_epochs))
         p.actor_epochs(epochs, a.micro_batch_size, micro_loss, stats)
         metrics = {k: sum(v) / len(v) for k, v in stats.items()}
-        metrics["objective/kl"] = algo.masked_sum(kl, mask, dim=1).mean().item()
-        metrics["objective/scores"] = scores.mean().item()
-        metrics["objective/advantages_mean"] = advantages.float().mean().item()
-        if distill.coef > 0:  # the estimator of KL(student || teacher) per sampled token, before this step's update
-            metrics["distill/reverse_kl"] = algo.masked_mean(reverse_kl, mask).item()
+        metrics.update({k: v.item() for k, v in algo.critic_free_metrics(t).items()})
         metrics.update(mismatch)
         return metrics
+
+    def _masks(self, b: RolloutBatch, mask_truncated: bool = False) -> algo.CompletionMasks:
+        """The batch's completions as the losses see them: episode rows by their loss masks (the model's own
+        tokens), the others through their first EOS."""
+        p = self.passes
+        if has_episodes(b):
+            return algo.critic_free_masks(
+                b.responses,
+                p.eos_id,
+                p.pad_id,
+                mask_truncated=mask_truncated,
+                loss_mask=b.loss_mask,
+                episodes=b.episodes,
+                ended=b.episode_done,
+            )
+        return algo.critic_free_masks(b.responses, p.eos_id, p.pad_id, mask_truncated=mask_truncated)
 
     def rejection_sampling(self, b: RolloutBatch) -> dict[str, float]:
         """Rejection-sampling fine-tuning (seed 002; Llama 2 alternates it with PPO): the best-scored sample of each
@@ -188,12 +99,8 @@ class CriticFreeStages:
         response tokens (an episode's own tokens), at temperature 1, in the actor's minibatches and micro-batches."""
         p = self.passes
         a, rs, context_length = p.cfg.actor, p.cfg.algorithm.rejection_sampling, b.context_length
-        if has_episodes(b):
-            responses, mask, _ = algo.episode_completion_mask(
-                b.responses, b.loss_mask, b.episodes, b.episode_done, p.eos_id, p.pad_id
-            )
-        else:
-            responses, mask, _ = algo.completion_mask(b.responses, p.eos_id, p.pad_id)
+        masks = self._masks(b)
+        responses, mask = masks.responses, masks.mask
         keep = algo.best_of_group(b.scores, b.group, rs.min_score)
         metrics = {"rft/kept": float(len(keep)), "rft/groups": float(len(torch.unique(b.group)))}
         if not len(keep):
@@ -207,7 +114,7 @@ class CriticFreeStages:
             logprobs, _ = p.actor_rows(b.query_responses[rows], responses[rows], context_length, temperature=1.0)
             loss = -algo.masked_mean(logprobs, mask[rows])
             append_stats(stats, {"loss/sft": loss.item()})
-            return optim.micro_weight("tokens", mask[rows], mask[whole]) * loss
+            return algo.micro_weight("tokens", mask[rows], mask[whole]) * loss
 
         epochs = (p.minibatches(len(keep), a.ppo_mini_batch_size, a.shuffle_minibatch) for _ in range(rs.epochs))
         p.actor_epochs(epochs, a.micro_batch_size, micro_loss, stats)
@@ -271,11 +178,11 @@ class CriticFreeStages:
                 beta=cfg.algorithm.dpo_beta,
                 loss_type=cfg.algorithm.dpo_loss_type,
             )
-            total = optim.micro_weight("rows", pairs, whole) * loss
+            total = algo.micro_weight("rows", pairs, whole) * loss
             entropy = algo.masked_mean(entropies, mask[rows])
             if a.entropy_coeff:  # the seeds' entropy bonus, a token mean over both answers of the minibatch's pairs
                 whole_rows = torch.cat([chosen[whole], rejected[whole]])
-                total = total - a.entropy_coeff * optim.micro_weight("tokens", mask[rows], mask[whole_rows]) * entropy
+                total = total - a.entropy_coeff * algo.micro_weight("tokens", mask[rows], mask[whole_rows]) * entropy
             kl = algo.masked_sum(logprobs.detach() - ref_logprobs[rows], mask[rows], dim=1).mean()
             append_stats(
                 stats,
@@ -303,3 +210,31 @@ class CriticFreeStages:
             rows = torch.cat([r for r, _ in measured])
             metrics.update(p.mismatch(b, torch.cat([lp for _, lp in measured]), mask[rows], idx[rows]))
         return metrics
+
+
+def critic_free_settings(cfg: ExperimentConfig, kl_coef: float) -> algo.CriticFreeSettings:
+    """The config's critic-free fields as ``rlhf.algo``'s plain settings; ``kl_coef``: the KL coefficient now (the
+    trainer state's, which a controller may move)."""
+    a, alg = cfg.actor, cfg.algorithm
+    return algo.CriticFreeSettings(
+        estimator=cfg.critic_free_estimator,
+        beta=kl_coef,
+        kl_estimator=alg.kl_penalty,
+        rloo_convention=alg.rloo_convention,
+        scale_rewards=alg.scale_rewards,
+        whiten=alg.whiten_advantages,
+        gamma=alg.gamma,
+        missing_eos_penalty=alg.missing_eos_penalty,
+        distill_coef=alg.distill.coef,
+        distill_reward_coef=alg.distill.reward_coef,
+        loss_type=alg.loss_type,
+        epsilon=a.clip_ratio,
+        epsilon_high=a.clip_ratio_high,
+        importance_sampling_level=alg.importance_sampling_level,
+        use_bias_correction_kl=alg.use_bias_correction_kl,
+        top_entropy_quantile=alg.top_entropy_quantile,
+        entropy_coeff=a.entropy_coeff,
+        max_completion_length=cfg.max_new_tokens,
+        dual_clip=a.dual_clip,
+        tis_cap=a.tis_cap,
+    )

@@ -3,8 +3,8 @@ micro-batch splitting.
 
 Kept apart from the update step (engine.py) so the step reads as the algorithm: which AdamW settings a role gets,
 what its learning rate is at a step, what a gradient's norm is (over every rank's shards), and how a minibatch splits
-into micro-batches whose weighted losses add up to the minibatch's loss (so k micro-batches give the gradient of one
-pass over the whole minibatch).
+into micro-batches whose weighted losses (``rlhf.algo.losses.micro_weight``) add up to the minibatch's loss (so k
+micro-batches give the gradient of one pass over the whole minibatch).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from rlhf import distributed as dist
+from rlhf.algo.losses import micro_weight as micro_weight  # re-exported: the stages' micro-batch weights
 from rlhf.algo.schedule import lr_at
 from rlhf.config import ExperimentConfig
 
@@ -85,23 +86,6 @@ def micro_batches(rows: torch.Tensor, size: int | None) -> Iterator[torch.Tensor
         return
     for start in range(0, len(rows), size):
         yield rows[start : start + size]
-
-
-def micro_weight(kind: str, micro: torch.Tensor, whole: torch.Tensor) -> float:
-    """The factor that makes a micro-batch's loss its share of the minibatch's loss.
-
-    ``kind``: ``tokens`` for a mean over the minibatch's valid tokens (micro/whole are (b, L) masks), ``rows`` for a
-    mean over rows (micro/whole: anything with one row per sample), ``sum`` for a loss already normalised by a
-    constant (DAPO's num_items): the micro-batch losses simply add.
-    """
-    if kind == "sum":
-        return 1.0
-    if kind == "rows":
-        return micro.shape[0] / whole.shape[0]
-    if kind == "tokens":
-        total = float(whole.sum())
-        return float(micro.sum()) / total if total > 0 else micro.shape[0] / whole.shape[0]
-    raise ValueError(f"unknown micro-batch weighting {kind!r}")
 
 
 def clip(model: torch.nn.Module, max_norm: float) -> float:

@@ -206,7 +206,7 @@ def run_engine(s: Setting, model_dir: str, prompts, completions, scores, refs, m
         return loss, stats
 
     monkeypatch.setattr(rlhf.algo.critic_free, "openrlhf_advantages", adv_spy)  # called by critic_free_advantages
-    monkeypatch.setattr(rlhf.algo, "grpo_loss", loss_spy)
+    monkeypatch.setattr(rlhf.algo.critic_free, "grpo_loss", loss_spy)  # called by critic_free_micro_loss
     engine.step(experiences(prompts, completions, scores, refs))
     cap["grads"] = grads
     return cap

@@ -256,7 +256,7 @@ def run_ours(case: Case, models, model_dir: str, monkeypatch, trl_ref: torch.Ten
         return loss, stats
 
     monkeypatch.setattr(rlhf.algo.critic_free, "rloo_trl_advantages", adv_spy)  # called by critic_free_advantages
-    monkeypatch.setattr(rlhf.algo, "rloo_trl_loss", loss_spy)
+    monkeypatch.setattr(rlhf.algo.critic_free, "rloo_trl_loss", loss_spy)  # called by critic_free_micro_loss
     refs = [
         reference_logprobs(models.ref, case.prompts[i // s.group], c, s.temperature)
         for i, c in enumerate(case.completions)
