@@ -54,6 +54,7 @@ from rlhf.algo.losses import (
 )
 from rlhf.algo.masked import compact, expand, masked_mean, masked_sum, masked_var, masked_whiten
 from rlhf.algo.mismatch import logprob_mismatch
+from rlhf.algo.online_dpo import DpoPairs, online_dpo_micro_loss, online_dpo_pairs
 from rlhf.algo.ppo import (
     PPORollout,
     first_true_indices,
@@ -101,6 +102,9 @@ __all__ = [
     "critic_free_micro_loss",
     "critic_free_targets",
     "micro_weight",
+    "DpoPairs",
+    "online_dpo_micro_loss",
+    "online_dpo_pairs",
     "distill_advantages",
     "discounted_returns",
     "dpo_loss",

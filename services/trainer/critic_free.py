@@ -125,29 +125,16 @@ class CriticFreeStages:
         """Pairs within each prompt's group: the first two OK samples; chosen has the higher score (ties: first).
 
         As TRL's OnlineDPOTrainer: log-probs of the raw logits (no division by the sampling temperature), summed over
-        each completion through its EOS.
+        each completion through its EOS. The pairs and the loss are ``rlhf.algo.online_dpo``; here the passes.
         """
         p = self.passes
-        cfg, context_length = p.cfg, b.context_length
+        cfg, a, alg, context_length = p.cfg, p.cfg.actor, p.cfg.algorithm, b.context_length
         firsts, seconds = algo.dpo_pairs(b.group)
         if not firsts:
             raise ValueError("online DPO needs two scored samples per prompt; none in this batch")
-        n_pairs = len(firsts)
         idx = torch.tensor(firsts + seconds, device=b.responses.device)  # block layout [p0..pB-1, p0..pB-1]
-        if has_episodes(b):
-            responses, mask, contains_eos = algo.episode_completion_mask(
-                b.responses[idx], b.loss_mask[idx], b.episodes[idx], b.episode_done[idx], p.eos_id, p.pad_id
-            )
-        else:
-            responses = algo.truncate_at_stop(b.responses[idx], p.eos_id, p.pad_id)
-            mask = responses != p.pad_id
-            contains_eos = (responses == p.eos_id).any(1)
-        scores = algo.penalize_missing_eos(b.scores[idx], contains_eos, cfg.algorithm.missing_eos_penalty)
-        chosen, rejected = algo.select_chosen_rejected(scores, n_pairs)
-        ref_logprobs = b.ref_logprobs[idx]
-        ref_sums = algo.masked_sum(ref_logprobs, mask, dim=1)
+        d = self._pairs(b, idx)
         temperature = cfg.logprob_temperature  # 1.0: TRL's online DPO never divides by the sampling temperature
-        a = cfg.actor
         stats: dict[str, list[float]] = {}
         # No separate old pass here: the first minibatch's forwards run before any optimizer step, so its rows'
         # mismatch costs nothing. Comparable with the sampling log-probs only at the sampling temperature (1.0).
@@ -155,11 +142,10 @@ class CriticFreeStages:
         measured: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def micro_loss(pairs: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
-            # rows of these pairs' chosen and rejected answers; the DPO loss is a mean over pairs
-            rows = torch.cat([chosen[pairs], rejected[pairs]])
+            rows = d.rows(pairs)  # these pairs' chosen and rejected answers
             logprobs, entropies = p.actor_rows(
                 b.query_responses[idx[rows]],
-                responses[rows],
+                d.responses[rows],
                 context_length,
                 temperature=temperature,
                 entropy=bool(a.entropy_coeff),
@@ -168,48 +154,50 @@ class CriticFreeStages:
                 first.append(whole)
             if whole is first[0] and p.temperature == temperature:
                 measured.append((rows, logprobs.detach()))
-            sums = algo.masked_sum(logprobs, mask[rows], dim=1)
-            n = len(pairs)
-            loss, dpo_stats = algo.dpo_loss(
-                sums[:n],
-                sums[n:],
-                ref_sums[chosen[pairs]],
-                ref_sums[rejected[pairs]],
-                beta=cfg.algorithm.dpo_beta,
-                loss_type=cfg.algorithm.dpo_loss_type,
+            loss, values = algo.online_dpo_micro_loss(
+                d,
+                pairs,
+                whole,
+                logprobs,
+                entropies,
+                beta=alg.dpo_beta,
+                loss_type=alg.dpo_loss_type,
+                entropy_coeff=a.entropy_coeff,
             )
-            total = algo.micro_weight("rows", pairs, whole) * loss
-            entropy = algo.masked_mean(entropies, mask[rows])
-            if a.entropy_coeff:  # the seeds' entropy bonus, a token mean over both answers of the minibatch's pairs
-                whole_rows = torch.cat([chosen[whole], rejected[whole]])
-                total = total - a.entropy_coeff * algo.micro_weight("tokens", mask[rows], mask[whole_rows]) * entropy
-            kl = algo.masked_sum(logprobs.detach() - ref_logprobs[rows], mask[rows], dim=1).mean()
-            append_stats(
-                stats,
-                {
-                    "loss/dpo": loss.item(),
-                    "policy/entropy": entropy.item(),
-                    "objective/kl": kl.item(),
-                    **{k: v.item() for k, v in dpo_stats.items()},
-                },
-            )
-            return total
+            append_stats(stats, {k: v.item() for k, v in values.items()})
+            return loss
 
         # ppo_mini_batch_size and micro_batch_size count samples: a pair is two
         pairs_per_step = max(1, a.ppo_mini_batch_size // 2)
         micro_pairs = None if a.micro_batch_size is None else max(1, a.micro_batch_size // 2)
         dev = b.responses.device
         epochs = (
-            (mb.to(dev) for mb in p.minibatches(n_pairs, pairs_per_step, a.shuffle_minibatch))
+            (mb.to(dev) for mb in p.minibatches(len(firsts), pairs_per_step, a.shuffle_minibatch))
             for _ in range(a.ppo_epochs)
         )
         p.actor_epochs(epochs, micro_pairs, micro_loss, stats)
         metrics = {k: sum(v) / len(v) for k, v in stats.items()}
-        metrics["objective/scores_margin"] = (scores[chosen] - scores[rejected]).mean().item()
+        metrics["objective/scores_margin"] = (d.scores[d.chosen] - d.scores[d.rejected]).mean().item()
         if measured:
             rows = torch.cat([r for r, _ in measured])
-            metrics.update(p.mismatch(b, torch.cat([lp for _, lp in measured]), mask[rows], idx[rows]))
+            metrics.update(p.mismatch(b, torch.cat([lp for _, lp in measured]), d.mask[rows], idx[rows]))
         return metrics
+
+    def _pairs(self, b: RolloutBatch, idx: torch.Tensor) -> algo.DpoPairs:
+        """The batch's rows ``idx`` (two per prompt, block layout) as online DPO's pairs."""
+        p = self.passes
+        episodes = {}
+        if has_episodes(b):
+            episodes = {"loss_mask": b.loss_mask[idx], "episodes": b.episodes[idx], "ended": b.episode_done[idx]}
+        return algo.online_dpo_pairs(
+            b.responses[idx],
+            b.scores[idx],
+            b.ref_logprobs[idx],
+            p.eos_id,
+            p.pad_id,
+            missing_eos_penalty=p.cfg.algorithm.missing_eos_penalty,
+            **episodes,
+        )
 
 
 def critic_free_settings(cfg: ExperimentConfig, kl_coef: float) -> algo.CriticFreeSettings:
