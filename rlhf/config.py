@@ -21,7 +21,6 @@ from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_valid
 
 from rlhf import config_compat
 from rlhf.config_rules import (
-    CRITIC_FREE,
     check_algorithm,
     check_rollout,
     distill_problems,
@@ -50,6 +49,7 @@ from rlhf.config_sections import (
     Section,
     TrainingConfig,
 )
+from rlhf.stages import Stage
 
 
 def logits_temperature(sampled: float) -> float:
@@ -118,27 +118,24 @@ class ExperimentConfig(Section):
     def logprob_temperature(self) -> float | None:
         """What divides the logits for the trainer's and the reference's log-probs: None for the sampling temperature
         (TRL's PPO, GRPO, RLOO), 1.0 for ray_online_dpo (TRL's OnlineDPOTrainer never divides)."""
-        return 1.0 if self.training.stage == "ray_online_dpo" else None
+        return self.training.stage.traits.logprob_temperature
 
     @property
     def critic_free_estimator(self) -> str:
         """The estimator of a critic-free stage: grpo, dr_grpo, rloo, reinforce_plus_plus(_baseline)."""
-        stage, est = self.training.stage, self.algorithm.adv_estimator
-        if stage == "ray_grpo":
-            return "dr_grpo" if est == "dr_grpo" else "grpo"
-        if stage == "ray_rloo":
-            return "rloo"
-        if stage == "ray_reinforce_plus_plus":
-            return est if est == "reinforce_plus_plus_baseline" else "reinforce_plus_plus"
-        raise ValueError(f"{stage} is not a critic-free stage")
+        stage = self.training.stage
+        if not stage.traits.group_advantages:
+            raise ValueError(f"{stage} is not a critic-free stage")
+        return stage.traits.estimators[self.algorithm.adv_estimator]
 
     @model_validator(mode="after")
     def _cross_checks(self) -> ExperimentConfig:
         if self.reward.load is not None:
             self.reward.scorers = [ScorerConfig(type="model", load=self.reward.load)]
         inherit_micro_batch_size(self)
-        if self.training.stage == "ray_online_dpo" and self.actor.n_samples_per_prompt not in (1, 2):
-            raise ValueError("actor_rollout_ref.actor_rollout.n_samples_per_prompt must be 2 for ray_online_dpo")
+        stage = self.training.stage
+        if stage.traits.pairs and self.actor.n_samples_per_prompt not in (1, 2):
+            raise ValueError(f"actor_rollout_ref.actor_rollout.n_samples_per_prompt must be 2 for {stage}")
         # Combinations that load but cannot learn: reported together, before any service starts.
         problems = []
         k = self.algorithm.kl_ctrl
@@ -156,14 +153,14 @@ class ExperimentConfig(Section):
             )
         d = self.algorithm.distill
         pure_distill = d.coef > 0 and d.reward_coef == 0  # per-token teacher advantages: no group compared
-        if self.training.stage in CRITIC_FREE and self.actor.n_samples_per_prompt < 2 and not pure_distill:
+        if stage.traits.group_advantages and self.actor.n_samples_per_prompt < 2 and not pure_distill:
             problems.append(
-                f"training.stage {self.training.stage} compares the samples of each prompt, but "
+                f"training.stage {stage} compares the samples of each prompt, but "
                 "actor_rollout.n_samples_per_prompt is 1: every advantage is 0 and nothing is learnt; set 2 or more"
             )
-        if self.training.stage == "ray_online_dpo" and not self.actor.do_sample:
+        if stage.traits.pairs and not self.actor.do_sample:
             problems.append(
-                "ray_online_dpo with actor_rollout.do_sample false generates two identical answers per prompt (no "
+                f"{stage} with actor_rollout.do_sample false generates two identical answers per prompt (no "
                 "preference to learn); set do_sample: true"
             )
         problems += optimization_problems(self)
@@ -174,9 +171,9 @@ class ExperimentConfig(Section):
         problems += shared_backbone_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
-        check_algorithm(self.training.stage, self.algorithm)
+        check_algorithm(stage, self.algorithm)
         check_rollout(self)
-        if self.training.stage == "ray_rloo" and self.algorithm.rloo_convention == "trl" and self.actor.dual_clip:
+        if stage == Stage.RLOO and self.algorithm.rloo_convention == "trl" and self.actor.dual_clip:
             raise ValueError("actor_rollout.dual_clip is not used by ray_rloo with rloo_convention trl")
         return self
 

@@ -8,41 +8,33 @@ from typing import Any
 
 from rlhf.config_sections import DATA_MAP_KEYS, AlgorithmConfig, CriticConfig
 from rlhf.environments.registry import UnknownEnvironment, check
+from rlhf.stages import CRITIC_FREE, Stage
 
 # The rules take the rlhf.config.ExperimentConfig being validated (it calls them); importing its class here, even
 # for the type checker only, would make the two modules import each other.
 Config = Any
 
-# adv_estimator values each stage accepts ("gae", the default, means the stage's own estimator)
-_STAGE_ESTIMATORS = {
-    "ray_ppo": ("gae",),
-    "ray_online_dpo": ("gae",),
-    "ray_grpo": ("gae", "grpo", "group_norm", "dr_grpo"),
-    "ray_rloo": ("gae", "rloo"),
-    "ray_reinforce_plus_plus": ("gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"),
-}
 # vLLM's LoRAConfig.max_lora_rank choices: an engine is started with the smallest one that holds the adapter's rank
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_MAX_LORA_RANK = VLLM_LORA_RANKS[-1]
-CRITIC_FREE = ("ray_grpo", "ray_rloo", "ray_reinforce_plus_plus")
 # the critic-free fields -> the stages that read them: one set for another stage is an error, never ignored.
 # (The older fields, e.g. dpo_beta or lam, are not checked: shared configs set them for every stage.)
 _ALGORITHM_FIELD_STAGES = {
-    "loss_type": ("ray_grpo", "ray_rloo", "ray_reinforce_plus_plus"),
-    "scale_rewards": ("ray_grpo",),
-    "use_bias_correction_kl": ("ray_grpo",),
-    "importance_sampling_level": ("ray_grpo", "ray_reinforce_plus_plus"),
+    "loss_type": CRITIC_FREE,
+    "scale_rewards": (Stage.GRPO,),
+    "use_bias_correction_kl": (Stage.GRPO,),
+    "importance_sampling_level": (Stage.GRPO, Stage.REINFORCE_PLUS_PLUS),
     "mask_truncated_completions": CRITIC_FREE,
-    "top_entropy_quantile": ("ray_grpo",),
-    "rloo_convention": ("ray_rloo",),
-    "reward_baseline": ("ray_ppo",),  # the critic-free stages have their own group baselines
+    "top_entropy_quantile": (Stage.GRPO,),
+    "rloo_convention": (Stage.RLOO,),
+    "reward_baseline": (Stage.PPO,),  # the critic-free stages have their own group baselines
     "distill": CRITIC_FREE,  # per-token advantages: the policy-gradient stages without a critic
 }
 # TRL's (or OpenRLHF's) defaults where a stage's differs from the field default; an explicit value always wins
 _STAGE_DEFAULTS = {
-    "ray_grpo": {"kl_coef": 0.0, "kl_penalty": "low_var_kl"},  # TRL GRPOConfig: beta 0.0; its KL term is k3
-    "ray_rloo": {"whiten_advantages": False},  # TRL RLOOConfig: beta 0.05 (the field default), no normalisation
-    "ray_reinforce_plus_plus": {"kl_coef": 0.01, "loss_type": "bnpo"},  # OpenRLHF: init_kl_coef, token mean
+    Stage.GRPO: {"kl_coef": 0.0, "kl_penalty": "low_var_kl"},  # TRL GRPOConfig: beta 0.0; its KL term is k3
+    Stage.RLOO: {"whiten_advantages": False},  # TRL RLOOConfig: beta 0.05 (the field default), no normalisation
+    Stage.REINFORCE_PLUS_PLUS: {"kl_coef": 0.01, "loss_type": "bnpo"},  # OpenRLHF: init_kl_coef, token mean
 }
 
 
@@ -73,7 +65,7 @@ def optimization_problems(cfg: Config) -> list[str]:
             f"actor_rollout.micro_batch_size {a.micro_batch_size} is larger than ppo_mini_batch_size "
             f"{a.ppo_mini_batch_size} (micro-batches split a minibatch); lower it or leave it unset"
         )
-    if stage == "ray_ppo":
+    if stage.traits.critic:
         critic_lr = c.lr or t.lr
         critic_min_lr = t.min_lr if c.min_lr is None else c.min_lr
         if critic_min_lr > critic_lr:
@@ -93,7 +85,7 @@ def optimization_problems(cfg: Config) -> list[str]:
             "the critic's memory in actor_rollout.num_gpus_for_train"
         )
     if a.freezing_actor_steps:
-        if stage != "ray_ppo":
+        if not stage.traits.critic:
             problems.append("actor_rollout.freezing_actor_steps lets the critic warm up: only ray_ppo has a critic")
         elif a.freezing_actor_steps >= t.train_iters:
             problems.append(
@@ -123,15 +115,13 @@ def optimization_problems(cfg: Config) -> list[str]:
         problems.append("actor_rollout.ptx_coef > 0 needs data.pretrain_data (the SFT texts)")
     if a.ptx_coef == 0 and cfg.data.pretrain_data is not None:
         problems.append("data.pretrain_data is only read for PPO-ptx: set actor_rollout.ptx_coef > 0 or remove it")
-    if a.ptx_coef > 0 and stage == "ray_online_dpo":
-        problems.append(
-            "actor_rollout.ptx_coef: PPO-ptx mixes the SFT loss into a policy-gradient stage, not ray_online_dpo"
-        )
+    if a.ptx_coef > 0 and stage.traits.pairs:
+        problems.append(f"actor_rollout.ptx_coef: PPO-ptx mixes the SFT loss into a policy-gradient stage, not {stage}")
     clip = cfg.algorithm.reward_clip_range
     if clip is not None and not clip[0] < clip[1]:
         problems.append(f"algorithm.reward_clip_range {list(clip)} must be [low, high] with low < high")
     problems += reward_shaping_problems(cfg)
-    if cfg.algorithm.kl_penalty == "full" and stage != "ray_ppo":
+    if cfg.algorithm.kl_penalty == "full" and stage != Stage.PPO:
         problems.append(
             f"algorithm.kl_penalty full (TRL PPO's whole-vocabulary KL) is built for ray_ppo only, not {stage}; use "
             "kl (k1) or low_var_kl (k3), which estimate the same KL from the sampled tokens"
@@ -169,7 +159,7 @@ def shared_backbone_problems(cfg: Config) -> list[str]:
     if not c.shared_backbone:
         return []
     problems = []
-    if cfg.training.stage != "ray_ppo":
+    if not cfg.training.stage.traits.critic:
         problems.append(
             f"critic.shared_backbone puts PPO's value head on the actor; stage {cfg.training.stage} has no critic"
         )
@@ -194,7 +184,7 @@ def rejection_sampling_problems(cfg: Config) -> list[str]:
     if not rs.interval:
         set_ = sorted(rs.model_fields_set - {"interval"})
         return [f"algorithm.rejection_sampling.{k} is read only with rejection_sampling.interval > 0" for k in set_]
-    if cfg.training.stage != "ray_online_dpo" and cfg.actor.n_samples_per_prompt < 2:
+    if not cfg.training.stage.traits.pairs and cfg.actor.n_samples_per_prompt < 2:
         return [
             "algorithm.rejection_sampling.interval > 0 keeps the best of each prompt's samples, but "
             "actor_rollout.n_samples_per_prompt is 1: set it to K >= 2"
@@ -206,7 +196,7 @@ def distill_problems(cfg: Config) -> list[str]:
     """On-policy distillation (``algorithm.distill``): the reference model is the teacher, so it must be named, the KL
     penalty to it is off, and the loss must take per-token advantages. What to change, one line each."""
     alg, d, problems = cfg.algorithm, cfg.algorithm.distill, []
-    if "distill" in alg.model_fields_set and cfg.training.stage not in CRITIC_FREE:
+    if "distill" in alg.model_fields_set and not cfg.training.stage.traits.group_advantages:
         return [
             f"algorithm.distill is used by the critic-free stages only ({', '.join(CRITIC_FREE)}), not "
             f"training.stage {cfg.training.stage}"
@@ -230,7 +220,7 @@ def distill_problems(cfg: Config) -> list[str]:
             f"{k.kl_coef}, type {k.type}) would also penalise the KL to it: set kl_ctrl.kl_coef: 0 and type: fixed "
             "(the distillation advantage is that KL already), or distill.coef: 0"
         )
-    if cfg.training.stage == "ray_rloo" and alg.rloo_convention == "trl":
+    if cfg.training.stage == Stage.RLOO and alg.rloo_convention == "trl":
         problems.append(
             "algorithm.distill needs per-token advantages, but ray_rloo with algorithm.rloo_convention trl trains one "
             "ratio and one advantage per sequence: set rloo_convention: openrlhf"
@@ -257,7 +247,7 @@ def reward_shaping_problems(cfg: Config) -> list[str]:
                 "trained-on score is the weighted sum of reward.scorers, which is not one model scorer of weight 1; "
                 "give the combined score's statistics as [mean, std]"
             )
-    if alg.reward_baseline != "none" and cfg.training.stage == "ray_ppo" and cfg.actor.n_samples_per_prompt < 2:
+    if alg.reward_baseline != "none" and cfg.training.stage == Stage.PPO and cfg.actor.n_samples_per_prompt < 2:
         problems.append(
             f"algorithm.reward_baseline {alg.reward_baseline} subtracts the scores of the prompt's other samples "
             "(y_ref, sampled from the current policy), but actor_rollout.n_samples_per_prompt is 1: set it to 2 or more"
@@ -267,7 +257,7 @@ def reward_shaping_problems(cfg: Config) -> list[str]:
 
 # explicitly set fields a stage does not read: noted in the start-up warning (shared configs set them for every stage)
 _NOT_READ_BY = {
-    "ray_online_dpo": {
+    Stage.ONLINE_DPO: {
         "actor_rollout": ("clip_ratio", "clip_ratio_high", "dual_clip", "tis_cap"),
         "algorithm": (
             "adv_estimator",
@@ -281,17 +271,17 @@ _NOT_READ_BY = {
         ),
         "critic": tuple(CriticConfig.model_fields),
     },
-    "ray_ppo": {"algorithm": ("dpo_beta", "dpo_loss_type")},
-    "ray_grpo": {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
-    "ray_rloo": {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
-    "ray_reinforce_plus_plus": {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
+    Stage.PPO: {"algorithm": ("dpo_beta", "dpo_loss_type")},
+    Stage.GRPO: {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
+    Stage.RLOO: {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
+    Stage.REINFORCE_PLUS_PLUS: {"algorithm": ("lam", "whiten_rewards", "score_position", "dpo_beta", "dpo_loss_type")},
 }
 for _stage in CRITIC_FREE:
     _NOT_READ_BY[_stage]["critic"] = tuple(CriticConfig.model_fields)
 _NOT_READ_WHY = {
-    "ray_online_dpo": "the DPO loss has no ratio clip, advantages, KL penalty or critic; its KL strength is "
+    Stage.ONLINE_DPO: "the DPO loss has no ratio clip, advantages, KL penalty or critic; its KL strength is "
     "algorithm.dpo_beta",
-    "ray_ppo": "the DPO fields are read by ray_online_dpo only",
+    Stage.PPO: "the DPO fields are read by ray_online_dpo only",
 }
 
 
@@ -370,27 +360,28 @@ def check_rollout(cfg: Config) -> None:
         )
 
 
-def check_algorithm(stage: str, alg: AlgorithmConfig) -> None:
-    if alg.adv_estimator not in _STAGE_ESTIMATORS[stage]:
+def check_algorithm(stage: Stage, alg: AlgorithmConfig) -> None:
+    accepted = tuple(stage.traits.estimators)
+    if alg.adv_estimator not in accepted:
         raise ValueError(
             f"algorithm.adv_estimator {alg.adv_estimator!r} does not apply to training.stage {stage}; "
-            f"use one of {_STAGE_ESTIMATORS[stage]}"
+            f"use one of {accepted}"
         )
     explicit = set(alg.model_fields_set)
     for name in sorted(explicit):
         stages = _ALGORITHM_FIELD_STAGES.get(name)
         if stages is not None and stage not in stages:
             raise ValueError(f"algorithm.{name} is not used by training.stage {stage} (only by {', '.join(stages)})")
-    if stage == "ray_rloo" and alg.rloo_convention == "trl" and "loss_type" in explicit:
+    if stage == Stage.RLOO and alg.rloo_convention == "trl" and "loss_type" in explicit:
         raise ValueError(
             "algorithm.loss_type is not used by ray_rloo with rloo_convention trl (one ratio per sequence)"
         )
     defaults = dict(_STAGE_DEFAULTS.get(stage, {}))
     if alg.distill.coef > 0:  # the reference is the teacher: a KL penalty to it would pull twice (distill_problems)
         defaults["kl_coef"] = 0.0
-    if stage == "ray_grpo" and alg.adv_estimator == "dr_grpo":  # Dr. GRPO = TRL's loss_type dr_grpo, scale_rewards none
+    if stage == Stage.GRPO and alg.adv_estimator == "dr_grpo":  # Dr. GRPO = TRL's loss_type dr_grpo, scale_rewards none
         defaults.update(loss_type="dr_grpo", scale_rewards="none")
-    if stage == "ray_rloo" and alg.rloo_convention == "openrlhf":
+    if stage == Stage.RLOO and alg.rloo_convention == "openrlhf":
         defaults["loss_type"] = "bnpo"
     for name, value in defaults.items():
         if name == "kl_coef":
@@ -405,7 +396,7 @@ def mindspeed_default_notes(cfg: Config) -> list[str]:
     true (every shipped config, the critic-free stages and the rollout service's REST defaults sample); a MindSpeed
     user who expects greedy rollouts from the omission is told instead."""
     out = []
-    if "do_sample" not in cfg.actor.model_fields_set and cfg.training.stage == "ray_ppo":
+    if "do_sample" not in cfg.actor.model_fields_set and cfg.training.stage == Stage.PPO:
         out.append(
             "actor_rollout_ref.actor_rollout.do_sample is not set: it defaults to true here (rollout samples at "
             "temperature), false in MindSpeed-LLM (greedy decoding); set it to choose and silence this line"

@@ -10,9 +10,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rlhf.stages import Stage
 from rlhf.tool_calls import TOOL_CALL_PARSERS
-
-STAGES = ("ray_ppo", "ray_online_dpo", "ray_grpo", "ray_rloo", "ray_reinforce_plus_plus")
 
 
 class ConfigError(ValueError):
@@ -28,7 +27,7 @@ def _f(default: Any, description: str, **kw: Any) -> Any:
 
 
 class TrainingConfig(Section):
-    stage: Literal[STAGES] = _f("ray_ppo", "training algorithm: ray_ppo, ray_online_dpo, ray_grpo, ray_rloo, ...")
+    stage: Stage = _f(Stage.PPO, "training algorithm: ray_ppo, ray_online_dpo, ray_grpo, ray_rloo, ...")
     global_batch_size: int = _f(
         8, "prompts per training step (the rollout batch; each gives n_samples_per_prompt samples)", gt=0
     )

@@ -16,6 +16,7 @@ import argparse
 import sys
 import types
 import typing
+from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,6 +63,8 @@ def _type(ann: Any) -> str:
         return f"{origin.__name__}[{inner}]"
     if ann is Any:
         return "any"
+    if isinstance(ann, type) and issubclass(ann, Enum):  # a StrEnum (training.stage): its YAML values, as a Literal
+        return " / ".join(str(m.value) for m in ann)
     if isinstance(ann, type):
         return ann.__name__
     return str(ann)

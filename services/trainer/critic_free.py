@@ -34,7 +34,7 @@ class CriticFreeStages:
         self.passes = passes
 
     def update(self, b: RolloutBatch) -> dict[str, float]:
-        if self.passes.cfg.training.stage == "ray_online_dpo":
+        if self.passes.cfg.training.stage.traits.pairs:
             return self._online_dpo(b)
         return self._group(b)
 

@@ -69,7 +69,7 @@ class TrainerEngine:
         self.critic = None
         self.critic_opt = None
         self.critic_optim = optim.critic_optim(cfg)
-        if self.stage == "ray_ppo":
+        if self.stage.traits.critic:
             self.critic = models.load_critic(cfg, self.device, self.group, self.actor)
             self.critic_opt = optim.adamw(self.critic, self.critic_optim, fused)
         # critic.shared_backbone: the value head is on the actor, and its loss joins the actor's backward, which
@@ -106,9 +106,9 @@ class TrainerEngine:
         self.commands = Commands(self.device)  # a group's: rank 0 leads, the other ranks follow
         self.export = PolicyExport(cfg, self.actor, self.group, self.commands)
         # The stages: each is handed this engine as its TrainerPasses. Rejection sampling can interleave with any
-        # stage, so the critic-free one is always there; PPO's only under ray_ppo.
+        # stage, so the critic-free one is always there; PPO's only with a critic (ray_ppo).
         self.critic_free = CriticFreeStages(self)
-        self.ppo = PPOStage(self) if self.stage == "ray_ppo" else None
+        self.ppo = PPOStage(self) if self.stage.traits.critic else None
 
     # ------------------------------------------------------------------ the state, read
     # Assignable for tests that stage a trainer's history; the trainer itself moves them only through TrainerState.

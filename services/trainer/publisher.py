@@ -92,7 +92,7 @@ class Publisher:
         epoch, record = self.cursor.next()
         d = self.cfg.sampling_defaults()
         params = common_pb2.SamplingParams(
-            n=self.cfg.actor.n_samples_per_prompt if self.cfg.training.stage != "ray_online_dpo" else 2,
+            n=self.cfg.training.stage.traits.samples_per_prompt or self.cfg.actor.n_samples_per_prompt,
             temperature=d["temperature"],
             top_p=d["top_p"],
             top_k=d["top_k"],
