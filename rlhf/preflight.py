@@ -45,12 +45,27 @@ def _own_pad_token_id(spec: str) -> int | None:
 
 
 def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
-    from rlhf.data import load_eval_prompts, load_prompts
-
+    """Every check below, in this order; each adds its problems and warnings to the report."""
     report = Report()
     warning = config_warning(cfg)  # MindSpeed keys that do not apply here: one warning, a line per key
     if warning:
         report.warnings.append(warning)
+    _check_data(cfg, report)
+    actor_dir = _find_models(cfg, report)
+    tok_spec = cfg.training.tokenizer_name_or_path or (str(actor_dir) if actor_dir else None)
+    if tok_spec:
+        _check_tokenizer(tok_spec, report)
+    _check_teacher(cfg, tok_spec, report)
+    _check_rule_scorers(cfg, report)
+    if redis_url:
+        _check_redis(redis_url, report)
+    return report
+
+
+def _check_data(cfg: ExperimentConfig, report: Report) -> None:
+    """The prompt data set (and the held-out one of an ``eval`` section) loads."""
+    from rlhf.data import load_eval_prompts, load_prompts
+
     try:
         load_prompts(cfg.data)
     except ConfigError as err:
@@ -63,6 +78,9 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
         except ConfigError as err:
             report.problems.append(str(err))
 
+
+def _find_models(cfg: ExperimentConfig, report: Report) -> Path | None:
+    """Every model the run loads can be found (``tiny:`` ones are built by ``rlhf up``); returns the policy's folder."""
     actor_dir = None
     for key, spec in _model_specs(cfg):
         if spec.startswith("tiny:"):
@@ -76,30 +94,35 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
             continue
         if key.startswith("actor_rollout_ref.actor_rollout"):
             actor_dir = path
+    return actor_dir
 
-    tok_spec = cfg.training.tokenizer_name_or_path or (str(actor_dir) if actor_dir else None)
-    if tok_spec:
-        from rlhf.models import load_tokenizer
 
-        try:
-            tok = load_tokenizer(tok_spec)
-        except Exception as err:  # noqa: BLE001 - whatever the tokenizer library raises, it is this file's problem
-            report.problems.append(f"tokenizer {tok_spec}: cannot be loaded ({type(err).__name__}: {err})")
-        else:
-            if tok.eos_token_id is None:
-                report.problems.append(f"tokenizer {tok_spec} has no EOS token: responses could never end")
-            own = _own_pad_token_id(tok_spec)
-            if own is None or own == tok.eos_token_id:
-                report.warnings.append(
-                    f"tokenizer {tok_spec} has no pad token of its own"
-                    + (
-                        " (it uses its EOS token as padding, which would mask the EOS that ends a response)"
-                        if own is not None
-                        else ""
-                    )
-                    + f": padding with {tok.pad_token!r} (id {tok.pad_token_id}) instead"
-                )
+def _check_tokenizer(tok_spec: str, report: Report) -> None:
+    """The policy's tokenizer loads, has an EOS token, and a pad token of its own (else a warning)."""
+    from rlhf.models import load_tokenizer
 
+    try:
+        tok = load_tokenizer(tok_spec)
+    except Exception as err:  # noqa: BLE001 - whatever the tokenizer library raises, it is this file's problem
+        report.problems.append(f"tokenizer {tok_spec}: cannot be loaded ({type(err).__name__}: {err})")
+        return
+    if tok.eos_token_id is None:
+        report.problems.append(f"tokenizer {tok_spec} has no EOS token: responses could never end")
+    own = _own_pad_token_id(tok_spec)
+    if own is None or own == tok.eos_token_id:
+        report.warnings.append(
+            f"tokenizer {tok_spec} has no pad token of its own"
+            + (
+                " (it uses its EOS token as padding, which would mask the EOS that ends a response)"
+                if own is not None
+                else ""
+            )
+            + f": padding with {tok.pad_token!r} (id {tok.pad_token_id}) instead"
+        )
+
+
+def _check_teacher(cfg: ExperimentConfig, tok_spec: str | None, report: Report) -> None:
+    """With distillation on, the teacher (the reference model) shares the policy's tokenizer."""
     teacher = cfg.actor_rollout_ref.ref.load
     # tiny: models share one tokenizer by construction; others are checked here in a second, not after loading
     both_tiny = (
@@ -116,6 +139,9 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
                 f"({type(err).__name__}: {err})"
             )
 
+
+def _check_rule_scorers(cfg: ExperimentConfig, report: Report) -> None:
+    """A rule scorer named ``module:function`` imports as the reward service will import it."""
     for i, s in enumerate(cfg.reward.scorers):
         if s.type == "rule" and s.name and ":" in s.name:
             module, _, fn = s.name.partition(":")
@@ -131,25 +157,26 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
             if not callable(found):
                 report.problems.append(f"reward.scorers[{i}].name {s.name}: {module} has no function {fn!r}")
 
-    if redis_url:
-        from rlhf.transport.connection import addresses, redact
 
+def _check_redis(redis_url: str, report: Report) -> None:
+    """Some address of ``redis_url`` accepts a connection."""
+    from rlhf.transport.connection import addresses, redact
+
+    try:
+        addrs = addresses(redis_url)
+    except ValueError as err:
+        report.problems.append(str(err))
+        addrs = []
+    errors = []
+    for host, port in addrs:  # a Sentinel group or a cluster is usable while any of its addresses answers
         try:
-            addrs = addresses(redis_url)
-        except ValueError as err:
-            report.problems.append(str(err))
-            addrs = []
-        errors = []
-        for host, port in addrs:  # a Sentinel group or a cluster is usable while any of its addresses answers
-            try:
-                socket.create_connection((host, port), timeout=2).close()
-                break
-            except OSError as err:
-                errors.append(f"{host}:{port}: {err}")
-        else:
-            if addrs:
-                report.problems.append(f"RLHF_REDIS_URL {redact(redis_url)}: cannot connect ({'; '.join(errors)})")
-    return report
+            socket.create_connection((host, port), timeout=2).close()
+            break
+        except OSError as err:
+            errors.append(f"{host}:{port}: {err}")
+    else:
+        if addrs:
+            report.problems.append(f"RLHF_REDIS_URL {redact(redis_url)}: cannot connect ({'; '.join(errors)})")
 
 
 @contextlib.contextmanager

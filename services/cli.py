@@ -194,7 +194,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    # in this order in `rlhf --help`
+    _add_serve(sub)
+    _add_score(sub)
+    _add_logprobs(sub)
+    _add_generate(sub)
+    _add_up(sub)
+    _add_report(sub)
+    _add_eval(sub)
+    return p
 
+
+def _add_serve(sub) -> None:
     s = sub.add_parser(
         "serve",
         help="run a service (gRPC + HTTP) until SIGTERM/SIGINT",
@@ -210,30 +221,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", help="debug, info, warning, error (default $RLHF_LOG_LEVEL or info)")
     s.set_defaults(func=_serve)
 
-    def client(name: str, help_: str, default_port: int) -> argparse.ArgumentParser:
-        c = sub.add_parser(name, help=help_, description=help_ + "; prints the JSON answer (exit 1 on an error).")
-        c.add_argument(
-            "--url", default=f"http://127.0.0.1:{default_port}", help="service base URL (default %(default)s)"
-        )
-        c.add_argument(
-            "--token", default=os.environ.get("RLHF_API_TOKEN"), help="bearer token (default $RLHF_API_TOKEN)"
-        )
-        c.add_argument("--timeout", type=float, default=60.0, help="seconds (default %(default)s)")
-        return c
 
-    c = client("score", "score prompt/response pairs with a reward service (POST /v1/score)", 8001)
+def _add_client(sub, name: str, help_: str, default_port: int) -> argparse.ArgumentParser:
+    """A REST client command: the service's URL, token and timeout."""
+    c = sub.add_parser(name, help=help_, description=help_ + "; prints the JSON answer (exit 1 on an error).")
+    c.add_argument("--url", default=f"http://127.0.0.1:{default_port}", help="service base URL (default %(default)s)")
+    c.add_argument("--token", default=os.environ.get("RLHF_API_TOKEN"), help="bearer token (default $RLHF_API_TOKEN)")
+    c.add_argument("--timeout", type=float, default=60.0, help="seconds (default %(default)s)")
+    return c
+
+
+def _add_score(sub) -> None:
+    c = _add_client(sub, "score", "score prompt/response pairs with a reward service (POST /v1/score)", 8001)
     c.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     c.add_argument("--response", action="append", required=True, help="response text, one per --prompt")
     c.add_argument("--label", action="append", help="reference answer, one per --prompt (rule scorers)")
     c.set_defaults(func=_score)
 
-    c = client("logprobs", "per-token reference log-probs of responses (POST /v1/logprobs)", 8002)
+
+def _add_logprobs(sub) -> None:
+    c = _add_client(sub, "logprobs", "per-token reference log-probs of responses (POST /v1/logprobs)", 8002)
     c.add_argument("--prompt-ids", action="append", type=_ids, required=True, help="comma-separated token ids")
     c.add_argument("--response-ids", action="append", type=_ids, required=True, help="comma-separated token ids")
     c.add_argument("--temperature", type=float, help="default: the service's configured temperature")
     c.set_defaults(func=_logprobs)
 
-    c = client("generate", "generate completions with a rollout service (POST /v1/completions)", 8000)
+
+def _add_generate(sub) -> None:
+    c = _add_client(sub, "generate", "generate completions with a rollout service (POST /v1/completions)", 8000)
     c.add_argument("prompt", nargs="+", help="prompt text(s)")
     c.add_argument("--max-tokens", type=int, default=16, help="new tokens per sample (default %(default)s)")
     c.add_argument("--n", type=int, default=1, help="samples per prompt (default %(default)s)")
@@ -243,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", help="model name (accepted for OpenAI compatibility)")
     c.set_defaults(func=_generate)
 
+
+def _add_up(sub) -> None:
     u = sub.add_parser(
         "up",
         help="run a whole training run locally: redis-server, reward, reference, rollout and trainer processes",
@@ -256,9 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     u.set_defaults(func=_up)
-
     launcher.add_arguments(u)
 
+
+def _add_report(sub) -> None:
     r = sub.add_parser(
         "report",
         help="(re)draw a run's plots from its metrics.jsonl and print a summary",
@@ -269,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir", help="the run folder (holds metrics.jsonl)")
     r.set_defaults(func=_report)
 
+
+def _add_eval(sub) -> None:
     e = sub.add_parser(
         "eval",
         help="evaluate a running rollout service or a checkpoint on the config's eval section (eval/* metrics)",
@@ -286,10 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
         "eval.temperature=1.0",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-
     eval_run.add_arguments(e)
     e.set_defaults(func=_eval)
-    return p
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -33,6 +33,8 @@ from services.plan import ServiceSpec, child_env, default_run_dir, plan_services
 from services.progress import Eta, MetricsTail, format_event, format_progress
 
 if TYPE_CHECKING:
+    from rlhf.config import ExperimentConfig
+    from rlhf.serving import ServiceSettings
     from services.devices import DevicePlan
 
 _BUILD_TINY = "import sys; from rlhf.tiny import build_tiny; build_tiny(sys.argv[1])"
@@ -174,24 +176,72 @@ class Launcher:
 
     # main ------------------------------------------------------------
     def run(self) -> int:
-        from rlhf.config import ConfigError, load_config, read_config_data
-
+        """The whole run: check it, prepare the run folder, start the services stage by stage, follow training, stop
+        everything and draw the plots. Returns the exit code (2: refused before anything started)."""
         config_path = Path(self.opts.config).resolve()
-        overrides = self.opts.overrides
         try:
-            cfg = load_config(config_path, overrides)
-            merged = read_config_data(config_path, overrides) if overrides else None
-        except ConfigError as err:
+            cfg, merged, settings = self._load(config_path)
+        except ValueError as err:  # a config (ConfigError) or an RLHF_* variable that cannot be used
             print(f"rlhf up: {err}", file=sys.stderr)
             return 2
-        from rlhf.serving import ServiceSettings, client_ssl_context
+        from rlhf.serving import client_ssl_context
 
-        try:  # the services read the same RLHF_* variables: TLS on for them is TLS on for the launcher's polls
-            settings = ServiceSettings.from_env()
+        self.ssl_context = client_ssl_context(settings)
+        if not self._preflight(cfg, config_path):
+            return 2
+        try:
+            replicas, devices = self._devices(cfg)
+            from services.devices import trainer_procs
+
+            procs = trainer_procs(cfg, self.opts.trainer_procs)
         except ValueError as err:
             print(f"rlhf up: {err}", file=sys.stderr)
             return 2
-        self.ssl_context = client_ssl_context(settings)
+        run_id = os.environ.get("RLHF_RUN_ID") or cfg.run_id
+        config_path = self._make_run_dir(run_id, config_path, merged)
+
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        t_start = time.monotonic()
+        try:
+            self.say(f"run {run_id}: {self.run_dir}")
+            self._prepare_models(cfg)
+            specs = self._plan(
+                cfg, run_id, self._start_redis(), tls=settings.tls, replicas=replicas, devices=devices, procs=procs
+            )
+            trainer = self._start_services(specs, config_path)
+            self._check_trainer_exit(trainer, self._follow(trainer, cfg.training.train_iters, t_start))
+            self.say(f"training done in {time.monotonic() - t_start:.0f}s; stopping the services")
+            self._shutdown()
+            return self._finish()
+        except Interrupted as sig:
+            self.say(f"{sig}: stopping every process; the trainer checkpoints first (Ctrl-C again to kill at once)")
+            self._shutdown()
+            if self.run_dir is not None and (self.run_dir / "metrics.jsonl").exists():
+                self.say(f"continue with: rlhf up --resume {self.run_dir}")
+            return 128 + sig.signum
+        except LaunchError as err:
+            print(f"rlhf up: {err}", file=sys.stderr, flush=True)
+            self._shutdown()
+            return 1
+        finally:
+            self._shutdown()
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _load(self, config_path: Path) -> tuple[ExperimentConfig, dict | None, ServiceSettings]:
+        """The config with the command line's overrides, its merged data (None without overrides) and the RLHF_*
+        settings. Raises ValueError (a ConfigError for the config) naming what cannot be used."""
+        from rlhf.config import load_config, read_config_data
+        from rlhf.serving import ServiceSettings
+
+        overrides = self.opts.overrides
+        cfg = load_config(config_path, overrides)
+        merged = read_config_data(config_path, overrides) if overrides else None
+        # the services read the same RLHF_* variables: TLS on for them is TLS on for the launcher's polls
+        return cfg, merged, ServiceSettings.from_env()
+
+    def _preflight(self, cfg: ExperimentConfig, config_path: Path) -> bool:
+        """:func:`rlhf.preflight.check` and the policy's architecture, printed; False when nothing may start."""
         from rlhf import preflight
 
         report = preflight.check(cfg, os.environ.get("RLHF_REDIS_URL"))
@@ -211,17 +261,11 @@ class Launcher:
             pass  # a model that cannot be found: preflight.check has reported it
         if report.problems or report.warnings:
             print(f"rlhf up: {preflight.format_report(report, config_path)}", file=sys.stderr, flush=True)
-        if report.problems:
-            return 2
-        try:
-            replicas, devices = self._devices(cfg)
-            from services.devices import trainer_procs
+        return not report.problems
 
-            procs = trainer_procs(cfg, self.opts.trainer_procs)
-        except ValueError as err:
-            print(f"rlhf up: {err}", file=sys.stderr)
-            return 2
-        run_id = os.environ.get("RLHF_RUN_ID") or cfg.run_id
+    def _make_run_dir(self, run_id: str, config_path: Path, merged: dict | None) -> Path:
+        """Make the run folder (``self.run_dir``) with its config.yaml and logs/; returns the config the services
+        read."""
         self.run_dir = Path(self.opts.run_dir or default_run_dir(run_id)).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "logs").mkdir(exist_ok=True)
@@ -230,7 +274,7 @@ class Launcher:
             # applied (and --resume of this folder continues with them)
             (self.run_dir / "config.yaml").write_text(yaml.safe_dump(merged, sort_keys=False))
             config_path = (self.run_dir / "config.yaml").resolve()
-            self.say(f"config {self.opts.config} with overrides {' '.join(overrides)}: {config_path}")
+            self.say(f"config {self.opts.config} with overrides {' '.join(self.opts.overrides)}: {config_path}")
         elif config_path != (self.run_dir / "config.yaml").resolve():
             shutil.copyfile(config_path, self.run_dir / "config.yaml")
         # A run folder used before (--resume): its trainer goes on from its checkpoint and cuts metrics.jsonl back to
@@ -238,78 +282,79 @@ class Launcher:
         metrics = self.run_dir / "metrics.jsonl"
         runlog.truncate_after(metrics, runlog.checkpoint_step(self.run_dir / "checkpoints"))
         self._tail = MetricsTail(metrics, from_end=True)
-        total = cfg.training.train_iters
+        return config_path
 
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        t_start = time.monotonic()
-        try:
-            self.say(f"run {run_id}: {self.run_dir}")
-            self._prepare_models(cfg)
-            redis_url = os.environ.get("RLHF_REDIS_URL")
-            if redis_url:
-                self.say("using Redis from RLHF_REDIS_URL")
-            else:
-                redis = RedisChild(self.run_dir / "redis", self.run_dir / "logs" / "redis.log").start()
-                self.children.append(redis)
-                redis_url = redis.url
-                self.say(f"redis-server ready on port {redis.port} (pid {redis.pid}, AOF in {redis.directory})")
-            token = os.environ.get("RLHF_API_TOKEN") or secrets.token_urlsafe(24)
-            specs = plan_services(
-                redis_url=redis_url,
-                run_id=run_id,
-                api_token=token,
-                run_dir=self.run_dir,
-                rollout_replicas=replicas,
-                tls=settings.tls,
-                devices=devices,
-                trainer_procs=procs,
-                environment_replicas=cfg.environment.replicas if cfg.environment.name else 0,
+    def _start_redis(self) -> str:
+        """The Redis URL: RLHF_REDIS_URL's, else a private redis-server's, started here."""
+        assert self.run_dir is not None
+        redis_url = os.environ.get("RLHF_REDIS_URL")
+        if redis_url:
+            self.say("using Redis from RLHF_REDIS_URL")
+            return redis_url
+        redis = RedisChild(self.run_dir / "redis", self.run_dir / "logs" / "redis.log").start()
+        self.children.append(redis)
+        self.say(f"redis-server ready on port {redis.port} (pid {redis.pid}, AOF in {redis.directory})")
+        return redis.url
+
+    def _plan(
+        self,
+        cfg: ExperimentConfig,
+        run_id: str,
+        redis_url: str,
+        *,
+        tls: bool,
+        replicas: int,
+        devices: DevicePlan | None,
+        procs: int,
+    ) -> list[ServiceSpec]:
+        """Every service of the run, in start order, with its ports and environment."""
+        assert self.run_dir is not None
+        specs = plan_services(
+            redis_url=redis_url,
+            run_id=run_id,
+            api_token=os.environ.get("RLHF_API_TOKEN") or secrets.token_urlsafe(24),
+            run_dir=self.run_dir,
+            rollout_replicas=replicas,
+            tls=tls,
+            devices=devices,
+            trainer_procs=procs,
+            environment_replicas=cfg.environment.replicas if cfg.environment.name else 0,
+        )
+        if tls:
+            self.say("TLS on: every service serves gRPC and HTTPS, every client verifies its peer")
+        if (os.environ.get("RLHF_ROLLOUT_ENGINE") or cfg.actor.engine) == "vllm":
+            # vLLM's CPU kernels keep their serving default of one thread (services.rollout.vllm_engine); the
+            # every-core default of child_env was measured with the hf engine only
+            for s in specs:
+                if s.service == "rollout":
+                    s.env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+        return specs
+
+    def _start_services(self, specs: list[ServiceSpec], config_path: Path) -> Child:
+        """Start the services in three stages (reward, reference and environments; the rollout replicas; the
+        trainer), each ready before the next begins; returns the trainer's process."""
+        by_name = {s.name: s for s in specs}
+        stages = [
+            [by_name["reward"], by_name["reference"], *(s for s in specs if s.service == "environment")],
+            [s for s in specs if s.service == "rollout"],
+            [by_name["trainer"]],
+        ]
+        for stage in stages:
+            started = [(spec, self._start(spec, config_path)) for spec in stage]
+            self._wait_ready(started, may_finish=("trainer",))
+        self._addr_names = {s.grpc_addr: s.name for s in specs if s.service == "rollout"}
+        return next(c for c in self.children if c.name == "trainer")
+
+    def _check_trainer_exit(self, trainer: Child, rc: int) -> None:
+        """A trainer that did not finish its run: a LaunchError with why (its stopping rule's message) or its log."""
+        if rc == runlog.EXIT_STOPPED_BY_RULE:
+            stop = next((ln for ln in reversed(trainer.log_tail(200).splitlines()) if "stopping the run" in ln), "")
+            raise LaunchError(
+                f"the trainer stopped the run: {stop.split('stopping the run: ', 1)[-1]}\n"
+                f"end of {trainer.log_path}:\n{trainer.log_tail(10)}"
             )
-            if settings.tls:
-                self.say("TLS on: every service serves gRPC and HTTPS, every client verifies its peer")
-            if (os.environ.get("RLHF_ROLLOUT_ENGINE") or cfg.actor.engine) == "vllm":
-                # vLLM's CPU kernels keep their serving default of one thread (services.rollout.vllm_engine); the
-                # every-core default of child_env was measured with the hf engine only
-                for s in specs:
-                    if s.service == "rollout":
-                        s.env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
-            by_name = {s.name: s for s in specs}
-            stages = [
-                [by_name["reward"], by_name["reference"], *(s for s in specs if s.service == "environment")],
-                [s for s in specs if s.service == "rollout"],
-                [by_name["trainer"]],
-            ]
-            for stage in stages:
-                started = [(spec, self._start(spec, config_path)) for spec in stage]
-                self._wait_ready(started, may_finish=("trainer",))
-            trainer = next(c for c in self.children if c.name == "trainer")
-            self._addr_names = {s.grpc_addr: s.name for s in specs if s.service == "rollout"}
-            rc = self._follow(trainer, total, t_start)
-            if rc == runlog.EXIT_STOPPED_BY_RULE:
-                stop = next((ln for ln in reversed(trainer.log_tail(200).splitlines()) if "stopping the run" in ln), "")
-                raise LaunchError(
-                    f"the trainer stopped the run: {stop.split('stopping the run: ', 1)[-1]}\n"
-                    f"end of {trainer.log_path}:\n{trainer.log_tail(10)}"
-                )
-            if rc != 0:
-                raise LaunchError(f"trainer exited with {rc}; end of {trainer.log_path}:\n{trainer.log_tail()}")
-            self.say(f"training done in {time.monotonic() - t_start:.0f}s; stopping the services")
-            self._shutdown()
-            return self._finish()
-        except Interrupted as sig:
-            self.say(f"{sig}: stopping every process; the trainer checkpoints first (Ctrl-C again to kill at once)")
-            self._shutdown()
-            if self.run_dir is not None and (self.run_dir / "metrics.jsonl").exists():
-                self.say(f"continue with: rlhf up --resume {self.run_dir}")
-            return 128 + sig.signum
-        except LaunchError as err:
-            print(f"rlhf up: {err}", file=sys.stderr, flush=True)
-            self._shutdown()
-            return 1
-        finally:
-            self._shutdown()
-            for s, h in old.items():
-                signal.signal(s, h)
+        if rc != 0:
+            raise LaunchError(f"trainer exited with {rc}; end of {trainer.log_path}:\n{trainer.log_tail()}")
 
     def _devices(self, cfg) -> tuple[int, DevicePlan | None]:
         """Rollout replicas and, on an accelerator machine, the devices of each service (resource_pool)."""
