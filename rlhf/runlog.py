@@ -15,6 +15,12 @@ from pathlib import Path
 EXIT_STOPPED_BY_RULE = 3
 
 
+class StoppedByRule(Exception):
+    """Raised in the trainer once one of its rules has stopped the run (logged, a ``stopped`` event written): it
+    unwinds the step, push or loop that met the rule, and the trainer exits ``EXIT_STOPPED_BY_RULE`` without a
+    checkpoint (services/trainer/loop.py: ``Trainer._stop_ring``)."""
+
+
 def append(path: str | Path, record: dict) -> None:
     """One JSON line at the end of ``path``; its folder is made if needed (a trainer's first events can come before
     its first checkpoint makes the run folder)."""

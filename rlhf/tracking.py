@@ -95,13 +95,14 @@ class Tracker:
                 {"completions": wandb.Table(columns=cols, data=[[r.get(c) for c in cols] for r in rows])}, step=step
             )
 
-    def close(self) -> None:
+    def close(self, exit_code: int | None = None) -> None:
+        """Flush and close; ``exit_code``: the trainer's, when the run ended without success (wandb marks it failed)."""
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
             import wandb
 
-            self.wandb.finish()
+            self.wandb.finish(exit_code=exit_code)
             # finish() can return before wandb's service has written the run's records (offline: the .wandb file held
             # only its header once); teardown waits for the service, so the run is on disk when the trainer exits.
             wandb.teardown()

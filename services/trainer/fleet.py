@@ -9,6 +9,7 @@ the ring must wait because no replica serves the newest weights. A refusal no re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import Callable
@@ -51,7 +52,7 @@ class Fleet:
         publisher: Publisher,
         state_lock: asyncio.Lock,
         events: Path,
-        stop_ring: Callable[[str], None],
+        stop_ring: Callable[[str], None],  # stops the run: raises runlog.StoppedByRule
         collective: dict,
     ):
         self.settings, self.engine, self.publisher = settings, engine, publisher
@@ -126,7 +127,10 @@ class Fleet:
         return copy_weights(weights, version, version - 1, pool=self._push_buffers)
 
     async def _seal_and_deliver(self, packed, jobs: int) -> None:
-        await self._deliver(await asyncio.to_thread(packed.seal), jobs=jobs)
+        # A refusal that stops the run ends this push quietly: stop_ring said why and cancelled the step that would
+        # settle it.
+        with contextlib.suppress(runlog.StoppedByRule):
+            await self._deliver(await asyncio.to_thread(packed.seal), jobs=jobs)
 
     async def _deliver(self, packed, jobs: int = 0) -> None:
         """Push ``packed`` to every replica, then let the publisher publish its version and admit the ``jobs`` whose
@@ -242,6 +246,8 @@ class Fleet:
                 await self._push_to(targets, packed, delta_ok=False)  # behind: no base to build on
             except asyncio.CancelledError:
                 raise
+            except runlog.StoppedByRule:
+                return  # a refusal stopped the run; stop_ring said why
             except Exception as err:  # noqa: BLE001 - Redis restarting, a replica going away: try again later
                 log.warning("catching up lagging replicas failed (%s: %s); retrying", type(err).__name__, err)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -64,6 +63,9 @@ class Trainer:
         self._saved_step: int | None = None  # the step of the newest checkpoint written or resumed from
         self._failed_steps = 0  # in a row (reward.failed_patience)
         self._mismatch_steps = 0  # in a row (training.mismatch_patience)
+        # Set when the run ends without a checkpoint (a failed step, a stopping rule): the process's exit code
+        # (services/trainer/main.py raises it).
+        self.exit_code: int | None = None
 
     # ------------------------------------------------------------------ start-up
     async def start(self) -> None:
@@ -139,33 +141,50 @@ class Trainer:
     async def stop(self) -> None:
         """SIGTERM (Ctrl-C under ``rlhf up``, a pod or container stop): finish the step in progress, checkpoint
         what was trained since the last checkpoint, then stop. Killed before it is done, the previous checkpoint
-        stands (checkpoints are atomic)."""
-        tasks = [*self.tasks, self.fleet.push_task if self.fleet is not None else None]
-        if self.evaluator is not None:
-            tasks.append(self.evaluator.last)
-        unsaved = self.engine is not None and bool(self.tasks) and not self.done
+        stands (checkpoints are atomic).
+
+        A run that ended (:meth:`_end`: a failed step, a stopping rule) writes no checkpoint: its last step may be
+        half done (trained, not yet in the ledger); it leaves the other ranks of a group to torchrun, as a crash
+        would, since they may be inside a collective that rank 0 left."""
+        tasks = self._tasks()
+        unsaved = self.engine is not None and bool(self.tasks) and not self.done and self.exit_code is None
         if unsaved and self.engine.step_count not in (0, self._saved_step):
             async with self._state_lock:  # waits for a step in progress; none starts after it
                 for t in tasks:
-                    if t is not None:
-                        t.cancel()
+                    t.cancel()
                 log.info("stopping: checkpointing step %d", self.engine.step_count)
                 try:
                     await self._checkpoint()
                 except Exception:  # the previous checkpoint stands
                     log.exception("checkpoint on stop failed")
         for t in tasks:
-            if t is not None:
-                t.cancel()
-        if self.engine is not None and self.engine.group is not None:
+            t.cancel()
+        if self.engine is not None and self.engine.group is not None and self.exit_code is None:
             try:  # after the checkpoint, which the other ranks took part in
                 await asyncio.to_thread(self.engine.stop_followers)
             except Exception:  # a dead rank: torchrun ends the group anyway
                 log.exception("could not stop the other trainer ranks")
         if self.tracker is not None:
-            self.tracker.close()
+            self.tracker.close(self.exit_code)
         if self.redis is not None:
             await self.redis.aclose()
+
+    def _tasks(self) -> list[asyncio.Task]:
+        """The loops start() began, the weight push in flight and the evaluation in flight."""
+        tasks = [*self.tasks]
+        if self.fleet is not None:
+            tasks.append(self.fleet.push_task)
+        if self.evaluator is not None:
+            tasks.append(self.evaluator.last)
+        return [t for t in tasks if t is not None]
+
+    def _end(self, code: int) -> None:
+        """End the run now with exit ``code`` and no checkpoint: the trainer's tasks are cancelled (the one that calls
+        this returns or raises), the runner stops the servers and :meth:`stop`, and main exits with ``code``."""
+        self.exit_code = code
+        for t in self._tasks():
+            t.cancel()
+        self.runner.request_stop()
 
     async def _heartbeat_loop(self) -> None:
         """A multi-process trainer's other ranks wait in a collective for rank 0's next command; while the ring
@@ -370,9 +389,12 @@ class Trainer:
                     await self._train_step(batch, t0, wait_s)
         except asyncio.CancelledError:
             raise
+        except runlog.StoppedByRule:
+            return  # _stop_ring has said why and ended the run
         except Exception:
             log.exception("training failed")
-            os._exit(1)  # a broken trainer must not look healthy; experience stays unacked for the next start
+            self._end(1)  # a broken trainer must not look healthy; experience stays unacked for the next start
+            return
         if self.evaluator is not None:
             await self.evaluator.wait()  # the evaluation of the last step
         self.done = True
@@ -444,16 +466,20 @@ class Trainer:
 
     def _stop_ring(self, message: str) -> None:
         """Stop the run (exit ``runlog.EXIT_STOPPED_BY_RULE``: supervisors do not restart it) with ``message``: the
-        one way every stopping rule ends a run (log line, ``stopped`` event)."""
+        one way every stopping rule ends a run (log line, ``stopped`` event, no checkpoint). Raises
+        ``runlog.StoppedByRule``, so nothing after the rule (the step's bookkeeping, a push's publication) happens."""
         log.error("stopping the run: %s", message)
         runlog.append(self.run_dir / EVENTS, {"event": "stopped", "step": self.engine.step_count, "message": message})
-        os._exit(runlog.EXIT_STOPPED_BY_RULE)
+        self._end(runlog.EXIT_STOPPED_BY_RULE)
+        raise runlog.StoppedByRule(message)
 
     async def checkpoint(self) -> Path:
         """Save now (an admin call): waits for a step in progress, so the checkpoint holds whole steps only."""
         if self.engine is None:
             raise NotReady("the trainer is still starting; no state to checkpoint yet")
         async with self._state_lock:
+            if self.exit_code is not None:  # its last step may be half done (see stop)
+                raise NotReady(f"the run has ended (exit code {self.exit_code}); nothing more is checkpointed")
             return await self._checkpoint()
 
     async def _checkpoint(self) -> Path:

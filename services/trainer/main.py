@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 
-from rlhf import distributed
+from rlhf import distributed, runlog
 from rlhf.config import config_warning, load_config
 from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings
 from rlhf.v1 import trainer_pb2_grpc
@@ -51,6 +51,10 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
     runner.set_http_app(build_app(trainer, settings, metrics))
     try:
         await runner.run(startup=trainer.start, shutdown=trainer.stop)
+    except runlog.StoppedByRule:
+        pass  # a rule stopped the run at start-up (the first push): logged; the exit code follows
     finally:
         # rank 0 of a group leaves it too: gloo work left to interpreter exit aborts the process (pytorch#179291)
         distributed.destroy()
+    if trainer.exit_code is not None:  # a failed step (1) or a stopping rule: the runner stopped without a checkpoint
+        raise SystemExit(trainer.exit_code)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from rlhf import runlog
 from rlhf.algo import logprobs_from_logits
 from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits
@@ -104,26 +106,21 @@ def test_online_dpo_measures_its_first_minibatch_at_temperature_one_only(tiny_mo
     assert "mismatch/tokens" not in hot.step(_records(hot, 2, temperature=0.7))
 
 
-class _Exit(Exception):
-    pass
-
-
-def _trainer(monkeypatch, tmp_path, **config):
-    """A Trainer with only what its mismatch check reads (and its stop writes: the run folder's events); os._exit
-    raises _Exit(code) instead."""
+def _trainer(tmp_path, **config):
+    """A Trainer with only what its mismatch check reads (and its stop writes: the run folder's events, its exit code,
+    a stop request to its runner)."""
     from services.trainer import loop
 
-    def fake_exit(code):
-        raise _Exit(code)
-
-    monkeypatch.setattr(loop.os, "_exit", fake_exit)
     t = loop.Trainer.__new__(loop.Trainer)
     t.cfg = parse_config(config)
     t.engine = type(
         "E", (), {"mismatch_by_replica": {"rollout-1": (0.3, 24, [4]), "rollout-0": (1e-14, 24, [4])}, "step_count": 5}
     )()
     t.run_dir = tmp_path
-    t._mismatch_steps = 0  # as Trainer.__init__ sets it
+    t._mismatch_steps = 0  # as Trainer.__init__ sets these
+    t.exit_code, t.tasks, t.fleet, t.evaluator = None, [], None, None
+    t.runner = SimpleNamespace(stop_requested=False)
+    t.runner.request_stop = lambda: setattr(t.runner, "stop_requested", True)
     return t
 
 
@@ -134,15 +131,15 @@ def _step(t, kl: float | None) -> None:
     t._check_mismatch(m)
 
 
-def test_the_mismatch_check_stops_after_patience_steps_over_the_bound(monkeypatch, caplog, tmp_path):
-    t = _trainer(monkeypatch, tmp_path, training={"max_mismatch_kl": 0.01, "mismatch_patience": 2})
+def test_the_mismatch_check_stops_after_patience_steps_over_the_bound(caplog, tmp_path):
+    t = _trainer(tmp_path, training={"max_mismatch_kl": 0.01, "mismatch_patience": 2})
     _step(t, 0.5)
     _step(t, 1e-6)  # under the bound: the count starts again
     _step(t, 0.5)
     _step(t, None)  # no on-policy token: no evidence either way, the count stays
-    with pytest.raises(_Exit) as stopped:
+    with pytest.raises(runlog.StoppedByRule):
         _step(t, 0.02)
-    assert stopped.value.args == (3,)  # runlog.EXIT_STOPPED_BY_RULE: not restarted
+    assert t.exit_code == 3 and t.runner.stop_requested  # runlog.EXIT_STOPPED_BY_RULE: not restarted
     err = caplog.records[-1].getMessage()
     assert err.startswith("stopping the run: trainer-inference mismatch over training.max_mismatch_kl for 2 steps")
     assert "mismatch/kl 0.02" in err and "at policy version 4" in err and "serves other weights" in err
@@ -152,11 +149,10 @@ def test_the_mismatch_check_stops_after_patience_steps_over_the_bound(monkeypatc
     assert event["event"] == "stopped" and event["message"] == err.removeprefix("stopping the run: ")
 
 
-def test_the_mismatch_check_is_off_when_null_and_only_warns_with_top_p(monkeypatch, caplog, tmp_path):
-    off = _trainer(monkeypatch, tmp_path, training={"max_mismatch_kl": None, "mismatch_patience": 1})
+def test_the_mismatch_check_is_off_when_null_and_only_warns_with_top_p(caplog, tmp_path):
+    off = _trainer(tmp_path, training={"max_mismatch_kl": None, "mismatch_patience": 1})
     _step(off, 5.0)
     truncated = _trainer(
-        monkeypatch,
         tmp_path,
         training={"mismatch_patience": 1},
         actor_rollout_ref={"actor_rollout": {"top_p": 0.9}},
