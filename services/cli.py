@@ -89,10 +89,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-    if getattr(module, "FAST_EXIT", False):
-        # The service has stopped gracefully and closed what it owns, and says it leaves nothing to atexit hooks
-        # (no child processes, no open files): skip the interpreter's finalisation (seconds of freeing torch and C
-        # extensions after a model was loaded) so that orchestrators and tests see a prompt exit.
+    if getattr(module, "FAST_EXIT", False):  # the service stopped gracefully and leaves nothing to atexit hooks
+        # os._exit: no interpreter finalisation (freeing torch, C extensions): exits 0.05 s after "stopped", not 0.5-1.6
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
