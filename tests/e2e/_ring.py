@@ -2,13 +2,15 @@
 
 ::
 
-    ring = Ring("ppo", tmp_dir, redis, scorers, stage="ray_ppo", engine="vllm").start()
-    ring.wait_trained()                 # the trainer exited 0 after training.train_iters steps
-    ring.metrics(); ring.state(); ring.stats(); ring.served_version()
+    def test_ppo(rings):                # the ``rings`` fixture of conftest.py (a Rings)
+        ring = rings("e2e-ppo", stage="ray_ppo", engine="vllm").start()
+        ring.wait_trained()             # the trainer exited 0 after training.train_iters steps
+        ring.metrics(); ring.state(); ring.stats(); ring.served_version()
 
 Each ring has its own run id (so its Redis keys, prompt jobs and experience are its own) and its own rollout
 replicas and trainer; the reward and reference services are stateless and shared by the rings of a session
-(:class:`SharedScorers`), except where a test stops one (then it starts its own).
+(:class:`SharedScorers`), except where a test stops one (then it starts its own). :class:`Rings` makes the rings
+of a test (or a module) and stops them, and the redis-servers and services it was given, at the end.
 """
 
 from __future__ import annotations
@@ -17,14 +19,18 @@ import asyncio
 import contextlib
 import json
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from rlhf.transport import connect, queue_stats
 from rlhf.transport.keys import RunKeys
-from tests.integration._procs import ServiceProc, write_config
+from tests.integration._procs import REPO, ServiceProc, write_config
 from tests.support.redis import RedisServer as Redis
 
 TOKEN = "e2e-token"
@@ -337,6 +343,62 @@ class Ring:
         proc.proc.wait(timeout=10)
 
 
+class Rings:
+    """The rings of a test or a module, each in its own folder under ``directory``, on the session's reward and
+    reference (:class:`SharedScorers`) and one redis-server of its own unless told otherwise; :meth:`close` stops the
+    rings, then whatever :meth:`own` was given (the redis-servers included), last first.
+
+    ``rings(run_id, **options)`` is a :class:`Ring` not yet started (a test may change its config first);
+    ``redis=``, ``reward=`` and ``reference=`` put it on another Redis or another reward or reference service."""
+
+    def __init__(self, directory: Path, scorers: SharedScorers):
+        self.dir = Path(directory)
+        self.scorers = scorers
+        self.made: list[Ring] = []
+        self.owned: list[Any] = []
+        self._redis: Redis | None = None
+
+    def own(self, thing: Any) -> Any:
+        """Stop ``thing`` (a redis-server, a service: anything with ``stop()``) at :meth:`close`; returns it."""
+        self.owned.append(thing)
+        return thing
+
+    def redis(self, name: str = "redis") -> Redis:
+        """A redis-server of its own, started, in ``directory/name``."""
+        return self.own(Redis(self.dir / name).start())
+
+    def __call__(
+        self,
+        run_id: str,
+        *,
+        redis: Any = None,
+        reward: ServiceProc | None = None,
+        reference: ServiceProc | None = None,
+        **options: Any,
+    ) -> Ring:
+        shared_reward, shared_reference = self.scorers.get()
+        if redis is None:
+            if self._redis is None:
+                self._redis = self.redis()
+            redis = self._redis
+        ring = Ring(
+            run_id,
+            self.dir / run_id,
+            redis,
+            (reward or shared_reward).grpc_addr,
+            (reference or shared_reference).grpc_addr,
+            **options,
+        )
+        self.made.append(ring)
+        return ring
+
+    def close(self) -> None:
+        for ring in self.made:
+            ring.stop()
+        for thing in reversed(self.owned):
+            thing.stop()
+
+
 def trained_ledger(run_dir: Path, key: str = "job_ids") -> list[str]:
     """The run's ledger: ``job_ids`` (trained) or ``dropped_stale`` (consumed without training: too stale)."""
     path = Path(run_dir) / "trained_jobs.jsonl"
@@ -365,3 +427,26 @@ def assert_ledger(ring: Ring, steps: int) -> dict:
     assert not lost, f"issued, never trained and in no stream: {sorted(lost)}"
     assert stats.trained == len(ids) + len(dropped)
     return state
+
+
+def demo_config(name: str, run_id: str, directory: Path, **training: Any) -> dict:
+    """configs/NAME.yaml as a user runs it, with its own ``run_id``, its checkpoints in ``directory`` and
+    ``training`` options over the file's."""
+    cfg = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
+    cfg["run_id"] = run_id
+    cfg["training"].update(save=str(Path(directory) / "checkpoints"), **training)
+    return cfg
+
+
+def rlhf_up(cfg: dict, directory: Path, timeout: float) -> tuple[subprocess.CompletedProcess, Path]:
+    """``rlhf up --quiet`` of ``cfg`` (written to ``directory``) to its end: the finished process and the run folder."""
+    config = write_config(Path(directory) / f"{cfg['run_id']}.yaml", cfg)
+    run_dir = Path(directory) / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir), "--quiet"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return out, run_dir

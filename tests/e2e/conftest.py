@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from _ring import SharedScorers
+
+from tests.e2e._ring import Rings, SharedScorers
 
 
 @pytest.fixture(scope="session")
@@ -12,3 +13,21 @@ def scorers(tiny_models, tmp_path_factory):
     pool = SharedScorers(tmp_path_factory.mktemp("e2e-scorers"))
     yield pool
     pool.stop()
+
+
+@pytest.fixture
+def rings(scorers, tmp_path):
+    """``rings(run_id, **options)``: a Ring of this test (not started) on a redis-server of its own and the session's
+    reward and reference; every ring, redis-server and service it made or was given (``rings.own``) is stopped after
+    the test (:class:`Rings`)."""
+    rings = Rings(tmp_path, scorers)
+    yield rings
+    rings.close()
+
+
+@pytest.fixture(scope="module")
+def module_rings(scorers, tmp_path_factory, request):
+    """The ``rings`` factory for a module's rings, started once and read by its tests; stopped after the module."""
+    rings = Rings(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]), scorers)
+    yield rings
+    rings.close()

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _ring import Redis, Ring, assert_ledger
 from safetensors.torch import load_file
+
+from tests.e2e._ring import assert_ledger
 
 pytestmark = pytest.mark.slow
 
@@ -37,27 +38,16 @@ RINGS = {
 
 
 @pytest.fixture(scope="module")
-def rings(scorers, tmp_path_factory):
-    base = tmp_path_factory.mktemp("e2e-algorithms")
-    redis = Redis(base / "redis").start()
-    reward, reference = scorers.get()
-    started = {
-        name: Ring(f"e2e-{name}", base / name, redis, reward.grpc_addr, reference.grpc_addr, **opts)
-        for name, opts in RINGS.items()
-    }
-    try:
-        for ring in started.values():
-            for r in ring.rollouts:
-                r.start(wait_ready=False)
-        for ring in started.values():
-            ring.start()
-        for ring in started.values():
-            ring.wait_trained(timeout=300)
-        yield started
-    finally:
-        for ring in started.values():
-            ring.stop()
-        redis.stop()
+def rings(module_rings):
+    started = {name: module_rings(f"e2e-{name}", **opts) for name, opts in RINGS.items()}
+    for ring in started.values():
+        for r in ring.rollouts:
+            r.start(wait_ready=False)
+    for ring in started.values():
+        ring.start()
+    for ring in started.values():
+        ring.wait_trained(timeout=300)
+    return started
 
 
 def _policy(path) -> dict[str, torch.Tensor]:

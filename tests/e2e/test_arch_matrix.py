@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from _ring import CHILD_ENV, Redis, Ring, write_config
 
+from tests.e2e._ring import CHILD_ENV, base_config, write_config
 from tests.integration._procs import ServiceProc
 
 pytestmark = pytest.mark.slow
@@ -40,20 +40,11 @@ MISMATCH_KL = {False: 1e-9, True: 1e-5}
 @pytest.mark.parametrize(
     ("arch", "engine", "stage", "transport", "bf16"), CASES, ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in CASES]
 )
-def test_every_architecture_trains_with_every_push_served(scorers, tmp_path, arch, engine, stage, transport, bf16):
-    redis = Redis(tmp_path / "redis").start()
-    reward, _ = scorers.get()
-    cfg_dir = tmp_path / "ring"
-    cfg_dir.mkdir()
-    ref_cfg = _config(arch, bf16, stage, engine)
-    ref_path = write_config(tmp_path / "reference.yaml", ref_cfg)
-    reference = ServiceProc("reference", ref_path, tmp_path / "logs", env=dict(CHILD_ENV)).start(timeout=240)
-    ring = Ring(
+def test_every_architecture_trains_with_every_push_served(rings, tmp_path, arch, engine, stage, transport, bf16):
+    reference = _reference(rings, tmp_path, _config(arch, bf16, stage, engine))
+    ring = rings(
         f"e2e-{arch}-{engine}",
-        cfg_dir,
-        redis,
-        reward.grpc_addr,
-        reference.grpc_addr,
+        reference=reference,
         stage=stage,
         engine=engine,
         train_iters=STEPS,
@@ -63,37 +54,36 @@ def test_every_architecture_trains_with_every_push_served(scorers, tmp_path, arc
     ring.cfg = _config(arch, bf16, stage, engine, base=ring.cfg)
     write_config(ring.config_path, ring.cfg)
     ring.trainer_env["RLHF_WEIGHTS_TRANSPORT"] = transport
-    try:
-        ring.start()
-        ring.wait_trained(timeout=420)
-        metrics = ring.metrics()
-        assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-        assert all(m["staleness/max"] == 0 for m in metrics), [m["staleness/max"] for m in metrics]
-        assert ring.served_version() == STEPS
-        kl = [m["mismatch/kl"] for m in metrics]
-        assert all(0 <= v <= MISMATCH_KL[bf16] for v in kl), kl
-        print(
-            json.dumps(
-                {
-                    "arch": arch,
-                    "engine": engine,
-                    "transport": transport,
-                    "stage": stage,
-                    "reward": [round(m["reward/mean"], 4) for m in metrics],
-                    "mismatch_kl_max": max(kl),
-                    "mismatch_max_abs": max(m["mismatch/max_abs"] for m in metrics),
-                }
-            )
+    ring.start()
+    ring.wait_trained(timeout=420)
+    metrics = ring.metrics()
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert all(m["staleness/max"] == 0 for m in metrics), [m["staleness/max"] for m in metrics]
+    assert ring.served_version() == STEPS
+    kl = [m["mismatch/kl"] for m in metrics]
+    assert all(0 <= v <= MISMATCH_KL[bf16] for v in kl), kl
+    print(
+        json.dumps(
+            {
+                "arch": arch,
+                "engine": engine,
+                "transport": transport,
+                "stage": stage,
+                "reward": [round(m["reward/mean"], 4) for m in metrics],
+                "mismatch_kl_max": max(kl),
+                "mismatch_max_abs": max(m["mismatch/max_abs"] for m in metrics),
+            }
         )
-    finally:
-        ring.stop()
-        reference.stop()
-        redis.stop()
+    )
+
+
+def _reference(rings, tmp_path, cfg: dict) -> ServiceProc:
+    """A reference service of the architecture under test (the session's serves the default tiny policy)."""
+    path = write_config(tmp_path / "reference.yaml", cfg)
+    return rings.own(ServiceProc("reference", path, tmp_path / "logs", env=dict(CHILD_ENV)).start(timeout=240))
 
 
 def _config(arch: str, bf16: bool, stage: str, engine: str, base: dict | None = None) -> dict:
-    from _ring import base_config
-
     cfg = json.loads(json.dumps(base or base_config("e2e-matrix", stage=stage, engine=engine)))
     policy = f"tiny:{arch}/policy"
     cfg["actor_rollout_ref"]["actor_rollout"]["load"] = policy
@@ -109,8 +99,6 @@ def test_rlhf_up_refuses_a_mixture_of_experts_under_vllm_on_the_cpu(tmp_path):
     service starts, with the architecture, the reason and what to use instead."""
     import subprocess
     import sys
-
-    from _ring import base_config
 
     cfg = _config("qwen3-moe", False, "ray_ppo", "vllm", base=base_config("e2e-moe-vllm", engine="vllm"))
     path = write_config(tmp_path / "moe.yaml", cfg)
@@ -130,19 +118,13 @@ LEARN_STEPS = 16
 
 
 @pytest.mark.parametrize(("arch", "engine"), [("llama-tied", "vllm"), ("qwen3-moe", "hf")])
-def test_tied_and_moe_policies_learn(scorers, tmp_path, arch, engine):
+def test_tied_and_moe_policies_learn(rings, tmp_path, arch, engine):
     """Long enough to show the reward rising: weights that reached the replica only in part, or not at all, would
     leave the samples at the initial policy's reward."""
-    redis = Redis(tmp_path / "redis").start()
-    reward, _ = scorers.get()
-    ref_path = write_config(tmp_path / "reference.yaml", _config(arch, False, "ray_grpo", engine))
-    reference = ServiceProc("reference", ref_path, tmp_path / "logs", env=dict(CHILD_ENV)).start(timeout=240)
-    ring = Ring(
+    reference = _reference(rings, tmp_path, _config(arch, False, "ray_grpo", engine))
+    ring = rings(
         f"e2e-learn-{arch}",
-        tmp_path / "ring",
-        redis,
-        reward.grpc_addr,
-        reference.grpc_addr,
+        reference=reference,
         stage="ray_grpo",
         engine=engine,
         train_iters=LEARN_STEPS,
@@ -155,24 +137,19 @@ def test_tied_and_moe_policies_learn(scorers, tmp_path, arch, engine):
     )
     ring.cfg = _config(arch, False, "ray_grpo", engine, base=ring.cfg)
     write_config(ring.config_path, ring.cfg)
-    try:
-        ring.start()
-        ring.wait_trained(timeout=420)
-        rewards = [m["reward/mean"] for m in ring.metrics()]
-        first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
-        print(
-            json.dumps(
-                {
-                    "arch": arch,
-                    "engine": engine,
-                    "reward_first4": round(first, 4),
-                    "reward_last4": round(last, 4),
-                    "rewards": [round(r, 3) for r in rewards],
-                }
-            )
+    ring.start()
+    ring.wait_trained(timeout=420)
+    rewards = [m["reward/mean"] for m in ring.metrics()]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    print(
+        json.dumps(
+            {
+                "arch": arch,
+                "engine": engine,
+                "reward_first4": round(first, 4),
+                "reward_last4": round(last, 4),
+                "rewards": [round(r, 3) for r in rewards],
+            }
         )
-        assert last > first + 0.1, rewards
-    finally:
-        ring.stop()
-        reference.stop()
-        redis.stop()
+    )
+    assert last > first + 0.1, rewards

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from chaos import FAULTS, MAX_STALENESS, Chaos
+
+from tests.e2e.chaos import FAULTS, MAX_STALENESS, Chaos
 
 pytestmark = pytest.mark.slow
 

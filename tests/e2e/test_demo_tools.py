@@ -10,33 +10,19 @@ response)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.e2e._ring import demo_config, rlhf_up
 
 pytestmark = pytest.mark.slow
 
 
 def test_rlhf_up_demo_tools_reward_rises(tmp_path, tiny_models):
-    cfg = yaml.safe_load((REPO / "configs" / "demo-tools.yaml").read_text())
+    cfg = demo_config("demo-tools", "e2e-demo-tools", tmp_path)
     steps = cfg["training"]["train_iters"]
-    cfg["run_id"] = "e2e-demo-tools"
-    cfg["training"].update(save_interval=steps, save=str(tmp_path / "checkpoints"))
-    config = tmp_path / "demo-tools.yaml"
-    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    run_dir = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir), "--quiet"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=720,
-    )
+    cfg["training"]["save_interval"] = steps
+    out, run_dir = rlhf_up(cfg, tmp_path, timeout=720)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == steps

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import redis as sync_redis
-from _ring import Redis, Ring, assert_ledger, respawn_on_port_clash, start_reward
 
 from rlhf.transport.keys import ROLLOUT_GROUP, RunKeys
+from tests.e2e._ring import assert_ledger, respawn_on_port_clash, start_reward
 from tests.integration._procs import ServiceProc
 
 pytestmark = pytest.mark.slow
@@ -39,23 +39,13 @@ RINGS = {
 
 
 @pytest.fixture(scope="module")
-def rings(scorers, tmp_path_factory):
-    base = tmp_path_factory.mktemp("e2e-faults")
-    shared = Redis(base / "redis").start()
-    own_redis = Redis(base / "own-redis").start()  # the one redis-restart kills
-    reward, reference = scorers.get()
-    own_reward_cfg = base / "reward-down-reward.yaml"
+def rings(module_rings):
+    base = module_rings.dir
+    own_redis = module_rings.redis("own-redis")  # the one redis-restart kills
     out: dict = {"redis": own_redis}
     for name, opts in RINGS.items():
-        ring = Ring(
-            f"e2e-{name}",
-            base / name,
-            own_redis if name == "redis-restart" else shared,
-            reward.grpc_addr,
-            reference.grpc_addr,
-            **opts,
-        )
-        out[name] = ring
+        out[name] = module_rings(f"e2e-{name}", redis=own_redis if name == "redis-restart" else None, **opts)
+    own_reward_cfg = base / "reward-down-reward.yaml"
     own_reward_cfg.write_text(out["reward-down"].config_path.read_text())
     out["reward"] = start_reward(own_reward_cfg, base / "logs", wait=False)  # the one reward-down stops
     try:
@@ -66,11 +56,7 @@ def rings(scorers, tmp_path_factory):
                 r.start(wait_ready=False)
         yield out
     finally:
-        for name in RINGS:
-            out[name].stop()
-        out["reward"].stop()
-        own_redis.stop()
-        shared.stop()
+        out["reward"].stop()  # the one running now: test_reward_down... restarts it
 
 
 def test_trainer_killed_and_restarted_loses_nothing_and_trains_nothing_twice(rings):

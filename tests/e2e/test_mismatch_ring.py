@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-from _ring import Redis, Ring
 
 from rlhf import runlog
 from tests.integration._procs import ServiceProc, write_config
@@ -45,34 +44,23 @@ RINGS = {
 
 
 @pytest.fixture(scope="module")
-def rings(scorers, tmp_path_factory):
-    base = tmp_path_factory.mktemp("e2e-mismatch")
-    redis = Redis(base / "redis").start()
-    reward, reference = scorers.get()
-    started = {
-        name: Ring(f"e2e-mismatch-{name}", base / name, redis, reward.grpc_addr, reference.grpc_addr, **opts)
-        for name, opts in RINGS.items()
-    }
+def rings(module_rings):
+    started = {name: module_rings(f"e2e-mismatch-{name}", **opts) for name, opts in RINGS.items()}
     # Not 1.0: the rollout's log-probs (after temperature) and the trainer's (logits / temperature) must still agree.
     for healthy in (started["healthy"], started["healthy-vllm"]):
         healthy.cfg["actor_rollout_ref"]["actor_rollout"]["temperature"] = 0.7
         write_config(healthy.config_path, healthy.cfg)
-    try:
-        for ring in started.values():
-            for r in ring.rollouts:
-                r.start(wait_ready=False)
-        for ring in started.values():
-            ring.start()
-        for ring in started.values():  # not ring.wait_for: a trainer exiting 3 is what one test expects
-            try:
-                ring.trainer.proc.wait(timeout=240)
-            except subprocess.TimeoutExpired:
-                raise TimeoutError(f"{ring.run_id}: the trainer did not exit\n{ring.log_tails()}") from None
-        yield started
-    finally:
-        for ring in started.values():
-            ring.stop()
-        redis.stop()
+    for ring in started.values():
+        for r in ring.rollouts:
+            r.start(wait_ready=False)
+    for ring in started.values():
+        ring.start()
+    for ring in started.values():  # not ring.wait_for: a trainer exiting 3 is what one test expects
+        try:
+            ring.trainer.proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{ring.run_id}: the trainer did not exit\n{ring.log_tails()}") from None
+    return started
 
 
 @pytest.mark.parametrize("name", ["healthy", "healthy-vllm"])

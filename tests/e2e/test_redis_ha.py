@@ -17,61 +17,56 @@ import json
 import time
 
 import pytest
-from _ring import Ring, assert_ledger
 from redis.crc import key_slot
 
 from rlhf.local_redis import LocalCluster, LocalSentinelGroup
 from rlhf.transport.keys import RunKeys
+from tests.e2e._ring import assert_ledger
 
 pytestmark = pytest.mark.slow
 
 RING = {"stage": "ray_grpo", "n": 2}
 
 
-def test_sentinel_failover_mid_run_loses_nothing_and_trains_nothing_twice(scorers, tmp_path):
-    group = LocalSentinelGroup(tmp_path / "redis", query="wait_replicas=1&wait_timeout_ms=500").start()
-    reward, reference = scorers.get()
-    ring = Ring("e2e-sentinel", tmp_path / "ring", group, reward.grpc_addr, reference.grpc_addr, train_iters=6, **RING)
-    try:
-        ring.start()
-        ring.wait_steps(2)
-        old = group.master_port()
-        group.server(old).stop(kill=True)
-        killed_at, steps_at_kill = time.monotonic(), len(ring.metrics())
-        assert steps_at_kill < ring.train_iters, "training finished before the master went down"
-        deadline = time.monotonic() + 30
-        while group.master_port() in (None, old):  # the sentinels agree the master is down and promote the replica
-            assert time.monotonic() < deadline, "no failover within 30 s"
-            time.sleep(0.1)
-        promoted_at = time.monotonic()
-        group.restart_as_replica(group.server(old))  # its pod restarts: WAIT 1 has a replica again
-        ring.wait_for(lambda: len(ring.metrics()) > steps_at_kill, 120, "step after the failover")
-        next_step_at = time.monotonic()
-        ring.wait_trained(timeout=180)
+def test_sentinel_failover_mid_run_loses_nothing_and_trains_nothing_twice(rings, tmp_path):
+    group = rings.own(LocalSentinelGroup(tmp_path / "redis", query="wait_replicas=1&wait_timeout_ms=500").start())
+    ring = rings("e2e-sentinel", redis=group, train_iters=6, **RING)
+    ring.start()
+    ring.wait_steps(2)
+    old = group.master_port()
+    group.server(old).stop(kill=True)
+    killed_at, steps_at_kill = time.monotonic(), len(ring.metrics())
+    assert steps_at_kill < ring.train_iters, "training finished before the master went down"
+    deadline = time.monotonic() + 30
+    while group.master_port() in (None, old):  # the sentinels agree the master is down and promote the replica
+        assert time.monotonic() < deadline, "no failover within 30 s"
+        time.sleep(0.1)
+    promoted_at = time.monotonic()
+    group.restart_as_replica(group.server(old))  # its pod restarts: WAIT 1 has a replica again
+    ring.wait_for(lambda: len(ring.metrics()) > steps_at_kill, 120, "step after the failover")
+    next_step_at = time.monotonic()
+    ring.wait_trained(timeout=180)
 
-        # No check that the master is still the promoted one: with a 1 s down-after on 2 loaded cores the sentinels
-        # may fail over a second time (back to the restarted server), which the ring must survive as well.
-        assert_ledger(ring, ring.train_iters)  # exactly once, none lost, nothing pending
-        assert ring.served_version() == ring.state()["policy_version"]
-        trainer_log = ring.trainer.log_text()
-        rollout_log = ring.rollouts[0].log_text()
-        assert "redis unavailable" in trainer_log  # the trainer met the failover and retried
-        fence = ring.redis_call(lambda r: r.get(RunKeys(ring.run_id).fence))
-        assert int(fence or 0) > 0  # the ring's writes went out with WAIT 1 (each WAIT follows an INCR of the fence)
-        figures = {
-            "failover_s": round(promoted_at - killed_at, 2),
-            "recovered_s": round(next_step_at - killed_at, 2),  # kill -9 -> the ring's next finished step
-            "steps_before_kill": steps_at_kill,
-            "jobs_trained": len(ring.ledger()),
-            "jobs_twice": len(ring.ledger()) - len(set(ring.ledger())),
-            "jobs_reissued": sum(int(w) for w in _reclaimed(rollout_log)),
-            "trainer_retries": trainer_log.count("redis unavailable"),
-            "replication_lag_retries": trainer_log.count("ReplicationLag") + rollout_log.count("ReplicationLag"),
-        }
-        print("sentinel failover:", json.dumps(figures))
-    finally:
-        ring.stop()
-        group.stop()
+    # No check that the master is still the promoted one: with a 1 s down-after on 2 loaded cores the sentinels
+    # may fail over a second time (back to the restarted server), which the ring must survive as well.
+    assert_ledger(ring, ring.train_iters)  # exactly once, none lost, nothing pending
+    assert ring.served_version() == ring.state()["policy_version"]
+    trainer_log = ring.trainer.log_text()
+    rollout_log = ring.rollouts[0].log_text()
+    assert "redis unavailable" in trainer_log  # the trainer met the failover and retried
+    fence = ring.redis_call(lambda r: r.get(RunKeys(ring.run_id).fence))
+    assert int(fence or 0) > 0  # the ring's writes went out with WAIT 1 (each WAIT follows an INCR of the fence)
+    figures = {
+        "failover_s": round(promoted_at - killed_at, 2),
+        "recovered_s": round(next_step_at - killed_at, 2),  # kill -9 -> the ring's next finished step
+        "steps_before_kill": steps_at_kill,
+        "jobs_trained": len(ring.ledger()),
+        "jobs_twice": len(ring.ledger()) - len(set(ring.ledger())),
+        "jobs_reissued": sum(int(w) for w in _reclaimed(rollout_log)),
+        "trainer_retries": trainer_log.count("redis unavailable"),
+        "replication_lag_retries": trainer_log.count("ReplicationLag") + rollout_log.count("ReplicationLag"),
+    }
+    print("sentinel failover:", json.dumps(figures))
 
 
 def _reclaimed(log: str) -> list[str]:
@@ -91,27 +86,19 @@ def _runs_on_two_nodes(masters: int = 3) -> tuple[str, str]:
     raise AssertionError("no second run id on another node")
 
 
-def test_two_runs_at_once_on_a_redis_cluster(scorers, tmp_path):
-    cluster = LocalCluster(tmp_path / "cluster").start()
-    reward, reference = scorers.get()
+def test_two_runs_at_once_on_a_redis_cluster(rings, tmp_path):
+    cluster = rings.own(LocalCluster(tmp_path / "cluster").start())
     runs = _runs_on_two_nodes()
-    rings = [
-        Ring(run, tmp_path / run, cluster, reward.grpc_addr, reference.grpc_addr, train_iters=3, **RING) for run in runs
-    ]
-    try:
-        for ring in rings:
-            ring.start(trainer=False)  # both replicas start together
-        for ring in rings:
-            ring.start_trainer()
-        for ring in rings:
-            ring.wait_trained(timeout=240)
-            assert_ledger(ring, ring.train_iters)
-        nodes = {r.redis_call(lambda c, run=r.run_id: _node_of(c, run)) for r in rings}
-        assert len(nodes) == 2, nodes  # the runs' keys are on two different masters
-    finally:
-        for ring in rings:
-            ring.stop()
-        cluster.stop()
+    both = [rings(run, redis=cluster, train_iters=3, **RING) for run in runs]
+    for ring in both:
+        ring.start(trainer=False)  # both replicas start together
+    for ring in both:
+        ring.start_trainer()
+    for ring in both:
+        ring.wait_trained(timeout=240)
+        assert_ledger(ring, ring.train_iters)
+    nodes = {r.redis_call(lambda c, run=r.run_id: _node_of(c, run)) for r in both}
+    assert len(nodes) == 2, nodes  # the runs' keys are on two different masters
 
 
 async def _node_of(client, run: str) -> str:
