@@ -12,19 +12,18 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from _collective_replica import Replica as _Replica
 
 import rlhf.transport.weights.collective as collective
 from rlhf.transport.weights import pack_weights, push_weights, push_weights_many
 from rlhf.v1 import weights_pb2
+from tests.support.replica import Replica as _Replica
+from tests.support.replica import start_child
 
 TOKEN = "collective-token"
 Replica = partial(_Replica, TOKEN)  # Replica() or Replica(engine)
@@ -136,16 +135,9 @@ def test_concurrent_pushes_never_move_a_replica_backwards():
 # --------------------------------------------------------------------------------------- failures: join / leave
 
 
-REPLICA_CHILD = Path(__file__).with_name("_weights_replica.py")
-
-
 def start_child_replica() -> tuple[subprocess.Popen, str]:
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, str(REPLICA_CHILD), TOKEN], stdout=subprocess.PIPE, text=True, env=env)
-    line = proc.stdout.readline().strip()  # "ready <addr>"
-    assert line.startswith("ready "), line
-    return proc, line.split()[1]
+    """A replica over a fake engine in a process of its own (tests.support.replica)."""
+    return start_child("--token", TOKEN)
 
 
 def test_kill_9_mid_broadcast_fails_the_push_in_time_and_the_next_push_reaches_the_survivors(monkeypatch):

@@ -24,12 +24,12 @@ from functools import partial
 import grpc
 import pytest
 import torch
-from _collective_replica import Replica as _Replica
 
 import rlhf.transport.weights.checksum as checksum
 import rlhf.transport.weights.collective as collective
 import rlhf.transport.weights.verify as verify
 from rlhf.transport.weights import CorruptUpdate, check_header, copy_weights, push_weights, push_weights_many
+from tests.support.replica import Replica as _Replica
 
 TOKEN = "device-token"
 Replica = partial(_Replica, TOKEN)

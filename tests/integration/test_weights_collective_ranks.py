@@ -22,12 +22,12 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
-from _collective_replica import FakeEngine
-from _collective_replica import Replica as _Replica
 
 import rlhf.transport.weights.collective as collective
 from rlhf.transport.weights import pack_weights, push_weights_many
 from rlhf.v1 import weights_pb2
+from tests.support.replica import FakeEngine
+from tests.support.replica import Replica as _Replica
 
 TOKEN = "ranks-token"
 Replica = partial(_Replica, TOKEN)  # Replica() or Replica(engine)

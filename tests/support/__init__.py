@@ -1,5 +1,6 @@
 """What the test folders share: records (``experiences``), the private redis-server (``redis``) and, importing
-torch, responses sampled from a trainer's actor (``sampling``).
+torch, responses sampled from a trainer's actor (``sampling``) and a rollout replica to push weights to, in the test's
+process or a child process (``replica``; bench.device_check's push phase uses it too).
 
 Imported as ``tests.support`` (the repository root is on ``sys.path``: ``pythonpath`` in pyproject.toml's pytest
 settings, ``PYTHONPATH`` for the workers the tests start). The fixtures built on it (``redis_server``,

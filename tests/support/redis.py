@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
-
 from rlhf.procs import LocalRedis
 
 
@@ -16,6 +14,8 @@ class RedisServer(LocalRedis):
 
     def start(self, timeout: float = 15.0) -> RedisServer:
         if shutil.which("redis-server") is None:
+            import pytest  # here, not above: bench.device_check imports tests.support on hosts without pytest
+
             pytest.fail("redis-server is not on PATH (apt-get install -y redis-server)")
         super().start(timeout)
         return self

@@ -1,10 +1,10 @@
 """The weight push of a sharded trainer group streams bucket by bucket (issue 10 item 5).
 
 A real 2-process FSDP2 group (torch.distributed.run, gloo; tests/trainer/stream_worker.py) pushes to real replicas
-(the rollout servicer over the ``hf`` engine with its data plane, tests/trainer/_hf_replica.py) over every
-transport: the replica serves the group's policy bit for bit, the streamed bytes equal world 1's policy (bf16 cast
-included), the push holds one bucket and one gathered tensor where ``pack_weights`` holds the whole policy, and a
-replica killed -9 mid-push or a closed port fails alone while the other replica is updated and no rank hangs.
+(the rollout servicer over the ``hf`` engine with its data plane, in processes of their own: tests/support/replica.py)
+over every transport: the replica serves the group's policy bit for bit, the streamed bytes equal world 1's policy
+(bf16 cast included), the push holds one bucket and one gathered tensor where ``pack_weights`` holds the whole policy,
+and a replica killed -9 mid-push or a closed port fails alone while the other replica is updated and no rank hangs.
 Below that, the streaming pieces on their own (rlhf.transport.weights: StreamedWeights, push_weights_streamed) with
 in-process replicas.
 """
@@ -12,6 +12,7 @@ in-process replicas.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -28,17 +29,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from rlhf.procs import free_port
-from rlhf.serving import ServiceMetrics, ServiceSettings
 from rlhf.transport.weights import (
-    ServedVersion,
     StreamedWeights,
     check_header,
     load_safetensors,
     pack_weights,
     push_weights_streamed,
 )
-from services.rollout.engine_types import SwapResult
-from services.rollout.grpc_servicer import RolloutServicer, add_to_server
+from tests.support.replica import Replica, start_child
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -61,16 +59,9 @@ def _assert_bit_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
 
 
 def _start_replica(model: Path, dump: Path) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "_hf_replica.py"), str(model), TOKEN, str(dump)],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline()
-    assert line.startswith("ready "), line
-    return proc, line.split()[1]
+    """The ``hf`` engine on ``model`` in a process of its own; on SIGTERM it writes what it serves to ``dump``."""
+    args = ("--token", TOKEN, "--engine", "hf", "--model", str(model), "--dump", str(dump))
+    return start_child(*args, env={"OMP_NUM_THREADS": "1"})
 
 
 def _run_worker(out: Path, procs: int, *options: str) -> None:
@@ -271,49 +262,24 @@ def test_a_source_that_disagrees_with_its_specs_or_diverged_is_refused_before_an
         StreamedWeights(specs, src, 1).buckets()
 
 
-class _Engine:
-    """The servicer's view of an engine: the served version's owner and a swap that keeps the tensors."""
-
-    def __init__(self):
-        self.served, self.model_name, self.tensors = ServedVersion(), "fake", None
-
-    def weight_manifest(self):
-        return None
-
-    async def swap_weights(self, tensors, version, checksum, parent_version) -> SwapResult:
-        self.served.advance(version, parent_version, checksum)
-        self.tensors = tensors
-        return SwapResult(version, checksum, True, wait_seconds=0.0, swap_seconds=0.0)
-
-
-async def _replica(data_plane: bool = True):
-    engine = _Engine()
-    servicer = RolloutServicer(engine, ServiceSettings(api_token=TOKEN), ServiceMetrics("rollout"))
-    server = grpc.aio.server()
-    add_to_server(servicer, server)
-    addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
-    if data_plane:
-        await servicer.start_data_plane("127.0.0.1", 0)
-    return engine, servicer, server, addr
-
-
 @pytest.mark.parametrize("transport", ["tcp", "grpc", "auto"])
 def test_one_producer_feeds_every_replica_and_a_dead_one_holds_no_one_back(transport):
     sd = _state_dict()
 
     async def main():
-        replicas = [await _replica(data_plane=transport != "grpc") for _ in range(2)]
-        dead = f"127.0.0.1:{free_port()}"
-        try:
-            targets = [replicas[0][3], dead, replicas[1][3]]
+        async with contextlib.AsyncExitStack() as stack:
+            replicas = [
+                await stack.enter_async_context(Replica(TOKEN, data_plane=transport != "grpc")) for _ in range(2)
+            ]
+            dead = f"127.0.0.1:{free_port()}"  # picked after the replicas bound theirs
+            targets = [replicas[0].addr, dead, replicas[1].addr]
             src = Source(sd)
             stream = StreamedWeights(src.specs(), src, 1, bucket_bytes=8 << 10)
             out = await push_weights_streamed(
                 targets, stream, token=TOKEN, timeout=30, transport=transport, chunk_bytes=4096
             )
             assert isinstance(out[dead], grpc.aio.AioRpcError)
-            for engine, *_ in replicas:
+            for engine in (r.engine for r in replicas):
                 assert engine.served.version == 1 and engine.served.checksum == stream.checksum
                 _assert_bit_equal(engine.tensors, {k: v.contiguous() for k, v in sd.items()})
             assert src.passes == 2 and src.max_live == 1  # each bucket made once for both replicas
@@ -322,9 +288,5 @@ def test_one_producer_feeds_every_replica_and_a_dead_one_holds_no_one_back(trans
             stream2 = StreamedWeights(src2.specs(), src2, 2, bucket_bytes=8 << 10)
             out = await push_weights_streamed([dead], stream2, token=TOKEN, timeout=30, transport=transport)
             assert isinstance(out[dead], Exception) and src2.passes == 2 and src2.drained > 0
-        finally:
-            for _, servicer, server, _ in replicas:
-                await servicer.close_data_plane()
-                await server.stop(None)
 
     asyncio.run(main())
