@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -96,20 +97,45 @@ def outside_band(metrics: dict[str, dict[str, float]], band: dict) -> list[str]:
     return misses
 
 
+def cpu_model() -> str:
+    """The CPU the runs ran on: a warm start and its curve differ between CPU models (another SIMD kernel rounds
+    otherwise, and 2,000 supervised steps carry it), so the band keeps runs from each model it has seen."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.converge_gate", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5, help="gate runs (seeds 1..N) the band is made from")
+    p.add_argument(
+        "--add",
+        action="store_true",
+        help="keep the band's runs from other CPU models and make the band from all of them (on another machine)",
+    )
     p.add_argument("--work", type=Path, default=ROOT / ".cache" / "converge-gate")
     p.add_argument("--out", type=Path, default=BAND)
     args = p.parse_args(argv)
+    cpu = cpu_model()
+    kept = []
+    if args.add and args.out.exists():
+        kept = [r for r in json.loads(args.out.read_text())["seen"] if r.get("cpu") != cpu]
     runs = []
     for seed in range(1, args.runs + 1):
         run_dir = args.work / f"seed{seed}"
         if run_dir.exists():
             subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-        runs.append(key_metrics(run_gate(run_dir, seed)))
-        print(json.dumps({"seed": seed, **{k: v for k, v in runs[-1].items()}}), flush=True)
-    args.out.write_text(json.dumps({**make_band(runs), "seen": runs}, indent=1) + "\n")
+        runs.append({"cpu": cpu, "seed": seed, **key_metrics(run_gate(run_dir, seed))})
+        print(json.dumps(runs[-1]), flush=True)
+    seen = kept + runs
+    band = make_band([{k: v for k, v in r.items() if k in (*EVAL_KEYS, TRAIN_KEY)} for r in seen])
+    args.out.write_text(
+        json.dumps({**band, "cpus": sorted({r.get("cpu", "?") for r in seen}), "seen": seen}, indent=1) + "\n"
+    )
     return 0
 
 
