@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import subprocess
 import sys
 from pathlib import Path
+
+from bench._common import cpu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "learn-reverse-words.yaml"
@@ -97,18 +98,6 @@ def outside_band(metrics: dict[str, dict[str, float]], band: dict) -> list[str]:
     return misses
 
 
-def cpu_model() -> str:
-    """The CPU the runs ran on: a warm start and its curve differ between CPU models (another SIMD kernel rounds
-    otherwise, and 2,000 supervised steps carry it), so the band keeps runs from each model it has seen."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.converge_gate", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=5, help="gate runs (seeds 1..N) the band is made from")
@@ -120,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=ROOT / ".cache" / "converge-gate")
     p.add_argument("--out", type=Path, default=BAND)
     args = p.parse_args(argv)
-    cpu = cpu_model()
+    cpu = cpu_model()  # a warm start and its curve differ between CPU models (docs/learning.md)
     kept = []
     if args.add and args.out.exists():
         kept = [r for r in json.loads(args.out.read_text())["seen"] if r.get("cpu") != cpu]
