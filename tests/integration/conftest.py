@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _procs import REPO, ServiceProc, write_config
+
+from tests.integration._procs import REPO, ServiceProc, write_config
 
 # Services several test modules (and the docs/services.md examples) use with the same config: started once per
 # session, all together on first use (their start-up is mostly imports, which overlap well), stopped at the end of the

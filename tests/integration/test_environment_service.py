@@ -14,7 +14,6 @@ import _environments
 import grpc
 import httpx
 import pytest
-from _procs import ServiceProc, write_config
 
 from rlhf.config import ConfigError, parse_config
 from rlhf.environments.client import EnvironmentClient, EnvironmentFailed, EpisodeLost
@@ -22,6 +21,7 @@ from rlhf.serving import DeadlineExceeded, ResourceExhausted, ServiceMetrics, Se
 from rlhf.v1 import environment_pb2, environment_pb2_grpc
 from services.environment.engine import EnvironmentEngine
 from services.environment.main import build_runner
+from tests.integration._procs import ServiceProc, write_config
 
 TOKEN = "env-test-token"
 HERE = Path(__file__).resolve().parent

@@ -12,12 +12,12 @@ import time
 
 import httpx
 import pytest
-from _http_stub import JSONHandler, score_and_close, serve
-from _procs import REPO, ServiceProc
 
 from rlhf.config import ConfigError, parse_config
 from services.reward.engine import RewardEngine
 from services.reward.scorers import Item
+from tests.integration._http_stub import JSONHandler, score_and_close, serve
+from tests.integration._procs import REPO, ServiceProc
 
 
 class _Handler(JSONHandler):

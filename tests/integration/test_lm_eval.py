@@ -14,7 +14,8 @@ import httpx
 import lm_eval  # the `eval` extra, which `make setup` installs: the test fails rather than skips without it
 import pytest
 import torch
-from _procs import REPO, ServiceProc
+
+from tests.integration._procs import REPO, ServiceProc
 
 CONFIG = REPO / "configs/demo.yaml"
 MODEL = "tiny:policy"

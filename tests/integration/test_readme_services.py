@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from _procs import REPO, ServiceProc
+
+from tests.integration._procs import REPO, ServiceProc
 
 SUBSECTIONS = ("Reward", "Reference")
 PAGE = REPO / "docs" / "services.md"  # where the examples are

@@ -192,7 +192,7 @@ def test_metrics(ref_svc):
 
 
 def test_openapi_fuzz_finds_no_server_errors(ref_svc):
-    from _fuzz import fuzz_openapi
+    from tests.integration._fuzz import fuzz_openapi
 
     assert fuzz_openapi(ref_svc.http_url, max_examples=30) > 50
     assert httpx.get(ref_svc.http_url + "/readyz").status_code == 200

@@ -10,13 +10,13 @@ import time
 import grpc
 import httpx
 import pytest
-from _http_stub import JSONHandler, score_and_close, serve
 
 from rlhf.config import parse_config
 from rlhf.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.reward import rules
 from services.reward.engine import RewardEngine
 from services.reward.scorers import Item
+from tests.integration._http_stub import JSONHandler, score_and_close, serve
 
 # configs/reward-tiny-model.yaml: the tiny reward model (weight 1.0) + math_answer (weight 0.5); shared with the
 # docs/services.md examples (tests/integration/conftest.py SHARED_SERVICES), with a 300000-byte body limit and 1 MiB
@@ -192,7 +192,7 @@ def test_metrics(reward_svc):
 
 
 def test_openapi_fuzz_finds_no_server_errors(reward_svc):
-    from _fuzz import fuzz_openapi
+    from tests.integration._fuzz import fuzz_openapi
 
     n = fuzz_openapi(reward_svc.http_url, max_examples=30)
     assert n > 50

@@ -36,7 +36,7 @@ HOSTED = {ECHO: {"turns": 3}, FAILING: {}}
 
 @pytest.fixture(scope="module")
 def reference(tiny_models, tmp_path_factory):
-    from _procs import ServiceProc, write_config
+    from tests.integration._procs import ServiceProc, write_config
 
     d = tmp_path_factory.mktemp("episodes-ref")
     cfg = write_config(d / "cfg.yaml", {"run_id": RUN, "actor_rollout_ref": {"actor_rollout": {"load": "tiny:policy"}}})

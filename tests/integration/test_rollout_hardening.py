@@ -12,9 +12,9 @@ import time
 import grpc
 import httpx
 import pytest
-from _procs import REPO, ServiceProc
 
 from rlhf.v1 import rollout_pb2_grpc, weights_pb2
+from tests.integration._procs import REPO, ServiceProc
 
 TOKEN = "hardening-token"
 

@@ -12,7 +12,8 @@ import time
 import httpx
 import openai
 import pytest
-from _procs import REPO, ServiceProc
+
+from tests.integration._procs import REPO, ServiceProc
 
 CONFIG = "configs/demo.yaml"
 MODEL = "tiny:policy"

@@ -24,9 +24,9 @@ import grpc
 import httpx
 import pytest
 import torch
-from _procs import REPO, ServiceProc
 
 from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
+from tests.integration._procs import REPO, ServiceProc
 
 CONFIG = "configs/demo.yaml"  # engine vllm, temperature 1.0, max_new_tokens 16 (also what docs/services.md uses)
 TOKEN = "rollout-test-token"

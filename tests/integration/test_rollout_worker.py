@@ -119,7 +119,7 @@ class _Hang:
 @pytest.fixture(scope="module")
 def services(tiny_models, tmp_path_factory):
     """Reward (rule scorer ``length``) and reference services as real processes, shared by this module."""
-    from _procs import ServiceProc, write_config
+    from tests.integration._procs import ServiceProc, write_config
 
     d = tmp_path_factory.mktemp("worker-services")
     cfg = write_config(
@@ -369,9 +369,8 @@ def test_service_hook_scorer_errors_kept_and_invalid_jobs_dead_lettered(engine, 
 
 def test_rollout_service_in_worker_mode(services, redis_server, tmp_path, tiny_models):
     """The real rollout service process with RLHF_REDIS_URL set runs the worker next to its servers."""
-    from _procs import ServiceProc, write_config
-
     from rlhf.models import load_tokenizer
+    from tests.integration._procs import ServiceProc, write_config
 
     tok = load_tokenizer(Path(os.environ["RLHF_CACHE_DIR"]) / "tiny" / "policy")
     cfg = write_config(

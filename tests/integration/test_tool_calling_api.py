@@ -14,9 +14,9 @@ import math
 
 import openai
 import pytest
-from _procs import ServiceProc, write_config
 
 from rlhf.tool_calls import template_messages
+from tests.integration._procs import ServiceProc, write_config
 
 MODEL = "tool-tiny"  # any name: the served model answers
 TOOLS = [

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _procs import ServiceProc, write_config
+
+from tests.integration._procs import ServiceProc, write_config
 
 RLHF_SCRIPT = Path(sys.executable).parent / "rlhf"
 

@@ -22,7 +22,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from parity_support import (
+
+import rlhf.algo
+import rlhf.models
+from rlhf.config import parse_config
+from tests.parity.parity_support import (
     PAD,
     TRL_CPU_ARGS,
     Comparison,
@@ -37,10 +41,6 @@ from parity_support import (
     truncate_after_eos,
     worst_grad,
 )
-
-import rlhf.algo
-import rlhf.models
-from rlhf.config import parse_config
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,17 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from parity_support import (
+
+from rlhf.algo import (
+    dpo_loss,
+    logprobs_from_logits,
+    masked_sum,
+    select_chosen_rejected,
+    sequence_lengths,
+    truncate_at_stop,
+)
+from rlhf.models import causal_lm_logits
+from tests.parity.parity_support import (
     EOS,
     PAD,
     TRL_CPU_ARGS,
@@ -35,16 +45,6 @@ from parity_support import (
     truncate_after_eos,
     worst_grad,
 )
-
-from rlhf.algo import (
-    dpo_loss,
-    logprobs_from_logits,
-    masked_sum,
-    select_chosen_rejected,
-    sequence_lengths,
-    truncate_at_stop,
-)
-from rlhf.models import causal_lm_logits
 
 
 @dataclass(frozen=True)

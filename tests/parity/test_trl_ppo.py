@@ -20,17 +20,6 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
-from parity_support import (
-    EOS,
-    PAD,
-    Comparison,
-    build_models,
-    build_tokenizer,
-    left_pad,
-    make_prompts,
-    make_responses,
-    permutations,
-)
 
 from rlhf.algo import (
     entropy_from_logits,
@@ -45,6 +34,17 @@ from rlhf.algo import (
     value_loss,
 )
 from rlhf.models import causal_lm_logits, score_head_outputs
+from tests.parity.parity_support import (
+    EOS,
+    PAD,
+    Comparison,
+    build_models,
+    build_tokenizer,
+    left_pad,
+    make_prompts,
+    make_responses,
+    permutations,
+)
 
 
 @dataclass(frozen=True)

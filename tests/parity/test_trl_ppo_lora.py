@@ -14,10 +14,10 @@ import copy
 
 import pytest
 import torch
-from parity_support import build_models, left_pad
 from test_trl_ppo import SETTINGS, compare, make_case, order_of, run_ours, run_trl
 
 from rlhf.lora import merged_state_dict
+from tests.parity.parity_support import build_models, left_pad
 
 pytest.importorskip("peft")
 

@@ -16,7 +16,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from parity_support import (
+
+import rlhf.algo
+from rlhf.config import parse_config
+from tests.parity.parity_support import (
     TRL_CPU_ARGS,
     Comparison,
     build_models,
@@ -30,9 +33,6 @@ from parity_support import (
     truncate_after_eos,
     worst_grad,
 )
-
-import rlhf.algo
-from rlhf.config import parse_config
 
 
 @dataclass(frozen=True)
