@@ -1,7 +1,7 @@
 """rlhf.transport on the highly available shapes, with real redis-server processes on loopback: a 3-master Redis
 Cluster (every script and multi-key command of a run in one slot, two runs on different nodes) and a Sentinel group
 (master, replica, three sentinels: WAIT on the guarantee-bearing writes, a kill -9 failover that loses none of the
-writes it acknowledged). The URL shapes themselves are unit-tested in tests/unit/test_redis_url.py.
+writes it acknowledged). The URL shapes themselves are unit-tested in tests/unit/rlhf/transport/test_redis_url.py.
 
 About 22 s in all on 2 shared cores (cluster creation ~1 s, a Sentinel group ~2.5 s, a failover ~3 s).
 """

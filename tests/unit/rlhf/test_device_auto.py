@@ -13,6 +13,16 @@ import torch
 from rlhf import models
 
 
+@pytest.fixture(autouse=True)
+def _no_stub_left_in_sys_modules():
+    """The stub's import puts a torch_npu in sys.modules that monkeypatch does not take out (it was absent before):
+    remove it, or a later test in the run (test_collective_backend's hccl check) imports the stub."""
+    before = sys.modules.get("torch_npu")
+    yield
+    if before is None:
+        sys.modules.pop("torch_npu", None)
+
+
 @pytest.fixture
 def no_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -11,7 +11,7 @@ import pytest
 from services.cli import main
 from services.eval_run import resolve_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _checkpoint(root: Path, step: int, complete: bool = True) -> Path:

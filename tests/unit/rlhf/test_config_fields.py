@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from rlhf.config import ExperimentConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MAPPED = "mapped:"
 UNTESTED = "untested:"  # read by the code, but no test shows the effect yet: this list must only shrink
 KNOWN_UNTESTED: set[str] = set()
@@ -29,27 +29,26 @@ TRAINER_SVC = "tests/integration/test_trainer_service.py::test_trainer_trains_ch
 INTERVALS = (
     "tests/integration/test_trainer_service.py::test_weight_sync_and_log_intervals_skip_pushes_and_progress_lines"
 )
-ROLLOUT_SETTINGS = "tests/unit/test_rollout_engine_settings.py::"
-SEEDS = "tests/unit/test_config_seeds.py::"
-DEVICES = "tests/unit/test_devices.py::"
-SOURCES = "tests/unit/test_data_sources.py::"
-VERIFIERS = "tests/unit/test_rules_verifiers.py::"
+ROLLOUT_SETTINGS = "tests/unit/services/rollout/test_rollout_engine_settings.py::"
+SEEDS = "tests/unit/rlhf/test_config_seeds.py::"
+DEVICES = "tests/unit/services/test_devices.py::"
+SOURCES = "tests/unit/rlhf/test_data_sources.py::"
+VERIFIERS = "tests/unit/services/reward/test_rules_verifiers.py::"
 ENGINE_SMALL = TO + "test_tokenizer_sampling_mode_adam_settings_and_vf_coef_reach_the_engine"
-PER_ROLE = "tests/unit/test_algo_training_options.py::test_per_role_optimizer_fields_override_the_training_section"
-CRITIC_OPTIM = (
-    "tests/unit/test_algo_training_options.py::test_the_critic_section_overrides_the_training_sections_optimizer_fields"
-)
+ALGO_TO = "tests/unit/rlhf/algo/test_algo_training_options.py::"
+PER_ROLE = ALGO_TO + "test_per_role_optimizer_fields_override_the_training_section"
+CRITIC_OPTIM = ALGO_TO + "test_the_critic_section_overrides_the_training_sections_optimizer_fields"
 SCHEDULE = [
     TO + "test_lr_schedule_sets_each_steps_learning_rate",
-    "tests/unit/test_algo_training_options.py::test_lr_schedule_values_at_given_steps",
+    ALGO_TO + "test_lr_schedule_values_at_given_steps",
     PER_ROLE,
 ]
-DATA = "tests/unit/test_data_json.py::"
-EVAL = "tests/unit/test_eval_metrics.py::"
+DATA = "tests/unit/rlhf/test_data_json.py::"
+EVAL = "tests/unit/rlhf/test_eval_metrics.py::"
 EVAL_RING = "tests/e2e/test_algorithms.py::test_evaluates_held_out_prompts_beside_training"
 LORA = "tests/trainer/test_lora.py::"
 ENV_SVC = "tests/integration/test_environment_service.py::"
-ENV_UNIT = "tests/unit/test_environments.py::"
+ENV_UNIT = "tests/unit/rlhf/environments/test_environments.py::"
 EPISODES = "tests/integration/test_rollout_episodes.py::"
 RS = "tests/trainer/test_rejection_sampling.py::"
 EPISODE_RUN = EPISODES + "test_an_episode_is_every_turn_as_generated"
@@ -72,7 +71,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "training.clip_grad": [PER_ROLE, "tests/trainer/test_robustness.py"],
     "training.lr_decay_style": SCHEDULE,
     "training.lr_warmup_fraction": [
-        "tests/unit/test_algo_training_options.py::test_lr_schedule_values_at_given_steps",
+        ALGO_TO + "test_lr_schedule_values_at_given_steps",
         PER_ROLE,
     ],
     "training.min_lr": SCHEDULE,
@@ -90,7 +89,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "training.activation_checkpointing": ["tests/trainer/test_distributed.py::test_world_2_update_equals_world_1"],
     "training.collective_timeout_s": ["tests/trainer/test_distributed.py::test_a_hung_collective_times_out"],
     "training.bf16": ["tests/trainer/test_engine.py::test_bf16_keeps_fp32_master_weights_that_learn_at_a_small_lr"],
-    "training.device": ["tests/unit/test_device_auto.py"],
+    "training.device": ["tests/unit/rlhf/test_device_auto.py"],
     "training.save_interval": [TRAINER_SVC],
     "training.save": [
         TRAINER_SVC,
@@ -110,7 +109,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     ],
     "training.log_interval": [INTERVALS],
     "training.log_completions_interval": [TRAINER_SVC],
-    "actor_rollout_ref.actor_rollout.load": ["tests/unit/test_models_resolve.py"],
+    "actor_rollout_ref.actor_rollout.load": ["tests/unit/rlhf/test_models_resolve.py"],
     "actor_rollout_ref.actor_rollout.save": [
         TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng",
         SEEDS + "test_seed_000_ppo_snippet_loads_with_its_save_folders",
@@ -144,9 +143,11 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     ],
     "actor_rollout_ref.actor_rollout.clip_ratio": [PPO_PARITY, GRPO_PARITY],
     "actor_rollout_ref.actor_rollout.clip_ratio_high": [GRPO_PARITY],
-    "actor_rollout_ref.actor_rollout.dual_clip": ["tests/unit/test_algo_losses.py::test_ppo_policy_loss_dual_clip"],
+    "actor_rollout_ref.actor_rollout.dual_clip": [
+        "tests/unit/rlhf/algo/test_losses.py::test_ppo_policy_loss_dual_clip"
+    ],
     "actor_rollout_ref.actor_rollout.tis_cap": [
-        "tests/unit/test_algo_losses.py::test_ppo_policy_loss_truncated_importance_sampling"
+        "tests/unit/rlhf/algo/test_losses.py::test_ppo_policy_loss_truncated_importance_sampling"
     ],
     "actor_rollout_ref.actor_rollout.shuffle_minibatch": [TO + "test_online_dpo_minibatches_epochs_and_entropy_bonus"],
     "actor_rollout_ref.actor_rollout.entropy_coeff": [TO + "test_online_dpo_minibatches_epochs_and_entropy_bonus"],
@@ -163,7 +164,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     ],
     "actor_rollout_ref.actor_rollout.tool_call_parser": [
         "tests/integration/test_tool_calling_api.py::test_a_tool_call_and_the_turn_after_it",
-        "tests/unit/test_tool_calls.py::test_the_config_names_the_parser",
+        "tests/unit/rlhf/test_tool_calls.py::test_the_config_names_the_parser",
     ],
     "actor_rollout_ref.actor_rollout.lora_r": [
         LORA + "test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model",
@@ -314,7 +315,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         "tests/integration/test_trainer_service.py::test_a_scorer_failing_on_most_samples_stops_the_run_naming_it"
     ],
     "algorithm.adv_estimator": [
-        "tests/unit/test_config_critic_free.py::test_stage_defaults_follow_trl_and_openrlhf",
+        "tests/unit/rlhf/test_config_critic_free.py::test_stage_defaults_follow_trl_and_openrlhf",
         "tests/parity/test_openrlhf_reinforce.py",
     ],
     "algorithm.gamma": [PPO_PARITY],
@@ -324,25 +325,24 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         GRPO_PARITY,
         TO + "test_kl_penalty_full_penalises_the_whole_vocabulary_kl_to_the_reference",
     ],
-    "algorithm.kl_ctrl.type": ["tests/unit/test_algo_kl.py::test_make_kl_controller"],
+    "algorithm.kl_ctrl.type": ["tests/unit/rlhf/algo/test_kl.py::test_make_kl_controller"],
     "algorithm.kl_ctrl.kl_coef": [PPO_PARITY],
-    "algorithm.kl_ctrl.target_kl": ["tests/unit/test_algo_kl.py::test_adaptive_controller_update_rule"],
-    "algorithm.kl_ctrl.horizon": ["tests/unit/test_algo_kl.py::test_adaptive_controller_update_rule"],
+    "algorithm.kl_ctrl.target_kl": ["tests/unit/rlhf/algo/test_kl.py::test_adaptive_controller_update_rule"],
+    "algorithm.kl_ctrl.horizon": ["tests/unit/rlhf/algo/test_kl.py::test_adaptive_controller_update_rule"],
     "algorithm.missing_eos_penalty": [PPO_PARITY, DPO_PARITY],
     "algorithm.normalize_reward": [TO + "test_normalised_rewards_use_the_running_statistics_and_clipping_bounds_them"],
     "algorithm.reward_clip_range": [TO + "test_normalised_rewards_use_the_running_statistics_and_clipping_bounds_them"],
     "algorithm.reward_norm_stats": [
         TO + "test_fixed_reward_statistics_normalise_with_the_given_or_the_reward_models_mean_and_std",
-        "tests/unit/test_algo_training_options.py::test_fixed_moments_normalise_with_the_given_mean_and_std_exactly",
+        ALGO_TO + "test_fixed_moments_normalise_with_the_given_mean_and_std_exactly",
     ],
     "algorithm.reward_baseline": [
         TO + "test_ppo_reward_baseline_is_subtracted_from_the_scores_ppo_trains_on",
-        "tests/unit/test_algo_training_options.py::"
-        "test_ppo_rollout_puts_the_baselined_score_after_the_eos_penalty_and_before_the_kl",
+        ALGO_TO + "test_ppo_rollout_puts_the_baselined_score_after_the_eos_penalty_and_before_the_kl",
     ],
     "algorithm.whiten_rewards": [PPO_PARITY],
     "algorithm.whiten_advantages": [PPO_PARITY, RLOO_PARITY],
-    "algorithm.score_position": ["tests/unit/test_algo_ppo.py::test_ppo_rollout_score_positions"],
+    "algorithm.score_position": ["tests/unit/rlhf/algo/test_ppo.py::test_ppo_rollout_score_positions"],
     "algorithm.loss_type": [GRPO_PARITY],
     "algorithm.scale_rewards": [GRPO_PARITY],
     "algorithm.use_bias_correction_kl": [GRPO_PARITY],
@@ -352,11 +352,11 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "algorithm.rloo_convention": [RLOO_PARITY, "tests/parity/test_openrlhf_reinforce.py"],
     "algorithm.distill.coef": [
         "tests/trainer/test_distill.py::test_distillation_lowers_the_students_reverse_kl_to_the_teacher",
-        "tests/unit/test_algo_distill.py::test_advantages_match_a_loop",
+        "tests/unit/rlhf/algo/test_algo_distill.py::test_advantages_match_a_loop",
     ],
     "algorithm.distill.reward_coef": [
         "tests/trainer/test_distill.py::test_pure_distillation_ignores_the_score_and_reward_coef_adds_the_task_advantage",
-        "tests/unit/test_algo_distill.py::test_advantages_match_a_loop",
+        "tests/unit/rlhf/algo/test_algo_distill.py::test_advantages_match_a_loop",
     ],
     "algorithm.dpo_beta": [DPO_PARITY],
     "algorithm.dpo_loss_type": [DPO_PARITY],

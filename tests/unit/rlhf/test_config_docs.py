@@ -1,12 +1,13 @@
 """docs/configuration.md's field tables are the ones tools/gen_config_docs.py renders from rlhf/config.py (as
-tests/unit/test_proto.py does for rlhf/v1): a field added, renamed or redescribed without regenerating fails here."""
+tests/unit/rlhf/test_proto.py does for rlhf/v1): a field added, renamed or redescribed without regenerating fails
+here."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _generator():

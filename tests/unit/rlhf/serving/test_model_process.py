@@ -12,7 +12,7 @@ import pytest
 from rlhf.serving import Internal, InvalidArgument
 from rlhf.serving.model_process import ModelProcess, forward_threads
 
-TARGET = "tests.unit._model_process_handlers:echo"
+TARGET = "tests.unit.rlhf.serving._model_process_handlers:echo"
 
 
 @pytest.fixture

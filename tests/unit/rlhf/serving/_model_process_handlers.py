@@ -1,4 +1,5 @@
-"""Handlers for tests/unit/test_model_process.py, run in a real model process (rlhf.serving.model_process)."""
+"""Handlers for tests/unit/rlhf/serving/test_model_process.py, run in a real model process
+(rlhf.serving.model_process)."""
 
 from __future__ import annotations
 

@@ -110,7 +110,7 @@ def test_the_grpo_reasoning_gym_example_config_loads_and_its_reward_verifies_its
 
     from rlhf.config import load_config
 
-    cfg = load_config(Path(__file__).parents[2] / "configs" / "grpo-reasoning-gym.yaml")
+    cfg = load_config(Path(__file__).parents[4] / "configs" / "grpo-reasoning-gym.yaml")
     assert cfg.training.stage == "ray_grpo" and cfg.data.path == "reasoning_gym:chain_sum"
     records = load_prompts(cfg.data)
     assert len(records) == cfg.data.generator_size

@@ -8,7 +8,7 @@ import pytest
 
 from rlhf.config import ConfigError, load_config, parse_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _cfg(stage="ray_grpo", n=4, ref="tiny:qwen3/policy", algorithm=None):

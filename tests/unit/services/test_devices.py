@@ -10,7 +10,7 @@ from rlhf.config import parse_config
 from services.devices import plan_devices, rollout_replicas, trainer_procs, visible_devices
 from services.plan import plan_services
 
-SEED_004 = Path(__file__).parent / "seed_configs" / "ray_online_dpo_full_llama32_1b_tp1pp1.yaml"
+SEED_004 = Path(__file__).parents[1] / "seed_configs" / "ray_online_dpo_full_llama32_1b_tp1pp1.yaml"
 
 
 def _cfg(actor=None, pool=None):

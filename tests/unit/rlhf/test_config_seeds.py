@@ -10,7 +10,7 @@ import pytest
 
 from rlhf.config import ConfigError, config_warning, load_config, parse_config
 
-SEEDS = Path(__file__).parent / "seed_configs"
+SEEDS = Path(__file__).parents[1] / "seed_configs"
 
 
 def test_seed_000_ppo_snippet_loads_with_its_save_folders():
