@@ -293,10 +293,11 @@ def _add_eval(sub) -> None:
         description="Generate the eval section's held-out prompts with a rollout service (gRPC Generate) and score "
         "them with a reward service (gRPC Score); report eval/reward_mean, eval/pass@k, eval/response_length_mean, "
         "eval/failed_fraction as the trainer's evaluation does: a row appended to OUT/metrics.jsonl, TensorBoard in "
-        "OUT/tensorboard, the row as JSON on stdout. Services not given by address (--checkpoint: a rollout replica; "
-        "no --reward: the config's reward section) are started as child processes on free loopback ports and stopped "
-        "at the end. Exit 0 when the evaluation ran, 1 when it failed, 2 for bad arguments. For lm-eval benchmarks, "
-        "point lm-eval's local-completions model at a rollout's /v1/completions instead (docs/training.md).",
+        "OUT/tensorboard (with the plots extra installed), the row as JSON on stdout. Services not given by address "
+        "(--checkpoint: a rollout replica; no --reward: the config's reward section) are started as child processes "
+        "on free loopback ports and stopped at the end. Exit 0 when the evaluation ran, 1 when it failed, 2 for bad "
+        "arguments. For lm-eval benchmarks, point lm-eval's local-completions model at a rollout's /v1/completions "
+        "instead (docs/training.md).",
         epilog="examples:\n"
         "  rlhf eval --config configs/demo.yaml --rollout 127.0.0.1:50051 --reward 127.0.0.1:50052\n"
         "  rlhf eval --config configs/demo.yaml --checkpoint runs/demo-x/checkpoints --out runs/demo-x\n"
