@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from rlhf import tasks
 from rlhf.config import ConfigError, DataConfig
@@ -90,10 +92,9 @@ def _read_rows(path: str, key: str = "data.path") -> list[dict]:
         return rows
     if p.suffix == ".parquet":
         try:
-            import pyarrow.parquet as pq  # noqa: PLC0415 - optional dependency
-        except ImportError:
-            raise ConfigError(f"{key}: reading parquet needs pyarrow (pip install pyarrow)") from None
-        return pq.read_table(p).to_pylist()
+            return pq.read_table(p).to_pylist()
+        except pa.ArrowException as err:
+            raise ConfigError(f"{key}: {path} is not a readable parquet file: {err}") from None
     raise ConfigError(f"{key}: {path} must end in .jsonl, .json or .parquet")
 
 

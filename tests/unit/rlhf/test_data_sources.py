@@ -8,6 +8,8 @@ import json
 import struct
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from rlhf.config import ConfigError, DataConfig, parse_config
@@ -163,10 +165,56 @@ def test_broken_indexed_files_are_config_errors(tmp_path):
 
 
 def test_parquet_still_loads_with_the_key_map(tmp_path):
-    pq = pytest.importorskip("pyarrow.parquet")
-    import pyarrow as pa
-
     path = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist(ROWS), path)
     got = load_prompts(DataConfig(path=str(path), map_keys={"prompt": "instruction", "query": "input"}))
     assert [r.prompt for r in got] == ["Translate to French\ngood morning", "Say hello"]
+
+
+def _descriptiveness(tmp_path) -> str:
+    """A file in the layout of the seeds' data set (trl-internal-testing/descriptiveness-sentiment-trl-style,
+    descriptiveness-00000-of-00001.parquet): a prompt column and the chosen / rejected conversations as lists of
+    role/content structs."""
+    prompts = ["The old lighthouse stood", "She opened the letter and"]
+    rows = [
+        {
+            "prompt": p,
+            "chosen": [{"role": "user", "content": p}, {"role": "assistant", "content": f"{p} quietly."}],
+            "rejected": [{"role": "user", "content": p}, {"role": "assistant", "content": f"{p} then."}],
+        }
+        for p in prompts
+    ]
+    path = tmp_path / "descriptiveness-00000-of-00001.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert pq.read_schema(path).field("chosen").type == pa.list_(
+        pa.struct([("role", pa.string()), ("content", pa.string())])
+    )
+    return str(path)
+
+
+def test_the_seeds_parquet_layout_reads_with_their_map_keys(tmp_path):
+    path = _descriptiveness(tmp_path)
+    # seed 000's --map-keys (PPO): the response column is the prompt column, so each prompt is also its label
+    got = load_prompts(
+        DataConfig(path=path, map_keys={"prompt": "prompt", "query": "", "response": "prompt", "system": ""})
+    )
+    assert [(r.prompt, r.label, r.system) for r in got] == [
+        ("The old lighthouse stood", "The old lighthouse stood", None),
+        ("She opened the letter and", "She opened the letter and", None),
+    ]
+    # seed 004's (online DPO): no response column, no label
+    got = load_prompts(DataConfig(path=path, map_keys={"prompt": "prompt", "query": "", "response": "", "system": ""}))
+    assert [(r.prompt, r.label) for r in got] == [
+        ("The old lighthouse stood", None),
+        ("She opened the letter and", None),
+    ]
+    # a column the map names and the file lacks is an error naming the key and the file
+    with pytest.raises(ConfigError, match="data.map_keys.prompt: .*descriptiveness-00000-of-00001.parquet"):
+        load_prompts(DataConfig(path=path, map_keys={"prompt": "question"}))
+
+
+def test_a_file_that_is_not_parquet_is_a_config_error(tmp_path):
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"prompt\nnot a parquet file\n")
+    with pytest.raises(ConfigError, match="data.path: .*broken.parquet is not a readable parquet file"):
+        load_prompts(DataConfig(path=str(path)))
