@@ -126,7 +126,25 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             elif section == "actor_rollout" and key in ("shuffle", "no_shuffle"):
                 value = body.pop(key)
                 _put(data, "data", "shuffle", bool(value) if key == "shuffle" else not value, f"{where}.{key}")
+    _map_dpo_args(data)
     return data, notes
+
+
+# MindSpeed-LLM's online DPO loss reads Megatron arguments (--dpo-beta, default 0.1, and --dpo-loss-type), which its
+# configs set in training or a role section; its algorithm.kl_ctrl is read by the PPO and GRPO trainers only.
+_DPO_ARGS = ("dpo_beta", "dpo_loss_type")
+
+
+def _map_dpo_args(data: dict[str, Any]) -> None:
+    """MindSpeed's ``dpo_beta`` / ``dpo_loss_type`` in ``training`` or ``actor_rollout`` -> ``algorithm``'s (the
+    actor's section wins over training's, as MindSpeed merges a role's arguments over the common ones); a different
+    explicit ``algorithm`` value is an error naming both keys."""
+    sections = _sections(data)
+    for key in _DPO_ARGS:
+        found = [(s, sections[s].pop(key)) for s in ("training", "actor_rollout") if key in sections.get(s, {})]
+        if found:
+            section, value = found[-1]
+            _put(data, "algorithm", key, value, f"{_path(section)}.{key}")
 
 
 def mindspeed_style(raw: dict[str, Any]) -> bool:

@@ -283,6 +283,12 @@ _NOT_READ_WHY = {
     "algorithm.dpo_beta",
     Stage.PPO: "the DPO fields are read by ray_online_dpo only",
 }
+# A field's own reason, where the stage's would not say enough. Seed 004's online DPO sets kl_ctrl.kl_coef: its beta
+# is not that, as in MindSpeed-LLM, whose online DPO loss reads only --dpo-beta.
+_NOT_READ_FIELD_WHY = {
+    (Stage.ONLINE_DPO, "kl_ctrl"): "the DPO loss has no KL penalty: its beta is algorithm.dpo_beta ({dpo_beta} here), "
+    "as MindSpeed-LLM's online DPO takes beta from dpo_beta (default 0.1), never from kl_ctrl.kl_coef",
+}
 
 
 def stage_notes(cfg: Config) -> list[str]:
@@ -293,6 +299,8 @@ def stage_notes(cfg: Config) -> list[str]:
         for name in names:
             if name in explicit:
                 why = _NOT_READ_WHY.get(stage, "a critic-free stage has no critic, GAE or DPO loss")
+                if (stage, name) in _NOT_READ_FIELD_WHY:
+                    why = _NOT_READ_FIELD_WHY[(stage, name)].format(dpo_beta=cfg.algorithm.dpo_beta)
                 notes.append(
                     f"{'actor_rollout_ref.' if section == 'actor_rollout' else ''}{section}.{name}: "
                     f"not read by {stage} ({why})"
