@@ -656,7 +656,7 @@ def critic_free_micro_loss(
     (DAPO's ``num_items``: the batch's loss tokens per minibatch, as TRL). The policy loss is :func:`rloo_trl_loss`
     for RLOO with TRL's convention, else :func:`grpo_loss` over the top-entropy tokens (``top_entropy_quantile``, of
     each forward pass as TRL's); the entropy bonus is a token mean over the same tokens. stats: ``loss/policy``,
-    ``policy/entropy`` and the policy loss's own, as ``policy/<name>``.
+    its magnitude ``loss/policy_abs``, ``policy/entropy`` and the policy loss's own, as ``policy/<name>``.
     """
     mask = t.mask[rows]
     entropy_mask = None
@@ -669,6 +669,7 @@ def critic_free_micro_loss(
         loss = loss - s.entropy_coeff * micro_weight("tokens", kept, t.mask[whole]) * masked_mean(entropies, kept)
     stats = {
         "loss/policy": pg_loss.detach(),
+        "loss/policy_abs": pg_loss.detach().abs(),  # averaged over micro-batches: MindSpeed-LLM's logged actor loss
         "policy/entropy": masked_mean(entropies.detach(), mask),
         **{f"policy/{k}": v for k, v in pg_stats.items() if k != "policy_loss"},
     }

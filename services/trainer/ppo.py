@@ -193,10 +193,14 @@ class PPOStage:
             )
             entropy = algo.masked_mean(entropies, mask)
             loss = pg_loss - a.entropy_coeff * entropy if a.entropy_coeff else pg_loss
+            policy_loss = pg_loss.item()
             append_stats(
                 stats,
                 {
-                    "loss/policy": pg_loss.item(),
+                    "loss/policy": policy_loss,
+                    # MindSpeed-LLM's logged actor loss (seed 000 compares it with TRL's): whitened advantages make
+                    # the signed mean near 0, the mean magnitude over micro-batches is what tracks the updates
+                    "loss/policy_abs": abs(policy_loss),
                     "policy/entropy": entropy.item(),
                     **{f"policy/{k}": v.item() for k, v in pg_stats.items()},
                 },

@@ -214,6 +214,22 @@ def test_project_torch_range_admits_every_base_and_the_images_leave_the_plots_ou
     assert {Requirement(d).name for d in project["optional-dependencies"]["plots"]} == {"matplotlib", "tensorboard"}
 
 
+def test_the_images_read_the_parquet_data_the_shipped_configs_name():
+    """The trainer reads data.path; the GPU/NPU configs compose and the Helm examples run name a parquet file, and
+    the images install the core dependencies only, so pyarrow is one of them."""
+    import yaml
+    from packaging.requirements import Requirement
+
+    parquet = [
+        c.name
+        for c in (ROOT / "configs").glob("*.yaml")
+        if str(yaml.safe_load(c.read_text()).get("data", {}).get("path", "")).endswith(".parquet")
+    ]
+    assert parquet, "no shipped config reads parquet: this test has nothing to check"
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert "pyarrow" in {Requirement(d).name for d in deps}, parquet
+
+
 def _expand(args: dict[str, str], **overrides: str) -> dict[str, str]:
     """The Dockerfile's global ARGs as a build with ``--build-arg`` overrides would see them."""
     out: dict[str, str] = {}
