@@ -18,10 +18,11 @@ PARITY_PKGS := trl==1.12.0 transformers==5.24.0 accelerate==1.15.0 datasets==5.2
 # The verifiers / OpenEnv adapters (rlhf/environments/adapters) are tested with the real libraries, whose pins clash
 # with vllm's (verifiers 0.4: openai<3, mcp==2.0.0; openenv-core 0.3: gradio, fastmcp, openai>=2.7.2), hence an
 # environment of their own, without torch: the libraries plus what the environment service imports (same pins as
-# pyproject.toml), then the project itself with --no-deps.
+# pyproject.toml; pyarrow for rlhf.data, which a test reads an exported data set with), then the project itself with
+# --no-deps.
 ENVS_PKGS := verifiers==0.4.0 openenv-core==0.3.0 "protobuf>=7.36.2,<8" "grpcio>=1.85,<2" "grpcio-health-checking>=1.85,<2" \
 	"pydantic>=2.7,<3" "pydantic-settings>=2.7,<3" "fastapi>=0.115" "uvicorn>=0.30" "pyyaml>=6" "httpx>=0.27" \
-	"prometheus-client>=0.20" "redis>=5" pytest pytest-timeout
+	"prometheus-client>=0.20" "redis>=5" "pyarrow>=14.0.1" pytest pytest-timeout
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
