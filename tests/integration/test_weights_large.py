@@ -9,19 +9,20 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from functools import partial
 
 import grpc
 import pytest
 import torch
 
-from rlhf.serving import ServiceMetrics, ServiceSettings
 from rlhf.serving.errors import NotReady
 from rlhf.transport.weights import pack_weights, push_weights
 from rlhf.v1 import rollout_pb2_grpc, weights_pb2
-from services.rollout.grpc_servicer import RolloutServicer, add_to_server
 from services.rollout.options import SamplingOptions
+from tests.support.replica import Replica as _Replica
 
 TOKEN = "large-updates"
+Replica = partial(_Replica, TOKEN, data_plane=True, close_engine=True)  # Replica(started engine)
 AUTH = (("authorization", f"Bearer {TOKEN}"),)
 BUCKET = 64 << 10
 PROMPTS = [[2, 5, 6, 7], [2, 11, 12]]
@@ -115,22 +116,6 @@ def assert_one_bucket_per_call(calls, names: set[str], sizes: dict[str, int]) ->
         assert blob <= BUCKET + 4096 or len(call) == 1  # a safetensors part: the tensors plus its JSON header
 
 
-async def serve(engine) -> tuple[grpc.aio.Server, str, RolloutServicer]:
-    servicer = RolloutServicer(engine, ServiceSettings(api_token=TOKEN), ServiceMetrics("rollout"))
-    server = grpc.aio.server()
-    add_to_server(servicer, server)
-    addr = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
-    await servicer.start_data_plane("127.0.0.1", 0)
-    return server, addr, servicer
-
-
-async def stop(server, servicer, engine) -> None:
-    await servicer.close_data_plane()
-    await server.stop(None)
-    await engine.close()
-
-
 _ASYNC_OPT_IN = pytest.mark.skipif(
     os.environ.get("RLHF_TEST_VLLM_ASYNC") != "1", reason="set RLHF_TEST_VLLM_ASYNC=1 (~40 s)"
 )
@@ -158,8 +143,8 @@ def test_an_update_larger_than_a_bucket_reaches_vllm_one_bucket_per_call(
     async def main():
         eng = VllmEngine(tiny_models.policy, "tiny:policy", mode=mode, max_model_len=256, load_bucket_bytes=BUCKET)
         await eng.start()
-        server, addr, servicer = await serve(eng)
-        try:
+        async with Replica(eng) as replica:
+            addr = replica.addr
             assert eng.staged_swap and not eng.streams_update(1 << 40)  # CPU default; no in-place threshold set
             before = outputs(await eng.generate(PROMPTS, GREEDY))
             served = {}
@@ -202,8 +187,6 @@ def test_an_update_larger_than_a_bucket_reaches_vllm_one_bucket_per_call(
 
             assert served[2] == served[4] == before
             assert served[1] == served[3] == served[5] != before
-        finally:
-            await stop(server, servicer, eng)
 
     asyncio.run(main())
 
@@ -255,10 +238,9 @@ def test_a_cut_update_installed_as_it_arrives_never_serves_a_mix(tiny_models, st
             load_bucket_bytes=BUCKET,
         )
         await eng.start()
-        server, addr, servicer = await serve(eng)
-        channel = grpc.aio.insecure_channel(addr)
-        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-        try:
+        async with Replica(eng) as replica, grpc.aio.insecure_channel(replica.addr) as channel:
+            addr, servicer = replica.addr, replica.servicer
+            stub = rollout_pb2_grpc.RolloutServiceStub(channel)
             before = outputs(await eng.generate(PROMPTS, GREEDY))
             packed = pack_weights(moved, 1, bucket_bytes=BUCKET)
             data = b"".join(packed.buckets)
@@ -303,9 +285,6 @@ def test_a_cut_update_installed_as_it_arrives_never_serves_a_mix(tiny_models, st
             assert resp.version == 3 and eng.load_path == "inplace_streamed" and not servicer.receiver.busy
             assert outputs(await eng.generate(PROMPTS, GREEDY)) == after
             return after
-        finally:
-            await channel.close()
-            await stop(server, servicer, eng)
 
     after = asyncio.run(main())
 

@@ -8,6 +8,10 @@ In this process::
         await push_weights(r.addr, packed, token=token)
         r.engine.served.version, r.engine.tensors
 
+    await engine.start()                        # a real engine (hf, vLLM) the test inspects
+    async with Replica(token, engine, data_plane=True, close_engine=True) as r:
+        r.servicer.receiver.busy, r.port        # the servicer's state, the data plane's port; then engine.close()
+
 In a child process (to kill -9 or SIGSTOP it, or to give its model a process of its own)::
 
     proc, addr = start_child("--token", token, "--engine", "hf", "--model", model_dir, "--dump", path)
@@ -53,9 +57,14 @@ class FakeEngine:
     tensors: dict | None = None
     history: list[int] = field(default_factory=list)  # every version swapped in, in order
     device_type: str = "cpu"  # the backends it can join: gloo only
+    manifest: dict | None = None  # what updates must match (None: anything)
 
-    def weight_manifest(self) -> None:
-        return None
+    @property
+    def swaps(self) -> int:
+        return len(self.history)
+
+    def weight_manifest(self) -> dict | None:
+        return self.manifest
 
     async def swap_weights(self, tensors, version, checksum, parent_version) -> SwapResult:
         self.served.advance(version, parent_version, checksum)
@@ -66,12 +75,13 @@ class FakeEngine:
 
 class Replica:
     """``async with Replica(token) as r``: ``engine`` (a new FakeEngine by default) behind the rollout servicer on
-    ``r.addr`` (and its TCP data plane with ``data_plane``) until the block ends. The gRPC server has the rollout
+    ``r.addr`` (and its TCP data plane with ``data_plane``) until the block ends; with ``close_engine`` the block
+    owns the (started) engine and closes it once the servers have stopped. The gRPC server has the rollout
     service's options (message sizes, keepalive)."""
 
-    def __init__(self, token: str, engine: Any = None, *, data_plane: bool = False):
+    def __init__(self, token: str, engine: Any = None, *, data_plane: bool = False, close_engine: bool = False):
         self.engine = engine if engine is not None else FakeEngine()
-        self.data_plane = data_plane
+        self.data_plane, self.close_engine = data_plane, close_engine
         self.settings = ServiceSettings(api_token=token)
         self.servicer = RolloutServicer(self.engine, self.settings, ServiceMetrics("rollout"))
 
@@ -85,12 +95,21 @@ class Replica:
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.servicer.close_data_plane()
-        await self.server.stop(None)
+        try:
+            await self.servicer.close_data_plane()
+            await self.server.stop(None)
+        finally:
+            if self.close_engine:
+                await self.engine.close()
 
     @property
     def busy(self) -> bool:
         return self.servicer.receiver.busy
+
+    @property
+    def port(self) -> int:
+        """The data plane's TCP port (with ``data_plane``)."""
+        return self.servicer.data.port
 
 
 # ------------------------------------------------------------------------------------------------ in a child process
@@ -141,13 +160,11 @@ async def serve(args: argparse.Namespace) -> None:
         engine = FakeEngine(model_name=args.name)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    async with Replica(args.token, engine, data_plane=True) as replica:
+    async with Replica(args.token, engine, data_plane=True, close_engine=args.engine == "hf") as replica:
         print(f"ready {replica.addr}", flush=True)
         await stop.wait()
         if args.dump:
             _dump(engine, args.dump)
-    if args.engine == "hf":
-        await engine.close()
 
 
 def main(argv: list[str] | None = None) -> None:
