@@ -112,7 +112,12 @@ def _save_policy(engine, directory: Path) -> None:
     """The actor as a Hugging Face folder; a LoRA actor as its merged model (loads in transformers and vLLM)."""
     if engine.cfg.actor.lora_r:
         directory.mkdir(parents=True, exist_ok=True)
-        engine.actor.get_base_model().config.save_pretrained(directory)
+        config = engine.actor.get_base_model().config
+        config.save_pretrained(directory)
+        if getattr(config, "quantization_config", None) is not None:  # the weights below are dequantized (QLoRA)
+            written = json.loads((directory / "config.json").read_text())
+            written.pop("quantization_config", None)
+            (directory / "config.json").write_text(json.dumps(written, indent=2))
         # in the checkpoint layout, as save_pretrained writes it: a tie's alias once, fused tensors split back
         merged = engine.export.layout.to_checkpoint(merged_state_dict(engine.actor))
         save_file(

@@ -21,6 +21,7 @@ from rlhf.models import (
     empty_causal_lm,
     empty_sequence_classifier,
     load_causal_lm,
+    load_causal_lm_4bit,
     load_sequence_classifier,
     resolve_model_path,
 )
@@ -77,10 +78,14 @@ def load_actor(cfg: ExperimentConfig, path: str, device: torch.device, group: di
             device,
             group,
         )
-    actor = load_causal_lm(path, device, "float32")
-    if cfg.actor.lora_r:  # only the adapters train
-        a = cfg.actor
-        actor = wrap_lora(actor, a.lora_r, a.lora_alpha, a.lora_target_modules)
+    a = cfg.actor
+    if a.load_in_4bit:  # QLoRA: a frozen 4-bit base (lora_r > 0 is checked at load)
+        q = (a.bnb_4bit_quant_type, a.bnb_4bit_use_double_quant, a.bnb_4bit_compute_dtype)
+        actor = load_causal_lm_4bit(path, device, *q)
+    else:
+        actor = load_causal_lm(path, device, "float32")
+    if a.lora_r:  # only the adapters train
+        actor = wrap_lora(actor, a.lora_r, a.lora_alpha, a.lora_target_modules, a.lora_dropout)
     _train_mode(actor, cfg)
     return actor
 
