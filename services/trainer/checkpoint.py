@@ -69,7 +69,7 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
         engine.save_group(tmp)
         tensors, optim_meta = {}, {"format": "dcp"}
     else:
-        _save_policy(engine, tmp / "policy")
+        save_policy(engine, tmp / "policy")
         if engine.cfg.actor.lora_r:  # the adapters: what a LoRA run trains (the base comes from the load folder)
             save_file(adapter_state_dict(engine.actor), tmp / "adapter.safetensors")
         tensors, meta = _optimizer_state("actor", engine.actor_opt)
@@ -108,7 +108,7 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
     return final
 
 
-def _save_policy(engine, directory: Path) -> None:
+def save_policy(engine, directory: Path) -> None:
     """The actor as a Hugging Face folder; a LoRA actor as its merged model (loads in transformers and vLLM)."""
     if engine.cfg.actor.lora_r:
         directory.mkdir(parents=True, exist_ok=True)
@@ -143,7 +143,7 @@ def export_models(engine, policy_dir: Path) -> None:
         if model is engine.actor and engine.group is not None:
             shutil.copytree(policy_dir, tmp, dirs_exist_ok=True)
         elif model is engine.actor:
-            _save_policy(engine, tmp)
+            save_policy(engine, tmp)
         else:
             model.save_pretrained(tmp, safe_serialization=True)
             engine.tokenizer.save_pretrained(tmp)
