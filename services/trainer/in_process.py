@@ -102,6 +102,12 @@ class InProcessTrainer:
         prompts = [_ids(q, f"queries[{i}]") for i, q in enumerate(queries)]
         outs = [_ids(r, f"responses[{i}]") for i, r in enumerate(responses)]
         values = [_score(s, i) for i, s in enumerate(scores)]
+        vocab = self.engine.vocab_size
+        for name, rows in (("queries", prompts), ("responses", outs)):
+            for i, row in enumerate(rows):
+                if min(row) < 0 or max(row) >= vocab:
+                    bad = next(t for t in row if not 0 <= t < vocab)
+                    raise ValueError(f"{name}[{i}] has token id {bad}, outside the vocabulary [0, {vocab})")
         ref = response_logprobs(
             self.reference,
             prompts,
@@ -131,8 +137,6 @@ class InProcessTrainer:
                 if len(logprobs[i]) != len(outs[i]):
                     raise ValueError(f"logprobs[{i}] has {len(logprobs[i])} entries for {len(outs[i])} response tokens")
                 sample.sampling_logprobs.extend(float(x) for x in logprobs[i])
-        for exp in records:
-            self.engine.check_record(exp)
         return records
 
     def step(
