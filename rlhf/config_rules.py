@@ -304,7 +304,11 @@ def _qlora_problems(a) -> list[str]:
     """``load_in_4bit``: a frozen base under LoRA adapters, pushed merged; its ``bnb_4bit_*`` options only with it."""
     if not a.load_in_4bit:
         stray = [f for f in _BNB_FIELDS if f in a.model_fields_set]
-        return [f"actor_rollout.{stray[0]} is read only with load_in_4bit: true; set it or remove the key"] if stray else []
+        return (
+            [f"actor_rollout.{stray[0]} is read only with load_in_4bit: true; set it or remove the key"]
+            if stray
+            else []
+        )
     out = []
     if not a.lora_r:
         out.append(

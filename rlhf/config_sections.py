@@ -183,7 +183,8 @@ class ActorRolloutConfig(Section):
         "nf4", "load_in_4bit: the 4-bit data type (nf4, QLoRA's NormalFloat, as seed 001; or fp4)"
     )
     bnb_4bit_use_double_quant: bool = _f(
-        False, "load_in_4bit: quantize the quantization constants too (QLoRA's double quantization, ~0.4 bit/weight less)"
+        False,
+        "load_in_4bit: quantize the quantization constants too (QLoRA's double quantization, ~0.4 bit/weight less)",
     )
     bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] = _f(
         "float32", "load_in_4bit: the dtype the 4-bit weights are dequantized to for each matmul"

@@ -31,7 +31,12 @@ def wrap_lora(
     if unknown:
         raise ValueError(f"actor_rollout.lora_target_modules {unknown} name no module of the actor")
     config = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules), bias="none", task_type="CAUSAL_LM"
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
 

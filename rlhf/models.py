@@ -167,6 +167,16 @@ def load_causal_lm_4bit(
     return model
 
 
+def load_policy_base(path: str | Path, device: str | torch.device, dtype: str | torch.dtype, actor) -> torch.nn.Module:
+    """The causal LM of ``path`` as the actor's base loads (``actor``: the ``actor_rollout`` config): in 4 bits with
+    ``load_in_4bit`` (QLoRA; the reference is then the same quantized base, as TRL's reference is the PEFT model with
+    its adapters off, so the KL starts at 0), else in ``dtype``."""
+    if actor.load_in_4bit:
+        q = (actor.bnb_4bit_quant_type, actor.bnb_4bit_use_double_quant, actor.bnb_4bit_compute_dtype)
+        return load_causal_lm_4bit(path, str(device), *q)
+    return load_causal_lm(path, device, dtype)
+
+
 def load_sequence_classifier(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32"):
     from transformers import AutoModelForSequenceClassification
 

@@ -87,7 +87,7 @@ class ReferenceEngine:
     def load(self) -> None:
         import torch
 
-        from rlhf.models import load_causal_lm, load_tokenizer, resolve_model_path, serving_dtype
+        from rlhf.models import load_causal_lm, load_policy_base, load_tokenizer, resolve_model_path, serving_dtype
 
         if not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(
@@ -108,7 +108,10 @@ class ReferenceEngine:
             path = resolve_model_path(self.model_spec)
             tok = load_tokenizer(path)
             dtype = serving_dtype(self.cfg.training.bf16, self.device)
-            model = load_causal_lm(path, device=self.device, dtype=dtype).eval()
+            if self.cfg.actor_rollout_ref.ref.load is None:  # the actor's initial weights, as its base loads
+                model = load_policy_base(path, self.device, dtype, self.cfg.actor).eval()
+            else:
+                model = load_causal_lm(path, device=self.device, dtype=dtype).eval()
             for p in model.parameters():
                 p.requires_grad_(False)
             self.model = model

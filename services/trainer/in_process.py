@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from rlhf.config import ExperimentConfig, parse_config
-from rlhf.models import load_causal_lm, resolve_model_path, serving_dtype
+from rlhf.models import load_causal_lm, load_policy_base, resolve_model_path, serving_dtype
 from rlhf.reference_logprobs import response_logprobs
 from rlhf.v1 import common_pb2, experience_pb2
 from services.trainer.checkpoint import save_policy
@@ -38,10 +38,15 @@ class InProcessTrainer:
         self.cfg = cfg if isinstance(cfg, ExperimentConfig) else parse_config(cfg)
         self.engine = TrainerEngine(self.cfg, device)
         ref = self.cfg.actor_rollout_ref.ref
-        # as the reference service loads it: ref.load, else the actor's initial weights, in its serving dtype
+        # as the reference service loads it: ref.load, else the actor's initial weights as its base loads (4 bits
+        # with QLoRA), in its serving dtype
         path = resolve_model_path(ref.load or self.cfg.actor.load)
         dtype = serving_dtype(self.cfg.training.bf16, self.engine.device)
-        self.reference = load_causal_lm(path, self.engine.device, dtype).eval().requires_grad_(False)
+        if ref.load is None:
+            reference = load_policy_base(path, self.engine.device, dtype, self.cfg.actor)
+        else:
+            reference = load_causal_lm(path, self.engine.device, dtype)
+        self.reference = reference.eval().requires_grad_(False)
         self.ref_micro_batch_size = ref.micro_batch_size
         # the rollout worker asks the reference at the stage's log-prob temperature (online DPO: 1), else at the
         # temperature the samples were drawn at (services/rollout/jobs.py)

@@ -102,8 +102,7 @@ def test_the_in_process_step_equals_the_ring_step_on_the_same_samples(tiny_model
     scores = [float(i % 3) - 0.5 for i in range(len(queries))]
     # the sampling log-probs a replica holding the current weights reports with its samples
     sampling = [
-        r.tolist()
-        for r in response_logprobs(ring.actor, queries, responses, ring.pad_id, cfg.sample_temperature, 16)
+        r.tolist() for r in response_logprobs(ring.actor, queries, responses, ring.pad_id, cfg.sample_temperature, 16)
     ]
 
     records = asyncio.run(

@@ -108,3 +108,30 @@ def test_the_bnb_4bit_options_reach_the_4bit_layers(tiny_models, options, want):
     layer = engine.actor.get_base_model().model.layers[0].mlp.gate_proj.base_layer
     state = layer.weight.quant_state
     assert (state.quant_type, state.nested, layer.compute_dtype) == want
+
+
+def test_the_reference_of_a_4bit_actor_is_the_same_4bit_base_so_the_kl_starts_at_0(tiny_models):
+    """TRL's reference under PEFT is the policy with its adapters off: the quantized base. The reference service
+    loads the actor's initial weights the same way, so before any step its log-probs are the actor's."""
+    pytest.importorskip("bitsandbytes")
+    import asyncio
+
+    from rlhf.algo import logprobs_from_logits
+    from rlhf.models import causal_lm_logits
+    from services.reference.engine import LogProbsItem, ReferenceEngine
+
+    cfg = _config("ray_grpo", actor=QLORA)
+    engine = TrainerEngine(cfg)
+    ref = ReferenceEngine(cfg, device="cpu")
+    ref.load()
+    assert type(ref.model.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    prompt, response = [2, 17, 33], [48, 60, 75, 91, 12]
+    (got,), _ = asyncio.run(ref.logprobs([LogProbsItem(prompt, response)], 1.0))
+    qr = torch.tensor([prompt + response])
+    with torch.no_grad():
+        want = logprobs_from_logits(causal_lm_logits(engine.actor, qr, engine.pad_id)[:, 2:-1], qr[:, 3:])[0]
+    torch.testing.assert_close(torch.tensor(got), want, rtol=0, atol=1e-6)
+    plain = ReferenceEngine(_config("ray_grpo", actor={k: v for k, v in QLORA.items() if k == "lora_r"}), "cpu")
+    plain.load()  # the full-precision base differs by the quantization error: the check above can fail
+    (full,), _ = asyncio.run(plain.logprobs([LogProbsItem(prompt, response)], 1.0))
+    assert (torch.tensor(full) - want).abs().max() > 1e-4

@@ -185,7 +185,9 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "actor_rollout_ref.actor_rollout.bnb_4bit_use_double_quant": [
         QLORA + "test_the_bnb_4bit_options_reach_the_4bit_layers"
     ],
-    "actor_rollout_ref.actor_rollout.bnb_4bit_compute_dtype": [QLORA + "test_the_bnb_4bit_options_reach_the_4bit_layers"],
+    "actor_rollout_ref.actor_rollout.bnb_4bit_compute_dtype": [
+        QLORA + "test_the_bnb_4bit_options_reach_the_4bit_layers"
+    ],
     "actor_rollout_ref.actor_rollout.lora_target_modules": [
         LORA + "test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model"
     ],
