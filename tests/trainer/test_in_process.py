@@ -5,6 +5,10 @@ experience stream of a real redis-server between them and the trainer) give the 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +172,27 @@ def test_bad_samples_are_refused_with_what_is_wrong(plain_trainer, args, message
     with pytest.raises(ValueError, match=message):
         trainer.step(*args)
     assert trainer.engine.policy_version == 0
+
+
+def test_the_tutorial_example_runs_and_saves_a_plain_policy(tiny_models, tmp_path):
+    """examples/trl_tutorial_ppo.py, seed 001's loop as written there, end to end: three steps, the start-up note
+    about LoRA dropout, and a policy folder transformers loads as a plain causal LM."""
+    from transformers import AutoModelForCausalLM
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = tmp_path / "rl_model"
+    run = subprocess.run(
+        [sys.executable, str(root / "examples" / "trl_tutorial_ppo.py"), "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert any("lora_dropout 0.05" in line and "off while training" in line for line in lines)
+    steps = [line for line in lines if line.startswith("epoch 0 step ")]
+    assert len(steps) == 3 and all("loss/policy" in line for line in steps)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert not any(".lora_" in k for k in model.state_dict())
