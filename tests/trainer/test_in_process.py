@@ -23,8 +23,8 @@ from services.trainer.in_process import InProcessTrainer
 
 TOL = 1e-6
 # seed 001's tutorial: LoRA with dropout 0.05, a value head on the policy's own backbone, TRL's whole-vocabulary KL,
-# three PPO epochs over minibatches of one sample; and a plain PPO run with a critic of its own and two samples per
-# prompt (the records group them)
+# three PPO epochs over minibatches of one sample; and a plain PPO run with a critic of its own, two samples per
+# prompt (the records group them) and a sampling temperature other than 1 (the reference's log-probs are at it)
 TUTORIAL = {
     "actor_rollout_ref": {
         "actor_rollout": {
@@ -40,7 +40,9 @@ TUTORIAL = {
     "algorithm": {"kl_penalty": "full"},
 }
 PLAIN = {
-    "actor_rollout_ref": {"actor_rollout": {"n_samples_per_prompt": 2, "ppo_mini_batch_size": 2, "ppo_epochs": 2}},
+    "actor_rollout_ref": {
+        "actor_rollout": {"n_samples_per_prompt": 2, "ppo_mini_batch_size": 2, "ppo_epochs": 2, "temperature": 0.7}
+    },
     "critic": {"critic_mini_batch_size": 2},
     "algorithm": {"kl_ctrl": {"kl_coef": 0.05}},
 }
@@ -102,7 +104,10 @@ def test_the_in_process_step_equals_the_ring_step_on_the_same_samples(tiny_model
     torch.manual_seed(3)
     prompts = [[2, 40 + i, 90 + 3 * i, 7 + i] for i in range(4 // n)]
     queries = [p for p in prompts for _ in range(n)]
-    responses = [r.tolist() for r in trainer.generate(queries, max_new_tokens=6, do_sample=True, top_k=0)]
+    t = cfg.actor.temperature
+    responses = [
+        r.tolist() for r in trainer.generate(queries, max_new_tokens=6, do_sample=True, top_k=0, temperature=t)
+    ]
     scores = [float(i % 3) - 0.5 for i in range(len(queries))]
     # the sampling log-probs a replica holding the current weights reports with its samples
     sampling = [
