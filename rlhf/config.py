@@ -27,6 +27,7 @@ from rlhf.config_rules import (
     environment_problems,
     eval_problems,
     inherit_micro_batch_size,
+    lora_notes,
     mindspeed_default_notes,
     not_built_message,
     optimization_problems,
@@ -235,7 +236,7 @@ def parse_config(data: dict[str, Any] | None, source: str = "<dict>") -> Experim
         raise ConfigError(_format_error(err, source)) from None
     except ValueError as err:
         raise ConfigError(f"invalid experiment config {source}: {err}") from None
-    cfg._notes = notes + stage_notes(cfg)
+    cfg._notes = notes + stage_notes(cfg) + lora_notes(cfg)
     if config_compat.mindspeed_style(raw):
         cfg._default_notes = mindspeed_default_notes(cfg)
     return cfg

@@ -92,15 +92,12 @@ def optimization_problems(cfg: Config) -> list[str]:
                 f"actor_rollout.freezing_actor_steps {a.freezing_actor_steps} >= training.train_iters "
                 f"{t.train_iters}: the actor would never train"
             )
-    if a.lora_dropout > 0:
+    if a.lora_r == 0 and {"lora_alpha", "lora_dropout", "lora_target_modules", "lora_sync"} & a.model_fields_set:
         problems.append(
-            "actor_rollout.lora_dropout must be 0: dropout makes the new and old log-probs of the same tokens differ, "
-            "which the ratio and KL terms read as policy change (TRL's PPO disables it as well)"
+            "actor_rollout.lora_alpha / lora_dropout / lora_target_modules / lora_sync are read only with lora_r > 0; "
+            "set lora_r"
         )
-    if a.lora_r == 0 and {"lora_alpha", "lora_target_modules", "lora_sync"} & a.model_fields_set:
-        problems.append(
-            "actor_rollout.lora_alpha / lora_target_modules / lora_sync are read only with lora_r > 0; set lora_r"
-        )
+    problems += _qlora_problems(a)
     if a.lora_r and a.lora_sync == "adapter" and a.engine != "vllm":
         problems.append(
             "actor_rollout.lora_sync adapter needs the vllm engine (vLLM serves LoRA adapters; the hf engine takes "
@@ -308,6 +305,46 @@ def stage_notes(cfg: Config) -> list[str]:
     return notes
 
 
+_BNB_FIELDS = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype")
+
+
+def _qlora_problems(a) -> list[str]:
+    """``load_in_4bit``: a frozen base under LoRA adapters, pushed merged; its ``bnb_4bit_*`` options only with it."""
+    if not a.load_in_4bit:
+        stray = [f for f in _BNB_FIELDS if f in a.model_fields_set]
+        return (
+            [f"actor_rollout.{stray[0]} is read only with load_in_4bit: true; set it or remove the key"]
+            if stray
+            else []
+        )
+    out = []
+    if not a.lora_r:
+        out.append(
+            "actor_rollout.load_in_4bit needs lora_r > 0: the 4-bit base is frozen and only LoRA adapters train "
+            "(QLoRA); set lora_r, or remove load_in_4bit for full fine-tuning"
+        )
+    elif a.lora_sync == "adapter" or (a.lora_sync == "auto" and a.engine == "vllm"):
+        out.append(
+            "actor_rollout.load_in_4bit with an adapter-only push (lora_sync adapter, or auto with the vllm engine): "
+            "the replica would pair the adapters with its own full-precision base, not the 4-bit one the trainer "
+            "trains on; set lora_sync: merged (the dequantized base plus the adapters is pushed)"
+        )
+    return out
+
+
+def lora_notes(cfg: Config) -> list[str]:
+    """``lora_dropout`` above 0 is accepted (seed 001's LoraConfig sets 0.05) but off while training: said once at
+    start-up, so nobody expects the regularisation."""
+    a = cfg.actor
+    if not (a.lora_r and a.lora_dropout > 0):
+        return []
+    return [
+        f"actor_rollout_ref.actor_rollout.lora_dropout {a.lora_dropout}: recorded in the adapter's config, but off "
+        "while training (p = 0), as TRL's RL trainers turn dropout off: the ratio and KL terms compare log-probs of "
+        "two forward passes, which dropout would make differ"
+    ]
+
+
 # Keys of seed 001's layout that name something not built: refused with what to use instead, not as unknown keys.
 _QUANT_KEYS = (
     "load_in_4bit",
@@ -318,9 +355,10 @@ _QUANT_KEYS = (
     "quantization_config",
 )
 _QUANT_WHY = (
-    "4-bit / 8-bit (QLoRA, bitsandbytes) loading is not built: every model loads in full precision; remove the "
-    "key, and save memory with actor_rollout.lora_r (LoRA adapters on the full-precision actor), training.bf16 "
-    "or a smaller model"
+    "4-bit / 8-bit (QLoRA, bitsandbytes) loading is not built for this model: only the trainer's actor loads in 4 "
+    "bits (actor_rollout.load_in_4bit with bnb_4bit_quant_type / bnb_4bit_use_double_quant / bnb_4bit_compute_dtype, "
+    "under actor_rollout.lora_r); 8-bit loading and a quantization_config mapping are not built; remove the key, and "
+    "save memory with actor_rollout.lora_r, load_in_4bit, training.bf16 or a smaller model"
 )
 _CRITIC_LORA_WHY = (
     "the critic with LoRA is not built: the critic is a separate sequence-classification model trained in full "
@@ -328,12 +366,21 @@ _CRITIC_LORA_WHY = (
     "critic.shared_backbone (seed 001's layout: a value head on the actor, sharing its LoRA adapters), a smaller "
     "critic.load (any sequence-classification model with the actor's tokenizer) or training.bf16"
 )
+_REWARD_ADAPTER_WHY = (
+    "not built: TRL's reward_adapter (the reward model as a second LoRA adapter on the policy's own base, scored in "
+    "the policy's process) has no counterpart here, because the reward service scores every sample before the "
+    "trainer sees it and holds a model of its own, so an adapter on the trainer's base would need that base loaded "
+    "a second time there anyway. Remove the key and score with a reward model folder: reward.scorers with type "
+    "model and load (the adapter merged into its base and saved as a sequence-classification model)"
+)
 _ROLE_SECTIONS = ("training", "actor_rollout_ref.actor_rollout", "actor_rollout_ref.ref", "critic", "reward")
 
 
 def not_built_message(key: str) -> str | None:
     """Why a dotted config ``key`` pydantic rejects as unknown names something not built, and what to use instead."""
     section, _, name = key.rpartition(".")
+    if name == "reward_adapter":  # wherever a TRL user puts it: actor_rollout, reward, a scorer, the top level
+        return _REWARD_ADAPTER_WHY
     if section in _ROLE_SECTIONS and name in _QUANT_KEYS:
         return _QUANT_WHY
     if section == "critic" and name in ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"):

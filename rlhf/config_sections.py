@@ -156,7 +156,11 @@ class ActorRolloutConfig(Section):
     lora_r: int = _f(0, "LoRA rank of the actor's adapters (0: full fine-tuning); see lora_sync", ge=0)
     lora_alpha: float = _f(16.0, "LoRA alpha: the adapter's update is scaled by alpha / r", gt=0)
     lora_dropout: float = _f(
-        0.0, "LoRA dropout; only 0: the policy-gradient losses compare two forward passes (TRL disables it too)", ge=0
+        0.0,
+        "LoRA dropout, recorded in the adapter's config; off while training (p = 0), as in TRL's RL trainers: the "
+        "losses compare log-probs of two forward passes, which dropout would make differ (a start-up note says so)",
+        ge=0,
+        lt=1,
     )
     lora_target_modules: list[str] = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -167,6 +171,23 @@ class ActorRolloutConfig(Section):
         "what a LoRA actor's push sends: adapter = the adapter tensors only, served by vLLM as a versioned LoRA "
         "adapter; merged = the whole model with the adapters merged in; auto = adapter with the vllm engine, merged "
         "with hf",
+    )
+    # QLoRA (seed 001's BitsAndBytesConfig): the trainer's frozen actor base in 4 bits under the LoRA adapters
+    load_in_4bit: bool = _f(
+        False,
+        "QLoRA: the trainer loads the actor's frozen base in 4 bits (bitsandbytes, the qlora extra) under the lora_r "
+        "adapters; pushes carry the dequantized base plus the adapters (lora_sync merged), so the replicas sample "
+        "from the weights the trainer trains",
+    )
+    bnb_4bit_quant_type: Literal["nf4", "fp4"] = _f(
+        "nf4", "load_in_4bit: the 4-bit data type (nf4, QLoRA's NormalFloat, as seed 001; or fp4)"
+    )
+    bnb_4bit_use_double_quant: bool = _f(
+        False,
+        "load_in_4bit: quantize the quantization constants too (QLoRA's double quantization, ~0.4 bit/weight less)",
+    )
+    bnb_4bit_compute_dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32", "load_in_4bit: the dtype the 4-bit weights are dequantized to for each matmul"
     )
     # per-role optimizer settings (MindSpeed puts them in the role section); null: the training section's value
     weight_decay: float | None = _f(None, "actor AdamW weight decay (default training.weight_decay)", ge=0)

@@ -15,10 +15,13 @@ import torch
 from safetensors.torch import save_file
 
 
-def wrap_lora(model: torch.nn.Module, r: int, alpha: float, target_modules: list[str]) -> torch.nn.Module:
+def wrap_lora(
+    model: torch.nn.Module, r: int, alpha: float, target_modules: list[str], dropout: float = 0.0
+) -> torch.nn.Module:
     """``model`` with LoRA adapters on ``target_modules`` (module-name suffixes); only the adapters train.
-    No LoRA dropout: RL losses compare log-probs of two forward passes, which dropout would make differ (TRL also
-    disables dropout in its PPO models)."""
+    ``dropout`` is recorded in the adapter's config as given (``actor_rollout.lora_dropout``); the trainer turns
+    every dropout module off before training (services.trainer.models), as TRL's RL trainers do: the losses compare
+    log-probs of two forward passes, which dropout would make differ."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
@@ -28,7 +31,12 @@ def wrap_lora(model: torch.nn.Module, r: int, alpha: float, target_modules: list
     if unknown:
         raise ValueError(f"actor_rollout.lora_target_modules {unknown} name no module of the actor")
     config = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(target_modules), bias="none", task_type="CAUSAL_LM"
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
 
@@ -43,18 +51,29 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
-    deltas = {}
+    deltas, dequantized = {}, {}
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer) and hasattr(module, "get_delta_weight"):
             deltas[f"{name}.weight"] = module.get_delta_weight(module.active_adapters[0]).detach()
+        elif hasattr(getattr(module, "weight", None), "quant_state"):  # a 4-bit base layer (load_in_4bit)
+            dequantized[f"{name}.weight".replace(".base_layer.", ".")] = _dequantize_4bit(module.weight)
     out = {}
     for key, value in base.state_dict().items():
         if ".lora_" in key:
             continue
         key = key.replace(".base_layer.", ".")
-        value = value.detach()
+        if ".weight." in key and key.split(".weight.", 1)[0] + ".weight" in dequantized:
+            continue  # a 4-bit weight's quantization state (absmax, quant_map, ...): not a tensor of the model
+        value = dequantized.get(key, value).detach()
         out[key] = value + deltas[key].to(value.dtype) if key in deltas else value
     return out
+
+
+def _dequantize_4bit(weight: torch.Tensor) -> torch.Tensor:
+    """A bitsandbytes 4-bit weight (``Params4bit``) as the full tensor its matmuls use."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    return dequantize_4bit(weight.data, weight.quant_state)
 
 
 def adapter_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -120,6 +120,63 @@ def load_causal_lm(path: str | Path, device: str = "cpu", dtype: str | torch.dty
     return model.to(resolve_device(device))
 
 
+# bitsandbytes' 4-bit kernels run on these torch device types (its cpu backend is in the wheel since 0.4x); not on
+# Ascend NPUs, which it has no backend for
+BNB_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def four_bit_problem(device: str | torch.device) -> str | None:
+    """Why the actor's base cannot load in 4 bits (``actor_rollout.load_in_4bit``) on ``device`` here, or None."""
+    device_type = resolve_device(device).type
+    if device_type not in BNB_DEVICE_TYPES:
+        return (
+            f"actor_rollout.load_in_4bit: bitsandbytes has no 4-bit backend for the trainer's device {device_type!r} "
+            f"(it runs on {' and '.join(BNB_DEVICE_TYPES)}); remove load_in_4bit, or train on one of those"
+        )
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        return (
+            f"actor_rollout.load_in_4bit needs bitsandbytes, which does not import here ({err}): "
+            "pip install 'rlhf-pipeline[qlora]', or remove load_in_4bit"
+        )
+    return None
+
+
+def load_causal_lm_4bit(
+    path: str | Path, device: str, quant_type: str, double_quant: bool, compute_dtype: str
+) -> torch.nn.Module:
+    """The causal LM of ``path`` with its linear layers in 4 bits (bitsandbytes ``Linear4bit``; the output head and
+    every other parameter stay float32), frozen: QLoRA's base (``actor_rollout.load_in_4bit``)."""
+    problem = four_bit_problem(device)
+    if problem:
+        raise ValueError(problem)
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant_type,
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=resolve_dtype(compute_dtype),
+    )
+    dev = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, quantization_config=quant, device_map={"": str(dev)}
+    )
+    model.requires_grad_(False)
+    return model
+
+
+def load_policy_base(path: str | Path, device: str | torch.device, dtype: str | torch.dtype, actor) -> torch.nn.Module:
+    """The causal LM of ``path`` as the actor's base loads (``actor``: the ``actor_rollout`` config): in 4 bits with
+    ``load_in_4bit`` (QLoRA; the reference is then the same quantized base, as TRL's reference is the PEFT model with
+    its adapters off, so the KL starts at 0), else in ``dtype``."""
+    if actor.load_in_4bit:
+        q = (actor.bnb_4bit_quant_type, actor.bnb_4bit_use_double_quant, actor.bnb_4bit_compute_dtype)
+        return load_causal_lm_4bit(path, str(device), *q)
+    return load_causal_lm(path, device, dtype)
+
+
 def load_sequence_classifier(path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32"):
     from transformers import AutoModelForSequenceClassification
 

@@ -57,6 +57,12 @@ def check(cfg: ExperimentConfig, redis_url: str | None = None) -> Report:
         _check_tokenizer(tok_spec, report)
     _check_teacher(cfg, tok_spec, report)
     _check_rule_scorers(cfg, report)
+    if cfg.actor.load_in_4bit:  # bitsandbytes and a backend for the trainer's device, before anything loads
+        from rlhf.models import four_bit_problem  # torch: only for a 4-bit run
+
+        problem = four_bit_problem(cfg.training.device)
+        if problem:
+            report.problems.append(problem)
     if redis_url:
         _check_redis(redis_url, report)
     return report

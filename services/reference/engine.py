@@ -1,7 +1,8 @@
 """The reference service's state: the frozen reference policy and its per-token log-probs of given responses.
 
 ``logprobs(items, temperature)``: ``log_softmax(logits / T)`` gathered at the response tokens, with the forward
-convention of :mod:`rlhf.models`, in micro-batches (smaller past ``LOGITS_BUDGET_BYTES``); concurrent requests of
+convention of :mod:`rlhf.models`, in micro-batches (:mod:`rlhf.reference_logprobs`, which the trainer's in-process
+step shares); concurrent requests of
 the same temperature are merged into one forward call (:class:`rlhf.serving.batching.MicroBatcher`, up to
 ``MERGE_MICRO_BATCHES`` micro-batches and ``MERGE_MAX_TOKENS`` tokens). Design: docs/services.md#reference.
 """
@@ -22,7 +23,6 @@ from rlhf.serving.model_process import ModelProcess, set_torch_threads
 log = logging.getLogger("rlhf.reference")
 
 MAX_ITEMS = 4096
-LOGITS_BUDGET_BYTES = 2 << 30
 # Bounds of one merged call: the head request's latency grows with what is merged behind it.
 MERGE_MICRO_BATCHES = 8
 MERGE_MAX_TOKENS = 1 << 17
@@ -87,7 +87,7 @@ class ReferenceEngine:
     def load(self) -> None:
         import torch
 
-        from rlhf.models import load_causal_lm, load_tokenizer, resolve_model_path, serving_dtype
+        from rlhf.models import load_causal_lm, load_policy_base, load_tokenizer, resolve_model_path, serving_dtype
 
         if not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
             raise ValueError(
@@ -108,7 +108,10 @@ class ReferenceEngine:
             path = resolve_model_path(self.model_spec)
             tok = load_tokenizer(path)
             dtype = serving_dtype(self.cfg.training.bf16, self.device)
-            model = load_causal_lm(path, device=self.device, dtype=dtype).eval()
+            if self.cfg.actor_rollout_ref.ref.load is None:  # the actor's initial weights, as its base loads
+                model = load_policy_base(path, self.device, dtype, self.cfg.actor).eval()
+            else:
+                model = load_causal_lm(path, device=self.device, dtype=dtype).eval()
             for p in model.parameters():
                 p.requires_grad_(False)
             self.model = model
@@ -224,53 +227,30 @@ class ReferenceEngine:
         """Each item's response log-probs as a float32 tensor (the model in this process)."""
         import torch
 
-        from rlhf.algo import logprobs_from_logits
-        from rlhf.models import causal_lm_logits
+        from rlhf.reference_logprobs import response_logprobs
 
-        pad = self.pad_token_id
-        seqs = [list(it.prompt_ids) + list(it.response_ids) for it in items]
-        out: list = [None] * len(items)
-        order = sorted(range(len(items)), key=lambda k: len(seqs[k]))
-        dev = self.model.device
-        with self._lock, torch.inference_mode():
-            for idx in self._micro_batches(order, seqs):
-                width = max(len(seqs[k]) for k in idx)
-                batch = torch.full((len(idx), width), pad, dtype=torch.long)
-                for r, k in enumerate(idx):
-                    batch[r, : len(seqs[k])] = torch.tensor(seqs[k], dtype=torch.long)
-                batch = batch.to(dev)
-                logits = causal_lm_logits(self.model, batch, pad, self.cfg.training.padding_free)
-                # position t predicts token t+1
-                lp = logprobs_from_logits(logits[:, :-1], batch[:, 1:], temperature).float().cpu()
-                for r, k in enumerate(idx):
-                    p, n = len(items[k].prompt_ids), len(items[k].response_ids)
-                    row = lp[r, p - 1 : p - 1 + n]
-                    if not bool(torch.isfinite(row).all()):  # never a NaN / -inf "log-prob" as a success
-                        j = int((~torch.isfinite(row)).nonzero()[0])
-                        raise NonFiniteOutput(
-                            f"the reference model gave a non-finite log-prob ({float(row[j])}) for "
-                            f"items[{k}].response_ids[{j}]; nothing was returned (the model's weights or this "
-                            "temperature overflow float32)",
-                            f"items[{k}].response_ids[{j}]",
-                        )
-                    out[k] = row
-        return out
-
-    def _micro_batches(self, order: list[int], seqs: list[list[int]]) -> list[list[int]]:
-        """Consecutive groups of the length-sorted items: at most ``micro_batch_size`` rows, and (B, T, V) logits
-        within ``LOGITS_BUDGET_BYTES`` (a 128k vocabulary makes full-length logits the largest tensor by far)."""
-        per_token = max(1, self.vocab_size) * 4 * 2  # float32 logits + the log-softmax temporary
-        groups: list[list[int]] = []
-        cur: list[int] = []
-        for k in order:  # ascending length: the newest item sets the width
-            width = len(seqs[k])
-            if cur and (len(cur) >= self.micro_batch_size or (len(cur) + 1) * width * per_token > LOGITS_BUDGET_BYTES):
-                groups.append(cur)
-                cur = []
-            cur.append(k)
-        if cur:
-            groups.append(cur)
-        return groups
+        prompts = [it.prompt_ids for it in items]
+        responses = [it.response_ids for it in items]
+        with self._lock:
+            rows = response_logprobs(
+                self.model,
+                prompts,
+                responses,
+                self.pad_token_id,
+                temperature,
+                self.micro_batch_size,
+                self.cfg.training.padding_free,
+            )
+        for k, row in enumerate(rows):
+            if not bool(torch.isfinite(row).all()):  # never a NaN / -inf "log-prob" as a success
+                j = int((~torch.isfinite(row)).nonzero()[0])
+                raise NonFiniteOutput(
+                    f"the reference model gave a non-finite log-prob ({float(row[j])}) for "
+                    f"items[{k}].response_ids[{j}]; nothing was returned (the model's weights or this "
+                    "temperature overflow float32)",
+                    f"items[{k}].response_ids[{j}]",
+                )
+        return rows
 
     async def logprobs(
         self, items: list[LogProbsItem], temperature: float | None = None

@@ -69,7 +69,7 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
         engine.save_group(tmp)
         tensors, optim_meta = {}, {"format": "dcp"}
     else:
-        _save_policy(engine, tmp / "policy")
+        save_policy(engine, tmp / "policy")
         if engine.cfg.actor.lora_r:  # the adapters: what a LoRA run trains (the base comes from the load folder)
             save_file(adapter_state_dict(engine.actor), tmp / "adapter.safetensors")
         tensors, meta = _optimizer_state("actor", engine.actor_opt)
@@ -108,11 +108,16 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
     return final
 
 
-def _save_policy(engine, directory: Path) -> None:
+def save_policy(engine, directory: Path) -> None:
     """The actor as a Hugging Face folder; a LoRA actor as its merged model (loads in transformers and vLLM)."""
     if engine.cfg.actor.lora_r:
         directory.mkdir(parents=True, exist_ok=True)
-        engine.actor.get_base_model().config.save_pretrained(directory)
+        config = engine.actor.get_base_model().config
+        config.save_pretrained(directory)
+        if getattr(config, "quantization_config", None) is not None:  # the weights below are dequantized (QLoRA)
+            written = json.loads((directory / "config.json").read_text())
+            written.pop("quantization_config", None)
+            (directory / "config.json").write_text(json.dumps(written, indent=2))
         # in the checkpoint layout, as save_pretrained writes it: a tie's alias once, fused tensors split back
         merged = engine.export.layout.to_checkpoint(merged_state_dict(engine.actor))
         save_file(
@@ -138,7 +143,7 @@ def export_models(engine, policy_dir: Path) -> None:
         if model is engine.actor and engine.group is not None:
             shutil.copytree(policy_dir, tmp, dirs_exist_ok=True)
         elif model is engine.actor:
-            _save_policy(engine, tmp)
+            save_policy(engine, tmp)
         else:
             model.save_pretrained(tmp, safe_serialization=True)
             engine.tokenizer.save_pretrained(tmp)

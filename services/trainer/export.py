@@ -52,7 +52,9 @@ class PolicyExport:
     def layout(self):
         """Which live tensor of the actor becomes which checkpoint tensor (worked out once, on meta tensors)."""
         live = self.actor.state_dict()
-        if self.cfg.actor.lora_r:  # the merged weights carry the base model's names
+        if self.cfg.actor.load_in_4bit:  # packed 4-bit tensors: the layout is the dequantized weights' (once)
+            live = {k: v.to("meta") for k, v in merged_state_dict(self.actor).items()}
+        elif self.cfg.actor.lora_r:  # the merged weights carry the base model's names
             live = {k.replace(".base_layer.", "."): v for k, v in live.items() if ".lora_" not in k}
         return CheckpointLayout(self.actor, live)
 

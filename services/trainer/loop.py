@@ -94,8 +94,8 @@ class Trainer:
             trained = state["admission_trained"]
         published = await self.publisher.restore(trained, data)
         # Versions never go backwards: weights that differ from what the replicas serve are published under a new,
-        # higher version.
-        if ckpt or published is not None:
+        # higher version. A 4-bit actor base (QLoRA) differs from the full-precision folder the replicas load.
+        if ckpt or published is not None or self.cfg.actor.load_in_4bit:
             self.engine.state.republish(published)
             await self.fleet.push_current()
         if ckpt:

@@ -21,6 +21,7 @@ from rlhf.models import (
     empty_causal_lm,
     empty_sequence_classifier,
     load_causal_lm,
+    load_policy_base,
     load_sequence_classifier,
     resolve_model_path,
 )
@@ -77,10 +78,10 @@ def load_actor(cfg: ExperimentConfig, path: str, device: torch.device, group: di
             device,
             group,
         )
-    actor = load_causal_lm(path, device, "float32")
-    if cfg.actor.lora_r:  # only the adapters train
-        a = cfg.actor
-        actor = wrap_lora(actor, a.lora_r, a.lora_alpha, a.lora_target_modules)
+    a = cfg.actor
+    actor = load_policy_base(path, device, "float32", a)  # QLoRA: a frozen 4-bit base (lora_r > 0 checked at load)
+    if a.lora_r:  # only the adapters train
+        actor = wrap_lora(actor, a.lora_r, a.lora_alpha, a.lora_target_modules, a.lora_dropout)
     _train_mode(actor, cfg)
     return actor
 
@@ -160,8 +161,11 @@ def fixed_reward_stats(cfg: ExperimentConfig) -> algo.FixedMoments | None:
 def load_reference(cfg: ExperimentConfig, device: torch.device) -> torch.nn.Module:
     """A frozen reference copy for ``kl_penalty: full`` (TRL): the whole-vocabulary KL needs the reference's logits,
     which the reference service does not send (it returns the sampled tokens' log-probs)."""
-    src = cfg.actor_rollout_ref.ref.load or cfg.actor.load
-    ref = load_causal_lm(resolve_model_path(src), device, "float32").eval()
+    ref_load = cfg.actor_rollout_ref.ref.load
+    if ref_load is None:  # the actor's initial weights, loaded as its base is (4 bits with QLoRA)
+        ref = load_policy_base(resolve_model_path(cfg.actor.load), device, "float32", cfg.actor).eval()
+    else:
+        ref = load_causal_lm(resolve_model_path(ref_load), device, "float32").eval()
     ref.requires_grad_(False)
     return ref
 

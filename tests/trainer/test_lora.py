@@ -72,3 +72,21 @@ def test_a_lora_checkpoint_resumes_the_adapters_and_its_policy_is_the_merged_mod
     batch = _batch(engine, seed=5)
     a, b = engine.step(batch), resumed.step(batch)
     assert a["loss/policy"] == pytest.approx(b["loss/policy"], abs=1e-6)
+
+
+def test_lora_dropout_is_accepted_recorded_and_off_while_training(tiny_models):
+    """Seed 001's ``lora_dropout=0.05``: kept in the adapter's config, but every dropout module has p = 0 while the
+    actor trains (in train mode), as TRL's RL trainers do, and a start-up note says so."""
+    cfg = _config("ray_grpo", actor={**LORA, "lora_dropout": 0.05})
+    assert any("lora_dropout 0.05" in n and "off while training" in n for n in cfg.notes)
+    engine = TrainerEngine(cfg)
+    assert engine.actor.peft_config["default"].lora_dropout == 0.05
+    dropouts = [m for n, m in engine.actor.named_modules() if ".lora_dropout." in n]
+    assert dropouts and all(isinstance(m, torch.nn.Dropout) and m.p == 0.0 for m in dropouts)
+    assert engine.actor.training  # train mode: only p = 0 keeps the two passes below equal
+    ids = torch.tensor([[2, 17, 33, 48, 60, 75, 91, 12]])
+    with torch.no_grad():
+        first, second = engine.actor(input_ids=ids).logits, engine.actor(input_ids=ids).logits
+    assert torch.equal(first, second)
+    metrics = engine.step(_batch(engine))
+    assert metrics["policy/ratio"] == pytest.approx(1.0, abs=1e-6)  # first minibatch: new == old log-probs

@@ -21,6 +21,7 @@ UNTESTED = "untested:"  # read by the code, but no test shows the effect yet: th
 KNOWN_UNTESTED: set[str] = set()
 
 TO = "tests/trainer/test_training_options.py::"
+QLORA = "tests/trainer/test_qlora.py::"
 PPO_PARITY = "tests/parity/test_trl_ppo.py::test_ppo_matches_trl"
 GRPO_PARITY = "tests/parity/test_trl_grpo.py::test_grpo_engine_matches_trl"
 RLOO_PARITY = "tests/parity/test_trl_rloo.py::test_rloo_engine_matches_trl"
@@ -174,7 +175,18 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         LORA + "test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model"
     ],
     "actor_rollout_ref.actor_rollout.lora_dropout": [
-        SEEDS + "test_options_that_only_make_sense_together_are_checked_at_load"
+        LORA + "test_lora_dropout_is_accepted_recorded_and_off_while_training"
+    ],
+    "actor_rollout_ref.actor_rollout.load_in_4bit": [
+        QLORA + "test_a_4bit_actor_trains_its_adapters_and_pushes_the_dequantized_base_plus_them",
+        QLORA + "test_without_bitsandbytes_a_4bit_actor_is_refused_at_start_with_the_install",
+    ],
+    "actor_rollout_ref.actor_rollout.bnb_4bit_quant_type": [QLORA + "test_the_bnb_4bit_options_reach_the_4bit_layers"],
+    "actor_rollout_ref.actor_rollout.bnb_4bit_use_double_quant": [
+        QLORA + "test_the_bnb_4bit_options_reach_the_4bit_layers"
+    ],
+    "actor_rollout_ref.actor_rollout.bnb_4bit_compute_dtype": [
+        QLORA + "test_the_bnb_4bit_options_reach_the_4bit_layers"
     ],
     "actor_rollout_ref.actor_rollout.lora_target_modules": [
         LORA + "test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model"

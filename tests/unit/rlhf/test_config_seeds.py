@@ -84,12 +84,18 @@ def test_a_misspelt_key_is_an_error_that_suggests_the_closest():
         ({"critic": {"lora_r": 8}}, "critic.lora_r", "the critic with LoRA is not built.*actor_rollout.lora_r"),
         ({"critic": {"lora_alpha": 16}}, "critic.lora_alpha", "remove the key.*smaller critic.load"),
         (
-            {"actor_rollout_ref": {"actor_rollout": {"load_in_4bit": True}}},
-            "actor_rollout_ref.actor_rollout.load_in_4bit",
-            r"4-bit / 8-bit \(QLoRA, bitsandbytes\) loading is not built.*remove the key.*actor_rollout.lora_r",
+            {"actor_rollout_ref": {"actor_rollout": {"load_in_8bit": True}}},
+            "actor_rollout_ref.actor_rollout.load_in_8bit",
+            r"not built for this model: only the trainer's actor loads in 4 bits \(actor_rollout.load_in_4bit",
         ),
         ({"critic": {"load_in_4bit": True}}, "critic.load_in_4bit", "QLoRA"),
         ({"training": {"bnb_4bit_quant_type": "nf4"}}, "training.bnb_4bit_quant_type", "QLoRA"),
+        (
+            {"actor_rollout_ref": {"actor_rollout": {"reward_adapter": "./reward_model"}}},
+            "actor_rollout_ref.actor_rollout.reward_adapter",
+            "not built: TRL's reward_adapter .* reward.scorers with type model",
+        ),
+        ({"reward": {"reward_adapter": "./rm"}}, "reward.reward_adapter", "not built: TRL's reward_adapter"),
     ],
 )
 def test_seed_001_keys_that_are_not_built_are_refused_with_what_to_use(data, key, message):
@@ -235,7 +241,7 @@ def test_a_mapped_key_that_contradicts_its_target_is_an_error():
             "is not num_gpus_for_train",
         ),
         ({"resource_pool": {"reward": [1, 1]}}, "runs on one machine"),
-        ({"actor_rollout_ref": {"actor_rollout": {"lora_r": 8, "lora_dropout": 0.05}}}, "lora_dropout must be 0"),
+        ({"actor_rollout_ref": {"actor_rollout": {"lora_dropout": 0.05}}}, "lora_dropout .* only with lora_r > 0"),
         ({"actor_rollout_ref": {"actor_rollout": {"lora_alpha": 32}}}, "only with lora_r > 0"),
         ({"training": {"weight_sync_interval": 3, "max_staleness": 1}}, "set max_staleness >= 2"),
         (
