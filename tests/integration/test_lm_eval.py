@@ -95,14 +95,15 @@ def test_echo_returns_prompt_logprobs_in_vllms_shape(svc, policy):
         assert r.status_code == 400 and r.json()["error"]["field"] == "max_tokens"
         # streamed: the prompt and its entries come in the first chunk, with the first tokens; the pieces add up to
         # the answer given whole (greedy)
-        whole = http.post("/v1/completions", json={**body, "max_tokens": 6}).json()["choices"][0]
-        r = http.post("/v1/completions", json={**body, "max_tokens": 6, "stream": True})
+        more = {**body, "max_tokens": 6, "ignore_eos": True}
+        whole = http.post("/v1/completions", json=more).json()["choices"][0]
+        r = http.post("/v1/completions", json={**more, "stream": True})
         chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
         choices = [c["choices"][0] for c in chunks]
         assert len(choices) > 1 and choices[0]["text"].startswith(tok.decode(ids))
         assert len(choices[0]["logprobs"]["tokens"]) > len(ids)  # the prompt's entries and the first token's
         assert "".join(c["text"] for c in choices) == whole["text"]
-        streamed = {k: [x for c in choices for x in c["logprobs"][k]] for k in whole["logprobs"]}
+        streamed = {k: [x for c in choices if c["logprobs"] for x in c["logprobs"][k]] for k in whole["logprobs"]}
         assert streamed["tokens"] == whole["logprobs"]["tokens"]
         assert streamed["text_offset"] == whole["logprobs"]["text_offset"]
         assert streamed["token_logprobs"] == pytest.approx(whole["logprobs"]["token_logprobs"], abs=1e-5)
