@@ -167,8 +167,8 @@ class CompletionChoices:
             lp = head if lp is None else _joined(head, lp)
             text = self.echoes[index // self.n] + text
         smp = piece.sample
-        if not text and lp is None and smp is None and not (self.return_token_ids and piece.token_ids):
-            return None  # tokens whose text is held back, nothing else to say
+        if not text and lp is None and smp is None and not piece.token_ids:
+            return None  # nothing new: each event with tokens is a chunk, its text held back or not (as vLLM)
         self.started.add(index)
         fields: dict[str, Any] = {"finish_reason": None}
         if self.return_token_ids:

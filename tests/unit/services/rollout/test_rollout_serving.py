@@ -284,7 +284,7 @@ def test_completion_stream_holds_back_a_split_character_and_opens_with_the_echo(
     engine = FakeEngine(["é!"])  # two bytes, two tokens: the first decodes to U+FFFD
     events = stream_completions(engine, metrics, prompt="ab", echo=True, max_tokens=5)
     texts = [c["choices"][0]["text"] for c in events[:-1]]
-    assert texts == ["ab", "é", "!"]  # nothing is sent for the first byte alone
+    assert texts == ["ab", "", "é", "!"]  # a chunk per token (as vLLM): the first byte alone has no text
     assert "\ufffd" not in "".join(texts) and events[0]["choices"][0]["finish_reason"] is None
 
 
