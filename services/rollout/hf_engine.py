@@ -2,7 +2,7 @@
 
 An asyncio batcher collects rows (one per sample) and decodes them together with a KV cache; a seeded sampling loop
 (not ``model.generate``) gives each row its own generator and the log-probs of exactly the logits it sampled from,
-with vLLM's penalties (:func:`apply_penalties`), top-k/top-p masks and stop rules. :meth:`HFEngine.generate_stream`
+with vLLM's penalties (:func:`apply_penalties`), top-k/top-p masks and stop rules. :meth:`HFEngine._generate_stream`
 hands each new token to the event loop as it is decoded.
 
 Design: docs/services.md#rollout ("How the engines work").
