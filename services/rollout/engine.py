@@ -239,12 +239,24 @@ class EngineBase:
     async def generate_stream(
         self, prompt_token_ids: list[list[int]], params: SamplingOptions, *, field: str = "prompt"
     ) -> AsyncIterator[StreamEvent]:
-        """Like :meth:`generate`, as events. This default streams each sample once it has finished (one event: all
-        its tokens and the sample); an engine that can hand out tokens as they are decoded overrides it (``hf``)."""
-        results = await self.generate(prompt_token_ids, params, field=field)
-        for i, r in enumerate(results):
-            for j, smp in enumerate(r.samples):
-                yield StreamEvent(i, j, smp.token_ids, smp.logprobs, smp.top_logprobs, smp)
+        """Like :meth:`generate`, as events: each sample's tokens as the engine decodes them (``hf``: one per token;
+        ``vllm``: what one engine step added), its last event with the finished sample. Closing the iterator (a
+        client that went away) stops the samples still decoding."""
+        self.check_ready()
+        params = self.validate(prompt_token_ids, params, field=field)
+        generated = 0
+        async with self.gate.generation():
+            version = self.served.version
+            async for ev in self._generate_stream(prompt_token_ids, params, version):
+                generated += len(ev.token_ids)
+                yield ev
+        self.hooks.tokens("prompt", sum(len(p) for p in prompt_token_ids))
+        self.hooks.tokens("generated", generated)
+
+    def _generate_stream(
+        self, prompts: list[list[int]], params: SamplingOptions, version: int
+    ) -> AsyncIterator[StreamEvent]:
+        raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------------ weights
 

@@ -8,7 +8,7 @@ described in :mod:`services.rollout.engine`, where their shared base lives.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -45,6 +45,12 @@ class StreamEvent:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]] | None = None
     sample: Sample | None = None
+    # the new text when the engine detokenizes as it goes (vLLM: a stop string and a split character held back, the
+    # pieces add up to the sample's text); None: the serving layer decodes the tokens itself
+    text: str | None = None
+    # with SamplingOptions.prompt_logprobs, on the first event of each sample: the prompt's, as in PromptResult
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass
@@ -118,5 +124,9 @@ class RolloutEngine(Protocol):
     async def generate(
         self, prompt_token_ids: list[list[int]], params: SamplingOptions, *, field: str = "prompt"
     ) -> list[PromptResult]: ...
+
+    def generate_stream(
+        self, prompt_token_ids: list[list[int]], params: SamplingOptions, *, field: str = "prompt"
+    ) -> AsyncIterator[StreamEvent]: ...
 
     async def swap_weights(self, tensors: dict[str, torch.Tensor], version: int, checksum: str) -> SwapResult: ...

@@ -2,7 +2,7 @@
 
 An asyncio batcher collects rows (one per sample) and decodes them together with a KV cache; a seeded sampling loop
 (not ``model.generate``) gives each row its own generator and the log-probs of exactly the logits it sampled from,
-with vLLM's penalties (:func:`apply_penalties`), top-k/top-p masks and stop rules. :meth:`HFEngine.generate_stream`
+with vLLM's penalties (:func:`apply_penalties`), top-k/top-p masks and stop rules. :meth:`HFEngine._generate_stream`
 hands each new token to the event loop as it is decoded.
 
 Design: docs/services.md#rollout ("How the engines work").
@@ -373,48 +373,47 @@ class HFEngine(EngineBase):
             for p, prow in zip(prompts, rows, strict=True)
         ]
 
-    async def generate_stream(
-        self, prompt_token_ids: list[list[int]], params: SamplingOptions, *, field: str = "prompt"
+    async def _generate_stream(
+        self, prompts: list[list[int]], params: SamplingOptions, version: int
     ) -> AsyncIterator[StreamEvent]:
         """Tokens as they are decoded: the decode thread hands each new token to the event loop
         (``call_soon_threadsafe``), where it becomes an event; the last event of a sample carries the finished
         sample. Closing the iterator (a client that went away) cancels the rows still decoding."""
-        self.check_ready()
-        params = self.validate(prompt_token_ids, params, field=field)
         events: asyncio.Queue[tuple] = asyncio.Queue()
 
         def on_token(i: int, j: int) -> Any:
             return lambda tok, lp, top: events.put_nowait(("tok", i, j, tok, lp, top))
 
-        async with self.gate.generation():
-            version = self.served.version
-            rows = self._enqueue(prompt_token_ids, params, on_token)
-            flat = [(i, j, r) for i, prow in enumerate(rows) for j, r in enumerate(prow)]
-            for i, j, r in flat:
-                # runs after the row's token callbacks: they were scheduled from the decode thread before the
-                # batcher resolved the future
-                r.future.add_done_callback(lambda _f, i=i, j=j: events.put_nowait(("done", i, j)))
-            try:
-                left = len(flat)
-                while left:
-                    ev = await events.get()
-                    if ev[0] == "tok":
-                        _, i, j, tok, lp, top = ev
-                        yield StreamEvent(i, j, [tok], [lp], [top] if top is not None else None)
-                        continue
-                    _, i, j = ev
-                    left -= 1
-                    r = rows[i][j]
-                    if r.future.cancelled():
-                        raise asyncio.CancelledError
-                    if r.future.exception() is not None:
-                        raise r.future.exception()
-                    yield StreamEvent(i, j, [], [], None, self._sample(r, version))
-            finally:
-                for _, _, r in flat:
-                    r.future.cancel()
-        self.hooks.tokens("prompt", sum(len(p) for p in prompt_token_ids))
-        self.hooks.tokens("generated", sum(len(r.tokens) for _, _, r in flat))
+        rows = self._enqueue(prompts, params, on_token)
+        flat = [(i, j, r) for i, prow in enumerate(rows) for j, r in enumerate(prow)]
+        for i, j, r in flat:
+            # runs after the row's token callbacks: they were scheduled from the decode thread before the batcher
+            # resolved the future
+            r.future.add_done_callback(lambda _f, i=i, j=j: events.put_nowait(("done", i, j)))
+        opened: set[tuple[int, int]] = set()  # samples whose first event (with the prompt's log-probs) went out
+        try:
+            left = len(flat)
+            while left:
+                ev = await events.get()
+                i, j = ev[1], ev[2]
+                r = rows[i][j]
+                first: dict[str, Any] = {}
+                if (i, j) not in opened:  # set by the decode thread after the prefill, before the first token
+                    first = {"prompt_logprobs": r.prompt_lp, "prompt_top_logprobs": r.prompt_top}
+                    opened.add((i, j))
+                if ev[0] == "tok":
+                    _, _, _, tok, lp, top = ev
+                    yield StreamEvent(i, j, [tok], [lp], [top] if top is not None else None, **first)
+                    continue
+                left -= 1
+                if r.future.cancelled():
+                    raise asyncio.CancelledError
+                if r.future.exception() is not None:
+                    raise r.future.exception()
+                yield StreamEvent(i, j, [], [], None, self._sample(r, version), **first)
+        finally:
+            for _, _, r in flat:
+                r.future.cancel()
 
     # ------------------------------------------------------------------------------------------------ decoding
 

@@ -123,8 +123,8 @@ class _OpenAIRequest(_Sampling):
 class CompletionRequest(_OpenAIRequest):
     """Text prompts are tokenized as given (no chat template); token ids must be below the model's vocabulary size
     and a prompt must leave room in its context for one new token (400 otherwise). ``best_of`` is at least ``n``
-    and not streamed with ``best_of > n``; ``echo`` with ``logprobs`` (the prompt tokens' log-probs too) is not
-    streamed; ``max_tokens: 0`` needs ``echo``; ``stream_options`` needs ``stream`` (400 otherwise)."""
+    and not streamed with ``best_of > n``; ``max_tokens: 0`` needs ``echo`` and is not streamed; ``stream_options``
+    needs ``stream`` (400 otherwise)."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -366,6 +366,10 @@ class CompletionStreamChoice(BaseModel):
     text: str
     logprobs: LogprobsOut | None
     finish_reason: str | None
+    token_ids: list[int] | None = Field(None, description="with return_token_ids: this chunk's tokens (vLLM's)")
+    prompt_token_ids: list[int] | None = Field(
+        None, description="with return_token_ids: the prompt's ids, in the choice's first chunk (vLLM's)"
+    )
     stop_reason: int | str | None = None
     policy_version: int | None = None
 

@@ -87,13 +87,16 @@ class StreamPiece:
     logprobs: list[float]
     top_logprobs: TopLogprobs | None
     sample: Sample | None = None  # the finished sample, on the choice's last piece
+    # with prompt log-probs asked for, on the choice's first piece (as in PromptResult)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 class ChoiceRenderer(Protocol):
     """One endpoint's stream choices; None: nothing to send for it."""
 
     def opening(self, index: int) -> StreamChoice | None:
-        """Sent for each choice before generation starts (chat: the role; echo: the prompt)."""
+        """Sent for each choice before generation starts (chat: the role; echo without log-probs: the prompt)."""
 
     def piece(self, piece: StreamPiece) -> StreamChoice | None: ...
 
@@ -151,9 +154,23 @@ class StreamRenderer:
             async for ev in self.engine.generate_stream(spec.prompts, spec.opts, field="prompt"):
                 index = ev.prompt_index * spec.n + ev.sample_index
                 generated += len(ev.token_ids)
-                ts = texts[index]
-                text = ts.finish(ev.token_ids, ev.sample.text) if ev.sample is not None else ts.push(ev.token_ids)
-                c = choices.piece(StreamPiece(index, text, ev.token_ids, ev.logprobs, ev.top_logprobs, ev.sample))
+                if ev.text is not None:  # the engine's own detokenizer (vLLM), stop strings held back
+                    text = ev.text
+                elif ev.sample is not None:
+                    text = texts[index].finish(ev.token_ids, ev.sample.text)
+                else:
+                    text = texts[index].push(ev.token_ids)
+                piece = StreamPiece(
+                    index,
+                    text,
+                    ev.token_ids,
+                    ev.logprobs,
+                    ev.top_logprobs,
+                    ev.sample,
+                    ev.prompt_logprobs,
+                    ev.prompt_top_logprobs,
+                )
+                c = choices.piece(piece)
                 if c is not None:
                     yield chunk(choices=[c])
             if spec.include_usage:

@@ -146,11 +146,13 @@ class ChatChoices:
         ids, smp = piece.token_ids, piece.sample
         lp = chat_logprobs(self.tokenizer, ids, piece.logprobs, piece.top_logprobs) if self.logprobs and ids else None
         # a block is a call only once it is whole: with tools the text comes in the last chunk, parsed (log-probs
-        # and token ids still stream token by token)
-        text = "" if self.parsing.tools is not None else piece.text
-        if not text and lp is None and smp is None and not (self.return_token_ids and ids):
+        # and token ids still stream as they come); without, each event with tokens is a chunk, its text held back
+        # or not (as vLLM)
+        tools = self.parsing.tools is not None
+        text = "" if tools else piece.text
+        if not text and lp is None and smp is None and not (self.return_token_ids and ids) and (tools or not ids):
             return None
-        delta: dict[str, Any] = {"content": text} if text else {}
+        delta: dict[str, Any] = {"content": text} if text or not tools else {}
         fields: dict[str, Any] = {"finish_reason": None}
         if smp is not None:
             out = self.parsing.output(smp.text, smp.finish_reason)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
@@ -93,18 +93,12 @@ def samples_per_prompt(n: int, best_of: int | None, stream: bool) -> int:
 
 
 def _check_echo(body: CompletionRequest) -> None:
-    """The combinations of max_tokens 0, echo, logprobs and stream that cannot be answered."""
+    """The combinations of max_tokens 0, echo and stream that cannot be answered."""
     score_only = body.max_tokens == 0
     if score_only and not body.echo:
         raise InvalidArgument(
             "max_tokens: 0 needs echo: true (it answers the prompt and, with logprobs, its log-probs only)",
             field="max_tokens",
-        )
-    if body.stream and body.echo and body.logprobs is not None:
-        raise InvalidArgument(
-            "echo with logprobs cannot be streamed (the prompt's log-probs come with the finished request): "
-            "drop stream",
-            field="echo",
         )
     if body.stream and score_only:
         raise InvalidArgument("max_tokens: 0 cannot be streamed: drop stream", field="max_tokens")
@@ -139,37 +133,53 @@ class CompletionPlan:
 
 @dataclass
 class CompletionChoices:
-    """The choices of a completions stream (a :class:`services.rollout.serving.ChoiceRenderer`)."""
+    """The choices of a completions stream (a :class:`services.rollout.serving.ChoiceRenderer`). With ``echo`` and
+    ``logprobs`` a choice's first chunk holds the prompt, its log-probs and the first new tokens (as vLLM streams
+    it: the prompt's log-probs are known once it is prefilled); with ``echo`` alone the prompt opens the stream."""
 
     tokenizer: Any
+    prompts: list[list[int]]
     echoes: list[str]  # per prompt
     n: int
     logprobs: int | None  # the request's: None, none; 0, the sampled tokens'; k, with k alternatives
     offsets: list[int]  # per choice: the text_offset of its next token
+    echo: bool = False
+    return_token_ids: bool = False
+    started: set[int] = field(default_factory=set)  # the choices whose first chunk went out
 
     def opening(self, index: int) -> CompletionStreamChoice | None:
         text = self.echoes[index // self.n]
-        return CompletionStreamChoice(index=index, text=text, logprobs=None, finish_reason=None) if text else None
+        if not text or self.logprobs is not None:  # with log-probs the prompt comes with the first tokens
+            return None
+        return CompletionStreamChoice(index=index, text=text, logprobs=None, finish_reason=None)
 
     def piece(self, piece: StreamPiece) -> CompletionStreamChoice | None:
-        lp = None
+        index, text, lp = piece.index, piece.text, None
         if self.logprobs is not None and piece.token_ids:
             top = piece.top_logprobs if self.logprobs else None
-            lp = completion_logprobs(self.tokenizer, piece.token_ids, piece.logprobs, top, self.offsets[piece.index])
-            self.offsets[piece.index] += sum(len(t) for t in lp.tokens)
+            lp = completion_logprobs(self.tokenizer, piece.token_ids, piece.logprobs, top, self.offsets[index])
+            self.offsets[index] += sum(len(t) for t in lp.tokens)
+        first = index not in self.started
+        prompt = self.prompts[index // self.n]
+        if first and self.echo and self.logprobs is not None:
+            r = PromptResult(prompt, [], piece.prompt_logprobs, piece.prompt_top_logprobs)
+            head = echo_logprobs(self.tokenizer, r, bool(self.logprobs))
+            lp = head if lp is None else _joined(head, lp)
+            text = self.echoes[index // self.n] + text
         smp = piece.sample
-        if not piece.text and lp is None and smp is None:
-            return None  # tokens whose text is held back, nothing else to say
-        if smp is None:
-            return CompletionStreamChoice(index=piece.index, text=piece.text, logprobs=lp, finish_reason=None)
-        return CompletionStreamChoice(
-            index=piece.index,
-            text=piece.text,
-            logprobs=lp,
-            finish_reason=smp.finish_reason,
-            stop_reason=smp.stop_reason,
-            policy_version=smp.policy_version,
-        )
+        if not text and lp is None and smp is None and not piece.token_ids:
+            return None  # nothing new: each event with tokens is a chunk, its text held back or not (as vLLM)
+        self.started.add(index)
+        fields: dict[str, Any] = {"finish_reason": None}
+        if self.return_token_ids:
+            fields["token_ids"] = piece.token_ids
+            if first:
+                fields["prompt_token_ids"] = prompt
+        if smp is not None:
+            fields.update(
+                finish_reason=smp.finish_reason, stop_reason=smp.stop_reason, policy_version=smp.policy_version
+            )
+        return CompletionStreamChoice(index=index, text=text, logprobs=lp, **fields)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -219,7 +229,16 @@ class OpenAIServingCompletion(OpenAIServing):
         self.engine.validate(plan.prompts, plan.opts, field="prompt")  # refused with a 4xx before the stream starts
         n = body.n
         offsets = [len(plan.echoes[i // n]) for i in range(len(plan.prompts) * n)]
-        choices = CompletionChoices(self.engine.tokenizer, plan.echoes, n, body.logprobs, offsets)
+        choices = CompletionChoices(
+            self.engine.tokenizer,
+            plan.prompts,
+            plan.echoes,
+            n,
+            body.logprobs,
+            offsets,
+            echo=body.echo,
+            return_token_ids=body.return_token_ids,
+        )
         spec = StreamSpec("text_completion", plan.prompts, plan.opts, n, body.include_usage())
         return self.streams.response(spec, choices)
 

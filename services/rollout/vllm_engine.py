@@ -21,8 +21,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ import torch
 from rlhf.models import load_tokenizer
 from rlhf.serving.errors import Internal, NotReady
 from services.rollout.engine import EngineBase
-from services.rollout.engine_types import EngineHooks, PromptResult, Sample, SwapResult
+from services.rollout.engine_types import EngineHooks, PromptResult, Sample, StreamEvent, SwapResult
 from services.rollout.options import SamplingOptions
 from services.rollout.swap import read_checkpoint_manifest
 from services.rollout.vllm_lora import LoraSpec, VllmAdapters
@@ -136,6 +136,8 @@ class VllmEngine(EngineBase):
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        # streamed requests: every output (one per engine step) goes to the stream's queue as (index, output)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self._dead: BaseException | None = None
         # async driver
         self._async: Any = None
@@ -296,11 +298,7 @@ class VllmEngine(EngineBase):
                     self._command(llm, cmds.pop(0))  # held by _command only (see its "call" branch)
                 if llm.has_unfinished_requests():
                     self.hooks.step(llm.get_num_unfinished_requests())
-                    for out in llm.step():
-                        if out.finished:
-                            entry = self._futures.pop(out.request_id, None)
-                            if entry is not None:
-                                self._resolve(entry[0], entry[1], out)
+                    self._dispatch(llm.step())
         except BaseException as err:  # the engine is dead: fail everything, stop being ready
             log.exception("vLLM engine thread failed")
             self._dead = err
@@ -309,9 +307,43 @@ class VllmEngine(EngineBase):
         finally:
             del llm
 
+    def _dispatch(self, outs: list[Any]) -> None:
+        """One step's outputs: a streamed request's go to its stream (one hand-over per event loop and step), a
+        finished one's to its future."""
+        streamed: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, int, Any]]] = {}
+        for out in outs:
+            sink = self._streams.get(out.request_id)
+            if sink is not None:
+                streamed.setdefault(sink[0], []).append((sink[1], sink[2], out))
+                if out.finished:
+                    del self._streams[out.request_id]
+            elif out.finished:
+                entry = self._futures.pop(out.request_id, None)
+                if entry is not None:
+                    self._resolve(entry[0], entry[1], out)
+        for loop, items in streamed.items():
+            self._hand_over(loop, items)
+
+    @staticmethod
+    def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, int, Any]]) -> None:
+        def put() -> None:
+            for q, k, item in items:
+                q.put_nowait((k, item))
+
+        with contextlib.suppress(RuntimeError):  # the loop is closed
+            loop.call_soon_threadsafe(put)
+
     def _command(self, llm: Any, cmd: tuple) -> None:
         kind = cmd[0]
-        if kind == "add":  # all prompts of one request join the batch in the same step
+        if kind == "stream":  # as "add", each output to the stream's queue
+            _, items, sp, lora, loop, q = cmd
+            for k, (rid, prompt) in enumerate(items):
+                try:
+                    llm.add_request(rid, {"prompt_token_ids": prompt}, sp, lora_request=lora)
+                    self._streams[rid] = (loop, q, k)
+                except BaseException as err:  # noqa: BLE001 - reported to the stream
+                    self._hand_over(loop, [(q, k, err)])
+        elif kind == "add":  # all prompts of one request join the batch in the same step
             _, items, sp, lora, loop, futs = cmd
             for (rid, prompt), fut in zip(items, futs, strict=True):
                 try:
@@ -321,7 +353,7 @@ class VllmEngine(EngineBase):
                 except BaseException as err:  # noqa: BLE001 - reported to the caller
                     self._resolve(loop, fut, error=err)
         elif kind == "abort":
-            rids = [rid for rid in cmd[1] if self._futures.pop(rid, None) is not None]
+            rids = [rid for rid in cmd[1] if (self._futures.pop(rid, None) or self._streams.pop(rid, None)) is not None]
             if rids:
                 llm.abort_request(rids)
         elif kind == "call":
@@ -340,6 +372,9 @@ class VllmEngine(EngineBase):
         entries, self._futures = list(self._futures.values()), {}
         for loop, fut in entries:
             self._resolve(loop, fut, error=err)
+        sinks, self._streams = list(self._streams.values()), {}
+        for loop, q, k in sinks:
+            self._hand_over(loop, [(q, k, err)])
         while True:
             try:
                 cmd = self._cmds.get_nowait()
@@ -348,6 +383,8 @@ class VllmEngine(EngineBase):
             if cmd[0] == "add":
                 for fut in cmd[-1]:
                     self._resolve(cmd[-2], fut, error=err)
+            elif cmd[0] == "stream":
+                self._hand_over(cmd[-2], [(cmd[-1], k, err) for k in range(len(cmd[1]))])
             elif cmd[0] == "call":
                 self._resolve(cmd[-2], cmd[-1], error=err)
 
@@ -397,6 +434,44 @@ class VllmEngine(EngineBase):
         finally:
             self._inflight -= 1
         return final
+
+    async def _stream_inproc(self, prompts: list[list[int]], sp: Any, lora: Any) -> AsyncIterator[tuple[int, Any]]:
+        """(prompt index, output) as the engine thread hands each step's outputs over; closing it aborts what is
+        still running."""
+        self._check_alive()
+        q: asyncio.Queue = asyncio.Queue()
+        tag = uuid.uuid4().hex[:8]
+        items = [(f"r{next(self._ids)}-{tag}", p) for p in prompts]
+        self._cmds.put(("stream", items, sp, lora, asyncio.get_running_loop(), q))
+        left = len(items)
+        try:
+            while left:
+                k, out = await q.get()
+                if isinstance(out, BaseException):
+                    raise out
+                left -= bool(out.finished)
+                yield k, out
+        finally:
+            if left:
+                self._cmds.put(("abort", [rid for rid, _ in items]))
+
+    async def _stream_async(self, prompts: list[list[int]], sp: Any, lora: Any) -> AsyncIterator[tuple[int, Any]]:
+        """(prompt index, output) from AsyncLLM's generators, merged; closing it closes them (vLLM aborts)."""
+        from vllm.utils.async_utils import merge_async_iterators
+
+        gens = [
+            self._async.generate(
+                {"prompt_token_ids": p}, sp, request_id=f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}", lora_request=lora
+            )
+            for p in prompts
+        ]
+        self._inflight += len(gens)
+        self.hooks.step(self._inflight)
+        try:
+            async for k, out in merge_async_iterators(*gens):
+                yield k, out
+        finally:
+            self._inflight -= len(gens)
 
     async def _lora_call(self, method: str, arg: Any) -> Any:
         """vLLM's ``add_lora`` / ``remove_lora`` (``method``) on this driver's engine: the adapter path's handle."""
@@ -482,7 +557,9 @@ class VllmEngine(EngineBase):
 
     # ------------------------------------------------------------------------------------------------ generation
 
-    def _sampling_params(self, o: SamplingOptions) -> Any:
+    def _sampling_params(self, o: SamplingOptions, stream: bool = False) -> Any:
+        """vLLM's sampling parameters; ``stream``: an output per engine step with what it added (DELTA), else the
+        finished request only."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -501,7 +578,7 @@ class VllmEngine(EngineBase):
             presence_penalty=o.presence_penalty,
             logprobs=o.top_logprobs,  # 0: the sampled token's only
             prompt_logprobs=o.prompt_logprobs,  # None: off; computed from the raw logits (temperature 1)
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
             skip_special_tokens=True,
         )
 
@@ -541,38 +618,112 @@ class VllmEngine(EngineBase):
             completions = [c for out in group for c in sorted(out.outputs, key=lambda c: c.index)]
             for c in completions:
                 ids = list(c.token_ids)
-                lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)] if ids else []
-                top = None
-                if params.top_logprobs:  # each position's dict holds the sampled token and the top k by rank
-                    top = [_top(d, params.top_logprobs) for d in (c.logprobs or [])]
-                reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "length"
-                samples.append(
-                    Sample(
-                        token_ids=ids,
-                        logprobs=lps,
-                        finish_reason=reason,
-                        text=c.text,
-                        policy_version=version,
-                        stop_reason=c.stop_reason,
-                        top_logprobs=top,
-                    )
-                )
+                lps, top = _token_logprobs(ids, c.logprobs, params.top_logprobs)
+                samples.append(_sample(ids, lps, top, c.text, c, version))
             result = PromptResult(prompt_token_ids=list(prompt), samples=samples)
             if params.prompt_logprobs is not None:
-                _prompt_logprobs(result, group[0].prompt_logprobs, params.prompt_logprobs)
+                lps, tops = _prompt_logprobs(prompt, group[0].prompt_logprobs, params.prompt_logprobs)
+                result.prompt_logprobs, result.prompt_top_logprobs = lps, tops
             results.append(result)
         return results
 
+    async def _generate_stream(
+        self, prompts: list[list[int]], params: SamplingOptions, version: int
+    ) -> AsyncIterator[StreamEvent]:
+        """What each engine step adds to each sample, as vLLM hands it out (``RequestOutputKind.DELTA``: new tokens,
+        their log-probs and the new text, a stop string held back; several steps merged when this consumer falls
+        behind, as vLLM's own server gets them); a sample's last event carries the whole sample, the first of each
+        sample the prompt's log-probs when asked. Greedy ``n > 1`` is ``n`` requests, as in :meth:`_generate`."""
+        reps = params.n if params.greedy and params.n > 1 else 1
+        sp = self._sampling_params(replace(params, n=1) if reps > 1 else params, stream=True)
+        flat = [p for p in prompts for _ in range(reps)]
+        adapters = self.adapters
+        lora = None if adapters is None else adapters.acquire(version)  # as in _generate
+        outputs = self._stream_inproc(flat, sp, lora) if self.mode == "inproc" else self._stream_async(flat, sp, lora)
+        partial: dict[tuple[int, int], _Partial] = {}
+        prompt_lps: dict[int, dict[str, Any]] = {}  # per request: the prompt's log-probs, from its first output
+        try:
+            async for k, out in outputs:
+                i = k // reps
+                if params.prompt_logprobs is not None and k not in prompt_lps and out.prompt_logprobs:
+                    lps, tops = _prompt_logprobs(prompts[i], out.prompt_logprobs, params.prompt_logprobs)
+                    prompt_lps[k] = {"prompt_logprobs": lps, "prompt_top_logprobs": tops}
+                for c in out.outputs:
+                    if not c.token_ids and c.finish_reason is None:
+                        continue  # nothing new (a prefill chunk)
+                    j = k % reps + c.index  # reps > 1: one sample per request; else vLLM's sample index
+                    opening: dict[str, Any] = {}
+                    if (i, j) not in partial and params.prompt_logprobs is not None:
+                        if k not in prompt_lps:
+                            raise Internal("vLLM returned no prompt log-probs for a request that asked for them")
+                        opening = prompt_lps[k]
+                    acc = partial.setdefault((i, j), _Partial())
+                    ids = list(c.token_ids)
+                    lps, top = _token_logprobs(ids, c.logprobs, params.top_logprobs)
+                    acc.add(ids, lps, top, c.text)
+                    smp = acc.sample(c, version) if c.finish_reason is not None else None
+                    yield StreamEvent(i, j, ids, lps, top, smp, text=c.text, **opening)
+        finally:
+            await outputs.aclose()  # aborts what is still running
+            if adapters is not None:
+                await adapters.release(version)
 
-def _prompt_logprobs(result: PromptResult, positions: list[dict[int, Any] | None] | None, k: int) -> None:
+
+@dataclass
+class _Partial:
+    """A streamed sample so far."""
+
+    ids: list[int] = field(default_factory=list)
+    lps: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] | None = None
+    text: str = ""
+
+    def add(self, ids: list[int], lps: list[float], top: list[list[tuple[int, float]]] | None, text: str) -> None:
+        self.ids += ids
+        self.lps += lps
+        if top is not None:
+            if self.top is None:
+                self.top = []
+            self.top += top
+        self.text += text
+
+    def sample(self, c: Any, version: int) -> Sample:
+        return _sample(self.ids, self.lps, self.top, self.text, c, version)
+
+
+def _token_logprobs(ids: list[int], positions: Any, k: int) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
+    """vLLM's sample log-probs (per generated token a dict holding it and the top k by rank) -> the sampled tokens'
+    log-probs and, with ``k``, their alternatives."""
+    lps = [float(d[t].logprob) for t, d in zip(ids, positions or [], strict=True)] if ids else []
+    return lps, ([_top(d, k) for d in (positions or [])] if k else None)
+
+
+def _sample(
+    ids: list[int], lps: list[float], top: list[list[tuple[int, float]]] | None, text: str, c: Any, version: int
+) -> Sample:
+    """A finished sample; ``c``: its last CompletionOutput (the finish and stop reasons)."""
+    reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "length"
+    return Sample(
+        token_ids=ids,
+        logprobs=lps,
+        finish_reason=reason,
+        text=text,
+        policy_version=version,
+        stop_reason=c.stop_reason,
+        top_logprobs=top,
+    )
+
+
+def _prompt_logprobs(
+    prompt: list[int], positions: list[dict[int, Any] | None] | None, k: int
+) -> tuple[list[float | None], list[list[tuple[int, float]] | None] | None]:
     """vLLM's ``prompt_logprobs`` (per prompt position, None first, else a dict holding the prompt token and the k
-    most probable ones) -> the result's prompt log-probs and alternatives."""
+    most probable ones) -> the prompt's log-probs and, with ``k``, the alternatives (PromptResult's fields)."""
     if positions is None:
         raise Internal("vLLM returned no prompt log-probs for a request that asked for them")
     lps: list[float | None] = [None]
     tops: list[list[tuple[int, float]] | None] = [None]
-    for t, d in zip(result.prompt_token_ids[1:], positions[1:], strict=True):
+    for t, d in zip(prompt[1:], positions[1:], strict=True):
         lps.append(float(d[t].logprob))
         tops.append(_top(d, k))
-    result.prompt_logprobs = lps
-    result.prompt_top_logprobs = tops if k else None
+    return lps, (tops if k else None)

@@ -325,6 +325,67 @@ def test_vllm_loads_weights_through_the_weight_transfer_api(tiny_models, state, 
     assert all(s.policy_version == 2 for r in c for s in r.samples)
 
 
+@pytest.mark.parametrize("mode", [pytest.param("async", marks=_ASYNC_OPT_IN), "inproc"])
+def test_vllm_streams_what_each_engine_step_adds(tiny_models, mode, monkeypatch):
+    """generate_stream on vLLM (RequestOutputKind.DELTA): several events per sample, as the engine steps; their
+    tokens, log-probs, alternatives and text add up to what generate answers (greedy n > 1, which runs as n requests,
+    with prompt log-probs on each sample's first event; seeded sampling; a stop string, never sent); closing the
+    iterator aborts the requests still running."""
+    from services.rollout.vllm_engine import VllmEngine
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if mode == "inproc" else "1")
+    for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
+        monkeypatch.setenv(k, os.environ.get(k, v))  # read by the engine-core subprocess too
+    greedy = SamplingOptions(n=2, max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=1, top_logprobs=2)
+    seeded = SamplingOptions(n=3, max_tokens=10, seed=3, ignore_eos=True)
+
+    async def running(eng) -> int:
+        if mode == "inproc":
+            return await eng._call(lambda llm: llm.get_num_unfinished_requests())
+        return eng._async.get_num_unfinished_requests()
+
+    async def main():
+        eng = VllmEngine(tiny_models.policy, "tiny:policy", mode=mode)
+        await eng.start()
+        try:
+            runs = []
+            stop = SamplingOptions(max_tokens=12, temperature=0.0)
+            text = (await eng.generate(PROMPTS[:1], stop))[0].samples[0].text
+            assert len(text) > 6, text
+            for o in (greedy, seeded, replace(stop, stop=(text[3:6],))):
+                runs.append((o, await eng.generate(PROMPTS, o), [ev async for ev in eng.generate_stream(PROMPTS, o)]))
+            stream = eng.generate_stream(PROMPTS[:1], SamplingOptions(n=4, max_tokens=400, ignore_eos=True))
+            await anext(stream)
+            before = await running(eng)
+            await stream.aclose()
+            await asyncio.sleep(0.5)
+            return runs, before, await running(eng)
+        finally:
+            await eng.close()
+
+    runs, before, after = asyncio.run(main())
+    assert before == 4 and after == 0  # the abort reached vLLM
+    for o, whole, events in runs:
+        for i, r in enumerate(whole):
+            for j, smp in enumerate(r.samples):
+                evs = [ev for ev in events if (ev.prompt_index, ev.sample_index) == (i, j)]
+                assert len(evs) > 1 and [ev.sample is not None for ev in evs] == [False] * (len(evs) - 1) + [True]
+                last = evs[-1].sample
+                assert sum((ev.token_ids for ev in evs), []) == last.token_ids == smp.token_ids
+                assert "".join(ev.text for ev in evs) == last.text == smp.text
+                assert (last.finish_reason, last.stop_reason) == (smp.finish_reason, smp.stop_reason)
+                streamed = sum((ev.logprobs for ev in evs), [])
+                assert streamed == last.logprobs and streamed == pytest.approx(smp.logprobs, abs=1e-5)
+                if o.top_logprobs:
+                    tops = sum((ev.top_logprobs for ev in evs), [])
+                    assert [[t for t, _ in p] for p in tops] == [[t for t, _ in p] for p in smp.top_logprobs]
+                if o.prompt_logprobs is not None:
+                    assert evs[0].prompt_logprobs == pytest.approx(r.prompt_logprobs, abs=1e-5)
+                    assert all(ev.prompt_logprobs is None for ev in evs[1:])
+                if o.stop:  # it ends prompt 0's answer (where it was taken from)
+                    assert o.stop[0] not in smp.text and (i > 0 or smp.finish_reason == "stop")
+
+
 def test_vllm_staged_swap_serves_the_old_weights_while_the_update_loads(tiny_models, state, monkeypatch):
     """A staged swap (the default on the CPU) loads the update into a second copy of the model while generation goes
     on with the old weights, then swaps the two between steps: it installs exactly what the in-place reload

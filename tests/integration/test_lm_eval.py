@@ -91,8 +91,22 @@ def test_echo_returns_prompt_logprobs_in_vllms_shape(svc, policy):
         # what cannot be answered is refused, naming the field
         r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 0})
         assert r.status_code == 400 and r.json()["error"]["field"] == "max_tokens"
-        r = http.post("/v1/completions", json={**body, "stream": True})
-        assert r.status_code == 400 and r.json()["error"]["field"] == "echo"
+        r = http.post("/v1/completions", json={**body, "max_tokens": 0, "stream": True})
+        assert r.status_code == 400 and r.json()["error"]["field"] == "max_tokens"
+        # streamed: the prompt and its entries come in the first chunk, with the first tokens; the pieces add up to
+        # the answer given whole (greedy)
+        more = {**body, "max_tokens": 6, "ignore_eos": True}
+        whole = http.post("/v1/completions", json=more).json()["choices"][0]
+        r = http.post("/v1/completions", json={**more, "stream": True})
+        chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        choices = [c["choices"][0] for c in chunks]
+        assert len(choices) > 1 and choices[0]["text"].startswith(tok.decode(ids))
+        assert len(choices[0]["logprobs"]["tokens"]) > len(ids)  # the prompt's entries and the first token's
+        assert "".join(c["text"] for c in choices) == whole["text"]
+        streamed = {k: [x for c in choices if c["logprobs"] for x in c["logprobs"][k]] for k in whole["logprobs"]}
+        assert streamed["tokens"] == whole["logprobs"]["tokens"]
+        assert streamed["text_offset"] == whole["logprobs"]["text_offset"]
+        assert streamed["token_logprobs"] == pytest.approx(whole["logprobs"]["token_logprobs"], abs=1e-5)
 
 
 TASK_LL = """

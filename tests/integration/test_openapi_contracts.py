@@ -45,7 +45,6 @@ MAY_REFUSE_VALID_DATA: dict[str, dict[str, list[str]]] = {
             CONTEXT,
             r"best_of \(\d+\) must be at least n",
             r"best_of > n cannot be streamed",
-            r"echo with logprobs cannot be streamed",
             r"max_tokens: 0 (needs echo|cannot be streamed)",
             STREAM_OPTIONS,
         ],

@@ -153,7 +153,6 @@ def test_errors_are_openai_errors_with_param(client):
         (openai.BadRequestError, dict(prompt="hi", max_tokens=100000), "max_tokens"),
         (openai.BadRequestError, dict(prompt="hi", n=3, best_of=2), "best_of"),
         (openai.BadRequestError, dict(prompt="hi", best_of=3, stream=True), "best_of"),
-        (openai.BadRequestError, dict(prompt="hi", echo=True, logprobs=1, stream=True), "echo"),
         (openai.BadRequestError, dict(prompt="hi", max_tokens=0), "max_tokens"),
         (openai.BadRequestError, dict(prompt=[2, 5, 600]), "prompt[2]"),
         (openai.BadRequestError, dict(prompt="hi", stream_options={"include_usage": True}), "stream_options"),

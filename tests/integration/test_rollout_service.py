@@ -508,8 +508,8 @@ def test_cross_engine_penalties(svc, hf_engine, full_forward):
 
 
 def test_openai_client_on_vllm(svc):
-    """The official client against the vLLM engine: chat (template), top_logprobs from vLLM's logprobs=k, and
-    streams (one chunk of text per choice: the vLLM driver collects final outputs)."""
+    """The official client against the vLLM engine: chat (template), top_logprobs from vLLM's logprobs=k, tools, and
+    seeded streams that add up to the answers given whole."""
     import openai
 
     client = openai.OpenAI(base_url=svc.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -544,6 +544,57 @@ def test_openai_client_on_vllm(svc):
             texts[c.index] += c.text
     whole = client.completions.create(model="tiny:policy", prompt="hi", max_tokens=5, seed=1, n=2)
     assert texts == [c.text for c in whole.choices]
+    client.close()
+
+
+def test_vllm_streams_each_engine_step(svc):
+    """Streaming on vLLM (the openai client's stream iterator): a multi-token answer comes in several content chunks
+    (what each engine step added), log-probs and token ids in the chunks when asked, usage in the last chunk with
+    include_usage; greedy, the stream adds up to the answer given whole (chat; completions with n = 2, each choice's
+    first chunk with the prompt's ids)."""
+    import openai
+
+    client = openai.OpenAI(base_url=svc.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    usage_opt = {"include_usage": True}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    msgs = [{"role": "user", "content": "count to ten"}]
+    kw = dict(model="tiny:policy", messages=msgs, max_tokens=16, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kw, extra_body=extra)
+    events = list(client.chat.completions.create(**kw, extra_body=extra, stream=True, stream_options=usage_opt))
+    *chunks, last = events
+    assert not last.choices and last.usage.completion_tokens == 16 == whole.usage.completion_tokens
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens and all(ev.usage is None for ev in chunks)
+    choices = [ev.choices[0] for ev in chunks]
+    content = [c.delta.content for c in choices if c.delta.content]
+    assert len(content) > 1, content
+    assert "".join(content) == whole.choices[0].message.content
+    assert [t for c in choices for t in c.model_extra.get("token_ids") or []] == whole.choices[0].token_ids
+    streamed = [e for c in choices if c.logprobs for e in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in whole.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx(
+        [e.logprob for e in whole.choices[0].logprobs.content], abs=1e-5
+    )
+    assert all(len(e.top_logprobs) == 2 for e in streamed)
+
+    kw = dict(model="tiny:policy", prompt="User: count to ten\nAssistant:", max_tokens=16, temperature=0, n=2)
+    whole = client.completions.create(**kw, logprobs=1, extra_body=extra)
+    texts, ids, lps, counts, firsts = ["", ""], [[], []], [[], []], [0, 0], {}
+    usage = None
+    for ev in client.completions.create(**kw, logprobs=1, extra_body=extra, stream=True, stream_options=usage_opt):
+        usage = ev.usage or usage
+        for c in ev.choices:
+            firsts.setdefault(c.index, c.model_extra.get("prompt_token_ids"))
+            texts[c.index] += c.text
+            counts[c.index] += bool(c.text)
+            ids[c.index] += c.model_extra.get("token_ids") or []
+            lps[c.index] += c.logprobs.token_logprobs if c.logprobs else []
+    assert min(counts) > 1, counts
+    assert texts == [c.text for c in whole.choices]
+    assert ids == [c.model_extra["token_ids"] for c in whole.choices]
+    assert firsts == {i: c.model_extra["prompt_token_ids"] for i, c in enumerate(whole.choices)}
+    for got, c in zip(lps, whole.choices, strict=True):
+        assert got == pytest.approx(c.logprobs.token_logprobs, abs=1e-5)
+    assert usage.completion_tokens == 32 == whole.usage.completion_tokens
     client.close()
 
 

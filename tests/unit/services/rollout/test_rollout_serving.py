@@ -55,8 +55,9 @@ class FakeTokenizer:
 class FakeEngine:
     """The one fake engine of these tests: sample j of every prompt is ``replies[j]`` (cut at max_tokens or at a
     stop string), each of its tokens with log-prob ``-1 / (j + 1)`` (later samples are more probable) and the
-    alternatives ``token + 1``, ``token + 2``...; streamed one token per event. ``fail_after``: the stream raises
-    after that many events."""
+    alternatives ``token + 1``, ``token + 2``...; streamed ``step`` tokens per event (the prompt's log-probs on each
+    sample's first), with their text when ``detokenizes`` (as the vLLM engine: pieces of the final text, which
+    an ASCII reply has one character per token). ``fail_after``: the stream raises after that many events."""
 
     kind = "fake"
     model_name = "fake-model"
@@ -70,6 +71,8 @@ class FakeEngine:
         self.defaults: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": 16, "stop": ()}
         self.ready = True
         self.fail_after: int | None = None
+        self.step = 1
+        self.detokenizes = False
         self.calls: list[tuple[list[list[int]], SamplingOptions]] = []
 
     def check_ready(self) -> None:
@@ -112,13 +115,22 @@ class FakeEngine:
         sent = 0
         for i, r in enumerate(await self.generate(prompts, opts, field=field)):
             for j, s in enumerate(r.samples):
-                for k, t in enumerate(s.token_ids):
+                for k in range(0, len(s.token_ids), self.step):
                     if sent == self.fail_after:
                         raise RuntimeError("the engine died")
                     sent += 1
-                    top = None if s.top_logprobs is None else s.top_logprobs[k : k + 1]
-                    last = k == len(s.token_ids) - 1
-                    yield StreamEvent(i, j, [t], [s.logprobs[k]], top, s if last else None)
+                    end = k + self.step
+                    top = None if s.top_logprobs is None else s.top_logprobs[k:end]
+                    last = end >= len(s.token_ids)
+                    first = (
+                        {}
+                        if k
+                        else {"prompt_logprobs": r.prompt_logprobs, "prompt_top_logprobs": r.prompt_top_logprobs}
+                    )
+                    text = (s.text[k:] if last else s.text[k:end]) if self.detokenizes else None
+                    yield StreamEvent(
+                        i, j, s.token_ids[k:end], s.logprobs[k:end], top, s if last else None, text=text, **first
+                    )
 
 
 @pytest.fixture
@@ -218,11 +230,6 @@ def test_max_tokens_0_with_echo_scores_the_prompt_only(engine, metrics):
         ({"prompt": "hi", "n": 3, "best_of": 2}, "best_of", r"best_of \(2\) must be at least n \(3\)"),
         ({"prompt": "hi", "best_of": 2, "stream": True}, "best_of", "best_of > n cannot be streamed"),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens: 0 needs echo"),
-        (
-            {"prompt": "hi", "echo": True, "logprobs": 1, "stream": True},
-            "echo",
-            "echo with logprobs cannot be streamed",
-        ),
         ({"prompt": "hi", "max_tokens": 0, "echo": True, "stream": True}, "max_tokens", "0 cannot be streamed"),
         ({"prompt": "hi", "max_tokens": 1001, "stream": True}, "max_tokens", "below the context"),  # before the stream
     ],
@@ -277,8 +284,53 @@ def test_completion_stream_holds_back_a_split_character_and_opens_with_the_echo(
     engine = FakeEngine(["é!"])  # two bytes, two tokens: the first decodes to U+FFFD
     events = stream_completions(engine, metrics, prompt="ab", echo=True, max_tokens=5)
     texts = [c["choices"][0]["text"] for c in events[:-1]]
-    assert texts == ["ab", "é", "!"]  # nothing is sent for the first byte alone
+    assert texts == ["ab", "", "é", "!"]  # a chunk per token (as vLLM): the first byte alone has no text
     assert "\ufffd" not in "".join(texts) and events[0]["choices"][0]["finish_reason"] is None
+
+
+def test_completion_stream_with_echo_logprobs_and_token_ids(engine, metrics):
+    """echo with logprobs streamed: each choice's first chunk holds the prompt, its log-probs and the first tokens (no
+    opening chunk: the prompt's log-probs come from the engine); with return_token_ids the prompt's ids come in it
+    too, and each chunk has its tokens. The pieces add up to the answer given whole."""
+    kw = dict(prompt=["ab", "c"], n=2, max_tokens=5, echo=True, logprobs=1, return_token_ids=True)
+    whole = completions(engine, metrics, **kw)
+    engine.step = 2
+    events = stream_completions(engine, metrics, **kw)
+    assert events[-1] == "[DONE]"
+    texts, ids, firsts = ["", "", "", ""], [[], [], [], []], {}
+    lps: list[dict[str, list]] = [
+        {"tokens": [], "token_logprobs": [], "text_offset": [], "top_logprobs": []} for _ in range(4)
+    ]
+    for c in events[:-1]:
+        (ch,) = c["choices"]
+        i = ch["index"]
+        if i not in firsts:
+            firsts[i] = ch
+        else:
+            assert "prompt_token_ids" not in ch
+        texts[i] += ch["text"]
+        ids[i] += ch["token_ids"]
+        for key in lps[i]:
+            lps[i][key] += ch["logprobs"][key]
+    assert texts == [c.text for c in whole.choices] == ["abhello", "abgood ", "chello", "cgood "]
+    assert ids == [c.token_ids for c in whole.choices]
+    assert [firsts[i]["prompt_token_ids"] for i in range(4)] == [c.prompt_token_ids for c in whole.choices]
+    assert [firsts[i]["text"] for i in range(4)] == ["abhe", "abgo", "che", "cgo"]  # the prompt and 2 tokens
+    assert lps == [c.logprobs.model_dump() for c in whole.choices]
+    assert lps[0]["token_logprobs"][:3] == [None, -0.5, -1.0]
+
+
+def test_completion_stream_of_an_engine_that_detokenizes(engine, metrics):
+    """An engine that sends each event's text (vLLM) is streamed as it sends it: one chunk per event."""
+    engine.step, engine.detokenizes = 3, True
+    whole = completions(engine, metrics, prompt="p", n=2, max_tokens=9, stop=["o w"])
+    events = stream_completions(engine, metrics, prompt="p", n=2, max_tokens=9, stop=["o w"])
+    pieces: list[list[str]] = [[], []]
+    for c in events[:-1]:
+        (ch,) = c["choices"]
+        pieces[ch["index"]].append(ch["text"])
+    assert pieces == [["hel", "l", ""], ["goo", "d d", "ay"]]  # the last: the finish reason, its text cut
+    assert ["".join(p) for p in pieces] == [c.text for c in whole.choices]
 
 
 def test_a_stream_error_after_the_first_byte_is_an_event(engine, metrics):
