@@ -107,7 +107,7 @@ class ReferenceEngine:
             set_torch_threads(self.threads)
             path = resolve_model_path(self.model_spec)
             tok = load_tokenizer(path)
-            dtype = serving_dtype(self.cfg.training.bf16, self.device)
+            dtype = serving_dtype(self.cfg.actor_rollout_ref.ref.bf16, self.device)
             model = load_causal_lm(path, device=self.device, dtype=dtype).eval()
             for p in model.parameters():
                 p.requires_grad_(False)
@@ -123,7 +123,8 @@ class ReferenceEngine:
         self.loaded = hello  # what was loaded, where (the model process sends its own as its hello)
         self.pad_token_id = hello["pad_token_id"]
         self.vocab_size = hello["vocab_size"]
-        self.max_len = hello["max_len"]
+        # MindSpeed's per-role seq_length: the longest sequence this role takes, within the model's context
+        self.max_len = min(hello["max_len"], self.cfg.actor_rollout_ref.ref.seq_length or hello["max_len"])
         self.ready = True
         where = hello["where"] + (f", in model process {self._proc.pid}" if self._proc is not None else "")
         log.info(
@@ -178,8 +179,9 @@ class ReferenceEngine:
             n = len(it.prompt_ids) + len(it.response_ids)
             if n > self.max_len:
                 raise InvalidArgument(
-                    f"items[{i}].response_ids: prompt_ids + response_ids is {n} tokens; the reference model's "
-                    f"context is {self.max_len}: shorten the prompt or the response",
+                    f"items[{i}].response_ids: prompt_ids + response_ids is {n} tokens; the reference takes at most "
+                    f"{self.max_len} (its model's context, or actor_rollout_ref.ref.seq_length if shorter): shorten "
+                    "the prompt or the response",
                     f"items[{i}].response_ids",
                 )
             for fname in ("prompt_ids", "response_ids"):

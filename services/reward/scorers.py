@@ -164,6 +164,7 @@ class ModelScorer(Scorer):
         bf16: bool = False,
         model_process: bool = False,
         threads: int | None = None,
+        seq_length: int | None = None,
     ):
         super().__init__(cfg, name)
         self.threads = threads  # the forward's torch threads (None: leave them as they are)
@@ -173,7 +174,8 @@ class ModelScorer(Scorer):
         self._proc: ModelProcess | None = None
         self.loaded: dict = {}
         self.device_name = device
-        self.bf16 = bf16  # training.bf16: serve in bf16 on an accelerator (rlhf.models.serving_dtype)
+        self.bf16 = bf16  # reward.bf16: serve in bf16 on an accelerator (rlhf.models.serving_dtype)
+        self.seq_length = seq_length  # reward.seq_length: the longest sequence scored, within the model's context
         self.micro_batch_size = micro_batch_size
         self.padding_free = padding_free  # training.padding_free: the forward skips padding (rlhf.packing)
         self.model = None
@@ -223,7 +225,7 @@ class ModelScorer(Scorer):
                 "torch_threads": torch.get_num_threads(),
             }
         self.loaded = hello  # what was loaded, where (the model process sends its own as its hello)
-        self.max_len, self.vocab = hello["max_len"], hello["vocab"]
+        self.max_len, self.vocab = min(hello["max_len"], self.seq_length or hello["max_len"]), hello["vocab"]
         self._backend = self._fast_backend()
         where = hello["where"] + (f", in model process {self._proc.pid}" if self._proc is not None else "")
         log.info("reward model %s loaded from %s on %s", self.name, path, where)
@@ -316,7 +318,8 @@ class ModelScorer(Scorer):
             if len(ids) > self.max_len:
                 raise InvalidArgument(
                     f"items[{i}].response: prompt + response is {len(ids)} tokens for the reward model "
-                    f"{self.name!r}, which accepts at most {self.max_len}; shorten the response (or the prompt)",
+                    f"{self.name!r}, which accepts at most {self.max_len} (its context, or reward.seq_length if "
+                    "shorter); shorten the response (or the prompt)",
                     f"items[{i}].response",
                 )
             bad = [t for t in ids if not 0 <= t < self.vocab] if min(ids) < 0 or max(ids) >= self.vocab else []
