@@ -105,25 +105,29 @@ _DATA_KEYS = ("data_path", "shuffle", "no_shuffle")
 
 def _actor_data_keys(data: dict[str, Any], mapped: list[str]) -> None:
     """The prompt data MindSpeed's actor reads: ``data_path`` (its preprocessed .bin/.idx prefix, or a file) as
-    ``data.path`` when that is unset, and ``shuffle`` / ``no_shuffle`` as ``data.shuffle``; the actor's own keys win
-    over the training section's."""
+    ``data.path`` when that is unset, and ``shuffle`` / ``no_shuffle`` as ``data.shuffle``. MindSpeed merges the
+    training section into the actor's, the actor's value winning: so here."""
     sections = _sections(data)
-    found: dict[str, tuple[str, Any]] = {}
+    path: tuple[str, Any] | None = None
+    shuffle: tuple[str, bool] | None = None
     for section in ("training", "actor_rollout"):  # the actor's last: it wins
         body = sections.get(section, {})
-        for key in _DATA_KEYS:
-            if key in body:
-                found[key] = (f"{_path(section)}.{key}", body.pop(key))
-    shuffle = [
-        (where, bool(v) if key == "shuffle" else not v) for key, (where, v) in found.items() if key != "data_path"
-    ]
-    if len({v for _, v in shuffle}) > 1:
-        (w1, v1), (w2, v2) = shuffle
-        raise ValueError(f"{w1} and {w2} contradict (shuffle {v1} vs {v2}); keep one")
-    for where, value in shuffle[:1]:
-        _put(data, "data", "shuffle", value, where)
-    if "data_path" in found:
-        where, value = found["data_path"]
+        mine = [
+            (f"{_path(section)}.{key}", bool(body.pop(key)) == (key == "shuffle"))
+            for key in ("shuffle", "no_shuffle")
+            if key in body
+        ]
+        if len({v for _, v in mine}) > 1:
+            raise ValueError(
+                f"{mine[0][0]} and {mine[1][0]} contradict (shuffle {mine[0][1]} vs {mine[1][1]}); keep one"
+            )
+        shuffle = mine[0] if mine else shuffle
+        if "data_path" in body:
+            path = (f"{_path(section)}.data_path", body.pop("data_path"))
+    if shuffle is not None:
+        _put(data, "data", "shuffle", shuffle[1], shuffle[0])
+    if path is not None:
+        where, value = path
         _put(data, "data", "path", value, where)
         mapped.append(
             f"{where}: {value} is the prompt data (data.path): a MindSpeed preprocessed .bin/.idx prefix "
