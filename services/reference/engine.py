@@ -179,9 +179,9 @@ class ReferenceEngine:
             n = len(it.prompt_ids) + len(it.response_ids)
             if n > self.max_len:
                 raise InvalidArgument(
-                    f"items[{i}].response_ids: prompt_ids + response_ids is {n} tokens; the reference takes at most "
-                    f"{self.max_len} (its model's context, or actor_rollout_ref.ref.seq_length if shorter): shorten "
-                    "the prompt or the response",
+                    f"items[{i}].response_ids: prompt_ids + response_ids is {n} tokens; the reference model's "
+                    f"context is {self.max_len} (the model's, or actor_rollout_ref.ref.seq_length if shorter): "
+                    "shorten the prompt or the response",
                     f"items[{i}].response_ids",
                 )
             for fname in ("prompt_ids", "response_ids"):
