@@ -41,7 +41,9 @@ _STAGE_DEFAULTS = {
 # MindSpeed merges the training section into each role's (the role's own value wins): these keys are read per role
 _ROLE_INHERITED = {
     "micro_batch_size": ("actor_rollout", "ref", "critic", "reward"),
-    "seq_length": ("actor_rollout", "ref", "critic", "reward"),
+    # only the actor's: the others take the actor's sequences, whatever their length (MindSpeed runs them with
+    # variable_seq_lengths); set in their own section it is a limit
+    "seq_length": ("actor_rollout",),
     "bf16": ("actor_rollout", "ref", "critic", "reward"),
     "no_load_optim": ("actor_rollout", "critic"),
     "no_load_rng": ("actor_rollout", "critic"),
@@ -72,8 +74,10 @@ def inherit_role_defaults(cfg: Config) -> None:
 def role_problems(cfg: Config) -> list[str]:
     """Per-role MindSpeed keys that contradict what the run does: a role that could not take the actor's
     sequences, generators the actor and the critic share set apart, a critic device this layout cannot give."""
-    a, problems = cfg.actor, []
-    longest = a.max_prompt_length + cfg.max_new_tokens  # the longest sample the rollout makes
+    a, env, problems = cfg.actor, cfg.environment, []
+    # the longest sample the rollout makes: a prompt and a response, or an episode's turns
+    budget = (env.max_tokens or env.max_turns * cfg.max_new_tokens) if env.name else cfg.max_new_tokens
+    longest = a.max_prompt_length + budget
     roles = [("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref), ("reward", cfg.reward)]
     if cfg.training.stage.traits.critic:
         roles.append(("critic", cfg.critic))
@@ -81,8 +85,8 @@ def role_problems(cfg: Config) -> list[str]:
         if section.seq_length is not None and section.seq_length < longest:
             problems.append(
                 f"{where}.seq_length {section.seq_length} is shorter than the samples it receives (max_prompt_length "
-                f"{a.max_prompt_length} + response budget {cfg.max_new_tokens} = {longest}); raise it or lower "
-                "actor_rollout.seq_length / max_new_tokens"
+                f"{a.max_prompt_length} + response budget {budget} = {longest}); raise it, leave it unset (no limit "
+                "but the model's context) or lower actor_rollout.seq_length / max_new_tokens"
             )
     c = cfg.critic
     if cfg.training.stage.traits.critic and bool(c.no_load_rng) != bool(a.no_load_rng):

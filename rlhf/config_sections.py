@@ -33,8 +33,7 @@ class TrainingConfig(Section):
     )
     seq_length: int = _f(
         1024,
-        "maximum prompt + response length in tokens; the default of every role's own seq_length (actor_rollout, ref, "
-        "critic, reward)",
+        "maximum prompt + response length in tokens (the default of actor_rollout.seq_length)",
         gt=1,
     )
     train_iters: int = _f(100, "training steps (optimizer updates of one rollout batch each) to run", gt=0)
@@ -248,8 +247,8 @@ class RefConfig(Section):
     micro_batch_size: int = _f(16, "sequences per reference forward (default training.micro_batch_size, else 16)", gt=0)
     seq_length: int | None = _f(
         None,
-        "the longest prompt + response the reference service scores (and at least the actor's; default "
-        "training.seq_length)",
+        "the longest prompt + response the reference service takes, at least the actor's samples (null: the "
+        "model's context)",
         gt=1,
     )
     bf16: bool | None = _f(
@@ -302,7 +301,8 @@ class CriticConfig(Section):
     min_lr: float | None = _f(None, "critic final learning rate (default training.min_lr)", ge=0)
     seq_length: int | None = _f(
         None,
-        "the longest prompt + response the critic scores, at least the actor's (default training.seq_length)",
+        "the longest prompt + response the critic takes: checked at load to cover the actor's samples (null: the "
+        "model's context)",
         gt=1,
     )
     bf16: bool | None = _f(None, "the critic's bf16 autocast (default training.bf16)")
@@ -448,7 +448,8 @@ class RewardConfig(Section):
     load: str | None = _f(None, "shorthand for one model scorer (MindSpeed's reward.load)")
     seq_length: int | None = _f(
         None,
-        "the longest prompt + response the reward models score (and at least the actor's; default training.seq_length)",
+        "the longest prompt + response (in the policy's tokens) the reward service scores, at least the actor's "
+        "samples (null: the models' context)",
         gt=1,
     )
     bf16: bool | None = _f(

@@ -225,7 +225,7 @@ class ModelScorer(Scorer):
                 "torch_threads": torch.get_num_threads(),
             }
         self.loaded = hello  # what was loaded, where (the model process sends its own as its hello)
-        self.max_len, self.vocab = min(hello["max_len"], self.seq_length or hello["max_len"]), hello["vocab"]
+        self.max_len, self.vocab = hello["max_len"], hello["vocab"]
         self._backend = self._fast_backend()
         where = hello["where"] + (f", in model process {self._proc.pid}" if self._proc is not None else "")
         log.info("reward model %s loaded from %s on %s", self.name, path, where)
@@ -318,8 +318,16 @@ class ModelScorer(Scorer):
             if len(ids) > self.max_len:
                 raise InvalidArgument(
                     f"items[{i}].response: prompt + response is {len(ids)} tokens for the reward model "
-                    f"{self.name!r}, which accepts at most {self.max_len} (its context, or reward.seq_length if "
-                    "shorter); shorten the response (or the prompt)",
+                    f"{self.name!r}, which accepts at most {self.max_len}; shorten the response (or the prompt)",
+                    f"items[{i}].response",
+                )
+            # reward.seq_length counts the sequence as the policy made it (MindSpeed's reward reads the actor's
+            # tokens): its ids when the item carries them; the scorer's own encoding adds its chat template
+            n = len(it.prompt_ids) + len(it.response_ids) if it.prompt_ids else len(ids)
+            if self.seq_length is not None and n > self.seq_length:
+                raise InvalidArgument(
+                    f"items[{i}].response: prompt + response is {n} tokens, more than reward.seq_length "
+                    f"{self.seq_length}; shorten the response (or the prompt)",
                     f"items[{i}].response",
                 )
             bad = [t for t in ids if not 0 <= t < self.vocab] if min(ids) < 0 or max(ids) >= self.vocab else []

@@ -338,7 +338,7 @@ def test_configs_with_mindspeed_llms_trainer_key_sets_load_without_edits():
     assert ppo.resource_pool.critic == [1]  # the critic's own device
     c, a = ppo.critic, ppo.actor
     assert (c.no_load_optim, c.no_load_rng, a.no_load_optim, a.no_load_rng) == (True, True, True, True)
-    assert (a.seq_length, c.seq_length, ppo.reward.seq_length, ppo.max_new_tokens) == (40, 40, 40, 24)
+    assert (a.seq_length, c.seq_length, ppo.reward.seq_length, ppo.max_new_tokens) == (40, None, None, 24)
     assert (a.bf16, c.bf16) == (False, False)
     assert (c.lr, c.clip_grad, c.cliprange_value, c.critic_update_epochs) == (2e-4, 2.0, 0.3, 2)
     dpo = load_config(MINDSPEED_DPO)
@@ -375,7 +375,7 @@ def test_per_role_no_load_bf16_and_seq_length_default_to_the_training_sections()
     a, c, ref, rw = cfg.actor, cfg.critic, cfg.actor_rollout_ref.ref, cfg.reward
     assert (a.no_load_optim, c.no_load_optim, a.no_load_rng, c.no_load_rng) == (True, True, False, False)
     assert (a.bf16, c.bf16, ref.bf16, rw.bf16) == (True, True, True, True)
-    assert (a.seq_length, c.seq_length, ref.seq_length, rw.seq_length) == (600, 600, 600, 600)
+    assert (a.seq_length, c.seq_length, ref.seq_length, rw.seq_length) == (600, None, None, None)
     own = parse_config(
         {
             "training": {"seq_length": 600, "bf16": True},
