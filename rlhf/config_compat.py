@@ -2,9 +2,13 @@
 
 A seed config (``ppo_trainer_llama32_1b.yaml``, the online DPO test config) holds keys that configure Megatron
 itself: its parallel layout, loss scaling, data loader and model-structure files. :func:`translate` runs before
-validation and, for each such key, either moves its value to the field of the same concept here (a rename) or takes
-it out and keeps one line saying why it does not apply; those lines become ONE warning at start-up
-(``ExperimentConfig.notes``). Any other unknown key stays in and is an error naming the closest valid key.
+validation and, for each such key, either moves its value to the field of the same concept here (a rename: the
+actor's ``data_path`` to ``data.path``, ``no_shuffle`` to ``data.shuffle``, ``inference_tensor_model_parallel_size``
+to the rollout's tensor parallelism) or takes it out and keeps one line saying why it does not apply; those lines
+become ONE warning at start-up (``ExperimentConfig.notes``; the data source is said there too,
+``ExperimentConfig.mapped_notes``). The per-role keys MindSpeed merges from ``training`` (``seq_length``, ``bf16``,
+``no_load_optim``, ``no_load_rng``) are fields of the role sections. Any other unknown key stays in and is an error
+naming the closest valid key.
 """
 
 from __future__ import annotations

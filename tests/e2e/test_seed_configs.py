@@ -1,8 +1,8 @@
 """The seeds' MindSpeed-LLM configs run as a MindSpeed user runs them: seed 004's online DPO config as printed (its
 prompts named only by ``actor_rollout.data_path``, a preprocessed .bin/.idx prefix written here) and a config with the
 key set of MindSpeed-LLM's PPO trainer file (the critic on a device of its own), through ``rlhf up``. The only
-command-line overrides point the model folders at the tiny models, the data at the test's prefix, and shrink the run
-to two steps on the CPU."""
+command-line overrides point the model and save folders at the tiny models and the test's folder, the data at the
+test's prefix, and shrink the run to two steps on the CPU."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from tests.e2e._ring import rlhf_up
 from tests.support.indexed import write_indexed
 
 SEEDS = Path(__file__).parents[1] / "unit" / "seed_configs"
+# the save folders of the files are relative (./ckpt): they go under the test's folder
 CASES = {
-    "seed-004-online-dpo": (SEEDS / "ray_online_dpo_full_llama32_1b_tp1pp1.yaml", ["reward.load=tiny:reward"]),
-    "mindspeed-ppo-keys": (SEEDS / "mindspeed_ppo_trainer_keys.yaml", ["critic.load=tiny:reward"]),
+    "seed-004-online-dpo": (SEEDS / "ray_online_dpo_full_llama32_1b_tp1pp1.yaml", []),
+    "mindspeed-ppo-keys": (SEEDS / "mindspeed_ppo_trainer_keys.yaml", ["critic.load=tiny:reward", "critic.save={}"]),
 }
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,8 @@ def test_a_mindspeed_config_trains_from_its_actor_data_path(name, tmp_path, tiny
         "actor_rollout_ref.actor_rollout.load=tiny:policy",
         "actor_rollout_ref.ref.load=tiny:policy",
         "reward.load=tiny:reward",
-        *extra,
+        f"actor_rollout_ref.actor_rollout.save={tmp_path / 'actor-save'}",
+        *(e.format(tmp_path / "critic-save") for e in extra),
         "training.tokenizer_name_or_path=null",
         f"actor_rollout_ref.actor_rollout.data_path={prefix}",
         "+actor_rollout_ref.actor_rollout.engine=hf",
@@ -55,3 +57,5 @@ def test_a_mindspeed_config_trains_from_its_actor_data_path(name, tmp_path, tiny
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2
     assert [m["step"] for m in metrics] == [1, 2], metrics
+    if "ppo" in name:  # the critic, on its own device (the CPU here), trained beside the actor
+        assert all("loss/value" in m for m in metrics), metrics
