@@ -81,7 +81,9 @@ def _put(data: dict[str, Any], section: str, key: str, value: Any, source: str) 
     if section in ("actor_rollout", "ref"):
         target = data.setdefault("actor_rollout_ref", {}).setdefault(section, {})
     else:
-        target = data.setdefault(section, {})
+        if data.get(section) is None:  # absent, or an empty section (``data:`` with nothing under it)
+            data[section] = {}
+        target = data[section]
     if key in target and target[key] != value:
         raise ValueError(f"{source} ({value!r}) contradicts {_path(section)}.{key} ({target[key]!r}); keep one")
     target[key] = value

@@ -44,6 +44,8 @@ def test_seed_004_as_printed_reads_its_actor_data_path_as_the_data_and_says_so()
     both = {"training": {"data_path": "a"}, "actor_rollout_ref": {"actor_rollout": {"data_path": "b"}}}
     assert parse_config({"training": {"data_path": "a"}}).data.path == "a"
     assert parse_config(both).data.path == "b"
+    empty_data = {"data": None, "actor_rollout_ref": {"actor_rollout": {"data_path": "b"}}}  # ``data:`` left empty
+    assert parse_config(empty_data).data.path == "b"
     # a role that reads no prompts: noted with its reason, not read
     ref = parse_config({"actor_rollout_ref": {"ref": {"data_path": "c"}}})
     assert ref.data.path == "builtin:arithmetic"
