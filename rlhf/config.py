@@ -26,12 +26,13 @@ from rlhf.config_rules import (
     distill_problems,
     environment_problems,
     eval_problems,
-    inherit_micro_batch_size,
+    inherit_role_defaults,
     lora_notes,
     mindspeed_default_notes,
     not_built_message,
     optimization_problems,
     rejection_sampling_problems,
+    role_problems,
     shared_backbone_problems,
     stage_notes,
 )
@@ -76,12 +77,18 @@ class ExperimentConfig(Section):
     environment: EnvironmentConfig = Field(EnvironmentConfig(), description="multi-turn episodes (environment service)")
     # Keys of a MindSpeed config that do not apply here, one line each (config_compat); warned about once at start-up
     _notes: list[str] = PrivateAttr(default_factory=list)
+    # MindSpeed keys read as a field here (actor_rollout.data_path as data.path), said at start-up beside the notes
+    _mapped: list[str] = PrivateAttr(default_factory=list)
     # Fields a MindSpeed-style config leaves out whose default here differs from MindSpeed's; in the same warning
     _default_notes: list[str] = PrivateAttr(default_factory=list)
 
     @property
     def notes(self) -> list[str]:
         return list(self._notes)
+
+    @property
+    def mapped_notes(self) -> list[str]:
+        return list(self._mapped)
 
     @property
     def default_notes(self) -> list[str]:
@@ -94,7 +101,7 @@ class ExperimentConfig(Section):
     @property
     def max_new_tokens(self) -> int:
         a = self.actor
-        return a.max_new_tokens or max(1, self.training.seq_length - a.max_prompt_length)
+        return a.max_new_tokens or max(1, (a.seq_length or self.training.seq_length) - a.max_prompt_length)
 
     def sampling_defaults(self) -> dict[str, Any]:
         """``actor_rollout`` as sampling values, decided here only: the prompt jobs the trainer publishes carry them,
@@ -133,7 +140,7 @@ class ExperimentConfig(Section):
     def _cross_checks(self) -> ExperimentConfig:
         if self.reward.load is not None:
             self.reward.scorers = [ScorerConfig(type="model", load=self.reward.load)]
-        inherit_micro_batch_size(self)
+        inherit_role_defaults(self)
         stage = self.training.stage
         if stage.traits.pairs and self.actor.n_samples_per_prompt not in (1, 2):
             raise ValueError(f"actor_rollout_ref.actor_rollout.n_samples_per_prompt must be 2 for {stage}")
@@ -170,6 +177,7 @@ class ExperimentConfig(Section):
         problems += distill_problems(self)
         problems += rejection_sampling_problems(self)
         problems += shared_backbone_problems(self)
+        problems += role_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         check_algorithm(stage, self.algorithm)
@@ -230,22 +238,23 @@ def parse_config(data: dict[str, Any] | None, source: str = "<dict>") -> Experim
     must be a field; raises ConfigError naming each bad key."""
     raw = data or {}
     try:
-        data, notes = config_compat.translate(raw)
+        data, notes, mapped = config_compat.translate(raw)
         cfg = ExperimentConfig.model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_error(err, source)) from None
     except ValueError as err:
         raise ConfigError(f"invalid experiment config {source}: {err}") from None
     cfg._notes = notes + stage_notes(cfg) + lora_notes(cfg)
+    cfg._mapped = mapped
     if config_compat.mindspeed_style(raw):
         cfg._default_notes = mindspeed_default_notes(cfg)
     return cfg
 
 
 def config_warning(cfg: ExperimentConfig) -> str | None:
-    """The one start-up warning: every key the config sets that does not apply here, and why; and every default a
-    MindSpeed-style config relies on that differs here."""
-    parts = [config_compat.format_notes(cfg.notes)]
+    """The one start-up warning: the MindSpeed keys read as another field (the data source); every key the config
+    sets that does not apply here, and why; and every default a MindSpeed-style config relies on that differs here."""
+    parts = [config_compat.format_mapped(cfg.mapped_notes), config_compat.format_notes(cfg.notes)]
     if cfg.default_notes:
         parts.append("defaults that differ from MindSpeed-LLM's:\n" + "\n".join(f"  {n}" for n in cfg.default_notes))
     return "\n".join(p for p in parts if p) or None

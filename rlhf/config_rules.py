@@ -38,17 +38,75 @@ _STAGE_DEFAULTS = {
 }
 
 
-def inherit_micro_batch_size(cfg: Config) -> None:
-    """MindSpeed's ``training.micro_batch_size`` is every role's default: copied into each role section that does not
-    set its own. Kept out of ``model_fields_set``: an inherited value is not one the user set in that section (the
-    per-stage "not read" notes and the micro > mini check look at explicit values only)."""
-    value = cfg.training.micro_batch_size
-    if value is None:
-        return
-    for section in (cfg.actor, cfg.actor_rollout_ref.ref, cfg.critic, cfg.reward):
-        if "micro_batch_size" not in section.model_fields_set:
-            section.micro_batch_size = value
-            section.model_fields_set.discard("micro_batch_size")
+# MindSpeed merges the training section into each role's (the role's own value wins): these keys are read per role
+_ROLE_INHERITED = {
+    "micro_batch_size": ("actor_rollout", "ref", "critic", "reward"),
+    # only the actor's: the others take the actor's sequences, whatever their length (MindSpeed runs them with
+    # variable_seq_lengths); set in their own section it is a limit
+    "seq_length": ("actor_rollout",),
+    "bf16": ("actor_rollout", "ref", "critic", "reward"),
+    "no_load_optim": ("actor_rollout", "critic"),
+    "no_load_rng": ("actor_rollout", "critic"),
+}
+
+
+def inherit_role_defaults(cfg: Config) -> None:
+    """MindSpeed's ``training`` values are every role's defaults: copied into each role section that does not set its
+    own. Kept out of ``model_fields_set``: an inherited value is not one the user set in that section (the per-stage
+    "not read" notes and the micro > mini check look at explicit values only)."""
+    sections = {
+        "actor_rollout": cfg.actor,
+        "ref": cfg.actor_rollout_ref.ref,
+        "critic": cfg.critic,
+        "reward": cfg.reward,
+    }
+    for key, roles in _ROLE_INHERITED.items():
+        value = getattr(cfg.training, key)
+        if value is None:
+            continue
+        for role in roles:
+            section = sections[role]
+            if key not in section.model_fields_set:
+                setattr(section, key, value)
+                section.model_fields_set.discard(key)
+
+
+def role_problems(cfg: Config) -> list[str]:
+    """Per-role MindSpeed keys that contradict what the run does: a role that could not take the actor's
+    sequences, generators the actor and the critic share set apart, a critic device this layout cannot give."""
+    a, env, problems = cfg.actor, cfg.environment, []
+    # the longest sample the rollout makes: a prompt and a response, or an episode's turns
+    budget = (env.max_tokens or env.max_turns * cfg.max_new_tokens) if env.name else cfg.max_new_tokens
+    longest = a.max_prompt_length + budget
+    roles = [("actor_rollout_ref.ref", cfg.actor_rollout_ref.ref), ("reward", cfg.reward)]
+    if cfg.training.stage.traits.critic:
+        roles.append(("critic", cfg.critic))
+    for where, section in roles:
+        if section.seq_length is not None and section.seq_length < longest:
+            problems.append(
+                f"{where}.seq_length {section.seq_length} is shorter than the samples it receives (max_prompt_length "
+                f"{a.max_prompt_length} + response budget {budget} = {longest}); raise it, leave it unset (no limit "
+                "but the model's context) or lower actor_rollout.seq_length / max_new_tokens"
+            )
+    c = cfg.critic
+    if cfg.training.stage.traits.critic and bool(c.no_load_rng) != bool(a.no_load_rng):
+        problems.append(
+            f"critic.no_load_rng {c.no_load_rng} and actor_rollout.no_load_rng {a.no_load_rng} differ: actor and "
+            "critic draw their minibatch orders from the trainer's one generator here, restored or not as one; set "
+            "them alike"
+        )
+    pool = cfg.resource_pool.critic
+    if pool not in ([0], [1]):
+        problems.append(
+            f"resource_pool.critic {pool}: the critic runs whole on one device (there is no tensor parallelism in "
+            "the trainer here); give [1] for a device of its own or [0] to share the trainer's"
+        )
+    elif pool == [1] and c.shared_backbone:
+        problems.append(
+            "resource_pool.critic [1] with critic.shared_backbone: the value head sits on the actor's own backbone, "
+            "on the actor's device; remove one of them"
+        )
+    return problems
 
 
 def optimization_problems(cfg: Config) -> list[str]:
@@ -78,12 +136,6 @@ def optimization_problems(cfg: Config) -> list[str]:
                 f"critic.micro_batch_size {c.micro_batch_size} is larger than critic_mini_batch_size "
                 f"{c.critic_mini_batch_size} (micro-batches split a minibatch); lower it or leave it unset"
             )
-    if cfg.resource_pool.critic != [0]:
-        problems.append(
-            f"resource_pool.critic {cfg.resource_pool.critic}: the critic trains inside the trainer process, on the "
-            "trainer's devices, so it cannot have devices of its own here; remove the key (or set [0]) and count "
-            "the critic's memory in actor_rollout.num_gpus_for_train"
-        )
     if a.freezing_actor_steps:
         if not stage.traits.critic:
             problems.append("actor_rollout.freezing_actor_steps lets the critic warm up: only ray_ppo has a critic")
@@ -390,13 +442,15 @@ def not_built_message(key: str) -> str | None:
 
 # rollout fields only the vllm engine reads: set explicitly with engine hf they would be ignored, so they are errors
 VLLM_ONLY_FIELDS = ("gpu_memory_utilization", "tensor_model_parallel_size", "enforce_eager", "staged_weight_swap")
+# set to what the hf engine does anyway (it runs unsharded): not refused, so a MindSpeed config's TP 1 runs on hf
+_HF_SAME = {"tensor_model_parallel_size": 1}
 
 
 def check_rollout(cfg: Config) -> None:
     a = cfg.actor
     if a.engine == "hf":
         for name in VLLM_ONLY_FIELDS:
-            if name in a.model_fields_set:
+            if name in a.model_fields_set and _HF_SAME.get(name, object()) != getattr(a, name):
                 raise ValueError(
                     f"actor_rollout_ref.actor_rollout.{name} is read by the vllm engine only; "
                     "remove it or set engine: vllm"

@@ -31,7 +31,11 @@ class TrainingConfig(Section):
     global_batch_size: int = _f(
         8, "prompts per training step (the rollout batch; each gives n_samples_per_prompt samples)", gt=0
     )
-    seq_length: int = _f(1024, "maximum prompt + response length in tokens", gt=1)
+    seq_length: int = _f(
+        1024,
+        "maximum prompt + response length in tokens (the default of actor_rollout.seq_length)",
+        gt=1,
+    )
     train_iters: int = _f(100, "training steps (optimizer updates of one rollout batch each) to run", gt=0)
     tokenizer_name_or_path: str | None = _f(None, "tokenizer directory; default: the actor's")
     seed: int = _f(1234, "random seed for data order, sampling and initialisation")
@@ -53,10 +57,20 @@ class TrainingConfig(Section):
         "its own, as in MindSpeed-LLM's training section",
         gt=0,
     )
-    no_load_optim: bool = _f(False, "on resume, restore the weights but start the optimizers (AdamW moments) afresh")
-    no_load_rng: bool = _f(False, "on resume, do not restore the random-number generators (reseeded from seed)")
+    no_load_optim: bool = _f(
+        False,
+        "on resume, restore the weights but start the optimizers (AdamW moments) afresh; the default of the actor's "
+        "and the critic's own no_load_optim",
+    )
+    no_load_rng: bool = _f(
+        False,
+        "on resume, do not restore the trainer's random-number generators (reseeded from seed); the default of the "
+        "actor's and the critic's own no_load_rng",
+    )
     bf16: bool = _f(
-        False, "bf16 autocast compute over fp32 master weights and AdamW state; weights pushed to rollout as bf16"
+        False,
+        "bf16 autocast compute over fp32 master weights and AdamW state; weights pushed to rollout as bf16; the "
+        "default of every role's own bf16 (actor_rollout, ref, critic, reward)",
     )
     device: Literal["auto", "cpu", "cuda", "npu"] = _f("auto", "device for the trainer's models")
     padding_free: bool = _f(
@@ -114,7 +128,22 @@ class ActorRolloutConfig(Section):
     top_p: float = _f(1.0, "nucleus sampling", gt=0, le=1)
     top_k: int = _f(-1, "top-k sampling (-1 disables)")
     max_prompt_length: int = _f(512, "prompt budget in tokens: longer prompts are truncated from the left", gt=0)
-    max_new_tokens: int | None = _f(None, "response budget in tokens; default seq_length - max_prompt_length", gt=0)
+    max_new_tokens: int | None = _f(
+        None, "response budget in tokens; default actor_rollout.seq_length - max_prompt_length", gt=0
+    )
+    # MindSpeed's role sections take any training key; these four are read per role (null: training's value)
+    seq_length: int | None = _f(
+        None, "the actor's prompt + response length: the response budget's default (default training.seq_length)", gt=1
+    )
+    bf16: bool | None = _f(None, "the actor's bf16 autocast and the bf16 push to rollout (default training.bf16)")
+    no_load_optim: bool | None = _f(
+        None, "on resume, start the actor's AdamW moments afresh (default training.no_load_optim)"
+    )
+    no_load_rng: bool | None = _f(
+        None,
+        "on resume, do not restore the trainer's generators, which the actor draws from (default "
+        "training.no_load_rng; under ray_ppo the critic's must agree: they share them)",
+    )
     n_samples_per_prompt: int = _f(1, "samples per prompt (GRPO/RLOO group size; 2 for online DPO)", gt=0)
     ppo_mini_batch_size: int = _f(
         1,
@@ -237,6 +266,15 @@ class RefConfig(Section):
     load: str | None = _f(None, "reference model; default the actor's initial weights")
     temperature: float | None = _f(None, "temperature for reference log-probs; default the rollout temperature")
     micro_batch_size: int = _f(16, "sequences per reference forward (default training.micro_batch_size, else 16)", gt=0)
+    seq_length: int | None = _f(
+        None,
+        "the longest prompt + response the reference service takes, at least the actor's samples (null: the "
+        "model's context)",
+        gt=1,
+    )
+    bf16: bool | None = _f(
+        None, "the reference model serves in bf16 on an accelerator (default training.bf16; fp32 on the CPU)"
+    )
 
 
 class ActorRolloutRefConfig(Section):
@@ -282,6 +320,21 @@ class CriticConfig(Section):
     )
     lr_warmup_fraction: float | None = _f(None, "critic warm-up (default training.lr_warmup_fraction)", ge=0, lt=1)
     min_lr: float | None = _f(None, "critic final learning rate (default training.min_lr)", ge=0)
+    seq_length: int | None = _f(
+        None,
+        "the longest prompt + response the critic takes: checked at load to cover the actor's samples (null: the "
+        "model's context)",
+        gt=1,
+    )
+    bf16: bool | None = _f(None, "the critic's bf16 autocast (default training.bf16)")
+    no_load_optim: bool | None = _f(
+        None, "on resume, start the critic's AdamW moments afresh (default training.no_load_optim)"
+    )
+    no_load_rng: bool | None = _f(
+        None,
+        "on resume, do not restore the trainer's generators (default training.no_load_rng); the critic's minibatch "
+        "order draws from the actor's, so it must agree with actor_rollout.no_load_rng",
+    )
 
 
 JUDGE_TEMPLATE_FIELDS = ("prompt", "response", "label")
@@ -414,6 +467,15 @@ class RewardConfig(Section):
         16, "sequences per reward-model forward (default training.micro_batch_size, else 16)", gt=0
     )
     load: str | None = _f(None, "shorthand for one model scorer (MindSpeed's reward.load)")
+    seq_length: int | None = _f(
+        None,
+        "the longest prompt + response (in the policy's tokens) the reward service scores, at least the actor's "
+        "samples (null: the models' context)",
+        gt=1,
+    )
+    bf16: bool | None = _f(
+        None, "the reward models serve in bf16 on an accelerator (default training.bf16; fp32 on the CPU)"
+    )
     max_failed_fraction: float = _f(
         0.5,
         "the run stops, naming the scorer, when more than this fraction of a step's samples failed scoring ...",
@@ -552,8 +614,8 @@ class ResourcePoolConfig(Section):
     ref: list[int] = _f([1], "devices for the reference service")
     critic: list[int] = _f(
         [0],
-        "must be [0]: the critic trains inside the trainer process on the trainer's devices (count its memory in "
-        "num_gpus_for_train); a device count of its own is refused",
+        "[0]: the critic shares the trainer's devices; [1]: the critic has a device of its own, the one after the "
+        "trainer's (still in the trainer process: its values move to the actor's device). On the CPU both are the CPU",
     )
     reward: list[int] = _f([1], "devices for the reward service")
 

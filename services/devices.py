@@ -1,8 +1,9 @@
 """Which accelerators each service process of ``rlhf up`` sees: the seeds' ``resource_pool`` and
 ``num_gpus_for_train`` / ``num_gpus_for_infer`` on one machine.
 
-The devices are handed out in order (trainer, rollout replicas, reference, reward) through the device runtime's
-visibility variable, so each process finds its own devices at index 0 and two roles never share one by accident.
+The devices are handed out in order (trainer, the critic's own with ``resource_pool.critic [1]``, rollout replicas,
+reference, reward) through the device runtime's visibility variable, so each process finds its own devices at index 0
+and two roles never share one by accident.
 Under Kubernetes the chart's resources place each role instead; on a CPU-only machine there is nothing to place.
 """
 
@@ -95,7 +96,15 @@ def plan_devices(cfg: ExperimentConfig, visible: list[str], replicas: int, env_v
             "rollout devices (num_gpus_for_infer or a larger resource_pool.actor_rollout)"
         )
     rollout = 0 if colocated else per_replica * replicas
-    wanted = {"trainer": train, "rollout": rollout, "reference": pool.ref[0], "reward": pool.reward[0]}
+    # resource_pool.critic [1]: the critic's own device, seen by the trainer process after its own devices
+    critic = pool.critic[0]
+    wanted = {
+        "trainer": train,
+        "critic": critic,
+        "rollout": rollout,
+        "reference": pool.ref[0],
+        "reward": pool.reward[0],
+    }
     total = sum(wanted.values())
     if total > len(visible):
         parts = ", ".join(f"{k} {v}" for k, v in wanted.items())
@@ -105,7 +114,7 @@ def plan_devices(cfg: ExperimentConfig, visible: list[str], replicas: int, env_v
         )
     it = iter(visible)
     take = lambda n: [next(it) for _ in range(n)]
-    plan = DevicePlan(env_var, trainer=take(train))
+    plan = DevicePlan(env_var, trainer=take(train + critic))
     plan.rollouts = [plan.trainer[:per_replica] if colocated else take(per_replica) for _ in range(replicas)]
     plan.reference, plan.reward = take(wanted["reference"]), take(wanted["reward"])
     return plan

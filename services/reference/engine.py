@@ -107,7 +107,7 @@ class ReferenceEngine:
             set_torch_threads(self.threads)
             path = resolve_model_path(self.model_spec)
             tok = load_tokenizer(path)
-            dtype = serving_dtype(self.cfg.training.bf16, self.device)
+            dtype = serving_dtype(self.cfg.actor_rollout_ref.ref.bf16, self.device)
             if self.cfg.actor_rollout_ref.ref.load is None:  # the actor's initial weights, as its base loads
                 model = load_policy_base(path, self.device, dtype, self.cfg.actor).eval()
             else:
@@ -126,7 +126,8 @@ class ReferenceEngine:
         self.loaded = hello  # what was loaded, where (the model process sends its own as its hello)
         self.pad_token_id = hello["pad_token_id"]
         self.vocab_size = hello["vocab_size"]
-        self.max_len = hello["max_len"]
+        # MindSpeed's per-role seq_length: the longest sequence this role takes, within the model's context
+        self.max_len = min(hello["max_len"], self.cfg.actor_rollout_ref.ref.seq_length or hello["max_len"])
         self.ready = True
         where = hello["where"] + (f", in model process {self._proc.pid}" if self._proc is not None else "")
         log.info(
@@ -182,7 +183,8 @@ class ReferenceEngine:
             if n > self.max_len:
                 raise InvalidArgument(
                     f"items[{i}].response_ids: prompt_ids + response_ids is {n} tokens; the reference model's "
-                    f"context is {self.max_len}: shorten the prompt or the response",
+                    f"context is {self.max_len} (the model's, or actor_rollout_ref.ref.seq_length if shorter): "
+                    "shorten the prompt or the response",
                     f"items[{i}].response_ids",
                 )
             for fname in ("prompt_ids", "response_ids"):

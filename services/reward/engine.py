@@ -80,9 +80,10 @@ class RewardEngine:
                         cfg.reward.micro_batch_size,
                         metrics,
                         t.padding_free,
-                        t.bf16,
+                        cfg.reward.bf16,
                         model_process,
                         threads,
+                        cfg.reward.seq_length,
                     )
                     self.scorers.append(scorer)
                 elif sc.type == "judge":

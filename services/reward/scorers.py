@@ -164,6 +164,7 @@ class ModelScorer(Scorer):
         bf16: bool = False,
         model_process: bool = False,
         threads: int | None = None,
+        seq_length: int | None = None,
     ):
         super().__init__(cfg, name)
         self.threads = threads  # the forward's torch threads (None: leave them as they are)
@@ -173,7 +174,8 @@ class ModelScorer(Scorer):
         self._proc: ModelProcess | None = None
         self.loaded: dict = {}
         self.device_name = device
-        self.bf16 = bf16  # training.bf16: serve in bf16 on an accelerator (rlhf.models.serving_dtype)
+        self.bf16 = bf16  # reward.bf16: serve in bf16 on an accelerator (rlhf.models.serving_dtype)
+        self.seq_length = seq_length  # reward.seq_length: the longest sequence scored, within the model's context
         self.micro_batch_size = micro_batch_size
         self.padding_free = padding_free  # training.padding_free: the forward skips padding (rlhf.packing)
         self.model = None
@@ -317,6 +319,15 @@ class ModelScorer(Scorer):
                 raise InvalidArgument(
                     f"items[{i}].response: prompt + response is {len(ids)} tokens for the reward model "
                     f"{self.name!r}, which accepts at most {self.max_len}; shorten the response (or the prompt)",
+                    f"items[{i}].response",
+                )
+            # reward.seq_length counts the sequence as the policy made it (MindSpeed's reward reads the actor's
+            # tokens): its ids when the item carries them; the scorer's own encoding adds its chat template
+            n = len(it.prompt_ids) + len(it.response_ids) if it.prompt_ids else len(ids)
+            if self.seq_length is not None and n > self.seq_length:
+                raise InvalidArgument(
+                    f"items[{i}].response: prompt + response is {n} tokens, more than reward.seq_length "
+                    f"{self.seq_length}; shorten the response (or the prompt)",
                     f"items[{i}].response",
                 )
             bad = [t for t in ids if not 0 <= t < self.vocab] if min(ids) < 0 or max(ids) >= self.vocab else []

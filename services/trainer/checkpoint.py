@@ -180,20 +180,22 @@ def restore(path: Path, engine) -> None:
     path = Path(path)
     state = json.loads((path / "state.json").read_text())
     tensors = load_file(path / "optim.safetensors")
-    t = engine.cfg.training  # MindSpeed's no_load_optim / no_load_rng: fresh AdamW moments / generators
+    # MindSpeed's no_load_optim / no_load_rng, per role (training's where the role sets none): fresh AdamW moments,
+    # generators left as seeded. The actor and the critic draw from one generator, so their no_load_rng agree (config)
+    a, c = engine.cfg.actor, engine.cfg.critic
     if engine.group is None and not (path / "sharded").is_dir():  # the single-process format, as always
         if engine.cfg.actor.lora_r:
             _load_adapter(engine.actor, path / "adapter.safetensors")
         else:
             _load_weights(engine.actor, path / "policy")
-        if not t.no_load_optim:
+        if not a.no_load_optim:
             _restore_optimizer("actor", engine.actor_opt, tensors, state["optimizers"]["actor"])
         if engine.critic is not None:
             _load_weights(engine.critic, path / "critic")
-            if not t.no_load_optim:
+            if not c.no_load_optim:
                 _restore_optimizer("critic", engine.critic_opt, tensors, state["optimizers"]["critic"])
     else:
-        if t.no_load_optim:
+        if a.no_load_optim or (engine.critic is not None and c.no_load_optim):
             raise ValueError(NO_LOAD_OPTIM_IN_GROUP)
         _load_full_weights(engine.actor, path / "policy")
         if (path / "sharded").is_dir():
@@ -203,7 +205,7 @@ def restore(path: Path, engine) -> None:
             if engine.critic is not None:
                 _load_full_weights(engine.critic, path / "critic")
                 _set_full_optimizer(engine.critic, engine.critic_opt, "critic", tensors, state["optimizers"]["critic"])
-    if not t.no_load_rng:
+    if not a.no_load_rng:
         torch.set_rng_state(tensors["rng.torch"])
         engine.generator.set_state(tensors["rng.generator"])
     moments = state.get("reward_moments")

@@ -69,8 +69,10 @@ class TrainerEngine:
         self.critic = None
         self.critic_opt = None
         self.critic_optim = optim.critic_optim(cfg)
+        self.critic_device = self.device
         if self.stage.traits.critic:
-            self.critic = models.load_critic(cfg, self.device, self.group, self.actor)
+            self.critic_device = models.critic_device(cfg, self.device, self.group)
+            self.critic = models.load_critic(cfg, self.critic_device, self.group, self.actor)
             self.critic_opt = optim.adamw(self.critic, self.critic_optim, fused)
         # critic.shared_backbone: the value head is on the actor, and its loss joins the actor's backward, which
         # steps both (models.ValueHeadOnActor); the gradient norm and its clip cover both
@@ -154,12 +156,13 @@ class TrainerEngine:
     def temperature(self) -> float:
         return self.cfg.sample_temperature
 
-    def _autocast(self):
-        """bf16 compute over the fp32 weights when ``training.bf16`` is on. Autocast state is per thread, so each
-        forward enters it where it runs (the critic's passes run on their own thread)."""
-        if not self.cfg.training.bf16:
+    def _autocast(self, bf16: bool | None = None, device: torch.device | None = None):
+        """bf16 compute over the fp32 weights when the role's ``bf16`` is on (``bf16``; default the actor's, on
+        ``device``, default the actor's). Autocast state is per thread, so each forward enters it where it runs (the
+        critic's passes run on their own thread)."""
+        if not (self.cfg.actor.bf16 if bf16 is None else bf16):
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return torch.autocast((device or self.device).type, dtype=torch.bfloat16)
 
     def logits_and_logprobs(
         self, qr: torch.Tensor, responses: torch.Tensor, context_length: int, temperature: float | None = None
@@ -199,14 +202,16 @@ class TrainerEngine:
         return dist.gather_rows(self._values(qr[dist.local_rows(n, self.group)], context_length), n, self.group)
 
     def _values(self, qr: torch.Tensor, context_length: int) -> torch.Tensor:
-        with self._autocast():
-            values = score_head_outputs(self.critic, qr, self.pad_id, self.cfg.training.padding_free)[
-                :, context_length - 1 : -1
-            ]
-        return values.float()
+        # resource_pool.critic [1]: the critic runs on its own device; its values (and their gradient) come back to
+        # the actor's, where the losses are taken
+        with self._autocast(self.cfg.critic.bf16, self.critic_device):
+            values = score_head_outputs(
+                self.critic, qr.to(self.critic_device), self.pad_id, self.cfg.training.padding_free
+            )[:, context_length - 1 : -1]
+        return values.float().to(self.device)
 
     def reference_logits(self, qr: torch.Tensor, context_length: int) -> torch.Tensor:
-        with self._autocast():
+        with self._autocast(self.cfg.actor_rollout_ref.ref.bf16):
             return causal_lm_logits(self.ref_model, qr, self.pad_id)[:, context_length - 1 : -1]
 
     def behavior(self, b: RolloutBatch, old_logprobs: torch.Tensor) -> torch.Tensor | None:

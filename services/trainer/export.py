@@ -2,8 +2,9 @@
 
 ``PolicyExport`` gives them in the checkpoint layout (:mod:`rlhf.layout`: Hugging Face names and shapes as
 ``save_pretrained`` writes them, a tie's alias left out, fused tensors split back), in the push dtype (bf16 with
-``training.bf16``), either whole (:meth:`PolicyExport.state_dict`) or, on rank 0 of a trainer group, as a stream
-gathered bucket by bucket (:meth:`PolicyExport.stream`), so no rank ever holds the whole model for a push.
+``actor_rollout.bf16``, whose default is ``training.bf16``), either whole (:meth:`PolicyExport.state_dict`) or, on
+rank 0 of a trainer group, as a stream gathered bucket by bucket (:meth:`PolicyExport.stream`), so no rank ever
+holds the whole model for a push.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ class PolicyExport:
     def state_dict(self, on_device: bool = False) -> dict[str, torch.Tensor]:
         """The actor's weights, contiguous, on the CPU: what weight sync ships (it refuses non-finite tensors); a
         LoRA actor's adapter tensors only with ``actor_rollout.lora_sync`` adapter (rlhf.lora).
-        With ``training.bf16`` the fp32 master weights are cast to bf16 here, and only here: rollout serves bf16 and
-        the transfer is half the bytes. On the CPU in fp32 these are the training weights' own memory, which the
-        next step changes: copy them before it (the trainer's push: copy_weights).
+        With ``actor_rollout.bf16`` the fp32 master weights are cast to bf16 here, and only here: rollout serves
+        bf16 and the transfer is half the bytes. On the CPU in fp32 these are the training weights' own memory, which
+        the next step changes: copy them before it (the trainer's push: copy_weights).
 
         ``on_device`` (one process only; a group gathers to the CPU one tensor at a time) leaves them on the
         training device, for a caller that copies them into host buffers itself: copy_weights then moves each
@@ -59,7 +60,7 @@ class PolicyExport:
         return CheckpointLayout(self.actor, live)
 
     def _push_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return torch.bfloat16 if self.cfg.training.bf16 and dtype.is_floating_point else dtype
+        return torch.bfloat16 if self.cfg.actor.bf16 and dtype.is_floating_point else dtype
 
     def _push_tensor(self, v: torch.Tensor, on_device: bool = False) -> torch.Tensor:
         v = v.detach().to(self._push_dtype(v.detach().dtype))

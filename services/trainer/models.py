@@ -41,8 +41,9 @@ ONE_PROCESS_ONLY = {
 }
 # Refused when a group resumes (it only matters then: seed configs set it for their first start too)
 NO_LOAD_OPTIM_IN_GROUP = (
-    "training.no_load_optim: a trainer group restores the optimizers' shards with the weights' from its sharded "
-    "checkpoint; starting the moments afresh there is not built (resume with one process, or set it false)"
+    "training.no_load_optim (or the actor's / critic's): a trainer group restores the optimizers' shards with the "
+    "weights' from its sharded checkpoint; starting the moments afresh there is not built (resume with one process, "
+    "or set it false)"
 )
 
 
@@ -74,7 +75,7 @@ def load_actor(cfg: ExperimentConfig, path: str, device: torch.device, group: di
             lambda: empty_causal_lm(path, "float32"),
             lambda: load_causal_lm(path, "cpu", "float32"),
             lambda m: _train_mode(m, cfg),
-            cfg.training.bf16,
+            cfg.actor.bf16,
             device,
             group,
         )
@@ -84,6 +85,30 @@ def load_actor(cfg: ExperimentConfig, path: str, device: torch.device, group: di
         actor = wrap_lora(actor, a.lora_r, a.lora_alpha, a.lora_target_modules, a.lora_dropout)
     _train_mode(actor, cfg)
     return actor
+
+
+def critic_device(cfg: ExperimentConfig, device: torch.device, group: dist.Group | None) -> torch.device:
+    """Where the critic runs: the actor's ``device``, or with ``resource_pool.critic [1]`` a device of its own, the one
+    after the actor's among this process's devices (rlhf up makes the trainer see the critic's device after its own,
+    services/devices.py). The CPU is one device: there the critic shares it. ValueError when that device does not
+    exist (or in a trainer group, where each rank would need one of its own)."""
+    if cfg.resource_pool.critic != [1] or device.type == "cpu":
+        return device
+    if group is not None:
+        raise ValueError(
+            "resource_pool.critic [1]: a device of the critic's own in a trainer group (num_gpus_for_train > 1) is "
+            "not built: each rank holds its shard of the critic on its own device; set resource_pool.critic [0]"
+        )
+    backend = getattr(torch, device.type)
+    index = (device.index if device.index is not None else backend.current_device()) + 1
+    count = backend.device_count()
+    if index >= count:
+        raise ValueError(
+            f"resource_pool.critic [1]: the critic's own device would be {device.type}:{index}, after the actor's, "
+            f"but this process sees {count} {device.type} device(s); give it one more device (rlhf up does, from "
+            "resource_pool) or set resource_pool.critic [0] to share the actor's"
+        )
+    return torch.device(device.type, index)
 
 
 def load_critic(
@@ -100,7 +125,7 @@ def load_critic(
             lambda: empty_sequence_classifier(path),
             lambda: load_sequence_classifier(path, "cpu"),
             lambda m: _train_mode(m, cfg),
-            cfg.training.bf16,
+            cfg.critic.bf16,
             device,
             group,
         )
@@ -192,7 +217,7 @@ class PtxData:
 
     def __init__(self, cfg: ExperimentConfig, tokenizer):
         self.pad_id = tokenizer.pad_token_id
-        limit = cfg.training.seq_length
+        limit = cfg.actor.seq_length  # the actor's longest sequence (MindSpeed's per-role seq_length)
         self.rows = [tokenizer(t, add_special_tokens=True)["input_ids"][:limit] for t in load_texts(cfg.data)]
         self.rows = [r for r in self.rows if len(r) >= 2]
         if not self.rows:

@@ -257,10 +257,17 @@ def test_reusing_the_first_minibatch_pass_matches_a_full_old_pass(tiny_models, m
                 torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=model)
 
 
+def _with_training(cfg, **training):
+    """``cfg`` validated again with ``training`` fields changed: the role sections take their defaults (bf16, ...)
+    from the training section at validation, so a field assigned afterwards would not reach them."""
+    data = cfg.model_dump(mode="json", exclude_unset=True)
+    data["training"] = {**data.get("training", {}), **training}
+    return parse_config(data)
+
+
 def _changed_fraction(batches, bf16: bool, pure_bf16: bool = False) -> tuple[float, TrainerEngine]:
     """Fraction of actor weight elements that moved over ``batches`` at the Llama-3.2-1B configs' lr (5e-7)."""
-    cfg = _config("ray_ppo")
-    cfg.training.lr, cfg.training.bf16 = 5e-7, bf16
+    cfg = _with_training(_config("ray_ppo"), lr=5e-7, bf16=bf16)
     torch.manual_seed(0)
     engine = TrainerEngine(cfg)
     if pure_bf16:  # what bf16 meant before fp32 master weights: the weights themselves in bf16
@@ -341,7 +348,7 @@ def test_the_push_on_device_gives_the_same_tensors_as_the_host_copy(tiny_models)
     from rlhf.transport.weights.pack import copy_weights
 
     cfg = _config("ray_grpo", adv_estimator="grpo")
-    engine = TrainerEngine(cfg.model_copy(update={"training": cfg.training.model_copy(update={"bf16": True})}))
+    engine = TrainerEngine(_with_training(cfg, bf16=True))
     host, device = engine.policy_state_dict(), engine.policy_state_dict(on_device=True)
     assert host.keys() == device.keys()
     for k, v in device.items():

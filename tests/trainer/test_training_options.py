@@ -5,6 +5,7 @@ entropy bonus, the save folders and no_load_optim / no_load_rng."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from rlhf import algo
 from rlhf.config import parse_config
-from rlhf.models import causal_lm_logits
+from rlhf.models import causal_lm_logits, score_head_outputs
 from rlhf.v1 import experience_pb2
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.engine import TrainerEngine
@@ -363,3 +364,67 @@ def test_kl_penalty_full_penalises_the_whole_vocabulary_kl_to_the_reference(tiny
     m = engine.step(batch)
     want = (expected * mask).sum(1).mean().item()
     assert want > 1e-3 and m["objective/kl"] == pytest.approx(want, rel=1e-4)
+
+
+def test_no_load_optim_and_no_load_rng_per_role_on_resume(tiny_models, tmp_path):
+    """MindSpeed's per-role keys: each role's optimizer state is restored or started afresh by its own key (default
+    training's); the generators the actor and the critic share follow theirs."""
+    engine = TrainerEngine(_config())
+    engine.step(_batch(engine))
+    engine.generator.manual_seed(99)  # a state no fresh engine starts from
+    save_checkpoint(tmp_path, engine, {})
+    ckpt = latest_checkpoint(tmp_path)
+
+    actor_fresh = TrainerEngine(_config(actor={"no_load_optim": True}))
+    load_checkpoint(ckpt, actor_fresh)
+    assert not actor_fresh.actor_opt.state and actor_fresh.critic_opt.state
+    critic_fresh = TrainerEngine(_config(critic={"no_load_optim": True}))
+    load_checkpoint(ckpt, critic_fresh)
+    assert critic_fresh.actor_opt.state and not critic_fresh.critic_opt.state
+    # the role's own false wins over training's true (MindSpeed: role over training)
+    kept = TrainerEngine(_config(training={"no_load_optim": True}, critic={"no_load_optim": False}))
+    load_checkpoint(ckpt, kept)
+    assert not kept.actor_opt.state and kept.critic_opt.state
+    for k, v in engine.critic_opt.state_dict()["state"][0].items():
+        assert torch.equal(kept.critic_opt.state_dict()["state"][0][k], v), k
+
+    no_rng = TrainerEngine(_config(actor={"no_load_rng": True}, critic={"no_load_rng": True}))
+    seeded = no_rng.generator.get_state()
+    load_checkpoint(ckpt, no_rng)
+    assert torch.equal(no_rng.generator.get_state(), seeded)
+    rng = TrainerEngine(
+        _config(training={"no_load_rng": True}, actor={"no_load_rng": False}, critic={"no_load_rng": False})
+    )
+    load_checkpoint(ckpt, rng)
+    assert torch.equal(rng.generator.get_state(), engine.generator.get_state())
+
+
+def test_bf16_per_role_sets_the_actors_and_the_critics_compute_and_the_push(tiny_models):
+    qr = torch.tensor([[2, 10, 20, 30, 40, 50]])
+    fp32 = TrainerEngine(_config())
+    critic_bf16 = TrainerEngine(_config(critic={"bf16": True}))
+    with torch.no_grad():
+        v32, v16 = fp32.critic_rows(qr, 3), critic_bf16.critic_rows(qr, 3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = score_head_outputs(critic_bf16.critic, qr, critic_bf16.pad_id)[:, 2:-1].float()
+        lp32 = fp32.actor_rows(qr, qr[:, 3:], 3)[0]
+        lp_critic_bf16 = critic_bf16.actor_rows(qr, qr[:, 3:], 3)[0]
+    assert not torch.equal(v16, v32)  # the critic computes in bf16 ...
+    torch.testing.assert_close(v16, expected, rtol=0, atol=0)
+    assert torch.equal(lp_critic_bf16, lp32)  # ... the actor does not
+    assert {v.dtype for v in critic_bf16.policy_state_dict().values()} == {torch.float32}
+    actor_bf16 = TrainerEngine(_config(actor={"bf16": True}))
+    with torch.no_grad():
+        assert not torch.equal(actor_bf16.actor_rows(qr, qr[:, 3:], 3)[0], lp32)
+        assert torch.equal(actor_bf16.critic_rows(qr, 3), v32)
+    assert {v.dtype for v in actor_bf16.policy_state_dict().values()} == {torch.bfloat16}  # pushed as bf16
+
+
+def test_a_critic_with_a_device_of_its_own_trains_on_the_cpu(tiny_models):
+    """resource_pool.critic [1]: on the CPU the critic's own device is the CPU (there is one); the step runs the
+    same path as on an accelerator (inputs to the critic's device, values back to the actor's)."""
+    own = TrainerEngine(parse_config({**_config().model_dump(exclude_unset=True), "resource_pool": {"critic": [1]}}))
+    assert own.critic_device == own.device == torch.device("cpu")
+    before = _params(own.critic)
+    metrics = own.step(_batch(own))
+    assert _max_diff(_params(own.critic), before) > 0 and math.isfinite(metrics["loss/value"])

@@ -36,6 +36,9 @@ DEVICES = "tests/unit/services/test_devices.py::"
 SOURCES = "tests/unit/rlhf/test_data_sources.py::"
 VERIFIERS = "tests/unit/services/reward/test_rules_verifiers.py::"
 ENGINE_SMALL = TO + "test_tokenizer_sampling_mode_adam_settings_and_vf_coef_reach_the_engine"
+NO_LOAD = TO + "test_no_load_optim_and_no_load_rng_per_role_on_resume"
+ROLE_BF16 = TO + "test_bf16_per_role_sets_the_actors_and_the_critics_compute_and_the_push"
+ROLE_SERVING = "tests/unit/rlhf/test_serving_dtype.py::test_ref_and_reward_bf16_and_seq_length_are_each_roles_own"
 ALGO_TO = "tests/unit/rlhf/algo/test_algo_training_options.py::"
 PER_ROLE = ALGO_TO + "test_per_role_optimizer_fields_override_the_training_section"
 CRITIC_OPTIM = ALGO_TO + "test_the_critic_section_overrides_the_training_sections_optimizer_fields"
@@ -80,8 +83,8 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         TO + "test_critic_micro_batches_equal_one_step_on_the_whole_minibatch",
         SEEDS + "test_training_micro_batch_size_is_every_roles_default",
     ],
-    "training.no_load_optim": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng"],
-    "training.no_load_rng": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng"],
+    "training.no_load_optim": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng", NO_LOAD],
+    "training.no_load_rng": [TO + "test_save_folders_hold_the_trained_models_and_no_load_optim_rng", NO_LOAD],
     "training.padding_free": [
         "tests/trainer/test_packing.py::test_update_with_padding_free_equals_padded",
         "tests/trainer/test_packing.py::test_reference_logprobs_with_padding_free_equal_padded",
@@ -89,7 +92,10 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     ],
     "training.activation_checkpointing": ["tests/trainer/test_distributed.py::test_world_2_update_equals_world_1"],
     "training.collective_timeout_s": ["tests/trainer/test_distributed.py::test_a_hung_collective_times_out"],
-    "training.bf16": ["tests/trainer/test_engine.py::test_bf16_keeps_fp32_master_weights_that_learn_at_a_small_lr"],
+    "training.bf16": [
+        "tests/trainer/test_engine.py::test_bf16_keeps_fp32_master_weights_that_learn_at_a_small_lr",
+        SEEDS + "test_per_role_no_load_bf16_and_seq_length_default_to_the_training_sections",
+    ],
     "training.device": ["tests/unit/rlhf/test_device_auto.py"],
     "training.save_interval": [TRAINER_SVC],
     "training.save": [
@@ -236,6 +242,21 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     ],
     "actor_rollout_ref.ref.temperature": ["tests/integration/test_reference_service.py::test_configured_temperature"],
     "actor_rollout_ref.ref.micro_batch_size": ["tests/integration/test_engine_batching.py"],
+    "actor_rollout_ref.ref.seq_length": [ROLE_SERVING],
+    "actor_rollout_ref.ref.bf16": [ROLE_SERVING],
+    "actor_rollout_ref.actor_rollout.seq_length": [
+        SEEDS + "test_per_role_no_load_bf16_and_seq_length_default_to_the_training_sections",
+        SEEDS + "test_configs_with_mindspeed_llms_trainer_key_sets_load_without_edits",
+    ],
+    "actor_rollout_ref.actor_rollout.bf16": [ROLE_BF16],
+    "actor_rollout_ref.actor_rollout.no_load_optim": [NO_LOAD],
+    "actor_rollout_ref.actor_rollout.no_load_rng": [NO_LOAD],
+    "critic.seq_length": [SEEDS + "test_options_that_only_make_sense_together_are_checked_at_load"],
+    "critic.bf16": [ROLE_BF16],
+    "critic.no_load_optim": [NO_LOAD],
+    "critic.no_load_rng": [NO_LOAD, SEEDS + "test_options_that_only_make_sense_together_are_checked_at_load"],
+    "reward.seq_length": [ROLE_SERVING],
+    "reward.bf16": [ROLE_SERVING],
     "critic.load": ["tests/trainer/test_engine.py::test_ppo_raises_the_reward"],
     "critic.cliprange_value": [PPO_PARITY],
     "critic.critic_mini_batch_size": [
@@ -377,7 +398,12 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         DEVICES + "test_seed_004_gets_one_device_per_role_in_order",
     ],
     "resource_pool.ref": [DEVICES + "test_seed_004_gets_one_device_per_role_in_order"],
-    "resource_pool.critic": [SEEDS + "test_options_that_only_make_sense_together_are_checked_at_load"],
+    "resource_pool.critic": [
+        SEEDS + "test_options_that_only_make_sense_together_are_checked_at_load",
+        DEVICES + "test_a_critic_with_a_device_of_its_own_is_seen_by_the_trainer_after_the_actors",
+        DEVICES + "test_the_critics_own_device_is_the_one_after_the_actors_and_must_exist",
+        TO + "test_a_critic_with_a_device_of_its_own_trains_on_the_cpu",
+    ],
     "resource_pool.reward": [DEVICES + "test_seed_004_gets_one_device_per_role_in_order"],
     "data.path": [
         DATA + "test_a_json_array_and_json_lines_both_load_with_the_key_map",

@@ -24,22 +24,36 @@ def test_seed_000_ppo_snippet_loads_with_its_save_folders():
 
 
 SEED_004 = SEEDS / "ray_online_dpo_full_llama32_1b_tp1pp1.yaml"
-SEED_004_DATA = "data.path=/data/ppo/llama32-ppo-trl/alpaca"  # its actor data_path, given as data.path
+SEED_004_DATA_PATH = "/data/ppo/llama32-ppo-trl/alpaca"  # its actor_rollout.data_path
 
 
-def test_seed_004_without_data_path_is_an_error_naming_its_data_path_not_the_demo_prompts():
+def test_seed_004_as_printed_reads_its_actor_data_path_as_the_data_and_says_so():
+    cfg = load_config(SEED_004)  # unchanged: the data is named only as MindSpeed names it
+    assert cfg.data.path == SEED_004_DATA_PATH
+    warning = config_warning(cfg)
+    assert warning.startswith("MindSpeed-LLM keys read as this system's fields:")
+    line = next(m for m in cfg.mapped_notes if m.startswith("actor_rollout_ref.actor_rollout.data_path: "))
+    assert SEED_004_DATA_PATH in line and "data.path" in line and line in warning
+    assert not any("data_path" in n for n in cfg.notes)  # read, not "not applicable"
+    # the same value under data.path too: one source; another value: an error naming both keys
+    assert load_config(SEED_004, [f"data.path={SEED_004_DATA_PATH}"]).data.path == SEED_004_DATA_PATH
     with pytest.raises(ConfigError) as err:
-        load_config(SEED_004)
-    msg = str(err.value)
-    assert "actor_rollout_ref.actor_rollout.data_path" in msg and "data.path" in msg
-    assert "/data/ppo/llama32-ppo-trl/alpaca" in msg
-    cfg = load_config(SEED_004, [SEED_004_DATA])  # with data.path set: the seed's prefix is the data set
-    assert cfg.data.path == "/data/ppo/llama32-ppo-trl/alpaca"
-    assert any(n.startswith("actor_rollout_ref.actor_rollout.data_path: ") for n in cfg.notes)
+        load_config(SEED_004, ["data.path=prompts.jsonl"])
+    assert "actor_rollout_ref.actor_rollout.data_path" in str(err.value) and "data.path" in str(err.value)
+    # MindSpeed merges training into the actor's section: training.data_path is the actor's too, the actor's wins
+    both = {"training": {"data_path": "a"}, "actor_rollout_ref": {"actor_rollout": {"data_path": "b"}}}
+    assert parse_config({"training": {"data_path": "a"}}).data.path == "a"
+    assert parse_config(both).data.path == "b"
+    empty_data = {"data": None, "actor_rollout_ref": {"actor_rollout": {"data_path": "b"}}}  # ``data:`` left empty
+    assert parse_config(empty_data).data.path == "b"
+    # a role that reads no prompts: noted with its reason, not read
+    ref = parse_config({"actor_rollout_ref": {"ref": {"data_path": "c"}}})
+    assert ref.data.path == "builtin:arithmetic"
+    assert any(n.startswith("actor_rollout_ref.ref.data_path: only the actor reads") for n in ref.notes)
 
 
 def test_seed_004_online_dpo_test_config_loads_mapped_and_warned():
-    cfg = load_config(SEED_004, [SEED_004_DATA])
+    cfg = load_config(SEED_004)
     a = cfg.actor
     # mapped to this project's fields
     assert cfg.training.stage == "ray_online_dpo" and cfg.training.no_load_optim and cfg.training.no_load_rng
@@ -50,7 +64,7 @@ def test_seed_004_online_dpo_test_config_loads_mapped_and_warned():
     assert cfg.reward.micro_batch_size == 8 and cfg.actor_rollout_ref.ref.micro_batch_size == 4
     # one warning, one line per key that does not apply, each with its reason
     warning = config_warning(cfg)
-    lines = warning.splitlines()[1:]
+    lines = [line for line in warning.splitlines() if line.startswith("  ")]  # under the two headers
     for key in (
         "defaults",
         "training.distributed_backend",
@@ -271,8 +285,38 @@ def test_a_mapped_key_that_contradicts_its_target_is_an_error():
             r"algorithm.reward_baseline is not used by training.stage ray_grpo \(only by ray_ppo\)",
         ),
         (
-            {"resource_pool": {"critic": [1]}},
-            r"resource_pool.critic \[1\]: the critic trains inside the trainer process.*num_gpus_for_train",
+            {"resource_pool": {"critic": [4]}},
+            r"resource_pool.critic \[4\]: the critic runs whole on one device",
+        ),
+        (
+            {"resource_pool": {"critic": [1]}, "critic": {"shared_backbone": True}},
+            r"resource_pool.critic \[1\] with critic.shared_backbone",
+        ),
+        ({"reward": {"seq_length": 100}}, r"reward.seq_length 100 is shorter than the samples it receives"),
+        (
+            {"training": {"seq_length": 64}, "critic": {"seq_length": 60}},
+            r"critic.seq_length 60 is shorter than the samples it receives \(max_prompt_length 512",
+        ),
+        (
+            {"training": {"no_load_rng": True}, "critic": {"no_load_rng": False}},
+            "critic.no_load_rng False and actor_rollout.no_load_rng True differ",
+        ),
+        (
+            {
+                "actor_rollout_ref": {
+                    "actor_rollout": {"tensor_model_parallel_size": 2, "inference_tensor_model_parallel_size": 4}
+                }
+            },
+            r"inference_tensor_model_parallel_size \(4\) contradicts actor_rollout_ref.actor_rollout."
+            r"tensor_model_parallel_size \(2\)",
+        ),
+        (
+            {"actor_rollout_ref": {"actor_rollout": {"no_shuffle": True, "shuffle": True}}},
+            "actor_rollout.shuffle and actor_rollout_ref.actor_rollout.no_shuffle contradict",
+        ),
+        (
+            {"training": {"no_shuffle": True}, "data": {"shuffle": True}},
+            r"training.no_shuffle \(False\) contradicts data.shuffle \(True\)",
         ),
     ],
 )
@@ -284,6 +328,73 @@ def test_options_that_only_make_sense_together_are_checked_at_load(data, message
 def test_rlhf_up_prints_the_not_applicable_keys_once_before_starting():
     from rlhf import preflight
 
-    report = preflight.check(load_config(SEED_004, [SEED_004_DATA]))
-    mine = [w for w in report.warnings if w.startswith("config keys accepted but not applicable here")]
+    report = preflight.check(load_config(SEED_004))
+    mine = [w for w in report.warnings if "config keys accepted but not applicable here" in w]
     assert len(mine) == 1 and "training.distributed_backend" in mine[0]
+
+
+# Written with exactly the keys of MindSpeed-LLM's configs/rlxf/ppo_trainer_llama32_1b.yaml and
+# online_dpo_trainer_llama32_1b.yaml (read at the last commit that had them, 7e6e3cca^), with tiny values of our own
+MINDSPEED_PPO = SEEDS / "mindspeed_ppo_trainer_keys.yaml"
+MINDSPEED_DPO = SEEDS / "mindspeed_online_dpo_trainer_keys.yaml"
+
+
+def test_configs_with_mindspeed_llms_trainer_key_sets_load_without_edits():
+    ppo = load_config(MINDSPEED_PPO)
+    assert ppo.training.stage == "ray_ppo" and ppo.data.path == "prompts/tiny"
+    assert ppo.data.shuffle is False  # training.no_shuffle: true
+    assert ppo.resource_pool.critic == [1]  # the critic's own device
+    c, a = ppo.critic, ppo.actor
+    assert (c.no_load_optim, c.no_load_rng, a.no_load_optim, a.no_load_rng) == (True, True, True, True)
+    assert (a.seq_length, c.seq_length, ppo.reward.seq_length, ppo.max_new_tokens) == (40, None, None, 24)
+    assert (a.bf16, c.bf16) == (False, False)
+    assert (c.lr, c.clip_grad, c.cliprange_value, c.critic_update_epochs) == (2e-4, 2.0, 0.3, 2)
+    dpo = load_config(MINDSPEED_DPO)
+    assert dpo.training.stage == "ray_online_dpo" and dpo.data.path == "prompts/tiny" and dpo.data.shuffle is True
+    assert dpo.actor.tensor_model_parallel_size == 1 and dpo.algorithm.missing_eos_penalty == 0.5
+    for cfg in (ppo, dpo):
+        assert any(m.startswith("actor_rollout_ref.actor_rollout.data_path: prompts/tiny") for m in cfg.mapped_notes)
+
+
+def test_training_no_shuffle_is_the_data_order_and_the_actors_own_key_wins():
+    assert parse_config({}).data.shuffle is True
+    assert parse_config({"training": {"no_shuffle": True}}).data.shuffle is False
+    assert parse_config({"training": {"no_shuffle": False}}).data.shuffle is True
+    # MindSpeed merges training into the actor's section, the actor's value winning
+    mixed = {"training": {"no_shuffle": True}, "actor_rollout_ref": {"actor_rollout": {"no_shuffle": False}}}
+    assert parse_config(mixed).data.shuffle is True
+    # a role that reads no prompts: noted with the reason
+    cfg = parse_config({"critic": {"no_shuffle": True}})
+    assert cfg.data.shuffle is True and any(n.startswith("critic.no_shuffle: only the actor reads") for n in cfg.notes)
+
+
+def test_inference_tensor_model_parallel_size_is_the_rollout_engines_tensor_parallelism():
+    cfg = parse_config(
+        {"actor_rollout_ref": {"actor_rollout": {"inference_tensor_model_parallel_size": 2, "num_gpus_for_infer": 4}}}
+    )
+    assert cfg.actor.tensor_model_parallel_size == 2
+    from services.devices import rollout_replicas
+
+    assert rollout_replicas(cfg, None) == 2  # 4 inference devices / TP 2
+
+
+def test_per_role_no_load_bf16_and_seq_length_default_to_the_training_sections():
+    cfg = parse_config({"training": {"no_load_optim": True, "bf16": True, "seq_length": 600}})
+    a, c, ref, rw = cfg.actor, cfg.critic, cfg.actor_rollout_ref.ref, cfg.reward
+    assert (a.no_load_optim, c.no_load_optim, a.no_load_rng, c.no_load_rng) == (True, True, False, False)
+    assert (a.bf16, c.bf16, ref.bf16, rw.bf16) == (True, True, True, True)
+    assert (a.seq_length, c.seq_length, ref.seq_length, rw.seq_length) == (600, None, None, None)
+    own = parse_config(
+        {
+            "training": {"seq_length": 600, "bf16": True},
+            "actor_rollout_ref": {"actor_rollout": {"seq_length": 520, "bf16": False}, "ref": {"bf16": False}},
+            "critic": {"no_load_optim": True},
+        }
+    )
+    assert own.max_new_tokens == 8  # the actor's seq_length 520 - max_prompt_length 512
+    assert (own.actor.bf16, own.actor_rollout_ref.ref.bf16, own.critic.bf16) == (False, False, True)
+    assert (own.actor.no_load_optim, own.critic.no_load_optim) == (False, True)
+    # ref and reward keep no optimizer or generator state: MindSpeed's keys there are noted with the reason
+    noted = parse_config({"reward": {"no_load_optim": True}, "actor_rollout_ref": {"ref": {"no_load_rng": True}}})
+    assert any(n.startswith("reward.no_load_optim: reward has no optimizer") for n in noted.notes)
+    assert any(n.startswith("actor_rollout_ref.ref.no_load_rng: ref keeps no random state") for n in noted.notes)

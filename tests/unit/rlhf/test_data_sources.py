@@ -5,7 +5,6 @@ newline, a per-row system prompt, label / response), and MindSpeed's preprocesse
 from __future__ import annotations
 
 import json
-import struct
 
 import numpy as np
 import pyarrow as pa
@@ -14,6 +13,7 @@ import pytest
 
 from rlhf.config import ConfigError, DataConfig, parse_config
 from rlhf.data import PromptRecord, load_prompts, record_prompt_ids
+from tests.support.indexed import write_indexed
 
 ROWS = [
     {
@@ -81,42 +81,6 @@ def test_the_record_system_prompt_goes_through_the_chat_template():
 
 
 # ---------------------------------------------------------------- Megatron indexed data (MindSpeed preprocess_data)
-DTYPE_CODES = {
-    np.uint8: 1,
-    np.int8: 2,
-    np.int16: 3,
-    np.int32: 4,
-    np.int64: 5,
-    np.float64: 6,
-    np.float32: 7,
-    np.uint16: 8,
-}
-
-
-def write_indexed(prefix: str, documents: list[list[list[int]]], dtype=np.int32) -> None:
-    """Megatron's IndexedDatasetBuilder output, written from the format's description: each document a list of
-    sequences; .bin the tokens back to back, .idx the header, lengths, byte pointers and document indices."""
-    lengths, pointers, doc_index, offset = [], [], [0], 0
-    with open(prefix + ".bin", "wb") as out:
-        for doc in documents:
-            for seq in doc:
-                raw = np.asarray(seq, dtype=dtype).tobytes()
-                out.write(raw)
-                lengths.append(len(seq))
-                pointers.append(offset)
-                offset += len(raw)
-            doc_index.append(len(lengths))
-    with open(prefix + ".idx", "wb") as out:
-        out.write(b"MMIDIDX\x00\x00")
-        out.write(struct.pack("<Q", 1))
-        out.write(struct.pack("<B", DTYPE_CODES[dtype]))
-        out.write(struct.pack("<Q", len(lengths)))
-        out.write(struct.pack("<Q", len(doc_index)))
-        out.write(np.asarray(lengths, np.int32).tobytes())
-        out.write(np.asarray(pointers, np.int64).tobytes())
-        out.write(np.asarray(doc_index, np.int64).tobytes())
-
-
 def test_mindspeed_preprocessed_prefix_is_read_as_prompt_ids(tmp_path):
     prefix = str(tmp_path / "alpaca")  # seed 004's data_path names the prefix; the files carry MindSpeed's suffix
     docs = [[[128000, 882, 271, 9906]], [[128000, 15339]], [[1, 2, 3]]]

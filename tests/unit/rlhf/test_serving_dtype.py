@@ -48,3 +48,42 @@ def test_reference_and_reward_models_load_in_the_serving_dtype(tiny_models, monk
         scorer.load()
     want = torch.bfloat16 if bf16 else torch.float32
     assert asked == [want, want]
+
+
+def test_ref_and_reward_bf16_and_seq_length_are_each_roles_own(tiny_models, monkeypatch):
+    """MindSpeed's per-role keys: ``ref.bf16`` / ``reward.bf16`` pick each model's dtype (default training.bf16), and
+    ``ref.seq_length`` / ``reward.seq_length`` the longest sequence each takes (within the model's context)."""
+    from rlhf.serving import InvalidArgument
+    from services.reference.engine import LogProbsItem, ReferenceEngine
+    from services.reward.engine import RewardEngine
+    from services.reward.scorers import Item
+
+    asked = []
+    real = rlhf.models.serving_dtype
+    monkeypatch.setattr(rlhf.models, "serving_dtype", lambda bf16, device: asked.append(bf16) or real(bf16, device))
+    cfg = parse_config(
+        {
+            "training": {"bf16": False, "seq_length": 64},
+            "actor_rollout_ref": {
+                "actor_rollout": {"max_prompt_length": 4, "max_new_tokens": 4},
+                "ref": {"bf16": True, "seq_length": 10},
+            },
+            "reward": {"seq_length": 12},
+        }
+    )
+    ref = ReferenceEngine(cfg, device="cpu")
+    ref.load()
+    reward = RewardEngine(cfg, device="cpu")
+    scorer = reward.scorers[0]
+    scorer.load()
+    assert asked == [True, False]  # ref.bf16 true, reward's from training (false)
+    assert ref.max_len == 10 and scorer.max_len > 12  # the tiny models' context is longer
+    ref.validate([LogProbsItem([1, 2, 3, 4, 5], [6, 7, 8, 9, 10])], None)
+    with pytest.raises(InvalidArgument, match=r"is 11 tokens.*context is 10 \(.*actor_rollout_ref.ref.seq_length"):
+        ref.validate([LogProbsItem([1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11])], None)
+    # the policy's tokens count (the scorer's own encoding adds its chat template): 6 + 6 fit, 6 + 7 do not
+    scorer.validate([Item("a b", " c", prompt_ids=[5] * 6, response_ids=[6] * 6)])
+    with pytest.raises(InvalidArgument, match=r"is 13 tokens, more than reward.seq_length 12"):
+        scorer.validate([Item("a b", " c", prompt_ids=[5] * 6, response_ids=[6] * 7)])
+    with pytest.raises(InvalidArgument, match=r"more than reward.seq_length 12"):  # text only: its own tokens
+        scorer.validate([Item("a b c d e f g h i j k l m n o p", " q r s t u v w x y z")])

@@ -86,3 +86,36 @@ def test_num_gpus_for_train_is_the_trainer_group_size():
     assert trainer_procs(_cfg({"num_gpus_for_train": 2}), 2) == 2
     with pytest.raises(ValueError, match="contradicts actor_rollout.num_gpus_for_train 2"):
         trainer_procs(_cfg({"num_gpus_for_train": 2}), 1)
+
+
+MINDSPEED_PPO = Path(__file__).parents[1] / "seed_configs" / "mindspeed_ppo_trainer_keys.yaml"
+
+
+def test_a_critic_with_a_device_of_its_own_is_seen_by_the_trainer_after_the_actors(tmp_path):
+    from rlhf.config import load_config
+
+    cfg = load_config(MINDSPEED_PPO)  # actor_rollout [2] = 1 train + 1 infer, ref [1], critic [1], reward [1]
+    plan = plan_devices(cfg, ["0", "1", "2", "3", "4"], rollout_replicas(cfg, None), "CUDA_VISIBLE_DEVICES")
+    assert (plan.trainer, plan.rollouts, plan.reference, plan.reward) == (["0", "1"], [["2"]], ["3"], ["4"])
+    with pytest.raises(ValueError, match=r"asks for 5 devices \(trainer 1, critic 1, rollout 1, reference 1"):
+        plan_devices(cfg, ["0", "1", "2", "3"], 1, "CUDA_VISIBLE_DEVICES")
+
+
+def test_the_critics_own_device_is_the_one_after_the_actors_and_must_exist(monkeypatch):
+    import torch
+
+    from services.trainer.models import critic_device
+
+    own = _cfg(pool={"critic": [1]})
+    cpu = torch.device("cpu")
+    assert critic_device(own, cpu, None) == cpu  # the CPU is one device: the critic shares it
+    assert critic_device(_cfg(), torch.device("cuda"), None) == torch.device("cuda")  # [0]: the actor's
+    # the device runtime as this process would see it under rlhf up (one layer: the count is all it reads)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert critic_device(own, torch.device("cuda"), None) == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"critic's own device would be cuda:1.*this process sees 1 cuda device"):
+        critic_device(own, torch.device("cuda"), None)
+    with pytest.raises(ValueError, match="in a trainer group .* is not built"):
+        critic_device(own, torch.device("cuda"), object())

@@ -105,6 +105,11 @@ def test_vllm_only_fields_are_refused_with_the_hf_engine(field):
         _cfg("hf", **{field: value})
 
 
+def test_a_mindspeed_tensor_parallel_size_of_1_runs_on_the_hf_engine():
+    # what the hf engine does anyway (one unsharded model): seed 004's tensor_model_parallel_size: 1 is no error
+    assert _cfg("hf", tensor_model_parallel_size=1).actor.tensor_model_parallel_size == 1
+
+
 def test_environment_overrides_reach_the_engine_args():
     cfg = _cfg(gpu_memory_utilization=0.9)
     env = {"RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION": "0.4", "RLHF_ROLLOUT_MAX_MODEL_LEN": "200"}
