@@ -47,6 +47,7 @@ class EngineBase:
     """What both engines share: the swap gate, versions, request validation, metrics hooks."""
 
     kind = "base"
+    supports_partial_rollouts = False  # the engine stops its requests on gate.preempt and implements _continue
 
     def __init__(self, model_path: str | Path, model_name: str, hooks: EngineHooks | None = None):
         self.model_path = Path(model_path)
@@ -71,6 +72,9 @@ class EngineBase:
         eos = self._model_config.get("eos_token_id")
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.ties_word_embeddings = bool(self._model_config.get("tie_word_embeddings", False))
+        # actor_rollout.partial_rollouts: a swap stops requests at a token boundary and they go on under the new
+        # weights (generate only: streamed requests still finish on their version); see _resume_preempted
+        self.partial_rollouts = False
 
     # ------------------------------------------------------------------------------------------------ properties
 
@@ -229,11 +233,41 @@ class EngineBase:
         async with self.gate.generation():
             version = self.served.version
             results = await self._generate(prompt_token_ids, params, version)
+        if self.partial_rollouts:
+            await self._resume_preempted(prompt_token_ids, params, results)
         self.hooks.tokens("prompt", sum(len(p) for p in prompt_token_ids))
         self.hooks.tokens("generated", sum(len(s.token_ids) for r in results for s in r.samples))
         return results
 
     async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
+        raise NotImplementedError
+
+    async def _resume_preempted(
+        self, prompts: list[list[int]], params: SamplingOptions, results: list[PromptResult]
+    ) -> None:
+        """Partial rollouts: go on with every sample of ``results`` that a swap stopped (``preempted``), once the
+        swap is done, from its prompt plus its tokens so far under the version served then, until none is left
+        (a later swap may stop one again). Each keeps its budget (``params.max_tokens`` in all) and its options;
+        the samples of ``results`` are replaced by the joined ones, with their version spans."""
+        while todo := [(i, j) for i, r in enumerate(results) for j, smp in enumerate(r.samples) if smp.preempted]:
+            old = [results[i].samples[j] for i, j in todo]
+            opts = [continue_options(params, j, len(smp.token_ids)) for (_, j), smp in zip(todo, old, strict=True)]
+            async with self.gate.generation():
+                self.check_ready()  # a swap that failed half-way left weights nobody should sample from
+                version = self.served.version
+                more = await self._continue(
+                    [prompts[i] for i, _ in todo], [smp.token_ids for smp in old], opts, version
+                )
+            for (i, j), before, after in zip(todo, old, more, strict=True):
+                results[i].samples[j] = join_samples(before, after)
+
+    async def _continue(
+        self, prompts: list[list[int]], outputs: list[list[int]], opts: list[SamplingOptions], version: int
+    ) -> list[Sample]:
+        """One sample per ``prompts[k]`` that goes on after ``outputs[k]`` (tokens it already generated) with
+        ``opts[k]`` (n=1, ``max_tokens`` what is left): penalties count ``outputs[k]`` as output, stop strings see
+        it. Returns the new tokens only, with the whole response's text. Engines with partial rollouts implement it
+        (:attr:`supports_partial_rollouts`)."""
         raise NotImplementedError
 
     async def generate_stream(
@@ -428,6 +462,46 @@ def decode_text(tokenizer: Any, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
+def continue_options(params: SamplingOptions, index: int, done: int) -> SamplingOptions:
+    """The options sample ``index`` of a request goes on with after ``done`` tokens: one sample, the tokens left of
+    its budget, no prompt log-probs (the first part had them); a seeded request stays seeded (a seed of its own per
+    sample and resume point), so a replay that is stopped at the same tokens draws the same."""
+    seed = None if params.seed is None else (params.seed + index + 7919 * done) % (MAX_SEED + 1)
+    return replace(params, n=1, max_tokens=params.max_tokens - done, seed=seed, prompt_logprobs=None)
+
+
+def join_samples(before: Sample, after: Sample) -> Sample:
+    """A preempted sample's tokens so far, then what :meth:`EngineBase._continue` added: one sample whose version
+    spans cover every token (stretches of one version merged), whose ``policy_version`` is the oldest token's, and
+    which ends as ``after`` does (finish, stop reason, text; still ``preempted`` if it was stopped again)."""
+    spans: list[tuple[int, int]] = []
+    for start, version in [
+        *(before.spans or [(0, before.policy_version)]),
+        *((start + len(before.token_ids), v) for start, v in (after.spans or [(0, after.policy_version)])),
+    ]:
+        if spans and spans[-1][0] == start:  # the earlier stretch is empty (stopped before its first token)
+            spans.pop()
+        if not spans or spans[-1][1] != version:
+            spans.append((start, version))
+    n = len(before.token_ids) + len(after.token_ids)
+    while len(spans) > 1 and spans[-1][0] >= n:  # a last stretch without tokens
+        spans.pop()
+    top = None
+    if before.top_logprobs is not None or after.top_logprobs is not None:
+        top = [*(before.top_logprobs or []), *(after.top_logprobs or [])]
+    return Sample(
+        token_ids=[*before.token_ids, *after.token_ids],
+        logprobs=[*before.logprobs, *after.logprobs],
+        finish_reason=after.finish_reason,
+        text=after.text,
+        policy_version=min(v for _, v in spans),
+        stop_reason=after.stop_reason,
+        top_logprobs=top,
+        spans=spans if len(spans) > 1 else None,
+        preempted=after.preempted,
+    )
+
+
 # The interface types are defined in services.rollout.engine_types; the engines import these from here too.
 __all__ = [
     "EngineBase",
@@ -435,5 +509,7 @@ __all__ = [
     "PromptResult",
     "Sample",
     "StreamEvent",
+    "continue_options",
     "decode_text",
+    "join_samples",
 ]

@@ -51,6 +51,11 @@ class _Row:
     # opts.prompt_logprobs: each prompt token's log-prob (None first) and alternatives, from the prefill's logits
     prompt_lp: list[float | None] | None = None
     prompt_top: list[list[tuple[int, float]] | None] | None = None
+    # partial rollouts: a pending swap may stop this row between tokens (preempted); a resumed row's ``prompt`` ends
+    # with ``output``, the tokens the sample generated before (penalties count them as output, stop strings see them)
+    preemptible: bool = False
+    preempted: bool = False
+    output: list[int] = field(default_factory=list)
 
 
 def apply_penalties(
@@ -113,15 +118,18 @@ class _Penalties:
         if not any(r.opts.penalized for r in rows):
             return None
         in_prompt = torch.zeros((len(rows), vocab), dtype=torch.bool)
+        counts = torch.zeros((len(rows), vocab), dtype=torch.float32)
         for i, r in enumerate(rows):
             in_prompt[i, torch.tensor(r.prompt)] = True
+            if r.output:  # a resumed row: its tokens so far count as output
+                counts[i].scatter_add_(0, torch.tensor(r.output), torch.ones(len(r.output)))
 
         def per_row(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
         return cls(
             in_prompt=in_prompt.to(device),
-            counts=torch.zeros((len(rows), vocab), dtype=torch.float32, device=device),
+            counts=counts.to(device),
             rep=per_row([r.opts.repetition_penalty for r in rows]),
             freq=per_row([r.opts.frequency_penalty for r in rows]),
             pres=per_row([r.opts.presence_penalty for r in rows]),
@@ -220,6 +228,7 @@ class _Sampling:
 
 class HFEngine(EngineBase):
     kind = "hf"
+    supports_partial_rollouts = True
 
     def __init__(
         self,
@@ -232,8 +241,10 @@ class HFEngine(EngineBase):
         max_batch_rows: int = 64,
         batch_wait_ms: float = 5.0,
         max_model_len: int | None = None,
+        partial_rollouts: bool = False,
     ):
         super().__init__(model_path, model_name, hooks)
+        self.partial_rollouts = partial_rollouts
         if max_model_len:
             self.max_model_len = min(self.max_model_len, int(max_model_len))
         self.dtype = dtype
@@ -318,9 +329,11 @@ class HFEngine(EngineBase):
                 if not r.future.done():
                     r.future.set_result(r)
 
-    def _enqueue(self, prompts: list[list[int]], params: SamplingOptions, on_token: Any = None) -> list[list[_Row]]:
+    def _enqueue(
+        self, prompts: list[list[int]], params: SamplingOptions, on_token: Any = None, preemptible: bool = False
+    ) -> list[list[_Row]]:
         """One row per sample, queued for the batcher. ``on_token(i, j)``: the streaming callback of sample j of
-        prompt i (None: no streaming)."""
+        prompt i (None: no streaming). ``preemptible``: a pending swap may stop the rows (partial rollouts)."""
         assert self._queue is not None
         loop = asyncio.get_running_loop()
         base = params.seed
@@ -336,6 +349,7 @@ class HFEngine(EngineBase):
                     future=loop.create_future(),
                     loop=loop,
                     on_token=on_token(i, j) if on_token is not None else None,
+                    preemptible=preemptible,
                 )
                 prow.append(row)
                 self._queue.put_nowait(row)
@@ -352,17 +366,22 @@ class HFEngine(EngineBase):
             policy_version=version,
             stop_reason=r.stop_reason,
             top_logprobs=r.top,
+            preempted=r.preempted,
         )
 
-    async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
-        rows = self._enqueue(prompts, params)
-        futures = [r.future for prow in rows for r in prow]
+    @staticmethod
+    async def _wait(rows: list[_Row]) -> None:
+        futures = [r.future for r in rows]
         try:
             await asyncio.gather(*futures)
         except BaseException:
             for f in futures:
                 f.cancel()
             raise
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
+        rows = self._enqueue(prompts, params, preemptible=self.partial_rollouts)
+        await self._wait([r for prow in rows for r in prow])
         return [
             PromptResult(
                 prompt_token_ids=list(p),
@@ -372,6 +391,28 @@ class HFEngine(EngineBase):
             )
             for p, prow in zip(prompts, rows, strict=True)
         ]
+
+    async def _continue(
+        self, prompts: list[list[int]], outputs: list[list[int]], opts: list[SamplingOptions], version: int
+    ) -> list[Sample]:
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        rows = [
+            _Row(
+                prompt=[*p, *out],
+                opts=o,
+                seed=o.seed if o.seed is not None else self._rng.randrange(2**63 - 1),
+                future=loop.create_future(),
+                loop=loop,
+                preemptible=True,
+                output=list(out),
+            )
+            for p, out, o in zip(prompts, outputs, opts, strict=True)
+        ]
+        for r in rows:
+            self._queue.put_nowait(r)
+        await self._wait(rows)
+        return [self._sample(r, version) for r in rows]
 
     async def generate_stream(
         self, prompt_token_ids: list[list[int]], params: SamplingOptions, *, field: str = "prompt"
@@ -436,13 +477,21 @@ class HFEngine(EngineBase):
                 r.top = []
         active = [True] * len(rows)
         past = None
-        for _ in range(max(sampling.budgets)):
+        preempt = self.gate.preempt
+        for t in range(max(sampling.budgets)):
             # A caller that went away (HTTP client disconnected, gRPC call cancelled) cancelled its futures: its
             # rows stop here instead of decoding to max_tokens for nobody.
             for i, r in enumerate(rows):
                 if active[i] and r.future.cancelled():
                     active[i] = False
                     r.finish = "abort"
+            # Partial rollouts: a swap waits; preemptible rows stop here, to go on under the new weights. Each row
+            # gets one token per admission first (the prefill, prompt log-probs): progress, however often swaps come.
+            if t and preempt.is_set():
+                for i, r in enumerate(rows):
+                    if active[i] and r.preemptible:
+                        active[i] = False
+                        r.preempted = True
             if not any(active):
                 break
             out = self.model(
@@ -469,7 +518,7 @@ class HFEngine(EngineBase):
             if r.finish is None:
                 r.finish = "length"
             if r.text is None:
-                r.text = decode_text(self._tokenizer, r.tokens)
+                r.text = decode_text(self._tokenizer, [*r.output, *r.tokens])
 
     def _prefill_inputs(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input ids, attention mask, position ids) of the prefill, (B, P) on the device: the prompts left-padded
@@ -536,7 +585,7 @@ class HFEngine(EngineBase):
                 r.prompt_top = [None, *pairs]
 
     def _hit_stop_string(self, r: _Row) -> bool:
-        text = decode_text(self._tokenizer, r.tokens)
+        text = decode_text(self._tokenizer, [*r.output, *r.tokens])
         hits = [(text.find(s), s) for s in r.opts.stop if s in text]
         if not hits:
             return False

@@ -474,3 +474,86 @@ def test_vllm_engine_runs_with_the_configured_max_model_len(tiny_models, monkeyp
     assert len(out[0].samples[0].token_ids) == 4
     assert len(many) == 120 and all(len(r.samples[0].token_ids) == 2 for r in many)
     assert built[0].vllm_config.scheduler_config.enable_chunked_prefill is False
+
+
+def _long_request_and_push(tiny_models, new, partial: bool, max_tokens: int = 160):
+    """A greedy request of ``max_tokens`` tokens on an hf engine (``partial_rollouts`` as given); once it has decoded
+    a few tokens, a push of ``new`` as version 1. Returns (the sample, the push's SwapResult, the same request run
+    alone on the old weights before, and a fresh greedy run of prompt + the sample's first span on the new weights,
+    None when the sample has one span)."""
+    steps: list[int] = []
+    o = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def body(eng):
+        (alone,) = await eng.generate(PROMPTS[:1], o)
+        steps.clear()
+        long = asyncio.create_task(eng.generate(PROMPTS[:1], o))
+        while len(steps) < 5:  # decoding, a few tokens in
+            await asyncio.sleep(0.002)
+        swap = await eng.swap_weights(new, 1, "c1")
+        (out,) = await long
+        smp = out.samples[0]
+        if not smp.spans:  # drained: nothing resumed
+            return smp, swap, alone.samples[0], None
+        cut = smp.spans[1][0]
+        (fresh,) = await eng.generate([PROMPTS[0] + smp.token_ids[:cut]], replace(o, max_tokens=max_tokens - cut))
+        return smp, swap, alone.samples[0], fresh.samples[0]
+
+    return run_hf(tiny_models, body, hooks=EngineHooks(on_step=steps.append), partial_rollouts=partial)
+
+
+def test_partial_rollout_resumes_under_the_new_weights(tiny_models, state, forward):
+    """With partial rollouts a push stops the request in flight at a token boundary; it goes on from its prompt plus
+    its tokens so far under the new weights: spans cover every token, the total stays within max_tokens, the old
+    span is what the old weights decode, the new span what the new weights decode from that prefix, each token's
+    log-prob that of the weights its span names. The push waits less than without partial rollouts."""
+    g = torch.Generator().manual_seed(1)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    smp, swap, alone, fresh = _long_request_and_push(tiny_models, new, partial=True)
+    assert smp.spans is not None and len(smp.spans) == 2, smp.spans
+    (s0, v0), (cut, v1) = smp.spans
+    assert (s0, v0, v1) == (0, 0, 1) and 5 <= cut < 160
+    assert smp.policy_version == 0 and not smp.preempted  # the oldest token's version
+    assert len(smp.token_ids) == len(smp.logprobs) == 160 and smp.finish_reason == "length"
+    assert smp.token_ids[:cut] == alone.token_ids[:cut]  # the prefix: the old weights' greedy tokens
+    assert smp.token_ids[cut:] == fresh.token_ids  # resumed from prompt + prefix, greedy under the new weights
+    assert fresh.policy_version == 1
+    old_lp = forward(PROMPTS[0], smp.token_ids, 1.0, weights=state)
+    new_lp = forward(PROMPTS[0], smp.token_ids, 1.0, weights=new)
+    forward(PROMPTS[0], [5], 1.0, weights=state)  # leave the shared model as it was
+    assert max(abs(a - b) for a, b in zip(smp.logprobs[:cut], old_lp[:cut], strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(smp.logprobs[cut:], new_lp[cut:], strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(smp.logprobs[cut:], old_lp[cut:], strict=True)) > 1e-3  # new weights
+
+    drained, drained_swap, _, _ = _long_request_and_push(tiny_models, new, partial=False)
+    assert drained.spans is None and drained.policy_version == 0 and len(drained.token_ids) == 160
+    assert swap.wait_seconds < drained_swap.wait_seconds
+
+
+def test_partial_rollouts_keep_streams_and_seeds(tiny_models, state):
+    """A streamed request is not stopped (it finishes on its version); a seeded sampled request that a push stops
+    keeps its budget and its n samples, each with spans covering its tokens."""
+    g = torch.Generator().manual_seed(2)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    steps: list[int] = []
+
+    async def body(eng):
+        o = SamplingOptions(n=3, max_tokens=120, seed=4, temperature=0.8, ignore_eos=True)
+
+        async def stream():
+            got = [ev.sample async for ev in eng.generate_stream(PROMPTS[1:2], replace(o, n=1)) if ev.sample]
+            return got[0]
+
+        streamed = asyncio.create_task(stream())
+        sampled = asyncio.create_task(eng.generate(PROMPTS[:1], o))
+        while len(steps) < 5:
+            await asyncio.sleep(0.002)
+        await eng.swap_weights(new, 1, "c1")
+        return await streamed, (await sampled)[0].samples
+
+    streamed, samples = run_hf(tiny_models, body, hooks=EngineHooks(on_step=steps.append), partial_rollouts=True)
+    assert streamed.spans is None and streamed.policy_version == 0 and len(streamed.token_ids) == 120
+    assert len(samples) == 3
+    for s in samples:
+        assert len(s.token_ids) == len(s.logprobs) == 120 and s.policy_version == 0
+        assert s.spans is not None and [v for _, v in s.spans] == [0, 1] and 0 < s.spans[1][0] < 120
