@@ -557,3 +557,30 @@ def test_partial_rollouts_keep_streams_and_seeds(tiny_models, state):
     for s in samples:
         assert len(s.token_ids) == len(s.logprobs) == 120 and s.policy_version == 0
         assert s.spans is not None and [v for _, v in s.spans] == [0, 1] and 0 < s.spans[1][0] < 120
+
+
+def test_a_resumed_sample_keeps_its_options(tiny_models, state):
+    """A push of the same weights stops a greedy request with penalties mid-way: resumed, it decodes exactly as the
+    request run alone (the penalties count the tokens before the stop as output, as an uninterrupted run does), only
+    its spans say that a swap came in between."""
+    steps: list[int] = []
+    o = SamplingOptions(
+        n=2, max_tokens=120, temperature=0.0, ignore_eos=True, frequency_penalty=0.6, presence_penalty=0.3
+    )
+    o_rep = replace(o, frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.3)
+
+    async def body(eng):
+        alone = await asyncio.gather(eng.generate(PROMPTS[:1], o), eng.generate(PROMPTS[2:], o_rep))
+        steps.clear()
+        both = asyncio.gather(eng.generate(PROMPTS[:1], o), eng.generate(PROMPTS[2:], o_rep))
+        while len(steps) < 5:
+            await asyncio.sleep(0.002)
+        await eng.swap_weights(dict(state), 1, "same")
+        return alone, await both
+
+    alone, resumed = run_hf(tiny_models, body, hooks=EngineHooks(on_step=steps.append), partial_rollouts=True)
+    for (a,), (r,) in zip(alone, resumed, strict=True):
+        for sa, sr in zip(a.samples, r.samples, strict=True):
+            assert sr.spans is not None and [v for _, v in sr.spans] == [0, 1]
+            assert sr.token_ids == sa.token_ids and sr.text == sa.text
+            assert sr.logprobs == pytest.approx(sa.logprobs, abs=1e-5)
