@@ -26,7 +26,16 @@ from rlhf.algo import logprobs_from_logits
 from rlhf.layout import CheckpointLayout
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_device
 from rlhf.serving.errors import NotReady
-from services.rollout.engine import EngineBase, EngineHooks, PromptResult, Sample, StreamEvent, decode_text
+from services.rollout.engine import (
+    EngineBase,
+    EngineHooks,
+    PromptResult,
+    Sample,
+    StreamEvent,
+    continue_options,
+    decode_text,
+    join_samples,
+)
 from services.rollout.options import SamplingOptions
 
 log = logging.getLogger("rlhf.rollout.hf")
@@ -392,25 +401,27 @@ class HFEngine(EngineBase):
             for p, prow in zip(prompts, rows, strict=True)
         ]
 
+    def _continue_row(self, prompt: list[int], output: list[int], opts: SamplingOptions, on_token: Any = None) -> _Row:
+        """A row that goes on after ``output`` (a preempted sample's tokens so far), queued for the batcher."""
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        row = _Row(
+            prompt=[*prompt, *output],
+            opts=opts,
+            seed=opts.seed if opts.seed is not None else self._rng.randrange(2**63 - 1),
+            future=loop.create_future(),
+            loop=loop,
+            on_token=on_token,
+            preemptible=True,
+            output=list(output),
+        )
+        self._queue.put_nowait(row)
+        return row
+
     async def _continue(
         self, prompts: list[list[int]], outputs: list[list[int]], opts: list[SamplingOptions], version: int
     ) -> list[Sample]:
-        assert self._queue is not None
-        loop = asyncio.get_running_loop()
-        rows = [
-            _Row(
-                prompt=[*p, *out],
-                opts=o,
-                seed=o.seed if o.seed is not None else self._rng.randrange(2**63 - 1),
-                future=loop.create_future(),
-                loop=loop,
-                preemptible=True,
-                output=list(out),
-            )
-            for p, out, o in zip(prompts, outputs, opts, strict=True)
-        ]
-        for r in rows:
-            self._queue.put_nowait(r)
+        rows = [self._continue_row(p, out, o) for p, out, o in zip(prompts, outputs, opts, strict=True)]
         await self._wait(rows)
         return [self._sample(r, version) for r in rows]
 
@@ -419,7 +430,9 @@ class HFEngine(EngineBase):
     ) -> AsyncIterator[StreamEvent]:
         """Tokens as they are decoded: the decode thread hands each new token to the event loop
         (``call_soon_threadsafe``), where it becomes an event; the last event of a sample carries the finished
-        sample. Closing the iterator (a client that went away) cancels the rows still decoding."""
+        sample. Closing the iterator (a client that went away) cancels the rows still decoding. With partial
+        rollouts a swap stops the rows between tokens; they go on under the new weights in the same stream, and the
+        last event's sample carries the version spans."""
         self.check_ready()
         params = self.validate(prompt_token_ids, params, field=field)
         events: asyncio.Queue[tuple] = asyncio.Queue()
@@ -427,35 +440,72 @@ class HFEngine(EngineBase):
         def on_token(i: int, j: int) -> Any:
             return lambda tok, lp, top: events.put_nowait(("tok", i, j, tok, lp, top))
 
-        async with self.gate.generation():
-            version = self.served.version
-            rows = self._enqueue(prompt_token_ids, params, on_token)
-            flat = [(i, j, r) for i, prow in enumerate(rows) for j, r in enumerate(prow)]
-            for i, j, r in flat:
-                # runs after the row's token callbacks: they were scheduled from the decode thread before the
-                # batcher resolved the future
-                r.future.add_done_callback(lambda _f, i=i, j=j: events.put_nowait(("done", i, j)))
-            try:
-                left = len(flat)
-                while left:
-                    ev = await events.get()
-                    if ev[0] == "tok":
-                        _, i, j, tok, lp, top = ev
-                        yield StreamEvent(i, j, [tok], [lp], [top] if top is not None else None)
-                        continue
-                    _, i, j = ev
-                    left -= 1
-                    r = rows[i][j]
-                    if r.future.cancelled():
-                        raise asyncio.CancelledError
-                    if r.future.exception() is not None:
-                        raise r.future.exception()
-                    yield StreamEvent(i, j, [], [], None, self._sample(r, version))
-            finally:
-                for _, _, r in flat:
-                    r.future.cancel()
+        stopped: dict[tuple[int, int], Sample] = {}  # preempted samples so far, to go on after the swap
+        generated = 0
+        first = True
+        while first or stopped:
+            async with self.gate.generation():
+                version = self.served.version
+                if first:
+                    rows = self._enqueue(prompt_token_ids, params, on_token, preemptible=self.partial_rollouts)
+                    flat = [(i, j, r) for i, prow in enumerate(rows) for j, r in enumerate(prow)]
+                else:
+                    self.check_ready()  # a swap that failed half-way left weights nobody should sample from
+                    flat = [
+                        (i, j, self._continue_row(prompt_token_ids[i], smp.token_ids, opts, on_token(i, j)))
+                        for (i, j), smp in stopped.items()
+                        for opts in [continue_options(params, j, len(smp.token_ids))]
+                    ]
+                first = False
+                # closed here, not when collected: a client that went away cancels its rows at once
+                async with contextlib.aclosing(self._stream_rows(flat, events, version, stopped)) as stream:
+                    async for ev in stream:
+                        yield ev
+                generated += sum(len(r.tokens) for _, _, r in flat)
         self.hooks.tokens("prompt", sum(len(p) for p in prompt_token_ids))
-        self.hooks.tokens("generated", sum(len(r.tokens) for _, _, r in flat))
+        self.hooks.tokens("generated", generated)
+
+    async def _stream_rows(
+        self,
+        flat: list[tuple[int, int, _Row]],
+        events: asyncio.Queue[tuple],
+        version: int,
+        stopped: dict[tuple[int, int], Sample],
+    ) -> AsyncIterator[StreamEvent]:
+        """The events of ``flat``'s rows (prompt index, sample index, row) until each has finished or was preempted:
+        a finished sample (joined with what it had before it was stopped, if it was) ends its stream, a preempted one
+        goes into ``stopped`` (replacing what was there) to go on after the swap."""
+        for i, j, r in flat:
+            # runs after the row's token callbacks: they were scheduled from the decode thread before the batcher
+            # resolved the future
+            r.future.add_done_callback(lambda _f, i=i, j=j: events.put_nowait(("done", i, j)))
+        by_index = {(i, j): r for i, j, r in flat}
+        try:
+            left = len(flat)
+            while left:
+                ev = await events.get()
+                if ev[0] == "tok":
+                    _, i, j, tok, lp, top = ev
+                    yield StreamEvent(i, j, [tok], [lp], [top] if top is not None else None)
+                    continue
+                _, i, j = ev
+                left -= 1
+                r = by_index[(i, j)]
+                if r.future.cancelled():
+                    raise asyncio.CancelledError
+                if r.future.exception() is not None:
+                    raise r.future.exception()
+                smp = self._sample(r, version)
+                before = stopped.pop((i, j), None)
+                if before is not None:
+                    smp = join_samples(before, smp)
+                if smp.preempted:
+                    stopped[(i, j)] = smp
+                else:
+                    yield StreamEvent(i, j, [], [], None, smp)
+        finally:
+            for _, _, r in flat:
+                r.future.cancel()
 
     # ------------------------------------------------------------------------------------------------ decoding
 

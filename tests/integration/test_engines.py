@@ -530,9 +530,10 @@ def test_partial_rollout_resumes_under_the_new_weights(tiny_models, state, forwa
     assert swap.wait_seconds < drained_swap.wait_seconds
 
 
-def test_partial_rollouts_keep_streams_and_seeds(tiny_models, state):
-    """A streamed request is not stopped (it finishes on its version); a seeded sampled request that a push stops
-    keeps its budget and its n samples, each with spans covering its tokens."""
+def test_partial_rollouts_stop_streams_and_seeded_requests_too(tiny_models, state):
+    """A streamed request is stopped and resumed in the same stream: its token events, in order, are the tokens and
+    log-probs of the last event's sample, whose spans cover them. A seeded sampled request that a push stops keeps
+    its budget and its n samples, each with spans covering its tokens."""
     g = torch.Generator().manual_seed(2)
     new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
     steps: list[int] = []
@@ -541,8 +542,8 @@ def test_partial_rollouts_keep_streams_and_seeds(tiny_models, state):
         o = SamplingOptions(n=3, max_tokens=120, seed=4, temperature=0.8, ignore_eos=True)
 
         async def stream():
-            got = [ev.sample async for ev in eng.generate_stream(PROMPTS[1:2], replace(o, n=1)) if ev.sample]
-            return got[0]
+            events = [ev async for ev in eng.generate_stream(PROMPTS[1:2], replace(o, n=1))]
+            return [t for ev in events for t in ev.token_ids], [x for ev in events for x in ev.logprobs], events
 
         streamed = asyncio.create_task(stream())
         sampled = asyncio.create_task(eng.generate(PROMPTS[:1], o))
@@ -551,8 +552,13 @@ def test_partial_rollouts_keep_streams_and_seeds(tiny_models, state):
         await eng.swap_weights(new, 1, "c1")
         return await streamed, (await sampled)[0].samples
 
-    streamed, samples = run_hf(tiny_models, body, hooks=EngineHooks(on_step=steps.append), partial_rollouts=True)
-    assert streamed.spans is None and streamed.policy_version == 0 and len(streamed.token_ids) == 120
+    (tokens, logprobs, events), samples = run_hf(
+        tiny_models, body, hooks=EngineHooks(on_step=steps.append), partial_rollouts=True
+    )
+    last = events[-1].sample
+    assert last is not None and [ev.sample is not None for ev in events].count(True) == 1
+    assert last.token_ids == tokens and last.logprobs == logprobs and len(tokens) == 120
+    assert last.spans is not None and [v for _, v in last.spans] == [0, 1] and last.policy_version == 0
     assert len(samples) == 3
     for s in samples:
         assert len(s.token_ids) == len(s.logprobs) == 120 and s.policy_version == 0
