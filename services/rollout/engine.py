@@ -73,7 +73,7 @@ class EngineBase:
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.ties_word_embeddings = bool(self._model_config.get("tie_word_embeddings", False))
         # actor_rollout.partial_rollouts: a swap stops requests at a token boundary and they go on under the new
-        # weights (generate only: streamed requests still finish on their version); see _resume_preempted
+        # weights (engines with supports_partial_rollouts); see _resume_preempted
         self.partial_rollouts = False
 
     # ------------------------------------------------------------------------------------------------ properties
