@@ -455,6 +455,11 @@ def check_rollout(cfg: Config) -> None:
                     f"actor_rollout_ref.actor_rollout.{name} is read by the vllm engine only; "
                     "remove it or set engine: vllm"
                 )
+    if a.partial_rollouts and a.engine != "hf":
+        raise ValueError(
+            "actor_rollout_ref.actor_rollout.partial_rollouts is built for the hf engine only (the vllm engine "
+            "finishes requests in flight before a swap); set engine: hf or remove partial_rollouts"
+        )
     if a.staged_weight_swap and a.enforce_eager is False:
         raise ValueError(
             "actor_rollout_ref.actor_rollout.staged_weight_swap needs enforce_eager: true (CUDA graphs "

@@ -173,6 +173,11 @@ class ActorRolloutConfig(Section):
         0.0, "PPO-ptx: weight of the SFT (next-token) loss on data.pretrain_data added to the actor loss", ge=0
     )
     engine: Literal["vllm", "hf"] = _f("vllm", "rollout engine")
+    partial_rollouts: bool = _f(
+        False,
+        "hf engine: a weight push stops the requests in flight at the next token and resumes them from prompt + "
+        "tokens so far under the new weights (records carry version spans), instead of waiting for them to finish",
+    )
     stop: list[str] = _f([], "stop strings for generation")
     apply_chat_template: bool = _f(True, "wrap prompts in the tokenizer's chat template when it has one")
     tool_call_parser: Literal[TOOL_CALL_PARSERS] = _f(

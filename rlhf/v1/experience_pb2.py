@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from rlhf.v1 import common_pb2 as rlhf_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlhf/v1/experience.proto\x12\x07rlhf.v1\x1a\x14rlhf/v1/common.proto\"\x87\x03\n\tPromptJob\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ndata_index\x18\x03 \x01(\x03\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x12\n\nprompt_ids\x18\x05 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x06 \x01(\t\x12\x12\n\x05label\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\'\n\x06params\x18\x08 \x01(\x0b\x32\x17.rlhf.v1.SamplingParams\x12\x1d\n\x15issued_policy_version\x18\t \x01(\x03\x12\x19\n\x11issued_at_unix_ms\x18\n \x01(\x03\x12\x32\n\x08metadata\x18\x0b \x03(\x0b\x32 .rlhf.v1.PromptJob.MetadataEntry\x12(\n\x0brecord_type\x18\x0f \x01(\x0e\x32\x13.rlhf.v1.RecordType\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06_label\"\xc1\x04\n\x06Sample\x12\x14\n\x0cresponse_ids\x18\x01 \x03(\x05\x12\x19\n\x11sampling_logprobs\x18\x02 \x03(\x02\x12\x14\n\x0cref_logprobs\x18\x03 \x03(\x02\x12\r\n\x05score\x18\x04 \x01(\x02\x12)\n\x0cscore_status\x18\x05 \x01(\x0e\x32\x13.rlhf.v1.ItemStatus\x12\x13\n\x0bscore_error\x18\x06 \x01(\t\x12>\n\x10score_components\x18\x07 \x03(\x0b\x32$.rlhf.v1.Sample.ScoreComponentsEntry\x12,\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x15.rlhf.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x12\x15\n\rresponse_text\x18\n \x01(\t\x12\x11\n\tloss_mask\x18\x0b \x03(\x08\x12\x1c\n\x14turn_policy_versions\x18\x0c \x03(\x03\x12\x14\n\x0cturn_rewards\x18\r \x03(\x02\x12\x10\n\x08\x65nded_by\x18\x0e \x01(\t\x12<\n\x0f\x65pisode_metrics\x18\x10 \x03(\x0b\x32#.rlhf.v1.Sample.EpisodeMetricsEntry\x1a\x36\n\x14ScoreComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x1a\x35\n\x13\x45pisodeMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\xb1\x02\n\nExperience\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ndata_index\x18\x03 \x01(\x03\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x12\n\nprompt_ids\x18\x05 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x06 \x01(\t\x12\x12\n\x05label\x18\x07 \x01(\tH\x00\x88\x01\x01\x12 \n\x07samples\x18\x08 \x03(\x0b\x32\x0f.rlhf.v1.Sample\x12\x12\n\nreplica_id\x18\t \x01(\t\x12\x1a\n\x12\x63reated_at_unix_ms\x18\n \x01(\x03\x12\x1d\n\x15issued_policy_version\x18\x0b \x01(\x03\x12(\n\x0brecord_type\x18\x0f \x01(\x0e\x32\x13.rlhf.v1.RecordTypeB\x08\n\x06_label*a\n\nRecordType\x12\x1b\n\x17RECORD_TYPE_UNSPECIFIED\x10\x00\x12\x1a\n\x16RECORD_TYPE_PROMPT_JOB\x10\x01\x12\x1a\n\x16RECORD_TYPE_EXPERIENCE\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18rlhf/v1/experience.proto\x12\x07rlhf.v1\x1a\x14rlhf/v1/common.proto\"\x87\x03\n\tPromptJob\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ndata_index\x18\x03 \x01(\x03\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x12\n\nprompt_ids\x18\x05 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x06 \x01(\t\x12\x12\n\x05label\x18\x07 \x01(\tH\x00\x88\x01\x01\x12\'\n\x06params\x18\x08 \x01(\x0b\x32\x17.rlhf.v1.SamplingParams\x12\x1d\n\x15issued_policy_version\x18\t \x01(\x03\x12\x19\n\x11issued_at_unix_ms\x18\n \x01(\x03\x12\x32\n\x08metadata\x18\x0b \x03(\x0b\x32 .rlhf.v1.PromptJob.MetadataEntry\x12(\n\x0brecord_type\x18\x0f \x01(\x0e\x32\x13.rlhf.v1.RecordType\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06_label\"\xed\x04\n\x06Sample\x12\x14\n\x0cresponse_ids\x18\x01 \x03(\x05\x12\x19\n\x11sampling_logprobs\x18\x02 \x03(\x02\x12\x14\n\x0cref_logprobs\x18\x03 \x03(\x02\x12\r\n\x05score\x18\x04 \x01(\x02\x12)\n\x0cscore_status\x18\x05 \x01(\x0e\x32\x13.rlhf.v1.ItemStatus\x12\x13\n\x0bscore_error\x18\x06 \x01(\t\x12>\n\x10score_components\x18\x07 \x03(\x0b\x32$.rlhf.v1.Sample.ScoreComponentsEntry\x12,\n\rfinish_reason\x18\x08 \x01(\x0e\x32\x15.rlhf.v1.FinishReason\x12\x16\n\x0epolicy_version\x18\t \x01(\x03\x12\x15\n\rresponse_text\x18\n \x01(\t\x12\x11\n\tloss_mask\x18\x0b \x03(\x08\x12\x1c\n\x14turn_policy_versions\x18\x0c \x03(\x03\x12\x14\n\x0cturn_rewards\x18\r \x03(\x02\x12\x10\n\x08\x65nded_by\x18\x0e \x01(\t\x12<\n\x0f\x65pisode_metrics\x18\x10 \x03(\x0b\x32#.rlhf.v1.Sample.EpisodeMetricsEntry\x12\x13\n\x0bspan_starts\x18\x11 \x03(\x05\x12\x15\n\rspan_versions\x18\x12 \x03(\x03\x1a\x36\n\x14ScoreComponentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x1a\x35\n\x13\x45pisodeMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\xb1\x02\n\nExperience\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ndata_index\x18\x03 \x01(\x03\x12\r\n\x05\x65poch\x18\x04 \x01(\x03\x12\x12\n\nprompt_ids\x18\x05 \x03(\x05\x12\x13\n\x0bprompt_text\x18\x06 \x01(\t\x12\x12\n\x05label\x18\x07 \x01(\tH\x00\x88\x01\x01\x12 \n\x07samples\x18\x08 \x03(\x0b\x32\x0f.rlhf.v1.Sample\x12\x12\n\nreplica_id\x18\t \x01(\t\x12\x1a\n\x12\x63reated_at_unix_ms\x18\n \x01(\x03\x12\x1d\n\x15issued_policy_version\x18\x0b \x01(\x03\x12(\n\x0brecord_type\x18\x0f \x01(\x0e\x32\x13.rlhf.v1.RecordTypeB\x08\n\x06_label*a\n\nRecordType\x12\x1b\n\x17RECORD_TYPE_UNSPECIFIED\x10\x00\x12\x1a\n\x16RECORD_TYPE_PROMPT_JOB\x10\x01\x12\x1a\n\x16RECORD_TYPE_EXPERIENCE\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,18 +38,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLE_SCORECOMPONENTSENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLE_EPISODEMETRICSENTRY']._loaded_options = None
   _globals['_SAMPLE_EPISODEMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_RECORDTYPE']._serialized_start=1341
-  _globals['_RECORDTYPE']._serialized_end=1438
+  _globals['_RECORDTYPE']._serialized_start=1385
+  _globals['_RECORDTYPE']._serialized_end=1482
   _globals['_PROMPTJOB']._serialized_start=60
   _globals['_PROMPTJOB']._serialized_end=451
   _globals['_PROMPTJOB_METADATAENTRY']._serialized_start=394
   _globals['_PROMPTJOB_METADATAENTRY']._serialized_end=441
   _globals['_SAMPLE']._serialized_start=454
-  _globals['_SAMPLE']._serialized_end=1031
-  _globals['_SAMPLE_SCORECOMPONENTSENTRY']._serialized_start=922
-  _globals['_SAMPLE_SCORECOMPONENTSENTRY']._serialized_end=976
-  _globals['_SAMPLE_EPISODEMETRICSENTRY']._serialized_start=978
-  _globals['_SAMPLE_EPISODEMETRICSENTRY']._serialized_end=1031
-  _globals['_EXPERIENCE']._serialized_start=1034
-  _globals['_EXPERIENCE']._serialized_end=1339
+  _globals['_SAMPLE']._serialized_end=1075
+  _globals['_SAMPLE_SCORECOMPONENTSENTRY']._serialized_start=966
+  _globals['_SAMPLE_SCORECOMPONENTSENTRY']._serialized_end=1020
+  _globals['_SAMPLE_EPISODEMETRICSENTRY']._serialized_start=1022
+  _globals['_SAMPLE_EPISODEMETRICSENTRY']._serialized_end=1075
+  _globals['_EXPERIENCE']._serialized_start=1078
+  _globals['_EXPERIENCE']._serialized_end=1383
 # @@protoc_insertion_point(module_scope)

@@ -53,7 +53,7 @@ class PromptJob(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., run_id: _Optional[str] = ..., data_index: _Optional[int] = ..., epoch: _Optional[int] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., label: _Optional[str] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., issued_policy_version: _Optional[int] = ..., issued_at_unix_ms: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., record_type: _Optional[_Union[RecordType, str]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("response_ids", "sampling_logprobs", "ref_logprobs", "score", "score_status", "score_error", "score_components", "finish_reason", "policy_version", "response_text", "loss_mask", "turn_policy_versions", "turn_rewards", "ended_by", "episode_metrics")
+    __slots__ = ("response_ids", "sampling_logprobs", "ref_logprobs", "score", "score_status", "score_error", "score_components", "finish_reason", "policy_version", "response_text", "loss_mask", "turn_policy_versions", "turn_rewards", "ended_by", "episode_metrics", "span_starts", "span_versions")
     class ScoreComponentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,8 @@ class Sample(_message.Message):
     TURN_REWARDS_FIELD_NUMBER: _ClassVar[int]
     ENDED_BY_FIELD_NUMBER: _ClassVar[int]
     EPISODE_METRICS_FIELD_NUMBER: _ClassVar[int]
+    SPAN_STARTS_FIELD_NUMBER: _ClassVar[int]
+    SPAN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     response_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_logprobs: _containers.RepeatedScalarFieldContainer[float]
     ref_logprobs: _containers.RepeatedScalarFieldContainer[float]
@@ -98,7 +100,9 @@ class Sample(_message.Message):
     turn_rewards: _containers.RepeatedScalarFieldContainer[float]
     ended_by: str
     episode_metrics: _containers.ScalarMap[str, float]
-    def __init__(self, response_ids: _Optional[_Iterable[int]] = ..., sampling_logprobs: _Optional[_Iterable[float]] = ..., ref_logprobs: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., score_status: _Optional[_Union[_common_pb2.ItemStatus, str]] = ..., score_error: _Optional[str] = ..., score_components: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., response_text: _Optional[str] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turn_policy_versions: _Optional[_Iterable[int]] = ..., turn_rewards: _Optional[_Iterable[float]] = ..., ended_by: _Optional[str] = ..., episode_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    span_starts: _containers.RepeatedScalarFieldContainer[int]
+    span_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, response_ids: _Optional[_Iterable[int]] = ..., sampling_logprobs: _Optional[_Iterable[float]] = ..., ref_logprobs: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., score_status: _Optional[_Union[_common_pb2.ItemStatus, str]] = ..., score_error: _Optional[str] = ..., score_components: _Optional[_Mapping[str, float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., policy_version: _Optional[int] = ..., response_text: _Optional[str] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., turn_policy_versions: _Optional[_Iterable[int]] = ..., turn_rewards: _Optional[_Iterable[float]] = ..., ended_by: _Optional[str] = ..., episode_metrics: _Optional[_Mapping[str, float]] = ..., span_starts: _Optional[_Iterable[int]] = ..., span_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Experience(_message.Message):
     __slots__ = ("job_id", "run_id", "data_index", "epoch", "prompt_ids", "prompt_text", "label", "samples", "replica_id", "created_at_unix_ms", "issued_policy_version", "record_type")

@@ -10,6 +10,7 @@ the swap: docs/weight-sync.md#the-update.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -47,6 +48,7 @@ class EngineBase:
     """What both engines share: the swap gate, versions, request validation, metrics hooks."""
 
     kind = "base"
+    supports_partial_rollouts = False  # the engine stops its requests on gate.preempt and implements _continue
 
     def __init__(self, model_path: str | Path, model_name: str, hooks: EngineHooks | None = None):
         self.model_path = Path(model_path)
@@ -71,6 +73,9 @@ class EngineBase:
         eos = self._model_config.get("eos_token_id")
         self.eos_token_id = eos[0] if isinstance(eos, list) else eos
         self.ties_word_embeddings = bool(self._model_config.get("tie_word_embeddings", False))
+        # actor_rollout.partial_rollouts: a swap stops requests at a token boundary and they go on under the new
+        # weights (engines with supports_partial_rollouts); see _resume_preempted
+        self.partial_rollouts = False
 
     # ------------------------------------------------------------------------------------------------ properties
 
@@ -229,11 +234,41 @@ class EngineBase:
         async with self.gate.generation():
             version = self.served.version
             results = await self._generate(prompt_token_ids, params, version)
+        if self.partial_rollouts:
+            await self._resume_preempted(prompt_token_ids, params, results)
         self.hooks.tokens("prompt", sum(len(p) for p in prompt_token_ids))
         self.hooks.tokens("generated", sum(len(s.token_ids) for r in results for s in r.samples))
         return results
 
     async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
+        raise NotImplementedError
+
+    async def _resume_preempted(
+        self, prompts: list[list[int]], params: SamplingOptions, results: list[PromptResult]
+    ) -> None:
+        """Partial rollouts: go on with every sample of ``results`` that a swap stopped (``preempted``), once the
+        swap is done, from its prompt plus its tokens so far under the version served then, until none is left
+        (a later swap may stop one again). Each keeps its budget (``params.max_tokens`` in all) and its options;
+        the samples of ``results`` are replaced by the joined ones, with their version spans."""
+        while todo := [(i, j) for i, r in enumerate(results) for j, smp in enumerate(r.samples) if smp.preempted]:
+            old = [results[i].samples[j] for i, j in todo]
+            opts = [continue_options(params, j, len(smp.token_ids)) for (_, j), smp in zip(todo, old, strict=True)]
+            async with self.gate.generation():
+                self.check_ready()  # a swap that failed half-way left weights nobody should sample from
+                version = self.served.version
+                more = await self._continue(
+                    [prompts[i] for i, _ in todo], [smp.token_ids for smp in old], opts, version
+                )
+            for (i, j), before, after in zip(todo, old, more, strict=True):
+                results[i].samples[j] = join_samples(before, after)
+
+    async def _continue(
+        self, prompts: list[list[int]], outputs: list[list[int]], opts: list[SamplingOptions], version: int
+    ) -> list[Sample]:
+        """One sample per ``prompts[k]`` that goes on after ``outputs[k]`` (tokens it already generated) with
+        ``opts[k]`` (n=1, ``max_tokens`` what is left): penalties count ``outputs[k]`` as output, stop strings see
+        it. Returns the new tokens only, with the whole response's text. Engines with partial rollouts implement it
+        (:attr:`supports_partial_rollouts`)."""
         raise NotImplementedError
 
     async def generate_stream(
@@ -245,17 +280,39 @@ class EngineBase:
         self.check_ready()
         params = self.validate(prompt_token_ids, params, field=field)
         generated = 0
-        async with self.gate.generation():
-            version = self.served.version
-            async for ev in self._generate_stream(prompt_token_ids, params, version):
-                generated += len(ev.token_ids)
-                yield ev
+        stopped: dict[tuple[int, int], Sample] = {}  # samples a swap stopped (partial rollouts), to go on after it
+        first = True
+        while first or stopped:
+            async with self.gate.generation():
+                version = self.served.version
+                if first:
+                    index = None
+                    source = self._generate_stream(prompt_token_ids, params, version)
+                else:
+                    self.check_ready()  # a swap that failed half-way left weights nobody should sample from
+                    index = list(stopped)
+                    old = [stopped[k] for k in index]
+                    opts = [continue_options(params, j, len(s.token_ids)) for (_, j), s in zip(index, old, strict=True)]
+                    prompts = [prompt_token_ids[i] for i, _ in index]
+                    source = self._continue_stream(prompts, [s.token_ids for s in old], opts, version)
+                first = False
+                async with contextlib.aclosing(source) as events:
+                    async for ev in events:
+                        generated += len(ev.token_ids)
+                        if out := _resumed_event(ev, index, stopped):
+                            yield out
         self.hooks.tokens("prompt", sum(len(p) for p in prompt_token_ids))
         self.hooks.tokens("generated", generated)
 
     def _generate_stream(
         self, prompts: list[list[int]], params: SamplingOptions, version: int
     ) -> AsyncIterator[StreamEvent]:
+        raise NotImplementedError
+
+    def _continue_stream(
+        self, prompts: list[list[int]], outputs: list[list[int]], opts: list[SamplingOptions], version: int
+    ) -> AsyncIterator[StreamEvent]:
+        """:meth:`_continue` as events, one sample per prompt (its ``prompt_index`` indexes ``prompts``)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------------ weights
@@ -440,6 +497,64 @@ def decode_text(tokenizer: Any, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
+def continue_options(params: SamplingOptions, index: int, done: int) -> SamplingOptions:
+    """The options sample ``index`` of a request goes on with after ``done`` tokens: one sample, the tokens left of
+    its budget, no prompt log-probs (the first part had them); a seeded request stays seeded (a seed of its own per
+    sample and resume point), so a replay that is stopped at the same tokens draws the same."""
+    seed = None if params.seed is None else (params.seed + index + 7919 * done) % (MAX_SEED + 1)
+    return replace(params, n=1, max_tokens=params.max_tokens - done, seed=seed, prompt_logprobs=None)
+
+
+def _resumed_event(
+    ev: StreamEvent, index: list[tuple[int, int]] | None, stopped: dict[tuple[int, int], Sample]
+) -> StreamEvent | None:
+    """``ev`` as the request's stream shows it: a resumed sample's event (``index``: its (prompt, sample) by
+    ``ev.prompt_index``) renumbered, a finished sample joined with what it had before the swap stopped it, and a
+    stopped one kept in ``stopped`` instead of ending its stream (None when nothing is left to send)."""
+    i, j = (ev.prompt_index, ev.sample_index) if index is None else index[ev.prompt_index]
+    ev = replace(ev, prompt_index=i, sample_index=j)
+    if ev.sample is None:
+        return ev
+    before = stopped.pop((i, j), None)
+    smp = ev.sample if before is None else join_samples(before, ev.sample)
+    if not smp.preempted:
+        return replace(ev, sample=smp)
+    stopped[(i, j)] = smp
+    return replace(ev, sample=None) if ev.token_ids else None
+
+
+def join_samples(before: Sample, after: Sample) -> Sample:
+    """A preempted sample's tokens so far, then what :meth:`EngineBase._continue` added: one sample whose version
+    spans cover every token (stretches of one version merged), whose ``policy_version`` is the oldest token's, and
+    which ends as ``after`` does (finish, stop reason, text; still ``preempted`` if it was stopped again)."""
+    spans: list[tuple[int, int]] = []
+    for start, version in [
+        *(before.spans or [(0, before.policy_version)]),
+        *((start + len(before.token_ids), v) for start, v in (after.spans or [(0, after.policy_version)])),
+    ]:
+        if spans and spans[-1][0] == start:  # the earlier stretch is empty (stopped before its first token)
+            spans.pop()
+        if not spans or spans[-1][1] != version:
+            spans.append((start, version))
+    n = len(before.token_ids) + len(after.token_ids)
+    while len(spans) > 1 and spans[-1][0] >= n:  # a last stretch without tokens
+        spans.pop()
+    top = None
+    if before.top_logprobs is not None or after.top_logprobs is not None:
+        top = [*(before.top_logprobs or []), *(after.top_logprobs or [])]
+    return Sample(
+        token_ids=[*before.token_ids, *after.token_ids],
+        logprobs=[*before.logprobs, *after.logprobs],
+        finish_reason=after.finish_reason,
+        text=after.text,
+        policy_version=min(v for _, v in spans),
+        stop_reason=after.stop_reason,
+        top_logprobs=top,
+        spans=spans if len(spans) > 1 else None,
+        preempted=after.preempted,
+    )
+
+
 # The interface types are defined in services.rollout.engine_types; the engines import these from here too.
 __all__ = [
     "EngineBase",
@@ -447,5 +562,7 @@ __all__ = [
     "PromptResult",
     "Sample",
     "StreamEvent",
+    "continue_options",
     "decode_text",
+    "join_samples",
 ]

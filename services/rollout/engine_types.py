@@ -31,6 +31,13 @@ class Sample:
     stop_reason: int | str | None = None  # the stop id or string that ended it (None for EOS or length)
     # per generated token, (token id, log-prob) of the top_logprobs most probable tokens, most probable first
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # partial rollouts: (first token index, weights version) of each stretch of tokens one version sampled, when a
+    # swap interrupted the sample and it went on under newer weights; None: policy_version sampled every token.
+    # policy_version is then the oldest span's.
+    spans: list[tuple[int, int]] | None = None
+    # engine-internal: a pending swap stopped this sample at a token boundary; EngineBase.generate resumes it after
+    # the swap and never returns one so marked
+    preempted: bool = False
 
 
 @dataclass
@@ -68,7 +75,7 @@ class SwapResult:
     version: int
     checksum: str
     swapped: bool
-    wait_seconds: float  # waiting for in-flight requests to drain
+    wait_seconds: float  # waiting for in-flight requests to drain (or, with partial rollouts, to stop)
     swap_seconds: float  # weights being replaced (generation paused)
     prepare_seconds: float = 0.0  # staging the new weights before the pause (generation goes on)
 

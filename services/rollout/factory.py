@@ -101,6 +101,11 @@ def _build(
             "serve; set actor_rollout.lora_sync: merged"
         )
     if kind == "vllm":
+        if cfg.actor.partial_rollouts:  # the config allows it with engine: hf; RLHF_ROLLOUT_ENGINE=vllm overrode that
+            raise ValueError(
+                f"{ENGINE_ENV_VAR}=vllm: actor_rollout.partial_rollouts is built for the hf engine only; "
+                "remove it or run the hf engine"
+            )
         from services.rollout.vllm_engine import VllmEngine
         from services.rollout.vllm_lora import LoraSpec
 
@@ -118,6 +123,7 @@ def _build(
         from services.rollout.hf_engine import HFEngine
 
         kw.setdefault("max_model_len", cfg.actor.max_model_len)
+        kw.setdefault("partial_rollouts", cfg.actor.partial_rollouts)
         ignored = sorted(f for f in VLLM_ONLY_FIELDS if f in cfg.actor.model_fields_set)
         if ignored:  # the config refuses these with engine hf; here RLHF_ROLLOUT_ENGINE=hf overrode engine: vllm
             log.warning(

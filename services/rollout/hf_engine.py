@@ -26,7 +26,14 @@ from rlhf.algo import logprobs_from_logits
 from rlhf.layout import CheckpointLayout
 from rlhf.models import load_causal_lm, load_tokenizer, resolve_device
 from rlhf.serving.errors import NotReady
-from services.rollout.engine import EngineBase, EngineHooks, PromptResult, Sample, StreamEvent, decode_text
+from services.rollout.engine import (
+    EngineBase,
+    EngineHooks,
+    PromptResult,
+    Sample,
+    StreamEvent,
+    decode_text,
+)
 from services.rollout.options import SamplingOptions
 
 log = logging.getLogger("rlhf.rollout.hf")
@@ -51,6 +58,11 @@ class _Row:
     # opts.prompt_logprobs: each prompt token's log-prob (None first) and alternatives, from the prefill's logits
     prompt_lp: list[float | None] | None = None
     prompt_top: list[list[tuple[int, float]] | None] | None = None
+    # partial rollouts: a pending swap may stop this row between tokens (preempted); a resumed row's ``prompt`` ends
+    # with ``output``, the tokens the sample generated before (penalties count them as output, stop strings see them)
+    preemptible: bool = False
+    preempted: bool = False
+    output: list[int] = field(default_factory=list)
 
 
 def apply_penalties(
@@ -113,15 +125,18 @@ class _Penalties:
         if not any(r.opts.penalized for r in rows):
             return None
         in_prompt = torch.zeros((len(rows), vocab), dtype=torch.bool)
+        counts = torch.zeros((len(rows), vocab), dtype=torch.float32)
         for i, r in enumerate(rows):
             in_prompt[i, torch.tensor(r.prompt)] = True
+            if r.output:  # a resumed row: its tokens so far count as output
+                counts[i].scatter_add_(0, torch.tensor(r.output), torch.ones(len(r.output)))
 
         def per_row(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
         return cls(
             in_prompt=in_prompt.to(device),
-            counts=torch.zeros((len(rows), vocab), dtype=torch.float32, device=device),
+            counts=counts.to(device),
             rep=per_row([r.opts.repetition_penalty for r in rows]),
             freq=per_row([r.opts.frequency_penalty for r in rows]),
             pres=per_row([r.opts.presence_penalty for r in rows]),
@@ -218,8 +233,18 @@ class _Sampling:
         return _Step(tok.tolist(), lp.tolist(), top)
 
 
+def _token_events(events: asyncio.Queue[tuple]) -> Any:
+    """``on_token(i, j)`` for :meth:`HFEngine._enqueue`: sample ``j`` of prompt ``i``'s tokens as queue entries."""
+
+    def on_token(i: int, j: int) -> Any:
+        return lambda tok, lp, top: events.put_nowait(("tok", i, j, tok, lp, top))
+
+    return on_token
+
+
 class HFEngine(EngineBase):
     kind = "hf"
+    supports_partial_rollouts = True
 
     def __init__(
         self,
@@ -232,8 +257,10 @@ class HFEngine(EngineBase):
         max_batch_rows: int = 64,
         batch_wait_ms: float = 5.0,
         max_model_len: int | None = None,
+        partial_rollouts: bool = False,
     ):
         super().__init__(model_path, model_name, hooks)
+        self.partial_rollouts = partial_rollouts
         if max_model_len:
             self.max_model_len = min(self.max_model_len, int(max_model_len))
         self.dtype = dtype
@@ -318,9 +345,11 @@ class HFEngine(EngineBase):
                 if not r.future.done():
                     r.future.set_result(r)
 
-    def _enqueue(self, prompts: list[list[int]], params: SamplingOptions, on_token: Any = None) -> list[list[_Row]]:
+    def _enqueue(
+        self, prompts: list[list[int]], params: SamplingOptions, on_token: Any = None, preemptible: bool = False
+    ) -> list[list[_Row]]:
         """One row per sample, queued for the batcher. ``on_token(i, j)``: the streaming callback of sample j of
-        prompt i (None: no streaming)."""
+        prompt i (None: no streaming). ``preemptible``: a pending swap may stop the rows (partial rollouts)."""
         assert self._queue is not None
         loop = asyncio.get_running_loop()
         base = params.seed
@@ -336,6 +365,7 @@ class HFEngine(EngineBase):
                     future=loop.create_future(),
                     loop=loop,
                     on_token=on_token(i, j) if on_token is not None else None,
+                    preemptible=preemptible,
                 )
                 prow.append(row)
                 self._queue.put_nowait(row)
@@ -352,17 +382,22 @@ class HFEngine(EngineBase):
             policy_version=version,
             stop_reason=r.stop_reason,
             top_logprobs=r.top,
+            preempted=r.preempted,
         )
 
-    async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
-        rows = self._enqueue(prompts, params)
-        futures = [r.future for prow in rows for r in prow]
+    @staticmethod
+    async def _wait(rows: list[_Row]) -> None:
+        futures = [r.future for r in rows]
         try:
             await asyncio.gather(*futures)
         except BaseException:
             for f in futures:
                 f.cancel()
             raise
+
+    async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
+        rows = self._enqueue(prompts, params, preemptible=self.partial_rollouts)
+        await self._wait([r for prow in rows for r in prow])
         return [
             PromptResult(
                 prompt_token_ids=list(p),
@@ -373,30 +408,69 @@ class HFEngine(EngineBase):
             for p, prow in zip(prompts, rows, strict=True)
         ]
 
-    async def _generate_stream(
+    def _continue_row(self, prompt: list[int], output: list[int], opts: SamplingOptions, on_token: Any = None) -> _Row:
+        """A row that goes on after ``output`` (a preempted sample's tokens so far), queued for the batcher."""
+        assert self._queue is not None
+        loop = asyncio.get_running_loop()
+        row = _Row(
+            prompt=[*prompt, *output],
+            opts=opts,
+            seed=opts.seed if opts.seed is not None else self._rng.randrange(2**63 - 1),
+            future=loop.create_future(),
+            loop=loop,
+            on_token=on_token,
+            preemptible=True,
+            output=list(output),
+        )
+        self._queue.put_nowait(row)
+        return row
+
+    async def _continue(
+        self, prompts: list[list[int]], outputs: list[list[int]], opts: list[SamplingOptions], version: int
+    ) -> list[Sample]:
+        rows = [self._continue_row(p, out, o) for p, out, o in zip(prompts, outputs, opts, strict=True)]
+        await self._wait(rows)
+        return [self._sample(r, version) for r in rows]
+
+    def _generate_stream(
         self, prompts: list[list[int]], params: SamplingOptions, version: int
     ) -> AsyncIterator[StreamEvent]:
         """Tokens as they are decoded: the decode thread hands each new token to the event loop
         (``call_soon_threadsafe``), where it becomes an event; the last event of a sample carries the finished
-        sample. Closing the iterator (a client that went away) cancels the rows still decoding."""
+        sample (with partial rollouts, one a swap stopped is marked ``preempted``)."""
         events: asyncio.Queue[tuple] = asyncio.Queue()
-
-        def on_token(i: int, j: int) -> Any:
-            return lambda tok, lp, top: events.put_nowait(("tok", i, j, tok, lp, top))
-
-        rows = self._enqueue(prompts, params, on_token)
+        rows = self._enqueue(prompts, params, _token_events(events), preemptible=self.partial_rollouts)
         flat = [(i, j, r) for i, prow in enumerate(rows) for j, r in enumerate(prow)]
+        return self._stream_rows(flat, events, version)
+
+    def _continue_stream(
+        self, prompts: list[list[int]], outputs: list[list[int]], opts: list[SamplingOptions], version: int
+    ) -> AsyncIterator[StreamEvent]:
+        events: asyncio.Queue[tuple] = asyncio.Queue()
+        on_token = _token_events(events)
+        flat = [
+            (k, 0, self._continue_row(p, out, o, on_token(k, 0)))
+            for k, (p, out, o) in enumerate(zip(prompts, outputs, opts, strict=True))
+        ]
+        return self._stream_rows(flat, events, version)
+
+    async def _stream_rows(
+        self, flat: list[tuple[int, int, _Row]], events: asyncio.Queue[tuple], version: int
+    ) -> AsyncIterator[StreamEvent]:
+        """The events of ``flat``'s rows (prompt index, sample index, row) until each has finished. Closing the
+        iterator (a client that went away) cancels the rows still decoding."""
         for i, j, r in flat:
             # runs after the row's token callbacks: they were scheduled from the decode thread before the batcher
             # resolved the future
             r.future.add_done_callback(lambda _f, i=i, j=j: events.put_nowait(("done", i, j)))
+        by_index = {(i, j): r for i, j, r in flat}
         opened: set[tuple[int, int]] = set()  # samples whose first event (with the prompt's log-probs) went out
         try:
             left = len(flat)
             while left:
                 ev = await events.get()
                 i, j = ev[1], ev[2]
-                r = rows[i][j]
+                r = by_index[(i, j)]
                 first: dict[str, Any] = {}
                 if (i, j) not in opened:  # set by the decode thread after the prefill, before the first token
                     first = {"prompt_logprobs": r.prompt_lp, "prompt_top_logprobs": r.prompt_top}
@@ -435,13 +509,21 @@ class HFEngine(EngineBase):
                 r.top = []
         active = [True] * len(rows)
         past = None
-        for _ in range(max(sampling.budgets)):
+        preempt = self.gate.preempt
+        for t in range(max(sampling.budgets)):
             # A caller that went away (HTTP client disconnected, gRPC call cancelled) cancelled its futures: its
             # rows stop here instead of decoding to max_tokens for nobody.
             for i, r in enumerate(rows):
                 if active[i] and r.future.cancelled():
                     active[i] = False
                     r.finish = "abort"
+            # Partial rollouts: a swap waits; preemptible rows stop here, to go on under the new weights. Each row
+            # gets one token per admission first (the prefill, prompt log-probs): progress, however often swaps come.
+            if t and preempt.is_set():
+                for i, r in enumerate(rows):
+                    if active[i] and r.preemptible:
+                        active[i] = False
+                        r.preempted = True
             if not any(active):
                 break
             out = self.model(
@@ -468,7 +550,7 @@ class HFEngine(EngineBase):
             if r.finish is None:
                 r.finish = "length"
             if r.text is None:
-                r.text = decode_text(self._tokenizer, r.tokens)
+                r.text = decode_text(self._tokenizer, [*r.output, *r.tokens])
 
     def _prefill_inputs(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input ids, attention mask, position ids) of the prefill, (B, P) on the device: the prompts left-padded
@@ -535,7 +617,7 @@ class HFEngine(EngineBase):
                 r.prompt_top = [None, *pairs]
 
     def _hit_stop_string(self, r: _Row) -> bool:
-        text = decode_text(self._tokenizer, r.tokens)
+        text = decode_text(self._tokenizer, [*r.output, *r.tokens])
         hits = [(text.find(s), s) for s in r.opts.stop if s in text]
         if not hits:
             return False

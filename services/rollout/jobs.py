@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,11 +30,39 @@ if TYPE_CHECKING:  # pragma: no cover
     from rlhf.serving import ServiceMetrics
     from rlhf.v1.reference_pb2_grpc import ReferenceServiceStub
     from rlhf.v1.reward_pb2_grpc import RewardServiceStub
-    from services.rollout.engine_types import RolloutEngine
+    from services.rollout.engine_types import RolloutEngine, Sample
 
 log = logging.getLogger("rlhf.rollout.worker")
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def sample_record(
+    s: Sample, text: str, score: reward_pb2.ScoreResult, ref_logprobs: Sequence[float]
+) -> experience_pb2.Sample:
+    """A single-turn sample's record: the engine's tokens, log-probs, finish, version (and version spans, when a
+    swap split it), the reward's score, the reference's log-probs."""
+    return experience_pb2.Sample(
+        response_ids=s.token_ids,
+        sampling_logprobs=s.logprobs,
+        ref_logprobs=ref_logprobs,
+        score=score.score,  # meaningful only with score_status OK (the trainer checks)
+        score_status=score.status,
+        score_error=score.error,
+        score_components=dict(score.components),
+        finish_reason=finish_reason_proto(s.finish_reason),
+        policy_version=s.policy_version,
+        response_text=text,
+        **version_span_fields(s.spans),
+    )
+
+
+def version_span_fields(spans: list[tuple[int, int]] | None) -> dict[str, list[int]]:
+    """A sample's version spans as the record's ``span_starts`` / ``span_versions`` (experience.proto): nothing for
+    a sample one version sampled, so its record is byte for byte what it was before spans existed."""
+    if not spans or len(spans) == 1:
+        return {}
+    return {"span_starts": [a for a, _ in spans], "span_versions": [v for _, v in spans]}
 
 
 class JobFailed(Exception):
@@ -165,20 +193,7 @@ class JobRunner:
                     "bad_response",
                     f"reference gave {len(ref.logprobs)} log-probs for {len(s.token_ids)} response tokens",
                 )
-            exp.samples.append(
-                experience_pb2.Sample(
-                    response_ids=s.token_ids,
-                    sampling_logprobs=s.logprobs,
-                    ref_logprobs=ref.logprobs,
-                    score=sc.score,  # meaningful only with score_status OK (the trainer checks)
-                    score_status=sc.status,
-                    score_error=sc.error,
-                    score_components=dict(sc.components),
-                    finish_reason=finish_reason_proto(s.finish_reason),
-                    policy_version=s.policy_version,
-                    response_text=text,
-                )
-            )
+            exp.samples.append(sample_record(s, text, sc, ref.logprobs))
             if sc.status != common_pb2.ITEM_STATUS_OK and self.metrics is not None:
                 self.metrics.count_error("rollout_score_item_not_ok")
         return exp

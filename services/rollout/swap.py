@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,17 @@ class SwapGate:
     """Generation and weight swaps exclude each other; a pending swap stops new admissions (no starvation).
 
     ``async with gate.generation():`` around each request; ``async with gate.exclusive():`` around a swap, which
-    waits until every admitted request has finished.
+    waits until every admitted request has finished. While a swap waits, :attr:`preempt` is set: an engine with
+    partial rollouts stops its requests at the next token boundary, leaves the gate, and resumes them once the swap
+    is done (docs/weight-sync.md#partial-rollouts).
     """
 
     def __init__(self) -> None:
         self._cond = asyncio.Condition()
         self._active = 0
         self._swapping = False
+        # a threading.Event: the hf engine's decode loop reads it from its worker thread between tokens
+        self.preempt = threading.Event()
 
     @property
     def active(self) -> int:
@@ -48,15 +53,18 @@ class SwapGate:
         async with self._cond:
             await self._cond.wait_for(lambda: not self._swapping)
             self._swapping = True
+            self.preempt.set()
             try:
                 await self._cond.wait_for(lambda: self._active == 0)
             except BaseException:
+                self.preempt.clear()
                 self._swapping = False
                 self._cond.notify_all()
                 raise
         try:
             yield
         finally:
+            self.preempt.clear()  # before admissions reopen: the resumed requests must not stop again at once
             self._swapping = False
             await self._notify()
 

@@ -29,7 +29,7 @@ class RolloutBatch:
     ref_logprobs: torch.Tensor  # (B, L)
     scores: torch.Tensor  # (B,)
     group: torch.Tensor  # (B,) index of the experience record (prompt) of each row
-    policy_versions: torch.Tensor  # (B,)
+    policy_versions: torch.Tensor  # (B,) the oldest token's version (staleness counts a sample by it)
     has_sampling_logprobs: torch.Tensor  # (B,) bool: the engine reported sampling log-probs for this row
     context_length: int
     # Episodes (multi-turn): the (B, L) tokens the losses see (the model's own tokens; a single-turn row: every
@@ -38,6 +38,9 @@ class RolloutBatch:
     loss_mask: torch.Tensor | None = None  # (B, L) bool
     episodes: torch.Tensor | None = None  # (B,) bool
     episode_done: torch.Tensor | None = None  # (B,) bool
+    # (B, L) the weights version that sampled each response token: the record's version spans (partial rollouts),
+    # else its policy_version throughout (padding too)
+    token_versions: torch.Tensor | None = None
 
     # What crosses to the other ranks of a group (group.py): ``responses`` is a view of ``query_responses``.
     WIRE_FIELDS = (
@@ -51,6 +54,7 @@ class RolloutBatch:
         "loss_mask",
         "episodes",
         "episode_done",
+        "token_versions",
     )
 
     def wire_tensors(self) -> list[torch.Tensor]:
@@ -86,8 +90,10 @@ def collate(experiences: list[experience_pb2.Experience], pad_id: int, device: t
     loss_mask = torch.zeros(n_rows, response_length, dtype=torch.bool)
     episodes = torch.zeros(n_rows, dtype=torch.bool)
     done = torch.zeros(n_rows, dtype=torch.bool)
+    versions = torch.zeros(n_rows, response_length, dtype=torch.long)
     for i, (_, prompt, s) in enumerate(rows):
         n = len(s.response_ids)
+        versions[i] = token_versions(s, response_length, experiences[rows[i][0]].job_id)
         if len(s.loss_mask):
             if len(s.loss_mask) != n:
                 raise ValueError(
@@ -123,7 +129,32 @@ def collate(experiences: list[experience_pb2.Experience], pad_id: int, device: t
         loss_mask=loss_mask.to(device),
         episodes=episodes.to(device),
         episode_done=done.to(device),
+        token_versions=versions,
     )
+
+
+def token_versions(s: experience_pb2.Sample, width: int, job_id: str) -> torch.Tensor:
+    """(width,) the version that sampled each response token of ``s``, from its version spans (experience.proto
+    ``span_starts`` / ``span_versions``; none: ``policy_version`` throughout); positions past the response keep the
+    last span's. Spans that do not cover the response in order raise ValueError naming the job."""
+    out = torch.full((width,), s.policy_version, dtype=torch.long)
+    starts, versions = list(s.span_starts), list(s.span_versions)
+    if not starts and not versions:
+        return out
+    n = len(s.response_ids)
+    ordered = all(a < b for a, b in zip(starts, starts[1:], strict=False))
+    if len(starts) != len(versions) or starts[0] != 0 or not ordered or starts[-1] >= n:
+        raise ValueError(
+            f"job {job_id}: version spans {starts} / {versions} do not cover the {n} response tokens in order "
+            "(one version per start, the first at 0, starts increasing and inside the response)"
+        )
+    if s.policy_version != min(versions):
+        raise ValueError(
+            f"job {job_id}: policy_version {s.policy_version} is not the oldest of the spans' versions {versions}"
+        )
+    for a, v in zip(starts, versions, strict=True):
+        out[a:] = v
+    return out
 
 
 # ------------------------------------------------------------------ what the records say

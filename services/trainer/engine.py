@@ -284,13 +284,18 @@ class TrainerEngine:
         """``mismatch/*`` metrics (:func:`rlhf.algo.logprob_mismatch`): the rollout's sampling log-probs against
         ``logprobs``, the trainer's under the current weights at the sampling temperature, over the response tokens
         (``mask``) of ``rows`` (indices into the batch; default all) that the current weights sampled (the others
-        differ by training, not by numerics) and that have sampling log-probs. ``kl`` and ``max_abs`` are left out
-        when no token qualifies (nothing measured is not 0)."""
+        differ by training, not by numerics; per token, from the records' version spans) and that have sampling
+        log-probs. ``kl`` and ``max_abs`` are left out when no token qualifies (nothing measured is not 0)."""
         rows = torch.arange(b.responses.shape[0]) if rows is None else rows.cpu()
         versions = b.policy_versions.cpu()[rows]
         dev = b.sampling_logprobs.device
-        on_policy = self.state.same_weights(versions, self.state.step).to(dev) & b.has_sampling_logprobs[rows.to(dev)]
-        m = algo.logprob_mismatch(logprobs.detach(), b.sampling_logprobs[rows.to(dev)], mask, on_policy)
+        # per token: a partial rollout's tokens sampled by the current weights count, its older ones do not
+        token_versions = b.token_versions.cpu()[rows] if b.token_versions is not None else versions[:, None]
+        same = self.state.same_weights(token_versions, self.state.step).to(dev)
+        mask = mask.bool() & same.expand_as(mask)
+        m = algo.logprob_mismatch(
+            logprobs.detach(), b.sampling_logprobs[rows.to(dev)], mask, b.has_sampling_logprobs[rows.to(dev)]
+        )
         self._mismatch_rows = (b.group.cpu()[rows], versions, m["row_kl_sum"].cpu(), m["row_tokens"].cpu())
         out = {"mismatch/tokens": m["tokens"].item()}
         if out["mismatch/tokens"]:

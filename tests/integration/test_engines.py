@@ -535,3 +535,119 @@ def test_vllm_engine_runs_with_the_configured_max_model_len(tiny_models, monkeyp
     assert len(out[0].samples[0].token_ids) == 4
     assert len(many) == 120 and all(len(r.samples[0].token_ids) == 2 for r in many)
     assert built[0].vllm_config.scheduler_config.enable_chunked_prefill is False
+
+
+def _long_request_and_push(tiny_models, new, partial: bool, max_tokens: int = 160):
+    """A greedy request of ``max_tokens`` tokens on an hf engine (``partial_rollouts`` as given); once it has decoded
+    a few tokens, a push of ``new`` as version 1. Returns (the sample, the push's SwapResult, the same request run
+    alone on the old weights before, and a fresh greedy run of prompt + the sample's first span on the new weights,
+    None when the sample has one span)."""
+    steps: list[int] = []
+    o = SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def body(eng):
+        (alone,) = await eng.generate(PROMPTS[:1], o)
+        steps.clear()
+        long = asyncio.create_task(eng.generate(PROMPTS[:1], o))
+        while len(steps) < 5:  # decoding, a few tokens in
+            await asyncio.sleep(0.002)
+        swap = await eng.swap_weights(new, 1, "c1")
+        (out,) = await long
+        smp = out.samples[0]
+        if not smp.spans:  # drained: nothing resumed
+            return smp, swap, alone.samples[0], None
+        cut = smp.spans[1][0]
+        (fresh,) = await eng.generate([PROMPTS[0] + smp.token_ids[:cut]], replace(o, max_tokens=max_tokens - cut))
+        return smp, swap, alone.samples[0], fresh.samples[0]
+
+    return run_hf(tiny_models, body, hooks=EngineHooks(on_step=steps.append), partial_rollouts=partial)
+
+
+def test_partial_rollout_resumes_under_the_new_weights(tiny_models, state, forward):
+    """With partial rollouts a push stops the request in flight at a token boundary; it goes on from its prompt plus
+    its tokens so far under the new weights: spans cover every token, the total stays within max_tokens, the old
+    span is what the old weights decode, the new span what the new weights decode from that prefix, each token's
+    log-prob that of the weights its span names. The push waits less than without partial rollouts."""
+    g = torch.Generator().manual_seed(1)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    smp, swap, alone, fresh = _long_request_and_push(tiny_models, new, partial=True)
+    assert smp.spans is not None and len(smp.spans) == 2, smp.spans
+    (s0, v0), (cut, v1) = smp.spans
+    assert (s0, v0, v1) == (0, 0, 1) and 5 <= cut < 160
+    assert smp.policy_version == 0 and not smp.preempted  # the oldest token's version
+    assert len(smp.token_ids) == len(smp.logprobs) == 160 and smp.finish_reason == "length"
+    assert smp.token_ids[:cut] == alone.token_ids[:cut]  # the prefix: the old weights' greedy tokens
+    assert smp.token_ids[cut:] == fresh.token_ids  # resumed from prompt + prefix, greedy under the new weights
+    assert fresh.policy_version == 1
+    old_lp = forward(PROMPTS[0], smp.token_ids, 1.0, weights=state)
+    new_lp = forward(PROMPTS[0], smp.token_ids, 1.0, weights=new)
+    forward(PROMPTS[0], [5], 1.0, weights=state)  # leave the shared model as it was
+    assert max(abs(a - b) for a, b in zip(smp.logprobs[:cut], old_lp[:cut], strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(smp.logprobs[cut:], new_lp[cut:], strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(smp.logprobs[cut:], old_lp[cut:], strict=True)) > 1e-3  # new weights
+
+    drained, drained_swap, _, _ = _long_request_and_push(tiny_models, new, partial=False)
+    assert drained.spans is None and drained.policy_version == 0 and len(drained.token_ids) == 160
+    assert swap.wait_seconds < drained_swap.wait_seconds
+
+
+def test_partial_rollouts_stop_streams_and_seeded_requests_too(tiny_models, state):
+    """A streamed request is stopped and resumed in the same stream: its token events, in order, are the tokens and
+    log-probs of the last event's sample, whose spans cover them. A seeded sampled request that a push stops keeps
+    its budget and its n samples, each with spans covering its tokens."""
+    g = torch.Generator().manual_seed(2)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    steps: list[int] = []
+
+    async def body(eng):
+        o = SamplingOptions(n=3, max_tokens=120, seed=4, temperature=0.8, ignore_eos=True)
+
+        async def stream():
+            events = [ev async for ev in eng.generate_stream(PROMPTS[1:2], replace(o, n=1))]
+            return [t for ev in events for t in ev.token_ids], [x for ev in events for x in ev.logprobs], events
+
+        streamed = asyncio.create_task(stream())
+        sampled = asyncio.create_task(eng.generate(PROMPTS[:1], o))
+        while len(steps) < 5:
+            await asyncio.sleep(0.002)
+        await eng.swap_weights(new, 1, "c1")
+        return await streamed, (await sampled)[0].samples
+
+    (tokens, logprobs, events), samples = run_hf(
+        tiny_models, body, hooks=EngineHooks(on_step=steps.append), partial_rollouts=True
+    )
+    last = events[-1].sample
+    assert last is not None and [ev.sample is not None for ev in events].count(True) == 1
+    assert last.token_ids == tokens and last.logprobs == logprobs and len(tokens) == 120
+    assert last.spans is not None and [v for _, v in last.spans] == [0, 1] and last.policy_version == 0
+    assert len(samples) == 3
+    for s in samples:
+        assert len(s.token_ids) == len(s.logprobs) == 120 and s.policy_version == 0
+        assert s.spans is not None and [v for _, v in s.spans] == [0, 1] and 0 < s.spans[1][0] < 120
+
+
+def test_a_resumed_sample_keeps_its_options(tiny_models, state):
+    """A push of the same weights stops a greedy request with penalties mid-way: resumed, it decodes exactly as the
+    request run alone (the penalties count the tokens before the stop as output, as an uninterrupted run does), only
+    its spans say that a swap came in between."""
+    steps: list[int] = []
+    o = SamplingOptions(
+        n=2, max_tokens=120, temperature=0.0, ignore_eos=True, frequency_penalty=0.6, presence_penalty=0.3
+    )
+    o_rep = replace(o, frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.3)
+
+    async def body(eng):
+        alone = await asyncio.gather(eng.generate(PROMPTS[:1], o), eng.generate(PROMPTS[2:], o_rep))
+        steps.clear()
+        both = asyncio.gather(eng.generate(PROMPTS[:1], o), eng.generate(PROMPTS[2:], o_rep))
+        while len(steps) < 5:
+            await asyncio.sleep(0.002)
+        await eng.swap_weights(dict(state), 1, "same")
+        return alone, await both
+
+    alone, resumed = run_hf(tiny_models, body, hooks=EngineHooks(on_step=steps.append), partial_rollouts=True)
+    for (a,), (r,) in zip(alone, resumed, strict=True):
+        for sa, sr in zip(a.samples, r.samples, strict=True):
+            assert sr.spans is not None and [v for _, v in sr.spans] == [0, 1]
+            assert sr.token_ids == sa.token_ids and sr.text == sa.text
+            assert sr.logprobs == pytest.approx(sa.logprobs, abs=1e-5)

@@ -407,3 +407,53 @@ def test_rollout_service_in_worker_mode(services, redis_server, tmp_path, tiny_m
         assert svc.wait(30) == 0, svc.log_tail()
     finally:
         svc.stop()
+
+
+def test_partial_rollouts_write_version_spans(services, redis_server, tiny_models):
+    """A push while the worker generates a job (hf engine, partial rollouts on): the record's samples carry version
+    spans that cover their tokens (version 0, then 1), policy_version the oldest, reference log-probs of every token;
+    the sampling log-probs of the new span agree with the reference's only where the weights are the same."""
+    import torch
+    from safetensors.torch import load_file
+
+    from services.rollout.engine_types import EngineHooks
+    from services.rollout.hf_engine import HFEngine
+
+    path = Path(os.environ["RLHF_CACHE_DIR"]) / "tiny" / "policy"
+    steps: list[int] = []
+    engine = HFEngine(path, "tiny:policy", device="cpu", partial_rollouts=True, hooks=EngineHooks(on_step=steps.append))
+    g = torch.Generator().manual_seed(3)
+    new = {
+        k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in load_file(str(path / "model.safetensors")).items()
+    }
+
+    async def body():
+        await engine.start()
+        redis = connect(redis_server.url)
+        pq, eq = PromptQueue(redis, RUN), ExperienceQueue(redis, RUN)
+        job = make_prompt_job("p0", run_id=RUN, data_index=0, epoch=1, issued_policy_version=0, label="3")
+        job.prompt_ids.extend(engine.tokenizer.encode("What is 1 plus 2?"))
+        job.params.CopyFrom(common_pb2.SamplingParams(n=2, temperature=1.0, max_tokens=100, seed=7, ignore_eos=True))
+        assert all(r.published for r in await pq.publish_many([job]))
+        worker = _worker(engine, redis_server, services)
+        task = asyncio.create_task(worker.run())
+        while len(steps) < 5:  # the job is decoding
+            await asyncio.sleep(0.002)
+        await engine.swap_weights(new, 1, "c1")
+        records = await _read_experience(eq, 1, 60)
+        await _stop(worker, task)
+        await engine.close()
+        await redis.aclose()
+        return records
+
+    ((_, exp),) = asyncio.run(body())
+    assert len(exp.samples) == 2
+    for s in exp.samples:
+        assert len(s.response_ids) == len(s.sampling_logprobs) == len(s.ref_logprobs) == 100
+        assert list(s.span_versions) == [0, 1] and s.policy_version == 0
+        cut = s.span_starts[1]
+        assert s.span_starts[0] == 0 and 0 < cut < 100
+        # the reference holds the old weights: it agrees with the sampler on the old span only
+        old = [abs(a - b) for a, b in zip(s.sampling_logprobs[:cut], s.ref_logprobs[:cut], strict=True)]
+        moved = [abs(a - b) for a, b in zip(s.sampling_logprobs[cut:], s.ref_logprobs[cut:], strict=True)]
+        assert max(old) < 1e-3 and max(moved) > 1e-3

@@ -171,20 +171,30 @@ async def _stats(url):
         await redis.aclose()
 
 
+def _two_versions(index: int, exp: experience_pb2.Experience) -> None:
+    """Partial rollouts: each sample of two tokens or more was interrupted by a push half-way and went on under the
+    next version (version spans; policy_version stays the oldest)."""
+    for smp in exp.samples:
+        if len(smp.response_ids) >= 2:
+            smp.span_starts[:] = [0, len(smp.response_ids) // 2]
+            smp.span_versions[:] = [smp.policy_version, smp.policy_version + 1]
+
+
 def test_killed_trainer_resumes_and_trains_nothing_twice(redis_server, start_service, tmp_path):
+    """Also with records whose tokens span two versions (partial rollouts): each is trained exactly once."""
     run_dir = tmp_path / "run"
     env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
     cfg = _config(tmp_path, train_iters=5, save_interval=2)
     trainer = start_service("trainer", cfg, env=env)
     # Answer exactly three batches of jobs, so the trainer stops after step 3 waiting for more.
-    _run_with_replicas(redis_server.url, lambda: len(_metrics(run_dir)) >= 3, limit=12)
+    _run_with_replicas(redis_server.url, lambda: len(_metrics(run_dir)) >= 3, limit=12, mutate=_two_versions)
     trainer.signal(signal.SIGKILL)  # step 3 trained but not checkpointed: its experience is still unacked
     trainer.wait(timeout=10)
     assert len(_metrics(run_dir)) == 3
 
     restarted = start_service("trainer", cfg, env=env)
     assert "resumed from" in restarted.log_text()
-    _run_with_replicas(redis_server.url, lambda: restarted.proc.poll() is not None)
+    _run_with_replicas(redis_server.url, lambda: restarted.proc.poll() is not None, mutate=_two_versions)
     assert restarted.wait(timeout=30) == 0, restarted.log_tail()
     steps = _metrics(run_dir)
     # Step 3 is redone from the step-2 checkpoint, not lost; metrics.jsonl was cut back to step 2 first.

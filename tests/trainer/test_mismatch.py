@@ -96,6 +96,44 @@ def test_samples_of_other_weights_are_not_compared(tiny_models):
     assert engine.steps_behind(torch.tensor([4]), 2).tolist() == [0.0]  # what staleness counts instead
 
 
+@pytest.mark.parametrize("stage", ["ray_ppo", "ray_grpo"])
+def test_partial_rollouts_are_measured_per_token(tiny_models, stage):
+    """Records whose tokens span two versions (a push interrupted them, partial rollouts): only the tokens the current
+    weights sampled are compared, the older ones (off by 1.0 here) are not; staleness counts each sample by its oldest
+    token; the per-token versions follow the spans."""
+    engine = _engine(stage)
+    engine.step(_records(engine, 4))  # step 1: the weights of version 1
+    records = _records(engine, 4, version=0)
+    split = 2
+    for e in records:
+        for smp in e.samples:
+            smp.span_starts[:] = [0, split]
+            smp.span_versions[:] = [0, 1]
+            for k in range(split):  # sampled by version 0: not what the weights of version 1 give
+                smp.sampling_logprobs[k] += 1.0
+    batch = engine.collate(records)
+    assert batch.token_versions[:, :split].eq(0).all() and batch.token_versions[:, split:].eq(1).all()
+    assert batch.policy_versions.eq(0).all()
+    m = engine.step(records)
+    assert m["mismatch/tokens"] == _tokens(records) - split * 16
+    assert m["mismatch/kl"] < 1e-9 and m["mismatch/max_abs"] < 1e-4, m
+    assert m["staleness/max"] == 1.0
+
+
+def test_version_spans_that_do_not_cover_the_response_are_refused(tiny_models):
+    engine = _engine("ray_grpo")
+    for starts, versions in [([1, 3], [0, 1]), ([0, 3, 2], [0, 1, 2]), ([0, 9], [0, 1]), ([0, 2], [0])]:
+        records = _records(engine, 4)
+        smp = records[1].samples[2]
+        smp.span_starts[:], smp.span_versions[:] = starts, versions
+        with pytest.raises(ValueError, match="job j1: version spans .* do not cover the 5 response tokens"):
+            engine.collate(records)
+    records = _records(engine, 4)
+    records[0].samples[1].span_starts[:], records[0].samples[1].span_versions[:] = [0, 2], [1, 2]
+    with pytest.raises(ValueError, match="job j0: policy_version 0 is not the oldest"):
+        engine.collate(records)
+
+
 def test_online_dpo_measures_its_first_minibatch_at_temperature_one_only(tiny_models):
     engine = _engine("ray_online_dpo")
     records = _records(engine, 2, shift=0.05)

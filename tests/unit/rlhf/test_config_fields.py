@@ -237,6 +237,10 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         ROLLOUT_SETTINGS + "test_staged_weight_swap_reaches_the_engine_and_is_decided_by_the_worker",
         "tests/integration/test_engines.py::test_vllm_staged_swap_serves_the_old_weights_while_the_update_loads",
     ],
+    "actor_rollout_ref.actor_rollout.partial_rollouts": [
+        ROLLOUT_SETTINGS + "test_partial_rollouts_reach_the_hf_engine_and_are_refused_for_vllm",
+        "tests/integration/test_engines.py::test_partial_rollout_resumes_under_the_new_weights",
+    ],
     "actor_rollout_ref.ref.load": [
         "tests/integration/test_reference_service.py::test_logprobs_rest_match_transformers"
     ],

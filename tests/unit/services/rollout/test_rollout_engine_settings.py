@@ -143,3 +143,14 @@ def test_workers_spawn_on_accelerators(monkeypatch, device, spawn):
     import os
 
     assert (os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn") is spawn
+
+
+def test_partial_rollouts_reach_the_hf_engine_and_are_refused_for_vllm(tiny_models):
+    """actor_rollout.partial_rollouts: off by default, on in the hf engine built from the config; refused with the
+    vllm engine (not built there), whether the config or RLHF_ROLLOUT_ENGINE asks for it."""
+    assert make_engine(_cfg("hf"), kind="hf").partial_rollouts is False
+    assert make_engine(_cfg("hf", partial_rollouts=True), kind="hf").partial_rollouts is True
+    with pytest.raises(ConfigError, match="partial_rollouts is built for the hf engine only"):
+        _cfg("vllm", partial_rollouts=True)
+    with pytest.raises(ValueError, match="RLHF_ROLLOUT_ENGINE=vllm: actor_rollout.partial_rollouts"):
+        make_engine(_cfg("hf", partial_rollouts=True), kind="vllm")

@@ -11,6 +11,7 @@ import pytest
 from rlhf.config import parse_config
 from rlhf.serving.settings import ServiceSettings
 from rlhf.v1 import common_pb2, reference_pb2, reward_pb2
+from services.rollout.engine_types import Sample
 from services.rollout.worker import RolloutWorker
 from tests.support import make_prompt_job
 
@@ -19,7 +20,7 @@ class _Engine:
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "text", encode=lambda text: [2, 5])
 
     async def generate(self, prompts, opts):
-        sample = SimpleNamespace(
+        sample = Sample(
             token_ids=[5, 6, 1], text="", logprobs=[-1.0, -2.0, -0.5], finish_reason="stop", policy_version=0
         )
         return [SimpleNamespace(samples=[sample, sample])]
