@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.config import ConfigError, config_warning, load_config, parse_config
+from rlhf import preflight
+from rlhf.config import ConfigError, apply_overrides, config_warning, load_config, parse_config
 
 SEEDS = Path(__file__).parents[1] / "seed_configs"
 
@@ -143,8 +144,6 @@ def test_a_mindspeed_style_config_that_leaves_out_do_sample_is_told_the_default_
 
 
 def test_hydra_style_overrides_are_applied_and_validated_like_the_file(tmp_path):
-    from rlhf.config import apply_overrides
-
     path = tmp_path / "ppo.yaml"
     path.write_text(
         "training:\n  train_iters: 50\ncritic:\nreward:\n  scorers:\n    - {type: rule, name: char_fraction}\n"
@@ -276,8 +275,6 @@ def test_options_that_only_make_sense_together_are_checked_at_load(data, message
 
 
 def test_rlhf_up_prints_the_not_applicable_keys_once_before_starting():
-    from rlhf import preflight
-
     report = preflight.check(load_config(SEED_004, [SEED_004_DATA]))
     mine = [w for w in report.warnings if w.startswith("config keys accepted but not applicable here")]
     assert len(mine) == 1 and "training.distributed_backend" in mine[0]

@@ -164,7 +164,7 @@ def test_broken_indexed_files_are_config_errors(tmp_path):
 
 def test_parquet_still_loads_with_the_key_map(tmp_path):
     pq = pytest.importorskip("pyarrow.parquet")
-    import pyarrow as pa
+    pa = pytest.importorskip("pyarrow")
 
     path = tmp_path / "d.parquet"
     pq.write_table(pa.Table.from_pylist(ROWS), path)

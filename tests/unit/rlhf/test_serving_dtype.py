@@ -9,6 +9,8 @@ import torch
 import rlhf.models
 from rlhf.config import parse_config
 from rlhf.models import serving_dtype
+from services.reference.engine import ReferenceEngine
+from services.reward.engine import RewardEngine
 
 
 @pytest.mark.parametrize(
@@ -23,9 +25,6 @@ def test_serving_dtype(bf16, device, dtype):
 def test_reference_and_reward_models_load_in_the_serving_dtype(tiny_models, monkeypatch, bf16):
     """The engines ask for the dtype serving_dtype gives for their device (CUDA here, faked: the load is recorded,
     then done on the CPU)."""
-    from services.reference.engine import ReferenceEngine
-    from services.reward.engine import RewardEngine
-
     asked = []
 
     def recording(real):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.config import parse_config
+from rlhf.config import load_config, parse_config
 from services.devices import plan_devices, rollout_replicas, trainer_procs, visible_devices
 from services.plan import plan_services
 
@@ -18,8 +18,6 @@ def _cfg(actor=None, pool=None):
 
 
 def test_seed_004_gets_one_device_per_role_in_order(tmp_path):
-    from rlhf.config import load_config
-
     cfg = load_config(
         SEED_004, ["data.path=/data/ppo/llama32-ppo-trl/alpaca"]
     )  # actor_rollout [2] = 1 train + 1 infer, ref [1], reward [1]
