@@ -9,12 +9,22 @@ from __future__ import annotations
 import asyncio
 import os
 
+import grpc
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from rlhf.algo import logprobs_from_logits
+from rlhf.lora import adapter_push_state_dict, merged_state_dict, wrap_lora
+from rlhf.models import causal_lm_logits, load_causal_lm
+from rlhf.serving import ServiceMetrics, ServiceSettings
 from rlhf.serving.errors import InvalidArgument
+from rlhf.transport.weights import pack_weights, push_weights, push_weights_many
 from rlhf.transport.weights.errors import StaleVersion
+from services.rollout.grpc_servicer import RolloutServicer, add_to_server
 from services.rollout.options import SamplingOptions
+from services.rollout.vllm_engine import VllmEngine
+from services.rollout.vllm_lora import LoraSpec
 
 pytest.importorskip("peft")
 
@@ -25,9 +35,6 @@ PROMPTS = [[2, 5, 6, 7], [2, 40, 41, 42, 43]]
 @pytest.fixture(scope="module")
 def adapters(tiny_models):
     """Two trained-looking adapters (B drawn at random: PEFT starts it at 0) and their merged models' weights."""
-    from rlhf.lora import adapter_push_state_dict, merged_state_dict, wrap_lora
-    from rlhf.models import load_causal_lm
-
     out = []
     for seed in (1, 2):
         model = wrap_lora(load_causal_lm(tiny_models.policy), 8, 16.0, TARGETS)
@@ -41,9 +48,6 @@ def adapters(tiny_models):
 
 
 def _logprobs(tiny_models, weights, prompt, tokens):
-    from rlhf.algo import logprobs_from_logits
-    from rlhf.models import causal_lm_logits, load_causal_lm
-
     model = load_causal_lm(tiny_models.policy).eval()
     model.load_state_dict(weights)
     with torch.no_grad():
@@ -54,11 +58,6 @@ def _logprobs(tiny_models, weights, prompt, tokens):
 def test_vllm_serves_each_pushed_adapter_as_the_merged_model_and_unloads_the_old_one_after_its_requests(
     tiny_models, adapters, monkeypatch
 ):
-    from safetensors.torch import load_file
-
-    from services.rollout.vllm_engine import VllmEngine
-    from services.rollout.vllm_lora import LoraSpec
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
         os.environ.setdefault(k, v)
@@ -113,12 +112,6 @@ def test_vllm_serves_each_pushed_adapter_as_the_merged_model_and_unloads_the_old
 def test_an_adapter_push_reaches_vllm_over_the_data_plane_and_the_collective_path(tiny_models, adapters, monkeypatch):
     """Through the rollout servicer, as the trainer pushes: Open / data plane / Commit, then a gloo broadcast; each
     time the replica serves the pushed adapter under the pushed version and checksum."""
-    from rlhf.serving import ServiceMetrics, ServiceSettings
-    from rlhf.transport.weights import pack_weights, push_weights, push_weights_many
-    from services.rollout.grpc_servicer import RolloutServicer, add_to_server
-    from services.rollout.vllm_engine import VllmEngine
-    from services.rollout.vllm_lora import LoraSpec
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
         os.environ.setdefault(k, v)
@@ -127,8 +120,6 @@ def test_an_adapter_push_reaches_vllm_over_the_data_plane_and_the_collective_pat
     token = "lora-adapter-sync"
 
     async def main():
-        import grpc
-
         eng = VllmEngine(tiny_models.policy, "tiny:policy", mode="inproc", lora=LoraSpec(8, 16.0, tuple(TARGETS)))
         await eng.start()
         assert eng.collective_ranks == 1
