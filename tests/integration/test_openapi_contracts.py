@@ -22,7 +22,6 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import jsonschema
 import pytest
 from fastapi import Depends
 from fastapi.testclient import TestClient
@@ -304,6 +303,8 @@ def test_openapi_contract(service, request, tiny_models, lifespans):
 
 def _component(doc: dict, name: str):
     """A validator for one request schema of a published OpenAPI document."""
+    import jsonschema  # noqa: PLC0415 - jsonschema: comes with schemathesis (importorskip at module top)
+
     return jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
 
 
