@@ -104,6 +104,16 @@ def _copy_tensor_attrs(layer: Any, twin: Any) -> None:
                     setattr(copy_, attr, value)
 
 
+def _memo_parameter_subclasses(live: Any, memo: dict[int, Any]) -> None:
+    """Copies of ``live``'s parameters whose class has a ``__new__`` of its own (vLLM's ``BasevLLMParameter``, kept
+    where no CPU kernel repacks the weights, e.g. bf16 without AVX-512) put in ``memo``: ``Parameter.__deepcopy__``
+    calls ``type(p)(data, requires_grad)``, which their ``__new__`` refuses. Their attributes follow in
+    :func:`_copy_tensor_attrs`, as for any parameter."""
+    for p in live.parameters():
+        if id(p) not in memo and type(p).__new__ is not torch.nn.Parameter.__new__:
+            memo[id(p)] = torch.Tensor._make_subclass(type(p), p.detach().clone(), p.requires_grad)
+
+
 class ShadowSwap:
     """One worker's shadow model and the update staged in it (see the module docstring)."""
 
@@ -134,6 +144,7 @@ class ShadowSwap:
         for name in kv_names:
             memo[id(live.get_submodule(name))] = _Vacant()
         with torch.no_grad():
+            _memo_parameter_subclasses(live, memo)
             shadow = copy.deepcopy(live, memo)
         shadow_modules = dict(shadow.named_modules())
         for name, layer in live.named_modules():
