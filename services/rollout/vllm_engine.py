@@ -525,14 +525,15 @@ class VllmEngine(EngineBase):
 
     def _on_preempt(self) -> None:
         """A swap waits (AsyncLLM driver): stop the preemptible requests (the in-process engine thread polls)."""
-        if self.mode == "async" and self._preemptible and (self._preempting is None or self._preempting.done()):
+        if self._async is not None and (self._preempting is None or self._preempting.done()):
             self._preempting = asyncio.get_running_loop().create_task(self._preempt_async())
 
     async def _preempt_async(self) -> None:
         """Abort each preemptible request once it may stop (:func:`_stoppable`) while the swap waits: AsyncLLM's abort
         ends its generator with its output so far (finish reason ``abort``)."""
         proc = self._async.output_processor
-        while self._preemptible and self.gate.preempt.is_set():
+        # while requests hold the gate: one admitted just before the swap may register only now
+        while self.gate.active and self.gate.preempt.is_set():
             ready = []
             for rid, stops in list(self._preemptible.items()):
                 states = [st for i in proc.external_req_ids.get(rid, ()) if (st := proc.request_states.get(i))]

@@ -672,10 +672,17 @@ def test_vllm_partial_rollouts_abort_and_resume(tiny_models, state, forward, mod
     o = SamplingOptions(max_tokens=n_tok, temperature=0.0, ignore_eos=True)
     steps: list[int] = []
 
+    def decoding(eng) -> bool:  # a few steps in (AsyncLLM's driver reports no steps: its requests' tokens so far)
+        if mode == "inproc":
+            return len(steps) >= 5
+        return any(
+            st.detokenizer.num_output_tokens() >= 5 for st in eng._async.output_processor.request_states.values()
+        )
+
     async def push_mid_way(eng, weights, version, *requests):
         steps.clear()
         tasks = [asyncio.ensure_future(r) for r in requests]
-        while len(steps) < 5:  # decoding, a few steps in
+        while not decoding(eng):
             await asyncio.sleep(0.002)
         swap = await eng.swap_weights(dict(weights), version, f"c{version}")
         return swap, await asyncio.gather(*tasks)
