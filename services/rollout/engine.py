@@ -520,7 +520,8 @@ def _resumed_event(
     if not smp.preempted:
         return replace(ev, sample=smp)
     stopped[(i, j)] = smp
-    return replace(ev, sample=None) if ev.token_ids else None
+    # vLLM's stopped sample releases the text it held back (a possible stop string's start) without new tokens
+    return replace(ev, sample=None) if ev.token_ids or ev.text else None
 
 
 def join_samples(before: Sample, after: Sample) -> Sample:

@@ -658,9 +658,10 @@ def test_vllm_partial_rollouts_abort_and_resume(tiny_models, state, forward, mod
     """Partial rollouts on vLLM: a push aborts the requests in flight and they go on from prompt + tokens so far under
     the new weights. A greedy request keeps the old weights' prefix and continues as the new weights decode from it;
     spans cover every token within max_tokens; each token's log-prob is that of the weights its span names. A
-    streamed request goes on in the same stream, a sampled n > 1 request keeps its samples, and a request with a
-    frequency penalty (which vLLM would count wrongly after a resume) finishes on the old weights. The push waits
-    less than with partial rollouts off (the same request, the same engine)."""
+    streamed request goes on in the same stream (its text whole, with what vLLM held back for a stop string), a
+    sampled n > 1 request keeps its samples, and a request with a frequency penalty (which vLLM would count wrongly
+    after a resume) finishes on the old weights. The push waits less than with partial rollouts off (the same
+    request, the same engine)."""
     from services.rollout.vllm_engine import VllmEngine
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if mode == "inproc" else "1")
@@ -709,8 +710,14 @@ def test_vllm_partial_rollouts_abort_and_resume(tiny_models, state, forward, mod
             (fresh,) = await eng.generate([PROMPTS[0] + smp.token_ids[:cut]], replace(o, max_tokens=n_tok - cut))
             sampled = SamplingOptions(n=2, max_tokens=n_tok, seed=4, temperature=0.8, ignore_eos=True)
             penalized = replace(o, frequency_penalty=0.5)
+            held = replace(o, stop=("\u2603\u2603\u2603",))  # never met: vLLM holds back the text's last 2 characters
             _, (events, (many,), (pen,)) = await push_mid_way(
-                eng, state, 2, stream(eng, o), eng.generate(PROMPTS[:1], sampled), eng.generate(PROMPTS[2:], penalized)
+                eng,
+                state,
+                2,
+                stream(eng, held),
+                eng.generate(PROMPTS[:1], sampled),
+                eng.generate(PROMPTS[2:], penalized),
             )
             eng.partial_rollouts = False
             drained_swap, ((drained,),) = await push_mid_way(eng, new, 3, eng.generate(PROMPTS[:1], o))
@@ -738,7 +745,7 @@ def test_vllm_partial_rollouts_abort_and_resume(tiny_models, state, forward, mod
     assert last is not None and [ev.sample is not None for ev in events].count(True) == 1
     assert last.token_ids == [t for ev in events for t in ev.token_ids] and len(last.token_ids) == n_tok
     assert last.logprobs == [x for ev in events for x in ev.logprobs]
-    assert last.text == "".join(ev.text for ev in events)
+    assert last.text == "".join(ev.text for ev in events)  # the held-back text too, sent as the swap stopped it
     assert last.spans is not None and [v for _, v in last.spans] == [1, 2] and last.policy_version == 1
     assert len(samples) == 2
     for s in samples:
