@@ -6,7 +6,8 @@ on CPU) and ``async`` (``AsyncLLM``, engine core in a subprocess; GPU/NPU images
 (:class:`services.rollout.vllm_weights.VllmWeights`) and the LoRA adapters
 (:class:`services.rollout.vllm_lora.VllmAdapters`).
 
-Design (drivers, output kind, log-prob mode): docs/services.md#rollout ("How the engines work").
+Design (drivers, output kind, log-prob mode): docs/services.md#rollout ("How the engines work"); partial rollouts
+(a pending swap aborts the requests in flight, which resume from prompt + tokens so far): docs/weight-sync.md.
 """
 
 from __future__ import annotations
