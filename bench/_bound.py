@@ -48,6 +48,8 @@ import os
 import statistics
 import sys
 import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -93,18 +95,16 @@ def per_step(raw: dict, cores: int) -> list[float]:
 
 
 async def run(c: dict) -> dict:
-    from concurrent.futures import ThreadPoolExecutor
+    import torch  # noqa: PLC0415 - torch loads after main() sets vLLM's env; bench.pipeline imports summary() without it
 
-    import torch
-
-    from rlhf.config import parse_config
-    from rlhf.v1 import common_pb2, experience_pb2
-    from services.reference.engine import LogProbsItem, ReferenceEngine
-    from services.reward.engine import RewardEngine
-    from services.reward.scorers import Item
-    from services.rollout.factory import engine_kind, make_engine
-    from services.rollout.options import SamplingOptions
-    from services.trainer.engine import TrainerEngine
+    from rlhf.config import parse_config  # noqa: PLC0415 - loads torch: after main() sets vLLM's env; bench.pipeline imports summary() without it
+    from rlhf.v1 import common_pb2, experience_pb2  # noqa: PLC0415 - loads torch: after main() sets vLLM's env; bench.pipeline imports summary() without it
+    from services.reference.engine import LogProbsItem, ReferenceEngine  # noqa: PLC0415 - loads torch: after main() sets vLLM's env; bench.pipeline imports summary() without it
+    from services.reward.engine import RewardEngine  # noqa: PLC0415 - loads torch: after main() sets vLLM's env; bench.pipeline imports summary() without it
+    from services.reward.scorers import Item  # noqa: PLC0415 - loads torch: after main() sets vLLM's env; bench.pipeline imports summary() without it
+    from services.rollout.factory import engine_kind, make_engine  # noqa: PLC0415 - loads torch: after main() sets vLLM's env; bench.pipeline imports summary() without it
+    from services.rollout.options import SamplingOptions  # noqa: PLC0415 - loads torch: after main() sets vLLM's env; bench.pipeline imports summary() without it
+    from services.trainer.engine import TrainerEngine  # noqa: PLC0415 - loads torch: after main() sets vLLM's env; bench.pipeline imports summary() without it
 
     cfg = parse_config(c["config"])
     a = cfg.actor
@@ -222,7 +222,7 @@ async def run(c: dict) -> dict:
 
 def _mm_rate(m: int, k: int, n: int, seconds: float = 1.0) -> float:
     """FLOP/s of torch.mm on an (m, k) x (k, n) fp32 product with this process's threads, for about ``seconds``."""
-    import torch
+    import torch  # noqa: PLC0415 - torch loads after main() sets vLLM's env; bench.pipeline imports summary() without it
 
     a, b = torch.randn(m, k), torch.randn(k, n)
     for _ in range(3):
@@ -243,8 +243,8 @@ def roofline(trainer, exps: list, update_s: float) -> dict:
     and a large square one (2048^3) on every thread, and the first on one thread times the threads (the update's
     actor and critic run one team each side by side). The update's rate over the best of them says how much a
     faster schedule of the same fp32 work could still gain."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
+    import torch  # noqa: PLC0415 - torch loads after main() sets vLLM's env; bench.pipeline imports summary() without it
+    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415 - torch loads after main() sets vLLM's env; bench.pipeline imports summary() without it
 
     cfg = trainer.actor.config
     trainer.ppo._parallel_critic = lambda: False
@@ -280,16 +280,14 @@ def main() -> None:
     c = json.loads(sys.stdin.readline())
     if c["config"].get("actor_rollout_ref", {}).get("actor_rollout", {}).get("engine") == "vllm":
         # as the rollout service does, before anything imports torch
-        from services.rollout.vllm_engine import set_vllm_env_defaults
+        from services.rollout.vllm_engine import set_vllm_env_defaults  # noqa: PLC0415 - loads torch: after main() sets vLLM's env; bench.pipeline imports summary() without it
 
         set_vllm_env_defaults("cpu")
-    import torch
+    import torch  # noqa: PLC0415 - torch loads after main() sets vLLM's env; bench.pipeline imports summary() without it
 
     try:
         res = asyncio.run(run(c))
     except Exception as err:  # noqa: BLE001 - reported to the benchmark, which fails loudly
-        import traceback
-
         traceback.print_exc()
         res = {"error": f"{type(err).__name__}: {err}", "torch_threads": torch.get_num_threads()}
     print("RESULT " + json.dumps(res), file=out, flush=True)

@@ -10,11 +10,16 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from math import floor, log10
 from pathlib import Path
 from typing import Any
 
+import yaml
+from safetensors import safe_open
+
 from rlhf import procs
 from rlhf.procs import LocalRedis
+from rlhf.tiny import TinySpec, build_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = bool(os.environ.get("BENCH_QUICK"))  # smoke-test the scripts: a fraction of the work, figures meaningless
@@ -111,7 +116,7 @@ def machine() -> dict[str, Any]:
         "affinity": CORES,
     }
     try:
-        import torch
+        import torch  # noqa: PLC0415 - torch: optional, and loads only after this module sets OMP_*
 
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
@@ -189,7 +194,6 @@ def rnd(x: float | None, digits: int = 3) -> float | None:
         return None
     if x == 0:
         return 0.0
-    from math import floor, log10
 
     return round(x, -int(floor(log10(abs(x)))) + digits - 1)
 
@@ -246,16 +250,12 @@ def scorer_services(
 
 def build_model(size: str, **overrides: int):
     """Build (once; reused while the spec is unchanged) the policy + reward model of a size; returns TinyPaths."""
-    from rlhf.tiny import TinySpec, build_tiny
-
     spec = TinySpec(**{**MODEL_SPECS[size], **overrides})
     suffix = "" if not overrides else "-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
     return build_tiny(CACHE / "models" / f"{size}{suffix}", spec)
 
 
 def param_count(model_dir: Path) -> int:
-    from safetensors import safe_open
-
     n = 0
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as st:
@@ -269,8 +269,6 @@ def param_count(model_dir: Path) -> int:
 
 
 def write_yaml(path: Path, data: dict[str, Any]) -> Path:
-    import yaml
-
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path

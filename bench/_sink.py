@@ -18,6 +18,13 @@ import asyncio
 import socket
 import threading
 
+import grpc
+
+from rlhf.serving import ServiceSettings, grpc_options
+from rlhf.transport.weights import RawChunk
+from rlhf.v1 import rollout_pb2_grpc, weights_pb2
+from services.rollout.grpc_servicer import add_to_server
+
 
 def raw_server(sock: socket.socket, cap: int = 0) -> None:
     """``cap`` > 0: receive into a buffer of at most ``cap`` bytes, reused round and round (bench.weight_sync
@@ -51,13 +58,6 @@ async def main() -> None:
     p.add_argument("--grpc-port", type=int, required=True)
     p.add_argument("--raw-buffer-bytes", type=int, default=0, help="receive raw data into a reused buffer this big")
     args = p.parse_args()
-
-    import grpc
-
-    from rlhf.serving import ServiceSettings, grpc_options
-    from rlhf.transport.weights import RawChunk
-    from rlhf.v1 import rollout_pb2_grpc, weights_pb2
-    from services.rollout.grpc_servicer import add_to_server
 
     class Sink(rollout_pb2_grpc.RolloutServiceServicer):
         async def UpdateWeights(self, request_iterator, context):

@@ -12,6 +12,8 @@ from typing import Any
 from bench._common import CACHE, CORE_THREADS, build_model, log
 from bench.padding_free import _experiences
 from bench.pipeline import experiment, prompt_set
+from rlhf.config import parse_config
+from services.trainer.engine import TrainerEngine
 
 
 def trainer_step_ab(name: str, modes: dict[str, Callable[[Any], None]], rounds: int, batch: int = 16):
@@ -20,10 +22,7 @@ def trainer_step_ab(name: str, modes: dict[str, Callable[[Any], None]], rounds: 
     shape (``batch`` chat-templated arithmetic prompts + 16 response tokens), in alternating order each round (A, B,
     B, A, ...), with every core's threads. Round 0 warms up and is not timed. Returns (seconds per step, policy +
     value loss per step), each by mode."""
-    import torch
-
-    from rlhf.config import parse_config
-    from services.trainer.engine import TrainerEngine
+    import torch  # noqa: PLC0415 - torch loads after bench._common sets OMP_*
 
     torch.set_num_threads(CORE_THREADS)
     paths = build_model("small")

@@ -26,7 +26,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import torch
-from transformers import GenerationConfig, TrainerCallback
+import trl
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from trl.data_utils import maybe_apply_chat_template
+from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+from bench.converge import ALGOS  # the overrides that make a learn-*.yaml (GRPO) run another algorithm, as ours
+from rlhf.config import load_config, read_config_data
+from rlhf.data import PromptCursor, load_eval_prompts, load_prompts, record_prompt_ids
+from rlhf.evaluation import eval_metrics
+from rlhf.models import resolve_model_path
+from services.reward.rules import RULES, prepare_kwargs
+from services.trainer.optim import actor_optim
 
 STAGES = {"grpo": "ray_grpo", "rloo": "ray_rloo", "online_dpo": "ray_online_dpo"}
 # fp32 on the CPU; nothing saved, reported or drawn as progress bars
@@ -67,9 +80,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load(args):
     """The experiment config as our ring would run it for ``--algo``, and the overrides that made it."""
-    from bench.converge import ALGOS  # the overrides that make a learn-*.yaml (GRPO) run another algorithm, as ours
-    from rlhf.config import load_config, read_config_data
-
     overrides = []
     if (read_config_data(args.config).get("training") or {}).get("stage") != STAGES[args.algo]:
         overrides = list(ALGOS[args.algo])
@@ -97,8 +107,6 @@ def plan_steps(algo: str, cfg) -> Plan:
 def reward_rule(cfg):
     """``score(prompt, response, label)``: the reward service's weighted sum of the rule scorers; None when a rule
     fails (our reward service's error status)."""
-    from services.reward.rules import RULES, prepare_kwargs
-
     scorers = cfg.reward.scorers
     if not scorers or any(s.type != "rule" or s.name not in RULES for s in scorers):
         raise SystemExit("only built-in rule scorers (reward.scorers[*].type: rule) are mapped to TRL reward functions")
@@ -130,8 +138,6 @@ def rule_reward(score, log: list):
 def train_records(cfg, n: int):
     """The first ``n`` prompts our trainer publishes: data.path walked by ``PromptCursor`` (training.seed,
     data.shuffle); step k's batch is records [k G, (k + 1) G)."""
-    from rlhf.data import PromptCursor, load_prompts
-
     cursor = PromptCursor(load_prompts(cfg.data), cfg.training.seed, cfg.data.shuffle)
     return [cursor.next()[1] for _ in range(n)]
 
@@ -151,8 +157,6 @@ class HeldOut:
     pass@1 (with n > 1 the unbiased estimate, and pass@n) and the reward mean."""
 
     def __init__(self, cfg, tok, score):
-        from rlhf.data import load_eval_prompts, record_prompt_ids
-
         e, a = cfg.eval, cfg.actor
         if not e.interval:
             raise SystemExit("set eval.interval: the comparison is the held-out curve")
@@ -182,8 +186,6 @@ class HeldOut:
         return [cut_at_eos(row, tok.eos_token_id) for row in out.tolist()]
 
     def __call__(self, model, step: int = 0) -> dict[str, float]:
-        from rlhf.evaluation import eval_metrics
-
         was_training = model.training
         model.eval()
         try:
@@ -250,8 +252,6 @@ def _schedule(o) -> tuple[str, list[str]]:
 
 def _optim(cfg, plan: Plan) -> tuple[list[tuple], list[str]]:
     """(TRL argument, value, our field) of the optimizer, schedule and run length, and what does not map."""
-    from services.trainer.optim import actor_optim
-
     o = actor_optim(cfg)  # actor_rollout.* where set, else training.*
     max_steps = cfg.training.train_iters * plan.updates_per_step
     schedule, notes = _schedule(o)
@@ -377,16 +377,11 @@ def common_notes(algo: str, cfg) -> list[str]:
 
 def build_trainer(algo: str, path: str, tok, kwargs: dict, dataset, reward_fn, callback, out_dir: str):
     """GRPOTrainer, RLOOTrainer or the experimental OnlineDPOTrainer on the policy at ``path`` (fp32)."""
-    from transformers import AutoModelForCausalLM
-
     common = {"output_dir": out_dir, **CPU_ARGS, **kwargs}
     data = {"processing_class": tok, "train_dataset": dataset, "reward_funcs": reward_fn, "callbacks": [callback]}
     if algo == "online_dpo":
-        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
-
         policy, ref = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) for _ in range(2))
         return OnlineDPOTrainer(model=policy, ref_model=ref, args=OnlineDPOConfig(**common), **data)
-    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if algo == "grpo" else (RLOOConfig, RLOOTrainer)
     args = config_cls(**common, model_init_kwargs={"dtype": "float32"}, log_completions=False)
@@ -397,7 +392,6 @@ def trl_prompt_ids(trainer, algo: str, prompts: list[list[dict]]) -> list[list[i
     """The prompt token ids TRL generates from, by its own code path."""
     if algo != "online_dpo":
         return [list(ids) for ids in trainer._tokenize_prompts(prompts)[0]]
-    from trl.data_utils import maybe_apply_chat_template
 
     tok = trainer.processing_class
     texts = [maybe_apply_chat_template({"prompt": p}, tok)["prompt"] for p in prompts]
@@ -406,8 +400,6 @@ def trl_prompt_ids(trainer, algo: str, prompts: list[list[dict]]) -> list[list[i
 
 def check_prompt_ids(trainer, algo: str, cfg, tok, records) -> int:
     """TRL's prompt ids equal ours (``rlhf.data.record_prompt_ids``) for every distinct prompt; returns their count."""
-    from rlhf.data import record_prompt_ids
-
     unique = list({r.prompt: r for r in records}.values())
     a = cfg.actor
     ours = [record_prompt_ids(tok, r, a.max_prompt_length, a.apply_chat_template) for r in unique]
@@ -428,12 +420,6 @@ def per_step_rewards(rewards: list, samples_per_step: int) -> list[dict]:
 
 
 def run(args) -> dict:
-    import trl
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-
-    from rlhf.models import resolve_model_path
-
     cfg, overrides = load(args)
     plan = plan_steps(args.algo, cfg)
     kwargs, mapping, notes = hyperparameters(args.algo, cfg, plan)

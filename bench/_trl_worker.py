@@ -25,14 +25,19 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TrainerCallback
+from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+from trl.experimental.ppo import PPOConfig, PPOTrainer
+
 
 def _callback(times: list[float]):
-    from transformers import TrainerCallback
-
     class Timer(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
             times.append(time.perf_counter())
@@ -44,11 +49,6 @@ def _callback(times: list[float]):
 
 
 def run_ppo(c: dict, out_dir: str) -> dict:
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-    from trl.experimental.ppo import PPOConfig, PPOTrainer
-
     torch.manual_seed(c["seed"])
     tok = AutoTokenizer.from_pretrained(c["policy"])
     policy = AutoModelForCausalLM.from_pretrained(c["policy"], dtype=torch.float32)
@@ -105,11 +105,6 @@ def run_ppo(c: dict, out_dir: str) -> dict:
 
 
 def run_online_dpo(c: dict, out_dir: str) -> dict:
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
-
     torch.manual_seed(c["seed"])
     tok = AutoTokenizer.from_pretrained(c["policy"])
     policy = AutoModelForCausalLM.from_pretrained(c["policy"], dtype=torch.float32)
@@ -158,8 +153,6 @@ def run_online_dpo(c: dict, out_dir: str) -> dict:
 
 
 def main() -> None:
-    import torch
-
     # torch's default: OMP_NUM_THREADS if set (bench.pipeline sets it to the cores the ring runs on), else one
     # thread per core
     out = sys.stdout
@@ -173,8 +166,6 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
                 res = run_ppo(c, tmp) if c["algo"] == "ppo" else run_online_dpo(c, tmp)
         except Exception as err:  # noqa: BLE001 - reported to the benchmark, which fails loudly
-            import traceback
-
             traceback.print_exc()
             res = {"error": f"{type(err).__name__}: {err}"}
         print("RESULT " + json.dumps(res), file=out, flush=True)

@@ -14,6 +14,10 @@ import asyncio
 import time
 
 from bench._common import RING_THREADS, build_model, emit, log, median, param_count, rnd, side
+from rlhf.config import parse_config
+from services.rollout.factory import make_engine
+from services.rollout.options import SamplingOptions
+from services.rollout.vllm_engine import set_vllm_env_defaults
 
 BATCHES = (1, 8, 64)
 NEW_TOKENS = 32
@@ -23,10 +27,6 @@ REPEATS = 2
 
 async def main() -> None:
     started = time.monotonic()
-    from rlhf.config import parse_config
-    from services.rollout.factory import make_engine
-    from services.rollout.options import SamplingOptions
-    from services.rollout.vllm_engine import set_vllm_env_defaults
 
     set_vllm_env_defaults("cpu")
     opts = SamplingOptions(n=1, temperature=1.0, max_tokens=NEW_TOKENS, ignore_eos=True)

@@ -127,10 +127,10 @@ def trl_comparison(rows: list[dict]) -> list[str]:
 
 
 def plots(rows: list[dict], folder: Path) -> list[str]:
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - matplotlib: the plots extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - matplotlib: the plots extra
 
     folder.mkdir(parents=True, exist_ok=True)
     lines = []

@@ -16,14 +16,17 @@ import random
 import time
 
 from bench._common import CACHE, QUICK, RING_THREADS, build_model, emit, log, median, rnd, side
+from bench.pipeline import experiment, prompt_set
+from rlhf.config import parse_config
+from rlhf.v1 import common_pb2, experience_pb2
+from services.reference.engine import LogProbsItem, ReferenceEngine
+from services.trainer.engine import TrainerEngine
 
 ROUNDS = 2 if QUICK else 4
 BATCH = 16
 
 
 def _experiences(prompts: list[list[int]], lengths: list[int], seed: int):
-    from rlhf.v1 import common_pb2, experience_pb2
-
     rng = random.Random(seed)
     out = []
     for j, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
@@ -42,12 +45,7 @@ def _experiences(prompts: list[list[int]], lengths: list[int], seed: int):
 
 def main() -> None:
     started = time.monotonic()
-    import torch
-
-    from bench.pipeline import experiment, prompt_set
-    from rlhf.config import parse_config
-    from services.reference.engine import LogProbsItem, ReferenceEngine
-    from services.trainer.engine import TrainerEngine
+    import torch  # noqa: PLC0415 - torch loads after bench._common sets OMP_*
 
     paths = build_model("small")
     chat = prompt_set(paths)["ids"]

@@ -26,7 +26,7 @@ PROMPT = [2, 40, 41, 42, 43, 44, 45, 46]
 
 
 async def _round(engine, steps: list[int], new, version: int) -> dict:
-    from services.rollout.options import SamplingOptions
+    from services.rollout.options import SamplingOptions  # noqa: PLC0415 - torch after bench._common sets OMP_*
 
     opts = SamplingOptions(n=N, max_tokens=NEW_TOKENS, temperature=1.0, seed=version, ignore_eos=True)
     steps.clear()
@@ -45,12 +45,15 @@ async def _round(engine, steps: list[int], new, version: int) -> dict:
 
 async def main() -> None:
     started = time.monotonic()
-    import torch
-    from safetensors.torch import load_file
+    import torch  # noqa: PLC0415 - torch after bench._common sets OMP_*
+    from safetensors.torch import load_file  # noqa: PLC0415 - torch after bench._common sets OMP_*
 
-    from services.rollout.engine_types import EngineHooks
-    from services.rollout.hf_engine import HFEngine
-    from services.rollout.vllm_engine import VllmEngine, set_vllm_env_defaults
+    from services.rollout.engine_types import EngineHooks  # noqa: PLC0415 - torch after bench._common sets OMP_*
+    from services.rollout.hf_engine import HFEngine  # noqa: PLC0415 - torch after bench._common sets OMP_*
+    from services.rollout.vllm_engine import (  # noqa: PLC0415 - torch after bench._common sets OMP_*
+        VllmEngine,
+        set_vllm_env_defaults,
+    )
 
     set_vllm_env_defaults("cpu")
 

@@ -51,6 +51,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench._bound import per_step, summary
 from bench._common import (
     CACHE,
     CORE_THREADS,
@@ -72,6 +73,9 @@ from bench._common import (
     target,
     write_yaml,
 )
+from rlhf.config import parse_config
+from rlhf.data import encode_prompt, load_prompts
+from rlhf.models import load_tokenizer
 from rlhf.serving.model_process import forward_threads
 
 PARITY_PY = Path(os.environ.get("BENCH_PARITY_PYTHON", REPO / ".venv-parity" / "bin" / "python"))
@@ -448,8 +452,6 @@ def run_bound(size: str, paths, algo: str, prompts: dict, work: Path, steps: int
 
 def _bound_figures(b: dict) -> dict:
     """The bound's figures from its steady steps' measurements (``raw``; pooled over runs by :func:`_pool`)."""
-    from bench._bound import per_step, summary
-
     sm = summary(b["raw"], CORE_THREADS)
     steps = per_step(b["raw"], CORE_THREADS)
     n = b["per_step_samples"]
@@ -505,10 +507,6 @@ def run_trl(worker: TRLWorker, paths, algo: str, prompts: dict, steps: int) -> d
 
 
 def prompt_set(paths) -> dict:
-    from rlhf.config import parse_config
-    from rlhf.data import encode_prompt, load_prompts
-    from rlhf.models import load_tokenizer
-
     cfg = parse_config({"actor_rollout_ref": {"actor_rollout": {"load": str(paths.policy)}}})
     tok = load_tokenizer(paths.policy)
     records = load_prompts(cfg.data)

@@ -34,6 +34,11 @@ import time
 from pathlib import Path
 
 from bench._common import RING_THREADS, RedisServer, build_model, emit, log, median, rnd, side, target
+from rlhf.config import parse_config
+from rlhf.procs import LocalRedis
+from rlhf.transport import Admission, ExperienceQueue, PromptQueue, RunKeys, connect, delete_run, encode
+from rlhf.v1 import common_pb2, experience_pb2
+from services.trainer.engine import TrainerEngine
 
 PROMPT_TOKENS = 200
 RESPONSE_TOKENS = 800
@@ -47,8 +52,6 @@ RUN = "bench"
 
 
 def make_experience(i: int, vocab: int, rng: random.Random):
-    from rlhf.v1 import common_pb2, experience_pb2
-
     exp = experience_pb2.Experience(
         job_id=f"{RUN}-e0-i{i}",
         run_id=RUN,
@@ -71,8 +74,6 @@ def make_experience(i: int, vocab: int, rng: random.Random):
 
 
 def make_job(i: int, vocab: int, rng: random.Random):
-    from rlhf.v1 import common_pb2, experience_pb2
-
     return experience_pb2.PromptJob(
         job_id=f"{RUN}-e0-i{i}",
         run_id=RUN,
@@ -86,8 +87,6 @@ def make_job(i: int, vocab: int, rng: random.Random):
 
 
 async def exp_ours(redis, exps) -> float:
-    from rlhf.transport import ExperienceQueue, delete_run
-
     await delete_run(redis, RUN)
     q = ExperienceQueue(redis, RUN)
     await q.ensure_groups()
@@ -103,8 +102,6 @@ async def exp_ours(redis, exps) -> float:
 
 
 async def exp_raw(redis, payloads) -> float:
-    from rlhf.transport import RunKeys, delete_run
-
     await delete_run(redis, RUN)
     stream = RunKeys(RUN).experience
     await redis.xgroup_create(stream, "trainer", id="0", mkstream=True)
@@ -124,8 +121,6 @@ async def exp_raw(redis, payloads) -> float:
 
 
 async def ring_ours(redis, jobs, exps, absolute: bool = False) -> float:
-    from rlhf.transport import Admission, ExperienceQueue, PromptQueue, delete_run
-
     await delete_run(redis, RUN)
     pq, eq = PromptQueue(redis, RUN), ExperienceQueue(redis, RUN)
     adm = Admission(redis, RUN, 0, BATCH)
@@ -153,9 +148,6 @@ async def ring_ours(redis, jobs, exps, absolute: bool = False) -> float:
 
 async def replicated_rounds(tmp: Path, jobs, exps, log_prefix: str) -> tuple[list[float], list[float]]:
     """The ring on a master with one replica (loopback), without WAIT and with ``wait_replicas=1``, interleaved."""
-    from rlhf.procs import LocalRedis
-    from rlhf.transport import connect
-
     fast = ["--repl-diskless-sync-delay", "0"]
     with (
         LocalRedis(tmp / "master", extra_args=fast) as master,
@@ -182,8 +174,6 @@ async def replicated_rounds(tmp: Path, jobs, exps, log_prefix: str) -> tuple[lis
 
 
 async def ring_raw(redis, job_payloads, exp_payloads) -> float:
-    from rlhf.transport import RunKeys, delete_run
-
     await delete_run(redis, RUN)
     k = RunKeys(RUN)
     await redis.xgroup_create(k.prompts, "rollout", id="0", mkstream=True)
@@ -219,9 +209,6 @@ async def ring_raw(redis, job_payloads, exp_payloads) -> float:
 
 
 def make_trainer(policy: Path, critic: Path):
-    from rlhf.config import parse_config
-    from services.trainer.engine import TrainerEngine
-
     cfg = parse_config(
         {
             "run_id": RUN,
@@ -257,7 +244,6 @@ def make_trainer(policy: Path, critic: Path):
 
 async def main() -> None:
     started = time.monotonic()
-    from rlhf.transport import connect, encode
 
     paths = build_model("tiny", max_position_embeddings=1024)
     vocab = 512

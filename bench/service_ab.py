@@ -21,8 +21,13 @@ import json
 import os
 import statistics
 
+import aiohttp
+import grpc
+
 from bench._common import CACHE, ServiceProc, build_model, log, write_yaml
 from bench.serving import SERVICE_ENV, config, make_calls, run_way
+from rlhf.v1 import reference_pb2_grpc, reward_pb2_grpc, rollout_pb2_grpc
+from services.rollout.vllm_engine import set_vllm_env_defaults
 
 NAME = os.environ.get("AB_SERVICE", "reward")
 CONC = int(os.environ.get("AB_CONC", "8"))
@@ -33,12 +38,6 @@ COPIES = {"A": json.loads(os.environ.get("AB_A", "{}")), "B": json.loads(os.envi
 
 
 async def main() -> None:
-    import aiohttp
-    import grpc
-
-    from rlhf.v1 import reference_pb2_grpc, reward_pb2_grpc, rollout_pb2_grpc
-    from services.rollout.vllm_engine import set_vllm_env_defaults
-
     set_vllm_env_defaults("cpu")
     paths = build_model("tiny")
     log_dir = CACHE / "logs"

@@ -32,6 +32,9 @@ import asyncio
 import os
 import time
 
+import aiohttp
+import grpc
+
 from bench._common import (
     CACHE,
     QUICK,
@@ -47,6 +50,23 @@ from bench._common import (
     target,
     write_yaml,
 )
+from rlhf.config import parse_config
+from rlhf.serving.model_process import forward_threads
+from rlhf.v1 import (
+    common_pb2,
+    reference_pb2,
+    reference_pb2_grpc,
+    reward_pb2,
+    reward_pb2_grpc,
+    rollout_pb2,
+    rollout_pb2_grpc,
+)
+from services.reference.engine import LogProbsItem, ReferenceEngine
+from services.reward.engine import RewardEngine
+from services.reward.scorers import Item
+from services.rollout.factory import make_engine
+from services.rollout.options import SamplingOptions
+from services.rollout.vllm_engine import set_vllm_env_defaults
 
 CONCURRENCY = (1, 8, 32)
 TARGET_MS = {1: 2.0, 8: 2.0, 32: 5.0}  # issue 34: 2 ms at 1 and 8 callers, 5 ms at 32
@@ -82,8 +102,6 @@ def config(paths, run_id: str) -> dict:
 
 def make_calls(name: str, vocab: int):
     """For one service: (grpc request builder, REST path + body, in-process call maker)."""
-    from rlhf.v1 import common_pb2, reference_pb2, reward_pb2, rollout_pb2
-
     prompt = [(5 * j) % (vocab - 3) + 3 for j in range(16)]
     response = [(7 * j + 1) % (vocab - 3) + 3 for j in range(16)]
     if name == "reward":
@@ -126,18 +144,6 @@ async def run_way(call, n: int, conc: int, service_pid: int | None = None) -> tu
 
 async def main() -> None:
     started = time.monotonic()
-    import aiohttp
-    import grpc
-
-    from rlhf.config import parse_config
-    from rlhf.serving.model_process import forward_threads
-    from rlhf.v1 import reference_pb2_grpc, reward_pb2_grpc, rollout_pb2_grpc
-    from services.reference.engine import LogProbsItem, ReferenceEngine
-    from services.reward.engine import RewardEngine
-    from services.reward.scorers import Item
-    from services.rollout.factory import make_engine
-    from services.rollout.options import SamplingOptions
-    from services.rollout.vllm_engine import set_vllm_env_defaults
 
     set_vllm_env_defaults("cpu")
     paths = build_model("tiny")

@@ -33,9 +33,16 @@ import os
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 from bench._common import QUICK, REPO, build_model, emit, log, median, rnd, target
+from rlhf import distributed
+from rlhf.config import parse_config
+from rlhf.models import load_tokenizer
+from rlhf.transport.weights import pack_weights
+from rlhf.v1 import common_pb2, experience_pb2
+from services.trainer.engine import TrainerEngine
 
 WORLDS = (1, 2, 4)
 
@@ -67,10 +74,6 @@ def _state_bytes(engine) -> dict[str, int]:
 
 def _push_peak(engine) -> dict:
     """Rank 0: make the weight push's buckets the way this world size does, without sending them."""
-    import tracemalloc
-
-    from rlhf.transport.weights import pack_weights
-
     version = engine.policy_version + 1
     t0 = time.perf_counter()
     tracemalloc.start()
@@ -103,12 +106,7 @@ def _proc_status_kib(field: str) -> int:
 
 
 def worker(out: Path, steps: int) -> None:
-    import torch
-
-    from rlhf import distributed
-    from rlhf.config import parse_config
-    from rlhf.v1 import common_pb2, experience_pb2
-    from services.trainer.engine import TrainerEngine
+    import torch  # noqa: PLC0415 - torch loads after bench._common sets OMP_*
 
     paths = build_model("small")
     cfg = parse_config(
@@ -127,9 +125,7 @@ def worker(out: Path, steps: int) -> None:
     )
     # What the engine does first besides loading (join the group, import the model code, read the tokenizer) before
     # the measured window, so that its RSS growth is the models' tensors
-    import transformers.models.llama.modeling_llama  # noqa: F401
-
-    from rlhf.models import load_tokenizer
+    import transformers.models.llama.modeling_llama  # noqa: F401, PLC0415 - transformers loads torch: after bench._common sets OMP_*
 
     distributed.init_from_env(torch.device("cpu"), 300)
     load_tokenizer(paths.policy)

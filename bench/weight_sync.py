@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -56,6 +57,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import grpc
 
 from bench._common import (
     CACHE,
@@ -74,6 +77,16 @@ from bench._common import (
     write_yaml,
 )
 from rlhf.procs import free_ports
+from rlhf.transport import pack_weights, push_weights, push_weights_many
+from rlhf.transport.weights import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_CHUNK_BYTES,
+    PackedWeights,
+    StreamedWeights,
+    push_weights_streamed,
+)
+from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
+from services.rollout.vllm_weights import DEFAULT_INPLACE_LOAD_BYTES
 
 ENGINES = ("hf", "vllm")
 ROUNDS = 3
@@ -114,10 +127,6 @@ class Load:
     """Threads that keep the replica generating and record when each call finishes (monotonic clock)."""
 
     def __init__(self, addr: str, vocab: int, threads: int = 2):
-        import grpc
-
-        from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-
         self.channel = grpc.insecure_channel(addr)
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
         self.requests = [
@@ -170,10 +179,6 @@ def gaps(ts: list[float]) -> list[float]:
 
 async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_addr: str, log_dir: Path) -> dict:
     """ROUNDS updates (after a warm-up) to one replica with ``engine``, the raw copy and the gRPC sink interleaved."""
-    from rlhf.transport import pack_weights, push_weights, push_weights_many
-    from rlhf.transport.weights import PackedWeights
-    from rlhf.v1 import weights_pb2
-
     cfg = write_yaml(
         log_dir / f"weight_sync-rollout-{engine}.yaml",
         {
@@ -335,10 +340,8 @@ async def measure(engine: str, paths, state, vocab: int, raw_port: int, sink_add
 
 async def main() -> None:
     started = time.monotonic()
-    import torch
-    from safetensors.torch import load_file
-
-    from rlhf.transport.weights import DEFAULT_BUCKET_BYTES, DEFAULT_CHUNK_BYTES
+    import torch  # noqa: PLC0415 - torch loads after bench._common sets OMP_*
+    from safetensors.torch import load_file  # noqa: PLC0415 - safetensors.torch loads torch: after bench._common sets OMP_*
 
     torch.set_num_threads(1)  # the trainer's client only serialises and sends
     paths = build_model("large")
@@ -476,11 +479,9 @@ def build_large_policy(out: Path) -> Path:
     tokenizer, reused while its spec is unchanged. The tensors are made and written shard by shard with safetensors
     (4 decoder layers each): no model is instantiated, so the 5 GB exist once, one shard at a time. The names and
     shapes come from transformers' LlamaForCausalLM built on the meta device (no memory)."""
-    import json
-
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, LlamaForCausalLM
+    import torch  # noqa: PLC0415 - torch loads after bench._common sets OMP_*
+    from safetensors.torch import save_file  # noqa: PLC0415 - safetensors.torch loads torch: after bench._common sets OMP_*
+    from transformers import AutoConfig, LlamaForCausalLM  # noqa: PLC0415 - transformers loads torch: after bench._common sets OMP_*
 
     spec = {**LARGE_SPEC, "dtype": "bfloat16", "std": 0.02, "seed": 0, "layers_per_shard": LAYERS_PER_SHARD}
     stamp = out / "bench-large.json"
@@ -589,7 +590,7 @@ class RssMonitor:
 def raw_stream(port: int, state: dict, total: int) -> float:
     """The same number of bytes as the push on one loopback TCP stream, straight from the sender's tensors (no copy
     in Python), into bench._sink's reused buffer."""
-    import torch
+    import torch  # noqa: PLC0415 - torch loads after bench._common sets OMP_*
 
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -608,10 +609,6 @@ def raw_stream(port: int, state: dict, total: int) -> float:
 
 def _generate(addr: str, vocab: int) -> list[int]:
     """Greedy tokens of one prompt from the replica: what its weights are, in a few numbers."""
-    import grpc
-
-    from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-
     with grpc.insecure_channel(addr) as channel:
         req = rollout_pb2.GenerateRequest(
             prompts=[
@@ -626,11 +623,8 @@ def _generate(addr: str, vocab: int) -> list[int]:
 async def large() -> None:
     """``python -m bench.weight_sync --large``: see the module's section above and docs/weight-sync.md."""
     started = time.monotonic()
-    import torch
-    from safetensors.torch import load_file
-
-    from rlhf.transport.weights import DEFAULT_BUCKET_BYTES, StreamedWeights, push_weights_streamed
-    from services.rollout.vllm_weights import DEFAULT_INPLACE_LOAD_BYTES
+    import torch  # noqa: PLC0415 - torch loads after bench._common sets OMP_*
+    from safetensors.torch import load_file  # noqa: PLC0415 - safetensors.torch loads torch: after bench._common sets OMP_*
 
     policy = build_large_policy(CACHE / "models" / "large-2.5b" / "policy")
     n_params = param_count(policy)

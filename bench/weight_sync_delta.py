@@ -19,6 +19,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from safetensors import safe_open
+
 from bench._common import (
     CACHE,
     ServiceProc,
@@ -32,6 +34,9 @@ from bench._common import (
     side,
     write_yaml,
 )
+from rlhf.transport.weights import PackedWeights, pack_weights, push_weights
+from rlhf.transport.weights.delta import make_delta
+from rlhf.v1 import weights_pb2
 
 LRS = (5e-7, 1e-5)
 STEPS = 4
@@ -41,13 +46,8 @@ TOKEN = "bench-weight-sync-delta"
 
 async def delta_bench(size: str = "small") -> None:
     started = time.monotonic()
-    import torch
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    from rlhf.transport.weights import PackedWeights, pack_weights, push_weights
-    from rlhf.transport.weights.delta import make_delta
-    from rlhf.v1 import weights_pb2
+    import torch  # noqa: PLC0415 - torch loads after bench._common sets OMP_*
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - transformers loads torch: after bench._common sets OMP_*
 
     torch.manual_seed(0)
     paths = build_model(size)

@@ -32,6 +32,10 @@ from bench._common import (
     side,
     write_yaml,
 )
+from bench.pipeline import experiment, run_ours
+from rlhf.lora import adapter_push_state_dict, merged_state_dict, wrap_lora
+from rlhf.models import load_causal_lm
+from rlhf.transport.weights import pack_weights, push_weights
 
 RANK, ALPHA = 16, 32.0
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -46,11 +50,7 @@ def _lora(kind: str) -> dict[str, Any]:
 
 
 async def _pushes(paths, log_dir) -> dict[str, list[dict[str, Any]]]:
-    import torch
-
-    from rlhf.lora import adapter_push_state_dict, merged_state_dict, wrap_lora
-    from rlhf.models import load_causal_lm
-    from rlhf.transport.weights import pack_weights, push_weights
+    import torch  # noqa: PLC0415 - torch loads after bench._common sets OMP_*
 
     model = wrap_lora(load_causal_lm(paths.policy), RANK, ALPHA, TARGETS)
     g = torch.Generator().manual_seed(0)
@@ -105,8 +105,6 @@ async def _pushes(paths, log_dir) -> dict[str, list[dict[str, Any]]]:
 
 
 def _rings(paths, work) -> dict[str, dict[str, Any]]:
-    from bench.pipeline import experiment, run_ours
-
     out: dict[str, dict[str, Any]] = {}
     with RedisServer(work / "redis") as redis:
         cfg = write_yaml(work / "services.yaml", experiment("small", paths, "ppo", 0, "bench-lora", work, 1))
@@ -129,7 +127,7 @@ def _rings(paths, work) -> dict[str, dict[str, Any]]:
 
 async def lora_bench() -> None:
     started = time.monotonic()
-    import torch
+    import torch  # noqa: PLC0415 - torch loads after bench._common sets OMP_*
 
     paths = build_model("small")
     work = CACHE / "weight_sync_lora"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.tiny import build_tiny
 from tests.support.redis import RedisServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -24,8 +25,6 @@ def redis_server(tmp_path):
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """The rlhf.tiny policy and reward model, built once per session; RLHF_CACHE_DIR points at them."""
-    from rlhf.tiny import build_tiny
-
     cache = Path(os.environ.get("RLHF_TEST_CACHE", tmp_path_factory.mktemp("rlhf-cache")))
     os.environ["RLHF_CACHE_DIR"] = str(cache)
     return build_tiny(cache / "tiny")

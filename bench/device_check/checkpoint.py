@@ -3,6 +3,8 @@ loads it into a one-rank group and into a plain world-1 trainer: every weight an
 
 from __future__ import annotations
 
+import datetime
+import gc
 import os
 import shutil
 import time
@@ -16,8 +18,8 @@ from rlhf.procs import free_port
 
 def _full_state(engine) -> dict[str, Any]:
     """Every weight and optimizer tensor of actor and critic, full (gathered) and on the CPU, keyed by name."""
-    import torch
-    from torch.distributed.checkpoint.state_dict import (
+    import torch  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from torch.distributed.checkpoint.state_dict import (  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
         StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -36,21 +38,19 @@ def _full_state(engine) -> dict[str, Any]:
 
 
 def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    import torch
+    import torch  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     names = sorted(set(a) | set(b))
     return [n for n in names if n not in a or n not in b or not torch.equal(a[n], b[n])]
 
 
 def run(p: dict[str, Any], rec: Record) -> None:
-    import gc
+    import torch  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    import torch.distributed as tdist  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
-    import torch
-    import torch.distributed as tdist
-
-    from rlhf import distributed as rd
-    from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from services.trainer.engine import TrainerEngine
+    from rlhf import distributed as rd  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from services.trainer.engine import TrainerEngine  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     device = torch.device(p["device"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0")
@@ -59,7 +59,6 @@ def run(p: dict[str, Any], rec: Record) -> None:
     def one_rank_group(dev, timeout_s):
         # rlhf.distributed forms no group at world size 1; this process group of one rank takes the torchrun
         # trainer's code path instead: FSDP2 sharding, DCP checkpoints (``sharded/``), the driver's commands
-        import datetime
 
         backend = rd.backend_for(dev.type)
         if not tdist.is_initialized():
@@ -79,7 +78,7 @@ def run(p: dict[str, Any], rec: Record) -> None:
     rd.init_from_env = one_rank_group
     try:
         engine = TrainerEngine(cfg)
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
         rec.put(backend=engine.group.backend)
         rec.check("fsdp2_sharded", all(isinstance(q, DTensor) for q in engine.actor.parameters()))

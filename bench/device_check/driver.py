@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import importlib.util
 import json
 import os
@@ -204,8 +205,6 @@ def write_json(out: Path, result: dict[str, Any]) -> None:
 
 def dry_run(args: argparse.Namespace, selected: list[str]) -> tuple[dict[str, Any], int]:
     """The plan, and whether each selected phase's modules import here (nothing runs)."""
-    import importlib
-
     result: dict[str, Any] = {"name": "device_check", "dry_run": True, "plan": plan(args), "selected": selected}
     phases = {}
     ok = True

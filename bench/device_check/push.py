@@ -13,13 +13,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from bench.device_check.common import REPO, TOKEN, Record, model_paths, random_prompts
 
 
 def _start_replica(p: dict[str, Any], policy: str, timeout_s: float) -> tuple[subprocess.Popen, str]:
     """The rollout replica the pushes go to (tests.support.replica: the rollout servicer over the ``hf`` engine on
     this device, gRPC and the TCP data plane on free loopback ports), its stderr in push-replica.log."""
-    from tests.support.replica import start_child  # grpc, torch: in the phase's process, not the driver's
+    from tests.support.replica import start_child  # grpc, torch: in the phase's process, not the driver's  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     args = ["--token", TOKEN, "--engine", "hf", "--model", policy, "--name", "device-check"]
     args += ["--device", p["device"], "--dtype", p["serve_dtype"]]
@@ -29,8 +31,8 @@ def _start_replica(p: dict[str, Any], policy: str, timeout_s: float) -> tuple[su
 def _push_weights(p: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(original, perturbed) weights as a trainer pushes them: the checkpoint layout (the tie's alias,
     lm_head.weight, left out), in the serving dtype; the same tensors in every process (a fixed seed)."""
-    import torch
-    from safetensors.torch import load_file
+    import torch  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from safetensors.torch import load_file  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     policy, _ = model_paths(p)
     dtype = getattr(torch, p["serve_dtype"])
@@ -47,12 +49,11 @@ async def _transport_row(
     """Push ``moved`` as ``version + 1`` then ``state`` as ``version + 2`` over ``transport`` to the replica at
     ``addr``: each must be served (version and checksum), the first must change its greedy tokens and the second
     bring back ``before``. Returns the row (an ``error`` in it when a step failed)."""
-    import grpc
-    import torch
+    import torch  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
-    from rlhf.transport.weights import copy_weights, pack_weights, push_weights
-    from rlhf.transport.weights.send import push_collective
-    from rlhf.v1 import rollout_pb2_grpc, weights_pb2
+    from rlhf.transport.weights import copy_weights, pack_weights, push_weights  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from rlhf.transport.weights.send import push_collective  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from rlhf.v1 import rollout_pb2_grpc, weights_pb2  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     metadata = (("authorization", f"Bearer {TOKEN}"),)
     row: dict[str, Any] = {}
@@ -117,7 +118,7 @@ GREEDY_PROMPTS = random_prompts(4, 12, seed=5)
 
 async def _greedy_grpc(stub: Any, metadata: Any) -> list[list[int]]:
     """The replica's greedy tokens for :data:`GREEDY_PROMPTS`, through its gRPC ``Generate``."""
-    from rlhf.v1 import common_pb2, rollout_pb2
+    from rlhf.v1 import common_pb2, rollout_pb2  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     req = rollout_pb2.GenerateRequest(
         prompts=[common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=x)) for x in GREEDY_PROMPTS],
@@ -130,7 +131,7 @@ async def _greedy_grpc(stub: Any, metadata: Any) -> list[list[int]]:
 def push_row_main(work: Path, addr: str, transport: str, version: int, before: str) -> int:
     """``--push-row``: one transport's row from a process of its own (NCCL: a communicator that hangs or aborts its
     process takes only this one down); prints the row as JSON."""
-    import torch
+    import torch  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     p = json.loads((work / "plan.json").read_text())
     if p["device"] == "cuda":
@@ -142,9 +143,7 @@ def push_row_main(work: Path, addr: str, transport: str, version: int, before: s
 
 
 def run(p: dict[str, Any], rec: Record) -> None:
-    import grpc
-
-    from rlhf.v1 import rollout_pb2_grpc
+    from rlhf.v1 import rollout_pb2_grpc  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     policy, _ = model_paths(p)
     state, moved = _push_weights(p)

@@ -4,6 +4,7 @@ log-probs recomputed by a plain forward."""
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 from typing import Any
@@ -12,12 +13,10 @@ from bench.device_check.common import Record, model_paths, peak_gib, random_prom
 
 
 def run(p: dict[str, Any], rec: Record) -> None:
-    import math
+    import torch  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
-    import torch
-
-    from services.rollout.hf_engine import HFEngine
-    from services.rollout.options import SamplingOptions
+    from services.rollout.hf_engine import HFEngine  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from services.rollout.options import SamplingOptions  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     policy, _ = model_paths(p)
     r = p["rollout"]

@@ -3,6 +3,7 @@ checkpoint phase uses too."""
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -10,7 +11,7 @@ from bench.device_check.common import Record, model_paths, peak_gib, sync
 
 
 def trainer_config(p: dict[str, Any]):
-    from rlhf.config import parse_config
+    from rlhf.config import parse_config  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     policy, reward = model_paths(p)
     t = p["trainer"]
@@ -44,9 +45,9 @@ def trainer_config(p: dict[str, Any]):
 def experiences(t: dict[str, Any], seed: int) -> list:
     """A PPO batch as the experience stream delivers it: random ids (prompt and response lengths vary a little),
     reference log-probs and scores; some responses end with EOS."""
-    import torch
+    import torch  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
-    from rlhf.v1 import common_pb2, experience_pb2
+    from rlhf.v1 import common_pb2, experience_pb2  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -66,11 +67,9 @@ def experiences(t: dict[str, Any], seed: int) -> list:
 
 
 def run(p: dict[str, Any], rec: Record) -> None:
-    import math
+    import torch  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
-    import torch
-
-    from services.trainer.engine import TrainerEngine
+    from services.trainer.engine import TrainerEngine  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     cfg = trainer_config(p)
     t0 = time.perf_counter()

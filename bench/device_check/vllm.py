@@ -20,8 +20,8 @@ from rlhf.procs import free_ports
 
 
 async def _bare_vllm(path: str, v: dict[str, Any], dtype: str, mode: str) -> float:
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
+    from vllm import SamplingParams  # noqa: PLC0415 - vllm: optional (absent on most device hosts); in the phase's own process
+    from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415 - vllm: optional (absent on most device hosts); in the phase's own process
 
     kw = dict(
         model=path, dtype=dtype, enforce_eager=mode == "inproc", max_model_len=512, gpu_memory_utilization=0.4, seed=0
@@ -39,8 +39,8 @@ async def _bare_vllm(path: str, v: dict[str, Any], dtype: str, mode: str) -> flo
         for i in range(len(batch))
     ]
     if mode == "inproc":  # the CPU build: LLMEngine stepped here, as the rollout engine's in-process driver does
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415 - vllm: optional (absent on most device hosts); in the phase's own process
+        from vllm.v1.engine.llm_engine import LLMEngine  # noqa: PLC0415 - vllm: optional (absent on most device hosts); in the phase's own process
 
         llm = LLMEngine.from_engine_args(EngineArgs(**kw))
 
@@ -59,8 +59,8 @@ async def _bare_vllm(path: str, v: dict[str, Any], dtype: str, mode: str) -> flo
         seconds = time.perf_counter() - t0
         del llm
         return n / seconds
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: PLC0415 - vllm: optional (absent on most device hosts); in the phase's own process
+    from vllm.v1.engine.async_llm import AsyncLLM  # noqa: PLC0415 - vllm: optional (absent on most device hosts); in the phase's own process
 
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kw))
     try:
@@ -80,8 +80,8 @@ async def _bare_vllm(path: str, v: dict[str, Any], dtype: str, mode: str) -> flo
 
 
 async def _service_engine(path: str, v: dict[str, Any], dtype: str, mode: str) -> float:
-    from services.rollout.options import SamplingOptions
-    from services.rollout.vllm_engine import VllmEngine
+    from services.rollout.options import SamplingOptions  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from services.rollout.vllm_engine import VllmEngine  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     eng = VllmEngine(
         path,
@@ -116,11 +116,11 @@ def _greedy_http(url: str, ids: list[list[int]]) -> list[list[int]]:
 
 def _vllm_transfer(p: dict[str, Any], path: str, backend: str) -> dict[str, Any]:
     """vLLM's weight-transfer API, trainer side in this process, ``vllm serve`` as the inference side."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from vllm.distributed.weight_transfer.base import ModuleSource
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    import torch  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from vllm.distributed.weight_transfer.base import ModuleSource  # noqa: PLC0415 - vllm: optional (absent on most device hosts); in the phase's own process
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient  # noqa: PLC0415 - vllm: optional (absent on most device hosts); in the phase's own process
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: PLC0415 - vllm: optional (absent on most device hosts); in the phase's own process
 
     v, dtype = p["vllm"], p["serve_dtype"]
     port, master_port = free_ports(2)  # together: two separate picks can return the same freed port
@@ -161,11 +161,11 @@ def _vllm_transfer(p: dict[str, Any], path: str, backend: str) -> dict[str, Any]
         before = _greedy_http(url, ids)
         client = HTTPVLLMWeightSyncClient(url)
         if backend == "nccl":
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo  # noqa: PLC0415 - vllm: optional (absent on most device hosts); in the phase's own process
 
             info = NCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=master_port, world_size=2)
         else:
-            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo  # noqa: PLC0415 - vllm: optional (absent on most device hosts); in the phase's own process
 
             info = IPCTrainerInitInfo(rank=0)
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
@@ -201,14 +201,14 @@ def _vllm_collective(p: dict[str, Any], path: str, backend: str) -> dict[str, An
     """The project's collective push through our services into ``VllmEngine`` (``rlhf_collective`` backend of vLLM's
     weight-transfer API in its worker); this process is the trainer. nccl on one GPU: both ranks share it, which
     NCCL refuses on many versions ("Duplicate GPU detected"): the error is then the row's result."""
-    import torch
-    from safetensors.torch import load_file
+    import torch  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from safetensors.torch import load_file  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
-    from rlhf.transport.weights import pack_weights
-    from rlhf.transport.weights.send import push_collective
-    from services.rollout.options import SamplingOptions
-    from services.rollout.vllm_engine import VllmEngine
-    from tests.support.replica import Replica
+    from rlhf.transport.weights import pack_weights  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from rlhf.transport.weights.send import push_collective  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from services.rollout.options import SamplingOptions  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from services.rollout.vllm_engine import VllmEngine  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
+    from tests.support.replica import Replica  # noqa: PLC0415 - the driver imports every phase module: this loads in the phase's own process
 
     v = p["vllm"]
     state = load_file(str(Path(path) / "model.safetensors"))

@@ -14,14 +14,22 @@ import argparse
 import asyncio
 import json
 import shutil
+import statistics
+import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+
+from safetensors.torch import load_file
+
+from rlhf.procs import http_ready
+from rlhf.tiny import TinySpec, build_tiny
+from rlhf.transport import pack_weights, push_weights_many
+from tests.cluster import netns
 
 
 async def _push(targets: list[str], weights, version: int, transport: str, token: str) -> float:
-    from rlhf.transport import pack_weights, push_weights_many
-
     packed = pack_weights(weights, version)
     t0 = time.perf_counter()
     res = await push_weights_many(targets, packed, token=token, timeout=120.0, transport=transport)
@@ -34,8 +42,6 @@ async def _push(targets: list[str], weights, version: int, transport: str, token
 
 async def _push_once(targets: list[str], weights, version: int, transport: str, token: str, timeout: float) -> dict:
     """One push, each target's outcome (``--cut-test``: the harness cuts a link while it runs)."""
-    from rlhf.transport import pack_weights, push_weights_many
-
     packed = pack_weights(weights, version)
     print("pushing", flush=True)
     t0 = time.perf_counter()
@@ -59,7 +65,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cut-test", action="store_true", help="one push, say 'pushing' as it starts, report outcomes")
     ap.add_argument("--timeout", type=float, default=120.0, help="the push's deadline (the trainer's: 120 s)")
     args = ap.parse_args(argv)
-    from safetensors.torch import load_file
 
     weights = load_file(str(Path(args.policy) / "model.safetensors"))
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
@@ -108,8 +113,6 @@ c.close()
 
 def raw_link(cluster, src: str, dst: str, mib: int = 256, port: int = 5201) -> dict:
     """One TCP stream of ``mib`` MiB from ``src`` to ``dst`` across the bridge: what a link carries at most here."""
-    import subprocess
-
     sink = subprocess.Popen(
         cluster.net.host(dst).wrap([sys.executable, "-c", _SINK, str(port)]), stdout=subprocess.PIPE, text=True
     )
@@ -131,8 +134,6 @@ def measure(cluster, rounds: int = 5) -> dict:
     """Weight pushes from trainer-0 to both replicas over tcp and the gloo collective, after the ring ended: the
     ring's own tiny policy to its replicas, then a 36M-parameter policy (144 MB in float32) to two extra replicas
     started for it on the rollout hosts, where the links' bandwidth, not the per-push overhead, sets the time."""
-    from rlhf.tiny import TinySpec, build_tiny
-
     replicas = ["rollout-0", "rollout-1"]
     out: dict = {"raw_tcp_link": raw_link(cluster, "trainer-0", "rollout-0")}
     policy = cluster.dir / "cache" / "tiny" / "policy"
@@ -175,8 +176,6 @@ def cut_mid_push(
     """A push of the larger policy over tcp (deadline ``timeout``) with rollout-1's link cut ``cut_after_s`` into it
     (the transfer takes about 0.3 s), back ``outage_s`` later; then one more push. Each replica must serve the old
     version or the new one, whole (a cut transfer installs nothing), and both the version of the push after."""
-    import subprocess
-
     http = 8001
     targets = ",".join(f"{cluster.ip(h)}:50061" for h in replicas)
     old = [_served(cluster, h, http) for h in replicas]
@@ -220,8 +219,6 @@ def cut_mid_push(
 
 
 def _wait_http(url: str, timeout: float) -> None:
-    from rlhf.procs import http_ready
-
     deadline = time.monotonic() + timeout
     while not http_ready(url, timeout=2):
         if time.monotonic() > deadline:
@@ -230,11 +227,6 @@ def _wait_http(url: str, timeout: float) -> None:
 
 
 def _bench(cluster, replicas: list[str], grpc_port: int, http: str, policy: Path, transport: str, rounds: int) -> dict:
-    import statistics
-    import subprocess
-
-    from tests.cluster import netns
-
     http_port = 8000 if http == "http" else int(http)
     targets = ",".join(f"{cluster.ip(h)}:{grpc_port}" for h in replicas)
     version = max(_served(cluster, h, http_port) for h in replicas) + 1
@@ -269,7 +261,5 @@ def _bench(cluster, replicas: list[str], grpc_port: int, http: str, policy: Path
 
 
 def _served(cluster, host: str, port: int = 8000) -> int:
-    import urllib.request
-
     with urllib.request.urlopen(f"http://{cluster.ip(host)}:{port}/v1/weights/version", timeout=5) as r:
         return int(json.loads(r.read())["version"])

@@ -55,17 +55,25 @@ import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
+import httpx
 import yaml
 
 from rlhf.procs import Child, http_ready, log_tail
+from rlhf.tiny import build_tiny
+from rlhf.transport import connect, queue_stats
+from rlhf.transport.keys import RunKeys
+from rlhf.v1 import experience_pb2
 from tests.cluster import netns
+from tests.cluster.pushbench import measure
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -380,8 +388,6 @@ class Cluster:
                 time.sleep(0.5)
 
     def start(self) -> None:
-        from rlhf.tiny import build_tiny
-
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config.write_text(yaml.safe_dump(experiment(), sort_keys=False))
         build_tiny(self.dir / "cache" / "tiny")  # every host reads it from the shared folder (an image's models)
@@ -432,8 +438,6 @@ class Cluster:
         return "\n".join(f"--- {p.name}\n{log_tail(p.log_path, 12)}" for p in self.procs if p.log_path)
 
     def redis_call(self, fn):
-        from rlhf.transport import connect
-
         async def main():
             r = connect(self.redis_url)
             try:
@@ -506,8 +510,6 @@ class Cluster:
 
     def rollout_errors(self) -> dict[str, float]:
         """``rlhf_errors_total`` of both replicas by kind (their /metrics)."""
-        import urllib.request
-
         out: dict[str, float] = {}
         for h in ("rollout-0", "rollout-1"):
             with contextlib.suppress(OSError), urllib.request.urlopen(self.url(h) + "/metrics", timeout=5) as r:
@@ -629,8 +631,6 @@ class Cluster:
 
     # ------------------------------------------------------------ end
     def finish(self) -> None:
-        import httpx
-
         self.wait_step_after(self.steps() + 1)
         url, headers = self.url("trainer-0"), {"Authorization": f"Bearer {TOKEN}"}
         httpx.post(url + "/v1/pause", headers=headers, timeout=60).raise_for_status()
@@ -641,10 +641,6 @@ class Cluster:
             self.proc(node).stop(60)
 
     def ledger(self) -> dict:
-        from rlhf.transport import queue_stats
-        from rlhf.transport.keys import RunKeys
-        from rlhf.v1 import experience_pb2
-
         keys = RunKeys(RUN_ID)
 
         def read(key: str) -> list[str]:
@@ -765,8 +761,6 @@ def main(argv: list[str] | None = None) -> int:
         say(str(err))
         return 3
     if directory.exists():
-        import shutil
-
         shutil.rmtree(directory)
     _ACTIVE.append(cluster)
     atexit.register(_teardown)
@@ -795,8 +789,6 @@ def main(argv: list[str] | None = None) -> int:
             "faults": cluster.faults,
         }
         if not args.no_push_bench:
-            from tests.cluster.pushbench import measure
-
             try:
                 result["weight_push"] = measure(cluster)
             except Exception as err:  # noqa: BLE001 - a figure, not the check: reported, the ledger stands

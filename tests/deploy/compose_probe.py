@@ -180,9 +180,9 @@ def cmd_version(rollout: str) -> None:
 
 def cmd_ledger(run_dir: str, config: str) -> None:
     """In the trainer image: the run finished, its files are in the volume, and the ledger holds every job once."""
-    from rlhf.config import load_config
-    from rlhf.data import PromptCursor, load_prompts
-    from services.trainer.checkpoint import latest_checkpoint
+    from rlhf.config import load_config  # noqa: PLC0415 - rlhf: only the ledger command, in the trainer image (the host side is stdlib only)
+    from rlhf.data import PromptCursor, load_prompts  # noqa: PLC0415 - rlhf: only the ledger command, in the trainer image (the host side is stdlib only)
+    from services.trainer.checkpoint import latest_checkpoint  # noqa: PLC0415 - rlhf: only the ledger command, in the trainer image (the host side is stdlib only)
 
     cfg = load_config(config)
     run = Path(run_dir)

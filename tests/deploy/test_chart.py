@@ -14,6 +14,8 @@ from deploy_contract import parse_container_command, unknown_env
 from deploy_support import CHART, ROOT, SERVICES, containers, helm_template, parse_docs, render
 
 from rlhf.config import load_config, parse_config
+from rlhf.serving import ServiceSettings
+from rlhf.transport.connection import WaitPolicy, parse_redis_url
 
 ACCELERATOR = {"gpu": "nvidia.com/gpu", "npu": "huawei.com/Ascend910"}
 DEVICE = {"default": "cpu", "gpu": "cuda", "npu": "npu"}
@@ -117,7 +119,7 @@ def test_trainer_runs_under_torchrun_single_node_by_default(rendered):
 
 
 def _torchrun_args(container: dict):
-    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import get_args_parser  # noqa: PLC0415 - torch: only for a torchrun command line, the deploy checks load no torch otherwise
 
     assert container["args"][0] == "torchrun"
     return get_args_parser().parse_args(container["args"][1:])
@@ -296,8 +298,6 @@ def _redis_env(r) -> dict:
 
 
 def test_external_sentinel_group_builds_the_url_the_services_parse(helm):
-    from rlhf.transport.connection import WaitPolicy, parse_redis_url
-
     r = render(helm, *SENTINEL, "--set", "redis.external.waitReplicas=1", "--set", "redis.external.waitTimeoutMs=500")
     assert not [s for s in r.kind("StatefulSet") if s["metadata"]["labels"]["app.kubernetes.io/component"] == "redis"]
     env = _redis_env(r)
@@ -318,8 +318,6 @@ def test_external_sentinel_group_builds_the_url_the_services_parse(helm):
 
 
 def test_external_cluster_builds_the_url_the_services_parse(helm):
-    from rlhf.transport.connection import parse_redis_url
-
     r = render(helm, *CLUSTER)
     env = _redis_env(r)
     assert "REDIS_PASSWORD" not in env  # no passwordSecret: no password
@@ -1002,8 +1000,6 @@ def test_environment_values_that_would_launch_nothing_fail_the_render(helm, extr
 
 
 def test_weight_sync_delta_sets_the_trainers_variable(rendered, helm):
-    from rlhf.serving import ServiceSettings
-
     for name, r in rendered.items():
         assert "RLHF_WEIGHTS_DELTA" not in env_of(containers(r.component("Job", "trainer"))[0]), name  # off
     r = render(helm, "--set", "weightSync.delta=auto")

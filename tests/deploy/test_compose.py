@@ -13,13 +13,16 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from deploy_contract import parse_container_command, unknown_env
 from deploy_support import COMPOSE_FILES, ROOT, SERVICES
+from test_compose_local import interpolate  # Compose's variable interpolation
 
 from rlhf.config import load_config
 from rlhf.procs import HOST, Child, free_ports
+from rlhf.serving import ServiceSettings
 
 
 def test_base_file_runs_the_cpu_demo(compose_files):
@@ -244,7 +247,6 @@ def test_accelerator_overrides_choose_the_weight_transport_and_cpu_keeps_auto(
     assert env.get("RLHF_WEIGHTS_COLLECTIVE_BACKEND", "auto") == backend
     assert env["RLHF_DEVICE"] == ("cuda" if override == "compose.gpu.yaml" else "npu")  # the anchor's keys merged
     # the settings the trainer builds from them are accepted (a typo or a backend without the transport is refused)
-    from rlhf.serving import ServiceSettings
 
     merged = {k: str(v) for k, v in env.items() if k.startswith("RLHF_WEIGHTS_")}
     settings = ServiceSettings.from_env(merged)
@@ -274,8 +276,6 @@ def test_hccl_override_puts_trainer_and_rollout_on_the_host_network_and_wires_th
     """Issue 27.5: with network_mode host, trainer and rollout cannot resolve service names: every address they use
     is 127.0.0.1 and a port the host really has (a published port of reward/reference/Redis, or the peer's own), and
     the ports they listen on do not clash on the shared network."""
-    from rlhf.serving import ServiceSettings
-
     merged = _merged(("compose.npu.yaml", "compose.npu-hccl.yaml"))
     redis, reward, reference = (merged[n] for n in ("redis", "reward", "reference"))
     host_ports = {
@@ -349,7 +349,6 @@ def test_environment_override_merged(overrides, flavour):
     target = mount["target"] if isinstance(mount, dict) else str(mount).split(":")[1]
     assert target == "/etc/rlhf/config.yaml"
     assert _published(env["ports"], 8000) == 8004
-    from rlhf.serving import ServiceSettings
 
     settings = ServiceSettings.from_env({k: str(v) for k, v in env["environment"].items()})
     assert (settings.grpc_port, settings.http_port, settings.api_token) == (50051, 8000, "t")
@@ -374,9 +373,6 @@ def test_environment_override_needs_a_config_that_names_the_environment():
 def test_environment_service_runs_as_the_override_defines_it(compose_files, tmp_path):
     """The override's command and environment as a local process (free loopback ports for 50051 / 8000, the config
     file for the mount): the image's health check passes on /readyz, and an episode call needs the token."""
-    import httpx
-    from test_compose_local import interpolate  # Compose's variable interpolation
-
     svc = compose_files["compose.environment.yaml"]["services"]["environment"]
     config = tmp_path / "config.yaml"
     cfg = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())

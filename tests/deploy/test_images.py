@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import importlib.util
 import os
 import re
 import subprocess
@@ -11,7 +12,10 @@ import threading
 import tomllib
 
 import pytest
+import yaml
+from deploy_contract import unknown_env
 from deploy_support import ROOT, SERVICES
+from packaging.requirements import Requirement
 
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 
@@ -102,8 +106,6 @@ def test_dockerignore_keeps_the_context_small():
 
 @pytest.mark.parametrize(("status", "expected"), [(200, 0), (503, 1)])
 def test_healthcheck_script(monkeypatch, status, expected):
-    import importlib.util
-
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # http.server's naming
             self.send_response(status if self.path == "/readyz" else 404)
@@ -128,8 +130,6 @@ def test_healthcheck_script(monkeypatch, status, expected):
 
 
 def test_image_env_vars_are_known_to_the_code():
-    from deploy_contract import unknown_env
-
     text = re.sub(r"\\\n\s*", " ", DOCKERFILE.read_text())
     names = {m for line in re.findall(r"^ENV (.+)$", text, re.M) for m in re.findall(r"(\w+)=", line)}
     assert "RLHF_CONFIG" in names and "VLLM_CPU_KVCACHE_SPACE" in names
@@ -190,8 +190,6 @@ def test_version_sets_are_one_per_accelerator_and_the_readme_states_them():
 
 
 def test_project_transformers_range_admits_every_base():
-    from packaging.requirements import Requirement
-
     args = dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE.read_text(), re.M))
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     (req,) = [Requirement(d) for d in deps if d.startswith("transformers")]
@@ -202,8 +200,6 @@ def test_project_transformers_range_admits_every_base():
 def test_project_torch_range_admits_every_base_and_the_images_leave_the_plots_out():
     """torch is a range in the package metadata; the tested versions are the set-up's pin and the bases'. The images
     install the core dependencies only (docker/install.sh), so matplotlib and TensorBoard stay in the plots extra."""
-    from packaging.requirements import Requirement
-
     args = dict(re.findall(r"^ARG (\w+)=(\S+)$", DOCKERFILE.read_text(), re.M))
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     deps = [Requirement(d) for d in project["dependencies"]]
@@ -217,9 +213,6 @@ def test_project_torch_range_admits_every_base_and_the_images_leave_the_plots_ou
 def test_the_images_read_the_parquet_data_the_shipped_configs_name():
     """The trainer reads data.path; the GPU/NPU configs compose and the Helm examples run name a parquet file, and
     the images install the core dependencies only, so pyarrow is one of them."""
-    import yaml
-    from packaging.requirements import Requirement
-
     parquet = [
         c.name
         for c in (ROOT / "configs").glob("*.yaml")

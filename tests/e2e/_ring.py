@@ -30,6 +30,7 @@ import yaml
 
 from rlhf.transport import connect, queue_stats
 from rlhf.transport.keys import RunKeys
+from rlhf.v1 import experience_pb2
 from tests.integration._procs import REPO, ServiceProc, write_config
 from tests.support.redis import RedisServer as Redis
 
@@ -314,8 +315,6 @@ class Ring:
 
     def stream_job_ids(self, which: str) -> list[str]:
         """The job ids of every entry still in the ``prompts`` or ``experience`` stream."""
-        from rlhf.v1 import experience_pb2
-
         keys = RunKeys(self.run_id)
         stream = keys.prompts if which == "prompts" else keys.experience
         cls = experience_pb2.PromptJob if which == "prompts" else experience_pb2.Experience

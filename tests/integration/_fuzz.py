@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import contextlib
 
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
 
 
 def fuzz_openapi(base_url: str, max_examples: int = 30, skip: tuple[str, ...] = ()) -> int:
     """Fuzz every operation; return the number of requests sent. Raises on the first 5xx (with the reproducer)."""
-    import schemathesis
-    from schemathesis import GenerationMode
-    from schemathesis.checks import not_a_server_error
-
     schema = schemathesis.openapi.from_url(base_url + "/openapi.json")
     sent = 0
     for result in schema.get_all_operations():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.server
 import json
@@ -46,7 +47,6 @@ def serve(handler: type[JSONHandler]) -> Iterator[StubServer]:
 
 def score_and_close(engine, items):
     """``engine.score(items)`` on a fresh event loop, then the engine's HTTP clients closed (they belong to it)."""
-    import asyncio
 
     async def go():
         try:

@@ -10,6 +10,8 @@ import random
 
 import pytest
 
+import services.reference.engine as ref_mod
+import services.reward.engine as rew_mod
 from rlhf.config import parse_config
 from rlhf.serving import InvalidArgument, ServiceMetrics
 from services.reference.engine import LogProbsItem, ReferenceEngine
@@ -154,9 +156,6 @@ def test_reward_model_merged_equals_alone(tiny_models):
 def test_big_requests_validate_off_the_loop_with_the_same_results(ref_engine, tiny_models, monkeypatch):
     """Validation (and the reward model's tokenising) of big requests runs in a worker thread: same results, same
     errors naming the field (forced here by a threshold of 0)."""
-    import services.reference.engine as ref_mod
-    import services.reward.engine as rew_mod
-
     eng, _ = ref_engine
     reqs = _requests(4, 3)
     inline = [asyncio.run(eng.logprobs(r))[0] for r in reqs]

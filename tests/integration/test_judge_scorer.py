@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from rlhf.config import ConfigError, parse_config
+from rlhf.procs import free_port
 from services.reward.engine import RewardEngine
 from services.reward.scorers import Item
 from tests.integration._http_stub import JSONHandler, score_and_close, serve
@@ -193,8 +194,6 @@ def test_retry_recovers(fresh):
 
 
 def test_unreachable():
-    from rlhf.procs import free_port
-
     sc = {
         "type": "judge",
         "retries": 0,

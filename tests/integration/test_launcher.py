@@ -8,23 +8,30 @@ one needs the trainer and rollout services: it is skipped while ``services.train
 
 from __future__ import annotations
 
+import datetime
+import http.server
 import importlib.util
 import io
+import ipaddress
 import json
 import math
 import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import redis as redis_py
 import yaml
 
-from rlhf import procs
+from rlhf import preflight, procs, runlog
+from rlhf.serving.settings import KNOWN_ENV_VARS, ServiceSettings
 from services import launcher, plan, progress, report
 from services.cli import main as cli_main
 
@@ -107,8 +114,6 @@ def test_plan_services_several_rollout_replicas(tmp_path):
 
 
 def test_every_variable_set_is_known_to_the_services(tmp_path):
-    from rlhf.serving.settings import KNOWN_ENV_VARS, ServiceSettings
-
     for spec in plan.plan_services(redis_url="redis://h:1/0", run_id="r", api_token="t", run_dir=tmp_path):
         env = plan.child_env(spec.env, base={})
         unknown = [k for k in env if k.startswith("RLHF_") and k not in KNOWN_ENV_VARS]
@@ -143,7 +148,6 @@ def test_private_redis_start_and_stop(tmp_path):
     redis = launcher.RedisChild(tmp_path / "redis", tmp_path / "logs" / "redis.log").start()
     try:
         redis.wait_ready()
-        import redis as redis_py
 
         client = redis_py.Redis.from_url(redis.url)
         client.set("k", "v")
@@ -292,8 +296,6 @@ def test_up_finds_a_config_by_name_and_the_services_read_it_with_the_overrides(t
     """`rlhf up --config-name NAME KEY=VALUE ...` as the seeds launch (`ray_gpt.py --config-name ...`): NAME.yaml
     from the configs folder, the overrides validated and written to the run folder's config.yaml, which is the file
     every service is started with. (Preflight and the services are stood in for: the first start stops the run.)"""
-    from rlhf import preflight
-
     started = []
 
     def start(self, spec, config):
@@ -369,8 +371,6 @@ def test_metrics_tail_reads_only_complete_lines(tmp_path):
 
 
 def test_metrics_tail_of_a_resumed_run_skips_old_lines_and_follows_a_cut(tmp_path):
-    from rlhf import runlog
-
     path = tmp_path / "metrics.jsonl"
     for step in range(1, 6):
         runlog.append(path, {"step": step})
@@ -445,7 +445,7 @@ def _synthetic_metrics(path: Path, steps: int = 12) -> None:
 def _assert_png(path: Path) -> None:
     assert path.is_file() and path.stat().st_size > 1000
     assert path.read_bytes()[:8] == PNG_MAGIC
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415 - Pillow: comes with matplotlib (the plots extra)
 
     with Image.open(path) as im:
         im.verify()
@@ -684,13 +684,10 @@ def test_ctrl_c_checkpoints_and_resume_continues_without_duplicate_steps(tmp_pat
 
 def _certificates(d: Path) -> dict[str, str]:
     """A CA and a server certificate it signed for 127.0.0.1 / localhost (PEM files in ``d``)."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from cryptography import x509  # noqa: PLC0415 - cryptography: not a dependency, its tests importorskip it
+    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415 - cryptography: not a dependency, its tests importorskip it
+    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415 - cryptography: not a dependency, its tests importorskip it
+    from cryptography.x509.oid import NameOID  # noqa: PLC0415 - cryptography: not a dependency, its tests importorskip it
 
     now = datetime.datetime.now(datetime.UTC)
 
@@ -724,10 +721,6 @@ def _certificates(d: Path) -> dict[str, str]:
 
 def test_readiness_poll_says_when_the_certificate_does_not_verify(tmp_path):
     """TLS without the right RLHF_TLS_CA: a clear error at once, not a 600 s wait for readiness."""
-    import http.server
-    import ssl
-    import threading
-
     pytest.importorskip("cryptography")
     paths = _certificates(tmp_path)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

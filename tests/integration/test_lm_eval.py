@@ -14,7 +14,10 @@ import httpx
 import lm_eval  # the `eval` extra, which `make setup` installs: the test fails rather than skips without it
 import pytest
 import torch
+from lm_eval.tasks import TaskManager
 
+from rlhf.models import load_causal_lm, load_tokenizer
+from services.cli import main
 from tests.integration._procs import REPO, ServiceProc
 
 CONFIG = REPO / "configs/demo.yaml"
@@ -53,8 +56,6 @@ def svc(request, stack):
 
 @pytest.fixture(scope="module")
 def policy(tiny_models):
-    from rlhf.models import load_causal_lm, load_tokenizer
-
     return load_tokenizer(tiny_models.policy), load_causal_lm(tiny_models.policy, device="cpu").eval()
 
 
@@ -144,8 +145,6 @@ metric_list:
 
 
 def test_lm_eval_local_completions(svc, policy, tiny_models, tmp_path):
-    from lm_eval.tasks import TaskManager
-
     tok, _ = policy
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
@@ -197,8 +196,6 @@ EVAL_PROMPTS = [{"prompt": f"what is {a} plus {b}?", "label": str(a + b)} for a,
 def test_rlhf_eval_writes_the_trainers_eval_rows(stack, tmp_path, capsys):
     """``rlhf eval --rollout --reward``: the eval section through running services, reported as the trainer's
     evaluation reports (a metrics.jsonl row of eval/* metrics, TensorBoard), the row on stdout."""
-    from services.cli import main
-
     data = tmp_path / "heldout.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in EVAL_PROMPTS))
     out = tmp_path / "run"

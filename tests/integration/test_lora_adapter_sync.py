@@ -11,10 +11,17 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from rlhf.algo import logprobs_from_logits
+from rlhf.lora import adapter_push_state_dict, merged_state_dict, wrap_lora
+from rlhf.models import causal_lm_logits, load_causal_lm
 from rlhf.serving.errors import InvalidArgument
+from rlhf.transport.weights import pack_weights, push_weights, push_weights_many
 from rlhf.transport.weights.errors import StaleVersion
 from services.rollout.options import SamplingOptions
+from services.rollout.vllm_engine import VllmEngine
+from services.rollout.vllm_lora import LoraSpec
 from tests.support.replica import Replica
 
 pytest.importorskip("peft")
@@ -26,9 +33,6 @@ PROMPTS = [[2, 5, 6, 7], [2, 40, 41, 42, 43]]
 @pytest.fixture(scope="module")
 def adapters(tiny_models):
     """Two trained-looking adapters (B drawn at random: PEFT starts it at 0) and their merged models' weights."""
-    from rlhf.lora import adapter_push_state_dict, merged_state_dict, wrap_lora
-    from rlhf.models import load_causal_lm
-
     out = []
     for seed in (1, 2):
         model = wrap_lora(load_causal_lm(tiny_models.policy), 8, 16.0, TARGETS)
@@ -42,9 +46,6 @@ def adapters(tiny_models):
 
 
 def _logprobs(tiny_models, weights, prompt, tokens):
-    from rlhf.algo import logprobs_from_logits
-    from rlhf.models import causal_lm_logits, load_causal_lm
-
     model = load_causal_lm(tiny_models.policy).eval()
     model.load_state_dict(weights)
     with torch.no_grad():
@@ -55,11 +56,6 @@ def _logprobs(tiny_models, weights, prompt, tokens):
 def test_vllm_serves_each_pushed_adapter_as_the_merged_model_and_unloads_the_old_one_after_its_requests(
     tiny_models, adapters, monkeypatch
 ):
-    from safetensors.torch import load_file
-
-    from services.rollout.vllm_engine import VllmEngine
-    from services.rollout.vllm_lora import LoraSpec
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
         os.environ.setdefault(k, v)
@@ -114,10 +110,6 @@ def test_vllm_serves_each_pushed_adapter_as_the_merged_model_and_unloads_the_old
 def test_an_adapter_push_reaches_vllm_over_the_data_plane_and_the_collective_path(tiny_models, adapters, monkeypatch):
     """Through the rollout servicer, as the trainer pushes: Open / data plane / Commit, then a gloo broadcast; each
     time the replica serves the pushed adapter under the pushed version and checksum."""
-    from rlhf.transport.weights import pack_weights, push_weights, push_weights_many
-    from services.rollout.vllm_engine import VllmEngine
-    from services.rollout.vllm_lora import LoraSpec
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
         os.environ.setdefault(k, v)

@@ -23,9 +23,23 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from fastapi import Depends
+from fastapi.testclient import TestClient
 
 from rlhf.config import ExperimentConfig, load_config
-from rlhf.serving import ServiceMetrics, ServiceSettings
+from rlhf.local_redis import LocalRedis
+from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings, http_token_dependency
+from rlhf.serving.http import create_app
+from services.environment import http_app as environment_http
+from services.environment.engine import EnvironmentEngine
+from services.reference import http_app as reference_http
+from services.reference.engine import ReferenceEngine
+from services.reward import http_app as reward_http
+from services.reward.engine import RewardEngine
+from services.rollout import http_app as rollout_http
+from services.rollout.factory import make_engine
+from services.trainer import http_app as trainer_http
+from services.trainer.loop import Trainer
 
 schemathesis = pytest.importorskip("schemathesis")
 
@@ -72,7 +86,7 @@ _refusable: dict[str, list[str]] = {}  # MAY_REFUSE_VALID_DATA of the service un
 
 
 def _config(may_refuse: dict[str, list[str]]):
-    from schemathesis.config import SchemathesisConfig
+    from schemathesis.config import SchemathesisConfig  # noqa: PLC0415 - schemathesis: after the module's importorskip
 
     # A body over the configured limit is refused (413) whatever it holds.
     positive = ["2xx", "401", "403", "404", "409", "413", "429"]
@@ -145,55 +159,39 @@ def _settings() -> ServiceSettings:
 
 
 def _rollout_app():
-    from services.rollout.factory import make_engine
-    from services.rollout.http_app import build_app
-
     metrics = ServiceMetrics("rollout")
     engine = make_engine(load_config(REPO / "configs" / "demo.yaml"), kind="hf", device="cpu")
-    app = build_app(engine, _settings(), metrics)
+    app = rollout_http.build_app(engine, _settings(), metrics)
     _on_loop(app, engine.start, engine.close)
     return app
 
 
 def _reward_app(config: str = "demo.yaml"):
-    from services.reward.engine import RewardEngine
-    from services.reward.http_app import build_app
-
     metrics = ServiceMetrics("reward")
     engine = RewardEngine(load_config(REPO / "configs" / config), device="cpu", metrics=metrics)
-    app = build_app(engine, _settings(), metrics)
+    app = reward_http.build_app(engine, _settings(), metrics)
     _on_loop(app, engine.start, engine.close)
     return app
 
 
 def _reference_app():
-    from services.reference.engine import ReferenceEngine
-    from services.reference.http_app import build_app
-
     metrics = ServiceMetrics("reference")
     engine = ReferenceEngine(load_config(REPO / "configs" / "demo.yaml"), device="cpu", metrics=metrics)
-    app = build_app(engine, _settings(), metrics)
+    app = reference_http.build_app(engine, _settings(), metrics)
     _on_loop(app, engine.start, engine.close)
     return app
 
 
 def _environment_app():
-    from services.environment.engine import EnvironmentEngine
-    from services.environment.http_app import build_app
-
     metrics = ServiceMetrics("environment")
     # Echo (tests/integration/_environments.py) answers any turn; the calculator refuses a reset without a label (500)
     engine = EnvironmentEngine({"python:_environments:Echo": {"turns": 2}}, metrics=metrics)
-    app = build_app(engine, _settings(), metrics)
+    app = environment_http.build_app(engine, _settings(), metrics)
     _on_loop(app, engine.start, engine.close)
     return app
 
 
 def _trainer_app(redis_url: str, run_dir: Path):
-    from rlhf.serving import ServiceRunner
-    from services.trainer.http_app import build_app
-    from services.trainer.loop import Trainer
-
     cfg = ExperimentConfig.model_validate(
         {
             "run_id": "contract",
@@ -220,15 +218,13 @@ def _trainer_app(redis_url: str, run_dir: Path):
     settings = ServiceSettings(api_token=TOKEN, redis_url=redis_url, run_dir=str(run_dir), max_body_bytes=1 << 20)
     metrics = ServiceMetrics("trainer")
     trainer = Trainer(cfg, settings, ServiceRunner("trainer", settings, metrics))
-    app = build_app(trainer, settings, metrics)
+    app = trainer_http.build_app(trainer, settings, metrics)
     _on_loop(app, trainer.start, trainer.stop)
     return app
 
 
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
-    from rlhf.local_redis import LocalRedis
-
     with LocalRedis(tmp_path_factory.mktemp("contract-redis")) as server:
         yield server.url
 
@@ -238,7 +234,7 @@ def lifespans(redis_url):
     """The engines run until the module is done (schemathesis keeps an ASGI app's lifespan open); the trainer stops
     before its Redis does."""
     yield
-    from schemathesis.python.asgi import shutdown_lifespans
+    from schemathesis.python.asgi import shutdown_lifespans  # noqa: PLC0415 - schemathesis: after the module's importorskip
 
     shutdown_lifespans()
 
@@ -246,7 +242,7 @@ def lifespans(redis_url):
 def _run(app, may_refuse: dict[str, list[str]]) -> tuple[dict[tuple[str, str], str], dict[str, dict[int, int]], int]:
     """One schemathesis run: the distinct failures (operation, check) -> report, the statuses seen per operation,
     and the number of requests sent."""
-    from schemathesis.engine import events
+    from schemathesis.engine import events  # noqa: PLC0415 - schemathesis: after the module's importorskip
 
     _refusable.clear()
     _refusable.update(may_refuse)
@@ -306,7 +302,7 @@ def test_openapi_contract(service, request, tiny_models, lifespans):
 
 def _component(doc: dict, name: str):
     """A validator for one request schema of a published OpenAPI document."""
-    import jsonschema
+    import jsonschema  # noqa: PLC0415 - jsonschema: comes with schemathesis (importorskip at module top)
 
     return jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": doc["components"]})
 
@@ -333,12 +329,6 @@ def test_the_reward_schema_states_what_the_service_refuses(tiny_models):
 
 
 def test_405_names_the_allowed_methods_and_protected_routes_document_401_and_403():
-    from fastapi import Depends
-    from fastapi.testclient import TestClient
-
-    from rlhf.serving import http_token_dependency
-    from rlhf.serving.http import create_app
-
     settings = ServiceSettings(api_token=TOKEN)
     app = create_app("toy", settings)
 

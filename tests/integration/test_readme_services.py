@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.config import load_config
 from tests.integration._procs import REPO, ServiceProc
 
 SUBSECTIONS = ("Reward", "Reference")
@@ -136,7 +137,5 @@ def test_readme_service_examples_work(shared_services, tmp_path):
 
 
 def test_every_readme_config_is_valid():
-    from rlhf.config import load_config
-
     for _, config, _, _ in parse(PAGE.read_text()).serves:
         load_config(Path(REPO / config))

@@ -3,12 +3,19 @@
 
 from __future__ import annotations
 
+import shutil
+
 import grpc
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
+from rlhf.config import parse_config
 from rlhf.v1 import reference_pb2, reference_pb2_grpc
+from services.reference.engine import ReferenceEngine
+from tests.integration._fuzz import fuzz_openapi
 
 # configs/demo.yaml (rollout temperature 1.0, ref micro_batch_size 32), shared with the docs/services.md examples
 # (tests/integration/conftest.py SHARED_SERVICES), with a 300000-byte body limit and 1 MiB messages.
@@ -38,8 +45,6 @@ def stub(ref_svc):
 @pytest.fixture(scope="module")
 def direct(tiny_models):
     """log_softmax(logits / T) of each sequence alone, with transformers directly."""
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(tiny_models.policy).eval()
 
     def logprobs(prompt_ids, response_ids, temperature=TEMPERATURE):
@@ -87,9 +92,6 @@ def test_temperature_override_and_grpc_agree(ref_svc, stub, direct):
 
 
 def test_configured_temperature():
-    from rlhf.config import parse_config
-    from services.reference.engine import ReferenceEngine
-
     arr = {"actor_rollout": {"temperature": 0.8}}
     assert ReferenceEngine(parse_config({"actor_rollout_ref": arr})).temperature == 0.8
     assert ReferenceEngine(parse_config({"actor_rollout_ref": {**arr, "ref": {"temperature": 0.5}}})).temperature == 0.5
@@ -192,8 +194,6 @@ def test_metrics(ref_svc):
 
 
 def test_openapi_fuzz_finds_no_server_errors(ref_svc):
-    from tests.integration._fuzz import fuzz_openapi
-
     assert fuzz_openapi(ref_svc.http_url, max_examples=30) > 50
     assert httpx.get(ref_svc.http_url + "/readyz").status_code == 200
 
@@ -217,10 +217,6 @@ def test_tiny_temperature_is_refused_not_nan(ref_svc, stub):
 def test_non_finite_log_probs_are_an_error_not_a_result(tiny_models, start_service, tmp_path):
     """A model that computes NaN (here: a reference model with a NaN weight) gets a 500 naming the item, never NaN
     log-probs with 200 (JSON would even show them as null)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     model = tmp_path / "nan-policy"
     shutil.copytree(tiny_models.policy, model)
     weights = load_file(str(model / "model.safetensors"))

@@ -4,18 +4,24 @@ remote scorers against a real local HTTP server that fails or hangs (an error st
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import sys
 import time
 
 import grpc
 import httpx
 import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from rlhf.config import parse_config
+from rlhf.config import ConfigError, ScorerConfig, parse_config
+from rlhf.procs import free_port as _free_port
 from rlhf.v1 import common_pb2, reward_pb2, reward_pb2_grpc
 from services.reward import rules
 from services.reward.engine import RewardEngine
-from services.reward.scorers import Item
+from services.reward.scorers import Item, RuleScorer
+from tests.integration._fuzz import fuzz_openapi
 from tests.integration._http_stub import JSONHandler, score_and_close, serve
 
 # configs/reward-tiny-model.yaml: the tiny reward model (weight 1.0) + math_answer (weight 0.5); shared with the
@@ -45,9 +51,6 @@ def stub(reward_svc):
 
 def direct_model_score(tiny_models, prompt: str, response: str) -> float:
     """The tiny reward model run by transformers itself (its own last-token pooling), no padding."""
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(tiny_models.reward)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_models.reward).eval()
     text = tok.apply_chat_template(
@@ -192,8 +195,6 @@ def test_metrics(reward_svc):
 
 
 def test_openapi_fuzz_finds_no_server_errors(reward_svc):
-    from tests.integration._fuzz import fuzz_openapi
-
     n = fuzz_openapi(reward_svc.http_url, max_examples=30)
     assert n > 50
     assert httpx.get(reward_svc.http_url + "/readyz").status_code == 200
@@ -281,8 +282,6 @@ def test_remote_scorer_retry_recovers(remote):
 
 
 def test_remote_scorer_unreachable(remote):
-    from rlhf.procs import free_port as _free_port
-
     out = _score(_engine(f"http://127.0.0.1:{_free_port()}/x", retries=0), ITEMS2)
     assert all(o.status == "scorer_error" and "cannot reach" in o.error for o in out)
 
@@ -352,7 +351,6 @@ def test_user_rule_and_bad_rule_config(tmp_path, monkeypatch):
     eng.load()
     out = _score(eng, [Item("p", "abc")])
     assert out[0].status == "scorer_error" and "KeyError" in out[0].error and out[0].components == {"longer": 4.0}
-    from rlhf.config import ConfigError
 
     bad_cases = [
         ({"type": "rule", "name": "nope"}, "unknown rule"),
@@ -371,8 +369,6 @@ EVIL = "^(a+)+$"  # catastrophic backtracking: ~6 s on 28 characters, doubling p
 
 
 def test_regex_pattern_comes_from_the_config_only():
-    from rlhf.config import ConfigError
-
     # without a pattern the label used to be compiled as one: now the scorer is refused at start-up
     with pytest.raises(ConfigError, match=r"needs kwargs \['pattern'\]"):
         RewardEngine(parse_config({"reward": {"scorers": [{"type": "rule", "name": "regex"}]}}))
@@ -409,12 +405,6 @@ def test_regex_without_pattern_refused_by_the_service(start_service):
 def test_a_raising_user_scorer_is_logged_with_its_traceback_rate_limited(tmp_path, monkeypatch, caplog):
     """A user's function that raises shows in the reward service's log (once per window, with the count left out),
     not only as an error status in the samples."""
-    import logging
-    import sys
-
-    from rlhf.config import ScorerConfig
-    from services.reward.scorers import Item, RuleScorer
-
     (tmp_path / "brokenscorer.py").write_text("def score(prompt, response, label, **kw):\n    return 1 / 0\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     sys.modules.pop("brokenscorer", None)

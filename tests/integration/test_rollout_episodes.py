@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.config import parse_config
 from rlhf.environments.base import EPISODE_ENVIRONMENT_KEY, EPISODE_MAX_TOKENS_KEY, EPISODE_MAX_TURNS_KEY
 from rlhf.serving import ServiceMetrics, ServiceSettings
 from rlhf.transport import ExperienceQueue, PromptQueue, connect
@@ -26,6 +27,8 @@ from services.environment.engine import EnvironmentEngine
 from services.environment.main import build_runner
 from services.rollout.hf_engine import HFEngine
 from services.rollout.worker import RolloutWorker
+from services.trainer.publisher import episode_metadata
+from tests.integration._procs import ServiceProc, write_config
 from tests.support import make_prompt_job
 
 RUN = "episodes-test"
@@ -36,8 +39,6 @@ HOSTED = {ECHO: {"turns": 3}, FAILING: {}}
 
 @pytest.fixture(scope="module")
 def reference(tiny_models, tmp_path_factory):
-    from tests.integration._procs import ServiceProc, write_config
-
     d = tmp_path_factory.mktemp("episodes-ref")
     cfg = write_config(d / "cfg.yaml", {"run_id": RUN, "actor_rollout_ref": {"actor_rollout": {"load": "tiny:policy"}}})
     proc = ServiceProc("reference", cfg, d / "logs", env={"RLHF_CACHE_DIR": os.environ["RLHF_CACHE_DIR"]})
@@ -171,9 +172,6 @@ def test_an_episode_the_service_lost_is_played_again(reference, redis_server):
 
 
 def test_the_environment_section_makes_jobs_episodes():
-    from rlhf.config import parse_config
-    from services.trainer.publisher import episode_metadata
-
     assert episode_metadata(parse_config({})) == {}
     cfg = parse_config({"environment": {"name": "builtin:calculator", "max_turns": 3}})
     meta = episode_metadata(cfg)

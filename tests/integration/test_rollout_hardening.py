@@ -13,7 +13,8 @@ import grpc
 import httpx
 import pytest
 
-from rlhf.v1 import rollout_pb2_grpc, weights_pb2
+from rlhf.transport.weights import manifest_checksum
+from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
 from tests.integration._procs import REPO, ServiceProc
 
 TOKEN = "hardening-token"
@@ -49,7 +50,6 @@ def test_disconnected_client_cancels_its_generation(hf_svc):
     assert after == settled, (before, settled, after)  # nothing decodes for the departed client
     assert after - before < n * max_tokens / 2, (before, after)
     # the same for a gRPC call the client cancels
-    from rlhf.v1 import common_pb2, rollout_pb2
 
     with grpc.insecure_channel(hf_svc.grpc_addr) as ch:
         req = rollout_pb2.GenerateRequest(
@@ -119,7 +119,6 @@ def test_update_weights_refuses_garbage_and_absurd_sizes_before_allocating(hf_sv
         header.tensors.add(name="model.embed_tokens.weight", dtype="F32", shape=[512, 64], bucket=0)
         header.buckets.add(index=0, nbytes=1 << 40, sha256="0" * 64)
         header.total_bytes = 1 << 40
-        from rlhf.transport.weights import manifest_checksum
 
         header.checksum = manifest_checksum(["0" * 64])
         with pytest.raises(grpc.RpcError) as e:

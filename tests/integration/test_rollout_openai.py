@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from rlhf.models import load_tokenizer
 from tests.integration._procs import REPO, ServiceProc
 
 CONFIG = "configs/demo.yaml"
@@ -36,8 +37,6 @@ def client(svc):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_models):
-    from rlhf.models import load_tokenizer
-
     return load_tokenizer(tiny_models.policy)
 
 

@@ -22,10 +22,18 @@ import time
 
 import grpc
 import httpx
+import openai
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from rlhf.algo import logprobs_from_logits
+from rlhf.models import causal_lm_logits, load_causal_lm, load_tokenizer
+from rlhf.transport.weights import pack_weights, push_weights
+from rlhf.transport.weights.dataplane import send_buckets
 from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2
+from services.rollout.hf_engine import HFEngine, apply_penalties, step_distribution
+from services.rollout.options import SamplingOptions
 from tests.integration._procs import REPO, ServiceProc
 
 CONFIG = "configs/demo.yaml"  # engine vllm, temperature 1.0, max_new_tokens 16 (also what docs/services.md uses)
@@ -96,15 +104,11 @@ def stub(svc):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_models):
-    from rlhf.models import load_tokenizer
-
     return load_tokenizer(tiny_models.policy)
 
 
 @pytest.fixture(scope="module")
 def policy_state(tiny_models):
-    from safetensors.torch import load_file
-
     return load_file(str(tiny_models.policy / "model.safetensors"))
 
 
@@ -377,8 +381,6 @@ class _Loop:
 
 @pytest.fixture(scope="module")
 def hf_engine(tiny_models):
-    from services.rollout.hf_engine import HFEngine
-
     lp = _Loop()
     eng = HFEngine(tiny_models.policy, "tiny:policy", device="cpu")
     lp.run(eng.start())
@@ -390,9 +392,6 @@ def hf_engine(tiny_models):
 @pytest.fixture(scope="module")
 def full_forward(tiny_models):
     """What the reference service computes: one unpadded forward of prompt + response, log_softmax(logits / T)."""
-    from rlhf.algo import logprobs_from_logits
-    from rlhf.models import causal_lm_logits, load_causal_lm
-
     model = load_causal_lm(tiny_models.policy).eval()
 
     def logprobs(prompt: list[int], tokens: list[int], temperature: float) -> list[float]:
@@ -407,10 +406,6 @@ def hf_sampling_logprobs(eng, prompt: list[int], tokens: list[int], o) -> list[f
     """The sampling log-probs the hf engine reports for ``tokens`` after ``prompt`` under options ``o``: one forward
     of its model over the whole sequence, then per position its own penalties (vLLM's definitions) and
     ``step_distribution`` (temperature, top-k / top-p), as its decode loop applies them."""
-    from rlhf.algo import logprobs_from_logits
-    from rlhf.models import causal_lm_logits
-    from services.rollout.hf_engine import apply_penalties, step_distribution
-
     vocab = eng.vocab_size
     with torch.no_grad():
         logits = causal_lm_logits(eng.model, torch.tensor([prompt + tokens]), pad_token_id=0)[0].float()
@@ -443,8 +438,6 @@ def test_cross_engine_sampling_logprobs_agree(svc, hf_engine, full_forward, temp
     """Same weights, same tokens (sampled by the vLLM service): vLLM's sampling log-probs, the hf engine's (its
     sampling functions over a forward of its model) and a full forward with causal_lm_logits + logprobs_from_logits
     agree."""
-    from services.rollout.options import SamplingOptions
-
     _, eng = hf_engine
     body = generate(svc, n=4, max_tokens=16, seed=5, temperature=temperature, ignore_eos=True)
     vllm_vs_full = vllm_vs_hf = hf_vs_full = 0.0
@@ -469,8 +462,6 @@ def test_cross_engine_sampling_logprobs_agree(svc, hf_engine, full_forward, temp
 def test_cross_engine_truncated_sampling_logprobs(svc, hf_engine, full_forward):
     """With top-k/top-p both engines report the renormalised truncated distribution (the one sampled from), equal to
     each other and never below the untruncated log-softmax the trainer recomputes."""
-    from services.rollout.options import SamplingOptions
-
     _, eng = hf_engine
     temp, k, p = 0.8, 40, 0.9
     body = generate(svc, n=4, max_tokens=16, seed=9, temperature=temp, top_k=k, top_p=p, ignore_eos=True)
@@ -491,8 +482,6 @@ def test_cross_engine_penalties(svc, hf_engine, full_forward):
     """frequency / presence / repetition penalties: vLLM's sampling log-probs (its SamplingParams) and the hf engine's
     (its own penalties and step distribution, on vLLM's tokens) agree, and differ from the
     unpenalized log-softmax."""
-    from services.rollout.options import SamplingOptions
-
     _, eng = hf_engine
     pen = {"frequency_penalty": 0.5, "presence_penalty": 0.3, "repetition_penalty": 1.3}
     body = generate(svc, n=3, max_tokens=16, seed=13, temperature=1.0, ignore_eos=True, **pen)
@@ -510,8 +499,6 @@ def test_cross_engine_penalties(svc, hf_engine, full_forward):
 def test_openai_client_on_vllm(svc):
     """The official client against the vLLM engine: chat (template), top_logprobs from vLLM's logprobs=k, tools, and
     seeded streams that add up to the answers given whole."""
-    import openai
-
     client = openai.OpenAI(base_url=svc.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     msgs = [{"role": "user", "content": "what is 1 plus 2?"}]
     chat = client.chat.completions.create(
@@ -552,8 +539,6 @@ def test_vllm_streams_each_engine_step(svc):
     (what each engine step added), log-probs and token ids in the chunks when asked, usage in the last chunk with
     include_usage; greedy, the stream adds up to the answer given whole (chat; completions with n = 2, each choice's
     first chunk with the prompt's ids)."""
-    import openai
-
     client = openai.OpenAI(base_url=svc.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     usage_opt = {"include_usage": True}
     extra = {"ignore_eos": True, "return_token_ids": True}
@@ -602,8 +587,6 @@ def test_vllm_streams_each_engine_step(svc):
 
 
 def _push(svc, state, version, token=TOKEN):
-    from rlhf.transport.weights import push_weights
-
     return asyncio.run(push_weights(svc.grpc_addr, state, version, token=token, timeout=120))
 
 
@@ -638,8 +621,6 @@ def test_weight_swap_changes_outputs_and_original_weights_restore_them(svc, poli
 
 
 def _updates(state, version):
-    from rlhf.transport.weights import pack_weights
-
     return list(pack_weights(state, version).updates(chunk_bytes=64 * 1024))
 
 
@@ -748,9 +729,6 @@ def test_hf_engine_service(hf_svc, policy_state, full_forward):
 def test_data_plane_is_offered_only_when_configured_and_a_cut_transfer_is_refused(svc, hf_svc, policy_state):
     """The hf service runs with RLHF_WEIGHTS_DATA_PORT=0 (its pushes above went over the data plane), the vLLM one
     without (Open answers port 0; push_weights streamed over UpdateWeights)."""
-    from rlhf.transport.weights import pack_weights
-    from rlhf.transport.weights.dataplane import send_buckets
-
     auth = (("authorization", f"Bearer {TOKEN}"),)
     v0 = served_version(hf_svc)
     packed = pack_weights(_perturbed(policy_state), v0 + 1)

@@ -18,15 +18,21 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from rlhf.models import load_causal_lm, load_tokenizer
+from rlhf.procs import free_port as _free_port
 from rlhf.serving import ServiceMetrics, ServiceSettings
 from rlhf.transport import ExperienceQueue, PromptQueue, connect, dead_letters, queue_stats
 from rlhf.v1 import common_pb2, experience_pb2
 from services.rollout.engine import EngineBase
-from services.rollout.engine_types import PromptResult, Sample
+from services.rollout.engine_types import EngineHooks, PromptResult, Sample
+from services.rollout.hf_engine import HFEngine
 from services.rollout.options import SamplingOptions
 from services.rollout.swap import read_checkpoint_manifest
 from services.rollout.worker import RolloutWorker, maybe_start_worker
+from tests.integration._procs import ServiceProc, write_config
 from tests.support import make_prompt_job
 
 RUN = "worker-test"
@@ -48,8 +54,6 @@ class _TinyEngine(EngineBase):
         self.calls = 0
 
     async def start(self) -> None:
-        from rlhf.models import load_causal_lm, load_tokenizer
-
         self._tokenizer = load_tokenizer(self.model_path)
         self._model = load_causal_lm(self.model_path).eval()
         self._manifest = read_checkpoint_manifest(self.model_path)
@@ -60,8 +64,6 @@ class _TinyEngine(EngineBase):
         return await asyncio.to_thread(self._generate_sync, prompts, params, version)
 
     def _generate_sync(self, prompts, params, version):
-        import torch
-
         out = []
         with self._lock, torch.no_grad():
             for p in prompts:
@@ -92,7 +94,7 @@ class _TinyEngine(EngineBase):
 
 def _make_engine(path: Path) -> EngineBase:
     try:
-        from services.rollout.hf_engine import HFEngine  # the service's own engine, once it exists
+        from services.rollout.hf_engine import HFEngine  # noqa: PLC0415 - the service's own engine where it imports, else the stand-in
     except ImportError:
         return _TinyEngine(path)
     return HFEngine(path, model_name="tiny:policy", dtype="float32", device="cpu")
@@ -119,8 +121,6 @@ class _Hang:
 @pytest.fixture(scope="module")
 def services(tiny_models, tmp_path_factory):
     """Reward (rule scorer ``length``) and reference services as real processes, shared by this module."""
-    from tests.integration._procs import ServiceProc, write_config
-
     d = tmp_path_factory.mktemp("worker-services")
     cfg = write_config(
         d / "cfg.yaml",
@@ -246,8 +246,6 @@ def test_jobs_in_experience_out(engine, services, redis_server):
 
 
 def test_reward_down_leaves_jobs_pending_until_it_is_back(engine, services, redis_server):
-    from rlhf.procs import free_port as _free_port
-
     async def body():
         await engine.start()
         redis = connect(redis_server.url)
@@ -369,9 +367,6 @@ def test_service_hook_scorer_errors_kept_and_invalid_jobs_dead_lettered(engine, 
 
 def test_rollout_service_in_worker_mode(services, redis_server, tmp_path, tiny_models):
     """The real rollout service process with RLHF_REDIS_URL set runs the worker next to its servers."""
-    from rlhf.models import load_tokenizer
-    from tests.integration._procs import ServiceProc, write_config
-
     tok = load_tokenizer(Path(os.environ["RLHF_CACHE_DIR"]) / "tiny" / "policy")
     cfg = write_config(
         tmp_path / "rollout.yaml",
@@ -413,11 +408,6 @@ def test_partial_rollouts_write_version_spans(services, redis_server, tiny_model
     """A push while the worker generates a job (hf engine, partial rollouts on): the record's samples carry version
     spans that cover their tokens (version 0, then 1), policy_version the oldest, reference log-probs of every token;
     the sampling log-probs of the new span agree with the reference's only where the weights are the same."""
-    import torch
-    from safetensors.torch import load_file
-
-    from services.rollout.engine_types import EngineHooks
-    from services.rollout.hf_engine import HFEngine
 
     path = Path(os.environ["RLHF_CACHE_DIR"]) / "tiny" / "policy"
     steps: list[int] = []

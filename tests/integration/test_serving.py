@@ -6,7 +6,10 @@ Most tests run a toy service in-process (no model); the SIGTERM tests run the re
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -16,7 +19,9 @@ import httpx
 import pytest
 from fastapi import Depends
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from rlhf.procs import free_port as _free_port
 from rlhf.serving import (
     ERROR_TABLE,
     KNOWN_ENV_VARS,
@@ -36,6 +41,7 @@ from rlhf.serving import (
 from rlhf.serving import errors as errors_mod
 from rlhf.serving.http import create_app
 from rlhf.v1 import common_pb2, reward_pb2, reward_pb2_grpc
+from services import cli
 
 TOKEN = "s3cret-token"
 
@@ -351,8 +357,6 @@ def test_tls_for_grpc_and_http(tmp_path):
             with pytest.raises(httpx.HTTPError):
                 await plain.get(f"http://127.0.0.1:{runner.http_port}/healthz")
 
-    import ssl
-
     ctx = ssl.create_default_context(cafile=str(cert))
     # grace 1 s: an idle keep-alive TLS connection holds the stop for the grace period (close_notify)
     run_with(toy_runner(tls_cert=str(cert), tls_key=str(key), shutdown_grace_s=1), body, client_kw={"verify": ctx})
@@ -412,8 +416,6 @@ def test_slow_clients_are_closed_within_the_read_timeouts(impl, monkeypatch):
     that trickles is cut after the body timeout. A complete request that is slow to serve is not affected. On both
     of uvicorn's HTTP implementations (auto: httptools when installed)."""
     if impl == "h11":
-        from uvicorn.protocols.http.h11_impl import H11Protocol
-
         monkeypatch.setattr("rlhf.serving.http_deadline._base_protocol", lambda: H11Protocol)
     request = b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 20\r\n\r\n"
 
@@ -453,7 +455,6 @@ def test_sigterm_graceful_shutdown_of_a_real_service(start_service, tmp_path):
     (rule_dir / "_slow_rule.py").write_text(
         "import time\n\ndef slow(prompt, response, label, delay=1.0):\n    time.sleep(delay)\n    return 1.0\n"
     )
-    import os
 
     env = {
         "PYTHONPATH": os.pathsep.join([str(rule_dir), os.environ.get("PYTHONPATH", "")]),
@@ -491,8 +492,6 @@ def test_sigterm_graceful_shutdown_of_a_real_service(start_service, tmp_path):
 
 
 def test_port_in_use_is_a_clear_error():
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -504,9 +503,6 @@ def test_port_in_use_is_a_clear_error():
 
 
 def test_cli_help_and_client_errors(capsys, tmp_path):
-    from rlhf.procs import free_port as _free_port
-    from services import cli
-
     for argv in (["--help"], ["serve", "--help"], ["score", "--help"], ["logprobs", "--help"], ["generate", "--help"]):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)

@@ -14,7 +14,10 @@ import math
 
 import openai
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from rlhf.models import load_tokenizer
 from rlhf.tool_calls import template_messages
 from tests.integration._procs import ServiceProc, write_config
 
@@ -52,11 +55,6 @@ def _render(tok, messages: list[dict], tools: list[dict] | None) -> list[int]:
 def _teach_tool_call(policy_dir, out_dir) -> None:
     """Fine-tune the tiny policy on three turns (the call with tools shown, the same call without them, the answer
     after the tool's result) until greedy decoding reproduces them; save it as a model folder."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from rlhf.models import load_tokenizer
-
     tok = load_tokenizer(policy_dir)
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
     turns = [
@@ -124,8 +122,6 @@ def client(svc):
 
 @pytest.fixture(scope="module")
 def tok(taught):
-    from rlhf.models import load_tokenizer
-
     return load_tokenizer(taught)
 
 

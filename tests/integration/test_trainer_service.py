@@ -20,12 +20,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis as sync_redis
 import torch
+from safetensors.torch import load_file
 
+from rlhf import runlog
 from rlhf.checkpoints import latest_checkpoint
-from rlhf.transport import ExperienceQueue, PromptQueue, connect, queue_stats
+from rlhf.transport import ExperienceQueue, PromptQueue, connect, dead_letters, queue_stats
+from rlhf.transport.keys import PAYLOAD_FIELD, RunKeys
 from rlhf.v1 import common_pb2, experience_pb2
 from services.plan import ServiceSpec
+from services.trainer.checkpoint import incomplete_reason
 from tests.integration._procs import ServiceProc, write_config
 from tests.support import make_experience, make_sample
 
@@ -152,7 +157,7 @@ def test_trainer_trains_checkpoints_and_acks(redis_server, start_service, tmp_pa
     stats = asyncio.run(_stats(redis_server.url))
     assert stats.experience_pending == 0
     # Tracking: TensorBoard scalars of every step, and the completions table of step 2 (log_completions_interval 2).
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415 - tensorboard: the plots extra
 
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     assert [e.step for e in events.Scalars("reward/mean")] == [1, 2, 3]
@@ -220,9 +225,6 @@ def _poison(index: int, exp: experience_pb2.Experience) -> None:
 
 def test_poison_records_are_dead_lettered_and_the_run_goes_on(redis_server, start_service, tmp_path):
     """Each of these records used to end the step (IndexError) or turn every weight into NaN, on every restart."""
-    from rlhf.transport import dead_letters
-    from rlhf.transport.keys import PAYLOAD_FIELD, RunKeys
-
     run_dir = tmp_path / "run"
     env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
     trainer = start_service("trainer", _config(tmp_path, train_iters=3, save_interval=1), env=env)
@@ -260,7 +262,6 @@ def test_poison_records_are_dead_lettered_and_the_run_goes_on(redis_server, star
     reasons = " | ".join(d["reason"] for d in asyncio.run(letters()))
     assert "outside the vocabulary [0, 512)" in reasons and "non-finite score" in reasons
     # The weights stayed finite, and the final policy loads.
-    from safetensors.torch import load_file
 
     for f in (run_dir / "checkpoints" / "step_3" / "policy").glob("*.safetensors"):
         for name, t in load_file(f).items():
@@ -295,8 +296,6 @@ def test_trainer_killed_before_its_first_checkpoint_starts_over(redis_server, st
 
 
 def test_concurrent_checkpoint_calls_write_whole_checkpoints(redis_server, start_service, tmp_path):
-    from services.trainer.checkpoint import incomplete_reason
-
     run_dir = tmp_path / "run"
     env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
     trainer = start_service("trainer", _config(tmp_path, train_iters=3, save_interval=100), env=env)
@@ -326,7 +325,6 @@ def test_concurrent_checkpoint_calls_write_whole_checkpoints(redis_server, start
 def test_a_scorer_failing_on_most_samples_stops_the_run_naming_it(redis_server, start_service, tmp_path):
     """Training on the few samples that still score would be training on another reward, silently: the trainer
     stops (exit 3, not restarted by supervisors) after reward.failed_patience steps, naming the scorer."""
-    from rlhf import runlog
 
     def fail_most(index: int, exp: experience_pb2.Experience) -> None:
         if index >= 4:  # the first batch scores fine; then the first sample of every record fails, both of 1 in 4
@@ -353,10 +351,6 @@ def test_admission_writes_lost_with_the_last_second_of_aof_heal(redis_server, st
     """Redis acknowledges writes before its AOF is on disk (everysec): a machine crash can take back the last
     second. Here that second held the trainer's last trained count and the 4 jobs it then issued: a synchronous ring
     then has no free slot (so no job, so no step to write the count again) and used to wait forever."""
-    import redis as sync_redis
-
-    from rlhf.transport.keys import RunKeys
-
     run_dir = tmp_path / "run"
     env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
     trainer = start_service("trainer", _config(tmp_path, train_iters=4, save_interval=100), env=env)
@@ -384,10 +378,6 @@ def test_admission_writes_lost_with_the_last_second_of_aof_heal(redis_server, st
 def test_the_duplicate_filter_and_the_issued_ids_stay_bounded(redis_server, start_service, tmp_path):
     """A long run must not grow the trainer's memory, its checkpoints or Redis with every job id it ever trained:
     ids are kept for the last two checkpoint windows, the ledger file has them all."""
-    import redis as sync_redis
-
-    from rlhf.transport.keys import RunKeys
-
     run_dir = tmp_path / "run"
     env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
     trainer = start_service("trainer", _config(tmp_path, train_iters=8, save_interval=1), env=env)

@@ -9,6 +9,8 @@ About 22 s in all on 2 shared cores (cluster creation ~1 s, a Sentinel group ~2.
 from __future__ import annotations
 
 import asyncio
+import signal
+import socket
 import time
 
 import pytest
@@ -27,6 +29,7 @@ from rlhf.transport import (
     delete_run,
     queue_stats,
 )
+from rlhf.transport.connection import DEAD_PEER_S
 from rlhf.transport.keys import PAYLOAD_FIELD, RunKeys
 
 
@@ -165,7 +168,6 @@ def test_a_write_lost_in_a_failover_is_reissued_after_the_idle_timeout_and_wait_
     without WAIT is acknowledged by the master, the one made with ``wait_replicas=1`` raises ``ReplicationLag``. The
     master is then killed -9 and the replica promoted: neither experience survived, both jobs are still pending, and
     reclaiming them after the idle timeout (the rollout worker's re-issue) yields exactly one record per job."""
-    import signal
 
     async def body(group: LocalSentinelGroup):
         plain, waiting = connect(group.url), connect(group.url + "?wait_replicas=1&wait_timeout_ms=2000")
@@ -218,9 +220,6 @@ def test_connections_give_up_on_a_vanished_host_in_seconds_not_minutes(sentinel_
     """A host cut off (no FIN, no RST) must fail the client's connections in DEAD_PEER_S, so the retry finds the new
     master (make cluster-check's redis_master_cut): the sockets to the master and to the sentinels carry
     TCP_USER_TIMEOUT and short keepalive probes, read back from the kernel here."""
-    import socket
-
-    from rlhf.transport.connection import DEAD_PEER_S
 
     async def main():
         client = connect(sentinel_group.url)

@@ -10,6 +10,8 @@ import contextlib
 import time
 
 import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from rlhf.transport import (
     Admission,
@@ -395,8 +397,6 @@ def test_policy_version_only_moves_forward(redis_server):
 
 
 def test_bad_client_and_run_id_are_refused(redis_server):
-    import redis.asyncio as aioredis
-
     with pytest.raises(ValueError, match="decode_responses"):
         PromptQueue(aioredis.Redis.from_url(redis_server.url, decode_responses=True), RUN)
     with pytest.raises(ValueError, match="run_id"):
@@ -404,8 +404,6 @@ def test_bad_client_and_run_id_are_refused(redis_server):
 
 
 def test_read_whose_reply_was_lost_is_delivered_again(redis_server):
-    from redis.exceptions import ConnectionError as RedisConnectionError
-
     async def body():
         async with session(redis_server) as (r, pq, _):
             for i in range(3):

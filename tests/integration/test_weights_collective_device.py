@@ -20,6 +20,7 @@ import random
 import threading
 import time
 from functools import partial
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -28,7 +29,9 @@ import torch
 import rlhf.transport.weights.checksum as checksum
 import rlhf.transport.weights.collective as collective
 import rlhf.transport.weights.verify as verify
+from rlhf.serving import ServiceSettings
 from rlhf.transport.weights import CorruptUpdate, check_header, copy_weights, push_weights, push_weights_many
+from services.trainer.fleet import Fleet
 from tests.support.replica import Replica as _Replica
 
 TOKEN = "device-token"
@@ -213,11 +216,6 @@ def test_a_host_packed_bucket_received_on_a_device_still_takes_the_sha256_path()
 
 
 def test_the_trainer_packs_on_its_device_only_for_a_collective_push_over_a_device_backend(tmp_path):
-    from types import SimpleNamespace
-
-    from rlhf.serving import ServiceSettings
-    from services.trainer.fleet import Fleet
-
     sd = state_dict(4)
     engine = SimpleNamespace(policy_version=4, group=None, policy_state_dict=lambda on_device=False: sd)
 

@@ -11,9 +11,13 @@ from functools import partial
 import grpc
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rlhf.transport.weights import pack_weights, push_weights_many
+from rlhf.transport.weights.send import push_collective
+from services.rollout.hf_engine import HFEngine
 from services.rollout.options import SamplingOptions
+from services.rollout.vllm_engine import VllmEngine
 from tests.support.replica import Replica as _Replica
 
 pytestmark = pytest.mark.slow
@@ -25,8 +29,6 @@ GREEDY = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def state(tiny_models):
-    from safetensors.torch import load_file
-
     return load_file(str(tiny_models.policy / "model.safetensors"))
 
 
@@ -47,8 +49,6 @@ def test_collective_round_trip_into_hf_and_vllm_at_once(tiny_models, state, monk
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
-    from services.rollout.hf_engine import HFEngine
-    from services.rollout.vllm_engine import VllmEngine
 
     g = torch.Generator().manual_seed(7)
     perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
@@ -85,9 +85,6 @@ def test_a_backend_the_replica_cannot_run_is_refused_at_open_and_leaves_it_whole
     """A push whose group is nccl (as from a CUDA trainer) to hf replicas on CPU: each refuses at Open with
     FAILED_PRECONDITION naming nccl and its device, reserves nothing, and no group forms (no broadcast: nothing is
     copied to a device here). A gloo push right after reaches both, bit for bit."""
-    from rlhf.transport.weights.send import push_collective
-    from services.rollout.hf_engine import HFEngine
-
     g = torch.Generator().manual_seed(3)
     perturbed = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
 

@@ -26,6 +26,11 @@ import torch
 import rlhf.transport.weights.collective as collective
 from rlhf.transport.weights import pack_weights, push_weights_many
 from rlhf.v1 import weights_pb2
+from services.rollout.vllm_transfer import (
+    CollectiveBucketInfo,
+    CollectiveInitInfo,
+    RlhfCollectiveWeightTransferEngine,
+)
 from tests.support.replica import FakeEngine
 from tests.support.replica import Replica as _Replica
 
@@ -63,12 +68,6 @@ class TensorParallelEngine(FakeEngine):
         self.worker_staged: list[dict] = []
 
     async def receive_collective(self, group, ticket, header, per_bucket):
-        from services.rollout.vllm_transfer import (
-            CollectiveBucketInfo,
-            CollectiveInitInfo,
-            RlhfCollectiveWeightTransferEngine,
-        )
-
         def worker(rank: int) -> dict:
             parallel = SimpleNamespace(rank=rank, world_size=self.collective_ranks, data_parallel_index=0)
             vllm_config = SimpleNamespace(parallel_config=parallel, model_config=None)

@@ -15,8 +15,9 @@ import grpc
 import pytest
 import torch
 
+import rlhf.transport.weights.send as send_mod
 from rlhf.transport.weights import dataplane, manifest_of, pack_weights, push_weights
-from rlhf.transport.weights.dataplane import send_buckets
+from rlhf.transport.weights.dataplane import MAX_PENDING_CONNECTIONS, send_buckets
 from rlhf.transport.weights.errors import IncompleteUpdate
 from rlhf.v1 import rollout_pb2_grpc, weights_pb2
 from services.rollout.engine_types import SwapResult
@@ -409,7 +410,6 @@ def test_abort_frees_the_slot_at_once_and_cuts_the_data_connection():
 def test_a_failed_send_aborts_its_transfer(monkeypatch):
     """push_weights whose data connection cannot be made frees the replica's slot through the abort call, not after
     the ticket's ttl: the next push goes through at once."""
-    import rlhf.transport.weights.send as send_mod
 
     def unreachable(host, port, ticket, buckets, timeout):
         raise ConnectionRefusedError("data port unreachable (firewall)")
@@ -433,7 +433,6 @@ def test_connections_without_a_valid_ticket_never_hold_the_slot():
             data = r.servicer.data
             data.ticket_wait = 2.0
             # a flood of connections that send nothing: at most MAX_PENDING_CONNECTIONS wait, none touches the slot
-            from rlhf.transport.weights.dataplane import MAX_PENDING_CONNECTIONS
 
             idle = [await send_raw(r.port, b"", close=False) for _ in range(MAX_PENDING_CONNECTIONS + 4)]
             await asyncio.sleep(0.3)

@@ -8,18 +8,30 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from functools import partial
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rlhf.serving import ServiceSettings
-from rlhf.transport.weights import PackedWeights, pack_weights, push_weights
-from rlhf.transport.weights.delta import RUNS, SPARSE, apply_bucket, encode_bucket, make_delta
-from rlhf.transport.weights.errors import CorruptUpdate, refusal_type
+from rlhf.transport.weights import (
+    PackedWeights,
+    WeightReceiver,
+    pack_weights,
+    push_weights,
+    receive_update,
+)
+from rlhf.transport.weights.delta import RUNS, SPARSE, DeltaBase, apply_bucket, encode_bucket, make_delta
+from rlhf.transport.weights.errors import CorruptUpdate, DeltaBaseMissing, refusal_type
+from rlhf.transport.weights.format import load_safetensors
 from rlhf.v1 import weights_pb2
+from services.rollout.hf_engine import HFEngine
 from services.rollout.options import SamplingOptions
+from services.rollout.vllm_engine import VllmEngine
+from services.trainer.fleet import Fleet
 from tests.support.replica import FakeEngine
 from tests.support.replica import Replica as _Replica
 
@@ -31,8 +43,6 @@ GREEDY = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def state(tiny_models):
-    from safetensors.torch import load_file
-
     return load_file(str(tiny_models.policy / "model.safetensors"))
 
 
@@ -114,8 +124,6 @@ def test_make_delta_keeps_the_full_updates_digests(state):
 def test_delta_push_serves_what_a_full_push_serves_on_the_hf_engine(tiny_models, state):
     """Two hf replicas: one gets versions 1 (full), 2 (delta over tcp), 3 (delta over the gRPC stream), the other
     gets them all in full; both serve the same bytes and checksums, and the delta replica received fewer bytes."""
-    from services.rollout.hf_engine import HFEngine
-
     second = nudged(state, 0.01, 2)
     v = [packed(state, 1), packed(second, 2), packed(nudged(second, 0.01, 3), 3)]
 
@@ -150,8 +158,6 @@ def test_delta_push_serves_what_a_full_push_serves_on_the_hf_engine(tiny_models,
 
 
 def _tensors(p: PackedWeights) -> dict[str, torch.Tensor]:
-    from rlhf.transport.weights.format import load_safetensors
-
     out: dict[str, torch.Tensor] = {}
     for b in p.buckets:
         out.update(load_safetensors(bytes(b)))
@@ -162,8 +168,6 @@ def test_a_replica_without_the_base_gets_the_full_push(tiny_models, state):
     """A late joiner (no base), and a replica whose base is another version: the delta is refused at Open
     (DeltaBaseMissing, nothing sent) and push_weights sends the full update; a replica that took an update of a
     trainer without deltas (no keep_base) holds no base either."""
-    from services.rollout.hf_engine import HFEngine
-
     v1, v2 = packed(state, 1), packed(nudged(state, 0.01, 4), 2)
     delta, _ = make_delta(v1, v2)
 
@@ -192,8 +196,6 @@ def test_a_corrupt_delta_is_refused_and_nothing_is_swapped(tiny_models, state, h
     """A delta whose rebuilt bucket is not the announced one (its wire digest recomputed, as a sender with a wrong
     base or encoder would make it): refused by the full update's digest; one whose bytes changed on the way: by its
     wire digest. Either way the replica keeps serving version 1, its base stays, the next delta goes through."""
-    from services.rollout.hf_engine import HFEngine
-
     v1, v2 = packed(state, 1), packed(nudged(state, 0.01, 5), 2)
     delta, _ = make_delta(v1, v2)
     i = next(b.index for b in delta.header.buckets if b.encoding)
@@ -234,7 +236,6 @@ def test_delta_push_into_vllm_serves_what_the_full_push_serves(tiny_models, stat
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
-    from services.rollout.vllm_engine import VllmEngine
 
     new = nudged(state, 0.05, 6)
     v1, v2, v3 = packed(state, 1), packed(new, 2), packed(new, 3)
@@ -264,16 +265,12 @@ def test_delta_push_into_vllm_serves_what_the_full_push_serves(tiny_models, stat
 def test_an_update_installed_as_it_arrives_or_by_broadcast_takes_no_delta(state):
     """vLLM's large updates (installed bucket by bucket as they arrive) and collective pushes keep no base buckets to
     rebuild on: a delta header is refused before a byte is read, so the trainer sends those in full."""
-    from rlhf.transport.weights import WeightReceiver, receive_update
-    from rlhf.transport.weights.errors import DeltaBaseMissing
-
     v1, v2 = packed(state, 1), packed(nudged(state, 0.01, 7), 2)
     delta, _ = make_delta(v1, v2)
     receiver = WeightReceiver(1)
     receiver.base = None
     with pytest.raises(DeltaBaseMissing):
         receiver.delta_base(delta.header, whole=False)
-    from rlhf.transport.weights.delta import DeltaBase
 
     base = DeltaBase(1, v1.checksum, v1.buckets)
     with pytest.raises(DeltaBaseMissing, match="as it arrives"):
@@ -287,9 +284,6 @@ def test_the_trainers_fleet_sends_deltas_when_asked_and_full_pushes_otherwise(tm
     """``RLHF_WEIGHTS_DELTA=auto``: the trainer's per-step push sends each replica only what changed since the last
     push it took; the catch-up push (replicas that fell behind) goes in full; ``off`` (the default) never keeps a
     base. The replicas: the rollout servicer over an engine that keeps what it is given."""
-    from types import SimpleNamespace
-
-    from services.trainer.fleet import Fleet
 
     weights = [state, nudged(state, 0.01, 8), nudged(state, 0.02, 9)]
 

@@ -14,11 +14,17 @@ from functools import partial
 import grpc
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rlhf.serving.errors import NotReady
+from rlhf.serving.settings import KNOWN_ENV_VARS
 from rlhf.transport.weights import pack_weights, push_weights
+from rlhf.transport.weights.format import load_safetensors
 from rlhf.v1 import rollout_pb2_grpc, weights_pb2
+from services.rollout import vllm_shadow, vllm_transfer
 from services.rollout.options import SamplingOptions
+from services.rollout.vllm_engine import VllmEngine
+from services.rollout.vllm_weights import INPLACE_ENV, inplace_load_bytes_from_env
 from tests.support.replica import Replica as _Replica
 
 TOKEN = "large-updates"
@@ -31,8 +37,6 @@ GREEDY = SamplingOptions(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def state(tiny_models):
-    from safetensors.torch import load_file
-
     return load_file(str(tiny_models.policy / "model.safetensors"))
 
 
@@ -46,9 +50,6 @@ def vllm_env(monkeypatch):
 def test_the_inplace_threshold_setting():
     """RLHF_WEIGHTS_INPLACE_LOAD_BYTES: 2 GiB by default, 0 for every update, off for none; anything else refuses
     the start naming the variable. It is a known RLHF_* variable (start-up does not warn about it)."""
-    from rlhf.serving.settings import KNOWN_ENV_VARS
-    from services.rollout.vllm_weights import INPLACE_ENV, inplace_load_bytes_from_env
-
     assert inplace_load_bytes_from_env({}) == 2 << 30
     assert inplace_load_bytes_from_env({INPLACE_ENV: "0"}) == 0
     assert inplace_load_bytes_from_env({INPLACE_ENV: " 1073741824 "}) == 1 << 30
@@ -77,16 +78,12 @@ class Spy:
     shadow model's parts, as (names, tensor bytes, safetensors bytes or 0)."""
 
     def __init__(self, monkeypatch):
-        from services.rollout import vllm_shadow, vllm_transfer
-
         self.transfer: list[tuple[list[str], int, int]] = []
         self.shadow: list[tuple[list[str], int, int]] = []
         receive = vllm_transfer.RlhfCollectiveWeightTransferEngine.receive_weights
         load_part = vllm_shadow.ShadowSwap._load_part
 
         def spy_receive(engine, info, *args, **kwargs):
-            from rlhf.transport.weights.format import load_safetensors
-
             if info.items or info.data:
                 items = list(info.items) or list(load_safetensors(info.data).items())
                 self.transfer.append(([n for n, _ in items], nbytes(items), len(info.data)))
@@ -133,8 +130,6 @@ def test_an_update_larger_than_a_bucket_reaches_vllm_one_bucket_per_call(
     fresh shadow. Every call carries at most one bucket (spied on in-process; the engine-core subprocess of the
     ``async`` driver gets safetensors parts over vLLM's RPC), and every path serves the same tokens and log-probs for
     the same weights."""
-    from services.rollout.vllm_engine import VllmEngine
-
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if mode == "inproc" else "1")
     spy = Spy(monkeypatch) if mode == "inproc" else None
     moved = perturbed(state, 5)
@@ -224,8 +219,6 @@ def test_a_cut_update_installed_as_it_arrives_never_serves_a_mix(tiny_models, st
     leaves the replica not ready, refusing generation and reporting its old version (so the trainer's catch-up
     pushes again), while it still takes updates; the next complete one makes it serve, bit for bit what a replica
     that never saw the failures serves."""
-    from services.rollout.vllm_engine import VllmEngine
-
     moved = perturbed(state, 9)
 
     async def main():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import datetime
 import hashlib
 import hmac
 import json
@@ -15,6 +16,8 @@ import json
 import grpc
 import pytest
 import torch
+from safetensors.torch import save
+from safetensors.torch import save as st_save
 
 from rlhf.serving.errors import status_for
 from rlhf.transport.weights import (
@@ -381,12 +384,10 @@ def test_push_to_many_replicas_reports_each():
 
 
 def _self_signed(tmp_path):
-    import datetime
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from cryptography import x509  # noqa: PLC0415 - cryptography: not a dependency, its test importorskips it
+    from cryptography.hazmat.primitives import hashes, serialization  # noqa: PLC0415 - cryptography: not a dependency, its test importorskips it
+    from cryptography.hazmat.primitives.asymmetric import ec  # noqa: PLC0415 - cryptography: not a dependency, its test importorskips it
+    from cryptography.x509.oid import NameOID  # noqa: PLC0415 - cryptography: not a dependency, its test importorskips it
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
@@ -538,8 +539,6 @@ def test_load_safetensors_refuses_what_safetensors_refuses(meta, match):
 
 
 def test_load_safetensors_matches_safetensors():
-    from safetensors.torch import save
-
     sd = {k: v.contiguous().clone() for k, v in state_dict().items()}
     blob = save(sd)
     got = load_safetensors(blob)  # read-only bytes: views all the same
@@ -569,8 +568,6 @@ def test_a_bucket_with_a_valid_digest_but_bad_layout_is_refused():
 def test_non_finite_weights_are_never_packed_nor_accepted(bad):
     """A diverged update is refused on both ends: the packer will not send it, and a replica that gets one anyway
     (an older or foreign sender; the digests are the sender's) refuses it and keeps serving its weights."""
-    from safetensors.torch import save as st_save
-
     sd = {"w": torch.ones(4), "b": torch.zeros(2, dtype=torch.bfloat16)}
     sd_bad = {**sd, "b": torch.tensor([0.0, bad], dtype=torch.bfloat16)}
     with pytest.raises(ValueError, match="'b' has NaN or infinite values"):

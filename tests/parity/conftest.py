@@ -11,7 +11,9 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -48,7 +50,6 @@ def pytest_configure(config):
     # transformers 5.24 deprecates the name TRL's configs still set; nothing to act on here
     config.addinivalue_line("filterwarnings", "ignore:`gradient_checkpointing` is deprecated:FutureWarning")
     config.addinivalue_line("filterwarnings", "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
-    import torch
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -72,9 +73,6 @@ def parity_report() -> dict[str, dict]:
 
 @pytest.fixture(autouse=True)
 def _fp32_cpu_single_thread():
-    import numpy as np
-    import torch
-
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float32)
     np.random.seed(0)

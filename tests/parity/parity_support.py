@@ -11,8 +11,19 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+)
 
 from bench._trl_learning import CPU_ARGS
+from rlhf.algo import logprobs_from_logits
+from rlhf.models import causal_lm_logits
+from tests.support import make_experiences, make_sample
 
 PAD, EOS, BOS, UNK = 0, 1, 2, 3
 VOCAB = 32
@@ -26,9 +37,6 @@ TRL_CPU_ARGS = CPU_ARGS
 
 def build_tokenizer():
     """A PreTrainedTokenizerFast over a 32-entry WordLevel vocabulary, left padding, pad != eos."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {"[PAD]": PAD, "[EOS]": EOS, "[BOS]": BOS, "[UNK]": UNK}
     vocab.update({f"w{i}": i for i in range(FIRST_WORD, VOCAB)})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
@@ -47,8 +55,6 @@ def build_tokenizer():
 
 
 def llama_config(**extra):
-    from transformers import LlamaConfig
-
     return LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -80,8 +86,6 @@ class TinyModels:
 
 
 def build_models(seed: int, behaviour_noise: float = 0.02) -> TinyModels:
-    from transformers import GenerationConfig, LlamaForCausalLM, LlamaForSequenceClassification
-
     torch.manual_seed(seed)
     policy = LlamaForCausalLM(llama_config()).eval()
     policy.generation_config = GenerationConfig(eos_token_id=EOS, pad_token_id=PAD, bos_token_id=BOS)
@@ -248,9 +252,6 @@ def truncate_after_eos(row: list[int]) -> list[int]:
 @torch.no_grad()
 def reference_logprobs(ref_model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
     """The reference service's math: log_softmax(logits / T) of the reference model at the completion tokens."""
-    from rlhf.algo import logprobs_from_logits
-    from rlhf.models import causal_lm_logits
-
     ids = torch.tensor([prompt + completion])
     logits = causal_lm_logits(ref_model, ids, PAD)[:, len(prompt) - 1 : -1]
     return logprobs_from_logits(logits, ids[:, len(prompt) :], temperature)[0].tolist()
@@ -258,8 +259,6 @@ def reference_logprobs(ref_model, prompt: list[int], completion: list[int], temp
 
 def experiences(prompts: list[list[int]], completions: list[list[int]], scores: list[float], refs: list[list[float]]):
     """Experience records as the rollout worker publishes them: one per prompt, its ``n`` samples in order."""
-    from tests.support import make_experiences, make_sample
-
     samples = [
         make_sample(c, ref_logprobs=r, score=s, policy_version=0)
         for c, s, r in zip(completions, scores, refs, strict=True)

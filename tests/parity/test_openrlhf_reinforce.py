@@ -19,6 +19,7 @@ import torch
 
 import rlhf.algo
 from rlhf.config import parse_config
+from services.trainer.engine import TrainerEngine
 from tests.parity.parity_support import (
     PAD,
     Comparison,
@@ -163,8 +164,6 @@ def openrlhf_run(s: Setting, policy, prompts, completions, scores, refs) -> dict
 
 
 def run_engine(s: Setting, model_dir: str, prompts, completions, scores, refs, monkeypatch) -> dict:
-    from services.trainer.engine import TrainerEngine
-
     algorithm = {"kl_ctrl": {"kl_coef": s.kl_coef}, "gamma": s.gamma}
     if s.stage == "ray_rloo":
         algorithm["rloo_convention"] = "openrlhf"

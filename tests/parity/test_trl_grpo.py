@@ -22,10 +22,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
 
 import rlhf.algo
 import rlhf.models
 from rlhf.config import parse_config
+from services.trainer.engine import TrainerEngine
 from tests.parity.parity_support import (
     PAD,
     TRL_CPU_ARGS,
@@ -183,9 +186,6 @@ def make_case(setting: GRPOSetting, seed: int) -> Case:
 
 
 def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
-    from datasets import Dataset
-    from trl import GRPOConfig, GRPOTrainer
-
     s = case.setting
     n_rows = len(case.completions)
     n_minibatches = n_rows // s.minibatch
@@ -322,8 +322,6 @@ def run_ours(case: Case, models, model_dir: str, monkeypatch, trl_ref: torch.Ten
     (policy == reference on the first step), and AdamW turns a 1e-9 gradient into a step of a fifth of the learning
     rate where TRL's is 0: a real but meaningless difference.
     """
-    from services.trainer.engine import TrainerEngine
-
     s = case.setting
     n_rows = len(case.completions)
     cfg = engine_config(s, model_dir, case.seed)
@@ -448,8 +446,6 @@ def test_very_negative_padded_logprobs_never_make_nan(tmp_path):
     """The engine's GRPO with beta > 0 at a low temperature: the policy's log-prob of the pad token on the padded
     positions is hundreds below 0, so a k3 computed everywhere overflows there (exp(ref - logp) = inf) and a mask
     applied by multiplying turns the loss into NaN. Masked positions are selected away instead."""
-    from services.trainer.engine import TrainerEngine
-
     models = build_models(0)
     model_dir = save_pretrained(models.fresh().policy, tmp_path / "policy")
     s = GRPOSetting(

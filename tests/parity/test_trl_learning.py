@@ -16,6 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
+
+from bench._trl_learning import CPU_ARGS, conversation, train_records
+from rlhf.config import load_config
+from rlhf.data import encode_prompt, load_eval_prompts
+from rlhf.models import resolve_model_path
+from services.reward.rules import RULES
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = "configs/learn-reverse-words.yaml"
@@ -24,8 +33,6 @@ GREEDY = ["eval.interval=1", "eval.n=1", "eval.temperature=0", "eval.before_trai
 
 @pytest.fixture(scope="module")
 def cfg():
-    from rlhf.config import load_config
-
     return load_config(ROOT / CONFIG, GREEDY)
 
 
@@ -64,14 +71,6 @@ def test_result_shape(result):
 
 
 def test_trl_prompt_ids_are_encode_prompts(cfg, tmp_path):
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
-    from bench._trl_learning import CPU_ARGS, conversation, train_records
-    from rlhf.data import encode_prompt, load_eval_prompts
-    from rlhf.models import resolve_model_path
-
     path = str(resolve_model_path(cfg.actor.load))
     tok = AutoTokenizer.from_pretrained(path)
     records = train_records(cfg, 32) + load_eval_prompts(cfg)
@@ -101,12 +100,6 @@ def greedy(model, ids: list[int], max_new_tokens: int, eos: int) -> list[int]:
 
 
 def test_step0_pass_at_1_is_an_independent_greedy_decode(result, cfg):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rlhf.data import encode_prompt, load_eval_prompts
-    from rlhf.models import resolve_model_path
-    from services.reward.rules import RULES
-
     path = resolve_model_path(cfg.actor.load)
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

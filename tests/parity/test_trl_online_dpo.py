@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from datasets import Dataset
+from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+from trl.experimental.utils import truncate_right
 
 from rlhf.algo import (
     dpo_loss,
@@ -28,7 +31,9 @@ from rlhf.algo import (
     sequence_lengths,
     truncate_at_stop,
 )
+from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits
+from services.trainer.engine import TrainerEngine
 from tests.parity.parity_support import (
     EOS,
     PAD,
@@ -106,10 +111,6 @@ def make_case(setting: ODPOSetting, seed: int) -> Case:
 
 
 def run_trl(case: Case, models, tmp_path) -> dict:
-    from datasets import Dataset
-    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
-    from trl.experimental.utils import truncate_right
-
     s = case.setting
     m = models.fresh()
     tok = build_tokenizer()
@@ -321,9 +322,6 @@ ENGINE_TEMPERATURE = 0.9  # TRL's default sampling temperature; its online DPO n
 def run_engine(case: Case, model_dir: str, trl_ref: torch.Tensor) -> dict:
     """The experience records carry TRL's reference log-probs (at temperature 1, as TRL computes them): the reference
     service is an input of the trainer here."""
-    from rlhf.config import parse_config
-    from services.trainer.engine import TrainerEngine
-
     s = case.setting
     n_prompts = s.num_prompts
     cfg = parse_config(

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+import trl.experimental.ppo.ppo_trainer as trl_ppo
+from datasets import Dataset
+from trl.experimental.ppo import PPOConfig, PPOTrainer
 
 from rlhf.algo import (
     entropy_from_logits,
@@ -33,6 +36,7 @@ from rlhf.algo import (
     truncate_at_stop,
     value_loss,
 )
+from rlhf.lora import wrap_lora
 from rlhf.models import causal_lm_logits, score_head_outputs
 from tests.parity.parity_support import (
     EOS,
@@ -166,10 +170,6 @@ def make_case(setting: PPOSetting, seed: int) -> Case:
 
 def run_trl(case: Case, models, tmp_path, monkeypatch, peft_config=None) -> dict:
     """``peft_config``: TRL trains LoRA adapters on the policy, and its reference is the policy without them."""
-    import trl.experimental.ppo.ppo_trainer as trl_ppo
-    from datasets import Dataset
-    from trl.experimental.ppo import PPOConfig, PPOTrainer
-
     s = case.setting
     m = models.fresh()
     tau = s.temperature + 1e-7
@@ -320,8 +320,6 @@ def run_ours(case: Case, models, queries: torch.Tensor, lora: dict | None = None
 
     ref_model = m.ref
     if lora is not None:
-        from rlhf.lora import wrap_lora
-
         ref_model = models.fresh().policy
         m.policy = wrap_lora(m.policy, lora["r"], lora["alpha"], lora["target_modules"])
         result = m.policy.load_state_dict(lora["initial_adapter"], strict=False)

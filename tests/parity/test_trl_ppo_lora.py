@@ -19,7 +19,7 @@ from test_trl_ppo import SETTINGS, compare, make_case, order_of, run_ours, run_t
 from rlhf.lora import merged_state_dict
 from tests.parity.parity_support import build_models, left_pad
 
-pytest.importorskip("peft")
+peft = pytest.importorskip("peft")
 
 TARGETS = ["q_proj", "v_proj", "o_proj", "up_proj"]
 R, ALPHA = 4, 8.0
@@ -28,11 +28,9 @@ WEIGHT_TOL = 1e-5
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=[s.name for s in SETTINGS])
 def test_lora_ppo_matches_trl(setting, seed: int, tmp_path, monkeypatch, parity_report):
-    from peft import LoraConfig
-
     case = make_case(setting, seed)
     models = build_models(seed)
-    peft_config = LoraConfig(
+    peft_config = peft.LoraConfig(
         r=R, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS, bias="none", task_type="CAUSAL_LM"
     )
     trl = run_trl(case, models, tmp_path, monkeypatch, peft_config=peft_config)

@@ -16,9 +16,12 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from datasets import Dataset
+from trl import RLOOConfig, RLOOTrainer
 
 import rlhf.algo
 from rlhf.config import parse_config
+from services.trainer.engine import TrainerEngine
 from tests.parity.parity_support import (
     TRL_CPU_ARGS,
     Comparison,
@@ -119,9 +122,6 @@ def make_case(setting: RLOOSetting, seed: int) -> Case:
 
 
 def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
-    from datasets import Dataset
-    from trl import RLOOConfig, RLOOTrainer
-
     s = case.setting
     n_rows = len(case.completions)
     n_minibatches = n_rows // s.minibatch
@@ -205,8 +205,6 @@ def run_trl(case: Case, model_dir: str, tmp_path) -> dict:
 def run_ours(case: Case, models, model_dir: str, monkeypatch, trl_ref: torch.Tensor | None) -> dict:
     """``trl_ref``: TRL's reference log-probs, carried by the experience records when ``beta != 0`` (see the GRPO test:
     the reference service's own numbers are compared with them, within 1e-5, and are an input of the trainer)."""
-    from services.trainer.engine import TrainerEngine
-
     s = case.setting
     cfg = parse_config(
         {

@@ -14,7 +14,7 @@ class RedisServer(LocalRedis):
 
     def start(self, timeout: float = 15.0) -> RedisServer:
         if shutil.which("redis-server") is None:
-            import pytest  # here, not above: bench.device_check imports tests.support on hosts without pytest
+            import pytest  # noqa: PLC0415 - bench.device_check imports tests.support on hosts without pytest
 
             pytest.fail("redis-server is not on PATH (apt-get install -y redis-server)")
         super().start(timeout)

@@ -152,7 +152,7 @@ def _dump(engine: Any, path: str) -> None:
 async def serve(args: argparse.Namespace) -> None:
     """The child's life: serve (gRPC and the data plane), print ``ready <addr>``, stop on SIGTERM."""
     if args.engine == "hf":
-        from services.rollout.hf_engine import HFEngine  # transformers: the hf child alone needs it
+        from services.rollout.hf_engine import HFEngine  # noqa: PLC0415 - transformers: the hf child alone needs it
 
         engine = HFEngine(args.model, args.name, dtype=args.dtype, device=args.device)
         await engine.start()

@@ -10,7 +10,9 @@ The batch is made from a fixed seed, the same at every world size: random token 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ from safetensors.torch import save_file
 from rlhf import distributed
 from rlhf.config import parse_config
 from rlhf.v1 import experience_pb2
+from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.engine import TrainerEngine
 from tests.support import make_experience, make_sample
 
@@ -79,7 +82,7 @@ def batch(n: int, prompts: int = 4, vocab: int = 512, seed: int = 3) -> list[exp
 
 def full_state(engine: TrainerEngine) -> dict[str, torch.Tensor]:
     """Weights and AdamW moments of actor and critic, gathered and keyed by name (a collective on every rank)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # noqa: PLC0415 - torch.distributed.checkpoint: seconds to import, the resume mode only
 
     full = StateDictOptions(full_state_dict=True)
     out = {}
@@ -98,8 +101,6 @@ def resume(out: Path, options: dict[str, str]) -> None:
     """PPO: with ``save=DIR`` one step on batch 1 then a checkpoint into DIR (and the state saved,
     ``saved.safetensors``); with ``load=DIR`` the restored state
     (``restored.safetensors``) and one step on batch 2 (``next.json``, ``next.safetensors``)."""
-    from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-
     cfg = config("ray_ppo", {})
     engine = TrainerEngine(cfg)
     driver = engine.group is None or engine.group.is_driver
@@ -131,9 +132,6 @@ def resume(out: Path, options: dict[str, str]) -> None:
 def hang(out: Path, timeout_s: float) -> None:
     """Rank 1 joins late (a slow start must not fail the join) and never enters the collective; rank 0's must fail
     after ``timeout_s``, not wait forever."""
-    import os
-    import time
-
     if os.environ.get("RANK") == "1":
         time.sleep(timeout_s * 1.5)  # longer than the collective timeout: joining is not a collective
     group = distributed.init_from_env(torch.device("cpu"), timeout_s)

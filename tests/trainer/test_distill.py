@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from rlhf.algo import logprobs_from_logits
 from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits, load_tokenizer
+from rlhf.preflight import check
 from rlhf.tiny import TinySpec, build_tokenizer
 from rlhf.v1 import experience_pb2
 from services.trainer.engine import TrainerEngine
@@ -158,8 +159,6 @@ def test_a_teacher_with_another_tokenizer_is_refused_at_start(tiny_models, tmp_p
 
 
 def test_preflight_reports_a_teacher_with_another_tokenizer(tiny_models, tmp_path):
-    from rlhf.preflight import check
-
     teacher = tmp_path / "other-teacher"
     shutil.copytree(tiny_models.policy, teacher)
     build_tokenizer(TinySpec(seed=1)).save_pretrained(teacher)

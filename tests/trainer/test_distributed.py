@@ -10,6 +10,7 @@ within 3e-3.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -19,8 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.run import get_args_parser
+from transformers import AutoModelForCausalLM
 
 from rlhf import distributed
+from services import launcher, plan
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "trainer" / "dist_worker.py"
@@ -121,7 +125,6 @@ def test_checkpoint_resumes_at_another_world_size(runs):
     for k in ("loss/policy", "loss/value", "objective/kl", "policy/approxkl"):
         assert abs(m21[k] - m12[k]) <= METRIC_ATOL * max(1.0, abs(m21[k])), (k, m21[k], m12[k])
     # the gathered policy is a plain Hugging Face folder
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(c2 / "step_1" / "policy")
     saved = load_file(runs / "s2" / "saved.safetensors")
@@ -163,10 +166,6 @@ def test_world_size_1_makes_no_group(monkeypatch):
 def test_trainer_procs_runs_the_trainer_under_torchrun(tmp_path):
     """`rlhf up --trainer-procs 2`: the trainer's command line is torch.distributed.run's (checked with its own
     parser); the other services stay single processes."""
-    from torch.distributed.run import get_args_parser
-
-    from services import plan
-
     specs = plan.plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path, trainer_procs=2)
     *others, trainer = specs
     argv = trainer.argv("c.yaml", "py")
@@ -185,10 +184,6 @@ def test_trainer_procs_runs_the_trainer_under_torchrun(tmp_path):
 
 
 def test_trainer_procs_below_1_is_refused(tmp_path, capsys):
-    import argparse
-
-    from services import launcher
-
     p = argparse.ArgumentParser()
     launcher.add_arguments(p)
     (tmp_path / "c.yaml").write_text("run_id: x\n")

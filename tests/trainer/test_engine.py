@@ -8,10 +8,14 @@ import threading
 
 import pytest
 import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 from rlhf.algo import logprobs_from_logits
 from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits
+from rlhf.transport.weights.format import load_safetensors
+from rlhf.transport.weights.pack import BufferPool, copy_weights
 from rlhf.v1 import common_pb2
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.critic_free import CriticFreeStages
@@ -121,8 +125,6 @@ def test_checkpoint_resume_is_exact(tiny_models, tmp_path):
 
 
 def test_checkpoint_policy_loads_in_transformers(tiny_models, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     engine = TrainerEngine(_config("ray_grpo", adv_estimator="grpo"))
     path = save_checkpoint(tmp_path, engine, {})
     model = AutoModelForCausalLM.from_pretrained(path / "policy")
@@ -280,8 +282,6 @@ def _changed_fraction(batches, bf16: bool, pure_bf16: bool = False) -> tuple[flo
 
 
 def test_bf16_keeps_fp32_master_weights_that_learn_at_a_small_lr(tiny_models, tmp_path):
-    from safetensors import safe_open
-
     torch.manual_seed(0)
     probe = TrainerEngine(_config("ray_ppo"))
     batches = [_rollout(probe, PROMPTS[:4], 4) for _ in range(3)]
@@ -314,9 +314,6 @@ def test_the_push_copy_keeps_the_weights_the_next_step_changes(tiny_models):
     """The trainer copies the policy into push buckets (copy_weights) and hashes and sends them while its next step
     trains: the buckets must hold the weights of the copy's moment, not share the training weights' memory (the fp32
     CPU state dict does); buffers come back from the pool only once no push holds them."""
-    from rlhf.transport.weights.format import load_safetensors
-    from rlhf.transport.weights.pack import BufferPool, copy_weights
-
     engine = TrainerEngine(_config("ray_ppo"))
     live = engine.policy_state_dict()
     before = {k: v.clone() for k, v in live.items()}
@@ -344,9 +341,6 @@ def test_the_push_on_device_gives_the_same_tensors_as_the_host_copy(tiny_models)
     """policy_state_dict(on_device=True), which the trainer's push copies into its buckets itself (one
     device-to-bucket copy per tensor on an accelerator), holds what the host state dict holds: the push dtype
     (bf16 under training.bf16, from the fp32 masters), the checkpoint layout, the same values, contiguous."""
-    from rlhf.transport.weights.format import load_safetensors
-    from rlhf.transport.weights.pack import copy_weights
-
     cfg = _config("ray_grpo", adv_estimator="grpo")
     engine = TrainerEngine(_with_training(cfg, bf16=True))
     host, device = engine.policy_state_dict(), engine.policy_state_dict(on_device=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from rlhf.config import parse_config
 from rlhf.reference_logprobs import response_logprobs
@@ -190,8 +191,6 @@ def test_bad_samples_are_refused_with_what_is_wrong(plain_trainer, args, message
 def test_the_tutorial_example_runs_and_saves_a_plain_policy(tiny_models, tmp_path):
     """examples/trl_tutorial_ppo.py, seed 001's loop as written there, end to end: three steps, the start-up note
     about LoRA dropout, and a policy folder transformers loads as a plain causal LM."""
-    from transformers import AutoModelForCausalLM
-
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     out = tmp_path / "rl_model"

@@ -8,7 +8,10 @@ import copy
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from rlhf.lora import adapter_manifest
+from services.rollout.swap import read_checkpoint_manifest
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.engine import TrainerEngine
 
@@ -40,9 +43,6 @@ def test_a_lora_run_changes_only_the_adapters_and_pushes_the_merged_model(tiny_m
 
 
 def test_an_adapter_push_is_the_adapter_alone_under_the_names_and_shapes_the_replica_expects(tiny_models):
-    from rlhf.lora import adapter_manifest
-    from services.rollout.swap import read_checkpoint_manifest
-
     engine = TrainerEngine(_config("ray_grpo", actor={**LORA, "lora_sync": "auto"}))  # auto with vllm: the adapter
     engine.step(_batch(engine))
     pushed = engine.policy_state_dict()
@@ -56,8 +56,6 @@ def test_an_adapter_push_is_the_adapter_alone_under_the_names_and_shapes_the_rep
 
 
 def test_a_lora_checkpoint_resumes_the_adapters_and_its_policy_is_the_merged_model(tiny_models, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     engine = TrainerEngine(_config("ray_grpo", actor=LORA))
     engine.step(_batch(engine))
     path = save_checkpoint(tmp_path, engine, {})

@@ -14,6 +14,7 @@ from rlhf import runlog
 from rlhf.algo import logprobs_from_logits
 from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits
+from services.trainer import loop
 from services.trainer.engine import TrainerEngine
 from tests.support import make_experience, make_sample
 
@@ -147,8 +148,6 @@ def test_online_dpo_measures_its_first_minibatch_at_temperature_one_only(tiny_mo
 def _trainer(tmp_path, **config):
     """A Trainer with only what its mismatch check reads (and its stop writes: the run folder's events, its exit code,
     a stop request to its runner)."""
-    from services.trainer import loop
-
     t = loop.Trainer.__new__(loop.Trainer)
     t.cfg = parse_config(config)
     t.engine = type(

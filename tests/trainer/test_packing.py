@@ -14,6 +14,9 @@ from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits, load_causal_lm, load_sequence_classifier, score_head_outputs
 from rlhf.packing import pack, packed_attention
 from rlhf.v1 import experience_pb2
+from services.reference.engine import LogProbsItem, ReferenceEngine
+from services.reward.engine import RewardEngine
+from services.reward.scorers import Item
 from services.trainer.engine import TrainerEngine
 from tests.support import make_experience, make_sample
 
@@ -130,8 +133,6 @@ def test_update_with_padding_free_equals_padded(tiny_models, stage, extra):
 
 
 def test_reference_logprobs_with_padding_free_equal_padded(tiny_models):
-    from services.reference.engine import LogProbsItem, ReferenceEngine
-
     rng = random.Random(5)
     items = [
         LogProbsItem(
@@ -153,9 +154,6 @@ def test_reference_logprobs_with_padding_free_equal_padded(tiny_models):
 def test_reward_model_scores_with_padding_free_equal_padded(tiny_models):
     """The reward model's forward packs its micro-batch too: the same scores within float32 rounding, for items of
     different lengths (token ids) in one micro-batch."""
-    from services.reward.engine import RewardEngine
-    from services.reward.scorers import Item
-
     rng = random.Random(6)
     ids = lambda lo, hi: [rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))]
     items = [Item(prompt="", response="", prompt_ids=ids(1, 9), response_ids=ids(1, 12)) for _ in range(7)]

@@ -15,7 +15,16 @@ from services.trainer.engine import TrainerEngine
 
 pytest.importorskip("peft")
 
+import asyncio
+
 from test_training_options import _batch, _config  # same directory: the fixed-batch helpers
+from transformers import AutoConfig
+
+from rlhf import preflight
+from rlhf.algo import logprobs_from_logits
+from rlhf.models import causal_lm_logits
+from services.reference.engine import LogProbsItem, ReferenceEngine
+from services.trainer.checkpoint import save_policy
 
 QLORA = {
     "lora_r": 4,
@@ -29,8 +38,6 @@ QLORA = {
 
 
 def test_without_bitsandbytes_a_4bit_actor_is_refused_at_start_with_the_install(tiny_models, monkeypatch):
-    from rlhf import preflight
-
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as on a machine without it: the import fails
     cfg = _config("ray_grpo", actor=QLORA)
     with pytest.raises(ValueError, match=r"load_in_4bit needs bitsandbytes.*pip install 'rlhf-pipeline\[qlora\]'"):
@@ -61,9 +68,7 @@ def test_4bit_options_that_cannot_work_are_refused_at_load(actor, message):
 
 def test_a_4bit_actor_trains_its_adapters_and_pushes_the_dequantized_base_plus_them(tiny_models, tmp_path):
     pytest.importorskip("bitsandbytes")
-    from bitsandbytes.functional import dequantize_4bit
-
-    from services.trainer.checkpoint import save_policy
+    from bitsandbytes.functional import dequantize_4bit  # noqa: PLC0415 - bitsandbytes: optional (the qlora extra)
 
     engine = TrainerEngine(_config("ray_grpo", actor=QLORA))
     q_proj = engine.actor.get_base_model().model.layers[0].self_attn.q_proj
@@ -89,7 +94,6 @@ def test_a_4bit_actor_trains_its_adapters_and_pushes_the_dequantized_base_plus_t
         torch.testing.assert_close(engine.actor(input_ids=ids).logits, replica(input_ids=ids).logits, rtol=0, atol=1e-4)
 
     save_policy(engine, tmp_path / "policy")  # a checkpoint's policy folder: a plain model, no quantization config
-    from transformers import AutoConfig
 
     assert getattr(AutoConfig.from_pretrained(tmp_path / "policy"), "quantization_config", None) is None
 
@@ -114,11 +118,6 @@ def test_the_reference_of_a_4bit_actor_is_the_same_4bit_base_so_the_kl_starts_at
     """TRL's reference under PEFT is the policy with its adapters off: the quantized base. The reference service
     loads the actor's initial weights the same way, so before any step its log-probs are the actor's."""
     pytest.importorskip("bitsandbytes")
-    import asyncio
-
-    from rlhf.algo import logprobs_from_logits
-    from rlhf.models import causal_lm_logits
-    from services.reference.engine import LogProbsItem, ReferenceEngine
 
     cfg = _config("ray_grpo", actor=QLORA)
     engine = TrainerEngine(cfg)

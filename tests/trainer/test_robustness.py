@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from test_engine import PROMPTS, _config, _rollout
 
 from rlhf.transport import MalformedRecord, pack_weights
@@ -113,8 +114,6 @@ def test_incomplete_checkpoints_are_never_loaded(tiny_models, tmp_path):
 
 
 def test_weights_that_do_not_cover_the_model_are_refused(tiny_models, tmp_path):
-    from safetensors.torch import load_file, save_file
-
     engine = TrainerEngine(_config("ray_grpo", adv_estimator="grpo"))
     path = save_checkpoint(tmp_path, engine, {})
     f = next((path / "policy").glob("*.safetensors"))

@@ -10,11 +10,13 @@ import shutil
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf import algo
 from rlhf.config import parse_config
 from rlhf.models import causal_lm_logits, score_head_outputs
 from rlhf.v1 import experience_pb2
+from services.trainer import optim
 from services.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from services.trainer.engine import TrainerEngine
 from tests.support import make_experience, make_sample
@@ -134,8 +136,6 @@ def test_critic_micro_batches_equal_one_step_on_the_whole_minibatch(tiny_models,
 
 
 def test_the_critic_sections_optimizer_fields_reach_its_adamw_clip_and_schedule(tiny_models, monkeypatch):
-    from services.trainer import optim
-
     critic = {
         "lr": 2e-3,
         "weight_decay": 0.05,
@@ -299,8 +299,6 @@ def test_online_dpo_minibatches_epochs_and_entropy_bonus(tiny_models):
 
 
 def test_save_folders_hold_the_trained_models_and_no_load_optim_rng(tiny_models, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
     actor_dir, critic_dir = tmp_path / "actor-save", tmp_path / "critic-save"
     engine = TrainerEngine(_config(actor={"save": str(actor_dir)}, critic={"save": str(critic_dir)}))
     engine.step(_batch(engine))
@@ -322,8 +320,6 @@ def test_save_folders_hold_the_trained_models_and_no_load_optim_rng(tiny_models,
 
 
 def test_tokenizer_sampling_mode_adam_settings_and_vf_coef_reach_the_engine(tiny_models, tmp_path):
-    import shutil
-
     tok_dir = tmp_path / "tok"
     shutil.copytree(tiny_models.policy, tok_dir)
     (tok_dir / "model.safetensors").unlink()

@@ -7,6 +7,10 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from pydantic import BaseModel
+
+from rlhf.config import ExperimentConfig
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -26,10 +30,6 @@ def test_the_configuration_page_is_fresh():
 
 
 def test_every_field_has_a_description_and_a_row():
-    from pydantic import BaseModel
-
-    from rlhf.config import ExperimentConfig
-
     gen = _generator()
     rendered = gen.render()
 

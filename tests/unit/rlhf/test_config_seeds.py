@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.config import ConfigError, config_warning, load_config, parse_config
+from rlhf import preflight
+from rlhf.config import ConfigError, apply_overrides, config_warning, load_config, parse_config
+from services.devices import rollout_replicas
 
 SEEDS = Path(__file__).parents[1] / "seed_configs"
 
@@ -163,8 +165,6 @@ def test_a_mindspeed_style_config_that_leaves_out_do_sample_is_told_the_default_
 
 
 def test_hydra_style_overrides_are_applied_and_validated_like_the_file(tmp_path):
-    from rlhf.config import apply_overrides
-
     path = tmp_path / "ppo.yaml"
     path.write_text(
         "training:\n  train_iters: 50\ncritic:\nreward:\n  scorers:\n    - {type: rule, name: char_fraction}\n"
@@ -326,8 +326,6 @@ def test_options_that_only_make_sense_together_are_checked_at_load(data, message
 
 
 def test_rlhf_up_prints_the_not_applicable_keys_once_before_starting():
-    from rlhf import preflight
-
     report = preflight.check(load_config(SEED_004))
     mine = [w for w in report.warnings if "config keys accepted but not applicable here" in w]
     assert len(mine) == 1 and "training.distributed_backend" in mine[0]
@@ -373,7 +371,6 @@ def test_inference_tensor_model_parallel_size_is_the_rollout_engines_tensor_para
         {"actor_rollout_ref": {"actor_rollout": {"inference_tensor_model_parallel_size": 2, "num_gpus_for_infer": 4}}}
     )
     assert cfg.actor.tensor_model_parallel_size == 2
-    from services.devices import rollout_replicas
 
     assert rollout_replicas(cfg, None) == 2  # 4 inference devices / TP 2
 

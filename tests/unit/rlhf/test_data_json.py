@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rlhf.config import ConfigError, DataConfig
-from rlhf.data import load_prompts, load_texts
+from rlhf.data import PromptCursor, encode_prompt, load_prompts, load_texts
 
 
 def test_a_json_array_and_json_lines_both_load_with_the_key_map(tmp_path):
@@ -37,8 +37,6 @@ def test_bad_json_files_are_config_errors_naming_the_key(tmp_path):
 
 
 def test_max_samples_shuffle_and_system_message():
-    from rlhf.data import PromptCursor, encode_prompt
-
     records = load_prompts(DataConfig(max_samples=5))
     assert [r.index for r in records] == [0, 1, 2, 3, 4]
     plain = PromptCursor(records, seed=1, shuffle=False)

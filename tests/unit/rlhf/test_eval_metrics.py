@@ -1,14 +1,23 @@
 """The eval section: metrics arithmetic, its config rules, and how its rows show (progress line, report)."""
 
+import asyncio
 import json
 import math
+import socket
+import time
 
 import pytest
 
 from rlhf.config import ConfigError, parse_config
+from rlhf.data import load_eval_prompts, load_prompts
 from rlhf.evaluation import eval_metrics, pass_at_k
+from rlhf.models import load_tokenizer
+from rlhf.serving.settings import ServiceSettings
+from rlhf.tracking import Tracker
+from services import report
 from services.progress import format_progress
 from services.report import EVAL_PLOT, family, summary
+from services.trainer.evaluate import Evaluator
 
 
 def test_eval_metrics_fixed_batch():
@@ -54,7 +63,6 @@ def test_eval_config_rules(section, names):
 def test_eval_config_loads_through_the_data_loader():
     cfg = parse_config({"eval": {"interval": 2, "path": "builtin:arithmetic", "max_samples": 3, "n": 2,
                                  "temperature": 1.0}})  # fmt: skip
-    from rlhf.data import load_prompts
 
     assert len(load_prompts(cfg.eval.data_config(cfg.data))) == 3
 
@@ -69,8 +77,6 @@ def test_eval_rows_in_progress_and_report():
 
 
 def test_eval_path_errors_name_the_eval_field(tmp_path):
-    from rlhf.data import load_eval_prompts
-
     cfg = parse_config({"eval": {"interval": 1, "path": str(tmp_path / "missing.jsonl")}})
     with pytest.raises(ConfigError, match=r"^eval\.path"):
         load_eval_prompts(cfg)
@@ -79,8 +85,6 @@ def test_eval_path_errors_name_the_eval_field(tmp_path):
 def test_eval_section_reads_its_source_as_data_does(tmp_path):
     """eval.map_keys / system / max_samples go through the data loader; generator options and seed make the
     held-out prompts (another seed, other prompts)."""
-    from rlhf.data import load_eval_prompts
-
     rows = tmp_path / "held_out.jsonl"
     rows.write_text("\n".join(json.dumps({"q": f"{i} + 1 =", "a": str(i + 1)}) for i in range(5)))
     cfg = parse_config(
@@ -106,15 +110,6 @@ def test_eval_section_reads_its_source_as_data_does(tmp_path):
 def test_an_evaluation_past_its_deadline_is_a_failed_row(tmp_path, tiny_models):
     """eval.timeout_s bounds a Generate call: a replica that never answers makes a failed row (never rewards of 0),
     written on the step, and eval.max_new_tokens is the request's budget."""
-    import asyncio
-    import json
-    import socket
-    import time
-
-    from rlhf.serving.settings import ServiceSettings
-    from rlhf.tracking import Tracker
-    from services.trainer.evaluate import Evaluator
-
     silent = socket.socket()  # accepts TCP, never speaks HTTP/2
     silent.bind(("127.0.0.1", 0))
     silent.listen()
@@ -126,7 +121,6 @@ def test_an_evaluation_past_its_deadline_is_a_failed_row(tmp_path, tiny_models):
                      "max_new_tokens": 3},
         }
     )  # fmt: skip
-    from rlhf.models import load_tokenizer
 
     tracker = Tracker(tmp_path, "t", {})
     settings = ServiceSettings(rollout_addrs=[addr], reward_addr=addr)
@@ -149,8 +143,6 @@ def test_an_evaluation_past_its_deadline_is_a_failed_row(tmp_path, tiny_models):
 
 
 def test_report_draws_the_eval_plot(tmp_path):
-    from services import report
-
     rows = [{"step": s, "reward/mean": 0.1 * s, "response_length/mean": 5.0} for s in (1, 2, 3)]
     rows += [{"step": s, "eval/reward_mean": 0.2 * s, "eval/pass@1": 0.1 * s} for s in (2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))

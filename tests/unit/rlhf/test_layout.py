@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from rlhf.layout import CheckpointLayout, checkpoint_state_dict, tie_aliases
+from rlhf.lora import merged_state_dict, wrap_lora
 
 SMALL = dict(
     vocab_size=64,
@@ -78,7 +79,6 @@ def test_moe_experts_are_sent_per_expert_with_their_checkpoint_shapes():
 
 def test_lora_wrapped_tied_model_keeps_the_base_names():
     pytest.importorskip("peft")
-    from rlhf.lora import merged_state_dict, wrap_lora
 
     model = wrap_lora(_llama(True), 4, 8, ["q_proj", "v_proj"])
     assert tie_aliases(model) == {"lm_head.weight"}

@@ -6,6 +6,7 @@ import pytest
 
 from rlhf.config import ConfigError, parse_config
 from rlhf.lora import adapter_manifest, pushes_adapter
+from services.rollout.factory import make_engine
 
 
 def _cfg(**actor):
@@ -42,8 +43,6 @@ def test_a_lora_sync_that_cannot_work_is_refused_at_load(actor, message):
 
 
 def test_an_hf_replica_refuses_to_start_when_the_trainer_will_push_adapters(tiny_models):
-    from services.rollout.factory import make_engine
-
     cfg = parse_config({"actor_rollout_ref": {"actor_rollout": {"load": str(tiny_models.policy), "lora_r": 8}}})
     with pytest.raises(ValueError, match="RLHF_ROLLOUT_ENGINE=hf.*lora_sync: merged"):
         make_engine(cfg, kind="hf")

@@ -7,6 +7,7 @@ import shutil
 
 from rlhf import preflight
 from rlhf.config import parse_config
+from rlhf.models import load_tokenizer
 
 
 def _with_tokenizer(tmp_path, tiny_models, **changes):
@@ -34,8 +35,6 @@ def test_a_pad_token_that_is_the_eos_token_is_warned_about(tmp_path, tiny_models
 def test_a_tokenizer_without_a_pad_token_pads_with_an_unused_token_not_eos(tmp_path, tiny_models):
     """Llama-3 has no pad token; seed 001 sets pad = EOS, which masks each response's EOS. Loading picks a token that
     never appears in text (here the tiny tokenizer's reserved <pad>) and every service loads it the same way."""
-    from rlhf.models import load_tokenizer
-
     cfg = _with_tokenizer(tmp_path, tiny_models, pad_token=None)
     report = preflight.check(cfg)
     assert report.problems == [] and "has no pad token of its own: padding with '<pad>'" in report.warnings[0]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from rlhf import protogen
+from rlhf.v1 import rollout_pb2
 
 CHECKED_IN = protogen.ROOT / "rlhf" / "v1"
 
@@ -71,8 +72,6 @@ def test_services_and_rpcs(module):
 
 
 def test_update_weights_is_client_streaming():
-    from rlhf.v1 import rollout_pb2
-
     methods = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name
     assert methods["UpdateWeights"].client_streaming and not methods["UpdateWeights"].server_streaming
     for name in ("Generate", "GetWeightsVersion", "OpenWeightsTransfer", "CommitWeights", "AbortWeightsTransfer"):

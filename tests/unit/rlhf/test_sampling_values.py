@@ -6,14 +6,13 @@ from __future__ import annotations
 import pytest
 
 from rlhf.config import parse_config
+from services.reference.engine import ReferenceEngine
+from services.rollout.options import default_options
+from services.trainer.engine import TrainerEngine
 
 
 @pytest.mark.parametrize(("do_sample", "sampled", "logits"), [(True, 0.7, 0.7), (False, 0.0, 1.0)])
 def test_sampling_values_and_the_logprob_temperature(tiny_models, do_sample, sampled, logits):
-    from services.reference.engine import ReferenceEngine
-    from services.rollout.options import default_options
-    from services.trainer.engine import TrainerEngine
-
     cfg = parse_config(
         {
             "training": {"device": "cpu", "seq_length": 96},

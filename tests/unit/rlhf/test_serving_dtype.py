@@ -9,6 +9,10 @@ import torch
 import rlhf.models
 from rlhf.config import parse_config
 from rlhf.models import serving_dtype
+from rlhf.serving import InvalidArgument
+from services.reference.engine import LogProbsItem, ReferenceEngine
+from services.reward.engine import RewardEngine
+from services.reward.scorers import Item
 
 
 @pytest.mark.parametrize(
@@ -23,9 +27,6 @@ def test_serving_dtype(bf16, device, dtype):
 def test_reference_and_reward_models_load_in_the_serving_dtype(tiny_models, monkeypatch, bf16):
     """The engines ask for the dtype serving_dtype gives for their device (CUDA here, faked: the load is recorded,
     then done on the CPU)."""
-    from services.reference.engine import ReferenceEngine
-    from services.reward.engine import RewardEngine
-
     asked = []
 
     def recording(real):
@@ -53,11 +54,6 @@ def test_reference_and_reward_models_load_in_the_serving_dtype(tiny_models, monk
 def test_ref_and_reward_bf16_and_seq_length_are_each_roles_own(tiny_models, monkeypatch):
     """MindSpeed's per-role keys: ``ref.bf16`` / ``reward.bf16`` pick each model's dtype (default training.bf16), and
     ``ref.seq_length`` / ``reward.seq_length`` the longest sequence each takes (within the model's context)."""
-    from rlhf.serving import InvalidArgument
-    from services.reference.engine import LogProbsItem, ReferenceEngine
-    from services.reward.engine import RewardEngine
-    from services.reward.scorers import Item
-
     asked = []
     real = rlhf.models.serving_dtype
     monkeypatch.setattr(rlhf.models, "serving_dtype", lambda bf16, device: asked.append(bf16) or real(bf16, device))

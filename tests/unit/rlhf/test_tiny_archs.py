@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 from rlhf import models
 from rlhf.tiny import ARCHS, TinySpec, build_tiny, parse_ref
@@ -46,8 +47,6 @@ def built(tmp_path_factory):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_arch_builds_and_loads(built, arch, dtype):
-    from transformers import AutoModelForCausalLM
-
     cls, tied, layer0 = EXPECTED[arch]
     path = built[arch, dtype].policy
     cfg = json.loads((path / "config.json").read_text())

@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from rlhf.config import ConfigError, parse_config
+from rlhf.tiny import TinySpec, build_tokenizer
 from rlhf.tool_calls import TOOL_CALL_PARSERS, parse_tool_calls, template_messages
 
 
@@ -102,8 +104,6 @@ def test_template_messages_turns_arguments_into_objects():
 
 
 def test_tiny_chat_template_renders_tools_and_tool_turns():
-    from rlhf.tiny import TinySpec, build_tokenizer
-
     tok = build_tokenizer(TinySpec())
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
@@ -130,8 +130,6 @@ def test_tiny_chat_template_renders_tools_and_tool_turns():
 
 
 def test_the_config_names_the_parser():
-    from rlhf.config import ConfigError, parse_config
-
     cfg = parse_config({})
     assert cfg.actor_rollout_ref.actor_rollout.tool_call_parser == "hermes"
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.actor_rollout\.tool_call_parser.*'hermes'"):

@@ -14,7 +14,7 @@ from rlhf.tracking import Tracker
 
 def test_tensorboard_scalars_completions_and_a_resume(tmp_path):
     pytest.importorskip("tensorboard")  # the plots extra (make setup installs it)
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415 - tensorboard: the plots extra, importorskip above
 
     t = Tracker(tmp_path, "run", {"a": 1})
     for step in (1, 2, 3):

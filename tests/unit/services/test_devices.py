@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
-from rlhf.config import parse_config
+from rlhf.config import load_config, parse_config
 from services.devices import plan_devices, rollout_replicas, trainer_procs, visible_devices
 from services.plan import plan_services
+from services.trainer.models import critic_device
 
 SEED_004 = Path(__file__).parents[1] / "seed_configs" / "ray_online_dpo_full_llama32_1b_tp1pp1.yaml"
 
@@ -18,8 +20,6 @@ def _cfg(actor=None, pool=None):
 
 
 def test_seed_004_gets_one_device_per_role_in_order(tmp_path):
-    from rlhf.config import load_config
-
     cfg = load_config(
         SEED_004, ["data.path=/data/ppo/llama32-ppo-trl/alpaca"]
     )  # actor_rollout [2] = 1 train + 1 infer, ref [1], reward [1]
@@ -92,8 +92,6 @@ MINDSPEED_PPO = Path(__file__).parents[1] / "seed_configs" / "mindspeed_ppo_trai
 
 
 def test_a_critic_with_a_device_of_its_own_is_seen_by_the_trainer_after_the_actors(tmp_path):
-    from rlhf.config import load_config
-
     cfg = load_config(MINDSPEED_PPO)  # actor_rollout [2] = 1 train + 1 infer, ref [1], critic [1], reward [1]
     plan = plan_devices(cfg, ["0", "1", "2", "3", "4"], rollout_replicas(cfg, None), "CUDA_VISIBLE_DEVICES")
     assert (plan.trainer, plan.rollouts, plan.reference, plan.reward) == (["0", "1"], [["2"]], ["3"], ["4"])
@@ -102,9 +100,6 @@ def test_a_critic_with_a_device_of_its_own_is_seen_by_the_trainer_after_the_acto
 
 
 def test_the_critics_own_device_is_the_one_after_the_actors_and_must_exist(monkeypatch):
-    import torch
-
-    from services.trainer.models import critic_device
 
     own = _cfg(pool={"critic": [1]})
     cpu = torch.device("cpu")

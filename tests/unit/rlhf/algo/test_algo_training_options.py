@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlhf import algo
+from rlhf.config import parse_config
 from services.trainer import optim
 
 
@@ -35,8 +36,6 @@ def test_lr_schedule_values_at_given_steps():
 
 
 def test_per_role_optimizer_fields_override_the_training_section():
-    from rlhf.config import parse_config
-
     cfg = parse_config(
         {
             "training": {
@@ -85,8 +84,6 @@ def test_per_role_optimizer_fields_override_the_training_section():
 
 
 def test_the_critic_section_overrides_the_training_sections_optimizer_fields():
-    from rlhf.config import parse_config
-
     critic = {
         "lr": 9e-6,
         "min_lr": 9e-7,

@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from rlhf.algo import (
+    completion_mask,
+    critic_free_advantages,
+    dpo_pairs,
     grpo_advantages,
     grpo_loss,
+    kl_estimate,
     leave_one_out,
     masked_mean,
     masked_sum,
@@ -306,8 +310,6 @@ def test_top_entropy_mask_keeps_the_top_quantile():
 
 
 def test_completion_mask_cuts_after_eos_and_can_drop_truncated_completions():
-    from rlhf.algo import completion_mask
-
     eos, pad = 2, 0
     responses = torch.tensor([[5, eos, 7, 8], [5, 6, 7, 8], [5, 6, pad, pad]])
     cut, mask, ends = completion_mask(responses, eos, pad)
@@ -320,8 +322,6 @@ def test_completion_mask_cuts_after_eos_and_can_drop_truncated_completions():
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus"])
 def test_critic_free_advantages_dispatch_to_each_estimators_formula(estimator):
-    from rlhf.algo import critic_free_advantages, kl_estimate
-
     g = torch.Generator().manual_seed(0)
     scores, group = torch.randn(6, generator=g), torch.tensor([0, 0, 0, 1, 1, 1])
     mask = torch.rand(6, 5, generator=g) > 0.3
@@ -339,7 +339,5 @@ def test_critic_free_advantages_dispatch_to_each_estimators_formula(estimator):
 
 
 def test_dpo_pairs_take_the_first_two_rows_of_each_prompt():
-    from rlhf.algo import dpo_pairs
-
     assert dpo_pairs(torch.tensor([0, 0, 0, 1, 2, 2])) == ([0, 4], [1, 5])
     assert dpo_pairs(torch.tensor([3, 1, 3, 1])) == ([1, 0], [3, 2])

@@ -14,6 +14,7 @@ from rlhf.algo import (
     kl_estimate,
     kl_penalized_rewards,
     make_kl_controller,
+    penalize_missing_eos,
 )
 
 LP = [[-1.0, -0.5, -2.0], [-0.1, -3.0, -0.7]]
@@ -234,8 +235,6 @@ def test_make_kl_controller_errors():
 
 
 def test_the_missing_eos_penalty_is_one_function_for_every_stage():
-    from rlhf.algo import penalize_missing_eos
-
     scores, eos = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([True, False, True])
     assert penalize_missing_eos(scores, eos, 0.5).tolist() == [1.0, 1.5, 3.0]
     assert penalize_missing_eos(scores, eos, 0.0) is scores and penalize_missing_eos(scores, eos, None) is scores

@@ -15,6 +15,8 @@ from rlhf.environments import registry
 from rlhf.environments.base import Environment, EnvironmentFailure, Opening, Outcome
 from rlhf.environments.builtin import Calculator, CalculatorError, answer_matches, safe_eval
 from rlhf.environments.wire import message_from_proto, message_to_proto
+from rlhf.serving.settings import KNOWN_ENV_VARS, ServiceSettings
+from services import plan
 
 
 @pytest.mark.parametrize(
@@ -230,9 +232,6 @@ def test_the_environment_config_section():
 
 
 def test_rlhf_up_plans_environment_services(tmp_path):
-    from rlhf.serving.settings import KNOWN_ENV_VARS, ServiceSettings
-    from services import plan
-
     base = plan.plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path, rollout_replicas=3)
     assert not [s for s in base if s.service == "environment"]
     assert all("RLHF_ENVIRONMENT_ADDR" not in s.env for s in base)

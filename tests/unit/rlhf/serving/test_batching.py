@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -130,8 +131,6 @@ def test_callers_served_together_are_merged_again_when_they_come_back_staggered(
         sizes: list[int] = []
 
         def slow(key, rows):
-            import time
-
             time.sleep(0.1)
             return rows
 
@@ -174,8 +173,6 @@ def test_a_regathering_wait_ends_when_the_budget_is_full():
     """Callers expected back, but the queued rows already fill a call: no wait."""
 
     def slow(key, rows):
-        import time
-
         time.sleep(0.05)
         return rows
 
@@ -198,8 +195,6 @@ def test_requests_queued_behind_a_one_off_call_do_not_wait_for_its_caller():
     back, so the queued call starts as soon as the model is free."""
 
     def slow(key, rows):
-        import time
-
         time.sleep(0.05)
         return rows
 

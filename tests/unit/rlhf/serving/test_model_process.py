@@ -6,6 +6,8 @@ a child that cannot load refuses to start."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 
@@ -81,9 +83,6 @@ def test_forward_threads_leave_the_serving_loop_a_core(monkeypatch, requested, o
 def test_the_child_outlives_a_signal_to_the_group_and_ends_with_its_input(proc):
     """SIGTERM / SIGINT to the process group (Ctrl-C, a supervisor) leave the child serving while the service drains;
     closing its input ends it."""
-    import signal
-    import time
-
     proc.start()
     child = proc._proc
     for sig in (signal.SIGTERM, signal.SIGINT):

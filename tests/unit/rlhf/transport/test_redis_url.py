@@ -3,10 +3,15 @@ URLs refused with a message that names the setting and never the password. Under
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from rlhf import preflight
+from rlhf.config import parse_config
+from rlhf.procs import free_port
 from rlhf.transport.connection import (
     WaitPolicy,
     addresses,
@@ -94,12 +99,6 @@ def test_run_keys_share_one_hash_tag():
 
 
 def test_preflight_reaches_any_address_of_each_shape_and_never_prints_the_password(tmp_path):
-    import socket
-
-    from rlhf import preflight
-    from rlhf.config import parse_config
-    from rlhf.procs import free_port
-
     cfg = parse_config(
         {
             "actor_rollout_ref": {"actor_rollout": {"load": str(tmp_path / "nope")}},

@@ -5,23 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
-from rlhf.config import ConfigError, DataConfig, ScorerConfig, parse_config
+from rlhf.config import ConfigError, DataConfig, ScorerConfig, load_config, parse_config
 from rlhf.data import load_prompts
 from services.reward import rules
 from services.reward.scorers import INVALID_INPUT, Failure, Item, RuleScorer
 
-pytest.importorskip("reasoning_gym")
+reasoning_gym = pytest.importorskip("reasoning_gym")
 pytest.importorskip("math_verify")
 
 CHAIN_SUM = {"path": "reasoning_gym:chain_sum", "generator_size": 6, "generator_seed": 7}
 
 
 def test_a_reasoning_gym_task_is_a_seeded_data_source_whose_labels_recover_the_entry():
-    import reasoning_gym
-
     cfg = DataConfig(**CHAIN_SUM, generator_options={"min_terms": 2, "max_terms": 2}, system="Answer in tags.")
     records = load_prompts(cfg)
     want = reasoning_gym.create_dataset("chain_sum", seed=7, size=6, min_terms=2, max_terms=2)
@@ -106,10 +105,6 @@ def test_math_verify_is_a_rule_scorer_that_needs_a_label():
 
 
 def test_the_grpo_reasoning_gym_example_config_loads_and_its_reward_verifies_its_prompts():
-    from pathlib import Path
-
-    from rlhf.config import load_config
-
     cfg = load_config(Path(__file__).parents[4] / "configs" / "grpo-reasoning-gym.yaml")
     assert cfg.training.stage == "ray_grpo" and cfg.data.path == "reasoning_gym:chain_sum"
     records = load_prompts(cfg.data)

@@ -4,10 +4,15 @@ is built from (vLLM's own ``EngineArgs``, not a copy of its fields)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+import services.rollout.main  # noqa: F401 - registers its RLHF_ROLLOUT_* variables in KNOWN_ENV_VARS
 from rlhf.config import ConfigError, parse_config
+from rlhf.serving.settings import KNOWN_ENV_VARS
 from services.rollout.factory import apply_rollout_env, make_engine, vllm_engine_kwargs
+from services.rollout.vllm_engine import VllmEngine, set_vllm_env_defaults
 
 
 def _cfg(engine: str = "vllm", **actor):
@@ -20,11 +25,10 @@ def _cfg(engine: str = "vllm", **actor):
 
 
 def test_settings_reach_vllm_engine_args(tiny_models):
-    from vllm.engine.arg_utils import EngineArgs
-
+    arg_utils = pytest.importorskip("vllm.engine.arg_utils")
     cfg = _cfg(max_model_len=128, gpu_memory_utilization=0.35, tensor_model_parallel_size=2, enforce_eager=False)
     engine = make_engine(cfg, kind="vllm")  # built, not started
-    args = engine._engine_args(EngineArgs)
+    args = engine._engine_args(arg_utils.EngineArgs)
     assert (args.max_model_len, args.gpu_memory_utilization) == (128, 0.35)
     assert (args.tensor_parallel_size, args.enforce_eager) == (2, False)
     assert args.worker_extension_cls  # the project's own arguments are still there
@@ -59,15 +63,12 @@ def test_defaults_leave_vllm_defaults():
 def test_cuda_graphs_by_default_on_cuda_unless_the_staged_swap_is_on(tiny_models, monkeypatch, device, staged, eager):
     """enforce_eager null: CUDA graphs where vLLM's in-place reload keeps them valid (CUDA, no staged swap), eager
     elsewhere; an explicit setting wins."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    from services.rollout.vllm_engine import VllmEngine
-
+    arg_utils = pytest.importorskip("vllm.engine.arg_utils")
     monkeypatch.setattr(VllmEngine, "device_type", property(lambda self: device))
     engine = make_engine(_cfg() if staged is None else _cfg(staged_weight_swap=staged), kind="vllm")
-    assert engine._engine_args(EngineArgs).enforce_eager is eager
+    assert engine._engine_args(arg_utils.EngineArgs).enforce_eager is eager
     engine = make_engine(_cfg(enforce_eager=True), kind="vllm")
-    assert engine._engine_args(EngineArgs).enforce_eager is True
+    assert engine._engine_args(arg_utils.EngineArgs).enforce_eager is True
 
 
 def test_max_model_len_bounds_the_hf_engine(tiny_models):
@@ -121,16 +122,12 @@ def test_environment_overrides_reach_the_engine_args():
         ConfigError, match="(?s)RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION=2.*actor_rollout.gpu_memory_utilization"
     ):
         apply_rollout_env(cfg, {"RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION": "2"})
-    import services.rollout.main  # noqa: F401
-    from rlhf.serving.settings import KNOWN_ENV_VARS
 
     assert {"RLHF_ROLLOUT_GPU_MEMORY_UTILIZATION", "RLHF_ROLLOUT_MAX_MODEL_LEN"} <= set(KNOWN_ENV_VARS)
 
 
 @pytest.mark.parametrize(("device", "spawn"), [("cuda", True), ("npu", True), ("cpu", False)])
 def test_workers_spawn_on_accelerators(monkeypatch, device, spawn):
-    from services.rollout.vllm_engine import set_vllm_env_defaults
-
     for var in (
         "VLLM_WORKER_MULTIPROC_METHOD",
         "VLLM_CPU_KVCACHE_SPACE",
@@ -140,7 +137,6 @@ def test_workers_spawn_on_accelerators(monkeypatch, device, spawn):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     set_vllm_env_defaults(device)
-    import os
 
     assert (os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn") is spawn
 

