@@ -1,7 +1,8 @@
 """bench.partial_rollouts: how long a weight push waits for the requests in flight, with partial rollouts off and on.
 
-One ``hf`` engine per setting (``actor_rollout.partial_rollouts``), in this process, on the CPU, float32, the
-``small`` model (~21M parameters, rlhf.tiny). Each round: one ``generate`` call of ``N`` sampled samples x
+One ``hf`` engine per setting (``actor_rollout.partial_rollouts``) and one ``vllm`` engine (in-process driver) whose
+setting is switched between rounds, in this process, on the CPU, float32, the ``small`` model (~21M parameters,
+rlhf.tiny). Each round: one ``generate`` call of ``N`` sampled samples x
 ``NEW_TOKENS`` tokens (``ignore_eos``, temperature 1); once the engine has decoded ``PUSH_AFTER`` steps of it, a push
 of the same model with perturbed weights (``swap_weights``, as a received update is installed). Off: the push waits
 until the request has finished; on: the request stops at the next token, the push installs, the request goes on
@@ -49,25 +50,43 @@ async def main() -> None:
 
     from services.rollout.engine_types import EngineHooks  # noqa: PLC0415 - torch after bench._common sets OMP_*
     from services.rollout.hf_engine import HFEngine  # noqa: PLC0415 - torch after bench._common sets OMP_*
+    from services.rollout.vllm_engine import (  # noqa: PLC0415 - torch after bench._common sets OMP_*
+        VllmEngine,
+        set_vllm_env_defaults,
+    )
+
+    set_vllm_env_defaults("cpu")
 
     paths = build_model("small")
     state = load_file(str(paths.policy / "model.safetensors"))
     g = torch.Generator().manual_seed(0)
-    steps = {False: [], True: []}
+    settings = [("hf", False), ("hf", True), ("vllm", False), ("vllm", True)]
+    steps: dict[tuple[str, bool], list[int]] = {k: [] for k in settings}
     engines = {}
-    for partial in (False, True):
-        hooks = EngineHooks(on_step=steps[partial].append)
-        engines[partial] = HFEngine(paths.policy, "small", device="cpu", hooks=hooks, partial_rollouts=partial)
-        await engines[partial].start()
-    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for kind, partial in settings:
+        hooks = EngineHooks(on_step=steps[(kind, partial)].append)
+        if kind == "hf":
+            engines[(kind, partial)] = HFEngine(
+                paths.policy, "small", device="cpu", hooks=hooks, partial_rollouts=partial
+            )
+        elif not partial:  # one vLLM engine in this process: the setting is switched per round
+            engines[(kind, partial)] = VllmEngine(paths.policy, "small", mode="inproc", hooks=hooks)
+        else:
+            engines[(kind, partial)] = engines[(kind, False)]
+            steps[(kind, partial)] = steps[(kind, False)]
+        if engines[(kind, partial)].ready is False:
+            await engines[(kind, partial)].start()
+    runs: dict[tuple[str, bool], list[dict]] = {k: [] for k in settings}
     version = 0
     for rep in range(ROUNDS):
-        for partial in (False, True) if rep % 2 == 0 else (True, False):
-            version += 1  # each engine sees increasing versions (it skips the other's)
+        for kind, partial in settings if rep % 2 == 0 else [(k, not p) for k, p in settings]:
+            version += 1  # each engine sees increasing versions (it skips the others')
             new = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in state.items()}
-            runs[partial].append(await _round(engines[partial], steps[partial], new, version))
-            log(f"bench.partial_rollouts: partial={partial} {runs[partial][-1]}")
-    for eng in engines.values():
+            eng = engines[(kind, partial)]
+            eng.partial_rollouts = partial
+            runs[(kind, partial)].append(await _round(eng, steps[(kind, partial)], new, version))
+            log(f"bench.partial_rollouts: {kind} partial={partial} {runs[(kind, partial)][-1]}")
+    for eng in {id(e): e for e in engines.values()}.values():
         await eng.close()
 
     def summary(rs: list[dict]) -> dict:
@@ -78,19 +97,26 @@ async def main() -> None:
             "cut_at_token": sorted({c for r in rs for c in r["cut_at"]}),
         }
 
-    figures = {"off": summary(runs[False]), "on": summary(runs[True])}
-    off, on = figures["off"]["push_wait_s"], figures["on"]["push_wait_s"]
+    figures = {f"{kind}_{'on' if partial else 'off'}": summary(runs[(kind, partial)]) for kind, partial in settings}
+
+    def ratio(kind: str) -> float | None:
+        off, on = figures[f"{kind}_off"]["push_wait_s"], figures[f"{kind}_on"]["push_wait_s"]
+        return rnd(off / on) if on else None
+
     emit(
         "partial_rollouts",
         settings={
-            "resources": {"hf": side(RING_THREADS, "in this process, one engine per setting, alternating")},
+            "resources": {
+                "hf": side(RING_THREADS, "in this process, one engine per setting, alternating"),
+                "vllm": side(RING_THREADS, "in this process (inproc driver), one engine, the setting alternating"),
+            },
             "model": f"small, {param_count(paths.policy) / 1e6:.2f}M parameters, float32, cpu",
             "request": f"one generate call, n={N}, {NEW_TOKENS} new tokens (ignore_eos), temperature 1; the push "
             f"after {PUSH_AFTER} decode steps",
             "rounds": ROUNDS,
         },
         figures=figures,
-        ratio={"push_wait_off_vs_on": rnd(off / on) if on else None},
+        ratio={"hf_push_wait_off_vs_on": ratio("hf"), "vllm_push_wait_off_vs_on": ratio("vllm")},
         notes=["no target yet: issue 44 item 1 measures the replica's idle fraction in a ring"],
         started=started,
     )

@@ -455,10 +455,11 @@ def check_rollout(cfg: Config) -> None:
                     f"actor_rollout_ref.actor_rollout.{name} is read by the vllm engine only; "
                     "remove it or set engine: vllm"
                 )
-    if a.partial_rollouts and a.engine != "hf":
+    if a.partial_rollouts and a.lora_r and (a.lora_sync == "adapter" or (a.lora_sync == "auto" and a.engine == "vllm")):
         raise ValueError(
-            "actor_rollout_ref.actor_rollout.partial_rollouts is built for the hf engine only (the vllm engine "
-            "finishes requests in flight before a swap); set engine: hf or remove partial_rollouts"
+            "actor_rollout_ref.actor_rollout.partial_rollouts with an adapter-only push (lora_sync adapter, or auto "
+            "with the vllm engine): an adapter push does not pause generation, so there is nothing to interrupt; "
+            "set lora_sync: merged or remove partial_rollouts"
         )
     if a.staged_weight_swap and a.enforce_eager is False:
         raise ValueError(

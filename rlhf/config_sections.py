@@ -175,8 +175,9 @@ class ActorRolloutConfig(Section):
     engine: Literal["vllm", "hf"] = _f("vllm", "rollout engine")
     partial_rollouts: bool = _f(
         False,
-        "hf engine: a weight push stops the requests in flight at the next token and resumes them from prompt + "
-        "tokens so far under the new weights (records carry version spans), instead of waiting for them to finish",
+        "a weight push stops the requests in flight at the next token (vllm: aborts them) and resumes them from "
+        "prompt + tokens so far under the new weights (records carry version spans), instead of waiting for them to "
+        "finish; vllm: requests with frequency or presence penalties still finish first",
     )
     stop: list[str] = _f([], "stop strings for generation")
     apply_chat_template: bool = _f(True, "wrap prompts in the tokenizer's chat template when it has one")

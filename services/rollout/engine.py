@@ -267,8 +267,9 @@ class EngineBase:
     ) -> list[Sample]:
         """One sample per ``prompts[k]`` that goes on after ``outputs[k]`` (tokens it already generated) with
         ``opts[k]`` (n=1, ``max_tokens`` what is left): penalties count ``outputs[k]`` as output, stop strings see
-        it. Returns the new tokens only, with the whole response's text. Engines with partial rollouts implement it
-        (:attr:`supports_partial_rollouts`)."""
+        it (an engine that cannot keep that for some options does not stop such requests: vLLM's frequency and
+        presence penalties). Returns the new tokens only, with the whole response's text. Engines with partial
+        rollouts implement it (:attr:`supports_partial_rollouts`)."""
         raise NotImplementedError
 
     async def generate_stream(
@@ -520,7 +521,8 @@ def _resumed_event(
     if not smp.preempted:
         return replace(ev, sample=smp)
     stopped[(i, j)] = smp
-    return replace(ev, sample=None) if ev.token_ids else None
+    # vLLM's stopped sample releases the text it held back (a possible stop string's start) without new tokens
+    return replace(ev, sample=None) if ev.token_ids or ev.text else None
 
 
 def join_samples(before: Sample, after: Sample) -> Sample:

@@ -101,11 +101,6 @@ def _build(
             "serve; set actor_rollout.lora_sync: merged"
         )
     if kind == "vllm":
-        if cfg.actor.partial_rollouts:  # the config allows it with engine: hf; RLHF_ROLLOUT_ENGINE=vllm overrode that
-            raise ValueError(
-                f"{ENGINE_ENV_VAR}=vllm: actor_rollout.partial_rollouts is built for the hf engine only; "
-                "remove it or run the hf engine"
-            )
         from services.rollout.vllm_engine import VllmEngine
         from services.rollout.vllm_lora import LoraSpec
 
@@ -116,6 +111,7 @@ def _build(
         kw.setdefault("inplace_load_bytes", inplace_load_bytes_from_env())  # ValueError naming the variable
         kw["engine_kwargs"] = {**vllm_engine_kwargs(cfg), **kw.get("engine_kwargs", {})}
         kw.setdefault("staged_swap", cfg.actor.staged_weight_swap)
+        kw.setdefault("partial_rollouts", cfg.actor.partial_rollouts)
         return VllmEngine(
             path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, seed=cfg.training.seed, hooks=hooks, **kw
         )

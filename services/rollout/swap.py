@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +30,14 @@ class SwapGate:
         self._cond = asyncio.Condition()
         self._active = 0
         self._swapping = False
-        # a threading.Event: the hf engine's decode loop reads it from its worker thread between tokens
+        # a threading.Event: the hf engine's decode loop (and vLLM's engine thread) reads it from its own thread
         self.preempt = threading.Event()
+        # called (in the event loop) as preempt is set: an engine that must act rather than poll (vLLM's AsyncLLM)
+        self._on_preempt: list[Callable[[], None]] = []
+
+    def on_preempt(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` whenever :attr:`preempt` is set."""
+        self._on_preempt.append(fn)
 
     @property
     def active(self) -> int:
@@ -54,6 +60,8 @@ class SwapGate:
             await self._cond.wait_for(lambda: not self._swapping)
             self._swapping = True
             self.preempt.set()
+            for fn in self._on_preempt:
+                fn()
             try:
                 await self._cond.wait_for(lambda: self._active == 0)
             except BaseException:

@@ -6,7 +6,8 @@ on CPU) and ``async`` (``AsyncLLM``, engine core in a subprocess; GPU/NPU images
 (:class:`services.rollout.vllm_weights.VllmWeights`) and the LoRA adapters
 (:class:`services.rollout.vllm_lora.VllmAdapters`).
 
-Design (drivers, output kind, log-prob mode): docs/services.md#rollout ("How the engines work").
+Design (drivers, output kind, log-prob mode): docs/services.md#rollout ("How the engines work"); partial rollouts
+(a pending swap aborts the requests in flight, which resume from prompt + tokens so far): docs/weight-sync.md.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from rlhf.models import load_tokenizer
 from rlhf.serving.errors import Internal, NotReady
-from services.rollout.engine import EngineBase
+from services.rollout.engine import EngineBase, decode_text
 from services.rollout.engine_types import EngineHooks, PromptResult, Sample, StreamEvent, SwapResult
 from services.rollout.options import SamplingOptions
 from services.rollout.swap import read_checkpoint_manifest
@@ -98,6 +99,7 @@ class VllmEngine(EngineBase):
     push instead."""
 
     kind = "vllm"
+    supports_partial_rollouts = True
 
     def __init__(
         self,
@@ -115,8 +117,12 @@ class VllmEngine(EngineBase):
         inplace_load_bytes: int | None = None,
         load_bucket_bytes: int = LOAD_BUCKET_BYTES,
         lora: LoraSpec | None = None,
+        partial_rollouts: bool = False,
     ):
         super().__init__(model_path, model_name, hooks)
+        if partial_rollouts and lora is not None:
+            raise ValueError("partial rollouts with LoRA adapter pushes: an adapter push does not pause generation")
+        self.partial_rollouts = partial_rollouts
         # Adapter-only weight sync (actor_rollout.lora_sync adapter): pushes are LoRA adapters (vllm_lora.py)
         self.lora = lora
         self.adapters: VllmAdapters | None = None  # made at start, once the checkpoint's manifest is read
@@ -139,9 +145,15 @@ class VllmEngine(EngineBase):
         # streamed requests: every output (one per engine step) goes to the stream's queue as (index, output)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
         self._dead: BaseException | None = None
+        # partial rollouts: the requests a swap may stop (request id -> its stop strings), owned by the engine thread
+        # in-process, by the event loop with AsyncLLM; and those it stopped, until their output is read
+        self._preemptible: dict[str, tuple[str, ...]] = {}
+        self._preempted: set[str] = set()
         # async driver
         self._async: Any = None
         self._inflight = 0
+        self._preempting: asyncio.Task | None = None
+        self.gate.on_preempt(self._on_preempt)
         self.weights = VllmWeights(
             self, staged_swap=staged_swap, inplace_load_bytes=inplace_load_bytes, load_bucket_bytes=load_bucket_bytes
         )
@@ -296,6 +308,8 @@ class VllmEngine(EngineBase):
                         self._fail_all(NotReady("the rollout service is shutting down"))
                         return
                     self._command(llm, cmds.pop(0))  # held by _command only (see its "call" branch)
+                if self._preemptible and self.gate.preempt.is_set():
+                    self._preempt_inproc(llm)
                 if llm.has_unfinished_requests():
                     self.hooks.step(llm.get_num_unfinished_requests())
                     self._dispatch(llm.step())
@@ -312,6 +326,8 @@ class VllmEngine(EngineBase):
         finished one's to its future."""
         streamed: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, int, Any]]] = {}
         for out in outs:
+            if out.finished:
+                self._preemptible.pop(out.request_id, None)
             sink = self._streams.get(out.request_id)
             if sink is not None:
                 streamed.setdefault(sink[0], []).append((sink[1], sink[2], out))
@@ -336,24 +352,30 @@ class VllmEngine(EngineBase):
     def _command(self, llm: Any, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "stream":  # as "add", each output to the stream's queue
-            _, items, sp, lora, loop, q = cmd
-            for k, (rid, prompt) in enumerate(items):
+            _, items, lora, loop, q = cmd
+            for k, (rid, prompt, sp, stops) in enumerate(items):
                 try:
                     llm.add_request(rid, {"prompt_token_ids": prompt}, sp, lora_request=lora)
                     self._streams[rid] = (loop, q, k)
+                    if stops is not None:
+                        self._preemptible[rid] = stops
                 except BaseException as err:  # noqa: BLE001 - reported to the stream
                     self._hand_over(loop, [(q, k, err)])
         elif kind == "add":  # all prompts of one request join the batch in the same step
-            _, items, sp, lora, loop, futs = cmd
-            for (rid, prompt), fut in zip(items, futs, strict=True):
+            _, items, lora, loop, futs = cmd
+            for (rid, prompt, sp, stops), fut in zip(items, futs, strict=True):
                 try:
                     # outputs carry this (external) id
                     llm.add_request(rid, {"prompt_token_ids": prompt}, sp, lora_request=lora)
                     self._futures[rid] = (loop, fut)
+                    if stops is not None:
+                        self._preemptible[rid] = stops
                 except BaseException as err:  # noqa: BLE001 - reported to the caller
                     self._resolve(loop, fut, error=err)
-        elif kind == "abort":
+        elif kind == "abort":  # the caller went away: its outputs are dropped
             rids = [rid for rid in cmd[1] if (self._futures.pop(rid, None) or self._streams.pop(rid, None)) is not None]
+            for rid in rids:
+                self._preemptible.pop(rid, None)
             if rids:
                 llm.abort_request(rids)
         elif kind == "call":
@@ -368,7 +390,31 @@ class VllmEngine(EngineBase):
             del fn
             self._resolve(loop, fut, value, error)
 
+    def _preempt_inproc(self, llm: Any) -> None:
+        """Partial rollouts, on the engine thread while a swap waits: abort each preemptible request that may stop now
+        (:func:`_stoppable`) and hand over its output so far (finish reason ``abort``) as a finished one's. vLLM's
+        in-process engine makes no output for an aborted request (AsyncLLM does, in its abort), so it is made here
+        from the request's output state, as AsyncLLM's abort makes it."""
+        from vllm.v1.engine import FinishReason
+
+        proc = llm.output_processor
+        outs = []
+        for rid, stops in list(self._preemptible.items()):
+            states = [st for i in proc.external_req_ids.get(rid, ()) if (st := proc.request_states.get(i)) is not None]
+            if not states or not all(_stoppable(st.detokenizer, stops) for st in states):
+                continue  # next step (vLLM checks the stop strings of what it decodes after the resume only)
+            made = [st.make_request_output([], None, FinishReason.ABORT, None) for st in states]
+            llm.abort_request([rid])
+            for st in states:  # vLLM's abort by request id leaves a parent of n > 1 samples behind
+                if st.parent_req is not None:
+                    proc.parent_requests.pop(st.parent_req.request_id, None)
+            del self._preemptible[rid]
+            self._preempted.add(rid)
+            outs += [o for o in made if o is not None]  # n > 1 without streaming: the last child's holds them all
+        self._dispatch(outs)
+
     def _fail_all(self, err: BaseException) -> None:
+        self._preemptible.clear()
         entries, self._futures = list(self._futures.values()), {}
         for loop, fut in entries:
             self._resolve(loop, fut, error=err)
@@ -406,43 +452,47 @@ class VllmEngine(EngineBase):
             return (await self._call(lambda llm: llm.collective_rpc(method, args=args)))[0]
         return (await self._async.collective_rpc(method, args=args))[0]
 
-    async def _submit_many(self, prompts: list[list[int]], sp: Any, lora: Any = None) -> list[Any]:
-        """One vLLM request per prompt, added to the engine together (so they share the same steps); ``lora``: the
-        adapter they run on (None: the base model)."""
+    def _items(self, prompts: list[list[int]], sps: list[Any], stops: tuple[str, ...] | None) -> list[tuple]:
+        """(request id, prompt, sampling parameters, stop strings: None unless a swap may stop it) per prompt."""
+        tag = uuid.uuid4().hex[:8]
+        return [(f"r{next(self._ids)}-{tag}", p, sp, stops) for p, sp in zip(prompts, sps, strict=True)]
+
+    async def _submit_many(self, items: list[tuple], lora: Any = None) -> list[Any]:
+        """One vLLM request per item (:meth:`_items`), added to the engine together (so they share the same steps);
+        ``lora``: the adapter they run on (None: the base model)."""
         self._check_alive()
         loop = asyncio.get_running_loop()
-        tag = uuid.uuid4().hex[:8]
-        items = [(f"r{next(self._ids)}-{tag}", p) for p in prompts]
-        futs = [loop.create_future() for _ in prompts]
-        self._cmds.put(("add", items, sp, lora, loop, futs))
+        futs = [loop.create_future() for _ in items]
+        self._cmds.put(("add", items, lora, loop, futs))
         try:
             return list(await asyncio.gather(*futs))
         except BaseException:
             for f in futs:
                 f.cancel()
-            self._cmds.put(("abort", [rid for rid, _ in items]))
+            self._cmds.put(("abort", [item[0] for item in items]))
             raise
 
-    async def _submit_async(self, prompt: list[int], sp: Any, lora: Any = None) -> Any:
-        rid = f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+    async def _submit_async(self, item: tuple, lora: Any = None) -> Any:
+        rid, prompt, sp, stops = item
         self._inflight += 1
         self.hooks.step(self._inflight)  # async driver: requests in flight when this one joins
+        if stops is not None:
+            self._preemptible[rid] = stops
         final = None
         try:
             async for out in self._async.generate({"prompt_token_ids": prompt}, sp, request_id=rid, lora_request=lora):
                 final = out
         finally:
             self._inflight -= 1
+            self._preemptible.pop(rid, None)
         return final
 
-    async def _stream_inproc(self, prompts: list[list[int]], sp: Any, lora: Any) -> AsyncIterator[tuple[int, Any]]:
-        """(prompt index, output) as the engine thread hands each step's outputs over; closing it aborts what is
+    async def _stream_inproc(self, items: list[tuple], lora: Any) -> AsyncIterator[tuple[int, Any]]:
+        """(item index, output) as the engine thread hands each step's outputs over; closing it aborts what is
         still running."""
         self._check_alive()
         q: asyncio.Queue = asyncio.Queue()
-        tag = uuid.uuid4().hex[:8]
-        items = [(f"r{next(self._ids)}-{tag}", p) for p in prompts]
-        self._cmds.put(("stream", items, sp, lora, asyncio.get_running_loop(), q))
+        self._cmds.put(("stream", items, lora, asyncio.get_running_loop(), q))
         left = len(items)
         try:
             while left:
@@ -453,25 +503,48 @@ class VllmEngine(EngineBase):
                 yield k, out
         finally:
             if left:
-                self._cmds.put(("abort", [rid for rid, _ in items]))
+                self._cmds.put(("abort", [item[0] for item in items]))
 
-    async def _stream_async(self, prompts: list[list[int]], sp: Any, lora: Any) -> AsyncIterator[tuple[int, Any]]:
-        """(prompt index, output) from AsyncLLM's generators, merged; closing it closes them (vLLM aborts)."""
+    async def _stream_async(self, items: list[tuple], lora: Any) -> AsyncIterator[tuple[int, Any]]:
+        """(item index, output) from AsyncLLM's generators, merged; closing it closes them (vLLM aborts)."""
         from vllm.utils.async_utils import merge_async_iterators
 
         gens = [
-            self._async.generate(
-                {"prompt_token_ids": p}, sp, request_id=f"r{next(self._ids)}-{uuid.uuid4().hex[:8]}", lora_request=lora
-            )
-            for p in prompts
+            self._async.generate({"prompt_token_ids": p}, sp, request_id=rid, lora_request=lora)
+            for rid, p, sp, _ in items
         ]
         self._inflight += len(gens)
         self.hooks.step(self._inflight)
+        self._preemptible.update((rid, stops) for rid, _, _, stops in items if stops is not None)
         try:
             async for k, out in merge_async_iterators(*gens):
                 yield k, out
         finally:
             self._inflight -= len(gens)
+            for rid, *_ in items:
+                self._preemptible.pop(rid, None)
+
+    def _on_preempt(self) -> None:
+        """A swap waits (AsyncLLM driver): stop the preemptible requests (the in-process engine thread polls)."""
+        if self._async is not None and (self._preempting is None or self._preempting.done()):
+            self._preempting = asyncio.get_running_loop().create_task(self._preempt_async())
+
+    async def _preempt_async(self) -> None:
+        """Abort each preemptible request once it may stop (:func:`_stoppable`) while the swap waits: AsyncLLM's abort
+        ends its generator with its output so far (finish reason ``abort``)."""
+        proc = self._async.output_processor
+        # while requests hold the gate: one admitted just before the swap may register only now
+        while self.gate.active and self.gate.preempt.is_set():
+            ready = []
+            for rid, stops in list(self._preemptible.items()):
+                states = [st for i in proc.external_req_ids.get(rid, ()) if (st := proc.request_states.get(i))]
+                if states and all(_stoppable(st.detokenizer, stops) for st in states):
+                    ready.append(rid)
+                    del self._preemptible[rid]
+                    self._preempted.add(rid)
+            if ready:  # its output processor makes the outputs at once (no await between the check and them)
+                await self._async.abort(ready)
+            await asyncio.sleep(0.002)  # requests still before their first token, or inside a stop string
 
     async def _lora_call(self, method: str, arg: Any) -> Any:
         """vLLM's ``add_lora`` / ``remove_lora`` (``method``) on this driver's engine: the adapter path's handle."""
@@ -582,25 +655,36 @@ class VllmEngine(EngineBase):
             skip_special_tokens=True,
         )
 
+    def _stops(self, o: SamplingOptions) -> tuple[str, ...] | None:
+        """Partial rollouts: a request a swap may stop gets its stop strings (see :func:`_stoppable`), else None.
+        Not with frequency or presence penalties: vLLM counts them over the output only, and a resumed request's
+        earlier tokens are its prompt, so it would decode as no uninterrupted request does; such a request runs to
+        its end on the weights it started with (the swap waits for it). The repetition penalty counts prompt and
+        output alike, so it stays as it was."""
+        if not self.partial_rollouts or o.frequency_penalty or o.presence_penalty:
+            return None
+        return tuple(o.stop)
+
     async def _generate(self, prompts: list[list[int]], params: SamplingOptions, version: int) -> list[PromptResult]:
         # vLLM refuses n > 1 with greedy decoding: send n requests of one sample each instead
         reps = params.n if params.greedy and params.n > 1 else 1
+        sp = self._sampling_params(replace(params, n=1) if reps > 1 else params)
+        flat = [p for p in prompts for _ in range(reps)]
+        items = self._items(flat, [sp] * len(flat), self._stops(params))
         if self.adapters is None:
-            return self._results(prompts, params, version, reps, await self._submit(prompts, params, reps, None))
+            return self._results(prompts, params, version, reps, await self._submit(items, None))
         # bound to the adapter of the version it was admitted under (before any await: no swap comes in between)
         lora = self.adapters.acquire(version)
         try:
-            outs = await self._submit(prompts, params, reps, lora)
+            outs = await self._submit(items, lora)
         finally:
             await self.adapters.release(version)
         return self._results(prompts, params, version, reps, outs)
 
-    async def _submit(self, prompts: list[list[int]], params: SamplingOptions, reps: int, lora: Any) -> list[Any]:
-        sp = self._sampling_params(replace(params, n=1) if reps > 1 else params)
-        flat = [p for p in prompts for _ in range(reps)]
+    async def _submit(self, items: list[tuple], lora: Any) -> list[Any]:
         if self.mode == "inproc":
-            return await self._submit_many(flat, sp, lora)
-        tasks = [asyncio.ensure_future(self._submit_async(p, sp, lora)) for p in flat]
+            return await self._submit_many(items, lora)
+        tasks = [asyncio.ensure_future(self._submit_async(item, lora)) for item in items]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -615,11 +699,12 @@ class VllmEngine(EngineBase):
         for i, prompt in enumerate(prompts):
             samples = []
             group = outs[i * reps : (i + 1) * reps]
-            completions = [c for out in group for c in sorted(out.outputs, key=lambda c: c.index)]
-            for c in completions:
-                ids = list(c.token_ids)
-                lps, top = _token_logprobs(ids, c.logprobs, params.top_logprobs)
-                samples.append(_sample(ids, lps, top, c.text, c, version))
+            for out in group:
+                stopped = self._was_preempted(out)
+                for c in sorted(out.outputs, key=lambda c: c.index):
+                    ids = list(c.token_ids)
+                    lps, top = _token_logprobs(ids, c.logprobs, params.top_logprobs)
+                    samples.append(_sample(ids, lps, top, c.text, c, version, stopped))
             result = PromptResult(prompt_token_ids=list(prompt), samples=samples)
             if params.prompt_logprobs is not None:
                 lps, tops = _prompt_logprobs(prompt, group[0].prompt_logprobs, params.prompt_logprobs)
@@ -627,7 +712,41 @@ class VllmEngine(EngineBase):
             results.append(result)
         return results
 
-    async def _generate_stream(
+    def _was_preempted(self, out: Any) -> bool:
+        """Whether a swap stopped ``out``'s request (its samples that end with ``abort``; those that finished before
+        keep their finish reason). Its last output forgets the id."""
+        if out.request_id not in self._preempted:
+            return False
+        if out.finished:  # a streamed request of n > 1 samples: its last output
+            self._preempted.discard(out.request_id)
+        return True
+
+    async def _continue(
+        self, prompts: list[list[int]], outputs: list[list[int]], opts: list[SamplingOptions], version: int
+    ) -> list[Sample]:
+        """Each sample as a request of its own whose prompt is its prompt + its tokens so far (vLLM's stop-string
+        check reads the new text only: :func:`_stoppable` keeps the cut out of a stop string)."""
+        flat = [[*p, *out] for p, out in zip(prompts, outputs, strict=True)]
+        items = [
+            item
+            for o, f in zip(opts, flat, strict=True)
+            for item in self._items([f], [self._sampling_params(o)], self._stops(o))
+        ]
+        outs = await self._submit(items, None)
+        samples = []
+        for out, before, o in zip(outs, outputs, opts, strict=True):
+            stopped = self._was_preempted(out)
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            lps, top = _token_logprobs(ids, c.logprobs, o.top_logprobs)
+            samples.append(_sample(ids, lps, top, self._text_before(before) + c.text, c, version, stopped))
+        return samples
+
+    def _text_before(self, tokens: list[int]) -> str:
+        """The text of a stopped sample's tokens: what its resumed part's text (vLLM's, of the new tokens) follows."""
+        return decode_text(self._tokenizer, tokens) if tokens else ""
+
+    def _generate_stream(
         self, prompts: list[list[int]], params: SamplingOptions, version: int
     ) -> AsyncIterator[StreamEvent]:
         """What each engine step adds to each sample, as vLLM hands it out (``RequestOutputKind.DELTA``: new tokens,
@@ -637,31 +756,59 @@ class VllmEngine(EngineBase):
         reps = params.n if params.greedy and params.n > 1 else 1
         sp = self._sampling_params(replace(params, n=1) if reps > 1 else params, stream=True)
         flat = [p for p in prompts for _ in range(reps)]
+        items = self._items(flat, [sp] * len(flat), self._stops(params))
+        return self._stream(items, [(k // reps, k % reps) for k in range(len(flat))], params, version, prompts=flat)
+
+    def _continue_stream(
+        self, prompts: list[list[int]], outputs: list[list[int]], opts: list[SamplingOptions], version: int
+    ) -> AsyncIterator[StreamEvent]:
+        items = [
+            item
+            for p, out, o in zip(prompts, outputs, opts, strict=True)
+            for item in self._items([[*p, *out]], [self._sampling_params(o, stream=True)], self._stops(o))
+        ]
+        texts = [self._text_before(out) for out in outputs]
+        return self._stream(items, [(k, 0) for k in range(len(items))], opts[0], version, texts=texts)
+
+    async def _stream(
+        self,
+        items: list[tuple],
+        where: list[tuple[int, int]],
+        params: SamplingOptions,
+        version: int,
+        prompts: list[list[int]] | None = None,
+        texts: list[str] | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        """The events of ``items``' requests: request k's samples are (prompt index, first sample index) ``where[k]``
+        (+ vLLM's sample index); ``prompts``: theirs, for prompt log-probs; ``texts``: the text each sample's
+        finished text follows (a resumed sample's so far)."""
         adapters = self.adapters
         lora = None if adapters is None else adapters.acquire(version)  # as in _generate
-        outputs = self._stream_inproc(flat, sp, lora) if self.mode == "inproc" else self._stream_async(flat, sp, lora)
+        outputs = self._stream_inproc(items, lora) if self.mode == "inproc" else self._stream_async(items, lora)
         partial: dict[tuple[int, int], _Partial] = {}
         prompt_lps: dict[int, dict[str, Any]] = {}  # per request: the prompt's log-probs, from its first output
         try:
             async for k, out in outputs:
-                i = k // reps
+                i, j0 = where[k]
                 if params.prompt_logprobs is not None and k not in prompt_lps and out.prompt_logprobs:
-                    lps, tops = _prompt_logprobs(prompts[i], out.prompt_logprobs, params.prompt_logprobs)
+                    assert prompts is not None
+                    lps, tops = _prompt_logprobs(prompts[k], out.prompt_logprobs, params.prompt_logprobs)
                     prompt_lps[k] = {"prompt_logprobs": lps, "prompt_top_logprobs": tops}
+                stopped = self._was_preempted(out)
                 for c in out.outputs:
                     if not c.token_ids and c.finish_reason is None:
                         continue  # nothing new (a prefill chunk)
-                    j = k % reps + c.index  # reps > 1: one sample per request; else vLLM's sample index
+                    j = j0 + c.index  # several requests of one prompt: one sample each; else vLLM's sample index
                     opening: dict[str, Any] = {}
                     if (i, j) not in partial and params.prompt_logprobs is not None:
                         if k not in prompt_lps:
                             raise Internal("vLLM returned no prompt log-probs for a request that asked for them")
                         opening = prompt_lps[k]
-                    acc = partial.setdefault((i, j), _Partial())
+                    acc = partial.setdefault((i, j), _Partial(text=texts[k] if texts else ""))
                     ids = list(c.token_ids)
                     lps, top = _token_logprobs(ids, c.logprobs, params.top_logprobs)
                     acc.add(ids, lps, top, c.text)
-                    smp = acc.sample(c, version) if c.finish_reason is not None else None
+                    smp = acc.sample(c, version, stopped) if c.finish_reason is not None else None
                     yield StreamEvent(i, j, ids, lps, top, smp, text=c.text, **opening)
         finally:
             await outputs.aclose()  # aborts what is still running
@@ -687,8 +834,19 @@ class _Partial:
             self.top += top
         self.text += text
 
-    def sample(self, c: Any, version: int) -> Sample:
-        return _sample(self.ids, self.lps, self.top, self.text, c, version)
+    def sample(self, c: Any, version: int, stopped: bool = False) -> Sample:
+        return _sample(self.ids, self.lps, self.top, self.text, c, version, stopped)
+
+
+def _stoppable(detokenizer: Any, stops: tuple[str, ...]) -> bool:
+    """Whether a swap may stop a request now (partial rollouts), from its vLLM output state: it has a token since
+    it was admitted (each admission makes progress, however often swaps come), and its text ends neither inside one
+    of its stop strings (vLLM's check of the resumed request reads the new text only, so a stop string across the cut
+    would be missed) nor inside a character (its text so far and the resumed part's are decoded apart)."""
+    if detokenizer is None or detokenizer.num_output_tokens() < 1:
+        return False
+    text = getattr(detokenizer, "output_text", "")
+    return not text.endswith("\ufffd") and not any(text.endswith(s[:k]) for s in stops for k in range(1, len(s)))
 
 
 def _token_logprobs(ids: list[int], positions: Any, k: int) -> tuple[list[float], list[list[tuple[int, float]]] | None]:
@@ -699,11 +857,19 @@ def _token_logprobs(ids: list[int], positions: Any, k: int) -> tuple[list[float]
 
 
 def _sample(
-    ids: list[int], lps: list[float], top: list[list[tuple[int, float]]] | None, text: str, c: Any, version: int
+    ids: list[int],
+    lps: list[float],
+    top: list[list[tuple[int, float]]] | None,
+    text: str,
+    c: Any,
+    version: int,
+    stopped: bool = False,
 ) -> Sample:
-    """A finished sample; ``c``: its last CompletionOutput (the finish and stop reasons)."""
+    """A finished sample; ``c``: its last CompletionOutput (the finish and stop reasons); ``stopped``: its request
+    was aborted by a swap (partial rollouts), so the sample is ``preempted`` unless it had finished before."""
     reason = c.finish_reason if c.finish_reason in ("stop", "length", "abort") else "length"
     return Sample(
+        preempted=stopped and reason == "abort",
         token_ids=ids,
         logprobs=lps,
         finish_reason=reason,

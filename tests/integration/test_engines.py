@@ -638,3 +638,104 @@ def test_a_resumed_sample_keeps_its_options(tiny_models, state):
             assert sr.spans is not None and [v for _, v in sr.spans] == [0, 1]
             assert sr.token_ids == sa.token_ids and sr.text == sa.text
             assert sr.logprobs == pytest.approx(sa.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", [pytest.param("async", marks=_ASYNC_OPT_IN), "inproc"])
+def test_vllm_partial_rollouts_abort_and_resume(tiny_models, state, forward, mode, monkeypatch):
+    """Partial rollouts on vLLM: a push aborts the requests in flight and they go on from prompt + tokens so far under
+    the new weights. A greedy request keeps the old weights' prefix and continues as the new weights decode from it;
+    spans cover every token within max_tokens; each token's log-prob is that of the weights its span names. A
+    streamed request goes on in the same stream (its text whole, with what vLLM held back for a stop string), a
+    sampled n > 1 request keeps its samples, and a request with a frequency penalty (which vLLM would count wrongly
+    after a resume) finishes on the old weights. The push waits less than with partial rollouts off (the same
+    request, the same engine)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if mode == "inproc" else "1")
+    for k, v in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("TORCH_COMPILE_DISABLE", "1")):
+        monkeypatch.setenv(k, os.environ.get(k, v))  # read by the engine-core subprocess too
+    g = torch.Generator().manual_seed(1)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    n_tok = 300
+    o = SamplingOptions(max_tokens=n_tok, temperature=0.0, ignore_eos=True)
+    steps: list[int] = []
+
+    def decoding(eng) -> bool:  # a few steps in (AsyncLLM's driver reports no steps: its requests' tokens so far)
+        if mode == "inproc":
+            return len(steps) >= 5
+        return any(
+            st.detokenizer.num_output_tokens() >= 5 for st in eng._async.output_processor.request_states.values()
+        )
+
+    async def push_mid_way(eng, weights, version, *requests):
+        steps.clear()
+        tasks = [asyncio.ensure_future(r) for r in requests]
+        while not decoding(eng):
+            await asyncio.sleep(0.002)
+        swap = await eng.swap_weights(dict(weights), version, f"c{version}")
+        return swap, await asyncio.gather(*tasks)
+
+    async def stream(eng, opts):
+        return [ev async for ev in eng.generate_stream(PROMPTS[1:2], opts)]
+
+    async def main():
+        eng = VllmEngine(
+            tiny_models.policy,
+            "tiny:policy",
+            mode=mode,
+            staged_swap=False,
+            partial_rollouts=True,
+            hooks=EngineHooks(on_step=steps.append),
+        )
+        await eng.start()
+        try:
+            (alone,) = await eng.generate(PROMPTS[:1], o)
+            swap, ((out,),) = await push_mid_way(eng, new, 1, eng.generate(PROMPTS[:1], o))
+            smp = out.samples[0]
+            assert smp.spans is not None, "the push came after the request finished"
+            cut = smp.spans[1][0]
+            (fresh,) = await eng.generate([PROMPTS[0] + smp.token_ids[:cut]], replace(o, max_tokens=n_tok - cut))
+            sampled = SamplingOptions(n=2, max_tokens=n_tok, seed=4, temperature=0.8, ignore_eos=True)
+            penalized = replace(o, frequency_penalty=0.5)
+            held = replace(o, stop=("\u2603\u2603\u2603",))  # never met: vLLM holds back the text's last 2 characters
+            _, (events, (many,), (pen,)) = await push_mid_way(
+                eng,
+                state,
+                2,
+                stream(eng, held),
+                eng.generate(PROMPTS[:1], sampled),
+                eng.generate(PROMPTS[2:], penalized),
+            )
+            eng.partial_rollouts = False
+            drained_swap, ((drained,),) = await push_mid_way(eng, new, 3, eng.generate(PROMPTS[:1], o))
+            return smp, swap, alone.samples[0], fresh.samples[0], events, many.samples, pen.samples[0], drained_swap
+        finally:
+            await eng.close()
+
+    smp, swap, alone, fresh, events, samples, pen, drained_swap = asyncio.run(main())
+    (s0, v0), (cut, v1) = smp.spans
+    assert (s0, v0, v1, len(smp.spans)) == (0, 0, 1, 2) and 0 < cut < n_tok
+    assert smp.policy_version == 0 and not smp.preempted and smp.finish_reason == "length"
+    assert len(smp.token_ids) == len(smp.logprobs) == n_tok
+    assert smp.token_ids[:cut] == alone.token_ids[:cut]  # the old weights' greedy tokens
+    assert smp.token_ids[cut:] == fresh.token_ids and fresh.policy_version == 1  # the new weights' from the prefix
+    old_lp = forward(PROMPTS[0], smp.token_ids, 1.0, weights=state)
+    new_lp = forward(PROMPTS[0], smp.token_ids, 1.0, weights=new)
+    forward(PROMPTS[0], [5], 1.0, weights=state)  # leave the shared model as it was
+    assert max(abs(a - b) for a, b in zip(smp.logprobs[:cut], old_lp[:cut], strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(smp.logprobs[cut:], new_lp[cut:], strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(smp.logprobs[cut:], old_lp[cut:], strict=True)) > 1e-3  # new weights
+    # the whole response's text: the old run's up to the cut, then the new weights' from there
+    assert smp.text.endswith(fresh.text) and alone.text.startswith(smp.text[: len(smp.text) - len(fresh.text)])
+
+    last = events[-1].sample
+    assert last is not None and [ev.sample is not None for ev in events].count(True) == 1
+    assert last.token_ids == [t for ev in events for t in ev.token_ids] and len(last.token_ids) == n_tok
+    assert last.logprobs == [x for ev in events for x in ev.logprobs]
+    assert last.text == "".join(ev.text for ev in events)  # the held-back text too, sent as the swap stopped it
+    assert last.spans is not None and [v for _, v in last.spans] == [1, 2] and last.policy_version == 1
+    assert len(samples) == 2
+    for s in samples:
+        assert len(s.token_ids) == len(s.logprobs) == n_tok and s.policy_version == 1
+        assert s.spans is not None and [v for _, v in s.spans] == [1, 2] and 0 < s.spans[1][0] < n_tok
+    assert pen.spans is None and pen.policy_version == 1 and len(pen.token_ids) == n_tok  # ran to its end first
+
+    assert drained_swap.wait_seconds > swap.wait_seconds

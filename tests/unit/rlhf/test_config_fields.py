@@ -238,7 +238,7 @@ FIELD_TESTS: dict[str, list[str] | str] = {
         "tests/integration/test_engines.py::test_vllm_staged_swap_serves_the_old_weights_while_the_update_loads",
     ],
     "actor_rollout_ref.actor_rollout.partial_rollouts": [
-        ROLLOUT_SETTINGS + "test_partial_rollouts_reach_the_hf_engine_and_are_refused_for_vllm",
+        ROLLOUT_SETTINGS + "test_partial_rollouts_reach_both_engines_and_are_refused_with_adapter_pushes",
         "tests/integration/test_engines.py::test_partial_rollout_resumes_under_the_new_weights",
     ],
     "actor_rollout_ref.ref.load": [

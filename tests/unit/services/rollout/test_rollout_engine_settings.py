@@ -141,12 +141,14 @@ def test_workers_spawn_on_accelerators(monkeypatch, device, spawn):
     assert (os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn") is spawn
 
 
-def test_partial_rollouts_reach_the_hf_engine_and_are_refused_for_vllm(tiny_models):
-    """actor_rollout.partial_rollouts: off by default, on in the hf engine built from the config; refused with the
-    vllm engine (not built there), whether the config or RLHF_ROLLOUT_ENGINE asks for it."""
-    assert make_engine(_cfg("hf"), kind="hf").partial_rollouts is False
-    assert make_engine(_cfg("hf", partial_rollouts=True), kind="hf").partial_rollouts is True
-    with pytest.raises(ConfigError, match="partial_rollouts is built for the hf engine only"):
-        _cfg("vllm", partial_rollouts=True)
-    with pytest.raises(ValueError, match="RLHF_ROLLOUT_ENGINE=vllm: actor_rollout.partial_rollouts"):
-        make_engine(_cfg("hf", partial_rollouts=True), kind="vllm")
+def test_partial_rollouts_reach_both_engines_and_are_refused_with_adapter_pushes(tiny_models):
+    """actor_rollout.partial_rollouts: off by default, on in the hf and vllm engines built from the config; refused
+    with LoRA adapter pushes (an adapter push does not pause generation: nothing to interrupt), by the config and by
+    the vllm engine itself."""
+    for kind in ("hf", "vllm"):
+        assert make_engine(_cfg(kind), kind=kind).partial_rollouts is False
+        assert make_engine(_cfg(kind, partial_rollouts=True), kind=kind).partial_rollouts is True
+    with pytest.raises(ConfigError, match="partial_rollouts with an adapter-only push"):
+        _cfg("vllm", partial_rollouts=True, lora_r=4)
+    with pytest.raises(ValueError, match="an adapter push does not pause generation"):
+        make_engine(_cfg("vllm", lora_r=4), kind="vllm", partial_rollouts=True)

@@ -11,6 +11,7 @@ from services.rollout.engine import continue_options, join_samples
 from services.rollout.engine_types import Sample
 from services.rollout.jobs import sample_record
 from services.rollout.options import SamplingOptions
+from services.rollout.vllm_engine import _stoppable
 
 # The record of SCORE / sample(spans=None) below as the code before version spans wrote it (rlhf/v1 generated from
 # experience.proto without span_starts / span_versions, serialized deterministically)
@@ -73,3 +74,28 @@ def test_continue_options_keep_the_budget_and_the_options():
 @pytest.mark.parametrize("spans", [None, [(0, 1)]])
 def test_one_span_writes_no_span_fields(spans):
     assert not sample_record(sample(spans=spans), "abc", SCORE, [-1.0] * 3).span_starts
+
+
+class _Detokenizer:
+    """vLLM's detokenizer state as :func:`services.rollout.vllm_engine._stoppable` reads it."""
+
+    def __init__(self, tokens: int, text: str):
+        self.tokens, self.output_text = tokens, text
+
+    def num_output_tokens(self) -> int:
+        return self.tokens
+
+
+def test_vllm_stops_a_request_after_a_token_and_outside_stop_strings_and_characters():
+    """A swap stops a vLLM request (partial rollouts) only once it has a token since its admission, and not where
+    its text ends with the start of one of its stop strings (vLLM's check of the resumed request reads the new text
+    only, so the stop string would be missed) or inside a character."""
+    stops = ("</answer>", "##")
+    assert _stoppable(_Detokenizer(3, "the answer is 4"), stops)
+    assert not _stoppable(_Detokenizer(0, ""), stops)  # nothing yet: it goes on to its first token
+    assert not _stoppable(None, stops)
+    for text in ("4 </", "4 </answer", "so #", "4 <"):
+        assert not _stoppable(_Detokenizer(4, text), stops), text
+        assert _stoppable(_Detokenizer(4, text), ())  # no stop strings: anywhere
+    assert _stoppable(_Detokenizer(4, "4 </answer>x"), stops)  # past it (a full stop string ends the request anyway)
+    assert not _stoppable(_Detokenizer(2, "caf\ufffd"), ())  # a character cut in two
