@@ -114,6 +114,14 @@ def table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return out
 
 
+def _parts(v: dict, on_cpu: bool) -> str | None:
+    """bench.vllm_parity: a server's ms per request by part (main thread / other threads / child processes), on a
+    CPU or runnable and waiting for one."""
+    parts = v.get("server_cpu_ms_per_request_by_part", {})
+    keys = [k for k in parts if k.endswith("_cpu_wait") != on_cpu]
+    return " / ".join(fmt(parts[k]) for k in keys) or None
+
+
 def figures_md(name: str, r: dict) -> list[str]:
     f = r["figures"]
     if name == "serving":
@@ -211,7 +219,8 @@ def figures_md(name: str, r: dict) -> list[str]:
                         v["tpot_p50_ms"],
                         v["tpot_p99_ms"],
                         v["server_cpu_ms_per_request"],
-                        " / ".join(fmt(x) for x in v.get("server_cpu_ms_per_request_by_part", {}).values()) or None,
+                        _parts(v, on_cpu=True),
+                        _parts(v, on_cpu=False),
                         v["requests"],
                         v["failed"],
                     ]
@@ -229,6 +238,7 @@ def figures_md(name: str, r: dict) -> list[str]:
                 "TPOT p99 ms",
                 "server CPU ms/request",
                 "of which main thread / other threads / child processes",
+                "waiting for a CPU ms/request, same parts",
                 "requests",
                 "failed",
             ],
