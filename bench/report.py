@@ -33,6 +33,7 @@ BENCHES = (
     "weight_sync_lora",
     "serving",
     "engines",
+    "vllm_parity",
     "padding_free",
     "critic_threads",
     "pipeline",
@@ -47,6 +48,7 @@ TITLES = {
     "weight_sync_lora": "Weight sync: a LoRA actor's adapter-only push to vLLM vs the merged model",
     "serving": "Serving: REST and gRPC vs the engine in-process",
     "engines": "Rollout engines: generated tokens/s, vllm vs hf",
+    "vllm_parity": "vLLM parity: rlhf serve rollout vs vLLM's own OpenAI server, streamed completions",
     "padding_free": "Padding-free passes: the trainer's PPO step and the reference forward, padded vs packed",
     "critic_threads": "Critic threads: the PPO step with the critic beside the actor on half the threads each",
     "pipeline": "Pipeline: training samples/s vs TRL 1.12 and vs the compute bound",
@@ -110,6 +112,14 @@ def table(header: list[str], rows: list[list[Any]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
     return out
+
+
+def _parts(v: dict, on_cpu: bool) -> str | None:
+    """bench.vllm_parity: a server's ms per request by part (main thread / other threads / child processes), on a
+    CPU or runnable and waiting for one."""
+    parts = v.get("server_cpu_ms_per_request_by_part", {})
+    keys = [k for k in parts if k.endswith("_cpu_wait") != on_cpu]
+    return " / ".join(fmt(parts[k]) for k in keys) or None
 
 
 def figures_md(name: str, r: dict) -> list[str]:
@@ -192,6 +202,48 @@ def figures_md(name: str, r: dict) -> list[str]:
                     [size, batch.split("_")[1], v["vllm"], v["hf"], r["ratio"].get(f"{size}/{batch}/vllm_vs_hf")]
                 )
         return table(["model", "batch", "vllm tokens/s", "hf tokens/s", "vllm / hf"], rows)
+    if name == "vllm_parity":
+        rows = []
+        for conc, sides in f.items():
+            for who, v in sides.items():
+                vs = r["ratio"].get(conc, {}) if who == "rlhf" else {}
+                rows.append(
+                    [
+                        conc[1:],
+                        "rlhf serve rollout" if who == "rlhf" else "vLLM api_server",
+                        v["output_tokens_per_s"],
+                        vs.get("output_tokens_per_s"),
+                        v["ttft_p50_ms"],
+                        v["ttft_p99_ms"],
+                        vs.get("ttft_p50"),
+                        v["tpot_p50_ms"],
+                        v["tpot_p99_ms"],
+                        v["server_cpu_ms_per_request"],
+                        _parts(v, on_cpu=True),
+                        _parts(v, on_cpu=False),
+                        v["requests"],
+                        v["failed"],
+                    ]
+                )
+        return table(
+            [
+                "concurrency",
+                "server",
+                "output tokens/s",
+                "/ vLLM",
+                "TTFT p50 ms",
+                "TTFT p99 ms",
+                "TTFT p50 / vLLM",
+                "TPOT p50 ms",
+                "TPOT p99 ms",
+                "server CPU ms/request",
+                "of which main thread / other threads / child processes",
+                "waiting for a CPU ms/request, same parts",
+                "requests",
+                "failed",
+            ],
+            rows,
+        )
     if name == "pipeline":
         rows = []
         labels = {
@@ -267,6 +319,72 @@ def figures_md(name: str, r: dict) -> list[str]:
     return table(["figure", "value"], [[k, v] for k, v in flatten(f)])
 
 
+def target_rows(name: str, r: dict | None) -> list[list[Any]]:
+    """The Targets table's rows of one benchmark."""
+    if r is None:
+        return [[f"bench.{name}", "did not produce a result (see its log)", "-", "-", "**failed**"]]
+    return [[f"bench.{name}", t["figure"], t["value"], t["target"], t["met"]] for t in r["targets"]]
+
+
+def section(name: str, r: dict | None, run_info: dict | None) -> list[str]:
+    """One benchmark's section: its heading, command, settings, figures, targets and notes."""
+    lines = [f"## {TITLES.get(name, name)}", ""]
+    if r is None:
+        lines.append(
+            f"`python -m bench.{name}` produced no result" + (f" (exit {run_info['exit']})" if run_info else "") + "."
+        )
+        log = RESULTS / f"{name}.log"
+        if log.exists():
+            tail = log.read_text(errors="replace").splitlines()[-15:]
+            lines += ["", "```", *tail, "```"]
+        return lines
+    doc = ast.get_docstring(ast.parse((REPO / "bench" / f"{name}.py").read_text())) or ""
+    intro = doc.strip().split("\n\n", 1)
+    lines += [
+        f"Command: `{r.get('command') or f'python -m bench.{name}'}` ({r.get('seconds')} s; load average at start "
+        f"{fmt([round(x, 1) for x in r['machine'].get('load_average', [])])}).",
+        "",
+    ]
+    if len(intro) > 1:
+        lines += [intro[1].strip(), ""]
+    lines += ["Settings:", ""]
+    lines += [f"- {k}: {fmt(v)}" for k, v in flatten(r["settings"])]
+    lines += ["", *figures_md(name, r), ""]
+    if name not in ("pipeline", "engines", "serving", "vllm_parity"):
+        lines += ["Ratios: " + "; ".join(f"{k} {fmt(v)}" for k, v in flatten(r["ratio"])), ""]
+    for t in r["targets"]:
+        lines.append(
+            f"- target: {t['figure']}: {fmt(t['value'])} (target {t['target']}): {'met' if t['met'] else '**missed**'}"
+        )
+    lines += [f"- note: {n}" for n in r["notes"]]
+    return lines
+
+
+def splice(md: str, name: str, r: dict | None) -> str:
+    """``md`` (a docs/benchmarks.md) with one benchmark's section and Targets rows replaced by ``r``'s (added where
+    it has none yet: the section at the end, the rows at the end of the Targets table); the rest kept as it is."""
+    lines = md.rstrip("\n").split("\n")
+    prefix = f"| bench.{name} |"
+    lines = [x for x in lines if not x.startswith(prefix)]
+    start = lines.index("## Targets")
+    end = start + 1
+    while end < len(lines) and not lines[end].startswith("|"):
+        end += 1
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    new_rows = table(["benchmark", "figure", "value", "target", "met"], target_rows(name, r))[2:]
+    lines[end:end] = new_rows
+    heading = f"## {TITLES.get(name, name)}"
+    body = section(name, r, None)
+    if heading in lines:
+        a = lines.index(heading)
+        b = next((i for i in range(a + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        lines[a:b] = [*body, ""] if b < len(lines) else body
+    else:
+        lines += ["", *body]
+    return "\n".join(lines) + "\n"
+
+
 def render(results: dict[str, dict | None], runs: dict[str, Any] | None, names: list[str]) -> str:
     machine = next((r["machine"] for r in results.values() if r), {})
     total = sum(v["seconds"] for v in runs.values()) if runs else None
@@ -295,50 +413,10 @@ def render(results: dict[str, dict | None], runs: dict[str, Any] | None, names: 
         "## Targets",
         "",
     ]
-    rows = []
-    for name in names:
-        r = results.get(name)
-        if r is None:
-            rows.append([f"bench.{name}", "did not produce a result (see its log)", "-", "-", "**failed**"])
-            continue
-        for t in r["targets"]:
-            rows.append([f"bench.{name}", t["figure"], t["value"], t["target"], t["met"]])
+    rows = [row for name in names for row in target_rows(name, results.get(name))]
     lines += table(["benchmark", "figure", "value", "target", "met"], rows)
     for name in names:
-        r = results.get(name)
-        lines += ["", f"## {TITLES.get(name, name)}", ""]
-        run_info = (runs or {}).get(name)
-        if r is None:
-            lines.append(
-                f"`python -m bench.{name}` produced no result"
-                + (f" (exit {run_info['exit']})" if run_info else "")
-                + "."
-            )
-            log = RESULTS / f"{name}.log"
-            if log.exists():
-                tail = log.read_text(errors="replace").splitlines()[-15:]
-                lines += ["", "```", *tail, "```"]
-            continue
-        doc = ast.get_docstring(ast.parse((REPO / "bench" / f"{name}.py").read_text())) or ""
-        intro = doc.strip().split("\n\n", 1)
-        lines += [
-            f"Command: `python -m bench.{name}` ({r.get('seconds')} s; load average at start "
-            f"{fmt([round(x, 1) for x in r['machine'].get('load_average', [])])}).",
-            "",
-        ]
-        if len(intro) > 1:
-            lines += [intro[1].strip(), ""]
-        lines += ["Settings:", ""]
-        lines += [f"- {k}: {fmt(v)}" for k, v in flatten(r["settings"])]
-        lines += ["", *figures_md(name, r), ""]
-        if name not in ("pipeline", "engines", "serving"):
-            lines += ["Ratios: " + "; ".join(f"{k} {fmt(v)}" for k, v in flatten(r["ratio"])), ""]
-        for t in r["targets"]:
-            lines.append(
-                f"- target: {t['figure']}: {fmt(t['value'])} (target {t['target']}): "
-                f"{'met' if t['met'] else '**missed**'}"
-            )
-        lines += [f"- note: {n}" for n in r["notes"]]
+        lines += ["", *section(name, results.get(name), (runs or {}).get(name))]
     return "\n".join(lines) + "\n"
 
 
@@ -348,6 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", action="store_true", help="run the benchmarks first")
     p.add_argument("--only", help="comma-separated benchmark names (default: all)")
     p.add_argument("--out", default=str(REPO / "docs" / "benchmarks.md"), help="the Markdown file to write")
+    p.add_argument(
+        "--splice",
+        action="store_true",
+        help="replace only the --only benchmarks' sections and Targets rows in the existing --out file",
+    )
     args = p.parse_args(argv)
     names = [n.strip() for n in args.only.split(",")] if args.only else list(BENCHES)
     unknown = sorted(set(names) - set(BENCHES))
@@ -362,7 +445,13 @@ def main(argv: list[str] | None = None) -> int:
     results = load(out, list(BENCHES))
     md = Path(args.out)
     md.parent.mkdir(parents=True, exist_ok=True)
-    md.write_text(render(results, runs, list(BENCHES)))
+    if args.splice:  # a benchmark rerun alone, the others' figures kept as the file has them
+        text = md.read_text()
+        for name in names:
+            text = splice(text, name, results.get(name))
+        md.write_text(text)
+    else:
+        md.write_text(render(results, runs, list(BENCHES)))
     total = f" (benchmarks took {sum(v['seconds'] for v in runs.values()):.0f} s)" if runs else ""
     print(f"wrote {md}{total}")
     failed = [n for n in names if results.get(n) is None]
