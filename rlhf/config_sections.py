@@ -633,6 +633,8 @@ DATA_MAP_KEYS = {
     "label": "the reference-answer column, sent to the reward scorers as the item's label",
     "response": "the reference response column: the label when the row has no label column (MindSpeed's R1 labels)",
     "text": "the pretrain_data text column",
+    "max_tokens": "a per-row cap on new tokens (1 to actor_rollout.max_new_tokens): its prompt job's max_tokens "
+    "(a length-controlled workload, e.g. bench.long_tail's long tail)",
 }
 
 
