@@ -272,7 +272,9 @@ def run_setting(name: str, paths, data: Path, cap: int, redis_url: str, scorers,
             "RLHF_REPLICA_ID": f"{run_id}-rollout-0",
             "RLHF_ROLLOUT_ENGINE": "hf",
             "RLHF_WEIGHTS_DATA_PORT": "0",
-            "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": str(PROMPTS),
+            # two batches' jobs: the asynchronous ring's admission allows them (max_staleness 1), and the next
+            # batch can start beside the long tail of the one before
+            "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": str(2 * PROMPTS),
             "OMP_NUM_THREADS": str(rollout_threads("hf")),
         },
     )
@@ -331,8 +333,8 @@ def main(argv: list[str] | None = None) -> None:
     paths = build_model("small", **overrides)
     lengths = long_tail_lengths(512, median, p99, cap)
     data = write_data(work / "data.jsonl", lengths)
-    # the steps measured use these lengths (jobs go in file order; the async ring issues one batch ahead)
-    used = lengths[: PROMPTS * (args.steps + 2)]
+    # the batches a run trains on, the start-up step's included (jobs go in file order)
+    used = lengths[: PROMPTS * (args.steps + 1)]
     order = list(SETTINGS)
     runs = [s for i in range(args.repeats) for s in (order if i % 2 == 0 else order[::-1])]
     figures: dict[str, dict] = {}
@@ -381,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
             "(digit fraction), lr 1e-5, temperature 1",
             "lengths": f"log-normal, median {median:g}, p99 {p99:g} (issue 44's 64 / 512 x scale {args.scale:g}), "
             f"capped at {cap}; a row's max_tokens (EOS may end a sample earlier)",
-            "lengths_of_measured_steps": {
+            "lengths_of_the_batches_trained": {
                 "median": percentile(used, 50),
                 "p90": percentile(used, 90),
                 "p99": percentile(used, 99),

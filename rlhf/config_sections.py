@@ -650,7 +650,8 @@ class DataConfig(Section):
         {"prompt": "prompt", "label": "label", "text": "text"},
         "our key -> column in the file: prompt, query (joined to prompt with a newline, as MindSpeed's "
         "PPOAlpacaStyleInstructionHandler does), system (per-row system prompt), label, response (the label when "
-        "there is no label column), text (the pretrain_data column); an empty column name means not used",
+        "there is no label column), text (the pretrain_data column), max_tokens (a per-row cap on new tokens, 1 to "
+        "actor_rollout.max_new_tokens: its prompt job's max_tokens); an empty column name means not used",
     )
     pretrain_data: str | None = _f(
         None, "PPO-ptx SFT texts (.jsonl, .json or .parquet, column map_keys.text), used when ptx_coef > 0"
