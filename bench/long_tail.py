@@ -154,6 +154,8 @@ def summarise(windows: list[dict], rows: list[dict]) -> dict:
         "idle_fraction": sum(w["idle_fraction"] * w["wall_s"] for w in windows) / wall,
         "push_wait_s_per_step": sum(w["push_wait_s"] for w in windows) / len(windows),
         "push_wait_fraction": sum(w["push_wait_s"] for w in windows) / wall,
+        # the share of the step a push held admissions closed: its wait for the requests in flight and its install
+        "push_stall_fraction": sum(w["push_wait_s"] + w["push_pause_s"] for w in windows) / wall,
         "push_pause_s_per_step": sum(w["push_pause_s"] for w in windows) / len(windows),
         "pushes": sum(w["pushes"] for w in windows),
         "response_length_mean": sum(r["response_length/mean"] * r["samples"] for r in rows) / samples,
@@ -171,7 +173,7 @@ def pool(a: dict | None, b: dict) -> dict:
     ta, tb = sum(a["step_seconds"]), sum(b["step_seconds"])
     na, nb = a["steps_measured"], b["steps_measured"]
     out = {**a, "runs": a["runs"] + 1, "steps_measured": na + nb, "pushes": a["pushes"] + b["pushes"]}
-    for k in ("samples_per_s", "generated_tokens_per_s", "idle_fraction", "push_wait_fraction"):
+    for k in ("samples_per_s", "generated_tokens_per_s", "idle_fraction", "push_wait_fraction", "push_stall_fraction"):
         out[k] = (a[k] * ta + b[k] * tb) / (ta + tb)
     for k in ("push_wait_s_per_step", "push_pause_s_per_step", "response_length_mean", "staleness_mean"):
         out[k] = (a[k] * na + b[k] * nb) / (na + nb)
@@ -363,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         "sync_on_vs_off_samples_per_s": rnd(sps["sync/on"] / sps["sync/off"]),
     }
     idle_on = figures["async/on"]["idle_fraction"]
+    stall_on = figures["async/on"]["push_stall_fraction"]
     emit(
         "long_tail",
         settings={
@@ -397,7 +400,18 @@ def main(argv: list[str] | None = None) -> None:
         figures=figures,
         ratio=ratio,
         targets=[
-            target("idle fraction of the step, async ring, partial rollouts on", idle_on, "<= 0.05", idle_on <= 0.05),
+            target(
+                "replica held by pushes (wait for the requests in flight + install) / step, async, partial on",
+                stall_on,
+                "<= 0.05",
+                stall_on <= 0.05,
+            ),
+            target(
+                "replica idle (no request admitted) / step, async, partial on",
+                idle_on,
+                "<= 0.05",
+                idle_on <= 0.05,
+            ),
             target(
                 "async / sync samples/s, partial rollouts on",
                 ratio["async_vs_sync_partial_on"],

@@ -101,6 +101,7 @@ def test_idle_fraction_and_push_wait_per_step():
     ]
     s = summarise(w, rows)
     assert s["idle_fraction"] == pytest.approx((0.5 + 4.0) / 15)  # idle seconds over wall seconds, not a mean
+    assert s["push_stall_fraction"] == pytest.approx((0.5 + 0.1 + 2.0 + 0.1) / 15)
     assert s["samples_per_s"] == pytest.approx(64 / 16)
     assert s["generated_tokens_per_s"] == pytest.approx(800 / 15)
     assert s["push_wait_s_per_step"] == pytest.approx(1.25) and s["response_length_mean"] == pytest.approx(30.0)
