@@ -18,9 +18,10 @@ start-up, is left out), from the trainer's ``metrics.jsonl`` and the replica's `
 step: the replica's idle fraction (1 - the rise of ``rlhf_rollout_busy_seconds_total``, seconds with at least one
 request admitted, over the step's wall time), the time the step's push waited for the requests in flight
 (``rlhf_rollout_swap_wait_seconds``) and paused generation to install (``rlhf_rollout_swap_seconds``), samples/s
-(samples trained / step time) and generated tokens/s (``rlhf_tokens_total{kind="generated"}``). Targets (issue 44):
-the idle fraction <= 5% of the step with partial rollouts on (asynchronous ring: a synchronous ring idles through
-every update by design); asynchronous samples/s >= 1.5x synchronous, partial rollouts on.
+(samples trained / step time) and generated tokens/s (``rlhf_tokens_total{kind="generated"}``); "held by pushes" is
+the push's wait and install over the step (admissions closed). Targets (issue 44), on the asynchronous ring with
+partial rollouts on (a synchronous ring idles through every update by design): the replica held by pushes <= 5% of
+the step, and idle (no request admitted, whatever the cause) <= 5%; asynchronous samples/s >= 1.5x synchronous.
 ``python -m bench.long_tail [--scale S] [--steps N] [--repeats R]``.
 """
 
