@@ -37,6 +37,7 @@ BENCHES = (
     "padding_free",
     "critic_threads",
     "pipeline",
+    "long_tail",
     "trainer_scale",
 )
 RESULTS = REPO / ".cache" / "bench" / "results"
@@ -52,6 +53,7 @@ TITLES = {
     "padding_free": "Padding-free passes: the trainer's PPO step and the reference forward, padded vs packed",
     "critic_threads": "Critic threads: the PPO step with the critic beside the actor on half the threads each",
     "pipeline": "Pipeline: training samples/s vs TRL 1.12 and vs the compute bound",
+    "long_tail": "Long tail: a GRPO ring on long-tailed response lengths, sync vs async, partial rollouts off vs on",
     "trainer_scale": "Trainer scale: per-rank training state and step time, FSDP2 world size 2 vs 1",
 }
 
@@ -241,6 +243,46 @@ def figures_md(name: str, r: dict) -> list[str]:
                 "waiting for a CPU ms/request, same parts",
                 "requests",
                 "failed",
+            ],
+            rows,
+        )
+    if name == "long_tail":
+        rows = []
+        for setting, v in f.items():
+            mode, partial = setting.split("/")
+            sync = f.get(f"sync/{partial}", {}).get("samples_per_s")
+            rows.append(
+                [
+                    "sync (max_staleness 0)" if mode == "sync" else "async (max_staleness 1)",
+                    partial,
+                    v["samples_per_s"],
+                    round(v["samples_per_s"] / sync, 2) if sync else None,
+                    v["generated_tokens_per_s"],
+                    f"{v['idle_fraction'] * 100:.1f}%",
+                    v["push_wait_s_per_step"],
+                    f"{v['push_wait_fraction'] * 100:.1f}%",
+                    v["push_pause_s_per_step"],
+                    f"{v['push_stall_fraction'] * 100:.1f}%" if "push_stall_fraction" in v else None,
+                    v["response_length_mean"],
+                    v["staleness_mean"],
+                    v["step_seconds"],
+                ]
+            )
+        return table(
+            [
+                "ring",
+                "partial rollouts",
+                "samples/s",
+                "vs sync",
+                "generated tokens/s",
+                "replica idle",
+                "push wait s/step",
+                "push wait / step",
+                "push pause s/step",
+                "held by pushes",
+                "mean response tokens",
+                "staleness",
+                "measured step times s",
             ],
             rows,
         )

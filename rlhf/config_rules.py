@@ -519,6 +519,10 @@ def mindspeed_default_notes(cfg: Config) -> list[str]:
     return out
 
 
+# data.map_keys an evaluation does not read: the SFT texts, and per-row length caps (eval.max_new_tokens caps it)
+EVAL_UNMAPPED = ("text", "history", "max_tokens")
+
+
 def eval_problems(cfg: Config) -> list[str]:
     """The ``eval`` section: a path when it is on, greedy only with one sample, generator options only for
     generators, and no field set while evaluation is off (it would be accepted and ignored)."""
@@ -535,8 +539,8 @@ def eval_problems(cfg: Config) -> list[str]:
         out.append(f"eval.path: required when eval.interval is set ({e.interval}); name the held-out prompts")
         return out
     for key in e.map_keys:
-        if key not in DATA_MAP_KEYS or key in ("text", "history"):
-            usable = ", ".join(k for k in DATA_MAP_KEYS if k not in ("text", "history"))
+        if key not in DATA_MAP_KEYS or key in EVAL_UNMAPPED:
+            usable = ", ".join(k for k in DATA_MAP_KEYS if k not in EVAL_UNMAPPED)
             out.append(f"eval.map_keys.{key}: not a key of the held-out prompts; use any of {usable}")
     if e.n > 1 and e.temperature == 0:
         out.append(f"eval.n is {e.n} but eval.temperature is 0 (greedy: {e.n} identical samples); set a temperature")

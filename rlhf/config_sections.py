@@ -634,6 +634,8 @@ DATA_MAP_KEYS = {
     "label": "the reference-answer column, sent to the reward scorers as the item's label",
     "response": "the reference response column: the label when the row has no label column (MindSpeed's R1 labels)",
     "text": "the pretrain_data text column",
+    "max_tokens": "a per-row cap on new tokens (1 to actor_rollout.max_new_tokens): its prompt job's max_tokens "
+    "(a length-controlled workload, e.g. bench.long_tail's long tail)",
 }
 
 
@@ -649,7 +651,8 @@ class DataConfig(Section):
         {"prompt": "prompt", "label": "label", "text": "text"},
         "our key -> column in the file: prompt, query (joined to prompt with a newline, as MindSpeed's "
         "PPOAlpacaStyleInstructionHandler does), system (per-row system prompt), label, response (the label when "
-        "there is no label column), text (the pretrain_data column); an empty column name means not used",
+        "there is no label column), text (the pretrain_data column), max_tokens (a per-row cap on new tokens, 1 to "
+        "actor_rollout.max_new_tokens: its prompt job's max_tokens); an empty column name means not used",
     )
     pretrain_data: str | None = _f(
         None, "PPO-ptx SFT texts (.jsonl, .json or .parquet, column map_keys.text), used when ptx_coef > 0"

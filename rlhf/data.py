@@ -34,6 +34,7 @@ class PromptRecord:
     label: str | None
     system: str | None = None  # the row's system prompt, else data.system
     prompt_ids: tuple[int, ...] | None = None  # token ids as preprocessed (already templated): used as they are
+    max_tokens: int | None = None  # the row's own cap on new tokens (data.map_keys.max_tokens), else the config's
 
 
 def builtin_arithmetic(n: int = 512, seed: int = 0) -> list[dict[str, str]]:
@@ -238,7 +239,15 @@ def _row_record(cfg: DataConfig, row: dict, i: int) -> PromptRecord:
         label = _column(row, "response", keys["response"], i, cfg.path)
     if label is not None and not isinstance(label, str):
         label = json.dumps(label) if isinstance(label, dict | list) else str(label)
-    return PromptRecord(index=i, prompt=prompt, label=label, system=system)
+    max_tokens = None
+    if keys.get("max_tokens"):
+        max_tokens = _column(row, "max_tokens", keys["max_tokens"], i, cfg.path)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ConfigError(
+                f"data.map_keys.max_tokens: row {i} of {cfg.path} has {keys['max_tokens']}={max_tokens!r}; "
+                "it must be a whole number of tokens >= 1"
+            )
+    return PromptRecord(index=i, prompt=prompt, label=label, system=system, max_tokens=max_tokens)
 
 
 def _no_row_keys(cfg: DataConfig, what: str) -> None:

@@ -351,7 +351,7 @@ class EngineBase:
             self._serving_again()
             t2 = time.perf_counter()
         del staged
-        return SwapResult(
+        result = SwapResult(
             version=version,
             checksum=checksum,
             swapped=True,
@@ -359,6 +359,8 @@ class EngineBase:
             swap_seconds=t2 - t1,
             prepare_seconds=t0 - tp,
         )
+        self.hooks.swapped(result)
+        return result
 
     def _serving_again(self) -> None:
         """A complete update is installed: a replica that waited for one (a streamed install cut half-way) serves."""
@@ -410,7 +412,7 @@ class EngineBase:
             self.served.advance(version, parent, header.checksum)
             self._serving_again()
             t2 = time.perf_counter()
-        return SwapResult(
+        result = SwapResult(
             version=version,
             checksum=header.checksum,
             swapped=True,
@@ -418,6 +420,8 @@ class EngineBase:
             swap_seconds=t2 - t1,
             prepare_seconds=t0 - tp,
         )
+        self.hooks.swapped(result)
+        return result
 
     async def _stream_failed(self, version: int, loaded: int, total: int, err: BaseException) -> None:
         """An install as it arrived stopped after ``loaded`` of ``total`` buckets: stop serving the mix."""

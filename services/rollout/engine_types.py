@@ -86,6 +86,7 @@ class EngineHooks:
 
     on_step: Callable[[int], None] | None = None  # sequences decoded together in one engine step
     on_tokens: Callable[[str, int], None] | None = None  # ("prompt" | "generated", count)
+    on_swap: Callable[[SwapResult], None] | None = None  # a weight update installed (its waits and pause)
 
     def step(self, size: int) -> None:
         if self.on_step is not None and size > 0:
@@ -94,6 +95,10 @@ class EngineHooks:
     def tokens(self, kind: str, n: int) -> None:
         if self.on_tokens is not None and n > 0:
             self.on_tokens(kind, n)
+
+    def swapped(self, result: SwapResult) -> None:
+        if self.on_swap is not None:
+            self.on_swap(result)
 
 
 @runtime_checkable

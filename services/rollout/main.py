@@ -10,15 +10,21 @@ names. Design: docs/services.md#rollout.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+
+from prometheus_client import Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from rlhf.config import load_config
 from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings, register_env_var
 from rlhf.serving.model_process import forward_threads, set_torch_threads
-from services.rollout.engine_types import EngineHooks
+from services.rollout.engine_types import EngineHooks, SwapResult
 from services.rollout.factory import ENGINE_ENV_VAR, apply_rollout_env, engine_kind, make_engine
 from services.rollout.grpc_servicer import SERVICE_NAME, RolloutServicer, add_to_server
 from services.rollout.http_app import build_app
 from services.rollout.late_join import load_latest_checkpoint
+from services.rollout.swap import SwapGate
 from services.rollout.worker import maybe_start_worker  # at import: registers the RLHF_ROLLOUT_* variables
 
 register_env_var(ENGINE_ENV_VAR)
@@ -30,12 +36,54 @@ log = logging.getLogger("rlhf.rollout")
 FAST_EXIT = True
 
 
+SWAP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class GateCollector(Collector):
+    """The swap gate's state at each scrape: ``rlhf_rollout_busy_seconds_total`` (seconds with at least one request
+    admitted; an idle fraction is 1 - its rise over the wall time) and ``rlhf_rollout_active_requests``."""
+
+    def __init__(self, service: str, gate: SwapGate):
+        self.service, self.gate = service, gate
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        busy = CounterMetricFamily(
+            "rlhf_rollout_busy_seconds", "seconds with at least one request admitted", labels=["service"]
+        )
+        busy.add_metric([self.service], self.gate.busy_seconds())
+        active = GaugeMetricFamily("rlhf_rollout_active_requests", "requests admitted now", labels=["service"])
+        active.add_metric([self.service], self.gate.active)
+        yield busy
+        yield active
+
+
 def engine_hooks(metrics: ServiceMetrics) -> EngineHooks:
     """Engine observations -> Prometheus: sequences per engine step (``rlhf_batch_size{method="engine_step"}``),
-    prompt and generated tokens (``rlhf_tokens_total{kind}``)."""
+    prompt and generated tokens (``rlhf_tokens_total{kind}``), and per weight update installed its wait for the
+    requests in flight (``rlhf_rollout_swap_wait_seconds``) and its pause (``rlhf_rollout_swap_seconds``)."""
+    wait = Histogram(
+        "rlhf_rollout_swap_wait_seconds",
+        "a weight update's wait for the requests in flight (to finish, or with partial rollouts to stop)",
+        ["service"],
+        buckets=SWAP_BUCKETS,
+        registry=metrics.registry,
+    ).labels(metrics.name)
+    pause = Histogram(
+        "rlhf_rollout_swap_seconds",
+        "a weight update's install, generation paused",
+        ["service"],
+        buckets=SWAP_BUCKETS,
+        registry=metrics.registry,
+    ).labels(metrics.name)
+
+    def on_swap(result: SwapResult) -> None:
+        wait.observe(result.wait_seconds)
+        pause.observe(result.swap_seconds)
+
     return EngineHooks(
         on_step=lambda n: metrics.observe_batch("engine_step", n),
         on_tokens=metrics.add_tokens,
+        on_swap=on_swap,
     )
 
 
@@ -50,6 +98,7 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
         set_torch_threads(forward_threads(settings.model_threads))
     metrics = ServiceMetrics("rollout")
     engine = make_engine(cfg, kind=kind, device=settings.device, hooks=engine_hooks(metrics))
+    metrics.registry.register(GateCollector(metrics.name, engine.gate))
     runner = ServiceRunner("rollout", settings, metrics)
     servicer = RolloutServicer(engine, settings, metrics)
     runner.add_grpc(

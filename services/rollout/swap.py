@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,16 @@ class SwapGate:
     waits until every admitted request has finished. While a swap waits, :attr:`preempt` is set: an engine with
     partial rollouts stops its requests at the next token boundary, leaves the gate, and resumes them once the swap
     is done (docs/weight-sync.md#partial-rollouts).
+
+    It also keeps the replica's busy time (:meth:`busy_seconds`: seconds with at least one request admitted), the
+    ``rlhf_rollout_busy_seconds_total`` metric an idle fraction is read from (bench.long_tail).
     """
 
     def __init__(self) -> None:
         self._cond = asyncio.Condition()
         self._active = 0
+        self._busy_s = 0.0  # closed busy intervals
+        self._busy_since: float | None = None  # monotonic start of the open one (a request is admitted)
         self._swapping = False
         # a threading.Event: the hf engine's decode loop (and vLLM's engine thread) reads it from its own thread
         self.preempt = threading.Event()
@@ -43,15 +49,26 @@ class SwapGate:
     def active(self) -> int:
         return self._active
 
+    def busy_seconds(self) -> float:
+        """Seconds so far with at least one request admitted (a swap's install and the gaps between requests are
+        not busy; a request waiting for admission is not yet)."""
+        since = self._busy_since
+        return self._busy_s + (time.monotonic() - since if since is not None else 0.0)
+
     @contextlib.asynccontextmanager
     async def generation(self) -> AsyncIterator[None]:
         async with self._cond:
             await self._cond.wait_for(lambda: not self._swapping)
             self._active += 1
+            if self._active == 1:
+                self._busy_since = time.monotonic()
         try:
             yield
         finally:
             self._active -= 1
+            if self._active == 0 and self._busy_since is not None:
+                self._busy_s += time.monotonic() - self._busy_since
+                self._busy_since = None
             await self._notify()
 
     @contextlib.asynccontextmanager

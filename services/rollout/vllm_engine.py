@@ -561,7 +561,9 @@ class VllmEngine(EngineBase):
         self, tensors: dict[str, Any], version: int, checksum: str, parent_version: int | None = None
     ) -> SwapResult:
         if self.adapters is not None:
-            return await self.adapters.swap(tensors, version, checksum, parent_version)
+            result = await self.adapters.swap(tensors, version, checksum, parent_version)
+            self.hooks.swapped(result)  # no pause: counted as a swap with no wait
+            return result
         async with self.weights.update_lock():
             return await super().swap_weights(tensors, version, checksum, parent_version)
 

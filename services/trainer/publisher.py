@@ -18,7 +18,7 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rlhf.config import ExperimentConfig
+from rlhf.config import ConfigError, ExperimentConfig
 from rlhf.data import PromptCursor, load_prompts, record_prompt_ids
 from rlhf.environments.base import EPISODE_ENVIRONMENT_KEY, EPISODE_MAX_TOKENS_KEY, EPISODE_MAX_TURNS_KEY
 from rlhf.retry import retry
@@ -65,6 +65,11 @@ class Publisher:
         self.prompt_ids = {}
         for r in records:  # text through the chat template (with the row's system prompt), or preprocessed ids
             self.prompt_ids[r.index] = record_prompt_ids(tokenizer, r, a.max_prompt_length, a.apply_chat_template)
+            if r.max_tokens is not None and r.max_tokens > cfg.max_new_tokens:
+                raise ConfigError(
+                    f"data.map_keys.max_tokens: row {r.index} of {cfg.data.path} asks for {r.max_tokens} new tokens, "
+                    f"more than actor_rollout.max_new_tokens ({cfg.max_new_tokens}), which sizes the training batch"
+                )
         # The trained-jobs total is kept here and set absolutely (a retried increment would count twice).
         self.jobs_trained = 0
         self.unpushed_jobs = 0  # jobs trained into weights whose push has not landed yet
@@ -96,7 +101,7 @@ class Publisher:
             temperature=d["temperature"],
             top_p=d["top_p"],
             top_k=d["top_k"],
-            max_tokens=d["max_tokens"],
+            max_tokens=record.max_tokens or d["max_tokens"],
             stop=d["stop"],
         )
         job = experience_pb2.PromptJob(

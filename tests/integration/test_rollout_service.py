@@ -669,10 +669,21 @@ def _inflight_http(svc) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def _gauge(svc, name: str) -> float:
+    m = re.search(rf'^{name}\{{service="rollout"\}} ([0-9.e+-]+)$', httpx.get(svc.http_url + "/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
 def test_swap_waits_for_requests_in_flight(svc, policy_state):
     """A request running when an update arrives finishes on the old weights (same tokens and log-probs as without the
-    update) and is tagged with the old version; requests after the swap use the new weights."""
+    update) and is tagged with the old version; requests after the swap use the new weights. /metrics counts the
+    push's wait (rlhf_rollout_swap_wait_seconds) inside the replica's busy time (rlhf_rollout_busy_seconds_total)."""
     v0 = served_version(svc)
+    waits, waited, busy = (
+        _gauge(svc, "rlhf_rollout_swap_wait_seconds_count"),
+        _gauge(svc, "rlhf_rollout_swap_wait_seconds_sum"),
+        _gauge(svc, "rlhf_rollout_busy_seconds_total"),
+    )
     long_body = {"prompt_token_ids": [[2, 5, 6, 7]] * 4, "max_tokens": 200, "seed": 1, "ignore_eos": True}
     reference = post(svc, "/v1/generate", long_body)
     out: dict = {}
@@ -695,6 +706,10 @@ def test_swap_waits_for_requests_in_flight(svc, policy_state):
     assert body["policy_version"] == v0
     assert all(c["policy_version"] == v0 for r in body["results"] for c in r["completions"])
     assert same_samples(body, reference), "the request in flight did not finish on the old weights"
+    assert _gauge(svc, "rlhf_rollout_swap_wait_seconds_count") == waits + 1
+    wait = _gauge(svc, "rlhf_rollout_swap_wait_seconds_sum") - waited
+    assert 0 < wait <= _gauge(svc, "rlhf_rollout_busy_seconds_total") - busy  # busy while the push waited
+    assert _gauge(svc, "rlhf_rollout_active_requests") == 0
     after = post(svc, "/v1/generate", long_body)
     assert after["policy_version"] == v0 + 1 and not same_samples(after, reference, tol=1e-3)
     assert _push(svc, policy_state, v0 + 2).swapped  # leave the original weights serving

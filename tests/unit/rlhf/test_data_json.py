@@ -53,3 +53,18 @@ def test_max_samples_shuffle_and_system_message():
 
     assert encode_prompt(Tok(), "four", 10, system="sys") == [3, 4]
     assert encode_prompt(Tok(), "four", 10) == [4]
+
+
+def test_a_max_tokens_column_gives_each_row_its_length_cap(tmp_path):
+    rows = [{"prompt": "a", "n": 16}, {"prompt": "b", "n": 200}]
+    path = tmp_path / "lengths.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = load_prompts(DataConfig(path=str(path), map_keys={"prompt": "prompt", "max_tokens": "n"}))
+    assert [r.max_tokens for r in got] == [16, 200]
+    assert [r.max_tokens for r in load_prompts(DataConfig(path=str(path)))] == [None, None]  # not mapped: unused
+    for bad in (0, 2.5, "16", True):
+        path.write_text(json.dumps({"prompt": "a", "n": bad}) + "\n")
+        with pytest.raises(ConfigError, match="data.map_keys.max_tokens: row 0 .* whole number of tokens >= 1"):
+            load_prompts(DataConfig(path=str(path), map_keys={"prompt": "prompt", "max_tokens": "n"}))
+    with pytest.raises(ConfigError, match="data.map_keys.max_tokens: row 0 of builtin:arithmetic has no column 'n'"):
+        load_prompts(DataConfig(path="builtin:arithmetic", map_keys={"prompt": "prompt", "max_tokens": "n"}))

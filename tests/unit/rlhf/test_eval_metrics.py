@@ -53,6 +53,7 @@ def test_pass_at_k_unbiased():
         ({"interval": 1, "path": "builtin:arithmetic", "n": 4}, "eval.n"),
         ({"interval": 1, "path": "builtin:arithmetic", "generator_seed": 3}, "eval.generator_seed"),
         ({"interval": 1, "path": "x.jsonl", "map_keys": {"text": "t"}}, "eval.map_keys.text"),
+        ({"interval": 1, "path": "x.jsonl", "map_keys": {"max_tokens": "n"}}, "eval.map_keys.max_tokens"),
     ],
 )
 def test_eval_config_rules(section, names):
