@@ -34,6 +34,7 @@ from rlhf import preflight, procs, runlog
 from rlhf.serving.settings import KNOWN_ENV_VARS, ServiceSettings
 from services import launcher, plan, progress, report
 from services.cli import main as cli_main
+from tests.support.up import demo_config, run_up
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -535,29 +536,15 @@ def _ring_available() -> bool:
     not _ring_available(), reason="needs the trainer and rollout services (services/{trainer,rollout}/main.py)"
 )
 def test_rlhf_up_end_to_end(tmp_path, tiny_models):
-    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    cfg = demo_config("e2e")
     run_dir = tmp_path / "run"
-    cfg["run_id"] = "e2e"
     cfg["training"].update(
         train_iters=3, global_batch_size=2, save_interval=1, save=str(run_dir / "checkpoints"), log_interval=1
     )
     ar = cfg["actor_rollout_ref"]["actor_rollout"]
     ar.update(max_new_tokens=4, ppo_mini_batch_size=2, ppo_epochs=1)
     cfg["critic"].update(critic_mini_batch_size=2, critic_update_epochs=1)
-    config = tmp_path / "e2e.yaml"
-    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-
-    env = dict(os.environ)
-    env.pop("RLHF_REDIS_URL", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    proc = run_up(cfg, tmp_path, run_dir)
     out = proc.stdout + proc.stderr
     logs = "\n".join(f"--- {p.name}\n{procs.log_tail(p, 30)}" for p in sorted((run_dir / "logs").glob("*.log")))
     assert proc.returncode == 0, out + logs

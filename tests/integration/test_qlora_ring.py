@@ -4,23 +4,17 @@ service's same 4-bit base, hf replicas served the dequantized base plus the adap
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.up import demo_config, run_up
 
 
 def test_a_qlora_ring_samples_and_trains_on_the_4bit_weights_from_its_first_step(tmp_path, tiny_models):
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
-    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    cfg = demo_config("qlora")
     run_dir = tmp_path / "run"
-    cfg["run_id"] = "qlora"
     cfg["training"].update(train_iters=2, global_batch_size=4, save_interval=2, save=str(run_dir / "checkpoints"))
     cfg["actor_rollout_ref"]["actor_rollout"].update(
         engine="hf",
@@ -33,18 +27,7 @@ def test_a_qlora_ring_samples_and_trains_on_the_4bit_weights_from_its_first_step
         lora_sync="merged",
     )
     cfg["critic"].update(critic_mini_batch_size=4, critic_update_epochs=1)
-    config = tmp_path / "qlora.yaml"
-    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    env = {k: v for k, v in os.environ.items() if k != "RLHF_REDIS_URL"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    proc = run_up(cfg, tmp_path, run_dir)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "lora_dropout 0.05" in proc.stdout + proc.stderr  # the start-up note
     first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
