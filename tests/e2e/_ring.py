@@ -19,19 +19,15 @@ import asyncio
 import contextlib
 import json
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from rlhf.transport import connect, queue_stats
 from rlhf.transport.keys import RunKeys
 from rlhf.v1 import experience_pb2
-from tests.integration._procs import REPO, ServiceProc, write_config
+from tests.integration._procs import ServiceProc, write_config
 from tests.support.redis import RedisServer as Redis
 
 TOKEN = "e2e-token"
@@ -426,26 +422,3 @@ def assert_ledger(ring: Ring, steps: int) -> dict:
     assert not lost, f"issued, never trained and in no stream: {sorted(lost)}"
     assert stats.trained == len(ids) + len(dropped)
     return state
-
-
-def demo_config(name: str, run_id: str, directory: Path, **training: Any) -> dict:
-    """configs/NAME.yaml as a user runs it, with its own ``run_id``, its checkpoints in ``directory`` and
-    ``training`` options over the file's."""
-    cfg = yaml.safe_load((REPO / "configs" / f"{name}.yaml").read_text())
-    cfg["run_id"] = run_id
-    cfg["training"].update(save=str(Path(directory) / "checkpoints"), **training)
-    return cfg
-
-
-def rlhf_up(cfg: dict, directory: Path, timeout: float) -> tuple[subprocess.CompletedProcess, Path]:
-    """``rlhf up --quiet`` of ``cfg`` (written to ``directory``) to its end: the finished process and the run folder."""
-    config = write_config(Path(directory) / f"{cfg['run_id']}.yaml", cfg)
-    run_dir = Path(directory) / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir), "--quiet"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    return out, run_dir

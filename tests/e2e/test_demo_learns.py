@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.e2e._ring import demo_config, rlhf_up
+from tests.support.up import demo_config, rlhf_up
 
 STEPS = 60  # the demo's own length: at 40 steps the margin sat near the bound (+0.19 in one run)
 

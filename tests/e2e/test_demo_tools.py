@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.e2e._ring import demo_config, rlhf_up
+from tests.support.up import demo_config, rlhf_up
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import read_config_data
-from tests.e2e._ring import rlhf_up
 from tests.support.indexed import write_indexed
+from tests.support.up import rlhf_up
 
 SEEDS = Path(__file__).parents[1] / "unit" / "seed_configs"
 # the save folders of the files are relative (./ckpt): they go under the test's folder

@@ -536,7 +536,7 @@ def _ring_available() -> bool:
     not _ring_available(), reason="needs the trainer and rollout services (services/{trainer,rollout}/main.py)"
 )
 def test_rlhf_up_end_to_end(tmp_path, tiny_models):
-    cfg = demo_config("e2e")
+    cfg = demo_config("demo", "e2e")
     run_dir = tmp_path / "run"
     cfg["training"].update(
         train_iters=3, global_batch_size=2, save_interval=1, save=str(run_dir / "checkpoints"), log_interval=1
@@ -732,29 +732,15 @@ def test_rlhf_up_tls_ring(tmp_path, tiny_models):
     reference, trainer -> rollout weight pushes, rlhf up -> /readyz) verifies its peer; the demo ring runs to the end.
     A client left in plaintext would not get one answer from a TLS server, so the finished run is the proof."""
     pytest.importorskip("cryptography")
-    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    cfg = demo_config("demo", "tls")
     run_dir = tmp_path / "run"
-    cfg["run_id"] = "tls"
     cfg["training"].update(
         train_iters=2, global_batch_size=2, save_interval=2, save=str(run_dir / "checkpoints"), log_interval=1
     )
     cfg["actor_rollout_ref"]["actor_rollout"].update(max_new_tokens=4, ppo_mini_batch_size=2, ppo_epochs=1)
     cfg["critic"].update(critic_mini_batch_size=2, critic_update_epochs=1)
-    config = tmp_path / "tls.yaml"
-    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-
-    env = dict(os.environ)
-    env.pop("RLHF_REDIS_URL", None)
-    env.update(_certificates(tmp_path), RLHF_ROLLOUT_ENGINE="hf")  # hf: a quicker start than vLLM
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir), "--quiet"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    # hf: a quicker start than vLLM
+    proc = run_up(cfg, tmp_path, run_dir, "--quiet", env={**_certificates(tmp_path), "RLHF_ROLLOUT_ENGINE": "hf"})
     out = proc.stdout + proc.stderr
     logs = {p.stem: p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log")}
     assert proc.returncode == 0, out + "\n".join(

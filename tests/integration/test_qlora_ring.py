@@ -13,7 +13,7 @@ from tests.support.up import demo_config, run_up
 def test_a_qlora_ring_samples_and_trains_on_the_4bit_weights_from_its_first_step(tmp_path, tiny_models):
     pytest.importorskip("bitsandbytes")
     pytest.importorskip("peft")
-    cfg = demo_config("qlora")
+    cfg = demo_config("demo", "qlora")
     run_dir = tmp_path / "run"
     cfg["training"].update(train_iters=2, global_batch_size=4, save_interval=2, save=str(run_dir / "checkpoints"))
     cfg["actor_rollout_ref"]["actor_rollout"].update(
