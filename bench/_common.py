@@ -272,3 +272,43 @@ def write_yaml(path: Path, data: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def metric_rows(path: Path) -> list[dict]:
+    """The complete lines of a trainer's metrics.jsonl so far (none before it exists; a line being written is not)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(x) for x in text.splitlines() if x.strip().endswith("}")]
+
+
+def ring_services(
+    cfg: Path, run_dir: Path, run_id: str, redis_url: str, token: str, scorers: tuple, engine: str, inflight: int
+) -> tuple[ServiceProc, ServiceProc]:
+    """A rollout replica (``engine``, at most ``inflight`` jobs at once) and a trainer for ``cfg``, wired to the
+    running reward and reference services ``scorers``; neither is started."""
+    reward, reference = scorers
+    common = {"RLHF_REDIS_URL": redis_url, "RLHF_RUN_ID": run_id, "RLHF_API_TOKEN": token}
+    rollout = ServiceProc(
+        "rollout",
+        cfg,
+        run_dir / "logs",
+        env={
+            **common,
+            "RLHF_REWARD_ADDR": reward.grpc_addr,
+            "RLHF_REFERENCE_ADDR": reference.grpc_addr,
+            "RLHF_REPLICA_ID": f"{run_id}-rollout-0",
+            "RLHF_ROLLOUT_ENGINE": engine,
+            "RLHF_WEIGHTS_DATA_PORT": "0",
+            "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": str(inflight),
+            "OMP_NUM_THREADS": str(rollout_threads(engine)),
+        },
+    )
+    trainer = ServiceProc(
+        "trainer",
+        cfg,
+        run_dir / "logs",
+        env={**common, "RLHF_ROLLOUT_ADDRS": rollout.grpc_addr, "RLHF_RUN_DIR": str(run_dir)},
+    )
+    return rollout, trainer

@@ -45,12 +45,13 @@ from bench._common import (
     QUICK,
     RING_THREADS,
     RedisServer,
-    ServiceProc,
     build_model,
     emit,
     log,
+    metric_rows,
     param_count,
     percentile,
+    ring_services,
     rnd,
     rollout_threads,
     scorer_services,
@@ -242,14 +243,6 @@ def experiment(paths, data: Path, cap: int, staleness: int, partial: bool, run_i
     }
 
 
-def _rows(path: Path) -> list[dict]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(x) for x in text.splitlines() if x.strip().endswith("}")]
-
-
 def _scrape(url: str) -> Mark:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}"})
     t = time.monotonic()
@@ -262,31 +255,9 @@ def run_setting(name: str, paths, data: Path, cap: int, redis_url: str, scorers,
     run_id = f"lt-{name.replace('/', '-')}-{int(time.time())}"
     run_dir = work / run_id
     cfg = write_yaml(run_dir / "config.yaml", experiment(paths, data, cap, staleness, partial, run_id, run_dir))
-    reward, reference = scorers
-    common = {"RLHF_REDIS_URL": redis_url, "RLHF_RUN_ID": run_id, "RLHF_API_TOKEN": TOKEN}
-    rollout = ServiceProc(
-        "rollout",
-        cfg,
-        run_dir / "logs",
-        env={
-            **common,
-            "RLHF_REWARD_ADDR": reward.grpc_addr,
-            "RLHF_REFERENCE_ADDR": reference.grpc_addr,
-            "RLHF_REPLICA_ID": f"{run_id}-rollout-0",
-            "RLHF_ROLLOUT_ENGINE": "hf",
-            "RLHF_WEIGHTS_DATA_PORT": "0",
-            # two batches' jobs: the asynchronous ring's admission allows them (max_staleness 1), and the next
-            # batch can start beside the long tail of the one before
-            "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": str(2 * PROMPTS),
-            "OMP_NUM_THREADS": str(rollout_threads("hf")),
-        },
-    )
-    trainer = ServiceProc(
-        "trainer",
-        cfg,
-        run_dir / "logs",
-        env={**common, "RLHF_ROLLOUT_ADDRS": rollout.grpc_addr, "RLHF_RUN_DIR": str(run_dir)},
-    )
+    # two batches' jobs in flight: the asynchronous ring's admission allows them (max_staleness 1), and the next
+    # batch can start beside the long tail of the one before
+    rollout, trainer = ring_services(cfg, run_dir, run_id, redis_url, TOKEN, scorers, "hf", 2 * PROMPTS)
     metrics = run_dir / "metrics.jsonl"
     url = rollout.http_url + "/metrics"
     marks: list[Mark] = []
@@ -294,7 +265,7 @@ def run_setting(name: str, paths, data: Path, cap: int, redis_url: str, scorers,
     try:
         rollout.start(wait_ready=False)
         trainer.start(wait_ready=False)
-        while (n := len(_rows(metrics))) < steps + 1:
+        while (n := len(metric_rows(metrics))) < steps + 1:
             if n > len(marks):  # a step ended (the first: start-up): read the replica's counters
                 marks.append(_scrape(url))
             for proc in (trainer, rollout):
@@ -309,7 +280,7 @@ def run_setting(name: str, paths, data: Path, cap: int, redis_url: str, scorers,
     finally:
         trainer.stop(kill=True)
         rollout.stop(kill=True)
-    rows = _rows(metrics)[1 : steps + 1]
+    rows = metric_rows(metrics)[1 : steps + 1]
     res = summarise(step_windows(marks), rows)
     res["wall_s"] = round(time.monotonic() - t0, 1)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)

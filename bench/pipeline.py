@@ -59,13 +59,14 @@ from bench._common import (
     REPO,
     RING_THREADS,
     RedisServer,
-    ServiceProc,
     build_model,
     cpu_model,
     emit,
     log,
+    metric_rows,
     param_count,
     proc_cpu_seconds,
+    ring_services,
     rnd,
     rollout_threads,
     scorer_services,
@@ -223,14 +224,6 @@ def experiment(
     }
 
 
-def _rows(path: Path) -> list[dict]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(x) for x in text.splitlines() if x.strip().endswith("}")]
-
-
 def _mean_dicts(a: dict, na: int, b: dict, nb: int) -> dict:
     """Step-weighted means of two runs' (nested) per-step figures."""
     return {
@@ -296,28 +289,7 @@ def run_ours(
         run_dir / "config.yaml",
         experiment(size, paths, algo, staleness, run_id, run_dir, steps + 5, engine=engine, actor=actor),
     )
-    common = {"RLHF_REDIS_URL": redis_url, "RLHF_RUN_ID": run_id, "RLHF_API_TOKEN": TOKEN}
-    rollout = ServiceProc(
-        "rollout",
-        cfg,
-        run_dir / "logs",
-        env={
-            **common,
-            "RLHF_REWARD_ADDR": reward.grpc_addr,
-            "RLHF_REFERENCE_ADDR": reference.grpc_addr,
-            "RLHF_REPLICA_ID": f"{run_id}-rollout-0",
-            "RLHF_ROLLOUT_ENGINE": engine,
-            "RLHF_WEIGHTS_DATA_PORT": "0",
-            "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS": str(BATCH),
-            "OMP_NUM_THREADS": str(rollout_threads(engine)),
-        },
-    )
-    trainer = ServiceProc(
-        "trainer",
-        cfg,
-        run_dir / "logs",
-        env={**common, "RLHF_ROLLOUT_ADDRS": rollout.grpc_addr, "RLHF_RUN_DIR": str(run_dir)},
-    )
+    rollout, trainer = ring_services(cfg, run_dir, run_id, redis_url, TOKEN, (reward, reference), engine, BATCH)
     metrics = run_dir / "metrics.jsonl"
     t0 = time.monotonic()
     # each process's CPU seconds at the end of the first (start-up) step and of the last measured one
@@ -334,7 +306,7 @@ def run_ours(
         rollout.start(wait_ready=False)
         trainer.start(wait_ready=False)  # it publishes prompt jobs; the replica takes them once it has loaded
         assert trainer.proc is not None
-        while (n_rows := len(_rows(metrics))) < steps + 1:
+        while (n_rows := len(metric_rows(metrics))) < steps + 1:
             if n_rows >= 1 and not cpu_marks:
                 cpu_mark()
             for proc in (trainer, rollout):  # a dead part stalls the ring: fail now, with its log
@@ -347,7 +319,7 @@ def run_ours(
     finally:  # the run's state is thrown away: no graceful stop needed
         trainer.stop(kill=True)
         rollout.stop(kill=True)
-    rows = _rows(metrics)
+    rows = metric_rows(metrics)
     steady = rows[1 : steps + 1]
     samples = sum(r["samples"] for r in steady)
     seconds = sum(r["time/iteration_s"] for r in steady)
