@@ -46,7 +46,8 @@ _CONFIG_DEFAULTS: dict[str, dict[str, float]] = {
 _NOT_HERE = {
     "custom": "forward_backward_custom runs the loss on the client: it calls forward, then cross_entropy with "
     "weights = -dLoss/dlogprobs",
-    "stable_reinforce": "its formula is not documented publicly",
+    "stable_reinforce": "alpha in Tinker: its docs give no objective, and it reads stability information that "
+    "Tinker's sampler records per sequence_id",
 }
 
 Metrics = dict[str, float]
