@@ -19,7 +19,7 @@ from rlhf.environments.tokens import encode, environment_tokens, render
 from rlhf.tiny import CHAT_TEMPLATE, TinySpec, build_tiny, cached_build, warm_start
 
 SYSTEM = "Use the calculator: <tool_call>{json}</tool_call>, then answer."
-STEPS = 375
+STEPS = 250
 BATCH = 16
 LR = 3e-3
 SEED = 1

@@ -1,11 +1,10 @@
 """The tool-use demo learns: `rlhf up` on configs/demo-tools.yaml as a user runs it (the environment service with
-builtin:calculator, episodes on the vLLM replica, GRPO on the loss mask), for the demo's own length. What GRPO learns
-here on every CPU measured is the tool's use: the tool calls per episode rise over the 60 steps (least-squares slope,
-t >= 2; a policy that does not learn passes that about 2.5% of the time). The reward's rise depends on the CPU: the
-warm-started tiny:tools differs by CPU, and on a 2-core AMD EPYC it already calls the tool in 0.81-0.84 of the
-episodes, so the reward moved -0.03 to +0.06 in three runs (+0.13 on a Xeon): it must not fall by more than 0.05.
-Every step's episodes are multi-turn records, and the completions log shows whole episodes (the tool's turn inside the
-response)."""
+builtin:calculator, episodes on the vLLM replica, GRPO on the loss mask), for the demo's own length. GRPO learns the
+tool's use and the reward follows: both the tool calls per episode and the reward trend upward over the 60 steps
+(least-squares slope, t >= 3 each; a policy that does not learn passes one such check about 0.2% of the time). On a
+2-core AMD EPYC both had t near 9 (docs/environments.md); the warm start is short enough that either CPU measured
+leaves room to learn. Every step's episodes are multi-turn records, and the completions log shows whole episodes (the
+tool's turn inside the response)."""
 
 from __future__ import annotations
 
@@ -29,15 +28,15 @@ def test_rlhf_up_demo_tools_reward_rises(tmp_path, tiny_models):
     assert all(r["episode/ended_by_done"] + r.get("episode/ended_by_max_turns", 0) > 0.9 for r in rows)
     assert all(r["episode/environment_tokens"] > 0 and r["reward/failed_fraction"] == 0 for r in rows)
     rewards = [r["reward/mean"] for r in rows]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     calls = [r["episode/tool_calls"] for r in rows]
-    rise, t = _trend(calls)
+    (reward_rise, reward_t), (calls_rise, calls_t) = _trend(rewards), _trend(calls)
     print(
-        f"demo-tools GRPO reward: first-10 mean {first:.3f}, last-10 mean {last:.3f} ({last - first:+.3f}); tool "
-        f"calls per episode {sum(calls[:10]) / 10:.2f} -> {sum(calls[-10:]) / 10:.2f} (trend {rise:+.3f}, t {t:.2f})"
+        f"demo-tools GRPO reward {sum(rewards[:10]) / 10:.3f} -> {sum(rewards[-10:]) / 10:.3f} (trend "
+        f"{reward_rise:+.3f}, t {reward_t:.2f}); tool calls per episode {sum(calls[:10]) / 10:.2f} -> "
+        f"{sum(calls[-10:]) / 10:.2f} (trend {calls_rise:+.3f}, t {calls_t:.2f})"
     )
-    assert t >= 2 and rise > 0, (rise, t, calls)
-    assert last > first - 0.05, (first, last, rewards)
+    assert calls_t >= 3 and calls_rise > 0, (calls_rise, calls_t, calls)
+    assert reward_t >= 3 and reward_rise > 0, (reward_rise, reward_t, rewards)
     logged = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
     assert any("\nTool: " in c["response"] for c in logged)  # an episode's tool turn, inside the response
 
