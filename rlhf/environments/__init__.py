@@ -1,6 +1,6 @@
 """Environments: multi-turn tasks an episode runs against.
 
-- ``base``: the interface (Environment, Opening, Outcome, EnvironmentFailure);
+- ``base``: the interface (Environment, Opening, Outcome, EnvironmentFailure, EpisodeInputInvalid);
 - ``registry``: names -> factories (``register``, ``register_prefix``, ``resolve``, ``make``);
 - ``builtin``: ``builtin:calculator``; ``adapters``: library environments (verifiers, OpenEnv);
 - ``client``: the environment service's client; ``wire``: chat messages <-> ``rlhf.v1.ChatMessage``.

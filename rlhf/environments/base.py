@@ -3,7 +3,9 @@
 The rollout replica owns the tokens; an environment only ever sees and returns chat messages (OpenAI's shape). One
 instance is one episode (the service makes a fresh one per ``Reset``), so an implementation may keep episode state
 on ``self``. Implementations raise :class:`EnvironmentFailure` (or any exception) on bad actions they cannot turn
-into an observation; the sample then fails as an error, never a reward 0. Design: docs/environments.md.
+into an observation; the sample then fails as an error, never a reward 0. Input the caller should have sent
+differently (a reset without the label the task needs) is :class:`EpisodeInputInvalid`: the caller's mistake, not
+the environment's. Design: docs/environments.md.
 """
 
 from __future__ import annotations
@@ -23,6 +25,16 @@ EPISODE_MAX_TOKENS_KEY = "episode.max_tokens"
 
 class EnvironmentFailure(RuntimeError):
     """The environment cannot go on (a crash, garbage from a remote environment): the sample is an error."""
+
+
+class EpisodeInputInvalid(EnvironmentFailure):
+    """The caller's input cannot start or drive this environment (a reset without the label the task is scored
+    against): the environment service answers INVALID_ARGUMENT / 400 naming ``field``, not an internal error. A
+    subclass of EnvironmentFailure, so code that calls an environment directly still sees a failure."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass

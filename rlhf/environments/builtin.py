@@ -15,7 +15,7 @@ import operator
 from typing import Any
 
 from rlhf.answers import answers_match, extract_answer, normalize
-from rlhf.environments.base import Environment, EnvironmentFailure, Message, Opening, Outcome
+from rlhf.environments.base import Environment, EnvironmentFailure, EpisodeInputInvalid, Message, Opening, Outcome
 from rlhf.environments.registry import register
 from rlhf.tool_calls import check_parser, parse_tool_calls
 
@@ -137,9 +137,12 @@ class Calculator(Environment):
 
     def reset(self, prompt: list[Message], label: str | None, info: dict[str, str], seed: int | None) -> Opening:
         if not label:
-            raise EnvironmentFailure(
-                "builtin:calculator needs the reference answer as the label (e.g. from data.path: builtin:arithmetic)"
+            raise EpisodeInputInvalid(
+                "builtin:calculator needs the reference answer as the label (e.g. from data.path: builtin:arithmetic)",
+                "label",
             )
+        if not prompt:
+            raise EpisodeInputInvalid("builtin:calculator needs the question as the prompt (chat messages)", "prompt")
         self.label = label
         messages = [dict(m) for m in prompt]
         if messages and messages[0].get("role") == "system":  # one system message: ours first, the task's after

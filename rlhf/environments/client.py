@@ -30,14 +30,15 @@ log = logging.getLogger("rlhf.environments")
 
 class EnvironmentCallError(EnvironmentFailure):
     """A failed call to the environment service; ``kind`` says what to do (module docstring), ``code`` is the gRPC
-    status code's name."""
+    status code's name, ``field`` the request field the service blamed (``label``), if any."""
 
     kind = "failed"
 
-    def __init__(self, message: str, code: str = "", episode_id: str = ""):
+    def __init__(self, message: str, code: str = "", episode_id: str = "", field: str = ""):
         super().__init__(message)
         self.code = code
         self.episode_id = episode_id
+        self.field = field
 
 
 class EpisodeLost(EnvironmentCallError):
@@ -76,7 +77,9 @@ _BY_CODE: dict[grpc.StatusCode, type[EnvironmentCallError]] = {
 def _error(err: grpc.aio.AioRpcError, what: str, episode_id: str) -> EnvironmentCallError:
     code = err.code()
     cls = _BY_CODE.get(code, EnvironmentFailed)
-    return cls(f"environment {what} of episode {episode_id!r}: {code.name}: {err.details()}", code.name, episode_id)
+    field = dict(err.trailing_metadata() or ()).get("rlhf-error-field", "")  # set by rlhf.serving.abort_grpc
+    message = f"environment {what} of episode {episode_id!r}: {code.name}: {err.details()}"
+    return cls(message, code.name, episode_id, field if isinstance(field, str) else "")
 
 
 # gRPC's reconnect backoff grows to 120 s by default: a restarted environment service (whose episodes are lost, so

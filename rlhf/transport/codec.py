@@ -23,6 +23,14 @@ RECORD_TYPES = {PromptJob: experience_pb2.RECORD_TYPE_PROMPT_JOB, Experience: ex
 
 MAX_JOB_ID_CHARS = 256
 
+# Bounds on an experience record's numbers: finite but absurd values (a score of 3e38, a log-prob of -3e38) are as
+# poisonous as NaN, since they overflow float32 once squared, summed or exponentiated in the losses (GAE, whitening,
+# the critic's squared error, importance ratios). Each bound is far outside what a working producer sends.
+# Design and reasons: docs/reliability.md#the-guarantees ("Poison records").
+MAX_ABS_SCORE = 1e6  # rules score 0/1, reward models tens, environments sums of such; (1e6)**2 x a batch fits float32
+LOGPROB_MIN = -1e4  # a sampled token is never below log(float32's tiniest) ~ -104; keeps vLLM's -9999 floor for -inf
+LOGPROB_MAX = 0.01  # log p <= 0; the slack is float32 rounding of gather(z) - logsumexp(z) at large |z|
+
 
 class MalformedRecord(ValueError):
     """A stream record that cannot be used; ``reason`` says why (it is stored with the dead letter)."""
@@ -56,9 +64,10 @@ def validate_prompt_job(job: PromptJob, run_id: str | None = None) -> None:
 def validate_experience(exp: Experience, run_id: str | None = None) -> None:
     """Raise MalformedRecord unless ``exp`` is trainable.
 
-    It needs a job_id, at least one sample, and per sample: as many finite ``sampling_logprobs`` as
-    ``response_ids``, ``ref_logprobs`` either empty or as many as ``response_ids``, no negative token ids, and a
-    finite score when the score's status is OK (one NaN reward turns every weight into NaN in one update).
+    It needs a job_id, at least one sample, and per sample: as many ``sampling_logprobs`` as ``response_ids``,
+    ``ref_logprobs`` either empty or as many as ``response_ids``, every log-prob in [LOGPROB_MIN, LOGPROB_MAX], no
+    negative token ids, and a score within +-MAX_ABS_SCORE when the score's status is OK (one NaN or 3e38 reward
+    turns a step's losses non-finite). The reason names the record, the field and the value.
     Token ids are checked against the vocabulary where the model is known: :func:`check_token_ids`.
     """
     _check_common(exp, run_id, "Experience")
@@ -73,13 +82,35 @@ def validate_experience(exp: Experience, run_id: str | None = None) -> None:
             raise MalformedRecord(f"{where} has {n} response_ids but {len(s.ref_logprobs)} ref_logprobs")
         if n and min(s.response_ids) < 0:
             raise MalformedRecord(f"{where} has negative response_ids")
-        # finite sum <=> finite terms (NaN/inf propagate; float32 terms cannot overflow a double): C-speed
-        if not math.isfinite(sum(s.sampling_logprobs)) or not math.isfinite(sum(s.ref_logprobs)):
-            raise MalformedRecord(f"{where} has non-finite log-probs")
-        if s.score_status == common_pb2.ITEM_STATUS_OK and not math.isfinite(s.score):
-            raise MalformedRecord(f"{where} has a non-finite score ({s.score}) with status OK")
+        _check_logprobs(s.sampling_logprobs, f"{where}.sampling_logprobs")
+        _check_logprobs(s.ref_logprobs, f"{where}.ref_logprobs")
+        if s.score_status == common_pb2.ITEM_STATUS_OK:
+            if not math.isfinite(s.score):
+                raise MalformedRecord(f"{where} has a non-finite score ({s.score}) with status OK")
+            if abs(s.score) > MAX_ABS_SCORE:
+                raise MalformedRecord(
+                    f"{where}.score is {s.score:g} with status OK, outside [{-MAX_ABS_SCORE:g}, {MAX_ABS_SCORE:g}] "
+                    "(MAX_ABS_SCORE): no working scorer gives that"
+                )
     if exp.prompt_ids and min(exp.prompt_ids) < 0:
         raise MalformedRecord(f"Experience {exp.job_id!r} has negative prompt_ids")
+
+
+def _check_logprobs(values, where: str) -> None:
+    """Raise MalformedRecord naming the first value of ``values`` that is not a log-prob in [LOGPROB_MIN,
+    LOGPROB_MAX]."""
+    if not values:
+        return
+    # finite sum <=> finite terms (NaN/inf propagate; float32 terms cannot overflow a double), then the range: C-speed
+    if math.isfinite(sum(values)) and min(values) >= LOGPROB_MIN and max(values) <= LOGPROB_MAX:
+        return
+    j, v = next((j, v) for j, v in enumerate(values) if not LOGPROB_MIN <= v <= LOGPROB_MAX)  # NaN compares False
+    if not math.isfinite(v):
+        raise MalformedRecord(f"{where}[{j}] is {v}: non-finite log-probs")
+    raise MalformedRecord(
+        f"{where}[{j}] is {v:g}, outside [{LOGPROB_MIN:g}, {LOGPROB_MAX:g}] (LOGPROB_MIN, LOGPROB_MAX): not a "
+        "log-prob a model produces"
+    )
 
 
 def check_token_ids(exp: Experience, vocab_size: int) -> None:

@@ -23,7 +23,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from rlhf.config import ConfigError, ExperimentConfig
 from rlhf.environments import registry
-from rlhf.environments.base import Environment, EnvironmentFailure, Message, Opening, Outcome
+from rlhf.environments.base import Environment, EnvironmentFailure, EpisodeInputInvalid, Message, Opening, Outcome
 from rlhf.environments.wire import message_to_proto
 from rlhf.serving import (
     DeadlineExceeded,
@@ -225,13 +225,18 @@ class EnvironmentEngine:
 
     async def _run(self, ep: Episode, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in a worker thread within ``timeout_s``. A raise, a timeout or a cancelled call ends the
-        episode: its instance is closed when the call returns (a thread cannot be stopped from outside)."""
+        episode: its instance is closed when the call returns (a thread cannot be stopped from outside). The
+        environment refusing the caller's input (:class:`EpisodeInputInvalid`) is the caller's error, 400 /
+        INVALID_ARGUMENT naming the field, and not counted as the environment failing."""
         loop = asyncio.get_running_loop()
         fut = loop.run_in_executor(self._pool, functools.partial(fn, *args))
         try:
             return await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
         except BaseException as err:
-            self._end_failed(ep, fut, made=what == "make")
+            refused = isinstance(err, EpisodeInputInvalid)
+            self._end_failed(ep, fut, made=what == "make", event=None if refused else "failed")
+            if refused:
+                raise InvalidArgument(f"{ep.environment} {what}: {err}", err.field) from None
             if isinstance(err, TimeoutError):
                 raise EnvironmentTimedOut(
                     f"{ep.environment} {what} of episode {ep.id!r} took over {self.timeout_s:g}s "
@@ -244,12 +249,13 @@ class EnvironmentEngine:
                 raise EnvironmentFailed(f"{ep.environment} {what} raised {type(err).__name__}: {err}") from None
             raise  # cancelled: the caller went away
 
-    def _end_failed(self, ep: Episode, fut: asyncio.Future, made: bool = False) -> None:
-        """Drop the episode; close its instance once the call in flight returns (``made``: the call is the factory,
-        whose late result is the instance)."""
+    def _end_failed(self, ep: Episode, fut: asyncio.Future, made: bool = False, event: str | None = "failed") -> None:
+        """Drop the episode (counted as ``event``, if any); close its instance once the call in flight returns
+        (``made``: the call is the factory, whose late result is the instance)."""
         if self.episodes.get(ep.id) is ep:
             self._forget(ep)
-            self.env_metrics.event(ep.environment, "failed")
+            if event is not None:
+                self.env_metrics.event(ep.environment, event)
 
         def close_after(f: asyncio.Future) -> None:
             env = ep.env

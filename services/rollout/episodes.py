@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rlhf.environments.base import EnvironmentFailure, Message
 from rlhf.environments.tokens import encode, environment_tokens, render
+from rlhf.serving.errors import InvalidArgument
 
 if TYPE_CHECKING:  # pragma: no cover
     from services.rollout.engine_types import RolloutEngine
@@ -71,7 +73,8 @@ async def play(
     max_tokens: int | None,
 ) -> EpisodeResult:
     """Play one episode against ``env`` (an :class:`~rlhf.environments.client.EnvironmentClient`). Raises
-    :class:`EpisodeLost` or :class:`EnvironmentUnreachable`; any other environment failure is in ``error``."""
+    :class:`EpisodeLost`, :class:`EnvironmentUnreachable` or (the environment refused the job's label, prompt...)
+    :class:`~rlhf.serving.errors.InvalidArgument`; any other environment failure is in ``error``."""
     tok = engine.tokenizer
     try:
         opening = await env.reset(episode_id, environment, prompt, label, info, seed)
@@ -138,10 +141,18 @@ async def play(
     return r
 
 
+# Reset fields that come from the prompt job: the environment refusing one refuses the job, which no replay fixes.
+_JOB_FIELDS = ("label", "prompt", "info", "seed")
+
+
 def _raise_for_transport(err: EnvironmentFailure) -> None:
-    """Failures that are the service's (lost episode, unreachable) rather than the environment's."""
+    """Failures that are the service's (lost episode, unreachable) or the job's (the environment refused its input:
+    InvalidArgument, which dead-letters the job at once) rather than the environment's."""
     kind = getattr(err, "kind", "failed")
     if kind == "episode_lost":
         raise EpisodeLost(str(err)) from err
+    blamed = getattr(err, "field", "")
+    if getattr(err, "code", "") == "INVALID_ARGUMENT" and re.split(r"[\[.]", blamed)[0] in _JOB_FIELDS:
+        raise InvalidArgument(f"the environment refused the job's {blamed}: {err}", blamed) from err
     if kind in ("unavailable", "invalid"):  # unreachable, or a request no retry of the episode fixes
         raise EnvironmentUnreachable(str(err)) from err

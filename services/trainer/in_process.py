@@ -20,6 +20,7 @@ import torch
 from rlhf.config import ExperimentConfig, parse_config
 from rlhf.models import load_causal_lm, load_policy_base, resolve_model_path, serving_dtype
 from rlhf.reference_logprobs import response_logprobs
+from rlhf.transport.codec import LOGPROB_MAX, LOGPROB_MIN, MAX_ABS_SCORE
 from rlhf.v1 import common_pb2, experience_pb2
 from services.trainer.checkpoint import save_policy
 from services.trainer.engine import TrainerEngine
@@ -141,7 +142,14 @@ class InProcessTrainer:
             if logprobs is not None:
                 if len(logprobs[i]) != len(outs[i]):
                     raise ValueError(f"logprobs[{i}] has {len(logprobs[i])} entries for {len(outs[i])} response tokens")
-                sample.sampling_logprobs.extend(float(x) for x in logprobs[i])
+                lps = [float(x) for x in logprobs[i]]
+                bad = next((j for j, v in enumerate(lps) if not LOGPROB_MIN <= v <= LOGPROB_MAX), None)
+                if bad is not None:  # the queue's bounds (rlhf.transport.codec); NaN compares False
+                    raise ValueError(
+                        f"logprobs[{i}][{bad}] is {lps[bad]:g}, outside [{LOGPROB_MIN:g}, {LOGPROB_MAX:g}]: not a "
+                        "log-prob a model produces"
+                    )
+                sample.sampling_logprobs.extend(lps)
         return records
 
     def step(
@@ -181,4 +189,6 @@ def _score(s: float | torch.Tensor, i: int) -> float:
     value = float(s)
     if value != value or value in (float("inf"), float("-inf")):
         raise ValueError(f"scores[{i}] is {value}: a score must be finite")
+    if abs(value) > MAX_ABS_SCORE:  # the queue's bound: a larger score overflows the losses
+        raise ValueError(f"scores[{i}] is {value:g}, outside [{-MAX_ABS_SCORE:g}, {MAX_ABS_SCORE:g}]")
     return value

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from rlhf.config import ConfigError, parse_config
-from rlhf.environments.client import EnvironmentClient, EnvironmentFailed, EpisodeLost
+from rlhf.environments.client import EnvironmentClient, EnvironmentFailed, EnvironmentRequestInvalid, EpisodeLost
 from rlhf.serving import DeadlineExceeded, ResourceExhausted, ServiceMetrics, ServiceSettings
 from rlhf.v1 import environment_pb2, environment_pb2_grpc
 from services.environment.engine import EnvironmentEngine
@@ -111,14 +111,14 @@ def test_calculator_episodes_through_the_client():
         await client.reset("job-1/1/0", CALC, PROMPT, label="42")
         out = await client.step("job-1/1/0", "It is 41")
         assert out.done and out.reward == 0.0
-        # the calculator needs a label: a failure, never a reward
-        with pytest.raises(EnvironmentFailed, match="label"):
+        # the calculator needs a label: the caller's error (tests below), never a reward
+        with pytest.raises(EnvironmentRequestInvalid, match="label"):
             await client.reset("job-1/2/0", CALC, PROMPT)
 
         text = (await http.get("/metrics")).text
         assert metric(text, "rlhf_env_episodes_total", environment=CALC, event="started") == 2
         assert metric(text, "rlhf_env_episodes_total", environment=CALC, event="finished") == 2
-        assert metric(text, "rlhf_env_episodes_total", environment=CALC, event="failed") == 1
+        assert metric(text, "rlhf_env_episodes_total", environment=CALC, event="failed") == 0
         assert metric(text, "rlhf_env_steps_total", environment=CALC) == 4
         assert metric(text, "rlhf_env_step_metric_total", environment=CALC, name="tool_calls") == 3
         assert metric(text, "rlhf_env_step_metric_total", environment=CALC, name="tool_errors") == 2
@@ -238,6 +238,67 @@ def test_unknown_episodes_bad_input_and_auth():
         assert r.json() == {"existed": True}
         r = await http.get("/v1/environments")
         assert r.json() == {"environments": sorted(HOSTED), "open_episodes": 0}
+
+    serve_with(body)
+
+
+def test_a_reset_without_what_the_environment_needs_is_the_callers_error():
+    """Issue 46.5: a reset without the label (or the prompt) the calculator needs was 500 environment_failed, the
+    client's mistake reported as the server's. Now 400 / INVALID_ARGUMENT naming the field; nothing is left open, the
+    environment is not counted as failed, and the same episode id starts once the request is right. The other
+    required fields of reset and step, left out by a careless client, are refused naming theirs too."""
+
+    async def body(engine, client, http, addr):
+        refusals = [
+            ({"episode_id": "n/0/0", "environment": CALC, "prompt": PROMPT}, "label"),  # no label
+            ({"episode_id": "n/0/0", "environment": CALC, "prompt": PROMPT, "label": None}, "label"),
+            ({"episode_id": "n/0/0", "environment": CALC, "prompt": PROMPT, "label": ""}, "label"),
+            ({"episode_id": "n/0/0", "environment": CALC, "label": "42"}, "prompt"),  # no question
+        ]
+        for request, field in refusals:
+            r = await http.post("/v1/episodes/reset", json=request)
+            assert r.status_code == 400, (request, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "invalid_argument" and err["field"] == field, err
+            assert err["message"].startswith(f"{CALC} reset: {CALC} needs") and field in err["message"], err
+
+        async with grpc.aio.insecure_channel(addr) as ch:
+            stub = environment_pb2_grpc.EnvironmentServiceStub(ch)
+            md = (("authorization", f"Bearer {TOKEN}"),)
+            req = environment_pb2.ResetRequest(episode_id="n/0/0", environment=CALC)
+            req.prompt.add(role="user", content=PROMPT[0]["content"])
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Reset(req, metadata=md)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "the label" in e.value.details()
+            assert ("rlhf-error-field", "label") in tuple(e.value.trailing_metadata())
+            # the careless client's other omissions: no episode id (reset, step), over gRPC
+            for call, bad in (
+                (stub.Reset, environment_pb2.ResetRequest(environment=CALC, label="42")),
+                (stub.Step, environment_pb2.StepRequest(action="42")),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call(bad, metadata=md)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "episode_id" in e.value.details()
+        with pytest.raises(EnvironmentRequestInvalid) as e:  # what a rollout replica sees
+            await client.reset("n/0/0", CALC, PROMPT)
+        assert e.value.code == "INVALID_ARGUMENT" and "label" in str(e.value)
+        # ... and over HTTP: the schema's required fields (422), naming each
+        for path, request, field in (
+            ("/v1/episodes/reset", {"environment": CALC, "prompt": PROMPT, "label": "42"}, "episode_id"),
+            ("/v1/episodes/step", {"episode_id": "n/0/0"}, "action"),
+            ("/v1/episodes/step", {"episode_id": "n/0/0", "action": "42", "turn": -1}, "turn"),
+        ):
+            r = await http.post(path, json=request)
+            assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
+
+        assert engine.episodes == {}  # nothing half-open
+        text = (await http.get("/metrics")).text
+        assert metric(text, "rlhf_env_episodes_total", environment=CALC, event="failed") == 0
+        assert metric(text, "rlhf_errors_total", kind="environment_failed") == 0
+        assert metric(text, "rlhf_errors_total", kind="invalid_argument") >= 7
+        # the request put right, the same episode id starts and plays
+        await client.reset("n/0/0", CALC, PROMPT, label="42")
+        assert (await client.step("n/0/0", "42")).reward == 1.0
 
     serve_with(body)
 

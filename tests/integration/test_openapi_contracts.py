@@ -184,7 +184,7 @@ def _reference_app():
 
 def _environment_app():
     metrics = ServiceMetrics("environment")
-    # Echo (tests/integration/_environments.py) answers any turn; the calculator refuses a reset without a label (500)
+    # Echo (tests/integration/_environments.py) answers any turn; the calculator refuses a reset without a label (400)
     engine = EnvironmentEngine({"python:_environments:Echo": {"turns": 2}}, metrics=metrics)
     app = environment_http.build_app(engine, _settings(), metrics)
     _on_loop(app, engine.start, engine.close)

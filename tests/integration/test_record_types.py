@@ -51,6 +51,40 @@ def test_codec_refuses_the_other_record_type_and_reads_untagged_records():
     assert decode_prompt_job(tagged) == job(4)
 
 
+def test_codec_bounds_scores_and_logprobs():
+    """Issue 46.5: finite but absurd numbers are refused naming the field; the values producers really send pass (a
+    log-prob a hair above 0 from float rounding, vLLM's -9999 floor, a score of 1e6, any score of a failed item)."""
+
+    def with_sample(**fields):
+        exp = experience(5)
+        sample = exp.samples[0]
+        sample.score_status = common_pb2.ITEM_STATUS_OK
+        for name, value in fields.items():
+            if isinstance(value, list):
+                getattr(sample, name)[:] = value
+            else:
+                setattr(sample, name, value)
+        return exp
+
+    for fine in (
+        {"sampling_logprobs": [0.0, -9999.0], "ref_logprobs": [0.005, -1e4]},
+        {"score": -1e6},
+        {"score": 3e38, "score_status": common_pb2.ITEM_STATUS_SCORER_ERROR},  # not trained on: its score is unused
+    ):
+        assert decode_experience(encode(with_sample(**fine))) == with_sample(**fine)
+    for bad, reason in (
+        ({"score": 3e38}, r"samples\[0\]\.score is 3e\+38 with status OK, outside \[-1e\+06, 1e\+06\]"),
+        ({"score": -1.5e6}, r"samples\[0\]\.score is -1\.5e\+06"),
+        ({"ref_logprobs": [-1.0, -3e38]}, r"samples\[0\]\.ref_logprobs\[1\] is -3e\+38, outside \[-10000, 0\.01\]"),
+        ({"ref_logprobs": [-10001.0, -1.0]}, r"samples\[0\]\.ref_logprobs\[0\] is -10001"),
+        ({"sampling_logprobs": [-0.5, 0.02]}, r"samples\[0\]\.sampling_logprobs\[1\] is 0\.02"),
+        ({"sampling_logprobs": [float("nan"), -1.0]}, r"samples\[0\]\.sampling_logprobs\[0\] is nan: non-finite"),
+    ):
+        with pytest.raises(MalformedRecord, match=r"^Experience 'job-5' " + reason) as err:
+            decode_experience(encode(with_sample(**bad)))
+        assert err.value.job_id == "job-5"
+
+
 def test_wrong_records_in_the_streams_are_dead_lettered(redis_server):
     async def body():
         r = connect(redis_server.url)

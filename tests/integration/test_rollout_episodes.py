@@ -21,7 +21,7 @@ import pytest
 from rlhf.config import parse_config
 from rlhf.environments.base import EPISODE_ENVIRONMENT_KEY, EPISODE_MAX_TOKENS_KEY, EPISODE_MAX_TURNS_KEY
 from rlhf.serving import ServiceMetrics, ServiceSettings
-from rlhf.transport import ExperienceQueue, PromptQueue, connect
+from rlhf.transport import ExperienceQueue, PromptQueue, connect, dead_letters
 from rlhf.v1 import common_pb2, experience_pb2
 from services.environment.engine import EnvironmentEngine
 from services.environment.main import build_runner
@@ -34,7 +34,8 @@ from tests.support import make_prompt_job
 RUN = "episodes-test"
 ECHO = "python:_environments:Echo"
 FAILING = "python:_environments:FailingStep"
-HOSTED = {ECHO: {"turns": 3}, FAILING: {}}
+CALC = "builtin:calculator"
+HOSTED = {ECHO: {"turns": 3}, FAILING: {}, CALC: {}}
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +75,10 @@ def _job(i: int, environment: str, max_turns: int = 4, n: int = 2, max_tokens: i
     return job
 
 
-def _run(reference, redis_server, jobs, before=None, hosted=HOSTED):
-    """Serve the environments, run a worker over ``jobs`` until each has a record; -> (records by job id, the
-    recording engine, the worker, the environment engine)."""
+def _run(reference, redis_server, jobs, before=None, hosted=HOSTED, until=None, letters=None):
+    """Serve the environments, run a worker over ``jobs`` until each has a record (or ``until(records, worker)``);
+    -> (records by job id, the recording engine, the worker, the environment engine). ``letters``: a list the run's
+    dead letters are added to."""
 
     async def main():
         settings = ServiceSettings.from_env({}, host="127.0.0.1", grpc_port=0, http_port=0, api_token="t")
@@ -106,10 +108,13 @@ def _run(reference, redis_server, jobs, before=None, hosted=HOSTED):
         task = asyncio.create_task(worker.run())
         eq, out = ExperienceQueue(redis, RUN), {}
         deadline = time.monotonic() + 90
-        while len(out) < len(jobs) and time.monotonic() < deadline:
+        done = until or (lambda records, _: len(records) == len(jobs))
+        while not done(out, worker) and time.monotonic() < deadline:
             out.update({e.job_id: e for _, e in await eq.read("trainer", count=16, block_ms=200)})
         worker.stop()
         await asyncio.wait_for(task, 30)
+        if letters is not None:
+            letters.extend(await dead_letters(redis, RUN))
         runner.request_stop()
         await asyncio.wait_for(served, 15)
         await redis.flushall()
@@ -157,6 +162,27 @@ def test_a_failing_environment_is_an_error_never_a_score(reference, redis_server
         assert "cannot handle" in s.score_error and FAILING in s.score_error
         assert s.ended_by == "error" and not s.score_components
     assert worker.stats.processed == 1  # written (its failure is kept on the samples), and acknowledged
+
+
+def test_a_job_the_environment_refuses_is_dead_lettered_at_once(reference, redis_server):
+    """Issue 46.5: the calculator refuses a reset without a label as the caller's error (INVALID_ARGUMENT, field
+    label); the replica dead-letters that job at once with the reason (no replay fixes it), and goes on."""
+    bad = _job(5, CALC, n=1)  # make_prompt_job sets no label
+    letters: list[dict] = []
+    out, _, worker, env_engine = _run(
+        reference,
+        redis_server,
+        [bad, _job(6, ECHO, n=1)],
+        until=lambda records, w: "ep6" in records and w.stats.dead_lettered == 1,
+        letters=letters,
+    )
+    assert "ep5" not in out and out["ep6"].samples[0].score_status == common_pb2.ITEM_STATUS_OK
+    assert worker.stats.dead_lettered == 1 and worker.stats.failed.get("invalid_argument") == 1
+    (letter,) = letters
+    assert (
+        "refused the job's label" in letter["reason"] and "needs the reference answer as the label" in letter["reason"]
+    ), letter["reason"]
+    assert env_engine.episodes == {}
 
 
 def test_an_episode_the_service_lost_is_played_again(reference, redis_server):

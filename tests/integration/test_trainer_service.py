@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -266,6 +267,54 @@ def test_poison_records_are_dead_lettered_and_the_run_goes_on(redis_server, star
     for f in (run_dir / "checkpoints" / "step_3" / "policy").glob("*.safetensors"):
         for name, t in load_file(f).items():
             assert torch.isfinite(t).all(), name
+
+
+def _absurd(index: int, exp: experience_pb2.Experience) -> None:
+    """Records 0-3 hold finite but absurd numbers (issue 46.5): each used to pass the queue's checks, and the first
+    two made the step's losses and gradient norm non-finite (the update skipped, the step lost, no record named)."""
+    if index == 0:
+        exp.samples[0].score = 3e38
+    elif index == 1:
+        exp.samples[1].ref_logprobs[0] = -3e38
+    elif index == 2:
+        exp.samples[0].sampling_logprobs[-1] = -3e38
+    elif index == 3:
+        exp.samples[1].ref_logprobs[-1] = 5.0  # a log-prob above 0: a probability of 148
+
+
+def test_absurd_scores_and_logprobs_are_dead_lettered_by_field(redis_server, start_service, tmp_path):
+    run_dir = tmp_path / "run"
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
+    cfg = _config(tmp_path, train_iters=3, save_interval=3)
+    # PPO: the score is the last token's reward and the KL penalty (k1) every token's, so both reach GAE, the
+    # whitened advantages and the critic's loss, where one 3e38 overflows
+    cfg["training"]["stage"], cfg["algorithm"] = "ray_ppo", {}
+    trainer = start_service("trainer", cfg, env=env)
+    answered = _run_with_replicas(redis_server.url, lambda: trainer.proc.poll() is not None, mutate=_absurd)
+    assert trainer.wait(timeout=30) == 0, trainer.log_tail()
+    steps = _metrics(run_dir)
+    assert [m["step"] for m in steps] == [1, 2, 3] and all(m["samples"] == 8 for m in steps)
+    # every step trained on good records only: no update skipped, losses and gradient norms finite
+    assert all(m["nonfinite/skipped_updates"] == 0 for m in steps)
+    for m in steps:
+        numbers = {k: v for k, v in m.items() if isinstance(v, float)}
+        assert all(math.isfinite(v) for v in numbers.values()), numbers
+        assert "loss/policy" in numbers and "policy/grad_norm" in numbers
+    assert not set(answered[:4]) & set(_ledger(run_dir)) and len(_ledger(run_dir)) == 12
+
+    async def letters():
+        redis = connect(redis_server.url)
+        try:
+            return await dead_letters(redis, "ring")
+        finally:
+            await redis.aclose()
+
+    reasons = [d["reason"] for d in reversed(asyncio.run(letters()))]
+    fields = ["samples[0].score", "samples[1].ref_logprobs[0]", "samples[0].sampling_logprobs[", "ref_logprobs["]
+    assert len(reasons) == 4, reasons
+    for job_id, field, reason in zip(answered[:4], fields, reasons, strict=True):
+        assert f"Experience {job_id!r}" in reason and field in reason, reason
+    assert "outside [-1e+06, 1e+06]" in reasons[0] and "outside [-10000, 0.01]" in reasons[1], reasons
 
 
 def test_trainer_killed_before_its_first_checkpoint_starts_over(redis_server, start_service, tmp_path):

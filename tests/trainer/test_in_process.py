@@ -177,6 +177,8 @@ def plain_trainer(tiny_models):
         (([[2, 3]], [[]], [1.0]), r"responses\[0\] is empty"),
         (([torch.zeros(1, 2, dtype=torch.long)], [[4]], [1.0]), r"queries\[0\]: a 1-D tensor"),
         (([[2, 3]], [[4]], [float("nan")]), r"scores\[0\] is nan"),
+        (([[2, 3]], [[4]], [3e38]), r"scores\[0\] is 3e\+38, outside \[-1e\+06, 1e\+06\]"),
+        (([[2, 3]], [[4]], [1.0], [[-3e38]]), r"logprobs\[0\]\[0\] is -3e\+38, outside \[-10000, 0.01\]"),
         (([[2, 3]], [[4]], [torch.ones(2)]), r"scores\[0\]: one number per response"),
         (([[2, 3]], [[10**6]], [1.0]), "outside the vocabulary"),
     ],
