@@ -19,18 +19,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, prompts: _Optional[_Iterable[_Union[_common_pb2.Prompt, _Mapping]]] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "text", "policy_version")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "text", "policy_version", "span_starts", "span_versions")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SPAN_STARTS_FIELD_NUMBER: _ClassVar[int]
+    SPAN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _common_pb2.FinishReason
     text: str
     policy_version: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., text: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+    span_starts: _containers.RepeatedScalarFieldContainer[int]
+    span_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., text: _Optional[str] = ..., policy_version: _Optional[int] = ..., span_starts: _Optional[_Iterable[int]] = ..., span_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PromptResult(_message.Message):
     __slots__ = ("prompt_token_ids", "completions")

@@ -561,6 +561,15 @@ def join_samples(before: Sample, after: Sample) -> Sample:
     )
 
 
+def version_span_fields(spans: list[tuple[int, int]] | None) -> dict[str, list[int]]:
+    """Version spans as the ``span_starts`` / ``span_versions`` fields of a record (experience.proto ``Sample``) and
+    of a ``Generate`` answer (rollout.proto ``Completion``, ``/v1/generate``): nothing for one version, so such a
+    record or answer is byte for byte what it was before spans existed."""
+    if not spans or len(spans) == 1:
+        return {}
+    return {"span_starts": [a for a, _ in spans], "span_versions": [v for _, v in spans]}
+
+
 # The interface types are defined in services.rollout.engine_types; the engines import these from here too.
 __all__ = [
     "EngineBase",
@@ -571,4 +580,5 @@ __all__ = [
     "continue_options",
     "decode_text",
     "join_samples",
+    "version_span_fields",
 ]

@@ -45,7 +45,12 @@ class EpisodeResult:
     response_ids: list[int] = field(default_factory=list)
     loss_mask: list[bool] = field(default_factory=list)
     logprobs: list[float] | None = field(default_factory=list)  # None: the engine reported none
-    turn_versions: list[int] = field(default_factory=list)
+    turn_versions: list[int] = field(default_factory=list)  # each model turn's oldest token's version
+    # (first response index, version) of each stretch of one version over the whole response, each model token at
+    # the version that sampled it (a turn a push stopped and resumed has several), environment tokens at the
+    # version of the model token before them (they are never trained: the trainer only needs a version there that
+    # is not older than the record's oldest trained token's); empty until the first model token
+    spans: list[tuple[int, int]] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
     ended_by: str = ""
     finish_reason: str = "stop"  # of the last model turn
@@ -98,6 +103,7 @@ async def play(
             (out,) = await engine.generate([r.prompt_ids + r.response_ids], turn_opts)
             s = out.samples[0]
             ids = list(s.token_ids)
+            _add_spans(r, s.spans or [(0, s.policy_version)], len(ids))
             r.response_ids += ids
             r.loss_mask += [True] * len(ids)
             if r.logprobs is not None and len(s.logprobs) == len(ids):
@@ -139,6 +145,20 @@ async def play(
             await env.close(episode_id)
     r.metrics = dict(counts)
     return r
+
+
+def _add_spans(r: EpisodeResult, spans: list[tuple[int, int]], n: int) -> None:
+    """Extend ``r.spans`` with a model turn of ``n`` tokens starting at ``len(r.response_ids)`` and its own spans
+    (starts relative to the turn). A turn without tokens adds nothing; the first span always starts at 0 (any
+    environment tokens before the first model token take its version)."""
+    at = len(r.response_ids)
+    for start, version in spans:
+        if start >= n:
+            break
+        if not r.spans:
+            r.spans.append((0, version))
+        elif r.spans[-1][1] != version:
+            r.spans.append((at + start, version))
 
 
 # Reset fields that come from the prompt job: the environment refusing one refuses the job, which no replay fixes.

@@ -26,7 +26,7 @@ from rlhf.serving import (
     require_grpc_token,
 )
 from rlhf.v1 import rollout_pb2, rollout_pb2_grpc, weights_pb2
-from services.rollout.engine import EngineBase
+from services.rollout.engine import EngineBase, version_span_fields
 from services.rollout.options import finish_reason_proto, options_from_proto
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
@@ -109,6 +109,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     finish_reason=finish_reason_proto(s.finish_reason),
                     text=s.text,
                     policy_version=s.policy_version,
+                    **version_span_fields(s.spans),
                 )
         return resp
 

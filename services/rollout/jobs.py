@@ -23,6 +23,7 @@ from rlhf.retry import retry
 from rlhf.serving.errors import InvalidArgument
 from rlhf.v1 import common_pb2, experience_pb2, reference_pb2, reward_pb2
 from services.rollout import episodes
+from services.rollout.engine import version_span_fields
 from services.rollout.options import SamplingOptions, finish_reason_proto, options_from_proto
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,12 +58,36 @@ def sample_record(
     )
 
 
-def version_span_fields(spans: list[tuple[int, int]] | None) -> dict[str, list[int]]:
-    """A sample's version spans as the record's ``span_starts`` / ``span_versions`` (experience.proto): nothing for
-    a sample one version sampled, so its record is byte for byte what it was before spans existed."""
-    if not spans or len(spans) == 1:
-        return {}
-    return {"span_starts": [a for a, _ in spans], "span_versions": [v for _, v in spans]}
+def episode_record(
+    r: episodes.EpisodeResult, ref_logprobs: Sequence[float], environment: str, *, text: str, version: int
+) -> experience_pb2.Sample:
+    """An episode's record: every turn's tokens (``text``: their decoded text), the loss mask, each model turn's
+    version and reward, and the version spans over the whole response (none when one version sampled every model
+    token, so such a record is byte for byte what it was before episodes had spans); ``policy_version`` is the
+    oldest model token's (``version``, the version served now, when the episode has none). A failed episode (an
+    error, or no model tokens) is a scorer error."""
+    failed = r.error is not None or not r.response_ids
+    oldest = r.turn_versions[0] if r.turn_versions else version
+    if r.spans:
+        oldest = min(v for _, v in r.spans)
+    return experience_pb2.Sample(
+        response_ids=r.response_ids,
+        sampling_logprobs=r.logprobs or [],
+        ref_logprobs=ref_logprobs,
+        score=0.0 if failed else r.score,  # meaningful only with score_status OK (the trainer checks)
+        score_status=common_pb2.ITEM_STATUS_SCORER_ERROR if failed else common_pb2.ITEM_STATUS_OK,
+        score_error=f"environment {environment!r}: {r.error or 'no model tokens'}" if failed else "",
+        score_components={} if failed else {"environment": r.score},
+        finish_reason=finish_reason_proto(r.finish_reason),
+        policy_version=oldest,
+        response_text=text,
+        loss_mask=r.loss_mask,
+        turn_policy_versions=r.turn_versions,
+        turn_rewards=r.turn_rewards,
+        ended_by=r.ended_by or ("error" if failed else ""),
+        episode_metrics=r.metrics,
+        **version_span_fields(r.spans),
+    )
 
 
 class JobFailed(Exception):
@@ -278,26 +303,16 @@ class JobRunner:
         self, r: episodes.EpisodeResult, ref_logprobs: list[float], environment: str
     ) -> experience_pb2.Sample:
         """One episode as an experience sample; a failed episode (an error, or no model tokens) is a scorer error."""
-        failed = r.error is not None or not r.response_ids
-        if failed and self.metrics is not None:
-            self.metrics.count_error("rollout_environment_failed")
-        return experience_pb2.Sample(
-            response_ids=r.response_ids,
-            sampling_logprobs=r.logprobs or [],
-            ref_logprobs=ref_logprobs,
-            score=0.0 if failed else r.score,  # meaningful only with score_status OK (the trainer checks)
-            score_status=common_pb2.ITEM_STATUS_SCORER_ERROR if failed else common_pb2.ITEM_STATUS_OK,
-            score_error=f"environment {environment!r}: {r.error or 'no model tokens'}" if failed else "",
-            score_components={} if failed else {"environment": r.score},
-            finish_reason=finish_reason_proto(r.finish_reason),
-            policy_version=r.turn_versions[0] if r.turn_versions else self.engine.weights_version,
-            response_text=self.engine.tokenizer.decode(r.response_ids, skip_special_tokens=True),
-            loss_mask=r.loss_mask,
-            turn_policy_versions=r.turn_versions,
-            turn_rewards=r.turn_rewards,
-            ended_by=r.ended_by or ("error" if failed else ""),
-            episode_metrics=r.metrics,
+        rec = episode_record(
+            r,
+            ref_logprobs,
+            environment,
+            text=self.engine.tokenizer.decode(r.response_ids, skip_special_tokens=True),
+            version=self.engine.weights_version,
         )
+        if rec.score_status != common_pb2.ITEM_STATUS_OK and self.metrics is not None:
+            self.metrics.count_error("rollout_environment_failed")
+        return rec
 
     def _experience(
         self, job: experience_pb2.PromptJob, prompt_ids: list[int], prompt_text: str, label: str | None

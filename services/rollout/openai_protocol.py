@@ -414,7 +414,12 @@ class CompletionOut(BaseModel):
     finish_reason: str = Field(description="stop (EOS, stop id or stop string) or length")
     stop_reason: int | str | None = None
     text: str
-    policy_version: int
+    policy_version: int = Field(description="the weights version that sampled it (version spans: the oldest span's)")
+    span_starts: list[int] = Field(
+        description="partial rollouts: the first token of each stretch one version sampled (the first 0); empty "
+        "when one version sampled every token"
+    )
+    span_versions: list[int] = Field(description="the version that sampled each stretch of span_starts")
 
 
 class PromptResultOut(BaseModel):

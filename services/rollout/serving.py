@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from rlhf.serving import RLHFError, ServiceMetrics, cancel_on_disconnect, json_response
 from rlhf.serving.errors import as_rlhf_error, error_body
-from services.rollout.engine import EngineBase, decode_text
+from services.rollout.engine import EngineBase, decode_text, version_span_fields
 from services.rollout.engine_types import PromptResult, Sample
 from services.rollout.openai_protocol import (
     ChatStreamChoice,
@@ -218,19 +218,25 @@ class ServingGenerate(OpenAIServing):
                 "results": [
                     {
                         "prompt_token_ids": r.prompt_token_ids,
-                        "completions": [
-                            {
-                                "token_ids": s.token_ids,
-                                "logprobs": s.logprobs,
-                                "finish_reason": s.finish_reason,
-                                "stop_reason": s.stop_reason,
-                                "text": s.text,
-                                "policy_version": s.policy_version,
-                            }
-                            for s in r.samples
-                        ],
+                        "completions": [_completion(s) for s in r.samples],
                     }
                     for r in results
                 ],
             }
         )
+
+
+def _completion(s: Sample) -> dict[str, Any]:
+    """One ``/v1/generate`` completion; its version spans as rollout.proto's ``Completion`` has them (empty lists
+    when one version sampled every token)."""
+    spans = version_span_fields(s.spans)
+    return {
+        "token_ids": s.token_ids,
+        "logprobs": s.logprobs,
+        "finish_reason": s.finish_reason,
+        "stop_reason": s.stop_reason,
+        "text": s.text,
+        "policy_version": s.policy_version,
+        "span_starts": spans.get("span_starts", []),
+        "span_versions": spans.get("span_versions", []),
+    }

@@ -6,7 +6,8 @@ Shows: an episode's record holds every turn as generated (each model turn's ids 
 back, and each next turn is generated from the ids so far: nothing re-tokenised), the loss mask, zero sampling
 log-probs on environment tokens, reference log-probs for all, turn versions and rewards, who ended it; max_turns
 ends an endless one; an environment that fails makes its samples errors (never a score), and the job is still
-written; an episode the environment service lost (as after a restart) is played again from its start.
+written; an episode the environment service lost (as after a restart) is played again from its start; with partial
+rollouts, a push in the middle of a model turn gives the record version spans over every token.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from rlhf.config import parse_config
 from rlhf.environments.base import EPISODE_ENVIRONMENT_KEY, EPISODE_MAX_TOKENS_KEY, EPISODE_MAX_TURNS_KEY
@@ -25,8 +28,10 @@ from rlhf.transport import ExperienceQueue, PromptQueue, connect, dead_letters
 from rlhf.v1 import common_pb2, experience_pb2
 from services.environment.engine import EnvironmentEngine
 from services.environment.main import build_runner
+from services.rollout.engine_types import EngineHooks
 from services.rollout.hf_engine import HFEngine
 from services.rollout.worker import RolloutWorker
+from services.trainer.batch import token_versions
 from services.trainer.publisher import episode_metadata
 from tests.integration._procs import ServiceProc, write_config
 from tests.support import make_prompt_job
@@ -64,21 +69,26 @@ class _Recording:
         return await self._e.generate(prompts, params)
 
 
-def _job(i: int, environment: str, max_turns: int = 4, n: int = 2, max_tokens: int = 300) -> experience_pb2.PromptJob:
+def _job(
+    i: int, environment: str, max_turns: int = 4, n: int = 2, max_tokens: int = 300, turn_tokens: int = 5
+) -> experience_pb2.PromptJob:
     job = make_prompt_job(
         f"ep{i}", run_id=RUN, data_index=i, epoch=0, prompt_text=f"say something {i}", issued_policy_version=0
     )
-    job.params.CopyFrom(common_pb2.SamplingParams(n=n, temperature=1.0, max_tokens=5, seed=10 + i))
+    job.params.CopyFrom(common_pb2.SamplingParams(n=n, temperature=1.0, max_tokens=turn_tokens, seed=10 + i))
+    if turn_tokens != 5:  # turns of exactly that many tokens
+        job.params.ignore_eos = True
     job.metadata[EPISODE_ENVIRONMENT_KEY] = environment
     job.metadata[EPISODE_MAX_TURNS_KEY] = str(max_turns)
     job.metadata[EPISODE_MAX_TOKENS_KEY] = str(max_tokens)
     return job
 
 
-def _run(reference, redis_server, jobs, before=None, hosted=HOSTED, until=None, letters=None):
+def _run(reference, redis_server, jobs, before=None, hosted=HOSTED, until=None, letters=None, **engine_kw):
     """Serve the environments, run a worker over ``jobs`` until each has a record (or ``until(records, worker)``);
-    -> (records by job id, the recording engine, the worker, the environment engine). ``letters``: a list the run's
-    dead letters are added to."""
+    -> (records by job id, the recording engine, the worker, the environment engine). ``before(calls, env_engine,
+    policy)`` runs before each generate call; ``letters``: a list the run's dead letters are added to;
+    ``engine_kw``: for the hf engine."""
 
     async def main():
         settings = ServiceSettings.from_env({}, host="127.0.0.1", grpc_port=0, http_port=0, api_token="t")
@@ -89,9 +99,9 @@ def _run(reference, redis_server, jobs, before=None, hosted=HOSTED, until=None, 
             runner.run(startup=env_engine.start, shutdown=env_engine.close, install_signal_handlers=False)
         )
         await asyncio.wait_for(runner.started.wait(), 10)
-        policy = HFEngine(Path(os.environ["RLHF_CACHE_DIR"]) / "tiny" / "policy", model_name="tiny:policy")
+        policy = HFEngine(Path(os.environ["RLHF_CACHE_DIR"]) / "tiny" / "policy", model_name="tiny:policy", **engine_kw)
         await policy.start()
-        engine = _Recording(policy, None if before is None else lambda k: before(k, env_engine))
+        engine = _Recording(policy, None if before is None else lambda k: before(k, env_engine, policy))
         redis = connect(redis_server.url)
         await PromptQueue(redis, RUN).publish_many(jobs)
         worker = RolloutWorker(
@@ -115,6 +125,7 @@ def _run(reference, redis_server, jobs, before=None, hosted=HOSTED, until=None, 
         await asyncio.wait_for(task, 30)
         if letters is not None:
             letters.extend(await dead_letters(redis, RUN))
+        await policy.close()
         runner.request_stop()
         await asyncio.wait_for(served, 15)
         await redis.flushall()
@@ -142,6 +153,7 @@ def test_an_episode_is_every_turn_as_generated(reference, redis_server):
         assert all(lp == 0.0 for lp, m in zip(s.sampling_logprobs, s.loss_mask, strict=True) if not m)
         assert any(lp != 0.0 for lp, m in zip(s.sampling_logprobs, s.loss_mask, strict=True) if m)
         assert "echo 1:" in s.response_text and "echo 2:" in s.response_text
+        assert not s.span_starts and not s.span_versions and s.policy_version == 0  # one version: no spans
         # token in, token out: every turn was generated from the prompt plus the record's ids before it
         seq = list(exp.prompt_ids) + list(s.response_ids)
         starts = [i for i, m in enumerate(s.loss_mask) if m and (i == 0 or not s.loss_mask[i - 1])]
@@ -186,7 +198,7 @@ def test_a_job_the_environment_refuses_is_dead_lettered_at_once(reference, redis
 
 
 def test_an_episode_the_service_lost_is_played_again(reference, redis_server):
-    def restart_once(calls: int, env_engine) -> None:
+    def restart_once(calls: int, env_engine, _policy) -> None:
         if calls == 2:  # the second model turn of the first episode: the service forgets every episode
             env_engine.episodes.clear()
 
@@ -195,6 +207,64 @@ def test_an_episode_the_service_lost_is_played_again(reference, redis_server):
     assert s.score_status == common_pb2.ITEM_STATUS_OK and s.ended_by == "done" and s.score == 6.0
     assert worker.stats.failed.get("environment_episode_lost") == 1
     assert len(engine.prompts) == 2 + 3  # the lost play's two turns, then three
+
+
+def test_a_push_mid_turn_gives_the_episode_version_spans(reference, redis_server):
+    """Partial rollouts: a push (version 1) three decode steps into the second of three model turns stops that turn
+    and resumes it under the new weights. The record's version spans cover every token: the first turn, the
+    environment's answer and the second turn's start at version 0, the rest of the second turn, the answer after it
+    and the third turn at 1; policy_version is the oldest (0), turn_policy_versions each turn's oldest, and the
+    trainer expands the spans per token as the tokens were sampled. The reference holds version 0's weights: the
+    sampling log-probs agree with it on the model tokens the spans give version 0 only."""
+    path = Path(os.environ["RLHF_CACHE_DIR"]) / "tiny" / "policy"
+    g = torch.Generator().manual_seed(5)
+    state = load_file(str(path / "model.safetensors"))
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in state.items()}
+    steps: list[int] = []
+    pushes: list[asyncio.Task] = []
+    turn = 32
+
+    def push_in_turn_2(calls: int, _env, policy) -> None:
+        if calls != 2:
+            return
+        at = len(steps)
+
+        async def push():
+            while len(steps) < at + 3:  # the second turn is decoding
+                await asyncio.sleep(0.002)
+            return await policy.swap_weights(new, 1, "c1")
+
+        pushes.append(asyncio.get_running_loop().create_task(push()))
+
+    out, engine, _, _ = _run(
+        reference,
+        redis_server,
+        [_job(7, ECHO, n=1, turn_tokens=turn)],
+        before=push_in_turn_2,
+        partial_rollouts=True,
+        hooks=EngineHooks(on_step=steps.append),
+    )
+    (push,) = pushes
+    assert push.done() and push.result().swapped
+    exp = out["ep7"]
+    (s,) = exp.samples
+    assert s.score_status == common_pb2.ITEM_STATUS_OK and s.ended_by == "done", s.score_error
+    assert len(engine.prompts) == 3 and list(s.turn_policy_versions) == [0, 0, 1] and s.policy_version == 0
+    mask = list(s.loss_mask)
+    starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
+    assert len(starts) == 3 and all(mask[a : a + turn] == [True] * turn for a in starts)
+    # the second turn was stopped mid-way: its tokens after the cut were sampled by version 1
+    assert list(s.span_versions) == [0, 1] and s.span_starts[0] == 0
+    cut = s.span_starts[1]
+    assert starts[1] < cut < starts[1] + turn, (starts, cut)
+    n = len(s.response_ids)
+    per_token = token_versions(s, n, exp.job_id).tolist()  # the trainer's expansion accepts and reads them
+    assert per_token == [0] * cut + [1] * (n - cut)
+    model = [i for i in range(n) if mask[i]]
+    old = [abs(s.sampling_logprobs[i] - s.ref_logprobs[i]) for i in model if per_token[i] == 0]
+    moved = [abs(s.sampling_logprobs[i] - s.ref_logprobs[i]) for i in model if per_token[i] == 1]
+    assert len(old) + len(moved) == 3 * turn
+    assert max(old) < 1e-3 and max(moved) > 1e-3
 
 
 def test_the_environment_section_makes_jobs_episodes():

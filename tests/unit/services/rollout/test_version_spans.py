@@ -1,6 +1,7 @@
 """Partial rollouts' version spans: a sample joined across a swap (:func:`services.rollout.engine.join_samples`),
-its options to go on with (:func:`continue_options`), and its record (:func:`services.rollout.jobs.sample_record`),
-which for a sample of one version is byte for byte the record written before spans existed."""
+its options to go on with (:func:`continue_options`), its record (:func:`services.rollout.jobs.sample_record`) and an
+episode's (:func:`services.rollout.jobs.episode_record`, spans gathered turn by turn), which for one version are byte
+for byte the records written before spans existed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 from rlhf.v1 import common_pb2, experience_pb2, reward_pb2
 from services.rollout.engine import continue_options, join_samples
 from services.rollout.engine_types import Sample
-from services.rollout.jobs import sample_record
+from services.rollout.episodes import EpisodeResult, _add_spans
+from services.rollout.jobs import episode_record, sample_record
 from services.rollout.options import SamplingOptions
 from services.rollout.vllm_engine import _stoppable
 
@@ -19,6 +21,14 @@ RECORD_BEFORE_SPANS = bytes.fromhex(
     "0a03050607120c000000bf0000a0bf000000c01a0c000040bf000080bf0000c0bf250000803f28013a0a0a03616363150000803f"
     "400248035203616263"
 )
+# The record of episode() below (two turns of version 3) as the code before episodes had spans wrote it
+# (JobRunner._episode_sample at bb90ce7, serialized deterministically)
+EPISODE_BEFORE_SPANS = bytes.fromhex(
+    "0a0605060708090a1218000000bf0000a0bf0000000000000000000000c0000040bf1a18000080be000080bf000040c0000020c00000c0bf"
+    "000000bf250000c03f28013a120a0b656e7669726f6e6d656e74150000c03f40014803520d74352d362d372d382d392d31305a0601010000"
+    "0101620203036a080000003f0000803f7204646f6e6582010c0a057475726e731500000040"
+)
+ENV = "python:_environments:Echo"
 SCORE = reward_pb2.ScoreResult(score=1.0, status=common_pb2.ITEM_STATUS_OK, components={"acc": 1.0})
 
 
@@ -74,6 +84,57 @@ def test_continue_options_keep_the_budget_and_the_options():
 @pytest.mark.parametrize("spans", [None, [(0, 1)]])
 def test_one_span_writes_no_span_fields(spans):
     assert not sample_record(sample(spans=spans), "abc", SCORE, [-1.0] * 3).span_starts
+
+
+def episode(*turns: tuple[list[tuple[int, int]] | None, int, int]) -> EpisodeResult:
+    """An episode of model turns given as (the engine's spans or None, their version, environment tokens after)
+    played as episodes.play records them: two tokens a turn (ids from 5 on; log-probs -0.5, -1.25, -2.0, -0.75...)."""
+    r = EpisodeResult(prompt_ids=[1, 2], ended_by="done", finish_reason="stop", metrics={"turns": float(len(turns))})
+    lps = iter([-0.5, -1.25, -2.0, -0.75, -0.25, -1.5])
+    for spans, version, env in turns:
+        _add_spans(r, spans or [(0, version)], 2)
+        r.response_ids += [5 + len(r.response_ids) + k for k in range(2)]
+        r.loss_mask += [True, True]
+        r.logprobs += [next(lps), next(lps)]
+        r.turn_versions.append(min(v for _, v in spans) if spans else version)
+        r.turn_rewards.append(0.5 * len(r.turn_rewards) + 0.5)
+        r.response_ids += [5 + len(r.response_ids) + k for k in range(env)]
+        r.loss_mask += [False] * env
+        r.logprobs += [0.0] * env
+    return r
+
+
+def record_of(r: EpisodeResult) -> experience_pb2.Sample:
+    n = len(r.response_ids)
+    ref = ([-0.25, -1.0, -3.0, -2.5, -1.5, -0.5] + [-1.0] * n)[:n]
+    return episode_record(r, ref, ENV, text="t" + "-".join(map(str, r.response_ids)), version=9)
+
+
+def test_a_one_version_episode_record_is_the_record_before_spans():
+    one = record_of(episode((None, 3, 2), (None, 3, 0)))
+    assert one.SerializeToString(deterministic=True) == EPISODE_BEFORE_SPANS
+    assert one.policy_version == 3 and not one.span_starts
+    # a push between turns: the second turn's tokens are version 4's, the record says so from its first token
+    two = record_of(episode((None, 3, 2), (None, 4, 0)))
+    assert (list(two.span_starts), list(two.span_versions), two.policy_version) == ([0, 4], [3, 4], 3)
+    assert list(two.turn_policy_versions) == [3, 4]
+
+
+def test_episode_spans_cover_model_and_environment_tokens():
+    """A turn a push stopped after its first token (spans of its own), environment tokens taking the version of the
+    model token before them, the same version across turns merged, a turn without tokens adding nothing; the
+    record's policy_version the oldest model token's."""
+    r = episode(([(0, 3), (1, 4)], 3, 3), (None, 4, 1), ([(0, 4), (1, 6)], 4, 0))
+    assert r.spans == [(0, 3), (1, 4), (9, 6)]  # tokens 0-1, 5-6, 8-9; environment 2-4, 7
+    rec = record_of(r)
+    assert (list(rec.span_starts), list(rec.span_versions), rec.policy_version) == ([0, 1, 9], [3, 4, 6], 3)
+    assert list(rec.turn_policy_versions) == [3, 4, 4]
+    empty = EpisodeResult(prompt_ids=[1])
+    _add_spans(empty, [(0, 2)], 0)  # no tokens: no span
+    _add_spans(empty, [(0, 2), (3, 5)], 3)  # a last stretch past the turn's tokens: none
+    assert empty.spans == [(0, 2)]
+    newer = episode((None, 5, 1), ([(0, 5), (1, 2)], 2, 0))  # versions need not rise: the oldest is the minimum
+    assert record_of(newer).policy_version == 2
 
 
 class _Detokenizer:
