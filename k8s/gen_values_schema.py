@@ -388,6 +388,11 @@ schema = {
                 "maxBodyBytes": s("integer", "RLHF_MAX_BODY_BYTES", minimum=1),
                 "shutdownGraceSeconds": s("number", "RLHF_SHUTDOWN_GRACE_S", minimum=0),
                 "preStopSeconds": s("integer", "preStop sleep of rollout, reward and reference pods", minimum=0),
+                "grpcMaxConnectionAgeSeconds": {
+                    "type": ["number", "null"],
+                    "exclusiveMinimum": 0,
+                    "description": "RLHF_GRPC_MAX_CONNECTION_AGE_S of reward and reference; null: not set",
+                },
                 "hfHubOffline": s("boolean", "HF_HUB_OFFLINE"),
             },
             "service settings (RLHF_*)",

@@ -574,6 +574,22 @@ def test_reward_autoscaling_that_would_not_work_fails_the_render(helm, extra, me
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-600:]
 
 
+def test_reward_and_reference_renew_their_clients_connections(rendered, helm):
+    """One gRPC connection per rollout replica through the ClusterIP Service would stay on the pod it reached first:
+    reward and reference end each after RLHF_GRPC_MAX_CONNECTION_AGE_S, so pods added by scaling get calls."""
+    for name, r in rendered.items():
+        for comp in ("reward", "reference"):
+            env = env_of(containers(r.component("Deployment", comp))[0])
+            age = env["RLHF_GRPC_MAX_CONNECTION_AGE_S"]["value"]
+            assert ServiceSettings.from_env({"RLHF_GRPC_MAX_CONNECTION_AGE_S": age}).grpc_max_connection_age_s == 60
+        for comp in ("rollout", "environment", "trainer"):  # an episode stays on its environment pod
+            for w in r.workloads():
+                if w["metadata"]["labels"]["app.kubernetes.io/component"] == comp:
+                    assert "RLHF_GRPC_MAX_CONNECTION_AGE_S" not in env_of(containers(w)[0]), (name, comp)
+    r = render(helm, "--set", "settings.grpcMaxConnectionAgeSeconds=null")
+    assert "RLHF_GRPC_MAX_CONNECTION_AGE_S" not in env_of(containers(r.component("Deployment", "reward"))[0])
+
+
 def _grace(r, comp: str) -> tuple[int, list[str] | None]:
     spec = r.component("Deployment", comp)["spec"]["template"]["spec"]
     hook = spec["containers"][0].get("lifecycle", {}).get("preStop")

@@ -352,6 +352,10 @@ thread pool by the node's cores otherwise, and several pods on one node oversubs
   value: {{ $v.settings.maxBodyBytes | int64 | quote }}
 - name: RLHF_SHUTDOWN_GRACE_S
   value: {{ $v.settings.shutdownGraceSeconds | quote }}
+{{- if and (has .component (list "reward" "reference")) (not (kindIs "invalid" $v.settings.grpcMaxConnectionAgeSeconds)) }}
+- name: RLHF_GRPC_MAX_CONNECTION_AGE_S
+  value: {{ $v.settings.grpcMaxConnectionAgeSeconds | quote }}
+{{- end }}
 - name: RLHF_CACHE_DIR
   value: /var/cache/rlhf
 - name: HF_HUB_OFFLINE
