@@ -389,7 +389,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 batch = await self._next_batch()
                 wait_s = time.perf_counter() - t0
-                self.signals.observe_wait(wait_s)
+                if self.signals is not None:
+                    self.signals.observe_wait(wait_s)
                 async with self._state_lock:
                     await self._train_step(batch, t0, wait_s)
         except asyncio.CancelledError:
@@ -439,7 +440,8 @@ class Trainer:
             await self._checkpoint()
         elapsed = time.perf_counter() - t0
         stats = await retrying("queue stats", queue_stats, self.redis, self.run_id)
-        self.signals.update(stats)
+        if self.signals is not None:
+            self.signals.update(stats)
         metrics.update(
             {
                 "time/wait_experience_s": wait_s,
