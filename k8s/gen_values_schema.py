@@ -158,9 +158,24 @@ def pod_common():
     }
 
 
+def keda_common(what, fewest=1):
+    return {
+        "enabled": s("boolean", what),
+        "minReplicas": s("integer", "fewest replicas", minimum=fewest),
+        "maxReplicas": s("integer", "most replicas", minimum=1),
+        "pollingInterval": s("integer", "seconds between checks", minimum=1),
+        "cooldownPeriod": s("integer", "seconds before scaling down", minimum=0),
+    }
+
+
 def stateless(extra=None):
     p = pod_common()
     p["replicas"] = s("integer", "replicas", minimum=0)
+    p["terminationGracePeriodSeconds"] = {
+        "type": ["integer", "null"],
+        "minimum": 0,
+        "description": "seconds between SIGTERM and SIGKILL; null: settings.preStopSeconds plus the service's drain",
+    }
     p["strategy"] = {"$ref": "#/definitions/strategy"}
     p.update(extra or {})
     return obj(p, required=["enabled", "image", "accelerator", "probes"])
@@ -173,15 +188,12 @@ rollout = stateless(
             {
                 "keda": obj(
                     {
-                        "enabled": s("boolean", "scale rollout with KEDA on the prompts stream"),
-                        "minReplicas": s("integer", "fewest replicas", minimum=0),
-                        "maxReplicas": s("integer", "most replicas", minimum=1),
-                        "metric": s(
-                            "string", "redis-streams metric", enum=["pendingEntriesCount", "lagCount", "streamLength"]
-                        ),
-                        "target": s("integer", "target value per replica", minimum=1),
-                        "pollingInterval": s("integer", "seconds between checks", minimum=1),
-                        "cooldownPeriod": s("integer", "seconds before scaling down", minimum=0),
+                        **keda_common("scale rollout with KEDA on the prompts stream", fewest=0),
+                        "jobsPerReplica": {
+                            "type": ["integer", "null"],
+                            "minimum": 1,
+                            "description": "target of jobs held + jobs waiting per replica; null: the replica's slots",
+                        },
                         "redisAddress": s("string", "host:port of Redis for KEDA", pattern="^([^:]+:[0-9]+)?$"),
                         "passwordSecret": obj(
                             {"name": s("string", "Secret name"), "key": s("string", "Secret key")},
@@ -195,6 +207,27 @@ rollout = stateless(
         ),
     }
 )
+
+
+def batching_autoscaling(component):
+    return obj(
+        {
+            "keda": obj(
+                {
+                    **keda_common(f"scale {component} with KEDA on its batchers' queued and running rows (Prometheus)"),
+                    "batchesPerReplica": {
+                        "type": ["number", "string"],
+                        "pattern": "^[0-9]+(\\.[0-9]+)?$",
+                        "description": "target of (rows queued + rows running) / row budget per replica",
+                    },
+                    "query": s("string", "PromQL of the trigger; empty: the chart's, on the ServiceMonitor's labels"),
+                },
+                "KEDA ScaledObject",
+            ),
+        },
+        "autoscaling",
+    )
+
 
 # The environment service: torch-free, on the CPU (no accelerator); enabled and replicas default to the config's.
 environment_props = pod_common()
@@ -354,6 +387,12 @@ schema = {
                 "maxMessageBytes": s("integer", "RLHF_MAX_MESSAGE_BYTES", minimum=1),
                 "maxBodyBytes": s("integer", "RLHF_MAX_BODY_BYTES", minimum=1),
                 "shutdownGraceSeconds": s("number", "RLHF_SHUTDOWN_GRACE_S", minimum=0),
+                "preStopSeconds": s("integer", "preStop sleep of rollout, reward and reference pods", minimum=0),
+                "grpcMaxConnectionAgeSeconds": {
+                    "type": ["number", "null"],
+                    "exclusiveMinimum": 0,
+                    "description": "RLHF_GRPC_MAX_CONNECTION_AGE_S of reward and reference; null: not set",
+                },
                 "hfHubOffline": s("boolean", "HF_HUB_OFFLINE"),
             },
             "service settings (RLHF_*)",
@@ -431,8 +470,8 @@ schema = {
             "Ascend",
         ),
         "rollout": rollout,
-        "reward": stateless(),
-        "reference": stateless(),
+        "reward": stateless({"autoscaling": batching_autoscaling("reward")}),
+        "reference": stateless({"autoscaling": batching_autoscaling("reference")}),
         "environment": environment,
         "trainer": trainer,
         "redis": obj(
@@ -522,6 +561,15 @@ schema = {
                 "kedaFrom": {"$ref": "#/definitions/peers"},
             },
             "NetworkPolicies",
+        ),
+        "autoscaling": obj(
+            {
+                "prometheus": obj(
+                    {"serverAddress": s("string", "Prometheus URL KEDA queries", pattern="^(https?://.+)?$")},
+                    "the Prometheus that scrapes the services (reward and reference autoscaling)",
+                ),
+            },
+            "autoscaling shared by the components",
         ),
         "serviceMonitor": obj(
             {

@@ -41,6 +41,11 @@ class MicroBatcher(Generic[T, R]):
     - ``on_batch(requests, rows)``: called per merged call (metrics).
     - ``regather_s``: the longest a call waits for the callers of the last calls (module docstring); 0 turns it off.
 
+    Read at any time (:meth:`rlhf.serving.metrics.ServiceMetrics.watch_batcher` publishes them): :meth:`queued`
+    (requests and rows waiting for the model), ``running_rows`` (rows in the call running now), ``calls`` and
+    ``fill_sum`` (merged calls so far, and the sum of their fill: the larger of rows / ``max_rows`` and cost /
+    ``max_cost``, at most 1).
+
     An exception from ``run`` goes to every request of that call. A caller that gives up (cancelled) before its call
     starts is dropped from it.
     """
@@ -64,6 +69,9 @@ class MicroBatcher(Generic[T, R]):
         self._on_batch = on_batch
         self._queue: deque[_Pending] = deque()
         self._drainer: asyncio.Task | None = None
+        self.running_rows = 0
+        self.calls = 0
+        self.fill_sum = 0.0
 
     async def submit(self, key: Hashable, rows: Sequence[T], cost: int) -> list[R]:
         loop = asyncio.get_running_loop()
@@ -95,6 +103,11 @@ class MicroBatcher(Generic[T, R]):
 
     def _queued_rows(self) -> int:
         return sum(len(p.rows) for p in self._queue if not p.fut.done())
+
+    def queued(self) -> tuple[int, int]:
+        """(requests, rows) waiting for the model now."""
+        live = [p for p in list(self._queue) if not p.fut.done()]
+        return len(live), sum(len(p.rows) for p in live)
 
     async def _regather(self) -> None:
         """Wait (bounded) for the callers of the last calls to be back in the queue (module docstring)."""
@@ -148,6 +161,10 @@ class MicroBatcher(Generic[T, R]):
                 merged: list[T] = [r for p in batch for r in p.rows]
                 if self._on_batch is not None:
                     self._on_batch(len(batch), len(merged))
+                cost = sum(p.cost for p in batch)
+                self.calls += 1
+                self.fill_sum += min(1.0, max(len(merged) / self.max_rows, cost / self.max_cost))
+                self.running_rows = len(merged)
                 t0 = time.monotonic()
                 try:
                     out = await asyncio.to_thread(self._run, batch[0].key, merged)
@@ -156,6 +173,8 @@ class MicroBatcher(Generic[T, R]):
                         if not p.fut.done():
                             p.fut.set_exception(err)
                     continue
+                finally:
+                    self.running_rows = 0
                 end = time.monotonic()
                 self._last_call_s = end - t0
                 self._owed.append([end + 1.5 * self._last_call_s, len(batch)])

@@ -6,19 +6,57 @@ Names (all labelled with ``service``): ``rlhf_requests_total{method, protocol, c
 rows), ``rlhf_tokens_total{kind}`` (prompt / response / generated), ``rlhf_errors_total{kind}`` (domain error kinds:
 invalid_argument, payload_too_large, scorer_error, ...), ``rlhf_ready`` (1 when ready),
 ``rlhf_inflight_requests{protocol}``.
+
+A service's micro-batchers (:meth:`ServiceMetrics.watch_batcher`), read at each scrape, labelled ``method``:
+``rlhf_batcher_queued_requests`` / ``rlhf_batcher_queued_rows`` (waiting for the model), ``rlhf_batcher_running_rows``
+(in the engine call now), ``rlhf_batcher_max_rows`` (a merged call's row budget) and ``rlhf_batch_fill`` (a summary:
+per merged call, the share of its row or token budget it filled). These are the reward and reference services'
+scaling signals (docs/deploy.md#scaling-signals).
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rlhf.serving.batching import MicroBatcher
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class BatcherCollector(Collector):
+    """The watched micro-batchers' queues and fill at each scrape (module docstring)."""
+
+    def __init__(self, service: str):
+        self.service = service
+        self.batchers: dict[str, MicroBatcher] = {}
+
+    def collect(self) -> Iterator[GaugeMetricFamily | SummaryMetricFamily]:
+        labels = ["service", "method"]
+        q_req = GaugeMetricFamily("rlhf_batcher_queued_requests", "requests waiting for the model", labels=labels)
+        q_rows = GaugeMetricFamily("rlhf_batcher_queued_rows", "rows waiting for the model", labels=labels)
+        running = GaugeMetricFamily("rlhf_batcher_running_rows", "rows in the engine call running now", labels=labels)
+        max_rows = GaugeMetricFamily("rlhf_batcher_max_rows", "row budget of one merged call", labels=labels)
+        fill = SummaryMetricFamily(
+            "rlhf_batch_fill", "share of its row or token budget a merged call filled (0-1)", labels=labels
+        )
+        for method, b in list(self.batchers.items()):
+            key = [self.service, method]
+            requests, rows = b.queued()
+            q_req.add_metric(key, requests)
+            q_rows.add_metric(key, rows)
+            running.add_metric(key, b.running_rows)
+            max_rows.add_metric(key, b.max_rows)
+            fill.add_metric(key, count_value=b.calls, sum_value=b.fill_sum)
+        yield from (q_req, q_rows, running, max_rows, fill)
 
 
 class ServiceMetrics:
@@ -61,6 +99,8 @@ class ServiceMetrics:
         self.inflight = Gauge("rlhf_inflight_requests", "requests in progress", ["service", "protocol"], registry=r)
         self.ready.labels(name).set(0)
         self._children: dict[tuple, Any] = {}
+        self._batchers: BatcherCollector | None = None
+        self._fn_gauges: dict[str, Any] = {}
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(service, *labels)``, remembered: ``labels()`` checks and locks on every call, which is a
@@ -84,6 +124,21 @@ class ServiceMetrics:
     def observe_merged(self, method: str, requests: int, rows: int) -> None:
         self._child(self.merged_requests, method).observe(requests)
         self._child(self.merged_rows, method).observe(rows)
+
+    def gauge_of(self, name: str, doc: str, fn: Callable[[], float]) -> None:
+        """A gauge ``name{service}`` whose value is ``fn()`` at each scrape. Called again (a component made anew in
+        the same process), the gauge reads the new ``fn``."""
+        g = self._fn_gauges.get(name)
+        if g is None:
+            g = self._fn_gauges[name] = Gauge(name, doc, ["service"], registry=self.registry).labels(self.name)
+        g.set_function(fn)
+
+    def watch_batcher(self, method: str, batcher: MicroBatcher) -> None:
+        """Publish ``batcher``'s queue and fill under ``method`` (module docstring)."""
+        if self._batchers is None:
+            self._batchers = BatcherCollector(self.name)
+            self.registry.register(self._batchers)
+        self._batchers.batchers[method] = batcher
 
     def add_tokens(self, kind: str, n: int) -> None:
         if n:

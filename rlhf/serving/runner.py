@@ -231,6 +231,8 @@ class ServiceRunner:
             ("grpc.so_reuseport", 0),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000),
         ]
+        if s.grpc_max_connection_age_s:  # no max_connection_age_grace: a call in flight is never cut
+            server_options.append(("grpc.max_connection_age_ms", int(s.grpc_max_connection_age_s * 1000)))
         server = grpc.aio.server(options=server_options, interceptors=[DecodeErrorInterceptor()])
         for add_fn, servicer in self._grpc_adders:
             if servicer is not None:

@@ -60,6 +60,13 @@ class ServiceSettings(BaseSettings):
     max_message_bytes: int = Field(64 * MiB, gt=0, description="largest gRPC message received (and sent)")
     max_body_bytes: int = Field(8 * MiB, gt=0, description="largest HTTP request body; larger gets 413")
     shutdown_grace_s: float = Field(10.0, ge=0, description="seconds in-flight requests get after SIGTERM")
+    grpc_max_connection_age_s: float | None = Field(
+        None,
+        gt=0,
+        description="close each gRPC client connection after about this many seconds (GOAWAY; calls in flight finish): "
+        "clients reconnect through the Service, so replicas that autoscaling adds get their share of long-lived "
+        "clients; unset: connections stay",
+    )
     http_header_timeout_s: float = Field(
         10.0, gt=0, description="seconds an HTTP client has to send a request's line and headers (slow: closed, 408)"
     )

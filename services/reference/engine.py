@@ -81,6 +81,8 @@ class ReferenceEngine:
             on_batch=(lambda n, rows: metrics.observe_merged("logprobs", n, rows)) if metrics is not None else None,
             regather_s=0.0 if model_process else REGATHER_S,  # rlhf.serving.batching: not beside a model process
         )
+        if metrics is not None:
+            metrics.watch_batcher("logprobs", self._batcher)
 
     # -- life cycle
 

@@ -193,6 +193,8 @@ class ModelScorer(Scorer):
             on_batch=on_batch,
             regather_s=0.0 if model_process else REGATHER_S,  # rlhf.serving.batching: not beside a model process
         )
+        if metrics is not None:
+            metrics.watch_batcher(f"score:{name}", self._batcher)
 
     def load(self) -> None:
         import torch

@@ -145,6 +145,15 @@ class RolloutWorker:
         self.stats = WorkerStats()
         self._stop = asyncio.Event()
         self._inflight: dict[str, asyncio.Task] = {}  # prompt entry id -> task
+        if metrics is not None:  # per replica; the ring-wide depths are the trainer's (docs/deploy.md#scaling-signals)
+            metrics.gauge_of(
+                "rlhf_rollout_jobs_in_flight", "prompt jobs this replica holds now", lambda: len(self._inflight)
+            )
+            metrics.gauge_of(
+                "rlhf_rollout_job_slots",
+                "prompt jobs this replica holds at most (RLHF_ROLLOUT_MAX_INFLIGHT_JOBS)",
+                lambda: self.max_inflight_jobs,
+            )
         self.running = False
         self._task: asyncio.Task | None = None
 

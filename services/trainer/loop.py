@@ -28,6 +28,7 @@ from services.trainer.evaluate import Evaluator
 from services.trainer.fleet import Fleet, collective_backend
 from services.trainer.ledger import Ledger
 from services.trainer.publisher import TRANSIENT, Publisher, retrying
+from services.trainer.signals import RingSignals
 
 log = logging.getLogger("rlhf.trainer")
 CONSUMER = "trainer-0"
@@ -60,6 +61,7 @@ class Trainer:
         self.tracker: Tracker | None = None
         self.evaluator: Evaluator | None = None
         self.tasks: list[asyncio.Task] = []
+        self.signals: RingSignals | None = None  # the ring's scaling signals on /metrics (services/trainer/signals.py)
         self._saved_step: int | None = None  # the step of the newest checkpoint written or resumed from
         self._failed_steps = 0  # in a row (reward.failed_patience)
         self._mismatch_steps = 0  # in a row (training.mismatch_patience)
@@ -129,7 +131,9 @@ class Trainer:
             else None
         )
         finished = lambda: self.done
+        self.signals = RingSignals(self.runner.metrics, self.publisher.admission.capacity)
         self.tasks = [
+            asyncio.create_task(self.signals.refresh_loop(self.redis, self.run_id, finished)),
             asyncio.create_task(self.publisher.publish_loop(finished, lambda: self.engine.policy_version)),
             asyncio.create_task(self._train_loop()),
             asyncio.create_task(self.fleet.catch_up_loop(finished)),
@@ -385,6 +389,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 batch = await self._next_batch()
                 wait_s = time.perf_counter() - t0
+                if self.signals is not None:
+                    self.signals.observe_wait(wait_s)
                 async with self._state_lock:
                     await self._train_step(batch, t0, wait_s)
         except asyncio.CancelledError:
@@ -434,6 +440,8 @@ class Trainer:
             await self._checkpoint()
         elapsed = time.perf_counter() - t0
         stats = await retrying("queue stats", queue_stats, self.redis, self.run_id)
+        if self.signals is not None:
+            self.signals.update(stats)
         metrics.update(
             {
                 "time/wait_experience_s": wait_s,

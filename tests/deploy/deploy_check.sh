@@ -56,6 +56,18 @@ refuses_saying() {  # refuses_saying MESSAGE ARGS...: helm template fails and it
     fi
     grep -qF -- "$message" <<<"$out" || { echo "$out"; echo "(expected: $message)"; return 1; }
 }
+# KEDA on for rollout (redis-streams) and reward/reference (prometheus), as docs/deploy.md#scaling-signals installs it
+KEDA_ALL=(--set rollout.autoscaling.keda.enabled=true --set reward.autoscaling.keda.enabled=true
+    --set reference.autoscaling.keda.enabled=true --set serviceMonitor.enabled=true
+    --set autoscaling.prometheus.serverAddress=http://prometheus-operated.monitoring:9090)
+keda_valid() {  # helm template ... | keda_check.py: KEDA's CRD schema (cloudcoil-models-keda) and trigger metadata
+    "$HELM" template rlhf "$CHART" "$@" | "$TOOLS_BIN/python" tests/deploy/keda_check.py
+}
+keda_refuses() {  # keda_refuses SED ARGS...: the render, edited by SED, must fail keda_check.py
+    local edit=$1
+    shift
+    ! "$HELM" template rlhf "$CHART" "$@" | sed "$edit" | "$TOOLS_BIN/python" tests/deploy/keda_check.py
+}
 soc_render() {  # soc_render SOC: every Ascend workload runs the -ascend-SOC image and only on SOC's node types
     "$HELM" template rlhf "$CHART" "${NPU[@]}" --set "ascend.soc=$1" | "$PY" -c '
 import sys, yaml
@@ -124,6 +136,28 @@ check "helm template | kubernetes-validate (external Sentinel, WAIT 1, KEDA)" va
     --set 'redis.external.sentinel.addresses={redis-node-0.redis-headless:26379}' \
     --set redis.external.passwordSecret.name=redis --set redis.external.waitReplicas=1 \
     --set rollout.autoscaling.keda.enabled=true
+check "helm template | kubernetes-validate --strict (KEDA on rollout, reward, reference)" validate "${KEDA_ALL[@]}"
+check "KEDA objects valid against KEDA's CRD schema (chart's Redis; rollout, reward, reference)" keda_valid \
+    "${KEDA_ALL[@]}"
+check "KEDA objects valid against KEDA's CRD schema (external Sentinel)" keda_valid "${KEDA_ALL[@]}" \
+    --set redis.enabled=false --set 'redis.external.sentinel.addresses={redis-node-0.redis-headless:26379}' \
+    --set redis.external.passwordSecret.name=redis
+check "KEDA objects valid against KEDA's CRD schema (external Redis Cluster, TLS; GPU values)" keda_valid \
+    "${GPU[@]}" "${KEDA_ALL[@]}" --set redis.enabled=false --set 'redis.external.cluster.addresses={redis-cluster:6379}' \
+    --set redis.external.tls=true
+check "the KEDA check refuses a misspelt ScaledObject field" keda_refuses 's/cooldownPeriod:/cooldownPeriods:/' \
+    "${KEDA_ALL[@]}"
+check "the KEDA check refuses a number where KEDA wants a string" keda_refuses \
+    's/lagCount: "8"/lagCount: 8/' "${KEDA_ALL[@]}"
+check "the KEDA check refuses an unknown trigger parameter" keda_refuses 's/threshold:/treshold:/' "${KEDA_ALL[@]}"
+check "refuses reward/reference autoscaling without a Prometheus to query" \
+    refuses_saying "needs autoscaling.prometheus.serverAddress" --set reward.autoscaling.keda.enabled=true
+check "refuses a terminationGracePeriodSeconds shorter than the drain" \
+    refuses_saying "is below the 70 s its pods need to drain" --set rollout.terminationGracePeriodSeconds=60
+check "refuses a PodDisruptionBudget that no eviction can meet at the fewest replicas" \
+    refuses_saying "no voluntary eviction could ever proceed" --set reference.autoscaling.keda.enabled=true \
+    --set reference.autoscaling.keda.minReplicas=2 --set reference.pdb.minAvailable=2 --set serviceMonitor.enabled=true \
+    --set autoscaling.prometheus.serverAddress=http://prometheus:9090
 check "helm template | kubernetes-validate (external Redis Cluster, TLS)" validate --set redis.enabled=false \
     --set 'redis.external.cluster.addresses={redis-cluster:6379}' --set redis.external.tls=true
 check "helm template | kubernetes-validate (GPU trainer, 2 nodes x 2 processes)" validate "${GPU[@]}" \

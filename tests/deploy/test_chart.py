@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -307,10 +308,11 @@ def test_external_sentinel_group_builds_the_url_the_services_parse(helm):
     assert t.kind == "sentinel" and t.hosts == (("s1.redis", 26379), ("s2.redis", 26379))
     assert t.service_name == "mymaster" and t.password == t.sentinel_password == "pw" and t.wait == WaitPolicy(1, 500)
     (so,) = r.kind("ScaledObject")
-    (trigger,) = so["spec"]["triggers"]
-    assert trigger["type"] == "redis-sentinel-streams" and trigger["metadata"]["sentinelMaster"] == "mymaster"
-    assert trigger["metadata"]["addresses"] == "s1.redis:26379,s2.redis:26379"
-    assert trigger["metadata"]["stream"] == "rlhf:{demo}:prompts"
+    assert len(so["spec"]["triggers"]) == 2  # jobs held and jobs waiting (test_keda_scales_rollout_on_demand)
+    for trigger in so["spec"]["triggers"]:
+        assert trigger["type"] == "redis-sentinel-streams" and trigger["metadata"]["sentinelMaster"] == "mymaster"
+        assert trigger["metadata"]["addresses"] == "s1.redis:26379,s2.redis:26379"
+        assert trigger["metadata"]["stream"] == "rlhf:{demo}:prompts"
     (auth,) = r.kind("TriggerAuthentication")
     assert {p["parameter"] for p in auth["spec"]["secretTargetRef"]} == {"password", "sentinelPassword"}
     assert all(p["name"] == "ext-redis" for p in auth["spec"]["secretTargetRef"])
@@ -324,9 +326,10 @@ def test_external_cluster_builds_the_url_the_services_parse(helm):
     t = parse_redis_url(env["RLHF_REDIS_URL"]["value"])
     assert t.kind == "cluster" and t.tls and t.hosts == (("n1.redis", 6379),) and t.password is None
     (so,) = r.kind("ScaledObject")
-    (trigger,) = so["spec"]["triggers"]
-    assert trigger["type"] == "redis-cluster-streams" and "databaseIndex" not in trigger["metadata"]
-    assert trigger["metadata"]["enableTLS"] == "true" and not r.kind("TriggerAuthentication")
+    for trigger in so["spec"]["triggers"]:
+        assert trigger["type"] == "redis-cluster-streams" and "databaseIndex" not in trigger["metadata"]
+        assert trigger["metadata"]["enableTLS"] == "true"
+    assert not r.kind("TriggerAuthentication")
 
 
 @pytest.mark.parametrize(
@@ -470,21 +473,181 @@ def test_network_policy_opens_listed_peers(helm):
     assert g["from"] == [json.loads(admin)]
 
 
-def test_keda_scales_rollout_on_the_prompts_stream(rendered):
+def test_keda_scales_rollout_on_demand(rendered):
+    """Jobs the replicas hold (pending entries) plus jobs no replica took yet (the group's lag), per replica slot:
+    docs/deploy.md#scaling-signals."""
     r = rendered["gpu"]
     (so,) = r.kind("ScaledObject")
     assert so["spec"]["scaleTargetRef"]["name"] == r.component("Deployment", "rollout")["metadata"]["name"]
-    (trigger,) = so["spec"]["triggers"]
-    assert trigger["type"] == "redis-streams"
-    meta = trigger["metadata"]
-    assert meta["stream"] == "rlhf:{llama32-1b-ppo}:prompts" and meta["consumerGroup"] == "rollout"
-    assert meta["pendingEntriesCount"] == "64"
+    triggers = {t["name"]: t for t in so["spec"]["triggers"]}
+    assert set(triggers) == {"held", "waiting"}
+    for t in triggers.values():
+        assert t["type"] == "redis-streams"
+        assert (
+            t["metadata"]["stream"] == "rlhf:{llama32-1b-ppo}:prompts" and t["metadata"]["consumerGroup"] == "rollout"
+        )
+    assert "pendingEntriesCount" in triggers["held"]["metadata"] and "lagCount" in triggers["waiting"]["metadata"]
+    modifiers = so["spec"]["advanced"]["scalingModifiers"]
+    assert modifiers["formula"] == "held + waiting" and modifiers["metricType"] == "AverageValue"
+    assert modifiers["target"] == "8", "a replica's slots: RLHF_ROLLOUT_MAX_INFLIGHT_JOBS's default"
     (auth,) = r.kind("TriggerAuthentication")
-    assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
+    assert all(t["authenticationRef"]["name"] == auth["metadata"]["name"] for t in triggers.values())
     assert "replicas" not in r.component("Deployment", "rollout")["spec"], "KEDA owns the replica count"
     (redis_rule,) = r.component("NetworkPolicy", "redis")["spec"]["ingress"]
     assert any("namespaceSelector" in p for p in redis_rule["from"]), "KEDA's operator must reach Redis"
     assert not rendered["default"].kind("ScaledObject")
+
+
+def test_keda_rollout_target_follows_the_replicas_slots(helm):
+    slots = "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS"
+    assert not unknown_env({slots}), "the worker's slot count"
+    on = ("--set", "rollout.autoscaling.keda.enabled=true")
+    r = render(helm, *on, "--set-json", f'rollout.env=[{{"name": "{slots}", "value": "4"}}]')
+    (so,) = r.kind("ScaledObject")
+    assert so["spec"]["advanced"]["scalingModifiers"]["target"] == "4"
+    r = render(helm, *on, "--set", "rollout.autoscaling.keda.jobsPerReplica=12")
+    (so,) = r.kind("ScaledObject")
+    assert so["spec"]["advanced"]["scalingModifiers"]["target"] == "12"
+
+
+KEDA_ALL = (
+    "--set",
+    "rollout.autoscaling.keda.enabled=true",
+    "--set",
+    "reward.autoscaling.keda.enabled=true",
+    "--set",
+    "reference.autoscaling.keda.enabled=true",
+    "--set",
+    "serviceMonitor.enabled=true",
+    "--set",
+    "autoscaling.prometheus.serverAddress=http://prometheus-operated.monitoring:9090",
+)
+
+
+def test_keda_scales_reward_and_reference_on_their_batchers(helm):
+    """Stateless services: one prometheus trigger each, on the rows their micro-batchers hold (queued + running) in
+    full merged calls, from the series the chart's ServiceMonitor scrapes (job = the Service, the release's
+    namespace); the metric names are the ones rlhf/serving/metrics.py publishes."""
+    r = render(helm, *KEDA_ALL)
+    published = (ROOT / "rlhf" / "serving" / "metrics.py").read_text()
+    scaled = {so["metadata"]["labels"]["app.kubernetes.io/component"]: so for so in r.kind("ScaledObject")}
+    assert set(scaled) == {"rollout", "reward", "reference"}
+    for comp in ("reward", "reference"):
+        dep = r.component("Deployment", comp)
+        assert "replicas" not in dep["spec"], f"{comp}: KEDA owns the replica count"
+        spec = scaled[comp]["spec"]
+        assert spec["scaleTargetRef"]["name"] == dep["metadata"]["name"]
+        assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (1, 4)
+        (trigger,) = spec["triggers"]
+        assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+        meta = trigger["metadata"]
+        assert meta["serverAddress"] == "http://prometheus-operated.monitoring:9090" and meta["threshold"] == "1"
+        service = r.component("Service", comp)["metadata"]["name"]
+        names = re.findall(r"(rlhf_\w+)\{", meta["query"])
+        assert names == ["rlhf_batcher_queued_rows", "rlhf_batcher_running_rows", "rlhf_batcher_max_rows"]
+        assert all(f'"{n}"' in published for n in names), "the query reads metrics the services publish"
+        assert meta["query"].count(f'{{namespace="rlhf",job="{service}"}}') == 3
+    r = render(
+        helm,
+        *KEDA_ALL,
+        "--set",
+        "reward.autoscaling.keda.query=sum(up)",
+        "--set",
+        "serviceMonitor.enabled=false",
+        "--set",
+        "reference.autoscaling.keda.enabled=false",
+    )
+    (reward,) = [so for so in r.kind("ScaledObject") if so["metadata"]["name"].endswith("-reward")]
+    assert reward["spec"]["triggers"][0]["metadata"]["query"] == "sum(up)"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--set", "autoscaling.prometheus.serverAddress="), "needs autoscaling.prometheus.serverAddress"),
+        (("--set", "serviceMonitor.enabled=false"), "set serviceMonitor.enabled=true or give reward.autoscaling"),
+        (("--set", "reward.autoscaling.keda.minReplicas=0"), "values don't meet the specifications of the schema"),
+    ],
+)
+def test_reward_autoscaling_that_would_not_work_fails_the_render(helm, extra, message):
+    proc = helm_template(helm, *KEDA_ALL, *extra, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-600:]
+
+
+def test_reward_and_reference_renew_their_clients_connections(rendered, helm):
+    """One gRPC connection per rollout replica through the ClusterIP Service would stay on the pod it reached first:
+    reward and reference end each after RLHF_GRPC_MAX_CONNECTION_AGE_S, so pods added by scaling get calls."""
+    for name, r in rendered.items():
+        for comp in ("reward", "reference"):
+            env = env_of(containers(r.component("Deployment", comp))[0])
+            age = env["RLHF_GRPC_MAX_CONNECTION_AGE_S"]["value"]
+            assert ServiceSettings.from_env({"RLHF_GRPC_MAX_CONNECTION_AGE_S": age}).grpc_max_connection_age_s == 60
+        for comp in ("rollout", "environment", "trainer"):  # an episode stays on its environment pod
+            for w in r.workloads():
+                if w["metadata"]["labels"]["app.kubernetes.io/component"] == comp:
+                    assert "RLHF_GRPC_MAX_CONNECTION_AGE_S" not in env_of(containers(w)[0]), (name, comp)
+    r = render(helm, "--set", "settings.grpcMaxConnectionAgeSeconds=null")
+    assert "RLHF_GRPC_MAX_CONNECTION_AGE_S" not in env_of(containers(r.component("Deployment", "reward"))[0])
+
+
+def _grace(r, comp: str) -> tuple[int, list[str] | None]:
+    spec = r.component("Deployment", comp)["spec"]["template"]["spec"]
+    hook = spec["containers"][0].get("lifecycle", {}).get("preStop")
+    return spec["terminationGracePeriodSeconds"], hook["exec"]["command"] if hook else None
+
+
+def test_grace_periods_and_prestop_follow_the_drain_settings(rendered, helm):
+    """SIGKILL must not cut a drain: reward/reference stop their servers within RLHF_SHUTDOWN_GRACE_S (+5 for
+    HTTP); a rollout replica then gives its jobs in flight the same grace (+10); each after the preStop sleep that
+    takes the pod out of its Services' endpoints, plus 10 s to close the engine and exit."""
+    r = rendered["default"]
+    grace = 20  # values.yaml settings.shutdownGraceSeconds
+    for comp in ("rollout", "reward", "reference"):
+        env = env_of(containers(r.component("Deployment", comp))[0])
+        assert env["RLHF_SHUTDOWN_GRACE_S"]["value"] == str(grace)
+    assert _grace(r, "rollout") == (5 + (grace + 5) + (grace + 10) + 10, ["sleep", "5"])
+    assert _grace(r, "reward") == _grace(r, "reference") == (5 + grace + 5 + 10, ["sleep", "5"])
+    assert "lifecycle" not in containers(r.component("Job", "trainer"))[0], "the trainer checkpoints on SIGTERM"
+    r = render(helm, "--set-json", "settings.shutdownGraceSeconds=2.5", "--set", "settings.preStopSeconds=0")
+    assert _grace(r, "rollout") == (3 + 5 + 3 + 10 + 10, None) and _grace(r, "reward") == (3 + 5 + 10, None)
+    r = render(helm, "--set", "reward.terminationGracePeriodSeconds=300")
+    assert _grace(r, "reward")[0] == 300
+    proc = helm_template(helm, "--set", "reference.terminationGracePeriodSeconds=39", check=False)
+    assert proc.returncode != 0 and "reference.terminationGracePeriodSeconds 39 is below the 40 s" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--set", "reward.pdb.minAvailable=1"), "reward.pdb.minAvailable 1 with as few as 1 replica(s)"),
+        (
+            ("--set", "rollout.autoscaling.keda.enabled=true", "--set", "rollout.pdb.minAvailable=1"),
+            "with as few as 1 replica(s) (autoscaling.keda.minReplicas)",
+        ),
+    ],
+)
+def test_pdbs_that_no_eviction_can_meet_fail_the_render(helm, extra, message):
+    proc = helm_template(helm, *extra, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-600:]
+
+
+def test_pdbs_follow_the_fewest_replicas(helm):
+    r = render(helm, "--set", "reward.replicas=3", "--set", "reward.pdb.minAvailable=2")
+    assert r.component("PodDisruptionBudget", "reward")["spec"]["minAvailable"] == 2
+    r = render(helm, *KEDA_ALL, "--set", "reference.autoscaling.keda.minReplicas=2")
+    for comp in ("rollout", "reward", "reference"):  # maxUnavailable 1 holds at any count KEDA picks
+        pdb = r.component("PodDisruptionBudget", comp)
+        assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    proc = helm_template(
+        helm,
+        *KEDA_ALL,
+        "--set",
+        "reference.autoscaling.keda.minReplicas=2",
+        "--set",
+        "reference.pdb.minAvailable=2",
+        check=False,
+    )
+    assert proc.returncode != 0 and "reference.pdb.minAvailable 2 with as few as 2" in proc.stderr
 
 
 def test_service_monitor_scrapes_metrics(rendered):

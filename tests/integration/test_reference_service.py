@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import grpc
@@ -184,9 +185,21 @@ def test_bad_input_grpc(stub):
     assert len(ok.results[0].logprobs) == 1
 
 
+def _fill_count(text: str, method: str) -> float:
+    m = re.search(rf'^rlhf_batch_fill_count\{{method="{re.escape(method)}",service="\w+"\}} (\S+)$', text, re.M)
+    assert m, f"no rlhf_batch_fill_count for {method}"
+    return float(m.group(1))
+
+
 def test_metrics(ref_svc):
+    before = _fill_count(httpx.get(ref_svc.http_url + "/metrics").text, "logprobs")
     httpx.post(ref_svc.http_url + "/v1/logprobs", json={"items": ITEMS})
     text = httpx.get(ref_svc.http_url + "/metrics").text
+    # the scaling signals (docs/deploy.md#scaling-signals): one more merged call, nothing left queued or running
+    assert _fill_count(text, "logprobs") >= before + 1
+    assert 'rlhf_batcher_queued_rows{method="logprobs",service="reference"} 0.0' in text
+    assert 'rlhf_batcher_running_rows{method="logprobs",service="reference"} 0.0' in text
+    assert 'rlhf_batcher_max_rows{method="logprobs",service="reference"}' in text
     assert 'rlhf_requests_total{code="200",method="/v1/logprobs",protocol="http",service="reference"}' in text
     assert 'rlhf_tokens_total{kind="response",service="reference"}' in text
     assert 'rlhf_requests_total{code="OK",method="LogProbs",protocol="grpc",service="reference"}' in text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import sys
 import time
 
@@ -184,9 +185,19 @@ def test_bad_input_grpc(stub):
     assert ok.results[0].status == common_pb2.ITEM_STATUS_OK
 
 
+def _model_fill_count(text: str) -> float:
+    """rlhf_batch_fill_count of the reward model's batcher (method score:<its name>)."""
+    (value,) = re.findall(r'^rlhf_batch_fill_count\{method="score:[^"]+",service="reward"\} (\S+)$', text, re.M)
+    return float(value)
+
+
 def test_metrics(reward_svc):
+    before = _model_fill_count(httpx.get(reward_svc.http_url + "/metrics").text)
     httpx.post(reward_svc.http_url + "/v1/score", json={"items": ITEMS})
     text = httpx.get(reward_svc.http_url + "/metrics").text
+    # the scaling signals (docs/deploy.md#scaling-signals): the model's merged call is counted, nothing waits
+    assert _model_fill_count(text) >= before + 1
+    assert re.search(r'^rlhf_batcher_queued_rows\{method="score:[^"]+",service="reward"\} 0\.0$', text, re.M)
     assert 'rlhf_requests_total{code="200",method="/v1/score",protocol="http",service="reward"}' in text
     assert 'rlhf_batch_size_count{method="/v1/score",service="reward"}' in text
     assert 'rlhf_errors_total{kind="invalid_input",service="reward"}' in text

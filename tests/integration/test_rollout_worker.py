@@ -365,6 +365,46 @@ def test_service_hook_scorer_errors_kept_and_invalid_jobs_dead_lettered(engine, 
     asyncio.run(body())
 
 
+def test_jobs_in_flight_and_slots_follow_the_replica(engine, services, redis_server):
+    """rlhf_rollout_jobs_in_flight counts the jobs this replica holds, up to rlhf_rollout_job_slots; the jobs it
+    has no slot for wait in the stream (the ring's rlhf_ring_jobs_waiting, docs/deploy.md#scaling-signals)."""
+
+    async def body():
+        await engine.start()
+        gate, real = asyncio.Event(), engine._generate
+
+        async def held(*args, **kw):
+            await gate.wait()
+            return await real(*args, **kw)
+
+        engine._generate = held
+        redis = connect(redis_server.url)
+        await PromptQueue(redis, RUN).publish_many(_jobs(3, engine.tokenizer))
+        metrics = ServiceMetrics("rollout")
+        worker = _worker(engine, redis_server, services, metrics=metrics, max_inflight_jobs=2)
+
+        def sample(name: str) -> float | None:
+            return metrics.registry.get_sample_value(name, {"service": "rollout"})
+
+        assert (sample("rlhf_rollout_jobs_in_flight"), sample("rlhf_rollout_job_slots")) == (0, 2)
+        task = asyncio.create_task(worker.run())
+        deadline = time.monotonic() + 30
+        while sample("rlhf_rollout_jobs_in_flight") < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert sample("rlhf_rollout_jobs_in_flight") == 2
+        stats = await queue_stats(redis, RUN)
+        assert (stats.prompts_pending, stats.prompts_backlog) == (2, 1)
+        gate.set()
+        assert len(await _read_experience(ExperienceQueue(redis, RUN), 3, 60)) == 3
+        while sample("rlhf_rollout_jobs_in_flight") > 0 and time.monotonic() < deadline + 30:
+            await asyncio.sleep(0.02)
+        assert sample("rlhf_rollout_jobs_in_flight") == 0
+        await _stop(worker, task)
+        await redis.aclose()
+
+    asyncio.run(body())
+
+
 def test_rollout_service_in_worker_mode(services, redis_server, tmp_path, tiny_models):
     """The real rollout service process with RLHF_REDIS_URL set runs the worker next to its servers."""
     tok = load_tokenizer(Path(os.environ["RLHF_CACHE_DIR"]) / "tiny" / "policy")

@@ -112,9 +112,11 @@ def test_settings_from_the_process_environment(monkeypatch):
 class ToyServicer(reward_pb2_grpc.RewardServiceServicer):
     def __init__(self, settings: ServiceSettings, metrics: ServiceMetrics):
         self.settings, self.metrics = settings, metrics
+        self.peers: list[str] = []  # the client address of each call
 
     @grpc_errors("Score")
     async def Score(self, request, context):
+        self.peers.append(context.peer())
         if not request.items:
             raise InvalidArgument("items is empty: send at least one item", "items")
         prompt = request.items[0].prompt
@@ -154,9 +156,8 @@ def toy_runner(**overrides) -> ServiceRunner:
         return {"ok": True}
 
     runner = ServiceRunner("toy", settings, metrics)
-    runner.add_grpc(
-        reward_pb2_grpc.add_RewardServiceServicer_to_server, ["rlhf.v1.RewardService"], ToyServicer(settings, metrics)
-    )
+    runner.servicer = ToyServicer(settings, metrics)
+    runner.add_grpc(reward_pb2_grpc.add_RewardServiceServicer_to_server, ["rlhf.v1.RewardService"], runner.servicer)
     runner.set_http_app(app)
     return runner
 
@@ -333,6 +334,34 @@ def test_graceful_stop_lets_inflight_requests_finish():
             assert time.perf_counter() - t0 < 3
 
     run_with(toy_runner(), body)
+
+
+@pytest.mark.parametrize("age_s", [None, 0.4])
+def test_max_connection_age_moves_a_client_to_new_connections(age_s):
+    """RLHF_GRPC_MAX_CONNECTION_AGE_S: the server ends each client connection after about that age, so a long-lived
+    channel (a rollout replica's to reward) reconnects through the Service and reaches replicas added since (the
+    chart sets it on reward and reference, docs/deploy.md#scaling-signals). A call in flight is not cut."""
+    item = reward_pb2.ScoreItem(prompt="p")
+
+    async def body(runner, http):
+        async with channel(runner) as ch:
+            stub = reward_pb2_grpc.RewardServiceStub(ch)
+            slow = asyncio.ensure_future(
+                stub.Score(reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="slow")]))
+            )
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline:
+                assert (await stub.Score(reward_pb2.ScoreRequest(items=[item]))).results[0].score == 1.0
+                await asyncio.sleep(0.05)
+            assert (await slow).results[0].score == 1.0  # 1 s, across an age: finished, not cut
+        return runner.servicer.peers
+
+    peers = run_with(toy_runner(grpc_max_connection_age_s=age_s), body)
+    assert len(peers) > 20
+    if age_s is None:
+        assert len(set(peers)) == 1, "one connection for the channel's life"
+    else:
+        assert len(set(peers)) >= 3, f"a new connection about every {age_s} s: {sorted(set(peers))}"
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")

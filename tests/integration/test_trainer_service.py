@@ -169,6 +169,49 @@ def test_trainer_trains_checkpoints_and_acks(redis_server, start_service, tmp_pa
     assert table.step == 2 and b"| prompt | response | reward | policy_version |" in table.tensor_proto.string_val[0]
 
 
+def _trainer_sample(trainer, name: str) -> float:
+    text = httpx.get(trainer.http_url + "/metrics").text
+    m = re.search(rf'^{name}\{{service="trainer"\}} (\S+)$', text, re.M)
+    assert m, f"{name} not on the trainer's /metrics"
+    return float(m.group(1))
+
+
+def _until(check, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert check()
+
+
+def test_ring_scaling_signals_follow_the_queues(redis_server, start_service, tmp_path):
+    """The trainer's /metrics carries the ring's depths (docs/deploy.md#scaling-signals): jobs waiting for a replica,
+    jobs a replica holds, jobs admitted against the capacity, and per step its wait for experience."""
+    run_dir = tmp_path / "run"
+    env = {"RLHF_REDIS_URL": redis_server.url, "RLHF_RUN_DIR": str(run_dir), "RLHF_API_TOKEN": TOKEN}
+    trainer = start_service("trainer", _config(tmp_path, train_iters=50, save_interval=50), env=env)
+    # max_staleness 0 x global_batch_size 4: four jobs issued, none taken yet
+    assert _trainer_sample(trainer, "rlhf_ring_admission_capacity") == 4
+    _until(lambda: _trainer_sample(trainer, "rlhf_ring_jobs_waiting") == 4)
+    assert _trainer_sample(trainer, "rlhf_ring_jobs_admitted") == 4
+    assert _trainer_sample(trainer, "rlhf_ring_jobs_running") == 0
+    assert _trainer_sample(trainer, "rlhf_trainer_experience_wait_seconds_count") == 0
+
+    async def take(n: int) -> None:  # the fake replica takes n jobs and holds them (it answers them later)
+        redis = connect(redis_server.url)
+        try:
+            assert len(await PromptQueue(redis, "ring").read("fake-replica", count=n, block_ms=1000)) == n
+        finally:
+            await redis.aclose()
+
+    asyncio.run(take(3))
+    _until(lambda: _trainer_sample(trainer, "rlhf_ring_jobs_running") == 3)
+    assert _trainer_sample(trainer, "rlhf_ring_jobs_waiting") == 1
+    # the replica answers: steps run, each after a wait for its batch
+    _run_with_replicas(redis_server.url, lambda: len(_metrics(run_dir)) >= 2)
+    assert _trainer_sample(trainer, "rlhf_trainer_experience_wait_seconds_count") >= 2
+    assert _trainer_sample(trainer, "rlhf_trainer_experience_wait_seconds_sum") > 0
+
+
 async def _stats(url):
     redis = connect(url)
     try:

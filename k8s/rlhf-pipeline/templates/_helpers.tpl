@@ -352,6 +352,10 @@ thread pool by the node's cores otherwise, and several pods on one node oversubs
   value: {{ $v.settings.maxBodyBytes | int64 | quote }}
 - name: RLHF_SHUTDOWN_GRACE_S
   value: {{ $v.settings.shutdownGraceSeconds | quote }}
+{{- if and (has .component (list "reward" "reference")) (not (kindIs "invalid" $v.settings.grpcMaxConnectionAgeSeconds)) }}
+- name: RLHF_GRPC_MAX_CONNECTION_AGE_S
+  value: {{ $v.settings.grpcMaxConnectionAgeSeconds | quote }}
+{{- end }}
 - name: RLHF_CACHE_DIR
   value: /var/cache/rlhf
 - name: HF_HUB_OFFLINE
@@ -521,6 +525,34 @@ thread pool by the node's cores otherwise, and several pods on one node oversubs
 {{- end }}
 {{- end }}
 
+{{/* Rollout, reward and reference: the components KEDA may scale in, whose pods drain before they stop. */}}
+{{- define "rlhf.drains" -}}
+{{- if has . (list "rollout" "reward" "reference") }}true{{ end }}
+{{- end }}
+
+{{/* Seconds a draining component needs after SIGTERM (rlhf/serving/runner.py _graceful_stop): the gRPC server's
+stop(grace) beside the HTTP server's wait (grace + 5); a rollout replica's worker then gets drain_s = grace for its jobs
+in flight, bounded at grace + 10 (services/rollout/worker.py aclose). ctx: root, component */}}
+{{- define "rlhf.drainSeconds" -}}
+{{- $grace := .root.Values.settings.shutdownGraceSeconds | float64 | ceil | int }}
+{{- $drain := add $grace 5 }}
+{{- if eq .component "rollout" }}{{ $drain = add $drain $grace 10 }}{{ end }}
+{{- $drain }}
+{{- end }}
+
+{{/* terminationGracePeriodSeconds: the value, else (draining components) preStop + drain + 10 s for the engine's
+close and the exit; a value below that fails the render (SIGKILL would cut the drain). ctx: root, component, values */}}
+{{- define "rlhf.terminationGrace" -}}
+{{- $set := .values.terminationGracePeriodSeconds }}
+{{- if include "rlhf.drains" .component }}
+{{- $need := add .root.Values.settings.preStopSeconds (include "rlhf.drainSeconds" . | int) 10 }}
+{{- if kindIs "invalid" $set }}{{ $need }}
+{{- else if lt (int $set) (int $need) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds %d is below the %d s its pods need to drain (settings.preStopSeconds %d + the drain after SIGTERM, from settings.shutdownGraceSeconds, + 10): leave it null or raise it" .component (int $set) (int $need) (int .root.Values.settings.preStopSeconds)) }}
+{{- else }}{{ $set }}{{ end }}
+{{- else }}{{ $set }}{{ end }}
+{{- end }}
+
 {{/* pod spec fields shared by every service pod (scheduling, security, pull secrets) */}}
 {{- define "rlhf.podCommon" -}}
 {{- $v := .root.Values }}
@@ -546,7 +578,7 @@ runtimeClassName: {{ . }}
 {{- with .values.priorityClassName }}
 priorityClassName: {{ . }}
 {{- end }}
-terminationGracePeriodSeconds: {{ .values.terminationGracePeriodSeconds }}
+terminationGracePeriodSeconds: {{ include "rlhf.terminationGrace" . }}
 {{- with .values.nodeSelector }}
 nodeSelector:
   {{- toYaml . | nindent 2 }}
@@ -689,7 +721,7 @@ checksum/experiment: {{ include "rlhf.experimentYaml" .root | sha256sum }}
 {{- end }}
 {{- $ctx := dict "root" $root "component" $component "values" $values }}
 {{- $name := include "rlhf.componentName" $ctx }}
-{{- $keda := and (eq $component "rollout") $values.autoscaling.keda.enabled }}
+{{- $keda := and (include "rlhf.drains" $component) $values.autoscaling.keda.enabled }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -752,6 +784,12 @@ spec:
           env:
             {{- include "rlhf.env" $ctx | trim | nindent 12 }}
           {{- include "rlhf.probes" $ctx | trim | nindent 10 }}
+          {{- if and (include "rlhf.drains" $component) (gt (int $root.Values.settings.preStopSeconds) 0) }}
+          lifecycle:
+            preStop:  # out of the Services' endpoints before SIGTERM stops the servers (settings.preStopSeconds)
+              exec:
+                command: ["sleep", {{ $root.Values.settings.preStopSeconds | quote }}]
+          {{- end }}
           resources:
             {{- include "rlhf.resources" $values | trim | nindent 12 }}
           {{- with $root.Values.containerSecurityContext }}
@@ -805,6 +843,19 @@ spec:
 {{- $values := index $root.Values .component }}
 {{- $ctx := dict "root" $root "component" .component "values" $values }}
 {{- if and (include "rlhf.componentEnabled" $ctx) $values.pdb.enabled }}
+{{- /* a minAvailable (a count) that every replica count allowed meets would block each voluntary eviction */}}
+{{- $min := $values.pdb.minAvailable }}
+{{- if and (hasKey $values.pdb "minAvailable") (not (kindIs "string" $min)) (ne .component "trainer") }}
+{{- $keda := and (include "rlhf.drains" .component) (dig "autoscaling" "keda" "enabled" false $values) }}
+{{- $fewest := 1 }}
+{{- if $keda }}{{ $fewest = $values.autoscaling.keda.minReplicas }}
+{{- else if eq .component "environment" }}{{ $fewest = include "rlhf.environmentReplicas" $root }}
+{{- else if hasKey $values "replicas" }}{{ $fewest = $values.replicas }}
+{{- end }}
+{{- if and (gt (int $min) 0) (ge (int $min) (int $fewest)) }}
+{{- fail (printf "%s.pdb.minAvailable %d with as few as %d replica(s)%s: no voluntary eviction could ever proceed and node drains would hang; set it below %d or use maxUnavailable" .component (int $min) (int $fewest) (ternary " (autoscaling.keda.minReplicas)" "" $keda) (int $fewest)) }}
+{{- end }}
+{{- end }}
 apiVersion: policy/v1
 kind: PodDisruptionBudget
 metadata:

@@ -208,3 +208,48 @@ def test_requests_queued_behind_a_one_off_call_do_not_wait_for_its_caller():
 
     asyncio.run(main())
     assert sizes == [1, 3] and b.regathers == 0
+
+
+def _sample(metrics, name: str, method: str = "m") -> float:
+    value = metrics.registry.get_sample_value(name, {"service": "svc", "method": method})
+    assert value is not None, name
+    return value
+
+
+def test_watched_batcher_publishes_its_queue_running_rows_and_fill():
+    """The scaling signals of a batching service (docs/deploy.md#scaling-signals) follow the batcher's queue: rows
+    wait while the model is busy, the running call's rows show, and each call adds its fill to the summary."""
+    from rlhf.serving.metrics import ServiceMetrics  # noqa: PLC0415 - the metrics layer, only for this test
+
+    rec = Recorder()
+    b = MicroBatcher(rec, max_rows=4, max_cost=100)
+    metrics = ServiceMetrics("svc")
+    metrics.watch_batcher("m", b)
+    assert _sample(metrics, "rlhf_batcher_max_rows") == 4
+    seen: dict[str, float] = {}
+
+    async def main():
+        rec.gate.clear()
+        first = asyncio.ensure_future(b.submit("k", [1], 1))
+        while not b.running_rows:
+            await asyncio.sleep(0.01)
+        rest = [asyncio.ensure_future(b.submit("k", [2, 3], 2)), asyncio.ensure_future(b.submit("k", [4], 1))]
+        await asyncio.sleep(0.01)
+        for name in ("rlhf_batcher_queued_requests", "rlhf_batcher_queued_rows", "rlhf_batcher_running_rows"):
+            seen[name] = _sample(metrics, name)
+        rec.gate.set()
+        await asyncio.gather(first, *rest)
+
+    asyncio.run(main())
+    assert seen == {"rlhf_batcher_queued_requests": 2, "rlhf_batcher_queued_rows": 3, "rlhf_batcher_running_rows": 1}
+    assert _sample(metrics, "rlhf_batcher_queued_rows") == _sample(metrics, "rlhf_batcher_running_rows") == 0
+    # two calls: 1 of 4 rows, then 3 of 4
+    assert _sample(metrics, "rlhf_batch_fill_count") == 2
+    assert _sample(metrics, "rlhf_batch_fill_sum") == pytest.approx(0.25 + 0.75)
+    # a call cut by its token budget is full even with few rows; a head over both budgets counts as 1, not more
+    b2 = MicroBatcher(rec, max_rows=100, max_cost=4)
+    metrics.watch_batcher("t", b2)
+    asyncio.run(b2.submit("k", [1], 4))
+    asyncio.run(b2.submit("k", [1], 9))
+    assert _sample(metrics, "rlhf_batch_fill_sum", "t") == pytest.approx(2.0)
+    assert "rlhf_batch_fill_count" in metrics.render()[0].decode()
