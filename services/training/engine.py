@@ -1,0 +1,692 @@
+"""The training service's state: one base model loaded once, a LoRA adapter + Adam optimizer per training run, the
+futures of queued requests, and the checkpoints of every run on disk.
+
+Every model operation (create_model, forward_backward, optim_step, save/load) runs on ONE worker thread in the order
+the requests arrived: the SDK sends a training client's requests in seq_id order and waits for each to be accepted
+before it sends the next, so arrival order is its order; runs of different clients interleave between requests. The
+adapters live in one PEFT model over the shared base (``add_adapter`` / ``set_adapter``), each with its own optimizer;
+a request touches only its run's adapter.
+
+Isolation: every session, run, future and checkpoint belongs to the token (user) that created it; another token gets
+404 for it, as for something that does not exist.
+
+Durability: a checkpoint (``save_weights``) is a folder ``<root>/<run>/weights/<name>/`` with the adapter
+(``adapter.safetensors``), the Adam state (``optimizer.safetensors``) and ``state.json``, written to a temporary
+folder and renamed into place, so a crash leaves either the whole checkpoint or none. Futures are in memory: their ids
+carry this process's boot id, and a future of an earlier process (the service restarted while it was queued, running
+or unretrieved) is answered with an error, never a result. Design: docs/tinker.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlhf.algo.tinker_ce import LOSS_NAMES, tinker_loss
+from rlhf.serving import FailedPrecondition, InvalidArgument, NotFound, NotReady
+from services.training.wire import ForwardBackwardCall
+
+log = logging.getLogger("rlhf.training")
+
+# The losses the tinker SDK names (tinker.types.LossFnType); those not in LOSS_NAMES are refused as not built yet.
+SDK_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+# Module names of a Llama-style decoder that the SDK's train_attn / train_mlp / train_unembed select.
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+LORA_ALPHA = 32.0  # fixed: the SDK's LoraConfig has no alpha
+MAX_RANK = 256
+# Seconds retrieve_future waits for a running request before answering try_again: the SDK polls again at once after a
+# try_again, so the server holds the poll (its read timeout is 45 s).
+LONG_POLL_S = 20.0
+KEEP_FUTURES = 4096  # finished futures kept for retrieval (oldest dropped first)
+SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
+
+
+class RequestFailed(Exception):
+    """A queued request that failed: the future answers ``{"error": message, "category": category}``."""
+
+    def __init__(self, message: str, category: str = "user"):
+        super().__init__(message)
+        self.message = message
+        self.category = category
+
+
+@dataclass
+class AdamStep:
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+@dataclass
+class LoraSpec:
+    rank: int
+    seed: int | None
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Run:
+    model_id: str
+    owner: str
+    adapter: str  # the PEFT adapter name in the shared model
+    lora: LoraSpec
+    params: dict[str, torch.nn.Parameter]  # canonical name (adapter name removed) -> parameter
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+    user_metadata: dict | None = None
+
+
+@dataclass
+class _Future:
+    owner: str
+    kind: str
+    future: concurrent.futures.Future
+    done_at: float | None = None
+
+
+@dataclass
+class Session:
+    owner: str
+    created: float
+    last_heartbeat: float
+    finished: str | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def owner_of(token: str) -> str:
+    """A user's id: a digest of the token (the token itself is never stored or written)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def run_dir_name(model_id: str) -> str:
+    return model_id.replace(":", "_").replace("/", "_")
+
+
+def parse_tinker_path(path: str) -> tuple[str, str, str]:
+    """``tinker://<run>/<weights|sampler_weights>/<name>`` -> (run model id, segment, name)."""
+    if not path.startswith("tinker://"):
+        raise InvalidArgument(f"path {path!r} is not a tinker:// path", field="path")
+    parts = path[len("tinker://") :].split("/")
+    if len(parts) != 3 or parts[1] not in SEGMENTS or not parts[0] or not parts[2]:
+        raise InvalidArgument(f"path {path!r} is not tinker://<run>/weights/<name>", field="path")
+    return parts[0], parts[1], parts[2]
+
+
+def _check_name(name: str, what: str) -> str:
+    if not name or "/" in name or name in (".", "..") or name.startswith(".") or len(name) > 200:
+        raise InvalidArgument(f"{what} {name!r}: give a plain name (no '/', not starting with '.')", field="path")
+    return name
+
+
+class TrainingEngine:
+    def __init__(self, base_model: str, root: str | Path, device: str = "cpu", tokens: list[str] | None = None):
+        self.base_model = base_model
+        self.root = Path(root)
+        self.device = device
+        self.owners = {owner_of(t) for t in tokens or [] if t}
+        self.boot = uuid.uuid4().hex[:12]
+        self.ready = False
+        self.base: Any = None
+        self.peft: Any = None
+        self.vocab_size = 0
+        self.max_length = 0
+        self.arch = ""
+        self.present_modules: set[str] = set()
+        self.sessions: dict[str, Session] = {}
+        self.runs: dict[str, Run] = {}
+        self._futures: OrderedDict[str, _Future] = OrderedDict()
+        self._counter = 0
+        self._adapters = 0
+        self._lock = threading.Lock()
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="training-model")
+        self._base_bytes = 0
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._worker, self._load)
+        self.ready = True
+
+    def _load(self) -> None:
+        from rlhf.models import load_causal_lm, resolve_model_path  # noqa: PLC0415 - torch/transformers at start-up
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = resolve_model_path(self.base_model)
+        model = load_causal_lm(path, device=self.device)
+        model.eval()  # no dropout: two passes over the same tokens give the same log-probs
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.base = model
+        cfg = model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.max_length = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+        self.arch = str(getattr(cfg, "model_type", ""))
+        self.present_modules = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        self._base_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        log.info("training: base %s loaded (%s, vocab %d)", self.base_model, self.arch, self.vocab_size)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    def _need_ready(self) -> None:
+        if not self.ready:
+            raise NotReady("the base model is still loading: retry shortly")
+
+    # ------------------------------------------------------------------------------------------------ sessions
+
+    def create_session(self, owner: str, meta: dict) -> str:
+        session_id = uuid.uuid4().hex
+        now = time.monotonic()
+        self.sessions[session_id] = Session(owner, now, now, meta=meta)
+        return session_id
+
+    def session(self, owner: str, session_id: str) -> Session:
+        s = self.sessions.get(session_id)
+        if s is None or s.owner != owner:
+            raise NotFound(f"session {session_id!r} does not exist (or is not yours)", field="session_id")
+        return s
+
+    def heartbeat(self, owner: str, session_id: str) -> None:
+        self.session(owner, session_id).last_heartbeat = time.monotonic()
+
+    def finish_session(self, owner: str, session_id: str, reason: str) -> None:
+        s = self.session(owner, session_id)
+        if s.finished is None:  # first reason wins, as the SDK documents
+            s.finished = reason
+
+    # ------------------------------------------------------------------------------------------------ futures
+
+    def _submit(self, owner: str, kind: str, fn, *args) -> str:
+        with self._lock:
+            self._counter += 1
+            request_id = f"{self.boot}-{self._counter}"
+        fut = self._worker.submit(fn, *args)
+        entry = _Future(owner, kind, fut)
+        fut.add_done_callback(lambda _f: setattr(entry, "done_at", time.monotonic()))
+        with self._lock:
+            self._futures[request_id] = entry
+            self._trim()
+        return request_id
+
+    def _trim(self) -> None:
+        finished = [k for k, v in self._futures.items() if v.future.done()]
+        for key in finished[: max(0, len(finished) - KEEP_FUTURES)]:
+            del self._futures[key]
+
+    async def retrieve(self, owner: str, request_id: str) -> tuple[str, Any]:
+        """("pending", None) | ("done", result) | ("failed", (message, category))."""
+        boot = request_id.split("-", 1)[0]
+        if boot != self.boot:
+            return "failed", (
+                f"request {request_id} was accepted by an earlier run of the training service, which stopped before "
+                "its result was retrieved; nothing of it is known now: reload your last checkpoint (load_state) and "
+                "resend",
+                "server",
+            )
+        entry = self._futures.get(request_id)
+        if entry is None or entry.owner != owner:
+            raise NotFound(f"request {request_id!r} is not known (or not yours)", field="request_id")
+        if not entry.future.done():
+            # any outcome (done, failed, still running) is read below
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(entry.future)), LONG_POLL_S)
+        if not entry.future.done():
+            return "pending", None
+        err = entry.future.exception()
+        if err is None:
+            return "done", entry.future.result()
+        if isinstance(err, RequestFailed):
+            return "failed", (err.message, err.category)
+        if isinstance(err, (InvalidArgument, NotFound, FailedPrecondition, ValueError)):
+            return "failed", (str(err), "user")
+        log.exception("training: request %s failed", request_id, exc_info=err)
+        return "failed", (f"internal error in {entry.kind}: {type(err).__name__}", "server")
+
+    # ------------------------------------------------------------------------------------------------ runs
+
+    def run(self, owner: str, model_id: str) -> Run:
+        r = self.runs.get(model_id)
+        if r is None or r.owner != owner:
+            raise NotFound(f"model {model_id!r} does not exist (or is not yours)", field="model_id")
+        return r
+
+    def _targets(self, lora: LoraSpec) -> list[str]:
+        wanted = (
+            (ATTN_MODULES if lora.train_attn else ())
+            + (MLP_MODULES if lora.train_mlp else ())
+            + (UNEMBED_MODULES if lora.train_unembed else ())
+        )
+        targets = [m for m in wanted if m in self.present_modules]
+        if not targets:
+            raise InvalidArgument(
+                "lora_config selects no module of the base model: set train_attn, train_mlp or train_unembed",
+                field="lora_config",
+            )
+        return targets
+
+    def check_lora(self, lora: LoraSpec) -> None:
+        if not 1 <= lora.rank <= MAX_RANK:
+            raise InvalidArgument(f"lora_config.rank {lora.rank} must be in 1..{MAX_RANK}", field="lora_config.rank")
+        if self.ready:
+            self._targets(lora)
+
+    def create_model(
+        self, owner: str, session_id: str, model_seq_id: int, base_model: str, lora: LoraSpec, meta: dict | None
+    ) -> str:
+        self._need_ready()
+        self.session(owner, session_id)
+        if base_model != self.base_model:
+            raise InvalidArgument(
+                f"base_model {base_model!r} is not served here: this service trains LoRA adapters over "
+                f"{self.base_model!r} (get_server_capabilities)",
+                field="base_model",
+            )
+        self.check_lora(lora)
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if model_id in self.runs:
+            raise FailedPrecondition(f"model {model_id} exists already (model_seq_id {model_seq_id} was used)")
+        return self._submit(owner, "create_model", self._create_job, owner, model_id, lora, meta)
+
+    def _create_job(self, owner: str, model_id: str, lora: LoraSpec, meta: dict | None) -> dict:
+        self._new_run(owner, model_id, lora, meta)
+        self._write_run_json(self.runs[model_id])
+        return {"model_id": model_id, "type": "create_model"}
+
+    def _new_run(self, owner: str, model_id: str, lora: LoraSpec, meta: dict | None) -> Run:
+        from peft import LoraConfig, get_peft_model  # noqa: PLC0415 - the lora extra, needed by this service only
+
+        if model_id in self.runs:
+            raise FailedPrecondition(f"model {model_id} exists already")
+        self._adapters += 1
+        adapter = f"run{self._adapters}"
+        config = LoraConfig(
+            r=lora.rank,
+            lora_alpha=LORA_ALPHA,
+            lora_dropout=0.0,
+            target_modules=self._targets(lora),
+            bias="none",
+            task_type="CAUSAL_LM",
+        )
+        # seed None: a fresh random init, as the SDK documents; B starts at zero either way (the base model's outputs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(lora.seed if lora.seed is not None else int.from_bytes(os.urandom(4), "little"))
+            if self.peft is None:
+                self.peft = get_peft_model(self.base, config, adapter_name=adapter)
+            else:
+                self.peft.add_adapter(adapter, config)
+        marker = f".{adapter}."
+        params = {}
+        for name, p in self.peft.named_parameters():
+            if marker in name:
+                p.requires_grad_(True)
+                params[name.replace(marker, ".")] = p
+        optimizer = torch.optim.AdamW(list(params.values()), lr=1e-4, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+        run = Run(model_id, owner, adapter, lora, params, optimizer, user_metadata=meta)
+        self.runs[model_id] = run
+        return run
+
+    def _write_run_json(self, run: Run) -> None:
+        d = self.root / run_dir_name(run.model_id)
+        d.mkdir(parents=True, exist_ok=True)
+        body = {"model_id": run.model_id, "owner": run.owner, "base_model": self.base_model, "lora": run.lora.to_json()}
+        _atomic_write(d / "run.json", json.dumps(body, indent=1))
+
+    def info(self, owner: str, model_id: str) -> dict:
+        run = self.run(owner, model_id)
+        return {
+            "type": "get_info",
+            "model_data": {"arch": self.arch, "model_name": self.base_model, "tokenizer_id": self.base_model},
+            "model_id": model_id,
+            "optimizer_config": {"type": "adamw"},
+            "is_lora": True,
+            "lora_rank": run.lora.rank,
+            "model_name": self.base_model,
+        }
+
+    # ------------------------------------------------------------------------------------------------ training
+
+    def check_loss(self, name: str) -> None:
+        if name not in SDK_LOSSES:
+            raise InvalidArgument(
+                f"loss_fn {name!r} is not one of the tinker SDK's losses ({', '.join(SDK_LOSSES)}); custom losses "
+                "(forward_backward_custom) are not supported by this service",
+                field="loss_fn",
+            )
+        if name not in LOSS_NAMES:
+            raise InvalidArgument(
+                f"loss_fn {name!r} is not built in this service yet (built: {', '.join(LOSS_NAMES)})", field="loss_fn"
+            )
+
+    def forward_backward(self, owner: str, call: ForwardBackwardCall) -> str:
+        self._need_ready()
+        self.run(owner, call.model_id)
+        self.check_loss(call.loss_fn)
+        for i, d in enumerate(call.data):
+            n = d.tokens.numel()
+            if self.max_length and n > self.max_length:
+                raise InvalidArgument(
+                    f"data[{i}] has {n} tokens; the base model takes at most {self.max_length}", field="data"
+                )
+            if int(d.tokens.min()) < 0 or int(d.tokens.max()) >= self.vocab_size:
+                raise InvalidArgument(f"data[{i}].model_input has ids outside 0..{self.vocab_size - 1}", field="data")
+            target = d.inputs.get("target_tokens")
+            if target is None:
+                raise InvalidArgument(f"data[{i}].loss_fn_inputs has no target_tokens", field="data")
+            for key, t in d.inputs.items():
+                if t.shape[:1] != (n,):
+                    raise InvalidArgument(
+                        f"data[{i}].loss_fn_inputs.{key} has shape {list(t.shape)}; it must have one entry per input "
+                        f"token ({n})",
+                        field="data",
+                    )
+            if int(target.min()) < 0 or int(target.max()) >= self.vocab_size:
+                raise InvalidArgument(f"data[{i}].target_tokens has ids outside 0..{self.vocab_size - 1}", field="data")
+        kind = "forward" if call.forward_only else "forward_backward"
+        return self._submit(owner, kind, self._fwd_bwd_job, owner, call)
+
+    def _fwd_bwd_job(self, owner: str, call: ForwardBackwardCall) -> dict:
+        run = self.run(owner, call.model_id)
+        self.peft.set_adapter(run.adapter)
+        outputs, per_datum = [], []
+        device = next(iter(run.params.values())).device
+        for d in call.data:
+            with torch.set_grad_enabled(not call.forward_only):
+                logits = self.peft(input_ids=d.tokens.to(device)[None]).logits[0].float()
+                target = d.inputs["target_tokens"].to(device).long()
+                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, target[:, None]).squeeze(-1)
+                inputs = {k: v.to(device) for k, v in d.inputs.items()}
+                try:
+                    loss, metrics = tinker_loss(call.loss_fn, logprobs, inputs, call.loss_fn_config)
+                except ValueError as err:
+                    raise RequestFailed(f"{call.loss_fn}: {err}") from None
+                if not call.forward_only:
+                    loss.backward()
+            outputs.append({"logprobs": logprobs.detach().cpu()})
+            per_datum.append(metrics)
+        return {"outputs": outputs, "metrics": reduce_metrics(per_datum)}
+
+    def optim_step(self, owner: str, model_id: str, adam: AdamStep) -> str:
+        self._need_ready()
+        self.run(owner, model_id)
+        checks = (
+            ("learning_rate", adam.learning_rate >= 0),
+            ("beta1", 0 <= adam.beta1 < 1),
+            ("beta2", 0 <= adam.beta2 < 1),
+            ("eps", adam.eps >= 0),
+            ("weight_decay", adam.weight_decay >= 0),
+            ("grad_clip_norm", adam.grad_clip_norm >= 0),
+        )
+        for name, ok in checks:
+            if not ok:
+                raise InvalidArgument(f"adam_params.{name} = {getattr(adam, name)} is out of range", field=name)
+        return self._submit(owner, "optim_step", self._optim_job, owner, model_id, adam)
+
+    def _optim_job(self, owner: str, model_id: str, adam: AdamStep) -> dict:
+        run = self.run(owner, model_id)
+        for group in run.optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps, weight_decay=adam.weight_decay
+            )
+        params = list(run.params.values())
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) if grads else 0.0
+        if adam.grad_clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.steps += 1
+        return {"metrics": {"grad_norm:mean": norm}}
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+
+    def save_weights(self, owner: str, model_id: str, name: str | None, overwrite: bool, meta: dict | None) -> str:
+        self._need_ready()
+        run = self.run(owner, model_id)
+        name = _check_name(name or f"step-{run.steps:06d}", "checkpoint name")
+        return self._submit(owner, "save_weights", self._save_job, owner, model_id, name, overwrite, meta)
+
+    def _save_job(self, owner: str, model_id: str, name: str, overwrite: bool, meta: dict | None) -> dict:
+        run = self.run(owner, model_id)
+        final = self.root / run_dir_name(model_id) / "weights" / name
+        if final.exists() and not overwrite:
+            raise RequestFailed(f"checkpoint {name!r} exists already for this run: pick another name or overwrite")
+        tmp = final.parent / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp.mkdir(parents=True)
+        adapter = {k: p.detach().cpu().contiguous() for k, p in run.params.items()}
+        save_file(adapter, tmp / "adapter.safetensors")
+        opt_tensors, opt_steps = {}, {}
+        state = run.optimizer.state
+        for k, p in run.params.items():
+            s = state.get(p)
+            if s:
+                opt_tensors[f"{k}.exp_avg"] = s["exp_avg"].detach().cpu().contiguous()
+                opt_tensors[f"{k}.exp_avg_sq"] = s["exp_avg_sq"].detach().cpu().contiguous()
+                opt_steps[k] = float(s["step"])
+        save_file(opt_tensors, tmp / "optimizer.safetensors")
+        body = {
+            "model_id": model_id,
+            "owner": owner,
+            "base_model": self.base_model,
+            "lora": run.lora.to_json(),
+            "steps": run.steps,
+            "optimizer_steps": opt_steps,
+            "created": datetime.now(UTC).isoformat(),
+            "user_metadata": meta,
+        }
+        (tmp / "state.json").write_text(json.dumps(body, indent=1))
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
+
+    def save_for_sampler(self, owner: str, model_id: str, name: str | None) -> str:
+        self._need_ready()
+        run = self.run(owner, model_id)
+        name = _check_name(name or f"step-{run.steps:06d}", "sampler checkpoint name")
+        return self._submit(owner, "save_weights_for_sampler", self._sampler_job, owner, model_id, name)
+
+    def _sampler_job(self, owner: str, model_id: str, name: str) -> dict:
+        from peft import get_peft_model_state_dict  # noqa: PLC0415 - the lora extra
+
+        from rlhf.lora import write_adapter  # noqa: PLC0415 - imports safetensors only, at first use
+
+        run = self.run(owner, model_id)
+        final = self.root / run_dir_name(model_id) / "sampler_weights" / name
+        tmp = final.parent / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
+        tensors = get_peft_model_state_dict(self.peft, adapter_name=run.adapter)
+        write_adapter(tmp, tensors, run.lora.rank, LORA_ALPHA, self._targets(run.lora), self.base_model)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        return {"path": f"tinker://{model_id}/sampler_weights/{name}", "type": "save_weights_for_sampler"}
+
+    def _checkpoint(self, owner: str, path: str) -> tuple[Path, dict]:
+        run_id, segment, name = parse_tinker_path(path)
+        if segment != "weights":
+            raise InvalidArgument(
+                f"path {path!r} is a sampler checkpoint: load_weights takes a training checkpoint (save_state)",
+                field="path",
+            )
+        folder = self.root / run_dir_name(run_id) / "weights" / _check_name(name, "checkpoint name")
+        state_file = folder / "state.json"
+        if not state_file.is_file():
+            raise NotFound(f"checkpoint {path!r} does not exist", field="path")
+        state = json.loads(state_file.read_text())
+        if state.get("owner") != owner:
+            raise NotFound(f"checkpoint {path!r} does not exist", field="path")
+        if state.get("base_model") != self.base_model:
+            raise FailedPrecondition(
+                f"checkpoint {path!r} is over base model {state.get('base_model')!r}; this service serves "
+                f"{self.base_model!r}"
+            )
+        return folder, state
+
+    def load_weights(
+        self,
+        owner: str,
+        path: str,
+        with_optimizer: bool,
+        model_id: str | None = None,
+        session_id: str | None = None,
+        model_seq_id: int | None = None,
+        meta: dict | None = None,
+    ) -> str:
+        self._need_ready()
+        folder, state = self._checkpoint(owner, path)
+        if model_id is not None:
+            self.run(owner, model_id)
+        else:
+            if session_id is None or model_seq_id is None:
+                raise InvalidArgument("load_weights needs model_id, or session_id with model_seq_id", field="model_id")
+            self.session(owner, session_id)
+            model_id = f"{session_id}:train:{model_seq_id}"
+            if model_id in self.runs:
+                raise FailedPrecondition(f"model {model_id} exists already (model_seq_id {model_seq_id} was used)")
+        create = model_id not in self.runs
+        return self._submit(
+            owner, "load_weights", self._load_job, owner, model_id, folder, state, with_optimizer, create, meta, path
+        )
+
+    def _load_job(
+        self,
+        owner: str,
+        model_id: str,
+        folder: Path,
+        state: dict,
+        with_optimizer: bool,
+        create: bool,
+        meta: dict | None,
+        path: str,
+    ) -> dict:
+        lora = LoraSpec(**state["lora"])
+        if create:
+            run = self._new_run(owner, model_id, lora, meta)
+            self._write_run_json(run)
+        else:
+            run = self.run(owner, model_id)
+            if run.lora.to_json() | {"seed": None} != lora.to_json() | {"seed": None}:
+                raise RequestFailed(
+                    f"checkpoint {path} has LoRA {state['lora']}; this model has {run.lora.to_json()}: they must match"
+                )
+        adapter = load_file(folder / "adapter.safetensors")
+        if set(adapter) != set(run.params):
+            raise RequestFailed(f"checkpoint {path} holds other adapter tensors than this model", "server")
+        with torch.no_grad():
+            for k, p in run.params.items():
+                p.copy_(adapter[k].to(p.device, p.dtype))
+                p.grad = None
+        # a fresh optimizer: load_state restores weights only; with the optimizer, Adam's moments and step counts too
+        run.optimizer = torch.optim.AdamW(list(run.params.values()), lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
+        if with_optimizer:
+            moments = load_file(folder / "optimizer.safetensors")
+            for k, p in run.params.items():
+                if k in state["optimizer_steps"]:
+                    run.optimizer.state[p] = {
+                        "step": torch.tensor(state["optimizer_steps"][k]),
+                        "exp_avg": moments[f"{k}.exp_avg"].to(p.device),
+                        "exp_avg_sq": moments[f"{k}.exp_avg_sq"].to(p.device),
+                    }
+        run.steps = int(state["steps"])
+        return {"path": path, "model_id": model_id, "type": "load_weights"}
+
+    def list_checkpoints(self, owner: str, run_id: str) -> list[dict]:
+        d = self.root / run_dir_name(run_id)
+        run_json = d / "run.json"
+        if not run_json.is_file() or json.loads(run_json.read_text()).get("owner") != owner:
+            raise NotFound(f"training run {run_id!r} does not exist (or is not yours)", field="model_id")
+        out = []
+        for segment, kind in SEGMENTS.items():
+            for folder in sorted((d / segment).glob("[!.]*")):
+                size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+                out.append(
+                    {
+                        "checkpoint_id": f"{segment}/{folder.name}",
+                        "checkpoint_type": kind,
+                        "time": datetime.fromtimestamp(folder.stat().st_mtime, UTC).isoformat(),
+                        "tinker_path": f"tinker://{run_id}/{segment}/{folder.name}",
+                        "size_bytes": size,
+                        "public": False,
+                    }
+                )
+        return out
+
+    def memory(self) -> dict:
+        """Bytes of the shared base and of each run (adapter + Adam moments + gradients as they stand)."""
+        runs = {}
+        for model_id, run in self.runs.items():
+            n = 0
+            for p in run.params.values():
+                n += p.numel() * p.element_size()
+                if p.grad is not None:
+                    n += p.grad.numel() * p.grad.element_size()
+                for v in run.optimizer.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor):
+                        n += v.numel() * v.element_size()
+            runs[model_id] = n
+        return {"base_bytes": self._base_bytes, "run_bytes": runs}
+
+
+def reduce_metrics(per_datum: list[dict[str, float]]) -> dict[str, float]:
+    """The SDK's metric convention: a key's suffix names its reduction over data (``:sum``, ``:max``, ``:min``,
+    else the mean)."""
+    out: dict[str, float] = {}
+    keys = {k for m in per_datum for k in m}
+    for key in sorted(keys):
+        values = [m[key] for m in per_datum if key in m]
+        suffix = key.rsplit(":", 1)[-1] if ":" in key else "mean"
+        if suffix == "sum":
+            out[key] = float(sum(values))
+        elif suffix == "max":
+            out[key] = float(max(values))
+        elif suffix == "min":
+            out[key] = float(min(values))
+        else:
+            out[key] = float(sum(values) / len(values))
+    return out
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in path.iterdir() if path.is_dir() else ():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

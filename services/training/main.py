@@ -1,0 +1,40 @@
+"""``rlhf serve training``: settings + config -> engine -> gRPC (health) and HTTP servers.
+
+The base model is the config's ``actor_rollout_ref.actor_rollout.load``; checkpoints go under ``<training.save>/tinker``
+(one folder per training run). Tokens: ``RLHF_API_TOKEN`` and the comma-separated ``RLHF_TRAINING_TOKENS``, one per
+user.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rlhf.config import load_config
+from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings, register_env_var
+from services.training.engine import TrainingEngine
+from services.training.http_app import build_app
+
+FAST_EXIT = True
+TOKENS_ENV = "RLHF_TRAINING_TOKENS"
+register_env_var(TOKENS_ENV)
+
+
+def tokens(settings: ServiceSettings) -> list[str]:
+    extra = [t.strip() for t in os.environ.get(TOKENS_ENV, "").split(",") if t.strip()]
+    return ([settings.api_token] if settings.api_token else []) + extra
+
+
+async def serve(config_path: str, settings: ServiceSettings) -> None:
+    cfg = load_config(config_path)
+    metrics = ServiceMetrics("training")
+    accepted = tokens(settings)
+    engine = TrainingEngine(
+        cfg.actor.load,
+        root=os.path.join(cfg.training.save, "tinker"),
+        device=settings.device or cfg.training.device,
+        tokens=accepted,
+    )
+    runner = ServiceRunner("training", settings, metrics)
+    runner.set_http_app(build_app(engine, settings, metrics, accepted))
+    runner.add_readiness_check(lambda: engine.ready)
+    await runner.run(startup=engine.start, shutdown=engine.close)
