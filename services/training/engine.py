@@ -163,6 +163,7 @@ class TrainingEngine:
         self.runs: dict[str, Run] = {}
         self._futures: OrderedDict[str, _Future] = OrderedDict()
         self._counter = 0
+        self._seq: dict[str, tuple[int, str]] = {}  # model id -> (last seq_id, its request id)
         self._adapters = 0
         self._lock = threading.Lock()
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="training-model")
@@ -233,6 +234,29 @@ class TrainingEngine:
         with self._lock:
             self._futures[request_id] = entry
             self._trim()
+        return request_id
+
+    def _retry_of(self, model_id: str, seq_id: int | None) -> str | None:
+        """The SDK numbers a training client's requests (seq_id 1, 2, ...) and resends one whose answer it lost: the
+        request id of an accepted seq_id again (a resend, not a second step), None for a new one. Going backwards is
+        refused: the requests of a model run in the order they are numbered."""
+        if not seq_id:
+            return None
+        last = self._seq.get(model_id)
+        if last is None or seq_id > last[0]:
+            return None
+        if seq_id == last[0]:
+            return last[1]
+        raise InvalidArgument(
+            f"seq_id {seq_id} comes after seq_id {last[0]} for model {model_id}: a training client's requests are "
+            "numbered in the order they are sent",
+            field="seq_id",
+        )
+
+    def _submit_seq(self, owner: str, model_id: str, seq_id: int | None, kind: str, fn, *args) -> str:
+        request_id = self._submit(owner, kind, fn, *args)
+        if seq_id:
+            self._seq[model_id] = (seq_id, request_id)
         return request_id
 
     def _trim(self) -> None:
@@ -387,6 +411,8 @@ class TrainingEngine:
     def forward_backward(self, owner: str, call: ForwardBackwardCall) -> str:
         self._need_ready()
         self.run(owner, call.model_id)
+        if (again := self._retry_of(call.model_id, call.seq_id)) is not None:
+            return again
         self.check_loss(call.loss_fn)
         for i, d in enumerate(call.data):
             n = d.tokens.numel()
@@ -409,15 +435,15 @@ class TrainingEngine:
             if int(target.min()) < 0 or int(target.max()) >= self.vocab_size:
                 raise InvalidArgument(f"data[{i}].target_tokens has ids outside 0..{self.vocab_size - 1}", field="data")
         kind = "forward" if call.forward_only else "forward_backward"
-        return self._submit(owner, kind, self._fwd_bwd_job, owner, call)
+        return self._submit_seq(owner, call.model_id, call.seq_id, kind, self._fwd_bwd_job, owner, call)
 
     def _fwd_bwd_job(self, owner: str, call: ForwardBackwardCall) -> dict:
         run = self.run(owner, call.model_id)
         self.peft.set_adapter(run.adapter)
-        outputs, per_datum = [], []
+        outputs, per_datum, losses = [], [], []
         device = next(iter(run.params.values())).device
-        for d in call.data:
-            with torch.set_grad_enabled(not call.forward_only):
+        with torch.set_grad_enabled(not call.forward_only):
+            for d in call.data:
                 logits = self.peft(input_ids=d.tokens.to(device)[None]).logits[0].float()
                 target = d.inputs["target_tokens"].to(device).long()
                 logprobs = torch.log_softmax(logits, dim=-1).gather(-1, target[:, None]).squeeze(-1)
@@ -426,15 +452,19 @@ class TrainingEngine:
                     loss, metrics = tinker_loss(call.loss_fn, logprobs, inputs, call.loss_fn_config)
                 except ValueError as err:
                     raise RequestFailed(f"{call.loss_fn}: {err}") from None
-                if not call.forward_only:
-                    loss.backward()
-            outputs.append({"logprobs": logprobs.detach().cpu()})
-            per_datum.append(metrics)
+                losses.append(loss)
+                outputs.append({"logprobs": logprobs.detach().cpu()})
+                per_datum.append(metrics)
+            # one backward once every datum's loss is known: a datum the loss refuses leaves no partial gradient
+            if not call.forward_only:
+                torch.stack(losses).sum().backward()
         return {"outputs": outputs, "metrics": reduce_metrics(per_datum)}
 
-    def optim_step(self, owner: str, model_id: str, adam: AdamStep) -> str:
+    def optim_step(self, owner: str, model_id: str, adam: AdamStep, seq_id: int | None = None) -> str:
         self._need_ready()
         self.run(owner, model_id)
+        if (again := self._retry_of(model_id, seq_id)) is not None:
+            return again
         checks = (
             ("learning_rate", adam.learning_rate >= 0),
             ("beta1", 0 <= adam.beta1 < 1),
@@ -446,7 +476,7 @@ class TrainingEngine:
         for name, ok in checks:
             if not ok:
                 raise InvalidArgument(f"adam_params.{name} = {getattr(adam, name)} is out of range", field=name)
-        return self._submit(owner, "optim_step", self._optim_job, owner, model_id, adam)
+        return self._submit_seq(owner, model_id, seq_id, "optim_step", self._optim_job, owner, model_id, adam)
 
     def _optim_job(self, owner: str, model_id: str, adam: AdamStep) -> dict:
         run = self.run(owner, model_id)
@@ -466,11 +496,17 @@ class TrainingEngine:
 
     # ------------------------------------------------------------------------------------------------ checkpoints
 
-    def save_weights(self, owner: str, model_id: str, name: str | None, overwrite: bool, meta: dict | None) -> str:
+    def save_weights(
+        self, owner: str, model_id: str, name: str | None, overwrite: bool, meta: dict | None, seq_id: int | None = None
+    ) -> str:
         self._need_ready()
         run = self.run(owner, model_id)
+        if (again := self._retry_of(model_id, seq_id)) is not None:
+            return again
         name = _check_name(name or f"step-{run.steps:06d}", "checkpoint name")
-        return self._submit(owner, "save_weights", self._save_job, owner, model_id, name, overwrite, meta)
+        return self._submit_seq(
+            owner, model_id, seq_id, "save_weights", self._save_job, owner, model_id, name, overwrite, meta
+        )
 
     def _save_job(self, owner: str, model_id: str, name: str, overwrite: bool, meta: dict | None) -> dict:
         run = self.run(owner, model_id)
@@ -508,11 +544,15 @@ class TrainingEngine:
         _fsync_dir(final.parent)
         return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
 
-    def save_for_sampler(self, owner: str, model_id: str, name: str | None) -> str:
+    def save_for_sampler(self, owner: str, model_id: str, name: str | None, seq_id: int | None = None) -> str:
         self._need_ready()
         run = self.run(owner, model_id)
+        if (again := self._retry_of(model_id, seq_id)) is not None:
+            return again
         name = _check_name(name or f"step-{run.steps:06d}", "sampler checkpoint name")
-        return self._submit(owner, "save_weights_for_sampler", self._sampler_job, owner, model_id, name)
+        return self._submit_seq(
+            owner, model_id, seq_id, "save_weights_for_sampler", self._sampler_job, owner, model_id, name
+        )
 
     def _sampler_job(self, owner: str, model_id: str, name: str) -> dict:
         from peft import get_peft_model_state_dict  # noqa: PLC0415 - the lora extra
@@ -559,11 +599,14 @@ class TrainingEngine:
         session_id: str | None = None,
         model_seq_id: int | None = None,
         meta: dict | None = None,
+        seq_id: int | None = None,
     ) -> str:
         self._need_ready()
         folder, state = self._checkpoint(owner, path)
         if model_id is not None:
             self.run(owner, model_id)
+            if (again := self._retry_of(model_id, seq_id)) is not None:
+                return again
         else:
             if session_id is None or model_seq_id is None:
                 raise InvalidArgument("load_weights needs model_id, or session_id with model_seq_id", field="model_id")
@@ -572,9 +615,8 @@ class TrainingEngine:
             if model_id in self.runs:
                 raise FailedPrecondition(f"model {model_id} exists already (model_seq_id {model_seq_id} was used)")
         create = model_id not in self.runs
-        return self._submit(
-            owner, "load_weights", self._load_job, owner, model_id, folder, state, with_optimizer, create, meta, path
-        )
+        job = (self._load_job, owner, model_id, folder, state, with_optimizer, create, meta, path)
+        return self._submit_seq(owner, model_id, seq_id, "load_weights", *job)
 
     def _load_job(
         self,

@@ -248,7 +248,7 @@ def build_app(engine: TrainingEngine, settings: ServiceSettings, metrics: Servic
     async def optim_step(body: OptimStepIn, owner: str = owner_dep) -> dict:
         _refuse(body.optimizer_params is not None, "only Adam is built: send adam_params", "optimizer_params")
         adam = body.adam_params or AdamIn()
-        rid = engine.optim_step(owner, body.model_id, AdamStep(**adam.model_dump()))
+        rid = engine.optim_step(owner, body.model_id, AdamStep(**adam.model_dump()), body.seq_id)
         return {"request_id": rid, "model_id": body.model_id}
 
     # ---------------------------------------------------------------------------------------- weights
@@ -256,7 +256,7 @@ def build_app(engine: TrainingEngine, settings: ServiceSettings, metrics: Servic
     @app.post("/api/v1/save_weights", tags=["tinker"], summary="checkpoint adapter + optimizer (future)")
     async def save_weights(body: SaveWeightsIn, owner: str = owner_dep) -> dict:
         _refuse(body.ttl_seconds is not None, "ttl_seconds: checkpoint expiry is not built; omit it", "ttl_seconds")
-        rid = engine.save_weights(owner, body.model_id, body.path, body.overwrite, body.user_metadata)
+        rid = engine.save_weights(owner, body.model_id, body.path, body.overwrite, body.user_metadata, body.seq_id)
         return {"request_id": rid, "model_id": body.model_id}
 
     @app.post("/api/v1/save_weights_for_sampler", tags=["tinker"], summary="the adapter as a PEFT folder (future)")
@@ -269,7 +269,7 @@ def build_app(engine: TrainingEngine, settings: ServiceSettings, metrics: Servic
         )
         _refuse(body.kind != "snapshot", f"kind {body.kind!r}: only snapshot saves are built", "kind")
         _refuse(body.ttl_seconds is not None, "ttl_seconds: checkpoint expiry is not built; omit it", "ttl_seconds")
-        rid = engine.save_for_sampler(owner, body.model_id, body.path)
+        rid = engine.save_for_sampler(owner, body.model_id, body.path, body.seq_id)
         return {"request_id": rid, "model_id": body.model_id}
 
     @app.post("/api/v1/load_weights", tags=["tinker"], summary="restore a checkpoint into a run, or a new run (future)")
@@ -288,7 +288,14 @@ def build_app(engine: TrainingEngine, settings: ServiceSettings, metrics: Servic
             "optimizer_config",
         )
         rid = engine.load_weights(
-            owner, body.path, body.optimizer, body.model_id, body.session_id, body.model_seq_id, body.user_metadata
+            owner,
+            body.path,
+            body.optimizer,
+            body.model_id,
+            body.session_id,
+            body.model_seq_id,
+            body.user_metadata,
+            body.seq_id,
         )
         return {"request_id": rid, "model_id": body.model_id}
 

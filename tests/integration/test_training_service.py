@@ -108,6 +108,14 @@ def test_losses_and_tokens_refused_at_request_time(shared):
     assert caps["supported_models"][0]["model_name"] == BASE
     r = httpx.post(shared.http_url + "/api/v1/optim_step", headers=_headers(ALICE), json={"model_id": "x"})
     assert r.status_code == 404
+    # seq_id: a resend of an accepted request is that request (one step, not two); going backwards is refused
+    fresh = _client(shared, ALICE).create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
+    step = {"model_id": fresh.model_id, "seq_id": 7, "adam_params": {"learning_rate": 0.01}}
+    first = httpx.post(shared.http_url + "/api/v1/optim_step", headers=_headers(ALICE), json=step).json()
+    again = httpx.post(shared.http_url + "/api/v1/optim_step", headers=_headers(ALICE), json=step).json()
+    assert first["request_id"] == again["request_id"]
+    r = httpx.post(shared.http_url + "/api/v1/optim_step", headers=_headers(ALICE), json=step | {"seq_id": 6})
+    assert r.status_code == 400 and "seq_id 6 comes after seq_id 7" in r.text
 
 
 def test_two_users_runs_on_one_base_are_isolated(shared):
