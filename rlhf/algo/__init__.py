@@ -68,6 +68,8 @@ from rlhf.algo.reward_norm import FixedMoments, RunningMoments, normalize_and_cl
 from rlhf.algo.schedule import lr_at
 from rlhf.algo.sft import best_of_group, sft_loss
 from rlhf.algo.shaping import REWARD_BASELINES, penalize_missing_eos, subtract_reward_baseline
+from rlhf.algo.tinker_losses import LOSSES as TINKER_LOSSES
+from rlhf.algo.tinker_losses import tinker_loss
 
 __all__ = [
     "penalize_missing_eos",
@@ -137,4 +139,6 @@ __all__ = [
     "top_entropy_mask",
     "truncate_at_stop",
     "value_loss",
+    "TINKER_LOSSES",
+    "tinker_loss",
 ]
