@@ -39,14 +39,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlhf.algo.tinker_ce import LOSS_NAMES, tinker_loss
+from rlhf.algo.tinker_losses import LOSSES, tinker_loss
 from rlhf.serving import FailedPrecondition, InvalidArgument, NotFound, NotReady
 from services.training.wire import ForwardBackwardCall
 
 log = logging.getLogger("rlhf.training")
 
-# The losses the tinker SDK names (tinker.types.LossFnType); those not in LOSS_NAMES are refused as not built yet.
-SDK_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+# The built-in losses the tinker SDK names (tinker.types.LossFnType), all in rlhf.algo.tinker_losses.
+SDK_LOSSES = LOSSES
 # Module names of a Llama-style decoder that the SDK's train_attn / train_mlp / train_unembed select.
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -399,13 +399,9 @@ class TrainingEngine:
     def check_loss(self, name: str) -> None:
         if name not in SDK_LOSSES:
             raise InvalidArgument(
-                f"loss_fn {name!r} is not one of the tinker SDK's losses ({', '.join(SDK_LOSSES)}); custom losses "
-                "(forward_backward_custom) are not supported by this service",
+                f"loss_fn {name!r} is not one of the tinker SDK's built-in losses ({', '.join(SDK_LOSSES)}); "
+                "server-side custom losses are not supported (forward_backward_custom runs on the client)",
                 field="loss_fn",
-            )
-        if name not in LOSS_NAMES:
-            raise InvalidArgument(
-                f"loss_fn {name!r} is not built in this service yet (built: {', '.join(LOSS_NAMES)})", field="loss_fn"
             )
 
     def forward_backward(self, owner: str, call: ForwardBackwardCall) -> str:
@@ -440,25 +436,25 @@ class TrainingEngine:
     def _fwd_bwd_job(self, owner: str, call: ForwardBackwardCall) -> dict:
         run = self.run(owner, call.model_id)
         self.peft.set_adapter(run.adapter)
-        outputs, per_datum, losses = [], [], []
         device = next(iter(run.params.values())).device
+        logprobs, inputs = [], []
         with torch.set_grad_enabled(not call.forward_only):
             for d in call.data:
                 logits = self.peft(input_ids=d.tokens.to(device)[None]).logits[0].float()
                 target = d.inputs["target_tokens"].to(device).long()
-                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, target[:, None]).squeeze(-1)
-                inputs = {k: v.to(device) for k, v in d.inputs.items()}
-                try:
-                    loss, metrics = tinker_loss(call.loss_fn, logprobs, inputs, call.loss_fn_config)
-                except ValueError as err:
-                    raise RequestFailed(f"{call.loss_fn}: {err}") from None
-                losses.append(loss)
-                outputs.append({"logprobs": logprobs.detach().cpu()})
-                per_datum.append(metrics)
-            # one backward once every datum's loss is known: a datum the loss refuses leaves no partial gradient
+                # (N,) targets, or (N, K): top-K cross_entropy's K tokens per position
+                index = target if target.dim() == 2 else target[:, None]
+                lp = torch.log_softmax(logits, dim=-1).gather(-1, index)
+                logprobs.append(lp if target.dim() == 2 else lp.squeeze(-1))
+                inputs.append({k: v.to(device) for k, v in d.inputs.items()})
+            try:
+                loss, metrics = tinker_loss(call.loss_fn, logprobs, inputs, call.loss_fn_config)
+            except ValueError as err:
+                raise RequestFailed(str(err)) from None
+            # one backward for the whole batch, once the loss accepted every datum: no partial gradient
             if not call.forward_only:
-                torch.stack(losses).sum().backward()
-        return {"outputs": outputs, "metrics": reduce_metrics(per_datum)}
+                loss.backward()
+        return {"outputs": [{"logprobs": lp.detach().cpu()} for lp in logprobs], "metrics": metrics}
 
     def optim_step(self, owner: str, model_id: str, adam: AdamStep, seq_id: int | None = None) -> str:
         self._need_ready()
@@ -695,25 +691,6 @@ class TrainingEngine:
                         n += v.numel() * v.element_size()
             runs[model_id] = n
         return {"base_bytes": self._base_bytes, "run_bytes": runs}
-
-
-def reduce_metrics(per_datum: list[dict[str, float]]) -> dict[str, float]:
-    """The SDK's metric convention: a key's suffix names its reduction over data (``:sum``, ``:max``, ``:min``,
-    else the mean)."""
-    out: dict[str, float] = {}
-    keys = {k for m in per_datum for k in m}
-    for key in sorted(keys):
-        values = [m[key] for m in per_datum if key in m]
-        suffix = key.rsplit(":", 1)[-1] if ":" in key else "mean"
-        if suffix == "sum":
-            out[key] = float(sum(values))
-        elif suffix == "max":
-            out[key] = float(max(values))
-        elif suffix == "min":
-            out[key] = float(min(values))
-        else:
-            out[key] = float(sum(values) / len(values))
-    return out
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -83,17 +83,30 @@ def decode_forward_backward(body: bytes) -> ForwardBackwardCall:
 
 
 def encode_forward_backward_output(outputs: list[dict[str, torch.Tensor]], metrics: dict[str, float]) -> bytes:
-    """Per-datum 1-D float32 outputs (``logprobs``, ...) as one ArrayRecord of BatchedTensors, as the SDK reads them."""
-    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(outputs))
-    for name in outputs[0] if outputs else ():
-        arrays = [o[name].detach().to(torch.float32).cpu().numpy().ravel() for o in outputs]
-        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
-        record.fields[name].CopyFrom(
-            pb.BatchedTensor(
-                data=b"".join(a.tobytes() for a in arrays), offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32
-            )
-        )
-    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[record])
+    """Per-datum float32 outputs (``logprobs``: (N,) or (N, K)) as ArrayRecords of BatchedTensors, as the SDK reads
+    them: one record per run of data with the same trailing shape (the SDK concatenates the records in order)."""
+    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    start = 0
+    while start < len(outputs):
+        trailing = {name: tuple(t.shape[1:]) for name, t in outputs[start].items()}
+        end = start + 1
+        while end < len(outputs) and {n: tuple(t.shape[1:]) for n, t in outputs[end].items()} == trailing:
+            end += 1
+        out.loss_fn_outputs.append(_record(outputs[start:end], trailing))
+        start = end
     for key, value in metrics.items():
         out.metrics[key] = float(value)
     return out.SerializeToString()
+
+
+def _record(outputs: list[dict[str, torch.Tensor]], trailing: dict[str, tuple[int, ...]]) -> pb.ArrayRecord:
+    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(outputs))
+    for name in trailing:
+        arrays = [o[name].detach().to(torch.float32).cpu().numpy().ravel() for o in outputs]
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
+        batched = pb.BatchedTensor(
+            data=b"".join(a.tobytes() for a in arrays), offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32
+        )
+        batched.trailing_shape.extend(trailing[name])
+        record.fields[name].CopyFrom(batched)
+    return record

@@ -92,13 +92,37 @@ def test_sdk_supervised_steps_lower_the_loss(shared):
     assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
 
 
+def test_sdk_rl_step_with_importance_sampling(shared):
+    tc = _client(shared, ALICE).create_lora_training_client(base_model=BASE, rank=8, seed=4).result()
+    good, bad = BATCH[0], BATCH[1]
+    sampled = tc.forward([good, bad], "cross_entropy").result()
+    q = [o["logprobs"].to_numpy() for o in sampled.loss_fn_outputs]  # the sampler's log-probs: this very policy
+
+    def rl(datum, q_i, advantage):
+        return types.Datum(
+            model_input=datum.model_input,
+            loss_fn_inputs={
+                "target_tokens": datum.loss_fn_inputs["target_tokens"],
+                "logprobs": q_i.astype(np.float32),
+                "advantages": np.full(q_i.shape, advantage, dtype=np.float32),
+            },
+        )
+
+    data = [rl(good, q[0], 1.0), rl(bad, q[1], -1.0)]
+    fb = tc.forward_backward(data, "importance_sampling")
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    # on-policy the ratio is 1: the loss is -sum(advantages) = -(19 - 19)
+    assert fb.result().metrics["loss:sum"] == pytest.approx(0.0, abs=1e-3)
+    after = [o["logprobs"].to_numpy() for o in tc.forward([good, bad], "cross_entropy").result().loss_fn_outputs]
+    assert after[0].sum() > q[0].sum() and after[1].sum() < q[1].sum()
+
+
 def test_losses_and_tokens_refused_at_request_time(shared):
     tc = _client(shared, ALICE).create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
-    with pytest.raises(tinker.BadRequestError, match="not one of the tinker SDK's losses"):
+    with pytest.raises(tinker.BadRequestError, match="not one of the tinker SDK's built-in losses"):
         tc.forward_backward(BATCH, "my_loss").result()
-    # the SDK poisons a training client after a failed request: a fresh one for the next refusal
-    tc = _client(shared, ALICE).create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
-    with pytest.raises(tinker.BadRequestError, match="not built in this service yet"):
+    # inputs the loss does not take: the future fails and names them
+    with pytest.raises(tinker.RequestFailedError, match=r"ppo: datum 0: loss_fn_inputs \['weights'\] are not inputs"):
         tc.forward_backward(BATCH, "ppo").result()
     r = httpx.get(shared.http_url + "/api/v1/get_server_capabilities", headers=_headers("tml-nobody"))
     assert r.status_code == 401

@@ -10,7 +10,6 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from rlhf.serving import InvalidArgument
-from services.training.engine import reduce_metrics
 from services.training.wire import decode_forward_backward, encode_forward_backward_output
 
 
@@ -74,6 +73,13 @@ def test_refuses_what_it_cannot_read():
         decode_forward_backward(_sdk_body([image]))
 
 
-def test_metrics_reduce_by_suffix():
-    per_datum = [{"loss:sum": 1.0, "kl:mean": 0.2, "r:max": 3.0}, {"loss:sum": 2.0, "kl:mean": 0.4, "r:max": 1.0}]
-    assert reduce_metrics(per_datum) == pytest.approx({"loss:sum": 3.0, "kl:mean": 0.3, "r:max": 3.0})
+def test_top_k_outputs_keep_their_trailing_shape():
+    outputs = [
+        {"logprobs": torch.tensor([[-1.0, -2.0], [-3.0, -4.0], [-5.0, -6.0]])},
+        {"logprobs": torch.tensor([[-7.0, -8.0]])},
+        {"logprobs": torch.tensor([-9.0, -10.0])},  # a 1-D datum after (N, 2) ones: a record of its own
+    ]
+    out = deserialize_forward_backward_output(encode_forward_backward_output(outputs, {}))
+    shapes = [o["logprobs"].shape for o in out.loss_fn_outputs]
+    assert shapes == [[3, 2], [1, 2], [2]]
+    assert out.loss_fn_outputs[1]["logprobs"].to_numpy().tolist() == [[-7.0, -8.0]]
