@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlhf.serving import (
     InvalidArgument,
+    NotFound,
     PermissionDenied,
     ServiceMetrics,
     ServiceSettings,
@@ -322,5 +323,20 @@ def build_app(engine: TrainingEngine, settings: ServiceSettings, metrics: Servic
     @app.get("/v1/info", tags=["training"], summary="base model, runs, and memory per run")
     async def info(_owner: str = owner_dep) -> dict:
         return {"base_model": engine.base_model, "runs": len(engine.runs), **engine.memory()}
+
+    # Last: any other SDK call (sampling, REST listings, sharing) is a clear 404, which the SDK does not retry
+    @app.api_route(
+        "/api/v1/{call:path}",
+        methods=["GET", "POST", "PUT", "DELETE"],
+        tags=["tinker"],
+        summary="tinker calls not built here",
+        include_in_schema=False,
+    )
+    async def not_built(call: str, request: Request, _owner: str = owner_dep) -> dict:
+        raise NotFound(
+            f"{request.method} /api/v1/{call}: this tinker SDK call is not built in this service "
+            "(docs/tinker.md lists what is)",
+            field="path",
+        )
 
     return app

@@ -132,6 +132,9 @@ def test_losses_and_tokens_refused_at_request_time(shared):
     assert caps["supported_models"][0]["model_name"] == BASE
     r = httpx.post(shared.http_url + "/api/v1/optim_step", headers=_headers(ALICE), json={"model_id": "x"})
     assert r.status_code == 404
+    # calls not built here are a 404 that says so (the SDK retries 5xx, not 404)
+    r = httpx.post(shared.http_url + "/api/v1/create_sampling_session", headers=_headers(ALICE), json={})
+    assert r.status_code == 404 and "not built in this service" in r.text
     # seq_id: a resend of an accepted request is that request (one step, not two); going backwards is refused
     fresh = _client(shared, ALICE).create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
     step = {"model_id": fresh.model_id, "seq_id": 7, "adam_params": {"learning_rate": 0.01}}
