@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 
 from rlhf.config import load_config
-from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings, register_env_var
+from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings
 from services.training.engine import TrainingEngine
 from services.training.http_app import build_app
 
 FAST_EXIT = True
-TOKENS_ENV = "RLHF_TRAINING_TOKENS"
-register_env_var(TOKENS_ENV)
+TOKENS_ENV = "RLHF_TRAINING_TOKENS"  # listed in rlhf.serving.settings.LIBRARY_ENV_VARS
 
 
 def tokens(settings: ServiceSettings) -> list[str]:

@@ -26,7 +26,7 @@ def _config(tmp_path) -> dict:
 
 
 def _start(start_service, tmp_path):
-    env = {"RLHF_API_TOKEN": ALICE, "RLHF_TRAINING_TOKENS": BOB, "RLHF_MODEL_PROCESS": "false"}
+    env = {"RLHF_API_TOKEN": ALICE, "RLHF_TRAINING_TOKENS": BOB}
     return start_service("training", _config(tmp_path), env=env)
 
 
@@ -70,7 +70,7 @@ def shared(tmp_path_factory, tiny_models):
 
     tmp = tmp_path_factory.mktemp("training")
     cfg = write_config(tmp / "training.yaml", _config(tmp))
-    env = {"RLHF_API_TOKEN": ALICE, "RLHF_TRAINING_TOKENS": BOB, "RLHF_MODEL_PROCESS": "false"}
+    env = {"RLHF_API_TOKEN": ALICE, "RLHF_TRAINING_TOKENS": BOB}
     proc = ServiceProc("training", cfg, tmp / "logs", env=env).start(timeout=120)
     yield proc
     proc.stop()
