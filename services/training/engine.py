@@ -126,7 +126,10 @@ def owner_of(token: str) -> str:
 
 
 def run_dir_name(model_id: str) -> str:
-    return model_id.replace(":", "_").replace("/", "_")
+    """The folder of a run under the checkpoint root; an id that would name a hidden or parent folder is refused."""
+    if not model_id or model_id.startswith(".") or "/" in model_id or "\\" in model_id or len(model_id) > 200:
+        raise InvalidArgument(f"{model_id!r} is not a training run id", field="model_id")
+    return model_id.replace(":", "_")
 
 
 def parse_tinker_path(path: str) -> tuple[str, str, str]:
@@ -164,6 +167,7 @@ class TrainingEngine:
         self._futures: OrderedDict[str, _Future] = OrderedDict()
         self._counter = 0
         self._seq: dict[str, tuple[int, str]] = {}  # model id -> (last seq_id, its request id)
+        self._created: dict[str, str] = {}  # model id -> the request id that creates it
         self._adapters = 0
         self._lock = threading.Lock()
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="training-model")
@@ -334,9 +338,11 @@ class TrainingEngine:
             )
         self.check_lora(lora)
         model_id = f"{session_id}:train:{model_seq_id}"
-        if model_id in self.runs:
-            raise FailedPrecondition(f"model {model_id} exists already (model_seq_id {model_seq_id} was used)")
-        return self._submit(owner, "create_model", self._create_job, owner, model_id, lora, meta)
+        if (again := self._created.get(model_id)) is not None:
+            return again  # a resend (the SDK lost the answer): the same future, not a second run
+        request_id = self._submit(owner, "create_model", self._create_job, owner, model_id, lora, meta)
+        self._created[model_id] = request_id
+        return request_id
 
     def _create_job(self, owner: str, model_id: str, lora: LoraSpec, meta: dict | None) -> dict:
         self._new_run(owner, model_id, lora, meta)
@@ -580,9 +586,11 @@ class TrainingEngine:
         if state.get("owner") != owner:
             raise NotFound(f"checkpoint {path!r} does not exist", field="path")
         if state.get("base_model") != self.base_model:
-            raise FailedPrecondition(
+            # 400, not 409: the SDK resends 409s for minutes, and this one never changes
+            raise InvalidArgument(
                 f"checkpoint {path!r} is over base model {state.get('base_model')!r}; this service serves "
-                f"{self.base_model!r}"
+                f"{self.base_model!r}",
+                field="path",
             )
         return folder, state
 
@@ -608,10 +616,13 @@ class TrainingEngine:
                 raise InvalidArgument("load_weights needs model_id, or session_id with model_seq_id", field="model_id")
             self.session(owner, session_id)
             model_id = f"{session_id}:train:{model_seq_id}"
-            if model_id in self.runs:
-                raise FailedPrecondition(f"model {model_id} exists already (model_seq_id {model_seq_id} was used)")
-        create = model_id not in self.runs
-        job = (self._load_job, owner, model_id, folder, state, with_optimizer, create, meta, path)
+            if (again := self._created.get(model_id)) is not None:
+                return again  # a resend of this create-by-load
+            job = (self._load_job, owner, model_id, folder, state, with_optimizer, True, meta, path)
+            request_id = self._submit(owner, "load_weights", *job)
+            self._created[model_id] = request_id
+            return request_id
+        job = (self._load_job, owner, model_id, folder, state, with_optimizer, False, meta, path)
         return self._submit_seq(owner, model_id, seq_id, "load_weights", *job)
 
     def _load_job(
@@ -676,6 +687,10 @@ class TrainingEngine:
                     }
                 )
         return out
+
+    async def memory_report(self) -> dict:
+        """:meth:`memory` on the model's thread, between requests (the optimizers' state changes during a step)."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, self.memory)
 
     def memory(self) -> dict:
         """Bytes of the shared base and of each run (adapter + Adam moments + gradients as they stand)."""

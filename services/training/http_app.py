@@ -322,7 +322,7 @@ def build_app(engine: TrainingEngine, settings: ServiceSettings, metrics: Servic
 
     @app.get("/v1/info", tags=["training"], summary="base model, runs, and memory per run")
     async def info(_owner: str = owner_dep) -> dict:
-        return {"base_model": engine.base_model, "runs": len(engine.runs), **engine.memory()}
+        return {"base_model": engine.base_model, "runs": len(engine.runs), **await engine.memory_report()}
 
     # Last: any other SDK call (sampling, REST listings, sharing) is a clear 404, which the SDK does not retry
     @app.api_route(

@@ -132,6 +132,23 @@ def test_losses_and_tokens_refused_at_request_time(shared):
     assert caps["supported_models"][0]["model_name"] == BASE
     r = httpx.post(shared.http_url + "/api/v1/optim_step", headers=_headers(ALICE), json={"model_id": "x"})
     assert r.status_code == 404
+    # a resent create_model (its answer lost) is the same future, not a second run
+    session = httpx.post(shared.http_url + "/api/v1/create_session", headers=_headers(ALICE), json={}).json()
+    create = {"session_id": session["session_id"], "model_seq_id": 0, "base_model": BASE, "lora_config": {"rank": 2}}
+    ids = [
+        httpx.post(shared.http_url + "/api/v1/create_model", headers=_headers(ALICE), json=create).json()["request_id"]
+        for _ in range(2)
+    ]
+    assert ids[0] == ids[1]
+    # a run id that would leave the checkpoint folder
+    r = httpx.get(shared.http_url + "/api/v1/training_runs/../checkpoints", headers=_headers(ALICE))
+    assert r.status_code in (400, 404)
+    r = httpx.post(
+        shared.http_url + "/api/v1/load_weights",
+        headers=_headers(ALICE),
+        json={"path": "tinker://../weights/x", "optimizer": False, "model_id": tc.model_id},
+    )
+    assert r.status_code == 400 and "is not a training run id" in r.text
     # calls not built here are a 404 that says so (the SDK retries 5xx, not 404)
     r = httpx.post(shared.http_url + "/api/v1/create_sampling_session", headers=_headers(ALICE), json={})
     assert r.status_code == 404 and "not built in this service" in r.text
