@@ -58,6 +58,8 @@ MAX_RANK = 256
 LONG_POLL_S = 20.0
 KEEP_FUTURES = 4096  # finished futures kept for retrieval (oldest dropped first)
 SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
+# Padded tokens (rows x longest) of one forward; a batch is cut into micro-batches of at most this many.
+MICRO_BATCH_TOKENS = 8192
 
 
 class RequestFailed(Exception):
@@ -442,25 +444,54 @@ class TrainingEngine:
     def _fwd_bwd_job(self, owner: str, call: ForwardBackwardCall) -> dict:
         run = self.run(owner, call.model_id)
         self.peft.set_adapter(run.adapter)
-        device = next(iter(run.params.values())).device
-        logprobs, inputs = [], []
-        with torch.set_grad_enabled(not call.forward_only):
-            for d in call.data:
-                logits = self.peft(input_ids=d.tokens.to(device)[None]).logits[0].float()
-                target = d.inputs["target_tokens"].to(device).long()
-                # (N,) targets, or (N, K): top-K cross_entropy's K tokens per position
-                index = target if target.dim() == 2 else target[:, None]
-                lp = torch.log_softmax(logits, dim=-1).gather(-1, index)
-                logprobs.append(lp if target.dim() == 2 else lp.squeeze(-1))
-                inputs.append({k: v.to(device) for k, v in d.inputs.items()})
-            try:
-                loss, metrics = tinker_loss(call.loss_fn, logprobs, inputs, call.loss_fn_config)
-            except ValueError as err:
-                raise RequestFailed(str(err)) from None
-            # one backward for the whole batch, once the loss accepted every datum: no partial gradient
-            if not call.forward_only:
-                loss.backward()
-        return {"outputs": [{"logprobs": lp.detach().cpu()} for lp in logprobs], "metrics": metrics}
+        # The loss checks every datum's inputs and the config on placeholder log-probs first, so that a datum it
+        # refuses fails the request before any gradient is added.
+        placeholders = [torch.zeros(d.inputs["target_tokens"].shape) for d in call.data]
+        try:
+            tinker_loss(call.loss_fn, placeholders, [d.inputs for d in call.data], call.loss_fn_config)
+        except ValueError as err:
+            raise RequestFailed(str(err)) from None
+        # Every loss is a sum over data, so micro-batches add up to the batch's loss and gradient. What the batch
+        # has added is taken back if a micro-batch fails after the first: the run's gradients are as before.
+        saved = {k: None if p.grad is None else p.grad.clone() for k, p in run.params.items()}
+        logprobs: list[torch.Tensor] = []
+        parts: list[tuple[dict[str, float], int]] = []
+        try:
+            for batch in micro_batches(call.data, MICRO_BATCH_TOKENS):
+                with torch.set_grad_enabled(not call.forward_only):
+                    lps = self._target_logprobs(batch)
+                    device = lps[0].device
+                    inputs = [{k: v.to(device) for k, v in d.inputs.items()} for d in batch]
+                    loss, metrics = tinker_loss(call.loss_fn, lps, inputs, call.loss_fn_config)
+                    if not call.forward_only:
+                        loss.backward()
+                logprobs.extend(lp.detach().cpu() for lp in lps)
+                parts.append((metrics, len(batch)))
+        except BaseException:
+            for k, p in run.params.items():
+                p.grad = saved[k]
+            raise
+        return {"outputs": [{"logprobs": lp} for lp in logprobs], "metrics": combine_metrics(parts)}
+
+    def _target_logprobs(self, batch: list) -> list[torch.Tensor]:
+        """log p(target_tokens) of each datum in one right-padded forward: (N,), or (N, K) for top-K targets."""
+        device = next(self.peft.parameters()).device
+        lengths = [d.tokens.numel() for d in batch]
+        ids = torch.zeros((len(batch), max(lengths)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, d in enumerate(batch):
+            ids[i, : lengths[i]] = d.tokens
+            mask[i, : lengths[i]] = 1
+        logits = self.peft(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()
+        out = []
+        for i, d in enumerate(batch):
+            row = logits[i, : lengths[i]]
+            target = d.inputs["target_tokens"].to(device).long()
+            index = target if target.dim() == 2 else target[:, None]
+            # gather - logsumexp: no second [T, vocab] tensor as log_softmax would make
+            lp = row.gather(-1, index) - torch.logsumexp(row, dim=-1, keepdim=True)
+            out.append(lp if target.dim() == 2 else lp.squeeze(-1))
+        return out
 
     def optim_step(self, owner: str, model_id: str, adam: AdamStep, seq_id: int | None = None) -> str:
         self._need_ready()
@@ -706,6 +737,42 @@ class TrainingEngine:
                         n += v.numel() * v.element_size()
             runs[model_id] = n
         return {"base_bytes": self._base_bytes, "run_bytes": runs}
+
+
+def micro_batches(data: list, max_tokens: int) -> list[list]:
+    """``data`` in order, cut so that each piece's padded size (rows x longest) stays within ``max_tokens`` (a datum
+    longer than that is a piece of its own)."""
+    out: list[list] = []
+    current: list = []
+    longest = 0
+    for d in data:
+        n = d.tokens.numel()
+        if current and (len(current) + 1) * max(longest, n) > max_tokens:
+            out.append(current)
+            current, longest = [], 0
+        current.append(d)
+        longest = max(longest, n)
+    if current:
+        out.append(current)
+    return out
+
+
+def combine_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The metrics of micro-batches as the SDK combines chunks: ``x:sum`` added, ``x:max`` / ``x:min`` their extreme,
+    anything else averaged, weighted by data."""
+    out: dict[str, float] = {}
+    for key in sorted({k for m, _ in parts for k in m}):
+        values = [(m[key], n) for m, n in parts if key in m]
+        suffix = key.rsplit(":", 1)[-1]
+        if suffix == "sum":
+            out[key] = float(sum(v for v, _ in values))
+        elif suffix == "max":
+            out[key] = float(max(v for v, _ in values))
+        elif suffix == "min":
+            out[key] = float(min(v for v, _ in values))
+        else:
+            out[key] = float(sum(v * n for v, n in values) / sum(n for _, n in values))
+    return out
 
 
 def _atomic_write(path: Path, text: str) -> None:
