@@ -58,6 +58,8 @@ MAX_RANK = 256
 LONG_POLL_S = 20.0
 KEEP_FUTURES = 4096  # finished futures kept for retrieval (oldest dropped first)
 SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
+# A session without a heartbeat for this long has its runs unloaded (the SDK heartbeats every 10 s).
+SESSION_TTL_S = 600.0
 # Padded tokens (rows x longest) of one forward; a batch is cut into micro-batches of at most this many.
 MICRO_BATCH_TOKENS = 8192
 
@@ -151,8 +153,18 @@ def _check_name(name: str, what: str) -> str:
 
 
 class TrainingEngine:
-    def __init__(self, base_model: str, root: str | Path, device: str = "cpu", tokens: list[str] | None = None):
+    def __init__(
+        self,
+        base_model: str,
+        root: str | Path,
+        device: str = "cpu",
+        tokens: list[str] | None = None,
+        session_ttl_s: float = SESSION_TTL_S,
+    ):
         self.base_model = base_model
+        self.session_ttl_s = session_ttl_s
+        self._gone: dict[str, str] = {}  # model id -> why it was unloaded
+        self._expiry: asyncio.Task | None = None
         self.root = Path(root)
         self.device = device
         self.owners = {owner_of(t) for t in tokens or [] if t}
@@ -180,6 +192,12 @@ class TrainingEngine:
     async def start(self) -> None:
         await asyncio.get_running_loop().run_in_executor(self._worker, self._load)
         self.ready = True
+        self._expiry = asyncio.create_task(self._expire_loop())
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(30.0, self.session_ttl_s / 3))
+            self.expire()
 
     def _load(self) -> None:
         from rlhf.models import load_causal_lm, resolve_model_path  # noqa: PLC0415 - torch/transformers at start-up
@@ -200,6 +218,8 @@ class TrainingEngine:
         log.info("training: base %s loaded (%s, vocab %d)", self.base_model, self.arch, self.vocab_size)
 
     def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     def _need_ready(self) -> None:
@@ -214,19 +234,57 @@ class TrainingEngine:
         self.sessions[session_id] = Session(owner, now, now, meta=meta)
         return session_id
 
-    def session(self, owner: str, session_id: str) -> Session:
+    def session(self, owner: str, session_id: str, live: bool = True) -> Session:
         s = self.sessions.get(session_id)
         if s is None or s.owner != owner:
             raise NotFound(f"session {session_id!r} does not exist (or is not yours)", field="session_id")
+        if live and s.finished is not None:
+            raise NotFound(
+                f"session {session_id!r} is over ({s.finished}): start a new ServiceClient", field="session_id"
+            )
         return s
 
     def heartbeat(self, owner: str, session_id: str) -> None:
         self.session(owner, session_id).last_heartbeat = time.monotonic()
 
     def finish_session(self, owner: str, session_id: str, reason: str) -> None:
-        s = self.session(owner, session_id)
+        s = self.session(owner, session_id, live=False)
         if s.finished is None:  # first reason wins, as the SDK documents
             s.finished = reason
+            self._unload_session(session_id, f"its session was closed ({reason or 'no reason'})")
+
+    def expire(self, now: float | None = None) -> concurrent.futures.Future | None:
+        """Unload the runs of sessions that missed their heartbeats for ``session_ttl_s`` (the SDK sends one every
+        10 s while its client lives): a client that is gone holds no adapter. Returns the unload job, if any."""
+        now = time.monotonic() if now is None else now
+        stale = [
+            sid
+            for sid, s in self.sessions.items()
+            if s.finished is None and now - s.last_heartbeat > self.session_ttl_s
+        ]
+        job = None
+        for sid in stale:
+            self.sessions[sid].finished = "expired"
+            job = self._unload_session(sid, f"its session sent no heartbeat for {self.session_ttl_s:.0f} s")
+        return job
+
+    def _unload_session(self, session_id: str, why: str) -> concurrent.futures.Future | None:
+        model_ids = [m for m in self.runs if m.startswith(f"{session_id}:train:")]
+        model_ids += [m for m in self._created if m.startswith(f"{session_id}:train:") and m not in model_ids]
+        if not model_ids:
+            return None
+        # on the model's thread, after the requests already queued for these runs
+        return self._worker.submit(self._unload_job, model_ids, why)
+
+    def _unload_job(self, model_ids: list[str], why: str) -> None:
+        for model_id in model_ids:
+            run = self.runs.pop(model_id, None)
+            self._gone[model_id] = why
+            self._seq.pop(model_id, None)
+            if run is not None:
+                run.optimizer.state.clear()
+                self.peft.delete_adapter(run.adapter)
+                log.info("training: unloaded %s: %s", model_id, why)
 
     # ------------------------------------------------------------------------------------------------ futures
 
@@ -303,6 +361,16 @@ class TrainingEngine:
 
     def run(self, owner: str, model_id: str) -> Run:
         r = self.runs.get(model_id)
+        if (
+            r is None
+            and model_id in self._gone
+            and self.sessions.get(model_id.split(":", 1)[0], Session("", 0, 0)).owner == owner
+        ):
+            raise NotFound(
+                f"model {model_id!r} was unloaded ({self._gone[model_id]}): resume from a checkpoint "
+                "(create_training_client_from_state_with_optimizer)",
+                field="model_id",
+            )
         if r is None or r.owner != owner:
             raise NotFound(f"model {model_id!r} does not exist (or is not yours)", field="model_id")
         return r

@@ -11,16 +11,31 @@ import os
 
 from rlhf.config import load_config
 from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings
-from services.training.engine import TrainingEngine
+from services.training.engine import SESSION_TTL_S, TrainingEngine
 from services.training.http_app import build_app
 
 FAST_EXIT = True
-TOKENS_ENV = "RLHF_TRAINING_TOKENS"  # listed in rlhf.serving.settings.LIBRARY_ENV_VARS
+# both listed in rlhf.serving.settings.LIBRARY_ENV_VARS
+TOKENS_ENV = "RLHF_TRAINING_TOKENS"
+TTL_ENV = "RLHF_TRAINING_SESSION_TTL_S"
 
 
 def tokens(settings: ServiceSettings) -> list[str]:
     extra = [t.strip() for t in os.environ.get(TOKENS_ENV, "").split(",") if t.strip()]
     return ([settings.api_token] if settings.api_token else []) + extra
+
+
+def session_ttl() -> float:
+    raw = os.environ.get(TTL_ENV)
+    if raw is None:
+        return SESSION_TTL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{TTL_ENV}={raw!r}: give seconds, a number > 0") from None
+    if not value > 0:
+        raise ValueError(f"{TTL_ENV}={raw!r}: give seconds, a number > 0")
+    return value
 
 
 async def serve(config_path: str, settings: ServiceSettings) -> None:
@@ -32,6 +47,7 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
         root=os.path.join(cfg.training.save, "tinker"),
         device=settings.device or cfg.training.device,
         tokens=accepted,
+        session_ttl_s=session_ttl(),
     )
     runner = ServiceRunner("training", settings, metrics)
     runner.set_http_app(build_app(engine, settings, metrics, accepted))

@@ -164,7 +164,8 @@ def test_losses_and_tokens_refused_at_request_time(shared):
 
 def test_two_users_runs_on_one_base_are_isolated(shared):
     alice = _client(shared, ALICE).create_lora_training_client(base_model=BASE, rank=8, seed=2).result()
-    bob = _client(shared, BOB).create_lora_training_client(base_model=BASE, rank=8, seed=3).result()
+    bob_service = _client(shared, BOB)
+    bob = bob_service.create_lora_training_client(base_model=BASE, rank=8, seed=3).result()
     before = bob.forward(BATCH, "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
     for _ in range(3):
         _step(alice, lr=5e-2)
@@ -187,6 +188,12 @@ def test_two_users_runs_on_one_base_are_isolated(shared):
     per_run = mem["run_bytes"][alice.model_id]
     assert 0 < per_run < mem["base_bytes"]
     print(f"\nbase {mem['base_bytes']} bytes; a rank-8 run after steps: {per_run} bytes")
+    # bob closes his client: his run leaves the shared model, alice's stays
+    bob_service.close("success").result()
+    mem = httpx.get(shared.http_url + "/v1/info", headers=_headers(ALICE)).json()
+    assert bob.model_id not in mem["run_bytes"] and alice.model_id in mem["run_bytes"]
+    r = httpx.post(shared.http_url + "/api/v1/get_info", headers=_headers(BOB), json={"model_id": bob.model_id})
+    assert r.status_code == 404 and "its session was closed (success)" in r.text
 
 
 def test_checkpoint_survives_kill9_and_in_flight_future_fails(start_service, tmp_path):

@@ -92,3 +92,34 @@ def test_inputs_the_loss_refuses_fail_before_any_gradient(engine):
     with pytest.raises(engine_mod.RequestFailed, match=r"datum 1: loss_fn_inputs \['advantages'\]"):
         engine._fwd_bwd_job(OWNER, call)
     assert all(p.grad is None for p in engine.runs["s:train:0"].params.values())
+
+
+def test_sessions_without_heartbeats_have_their_runs_unloaded(tiny_models, tmp_path):
+    e = TrainingEngine("tiny:policy", tmp_path, "cpu", tokens=["tml-test"], session_ttl_s=60)
+    e._load()
+    e.ready = True
+    try:
+        quiet, alive = e.create_session(OWNER, {}), e.create_session(OWNER, {})
+        for sid in (quiet, alive):
+            e._new_run(OWNER, f"{sid}:train:0", LoraSpec(4, 0, True, True, True), None)
+        kept = e.runs[f"{alive}:train:0"].adapter
+        start = e.sessions[quiet].last_heartbeat
+        assert e.expire(now=start + 30) is None  # within the TTL: nothing goes
+        e.heartbeat(OWNER, alive)
+        e.sessions[alive].last_heartbeat = start + 50
+        e.expire(now=start + 61).result()
+        assert list(e.runs) == [f"{alive}:train:0"]
+        left = {n.split(".")[-2] for n, _ in e.peft.named_parameters() if ".lora_" in n}
+        assert left == {kept}  # the quiet run's adapter left the shared model
+        with pytest.raises(engine_mod.NotFound, match="was unloaded .*sent no heartbeat for 60 s"):
+            e.run(OWNER, f"{quiet}:train:0")
+        with pytest.raises(engine_mod.NotFound, match="is over"):
+            e.create_model(OWNER, quiet, 1, "tiny:policy", LoraSpec(4, 0, True, True, True), None)
+        # closing a session unloads its runs at once
+        e.finish_session(OWNER, alive, "success")
+        e._worker.submit(lambda: None).result()
+        assert e.runs == {}
+        with pytest.raises(engine_mod.NotFound, match=r"its session was closed \(success\)"):
+            e.run(OWNER, f"{alive}:train:0")
+    finally:
+        e.close()
