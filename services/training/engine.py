@@ -112,7 +112,6 @@ class _Future:
     owner: str
     kind: str
     future: concurrent.futures.Future
-    done_at: float | None = None
 
 
 @dataclass
@@ -158,7 +157,6 @@ class TrainingEngine:
         base_model: str,
         root: str | Path,
         device: str = "cpu",
-        tokens: list[str] | None = None,
         session_ttl_s: float = SESSION_TTL_S,
     ):
         self.base_model = base_model
@@ -167,7 +165,6 @@ class TrainingEngine:
         self._expiry: asyncio.Task | None = None
         self.root = Path(root)
         self.device = device
-        self.owners = {owner_of(t) for t in tokens or [] if t}
         self.boot = uuid.uuid4().hex[:12]
         self.ready = False
         self.base: Any = None
@@ -197,7 +194,10 @@ class TrainingEngine:
     async def _expire_loop(self) -> None:
         while True:
             await asyncio.sleep(min(30.0, self.session_ttl_s / 3))
-            self.expire()
+            try:
+                self.expire()
+            except Exception:  # the loop must outlive one bad pass; the error goes to the log
+                log.exception("training: session expiry failed")
 
     def _load(self) -> None:
         from rlhf.models import load_causal_lm, resolve_model_path  # noqa: PLC0415 - torch/transformers at start-up
@@ -269,8 +269,9 @@ class TrainingEngine:
         return job
 
     def _unload_session(self, session_id: str, why: str) -> concurrent.futures.Future | None:
-        model_ids = [m for m in self.runs if m.startswith(f"{session_id}:train:")]
-        model_ids += [m for m in self._created if m.startswith(f"{session_id}:train:") and m not in model_ids]
+        prefix = f"{session_id}:train:"
+        # list(...) copies in one step: the model's thread adds runs while this reads
+        model_ids = sorted({m for m in list(self.runs) + list(self._created) if m.startswith(prefix)})
         if not model_ids:
             return None
         # on the model's thread, after the requests already queued for these runs
@@ -292,9 +293,7 @@ class TrainingEngine:
         with self._lock:
             self._counter += 1
             request_id = f"{self.boot}-{self._counter}"
-        fut = self._worker.submit(fn, *args)
-        entry = _Future(owner, kind, fut)
-        fut.add_done_callback(lambda _f: setattr(entry, "done_at", time.monotonic()))
+        entry = _Future(owner, kind, self._worker.submit(fn, *args))
         with self._lock:
             self._futures[request_id] = entry
             self._trim()

@@ -46,7 +46,6 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
         cfg.actor.load,
         root=os.path.join(cfg.training.save, "tinker"),
         device=settings.device or cfg.training.device,
-        tokens=accepted,
         session_ttl_s=session_ttl(),
     )
     runner = ServiceRunner("training", settings, metrics)

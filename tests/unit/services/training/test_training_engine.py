@@ -35,7 +35,7 @@ def test_metrics_combine_as_the_sdk_combines_chunks():
 
 @pytest.fixture
 def engine(tiny_models, tmp_path):
-    e = TrainingEngine("tiny:policy", tmp_path, "cpu", tokens=["tml-test"])
+    e = TrainingEngine("tiny:policy", tmp_path, "cpu")
     e._load()
     run = e._new_run(OWNER, "s:train:0", LoraSpec(4, 0, True, True, True), None)
     with torch.no_grad():  # B away from zero, so that A gets gradients too
@@ -95,7 +95,7 @@ def test_inputs_the_loss_refuses_fail_before_any_gradient(engine):
 
 
 def test_sessions_without_heartbeats_have_their_runs_unloaded(tiny_models, tmp_path):
-    e = TrainingEngine("tiny:policy", tmp_path, "cpu", tokens=["tml-test"], session_ttl_s=60)
+    e = TrainingEngine("tiny:policy", tmp_path, "cpu", session_ttl_s=60)
     e._load()
     e.ready = True
     try:
