@@ -329,8 +329,8 @@ class TrainingEngine:
 
     async def retrieve(self, owner: str, request_id: str) -> tuple[str, Any]:
         """("pending", None) | ("done", result) | ("failed", (message, category))."""
-        boot = request_id.split("-", 1)[0]
-        if boot != self.boot:
+        boot, _, number = request_id.partition("-")
+        if boot != self.boot and len(boot) == len(self.boot) and number.isdigit():
             return "failed", (
                 f"request {request_id} was accepted by an earlier run of the training service, which stopped before "
                 "its result was retrieved; nothing of it is known now: reload your last checkpoint (load_state) and "
@@ -454,7 +454,13 @@ class TrainingEngine:
     def _write_run_json(self, run: Run) -> None:
         d = self.root / run_dir_name(run.model_id)
         d.mkdir(parents=True, exist_ok=True)
-        body = {"model_id": run.model_id, "owner": run.owner, "base_model": self.base_model, "lora": run.lora.to_json()}
+        body = {
+            "model_id": run.model_id,
+            "owner": run.owner,
+            "base_model": self.base_model,
+            "lora": run.lora.to_json(),
+            "user_metadata": run.user_metadata,
+        }
         _atomic_write(d / "run.json", json.dumps(body, indent=1))
 
     def info(self, owner: str, model_id: str) -> dict:
@@ -774,6 +780,8 @@ class TrainingEngine:
         for segment, kind in SEGMENTS.items():
             for folder in sorted((d / segment).glob("[!.]*")):
                 size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+                state = folder / "state.json"
+                meta = json.loads(state.read_text()).get("user_metadata") if state.is_file() else None
                 out.append(
                     {
                         "checkpoint_id": f"{segment}/{folder.name}",
@@ -782,6 +790,7 @@ class TrainingEngine:
                         "tinker_path": f"tinker://{run_id}/{segment}/{folder.name}",
                         "size_bytes": size,
                         "public": False,
+                        "user_metadata": meta,
                     }
                 )
         return out

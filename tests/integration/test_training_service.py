@@ -149,6 +149,8 @@ def test_losses_and_tokens_refused_at_request_time(shared):
         json={"path": "tinker://../weights/x", "optimizer": False, "model_id": tc.model_id},
     )
     assert r.status_code == 400 and "is not a training run id" in r.text
+    r = httpx.post(shared.http_url + "/api/v1/retrieve_future", headers=_headers(ALICE), json={"request_id": "nope"})
+    assert r.status_code == 404 and "is not known" in r.text
     # calls not built here are a 404 that says so (the SDK retries 5xx, not 404)
     r = httpx.post(shared.http_url + "/api/v1/create_sampling_session", headers=_headers(ALICE), json={})
     assert r.status_code == 404 and "not built in this service" in r.text
