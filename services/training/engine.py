@@ -58,6 +58,10 @@ MAX_RANK = 256
 LONG_POLL_S = 20.0
 KEEP_FUTURES = 4096  # finished futures kept for retrieval (oldest dropped first)
 SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
+# Checkpoint lifetimes the SDK documents for ttl_seconds: 1 hour to 10 years (None: never expires).
+MIN_TTL_S = 3600
+MAX_TTL_S = 10 * 365 * 86400
+CHECKPOINT_JSON = "checkpoint.json"
 # A session without a heartbeat for this long has its runs unloaded (the SDK heartbeats every 10 s).
 SESSION_TTL_S = 600.0
 # Padded tokens (rows x longest) of one forward; a batch is cut into micro-batches of at most this many.
@@ -266,7 +270,20 @@ class TrainingEngine:
         for sid in stale:
             self.sessions[sid].finished = "expired"
             job = self._unload_session(sid, f"its session sent no heartbeat for {self.session_ttl_s:.0f} s")
+        # checkpoints past their ttl_seconds, on the model's thread (never under a load of the same folder)
+        self._worker.submit(self.sweep_checkpoints, time.time())
         return job
+
+    def sweep_checkpoints(self, now: float) -> list[Path]:
+        """Delete the checkpoints whose ``ttl_seconds`` ran out by ``now`` (wall clock); returns their folders."""
+        gone = []
+        for record in self.root.glob(f"*/*/*/{CHECKPOINT_JSON}"):
+            folder = record.parent
+            if not folder.name.startswith(".") and _expired(folder, now):
+                shutil.rmtree(folder, ignore_errors=True)
+                gone.append(folder)
+                log.info("training: checkpoint %s expired", folder)
+        return gone
 
     def _unload_session(self, session_id: str, why: str) -> concurrent.futures.Future | None:
         prefix = f"{session_id}:train:"
@@ -603,18 +620,26 @@ class TrainingEngine:
     # ------------------------------------------------------------------------------------------------ checkpoints
 
     def save_weights(
-        self, owner: str, model_id: str, name: str | None, overwrite: bool, meta: dict | None, seq_id: int | None = None
+        self,
+        owner: str,
+        model_id: str,
+        name: str | None,
+        overwrite: bool,
+        meta: dict | None,
+        seq_id: int | None = None,
+        ttl_seconds: int | None = None,
     ) -> str:
         self._need_ready()
         run = self.run(owner, model_id)
         if (again := self._retry_of(model_id, seq_id)) is not None:
             return again
         name = _check_name(name or f"step-{run.steps:06d}", "checkpoint name")
+        record = checkpoint_record(meta, ttl_seconds)
         return self._submit_seq(
-            owner, model_id, seq_id, "save_weights", self._save_job, owner, model_id, name, overwrite, meta
+            owner, model_id, seq_id, "save_weights", self._save_job, owner, model_id, name, overwrite, record
         )
 
-    def _save_job(self, owner: str, model_id: str, name: str, overwrite: bool, meta: dict | None) -> dict:
+    def _save_job(self, owner: str, model_id: str, name: str, overwrite: bool, record: dict) -> dict:
         run = self.run(owner, model_id)
         final = self.root / run_dir_name(model_id) / "weights" / name
         if final.exists() and not overwrite:
@@ -639,10 +664,9 @@ class TrainingEngine:
             "lora": run.lora.to_json(),
             "steps": run.steps,
             "optimizer_steps": opt_steps,
-            "created": datetime.now(UTC).isoformat(),
-            "user_metadata": meta,
         }
         (tmp / "state.json").write_text(json.dumps(body, indent=1))
+        (tmp / CHECKPOINT_JSON).write_text(json.dumps(record, indent=1))
         _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -650,17 +674,26 @@ class TrainingEngine:
         _fsync_dir(final.parent)
         return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
 
-    def save_for_sampler(self, owner: str, model_id: str, name: str | None, seq_id: int | None = None) -> str:
+    def save_for_sampler(
+        self,
+        owner: str,
+        model_id: str,
+        name: str | None,
+        seq_id: int | None = None,
+        ttl_seconds: int | None = None,
+        meta: dict | None = None,
+    ) -> str:
         self._need_ready()
         run = self.run(owner, model_id)
         if (again := self._retry_of(model_id, seq_id)) is not None:
             return again
         name = _check_name(name or f"step-{run.steps:06d}", "sampler checkpoint name")
+        record = checkpoint_record(meta, ttl_seconds)
         return self._submit_seq(
-            owner, model_id, seq_id, "save_weights_for_sampler", self._sampler_job, owner, model_id, name
+            owner, model_id, seq_id, "save_weights_for_sampler", self._sampler_job, owner, model_id, name, record
         )
 
-    def _sampler_job(self, owner: str, model_id: str, name: str) -> dict:
+    def _sampler_job(self, owner: str, model_id: str, name: str, record: dict) -> dict:
         from peft import get_peft_model_state_dict  # noqa: PLC0415 - the lora extra
 
         from rlhf.lora import write_adapter  # noqa: PLC0415 - imports safetensors only, at first use
@@ -670,6 +703,8 @@ class TrainingEngine:
         tmp = final.parent / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
         tensors = get_peft_model_state_dict(self.peft, adapter_name=run.adapter)
         write_adapter(tmp, tensors, run.lora.rank, LORA_ALPHA, self._targets(run.lora), self.base_model)
+        (tmp / CHECKPOINT_JSON).write_text(json.dumps(record, indent=1))
+        _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -689,6 +724,8 @@ class TrainingEngine:
         state = json.loads(state_file.read_text())
         if state.get("owner") != owner:
             raise NotFound(f"checkpoint {path!r} does not exist", field="path")
+        if _expired(folder, time.time()):
+            raise NotFound(f"checkpoint {path!r} has expired (its ttl_seconds ran out)", field="path")
         if state.get("base_model") != self.base_model:
             # 400, not 409: the SDK resends 409s for minutes, and this one never changes
             raise InvalidArgument(
@@ -780,17 +817,20 @@ class TrainingEngine:
         for segment, kind in SEGMENTS.items():
             for folder in sorted((d / segment).glob("[!.]*")):
                 size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
-                state = folder / "state.json"
-                meta = json.loads(state.read_text()).get("user_metadata") if state.is_file() else None
+                record = _record(folder)
+                if _expired(folder, time.time()):
+                    continue
                 out.append(
                     {
                         "checkpoint_id": f"{segment}/{folder.name}",
                         "checkpoint_type": kind,
-                        "time": datetime.fromtimestamp(folder.stat().st_mtime, UTC).isoformat(),
+                        "time": record.get("created")
+                        or datetime.fromtimestamp(folder.stat().st_mtime, UTC).isoformat(),
                         "tinker_path": f"tinker://{run_id}/{segment}/{folder.name}",
                         "size_bytes": size,
                         "public": False,
-                        "user_metadata": meta,
+                        "user_metadata": record.get("user_metadata"),
+                        "expires_at": record.get("expires_at"),
                     }
                 )
         return out
@@ -849,6 +889,35 @@ def combine_metrics(parts: list[tuple[dict[str, float], int]]) -> dict[str, floa
         else:
             out[key] = float(sum(v * n for v, n in values) / sum(n for _, n in values))
     return out
+
+
+def checkpoint_record(meta: dict | None, ttl_seconds: int | None) -> dict:
+    """``checkpoint.json`` of a checkpoint folder: when it was made, when it expires (None: never), user metadata."""
+    if ttl_seconds is not None and not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
+        raise InvalidArgument(
+            f"ttl_seconds {ttl_seconds} must be from {MIN_TTL_S} (1 hour) to {MAX_TTL_S} (10 years), or null for never",
+            field="ttl_seconds",
+        )
+    now = time.time()
+    expires = None if ttl_seconds is None else now + ttl_seconds
+    return {
+        "created": datetime.fromtimestamp(now, UTC).isoformat(),
+        "expires_at": None if expires is None else datetime.fromtimestamp(expires, UTC).isoformat(),
+        "expires_unix": expires,
+        "user_metadata": meta,
+    }
+
+
+def _record(folder: Path) -> dict:
+    try:
+        return json.loads((folder / CHECKPOINT_JSON).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _expired(folder: Path, now: float) -> bool:
+    expires = _record(folder).get("expires_unix")
+    return expires is not None and expires <= now
 
 
 def _atomic_write(path: Path, text: str) -> None:

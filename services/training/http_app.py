@@ -107,6 +107,7 @@ class SaveForSamplerIn(_Req):
     kind: str = "snapshot"
     seq_id: int | None = None
     ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
 
 
 class LoadWeightsIn(_Req):
@@ -256,8 +257,9 @@ def build_app(engine: TrainingEngine, settings: ServiceSettings, metrics: Servic
 
     @app.post("/api/v1/save_weights", tags=["tinker"], summary="checkpoint adapter + optimizer (future)")
     async def save_weights(body: SaveWeightsIn, owner: str = owner_dep) -> dict:
-        _refuse(body.ttl_seconds is not None, "ttl_seconds: checkpoint expiry is not built; omit it", "ttl_seconds")
-        rid = engine.save_weights(owner, body.model_id, body.path, body.overwrite, body.user_metadata, body.seq_id)
+        rid = engine.save_weights(
+            owner, body.model_id, body.path, body.overwrite, body.user_metadata, body.seq_id, body.ttl_seconds
+        )
         return {"request_id": rid, "model_id": body.model_id}
 
     @app.post("/api/v1/save_weights_for_sampler", tags=["tinker"], summary="the adapter as a PEFT folder (future)")
@@ -269,8 +271,9 @@ def build_app(engine: TrainingEngine, settings: ServiceSettings, metrics: Servic
             "path",
         )
         _refuse(body.kind != "snapshot", f"kind {body.kind!r}: only snapshot saves are built", "kind")
-        _refuse(body.ttl_seconds is not None, "ttl_seconds: checkpoint expiry is not built; omit it", "ttl_seconds")
-        rid = engine.save_for_sampler(owner, body.model_id, body.path, body.seq_id)
+        rid = engine.save_for_sampler(
+            owner, body.model_id, body.path, body.seq_id, body.ttl_seconds, body.user_metadata
+        )
         return {"request_id": rid, "model_id": body.model_id}
 
     @app.post("/api/v1/load_weights", tags=["tinker"], summary="restore a checkpoint into a run, or a new run (future)")

@@ -175,7 +175,7 @@ def test_two_users_runs_on_one_base_are_isolated(shared):
     np.testing.assert_array_equal(before, after)  # alice's steps leave bob's run as it was
     assert _loss(alice) < _loss(bob)
     # bob cannot see or load alice's run
-    path = alice.save_state("a1").result().path
+    path = alice.save_state("a1", ttl_seconds=7200, user_metadata={"step": "3"}).result().path
     h = _headers(BOB)
     r = httpx.post(shared.http_url + "/api/v1/get_info", headers=h, json={"model_id": alice.model_id})
     assert r.status_code == 404
@@ -185,6 +185,8 @@ def test_two_users_runs_on_one_base_are_isolated(shared):
         _client(shared, BOB).create_training_client_from_state(path).result()
     listed = httpx.get(f"{shared.http_url}/api/v1/training_runs/{alice.model_id}/checkpoints", headers=_headers(ALICE))
     assert [c["tinker_path"] for c in listed.json()["checkpoints"]] == [path]
+    assert listed.json()["checkpoints"][0]["user_metadata"] == {"step": "3"}
+    assert listed.json()["checkpoints"][0]["expires_at"] is not None
     # memory: every run is an adapter + its Adam moments beside the one base
     mem = httpx.get(shared.http_url + "/v1/info", headers=_headers(ALICE)).json()
     per_run = mem["run_bytes"][alice.model_id]

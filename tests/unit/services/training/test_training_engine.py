@@ -38,6 +38,7 @@ def engine(tiny_models, tmp_path):
     e = TrainingEngine("tiny:policy", tmp_path, "cpu")
     e._load()
     run = e._new_run(OWNER, "s:train:0", LoraSpec(4, 0, True, True, True), None)
+    e._write_run_json(run)
     with torch.no_grad():  # B away from zero, so that A gets gradients too
         for p in run.params.values():
             p.add_(0.01 * torch.randn_like(p))
@@ -123,3 +124,20 @@ def test_sessions_without_heartbeats_have_their_runs_unloaded(tiny_models, tmp_p
             e.run(OWNER, f"{alive}:train:0")
     finally:
         e.close()
+
+
+def test_checkpoints_expire_after_their_ttl(engine, tmp_path):
+    record = engine_mod.checkpoint_record({"note": "a"}, 3600)
+    engine._save_job(OWNER, "s:train:0", "keep-an-hour", False, record)
+    engine._save_job(OWNER, "s:train:0", "forever", False, engine_mod.checkpoint_record(None, None))
+    listed = {c["checkpoint_id"]: c for c in engine.list_checkpoints(OWNER, "s:train:0")}
+    assert listed["weights/keep-an-hour"]["user_metadata"] == {"note": "a"}
+    assert listed["weights/keep-an-hour"]["expires_at"] is not None and listed["weights/forever"]["expires_at"] is None
+    assert engine.sweep_checkpoints(record["expires_unix"] - 1) == []
+    gone = engine.sweep_checkpoints(record["expires_unix"] + 1)
+    assert [p.name for p in gone] == ["keep-an-hour"]
+    assert [c["checkpoint_id"] for c in engine.list_checkpoints(OWNER, "s:train:0")] == ["weights/forever"]
+    with pytest.raises(engine_mod.NotFound, match="does not exist"):
+        engine._checkpoint(OWNER, "tinker://s:train:0/weights/keep-an-hour")
+    with pytest.raises(engine_mod.InvalidArgument, match="ttl_seconds 60 must be from 3600"):
+        engine_mod.checkpoint_record(None, 60)
