@@ -1,7 +1,7 @@
 """The tinker SDK's protobuf bodies <-> tensors: the forward_backward request in, the ForwardBackwardOutput out.
 
-Schema: proto/rlhf/v1/tinker.proto (the SDK's field numbers). Only dense tensors and encoded-text chunks are read;
-anything else is refused with a message naming it (sparse tensors, image and audio chunks are not built yet).
+Schema: proto/rlhf/v1/tinker.proto (the SDK's field numbers). Tensors dense or sparse CSR (densified, unlisted
+entries 0) and encoded-text chunks are read; image and audio chunks are refused with a message naming them.
 """
 
 from __future__ import annotations
@@ -35,16 +35,31 @@ class ForwardBackwardCall:
 
 
 def _tensor(msg: pb.Tensor, where: str) -> torch.Tensor:
-    if msg.WhichOneof("encoding") != "dense":
-        raise InvalidArgument(f"{where}: only dense tensors are supported (sparse CSR is not built yet)", field=where)
     dtype = _NUMPY.get(msg.dtype)
     if dtype is None:
         raise InvalidArgument(f"{where}: dtype {pb.DType.Name(msg.dtype)} is not float32 or int64", field=where)
+    if msg.WhichOneof("encoding") == "sparse_csr":
+        return _csr(msg, dtype, where)
     arr = np.frombuffer(msg.dense, dtype=dtype)
     shape = list(msg.shape) or [arr.size]
     if int(np.prod(shape)) != arr.size:
         raise InvalidArgument(f"{where}: shape {shape} does not match its {arr.size} values", field=where)
     return torch.from_numpy(arr.reshape(shape).copy())
+
+
+def _csr(msg: pb.Tensor, dtype, where: str) -> torch.Tensor:
+    """A 2-D tensor the SDK sent as CSR (``TensorData.from_torch_sparse``), dense, unlisted entries 0."""
+    shape = list(msg.shape)
+    if len(shape) != 2:
+        raise InvalidArgument(f"{where}: a sparse CSR tensor must be 2-D, got shape {shape}", field=where)
+    try:
+        values = torch.from_numpy(np.frombuffer(msg.sparse_csr.values, dtype=dtype).copy())
+        crow = torch.from_numpy(np.frombuffer(msg.sparse_csr.crow_indices, dtype=np.int64).copy())
+        col = torch.from_numpy(np.frombuffer(msg.sparse_csr.col_indices, dtype=np.int64).copy())
+        with torch.sparse.check_sparse_tensor_invariants():
+            return torch.sparse_csr_tensor(crow, col, values, shape, check_invariants=True).to_dense()
+    except (ValueError, RuntimeError) as err:
+        raise InvalidArgument(f"{where}: not a valid sparse CSR tensor of shape {shape}: {err}", field=where) from None
 
 
 def _tokens(datum: pb.Datum, where: str) -> torch.Tensor:

@@ -10,6 +10,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
 from rlhf.serving import InvalidArgument
+from rlhf.v1 import tinker_pb2 as pb
 from services.training.wire import decode_forward_backward, encode_forward_backward_output
 
 
@@ -58,6 +59,22 @@ def test_the_sdk_reads_what_we_encode():
     assert len(out.loss_fn_outputs) == 2
     assert out.loss_fn_outputs[0]["logprobs"].to_numpy().tolist() == [-1.0, -2.5, -0.25]
     assert out.loss_fn_outputs[1]["logprobs"].to_numpy().tolist() == [-3.0]
+
+
+def test_sparse_top_k_targets_arrive_dense():
+    targets = torch.tensor([[7, 0, 0, 0], [0, 9, 0, 0], [0, 0, 0, 3]])  # mostly zero: the SDK sends CSR
+    sparse = types.TensorData.from_torch_sparse(targets)
+    assert sparse.sparse_crow_indices is not None
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7]),
+        loss_fn_inputs={"target_tokens": sparse, "weights": types.TensorData.from_torch(torch.ones(3, 4))},
+    )
+    call = decode_forward_backward(_sdk_body([datum]))
+    assert torch.equal(call.data[0].inputs["target_tokens"], targets)
+    bad = pb.ForwardBackwardRequest.FromString(_sdk_body([datum]))
+    bad.data[0].loss_fn_inputs["target_tokens"].sparse_csr.col_indices = np.array([9, 9, 9], np.int64).tobytes()
+    with pytest.raises(InvalidArgument, match="not a valid sparse CSR tensor"):
+        decode_forward_backward(bad.SerializeToString())
 
 
 def test_refuses_what_it_cannot_read():
