@@ -8,6 +8,7 @@ import httpx
 import numpy as np
 import pytest
 import tinker
+import torch
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
@@ -90,6 +91,18 @@ def test_sdk_supervised_steps_lower_the_loss(shared):
     # loss:sum is -sum of the log-probs of the targets (weights 1): the outputs and the metric agree
     total = sum(-o["logprobs"].to_numpy().sum() for o in out.loss_fn_outputs)
     assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-5)
+    # top-K targets (19, 8), mostly 0: as torch tensors the SDK sends them as sparse CSR; column 0 is the datum's
+    # own target
+    top_k = torch.zeros((19, 8), dtype=torch.int64)
+    top_k[:, 0] = BATCH[0].loss_fn_inputs["target_tokens"].to_torch()
+    weights = torch.zeros((19, 8))
+    weights[:, 0] = 1.0
+    datum = types.Datum(model_input=BATCH[0].model_input, loss_fn_inputs={"target_tokens": top_k, "weights": weights})
+    assert datum.loss_fn_inputs["target_tokens"].sparse_crow_indices is not None
+    k_out = tc.forward([datum], "cross_entropy").result()
+    k_lp = k_out.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert k_lp.shape == (19, 8)
+    np.testing.assert_allclose(k_lp[:, 0], lp, rtol=1e-5)
 
 
 def test_sdk_rl_step_with_importance_sampling(shared):
