@@ -23,7 +23,7 @@ from typing import Any
 
 from services import eval_run, launcher, report
 
-SERVICES = ("rollout", "reward", "reference", "trainer", "environment")
+SERVICES = ("rollout", "reward", "reference", "trainer", "environment", "training")
 
 log = logging.getLogger("rlhf.cli")
 

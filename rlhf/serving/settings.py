@@ -242,6 +242,8 @@ LIBRARY_ENV_VARS = (
     "RLHF_ROLLOUT_RPC_TIMEOUT_S",  # services.rollout.worker: deadline of reward/reference calls
     "RLHF_ROLLOUT_CATCH_UP_WAIT_S",  # services.rollout.worker: wait for the trainer's push before taking jobs behind
     "RLHF_WEIGHTS_INPLACE_LOAD_BYTES",  # services.rollout.vllm_weights: updates this large load in place as they arrive
+    "RLHF_TRAINING_TOKENS",  # services.training: more users' tokens beside RLHF_API_TOKEN (comma-separated)
+    "RLHF_TRAINING_SESSION_TTL_S",  # services.training: unload a session's runs after this long without a heartbeat
 )
 
 # Every RLHF_* variable the project reads: one list, in place (register_env_var appends to it), so every importer
