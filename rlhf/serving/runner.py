@@ -237,6 +237,10 @@ class ServiceRunner:
             ("grpc.so_reuseport", 0),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000),
         ]
+        if s.grpc_max_connection_age_s > 0:
+            # A client keeps one connection to a Service's pod: without an age, replicas a scale-out adds get no
+            # calls from the clients that were already there. No age grace: the calls in flight finish.
+            server_options.append(("grpc.max_connection_age_ms", int(s.grpc_max_connection_age_s * 1000)))
         server = grpc.aio.server(options=server_options, interceptors=[DecodeErrorInterceptor()])
         for add_fn, servicer in self._grpc_adders:
             if servicer is not None:

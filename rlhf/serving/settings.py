@@ -60,6 +60,12 @@ class ServiceSettings(BaseSettings):
     max_message_bytes: int = Field(64 * MiB, gt=0, description="largest gRPC message received (and sent)")
     max_body_bytes: int = Field(8 * MiB, gt=0, description="largest HTTP request body; larger gets 413")
     shutdown_grace_s: float = Field(10.0, ge=0, description="seconds in-flight requests get after SIGTERM")
+    grpc_max_connection_age_s: float = Field(
+        60.0,
+        ge=0,
+        description="a gRPC connection is asked to close (GOAWAY; its calls in flight finish) after about this "
+        "long, so that clients reconnect and spread over the replicas a scale-out added (0: never)",
+    )
     http_header_timeout_s: float = Field(
         10.0, gt=0, description="seconds an HTTP client has to send a request's line and headers (slow: closed, 408)"
     )

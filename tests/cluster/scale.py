@@ -67,6 +67,7 @@ REWARD_DELAY_S = 0.25
 TICK_S = 1.0  # the driver's period (KEDA polls every 30 s, the HPA syncs every 15 s by default: shortened to fit)
 SCALE_DOWN_WINDOW_S = 20.0  # the HPA's scale-down stabilization (default 300 s: shortened to fit)
 TOLERANCE = 0.1  # the HPA's: no change while metric / (target * replicas) is within 10% of 1
+CONNECTION_AGE_S = 10  # RLHF_GRPC_MAX_CONNECTION_AGE_S: rollouts move to a reward replica added within ~10 s
 GRACE_S = 20  # RLHF_SHUTDOWN_GRACE_S of the replicas (the pods' termination grace covers it)
 
 # The metrics the triggers read, one place to switch. Rollout: the prompts stream's lag (entries not yet delivered to
@@ -199,6 +200,7 @@ class Fleet(Cluster):
         env = super().env("reference", host)  # the shared part (no peer addresses)
         env.setdefault("PYTHONPATH", str(REPO))  # this tree's code (the venv's `rlhf` may be another checkout's)
         env["RLHF_SHUTDOWN_GRACE_S"] = str(GRACE_S)
+        env["RLHF_GRPC_MAX_CONNECTION_AGE_S"] = str(CONNECTION_AGE_S)
         if component in ("rollout", "trainer"):
             env.update(
                 RLHF_REDIS_URL=self.redis_url,

@@ -112,9 +112,11 @@ def test_settings_from_the_process_environment(monkeypatch):
 class ToyServicer(reward_pb2_grpc.RewardServiceServicer):
     def __init__(self, settings: ServiceSettings, metrics: ServiceMetrics):
         self.settings, self.metrics = settings, metrics
+        self.peers: list[str] = []  # each call's client address: a new connection has a new port
 
     @grpc_errors("Score")
     async def Score(self, request, context):
+        self.peers.append(context.peer())
         if not request.items:
             raise InvalidArgument("items is empty: send at least one item", "items")
         prompt = request.items[0].prompt
@@ -338,6 +340,41 @@ def test_graceful_stop_lets_inflight_requests_finish():
             assert seen == [(False, False, False)]
 
     run_with(toy_runner(), body)
+
+
+def test_connections_are_aged_out_without_failing_a_call():
+    """RLHF_GRPC_MAX_CONNECTION_AGE_S: the server asks a client to reconnect (so a scale-out's new replicas get
+    calls); the client moves to a new connection, and a call in flight when the age passes finishes."""
+    runner = toy_runner(grpc_max_connection_age_s=0.5)
+
+    async def body(runner, http):
+        servicer = runner._grpc_adders[0][1]
+        async with channel(runner) as ch:
+            stub = reward_pb2_grpc.RewardServiceStub(ch)
+            slow = reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="slow")])  # 1 s: past the age
+            fast = reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="p")])
+            results = [await stub.Score(slow)]
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 2.0:
+                results.append(await stub.Score(fast))
+                await asyncio.sleep(0.05)
+        assert all(r.results[0].score == 1.0 for r in results)
+        assert len(set(servicer.peers)) >= 3, servicer.peers  # reconnected, more than once
+
+    run_with(runner, body)
+
+    never = toy_runner(grpc_max_connection_age_s=0)
+
+    async def one_connection(runner, http):
+        servicer = runner._grpc_adders[0][1]
+        async with channel(runner) as ch:
+            stub = reward_pb2_grpc.RewardServiceStub(ch)
+            for _ in range(10):
+                await stub.Score(reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="p")]))
+                await asyncio.sleep(0.1)
+        assert len(set(servicer.peers)) == 1
+
+    run_with(never, one_connection)
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
