@@ -63,7 +63,9 @@ ROLLOUTS = ["rollout-0", "rollout-1", "rollout-2"]
 REWARDS = ["reward-0", "reward-1"]
 HOSTS = ["redis", "reference", *REWARDS, *ROLLOUTS, "trainer"]
 INFLIGHT_JOBS = 4  # RLHF_ROLLOUT_MAX_INFLIGHT_JOBS: a replica holds this many jobs
-REWARD_DELAY_S = 0.25
+REWARD_DELAY_S = 0.25  # a reward item's cost in the heavy phase (none in the light one)
+HOLD_S = 10.0  # a phase ends once the fleet has been at its goal this long
+PHASE_MAX_S = 75.0
 TICK_S = 1.0  # the driver's period (KEDA polls every 30 s, the HPA syncs every 15 s by default: shortened to fit)
 SCALE_DOWN_WINDOW_S = 20.0  # the HPA's scale-down stabilization (default 300 s: shortened to fit)
 TOLERANCE = 0.1  # the HPA's: no change while metric / (target * replicas) is within 10% of 1
@@ -160,6 +162,8 @@ class Fleet(Cluster):
         self.lock = threading.Lock()
         self.events: list[dict] = []  # each replica started or stopped
         self.decisions: list[dict] = []  # each change of a service's desired size
+        self.phases: list[dict] = []  # the load's changes (set_load)
+        self.phase = "heavy"
         self.joins: list[dict] = []
         self.drains: list[dict] = []
         self.pushes: dict[str, float] = {h: 0.0 for h in [*ROLLOUTS, *REWARDS]}  # see note_counters
@@ -225,13 +229,16 @@ class Fleet(Cluster):
     def start(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         cfg = experiment()
-        cfg["reward"] = {"scorers": [{"type": "rule", "name": "_scale_rule:slow", "kwargs": {"delay": REWARD_DELAY_S}}]}
+        self.load = self.dir / "reward-delay"  # the load's knob: seconds a reward item costs, read at every item
+        self.set_load("heavy")
+        cfg["reward"] = {"scorers": [{"type": "rule", "name": "_scale_rule:slow", "kwargs": {"path": str(self.load)}}]}
         self.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
         rules = self.dir / "rules"
         rules.mkdir(parents=True, exist_ok=True)
         (rules / "_scale_rule.py").write_text(
-            "import time\n\n\ndef slow(prompt, response, label, delay=0.25):\n"
-            "    time.sleep(delay)\n    return sum(c.isalpha() for c in response) / max(len(response), 1)\n"
+            "import time\n\n\ndef slow(prompt, response, label, path):\n"
+            "    with open(path) as f:\n        time.sleep(float(f.read() or 0))\n"
+            "    return sum(c.isalpha() for c in response) / max(len(response), 1)\n"
         )
         build_tiny(self.dir / "cache" / "tiny")
         self.net.create()
@@ -294,6 +301,8 @@ class Fleet(Cluster):
         rep = self.replicas[host]
         proc = self.proc(host)
         while not http_ready(self.url(host), timeout=2):
+            if rep.state != "starting":  # scaled in before it was ready: leave() has it
+                return
             if proc.poll() is not None:
                 say(f"{host} exited with {proc.poll()} while starting:\n{proc.log_tail()}")
                 with self.lock:
@@ -302,6 +311,8 @@ class Fleet(Cluster):
             time.sleep(0.3)
         ready = time.monotonic()
         with self.lock:
+            if rep.state != "starting":  # scaled in before it was ready: it never joins
+                return
             rep.state = "serving"
         self.write_endpoints()
         record = {"service": kind, "host": host, "ready_s": round(ready - rep.started, 2)}
@@ -407,6 +418,31 @@ class Fleet(Cluster):
     def t(self) -> float:
         return round(time.monotonic() - self.t0, 1)
 
+    def set_load(self, phase: str) -> None:
+        """``heavy``: a reward item costs ``REWARD_DELAY_S`` (rollouts wait on reward, jobs back up); ``light``: none
+        (the trainer is the bottleneck, the queue runs dry)."""
+        self.phase = phase
+        self.load.write_text(str(REWARD_DELAY_S if phase == "heavy" else 0.0))
+        self.phases.append({"t": self.t(), "load": phase})
+        say(f"load: {phase}")
+
+    def next_phase(self, now: float) -> None:
+        """The demand the harness plays: heavy until both services have served at their maximum for ``HOLD_S``,
+        then light until both are back at their minimum for ``HOLD_S``; each phase ``PHASE_MAX_S`` at most."""
+        at = ROLLOUTS, REWARDS
+        with self.lock:
+            serving = [sum(self.replicas[h].state == "serving" for h in hosts) for hosts in at]
+            busy = any(r.state in ("starting", "draining") for r in self.replicas.values())
+        goal = [len(h) for h in at] if self.phase == "heavy" else [1, 1]
+        if serving != goal or busy:
+            self.held_since = None
+        elif self.held_since is None:
+            self.held_since = now
+        since = self.phase_started
+        if (self.held_since is not None and now - self.held_since >= HOLD_S) or now - since >= PHASE_MAX_S:
+            self.set_load("light" if self.phase == "heavy" else "heavy")
+            self.phase_started, self.held_since = now, None
+
     def drive(self, seconds: float, need: int = 2) -> dict:
         """The autoscaler's loop for ``seconds`` at most, or until both services scaled out and in ``need`` times
         and a replica was killed mid-drain, with no replica starting or draining."""
@@ -415,8 +451,10 @@ class Fleet(Cluster):
         samples: dict[str, list[tuple[float, float]]] = {}  # reward replica -> (time, counter) in the window
         self.metric_log: list[tuple[float, float, float]] = []  # (t, rollout metric, reward metric)
         end = time.monotonic() + seconds
+        self.phase_started, self.held_since = time.monotonic(), None
         while time.monotonic() < end:
             now = time.monotonic()
+            self.next_phase(now)
             stats = self.redis_call(lambda r: queue_stats(r, RUN_ID))
             lag = float(getattr(stats, ROLLOUT_METRIC))
             with self.lock:
@@ -577,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
                 "reward": max((m[2] for m in fleet.metric_log), default=None),
             },
             "targets": {"rollout": ROLLOUT_TARGET, "reward": REWARD_TARGET, "scale_down_window_s": SCALE_DOWN_WINDOW_S},
+            "load_phases": fleet.phases,
             "decisions": fleet.decisions,
             "scaling": fleet.events,
         }
