@@ -84,6 +84,14 @@ chaos: $(VENV)/.stamp  ## a ring under scripted faults (kill -9 of each service,
 cluster-check: $(VENV)/.stamp  ## the ring on 9 network-namespace hosts under network faults (root; ~5 min): one JSON line
 	$(PY) -m tests.cluster.run --out .cache/cluster.json $(CLUSTER_ARGS)
 
+# The elastic fleet on network-namespace hosts: rollout 1 -> 3 -> 1 and reward 1 -> 2 -> 1 twice, driven by KEDA's
+# arithmetic on the metrics the services publish, one replica killed -9 mid-drain; the ledger as cluster-check's; one
+# JSON line, also in .cache/scale.json. About 5-6 minutes; not part of `make test` (docs/reliability.md, "An elastic
+# fleet"). Leftovers of a killed run: $(PY) -m tests.cluster.scale --cleanup
+.PHONY: scale-check
+scale-check: $(VENV)/.stamp  ## rollout and reward scaled out and in mid-run on netns hosts (root; ~6 min): one JSON line
+	$(PY) -m tests.cluster.scale --out .cache/scale.json $(SCALE_ARGS)
+
 # The CUDA device check (docs/device-check.md). It runs on a GPU host's own python3 and torch, from the tree (the
 # project is not installed there: that would replace its torch); what that host lacks travels in .whl/ (git-ignored;
 # name it in the device tool's `carry`), made here by device-bundle: wheels for Python 3.12 and Debian's redis-server.

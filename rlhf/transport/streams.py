@@ -109,6 +109,10 @@ return {r[1], #r[2]}
 """
 
 
+# The idle time a handed-back entry gets (a day): past every consumer's reclaim threshold.
+HANDED_BACK_IDLE_MS = 86_400_000
+
+
 @dataclass
 class _ConsumerState:
     draining: bool = True  # still returning this consumer's own pending entries (id cursor), before ">"
@@ -336,6 +340,19 @@ class _StreamQueue(Generic[M]):
         if st.draining:
             st.skip.update(e for e, _ in out)
         return out
+
+    async def hand_back(self, consumer: str, entry_ids: Sequence[str]) -> int:
+        """Give up ``consumer``'s pending ``entry_ids`` without finishing them (a replica leaving): each stays
+        pending, its idle time set past any reclaim threshold (XCLAIM IDLE, JUSTID: not counted as a delivery), so
+        the next :meth:`reclaim` of any live consumer takes it instead of waiting out the idle timeout. Returns how
+        many were still pending."""
+        if not entry_ids:
+            return 0
+        await self._ready()
+        ids = await self.redis.xclaim(
+            self.stream, self.group, consumer, 0, list(entry_ids), idle=HANDED_BACK_IDLE_MS, justid=True
+        )
+        return len(ids)
 
     async def recover(self, consumer: str, min_idle_ms: int = 0) -> int:
         """Give ``consumer`` every entry pending in the group (idle at least ``min_idle_ms``); the next

@@ -126,6 +126,10 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
         )
         worker = maybe_start_worker(engine, settings, cfg, metrics=metrics)
 
+    # SIGTERM (a scale-in, a preStop hook): the worker stops reading jobs at once, before the servers' grace period;
+    # shutdown() then waits for its jobs in flight (docs/reliability.md, "An elastic fleet")
+    runner.add_stop_hook(lambda: worker.stop() if worker is not None else None)
+
     async def shutdown() -> None:
         if worker is not None:
             await worker.aclose()

@@ -59,6 +59,7 @@ class WorkerStats:
     duplicates: int = 0  # finished, but another replica had already acked the job (nothing written)
     reclaimed: int = 0  # jobs taken over from idle consumers
     dead_lettered: int = 0  # refused by the engine as invalid
+    handed_back: int = 0  # unfinished when the drain ended: left for another replica's next reclaim
     failed: dict[str, int] = field(default_factory=dict)  # kind -> count (jobs left pending)
     samples: int = 0
     started_at: float = field(default_factory=time.monotonic)
@@ -399,16 +400,38 @@ class RolloutWorker:
             stop_wait.cancel()
 
     async def _drain(self) -> None:
-        tasks = list(self._inflight.values())
-        if not tasks:
+        """Finish the jobs in flight (up to ``drain_s``), then hand back the rest: they stay pending in Redis with
+        an idle time past every threshold, so another replica's next reclaim pass takes them (a replica killed here
+        hands back nothing: its jobs are reclaimed after the idle timeout instead)."""
+        inflight = dict(self._inflight)
+        if not inflight:
             return
-        log.info("%s: waiting up to %.1fs for %d job(s) in flight", self.replica_id, self.drain_s, len(tasks))
-        _, pending = await asyncio.wait(tasks, timeout=self.drain_s)
-        for t in pending:  # left pending in Redis: another replica reclaims them
+        t0 = time.monotonic()
+        log.info("%s: waiting up to %.1fs for %d job(s) in flight", self.replica_id, self.drain_s, len(inflight))
+        _, pending = await asyncio.wait(inflight.values(), timeout=self.drain_s)
+        for t in pending:
             t.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-            log.warning("%s: %d job(s) left unacknowledged for another replica", self.replica_id, len(pending))
+            left = [e for e, t in inflight.items() if t in pending]
+            if not self._stop.is_set():  # cancelled, not stopped (a crash path): reclaimed after the idle timeout
+                log.warning("%s: %d job(s) left unacknowledged for another replica", self.replica_id, len(left))
+                return
+            try:
+                handed = await self._prompts.hand_back(self.replica_id, left)
+                self.stats.handed_back += handed
+                log.warning("%s: %d job(s) handed back to the other replicas", self.replica_id, handed)
+            except Exception as err:  # noqa: BLE001 - left pending: reclaimed after the idle timeout
+                log.warning(
+                    "%s: %d job(s) left unacknowledged for another replica (%s)", self.replica_id, len(left), err
+                )
+        log.info(
+            "%s: drained in %.2fs: %d job(s) finished, %d not",
+            self.replica_id,
+            time.monotonic() - t0,
+            len(inflight) - len(pending),
+            len(pending),
+        )
 
     # ------------------------------------------------------------------------------------------------ one job
 

@@ -319,6 +319,89 @@ def test_dead_worker_job_is_reclaimed_and_written_once(engine, services, redis_s
     asyncio.run(body())
 
 
+class _Gate:
+    """Wraps an engine; generate() waits until ``release`` is set, then generates (jobs held in flight)."""
+
+    def __init__(self, engine):
+        self._e = engine
+        self.entered = 0
+        self.release = asyncio.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._e, name)
+
+    async def generate(self, prompts, params):
+        self.entered += 1
+        await self.release.wait()
+        return await self._e.generate(prompts, params)
+
+
+def test_a_leaving_replica_reads_nothing_more_and_finishes_its_jobs_in_flight(engine, services, redis_server):
+    """Scale-in (SIGTERM -> stop()): the replica stops reading at once, finishes the jobs it holds, and leaves the
+    rest undelivered for the replicas that stay."""
+
+    async def body():
+        await engine.start()
+        redis = connect(redis_server.url)
+        pq, eq = PromptQueue(redis, RUN), ExperienceQueue(redis, RUN)
+        for job in _jobs(6, engine.tokenizer, prefix="leave"):
+            await pq.publish(job)
+        gate = _Gate(engine)
+        worker = _worker(gate, redis_server, services, replica="leaving", max_inflight_jobs=2, drain_s=30.0)
+        task = asyncio.create_task(worker.run())
+        while gate.entered < 2:
+            await asyncio.sleep(0.02)
+        worker.stop()
+        await asyncio.sleep(0.3)  # a worker still reading would take more jobs here
+        gate.release.set()
+        await asyncio.wait_for(task, 30)
+        stats = await queue_stats(redis, RUN)
+        assert worker.stats.processed == 2 and worker.stats.handed_back == 0
+        assert (stats.experience_length, stats.prompts_pending, stats.prompts_backlog) == (2, 0, 4)
+        assert gate.entered == 2
+        assert len(await _read_experience(eq, 2, 5)) == 2
+        await redis.aclose()
+
+    asyncio.run(body())
+
+
+def test_jobs_unfinished_when_the_drain_ends_are_handed_back_not_left_idle(engine, services, redis_server):
+    """A drain that runs out (a job stuck past the grace period) hands its jobs back: another replica's next
+    reclaim pass takes them, long before the idle timeout (600 s here) would."""
+
+    async def body():
+        await engine.start()
+        redis = connect(redis_server.url)
+        pq, eq = PromptQueue(redis, RUN), ExperienceQueue(redis, RUN)
+        jobs = _jobs(2, engine.tokenizer, prefix="handback")
+        for job in jobs:
+            await pq.publish(job)
+        hung = _Hang(engine)
+        leaving = _worker(hung, redis_server, services, replica="leaving", drain_s=0.5, reclaim_idle_s=600)
+        task = asyncio.create_task(leaving.run())
+        await asyncio.wait_for(hung.entered.wait(), 10)
+        await asyncio.sleep(0.2)
+        assert (await queue_stats(redis, RUN)).prompts_pending == 2
+        leaving.stop()
+        await asyncio.wait_for(task, 10)
+        assert leaving.stats.handed_back == 2 and leaving.stats.processed == 0
+
+        t0 = time.monotonic()
+        stays = _worker(engine, redis_server, services, replica="stays", reclaim_idle_s=600, reclaim_interval_s=0.2)
+        stays_task = asyncio.create_task(stays.run())
+        records = await _read_experience(eq, 2, 30)
+        took = time.monotonic() - t0
+        await _stop(stays, stays_task)
+        assert sorted(r[1].job_id for r in records) == sorted(j.job_id for j in jobs)
+        assert {r[1].replica_id for r in records} == {"stays"} and stays.stats.reclaimed == 2
+        assert took < 30
+        # handed back, not re-delivered: the hand-back itself is not counted against max_deliveries
+        assert (await queue_stats(redis, RUN)).dead_letters == 0
+        await redis.aclose()
+
+    asyncio.run(body())
+
+
 def test_service_hook_scorer_errors_kept_and_invalid_jobs_dead_lettered(engine, services, redis_server):
     """The hook main.py uses (settings + RLHF_ROLLOUT_* env); a scorer's per-item error stays in the sample's
     score_status; a job the engine refuses as invalid is dead-lettered at once (it could never succeed)."""

@@ -318,7 +318,10 @@ def test_protected_calls_refused_when_server_has_no_token():
 
 
 def test_graceful_stop_lets_inflight_requests_finish():
+    seen: list = []  # the stop hook's view: readiness, and whether the requests in flight were still running
+
     async def body(runner, http):
+        runner.add_stop_hook(lambda: seen.append((runner._ready, g.done(), h.done())))
         async with channel(runner) as ch:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
             g = asyncio.ensure_future(stub.Score(reward_pb2.ScoreRequest(items=[reward_pb2.ScoreItem(prompt="slow")])))
@@ -332,6 +335,8 @@ def test_graceful_stop_lets_inflight_requests_finish():
             assert (await h).json() == {"done": True}
             assert (await g).results[0].score == 1.0
             assert time.perf_counter() - t0 < 3
+            # readiness off first, then the hook (the rollout worker stops reading), then the drain
+            assert seen == [(False, False, False)]
 
     run_with(toy_runner(), body)
 

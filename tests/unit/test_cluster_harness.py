@@ -46,3 +46,19 @@ def test_network_plan_names_links_within_linux_limits():
     assert [h.veth for h in net.hosts.values()] == ["rlhfc-v0", "rlhfc-v1"]
     assert all(len(n) <= 15 for n in [net.bridge, net.side_b, *(h.veth for h in net.hosts.values())])
     assert net.host("trainer-1").wrap(["true"]) == ["ip", "netns", "exec", "rlhfc-trainer-1", "true"]
+
+
+def test_scale_trigger_is_the_hpa_arithmetic():
+    """make scale-check's driver: desired = ceil(metric / target) clamped to [min, max], no change within the 10%
+    tolerance, up at once, down only to the highest recommendation of the stabilization window."""
+    from tests.cluster.scale import Trigger  # noqa: PLC0415 - the harness module: imported where it is tested
+
+    t = Trigger("rollout", target=4.0, min_replicas=1, max_replicas=3, window_s=20.0)
+    assert t.raw(12, 1) == 3 and t.raw(30, 1) == 3  # clamped to max
+    assert t.raw(0, 3) == 1 and t.raw(5, 1) == 2  # clamped to min; ceil
+    assert t.raw(8.5, 2) == 2  # 8.5 / (4 * 2) = 1.06: within the tolerance, no change
+    assert t.desired(12, 1, now=0.0) == 3  # up at once
+    assert t.desired(0, 3, now=5.0) == 3  # down: the window still holds the 3
+    assert t.desired(0, 3, now=19.0) == 3
+    assert t.desired(0, 3, now=21.0) == 1  # the 3 (t=0) left the window; the zeros since recommend 1
+    assert t.desired(6, 1, now=22.0) == 2
