@@ -130,6 +130,7 @@ class ServiceRunner:
         self._ready = False
         self._reason = "starting"
         self._checks: list[ReadinessCheck] = []
+        self._stop_hooks: list[Callable[[], Any]] = []
         self._stop = asyncio.Event()  # not bound to a loop until first awaited (3.10+)
         self._health: HealthServicer | None = None
         self._health_status: int | None = None
@@ -157,6 +158,11 @@ class ServiceRunner:
     def add_readiness_check(self, check: ReadinessCheck) -> None:
         """An extra condition for readiness (Redis reachable, peers up); sync or async, returning bool."""
         self._checks.append(check)
+
+    def add_stop_hook(self, hook: Callable[[], Any]) -> None:
+        """``hook()`` runs as a stop begins, with readiness off and before the servers stop: what must stop taking
+        work at once (the rollout worker's queue reads) rather than after the servers' grace period."""
+        self._stop_hooks.append(hook)
 
     # ------------------------------------------------------------------------------------------------ readiness
 
@@ -365,6 +371,11 @@ class ServiceRunner:
 
     async def _graceful_stop(self, http_task, startup_task, watcher, shutdown) -> None:
         self.set_ready(False, "shutting down")
+        for hook in self._stop_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("%s: error in a stop hook", self.name)
         if self._health is not None:
             with contextlib.suppress(Exception):
                 await self._health.enter_graceful_shutdown()
