@@ -16,6 +16,7 @@ import yaml
 from rlhf.config import ExperimentConfig
 from services import launcher, plan
 from services.cli import main as cli_main
+from services.devices import DevicePlan
 from tests.support.up import REPO, demo_config
 
 
@@ -27,6 +28,14 @@ def test_plan_puts_the_training_service_in_the_first_stage_on_the_trainers_devic
     assert len({p for s in specs for p in (s.grpc_port, s.http_port)}) == 10
     off = plan.plan_services(redis_url="u", run_id="r", api_token="t", run_dir=tmp_path)
     assert "training" not in [s.service for s in off]
+    devices = DevicePlan("CUDA_VISIBLE_DEVICES", trainer=["0"], rollouts=[["1"]], reference=["2"], reward=["3"])
+    placed = {
+        s.name: s.env["CUDA_VISIBLE_DEVICES"]
+        for s in plan.plan_services(
+            redis_url="u", run_id="r", api_token="t", run_dir=tmp_path, training_service=True, devices=devices
+        )
+    }
+    assert placed == {"reward": "3", "reference": "2", "training": "0", "rollout": "1", "trainer": "0"}
 
 
 @pytest.mark.parametrize(
