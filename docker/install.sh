@@ -10,11 +10,16 @@ set -eu
 cmd=$1
 src=$2
 
-case "$cmd" in
-deps)
+# the base's accelerator stack, pinned as it ships: /tmp/base-constraints.txt
+base_constraints() {
     python3 -m pip list --format=freeze 2>/dev/null \
         | grep -iE '^(torch|torch[-_][a-z0-9_-]*|vllm[a-z0-9_-]*|triton[a-z0-9_-]*|nvidia[-_][a-z0-9_-]*|transformers)==' \
         > /tmp/base-constraints.txt || true
+}
+
+case "$cmd" in
+deps)
+    base_constraints
     python3 - "$src/pyproject.toml" > /tmp/requirements.txt <<'PY'
 import re
 import sys
@@ -29,9 +34,7 @@ PY
     rm -f /tmp/base-constraints.txt /tmp/requirements.txt
     ;;
 extra)
-    python3 -m pip list --format=freeze 2>/dev/null \
-        | grep -iE '^(torch|torch[-_][a-z0-9_-]*|vllm[a-z0-9_-]*|triton[a-z0-9_-]*|nvidia[-_][a-z0-9_-]*|transformers)==' \
-        > /tmp/base-constraints.txt || true
+    base_constraints
     python3 - "$src" "$3" > /tmp/requirements.txt <<'PY'
 import sys
 import tomllib
