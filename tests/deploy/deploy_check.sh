@@ -105,6 +105,8 @@ check "compose: + compose.npu.yaml + compose.npu-hccl.yaml (host network)" \
 check "compose: --profile training (training service)" compose -f docker-compose.yml --profile training config -q
 check "compose: + compose.gpu.yaml --profile training" compose -f docker-compose.yml -f compose.gpu.yaml \
     --profile training config -q
+check "compose: + compose.npu.yaml --profile training" compose -f docker-compose.yml -f compose.npu.yaml \
+    --profile training config -q
 check "compose: refuses to run without RLHF_API_TOKEN" compose_needs_token
 check "compose: + compose.environment.yaml (multi-turn episodes)" env RLHF_EXPERIMENT_CONFIG=./configs/demo.yaml \
     $DOCKER_COMPOSE -f docker-compose.yml -f compose.environment.yaml config -q

@@ -431,11 +431,14 @@ def test_training_service_is_a_profile_of_its_own(compose_files):
     assert not any("training" in (other.get("depends_on") or {}) for other in base.values()), "nothing waits on it"
     gpu = compose_files["compose.gpu.yaml"]["services"]["training"]
     assert gpu["image"].endswith("-cuda") and gpu["environment"]["RLHF_DEVICE"] == "cuda"
+    npu = compose_files["compose.npu.yaml"]["services"]["training"]
+    assert npu["environment"]["RLHF_DEVICE"] == "npu" and npu["devices"][0] == "/dev/davinci${RLHF_TRAINING_NPU:-4}"
 
 
-def test_training_profile_merged():
-    merged = _merged(("compose.gpu.yaml",))
+@pytest.mark.parametrize(("override", "flavour"), [("compose.gpu.yaml", "cuda"), ("compose.npu.yaml", "ascend-910b")])
+def test_training_profile_merged(override, flavour):
+    merged = _merged((override,))
     training = merged["training"]
-    assert training["profiles"] == ["training"] and training["image"].endswith("-cuda")
+    assert training["profiles"] == ["training"] and training["image"].endswith(f"-{flavour}")
     targets = [v["target"] if isinstance(v, dict) else v.split(":")[1] for v in training["volumes"]]
     assert targets.count("/etc/rlhf/config.yaml") == 1 and "/var/lib/rlhf/runs" in targets
