@@ -739,8 +739,9 @@ class EvalConfig(Section):
 
 
 class TrainingServiceConfig(Section):
-    """The training service (the tinker SDK's API, docs/tinker.md) under ``rlhf up``. The Helm chart
-    (``training.enabled``) and docker compose (``--profile training``) have their own switch and ignore this one."""
+    """The training service (the tinker SDK's API, docs/tinker.md) under ``rlhf up``. The Helm chart has its own switch
+    (``training.enabled``; it refuses a config with this one on while its own is off), docker compose its profile
+    (``--profile training``)."""
 
     enabled: bool = _f(
         False,

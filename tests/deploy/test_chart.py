@@ -1277,3 +1277,11 @@ def test_training_service_without_the_users_keys_fails_the_render(helm):
     assert proc.returncode != 0 and "needs training.auth.existingSecret" in proc.stderr, proc.stderr
     proc = helm_template(helm, *TRAINING_ON, "--set", "training.replicas=2", check=False)
     assert proc.returncode != 0 and "replicas" in proc.stderr, "one pod: the schema has no replicas"
+
+
+def test_the_configs_training_service_switch_is_not_ignored_by_the_chart(helm):
+    """training_service.enabled is rlhf up's switch: the chart refuses it unless its own is on too."""
+    asks = ("--set", "experiment.config.training_service.enabled=true")
+    proc = helm_template(helm, *asks, check=False)
+    assert proc.returncode != 0 and "which is rlhf up's switch" in proc.stderr, proc.stderr
+    assert render(helm, *asks, *TRAINING_ON).component("Deployment", "training")

@@ -901,6 +901,18 @@ spec:
 
 {{/* The users' keys come from a Secret of their own: the chart's API token is the admin token (weight sync, the
      trainer's admin calls), not one to hand to every SDK user, and the SDK sends only keys that start with tml-. */}}
+{{/* The config's training_service.enabled is `rlhf up`'s switch; the chart has its own (training.enabled). A config
+     that asks for the service under a release that leaves it off fails the render rather than being ignored. */}}
+{{- define "rlhf.trainingConfigGuard" -}}
+{{- if and (not .Values.training.enabled) (not .Values.experiment.existingConfigMap) }}
+{{- $cfg := include "rlhf.experimentYaml" . | fromYaml }}
+{{- $section := get $cfg "training_service" }}
+{{- if and (kindIs "map" $section) (get $section "enabled") }}
+{{- fail "the experiment config sets training_service.enabled, which is rlhf up's switch: in the chart the training service is training.enabled (with training.auth.existingSecret). Set those, or drop training_service from the config" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{- define "rlhf.trainingGuard" -}}
 {{- if not .Values.training.auth.existingSecret }}
 {{- fail "training.enabled needs training.auth.existingSecret: a Secret whose key training.auth.existingSecretKey (default training-tokens) holds the users' keys, comma-separated, each starting with tml- (kubectl create secret generic rlhf-training-tokens --from-literal=training-tokens=tml-alice,tml-bob)" }}
