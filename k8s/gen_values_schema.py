@@ -300,6 +300,20 @@ trainer_props["checkpoints"] = obj(
 )
 trainer = obj(trainer_props, required=["enabled", "image", "accelerator", "probes", "torchrun"])
 
+# The training service (tinker SDK API): one pod (sessions live in its memory), its checkpoints on a PVC like the
+# trainer's, the users' keys from a Secret.
+training_props = pod_common()
+training_props["strategy"] = {"$ref": "#/definitions/strategy"}
+training_props["checkpoints"] = trainer_props["checkpoints"]
+training_props["auth"] = obj(
+    {
+        "existingSecret": s("string", "Secret with the users' keys (RLHF_TRAINING_TOKENS); required when enabled"),
+        "existingSecretKey": s("string", "key of the keys in that Secret", minLength=1),
+    },
+    "the users' keys",
+)
+training = obj(training_props, required=["enabled", "image", "accelerator", "probes", "auth"])
+
 schema = {
     "$schema": "http://json-schema.org/draft-07/schema#",
     "title": "rlhf-pipeline Helm values",
@@ -474,6 +488,7 @@ schema = {
         "reference": stateless({"autoscaling": batching_autoscaling("reference")}),
         "environment": environment,
         "trainer": trainer,
+        "training": training,
         "redis": obj(
             {
                 "enabled": s("boolean", "run Redis in the chart"),

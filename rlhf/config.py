@@ -50,6 +50,7 @@ from rlhf.config_sections import (
     ScorerConfig,
     Section,
     TrainingConfig,
+    TrainingServiceConfig,
 )
 from rlhf.stages import Stage
 
@@ -75,6 +76,9 @@ class ExperimentConfig(Section):
     data: DataConfig = Field(DataConfig(), description="prompt data set")
     eval: EvalConfig = Field(EvalConfig(), description="evaluation on held-out prompts during training")
     environment: EnvironmentConfig = Field(EnvironmentConfig(), description="multi-turn episodes (environment service)")
+    training_service: TrainingServiceConfig = Field(
+        TrainingServiceConfig(), description="the training service (tinker SDK API) under rlhf up"
+    )
     # Keys of a MindSpeed config that do not apply here, one line each (config_compat); warned about once at start-up
     _notes: list[str] = PrivateAttr(default_factory=list)
     # MindSpeed keys read as a field here (actor_rollout.data_path as data.path), said at start-up beside the notes

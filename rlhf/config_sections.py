@@ -738,6 +738,18 @@ class EvalConfig(Section):
         return DataConfig(**fields)
 
 
+class TrainingServiceConfig(Section):
+    """The training service (the tinker SDK's API, docs/tinker.md) under ``rlhf up``. The Helm chart has its own switch
+    (``training.enabled``; it refuses a config with this one on while its own is off), docker compose its profile
+    (``--profile training``)."""
+
+    enabled: bool = _f(
+        False,
+        "rlhf up also starts `rlhf serve training` for the run's lifetime and prints its address; it needs "
+        "RLHF_TRAINING_TOKENS or RLHF_API_TOKEN (the keys the SDK sends, starting with tml-)",
+    )
+
+
 class EnvironmentConfig(Section):
     """Multi-turn episodes: the rollout replica alternates model turns with an environment service's steps (one
     environment instance per episode, rlhf.environments). Without a name every sample is one response, as before."""

@@ -1,7 +1,8 @@
 """``rlhf up``: a whole training run on one machine, every service as a local process.
 
 A private ``redis-server`` (unless ``RLHF_REDIS_URL`` names one), then reward and reference (and the environment
-service(s)), the rollout replica(s) and the trainer, each ``python -m services.cli serve NAME`` on free loopback
+service(s) and, with training_service.enabled, the training service), the rollout
+replica(s) and the trainer, each ``python -m services.cli serve NAME`` on free loopback
 ports and waited for (``GET /readyz``); one progress line per training step; plots when the trainer is done; a
 service that dies mid-run is restarted on its ports. The children are :mod:`rlhf.procs`' (own process groups).
 
@@ -187,6 +188,9 @@ class Launcher:
         from rlhf.serving import client_ssl_context
 
         self.ssl_context = client_ssl_context(settings)
+        if why := training_service_problem(cfg):
+            print(f"rlhf up: {why}", file=sys.stderr)
+            return 2
         if not self._preflight(cfg, config_path):
             return 2
         try:
@@ -319,6 +323,7 @@ class Launcher:
             devices=devices,
             trainer_procs=procs,
             environment_replicas=cfg.environment.replicas if cfg.environment.name else 0,
+            training_service=cfg.training_service.enabled,
         )
         if tls:
             self.say("TLS on: every service serves gRPC and HTTPS, every client verifies its peer")
@@ -335,7 +340,7 @@ class Launcher:
         trainer), each ready before the next begins; returns the trainer's process."""
         by_name = {s.name: s for s in specs}
         stages = [
-            [by_name["reward"], by_name["reference"], *(s for s in specs if s.service == "environment")],
+            [by_name["reward"], by_name["reference"], *(s for s in specs if s.service in ("environment", "training"))],
             [s for s in specs if s.service == "rollout"],
             [by_name["trainer"]],
         ]
@@ -343,6 +348,11 @@ class Launcher:
             started = [(spec, self._start(spec, config_path)) for spec in stage]
             self._wait_ready(started, may_finish=("trainer",))
         self._addr_names = {s.grpc_addr: s.name for s in specs if s.service == "rollout"}
+        if "training" in by_name:
+            self.say(
+                f"training service (tinker SDK): TINKER_BASE_URL={by_name['training'].http_url}, "
+                "keys from RLHF_TRAINING_TOKENS / RLHF_API_TOKEN (docs/tinker.md)"
+            )
         return next(c for c in self.children if c.name == "trainer")
 
     def _check_trainer_exit(self, trainer: Child, rc: int) -> None:
@@ -458,6 +468,22 @@ class Launcher:
         self.say("plots: " + ", ".join(str(p) for p in paths))
         self.say(f"run folder: {self.run_dir}")
         return 0
+
+
+def training_service_problem(cfg: ExperimentConfig, env: Mapping[str, str] | None = None) -> str | None:
+    """Why the config's training service could not serve anyone, or None. The SDK sends only keys that start with
+    ``tml-``, and the service accepts RLHF_API_TOKEN and RLHF_TRAINING_TOKENS: without such a key among them (rlhf up
+    would make up a random RLHF_API_TOKEN) every SDK call would be refused."""
+    if not cfg.training_service.enabled:
+        return None
+    env = os.environ if env is None else env
+    keys = [env.get("RLHF_API_TOKEN", ""), *env.get("RLHF_TRAINING_TOKENS", "").split(",")]
+    if any(k.strip().startswith("tml-") for k in keys):
+        return None
+    return (
+        "training_service.enabled: set RLHF_TRAINING_TOKENS (comma-separated keys, one per user) or RLHF_API_TOKEN to "
+        "a key that starts with tml- (the tinker SDK sends no other); the service would refuse every call"
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

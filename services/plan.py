@@ -61,12 +61,14 @@ def plan_services(
     devices: DevicePlan | None = None,
     trainer_procs: int = 1,
     environment_replicas: int = 0,
+    training_service: bool = False,
 ) -> list[ServiceSpec]:
     """The services of one run, in start order, with their ports and the ``RLHF_*`` variables each one needs.
     ``tls``: the services serve TLS (the certificate, key and CA come to them in the environment, as to ``rlhf up``).
     ``environment_replicas``: environment services (``environment.name`` set); rollout replica i uses i mod their
-    number, since an episode lives in one environment process."""
-    n = 3 + rollout_replicas + environment_replicas
+    number, since an episode lives in one environment process. ``training_service``: also the training service (the
+    tinker SDK's API, config ``training_service.enabled``), on the trainer's devices."""
+    n = 3 + rollout_replicas + environment_replicas + int(training_service)
     ports = list(ports) if ports is not None else free_ports(2 * n)
     if len(ports) < 2 * n:
         raise ValueError(f"need {2 * n} ports, got {len(ports)}")
@@ -117,12 +119,17 @@ def plan_services(
         },
         procs=trainer_procs,
     )
-    specs = [reward, reference, *environments, *rollouts, trainer]
+    # its own users' models (one LoRA adapter per SDK training client); RLHF_TRAINING_TOKENS comes from the launcher's
+    # environment like every variable not set here
+    training = [ServiceSpec("training", "training", next(it), next(it), dict(common))] if training_service else []
+    specs = [reward, reference, *environments, *training, *rollouts, trainer]
     for spec in specs:
         spec.tls = tls
         if devices is not None:  # resource_pool / num_gpus_for_*: each process sees only its own devices
-            # an environment service runs text tasks: it sees no accelerator
-            spec.env.update({devices.env_var: ""} if spec.service == "environment" else devices.env_for(spec.name))
+            if spec.service == "environment":  # text tasks: no accelerator
+                spec.env[devices.env_var] = ""
+            else:  # the training service has no resource_pool entry: it shares the trainer's devices
+                spec.env.update(devices.env_for("trainer" if spec.service == "training" else spec.name))
     return specs
 
 

@@ -102,6 +102,11 @@ check "compose: + compose.npu.yaml, RLHF_ASCEND_SOC=a3" env RLHF_ASCEND_SOC=a3 \
     $DOCKER_COMPOSE -f docker-compose.yml -f compose.npu.yaml config -q
 check "compose: + compose.npu.yaml + compose.npu-hccl.yaml (host network)" \
     compose -f docker-compose.yml -f compose.npu.yaml -f compose.npu-hccl.yaml config -q
+check "compose: --profile training (training service)" compose -f docker-compose.yml --profile training config -q
+check "compose: + compose.gpu.yaml --profile training" compose -f docker-compose.yml -f compose.gpu.yaml \
+    --profile training config -q
+check "compose: + compose.npu.yaml --profile training" compose -f docker-compose.yml -f compose.npu.yaml \
+    --profile training config -q
 check "compose: refuses to run without RLHF_API_TOKEN" compose_needs_token
 check "compose: + compose.environment.yaml (multi-turn episodes)" env RLHF_EXPERIMENT_CONFIG=./configs/demo.yaml \
     $DOCKER_COMPOSE -f docker-compose.yml -f compose.environment.yaml config -q
@@ -172,6 +177,13 @@ check "helm template | kubernetes-validate --strict (environment service, 2 repl
 check "helm template | kubernetes-validate --strict (weightSync.delta=auto)" validate --set weightSync.delta=auto
 check "refuses environment.enabled=true without the config's environment.name" \
     refuses_saying "sets no environment.name" --set environment.enabled=true
+check "helm lint --strict (training service on)" "$HELM" lint --strict "$CHART" --set training.enabled=true \
+    --set training.auth.existingSecret=rlhf-training-tokens
+check "helm template | kubernetes-validate --strict (training service on GPU; GPU values)" validate "${GPU[@]}" \
+    --set training.enabled=true --set training.auth.existingSecret=rlhf-training-tokens \
+    --set training.accelerator.type=nvidia
+check "refuses training.enabled without the users' keys Secret" \
+    refuses_saying "needs training.auth.existingSecret" --set training.enabled=true
 check "values.schema.json rejects trainer.kind (the trainer is always a Job)" refuses --set trainer.kind=StatefulSet
 check "values.schema.json rejects a misspelt key" refuses --set rollout.acelerator.type=nvidia
 check "values.schema.json rejects an unknown accelerator" refuses --set trainer.accelerator.type=tpu

@@ -1182,3 +1182,106 @@ def test_weight_sync_delta_sets_the_trainers_variable(rendered, helm):
 def test_weight_sync_delta_where_it_would_not_apply_fails_the_render(helm, extra, message):
     proc = helm_template(helm, "--set", "weightSync.delta=auto", *extra, check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- the training service (tinker SDK API)
+
+TRAINING_ON = ("--set", "training.enabled=true", "--set", "training.auth.existingSecret=rlhf-training-tokens")
+
+
+def _training_objects(r) -> list[dict]:
+    return [d for d in r.docs if d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == "training"]
+
+
+def test_training_service_is_off_by_default(rendered):
+    for name, r in rendered.items():
+        assert not _training_objects(r), name
+
+
+def test_training_service_on(helm):
+    r = render(helm, *TRAINING_ON)
+    assert sorted(d["kind"] for d in _training_objects(r)) == [
+        "Deployment",
+        "NetworkPolicy",
+        "PersistentVolumeClaim",
+        "PodDisruptionBudget",
+        "Service",
+    ]
+    dep = r.component("Deployment", "training")
+    # one process holds the sessions and runs; the RWO checkpoint volume moves to the new pod only after the old one
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    (c,) = containers(dep)
+    ns = parse_container_command(c["args"])
+    assert (ns.command, ns.service, ns.config) == ("serve", "training", "/etc/rlhf/config.yaml")
+    assert (ns.grpc_port, ns.http_port) == (50051, 8000)
+    assert c["image"] == "rlhf-pipeline/training:0.1.0-cpu"
+    env = env_of(c)
+    assert env["RLHF_TRAINING_TOKENS"]["valueFrom"]["secretKeyRef"] == {
+        "name": "rlhf-training-tokens",
+        "key": "training-tokens",
+    }, "the users' keys from their Secret, never from values"
+    assert "secretKeyRef" in env["RLHF_API_TOKEN"]["valueFrom"]
+    assert env["RLHF_DEVICE"]["value"] == "cpu" and "RLHF_REDIS_URL" not in env
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 600, "the model loads"
+    # checkpoints (<training.save>/tinker, training.save relative to the working directory) on the service's PVC
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["checkpoints"] == "/var/lib/rlhf/runs"
+    (cm,) = [x for x in r.kind("ConfigMap") if x["metadata"]["name"].endswith("-experiment")]
+    save = parse_config(yaml.safe_load(cm["data"]["config.yaml"])).training.save
+    assert str(Path("/var/lib/rlhf") / save).startswith(mounts["checkpoints"] + "/")
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    pvc = r.component("PersistentVolumeClaim", "training")
+    assert vols["checkpoints"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    assert pvc["metadata"]["name"] != r.component("PersistentVolumeClaim", "trainer")["metadata"]["name"]
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    svc = r.component("Service", "training")
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": 50051, "http": 8000}
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    assert svc["metadata"]["labels"]["rlhf-pipeline/metrics"] == "true", "the ServiceMonitor scrapes it"
+    assert r.component("PodDisruptionBudget", "training")["spec"]["maxUnavailable"] == 0
+    assert r.component("NetworkPolicy", "training")["spec"]["ingress"] == [], "no clients listed: nobody"
+    names = {e for w in r.workloads() for c in containers(w) for e in env_of(c)}
+    assert not unknown_env(names)
+
+
+def test_training_service_values(helm):
+    listed = render(helm, *TRAINING_ON, "--set-json", 'networkPolicy.clientsFrom=[{"podSelector": {}}]')
+    (http_rule,) = _rules_for_port(listed.component("NetworkPolicy", "training"), "http")
+    assert http_rule["from"] == [{"podSelector": {}}]
+    assert not _rules_for_port(listed.component("NetworkPolicy", "training"), "grpc"), "health only: no callers"
+    gpu = render(
+        helm,
+        *TRAINING_ON,
+        "--set",
+        "training.accelerator.type=nvidia",
+        "--set",
+        "training.accelerator.count=2",
+        "--set",
+        "training.checkpoints.persistence.existingClaim=tinker-ckpts",
+    )
+    dep = gpu.component("Deployment", "training")
+    (c,) = containers(dep)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" and c["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert env_of(c)["RLHF_DEVICE"]["value"] == "cuda" and c["image"].endswith("-cuda")
+    vols = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    assert vols["checkpoints"]["persistentVolumeClaim"]["claimName"] == "tinker-ckpts"
+    assert not [p for p in gpu.kind("PersistentVolumeClaim") if "training" in p["metadata"]["name"]]
+    ephemeral = render(helm, *TRAINING_ON, "--set", "training.checkpoints.persistence.enabled=false")
+    vols = {v["name"]: v for v in ephemeral.component("Deployment", "training")["spec"]["template"]["spec"]["volumes"]}
+    assert vols["checkpoints"] == {"name": "checkpoints", "emptyDir": {}}
+
+
+def test_training_service_without_the_users_keys_fails_the_render(helm):
+    proc = helm_template(helm, "--set", "training.enabled=true", check=False)
+    assert proc.returncode != 0 and "needs training.auth.existingSecret" in proc.stderr, proc.stderr
+    proc = helm_template(helm, *TRAINING_ON, "--set", "training.replicas=2", check=False)
+    assert proc.returncode != 0 and "replicas" in proc.stderr, "one pod: the schema has no replicas"
+
+
+def test_the_configs_training_service_switch_is_not_ignored_by_the_chart(helm):
+    """training_service.enabled is rlhf up's switch: the chart refuses it unless its own is on too."""
+    asks = ("--set", "experiment.config.training_service.enabled=true")
+    proc = helm_template(helm, *asks, check=False)
+    assert proc.returncode != 0 and "which is rlhf up's switch" in proc.stderr, proc.stderr
+    assert render(helm, *asks, *TRAINING_ON).component("Deployment", "training")

@@ -27,7 +27,8 @@ from rlhf.serving import ServiceSettings
 
 def test_base_file_runs_the_cpu_demo(compose_files):
     base = compose_files["docker-compose.yml"]["services"]
-    assert set(SERVICES) | {"redis", "models"} == set(base)
+    assert set(SERVICES) | {"redis", "models", "training"} == set(base)
+    assert [n for n, svc in base.items() if svc.get("profiles")] == ["training"], "the rest start by default"
     for name in SERVICES:
         svc = base[name]
         assert svc["build"]["args"]["ACCEL"] == "cpu" and svc["build"]["target"] == name
@@ -402,3 +403,42 @@ def test_environment_service_runs_as_the_override_defines_it(compose_files, tmp_
         assert ok.status_code == 200 and ok.json()["tools"], ok.text
     finally:
         child.stop(10)
+
+
+def test_training_service_is_a_profile_of_its_own(compose_files):
+    """`--profile training` adds the training service (tinker SDK API): the training image (trainer + peft), the
+    users' keys from the environment, its checkpoints on a volume of their own, the services' health check."""
+    base = compose_files["docker-compose.yml"]["services"]
+    svc = base["training"]
+    assert svc["profiles"] == ["training"]
+    assert svc["build"]["target"] == "training" and svc["build"]["args"] == {"ACCEL": "cpu"}
+    assert svc["image"] == "rlhf-pipeline/training:${RLHF_IMAGE_TAG:-0.1.0}-cpu"
+    ns = parse_container_command(svc["command"])
+    assert (ns.command, ns.service, ns.config, ns.grpc_port, ns.http_port) == (
+        "serve",
+        "training",
+        "/etc/rlhf/config.yaml",
+        50051,
+        8000,
+    )
+    env = svc["environment"]
+    assert env["RLHF_API_TOKEN"] == "${RLHF_API_TOKEN:?set RLHF_API_TOKEN}"
+    assert env["RLHF_TRAINING_TOKENS"] == "${RLHF_TRAINING_TOKENS:-}" and env["RLHF_DEVICE"] == "cpu"
+    assert "training-runs:/var/lib/rlhf/runs" in svc["volumes"] and "runs:/var/lib/rlhf/runs" not in svc["volumes"]
+    assert "training-runs" in compose_files["docker-compose.yml"]["volumes"]
+    assert svc["healthcheck"]["test"] == ["CMD", "python3", "/opt/rlhf/healthcheck.py"]
+    assert svc["depends_on"] == {"models": {"condition": "service_completed_successfully"}}
+    assert not any("training" in (other.get("depends_on") or {}) for other in base.values()), "nothing waits on it"
+    gpu = compose_files["compose.gpu.yaml"]["services"]["training"]
+    assert gpu["image"].endswith("-cuda") and gpu["environment"]["RLHF_DEVICE"] == "cuda"
+    npu = compose_files["compose.npu.yaml"]["services"]["training"]
+    assert npu["environment"]["RLHF_DEVICE"] == "npu" and npu["devices"][0] == "/dev/davinci${RLHF_TRAINING_NPU:-4}"
+
+
+@pytest.mark.parametrize(("override", "flavour"), [("compose.gpu.yaml", "cuda"), ("compose.npu.yaml", "ascend-910b")])
+def test_training_profile_merged(override, flavour):
+    merged = _merged((override,))
+    training = merged["training"]
+    assert training["profiles"] == ["training"] and training["image"].endswith(f"-{flavour}")
+    targets = [v["target"] if isinstance(v, dict) else v.split(":")[1] for v in training["volumes"]]
+    assert targets.count("/etc/rlhf/config.yaml") == 1 and "/var/lib/rlhf/runs" in targets

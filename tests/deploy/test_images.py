@@ -52,6 +52,18 @@ def test_one_target_per_service_on_every_base():
         )
 
 
+def test_training_target_is_the_trainer_image_with_peft():
+    """The training service needs peft (the lora extra), which the other images leave out."""
+    st = stages()
+    assert st["training"].startswith("FROM trainer AS training")
+    assert "install.sh extra /tmp/rlhf-pyproject.toml lora" in st["training"]
+    assert "USER ${APP_UID}:${APP_GID}" in st["training"], "back to the non-root user"
+    assert (
+        'CMD ["rlhf", "serve", "training", "--config", "/etc/rlhf/config.yaml", "--grpc-port", "50051", '
+        '"--http-port", "8000"]' in st["training"]
+    )
+
+
 def test_environment_target_is_the_reward_image_with_its_own_command():
     """The environment service (torch-free) shares app-torch's layers: only its CMD differs from reward's."""
     st = stages()

@@ -446,6 +446,13 @@ thread pool by the node's cores otherwise, and several pods on one node oversubs
 - name: RLHF_ROLLOUT_ENGINE
   value: {{ .values.engine | quote }}
 {{- end }}
+{{- if eq .component "training" }}
+- name: RLHF_TRAINING_TOKENS
+  valueFrom:
+    secretKeyRef:
+      name: {{ $v.training.auth.existingSecret }}
+      key: {{ $v.training.auth.existingSecretKey }}
+{{- end }}
 {{- with .values.env }}
 {{ toYaml . }}
 {{- end }}
@@ -479,6 +486,10 @@ thread pool by the node's cores otherwise, and several pods on one node oversubs
 - name: hccn-conf
   mountPath: {{ $v.ascend.roce.hccnConfPath }}
   readOnly: true
+{{- end }}
+{{- if eq .component "training" }}
+- name: checkpoints
+  mountPath: {{ $v.training.checkpoints.mountPath }}
 {{- end }}
 {{- with $v.extraVolumeMounts }}
 {{ toYaml . }}
@@ -519,6 +530,16 @@ thread pool by the node's cores otherwise, and several pods on one node oversubs
   hostPath:
     path: {{ $v.ascend.roce.hccnConfPath }}
     type: File
+{{- end }}
+{{- if eq .component "training" }}
+{{- $p := $v.training.checkpoints.persistence }}
+- name: checkpoints
+  {{- if $p.enabled }}
+  persistentVolumeClaim:
+    claimName: {{ $p.existingClaim | default (printf "%s-checkpoints" (include "rlhf.componentName" (dict "root" .root "component" "training"))) }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
 {{- end }}
 {{- with $v.extraVolumes }}
 {{ toYaml . }}
@@ -731,6 +752,8 @@ metadata:
 spec:
   {{- if eq $component "environment" }}
   replicas: {{ include "rlhf.environmentReplicas" $root }}
+  {{- else if eq $component "training" }}
+  replicas: 1  # sessions, runs and futures live in the one process's memory
   {{- else if not $keda }}
   replicas: {{ $values.replicas }}
   {{- end }}
@@ -871,6 +894,28 @@ spec:
   selector:
     matchLabels:
       {{- include "rlhf.selectorLabels" $ctx | trim | nindent 6 }}
+{{- end }}
+{{- end }}
+
+{{/* ------------------------------------------------------------------ the training service */}}
+
+{{/* The users' keys come from a Secret of their own: the chart's API token is the admin token (weight sync, the
+     trainer's admin calls), not one to hand to every SDK user, and the SDK sends only keys that start with tml-. */}}
+{{/* The config's training_service.enabled is `rlhf up`'s switch; the chart has its own (training.enabled). A config
+     that asks for the service under a release that leaves it off fails the render rather than being ignored. */}}
+{{- define "rlhf.trainingConfigGuard" -}}
+{{- if and (not .Values.training.enabled) (not .Values.experiment.existingConfigMap) }}
+{{- $cfg := include "rlhf.experimentYaml" . | fromYaml }}
+{{- $section := get $cfg "training_service" }}
+{{- if and (kindIs "map" $section) (get $section "enabled") }}
+{{- fail "the experiment config sets training_service.enabled, which is rlhf up's switch: in the chart the training service is training.enabled (with training.auth.existingSecret). Set those, or drop training_service from the config" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "rlhf.trainingGuard" -}}
+{{- if not .Values.training.auth.existingSecret }}
+{{- fail "training.enabled needs training.auth.existingSecret: a Secret whose key training.auth.existingSecretKey (default training-tokens) holds the users' keys, comma-separated, each starting with tml- (kubectl create secret generic rlhf-training-tokens --from-literal=training-tokens=tml-alice,tml-bob)" }}
 {{- end }}
 {{- end }}
 

@@ -451,6 +451,10 @@ FIELD_TESTS: dict[str, list[str] | str] = {
     "eval.max_new_tokens": [EVAL_RING, EVAL + "test_an_evaluation_past_its_deadline_is_a_failed_row"],
     "eval.pass_threshold": [EVAL_RING, EVAL + "test_eval_metrics_fixed_batch"],
     "eval.timeout_s": [EVAL + "test_an_evaluation_past_its_deadline_is_a_failed_row"],
+    "training_service.enabled": [
+        "tests/integration/test_up_training_service.py::test_up_starts_a_training_service_the_sdk_reaches",
+        "tests/integration/test_up_training_service.py::test_up_refuses_before_starting_anything",
+    ],
     "environment.name": [
         ENV_SVC + "test_a_killed_service_loses_its_episodes",
         ENV_UNIT + "test_the_environment_config_section",
