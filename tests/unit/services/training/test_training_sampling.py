@@ -1,0 +1,90 @@
+"""The training service's sampler: the SampleResponse protobuf against the tinker SDK's decoder, the SDK's own
+SampleRequest JSON parsed (or refused, naming the field), and top-k / top-p / temperature draws."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from tinker import types
+from tinker._compat import model_dump
+from tinker.proto.response_conv import deserialize_sample_response
+
+from rlhf.serving import InvalidArgument
+from services.training.sampling import SampleSpec, Sequence, _draw, encode_sample_response, parse_sample_request
+
+
+def _sdk_json(params: types.SamplingParams, **kw) -> dict:
+    request = types.SampleRequest(
+        sampling_session_id="s:sample:0",
+        seq_id=1,
+        num_samples=kw.pop("num_samples", 2),
+        prompt=types.ModelInput.from_ints([3, 4, 5]),
+        sampling_params=params,
+        **kw,
+    )
+    return model_dump(request, exclude_unset=False, exclude_none=True, mode="json")
+
+
+def test_sample_response_reads_back_through_the_sdk():
+    seqs = [Sequence([7, 8, 9], [-0.5, -1.25, -2.0], "stop"), Sequence([1], [-3.0], "length")]
+    prompt = np.array([np.nan, -1.5, -2.5], dtype=np.float32)
+    out = deserialize_sample_response(encode_sample_response(seqs, prompt))
+    assert [s.tokens for s in out.sequences] == [[7, 8, 9], [1]]
+    assert out.sequences[0].logprobs == [-0.5, -1.25, -2.0]
+    assert [s.stop_reason for s in out.sequences] == ["stop", "length"]
+    assert out.prompt_logprobs == [None, -1.5, -2.5]
+    assert deserialize_sample_response(encode_sample_response(seqs, None)).prompt_logprobs is None
+
+
+def test_sdk_request_parsed():
+    params = types.SamplingParams(max_tokens=5, temperature=0.5, top_p=0.9, top_k=3, seed=11, stop=[2, 9])
+    spec = parse_sample_request(_sdk_json(params, prompt_logprobs=True), vocab_size=16, max_length=64)
+    assert spec.prompt.tolist() == [3, 4, 5] and spec.num_samples == 2 and spec.max_tokens == 5
+    assert (spec.temperature, spec.top_p, spec.top_k, spec.seed) == (0.5, 0.9, 3, 11)
+    assert spec.stop_tokens == {2, 9} and spec.prompt_logprobs
+    default = parse_sample_request(_sdk_json(types.SamplingParams(max_tokens=1)), 16, 64)
+    assert default.stop_tokens is None and default.stop_strings == []  # None: the model's EOS
+    assert parse_sample_request(_sdk_json(types.SamplingParams(max_tokens=1, stop=[])), 16, 64).stop_tokens == set()
+    strings = parse_sample_request(_sdk_json(types.SamplingParams(max_tokens=1, stop="\n\n")), 16, 64)
+    assert strings.stop_strings == ["\n\n"] and strings.stop_tokens is None
+
+
+@pytest.mark.parametrize(
+    ("params", "kw", "field"),
+    [
+        (types.SamplingParams(), {}, "sampling_params.max_tokens"),
+        (types.SamplingParams(max_tokens=4, top_k=0), {}, "sampling_params.top_k"),
+        (types.SamplingParams(max_tokens=4, top_p=1.5), {}, "sampling_params.top_p"),
+        (types.SamplingParams(max_tokens=4, temperature=-0.1), {}, "sampling_params.temperature"),
+        (types.SamplingParams(max_tokens=4, stop=[99]), {}, "sampling_params.stop"),
+        (types.SamplingParams(max_tokens=62), {}, "sampling_params.max_tokens"),
+        (types.SamplingParams(max_tokens=4), {"topk_prompt_logprobs": 2}, "topk_prompt_logprobs"),
+        (types.SamplingParams(max_tokens=4), {"prompt_alt_tokens_k": 1}, "prompt_alt_tokens_k"),
+        (types.SamplingParams(max_tokens=4), {"record_stability_info": True}, "record_stability_info"),
+        (types.SamplingParams(max_tokens=4), {"num_samples": 0}, "num_samples"),
+    ],
+)
+def test_refused_naming_the_field(params, kw, field):
+    with pytest.raises(InvalidArgument) as err:
+        parse_sample_request(_sdk_json(params, **kw), vocab_size=16, max_length=64)
+    assert err.value.field == field and field.split(".")[-1] in str(err.value)
+
+
+def test_draws_honour_top_k_top_p_and_temperature():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]).repeat(4000, 1))
+    gen = torch.Generator().manual_seed(0)
+
+    def freq(**kw) -> np.ndarray:
+        spec = SampleSpec(torch.tensor([1]), 1, 1, **kw)
+        return np.bincount(_draw(logits, spec, gen).numpy(), minlength=4) / len(logits)
+
+    assert freq(temperature=0.0).tolist() == [1, 0, 0, 0]
+    assert freq(top_k=2)[2:].sum() == 0 and freq(top_k=2)[0] == pytest.approx(0.5 / 0.8, abs=0.03)
+    top_p = freq(top_p=0.7)  # 0.5 + 0.3 reach 0.7: the two most likely tokens only
+    assert top_p[2:].sum() == 0 and top_p[0] == pytest.approx(0.5 / 0.8, abs=0.03)
+    assert freq()[3] == pytest.approx(0.05, abs=0.015)
+    hot = freq(temperature=2.0)  # flatter: p ~ sqrt(p)
+    assert hot[3] == pytest.approx(math.sqrt(0.05) / sum(map(math.sqrt, [0.5, 0.3, 0.15, 0.05])), abs=0.02)
