@@ -897,7 +897,9 @@ class TrainingEngine:
         if sampler.snapshot is not None:
             self.peft.set_adapter(self._snapshots[sampler.snapshot].adapter)
             seqs, prompt_lps = generate(self.peft, spec, self.eos_ids, decode)
-        elif self.peft is None:
+        elif self.peft is None or self.peft.active_adapter not in self.peft.peft_config:
+            # no adapter in the shared model (PEFT keeps the name of the last one deleted, and its LoRA layers skip
+            # adapters they no longer hold): the base alone
             seqs, prompt_lps = generate(self.base, spec, self.eos_ids, decode)
         else:
             with self.peft.disable_adapter():
@@ -1053,7 +1055,13 @@ class TrainingEngine:
                     if isinstance(v, torch.Tensor):
                         n += v.numel() * v.element_size()
             runs[model_id] = n
-        return {"base_bytes": self._base_bytes, "run_bytes": runs}
+        # samplers and their frozen adapter copies (samplers over one checkpoint share a copy)
+        return {
+            "base_bytes": self._base_bytes,
+            "run_bytes": runs,
+            "samplers": len(self.samplers),
+            "sampler_adapters": len(self._snapshots),
+        }
 
 
 def micro_batches(data: list, max_tokens: int) -> list[list]:

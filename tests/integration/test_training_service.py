@@ -252,6 +252,13 @@ def test_sdk_sampling_from_saved_weights(shared):
     tc.save_weights_for_sampler("v1").result()
     assert _target_logprob(named) == pytest.approx(after, abs=1e-4)
     assert _target_logprob(service.create_sampling_client(model_path=path).result()) == pytest.approx(moved, abs=1e-4)
+    # closing the client drops its samplers and their adapter copies (v1, v2, the named v1 and its rewrite)
+    copies = httpx.get(shared.http_url + "/v1/info", headers=_headers(ALICE)).json()["sampler_adapters"]
+    service.close("success").result()
+    info = httpx.get(shared.http_url + "/v1/info", headers=_headers(ALICE)).json()
+    assert info["sampler_adapters"] == copies - 4
+    r = httpx.get(f"{shared.http_url}/api/v1/samplers/{v1._sampling_session_id}", headers=_headers(ALICE))
+    assert r.status_code == 404
 
 
 def test_sampling_params_refused_or_honoured(shared):
