@@ -738,7 +738,7 @@ class TrainingEngine:
         run = self.run(owner, model_id)
         final = self.root / run_dir_name(model_id) / "sampler_weights" / name
         tmp = final.parent / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
-        tensors = get_peft_model_state_dict(self.peft, adapter_name=run.adapter)
+        tensors = get_peft_model_state_dict(self.peft, adapter_name=run.adapter, save_embedding_layers=False)
         write_adapter(tmp, tensors, run.lora.rank, LORA_ALPHA, self._targets(run.lora), self.base_model)
         (tmp / CHECKPOINT_JSON).write_text(json.dumps(record, indent=1))
         _fsync_dir(tmp)
@@ -798,7 +798,11 @@ class TrainingEngine:
 
         run = self.run(owner, model_id)
         tensors = {
-            k: v.detach().clone() for k, v in get_peft_model_state_dict(self.peft, adapter_name=run.adapter).items()
+            k: v.detach().clone()
+            # the adapter only: not the base's embedding / lm_head weights, which PEFT adds when lm_head is adapted
+            for k, v in get_peft_model_state_dict(
+                self.peft, adapter_name=run.adapter, save_embedding_layers=False
+            ).items()
         }
 
         def make() -> str:

@@ -121,3 +121,21 @@ def test_sampler_from_a_checkpoint_with_no_run_loaded(tiny_models, tmp_path):
     assert e._sample_job(owner, "b:sample:0", spec)["sample"] == base
     with pytest.raises(NotFound, match="does not exist"):
         e._sampler_checkpoint(owner_of("tml-other"), "tinker://s:train:0/sampler_weights/ck")
+
+
+def test_stop_strings_end_at_the_token_that_completes_one(tiny_models, tmp_path):
+    from services.training.engine import TrainingEngine, owner_of  # noqa: PLC0415 - torch models
+
+    owner = owner_of("tml-test")
+    e = TrainingEngine("tiny:policy", tmp_path, "cpu")
+    e._load()
+    e._bind(owner, "b:sample:0", None, None, None)
+    free = SampleSpec(torch.tensor([3, 4, 5]), 1, 8, temperature=0.0, stop_tokens=set())
+    tokens = deserialize_sample_response(e._sample_job(owner, "b:sample:0", free)["sample"]).sequences[0].tokens
+    decode = e._decoder()
+    stop = next(decode([t]) for t in tokens[2:] if decode([t]).strip())
+    first = next(k for k in range(len(tokens)) if stop in decode(tokens[: k + 1]))
+    assert first < len(tokens) - 1
+    spec = SampleSpec(torch.tensor([3, 4, 5]), 1, 8, temperature=0.0, stop_strings=[stop])
+    seq = deserialize_sample_response(e._sample_job(owner, "b:sample:0", spec)["sample"]).sequences[0]
+    assert seq.tokens == tokens[: first + 1] and seq.stop_reason == "stop"
