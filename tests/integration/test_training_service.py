@@ -289,6 +289,10 @@ def test_sampling_params_refused_or_honoured(shared):
     # another user's sampler is not found
     r = httpx.get(f"{shared.http_url}/api/v1/samplers/{base._sampling_session_id}", headers=_headers(BOB))
     assert r.status_code == 404
+    # inflight samplers (mutable weights) are not built: a sampler keeps the weights it was made from
+    tc = service.create_lora_training_client(base_model=BASE, rank=2, seed=0).result()
+    with pytest.raises(tinker.BadRequestError, match="kind 'inflight'"):
+        tc.save_weights_and_get_sampling_client(kind="inflight").result()
     # a training checkpoint is not a sampler checkpoint
     with pytest.raises(tinker.BadRequestError, match="sampler checkpoint"):
         service.create_sampling_client(model_path="tinker://x:train:0/weights/a").result()
