@@ -3,11 +3,13 @@
 The recipe runs as a client process from the cookbook's environment (``.venv-cookbook``, built by ``make setup``), in
 a working directory that holds everything it would fetch from the Hub, under the Hub's names:
 
-- ``Qwen/Qwen3-8B-Base/``: the tiny policy (weights and tokenizer). The recipe picks its renderer by that name
+- ``Qwen/Qwen3-8B-Base/``: the tiny policy (weights and tokenizer); for ``rl_loop``, the tiny policy warm-started
+  on the recipe's answer form (tests/support/cookbook_gsm8k.py). The recipe picks its renderer by that name
   (``role_colon``) and loads the tokenizer from that folder; the service, started in the same directory with
   ``actor_rollout.load: Qwen/Qwen3-8B-Base``, loads the weights from it and answers to that name.
 - ``HuggingFaceH4/no_robots/`` and ``openai/gsm8k/`` (config ``main``): a few hundred generated rows in the Hub data
-  sets' formats, which ``datasets.load_dataset`` finds there before the Hub (offline).
+  sets' formats, which ``datasets.load_dataset`` finds there before the Hub (offline). The gsm8k rows ask "How many
+  r's are in <word>?", as the recipe's own example does.
 
 Sizes (batch, rank, lengths, learning rate, steps) go on the recipe's own command line. docs/tinker.md lists what is
 swapped."""
@@ -25,11 +27,13 @@ from pathlib import Path
 import pytest
 
 from rlhf.procs import REPO
+from tests.support.cookbook_gsm8k import build_boxed_policy, gsm8k_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 TOKEN = "tml-cookbook-0123456789"
 MODEL = "Qwen/Qwen3-8B-Base"  # the cookbook's table: a base model, renderer role_colon
+RL_STEPS, RL_BATCH = 20, 8
 COOKBOOK_PY = Path(os.environ.get("RLHF_COOKBOOK_PYTHON", REPO / ".venv-cookbook" / "bin" / "python"))
 
 
@@ -48,32 +52,17 @@ def _no_robots_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def _gsm8k_rows(n: int, seed: int) -> list[dict]:
-    """Rows shaped like openai/gsm8k ``main`` (question, answer ending ``#### <number>``)."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(1, 9), rng.randint(1, 9)
-        rows.append(
-            {"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n#### {a + b}"}
-        )
-    return rows
-
-
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory, tiny_models) -> Path:
-    if not COOKBOOK_PY.exists():
-        pytest.skip(f"no cookbook environment at {COOKBOOK_PY}: `make setup` builds .venv-cookbook")
-    work = tmp_path_factory.mktemp("cookbook")
-    shutil.copytree(tiny_models.policy, work / MODEL)
+def _workdir(work: Path, policy: Path) -> Path:
+    """``work`` holding ``policy`` under the Hub's name, the no_robots rows and the gsm8k rows."""
+    shutil.copytree(policy, work / MODEL)
     _write_jsonl(work / "HuggingFaceH4" / "no_robots" / "data" / "train.jsonl", _no_robots_rows(320, seed=0))
     gsm8k = work / "openai" / "gsm8k"
-    _write_jsonl(gsm8k / "main" / "train.jsonl", _gsm8k_rows(64, seed=1))
+    _write_jsonl(gsm8k / "main" / "train.jsonl", gsm8k_rows(RL_STEPS * RL_BATCH, seed=1))
     # the Hub card's YAML that names the config `main` and its train split
     (gsm8k / "README.md").write_text(
         "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n---\n"
@@ -81,8 +70,7 @@ def workdir(tmp_path_factory, tiny_models) -> Path:
     return work
 
 
-@pytest.fixture(scope="module")
-def service(workdir):
+def _service(workdir: Path):
     from tests.integration._procs import ServiceProc, write_config  # noqa: PLC0415 - test helper
 
     config = {
@@ -94,6 +82,38 @@ def service(workdir):
     cfg = write_config(workdir / "training.yaml", config)
     proc = ServiceProc("training", cfg, workdir / "logs", env={"RLHF_API_TOKEN": TOKEN}, cwd=workdir)
     proc.start(timeout=120)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def cookbook_python() -> Path:
+    if not COOKBOOK_PY.exists():
+        pytest.skip(f"no cookbook environment at {COOKBOOK_PY}: `make setup` builds .venv-cookbook")
+    return COOKBOOK_PY
+
+
+@pytest.fixture(scope="module")
+def workdir(cookbook_python, tmp_path_factory, tiny_models) -> Path:
+    """sl_loop's: the tiny policy as built."""
+    return _workdir(tmp_path_factory.mktemp("cookbook"), tiny_models.policy)
+
+
+@pytest.fixture(scope="module")
+def service(workdir):
+    proc = _service(workdir)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def rl_workdir(cookbook_python, tmp_path_factory, tiny_models) -> Path:
+    """rl_loop's: the tiny policy warm-started on the recipe's answer form (tests/support/cookbook_gsm8k.py)."""
+    return _workdir(tmp_path_factory.mktemp("cookbook-rl"), build_boxed_policy(tiny_models))
+
+
+@pytest.fixture(scope="module")
+def rl_service(rl_workdir):
+    proc = _service(rl_workdir)
     yield proc
     proc.stop()
 
@@ -154,28 +174,36 @@ def test_sl_loop_lowers_its_nll(workdir, service):
     print(json.dumps({"sl_loop_train_mean_nll": [round(x, 4) for x in nll]}), file=sys.stderr)
 
 
-def test_rl_loop_runs_to_sampling(workdir, service):
-    """rl_loop with ``loss_fn=importance_sampling`` (its default ``stable_reinforce`` is refused) gets its tokenizer,
-    renderer, data set and training client, then stops at its first sampling call, which the service does not build
-    yet: the refusal says so, at request time, instead of a hang or a retry loop."""
-    log_path = workdir / "runs" / "rl-loop"
+def test_rl_loop_raises_its_reward(rl_workdir, rl_service):
+    """rl_loop with ``loss_fn=importance_sampling`` (its default ``stable_reinforce`` is refused): it samples groups
+    from the service's sampling clients, centres their rewards and trains on them; its own ``reward/total`` rises."""
+    log_path = rl_workdir / "runs" / "rl-loop"
     out = _recipe(
-        workdir,
-        service,
+        rl_workdir,
+        rl_service,
         "rl_loop",
         [
             f"model_name={MODEL}",
             f"log_path={log_path}",
             "loss_fn=importance_sampling",
-            "batch_size=8",
-            "group_size=4",
+            f"batch_size={RL_BATCH}",
+            "group_size=8",
             "lora_rank=8",
             "max_tokens=16",
-            "learning_rate=1e-3",
+            "learning_rate=3e-3",
         ],
-        timeout=300,
+        timeout=600,
     )
-    assert out.returncode != 0
-    refusal = [line for line in out.stderr.splitlines() if "is not built" in line]
-    assert refusal and "save_weights_and_get_sampling_client" in refusal[-1], out.stderr[-4000:]
-    print(refusal[-1], file=sys.stderr)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [r for r in _metrics(log_path) if "reward/total" in r]
+    assert [r["step"] for r in rows] == list(range(RL_STEPS)), rows
+    reward = [r["reward/total"] for r in rows]
+    # the steps that trained: a group with unequal rewards (else the recipe skips the update: no optimiser metric)
+    trained = [r["step"] for r in rows if "grad_norm:mean" in r]
+    first, last = sum(reward[:5]) / 5, sum(reward[-5:]) / 5
+    print(json.dumps({"rl_loop_reward_total": [round(x, 4) for x in reward], "trained": trained}), file=sys.stderr)
+    # the recipe's own metric, the mean reward of its groups: the last 5 steps' against the first 5 steps'
+    assert last > first + 0.15, reward  # measured over two runs: 0.175 -> 0.506, 0.184 -> 0.497
+    assert len(trained) >= RL_STEPS - 2, trained
+    ckpts = [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()]
+    assert ckpts[-1]["name"] == "final" and ckpts[-1]["sampler_path"].startswith("tinker://"), ckpts
