@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.procs import REPO
-from tests.support.cookbook_gsm8k import build_boxed_policy, gsm8k_rows
+from tests.support.cookbook_gsm8k import EXAMPLE, SUFFIX, build_boxed_policy, gsm8k_rows, prompt_tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -207,3 +207,31 @@ def test_rl_loop_raises_its_reward(rl_workdir, rl_service):
     assert len(trained) >= RL_STEPS - 2, trained
     ckpts = [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()]
     assert ckpts[-1]["name"] == "final" and ckpts[-1]["sampler_path"].startswith("tinker://"), ckpts
+
+
+def test_warm_start_prompt_is_the_recipes(rl_workdir, cookbook_python):
+    """The warm start's prompt is token for token what rl_loop's role_colon renderer builds for the same question
+    (its strawberry example, its suffix): if the recipe's prompt changed, the warm start would teach another one."""
+    from transformers import AutoTokenizer  # noqa: PLC0415 - heavy, this test only
+
+    rows = gsm8k_rows(3, seed=5)
+    script = (
+        "import json, sys\n"
+        "from tinker_cookbook import renderers\n"
+        "from tinker_cookbook.tokenizer_utils import get_tokenizer\n"
+        f"r = renderers.get_renderer('role_colon', get_tokenizer({MODEL!r}))\n"
+        f"suffix, example = {SUFFIX!r}, {EXAMPLE[1][1]!r}\n"
+        "for q in json.loads(sys.argv[1]):\n"
+        f"    convo = [{{'role': 'user', 'content': {EXAMPLE[0][1]!r}}}, {{'role': 'assistant', 'content': example}},\n"
+        "             {'role': 'user', 'content': q + suffix}]\n"
+        "    print(json.dumps(r.build_generation_prompt(convo).to_ints()))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HF_HUB_OFFLINE": "1"}
+    questions = json.dumps([r["question"] for r in rows])
+    out = subprocess.run(
+        [str(cookbook_python), "-c", script, questions], cwd=rl_workdir, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    tok = AutoTokenizer.from_pretrained(rl_workdir / MODEL)
+    theirs = [json.loads(line) for line in out.stdout.splitlines()]
+    assert theirs == [prompt_tokens(tok, r["question"]) for r in rows]
