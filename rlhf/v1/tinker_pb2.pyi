@@ -14,11 +14,18 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_INT64: _ClassVar[DType]
     DTYPE_INT32: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
+
+class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STOP_REASON_STOP: _ClassVar[StopReason]
+    STOP_REASON_LENGTH: _ClassVar[StopReason]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_INT64: DType
 DTYPE_INT32: DType
 DTYPE_BFLOAT16: DType
+STOP_REASON_STOP: StopReason
+STOP_REASON_LENGTH: StopReason
 
 class SparseCsr(_message.Message):
     __slots__ = ("values", "crow_indices", "col_indices")
@@ -216,3 +223,51 @@ class Chunk(_message.Message):
     image: ImageChunk
     dmel: DmelChunk
     def __init__(self, encoded_text: _Optional[_Union[EncodedTextChunk, _Mapping]] = ..., image: _Optional[_Union[ImageChunk, _Mapping]] = ..., dmel: _Optional[_Union[DmelChunk, _Mapping]] = ...) -> None: ...
+
+class TopkLogprobs(_message.Message):
+    __slots__ = ("token_ids", "logprobs", "k", "length")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    token_ids: bytes
+    logprobs: bytes
+    k: int
+    length: int
+    def __init__(self, token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., k: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class SampledSequence(_message.Message):
+    __slots__ = ("stop_reason", "tokens", "logprobs", "topk_sampled_logprobs")
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_SAMPLED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    stop_reason: StopReason
+    tokens: bytes
+    logprobs: bytes
+    topk_sampled_logprobs: TopkLogprobs
+    def __init__(self, stop_reason: _Optional[_Union[StopReason, str]] = ..., tokens: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., topk_sampled_logprobs: _Optional[_Union[TopkLogprobs, _Mapping]] = ...) -> None: ...
+
+class PromptAltTokens(_message.Message):
+    __slots__ = ("tokens", "logprobs")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    tokens: Tensor
+    logprobs: Tensor
+    def __init__(self, tokens: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class SampleResponse(_message.Message):
+    __slots__ = ("sequences", "prompt_logprobs", "topk_prompt_logprobs", "prompt_cache_hit_tokens", "target_prompt_logprobs", "prompt_alt_tokens")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_ALT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SampledSequence]
+    prompt_logprobs: bytes
+    topk_prompt_logprobs: TopkLogprobs
+    prompt_cache_hit_tokens: int
+    target_prompt_logprobs: Tensor
+    prompt_alt_tokens: PromptAltTokens
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ..., prompt_logprobs: _Optional[bytes] = ..., topk_prompt_logprobs: _Optional[_Union[TopkLogprobs, _Mapping]] = ..., prompt_cache_hit_tokens: _Optional[int] = ..., target_prompt_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_alt_tokens: _Optional[_Union[PromptAltTokens, _Mapping]] = ...) -> None: ...

@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 
 from rlhf.algo.tinker_losses import LOSSES, tinker_loss
 from rlhf.serving import FailedPrecondition, InvalidArgument, NotFound, NotReady
+from services.training.sampling import SampleSpec, encode_sample_response, generate
 from services.training.wire import ForwardBackwardCall
 
 log = logging.getLogger("rlhf.training")
@@ -109,6 +110,23 @@ class Run:
     optimizer: torch.optim.AdamW
     steps: int = 0
     user_metadata: dict | None = None
+
+
+@dataclass
+class Sampler:
+    """A sampling client's session: the weights it was created from, pinned for its life (a later save of the
+    run makes a new snapshot, never changes this one)."""
+
+    sampler_id: str
+    owner: str
+    model_path: str | None  # None: the base model, or an unnamed save (save_weights_and_get_sampling_client)
+    snapshot: str | None  # the key of its adapter snapshot in TrainingEngine._snapshots; None: the base model
+
+
+@dataclass
+class Snapshot:
+    adapter: str  # the PEFT adapter name in the shared model
+    samplers: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -184,6 +202,11 @@ class TrainingEngine:
         self._seq: dict[str, tuple[int, str]] = {}  # model id -> (last seq_id, its request id)
         self._created: dict[str, str] = {}  # model id -> the request id that creates it
         self._adapters = 0
+        self.samplers: dict[str, Sampler] = {}
+        self._snapshots: dict[str, Snapshot] = {}
+        self._sample_seq: dict[tuple[str, int], tuple[str, list[str]]] = {}  # (sampler, seq_id) -> its future
+        self.eos_ids: set[int] = set()
+        self._tokenizer: Any = None
         self._lock = threading.Lock()
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="training-model")
         self._base_bytes = 0
@@ -219,6 +242,9 @@ class TrainingEngine:
         self.arch = str(getattr(cfg, "model_type", ""))
         self.present_modules = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         self._base_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        for source in (cfg, getattr(model, "generation_config", None)):
+            eos = getattr(source, "eos_token_id", None)
+            self.eos_ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         log.info("training: base %s loaded (%s, vocab %d)", self.base_model, self.arch, self.vocab_size)
 
     def close(self) -> None:
@@ -289,12 +315,15 @@ class TrainingEngine:
         prefix = f"{session_id}:train:"
         # list(...) copies in one step: the model's thread adds runs while this reads
         model_ids = sorted({m for m in list(self.runs) + list(self._created) if m.startswith(prefix)})
-        if not model_ids:
+        samplers = [s for s in list(self.samplers) if s.startswith(f"{session_id}:sample:")]
+        if not model_ids and not samplers:
             return None
         # on the model's thread, after the requests already queued for these runs
-        return self._worker.submit(self._unload_job, model_ids, why)
+        return self._worker.submit(self._unload_job, model_ids, why, samplers)
 
-    def _unload_job(self, model_ids: list[str], why: str) -> None:
+    def _unload_job(self, model_ids: list[str], why: str, samplers: list[str] = ()) -> None:
+        for sampler_id in samplers:
+            self._release_sampler(sampler_id)
         for model_id in model_ids:
             run = self.runs.pop(model_id, None)
             self._gone[model_id] = why
@@ -682,11 +711,19 @@ class TrainingEngine:
         seq_id: int | None = None,
         ttl_seconds: int | None = None,
         meta: dict | None = None,
+        sampling_session_seq_id: int | None = None,
     ) -> str:
         self._need_ready()
         run = self.run(owner, model_id)
         if (again := self._retry_of(model_id, seq_id)) is not None:
             return again
+        if sampling_session_seq_id is not None:
+            # save_weights_and_get_sampling_client: a snapshot of the adapter as it stands, in memory, and a sampler
+            # bound to it; nothing is written (the SDK gets no path)
+            sampler_id = f"{model_id.split(':', 1)[0]}:sample:{sampling_session_seq_id}"
+            return self._submit_seq(
+                owner, model_id, seq_id, "save_weights_for_sampler", self._snapshot_run_job, owner, model_id, sampler_id
+            )
         name = _check_name(name or f"step-{run.steps:06d}", "sampler checkpoint name")
         record = checkpoint_record(meta, ttl_seconds)
         return self._submit_seq(
@@ -701,7 +738,7 @@ class TrainingEngine:
         run = self.run(owner, model_id)
         final = self.root / run_dir_name(model_id) / "sampler_weights" / name
         tmp = final.parent / f".{name}.{uuid.uuid4().hex[:8]}.tmp"
-        tensors = get_peft_model_state_dict(self.peft, adapter_name=run.adapter)
+        tensors = get_peft_model_state_dict(self.peft, adapter_name=run.adapter, save_embedding_layers=False)
         write_adapter(tmp, tensors, run.lora.rank, LORA_ALPHA, self._targets(run.lora), self.base_model)
         (tmp / CHECKPOINT_JSON).write_text(json.dumps(record, indent=1))
         _fsync_dir(tmp)
@@ -709,6 +746,176 @@ class TrainingEngine:
             shutil.rmtree(final)
         os.replace(tmp, final)
         return {"path": f"tinker://{model_id}/sampler_weights/{name}", "type": "save_weights_for_sampler"}
+
+    # ------------------------------------------------------------------------------------------------ sampling
+
+    def _add_adapter(self, tensors: dict[str, torch.Tensor], rank: int, alpha: float, targets: list[str]) -> str:
+        """A frozen copy of an adapter (PEFT state-dict keys) in the shared model; returns its adapter name."""
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict  # noqa: PLC0415 - the lora extra
+
+        self._adapters += 1
+        name = f"snap{self._adapters}"
+        config = LoraConfig(
+            r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, bias="none", task_type="CAUSAL_LM"
+        )
+        if self.peft is None:
+            self.peft = get_peft_model(self.base, config, adapter_name=name)
+        else:
+            self.peft.add_adapter(name, config)
+        result = set_peft_model_state_dict(self.peft, tensors, adapter_name=name)
+        if getattr(result, "unexpected_keys", None):
+            self.peft.delete_adapter(name)
+            raise RequestFailed(
+                f"the adapter holds tensors the base model has no place for: {result.unexpected_keys[:3]}"
+            )
+        for pname, p in self.peft.named_parameters():
+            if f".{name}." in pname:
+                p.requires_grad_(False)
+        return name
+
+    def _bind(self, owner: str, sampler_id: str, model_path: str | None, key: str | None, make) -> dict:
+        """Register sampler ``sampler_id`` on snapshot ``key`` (made by ``make()`` unless it exists)."""
+        if sampler_id in self.samplers:  # a resend of the request that made it (its session is the caller's)
+            return {"sampling_session_id": sampler_id}
+        if key is not None:
+            if key not in self._snapshots:
+                self._snapshots[key] = Snapshot(make())
+            self._snapshots[key].samplers.add(sampler_id)
+        self.samplers[sampler_id] = Sampler(sampler_id, owner, model_path, key)
+        return {"sampling_session_id": sampler_id}
+
+    def _release_sampler(self, sampler_id: str) -> None:
+        sampler = self.samplers.pop(sampler_id, None)
+        snap = self._snapshots.get(sampler.snapshot) if sampler and sampler.snapshot else None
+        if snap is not None:
+            snap.samplers.discard(sampler_id)
+            if not snap.samplers:
+                del self._snapshots[sampler.snapshot]
+                self.peft.delete_adapter(snap.adapter)
+
+    def _snapshot_run_job(self, owner: str, model_id: str, sampler_id: str) -> dict:
+        from peft import get_peft_model_state_dict  # noqa: PLC0415 - the lora extra
+
+        run = self.run(owner, model_id)
+        tensors = {
+            k: v.detach().clone()
+            # the adapter only: not the base's embedding / lm_head weights, which PEFT adds when lm_head is adapted
+            for k, v in get_peft_model_state_dict(
+                self.peft, adapter_name=run.adapter, save_embedding_layers=False
+            ).items()
+        }
+
+        def make() -> str:
+            return self._add_adapter(tensors, run.lora.rank, LORA_ALPHA, self._targets(run.lora))
+
+        out = self._bind(owner, sampler_id, None, f"{model_id}@{uuid.uuid4().hex}", make)
+        return {**out, "path": None, "type": "save_weights_for_sampler"}
+
+    async def create_sampling_session(
+        self, owner: str, session_id: str, seq_id: int, model_path: str | None, base_model: str | None
+    ) -> str:
+        """A sampler over a sampler checkpoint (``tinker://<run>/sampler_weights/<name>``) or the base model. Its
+        adapter is read now and kept: rewriting the checkpoint later does not change what this sampler samples."""
+        self._need_ready()
+        self.session(owner, session_id)
+        sampler_id = f"{session_id}:sample:{seq_id}"
+        if sampler_id in self.samplers:
+            return sampler_id  # a resend
+        if model_path is None:
+            if base_model != self.base_model:
+                raise InvalidArgument(
+                    f"base_model {base_model!r} is not served here ({self.base_model!r})", field="base_model"
+                )
+            job = (self._bind, owner, sampler_id, None, None, None)
+        else:
+            folder = self._sampler_checkpoint(owner, model_path)
+            key = f"{folder}@{_record(folder).get('created')}"
+            job = (self._bind, owner, sampler_id, model_path, key, lambda: self._load_sampler_adapter(folder))
+        await asyncio.get_running_loop().run_in_executor(self._worker, *job)
+        return sampler_id
+
+    def _sampler_checkpoint(self, owner: str, path: str) -> Path:
+        run_id, segment, name = parse_tinker_path(path)
+        if segment != "sampler_weights":
+            raise InvalidArgument(
+                f"path {path!r} is a training checkpoint: sample from a sampler checkpoint "
+                "(save_weights_for_sampler, tinker://<run>/sampler_weights/<name>)",
+                field="model_path",
+            )
+        d = self.root / run_dir_name(run_id)
+        folder = d / "sampler_weights" / _check_name(name, "sampler checkpoint name")
+        run_json = d / "run.json"
+        if (
+            not (folder / "adapter_model.safetensors").is_file()
+            or not run_json.is_file()
+            or json.loads(run_json.read_text()).get("owner") != owner
+        ):
+            raise NotFound(f"sampler checkpoint {path!r} does not exist", field="model_path")
+        if _expired(folder, time.time()):
+            raise NotFound(f"sampler checkpoint {path!r} has expired (its ttl_seconds ran out)", field="model_path")
+        return folder
+
+    def _load_sampler_adapter(self, folder: Path) -> str:
+        config = json.loads((folder / "adapter_config.json").read_text())
+        if config.get("base_model_name_or_path") != self.base_model:
+            raise InvalidArgument(
+                f"sampler checkpoint {folder.name!r} is over {config.get('base_model_name_or_path')!r}; this service "
+                f"serves {self.base_model!r}",
+                field="model_path",
+            )
+        tensors = load_file(folder / "adapter_model.safetensors", device=str(self.device))
+        return self._add_adapter(tensors, int(config["r"]), float(config["lora_alpha"]), list(config["target_modules"]))
+
+    def sampler(self, owner: str, sampler_id: str) -> Sampler:
+        s = self.samplers.get(sampler_id)
+        if s is None or s.owner != owner:
+            raise NotFound(
+                f"sampling session {sampler_id!r} does not exist (or is not yours, or its session was closed)",
+                field="sampling_session_id",
+            )
+        return s
+
+    def get_sampler(self, owner: str, sampler_id: str) -> dict:
+        s = self.sampler(owner, sampler_id)
+        return {"sampler_id": sampler_id, "base_model": self.base_model, "model_path": s.model_path}
+
+    def sample(self, owner: str, sampler_id: str, seq_id: int | None, spec: SampleSpec) -> tuple[str, list[str]]:
+        """Queue a sample request; returns its future id and one sequence id per sample. A resend of a seq_id gets
+        the same future."""
+        self._need_ready()
+        self.sampler(owner, sampler_id)
+        if seq_id is not None and (again := self._sample_seq.get((sampler_id, seq_id))) is not None:
+            return again
+        request_id = self._submit(owner, "sample", self._sample_job, owner, sampler_id, spec)
+        out = (request_id, [f"{request_id}:{i}" for i in range(spec.num_samples)])
+        if seq_id is not None:
+            with self._lock:
+                self._sample_seq[(sampler_id, seq_id)] = out
+                while len(self._sample_seq) > KEEP_FUTURES:
+                    del self._sample_seq[next(iter(self._sample_seq))]
+        return out
+
+    def _sample_job(self, owner: str, sampler_id: str, spec: SampleSpec) -> dict:
+        sampler = self.sampler(owner, sampler_id)
+        decode = self._decoder() if spec.stop_strings else None
+        if sampler.snapshot is not None:
+            self.peft.set_adapter(self._snapshots[sampler.snapshot].adapter)
+            seqs, prompt_lps = generate(self.peft, spec, self.eos_ids, decode)
+        elif self.peft is None or self.peft.active_adapter not in self.peft.peft_config:
+            # no adapter in the shared model (PEFT keeps the name of the last one deleted, and its LoRA layers skip
+            # adapters they no longer hold): the base alone
+            seqs, prompt_lps = generate(self.base, spec, self.eos_ids, decode)
+        else:
+            with self.peft.disable_adapter():
+                seqs, prompt_lps = generate(self.peft, spec, self.eos_ids, decode)
+        return {"sample": encode_sample_response(seqs, prompt_lps)}
+
+    def _decoder(self):
+        if self._tokenizer is None:
+            from rlhf.models import load_tokenizer, resolve_model_path  # noqa: PLC0415 - only for stop strings
+
+            self._tokenizer = load_tokenizer(resolve_model_path(self.base_model))
+        return self._tokenizer.decode
 
     def _checkpoint(self, owner: str, path: str) -> tuple[Path, dict]:
         run_id, segment, name = parse_tinker_path(path)
@@ -852,7 +1059,13 @@ class TrainingEngine:
                     if isinstance(v, torch.Tensor):
                         n += v.numel() * v.element_size()
             runs[model_id] = n
-        return {"base_bytes": self._base_bytes, "run_bytes": runs}
+        # samplers and their frozen adapter copies (samplers over one checkpoint share a copy)
+        return {
+            "base_bytes": self._base_bytes,
+            "run_bytes": runs,
+            "samplers": len(self.samplers),
+            "sampler_adapters": len(self._snapshots),
+        }
 
 
 def micro_batches(data: list, max_tokens: int) -> list[list]:

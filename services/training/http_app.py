@@ -27,6 +27,7 @@ from rlhf.serving import (
     parse_bearer,
 )
 from services.training.engine import AdamStep, LoraSpec, TrainingEngine, owner_of
+from services.training.sampling import parse_sample_request
 from services.training.wire import decode_forward_backward, encode_forward_backward_output
 
 PROTO = "application/x-protobuf"
@@ -108,6 +109,13 @@ class SaveForSamplerIn(_Req):
     seq_id: int | None = None
     ttl_seconds: int | None = None
     user_metadata: dict[str, str] | None = None
+
+
+class CreateSamplingSessionIn(_Req):
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: str | None = None
+    model_path: str | None = None
 
 
 class LoadWeightsIn(_Req):
@@ -195,7 +203,7 @@ def build_app(engine: TrainingEngine, settings: ServiceSettings, metrics: Servic
                     "model_name": engine.base_model,
                     "max_context_length": engine.max_length or None,
                     "trainable": True,
-                    "sampleable": False,  # sampling through the fleet is not built yet
+                    "sampleable": True,  # by this service's own model (docs/tinker.md, Sampling)
                 }
             ]
         }
@@ -265,16 +273,59 @@ def build_app(engine: TrainingEngine, settings: ServiceSettings, metrics: Servic
     @app.post("/api/v1/save_weights_for_sampler", tags=["tinker"], summary="the adapter as a PEFT folder (future)")
     async def save_for_sampler(body: SaveForSamplerIn, owner: str = owner_dep) -> dict:
         _refuse(
-            body.path is None or body.sampling_session_seq_id is not None,
-            "a sampling session from the saved weights (save_weights_and_get_sampling_client) is not built yet: "
-            "give path (save_weights_for_sampler(name))",
+            body.path is None and body.sampling_session_seq_id is None,
+            "give path (save_weights_for_sampler(name)) or sampling_session_seq_id "
+            "(save_weights_and_get_sampling_client)",
             "path",
         )
-        _refuse(body.kind != "snapshot", f"kind {body.kind!r}: only snapshot saves are built", "kind")
+        _refuse(
+            body.kind != "snapshot",
+            f"kind {body.kind!r}: only snapshot saves are built (a sampler keeps the weights it was created from)",
+            "kind",
+        )
         rid = engine.save_for_sampler(
-            owner, body.model_id, body.path, body.seq_id, body.ttl_seconds, body.user_metadata
+            owner,
+            body.model_id,
+            body.path,
+            body.seq_id,
+            body.ttl_seconds,
+            body.user_metadata,
+            body.sampling_session_seq_id if body.path is None else None,
         )
         return {"request_id": rid, "model_id": body.model_id}
+
+    # ---------------------------------------------------------------------------------------- sampling
+
+    @app.post("/api/v1/create_sampling_session", tags=["tinker"], summary="a sampler over saved weights or the base")
+    async def create_sampling_session(body: CreateSamplingSessionIn, owner: str = owner_dep) -> dict:
+        _refuse(body.model_path is None and body.base_model is None, "give model_path or base_model", "model_path")
+        sampler_id = await engine.create_sampling_session(
+            owner, body.session_id, body.sampling_session_seq_id, body.model_path, body.base_model
+        )
+        return {"type": "create_sampling_session", "sampling_session_id": sampler_id}
+
+    @app.get("/api/v1/samplers/{sampler_id}", tags=["tinker"], summary="a sampler's base model and weights")
+    async def get_sampler(sampler_id: str, owner: str = owner_dep) -> dict:
+        return engine.get_sampler(owner, sampler_id)
+
+    @app.post("/api/v1/asample", tags=["tinker"], summary="sample continuations of a prompt (future; protobuf result)")
+    async def asample(request: Request, owner: str = owner_dep) -> dict:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise InvalidArgument("the body is not JSON (a tinker SampleRequest)") from None
+        _refuse(not isinstance(body, dict), "the body must be a JSON object (a tinker SampleRequest)", "body")
+        sampler_id = body.get("sampling_session_id")
+        _refuse(
+            not isinstance(sampler_id, str),
+            "sampling_session_id is required: create a sampling client first (create_sampling_client)",
+            "sampling_session_id",
+        )
+        engine.sampler(owner, sampler_id)
+        spec = parse_sample_request(body, engine.vocab_size, engine.max_length)
+        seq_id = body.get("seq_id")
+        rid, sequence_ids = engine.sample(owner, sampler_id, seq_id if isinstance(seq_id, int) else None, spec)
+        return {"request_id": rid, "sample_sequence_ids": sequence_ids}
 
     @app.post("/api/v1/load_weights", tags=["tinker"], summary="restore a checkpoint into a run, or a new run (future)")
     async def load_weights(body: LoadWeightsIn, owner: str = owner_dep) -> dict:
@@ -317,6 +368,8 @@ def build_app(engine: TrainingEngine, settings: ServiceSettings, metrics: Servic
         if state == "failed":
             message, category = value
             return json_response({"error": message, "category": category})
+        if "sample" in value:  # a SampleResponse: protobuf only, as the SDK reads it
+            return Response(value["sample"], media_type=PROTO)
         if "outputs" in value:  # a forward / forward_backward result: protobuf, as the SDK asks for it
             return Response(encode_forward_backward_output(value["outputs"], value["metrics"]), media_type=PROTO)
         return json_response(value)

@@ -41,6 +41,8 @@ def _datum(tokens: list[int]) -> types.Datum:
     )
 
 
+STEPS = 10  # supervised steps toward TARGET before sampling
+LR = 1e-2
 BATCH = [_datum(list(range(5 + i, 25 + i))) for i in range(4)]
 
 
@@ -165,7 +167,7 @@ def test_losses_and_tokens_refused_at_request_time(shared):
     r = httpx.post(shared.http_url + "/api/v1/retrieve_future", headers=_headers(ALICE), json={"request_id": "nope"})
     assert r.status_code == 404 and "is not known" in r.text
     # calls not built here are a 404 that says so (the SDK retries 5xx, not 404)
-    r = httpx.post(shared.http_url + "/api/v1/create_sampling_session", headers=_headers(ALICE), json={})
+    r = httpx.post(shared.http_url + "/api/v1/copy_weights", headers=_headers(ALICE), json={})
     assert r.status_code == 404 and "not built in this service" in r.text
     # seq_id: a resend of an accepted request is that request (one step, not two); going backwards is refused
     fresh = _client(shared, ALICE).create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
@@ -175,6 +177,125 @@ def test_losses_and_tokens_refused_at_request_time(shared):
     assert first["request_id"] == again["request_id"]
     r = httpx.post(shared.http_url + "/api/v1/optim_step", headers=_headers(ALICE), json=step | {"seq_id": 6})
     assert r.status_code == 400 and "seq_id 6 comes after seq_id 7" in r.text
+
+
+PROMPT = [7, 8, 9]
+# A sequence the tiny policy learns in a few LoRA steps (it picks up which tokens, not yet their order)
+TARGET = [42] * 8
+
+
+def _target_logprob(sampler) -> float:
+    """log p(TARGET | PROMPT) under a sampler, from its prompt log-probs."""
+    lps = sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT + TARGET)).result()
+    assert lps[0] is None and len(lps) == len(PROMPT + TARGET)
+    return float(sum(lps[len(PROMPT) :]))
+
+
+def test_sdk_sampling_from_saved_weights(shared):
+    service = _client(shared, ALICE)
+    tc = service.create_lora_training_client(base_model=BASE, rank=8, seed=2).result()
+    base = service.create_sampling_client(base_model=BASE).result()
+    assert base.get_base_model() == BASE
+    prompt = types.ModelInput.from_ints(PROMPT)
+    greedy = types.SamplingParams(max_tokens=len(TARGET), temperature=0.0, stop=[])
+    before = _target_logprob(base)
+    assert base.sample(prompt, 1, greedy).result().sequences[0].tokens != TARGET
+    target = _datum(PROMPT + TARGET)
+    for _ in range(STEPS):
+        fb = tc.forward_backward([target], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=LR)).result()
+        fb.result()
+    v1 = tc.save_weights_and_get_sampling_client().result()
+    # supervised steps toward TARGET: the saved weights give it more log-prob, and sample it
+    after = _target_logprob(v1)
+    assert after > before + 5, (before, after)
+    assert v1.sample(prompt, 1, greedy).result().sequences[0].tokens == TARGET
+    hot = types.SamplingParams(max_tokens=len(TARGET), temperature=1.0, seed=3, stop=[])
+    hits = sum(s.tokens == TARGET for s in v1.sample(prompt, 16, hot).result().sequences)
+    base_hits = sum(s.tokens == TARGET for s in base.sample(prompt, 16, hot).result().sequences)
+    assert hits > base_hits, (hits, base_hits)
+
+    # the log-probs of sampled tokens (and of the prompt) are those a forward of them under the same weights gives
+    out = v1.sample(prompt, 4, hot, include_prompt_logprobs=True).result()
+    assert len(out.sequences) == 4 and all(len(s.sequence_id) > 0 for s in out.sequences)
+    assert len({s.sequence_id for s in out.sequences}) == 4
+    data = [_datum(PROMPT + s.tokens) for s in out.sequences]
+    fwd = tc.forward(data, "cross_entropy").result()
+    for seq, o in zip(out.sequences, fwd.loss_fn_outputs, strict=True):
+        assert seq.stop_reason == "length" and len(seq.tokens) == len(TARGET)
+        lp = o["logprobs"].to_numpy()
+        np.testing.assert_allclose(seq.logprobs, lp[len(PROMPT) - 1 :], atol=1e-4)
+        np.testing.assert_allclose(out.prompt_logprobs[1:], lp[: len(PROMPT) - 1], atol=1e-4)
+    # the same seed draws the same tokens
+    again = v1.sample(prompt, 4, hot, include_prompt_logprobs=True).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in out.sequences]
+
+    # a named sampler checkpoint, then more steps: v1 and the named sampler keep the weights they were made from
+    path = tc.save_weights_for_sampler("v1").result().path
+    assert path.endswith("/sampler_weights/v1")
+    named = service.create_sampling_client(model_path=path).result()
+    assert named.get_base_model() == BASE
+    assert _target_logprob(named) == pytest.approx(after, abs=1e-4)
+    away = _datum(PROMPT + [43] * 8)
+    for _ in range(3):
+        fb = tc.forward_backward([away], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=LR)).result()
+        fb.result()
+    v2 = tc.save_weights_and_get_sampling_client().result()
+    moved = _target_logprob(v2)
+    assert moved < after - 1, (after, moved)
+    assert _target_logprob(v1) == pytest.approx(after, abs=1e-5)
+    assert _target_logprob(named) == pytest.approx(after, abs=1e-4)
+    later = v1.sample(prompt, 4, hot, include_prompt_logprobs=True).result()
+    assert [s.tokens for s in later.sequences] == [s.tokens for s in out.sequences]
+    # the path overwritten by a later save: the sampler made before keeps v1
+    tc.save_weights_for_sampler("v1").result()
+    assert _target_logprob(named) == pytest.approx(after, abs=1e-4)
+    assert _target_logprob(service.create_sampling_client(model_path=path).result()) == pytest.approx(moved, abs=1e-4)
+    # closing the client drops its samplers and their adapter copies (v1, v2, the named v1 and its rewrite)
+    copies = httpx.get(shared.http_url + "/v1/info", headers=_headers(ALICE)).json()["sampler_adapters"]
+    service.close("success").result()
+    info = httpx.get(shared.http_url + "/v1/info", headers=_headers(ALICE)).json()
+    assert info["sampler_adapters"] == copies - 4
+    r = httpx.get(f"{shared.http_url}/api/v1/samplers/{v1._sampling_session_id}", headers=_headers(ALICE))
+    assert r.status_code == 404
+
+
+def test_sampling_params_refused_or_honoured(shared):
+    service = _client(shared, ALICE)
+    base = service.create_sampling_client(base_model=BASE).result()
+    prompt = types.ModelInput.from_ints(PROMPT)
+    refused = [
+        (types.SamplingParams(max_tokens=None), "sampling_params.max_tokens"),
+        (types.SamplingParams(max_tokens=4, top_k=0), "sampling_params.top_k"),
+        (types.SamplingParams(max_tokens=4, top_p=0.0), "sampling_params.top_p"),
+        (types.SamplingParams(max_tokens=4, temperature=-1.0), "sampling_params.temperature"),
+        (types.SamplingParams(max_tokens=100_000), "exceeds the model's context"),
+    ]
+    for params, field in refused:
+        with pytest.raises(tinker.BadRequestError, match=field):
+            base.sample(prompt, 1, params).result()
+    with pytest.raises(tinker.BadRequestError, match="topk_sample_logprobs"):
+        base.sample(prompt, 1, types.SamplingParams(max_tokens=4), topk_sample_logprobs=2).result()
+    # stop token ids end a sequence at (and with) the first one drawn; top_k=1 is greedy
+    greedy = base.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result()
+    tokens = greedy.sequences[0].tokens
+    assert len(tokens) == 6 and greedy.sequences[0].stop_reason == "length"
+    top1 = base.sample(prompt, 3, types.SamplingParams(max_tokens=6, top_k=1, seed=1, stop=[])).result()
+    assert all(s.tokens == tokens for s in top1.sequences)
+    stopped = base.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[tokens[2]])).result()
+    assert stopped.sequences[0].tokens == tokens[: tokens.index(tokens[2]) + 1]
+    assert stopped.sequences[0].stop_reason == "stop"
+    # another user's sampler is not found
+    r = httpx.get(f"{shared.http_url}/api/v1/samplers/{base._sampling_session_id}", headers=_headers(BOB))
+    assert r.status_code == 404
+    # inflight samplers (mutable weights) are not built: a sampler keeps the weights it was made from
+    tc = service.create_lora_training_client(base_model=BASE, rank=2, seed=0).result()
+    with pytest.raises(tinker.BadRequestError, match="kind 'inflight'"):
+        tc.save_weights_and_get_sampling_client(kind="inflight").result()
+    # a training checkpoint is not a sampler checkpoint
+    with pytest.raises(tinker.BadRequestError, match="sampler checkpoint"):
+        service.create_sampling_client(model_path="tinker://x:train:0/weights/a").result()
 
 
 def test_two_users_runs_on_one_base_are_isolated(shared):
