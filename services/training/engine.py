@@ -775,8 +775,8 @@ class TrainingEngine:
 
     def _bind(self, owner: str, sampler_id: str, model_path: str | None, key: str | None, make) -> dict:
         """Register sampler ``sampler_id`` on snapshot ``key`` (made by ``make()`` unless it exists)."""
-        if sampler_id in self.samplers:
-            raise FailedPrecondition(f"sampling session {sampler_id} exists already")
+        if sampler_id in self.samplers:  # a resend of the request that made it (its session is the caller's)
+            return {"sampling_session_id": sampler_id}
         if key is not None:
             if key not in self._snapshots:
                 self._snapshots[key] = Snapshot(make())
