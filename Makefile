@@ -86,7 +86,7 @@ test-parity: $(PARITY_VENV)/.stamp  ## only the TRL parity tests (seeds: RLHF_PA
 test-envs: $(ENVS_VENV)/.stamp  ## only the verifiers / OpenEnv adapter tests (their own environment, .venv-envs)
 	$(ENVS_PY) -m pytest tests/envs $(PYTEST_ARGS)
 
-# 3 to 7 minutes on 2 shared cores (part of `make test`): sl_loop's 20 steps, then rl_loop's 20 (and its warm start).
+# About 6 minutes on 2 shared cores (part of `make test`): sl_loop's 20 steps, then rl_loop's 20 (and its warm start).
 test-cookbook: $(VENV)/.stamp $(COOKBOOK_VENV)/.stamp  ## only tinker-cookbook's sl_loop / rl_loop against `rlhf serve training`
 	$(PY) -m pytest tests/integration/test_cookbook_recipes.py $(PYTEST_ARGS)
 
