@@ -204,7 +204,7 @@ def test_rl_loop_raises_its_reward(rl_workdir, rl_service):
     first, last = sum(reward[:5]) / 5, sum(reward[-5:]) / 5
     print(json.dumps({"rl_loop_reward_total": [round(x, 4) for x in reward], "trained": trained}), file=sys.stderr)
     # the recipe's own metric, the mean reward of its groups: the last 5 steps' against the first 5 steps'
-    assert last > first + 0.1, reward  # measured over two runs: 0.184 -> 0.450, 0.241 -> 0.463
+    assert last > first + 0.1, reward  # measured, 3 runs: 0.184 -> 0.450, 0.241 -> 0.463, 0.253 -> 0.441
     assert len(trained) >= RL_STEPS - 2, trained
     ckpts = [json.loads(line) for line in (log_path / "checkpoints.jsonl").read_text().splitlines()]
     assert ckpts[-1]["name"] == "final" and ckpts[-1]["sampler_path"].startswith("tinker://"), ckpts
