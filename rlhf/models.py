@@ -164,6 +164,13 @@ def load_causal_lm_4bit(
         str(path), dtype=torch.float32, quantization_config=quant, device_map={"": str(dev)}
     )
     model.requires_grad_(False)
+    # bitsandbytes on a CPU with AVX512-BF16 repacks a Linear4bit's weights for a faster kernel whenever it runs in
+    # eval mode without grad, and that kernel's results differ from its training path by ~1e-3 in log-probs: the
+    # reference and an hf replica would then disagree with the trainer on the same weights (the KL would not start
+    # at 0). Every role computes as the trainer does.
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
     return model
 
 

@@ -4,6 +4,8 @@ runs on one base that do not touch each other, and checkpoints that survive a ki
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import numpy as np
 import pytest
@@ -332,6 +334,24 @@ def test_two_users_runs_on_one_base_are_isolated(shared):
     assert bob.model_id not in mem["run_bytes"] and alice.model_id in mem["run_bytes"]
     r = httpx.post(shared.http_url + "/api/v1/get_info", headers=_headers(BOB), json={"model_id": bob.model_id})
     assert r.status_code == 404 and "its session was closed (success)" in r.text
+
+
+def test_two_concurrent_runs_train_as_each_would_alone(shared):
+    """Issue 45: two users' runs on one base, their steps sent at the same time from two threads, train exactly as
+    each would alone: run A's loss curve beside B equals A's curve with the service to itself."""
+
+    def curve(tc) -> list[float]:
+        return [_step(tc, lr=2e-2) for _ in range(4)]
+
+    alone = curve(_client(shared, ALICE).create_lora_training_client(base_model=BASE, rank=8, seed=11).result())
+    a = _client(shared, ALICE).create_lora_training_client(base_model=BASE, rank=8, seed=11).result()
+    b = _client(shared, BOB).create_lora_training_client(base_model=BASE, rank=8, seed=12).result()
+    with ThreadPoolExecutor(2) as pool:
+        beside, other = pool.submit(curve, a), pool.submit(curve, b)
+        beside, other = beside.result(), other.result()
+    assert alone[-1] < alone[0]  # it learns
+    np.testing.assert_allclose(beside, alone, rtol=1e-5)
+    assert other != beside  # B is its own run (another seed), not a copy of A
 
 
 def test_checkpoint_survives_kill9_and_in_flight_future_fails(start_service, tmp_path):
