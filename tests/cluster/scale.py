@@ -57,7 +57,20 @@ from rlhf.tiny import build_tiny
 from rlhf.transport import queue_stats
 from rlhf.transport.keys import ROLLOUT_GROUP, RunKeys
 from tests.cluster import netns
-from tests.cluster.run import DATA, GRPC, HTTP, REDIS, REPO, RUN_ID, TOKEN, Cluster, experiment
+from tests.cluster.run import (
+    _ACTIVE,  # make cluster-check's: the clusters its signal handler and atexit hook stop
+    DATA,
+    GRPC,
+    HTTP,
+    REDIS,
+    REPO,
+    RUN_ID,
+    TOKEN,
+    Cluster,
+    _on_signal,
+    _teardown,
+    experiment,
+)
 
 PREFIX = "rlhfs"
 SUBNET = "10.213.8.0/24"
@@ -559,21 +572,6 @@ class Fleet(Cluster):
 
 
 # ------------------------------------------------------------ entry point
-
-_ACTIVE: list[Fleet] = []
-
-
-def _teardown() -> None:
-    while _ACTIVE:
-        f = _ACTIVE.pop()
-        say("stopping every process and removing the namespaces")
-        f.stop()
-
-
-def _on_signal(signum, frame) -> None:
-    say(f"signal {signum}: cleaning up")
-    _teardown()
-    sys.exit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
