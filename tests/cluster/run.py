@@ -713,6 +713,23 @@ def _on_signal(signum, frame) -> None:
     sys.exit(128 + signum)
 
 
+def take_over(cluster: Cluster, directory: Path) -> bool:
+    """Start owning the hosts: False (said why) when another run holds the namespaces, else ``directory`` emptied and
+    the cluster stopped at exit or on SIGINT / SIGTERM."""
+    try:
+        cluster.net.refuse_if_taken()  # before anything is touched
+    except RuntimeError as err:
+        say(str(err))
+        return False
+    if directory.exists():
+        shutil.rmtree(directory)
+    _ACTIVE.append(cluster)
+    atexit.register(_teardown)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, _on_signal)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--faults", default=",".join(FAULTS), help="comma list of faults, or none")
@@ -755,17 +772,8 @@ def main(argv: list[str] | None = None) -> int:
         sysctls=POD_SYSCTLS if args.pod_sysctls else None,
         outage_s=args.outage_s,
     )
-    try:
-        cluster.net.refuse_if_taken()  # before anything is touched
-    except RuntimeError as err:
-        say(str(err))
+    if not take_over(cluster, directory):
         return 3
-    if directory.exists():
-        shutil.rmtree(directory)
-    _ACTIVE.append(cluster)
-    atexit.register(_teardown)
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, _on_signal)
     t0 = time.monotonic()
     result: dict = {}
     try:

@@ -34,7 +34,6 @@ in at least twice, with one replica killed mid-drain.
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import json
 import math
@@ -58,7 +57,6 @@ from rlhf.transport import queue_stats
 from rlhf.transport.keys import ROLLOUT_GROUP, RunKeys
 from tests.cluster import netns
 from tests.cluster.run import (
-    _ACTIVE,  # make cluster-check's: the clusters its signal handler and atexit hook stop
     DATA,
     GRPC,
     HTTP,
@@ -67,9 +65,9 @@ from tests.cluster.run import (
     RUN_ID,
     TOKEN,
     Cluster,
-    _on_signal,
     _teardown,
     experiment,
+    take_over,
 )
 
 PREFIX = "rlhfs"
@@ -593,17 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     directory = Path(args.dir)
     fleet = Fleet(directory)
-    try:
-        fleet.net.refuse_if_taken()
-    except RuntimeError as err:
-        say(str(err))
+    if not take_over(fleet, directory):
         return 3
-    if directory.exists():
-        shutil.rmtree(directory)
-    _ACTIVE.append(fleet)
-    atexit.register(_teardown)
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, _on_signal)
     t0 = fleet.t0 = time.monotonic()
     result: dict = {}
     try:
