@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import functools
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,11 +40,41 @@ class LaunchError(RuntimeError):
 # ------------------------------------------------------------ ports, logs, readiness
 
 
+# Linux's default when /proc cannot be read; macOS and Windows use 49152-65535, which this also leaves alone.
+_DEFAULT_EPHEMERAL = (32768, 65535)
+_LOWEST_PORT = 10000
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return _DEFAULT_EPHEMERAL
+    return lo, hi
+
+
 def free_ports(n: int, host: str = HOST) -> list[int]:
-    """``n`` distinct TCP ports free on ``host`` right now (all sockets held open until all are chosen)."""
+    """``n`` distinct TCP ports free on ``host`` right now (all sockets held open until all are chosen).
+
+    They are drawn at random from outside the kernel's ephemeral range: a port handed to a child that binds it
+    seconds later must not be taken meanwhile as the local port of some outgoing connection (a Redis or gRPC
+    client's), which a port the kernel picked with ``bind(port 0)`` can be."""
+    lo, hi = _ephemeral_range()
+    pool = [p for p in (*range(_LOWEST_PORT, lo), *range(hi + 1, 65536)) if p >= 1024]
+    rng = random.SystemRandom()
     socks: list[socket.socket] = []
     try:
-        for _ in range(n):
+        for port in rng.sample(pool, min(len(pool), 64 * n)):
+            if len(socks) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:  # the pool is small or crowded: take what the kernel gives
             s = socket.socket()
             s.bind((host, 0))
             socks.append(s)

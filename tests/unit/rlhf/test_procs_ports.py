@@ -30,8 +30,19 @@ class _LowestFreePort:
         self.held.discard(self.port)
 
 
+def test_ports_are_drawn_outside_the_kernels_ephemeral_range():
+    # an outgoing connection's local port comes from that range, so a port picked there can be taken between the
+    # pick and the child's bind (a CI run lost `rlhf up --resume` to it)
+    lo, hi = procs._ephemeral_range()
+    ports = procs.free_ports(40)
+    assert len(set(ports)) == 40
+    assert all(1024 <= p < lo or p > hi for p in ports), (lo, hi, ports)
+
+
 def test_a_services_two_ports_differ_when_the_os_reuses_a_freed_port(monkeypatch, tmp_path):
     monkeypatch.setattr(procs, "socket", SimpleNamespace(socket=_LowestFreePort))
+    # no port outside the ephemeral range: the kernel's pick (bind to port 0) is the fallback
+    monkeypatch.setattr(procs, "_ephemeral_range", lambda: (1024, 65535))
     assert procs.free_port() == procs.free_port() == 40000  # the fake does reuse a freed port
     assert procs.free_ports(3) == [40000, 40001, 40002]
     svc = procs.ServiceProc("reward", tmp_path / "c.yaml", tmp_path)
