@@ -419,11 +419,13 @@ class Launcher:
             now = time.monotonic()
             return format_progress(rec, total, now - t_start, eta(rec, now))
 
+        stopped = False  # a stopping rule's "stopped" event: torchrun reports rank 0's exit 3 as its own 1
         while True:
             for rec in tail.read():
                 if not self.opts.quiet:
                     print(line(rec), file=self.out, flush=True)
             for ev in events.read():  # the ring's changes of state between steps (services/trainer/loop.py)
+                stopped = stopped or ev.get("event") == "stopped"
                 if not self.opts.quiet and ev.get("event") in ("waiting", "resumed"):
                     print(format_event(ev, total, names), file=self.out, flush=True)
             rc = trainer.poll()
@@ -432,8 +434,10 @@ class Launcher:
                     if not self.opts.quiet:
                         print(line(rec), file=self.out, flush=True)
                 return rc
-            if rc == runlog.EXIT_STOPPED_BY_RULE:  # the run stopped itself: restarting would not help
-                return rc
+            if rc is not None and not stopped:  # the event may have come after the read above
+                stopped = any(ev.get("event") == "stopped" for ev in events.read())
+            if rc == runlog.EXIT_STOPPED_BY_RULE or (rc is not None and stopped):
+                return runlog.EXIT_STOPPED_BY_RULE  # the run stopped itself: restarting would not help
             if rc is not None:  # it resumes from its last checkpoint
                 try:
                     self._restart(trainer, rc)

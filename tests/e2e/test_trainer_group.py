@@ -106,3 +106,33 @@ def test_two_trainer_procs_learn_and_survive_kill_of_rank_1(tmp_path, tiny_model
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     print(f"2-process trainer, rank 1 killed at step {KILL_AFTER}: reward first-5 {first:.3f}, last-5 {last:.3f}")
     assert last > first + 0.2, (first, last, rewards)
+
+
+def test_a_trainer_group_stopped_by_a_rule_ends_whole_and_is_not_restarted(tmp_path, tiny_models):
+    """Rank 0 meets a stopping rule (every sample fails scoring) and ends the run while rank 1 may be inside a
+    collective: the whole group must exit, `rlhf up` must still see "stopped by a rule" (torchrun reports a failed rank
+    as a failure of its own) and not restart the trainer into the same rule."""
+    (tmp_path / "myreward.py").write_text("def score(prompt, response, label, **kw):\n    return len(response) / 0\n")
+    cfg = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    cfg["run_id"] = run_id = f"e2e-group-rule-{os.getpid()}"
+    cfg["training"].update(train_iters=20, save=str(tmp_path / "checkpoints"))
+    cfg["reward"] = {"scorers": [{"type": "rule", "name": "myreward:score"}], "failed_patience": 2}
+    config = tmp_path / "demo.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RLHF_RUN_ID": run_id, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    up = subprocess.run(
+        [sys.executable, "-m", "services.cli", "up", "--config", str(config), "--run-dir", str(run_dir)]
+        + ["--quiet", "--trainer-procs", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=480,
+    )
+    out = up.stdout + up.stderr
+    assert up.returncode == 1, out[-3000:]
+    assert "the trainer stopped the run: more than 50% of the samples failed scoring" in out, out[-3000:]
+    assert "restarting it" not in out, out[-3000:]
+    assert _rank_pids(run_id, 0) == [] and _rank_pids(run_id, 1) == []  # no rank outlives the run
+    assert _steps(run_dir / "metrics.jsonl") == []  # nothing trained on rewards that never scored

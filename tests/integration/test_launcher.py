@@ -251,6 +251,32 @@ def test_a_trainer_that_dies_is_restarted_and_the_run_follows_it(tmp_path):
     launcher.stop_children([trainer])
 
 
+def test_a_trainer_group_that_stopped_by_a_rule_is_not_restarted(tmp_path):
+    """torchrun exits 1 when rank 0 exits 3 (a stopping rule): the run's "stopped" event says what happened."""
+    up = launcher.Launcher(launcher.RunOptions(config=tmp_path / "c.yaml", quiet=True), out=io.StringIO())
+    up.run_dir = tmp_path
+    (tmp_path / "events.jsonl").write_text('{"event": "stopped", "step": 1, "message": "an earlier run"}\n')
+    stop = '{"event": "stopped", "step": 3, "message": "a rule"}'
+    script = f"sleep 0.5; echo '{stop}' >> {tmp_path}/events.jsonl; touch {tmp_path}/lived; exit 1"
+    trainer = launcher.Child("trainer", ["sh", "-c", script], tmp_path / "t.log").start()
+    up.children.append(trainer)
+    assert up._follow(trainer, total=5, t_start=time.monotonic()) == runlog.EXIT_STOPPED_BY_RULE
+    assert up.restarts == {}
+    launcher.stop_children([trainer])
+
+
+def test_an_earlier_runs_stopped_event_does_not_stop_a_failed_trainers_restart(tmp_path):
+    up = launcher.Launcher(launcher.RunOptions(config=tmp_path / "c.yaml", quiet=True), out=io.StringIO())
+    up.run_dir = tmp_path
+    (tmp_path / "events.jsonl").write_text('{"event": "stopped", "step": 1, "message": "an earlier run"}\n')
+    script = f"if [ -f {tmp_path}/lived ]; then exit 0; fi; touch {tmp_path}/lived; exit 1"
+    trainer = launcher.Child("trainer", ["sh", "-c", script], tmp_path / "t.log").start()
+    up.children.append(trainer)
+    assert up._follow(trainer, total=1, t_start=time.monotonic()) == 0
+    assert up.restarts == {"trainer": 1}
+    launcher.stop_children([trainer])
+
+
 def test_up_refuses_a_missing_config(tmp_path, capsys):
     assert cli_main(["up", "--config", str(tmp_path / "nope.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
