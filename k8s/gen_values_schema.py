@@ -209,17 +209,20 @@ rollout = stateless(
 )
 
 
-def batching_autoscaling(component):
+def scorer_autoscaling(component):
     return obj(
         {
             "keda": obj(
                 {
-                    **keda_common(f"scale {component} with KEDA on its batchers' queued and running rows (Prometheus)"),
-                    "batchesPerReplica": {
+                    **keda_common(f"scale {component} with KEDA on its calls in flight (Prometheus)"),
+                    "requestsPerReplica": {
                         "type": ["number", "string"],
                         "pattern": "^[0-9]+(\\.[0-9]+)?$",
-                        "description": "target of (rows queued + rows running) / row budget per replica",
+                        "description": "target of calls in flight (rlhf_requests_in_flight) per replica",
                     },
+                    "window": s(
+                        "string", "PromQL range the calls in flight are averaged over", pattern="^[0-9]+(ms|s|m|h)$"
+                    ),
                     "query": s("string", "PromQL of the trigger; empty: the chart's, on the ServiceMonitor's labels"),
                 },
                 "KEDA ScaledObject",
@@ -484,8 +487,8 @@ schema = {
             "Ascend",
         ),
         "rollout": rollout,
-        "reward": stateless({"autoscaling": batching_autoscaling("reward")}),
-        "reference": stateless({"autoscaling": batching_autoscaling("reference")}),
+        "reward": stateless({"autoscaling": scorer_autoscaling("reward")}),
+        "reference": stateless({"autoscaling": scorer_autoscaling("reference")}),
         "environment": environment,
         "trainer": trainer,
         "training": training,

@@ -206,8 +206,8 @@ async def abort_grpc(context: grpc.aio.ServicerContext, err: BaseException) -> N
 def grpc_errors(metrics: ServiceMetrics | str | None = None, method: str | None = None) -> Callable:
     """Decorator for async servicer methods: RLHFError -> abort with its code; other exceptions -> INTERNAL.
 
-    It also records the request count, latency and errors (protocol ``grpc``) in ``metrics``, or, when that is not
-    given, in the servicer's ``self.metrics`` attribute if it has one::
+    It also records the request count, latency, errors and calls in flight (protocol ``grpc``) in ``metrics``, or,
+    when that is not given, in the servicer's ``self.metrics`` attribute if it has one::
 
         class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             def __init__(self, engine, metrics):
@@ -230,6 +230,9 @@ def grpc_errors(metrics: ServiceMetrics | str | None = None, method: str | None 
         @functools.wraps(fn)
         async def wrapper(self, request, context):
             metrics = fixed_metrics if fixed_metrics is not None else getattr(self, "metrics", None)
+            inflight = metrics.inflight_gauge(name, "grpc") if metrics is not None else None
+            if inflight is not None:
+                inflight.inc()
             t0 = time.perf_counter()
             code = "OK"
             try:
@@ -250,6 +253,7 @@ def grpc_errors(metrics: ServiceMetrics | str | None = None, method: str | None 
                 await abort_grpc(context, err)
             finally:
                 if metrics is not None:
+                    inflight.dec()
                     metrics.observe_request(name, "grpc", time.perf_counter() - t0, code)
 
         return wrapper

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.utils import create_model_field
 from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, StrictInt
+from starlette.routing import Match, Router
 
 from rlhf.serving.errors import (
     ClientDisconnected,
@@ -131,11 +132,21 @@ class BodyLimitMiddleware:
 
 
 class MetricsMiddleware:
-    """Counts requests and latency per route template (unknown paths are one label: ``other``)."""
+    """Counts requests, latency and requests in flight per route template (unknown paths are one label: ``other``).
 
-    def __init__(self, app: Any, metrics: ServiceMetrics):
+    The route is matched here, before the app runs, so that the in-flight gauge has its label while the call runs
+    (the router's own match is only known after it)."""
+
+    def __init__(self, app: Any, metrics: ServiceMetrics, router: Router | None = None):
         self.app = app
         self.metrics = metrics
+        self.router = router
+
+    def _template(self, scope: dict) -> str:
+        for route in self.router.routes if self.router is not None else ():
+            if route.matches(scope)[0] is Match.FULL:
+                return getattr(route, "path", None) or "other"
+        return "other"
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http" or scope.get("path") in HEALTH_PATHS:
@@ -148,7 +159,8 @@ class MetricsMiddleware:
                 status["code"] = msg["status"]
             await send(msg)
 
-        gauge = self.metrics.inflight_gauge("http")
+        method = self._template(scope)
+        gauge = self.metrics.inflight_gauge(method, "http")
         gauge.inc()
         t0 = time.perf_counter()
         try:
@@ -156,7 +168,7 @@ class MetricsMiddleware:
         finally:
             gauge.dec()
             route = scope.get("route")
-            method = getattr(route, "path", None) or "other"
+            method = getattr(route, "path", None) or method
             self.metrics.observe_request(method, "http", time.perf_counter() - t0, status["code"])
 
 
@@ -332,7 +344,7 @@ def create_app(
     app.state.not_ready_reason = "starting"
     install_http_errors(app, metrics)
     # Starlette runs the last added middleware first: the body limit sees the request before anything else.
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, router=app.router)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, metrics=metrics)
 
     @app.get("/healthz", tags=["health"], summary="liveness: 200 while the process runs", response_model=HealthOut)

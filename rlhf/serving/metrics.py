@@ -5,13 +5,19 @@ Names (all labelled with ``service``): ``rlhf_requests_total{method, protocol, c
 ``rlhf_merged_requests{method}`` / ``rlhf_merged_rows{method}`` (per engine call: requests merged into it, their
 rows), ``rlhf_tokens_total{kind}`` (prompt / response / generated), ``rlhf_errors_total{kind}`` (domain error kinds:
 invalid_argument, payload_too_large, scorer_error, ...), ``rlhf_ready`` (1 when ready),
-``rlhf_inflight_requests{protocol}``.
+``rlhf_requests_in_flight{method, protocol}``.
+
+``rlhf_requests_in_flight`` counts every call from its start to its answer, errors included: gRPC methods in
+:func:`rlhf.serving.grpc_errors` (the decorator every servicer method has), HTTP routes in the app's middleware
+(labelled with the route's template, as ``rlhf_requests_total``; health and metrics paths are not counted). Summed
+over a reward or reference Service, it is the work in progress whatever the scorer (a model, a rule, an HTTP judge):
+their scaling signal (docs/deploy.md#scaling-signals).
 
 A service's micro-batchers (:meth:`ServiceMetrics.watch_batcher`), read at each scrape, labelled ``method``:
 ``rlhf_batcher_queued_requests`` / ``rlhf_batcher_queued_rows`` (waiting for the model), ``rlhf_batcher_running_rows``
 (in the engine call now), ``rlhf_batcher_max_rows`` (a merged call's row budget) and ``rlhf_batch_fill`` (a summary:
-per merged call, the share of its row or token budget it filled). These are the reward and reference services'
-scaling signals (docs/deploy.md#scaling-signals).
+per merged call, the share of its row or token budget it filled): how full a model scorer's calls are, for sizing
+its batches (only model scorers have a batcher, so they are not the scaling signal).
 """
 
 from __future__ import annotations
@@ -96,7 +102,12 @@ class ServiceMetrics:
         self.tokens = Counter("rlhf_tokens", "tokens processed", ["service", "kind"], registry=r)
         self.errors = Counter("rlhf_errors", "errors by kind", ["service", "kind"], registry=r)
         self.ready = Gauge("rlhf_ready", "1 when the service is ready", ["service"], registry=r)
-        self.inflight = Gauge("rlhf_inflight_requests", "requests in progress", ["service", "protocol"], registry=r)
+        self.inflight = Gauge(
+            "rlhf_requests_in_flight",
+            "requests started and not yet answered",
+            ["service", "method", "protocol"],
+            registry=r,
+        )
         self.ready.labels(name).set(0)
         self._children: dict[tuple, Any] = {}
         self._batchers: BatcherCollector | None = None
@@ -115,8 +126,8 @@ class ServiceMetrics:
         self._child(self.requests, method, protocol, str(code)).inc()
         self._child(self.latency, method, protocol).observe(seconds)
 
-    def inflight_gauge(self, protocol: str) -> Any:
-        return self._child(self.inflight, protocol)
+    def inflight_gauge(self, method: str, protocol: str) -> Any:
+        return self._child(self.inflight, method, protocol)
 
     def observe_batch(self, method: str, size: int) -> None:
         self._child(self.batch, method).observe(size)
@@ -155,7 +166,7 @@ class ServiceMetrics:
     def track(self, method: str, protocol: str) -> Iterator[dict]:
         """Time a block; set ``box["code"]`` inside to record the outcome (default ``OK``)."""
         box: dict = {"code": "OK"}
-        g = self.inflight_gauge(protocol)
+        g = self.inflight_gauge(method, protocol)
         g.inc()
         t0 = time.perf_counter()
         try:

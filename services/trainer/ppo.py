@@ -9,6 +9,7 @@ runs beside the actor's on half the intra-op threads.
 from __future__ import annotations
 
 import functools
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,17 @@ from services.trainer.optim import append_stats
 
 if TYPE_CHECKING:
     from services.trainer.passes import TrainerPasses
+
+log = logging.getLogger("rlhf.trainer")
+
+
+def response_tokens(b: RolloutBatch, pad_id: int, eos_id: int) -> int:
+    """The response tokens PPO's losses would see in ``b``: the rollout's mask (``algo.ppo_rollout``: a row ends at
+    its first stop token, and a row whose first token is the pad token has none), or an episode's loss mask."""
+    if has_episodes(b):
+        return int(b.loss_mask.sum().item())
+    ell = algo.sequence_lengths(algo.truncate_at_stop(b.responses, eos_id, pad_id), pad_id)
+    return int((ell + 1).clamp(min=0).sum().item())
 
 
 class PPOStage:
@@ -53,6 +65,11 @@ class PPOStage:
 
     def update(self, b: RolloutBatch) -> dict[str, float]:
         p = self.passes
+        if response_tokens(b, p.pad_id, p.eos_id) == 0:
+            # Nothing to whiten or train on (TRL and veRL raise on whitening an empty mask): the update is skipped,
+            # the step still counts, so the records are consumed rather than met again after a restart.
+            log.warning("step %d: update skipped: no response token in the batch", p.state.step + 1)
+            return {"update/skipped_no_response_tokens": 1.0}
         cfg, a, c, context_length = p.cfg, p.cfg.actor, p.cfg.critic, b.context_length
         batch_size = b.responses.shape[0]
         pool, split = None, None
@@ -132,6 +149,7 @@ class PPOStage:
         metrics.update({k: sum(v) / len(v) for k, v in stats.items()})
         metrics["objective/advantages_mean"] = algo.masked_mean(r.advantages, r.response_mask).item()
         metrics["policy/frozen"] = float(frozen)
+        metrics["update/skipped_no_response_tokens"] = 0.0
         return metrics
 
     def _old_values(self, qr: torch.Tensor, context_length: int, first: torch.Tensor | None):

@@ -6,17 +6,21 @@
     python -m tests.cluster.scale --scale-s 360          # a longer scaling phase (240 s by default)
     python -m tests.cluster.scale --cleanup              # remove what a killed run left
 
-No Kubernetes runs here, so a small driver (:class:`Trigger`) does what KEDA and the HPA would: every
-``TICK_S`` it reads the metric the trigger names, computes ``desired = ceil(metric / target)`` clamped to
+No Kubernetes runs here, so a small driver does what KEDA and the HPA would with the chart's ScaledObjects
+(tests/cluster/triggers.py: the same metric expressions and targets, checked against the rendered chart by
+tests/deploy/test_chart.py): every ``TICK_S`` it reads rollout's ``held + waiting`` (the prompts stream's pending
+entries and lag for the rollout group) and reward's ``sum(avg_over_time(rlhf_requests_in_flight[5s]))`` (scraped
+from the replicas in the Service), computes ``desired = ceil(current x (metric / current) / target)`` clamped to
 ``[min, max]`` (the HPA's AverageValue arithmetic, with its 10% tolerance), and scales down only to the highest
-recommendation of the last ``SCALE_DOWN_WINDOW_S`` (the HPA's scale-down stabilization; up is immediate). The
-metrics are the ones the services publish (:data:`ROLLOUT_METRIC`, :data:`REWARD_METRIC`: the one place to switch).
+recommendation of the last ``SCALE_DOWN_WINDOW_S`` (the HPA's scale-down stabilization; up is immediate).
 
 Kubernetes' share is played by the driver too: a replica is in its Service's endpoints (here a per-host
 ``/etc/netns/<ns>/hosts`` file that ``ip netns exec`` mounts over /etc/hosts: the trainer resolves ``rollout`` to
 every ready replica, as with a headless Service, and each rollout resolves ``reward`` to the ready reward replicas)
-once ``/readyz`` answers, and leaves them before it gets SIGTERM (a scale-in). The first rollout scale-in whose
-replica still holds jobs after its SIGTERM (pending under its name in Redis) kills it with -9 there, mid-drain.
+once ``/readyz`` answers, and leaves them before it gets SIGTERM (a scale-in). One rollout scale-in is a kill: the
+driver waits until the leaving replica holds jobs (pending under its name in Redis), sends SIGTERM, and kills it with
+-9 as soon as it logs its drain (jobs in flight, reads stopped); the jobs left pending under its name must be
+reclaimed by the others and each trained once (if none is left, the next scale-in tries again).
 Hosts (tests/cluster/netns.py, prefix ``rlhfs``, 10.213.8.0/24):
 
 redis                       redis-server (AOF)
@@ -28,7 +32,7 @@ trainer                     ``rlhf serve trainer`` (one process, the tiny PPO of
 
 The ledger (jobs issued / trained / lost / trained twice, staleness) is make cluster-check's. Exit status 0 only when
 nothing was lost, trained twice or dead-lettered, staleness stayed within the bound, and each service scaled out and
-in at least twice, with one replica killed mid-drain.
+in at least twice, with one replica killed mid-drain whose jobs were reclaimed and trained once each.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
@@ -45,7 +48,7 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -55,6 +58,7 @@ from rlhf.procs import http_ready
 from rlhf.tiny import build_tiny
 from rlhf.transport import queue_stats
 from rlhf.transport.keys import ROLLOUT_GROUP, RunKeys
+from rlhf.v1 import experience_pb2
 from tests.cluster import netns
 from tests.cluster.run import (
     DATA,
@@ -69,74 +73,45 @@ from tests.cluster.run import (
     experiment,
     take_over,
 )
+from tests.cluster.triggers import (
+    INFLIGHT_JOBS,
+    REWARD_METRIC,
+    REWARD_TARGET,
+    REWARD_WINDOW,
+    REWARD_WINDOW_S,
+    ROLLOUT_FORMULA,
+    ROLLOUT_TARGET,
+    SCALE_DOWN_WINDOW_S,
+    Trigger,
+    reward_metric,
+    rollout_metric,
+)
 
 PREFIX = "rlhfs"
 SUBNET = "10.213.8.0/24"
 ROLLOUTS = ["rollout-0", "rollout-1", "rollout-2"]
 REWARDS = ["reward-0", "reward-1"]
 HOSTS = ["redis", "reference", *REWARDS, *ROLLOUTS, "trainer"]
-INFLIGHT_JOBS = 4  # RLHF_ROLLOUT_MAX_INFLIGHT_JOBS: a replica holds this many jobs
 REWARD_DELAY_S = 0.25  # a reward item's cost in the heavy phase (none in the light one)
 HOLD_S = 10.0  # a phase ends once the fleet has been at its goal this long
 PHASE_MAX_S = 75.0
 TICK_S = 1.0  # the driver's period (KEDA polls every 30 s, the HPA syncs every 15 s by default: shortened to fit)
-SCALE_DOWN_WINDOW_S = 20.0  # the HPA's scale-down stabilization (default 300 s: shortened to fit)
-TOLERANCE = 0.1  # the HPA's: no change while metric / (target * replicas) is within 10% of 1
 CONNECTION_AGE_S = 10  # RLHF_GRPC_MAX_CONNECTION_AGE_S: rollouts move to a reward replica added within ~10 s
 GRACE_S = 20  # RLHF_SHUTDOWN_GRACE_S of the replicas (the pods' termination grace covers it)
-
-# The metrics the triggers read, one place to switch. Rollout: the prompts stream's lag (entries not yet delivered to
-# the rollout group: what KEDA's redis-streams scaler reads as lagCount; QueueStats.prompts_backlog). Reward: its
-# Score requests in flight, summed over the ready replicas. The services publish no gRPC in-flight gauge
-# (rlhf_inflight_requests counts HTTP only), so this reads the closest existing metric, the request-seconds counter,
-# as a Prometheus trigger would: rate(rlhf_request_seconds_sum[REWARD_AVG_S]) is by Little's law the mean number of
-# requests in flight over the window.
-ROLLOUT_METRIC = "prompts_backlog"
-REWARD_METRIC = "rlhf_request_seconds_sum"
-REWARD_LABELS = {"service": "reward", "method": "Score", "protocol": "grpc"}
-REWARD_AVG_S = 5.0
-ROLLOUT_TARGET = 4.0  # jobs waiting per replica
-REWARD_TARGET = 5.0  # requests in flight per replica
+KILL_WAIT_S = 30.0  # how long the kill waits for the leaving replica to hold a job before it sends SIGTERM
+DRAIN_MARK = "job(s) in flight"  # the worker's "waiting up to Ns for N job(s) in flight": its drain has begun
+RECLAIM_WAIT_S = 60.0  # after the scaling, how long the driver waits for the killed replica's jobs to be reclaimed
 
 
 def say(msg: str) -> None:
     print(f"[scale {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-# ------------------------------------------------------------ the autoscaler's arithmetic (unit-tested)
-
-
-@dataclass
-class Trigger:
-    """One scaled workload's rule: KEDA's trigger as the HPA applies it."""
-
-    name: str
-    target: float
-    min_replicas: int
-    max_replicas: int
-    window_s: float = SCALE_DOWN_WINDOW_S
-    tolerance: float = TOLERANCE
-    history: list[tuple[float, int]] = field(default_factory=list)
-
-    def raw(self, metric: float, current: int) -> int:
-        """``ceil(metric / target)`` clamped, or ``current`` within the tolerance."""
-        if current > 0 and abs(metric / (self.target * current) - 1.0) <= self.tolerance:
-            want = current
-        else:
-            want = math.ceil(metric / self.target - 1e-9)
-        return max(self.min_replicas, min(self.max_replicas, want))
-
-    def desired(self, metric: float, current: int, now: float) -> int:
-        """Up at once; down only to the highest recommendation of the last ``window_s``."""
-        want = self.raw(metric, current)
-        self.history = [(t, r) for t, r in self.history if now - t < self.window_s]
-        self.history.append((now, want))
-        if want >= current:
-            return want
-        return min(current, max(r for _, r in self.history))
-
-
 # ------------------------------------------------------------ the fleet
+
+
+def text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
 
 
 def scrape(url: str, name: str, labels: dict[str, str] | None = None) -> float | None:
@@ -159,7 +134,7 @@ def scrape(url: str, name: str, labels: dict[str, str] | None = None) -> float |
 @dataclass
 class Replica:
     host: str
-    state: str = "off"  # off -> starting -> serving -> draining -> off
+    state: str = "off"  # off -> starting -> serving -> (doomed: to be killed, still in its Service) draining -> off
     started: float = 0.0
     log_offset: int = 0  # where this life's log begins
     swaps: float = 0.0  # its counter (note_counters) as last read in this life
@@ -180,7 +155,8 @@ class Fleet(Cluster):
         self.joins: list[dict] = []
         self.drains: list[dict] = []
         self.pushes: dict[str, float] = {h: 0.0 for h in [*ROLLOUTS, *REWARDS]}  # see note_counters
-        self.killed_mid_drain: dict | None = None
+        self.killed_mid_drain: dict | None = None  # the kill that left jobs under the replica's name
+        self.killed_jobs: dict[str, str] = {}  # those jobs: entry id -> job id
         self.kill_armed = True
         self.timeline: list[tuple[float, int, int, int]] = []  # (t, steps, rollouts serving, rewards serving)
         self.threads: list[threading.Thread] = []
@@ -199,7 +175,7 @@ class Fleet(Cluster):
         -> the serving reward replicas, first the one this host prefers (a Service spreads connections; a gRPC
         channel keeps the first address it reaches)."""
         with self.lock:
-            rollouts = [h for h in ROLLOUTS if self.replicas[h].state == "serving"]
+            rollouts = [h for h in ROLLOUTS if self.replicas[h].state in ("serving", "doomed")]
             rewards = [h for h in REWARDS if self.replicas[h].state == "serving"]
         for i, host in enumerate(HOSTS):
             order = rewards[i % len(rewards) :] + rewards[: i % len(rewards)] if rewards else []
@@ -358,12 +334,14 @@ class Fleet(Cluster):
                 host = next((h for h in reversed(hosts) if self.replicas[h].state in ("serving", "starting")), None)
                 if host is None:
                     return
-                self.replicas[host].state = "draining"
+                kill = kind == "rollout" and self.kill_armed and self.replicas[host].state == "serving"
+                # a replica to be killed stays in its Service until it holds jobs (leave): out of it, it would get
+                # no weight push and, a version behind, take no job
+                self.replicas[host].state = "doomed" if kill else "draining"
+                if kill:
+                    self.kill_armed = False
             self.write_endpoints()  # out of the Service first (Kubernetes does it as the pod terminates)
             self.events.append({"t": self.t(), "service": kind, "event": "scale_in", "host": host})
-            kill = kind == "rollout" and self.kill_armed
-            if kill:
-                self.kill_armed = False
             say(f"{kind}: scale in <- {host}{' (to be killed mid-drain)' if kill else ''}")
             th = threading.Thread(target=self.leave, args=(kind, host, kill), daemon=True)
             th.start()
@@ -372,31 +350,25 @@ class Fleet(Cluster):
     def leave(self, kind: str, host: str, kill: bool) -> None:
         rep, proc = self.replicas[host], self.proc(host)
         self.note_counters(host)
-        if kill:  # the fault's moment, as make cluster-check times its cuts: SIGTERM while it holds jobs (5 s at most)
-            wait_until = time.monotonic() + 5.0
+        if kill:  # the fault's moment: it must hold jobs when it gets SIGTERM, or the kill proves no reclaim
+            wait_until = time.monotonic() + KILL_WAIT_S
             while not self.pending_of(host) and time.monotonic() < wait_until and proc.poll() is None:
-                time.sleep(0.02)
+                time.sleep(0.05)
+            with self.lock:
+                rep.state = "draining"
+            self.write_endpoints()
         t0 = time.monotonic()
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGTERM)
         record: dict = {"service": kind, "host": host}
         while proc.poll() is None and time.monotonic() - t0 < GRACE_S + 30:
-            # mid-drain: SIGTERM taken (reads stopped) and jobs still unacknowledged under its name
-            if kill and "SIGTERM received" in self.log_since(host, rep.log_offset):
-                held = self.pending_of(host)
-                if held:
-                    proc.kill9()
-                    self.killed_mid_drain = {
-                        "host": host,
-                        "after_sigterm_s": round(time.monotonic() - t0, 2),
-                        "jobs_pending": self.pending_of(host),  # left by the kill: the others reclaim them
-                    }
-                    record["killed_mid_drain"] = True
-                    say(f"rollout: {host} killed -9 mid-drain: {self.killed_mid_drain}")
-                    break
-                kill = False  # none held: reads have stopped, none will be (re-armed below)
-                record["none_pending_after_sigterm"] = True
-            time.sleep(0.01)
+            # mid-drain: SIGTERM taken, reads stopped, and its drain waiting for the jobs it holds
+            if kill and DRAIN_MARK in self.log_since(host, rep.log_offset):
+                proc.kill9()
+                self.note_kill(host, record, time.monotonic() - t0)
+                kill = False
+                break
+            time.sleep(0.005)
         if proc.poll() is None:
             proc.kill9()
             record["killed_after_grace"] = True
@@ -407,13 +379,25 @@ class Fleet(Cluster):
         )
         if m:
             record.update(drain_s=float(m.group(1)), jobs_finished=int(m.group(2)), jobs_handed_back=int(m.group(3)))
-        if (kill or record.get("none_pending_after_sigterm")) and not record.get("killed_mid_drain"):
-            self.kill_armed = True  # it had no job in flight: kill at the next scale-in
+        if kill:
+            record["no_job_at_sigterm"] = True
+        if self.killed_mid_drain is None:
+            self.kill_armed = True  # no job was left under its name: kill at the next scale-in
         self.drains.append(record)
         say(f"{kind}: {host} left: {record}")
         proc.close_log()
         with self.lock:
             rep.state = "off"
+
+    def note_kill(self, host: str, record: dict, after_s: float) -> None:
+        """After the -9: the jobs pending under its name are what the others must reclaim (none: try again)."""
+        left = self.pending_jobs(host)
+        record["killed_mid_drain"] = True
+        record["jobs_left_pending"] = len(left)
+        if left:
+            self.killed_mid_drain = {"host": host, "after_sigterm_s": round(after_s, 2), "jobs_pending": len(left)}
+            self.killed_jobs = left
+        say(f"rollout: {host} killed -9 mid-drain, {after_s:.2f}s after SIGTERM, {len(left)} job(s) under its name")
 
     def pending_of(self, consumer: str) -> int:
         """Prompt jobs delivered to ``consumer`` and not acknowledged (its jobs in flight)."""
@@ -426,6 +410,41 @@ class Fleet(Cluster):
             return self.redis_call(count)
         except Exception:  # noqa: BLE001 - unknown: not killed this time
             return 0
+
+    def pending_jobs(self, consumer: str) -> dict[str, str]:
+        """entry id -> job id of the prompt jobs pending under ``consumer``."""
+        stream = RunKeys(RUN_ID).prompts
+
+        async def read(r) -> dict[str, str]:
+            out = {}
+            for row in await r.xpending_range(stream, ROLLOUT_GROUP, "-", "+", 100, consumer):
+                entry = text(row["message_id"])
+                for _, fields in await r.xrange(stream, entry, entry):
+                    job = experience_pb2.PromptJob()
+                    job.ParseFromString(fields[b"pb"])
+                    out[entry] = job.job_id
+            return out
+
+        return self.redis_call(read)
+
+    def killed_jobs_reclaimed(self) -> bool:
+        """Whether no job the killed replica left is still pending under its name (another replica took it, or a
+        later life of the same host took and finished it)."""
+        if self.killed_mid_drain is None:
+            return False
+        host, stream = self.killed_mid_drain["host"], RunKeys(RUN_ID).prompts
+
+        async def still(r) -> int:
+            n = 0
+            for entry in self.killed_jobs:
+                rows = await r.xpending_range(stream, ROLLOUT_GROUP, entry, entry, 1)
+                n += sum(1 for row in rows if text(row["consumer"]) == host and row["times_delivered"] == 1)
+            return n
+
+        try:
+            return self.redis_call(still) == 0
+        except Exception:  # noqa: BLE001 - not known yet
+            return False
 
     def note_counters(self, host: str) -> None:
         """Add what ``host`` counted in this life (its counters start at 0 each start): a rollout replica's pushes
@@ -466,7 +485,7 @@ class Fleet(Cluster):
         at = ROLLOUTS, REWARDS
         with self.lock:
             serving = [sum(self.replicas[h].state == "serving" for h in hosts) for hosts in at]
-            busy = any(r.state in ("starting", "draining") for r in self.replicas.values())
+            busy = any(r.state in ("starting", "doomed", "draining") for r in self.replicas.values())
         goal = [len(h) for h in at] if self.phase == "heavy" else [1, 1]
         if serving != goal or busy:
             self.held_since = None
@@ -479,10 +498,10 @@ class Fleet(Cluster):
 
     def drive(self, seconds: float, need: int = 2) -> dict:
         """The autoscaler's loop for ``seconds`` at most, or until both services scaled out and in ``need`` times
-        and a replica was killed mid-drain, with no replica starting or draining."""
+        and a replica was killed mid-drain leaving jobs, with no replica starting or draining."""
         rollout = Trigger("rollout", ROLLOUT_TARGET, 1, len(ROLLOUTS))
         reward = Trigger("reward", REWARD_TARGET, 1, len(REWARDS))
-        samples: dict[str, list[tuple[float, float]]] = {}  # reward replica -> (time, counter) in the window
+        samples: dict[str, list[tuple[float, float]]] = {}  # reward replica in its Service -> its scrapes
         self.metric_log: list[tuple[float, float, float]] = []  # (t, rollout metric, reward metric)
         end = time.monotonic() + seconds
         self.phase_started, self.held_since = time.monotonic(), None
@@ -490,22 +509,20 @@ class Fleet(Cluster):
             now = time.monotonic()
             self.next_phase(now)
             stats = self.redis_call(lambda r: queue_stats(r, RUN_ID))
-            lag = float(getattr(stats, ROLLOUT_METRIC))
+            jobs = rollout_metric(held=stats.prompts_pending, waiting=stats.prompts_backlog)
             with self.lock:
                 serving_rewards = [h for h in REWARDS if self.replicas[h].state == "serving"]
-                serving_rollouts = [h for h in ROLLOUTS if self.replicas[h].state == "serving"]
-            inflight = 0.0
-            for h in serving_rewards:  # rate() over the window, per replica (a new replica's counter starts at 0)
-                v = scrape(self.url(h), REWARD_METRIC, REWARD_LABELS)
-                if v is None:
-                    continue
-                hist = [(t, x) for t, x in samples.get(h, []) if now - t <= REWARD_AVG_S and x <= v]
-                samples[h] = [*hist, (now, v)]
-                if hist:
-                    inflight += (v - hist[0][1]) / (now - hist[0][0])
+                serving_rollouts = [h for h in ROLLOUTS if self.replicas[h].state in ("serving", "doomed")]
+            # what the ServiceMonitor scrapes: the replicas in the Service; a replica that left takes its series
+            samples = {h: [(t, v) for t, v in samples.get(h, []) if now - t < REWARD_WINDOW_S] for h in serving_rewards}
+            for h in serving_rewards:
+                v = scrape(self.url(h), REWARD_METRIC)  # every series: each method and protocol, summed
+                if v is not None:
+                    samples[h].append((now, v))
+            inflight = reward_metric(samples, now)
             for h in [*serving_rollouts, *serving_rewards]:
                 self.note_counters(h)
-            for trig, kind, metric in ((rollout, "rollout", lag), (reward, "reward", inflight)):
+            for trig, kind, metric in ((rollout, "rollout", jobs), (reward, "reward", inflight)):
                 cur = self.current(kind)
                 want = trig.desired(metric, cur, now)
                 if want != cur:
@@ -515,7 +532,7 @@ class Fleet(Cluster):
                 elif want < cur:
                     self.scale_in(kind, cur - want)
             self.timeline.append((now, self.steps(), len(serving_rollouts), len(serving_rewards)))
-            self.metric_log.append((self.t(), lag, round(inflight, 2)))
+            self.metric_log.append((self.t(), jobs, round(inflight, 2)))
             counts = self.counts()
             settled = all(r.state in ("off", "serving") for r in self.replicas.values())
             if min(counts.values()) >= need and self.killed_mid_drain is not None and settled:
@@ -549,12 +566,27 @@ class Fleet(Cluster):
 
     # ------------------------------------------------------------ end
     def finish(self) -> None:
-        self.wait_step_after(self.steps() + 1)
+        self.wait_step_after(self.steps() + 2)  # a job reclaimed just now: written, then read by the next step
         url, headers = self.url("trainer"), {"Authorization": f"Bearer {TOKEN}"}
         httpx.post(url + "/v1/pause", headers=headers, timeout=60).raise_for_status()
         httpx.post(url + "/v1/checkpoint", headers=headers, timeout=180).raise_for_status()
         self.proc("trainer").restart = False
         self.proc("trainer").stop(60)
+
+    def killed_jobs_outcome(self) -> dict:
+        """How often the trainer trained each job the killed replica left (its ledger, written at checkpoints)."""
+        path = self.run_dir / "trained_jobs.jsonl"
+        lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
+        trained = [j for line in lines for j in line.get("job_ids", [])]
+        counts = [trained.count(j) for j in self.killed_jobs.values()]
+        return {
+            "left": len(counts),
+            "reclaimed": self.killed_jobs_reclaimed(),
+            "trained_once": sum(1 for c in counts if c == 1),
+            "trained_twice": sum(1 for c in counts if c > 1),
+            "not_trained": sum(1 for c in counts if c == 0),
+            "job_ids": sorted(self.killed_jobs.values()),
+        }
 
     def trainer_events(self) -> list[dict]:
         path = self.run_dir / "events.jsonl"
@@ -602,12 +634,16 @@ def main(argv: list[str] | None = None) -> int:
         counts = fleet.drive(args.scale_s)
         for th in fleet.threads:
             th.join(GRACE_S + 40)
+        until = time.monotonic() + RECLAIM_WAIT_S
+        while fleet.killed_mid_drain is not None and not fleet.killed_jobs_reclaimed() and time.monotonic() < until:
+            time.sleep(0.5)
         fleet.finish()
         events = fleet.trainer_events()
         result = {
             **counts,
             **fleet.ledger(),
             "killed_mid_drain": fleet.killed_mid_drain,
+            "killed_jobs": fleet.killed_jobs_outcome(),
             "pushes_installed": {h: int(fleet.pushes[h]) for h in ROLLOUTS},
             "reward_calls": {h: int(fleet.pushes[h]) for h in REWARDS},
             # a request failed by a leaving reward replica would fail a reward call (retried) or its job (re-issued)
@@ -619,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
             "joins": fleet.joins,
             "drains": fleet.drains,
             "steps_per_minute": fleet.steps_per_minute(),
-            "metrics": {"rollout": ROLLOUT_METRIC, "reward": f"rate({REWARD_METRIC}[{REWARD_AVG_S:g}s])"},
+            "metrics": {"rollout": ROLLOUT_FORMULA, "reward": f"sum(avg_over_time({REWARD_METRIC}[{REWARD_WINDOW}]))"},
             "metric_max": {
                 "rollout": max((m[1] for m in fleet.metric_log), default=None),
                 "reward": max((m[2] for m in fleet.metric_log), default=None),
@@ -646,6 +682,8 @@ def main(argv: list[str] | None = None) -> int:
         and result["max_staleness"] <= result["staleness_bound"]
         and all(result.get(k, 0) >= 2 for k in need)
         and result.get("killed_mid_drain") is not None
+        and result.get("jobs_reclaimed", 0) > 0
+        and result["killed_jobs"]["trained_once"] == result["killed_jobs"]["left"] > 0
     )
     return 0 if ok else 1
 

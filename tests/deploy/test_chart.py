@@ -17,6 +17,7 @@ from deploy_support import CHART, ROOT, SERVICES, containers, helm_template, par
 from rlhf.config import load_config, parse_config
 from rlhf.serving import ServiceSettings
 from rlhf.transport.connection import WaitPolicy, parse_redis_url
+from tests.cluster import triggers
 
 ACCELERATOR = {"gpu": "nvidia.com/gpu", "npu": "huawei.com/Ascend910"}
 DEVICE = {"default": "cpu", "gpu": "cuda", "npu": "npu"}
@@ -524,10 +525,10 @@ KEDA_ALL = (
 )
 
 
-def test_keda_scales_reward_and_reference_on_their_batchers(helm):
-    """Stateless services: one prometheus trigger each, on the rows their micro-batchers hold (queued + running) in
-    full merged calls, from the series the chart's ServiceMonitor scrapes (job = the Service, the release's
-    namespace); the metric names are the ones rlhf/serving/metrics.py publishes."""
+def test_keda_scales_reward_and_reference_on_their_calls_in_flight(helm):
+    """Stateless services: one prometheus trigger each, on their calls in flight (gRPC and HTTP, whatever the scorer:
+    a rule or an HTTP judge has no micro-batcher) averaged over `window`, from the series the chart's ServiceMonitor
+    scrapes (job = the Service, the release's namespace); the metric is the one rlhf/serving/metrics.py publishes."""
     r = render(helm, *KEDA_ALL)
     published = (ROOT / "rlhf" / "serving" / "metrics.py").read_text()
     scaled = {so["metadata"]["labels"]["app.kubernetes.io/component"]: so for so in r.kind("ScaledObject")}
@@ -541,12 +542,10 @@ def test_keda_scales_reward_and_reference_on_their_batchers(helm):
         (trigger,) = spec["triggers"]
         assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
         meta = trigger["metadata"]
-        assert meta["serverAddress"] == "http://prometheus-operated.monitoring:9090" and meta["threshold"] == "1"
+        assert meta["serverAddress"] == "http://prometheus-operated.monitoring:9090" and meta["threshold"] == "8"
         service = r.component("Service", comp)["metadata"]["name"]
-        names = re.findall(r"(rlhf_\w+)\{", meta["query"])
-        assert names == ["rlhf_batcher_queued_rows", "rlhf_batcher_running_rows", "rlhf_batcher_max_rows"]
-        assert all(f'"{n}"' in published for n in names), "the query reads metrics the services publish"
-        assert meta["query"].count(f'{{namespace="rlhf",job="{service}"}}') == 3
+        assert meta["query"] == f'sum(avg_over_time(rlhf_requests_in_flight{{namespace="rlhf",job="{service}"}}[1m]))'
+        assert '"rlhf_requests_in_flight"' in published, "the query reads a metric the services publish"
     r = render(
         helm,
         *KEDA_ALL,
@@ -559,6 +558,25 @@ def test_keda_scales_reward_and_reference_on_their_batchers(helm):
     )
     (reward,) = [so for so in r.kind("ScaledObject") if so["metadata"]["name"].endswith("-reward")]
     assert reward["spec"]["triggers"][0]["metadata"]["query"] == "sum(up)"
+
+
+def test_scale_checks_driver_applies_the_charts_triggers(helm):
+    """make scale-check's driver (tests/cluster/triggers.py) stands in for KEDA: rendered with its values, the chart's
+    ScaledObjects have its formula, query and targets, so the run scales on what a cluster would."""
+    r = render(helm, *KEDA_ALL, *triggers.CHART_VALUES)
+    scaled = {so["metadata"]["labels"]["app.kubernetes.io/component"]: so for so in r.kind("ScaledObject")}
+    modifiers = scaled["rollout"]["spec"]["advanced"]["scalingModifiers"]
+    assert modifiers["formula"] == triggers.ROLLOUT_FORMULA and modifiers["metricType"] == "AverageValue"
+    assert float(modifiers["target"]) == triggers.ROLLOUT_TARGET
+    held, waiting = (t["metadata"] for t in scaled["rollout"]["spec"]["triggers"])
+    assert "pendingEntriesCount" in held and "lagCount" in waiting  # what QueueStats reads as pending and backlog
+    (trigger,) = scaled["reward"]["spec"]["triggers"]
+    assert float(trigger["metadata"]["threshold"]) == triggers.REWARD_TARGET
+    assert re.fullmatch(
+        rf"sum\(avg_over_time\({triggers.REWARD_METRIC}\{{[^}}]*\}}\[{triggers.REWARD_WINDOW}\]\)\)",
+        trigger["metadata"]["query"],
+    ), trigger["metadata"]["query"]
+    assert float(triggers.REWARD_WINDOW.rstrip("s")) == triggers.REWARD_WINDOW_S
 
 
 @pytest.mark.parametrize(

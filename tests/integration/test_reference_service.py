@@ -201,6 +201,8 @@ def test_metrics(ref_svc):
     assert 'rlhf_batcher_running_rows{method="logprobs",service="reference"} 0.0' in text
     assert 'rlhf_batcher_max_rows{method="logprobs",service="reference"}' in text
     assert 'rlhf_requests_total{code="200",method="/v1/logprobs",protocol="http",service="reference"}' in text
+    # the scaling signal: the call was in flight and is no more (the scrape itself is not counted)
+    assert 'rlhf_requests_in_flight{method="/v1/logprobs",protocol="http",service="reference"} 0.0' in text
     assert 'rlhf_tokens_total{kind="response",service="reference"}' in text
     assert 'rlhf_requests_total{code="OK",method="LogProbs",protocol="grpc",service="reference"}' in text
     assert 'rlhf_errors_total{kind="invalid_argument",service="reference"}' in text

@@ -199,6 +199,8 @@ def test_metrics(reward_svc):
     assert _model_fill_count(text) >= before + 1
     assert re.search(r'^rlhf_batcher_queued_rows\{method="score:[^"]+",service="reward"\} 0\.0$', text, re.M)
     assert 'rlhf_requests_total{code="200",method="/v1/score",protocol="http",service="reward"}' in text
+    # the scaling signal: the call was in flight and is no more (the scrape itself is not counted)
+    assert 'rlhf_requests_in_flight{method="/v1/score",protocol="http",service="reward"} 0.0' in text
     assert 'rlhf_batch_size_count{method="/v1/score",service="reward"}' in text
     assert 'rlhf_errors_total{kind="invalid_input",service="reward"}' in text
     assert 'rlhf_ready{service="reward"} 1.0' in text

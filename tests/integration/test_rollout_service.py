@@ -662,11 +662,11 @@ def test_refused_updates_leave_the_old_weights_serving(svc, stub, policy_state):
 
 
 def _inflight_http(svc) -> float:
-    m = re.search(
-        r'rlhf_inflight_requests\{protocol="http",service="rollout"\} ([0-9.e+-]+)',
+    found = re.findall(
+        r'rlhf_requests_in_flight\{method="[^"]*",protocol="http",service="rollout"\} ([0-9.e+-]+)',
         httpx.get(svc.http_url + "/metrics").text,
     )
-    return float(m.group(1)) if m else 0.0
+    return sum(float(v) for v in found)
 
 
 def _gauge(svc, name: str) -> float:

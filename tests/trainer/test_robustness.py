@@ -142,3 +142,29 @@ def test_staleness_counts_training_steps_across_a_restart(tiny_models, tmp_path)
     assert resumed.steps_behind(versions, 114).tolist() == [2, 1, 0, 0, 0]  # 115: weights the crash discarded
     assert resumed.steps_behind(versions, 116).tolist() == [4, 3, 1, 2, 1]
     assert engine.steps_behind(torch.tensor([110, 114]), 114).tolist() == [4, 0]  # one segment: version gaps
+
+
+def test_a_ppo_batch_without_a_response_token_skips_the_update_and_says_so(tiny_models):
+    """Every response is its pad token first (0 tokens by TRL's sequence lengths): nothing to whiten or train on.
+    The step used to raise from masked_whiten, and the trainer restarted into the same batch; now the update is
+    skipped (weights and Adam untouched), the step still counts (its records are consumed) and a metric says why."""
+    engine = TrainerEngine(_config("ray_ppo"))
+    batch = _rollout(engine, PROMPTS[:2], 4)
+    for exp in batch:
+        for s in exp.samples:
+            s.response_ids[:] = [engine.pad_id, engine.pad_id]
+            s.ref_logprobs[:] = [-1.0, -1.0]
+            del s.sampling_logprobs[:]
+    before, adam = _params(engine.actor), dict(engine.actor_opt.state)
+    critic_before = _params(engine.critic)
+    m = engine.step(batch)
+    assert m["update/skipped_no_response_tokens"] == 1.0
+    assert engine.step_count == 1
+    for p, q in zip(before, engine.actor.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for p, q in zip(critic_before, engine.critic.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert dict(engine.actor_opt.state) == adam
+    m = engine.step(_rollout(engine, PROMPTS[:2], 4))  # the next batch with tokens trains as ever
+    assert m["update/skipped_no_response_tokens"] == 0.0
+    assert any(not torch.equal(p, q) for p, q in zip(before, engine.actor.parameters(), strict=True))

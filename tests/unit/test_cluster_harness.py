@@ -51,7 +51,7 @@ def test_network_plan_names_links_within_linux_limits():
 def test_scale_trigger_is_the_hpa_arithmetic():
     """make scale-check's driver: desired = ceil(metric / target) clamped to [min, max], no change within the 10%
     tolerance, up at once, down only to the highest recommendation of the stabilization window."""
-    from tests.cluster.scale import Trigger  # noqa: PLC0415 - the harness module: imported where it is tested
+    from tests.cluster.triggers import Trigger  # noqa: PLC0415 - the harness module: imported where it is tested
 
     t = Trigger("rollout", target=4.0, min_replicas=1, max_replicas=3, window_s=20.0)
     assert t.raw(12, 1) == 3 and t.raw(30, 1) == 3  # clamped to max
@@ -62,3 +62,15 @@ def test_scale_trigger_is_the_hpa_arithmetic():
     assert t.desired(0, 3, now=19.0) == 3
     assert t.desired(0, 3, now=21.0) == 1  # the 3 (t=0) left the window; the zeros since recommend 1
     assert t.desired(6, 1, now=22.0) == 2
+
+
+def test_scale_drivers_metrics_are_the_charts_expressions():
+    """rollout: held + waiting; reward: sum over the replicas in the Service of each one's mean in-flight count over
+    the window (avg_over_time), a replica's scrapes outside the window left out."""
+    from tests.cluster import triggers  # noqa: PLC0415 - the harness module: imported where it is tested
+
+    assert triggers.rollout_metric(held=4, waiting=7) == 11
+    w = triggers.REWARD_WINDOW_S
+    samples = {"reward-0": [(100 - w - 1, 50.0), (98.0, 2.0), (100.0, 4.0)], "reward-1": [(99.0, 1.0)], "r2": []}
+    assert triggers.reward_metric(samples, now=100.0) == 3.0 + 1.0
+    assert triggers.reward_metric({}, now=100.0) == 0.0
