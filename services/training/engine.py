@@ -40,6 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlhf.algo.tinker_losses import LOSSES, tinker_loss
+from rlhf.checkpoints import fsync_files
 from rlhf.serving import FailedPrecondition, InvalidArgument, NotFound, NotReady
 from services.training.sampling import SampleSpec, encode_sample_response, generate
 from services.training.wire import ForwardBackwardCall
@@ -696,11 +697,11 @@ class TrainingEngine:
         }
         (tmp / "state.json").write_text(json.dumps(body, indent=1))
         (tmp / CHECKPOINT_JSON).write_text(json.dumps(record, indent=1))
-        _fsync_dir(tmp)
+        fsync_files(tmp, recursive=False, folder=True)  # a checkpoint folder is flat
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_files(final.parent, recursive=False, folder=True)  # the rename
         return {"path": f"tinker://{model_id}/weights/{name}", "type": "save_weights"}
 
     def save_for_sampler(
@@ -741,7 +742,7 @@ class TrainingEngine:
         tensors = get_peft_model_state_dict(self.peft, adapter_name=run.adapter, save_embedding_layers=False)
         write_adapter(tmp, tensors, run.lora.rank, LORA_ALPHA, self._targets(run.lora), self.base_model)
         (tmp / CHECKPOINT_JSON).write_text(json.dumps(record, indent=1))
-        _fsync_dir(tmp)
+        fsync_files(tmp, recursive=False, folder=True)  # a checkpoint folder is flat
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -1137,15 +1138,3 @@ def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    for f in path.iterdir() if path.is_dir() else ():
-        if f.is_file():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
