@@ -21,8 +21,11 @@ from rlhf.serving import (
     json_response,
     parse_bearer,
 )
-from services.training.engine import AdamStep, LoraSpec, TrainingEngine, owner_of
+from services.training.engine import AdamStep, TrainingEngine
+from services.training.futures import Outcome
 from services.training.sampling import parse_sample_request
+from services.training.sessions import owner_of
+from services.training.shared_model import LoraSpec
 from services.training.tinker_protocol import (
     PROTO,
     AdamIn,
@@ -88,7 +91,7 @@ class TinkerServing:
     def capabilities(self) -> dict[str, Any]:
         model = {
             "model_name": self.engine.base_model,
-            "max_context_length": self.engine.max_length or None,
+            "max_context_length": self.engine.model.max_length or None,
             "trainable": True,
             "sampleable": True,  # by this service's own model (docs/tinker.md, Sampling)
         }
@@ -227,7 +230,7 @@ class TinkerServing:
             "sampling_session_id",
         )
         self.engine.sampler(owner, sampler_id)
-        spec = parse_sample_request(body, self.engine.vocab_size, self.engine.max_length)
+        spec = parse_sample_request(body, self.engine.model.vocab_size, self.engine.model.max_length)
         seq_id = body.get("seq_id")
         rid, sequence_ids = self.engine.sample(owner, sampler_id, seq_id if isinstance(seq_id, int) else None, spec)
         return {"request_id": rid, "sample_sequence_ids": sequence_ids}
@@ -235,8 +238,7 @@ class TinkerServing:
     # ---------------------------------------------------------------------------------------- futures and ours
 
     async def retrieve_future(self, owner: str, body: RetrieveIn) -> Response:
-        state, value = await self.engine.retrieve(owner, body.request_id)
-        return render_outcome(body.request_id, state, value)
+        return render_outcome(body.request_id, await self.engine.retrieve(owner, body.request_id))
 
     async def info(self) -> dict[str, Any]:
         memory = await self.engine.memory_report()
@@ -251,14 +253,14 @@ class TinkerServing:
         )
 
 
-def render_outcome(request_id: str, state: str, value: Any) -> Response:
+def render_outcome(request_id: str, outcome: Outcome) -> Response:
     """A future as the SDK reads it: try_again, ``{"error", "category"}`` (200: the call was answered, the request
     failed), or its result (protobuf for a sample and for forward / forward_backward, JSON for the rest)."""
-    if state == "pending":
+    if outcome.state == "pending":
         return json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
-    if state == "failed":
-        message, category = value
-        return json_response({"error": message, "category": category})
+    if outcome.state == "failed":
+        return json_response({"error": outcome.error, "category": outcome.category})
+    value = outcome.result
     if "sample" in value:  # a SampleResponse: protobuf only, as the SDK reads it
         return Response(value["sample"], media_type=PROTO)
     if "outputs" in value:  # a forward / forward_backward result: protobuf, as the SDK asks for it
