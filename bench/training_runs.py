@@ -17,7 +17,9 @@ import time
 import torch
 
 from bench._common import QUICK, build_model, emit, log, median, rnd, target
-from services.training.engine import AdamStep, LoraSpec, TrainingEngine, owner_of
+from services.training.engine import AdamStep, TrainingEngine
+from services.training.sessions import owner_of
+from services.training.shared_model import LoraSpec
 from services.training.wire import Datum, ForwardBackwardCall
 
 RUNS = 3 if QUICK else 8
@@ -45,7 +47,7 @@ def main() -> None:
         rss_base = rss_bytes()
         data = [
             Datum(tokens, {"target_tokens": torch.roll(tokens, -1), "weights": torch.ones(128)})
-            for tokens in torch.randint(5, engine.vocab_size, (4, 128))
+            for tokens in torch.randint(5, engine.model.vocab_size, (4, 128))
         ]
         rss, run_bytes = [], []
         for i in range(RUNS):

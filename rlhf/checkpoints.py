@@ -4,16 +4,35 @@ down (it loads the policy the trainer will resume from).
 
 A checkpoint ``<root>/step_<N>/`` is complete when its ``manifest.json`` lists every file with its size (written
 last); ``<root>/latest`` names the newest. Nothing here imports torch; :func:`load_policy` reads safetensors only.
+:func:`fsync_files` is the one durable-write step of every checkpoint writer (the trainer's, the training service's).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 MANIFEST = "manifest.json"
+
+
+def fsync_files(path: Path, *, recursive: bool, folder: bool) -> None:
+    """Flush the files in the folder ``path`` to disk before it is renamed into place: the files directly in it, or
+    (``recursive``) at every depth; with ``folder``, the folder's own entry list too (the names created or renamed
+    in it), which a rename's durability needs. A missing ``path`` has no files to flush."""
+    if path.is_dir():
+        for f in path.rglob("*") if recursive else path.iterdir():
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+    if folder:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def checkpoint_root(run_dir: str | Path | None, save: str | Path) -> Path:

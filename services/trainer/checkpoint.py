@@ -19,7 +19,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlhf.checkpoints import MANIFEST, incomplete_reason, latest_checkpoint  # the readers, shared with rollout
+from rlhf.checkpoints import (  # the readers, shared with rollout; fsync_files, shared with services.training
+    MANIFEST,
+    fsync_files,
+    incomplete_reason,
+    latest_checkpoint,
+)
 from rlhf.layout import CheckpointLayout
 from rlhf.lora import adapter_state_dict, merged_state_dict
 from services.trainer.models import NO_LOAD_OPTIM_IN_GROUP
@@ -50,13 +55,6 @@ def _restore_optimizer(name: str, opt: torch.optim.Optimizer, tensors: dict[str,
         idx, field = key.split(".", 1)
         state.setdefault(int(idx), {})[field] = value
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-
-
-def _fsync_tree(path: Path) -> None:
-    for p in path.rglob("*"):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
 
 
 def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
@@ -91,7 +89,7 @@ def save_checkpoint(root: str | Path, engine, extra: dict[str, Any]) -> Path:
     (tmp / "state.json").write_text(json.dumps(state))
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     (tmp / MANIFEST).write_text(json.dumps({"step": engine.state.step, "files": files}))
-    _fsync_tree(tmp)
+    fsync_files(tmp, recursive=True, folder=False)  # every file of the tree; the rename below is not flushed
     if final.exists():  # a second checkpoint of the same step: move the old one aside, never delete it first
         old = Path(tempfile.mkdtemp(prefix=f"{final.name}.old-", dir=root))
         os.replace(final, old / final.name)

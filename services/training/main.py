@@ -11,8 +11,9 @@ import os
 
 from rlhf.config import load_config
 from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings
-from services.training.engine import SESSION_TTL_S, TrainingEngine
+from services.training.engine import TrainingEngine
 from services.training.http_app import build_app
+from services.training.sessions import SESSION_TTL_S
 
 FAST_EXIT = True
 # both listed in rlhf.serving.settings.LIBRARY_ENV_VARS

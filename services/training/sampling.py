@@ -12,6 +12,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,6 +63,27 @@ def parse_sample_request(body: dict, vocab_size: int, max_length: int) -> Sample
     if not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
         raise InvalidArgument(f"num_samples {n!r} must be 1..{MAX_SAMPLES}", field="num_samples")
     params = body.get("sampling_params")
+    max_tokens, temperature, top_p, top_k, seed = _sampling_params(params, prompt.numel(), max_length)
+    stop_tokens, stop_strings = _stop(params.get("stop"), vocab_size)
+    spec = SampleSpec(
+        prompt, n, max_tokens, temperature, top_p, top_k, seed, stop_tokens, stop_strings,
+        bool(body.get("prompt_logprobs")), body.get("prompt_logprobs_last_n"),
+    )  # fmt: skip
+    last_n = spec.prompt_logprobs_last_n
+    if last_n is not None:
+        if not spec.prompt_logprobs:
+            raise InvalidArgument("prompt_logprobs_last_n needs prompt_logprobs", field="prompt_logprobs_last_n")
+        if not isinstance(last_n, int) or not 1 <= last_n <= prompt.numel() - 1:
+            raise InvalidArgument(
+                f"prompt_logprobs_last_n {last_n!r} must be 1..len(prompt) - 1 ({prompt.numel() - 1})",
+                field="prompt_logprobs_last_n",
+            )
+    return spec
+
+
+def _sampling_params(params: Any, prompt_len: int, max_length: int) -> tuple[int, float, float, int, int | None]:
+    """``sampling_params`` checked: (max_tokens, temperature, top_p, top_k, seed); ``stop`` is read by
+    :func:`_stop`. Any other key is refused, naming it."""
     if not isinstance(params, dict):
         raise InvalidArgument("sampling_params is required", field="sampling_params")
     known = {"max_tokens", "seed", "stop", "temperature", "top_k", "top_p"}
@@ -74,9 +96,9 @@ def parse_sample_request(body: dict, vocab_size: int, max_length: int) -> Sample
             f"sampling_params.max_tokens {max_tokens!r}: give a positive number of tokens to generate",
             field="sampling_params.max_tokens",
         )
-    if max_length and prompt.numel() + max_tokens > max_length:
+    if max_length and prompt_len + max_tokens > max_length:
         raise InvalidArgument(
-            f"prompt ({prompt.numel()} tokens) + sampling_params.max_tokens ({max_tokens}) exceeds the model's "
+            f"prompt ({prompt_len} tokens) + sampling_params.max_tokens ({max_tokens}) exceeds the model's "
             f"context of {max_length}",
             field="sampling_params.max_tokens",
         )
@@ -96,21 +118,7 @@ def parse_sample_request(body: dict, vocab_size: int, max_length: int) -> Sample
         )
     if seed is not None and not isinstance(seed, int):
         raise InvalidArgument(f"sampling_params.seed {seed!r} must be an integer", field="sampling_params.seed")
-    stop_tokens, stop_strings = _stop(params.get("stop"), vocab_size)
-    spec = SampleSpec(
-        prompt, n, max_tokens, temperature, top_p, top_k, seed, stop_tokens, stop_strings,
-        bool(body.get("prompt_logprobs")), body.get("prompt_logprobs_last_n"),
-    )  # fmt: skip
-    last_n = spec.prompt_logprobs_last_n
-    if last_n is not None:
-        if not spec.prompt_logprobs:
-            raise InvalidArgument("prompt_logprobs_last_n needs prompt_logprobs", field="prompt_logprobs_last_n")
-        if not isinstance(last_n, int) or not 1 <= last_n <= prompt.numel() - 1:
-            raise InvalidArgument(
-                f"prompt_logprobs_last_n {last_n!r} must be 1..len(prompt) - 1 ({prompt.numel() - 1})",
-                field="prompt_logprobs_last_n",
-            )
-    return spec
+    return max_tokens, temperature, top_p, top_k, seed
 
 
 def _number(params: dict, name: str, default: float) -> float:

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from services.training import engine as engine_mod
-from services.training.engine import LoraSpec, TrainingEngine, combine_metrics, micro_batches, owner_of
+from services.training.engine import TrainingEngine, combine_metrics, micro_batches
+from services.training.sessions import owner_of
+from services.training.shared_model import LoraSpec
 from services.training.wire import Datum, ForwardBackwardCall
 
 OWNER = owner_of("tml-test")
@@ -69,7 +71,7 @@ def test_a_batch_failing_part_way_leaves_the_gradients_as_they_were(engine, monk
     engine._fwd_bwd_job(OWNER, call)
     before = _grads(engine)
     monkeypatch.setattr(engine_mod, "MICRO_BATCH_TOKENS", 1)  # two micro-batches; the second one fails
-    real = engine._target_logprobs
+    real = engine.model.target_logprobs
     calls = []
 
     def failing(batch):
@@ -78,7 +80,7 @@ def test_a_batch_failing_part_way_leaves_the_gradients_as_they_were(engine, monk
             raise RuntimeError("out of memory")
         return real(batch)
 
-    monkeypatch.setattr(engine, "_target_logprobs", failing)
+    monkeypatch.setattr(engine.model, "target_logprobs", failing)
     with pytest.raises(RuntimeError, match="out of memory"):
         engine._fwd_bwd_job(OWNER, call)
     assert calls == [1, 1]
@@ -104,13 +106,13 @@ def test_sessions_without_heartbeats_have_their_runs_unloaded(tiny_models, tmp_p
         for sid in (quiet, alive):
             e._new_run(OWNER, f"{sid}:train:0", LoraSpec(4, 0, True, True, True), None)
         kept = e.runs[f"{alive}:train:0"].adapter
-        start = e.sessions[quiet].last_heartbeat
+        start = e.sessions.by_id[quiet].last_heartbeat
         assert e.expire(now=start + 30) is None  # within the TTL: nothing goes
         e.heartbeat(OWNER, alive)
-        e.sessions[alive].last_heartbeat = start + 50
+        e.sessions.by_id[alive].last_heartbeat = start + 50
         e.expire(now=start + 61).result()
         assert list(e.runs) == [f"{alive}:train:0"]
-        left = {n.split(".")[-2] for n, _ in e.peft.named_parameters() if ".lora_" in n}
+        left = {n.split(".")[-2] for n, _ in e.model.peft.named_parameters() if ".lora_" in n}
         assert left == {kept}  # the quiet run's adapter left the shared model
         with pytest.raises(engine_mod.NotFound, match="was unloaded .*sent no heartbeat for 60 s"):
             e.run(OWNER, f"{quiet}:train:0")
@@ -133,11 +135,11 @@ def test_checkpoints_expire_after_their_ttl(engine, tmp_path):
     listed = {c["checkpoint_id"]: c for c in engine.list_checkpoints(OWNER, "s:train:0")}
     assert listed["weights/keep-an-hour"]["user_metadata"] == {"note": "a"}
     assert listed["weights/keep-an-hour"]["expires_at"] is not None and listed["weights/forever"]["expires_at"] is None
-    assert engine.sweep_checkpoints(record["expires_unix"] - 1) == []
-    gone = engine.sweep_checkpoints(record["expires_unix"] + 1)
+    assert engine.store.sweep(record["expires_unix"] - 1) == []
+    gone = engine.store.sweep(record["expires_unix"] + 1)
     assert [p.name for p in gone] == ["keep-an-hour"]
     assert [c["checkpoint_id"] for c in engine.list_checkpoints(OWNER, "s:train:0")] == ["weights/forever"]
     with pytest.raises(engine_mod.NotFound, match="does not exist"):
-        engine._checkpoint(OWNER, "tinker://s:train:0/weights/keep-an-hour")
+        engine.store.training_checkpoint(OWNER, "tinker://s:train:0/weights/keep-an-hour")
     with pytest.raises(engine_mod.InvalidArgument, match="ttl_seconds 60 must be from 3600"):
         engine_mod.checkpoint_record(None, 60)

@@ -14,6 +14,7 @@ from tinker.proto.response_conv import deserialize_sample_response
 
 from rlhf.serving import InvalidArgument, NotFound
 from services.training.sampling import SampleSpec, Sequence, _draw, encode_sample_response, parse_sample_request
+from services.training.sessions import owner_of
 
 
 def _sdk_json(params: types.SamplingParams, **kw) -> dict:
@@ -93,49 +94,50 @@ def test_draws_honour_top_k_top_p_and_temperature():
 def test_sampler_from_a_checkpoint_with_no_run_loaded(tiny_models, tmp_path):
     """As after a restart: a sampler checkpoint read into a model that holds no run samples as the run did; when
     its sampler goes, the last adapter leaves the model and a base sampler samples the base again."""
-    from services.training.engine import LoraSpec, TrainingEngine, owner_of  # noqa: PLC0415 - torch models
+    from services.training.engine import TrainingEngine  # noqa: PLC0415 - torch models
+    from services.training.shared_model import LoraSpec  # noqa: PLC0415 - torch models
 
     owner = owner_of("tml-test")
     e = TrainingEngine("tiny:policy", tmp_path, "cpu")
     e._load()
     spec = SampleSpec(torch.tensor([3, 4, 5]), 2, 4, temperature=0.0, stop_tokens=set(), prompt_logprobs=True)
-    e._bind(owner, "b:sample:0", None, None, None)
-    base = e._sample_job(owner, "b:sample:0", spec)["sample"]
+    e.samplers.bind(owner, "b:sample:0", None, None, None)
+    base = e.samplers.sample_job(owner, "b:sample:0", spec)["sample"]
     run = e._new_run(owner, "s:train:0", LoraSpec(4, 1, True, True, True), None)
     e._write_run_json(run)
     with torch.no_grad():
         for p in run.params.values():
             p.add_(0.05)  # B away from zero: the adapter changes the outputs
     e._snapshot_run_job(owner, "s:train:0", "s:sample:0")
-    trained = e._sample_job(owner, "s:sample:0", spec)["sample"]
+    trained = e.samplers.sample_job(owner, "s:sample:0", spec)["sample"]
     assert trained != base
     e._sampler_job(owner, "s:train:0", "ck", {"created": "t0"})
-    e._release_sampler("s:sample:0")
+    e.samplers.release("s:sample:0")
     e._unload_job(["s:train:0"], "test")
-    assert list(e.peft.peft_config) == []
-    folder = e._sampler_checkpoint(owner, "tinker://s:train:0/sampler_weights/ck")
-    e._bind(owner, "t:sample:0", "p", "ck", lambda: e._load_sampler_adapter(folder))
-    assert e._sample_job(owner, "t:sample:0", spec)["sample"] == trained
-    e._release_sampler("t:sample:0")
-    assert list(e.peft.peft_config) == [] and not e._snapshots
-    assert e._sample_job(owner, "b:sample:0", spec)["sample"] == base
+    assert list(e.model.peft.peft_config) == []
+    folder = e.store.sampler_checkpoint(owner, "tinker://s:train:0/sampler_weights/ck")
+    e.samplers.bind(owner, "t:sample:0", "p", "ck", lambda: e.samplers.load_checkpoint(folder))
+    assert e.samplers.sample_job(owner, "t:sample:0", spec)["sample"] == trained
+    e.samplers.release("t:sample:0")
+    assert list(e.model.peft.peft_config) == [] and not e.samplers.snapshots
+    assert e.samplers.sample_job(owner, "b:sample:0", spec)["sample"] == base
     with pytest.raises(NotFound, match="does not exist"):
-        e._sampler_checkpoint(owner_of("tml-other"), "tinker://s:train:0/sampler_weights/ck")
+        e.store.sampler_checkpoint(owner_of("tml-other"), "tinker://s:train:0/sampler_weights/ck")
 
 
 def test_stop_strings_end_at_the_token_that_completes_one(tiny_models, tmp_path):
-    from services.training.engine import TrainingEngine, owner_of  # noqa: PLC0415 - torch models
+    from services.training.engine import TrainingEngine  # noqa: PLC0415 - torch models
 
     owner = owner_of("tml-test")
     e = TrainingEngine("tiny:policy", tmp_path, "cpu")
     e._load()
-    e._bind(owner, "b:sample:0", None, None, None)
+    e.samplers.bind(owner, "b:sample:0", None, None, None)
     free = SampleSpec(torch.tensor([3, 4, 5]), 1, 8, temperature=0.0, stop_tokens=set())
-    tokens = deserialize_sample_response(e._sample_job(owner, "b:sample:0", free)["sample"]).sequences[0].tokens
-    decode = e._decoder()
+    tokens = deserialize_sample_response(e.samplers.sample_job(owner, "b:sample:0", free)["sample"]).sequences[0].tokens
+    decode = e.model.decoder()
     stop = next(decode([t]) for t in tokens[2:] if decode([t]).strip())
     first = next(k for k in range(len(tokens)) if stop in decode(tokens[: k + 1]))
     assert first < len(tokens) - 1
     spec = SampleSpec(torch.tensor([3, 4, 5]), 1, 8, temperature=0.0, stop_strings=[stop])
-    seq = deserialize_sample_response(e._sample_job(owner, "b:sample:0", spec)["sample"]).sequences[0]
+    seq = deserialize_sample_response(e.samplers.sample_job(owner, "b:sample:0", spec)["sample"]).sequences[0]
     assert seq.tokens == tokens[: first + 1] and seq.stop_reason == "stop"
