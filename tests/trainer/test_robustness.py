@@ -5,6 +5,7 @@ complete."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -168,3 +169,21 @@ def test_a_ppo_batch_without_a_response_token_skips_the_update_and_says_so(tiny_
     m = engine.step(_rollout(engine, PROMPTS[:2], 4))  # the next batch with tokens trains as ever
     assert m["update/skipped_no_response_tokens"] == 0.0
     assert any(not torch.equal(p, q) for p, q in zip(before, engine.actor.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("stage", ["ray_grpo", "ray_rloo", "ray_reinforce_plus_plus", "ray_online_dpo"])
+def test_a_critic_free_batch_without_a_response_token_trains_to_finite_figures(tiny_models, stage):
+    """The same batch as above on the stages without a critic: their token means divide by a clamped count, so the
+    step neither raises nor reports a NaN, and the next batch trains as ever."""
+    engine = TrainerEngine(_config(stage))
+    batch = _rollout(engine, PROMPTS[:2], 4)
+    for exp in batch:
+        for s in exp.samples:
+            s.response_ids[:] = [engine.pad_id, engine.pad_id]
+            s.ref_logprobs[:] = [-1.0, -1.0]
+            del s.sampling_logprobs[:]
+    m = engine.step(batch)
+    assert engine.step_count == 1
+    assert all(math.isfinite(v) for v in m.values()), {k: v for k, v in m.items() if not math.isfinite(v)}
+    m = engine.step(_rollout(engine, PROMPTS[:2], 4))
+    assert engine.step_count == 2 and all(math.isfinite(v) for v in m.values())
