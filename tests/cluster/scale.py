@@ -25,7 +25,8 @@ every ready replica, as with a headless Service, and each rollout resolves ``rew
 once ``/readyz`` answers, and leaves them before it gets SIGTERM (a scale-in). One rollout scale-in is a kill: the
 driver waits until the leaving replica holds jobs (pending under its name in Redis), sends SIGTERM, and kills it with
 -9 as soon as it logs its drain (jobs in flight, reads stopped); the jobs left pending under its name must be
-reclaimed by the others and each trained once (if none is left, the next scale-in tries again).
+reclaimed by the others and each trained once (if none is left, the next scale-in while the trainer trains tries
+again).
 Hosts (tests/cluster/netns.py, prefix ``rlhfs``, 10.213.8.0/24):
 
 redis                       redis-server (AOF)
