@@ -1,9 +1,9 @@
-"""An elastic fleet on one machine: rollout 1 -> 3 -> 1 and reward 1 -> 2 -> 1, twice, mid-run; one JSON line.
+"""An elastic fleet on one machine: rollout 1 -> 3 -> 1 and reward 1 -> 2 -> 1 mid-run as demand falls; one JSON line.
 
 ::
 
     make scale-check                                     # as root: the scaling run, then the ledger
-    python -m tests.cluster.scale --scale-s 360          # a longer scaling phase (240 s by default)
+    python -m tests.cluster.scale --scale-s 600          # a longer scaling phase (420 s by default)
     python -m tests.cluster.scale --cleanup              # remove what a killed run left
 
 No Kubernetes runs here, so a small driver does what KEDA and the HPA would with the chart's ScaledObjects
@@ -14,13 +14,19 @@ from the replicas in the Service), computes ``desired = ceil(current x (metric /
 ``[min, max]`` (the HPA's AverageValue arithmetic, with its 10% tolerance), and scales down only to the highest
 recommendation of the last ``SCALE_DOWN_WINDOW_S`` (the HPA's scale-down stabilization; up is immediate).
 
+The harness plays the demand (Fleet.next_phase): heavy (a reward item is slow: jobs back up, rollout to 3, reward to
+2), light (reward is free: the trainer is the limit, one step's jobs at a time, about two replicas' slots), idle (the
+trainer paused through its admin API: no job is published, held + waiting and calls in flight fall to 0, both
+services to 1), then training resumes and the cycle starts again.
+
 Kubernetes' share is played by the driver too: a replica is in its Service's endpoints (here a per-host
 ``/etc/netns/<ns>/hosts`` file that ``ip netns exec`` mounts over /etc/hosts: the trainer resolves ``rollout`` to
 every ready replica, as with a headless Service, and each rollout resolves ``reward`` to the ready reward replicas)
 once ``/readyz`` answers, and leaves them before it gets SIGTERM (a scale-in). One rollout scale-in is a kill: the
 driver waits until the leaving replica holds jobs (pending under its name in Redis), sends SIGTERM, and kills it with
 -9 as soon as it logs its drain (jobs in flight, reads stopped); the jobs left pending under its name must be
-reclaimed by the others and each trained once (if none is left, the next scale-in tries again).
+reclaimed by the others and each trained once (if none is left, the next scale-in while the trainer trains tries
+again).
 Hosts (tests/cluster/netns.py, prefix ``rlhfs``, 10.213.8.0/24):
 
 redis                       redis-server (AOF)
@@ -31,8 +37,9 @@ rollout-0 .. rollout-2      ``rlhf serve rollout`` (hf engine), up to ``INFLIGHT
 trainer                     ``rlhf serve trainer`` (one process, the tiny PPO of make cluster-check)
 
 The ledger (jobs issued / trained / lost / trained twice, staleness) is make cluster-check's. Exit status 0 only when
-nothing was lost, trained twice or dead-lettered, staleness stayed within the bound, and each service scaled out and
-in at least twice, with one replica killed mid-drain whose jobs were reclaimed and trained once each.
+nothing was lost, trained twice or dead-lettered, staleness stayed within the bound, each service scaled out and
+in at least twice and went from its maximum (rollout 3, reward 2) back to 1, with one replica killed mid-drain whose
+jobs were reclaimed and trained once each.
 """
 
 from __future__ import annotations
@@ -101,6 +108,7 @@ GRACE_S = 20  # RLHF_SHUTDOWN_GRACE_S of the replicas (the pods' termination gra
 KILL_WAIT_S = 30.0  # how long the kill waits for the leaving replica to hold a job before it sends SIGTERM
 DRAIN_MARK = "job(s) in flight"  # the worker's "waiting up to Ns for N job(s) in flight": its drain has begun
 RECLAIM_WAIT_S = 60.0  # after the scaling, how long the driver waits for the killed replica's jobs to be reclaimed
+NEXT_PHASE = {"heavy": "light", "light": "idle", "idle": "heavy"}  # the load's cycle (Fleet.next_phase)
 
 
 def say(msg: str) -> None:
@@ -140,6 +148,11 @@ class Replica:
     swaps: float = 0.0  # its counter (note_counters) as last read in this life
 
 
+def round_trip(sizes: list[int], top: int) -> bool:
+    """Whether ``sizes`` (a service's size at each tick) reach ``top`` and, after that, 1."""
+    return top in sizes and 1 in sizes[sizes.index(top) :]
+
+
 class Fleet(Cluster):
     """The ring of tests/cluster/run.py with scalable rollout and reward workloads and a single trainer."""
 
@@ -158,7 +171,7 @@ class Fleet(Cluster):
         self.killed_mid_drain: dict | None = None  # the kill that left jobs under the replica's name
         self.killed_jobs: dict[str, str] = {}  # those jobs: entry id -> job id
         self.kill_armed = True
-        self.timeline: list[tuple[float, int, int, int]] = []  # (t, steps, rollouts serving, rewards serving)
+        self.timeline: list[tuple[float, int, int, int, str]] = []  # (t, steps, rollouts, rewards serving, load)
         self.threads: list[threading.Thread] = []
         self.t0 = time.monotonic()
 
@@ -334,7 +347,13 @@ class Fleet(Cluster):
                 host = next((h for h in reversed(hosts) if self.replicas[h].state in ("serving", "starting")), None)
                 if host is None:
                     return
-                kill = kind == "rollout" and self.kill_armed and self.replicas[host].state == "serving"
+                # not while the trainer is paused: no replica can hold a job then, the kill would prove no reclaim
+                kill = (
+                    kind == "rollout"
+                    and self.kill_armed
+                    and self.replicas[host].state == "serving"
+                    and self.phase != "idle"
+                )
                 # a replica to be killed stays in its Service until it holds jobs (leave): out of it, it would get
                 # no weight push and, a version behind, take no job
                 self.replicas[host].state = "doomed" if kill else "draining"
@@ -473,38 +492,64 @@ class Fleet(Cluster):
 
     def set_load(self, phase: str) -> None:
         """``heavy``: a reward item costs ``REWARD_DELAY_S`` (rollouts wait on reward, jobs back up); ``light``: none
-        (the trainer is the bottleneck, the queue runs dry)."""
+        (the trainer is the bottleneck: each step admits a global batch, about two replicas' slots); ``idle``: none,
+        and the trainer paused through its admin API (it publishes no job and trains no step: demand falls to 0)."""
+        if phase == "idle":
+            self.admin("pause")
+        elif self.phase == "idle":
+            self.admin("resume")
         self.phase = phase
         self.load.write_text(str(REWARD_DELAY_S if phase == "heavy" else 0.0))
         self.phases.append({"t": self.t(), "load": phase})
         say(f"load: {phase}")
 
+    def admin(self, action: str) -> None:
+        """The trainer's ``POST /v1/pause`` or ``/v1/resume`` (token required)."""
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        httpx.post(f"{self.url('trainer')}/v1/{action}", headers=headers, timeout=60).raise_for_status()
+
     def next_phase(self, now: float) -> None:
-        """The demand the harness plays: heavy until both services have served at their maximum for ``HOLD_S``,
-        then light until both are back at their minimum for ``HOLD_S``; each phase ``PHASE_MAX_S`` at most."""
-        at = ROLLOUTS, REWARDS
+        """The demand the harness plays, falling in two steps: heavy until both services have served at their
+        maximum for ``HOLD_S``; light until rollout has scaled in (the kill's chance: its replicas still hold jobs)
+        and no replica is starting or leaving; idle until both are back at 1 for ``HOLD_S``; then heavy again. Each
+        phase ``PHASE_MAX_S`` at most."""
         with self.lock:
-            serving = [sum(self.replicas[h].state == "serving" for h in hosts) for hosts in at]
+            serving = [sum(self.replicas[h].state == "serving" for h in hosts) for hosts in (ROLLOUTS, REWARDS)]
             busy = any(r.state in ("starting", "doomed", "draining") for r in self.replicas.values())
-        goal = [len(h) for h in at] if self.phase == "heavy" else [1, 1]
-        if serving != goal or busy:
-            self.held_since = None
-        elif self.held_since is None:
-            self.held_since = now
         since = self.phase_started
-        if (self.held_since is not None and now - self.held_since >= HOLD_S) or now - since >= PHASE_MAX_S:
-            self.set_load("light" if self.phase == "heavy" else "heavy")
-            self.phase_started, self.held_since = now, None
+        if self.phase == "light":
+            mine = [d for d in self.decisions if d["service"] == "rollout" and d["t"] >= self.phase_t]
+            done = any(d["to"] < d["from"] for d in mine) and not busy
+        else:
+            goal = [len(ROLLOUTS), len(REWARDS)] if self.phase == "heavy" else [1, 1]
+            if serving != goal or busy:
+                self.held_since = None
+            elif self.held_since is None:
+                self.held_since = now
+            done = self.held_since is not None and now - self.held_since >= HOLD_S
+        if done or now - since >= PHASE_MAX_S:
+            self.set_load(NEXT_PHASE[self.phase])
+            self.phase_started, self.phase_t, self.held_since = now, self.t(), None
 
     def drive(self, seconds: float, need: int = 2) -> dict:
-        """The autoscaler's loop for ``seconds`` at most, or until both services scaled out and in ``need`` times
-        and a replica was killed mid-drain leaving jobs, with no replica starting or draining."""
+        """The autoscaler's loop for ``seconds`` at most, or until both services scaled out and in ``need`` times,
+        each went from its maximum back to 1, and a replica was killed mid-drain leaving jobs, with no replica starting
+        or draining. The trainer is training when it returns."""
         rollout = Trigger("rollout", ROLLOUT_TARGET, 1, len(ROLLOUTS))
         reward = Trigger("reward", REWARD_TARGET, 1, len(REWARDS))
-        samples: dict[str, list[tuple[float, float]]] = {}  # reward replica in its Service -> its scrapes
         self.metric_log: list[tuple[float, float, float]] = []  # (t, rollout metric, reward metric)
         end = time.monotonic() + seconds
-        self.phase_started, self.held_since = time.monotonic(), None
+        self.phase_started, self.phase_t, self.held_since = time.monotonic(), self.t(), None
+        try:
+            self.scale_loop(end, need, rollout, reward)
+        finally:
+            if self.phase == "idle":  # the ledger's last steps need a training trainer
+                self.set_load("light")
+        return self.counts()
+
+    def scale_loop(self, end: float, need: int, rollout: Trigger, reward: Trigger) -> None:
+        """:meth:`drive`'s ticks."""
+        samples: dict[str, list[tuple[float, float]]] = {}  # reward replica in its Service -> its scrapes
         while time.monotonic() < end:
             now = time.monotonic()
             self.next_phase(now)
@@ -531,14 +576,21 @@ class Fleet(Cluster):
                     self.scale_out(kind, want - cur)
                 elif want < cur:
                     self.scale_in(kind, cur - want)
-            self.timeline.append((now, self.steps(), len(serving_rollouts), len(serving_rewards)))
+            self.timeline.append((now, self.steps(), len(serving_rollouts), len(serving_rewards), self.phase))
             self.metric_log.append((self.t(), jobs, round(inflight, 2)))
             counts = self.counts()
             settled = all(r.state in ("off", "serving") for r in self.replicas.values())
-            if min(counts.values()) >= need and self.killed_mid_drain is not None and settled:
+            trips = self.round_trips()
+            if min(counts.values()) >= need and all(trips.values()) and self.killed_mid_drain is not None and settled:
                 break
             time.sleep(max(0.0, TICK_S - (time.monotonic() - now)))
-        return self.counts()
+
+    def round_trips(self) -> dict[str, bool]:
+        """Whether each service served at its maximum and, later, at 1 (replicas in its Service, each tick)."""
+        return {
+            "rollout": round_trip([row[2] for row in self.timeline], len(ROLLOUTS)),
+            "reward": round_trip([row[3] for row in self.timeline], len(REWARDS)),
+        }
 
     def counts(self) -> dict[str, int]:
         """Scaling decisions per service and direction (1 -> 3 is one scale-out of two replicas)."""
@@ -550,11 +602,14 @@ class Fleet(Cluster):
         return out
 
     def steps_per_minute(self) -> dict[str, dict[str, float]]:
-        """Steps per minute over the time each service spent at each size (replicas serving: in the endpoints)."""
+        """Steps per minute over the time each service spent at each size (replicas serving: in the endpoints), the
+        trainer's pauses (the idle phases) left out."""
         out: dict[str, dict[str, float]] = {"rollout": {}, "reward": {}}
         for col, kind in ((2, "rollout"), (3, "reward")):
             spans: dict[int, list[float]] = {}
             for a, b in zip(self.timeline, self.timeline[1:], strict=False):
+                if a[4] == "idle":
+                    continue
                 s = spans.setdefault(a[col], [0.0, 0.0])
                 s[0] += b[0] - a[0]
                 s[1] += b[1] - a[1]
@@ -568,7 +623,7 @@ class Fleet(Cluster):
     def finish(self) -> None:
         self.wait_step_after(self.steps() + 2)  # a job reclaimed just now: written, then read by the next step
         url, headers = self.url("trainer"), {"Authorization": f"Bearer {TOKEN}"}
-        httpx.post(url + "/v1/pause", headers=headers, timeout=60).raise_for_status()
+        self.admin("pause")
         httpx.post(url + "/v1/checkpoint", headers=headers, timeout=180).raise_for_status()
         self.proc("trainer").restart = False
         self.proc("trainer").stop(60)
@@ -606,7 +661,7 @@ class Fleet(Cluster):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--scale-s", type=float, default=240.0, help="the scaling phase's limit in seconds")
+    ap.add_argument("--scale-s", type=float, default=420.0, help="the scaling phase's limit in seconds")
     ap.add_argument("--dir", default=str(REPO / ".cache" / "scale"), help="working folder (emptied first)")
     ap.add_argument("--out", default=None, help="also write the JSON line to this file")
     ap.add_argument("--cleanup", action="store_true", help="remove what a killed run left (namespaces, links)")
@@ -642,6 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             **counts,
             **fleet.ledger(),
+            "round_trips": fleet.round_trips(),
             "killed_mid_drain": fleet.killed_mid_drain,
             "killed_jobs": fleet.killed_jobs_outcome(),
             "pushes_installed": {h: int(fleet.pushes[h]) for h in ROLLOUTS},
@@ -681,6 +737,7 @@ def main(argv: list[str] | None = None) -> int:
         and result.get("max_staleness") is not None
         and result["max_staleness"] <= result["staleness_bound"]
         and all(result.get(k, 0) >= 2 for k in need)
+        and result["round_trips"] == {"rollout": True, "reward": True}
         and result.get("killed_mid_drain") is not None
         and result.get("jobs_reclaimed", 0) > 0
         and result["killed_jobs"]["trained_once"] == result["killed_jobs"]["left"] > 0

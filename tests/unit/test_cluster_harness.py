@@ -74,3 +74,14 @@ def test_scale_drivers_metrics_are_the_charts_expressions():
     samples = {"reward-0": [(100 - w - 1, 50.0), (98.0, 2.0), (100.0, 4.0)], "reward-1": [(99.0, 1.0)], "r2": []}
     assert triggers.reward_metric(samples, now=100.0) == 3.0 + 1.0
     assert triggers.reward_metric({}, now=100.0) == 0.0
+
+
+def test_scale_round_trip_needs_the_maximum_then_one_after_it():
+    """make scale-check passes only if a service served at its maximum and, later, at 1: a fleet that stopped at 2
+    (the chart's rollout trigger while the trainer admits a batch a step) or was at 1 only before the maximum fails."""
+    from tests.cluster.scale import round_trip  # noqa: PLC0415 - the harness module: imported where it is tested
+
+    assert round_trip([1, 1, 2, 3, 3, 2, 1], top=3)
+    assert not round_trip([1, 3, 2, 3, 2], top=3)  # never back to 1
+    assert not round_trip([1, 2, 2, 1], top=3)  # never at 3
+    assert round_trip([1, 2, 1], top=2)
