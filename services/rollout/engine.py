@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlhf.serving.errors import Internal, InvalidArgument, NotReady
+from rlhf.serving.errors import FailedPrecondition, Internal, InvalidArgument, NotReady
 from rlhf.transport.weights.version import ServedVersion
 from services.rollout.engine_types import EngineHooks, PromptResult, Sample, StreamEvent, SwapResult
 from services.rollout.options import (
@@ -200,6 +200,8 @@ class EngineBase:
             )
         if params.seed is not None and not (0 <= params.seed <= MAX_SEED):
             raise InvalidArgument(f"seed must be between 0 and {MAX_SEED}, got {params.seed}", field="seed")
+        if params.adapter is not None:
+            self.check_adapter(params.adapter)
         longest = 0
         for i, p in enumerate(prompts):
             where = f"{field}[{i}]" if len(prompts) > 1 or field.endswith("s") else field  # plural: indexed
@@ -224,6 +226,26 @@ class EngineBase:
         if top_k != params.top_k or max_tokens != params.max_tokens:
             params = replace(params, top_k=top_k, max_tokens=max_tokens)
         return params
+
+    # ------------------------------------------------------------------------------------------- named adapters
+
+    def check_adapter(self, name: str) -> None:
+        """Raise unless this replica holds adapter ``name`` (NotFound naming it); engines without named adapters
+        refuse every one (FailedPrecondition)."""
+        raise self._no_adapters()
+
+    async def load_adapter(self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> list[str]:
+        """Hold a PEFT LoRA adapter under ``name`` (the LoadAdapter call); returns the names held."""
+        raise self._no_adapters()
+
+    def _no_adapters(self) -> FailedPrecondition:
+        # vLLM: per-request LoRARequest would serve them, but not with LoRA on lm_head (the tinker SDK's default),
+        # and the vllm build is not in this project's CPU test venv to build it against: not built yet
+        return FailedPrecondition(
+            f"the {self.kind} engine serves no named adapters (built for the hf engine: "
+            "RLHF_ROLLOUT_ENGINE=hf); see docs/tinker.md",
+            field="adapter",
+        )
 
     async def generate(
         self, prompt_token_ids: list[list[int]], params: SamplingOptions, *, field: str = "prompt"

@@ -116,9 +116,11 @@ def _build(
             path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, seed=cfg.training.seed, hooks=hooks, **kw
         )
     if kind == "hf":
+        from services.rollout.hf_adapters import max_adapters_from_env
         from services.rollout.hf_engine import HFEngine
 
         kw.setdefault("max_model_len", cfg.actor.max_model_len)
+        kw.setdefault("max_adapters", max_adapters_from_env())  # ValueError naming the variable
         kw.setdefault("partial_rollouts", cfg.actor.partial_rollouts)
         ignored = sorted(f for f in VLLM_ONLY_FIELDS if f in cfg.actor.model_fields_set)
         if ignored:  # the config refuses these with engine hf; here RLHF_ROLLOUT_ENGINE=hf overrode engine: vllm
