@@ -117,6 +117,7 @@ class FleetSampler:
         return True
 
     def _refuse(self, addr: str, name: str, why: str) -> bool:
+        """Remember and log that ``addr`` will not serve ``name``; False (for :meth:`_push`)."""
         with self._lock:
             self._refused[addr][name] = why
         log.warning("training: replica %s does not serve sampler adapter %s (%s): sampled in-process", addr, name, why)
@@ -165,6 +166,9 @@ class FleetSampler:
                 with self._lock:
                     self._loaded[addr].discard(name)  # evicted by the replica: push it again
                 continue
+            if resp.policy_version != 0:  # a policy was pushed to the replica since it took the adapter
+                self._refuse(addr, name, f"it serves policy version {resp.policy_version}, not the base model")
+                return None
             return {"sample": sample_response(resp, spec)}
         return None
 

@@ -10,6 +10,7 @@ import hashlib
 import json
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from peft import get_peft_model_state_dict
@@ -17,11 +18,16 @@ from safetensors.torch import save
 
 from rlhf.lora import wrap_lora
 from rlhf.models import load_causal_lm
+from rlhf.serving import ServiceSettings
 from rlhf.serving.errors import NotFound, ResourceExhausted
+from rlhf.transport.weights import push_weights
 from rlhf.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from rlhf.v1 import tinker_pb2 as pb
 from services.rollout.hf_adapters import AdapterStore, parse_adapter
 from services.rollout.hf_engine import HFEngine
 from services.rollout.options import SamplingOptions
+from services.training.fleet import FleetSampler
+from services.training.sampling import SampleSpec
 from tests.support.replica import Replica
 
 TARGETS = ["q_proj", "v_proj", "down_proj", "lm_head"]
@@ -153,3 +159,38 @@ def test_load_adapter_and_generate_over_grpc(tiny_models, adapter):
     want_prompt, want = _forward_logprobs(peft_model, PROMPT, list(res.completions[0].token_ids))
     assert list(res.completions[0].logprobs) == pytest.approx(want, abs=1e-4)
     assert list(res.prompt_logprobs) == pytest.approx(want_prompt, abs=1e-4)
+
+
+def test_the_fleet_client_samples_on_the_replica_until_its_policy_moves(tiny_models, adapter):
+    """The training service's client: an adapter is served by the replica (the in-process fallback not called);
+    once a policy version is pushed to the replica, the adapter (trained over the base) is no longer sampled
+    there: the fallback answers, and says why."""
+    tensors, config, peft_model = adapter
+    spec = SampleSpec(torch.tensor(PROMPT), num_samples=2, max_tokens=5, temperature=0.0, prompt_logprobs=True)
+    calls = []
+
+    def fallback() -> dict:
+        calls.append(1)
+        return {"sample": b"in-process"}
+
+    async def main():
+        eng = HFEngine(tiny_models.policy, "tiny:policy", device="cpu")
+        await eng.start()
+        async with Replica(TOKEN, eng, close_engine=True) as r:
+            fleet = FleetSampler([r.addr], ServiceSettings(api_token=TOKEN), "tiny:policy")
+            try:
+                fleet.register("a", tensors, 4, 8.0, TARGETS)
+                first = await asyncio.to_thread(fleet.sample, "a", spec, {1}, fallback)
+                await push_weights(r.addr, load_causal_lm(tiny_models.policy).state_dict(), 1, token=TOKEN)
+                second = await asyncio.to_thread(fleet.sample, "a", spec, {1}, fallback)
+                return first, second, fleet.served, fleet.in_process
+            finally:
+                fleet.close()
+
+    first, second, served, in_process = asyncio.run(main())
+    assert (served, in_process, len(calls)) == (1, 1, 1) and second == {"sample": b"in-process"}
+    resp = pb.SampleResponse.FromString(first["sample"])
+    tokens = np.frombuffer(resp.sequences[0].tokens, dtype=np.int32).tolist()
+    want_prompt, want = _forward_logprobs(peft_model, PROMPT, tokens)
+    assert np.frombuffer(resp.sequences[0].logprobs, dtype=np.float32).tolist() == pytest.approx(want, abs=1e-4)
+    assert np.frombuffer(resp.prompt_logprobs, dtype=np.float32)[1:].tolist() == pytest.approx(want_prompt, abs=1e-4)
