@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -17,7 +18,7 @@ from peft import get_peft_model_state_dict
 from safetensors.torch import save
 
 from rlhf.lora import wrap_lora
-from rlhf.models import load_causal_lm
+from rlhf.models import load_causal_lm, resolve_model_path
 from rlhf.serving import ServiceSettings
 from rlhf.serving.errors import NotFound, ResourceExhausted
 from rlhf.transport.weights import push_weights
@@ -194,3 +195,35 @@ def test_the_fleet_client_samples_on_the_replica_until_its_policy_moves(tiny_mod
     want_prompt, want = _forward_logprobs(peft_model, PROMPT, tokens)
     assert np.frombuffer(resp.sequences[0].logprobs, dtype=np.float32).tolist() == pytest.approx(want, abs=1e-4)
     assert np.frombuffer(resp.prompt_logprobs, dtype=np.float32)[1:].tolist() == pytest.approx(want_prompt, abs=1e-4)
+
+
+def test_an_adapted_lm_head_tied_to_the_embedding_replaces_the_head_only(tiny_models):
+    """On a policy whose lm_head is the embedding (tied), an adapter on lm_head changes the head's use of the tensor
+    and not the input embedding: the replica's log-probs equal PEFT's forward, and the policy's stay the base's."""
+    path = resolve_model_path("tiny:llama-tied/policy")
+    peft_model = wrap_lora(load_causal_lm(path), 4, 8.0, ["q_proj", "lm_head"]).eval()
+    assert peft_model.get_base_model().config.tie_word_embeddings
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    tensors = {k: v.detach() for k, v in get_peft_model_state_dict(peft_model, save_embedding_layers=False).items()}
+    config = {"r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj", "lm_head"]}
+
+    async def main():
+        eng = HFEngine(path, "tiny:llama-tied/policy", device="cpu")
+        await eng.start()
+        try:
+            await eng.load_adapter("tied", tensors, config)
+            opts = SamplingOptions(max_tokens=6, temperature=0.0, ignore_eos=True, raw_logprobs=True)
+            named = await eng.generate([PROMPT], replace(opts, adapter="tied"))
+            plain = await eng.generate([PROMPT], opts)
+            return named[0].samples[0], plain[0].samples[0]
+        finally:
+            await eng.close()
+
+    named, plain = asyncio.run(main())
+    assert named.logprobs == pytest.approx(_forward_logprobs(peft_model, PROMPT, named.token_ids)[1], abs=1e-4)
+    with peft_model.disable_adapter():
+        assert plain.logprobs == pytest.approx(_forward_logprobs(peft_model, PROMPT, plain.token_ids)[1], abs=1e-4)
