@@ -49,6 +49,9 @@ class EngineBase:
 
     kind = "base"
     supports_partial_rollouts = False  # the engine stops its requests on gate.preempt and implements _continue
+    # the engine reports the model's own log-probs per request (SamplingOptions.raw_logprobs) whatever the sampling
+    # options; vLLM's log-probs mode is one per engine (processed), which equals raw only at temperature 1, untruncated
+    supports_raw_logprobs = False
 
     def __init__(self, model_path: str | Path, model_name: str, hooks: EngineHooks | None = None):
         self.model_path = Path(model_path)
@@ -200,6 +203,13 @@ class EngineBase:
             )
         if params.seed is not None and not (0 <= params.seed <= MAX_SEED):
             raise InvalidArgument(f"seed must be between 0 and {MAX_SEED}, got {params.seed}", field="seed")
+        if params.raw_logprobs and not self.supports_raw_logprobs and _reshaped(params, self.vocab_size):
+            raise InvalidArgument(
+                f"raw_logprobs with temperature {params.temperature:g}, top_k, top_p or penalties: the {self.kind} "
+                "engine reports the log-probs of the distribution sampled from; sample at temperature 1 with no "
+                "truncation or penalty, or use the hf engine",
+                field="raw_logprobs",
+            )
         if params.adapter is not None:
             self.check_adapter(params.adapter)
         longest = 0
@@ -518,6 +528,11 @@ class EngineBase:
     async def close(self) -> None:
         self._ready = False
         self._not_ready_reason = "the rollout service is shutting down"
+
+
+def _reshaped(o: SamplingOptions, vocab: int) -> bool:
+    """Whether the distribution sampled from differs from the model's own (so do their log-probs)."""
+    return o.temperature != 1.0 or 0 < o.top_k < vocab or o.top_p < 1.0 or o.penalized
 
 
 def decode_text(tokenizer: Any, token_ids: list[int]) -> str:

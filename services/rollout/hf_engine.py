@@ -254,6 +254,7 @@ def _token_events(events: asyncio.Queue[tuple]) -> Any:
 class HFEngine(EngineBase):
     kind = "hf"
     supports_partial_rollouts = True
+    supports_raw_logprobs = True
 
     def __init__(
         self,
