@@ -249,11 +249,9 @@ class EngineBase:
         raise self._no_adapters()
 
     def _no_adapters(self) -> FailedPrecondition:
-        # vLLM: per-request LoRARequest would serve them, but not with LoRA on lm_head (the tinker SDK's default),
-        # and the vllm build is not in this project's CPU test venv to build it against: not built yet
         return FailedPrecondition(
-            f"the {self.kind} engine serves no named adapters (built for the hf engine: "
-            "RLHF_ROLLOUT_ENGINE=hf); see docs/tinker.md",
+            f"this {self.kind} replica serves no named adapters (hf: always; vllm: with RLHF_ROLLOUT_MAX_ADAPTERS "
+            "set); see docs/tinker.md",
             field="adapter",
         )
 
@@ -531,8 +529,9 @@ class EngineBase:
 
 
 def _reshaped(o: SamplingOptions, vocab: int) -> bool:
-    """Whether the distribution sampled from differs from the model's own (so do their log-probs)."""
-    return o.temperature != 1.0 or 0 < o.top_k < vocab or o.top_p < 1.0 or o.penalized
+    """Whether the distribution sampled from differs from the model's own (so do their log-probs). Greedy requests
+    report the model's own (temperature 1, as vLLM does)."""
+    return (o.temperature != 1.0 and not o.greedy) or 0 < o.top_k < vocab or o.top_p < 1.0 or o.penalized
 
 
 def decode_text(tokenizer: Any, token_ids: list[int]) -> str:

@@ -14,6 +14,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +29,11 @@ NAME_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 
 
-def max_adapters_from_env(env: dict[str, str] | None = None) -> int:
+def max_adapters_from_env(env: dict[str, str] | None = None, default: int = DEFAULT_MAX_ADAPTERS) -> int:
+    """``RLHF_ROLLOUT_MAX_ADAPTERS`` (unset: ``default``; the vllm engine's is 0, named adapters off)."""
     raw = ((os.environ if env is None else env).get(MAX_ADAPTERS_ENV) or "").strip()
     if not raw:
-        return DEFAULT_MAX_ADAPTERS
+        return default
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"{MAX_ADAPTERS_ENV}={raw!r}: give the number of named adapters a replica holds, >= 1")
     return int(raw)
@@ -125,9 +127,10 @@ def _check_module(
 class AdapterStore:
     """The named adapters a replica holds, least recently used first; thread-safe (the decode thread unpins)."""
 
-    def __init__(self, max_adapters: int = DEFAULT_MAX_ADAPTERS):
+    def __init__(self, max_adapters: int = DEFAULT_MAX_ADAPTERS, on_evict: Callable[[Any], None] | None = None):
         self.max_adapters = max_adapters
-        self._held: OrderedDict[str, Adapter] = OrderedDict()
+        self._on_evict = on_evict  # called (under the lock) with each adapter dropped unpinned: the vllm engine unloads
+        self._held: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
     def names(self) -> list[str]:
@@ -138,7 +141,9 @@ class AdapterStore:
         """Hold ``adapter`` (replacing one of its name: requests pinned to the old one finish on it), evicting the
         least recently used unpinned adapters past ``max_adapters``; returns the names held."""
         with self._lock:
-            self._held.pop(adapter.name, None)
+            old = self._held.pop(adapter.name, None)
+            if old is not None and old.pins == 0 and self._on_evict is not None:
+                self._on_evict(old)
             while len(self._held) >= self.max_adapters:
                 victim = next((n for n, a in self._held.items() if a.pins == 0), None)
                 if victim is None:
@@ -147,7 +152,9 @@ class AdapterStore:
                         f"(or raise {MAX_ADAPTERS_ENV})",
                         field="name",
                     )
-                del self._held[victim]
+                gone = self._held.pop(victim)
+                if self._on_evict is not None:
+                    self._on_evict(gone)
             self._held[adapter.name] = adapter
             return list(self._held)
 

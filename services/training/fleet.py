@@ -60,6 +60,7 @@ class FleetSampler:
         self._payloads: dict[str, rollout_pb2.LoadAdapterRequest] = {}
         self._loaded: dict[str, set[str]] = {a: set() for a in self.addrs}  # replica -> adapters it took
         self._refused: dict[str, dict[str, str]] = {a: {} for a in self.addrs}  # replica -> adapter -> why
+        self._pushing: dict[tuple[str, str], threading.Lock] = {}
         self._turn = itertools.count()
         self.served = 0  # sample requests the fleet answered
         self.in_process = 0  # sample requests handed back to the fallback
@@ -90,6 +91,8 @@ class FleetSampler:
             self._payloads.pop(name, None)
             for names in self._loaded.values():
                 names.discard(name)
+            for key in [k for k in self._pushing if k[1] == name]:
+                del self._pushing[key]
 
     def _push_quietly(self, addr: str, name: str) -> None:
         try:
@@ -98,11 +101,20 @@ class FleetSampler:
             log.warning("training: pushing adapter %s to %s failed (%s); retried when sampled", name, addr, err.code())
 
     def _push(self, addr: str, name: str) -> bool:
-        """Load ``name`` on ``addr``; False when the replica refuses it (remembered, and logged once)."""
+        """Load ``name`` on ``addr`` unless it is there; False when the replica refuses it (remembered, and logged
+        once). One push of an adapter to a replica at a time: the background push and a
+        request's would otherwise load it twice."""
         with self._lock:
             req = self._payloads.get(name)
+            gate = self._pushing.setdefault((addr, name), threading.Lock())
         if req is None:
             return False
+        with gate:
+            if name in self._loaded[addr]:
+                return True
+            return self._load(addr, name, req)
+
+    def _load(self, addr: str, name: str, req: rollout_pb2.LoadAdapterRequest) -> bool:
         try:
             resp = self._stubs[addr].LoadAdapter(req, metadata=self._meta, timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as err:

@@ -23,7 +23,7 @@ def engine(tmp_path):
 
 
 def test_a_named_adapter_is_refused_by_an_engine_without_them(engine):
-    with pytest.raises(FailedPrecondition, match="plain engine serves no named adapters") as err:
+    with pytest.raises(FailedPrecondition, match="plain replica serves no named adapters") as err:
         engine.validate([[1, 2]], SamplingOptions(adapter="a"))
     assert err.value.field == "adapter"
 
@@ -32,7 +32,6 @@ def test_a_named_adapter_is_refused_by_an_engine_without_them(engine):
     "opts",
     [
         SamplingOptions(raw_logprobs=True, temperature=0.7),
-        SamplingOptions(raw_logprobs=True, temperature=0.0),
         SamplingOptions(raw_logprobs=True, top_k=5),
         SamplingOptions(raw_logprobs=True, top_p=0.9),
         SamplingOptions(raw_logprobs=True, repetition_penalty=1.2),
@@ -44,5 +43,6 @@ def test_raw_logprobs_of_a_reshaped_distribution_are_refused(engine, opts):
     assert err.value.field == "raw_logprobs"
 
 
-def test_raw_logprobs_at_temperature_1_untruncated_are_the_processed_ones(engine):
+def test_raw_logprobs_at_temperature_1_untruncated_or_greedy_are_the_processed_ones(engine):
     assert engine.validate([[1, 2]], SamplingOptions(raw_logprobs=True, top_k=100)).raw_logprobs  # top_k = vocab: off
+    assert engine.validate([[1, 2]], SamplingOptions(raw_logprobs=True, temperature=0.0)).raw_logprobs
