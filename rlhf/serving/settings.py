@@ -240,6 +240,7 @@ LIBRARY_ENV_VARS = (
     "RLHF_ROLLOUT_MAX_INFLIGHT_JOBS",  # services.rollout.worker: prompt jobs in flight per replica
     "RLHF_ROLLOUT_RECLAIM_IDLE_S",  # services.rollout.worker: claim jobs a dead replica left pending this long
     "RLHF_ROLLOUT_RPC_TIMEOUT_S",  # services.rollout.worker: deadline of reward/reference calls
+    "RLHF_ROLLOUT_MAX_ADAPTERS",  # services.rollout: named adapters an hf replica holds (LoadAdapter), default 8
     "RLHF_ROLLOUT_CATCH_UP_WAIT_S",  # services.rollout.worker: wait for the trainer's push before taking jobs behind
     "RLHF_WEIGHTS_INPLACE_LOAD_BYTES",  # services.rollout.vllm_weights: updates this large load in place as they arrive
     "RLHF_TRAINING_TOKENS",  # services.training: more users' tokens beside RLHF_API_TOKEN (comma-separated)

@@ -26,21 +26,25 @@ from rlhf.v1 import common_pb2 as rlhf_dot_v1_dot_common__pb2
 from rlhf.v1 import weights_pb2 as rlhf_dot_v1_dot_weights__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rlhf/v1/rollout.proto\x12\x07rlhf.v1\x1a\x14rlhf/v1/common.proto\x1a\x15rlhf/v1/weights.proto\"p\n\x0fGenerateRequest\x12 \n\x07prompts\x18\x01 \x03(\x0b\x32\x0f.rlhf.v1.Prompt\x12\'\n\x06params\x18\x02 \x01(\x0b\x32\x17.rlhf.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\xb1\x01\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12,\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x15.rlhf.v1.FinishReason\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x13\n\x0bspan_starts\x18\x06 \x03(\x05\x12\x15\n\rspan_versions\x18\x07 \x03(\x03\"R\n\x0cPromptResult\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12(\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x13.rlhf.v1.Completion\"f\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07results\x18\x02 \x03(\x0b\x32\x15.rlhf.v1.PromptResult\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x32\x83\x04\n\x0eRolloutService\x12?\n\x08Generate\x12\x18.rlhf.v1.GenerateRequest\x1a\x19.rlhf.v1.GenerateResponse\x12H\n\rUpdateWeights\x12\x15.rlhf.v1.WeightUpdate\x1a\x1e.rlhf.v1.UpdateWeightsResponse(\x01\x12`\n\x13OpenWeightsTransfer\x12#.rlhf.v1.OpenWeightsTransferRequest\x1a$.rlhf.v1.OpenWeightsTransferResponse\x12N\n\rCommitWeights\x12\x1d.rlhf.v1.CommitWeightsRequest\x1a\x1e.rlhf.v1.UpdateWeightsResponse\x12\x63\n\x14\x41\x62ortWeightsTransfer\x12$.rlhf.v1.AbortWeightsTransferRequest\x1a%.rlhf.v1.AbortWeightsTransferResponse\x12O\n\x11GetWeightsVersion\x12!.rlhf.v1.GetWeightsVersionRequest\x1a\x17.rlhf.v1.WeightsVersionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15rlhf/v1/rollout.proto\x12\x07rlhf.v1\x1a\x14rlhf/v1/common.proto\x1a\x15rlhf/v1/weights.proto\"l\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1b\n\x13\x61\x64\x61pter_safetensors\x18\x02 \x01(\x0c\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x03 \x01(\t\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"I\n\x13LoadAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04held\x18\x02 \x03(\t\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"\xb0\x01\n\x0fGenerateRequest\x12 \n\x07prompts\x18\x01 \x03(\x0b\x32\x0f.rlhf.v1.Prompt\x12\'\n\x06params\x18\x02 \x01(\x0b\x32\x17.rlhf.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x04 \x01(\t\x12\x14\n\x0craw_logprobs\x18\x05 \x01(\x08\x12\x17\n\x0fprompt_logprobs\x18\x06 \x01(\x08\"\xb1\x01\n\nCompletion\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12,\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x15.rlhf.v1.FinishReason\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12\x13\n\x0bspan_starts\x18\x06 \x03(\x05\x12\x15\n\rspan_versions\x18\x07 \x03(\x03\"k\n\x0cPromptResult\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12(\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x13.rlhf.v1.Completion\x12\x17\n\x0fprompt_logprobs\x18\x03 \x03(\x02\"f\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x07results\x18\x02 \x03(\x0b\x32\x15.rlhf.v1.PromptResult\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x32\xcd\x04\n\x0eRolloutService\x12?\n\x08Generate\x12\x18.rlhf.v1.GenerateRequest\x1a\x19.rlhf.v1.GenerateResponse\x12H\n\rUpdateWeights\x12\x15.rlhf.v1.WeightUpdate\x1a\x1e.rlhf.v1.UpdateWeightsResponse(\x01\x12`\n\x13OpenWeightsTransfer\x12#.rlhf.v1.OpenWeightsTransferRequest\x1a$.rlhf.v1.OpenWeightsTransferResponse\x12N\n\rCommitWeights\x12\x1d.rlhf.v1.CommitWeightsRequest\x1a\x1e.rlhf.v1.UpdateWeightsResponse\x12\x63\n\x14\x41\x62ortWeightsTransfer\x12$.rlhf.v1.AbortWeightsTransferRequest\x1a%.rlhf.v1.AbortWeightsTransferResponse\x12O\n\x11GetWeightsVersion\x12!.rlhf.v1.GetWeightsVersionRequest\x1a\x17.rlhf.v1.WeightsVersion\x12H\n\x0bLoadAdapter\x12\x1b.rlhf.v1.LoadAdapterRequest\x1a\x1c.rlhf.v1.LoadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rlhf.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=79
-  _globals['_GENERATEREQUEST']._serialized_end=191
-  _globals['_COMPLETION']._serialized_start=194
-  _globals['_COMPLETION']._serialized_end=371
-  _globals['_PROMPTRESULT']._serialized_start=373
-  _globals['_PROMPTRESULT']._serialized_end=455
-  _globals['_GENERATERESPONSE']._serialized_start=457
-  _globals['_GENERATERESPONSE']._serialized_end=559
-  _globals['_ROLLOUTSERVICE']._serialized_start=562
-  _globals['_ROLLOUTSERVICE']._serialized_end=1077
+  _globals['_LOADADAPTERREQUEST']._serialized_start=79
+  _globals['_LOADADAPTERREQUEST']._serialized_end=187
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=189
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=262
+  _globals['_GENERATEREQUEST']._serialized_start=265
+  _globals['_GENERATEREQUEST']._serialized_end=441
+  _globals['_COMPLETION']._serialized_start=444
+  _globals['_COMPLETION']._serialized_end=621
+  _globals['_PROMPTRESULT']._serialized_start=623
+  _globals['_PROMPTRESULT']._serialized_end=730
+  _globals['_GENERATERESPONSE']._serialized_start=732
+  _globals['_GENERATERESPONSE']._serialized_end=834
+  _globals['_ROLLOUTSERVICE']._serialized_start=837
+  _globals['_ROLLOUTSERVICE']._serialized_end=1426
 # @@protoc_insertion_point(module_scope)

@@ -65,6 +65,11 @@ class RolloutServiceStub:
                 request_serializer=rlhf_dot_v1_dot_weights__pb2.GetWeightsVersionRequest.SerializeToString,
                 response_deserializer=rlhf_dot_v1_dot_weights__pb2.WeightsVersion.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/rlhf.v1.RolloutService/LoadAdapter',
+                request_serializer=rlhf_dot_v1_dot_rollout__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=rlhf_dot_v1_dot_rollout__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -113,6 +118,16 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Named adapters beside the policy (the training service's samplers, docs/tinker.md): load one (a PEFT LoRA
+        adapter, the adapter-only push's tensors and config) under a name that Generate requests then give. The replica
+        holds at most RLHF_ROLLOUT_MAX_ADAPTERS of them, pinned while a request uses them, the least recently used
+        evicted otherwise (a request naming an evicted one gets NOT_FOUND: load it again). Token-protected.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -145,6 +160,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.GetWeightsVersion,
                     request_deserializer=rlhf_dot_v1_dot_weights__pb2.GetWeightsVersionRequest.FromString,
                     response_serializer=rlhf_dot_v1_dot_weights__pb2.WeightsVersion.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=rlhf_dot_v1_dot_rollout__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=rlhf_dot_v1_dot_rollout__pb2.LoadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +329,33 @@ class RolloutService:
             '/rlhf.v1.RolloutService/GetWeightsVersion',
             rlhf_dot_v1_dot_weights__pb2.GetWeightsVersionRequest.SerializeToString,
             rlhf_dot_v1_dot_weights__pb2.WeightsVersion.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rlhf.v1.RolloutService/LoadAdapter',
+            rlhf_dot_v1_dot_rollout__pb2.LoadAdapterRequest.SerializeToString,
+            rlhf_dot_v1_dot_rollout__pb2.LoadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlhf.serving.errors import Internal, InvalidArgument, NotReady
+from rlhf.serving.errors import FailedPrecondition, Internal, InvalidArgument, NotReady
 from rlhf.transport.weights.version import ServedVersion
 from services.rollout.engine_types import EngineHooks, PromptResult, Sample, StreamEvent, SwapResult
 from services.rollout.options import (
@@ -49,6 +49,9 @@ class EngineBase:
 
     kind = "base"
     supports_partial_rollouts = False  # the engine stops its requests on gate.preempt and implements _continue
+    # the engine reports the model's own log-probs per request (SamplingOptions.raw_logprobs) whatever the sampling
+    # options; vLLM's log-probs mode is one per engine (processed), which equals raw only at temperature 1, untruncated
+    supports_raw_logprobs = False
 
     def __init__(self, model_path: str | Path, model_name: str, hooks: EngineHooks | None = None):
         self.model_path = Path(model_path)
@@ -200,6 +203,15 @@ class EngineBase:
             )
         if params.seed is not None and not (0 <= params.seed <= MAX_SEED):
             raise InvalidArgument(f"seed must be between 0 and {MAX_SEED}, got {params.seed}", field="seed")
+        if params.raw_logprobs and not self.supports_raw_logprobs and _reshaped(params, self.vocab_size):
+            raise InvalidArgument(
+                f"raw_logprobs with temperature {params.temperature:g}, top_k, top_p or penalties: the {self.kind} "
+                "engine reports the log-probs of the distribution sampled from; sample at temperature 1 with no "
+                "truncation or penalty, or use the hf engine",
+                field="raw_logprobs",
+            )
+        if params.adapter is not None:
+            self.check_adapter(params.adapter)
         longest = 0
         for i, p in enumerate(prompts):
             where = f"{field}[{i}]" if len(prompts) > 1 or field.endswith("s") else field  # plural: indexed
@@ -224,6 +236,24 @@ class EngineBase:
         if top_k != params.top_k or max_tokens != params.max_tokens:
             params = replace(params, top_k=top_k, max_tokens=max_tokens)
         return params
+
+    # ------------------------------------------------------------------------------------------- named adapters
+
+    def check_adapter(self, name: str) -> None:
+        """Raise unless this replica holds adapter ``name`` (NotFound naming it); engines without named adapters
+        refuse every one (FailedPrecondition)."""
+        raise self._no_adapters()
+
+    async def load_adapter(self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> list[str]:
+        """Hold a PEFT LoRA adapter under ``name`` (the LoadAdapter call); returns the names held."""
+        raise self._no_adapters()
+
+    def _no_adapters(self) -> FailedPrecondition:
+        return FailedPrecondition(
+            f"this {self.kind} replica serves no named adapters (hf: always; vllm: with RLHF_ROLLOUT_MAX_ADAPTERS "
+            "set); see docs/tinker.md",
+            field="adapter",
+        )
 
     async def generate(
         self, prompt_token_ids: list[list[int]], params: SamplingOptions, *, field: str = "prompt"
@@ -496,6 +526,12 @@ class EngineBase:
     async def close(self) -> None:
         self._ready = False
         self._not_ready_reason = "the rollout service is shutting down"
+
+
+def _reshaped(o: SamplingOptions, vocab: int) -> bool:
+    """Whether the distribution sampled from differs from the model's own (so do their log-probs). Greedy requests
+    report the model's own (temperature 1, as vLLM does)."""
+    return (o.temperature != 1.0 and not o.greedy) or 0 < o.top_k < vocab or o.top_p < 1.0 or o.penalized
 
 
 def decode_text(tokenizer: Any, token_ids: list[int]) -> str:

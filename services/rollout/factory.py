@@ -14,6 +14,7 @@ from rlhf.config import parse_config
 from rlhf.config_rules import VLLM_ONLY_FIELDS
 from services.rollout.engine import EngineBase
 from services.rollout.engine_types import EngineHooks
+from services.rollout.hf_adapters import max_adapters_from_env
 from services.rollout.options import default_options
 from services.rollout.vllm_weights import inplace_load_bytes_from_env
 
@@ -112,6 +113,7 @@ def _build(
         kw["engine_kwargs"] = {**vllm_engine_kwargs(cfg), **kw.get("engine_kwargs", {})}
         kw.setdefault("staged_swap", cfg.actor.staged_weight_swap)
         kw.setdefault("partial_rollouts", cfg.actor.partial_rollouts)
+        kw.setdefault("max_adapters", max_adapters_from_env(default=0))  # named adapters: off unless asked (LoRA cost)
         return VllmEngine(
             path, model_name=cfg.actor.load, dtype=cfg.actor.dtype, seed=cfg.training.seed, hooks=hooks, **kw
         )
@@ -119,6 +121,7 @@ def _build(
         from services.rollout.hf_engine import HFEngine
 
         kw.setdefault("max_model_len", cfg.actor.max_model_len)
+        kw.setdefault("max_adapters", max_adapters_from_env())  # ValueError naming the variable
         kw.setdefault("partial_rollouts", cfg.actor.partial_rollouts)
         ignored = sorted(f for f in VLLM_ONLY_FIELDS if f in cfg.actor.model_fields_set)
         if ignored:  # the config refuses these with engine hf; here RLHF_ROLLOUT_ENGINE=hf overrode engine: vllm

@@ -11,7 +11,10 @@ Design: docs/weight-sync.md; an update's path: docs/code-tour.md#2-a-weight-upda
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -95,6 +98,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def Generate(self, request: rollout_pb2.GenerateRequest, context) -> rollout_pb2.GenerateResponse:
         prompts = await prompt_ids_from_proto(self.engine, request.prompts)
         opts = options_from_proto(request.params, self.engine.defaults)
+        if request.adapter or request.raw_logprobs or request.prompt_logprobs:
+            opts = replace(
+                opts,
+                adapter=request.adapter or None,
+                raw_logprobs=request.raw_logprobs,
+                prompt_logprobs=0 if request.prompt_logprobs else None,
+            )
         self.metrics.observe_batch("Generate", len(prompts) * max(1, opts.n))
         results = await self.engine.generate(prompts, opts, field="prompts")
         resp = rollout_pb2.GenerateResponse(
@@ -102,6 +112,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         )
         for r in results:
             pr = resp.results.add(prompt_token_ids=r.prompt_token_ids)
+            if request.prompt_logprobs and r.prompt_logprobs:
+                pr.prompt_logprobs.extend(r.prompt_logprobs[1:])  # the first prompt token has none
             for s in r.samples:
                 pr.completions.add(
                     token_ids=s.token_ids,
@@ -204,6 +216,30 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             stage_seconds=staged.seconds,
             swap_seconds=result.swap_seconds,
         )
+
+    @grpc_errors("LoadAdapter")
+    async def LoadAdapter(self, request, context) -> rollout_pb2.LoadAdapterResponse:
+        require_grpc_token(context, self.settings)
+        from safetensors import SafetensorError
+        from safetensors.torch import load as load_safetensors  # torch: not at module import (main.py)
+
+        data = request.adapter_safetensors
+        if request.sha256 and hashlib.sha256(data).hexdigest() != request.sha256.lower():
+            raise InvalidArgument("adapter_safetensors does not match its sha256", field="sha256")
+        try:
+            tensors = load_safetensors(bytes(data))
+        except (SafetensorError, ValueError) as err:
+            raise InvalidArgument(
+                f"adapter_safetensors is not a safetensors file: {err}", field="adapter_safetensors"
+            ) from None
+        try:
+            config = json.loads(request.adapter_config_json)
+        except ValueError:
+            config = None
+        if not isinstance(config, dict):
+            raise InvalidArgument("adapter_config_json is not a JSON object", field="adapter_config_json")
+        held = await self.engine.load_adapter(request.name, tensors, config)
+        return rollout_pb2.LoadAdapterResponse(name=request.name, held=held, policy_version=self.engine.served.version)
 
     @grpc_errors("GetWeightsVersion")
     async def GetWeightsVersion(self, request, context) -> weights_pb2.WeightsVersion:

@@ -34,6 +34,7 @@ from services.rollout.engine import (
     StreamEvent,
     decode_text,
 )
+from services.rollout.hf_adapters import DEFAULT_MAX_ADAPTERS, Adapter, AdapterStore, parse_adapter
 from services.rollout.options import SamplingOptions
 
 log = logging.getLogger("rlhf.rollout.hf")
@@ -63,6 +64,7 @@ class _Row:
     preemptible: bool = False
     preempted: bool = False
     output: list[int] = field(default_factory=list)
+    adapter: Adapter | None = None  # a named adapter, pinned until the row's future is done
 
 
 def apply_penalties(
@@ -175,6 +177,7 @@ class _Sampling:
     budgets: list[int]  # tokens the row may generate: max_tokens, cut to the context left
     n_top: int  # the most top_logprobs alternatives any row asks for (0: none)
     penalties: _Penalties | None
+    raw: torch.Tensor | None = None  # (B,) bool: rows that report the model's own log-probs; None: no row
 
     @classmethod
     def of(
@@ -203,11 +206,15 @@ class _Sampling:
             budgets=[min(r.opts.max_tokens, max_model_len - len(r.prompt)) for r in rows],
             n_top=max(r.opts.top_logprobs for r in rows),
             penalties=_Penalties.of(rows, vocab, device),
+            raw=torch.tensor([r.opts.raw_logprobs for r in rows]).to(device)
+            if any(r.opts.raw_logprobs for r in rows)
+            else None,
         )
 
     def draw(self, logits: torch.Tensor, active: list[bool]) -> _Step:
         """One token per row from the (B, V) float32 logits of the last position, with its sampling log-prob."""
         # penalties before temperature and top-k/top-p, as in vLLM; greedy rows take the penalized argmax
+        model_logits = logits
         if self.penalties is not None:
             logits = self.penalties.apply(logits)
         masked = step_distribution(logits, self.temps, self.top_k, self.top_p)
@@ -224,6 +231,8 @@ class _Sampling:
         tok = torch.where(self.greedy, logits.argmax(dim=-1), sampled)
         # log_softmax(masked logits / T) at the token: the distribution sampled from (temperature 1 if greedy)
         lp = logprobs_from_logits(masked, tok, 1.0)
+        if self.raw is not None:  # the model's own distribution: temperature 1, nothing penalized or masked
+            lp = torch.where(self.raw, logprobs_from_logits(model_logits, tok, 1.0), lp)
         top = None
         if self.n_top:  # the most probable tokens of the same distribution (tokens masked by top-k/top-p: -inf)
             top_v, top_i = masked.log_softmax(dim=-1).topk(self.n_top, dim=-1)
@@ -245,6 +254,7 @@ def _token_events(events: asyncio.Queue[tuple]) -> Any:
 class HFEngine(EngineBase):
     kind = "hf"
     supports_partial_rollouts = True
+    supports_raw_logprobs = True
 
     def __init__(
         self,
@@ -258,8 +268,10 @@ class HFEngine(EngineBase):
         batch_wait_ms: float = 5.0,
         max_model_len: int | None = None,
         partial_rollouts: bool = False,
+        max_adapters: int = DEFAULT_MAX_ADAPTERS,
     ):
         super().__init__(model_path, model_name, hooks)
+        self.adapters = AdapterStore(max_adapters)
         self.partial_rollouts = partial_rollouts
         if max_model_len:
             self.max_model_len = min(self.max_model_len, int(max_model_len))
@@ -333,17 +345,52 @@ class HFEngine(EngineBase):
             rows = [r for r in rows if not r.future.done()]  # cancelled callers
             if not rows:
                 continue
-            try:
-                await asyncio.to_thread(self._decode, rows)
-            except Exception as err:  # report to every caller in the batch
-                log.exception("hf decode failed")
-                for r in rows:
-                    if not r.future.done():
-                        r.future.set_exception(err)
-                continue
+            # one forward serves one set of weights: the rows of each named adapter (and the policy's) decode apart
+            groups: dict[int, list[_Row]] = {}
+            for r in rows:
+                groups.setdefault(id(r.adapter), []).append(r)
+            for group in groups.values():
+                await self._decode_group(group)
+
+    async def _decode_group(self, rows: list[_Row]) -> None:
+        try:
+            await asyncio.to_thread(self._decode, rows)
+        except Exception as err:  # report to every caller in the batch
+            log.exception("hf decode failed")
             for r in rows:
                 if not r.future.done():
-                    r.future.set_result(r)
+                    r.future.set_exception(err)
+            return
+        for r in rows:
+            if not r.future.done():
+                r.future.set_result(r)
+
+    # ------------------------------------------------------------------------------------------------ named adapters
+
+    def check_adapter(self, name: str) -> None:
+        self.adapters.check(name)
+
+    async def load_adapter(self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> list[str]:
+        self.check_ready()
+        adapter = await asyncio.to_thread(parse_adapter, name, tensors, config, self.model)
+        held = self.adapters.put(adapter)
+        log.info("hf engine: adapter %s loaded (%d modules); holding %d", name, len(adapter.modules), len(held))
+        return held
+
+    def _pin(self, row: _Row) -> _Row:
+        """Pin the row's named adapter (NotFound if the replica no longer holds it) until its future is done."""
+        if row.opts.adapter is not None:
+            row.adapter = self.adapters.pin(row.opts.adapter)
+            row.future.add_done_callback(lambda _f, a=row.adapter: self.adapters.unpin(a))
+        return row
+
+    def _forward(self, adapter: Adapter | None) -> Any:
+        """The model's forward under ``adapter`` (None: the policy as it is)."""
+        if adapter is None:
+            return self.model
+        params = adapter.params(self.model)
+        # tie_weights=False: an adapted lm_head tied to the embedding replaces the head's use of it only
+        return lambda **kw: torch.func.functional_call(self.model, params, (), kw, tie_weights=False, strict=False)
 
     def _enqueue(
         self, prompts: list[list[int]], params: SamplingOptions, on_token: Any = None, preemptible: bool = False
@@ -358,14 +405,16 @@ class HFEngine(EngineBase):
             prow = []
             for j in range(params.n):
                 seed = base + j if base is not None else self._rng.randrange(2**63 - 1)
-                row = _Row(
-                    prompt=list(p),
-                    opts=params,
-                    seed=seed,
-                    future=loop.create_future(),
-                    loop=loop,
-                    on_token=on_token(i, j) if on_token is not None else None,
-                    preemptible=preemptible,
+                row = self._pin(
+                    _Row(
+                        prompt=list(p),
+                        opts=params,
+                        seed=seed,
+                        future=loop.create_future(),
+                        loop=loop,
+                        on_token=on_token(i, j) if on_token is not None else None,
+                        preemptible=preemptible,
+                    )
                 )
                 prow.append(row)
                 self._queue.put_nowait(row)
@@ -422,6 +471,7 @@ class HFEngine(EngineBase):
             preemptible=True,
             output=list(output),
         )
+        self._pin(row)
         self._queue.put_nowait(row)
         return row
 
@@ -510,6 +560,7 @@ class HFEngine(EngineBase):
         active = [True] * len(rows)
         past = None
         preempt = self.gate.preempt
+        forward = self._forward(rows[0].adapter)  # the batcher groups rows by adapter
         for t in range(max(sampling.budgets)):
             # A caller that went away (HTTP client disconnected, gRPC call cancelled) cancelled its futures: its
             # rows stop here instead of decoding to max_tokens for nobody.
@@ -526,7 +577,7 @@ class HFEngine(EngineBase):
                         r.preempted = True
             if not any(active):
                 break
-            out = self.model(
+            out = forward(
                 input_ids=inp,
                 attention_mask=mask,
                 position_ids=inp_pos,

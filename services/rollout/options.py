@@ -55,6 +55,11 @@ class SamplingOptions:
     # None: off. k >= 0: each prompt token's log-prob under the model itself (temperature 1, no penalties, top-k or
     # top-p: what scoring a text needs, as vLLM's prompt_logprobs) and the k most probable alternatives per position
     prompt_logprobs: int | None = None
+    # a named adapter the replica holds (LoadAdapter; the training service's samplers), applied over the policy
+    adapter: str | None = None
+    # each sampled token's log-prob under the model's own distribution (temperature 1, before penalties, top-k and
+    # top-p: what a training forward gives) instead of the distribution sampled from
+    raw_logprobs: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -30,12 +30,13 @@ from typing import Any
 import torch
 
 from rlhf.models import load_tokenizer
-from rlhf.serving.errors import Internal, NotReady
+from rlhf.serving.errors import FailedPrecondition, Internal, InvalidArgument, NotReady
 from services.rollout.engine import EngineBase, decode_text
 from services.rollout.engine_types import EngineHooks, PromptResult, Sample, StreamEvent, SwapResult
 from services.rollout.options import SamplingOptions
 from services.rollout.swap import read_checkpoint_manifest
 from services.rollout.vllm_lora import LoraSpec, VllmAdapters
+from services.rollout.vllm_named import DEFAULT_MAX_RANK, VllmNamedAdapters
 from services.rollout.vllm_weights import LOAD_BUCKET_BYTES, VllmWeights
 
 log = logging.getLogger("rlhf.rollout.vllm")
@@ -118,8 +119,13 @@ class VllmEngine(EngineBase):
         load_bucket_bytes: int = LOAD_BUCKET_BYTES,
         lora: LoraSpec | None = None,
         partial_rollouts: bool = False,
+        max_adapters: int = 0,
+        max_adapter_rank: int = DEFAULT_MAX_RANK,
     ):
         super().__init__(model_path, model_name, hooks)
+        # named adapters (LoadAdapter; 0: off, vLLM's LoRA stays off unless the policy is adapter-pushed)
+        self.max_adapters, self.max_adapter_rank = max_adapters, max_adapter_rank
+        self.named: VllmNamedAdapters | None = None  # made at start, with the checkpoint's manifest
         if partial_rollouts and lora is not None:
             raise ValueError("partial rollouts with LoRA adapter pushes: an adapter push does not pause generation")
         self.partial_rollouts = partial_rollouts
@@ -187,6 +193,9 @@ class VllmEngine(EngineBase):
             kw.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, 8192))
         if self.lora is not None:
             kw.update(self.lora.engine_args())
+        if self.max_adapters:
+            rank = max(self.max_adapter_rank, self.lora.max_lora_rank if self.lora else 0)
+            kw.update(VllmNamedAdapters.engine_args(self.max_adapters, rank, 2 if self.lora else 0))
         kw.update(self.engine_kwargs)
         return cls(**kw)
 
@@ -197,6 +206,10 @@ class VllmEngine(EngineBase):
 
             torch._dynamo.config.disable = True
         self._manifest = await asyncio.to_thread(read_checkpoint_manifest, self.model_path)
+        if self.max_adapters:
+            self.named = VllmNamedAdapters(
+                self.max_adapters, self.max_adapter_rank, self._manifest, str(self.model_path), self._lora_call
+            )
         if self.lora is not None:  # a push is the adapter: checked against its names and shapes
             self.adapters = VllmAdapters(
                 self.lora,
@@ -262,6 +275,8 @@ class VllmEngine(EngineBase):
             await asyncio.to_thread(eng.shutdown)
         if self.adapters is not None:
             self.adapters.close()
+        if self.named is not None:
+            self.named.close()
         log.info("vLLM engine (%s) closed in %.2fs", self.mode, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------------------------------------ inproc driver
@@ -546,6 +561,17 @@ class VllmEngine(EngineBase):
                 await self._async.abort(ready)
             await asyncio.sleep(0.002)  # requests still before their first token, or inside a stop string
 
+    def check_adapter(self, name: str) -> None:
+        if self.named is None:
+            raise self._no_adapters()
+        self.named.store.check(name)
+
+    async def load_adapter(self, name: str, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> list[str]:
+        if self.named is None:
+            raise self._no_adapters()
+        self.check_ready()
+        return await self.named.load(name, tensors, config)
+
     async def _lora_call(self, method: str, arg: Any) -> Any:
         """vLLM's ``add_lora`` / ``remove_lora`` (``method``) on this driver's engine: the adapter path's handle."""
         if self.mode == "inproc":
@@ -672,6 +698,22 @@ class VllmEngine(EngineBase):
         reps = params.n if params.greedy and params.n > 1 else 1
         sp = self._sampling_params(replace(params, n=1) if reps > 1 else params)
         flat = [p for p in prompts for _ in range(reps)]
+        if params.adapter is not None:  # a named adapter over the base: not stopped by a swap (no _continue)
+            assert self.named is not None  # validate checked it
+            if params.prompt_logprobs is not None and params.n > 1:
+                # vLLM 0.32's CPU LoRA logits (lm_head) fail the whole engine on this (an einsum over rows of
+                # prompt and samples; tests/integration/test_training_fleet_sampling.py): refused, the engine lives
+                raise InvalidArgument(
+                    "prompt log-probs of n > 1 samples on a named adapter: not served by the vllm engine; ask n=1 "
+                    "for the prompt's log-probs",
+                    field="prompt_logprobs",
+                )
+            named = self.named.store.pin(params.adapter)
+            try:
+                outs = await self._submit(self._items(flat, [sp] * len(flat), None), named.request)
+            finally:
+                self.named.store.unpin(named)
+            return self._results(prompts, params, version, reps, outs)
         items = self._items(flat, [sp] * len(flat), self._stops(params))
         if self.adapters is None:
             return self._results(prompts, params, version, reps, await self._submit(items, None))
@@ -755,6 +797,8 @@ class VllmEngine(EngineBase):
         their log-probs and the new text, a stop string held back; several steps merged when this consumer falls
         behind, as vLLM's own server gets them); a sample's last event carries the whole sample, the first of each
         sample the prompt's log-probs when asked. Greedy ``n > 1`` is ``n`` requests, as in :meth:`_generate`."""
+        if params.adapter is not None:
+            raise FailedPrecondition("named adapters are not streamed by the vllm engine: send a whole request")
         reps = params.n if params.greedy and params.n > 1 else 1
         sp = self._sampling_params(replace(params, n=1) if reps > 1 else params, stream=True)
         flat = [p for p in prompts for _ in range(reps)]

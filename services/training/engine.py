@@ -26,6 +26,7 @@ import torch
 from rlhf.algo.tinker_losses import LOSSES, tinker_loss
 from rlhf.serving import FailedPrecondition, InvalidArgument, NotFound, NotReady
 from services.training.checkpoints import CheckpointStore, SamplerAdapter, check_name, checkpoint_record
+from services.training.fleet import FleetSampler
 from services.training.futures import FutureBook, Outcome, RequestFailed
 from services.training.samplers import Sampler, Samplers
 from services.training.sampling import SampleSpec
@@ -69,8 +70,16 @@ def _adamw(params: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW:
 
 
 class TrainingEngine:
-    def __init__(self, base_model: str, root: str | Path, device: str = "cpu", session_ttl_s: float = SESSION_TTL_S):
+    def __init__(
+        self,
+        base_model: str,
+        root: str | Path,
+        device: str = "cpu",
+        session_ttl_s: float = SESSION_TTL_S,
+        fleet: FleetSampler | None = None,
+    ):
         self.base_model = base_model
+        self.fleet = fleet
         self.device = device
         self.ready = False
         self.model = SharedModel(base_model, device)
@@ -78,7 +87,7 @@ class TrainingEngine:
         self.sessions = Sessions(session_ttl_s)
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="training-model")
         self.futures = FutureBook(self._worker, boot=uuid.uuid4().hex[:12])
-        self.samplers = Samplers(self.model, self.store)
+        self.samplers = Samplers(self.model, self.store, fleet, self.futures.boot)
         self.runs: dict[str, Run] = {}
         self._gone: dict[str, str] = {}  # model id -> why it was unloaded
         self._expiry: asyncio.Task | None = None
@@ -105,6 +114,8 @@ class TrainingEngine:
     def close(self) -> None:
         if self._expiry is not None:
             self._expiry.cancel()
+        if self.fleet is not None:
+            self.fleet.close()
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     def _need_ready(self) -> None:
@@ -538,7 +549,12 @@ class TrainingEngine:
         self.samplers.get(owner, sampler_id)
         if (again := self.futures.sample_of(sampler_id, seq_id)) is not None:
             return again
-        request_id = self.futures.submit(owner, "sample", partial(self.samplers.sample_job, owner, sampler_id, spec))
+        job = partial(self.samplers.sample_job, owner, sampler_id, spec)
+        fleet_job = self.samplers.fleet_job(owner, sampler_id, spec, lambda: self._worker.submit(job).result())
+        if fleet_job is None:
+            request_id = self.futures.submit(owner, "sample", job)
+        else:  # the replicas' calls wait off the model's thread
+            request_id = self.futures.submit(owner, "sample", fleet_job, executor=self.fleet.pool)
         out = (request_id, [f"{request_id}:{i}" for i in range(spec.num_samples)])
         self.futures.remember_sample(sampler_id, seq_id, out)
         return out

@@ -81,11 +81,12 @@ class FutureBook:
         self.created: dict[str, str] = {}  # model id -> the request id that creates it
         self._sample_seq: dict[tuple[str, int], tuple[str, list[str]]] = {}  # (sampler, seq_id) -> its future
 
-    def submit(self, owner: str, kind: str, job: Job) -> str:
+    def submit(self, owner: str, kind: str, job: Job, executor: concurrent.futures.Executor | None = None) -> str:
+        """``job`` on the worker thread, or on ``executor`` (the fleet's calls, which wait on a replica)."""
         with self._lock:
             self._counter += 1
             request_id = f"{self.boot}-{self._counter}"
-        entry = _Future(owner, kind, self.worker.submit(job))
+        entry = _Future(owner, kind, (executor or self.worker).submit(job))
         with self._lock:
             self._futures[request_id] = entry
             self._trim()

@@ -12,6 +12,7 @@ import os
 from rlhf.config import load_config
 from rlhf.serving import ServiceMetrics, ServiceRunner, ServiceSettings
 from services.training.engine import TrainingEngine
+from services.training.fleet import FleetSampler
 from services.training.http_app import build_app
 from services.training.sessions import SESSION_TTL_S
 
@@ -43,11 +44,14 @@ async def serve(config_path: str, settings: ServiceSettings) -> None:
     cfg = load_config(config_path)
     metrics = ServiceMetrics("training")
     accepted = tokens(settings)
+    # RLHF_ROLLOUT_ADDRS: rollout replicas that answer the samplers over an adapter (docs/tinker.md)
+    fleet = FleetSampler(settings.rollout_addrs, settings, cfg.actor.load) if settings.rollout_addrs else None
     engine = TrainingEngine(
         cfg.actor.load,
         root=os.path.join(cfg.training.save, "tinker"),
         device=settings.device or cfg.training.device,
         session_ttl_s=session_ttl(),
+        fleet=fleet,
     )
     runner = ServiceRunner("training", settings, metrics)
     runner.set_http_app(build_app(engine, settings, metrics, accepted))

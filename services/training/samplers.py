@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from rlhf.serving import NotFound
 from services.training.checkpoints import CheckpointStore
+from services.training.fleet import FleetSampler
 from services.training.sampling import SampleSpec, encode_sample_response
 from services.training.shared_model import SharedModel
 
@@ -34,9 +36,11 @@ class Samplers:
     """Every sampler of this process, over ``model``; sampler checkpoints are read from ``store``. Binding,
     releasing and sampling run on the engine's worker thread (they change or use the shared model)."""
 
-    def __init__(self, model: SharedModel, store: CheckpointStore):
+    def __init__(self, model: SharedModel, store: CheckpointStore, fleet: FleetSampler | None = None, boot: str = ""):
         self.model = model
         self.store = store
+        self.fleet = fleet  # rollout replicas that answer the samplers over an adapter (None: all in-process)
+        self.boot = boot
         self.by_id: dict[str, Sampler] = {}
         self.snapshots: dict[str, Snapshot] = {}
 
@@ -66,6 +70,7 @@ class Samplers:
         if key is not None:
             if key not in self.snapshots:
                 self.snapshots[key] = Snapshot(make())
+                self._to_fleet(self.snapshots[key])
             self.snapshots[key].samplers.add(sampler_id)
         self.by_id[sampler_id] = Sampler(sampler_id, owner, model_path, key)
         return {"sampling_session_id": sampler_id}
@@ -79,11 +84,37 @@ class Samplers:
             if not snap.samplers:
                 del self.snapshots[sampler.snapshot]
                 self.model.delete(snap.adapter)
+                if self.fleet is not None:
+                    self.fleet.forget(self._fleet_name(snap))
 
     def load_checkpoint(self, folder: Path) -> str:
         """A sampler checkpoint's adapter as a frozen copy in the shared model; returns its adapter name."""
         adapter = self.store.read_sampler(folder, self.model.device)
         return self.model.add_frozen(adapter.tensors, adapter.rank, adapter.alpha, adapter.targets)
+
+    # ------------------------------------------------------------------------------------------------ the fleet
+
+    def _fleet_name(self, snap: Snapshot) -> str:
+        return f"tinker-{self.boot}-{snap.adapter}"
+
+    def _to_fleet(self, snap: Snapshot) -> None:
+        """Hand a new adapter copy to the fleet, which pushes it to the replicas (on the model's thread)."""
+        if self.fleet is None:
+            return
+        config = self.model.peft.peft_config[snap.adapter]
+        tensors = self.model.adapter_tensors(snap.adapter)
+        targets = sorted(config.target_modules)
+        self.fleet.register(self._fleet_name(snap), tensors, int(config.r), float(config.lora_alpha), targets)
+
+    def fleet_job(
+        self, owner: str, sampler_id: str, spec: SampleSpec, in_process: Callable[[], dict]
+    ) -> Callable[[], dict] | None:
+        """The job that samples on the fleet (``in_process()`` where it cannot), for :attr:`fleet`'s pool; None when
+        this sampler samples in-process: no fleet, or the base model (a replica's policy is not known to be it)."""
+        snap = self.snapshots.get(self.get(owner, sampler_id).snapshot or "")
+        if self.fleet is None or snap is None:
+            return None
+        return partial(self.fleet.sample, self._fleet_name(snap), spec, self.model.eos_ids, in_process)
 
     def sample_job(self, owner: str, sampler_id: str, spec: SampleSpec) -> dict:
         sampler = self.get(owner, sampler_id)

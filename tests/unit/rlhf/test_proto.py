@@ -47,6 +47,7 @@ SERVICES = {
             "CommitWeights",
             "AbortWeightsTransfer",
             "GetWeightsVersion",
+            "LoadAdapter",
         },
     ),
     "reward": ("RewardService", {"Score"}),
@@ -74,7 +75,15 @@ def test_services_and_rpcs(module):
 def test_update_weights_is_client_streaming():
     methods = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].methods_by_name
     assert methods["UpdateWeights"].client_streaming and not methods["UpdateWeights"].server_streaming
-    for name in ("Generate", "GetWeightsVersion", "OpenWeightsTransfer", "CommitWeights", "AbortWeightsTransfer"):
+    unary = (
+        "Generate",
+        "GetWeightsVersion",
+        "OpenWeightsTransfer",
+        "CommitWeights",
+        "AbortWeightsTransfer",
+        "LoadAdapter",
+    )
+    for name in unary:
         assert not methods[name].client_streaming and not methods[name].server_streaming
 
 
