@@ -111,7 +111,7 @@ cluster-check: $(VENV)/.stamp  ## the ring on 9 network-namespace hosts under ne
 # JSON line, also in .cache/scale.json. About 5-6 minutes; not part of `make test` (docs/reliability.md, "An elastic
 # fleet"). Leftovers of a killed run: $(PY) -m tests.cluster.scale --cleanup
 .PHONY: scale-check
-scale-check: $(VENV)/.stamp  ## rollout and reward scaled out and in mid-run on netns hosts (root; ~6 min): one JSON line
+scale-check: $(VENV)/.stamp  ## rollout and reward scaled out and in mid-run on netns hosts (root; ~3-5 min): one JSON line
 	$(PY) -m tests.cluster.scale --out .cache/scale.json $(SCALE_ARGS)
 
 # The CUDA device check (docs/device-check.md). It runs on a GPU host's own python3 and torch, from the tree (the
