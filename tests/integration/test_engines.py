@@ -30,6 +30,7 @@ from services.rollout.hf_engine import HFEngine, apply_top_k_top_p
 from services.rollout.options import SamplingOptions
 from services.rollout.swap import SwapGate
 from services.rollout.vllm_engine import VllmEngine
+from tests.support.engines import run_hf
 
 PROMPTS = [[2, 5, 6, 7], [2, 40, 41], [2, 100, 101, 102, 103, 104, 105, 106]]
 
@@ -51,20 +52,6 @@ def forward(tiny_models):
         return logprobs_from_logits(logits[len(prompt) - 1 : -1], torch.tensor(tokens), temperature).tolist()
 
     return logprobs
-
-
-def run_hf(tiny_models, body, **kw):
-    """Start an hf engine, run ``await body(engine)``, close it."""
-
-    async def main():
-        eng = HFEngine(tiny_models.policy, "tiny:policy", device="cpu", **kw)
-        await eng.start()
-        try:
-            return await body(eng)
-        finally:
-            await eng.close()
-
-    return asyncio.run(main())
 
 
 def test_hf_sampling_seeds_n_and_logprobs(tiny_models, forward):

@@ -29,6 +29,7 @@ from services.rollout.hf_engine import HFEngine
 from services.rollout.options import SamplingOptions
 from services.training.fleet import FleetSampler
 from services.training.sampling import SampleSpec
+from tests.support.engines import run_hf
 from tests.support.replica import Replica
 
 TARGETS = ["q_proj", "v_proj", "down_proj", "lm_head"]
@@ -59,18 +60,6 @@ def _forward_logprobs(model, prompt: list[int], tokens: list[int]) -> tuple[list
     return lp[: len(prompt) - 1], lp[len(prompt) - 1 :]
 
 
-def _run(tiny_models, body, **kw):
-    async def main():
-        eng = HFEngine(tiny_models.policy, "tiny:policy", device="cpu", **kw)
-        await eng.start()
-        try:
-            return await body(eng)
-        finally:
-            await eng.close()
-
-    return asyncio.run(main())
-
-
 def test_a_named_adapter_samples_as_peft_and_leaves_the_policy_alone(tiny_models, adapter):
     tensors, config, peft_model = adapter
 
@@ -88,7 +77,7 @@ def test_a_named_adapter_samples_as_peft_and_leaves_the_policy_alone(tiny_models
             await eng.generate([PROMPT], SamplingOptions(max_tokens=2, adapter="nope"))
         return before, named[0], again[0].samples[0]
 
-    before, named, again = _run(tiny_models, body)
+    before, named, again = run_hf(tiny_models, body)
     assert again.token_ids == before.token_ids and again.logprobs == pytest.approx(before.logprobs, abs=1e-6)
     for sample in named.samples:
         want_prompt, want = _forward_logprobs(peft_model, PROMPT, sample.token_ids)
