@@ -34,6 +34,7 @@ COOKBOOK_PKGS := "aiohttp>=3.9" "anyio>=4" "blobfile>=3" "chz>=0.4" "cloudpickle
 	"numpy>=1.24" "pillow>=10" "pydantic>=2" "pyrage>=1.4" "rich>=13" "safetensors>=0.4" "termcolor>=2" "tiktoken>=0.12" \
 	tinker==0.38.0 "tqdm>=4.60" transformers==5.19.0 "math-verify==0.9.0" "pylatexenc>=2" "sympy>=1.12"
 COOKBOOK := tinker-cookbook==0.6.1
+NOT_IN_TEST := --ignore=tests/integration/test_cookbook_recipes.py  # make test-cookbook runs it
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -70,15 +71,15 @@ $(COOKBOOK_VENV)/.stamp: Makefile
 	$(COOKBOOK_PY) -m pip install -q --no-deps $(COOKBOOK)
 	touch $@
 
-setup: $(VENV)/.stamp $(PARITY_VENV)/.stamp $(ENVS_VENV)/.stamp $(COOKBOOK_VENV)/.stamp  ## build .venv (project + dev tools), .venv-parity (TRL), .venv-envs (verifiers, OpenEnv), .venv-cookbook (tinker-cookbook)
+setup: $(VENV)/.stamp $(PARITY_VENV)/.stamp $(ENVS_VENV)/.stamp  ## build .venv (project + dev tools), .venv-parity (TRL), .venv-envs (verifiers, OpenEnv)
 
 test: setup  ## set up, then run the whole suite (unit, integration, TRL parity)
-	$(PY) -m pytest --ignore=tests/parity --ignore=tests/deploy --ignore=tests/envs $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/parity --ignore=tests/deploy --ignore=tests/envs $(NOT_IN_TEST) $(PYTEST_ARGS)
 	PYTHONPATH=$(CURDIR) $(PARITY_PY) -m pytest tests/parity $(PYTEST_ARGS)
 	$(ENVS_PY) -m pytest tests/envs $(PYTEST_ARGS)
 
 test-unit: $(VENV)/.stamp  ## the suite without the TRL parity tests
-	$(PY) -m pytest --ignore=tests/parity --ignore=tests/deploy --ignore=tests/envs $(PYTEST_ARGS)
+	$(PY) -m pytest --ignore=tests/parity --ignore=tests/deploy --ignore=tests/envs $(NOT_IN_TEST) $(PYTEST_ARGS)
 
 test-parity: $(PARITY_VENV)/.stamp  ## only the TRL parity tests (seeds: RLHF_PARITY_SEEDS=1,2,3)
 	PYTHONPATH=$(CURDIR) $(PARITY_PY) -m pytest tests/parity $(PYTEST_ARGS)
@@ -86,7 +87,8 @@ test-parity: $(PARITY_VENV)/.stamp  ## only the TRL parity tests (seeds: RLHF_PA
 test-envs: $(ENVS_VENV)/.stamp  ## only the verifiers / OpenEnv adapter tests (their own environment, .venv-envs)
 	$(ENVS_PY) -m pytest tests/envs $(PYTEST_ARGS)
 
-# About 6 minutes on 2 shared cores (part of `make test`): sl_loop's 20 steps, then rl_loop's 20 (and its warm start).
+# Not part of `make test`, to keep CI within the hour: 7-10 minutes on 2 cores (sl_loop's 20 steps, then rl_loop's 20
+# and its warm start), plus 2-4 minutes to build .venv-cookbook the first time.
 test-cookbook: $(VENV)/.stamp $(COOKBOOK_VENV)/.stamp  ## only tinker-cookbook's sl_loop / rl_loop against `rlhf serve training`
 	$(PY) -m pytest tests/integration/test_cookbook_recipes.py $(PYTEST_ARGS)
 

@@ -1,7 +1,7 @@
 """tinker-cookbook 0.6.1's own recipes, unmodified, against ``rlhf serve training`` on loopback.
 
-The recipe runs as a client process from the cookbook's environment (``.venv-cookbook``, built by ``make setup``), in
-a working directory that holds everything it would fetch from the Hub, under the Hub's names:
+The recipe runs as a client process from the cookbook's environment (``.venv-cookbook``, which ``make test-cookbook``
+builds), in a working directory that holds everything it would fetch from the Hub, under the Hub's names:
 
 - ``Qwen/Qwen3-8B-Base/``: the tiny policy (weights and tokenizer); for ``rl_loop``, the tiny policy warm-started
   on the recipe's answer form (tests/support/cookbook_gsm8k.py). The recipe picks its renderer by that name
