@@ -20,6 +20,7 @@ from bench._common import QUICK, build_model, emit, log, median, rnd, target
 from services.training.engine import AdamStep, TrainingEngine
 from services.training.sessions import owner_of
 from services.training.shared_model import LoraSpec
+from services.training.tinker_protocol import AdamIn
 from services.training.wire import Datum, ForwardBackwardCall
 
 RUNS = 3 if QUICK else 8
@@ -54,7 +55,7 @@ def main() -> None:
             model_id = f"bench:train:{i}"
             engine._new_run(OWNER, model_id, LoraSpec(RANK, i, True, True, True), None)
             engine._fwd_bwd_job(OWNER, ForwardBackwardCall(model_id, 1, "cross_entropy", None, False, data))
-            engine._optim_job(OWNER, model_id, AdamStep())
+            engine._optim_job(OWNER, model_id, AdamStep(**AdamIn().model_dump()))
             gc.collect()
             rss.append(rss_bytes())
             run_bytes.append(engine.memory()["run_bytes"][model_id])

@@ -45,12 +45,13 @@ MICRO_BATCH_TOKENS = 8192
 
 @dataclass
 class AdamStep:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    # no defaults: the SDK's are on the wire model (tinker_protocol.AdamIn), the one place that says them
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
 
 
 @dataclass
